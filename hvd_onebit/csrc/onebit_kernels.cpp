@@ -1,0 +1,424 @@
+// Fused CPU kernels for the error-compensated 1-bit allreduce.
+//
+// Every kernel works on one wire "row": the payload one rank sends one peer for one chunk,
+//     [status: f32][scales: f32 x nblocks][sign bits: u8 x chunk/8][zero pad to a multiple of 4]
+// Bit k of byte b holds the sign of element 8*b + k (1 for >= 0, sign(0) = +1), the order
+// _mm256_movemask_ps produces, so packing and unpacking are one instruction per 8 elements.
+//
+// The arithmetic is specified exactly so the pure-torch fallback (hvd_onebit/kernels.py) and these
+// kernels agree bit for bit: sums of squares accumulate in double, the scale is
+// float(sqrt(sumsq / block)), the server average adds the ranks' decoded values in rank order in
+// fp32 and divides by n. Nothing here may be contracted into FMAs (built with -ffp-contract=off).
+//
+// New error-feedback values are always written to a separate output buffer, so a call that ends
+// in an error (a non-finite input on any rank) leaves the caller's error buffers untouched.
+#include <torch/extension.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define HVD_ONEBIT_X86 1
+#endif
+
+namespace {
+
+struct Layout {
+  int64_t n;          // ranks = chunks
+  int64_t chunk;      // elements per chunk (multiple of 8)
+  int64_t block;      // elements per scale (divides chunk, multiple of 8)
+  int64_t row_bytes;  // bytes per wire row
+  int64_t nblocks() const { return block > 0 ? chunk / block : 0; }
+  int64_t header_bytes() const { return 4 * (1 + nblocks()); }
+};
+
+inline float* row_status(uint8_t* row) { return reinterpret_cast<float*>(row); }
+inline float* row_scales(uint8_t* row) { return reinterpret_cast<float*>(row) + 1; }
+
+// ---- group-of-8 primitives -------------------------------------------------------------------
+// A "group" is 8 consecutive elements = one byte of sign bits. The scalar versions are the
+// reference; the AVX2 versions compute exactly the same values.
+
+inline double sumsq8_scalar(const float* y) {
+  double acc = 0.0;
+  for (int k = 0; k < 8; ++k) acc += static_cast<double>(y[k]) * static_cast<double>(y[k]);
+  return acc;
+}
+
+inline uint8_t sign_error8_scalar(const float* y, float s, float* err_out) {
+  uint8_t bits = 0;
+  for (int k = 0; k < 8; ++k) {
+    const bool pos = y[k] >= 0.0f;
+    bits |= static_cast<uint8_t>(pos) << k;
+    err_out[k] = y[k] - (pos ? s : -s);
+  }
+  return bits;
+}
+
+inline void decode8_scalar(uint8_t bits, float s, float* out, int count) {
+  for (int k = 0; k < count; ++k) out[k] = ((bits >> k) & 1) ? s : -s;
+}
+
+// y = x + e for one group, with x implicitly zero at and beyond `valid` (the padding).
+inline void load_y8(const float* x, const float* e, int64_t valid, float* y) {
+  for (int k = 0; k < 8; ++k) y[k] = (k < valid ? x[k] : 0.0f) + e[k];
+}
+
+bool cpu_has_avx2() {
+#if defined(HVD_ONEBIT_X86)
+  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return has;
+#else
+  return false;
+#endif
+}
+
+// ---- worker compression ------------------------------------------------------------------------
+// For every chunk j and block b: y = x + e, s = rms(y), signs, err_out = y - s*sign(y).
+// x has `numel` valid elements; positions past it are padding (zeros).
+// Returns false (and leaves err_out partially written, which the caller discards) when any
+// sum of squares is not finite.
+
+void worker_compress_scalar(const float* x, int64_t numel, const float* e, float* err_out,
+                            uint8_t* send, const Layout& L, bool* finite) {
+  float y[8];
+  const int64_t nb = L.nblocks();
+  for (int64_t j = 0; j < L.n; ++j) {
+    uint8_t* row = send + j * L.row_bytes;
+    uint8_t* bits = row + L.header_bytes();
+    for (int64_t b = 0; b < nb; ++b) {
+      const int64_t base = j * L.chunk + b * L.block;
+      double acc = 0.0;
+      for (int64_t g = 0; g < L.block; g += 8) {
+        const int64_t p = base + g;
+        load_y8(x + (p < numel ? p : 0), e + p, numel - p, y);
+        acc += sumsq8_scalar(y);
+      }
+      if (!std::isfinite(acc)) *finite = false;
+      const float s = static_cast<float>(std::sqrt(acc / static_cast<double>(L.block)));
+      row_scales(row)[b] = s;
+      for (int64_t g = 0; g < L.block; g += 8) {
+        const int64_t p = base + g;
+        load_y8(x + (p < numel ? p : 0), e + p, numel - p, y);
+        bits[(b * L.block + g) / 8] = sign_error8_scalar(y, s, err_out + p);
+      }
+    }
+  }
+}
+
+#if defined(HVD_ONEBIT_X86)
+__attribute__((target("avx2,fma"))) inline __m256d sq_acc_pd(__m256 y, __m256d acc) {
+  // Widen to double, square, accumulate. Two separate mul/add (no FMA) keep it exact w.r.t. the
+  // scalar path's rounding of each square; only the summation order differs (sub-ulp in double).
+  const __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(y));
+  const __m256d hi = _mm256_cvtps_pd(_mm256_extractf128_ps(y, 1));
+  acc = _mm256_add_pd(acc, _mm256_mul_pd(lo, lo));
+  return _mm256_add_pd(acc, _mm256_mul_pd(hi, hi));
+}
+
+__attribute__((target("avx2,fma"))) inline double hsum_pd(__m256d v) {
+  alignas(32) double t[4];
+  _mm256_store_pd(t, v);
+  return (t[0] + t[1]) + (t[2] + t[3]);
+}
+
+// Sign bits (1 for y >= 0) and err = y - (+-s) for 8 lanes.
+__attribute__((target("avx2,fma"))) inline uint8_t sign_error8_avx2(__m256 y, __m256 pos_s,
+                                                                    __m256 neg_s, float* err_out) {
+  const __m256 ge = _mm256_cmp_ps(y, _mm256_setzero_ps(), _CMP_GE_OQ);
+  _mm256_storeu_ps(err_out, _mm256_sub_ps(y, _mm256_blendv_ps(neg_s, pos_s, ge)));
+  return static_cast<uint8_t>(_mm256_movemask_ps(ge));
+}
+
+// Lane k set where bit k of `bits` is set.
+__attribute__((target("avx2,fma"))) inline __m256 bitmask8_avx2(uint8_t bits) {
+  const __m256i sel = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+  const __m256i v = _mm256_and_si256(_mm256_set1_epi32(bits), sel);
+  return _mm256_castsi256_ps(_mm256_cmpeq_epi32(v, sel));
+}
+
+__attribute__((target("avx2,fma"))) void worker_compress_avx2(const float* x, int64_t numel,
+                                                              const float* e, float* err_out,
+                                                              uint8_t* send, const Layout& L,
+                                                              bool* finite) {
+  alignas(32) float tmp[8];
+  const int64_t nb = L.nblocks();
+  for (int64_t j = 0; j < L.n; ++j) {
+    uint8_t* row = send + j * L.row_bytes;
+    uint8_t* bits = row + L.header_bytes();
+    for (int64_t b = 0; b < nb; ++b) {
+      const int64_t base = j * L.chunk + b * L.block;
+      const int64_t end = base + L.block;
+      // Groups fully inside x take the vector path; the (at most n) groups that touch the
+      // padding go through the scalar loader.
+      int64_t full_end = (numel / 8) * 8;  // groups below this are all real data
+      if (full_end > end) full_end = end;
+      if (full_end < base) full_end = base;
+      __m256d acc0 = _mm256_setzero_pd(), acc1 = _mm256_setzero_pd();
+      int64_t p = base;
+      for (; p + 16 <= full_end; p += 16) {
+        acc0 = sq_acc_pd(_mm256_add_ps(_mm256_loadu_ps(x + p), _mm256_loadu_ps(e + p)), acc0);
+        acc1 = sq_acc_pd(_mm256_add_ps(_mm256_loadu_ps(x + p + 8), _mm256_loadu_ps(e + p + 8)),
+                         acc1);
+      }
+      for (; p < full_end; p += 8)
+        acc0 = sq_acc_pd(_mm256_add_ps(_mm256_loadu_ps(x + p), _mm256_loadu_ps(e + p)), acc0);
+      double acc = hsum_pd(_mm256_add_pd(acc0, acc1));
+      for (; p < end; p += 8) {
+        load_y8(x + (p < numel ? p : 0), e + p, numel - p, tmp);
+        acc += sumsq8_scalar(tmp);
+      }
+      if (!std::isfinite(acc)) *finite = false;
+      const float s = static_cast<float>(std::sqrt(acc / static_cast<double>(L.block)));
+      row_scales(row)[b] = s;
+      const __m256 pos_s = _mm256_set1_ps(s), neg_s = _mm256_set1_ps(-s);
+      uint8_t* out_bits = bits + b * L.block / 8;
+      for (p = base; p < full_end; p += 8) {
+        const __m256 y = _mm256_add_ps(_mm256_loadu_ps(x + p), _mm256_loadu_ps(e + p));
+        *out_bits++ = sign_error8_avx2(y, pos_s, neg_s, err_out + p);
+      }
+      for (; p < end; p += 8) {
+        load_y8(x + (p < numel ? p : 0), e + p, numel - p, tmp);
+        *out_bits++ = sign_error8_scalar(tmp, s, err_out + p);
+      }
+    }
+  }
+}
+#endif
+
+// ---- server step ------------------------------------------------------------------------------
+// recv holds n rows (one from each rank) for this rank's chunk. z = mean_i(s_i * sign_i) + e_s,
+// then z is compressed into out_row with err_out = z - s' * sign(z).
+
+void server_compress_scalar(const uint8_t* recv, const float* e, float* err_out, uint8_t* out_row,
+                            const Layout& L, bool* finite) {
+  const int64_t nb = L.nblocks();
+  const float nf = static_cast<float>(L.n);
+  uint8_t* out_bits = out_row + L.header_bytes();
+  float z[8];
+  auto load_z8 = [&](int64_t b, int64_t g) {
+    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (int64_t i = 0; i < L.n; ++i) {
+      const uint8_t* row = recv + i * L.row_bytes;
+      const float s = reinterpret_cast<const float*>(row)[1 + b];
+      const uint8_t bits = row[L.header_bytes() + (b * L.block + g) / 8];
+      float v[8];
+      decode8_scalar(bits, s, v, 8);
+      for (int k = 0; k < 8; ++k) acc[k] += v[k];
+    }
+    const float* ep = e + b * L.block + g;
+    for (int k = 0; k < 8; ++k) z[k] = acc[k] / nf + ep[k];
+  };
+  for (int64_t b = 0; b < nb; ++b) {
+    double ss = 0.0;
+    for (int64_t g = 0; g < L.block; g += 8) {
+      load_z8(b, g);
+      ss += sumsq8_scalar(z);
+    }
+    if (!std::isfinite(ss)) *finite = false;
+    const float s = static_cast<float>(std::sqrt(ss / static_cast<double>(L.block)));
+    row_scales(out_row)[b] = s;
+    for (int64_t g = 0; g < L.block; g += 8) {
+      load_z8(b, g);
+      out_bits[(b * L.block + g) / 8] = sign_error8_scalar(z, s, err_out + b * L.block + g);
+    }
+  }
+}
+
+#if defined(HVD_ONEBIT_X86)
+// z for one group of 8: the rank-ordered fp32 sum of the decoded rows, divided by n, plus e.
+__attribute__((target("avx2,fma"))) inline __m256 server_z8_avx2(const uint8_t* recv, const float* e,
+                                                                 const Layout& L, int64_t b,
+                                                                 int64_t g, __m256 nf) {
+  const int64_t hb = L.header_bytes();
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t i = 0; i < L.n; ++i) {
+    const uint8_t* row = recv + i * L.row_bytes;
+    const float s = reinterpret_cast<const float*>(row)[1 + b];
+    const __m256 m = bitmask8_avx2(row[hb + (b * L.block + g) / 8]);
+    acc = _mm256_add_ps(acc, _mm256_blendv_ps(_mm256_set1_ps(-s), _mm256_set1_ps(s), m));
+  }
+  return _mm256_add_ps(_mm256_div_ps(acc, nf), _mm256_loadu_ps(e + b * L.block + g));
+}
+
+__attribute__((target("avx2,fma"))) void server_compress_avx2(const uint8_t* recv, const float* e,
+                                                              float* err_out, uint8_t* out_row,
+                                                              const Layout& L, bool* finite) {
+  const int64_t nb = L.nblocks();
+  const __m256 nf = _mm256_set1_ps(static_cast<float>(L.n));
+  uint8_t* out_bits = out_row + L.header_bytes();
+  for (int64_t b = 0; b < nb; ++b) {
+    __m256d acc = _mm256_setzero_pd();
+    for (int64_t g = 0; g < L.block; g += 8)
+      acc = sq_acc_pd(server_z8_avx2(recv, e, L, b, g, nf), acc);
+    const double ss = hsum_pd(acc);
+    if (!std::isfinite(ss)) *finite = false;
+    const float s = static_cast<float>(std::sqrt(ss / static_cast<double>(L.block)));
+    row_scales(out_row)[b] = s;
+    const __m256 pos_s = _mm256_set1_ps(s), neg_s = _mm256_set1_ps(-s);
+    for (int64_t g = 0; g < L.block; g += 8)
+      out_bits[(b * L.block + g) / 8] = sign_error8_avx2(server_z8_avx2(recv, e, L, b, g, nf),
+                                                         pos_s, neg_s, err_out + b * L.block + g);
+  }
+}
+#endif
+
+// ---- decode -------------------------------------------------------------------------------------
+// out[p] = s * sign for every p < numel, reading n rows (one per chunk, in chunk order).
+
+void decode_scalar(const uint8_t* rows, float* out, int64_t numel, const Layout& L) {
+  const int64_t nb = L.nblocks();
+  for (int64_t j = 0; j < L.n; ++j) {
+    const uint8_t* row = rows + j * L.row_bytes;
+    const float* scales = reinterpret_cast<const float*>(row) + 1;
+    const uint8_t* bits = row + L.header_bytes();
+    for (int64_t b = 0; b < nb; ++b) {
+      const int64_t base = j * L.chunk + b * L.block;
+      for (int64_t g = 0; g < L.block && base + g < numel; g += 8) {
+        const int64_t cnt = numel - (base + g) < 8 ? numel - (base + g) : 8;
+        decode8_scalar(bits[(b * L.block + g) / 8], scales[b], out + base + g,
+                       static_cast<int>(cnt));
+      }
+    }
+  }
+}
+
+#if defined(HVD_ONEBIT_X86)
+__attribute__((target("avx2,fma"))) void decode_avx2(const uint8_t* rows, float* out,
+                                                     int64_t numel, const Layout& L) {
+  const int64_t nb = L.nblocks();
+  const __m256i sel = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+  for (int64_t j = 0; j < L.n; ++j) {
+    const uint8_t* row = rows + j * L.row_bytes;
+    const float* scales = reinterpret_cast<const float*>(row) + 1;
+    const uint8_t* bits = row + L.header_bytes();
+    for (int64_t b = 0; b < nb; ++b) {
+      const int64_t base = j * L.chunk + b * L.block;
+      int64_t stop = base + L.block;
+      if (stop > numel) stop = numel;
+      const __m256 pos_s = _mm256_set1_ps(scales[b]), neg_s = _mm256_set1_ps(-scales[b]);
+      const uint8_t* bp = bits + b * L.block / 8;
+      int64_t p = base;
+      for (; p + 8 <= stop; p += 8) {
+        const __m256i v = _mm256_and_si256(_mm256_set1_epi32(*bp++), sel);
+        const __m256 m = _mm256_castsi256_ps(_mm256_cmpeq_epi32(v, sel));
+        _mm256_storeu_ps(out + p, _mm256_blendv_ps(neg_s, pos_s, m));
+      }
+      if (p < stop) decode8_scalar(*bp, scales[b], out + p, static_cast<int>(stop - p));
+    }
+  }
+}
+#endif
+
+// ---- argument checks shared by the bindings ---------------------------------------------------
+
+Layout make_layout(int64_t n, int64_t chunk, int64_t block, int64_t row_bytes) {
+  TORCH_CHECK(n >= 1, "n must be >= 1, got ", n);
+  TORCH_CHECK(chunk >= 0 && chunk % 8 == 0, "chunk must be a multiple of 8, got ", chunk);
+  TORCH_CHECK(block > 0 && block % 8 == 0 && chunk % block == 0,
+              "block must be a positive multiple of 8 dividing chunk, got ", block);
+  Layout L{n, chunk, block, row_bytes};
+  TORCH_CHECK(row_bytes >= L.header_bytes() + chunk / 8, "row_bytes too small: ", row_bytes);
+  return L;
+}
+
+void check_cpu(const torch::Tensor& t, torch::ScalarType dtype, const char* name, int64_t min_numel) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
+  TORCH_CHECK(t.scalar_type() == dtype, name, " must be ", dtype, ", got ", t.scalar_type());
+  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+  TORCH_CHECK(t.numel() >= min_numel, name, " has ", t.numel(), " elements, needs ", min_numel);
+}
+
+// ---- bindings ----------------------------------------------------------------------------------
+
+bool worker_compress(const torch::Tensor& x, const torch::Tensor& err, torch::Tensor err_out,
+                     torch::Tensor send, int64_t n, int64_t chunk, int64_t block,
+                     int64_t row_bytes, bool allow_simd) {
+  const Layout L = make_layout(n, chunk, block, row_bytes);
+  check_cpu(x, torch::kFloat32, "x", 0);
+  TORCH_CHECK(x.numel() <= n * chunk, "x has more elements than the layout holds");
+  check_cpu(err, torch::kFloat32, "err", n * chunk);
+  check_cpu(err_out, torch::kFloat32, "err_out", n * chunk);
+  check_cpu(send, torch::kUInt8, "send", n * row_bytes);
+  bool finite = true;
+  const float* xp = x.numel() ? x.data_ptr<float>() : err.data_ptr<float>();
+  {
+    pybind11::gil_scoped_release no_gil;
+#if defined(HVD_ONEBIT_X86)
+    if (allow_simd && cpu_has_avx2())
+      worker_compress_avx2(xp, x.numel(), err.data_ptr<float>(), err_out.data_ptr<float>(),
+                           send.data_ptr<uint8_t>(), L, &finite);
+    else
+#endif
+      worker_compress_scalar(xp, x.numel(), err.data_ptr<float>(), err_out.data_ptr<float>(),
+                             send.data_ptr<uint8_t>(), L, &finite);
+    const float status = finite ? 0.0f : 1.0f;
+    for (int64_t j = 0; j < n; ++j) {
+      uint8_t* row = send.data_ptr<uint8_t>() + j * row_bytes;
+      *row_status(row) = status;
+      // Zero the alignment pad so the wire carries no uninitialised bytes.
+      const int64_t used = L.header_bytes() + chunk / 8;
+      std::memset(row + used, 0, row_bytes - used);
+    }
+  }
+  return finite;
+}
+
+bool server_compress(const torch::Tensor& recv, const torch::Tensor& err, torch::Tensor err_out,
+                     torch::Tensor out_row, int64_t n, int64_t chunk, int64_t block,
+                     int64_t row_bytes, bool allow_simd) {
+  const Layout L = make_layout(n, chunk, block, row_bytes);
+  check_cpu(recv, torch::kUInt8, "recv", n * row_bytes);
+  check_cpu(err, torch::kFloat32, "err", chunk);
+  check_cpu(err_out, torch::kFloat32, "err_out", chunk);
+  check_cpu(out_row, torch::kUInt8, "out_row", row_bytes);
+  bool finite = true;
+  {
+    pybind11::gil_scoped_release no_gil;
+#if defined(HVD_ONEBIT_X86)
+    if (allow_simd && cpu_has_avx2())
+      server_compress_avx2(recv.data_ptr<uint8_t>(), err.data_ptr<float>(),
+                           err_out.data_ptr<float>(), out_row.data_ptr<uint8_t>(), L, &finite);
+    else
+#endif
+      server_compress_scalar(recv.data_ptr<uint8_t>(), err.data_ptr<float>(),
+                             err_out.data_ptr<float>(), out_row.data_ptr<uint8_t>(), L, &finite);
+    uint8_t* row = out_row.data_ptr<uint8_t>();
+    *row_status(row) = finite ? 0.0f : 1.0f;
+    const int64_t used = L.header_bytes() + chunk / 8;
+    std::memset(row + used, 0, row_bytes - used);
+  }
+  return finite;
+}
+
+void decode(const torch::Tensor& rows, torch::Tensor out, int64_t n, int64_t chunk, int64_t block,
+            int64_t row_bytes, bool allow_simd) {
+  const Layout L = make_layout(n, chunk, block, row_bytes);
+  check_cpu(rows, torch::kUInt8, "rows", n * row_bytes);
+  check_cpu(out, torch::kFloat32, "out", 0);
+  TORCH_CHECK(out.numel() <= n * chunk, "out has more elements than the layout holds");
+  if (out.numel() == 0) return;
+  pybind11::gil_scoped_release no_gil;
+#if defined(HVD_ONEBIT_X86)
+  if (allow_simd && cpu_has_avx2()) {
+    decode_avx2(rows.data_ptr<uint8_t>(), out.data_ptr<float>(), out.numel(), L);
+    return;
+  }
+#endif
+  decode_scalar(rows.data_ptr<uint8_t>(), out.data_ptr<float>(), out.numel(), L);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "hvd_onebit fused CPU kernels for 1-bit compressed allreduce";
+  m.def("worker_compress", &worker_compress,
+        "y = x + err; per-block rms scale and packed signs into send rows; err_out = y - s*sign(y)."
+        " Returns False if any block's sum of squares is not finite.");
+  m.def("server_compress", &server_compress,
+        "z = mean of the n received rows + err; compress z into out_row; err_out = z - s*sign(z).");
+  m.def("decode", &decode, "out = s * sign for the n rows, first out.numel() elements.");
+  m.def("has_avx2", &cpu_has_avx2, "Whether the AVX2 code path is available on this CPU.");
+}
