@@ -1,0 +1,189 @@
+"""Launch real multi-rank jobs and collect each rank's result: the test harness.
+
+``run_ranks("tests.workers:fn", np=4, controller="gloo", kwargs={...})`` starts ``np`` processes under
+``horovodrun --gloo`` (or ``mpirun`` with Horovod's MPI controller), each of which calls
+``hvd.init()`` and then ``fn(**kwargs)``; each rank's return value is pickled back and the list, in
+rank order, is returned. A rank that raises, exits early, or runs past ``timeout`` makes
+:func:`run_ranks` raise :class:`RankFailure` with that rank's traceback and the job's output; every
+process of the job is killed first (found by a token in their environment, so launcher
+grandchildren in other process groups are not missed). A hung job is never left behind.
+
+Lives in the package (not under tests/) so benchmarks and the CLI can reuse it.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+import uuid
+from pathlib import Path
+from typing import Any, Optional
+
+import psutil
+
+CONTROLLERS = ("gloo", "mpi")
+_TOKEN_VAR = "HVD_ONEBIT_JOB_TOKEN"
+
+
+class RankFailure(AssertionError):
+    """A multi-rank job failed: a rank raised, died or timed out. The message has the details."""
+
+
+def _job_processes(token: str) -> list[psutil.Process]:
+    procs = []
+    for proc in psutil.process_iter(["pid"]):
+        try:
+            if proc.pid != os.getpid() and proc.environ().get(_TOKEN_VAR) == token:
+                procs.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return procs
+
+
+def kill_job(root: subprocess.Popen, token: str) -> None:
+    """Kill the launcher, everything below it, and anything else carrying the job token."""
+    victims: dict[int, psutil.Process] = {}
+    try:
+        parent = psutil.Process(root.pid)
+        victims[parent.pid] = parent
+        for child in parent.children(recursive=True):
+            victims[child.pid] = child
+    except psutil.NoSuchProcess:
+        pass
+    for proc in _job_processes(token):
+        victims[proc.pid] = proc
+    for proc in victims.values():
+        try:
+            proc.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(list(victims.values()), timeout=10)
+    try:
+        root.wait(timeout=10)
+    except subprocess.TimeoutExpired:  # pragma: no cover
+        pass
+
+
+def launch_command(np: int, controller: str, argv: list[str]) -> list[str]:
+    """The command line that starts ``argv`` on ``np`` local ranks with ``controller``."""
+    if controller == "gloo":
+        return ["horovodrun", "-np", str(np), "-H", f"localhost:{np}", "--gloo"] + argv
+    if controller == "mpi":
+        return ["mpirun", "--allow-run-as-root", "--oversubscribe", "--bind-to", "none",
+                "-np", str(np), "-x", "PYTHONPATH", "-x", _TOKEN_VAR, "-x", "HOROVOD_CONTROLLER",
+                "-x", "HOROVOD_CPU_OPERATIONS", "-x", "OMP_NUM_THREADS"] + argv
+    raise ValueError(f"controller must be one of {CONTROLLERS}, got {controller!r}")
+
+
+def run_ranks(target: str, np: int = 2, controller: str = "gloo", kwargs: Optional[dict] = None,
+              timeout: float = 180.0, env: Optional[dict] = None) -> list[Any]:
+    """Run ``target`` ("module:function") on ``np`` ranks; return the results in rank order.
+
+    Args:
+        target: importable "module:function"; called as ``function(**kwargs)`` after hvd.init().
+        np: number of ranks.
+        controller: "gloo" (horovodrun --gloo) or "mpi" (mpirun, Horovod's MPI controller).
+        kwargs: picklable keyword arguments for the function.
+        timeout: seconds for the whole job, launch included; past it every process is killed.
+        env: extra environment variables for the ranks.
+    Raises:
+        RankFailure: a rank raised, exited without a result, or the job timed out.
+    """
+    workdir = Path(tempfile.mkdtemp(prefix="hvd_onebit_job_"))
+    token = uuid.uuid4().hex
+    try:
+        (workdir / "kwargs.pkl").write_bytes(pickle.dumps(kwargs or {}))
+        bin_dir = str(Path(sys.executable).parent)
+        job_env = dict(os.environ)
+        job_env.update(env or {})
+        job_env[_TOKEN_VAR] = token
+        job_env["PATH"] = bin_dir + os.pathsep + job_env.get("PATH", "")
+        repo_root = str(Path(__file__).resolve().parent.parent)
+        job_env["PYTHONPATH"] = os.pathsep.join(
+            p for p in [repo_root, job_env.get("PYTHONPATH", "")] if p)
+        job_env.setdefault("OMP_NUM_THREADS", "1")
+        job_env.setdefault("HOROVOD_CPU_OPERATIONS", controller)
+        if controller == "mpi":
+            job_env["HOROVOD_CONTROLLER"] = "mpi"
+        argv = [sys.executable, "-m", "hvd_onebit.testing", target, str(workdir)]
+        log_path = workdir / "output.log"
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen(launch_command(np, controller, argv), stdout=log,
+                                    stderr=subprocess.STDOUT, env=job_env, cwd=repo_root,
+                                    start_new_session=True)
+            try:
+                rc = proc.wait(timeout=timeout)
+                timed_out = False
+            except subprocess.TimeoutExpired:
+                rc, timed_out = None, True
+            finally:
+                kill_job(proc, token)  # a clean exit leaves nothing, a failure leaves nothing too
+        return _collect(workdir, np, rc, timed_out, timeout, target, controller)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _collect(workdir: Path, np: int, rc, timed_out: bool, timeout: float, target: str,
+             controller: str) -> list[Any]:
+    results, problems = [], []
+    for rank in range(np):
+        err = workdir / f"rank{rank}.err"
+        res = workdir / f"rank{rank}.pkl"
+        if err.exists():
+            problems.append(f"--- rank {rank} raised:\n{err.read_text()}")
+        elif res.exists():
+            results.append(pickle.loads(res.read_bytes()))
+            continue
+        else:
+            problems.append(f"--- rank {rank} returned no result")
+    if timed_out:
+        problems.insert(0, f"job timed out after {timeout:.0f}s; every process was killed")
+    elif rc != 0 and not problems:
+        problems.append(f"launcher exited with {rc}")
+    if problems:
+        output = (workdir / "output.log").read_text(errors="replace")
+        raise RankFailure(f"{target} on {np} ranks ({controller}) failed:\n" + "\n".join(problems)
+                          + f"\n--- job output (last 6000 chars):\n{output[-6000:]}")
+    return results
+
+
+def _rank_main(target: str, workdir: str) -> int:
+    """Entry point inside each rank (``python -m hvd_onebit.testing target workdir``)."""
+    import importlib
+
+    import horovod.torch as hvd
+    import torch
+
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    hvd.init()
+    rank = hvd.rank()
+    out = Path(workdir)
+    try:
+        module_name, func_name = target.split(":")
+        func = getattr(importlib.import_module(module_name), func_name)
+        kwargs = pickle.loads((out / "kwargs.pkl").read_bytes())
+        result = func(**kwargs)
+        tmp = out / f"rank{rank}.pkl.tmp"
+        tmp.write_bytes(pickle.dumps(result))
+        tmp.rename(out / f"rank{rank}.pkl")
+        return 0
+    except BaseException:  # noqa: BLE001 - every failure must reach the parent test
+        (out / f"rank{rank}.err").write_text(traceback.format_exc())
+        sys.stderr.write(f"[rank {rank}] " + traceback.format_exc())
+        sys.stderr.flush()
+        # Exit hard: a rank stuck in Horovod's shutdown would turn one failure into a hang.
+        os._exit(1)
+
+
+if __name__ == "__main__":
+    code = _rank_main(sys.argv[1], sys.argv[2])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    sys.exit(code)

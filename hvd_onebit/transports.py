@@ -1,0 +1,111 @@
+"""Transports: the two collectives the 1-bit allreduce needs, over Horovod or over mpi4py.
+
+A transport moves bytes and nothing else: ``alltoall`` of n equal rows (stage 1) and ``allgather``
+of one row (stage 2), each with an async start and a wait. Horovod's is the default and runs on
+whatever Horovod runs on (Gloo, MPI or NCCL; CPU or GPU tensors). The mpi4py one issues
+MPI_Ialltoall / MPI_Iallgather on (a duplicate of) the communicator Horovod uses, bypassing
+Horovod's background thread and its negotiation round; it needs a job launched with MPI.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import horovod.torch as hvd
+import torch
+
+TRANSPORTS = ("horovod", "mpi")
+
+
+class HorovodTransport:
+    """Stage collectives through ``hvd.alltoall_async`` / ``hvd.allgather_async``.
+
+    Horovod never fuses alltoalls, so the caller sends each stage as one fused byte buffer.
+    Op names must be unique among ops in flight and identical across ranks.
+    """
+
+    name = "horovod"
+
+    def __init__(self, process_set: hvd.ProcessSet = hvd.global_process_set):
+        self.process_set = process_set
+        self.size = process_set.size()
+        self.rank = process_set.rank()
+
+    def alltoall_async(self, rows: torch.Tensor, name: str) -> Any:
+        """rows: [n, row_bytes] uint8; row j goes to rank j."""
+        return hvd.alltoall_async(rows, name=name, process_set=self.process_set)
+
+    def allgather_async(self, row: torch.Tensor, name: str) -> Any:
+        """row: [1, row_bytes] uint8; every rank receives [n, row_bytes]."""
+        return hvd.allgather_async(row, name=name, process_set=self.process_set)
+
+    def wait(self, handle: Any) -> torch.Tensor:
+        out = hvd.synchronize(handle)
+        return out[0] if isinstance(out, tuple) else out  # alltoall returns (output, splits)
+
+    def allgather_object(self, obj: Any, name: str) -> list:
+        return hvd.allgather_object(obj, name=name, process_set=self.process_set)
+
+
+class _MPIRequest:
+    def __init__(self, request, result: torch.Tensor):
+        self.request = request
+        self.result = result
+
+
+class MPITransport:
+    """Stage collectives through mpi4py on a duplicate of Horovod's MPI communicator (CPU only).
+
+    Args:
+        process_set: Horovod process set; its ``mpi_comm`` is used when it has one, else
+            ``MPI.COMM_WORLD``. Its size and rank must match Horovod's, or construction fails.
+    """
+
+    name = "mpi"
+
+    def __init__(self, process_set: hvd.ProcessSet = hvd.global_process_set):
+        try:
+            from mpi4py import MPI
+        except ImportError as exc:  # pragma: no cover - mpi4py is a declared dependency
+            raise RuntimeError("transport='mpi' needs mpi4py") from exc
+        base = getattr(process_set, "mpi_comm", None) or MPI.COMM_WORLD
+        self.size = process_set.size()
+        self.rank = process_set.rank()
+        if base.Get_size() != self.size or base.Get_rank() != self.rank:
+            raise RuntimeError(
+                "transport='mpi' needs the job launched with MPI (mpirun, or horovodrun --mpi): "
+                f"the MPI communicator has size {base.Get_size()} and rank {base.Get_rank()}, "
+                f"Horovod's process set has size {self.size} and rank {self.rank}")
+        self._MPI = MPI
+        self.comm = base.Dup()  # our own context: never matches Horovod's messages
+
+    def _check(self, t: torch.Tensor) -> None:
+        if t.device.type != "cpu":
+            raise ValueError("transport='mpi' moves CPU tensors only; use transport='horovod' on GPU")
+
+    def alltoall_async(self, rows: torch.Tensor, name: str) -> _MPIRequest:
+        self._check(rows)
+        out = torch.empty_like(rows)
+        req = self.comm.Ialltoall([rows.numpy(), self._MPI.BYTE], [out.numpy(), self._MPI.BYTE])
+        return _MPIRequest(req, out)
+
+    def allgather_async(self, row: torch.Tensor, name: str) -> _MPIRequest:
+        self._check(row)
+        out = torch.empty((self.size, row.shape[-1]), dtype=row.dtype)
+        req = self.comm.Iallgather([row.numpy(), self._MPI.BYTE], [out.numpy(), self._MPI.BYTE])
+        return _MPIRequest(req, out)
+
+    def wait(self, handle: _MPIRequest) -> torch.Tensor:
+        handle.request.Wait()
+        return handle.result
+
+    def allgather_object(self, obj: Any, name: str) -> list:
+        return self.comm.allgather(obj)
+
+
+def make_transport(kind: str, process_set: hvd.ProcessSet):
+    """Build the transport named ``kind`` ("horovod" or "mpi") for ``process_set``."""
+    if kind == "horovod":
+        return HorovodTransport(process_set)
+    if kind == "mpi":
+        return MPITransport(process_set)
+    raise ValueError(f"transport must be one of {TRANSPORTS}, got {kind!r}")
