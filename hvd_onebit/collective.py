@@ -121,10 +121,12 @@ class OneBitAllreduce:
     # ---- validation -----------------------------------------------------------------------------
 
     def _check_same_layout_everywhere(self) -> None:
-        mine = (self.layout.numel, self.block_size, str(self.device.type))
-        everyone = self.transport.allgather_object(mine, name=f"{self.name}.check")
+        device_code = {"cpu": 0, "cuda": 1}.get(self.device.type, 2)
+        mine = [self.layout.numel, self.block_size or 0, device_code]
+        everyone = self.transport.allgather_ints(mine, name=f"{self.name}.check")
         if any(other != mine for other in everyone):
-            detail = ", ".join(f"rank {r}: numel={o[0]} block_size={o[1]} device={o[2]}"
+            detail = ", ".join(f"rank {r}: numel={o[0]} block_size={o[1] or None} "
+                               f"device={['cpu', 'cuda', 'other'][o[2]]}"
                                for r, o in enumerate(everyone))
             raise ValueError(f"OneBitAllreduce {self.name!r}: ranks disagree on the buffer ({detail})")
 
@@ -175,7 +177,11 @@ class OneBitAllreduce:
         out32 = out.view(-1) if out.dtype == torch.float32 else torch.empty_like(x32)
         handle = AllreduceHandle(out=out, out32=out32)
         if self.transport is None or self.layout.numel == 0:
-            out32.copy_(x32)  # one rank, or nothing to send: the mean is the input
+            # One rank, or nothing to send: the mean is the input, with the same input contract.
+            if not bool(torch.isfinite(x32).all()):
+                raise NonFiniteInputError([self.rank], "in the input")
+            out32.copy_(x32)
+            self._in_flight = True
             return handle
         L = self.layout
         kernels.worker_compress(x32, self._worker_err, self._worker_err_next, self._send, L,

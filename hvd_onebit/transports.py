@@ -42,8 +42,10 @@ class HorovodTransport:
         out = hvd.synchronize(handle)
         return out[0] if isinstance(out, tuple) else out  # alltoall returns (output, splits)
 
-    def allgather_object(self, obj: Any, name: str) -> list:
-        return hvd.allgather_object(obj, name=name, process_set=self.process_set)
+    def allgather_ints(self, values: list[int], name: str) -> list[list[int]]:
+        """Every rank's ``values`` (same length on all ranks), in rank order."""
+        row = torch.tensor([values], dtype=torch.int64)
+        return hvd.allgather(row, name=name, process_set=self.process_set).tolist()
 
 
 class _MPIRequest:
@@ -98,8 +100,8 @@ class MPITransport:
         handle.request.Wait()
         return handle.result
 
-    def allgather_object(self, obj: Any, name: str) -> list:
-        return self.comm.allgather(obj)
+    def allgather_ints(self, values: list[int], name: str) -> list[list[int]]:
+        return [list(v) for v in self.comm.allgather(list(values))]
 
 
 def make_transport(kind: str, process_set: hvd.ProcessSet):

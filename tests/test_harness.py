@@ -1,0 +1,48 @@
+"""The multi-rank harness itself: results come back, failures and hangs fail fast and clean."""
+import os
+import time
+
+import psutil
+import pytest
+
+from hvd_onebit.testing import RankFailure, run_ranks
+
+pytestmark = pytest.mark.multirank
+
+
+@pytest.mark.parametrize("controller", ["gloo", "mpi"])
+@pytest.mark.parametrize("np_", [2, 4])
+def test_results_come_back_in_rank_order(controller, np_):
+    results = run_ranks("tests.workers_harness:allreduce_rank", np=np_, controller=controller,
+                        timeout=120)
+    total = float(sum(range(np_)))
+    assert results == [(r, np_, total) for r in range(np_)]
+
+
+@pytest.mark.parametrize("controller", ["gloo", "mpi"])
+def test_a_rank_that_raises_fails_the_test(controller):
+    start = time.monotonic()
+    with pytest.raises(RankFailure) as info:
+        run_ranks("tests.workers_harness:raise_on_rank", np=2, controller=controller,
+                  kwargs={"bad_rank": 1}, timeout=90)
+    assert "deliberate failure on rank 1" in str(info.value)
+    assert "rank 1 raised" in str(info.value)
+    assert time.monotonic() - start < 90
+
+
+def test_a_hung_rank_is_killed_at_the_timeout(tmp_path):
+    pid_file = tmp_path / "hung.pid"
+    start = time.monotonic()
+    with pytest.raises(RankFailure) as info:
+        run_ranks("tests.workers_harness:hang_on_rank", np=2, timeout=20,
+                  env={"HANG_PID_FILE": str(pid_file)})
+    elapsed = time.monotonic() - start
+    assert "timed out after 20s" in str(info.value)
+    assert elapsed < 60
+    hung_pid = int(pid_file.read_text())
+    assert not psutil.pid_exists(hung_pid) or psutil.Process(hung_pid).status() == "zombie"
+
+
+def test_unknown_controller_is_a_clear_error():
+    with pytest.raises(ValueError, match="controller must be one of"):
+        run_ranks("tests.workers_harness:allreduce_rank", np=2, controller="tcp")

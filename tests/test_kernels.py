@@ -1,0 +1,111 @@
+"""Single-process tests of the layout and the sign-compression kernels (no Horovod job)."""
+import numpy as np
+import pytest
+import torch
+
+from hvd_onebit import _C, kernels
+from hvd_onebit.layout import Layout
+from tests.onebit_reference import _compress
+
+CASES = [(1, 2, None), (7, 3, None), (31, 4, None), (33, 4, None), (4099, 3, None),
+         (1_000_003, 4, None), (5000, 2, 64), (100, 1, None)]
+
+
+def test_layout_pads_to_multiple_of_8n_and_aligns_rows():
+    L = Layout.build(33, 4)
+    assert (L.chunk, L.padded, L.block, L.nblocks) == (16, 64, 16, 1)
+    assert L.row_bytes % 4 == 0 and L.row_bytes == 4 + 4 + 4
+    assert Layout.build(0, 4).wire_bytes == 0
+    B = Layout.build(5000, 2, block_size=64)
+    assert B.chunk % 64 == 0 and B.nblocks == B.chunk // 64
+    with pytest.raises(ValueError, match="multiple of 8"):
+        Layout.build(10, 2, block_size=12)
+    with pytest.raises(ValueError, match="numel"):
+        Layout.build(-1, 2)
+
+
+def test_pack_unpack_round_trip_and_bit_order():
+    positive = torch.tensor([True, False, False, False, False, False, False, True] * 2)
+    packed = kernels.pack_signs(positive)
+    assert packed.tolist() == [0b10000001, 0b10000001]
+    assert torch.equal(kernels.unpack_signs(packed), positive)
+
+
+def _run(impl, L, x, err, es):
+    send = torch.full((L.n * L.row_bytes,), 0xAB, dtype=torch.uint8)
+    err_out = torch.full((L.padded,), 123.0)
+    es_out = torch.full((L.chunk,), 123.0)
+    row = torch.full((L.row_bytes,), 0xCD, dtype=torch.uint8)
+    out = torch.empty(L.numel)
+    if impl == "torch":
+        ok = kernels.worker_compress(x, err, err_out, send, L, "torch")
+        kernels.server_compress(send, es, es_out, row, L, "torch")
+        kernels.decode(send, out, L, "torch")
+    else:
+        simd = impl == "avx2"
+        ok = _C.worker_compress(x, err, err_out, send, *L.as_args(), simd)
+        _C.server_compress(send, es, es_out, row, *L.as_args(), simd)
+        _C.decode(send, out, *L.as_args(), simd)
+    return ok, send, err_out, es_out, row, out
+
+
+@pytest.mark.parametrize("numel,n,block", CASES)
+def test_native_scalar_and_torch_kernels_give_identical_bits(numel, n, block):
+    L = Layout.build(numel, n, block)
+    g = torch.Generator().manual_seed(numel)
+    x = torch.randn(numel, generator=g)
+    err = torch.randn(L.padded, generator=g) * 0.1
+    es = torch.randn(L.chunk, generator=g) * 0.1
+    runs = {impl: _run(impl, L, x, err, es) for impl in ("torch", "avx2", "scalar")}
+    ref = runs["torch"]
+    for impl in ("avx2", "scalar"):
+        for a, b in zip(ref[1:], runs[impl][1:]):
+            assert a.numpy().tobytes() == b.numpy().tobytes(), impl
+        assert runs[impl][0] is True
+
+
+@pytest.mark.parametrize("numel,n,block", CASES)
+def test_worker_compression_matches_numpy_reference(numel, n, block):
+    L = Layout.build(numel, n, block)
+    x = torch.randn(numel)
+    err = torch.randn(L.padded) * 0.1
+    _, send, err_out, _, _, _ = _run("avx2", L, x, err, torch.zeros(L.chunk))
+    y = np.zeros(L.padded, np.float32)
+    y[:numel] = x.numpy()
+    y = (y + err.numpy()).astype(np.float32)
+    decoded = torch.empty(L.padded)
+    full = Layout(numel=L.padded, n=L.n, chunk=L.chunk, block=L.block)
+    kernels.decode(send, decoded, full, "torch")
+    for j in range(n):
+        part = slice(j * L.chunk, (j + 1) * L.chunk)
+        _, _, approx, e = _compress(y[part], L.block)
+        np.testing.assert_allclose(decoded.numpy()[part], approx, rtol=1e-6)
+        np.testing.assert_allclose(err_out.numpy()[part], e, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("impl", ["torch", "avx2", "scalar"])
+def test_non_finite_input_is_reported_and_old_error_is_untouched(impl):
+    L = Layout.build(1000, 2)
+    x = torch.randn(1000)
+    x[500] = float("inf")
+    err = torch.randn(L.padded)
+    err_copy = err.clone()
+    ok, send, *_ = _run(impl, L, x, err, torch.zeros(L.chunk))
+    assert ok is False
+    assert torch.equal(err, err_copy)
+    assert kernels.row_status(send, L, L.n).tolist() == [1.0, 1.0]
+
+
+def test_zero_block_gives_zero_scale_not_nan():
+    L = Layout.build(64, 2)
+    ok, send, err_out, _, _, out = _run("avx2", L, torch.zeros(64), torch.zeros(L.padded),
+                                        torch.zeros(L.chunk))
+    assert ok and torch.equal(out, torch.zeros(64)) and torch.equal(err_out, torch.zeros(L.padded))
+
+
+def test_backend_selection_errors_are_clear():
+    with pytest.raises(ValueError, match="kernel backend must be one of"):
+        kernels.resolve_backend("cuda-magic", torch.device("cpu"))
+    with pytest.raises(ValueError, match="CPU tensors only"):
+        kernels.resolve_backend("native", torch.device("cuda"))
+    assert kernels.resolve_backend("auto", torch.device("cuda")) == "torch"
