@@ -8,13 +8,7 @@ __version__ = "0.1.0"
 
 from .collective import AllreduceHandle, NonFiniteInputError, OneBitAllreduce  # noqa: E402
 from .layout import Layout  # noqa: E402
+from .optimizer import DistributedOptimizer  # noqa: E402
 
-__all__ = ["AllreduceHandle", "Layout", "NonFiniteInputError", "OneBitAllreduce", "__version__"]
-
-try:  # the optimizer is added to the public API here once it exists
-    from .optimizer import DistributedOptimizer  # noqa: F401
-
-    __all__.append("DistributedOptimizer")
-except ImportError as _exc:  # pragma: no cover
-    if "hvd_onebit.optimizer" not in str(_exc) and "optimizer" not in str(_exc):
-        raise
+__all__ = ["AllreduceHandle", "DistributedOptimizer", "Layout", "NonFiniteInputError",
+           "OneBitAllreduce", "__version__"]

@@ -1,0 +1,160 @@
+"""`hvd-onebit cluster run`: a command on N emulated hosts joined by rate-limited links."""
+from __future__ import annotations
+
+import json
+import signal
+import sys
+from typing import Optional
+
+import click
+
+from .emulator import (MAX_RANKS, EmulatedCluster, EmulatorError, RunResult, format_bandwidth,
+                       parse_bandwidth)
+
+# What the CLI exits with when it did not get a rank's status (shell conventions).
+EXIT_TIMEOUT = 124
+EXIT_SIGINT = 130
+EXIT_SIGTERM = 143
+
+
+class _Terminated(BaseException):
+    """SIGTERM turned into an exception, so the same unwinding as Ctrl-C removes the cluster."""
+
+
+def _raise_terminated(signum, frame):
+    raise _Terminated()
+
+
+def _bandwidth(ctx, param, value: str) -> Optional[int]:
+    try:
+        return parse_bandwidth(value)
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
+
+
+def _env_pairs(ctx, param, values) -> dict[str, str]:
+    env = {}
+    for item in values:
+        key, sep, val = item.partition("=")
+        if not sep or not key:
+            raise click.BadParameter(f"{item!r} is not KEY=VALUE")
+        env[key] = val
+    return env
+
+
+@click.group()
+def cluster() -> None:
+    """An emulated cluster on this machine, with a rate-limited network (needs root).
+
+    Each rank gets its own network, UTS (hostname) and PID namespace, joined to a bridge by a
+    veth pair shaped with tc tbf at the chosen rate in both directions; addresses are taken from
+    198.18.0.0/15 and never leave this machine.
+    """
+
+
+@cluster.command("run", context_settings={"ignore_unknown_options": True,
+                                          "allow_interspersed_args": False})
+@click.option("--np", "-n", "np_", type=click.IntRange(1, MAX_RANKS), required=True,
+              help="Number of ranks; each is its own emulated host (node0, node1, ...) with one "
+                   "Horovod slot, so local_size is 1 and cross_size is NP.")
+@click.option("--bandwidth", "-b", default="1gbit", show_default=True, callback=_bandwidth,
+              help="Link rate of every host, each direction (full duplex), in tc's bit units, "
+                   "1000-based: e.g. 10mbit, 100mbit, 1gbit, 2.5gbit, 10gbit; or 'unlimited' "
+                   "for no shaping (veth speed, CPU-bound).")
+@click.option("--timeout", "-t", type=click.FloatRange(min=0, min_open=True), default=None,
+              metavar="SECONDS",
+              help=f"Kill every rank after this many seconds of wall time and exit "
+                   f"{EXIT_TIMEOUT}. Default: no limit.")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print the report as one JSON object on stdout (rank output then goes to "
+                   "stderr): per rank hostname, address, exit_code, killed, tx_bytes, rx_bytes, "
+                   "log_path; plus wall_seconds, timed_out, returncode.")
+@click.option("--log-dir", type=click.Path(file_okay=False, writable=True), default=None,
+              help="Also write each rank's stdout+stderr to DIR/rank.<r>.log.")
+@click.option("--quiet", "-q", is_flag=True,
+              help="Do not echo the ranks' output live (it is still written to --log-dir).")
+@click.option("--env", "-e", "env", multiple=True, callback=_env_pairs, metavar="KEY=VALUE",
+              help="Extra environment variable for every rank (repeatable). The ranks inherit "
+                   "this environment anyway; HOROVOD_* launch variables are set for you.")
+@click.option("--kill-grace", type=click.FloatRange(min=0), default=3.0, show_default=True,
+              metavar="SECONDS",
+              help="When ranks must be killed (a rank failed, timeout, Ctrl-C, SIGTERM): "
+                   "seconds between SIGTERM and SIGKILL.")
+@click.option("--verbose", "-v", is_flag=True, help="Log the setup steps to stderr.")
+@click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
+def run(np_: int, bandwidth: Optional[int], timeout: Optional[float], as_json: bool,
+        log_dir: Optional[str], quiet: bool, env: dict, kill_grace: float, verbose: bool,
+        command: tuple) -> None:
+    """Run COMMAND once per rank, as a Horovod (Gloo) job over the emulated network.
+
+    \b
+    Example:
+      hvd-onebit cluster run --np 4 --bandwidth 1gbit -- python train.py --epochs 1
+
+    Every rank gets exactly the environment 'horovodrun --gloo' would give it (HOROVOD_RANK,
+    HOROVOD_SIZE, HOROVOD_GLOO_RENDEZVOUS_ADDR/PORT, HOROVOD_GLOO_IFACE=emu0, ...), so an
+    unmodified Horovod script runs as is. If any rank exits non-zero, the others are killed, as
+    horovodrun does. At the end a table (or --json) reports per rank the exit status and the bytes
+    its host sent and received on its link during the run, plus the wall time.
+
+    Exit status: 0 if every rank exited 0; else the first failing rank's status; 124 on
+    --timeout; 130 on Ctrl-C; 143 on SIGTERM; 1 if the cluster cannot be built (e.g. not root).
+    Everything created (namespaces, links, bridge, /etc/netns entries) is removed in every case.
+    """
+    out = sys.stderr if as_json else sys.stdout
+    width = len(str(np_ - 1))
+
+    def echo_line(rank: int, line: str) -> None:
+        out.write(f"[{rank:>{width}}] {line}" if line.endswith("\n") else f"[{rank}] {line}\n")
+        out.flush()
+
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        with EmulatedCluster(np=np_, bandwidth=bandwidth, log_dir=log_dir,
+                             verbose=verbose) as emu:
+            result = emu.run(list(command), env=env, timeout=timeout,
+                             on_output=None if quiet else echo_line, kill_grace=kill_grace)
+    except EmulatorError as e:
+        raise click.ClickException(str(e)) from None
+    except KeyboardInterrupt:
+        click.echo("hvd-onebit cluster: interrupted (SIGINT); ranks killed, cluster removed",
+                   err=True)
+        sys.exit(EXIT_SIGINT)
+    except _Terminated:
+        click.echo("hvd-onebit cluster: terminated (SIGTERM); ranks killed, cluster removed",
+                   err=True)
+        sys.exit(EXIT_SIGTERM)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+    if as_json:
+        report = result.to_dict()
+        report["command"] = list(command)
+        report["log_dir"] = log_dir
+        click.echo(json.dumps(report, indent=2))
+    else:
+        click.echo(format_report(result))
+    sys.exit(result.returncode)
+
+
+def format_report(result: RunResult) -> str:
+    """The human-readable end-of-run table: one line per rank, then totals and wall time."""
+    rows = [("rank", "host", "address", "exit", "tx bytes", "rx bytes", "tx MB/s", "rx MB/s")]
+    secs = max(result.wall_seconds, 1e-9)
+    for r in result.ranks:
+        status = "-" if r.exit_code is None else str(r.exit_code)
+        if r.killed:
+            status += " (killed)"
+        rows.append((str(r.rank), r.hostname, r.address, status, f"{r.tx_bytes:,}",
+                     f"{r.rx_bytes:,}", f"{r.tx_bytes / secs / 1e6:.2f}",
+                     f"{r.rx_bytes / secs / 1e6:.2f}"))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(cell.rjust(w) if i >= 3 else cell.ljust(w)
+                       for i, (cell, w) in enumerate(zip(row, widths))) for row in rows]
+    outcome = ("TIMED OUT" if result.timed_out else "ok" if result.ok
+               else f"FAILED (first: rank {result.first_failed_rank})"
+               if result.first_failed_rank is not None else "FAILED")
+    lines.append(f"np={len(result.ranks)} bandwidth={format_bandwidth(result.bandwidth_bps)} "
+                 f"wall={result.wall_seconds:.2f}s total tx={result.tx_bytes:,} bytes "
+                 f"(MB/s averaged over the wall time) -> {outcome}")
+    return "\n".join(lines)

@@ -1,0 +1,486 @@
+"""hvd_onebit.DistributedOptimizer: 1-bit Adam as a drop-in for ``hvd.DistributedOptimizer``.
+
+Two phases, decided by the number of optimizer steps taken so far (never by anything else):
+
+* **Warmup** (the first ``freeze_step`` steps): exactly ``hvd.DistributedOptimizer`` around the
+  wrapped Adam. Gradients are allreduced by Horovod in full precision as backward produces them,
+  then Adam steps. Adam's variance ``exp_avg_sq`` settles during this phase.
+* **Compression** (every step after): the variance is frozen and becomes a fixed preconditioner, so
+  the update is linear in the momentum and the momentum can be communicated with 1-bit error
+  feedback. Gradients are not communicated at all. Each rank computes its local momentum
+  ``m_i = beta1 * m + (1 - beta1) * g_i`` (``g_i`` with Adam's L2 decay); the momenta of all
+  parameters, fused into a few flat buckets, go through :class:`~hvd_onebit.OneBitAllreduce`; then
+  ``p -= lr * (m / bc1) / (sqrt(v / bc2) + eps)`` with ``bc1 = 1 - beta1^t`` advancing and ``bc2``
+  frozen with ``v``, plus AdamW's decoupled decay. These are torch.optim.Adam's formulas, so the
+  phase change is continuous.
+
+The choice of ``freeze_step`` is the main knob: 15-25% of the total steps is the published guidance.
+Too short a warmup freezes a variance that has not settled and training can diverge; a longer one
+costs full-precision communication for longer.
+
+A rank that sees inf/NaN in its gradients makes every rank skip the step: the bad value travels in
+the allreduce's status word, so the decision is agreed within the same collective and nothing is
+modified (momentum, error feedback, parameters), never one rank skipping while others wait.
+"""
+from __future__ import annotations
+
+import math
+import time
+import warnings
+from typing import Callable, Iterable, Optional
+
+import horovod.torch as hvd
+import torch
+from horovod.torch.compression import Compression
+from horovod.torch.mpi_ops import Adasum, Average, Sum
+from horovod.torch.optimizer import _DistributedOptimizer
+
+from .collective import NonFiniteInputError, OneBitAllreduce
+from .fusion import Bucket, fuse
+
+COMPRESSORS = ("onebit", "none")
+DEFAULT_BUCKET_MB = 64.0
+
+
+def _scalar_step(group: dict, p: torch.Tensor) -> torch.Tensor:
+    """A zero ``step`` tensor exactly as torch.optim.Adam creates it lazily."""
+    from torch.optim.optimizer import _get_scalar_dtype
+
+    if group.get("capturable") or group.get("fused"):
+        return torch.zeros((), dtype=_get_scalar_dtype(is_fused=group.get("fused")), device=p.device)
+    return torch.tensor(0.0, dtype=_get_scalar_dtype())
+
+
+class _OneBitMixin:
+    """Methods layered over Horovod's ``_DistributedOptimizer`` and the wrapped Adam class.
+
+    The public factory :func:`DistributedOptimizer` builds a class whose bases are the wrapped
+    optimizer's class, with Horovod's methods and then these, the same way Horovod builds its own.
+    """
+
+    def __init__(self, params, named_parameters, compression, backward_passes_per_step, op,
+                 gradient_predivide_factor, groups, sparse_as_dense, process_set, freeze_step,
+                 compressor, block_size, transport, kernel_backend, bucket_size_mb):
+        _DistributedOptimizer.__init__(self, params, named_parameters, compression,
+                                       backward_passes_per_step, op, gradient_predivide_factor,
+                                       groups, sparse_as_dense, process_set)
+        self.freeze_step = freeze_step
+        self.compressor = compressor
+        self.block_size = block_size
+        self.transport = transport
+        self.kernel_backend = kernel_backend
+        self.bucket_size_mb = bucket_size_mb
+        self._world = process_set.size() if process_set.included() else 1
+        self._completed_steps = 0  # optimizer steps taken, warmup and compression together
+        self._buckets: Optional[list[Bucket]] = None
+        self._bucket_params: list[torch.Tensor] = []
+        self._comms: dict[tuple, OneBitAllreduce] = {}
+        self._denoms: dict[torch.Tensor, tuple] = {}
+        # Telemetry, readable by training scripts and the CLI.
+        self.last_step_bytes = 0  # bytes this rank sent in the last step (warmup: ring estimate)
+        self.total_bytes = 0
+        self.last_step_comm_seconds = 0.0  # seconds blocked on communication in the last step
+        self.total_comm_seconds = 0.0
+        self.skipped_steps = 0  # compression-phase steps skipped for non-finite values
+        self._warmup_wait = 0.0
+        self._init_state()
+
+    # ---- state ------------------------------------------------------------------------------------
+
+    def _init_state(self) -> None:
+        # Create Adam's state now, with Adam's own initial values, rather than lazily at the first
+        # step: hvd.broadcast_optimizer_state would otherwise run a step to create it, and on this
+        # optimizer a step communicates and counts.
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state[p]
+                if len(state) == 0:
+                    state["step"] = _scalar_step(group, p)
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+    @property
+    def phase(self) -> str:
+        """"warmup" until ``freeze_step`` steps have been taken, then "compression"."""
+        return "warmup" if self._completed_steps < self.freeze_step else "compression"
+
+    @property
+    def steps(self) -> int:
+        """Optimizer steps taken (skipped steps not counted)."""
+        return self._completed_steps
+
+    def _compressing(self) -> bool:
+        return self._world > 1 and self.phase == "compression"
+
+    def telemetry(self) -> dict:
+        """Phase, step count and communication counters as a plain dict."""
+        return {"phase": self.phase, "steps": self._completed_steps,
+                "skipped_steps": self.skipped_steps, "last_step_bytes": self.last_step_bytes,
+                "total_bytes": self.total_bytes,
+                "last_step_comm_seconds": self.last_step_comm_seconds,
+                "total_comm_seconds": self.total_comm_seconds}
+
+    def state_dict(self) -> dict:
+        sd = super(self.__class__, self).state_dict()
+        sd["onebit"] = {"steps": self._completed_steps, "freeze_step": self.freeze_step,
+                        "skipped_steps": self.skipped_steps}
+        return sd
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        state_dict = dict(state_dict)
+        meta = state_dict.pop("onebit", None)
+        _DistributedOptimizer.load_state_dict(self, state_dict)
+        if meta is not None:
+            self._completed_steps = int(meta["steps"])
+            self.skipped_steps = int(meta.get("skipped_steps", 0))
+        self._buckets = None  # exp_avg tensors were replaced: re-fuse at the next step
+        self._denoms.clear()
+        self._init_state()
+
+    # ---- hooks and synchronize ---------------------------------------------------------------------
+
+    def _make_hook(self, p):
+        warmup_hook = _DistributedOptimizer._make_hook(self, p)
+
+        def hook(*ignore):
+            if not self._compressing():
+                return warmup_hook(*ignore)
+            # Compression phase: gradients stay local; only count the backward passes.
+            if self._allreduce_delay[p] <= 0:
+                raise AssertionError(
+                    "Gradients were computed more than backward_passes_per_step times before "
+                    "call to step(). Increase backward_passes_per_step to accumulate gradients "
+                    "locally.")
+            self._allreduce_delay[p] -= 1
+
+        return hook
+
+    def _refresh_hooks(self) -> None:
+        """Follow requires_grad changes: hook newly trainable parameters, drop frozen ones."""
+        if not (self.process_set.included() and hvd.size() > 1):
+            return
+        hooked = {id(p) for p in self._requires_update}
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.requires_grad and id(p) not in hooked:
+                    grad_acc = p.expand_as(p).grad_fn.next_functions[0][0]
+                    grad_acc.register_hook(self._make_hook(p))
+                    self._grad_accs.append(grad_acc)
+                    self._requires_update.add(p)
+                    self._allreduce_delay.setdefault(p, self.backward_passes_per_step)
+                    self._parameter_names.setdefault(p, f"allreduce.late.{len(self._grad_accs)}")
+        for p in [p for p in self._requires_update if not p.requires_grad]:
+            self._requires_update.discard(p)
+
+    def synchronize(self) -> None:
+        """Warmup: wait for the gradient allreduces (as Horovod). Compression: nothing to wait for."""
+        if self._compressing():
+            self._synchronized = True
+            return
+        start = time.perf_counter()
+        self._refresh_hooks()
+        _DistributedOptimizer.synchronize(self)
+        self._warmup_wait += time.perf_counter() - start
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if self._handles:
+            raise AssertionError("optimizer.zero_grad() was called after loss.backward() but "
+                                 "before optimizer.step() or optimizer.synchronize(). This is "
+                                 "prohibited as it can cause a race condition.")
+        super(self.__class__, self).zero_grad(set_to_none=set_to_none)
+
+    # ---- step ----------------------------------------------------------------------------------
+
+    def step(self, closure: Optional[Callable[[], float]] = None):
+        """One optimizer step: Horovod + Adam in warmup, 1-bit momentum Adam afterwards."""
+        if not self._compressing():
+            self._warmup_wait = 0.0
+            loss = _DistributedOptimizer.step(self, closure)
+            self._account(self._warmup_bytes(), self._warmup_wait)
+            self._completed_steps += 1
+            return loss
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self._compression_step():
+            self._completed_steps += 1
+        for p in self._allreduce_delay:
+            self._allreduce_delay[p] = self.backward_passes_per_step
+        self._synchronized = False
+        return loss
+
+    def _account(self, nbytes: int, seconds: float) -> None:
+        self.last_step_bytes = nbytes
+        self.total_bytes += nbytes
+        self.last_step_comm_seconds = seconds
+        self.total_comm_seconds += seconds
+
+    def _warmup_bytes(self) -> int:
+        """Bytes a bandwidth-optimal ring allreduce sends per rank for this step's gradients."""
+        if self._world <= 1:
+            return 0
+        elem = 2 if self._compression is Compression.fp16 else None
+        total = 0
+        for p in self._requires_update:
+            total += p.numel() * (elem or p.element_size())
+        return int(2 * (self._world - 1) / self._world * total)
+
+    # ---- compression phase ---------------------------------------------------------------------
+
+    def _active_params(self) -> list[torch.Tensor]:
+        return [p for group in self.param_groups for p in group["params"] if p.requires_grad]
+
+    def _ensure_fused(self) -> None:
+        """(Re)build the fused momentum buckets when the trainable set or exp_avg tensors changed."""
+        active = self._active_params()
+        if self._buckets is not None and len(active) == len(self._bucket_params) and all(
+                a is b for a, b in zip(active, self._bucket_params)) and all(
+                self.state[p]["exp_avg"].data_ptr() == bk.momentum_view(i).data_ptr()
+                for bk in self._buckets for i, p in enumerate(bk.params)):
+            return
+        devices = {p.device for p in active}
+        if len(devices) > 1:
+            raise ValueError("hvd_onebit.DistributedOptimizer needs all parameters on one device, "
+                             f"found {sorted(str(d) for d in devices)}")
+        for p in active:
+            self._freeze_variance(p)
+        bucket_numel = max(1, int(self.bucket_size_mb * 2**20 / 4))
+        self._buckets = fuse(active, [self.state[p]["exp_avg"] for p in active], bucket_numel)
+        self._bucket_params = active
+        for bucket in self._buckets:
+            for i, p in enumerate(bucket.params):
+                self.state[p]["exp_avg"] = bucket.momentum_view(i)
+        # Error feedback belongs to a bucket layout; a changed layout starts from zero error.
+        wanted = {(b.index, b.numel, str(b.momentum.dtype)) for b in self._buckets}
+        self._comms = {k: c for k, c in self._comms.items() if k in wanted}
+        for b in self._buckets:
+            key = (b.index, b.numel, str(b.momentum.dtype))
+            if key not in self._comms and self.compressor == "onebit":
+                self._comms[key] = OneBitAllreduce(
+                    b.numel, self.process_set, block_size=self.block_size,
+                    transport=self.transport, backend=self.kernel_backend,
+                    device=b.momentum.device, name=f"hvd_onebit.bucket{b.index}")
+
+    def _freeze_variance(self, p: torch.Tensor) -> None:
+        """Record the step count v was frozen at (once per parameter)."""
+        state = self.state[p]
+        if "frozen_variance_step" in state:
+            return
+        steps = int(state["step"])
+        state["frozen_variance_step"] = steps
+        if steps == 0:
+            warnings.warn(
+                f"parameter {self._parameter_names.get(p, '?')} received no gradient during the "
+                f"{self.freeze_step}-step warmup: its variance is frozen at zero, so a gradient "
+                "for it in the compression phase would take a step of size lr * m / eps")
+
+    def _denominator(self, p: torch.Tensor, group: dict) -> torch.Tensor:
+        """sqrt(v / bc2) + eps for the frozen v, cached while eps and beta2 stay the same."""
+        state = self.state[p]
+        beta2, eps = group["betas"][1], group["eps"]
+        key = (float(beta2), float(eps), state["exp_avg_sq"].data_ptr())
+        cached = self._denoms.get(p)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        steps = state["frozen_variance_step"]
+        bc2 = 1 - beta2 ** steps if steps > 0 else 1.0
+        denom = (state["exp_avg_sq"].sqrt() / math.sqrt(bc2)).add_(eps)
+        self._denoms[p] = (key, denom)
+        return denom
+
+    def _local_grad(self, p: torch.Tensor, group: dict) -> Optional[torch.Tensor]:
+        g = p.grad
+        if g is None:
+            return None
+        if g.is_sparse:
+            if not self.sparse_as_dense:
+                raise TypeError(
+                    f"parameter {self._parameter_names.get(p, '?')} has a sparse gradient; "
+                    "Adam needs dense gradients: pass sparse_as_dense=True")
+            g = g.to_dense()
+        if self.op == Sum:  # Horovod's Sum: the update sees the sum over ranks, not the mean
+            g = g * self._world
+        if group.get("maximize"):
+            g = -g
+        wd = group["weight_decay"]
+        if wd != 0 and not self._decoupled(group):
+            g = g.add(p.detach(), alpha=wd)
+        return g
+
+    def _decoupled(self, group: dict) -> bool:
+        return bool(group.get("decoupled_weight_decay", isinstance(self, torch.optim.AdamW)))
+
+    def _compression_step(self) -> bool:
+        """Returns False when the step was skipped because some rank had non-finite values."""
+        self._ensure_fused()
+        owner = {p: (b, i) for b in self._buckets for i, p in enumerate(b.params)}
+        # 1. Local momentum into the work buffers; exp_avg itself is untouched until success.
+        for group in self.param_groups:
+            beta1 = group["betas"][0]
+            for p in group["params"]:
+                if p not in owner:
+                    continue
+                bucket, i = owner[p]
+                m, work = bucket.momentum_view(i), bucket.work_view(i)
+                g = self._local_grad(p, group)
+                if g is None:  # no gradient on this rank: treated as zero, as Horovod does
+                    torch.mul(m, beta1, out=work)
+                else:
+                    torch.lerp(m, g, 1 - beta1, out=work)
+        # 2. Average the momenta: stage 1 of every bucket is started before any is finished.
+        start = time.perf_counter()
+        nbytes = 0
+        try:
+            if self.compressor == "onebit":
+                comms = [self._comms[(b.index, b.numel, str(b.momentum.dtype))]
+                         for b in self._buckets]
+                handles = [c.allreduce_async(b.work, out=b.work) for c, b in zip(comms, self._buckets)]
+                for c, h in zip(comms, handles):
+                    c.synchronize(h)
+                    nbytes += c.wire_bytes
+            else:
+                handles = [hvd.allreduce_async_(b.work, op=Average, name=f"hvd_onebit.exact{b.index}",
+                                                process_set=self.process_set) for b in self._buckets]
+                for h in handles:
+                    hvd.synchronize(h)
+                for b in self._buckets:
+                    nbytes += int(2 * (self._world - 1) / self._world * b.numel * b.work.element_size())
+                    if not bool(torch.isfinite(b.work).all()):  # same averaged values on every rank
+                        raise NonFiniteInputError([], "in the averaged momentum")
+        except NonFiniteInputError as exc:
+            self.skipped_steps += 1
+            self._account(nbytes, time.perf_counter() - start)
+            warnings.warn(f"hvd_onebit: step skipped on every rank: {exc}")
+            return False
+        self._account(nbytes, time.perf_counter() - start)
+        for b in self._buckets:
+            b.momentum.copy_(b.work)
+        # 3. Masks, then Adam's update with the frozen variance.
+        for group in self.param_groups:
+            beta1, lr, wd = group["betas"][0], group["lr"], group["weight_decay"]
+            masks = _group_masks(group)
+            for j, p in enumerate(group["params"]):
+                if p not in owner:
+                    continue
+                state = self.state[p]
+                m = state["exp_avg"]
+                if masks[j] is not None:
+                    m.mul_(masks[j])  # in place: exp_avg is the bucket's view
+                state["step"] += 1
+                bc1 = 1 - beta1 ** float(state["step"])
+                with torch.no_grad():
+                    if wd != 0 and self._decoupled(group):
+                        p.mul_(1 - lr * wd)
+                    p.addcdiv_(m, self._denominator(p, group), value=-lr / bc1)
+        return True
+
+
+def _group_masks(group: dict) -> list[Optional[torch.Tensor]]:
+    """The group's ``exp_avg_mask`` as one entry per parameter (None = no mask)."""
+    mask = group.get("exp_avg_mask")
+    params = group["params"]
+    if mask is None:
+        return [None] * len(params)
+    if isinstance(mask, torch.Tensor):
+        return [mask] * len(params)
+    return list(mask)
+
+
+def _validate_masks(optimizer: torch.optim.Optimizer) -> None:
+    for gi, group in enumerate(optimizer.param_groups):
+        masks = _group_masks(group)
+        if len(masks) != len(group["params"]):
+            raise ValueError(f"param group {gi}: exp_avg_mask has {len(masks)} entries for "
+                             f"{len(group['params'])} parameters")
+        for p, mask in zip(group["params"], masks):
+            if mask is None:
+                continue
+            if not isinstance(mask, torch.Tensor):
+                raise TypeError(f"param group {gi}: exp_avg_mask entries must be tensors or None")
+            try:
+                torch.broadcast_shapes(mask.shape, p.shape)
+                ok = torch.broadcast_shapes(mask.shape, p.shape) == p.shape
+            except RuntimeError:
+                ok = False
+            if not ok:
+                raise ValueError(f"param group {gi}: exp_avg_mask of shape {tuple(mask.shape)} "
+                                 f"does not broadcast to parameter shape {tuple(p.shape)}")
+
+
+def DistributedOptimizer(optimizer: torch.optim.Optimizer,
+                         named_parameters: Optional[Iterable[tuple[str, torch.Tensor]]] = None,
+                         compression=Compression.none,
+                         backward_passes_per_step: int = 1,
+                         op=Average,
+                         gradient_predivide_factor: float = 1.0,
+                         groups=None,
+                         sparse_as_dense: bool = False,
+                         process_set: hvd.ProcessSet = hvd.global_process_set,
+                         *,
+                         freeze_step: int,
+                         compressor: str = "onebit",
+                         block_size: Optional[int] = None,
+                         transport: str = "horovod",
+                         kernel_backend: str = "auto",
+                         bucket_size_mb: float = DEFAULT_BUCKET_MB):
+    """Wrap a ``torch.optim.Adam`` or ``AdamW`` for 1-bit Adam over Horovod.
+
+    The arguments up to ``process_set`` mean what they mean for ``hvd.DistributedOptimizer`` and
+    govern the warmup; ``compression``, ``groups`` and ``gradient_predivide_factor`` only affect
+    the warmup's gradient allreduce.
+
+    Args:
+        optimizer: a ``torch.optim.Adam`` or ``torch.optim.AdamW`` (amsgrad off). Its lr, betas,
+            eps and weight_decay are read from the param groups at every step, so LR schedulers
+            and per-group settings work in both phases.
+        freeze_step: warmup length in optimizer steps (positive int). The variance is frozen
+            after this many steps. Guidance: 15-25% of the total steps.
+        compressor: "onebit" (default) or "none", which averages the momentum in full precision
+            in the compression phase: Adam with a frozen variance, for comparisons.
+        block_size: elements per scale in the 1-bit allreduce (None: one per chunk).
+        transport: "horovod" (default) or "mpi" (mpi4py; MPI jobs, CPU tensors).
+        kernel_backend: "auto", "native" (C++, CPU) or "torch".
+        bucket_size_mb: momentum fused per OneBitAllreduce, in MiB of fp32 (default 64). Each
+            bucket costs two collectives per step; several let compression of one bucket
+            overlap the transfer of the previous.
+
+    A param group may carry ``exp_avg_mask``: a tensor broadcastable to each of its parameters, or
+    a list with one tensor (or None) per parameter. In the compression phase the averaged
+    momentum is multiplied by it in place, so masked entries (e.g. padding rows) stay zero.
+
+    Returns:
+        An optimizer of the wrapped class with Horovod's ``synchronize()`` and
+        ``skip_synchronize()``, plus ``phase``, ``steps``, ``telemetry()`` and the counters
+        ``last_step_bytes``, ``total_bytes``, ``last_step_comm_seconds``, ``total_comm_seconds``.
+    """
+    if not isinstance(optimizer, torch.optim.Adam):
+        raise TypeError("hvd_onebit.DistributedOptimizer wraps torch.optim.Adam or "
+                        f"torch.optim.AdamW; got {type(optimizer).__module__}."
+                        f"{type(optimizer).__name__}")
+    if any(g.get("amsgrad") for g in optimizer.param_groups):
+        raise ValueError("amsgrad=True is not supported: 1-bit Adam freezes the variance, "
+                         "which amsgrad's running maximum would contradict")
+    if isinstance(freeze_step, bool) or not isinstance(freeze_step, int) or freeze_step < 1:
+        raise ValueError(f"freeze_step must be a positive int (warmup steps), got {freeze_step!r}")
+    if compressor not in COMPRESSORS:
+        raise ValueError(f"compressor must be one of {COMPRESSORS}, got {compressor!r}")
+    if op == Adasum or op not in (Average, Sum):
+        raise ValueError("hvd_onebit.DistributedOptimizer supports op=hvd.Average or hvd.Sum")
+    if backward_passes_per_step <= 0:
+        raise ValueError("backward_passes_per_step must be > 0")
+    if bucket_size_mb <= 0:
+        raise ValueError(f"bucket_size_mb must be positive, got {bucket_size_mb}")
+    _validate_masks(optimizer)
+    devices = {p.device for g in optimizer.param_groups for p in g["params"]}
+    if len(devices) > 1:
+        raise ValueError("hvd_onebit.DistributedOptimizer needs all parameters on one device, "
+                         f"found {sorted(str(d) for d in devices)}")
+
+    attrs = dict(_DistributedOptimizer.__dict__)
+    attrs.update({k: v for k, v in _OneBitMixin.__dict__.items()
+                  if k not in ("__dict__", "__weakref__")})
+    cls = type(optimizer.__class__.__name__, (optimizer.__class__,), attrs)
+    return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step,
+               op, gradient_predivide_factor, groups, sparse_as_dense, process_set, freeze_step,
+               compressor, block_size, transport, kernel_backend, bucket_size_mb)

@@ -1,0 +1,317 @@
+"""Worker functions for the DistributedOptimizer tests; each runs in every rank after hvd.init()."""
+from __future__ import annotations
+
+import hashlib
+
+import horovod.torch as hvd
+import torch
+import torch.nn as nn
+
+import hvd_onebit
+
+
+def make_model(seed=0, width=32):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, width), nn.Tanh(), nn.Linear(width, width), nn.Tanh(),
+                         nn.Linear(width, 1))
+
+
+def batch(step, rank, n=16):
+    g = torch.Generator().manual_seed(10_000 * rank + step)
+    x = torch.randn(n, 8, generator=g)
+    y = torch.sin(x.sum(1, keepdim=True)) + 0.1 * torch.randn(n, 1, generator=g)
+    return x, y
+
+
+def params_bytes(model):
+    return [p.detach().numpy().tobytes() for p in model.parameters()]
+
+
+def params_hash(model):
+    h = hashlib.sha256()
+    for p in model.parameters():
+        h.update(p.detach().numpy().tobytes())
+    return h.hexdigest()
+
+
+def train(model, opt, steps, passes=1, start=0, hashes=None, closure_style=False):
+    loss_fn = nn.MSELoss()
+    for step in range(start, start + steps):
+        opt.zero_grad()
+        for k in range(passes):
+            x, y = batch(step * passes + k, hvd.rank())
+            loss_fn(model(x), y).backward()
+        opt.step()
+        if hashes is not None:
+            hashes.append(params_hash(model))
+    return model
+
+
+def warmup_matches_horovod(steps=4, passes=1, fp16=False, adamw=False):
+    """Same script under hvd.DistributedOptimizer and hvd_onebit (still in warmup)."""
+    compression = hvd.Compression.fp16 if fp16 else hvd.Compression.none
+    out = []
+    for wrapper in ("horovod", "onebit"):
+        model = make_model()
+        cls = torch.optim.AdamW if adamw else torch.optim.Adam
+        base = cls(model.parameters(), lr=1e-2, weight_decay=0.01)
+        kw = dict(named_parameters=model.named_parameters(), compression=compression,
+                  backward_passes_per_step=passes)
+        if wrapper == "horovod":
+            opt = hvd.DistributedOptimizer(base, **kw)
+        else:
+            opt = hvd_onebit.DistributedOptimizer(base, freeze_step=steps + 10, **kw)
+        train(model, opt, steps, passes=passes)
+        out.append(params_bytes(model))
+    return out[0] == out[1]
+
+
+def frozen_variance_reference(freeze_step=3, steps=8, weight_decay=0.0, adamw=False):
+    """compressor='none' vs a hand-written Adam-with-frozen-variance on averaged gradients."""
+    cls = torch.optim.AdamW if adamw else torch.optim.Adam
+    model = make_model()
+    opt = hvd_onebit.DistributedOptimizer(cls(model.parameters(), lr=1e-2, weight_decay=weight_decay),
+                                          named_parameters=model.named_parameters(),
+                                          freeze_step=freeze_step, compressor="none")
+    train(model, opt, steps)
+
+    ref = make_model()
+    ref_opt = cls(ref.parameters(), lr=1e-2, weight_decay=weight_decay)
+    loss_fn = nn.MSELoss()
+    beta1, beta2, eps, lr = 0.9, 0.999, 1e-8, 1e-2
+    for step in range(steps):
+        ref_opt.zero_grad()
+        x, y = batch(step, hvd.rank())
+        loss_fn(ref(x), y).backward()
+        for i, p in enumerate(ref.parameters()):
+            p.grad = hvd.allreduce(p.grad, op=hvd.Average, name=f"ref.{step}.{i}")
+        if step < freeze_step:
+            ref_opt.step()
+            continue
+        with torch.no_grad():
+            for p in ref.parameters():
+                st = ref_opt.state[p]
+                g = p.grad if adamw else p.grad.add(p, alpha=weight_decay)
+                st["exp_avg"].lerp_(g, 1 - beta1)
+                t = step + 1
+                bc1 = 1 - beta1 ** t
+                bc2 = 1 - beta2 ** freeze_step
+                denom = (st["exp_avg_sq"].sqrt() / bc2 ** 0.5).add_(eps)
+                if adamw:
+                    p.mul_(1 - lr * weight_decay)
+                p.addcdiv_(st["exp_avg"], denom, value=-lr / bc1)
+    diffs = [float((a.detach() - b.detach()).abs().max()) for a, b in zip(model.parameters(), ref.parameters())]
+    moved = [float((a.detach() - b.detach()).abs().max()) for a, b in zip(model.parameters(), make_model().parameters())]
+    return max(diffs), min(moved)
+
+
+def onebit_consistency(steps=30, freeze_step=5, passes=1, bucket_size_mb=64.0):
+    """Hashes of the parameters after every step, plus telemetry snapshots."""
+    model = make_model()
+    opt = hvd_onebit.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2),
+                                          named_parameters=model.named_parameters(),
+                                          freeze_step=freeze_step, backward_passes_per_step=passes,
+                                          bucket_size_mb=bucket_size_mb)
+    hashes, phases, bytes_per_step = [], [], []
+    loss_fn = nn.MSELoss()
+    for step in range(steps):
+        phases.append(opt.phase)
+        opt.zero_grad()
+        for k in range(passes):
+            x, y = batch(step * passes + k, hvd.rank())
+            loss_fn(model(x), y).backward()
+        opt.step()
+        hashes.append(params_hash(model))
+        bytes_per_step.append(opt.last_step_bytes)
+    v_after_freeze = opt.state[next(model.parameters())]["exp_avg_sq"].clone()
+    return {"hashes": hashes, "phases": phases, "bytes": bytes_per_step,
+            "telemetry": opt.telemetry(), "v": v_after_freeze.numpy(),
+            "buckets": len(opt._buckets or []),
+            "finite": all(bool(torch.isfinite(p).all()) for p in model.parameters())}
+
+
+def missing_grads_and_requires_grad(steps=12, freeze_step=4):
+    """Rank 1 skips a branch (no grad there); a layer is frozen then unfrozen mid-compression."""
+    torch.manual_seed(0)
+    trunk, branch, head = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 1)
+    params = list(trunk.parameters()) + list(branch.parameters()) + list(head.parameters())
+    named = [(f"p{i}", p) for i, p in enumerate(params)]
+    opt = hvd_onebit.DistributedOptimizer(torch.optim.Adam(params, lr=1e-2),
+                                          named_parameters=named, freeze_step=freeze_step)
+    frozen_check = None
+    hashes = []
+    for step in range(steps):
+        if step == 7:
+            head.weight.requires_grad_(False)
+            before = head.weight.detach().clone()
+        if step == 9:
+            frozen_check = torch.equal(before, head.weight)
+            head.weight.requires_grad_(True)
+        opt.zero_grad()
+        x, y = batch(step, hvd.rank())
+        h = torch.tanh(trunk(x))
+        if hvd.rank() != 1 or step % 2 == 0:
+            h = h + torch.tanh(branch(h))
+        nn.functional.mse_loss(head(h), y).backward()
+        opt.step()
+        hashes.append(hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in params)).hexdigest())
+    unfrozen_moved = not torch.equal(before, head.weight)
+    return {"hashes": hashes, "frozen_stayed": frozen_check, "unfrozen_moved": unfrozen_moved}
+
+
+def groups_masks_and_schedules(steps=10, freeze_step=3):
+    """Per-group lr/wd, AdamW, an exp_avg_mask on padding rows, and an LR scheduler."""
+    torch.manual_seed(0)
+    emb = nn.Embedding(10, 4, padding_idx=0)  # row 0 is padding: zero, with zero gradient
+    lin = nn.Linear(4, 1)
+    mask = torch.ones(10, 4)
+    mask[0] = 0
+    base = torch.optim.AdamW([
+        {"params": [emb.weight], "lr": 1e-2, "weight_decay": 0.0, "exp_avg_mask": mask},
+        {"params": list(lin.parameters()), "lr": 5e-3, "weight_decay": 0.1},
+    ])
+    opt = hvd_onebit.DistributedOptimizer(
+        base, named_parameters=[("emb", emb.weight), ("w", lin.weight), ("b", lin.bias)],
+        freeze_step=freeze_step)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    for step in range(steps):
+        opt.zero_grad()
+        g = torch.Generator().manual_seed(step * 10 + hvd.rank())
+        idx = torch.randint(0, 10, (32,), generator=g)
+        y = torch.randn(32, 1, generator=g)
+        nn.functional.mse_loss(lin(emb(idx)), y).backward()
+        opt.step()
+        sched.step()
+    return {"pad_row": emb.weight[0].detach().clone().numpy(),
+            "pad_momentum": opt.state[emb.weight]["exp_avg"][0].clone().numpy(),
+            "lrs": [g["lr"] for g in opt.param_groups],
+            "hash": hashlib.sha256(emb.weight.detach().numpy().tobytes()
+                                   + lin.weight.detach().numpy().tobytes()).hexdigest()}
+
+
+def single_rank_is_plain_adam(steps=8, freeze_step=3):
+    model, ref = make_model(), make_model()
+    opt = hvd_onebit.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2),
+                                          named_parameters=model.named_parameters(),
+                                          freeze_step=freeze_step)
+    train(model, opt, steps)
+    train(ref, torch.optim.Adam(ref.parameters(), lr=1e-2), steps)
+    return params_bytes(model) == params_bytes(ref), opt.total_bytes
+
+
+def broadcasts_and_helpers(freeze_step=3):
+    """broadcast_parameters/optimizer_state, zero_grad, synchronize + skip_synchronize."""
+    model = make_model(seed=hvd.rank())  # different on purpose: the broadcast must fix it
+    opt = hvd_onebit.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2),
+                                          named_parameters=model.named_parameters(),
+                                          freeze_step=freeze_step)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    res = {"steps_after_broadcast": opt.steps, "hash0": params_hash(model)}
+    loss_fn = nn.MSELoss()
+    for step in range(6):  # synchronize / clip / skip_synchronize, through both phases
+        opt.zero_grad(set_to_none=(step % 2 == 0))
+        x, y = batch(step, hvd.rank())
+        loss_fn(model(x), y).backward()
+        opt.synchronize()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        with opt.skip_synchronize():
+            opt.step()
+    opt.zero_grad(set_to_none=False)
+    res["zero_grads"] = all(p.grad is not None and not p.grad.any() for p in model.parameters())
+    opt.zero_grad(set_to_none=True)
+    res["none_grads"] = all(p.grad is None for p in model.parameters())
+    if hvd.size() > 1:  # error feedback exists only with more than one rank
+        comm = next(iter(opt._comms.values()))
+        before = comm.state_dict()
+        hvd.broadcast_optimizer_state(opt, root_rank=0)
+        after = comm.state_dict()
+        res["errors_kept"] = (torch.equal(before["worker_error"], after["worker_error"])
+                              and torch.equal(before["server_error"], after["server_error"]))
+        res["error_nonzero"] = bool(before["worker_error"].abs().sum() > 0)
+    res["steps"] = opt.steps
+    res["hash"] = params_hash(model)
+    return res
+
+
+def bad_arguments():
+    model = make_model()
+    errors = {}
+    cases = {
+        "sgd": lambda: hvd_onebit.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                                       freeze_step=2),
+        "amsgrad": lambda: hvd_onebit.DistributedOptimizer(
+            torch.optim.Adam(model.parameters(), amsgrad=True), freeze_step=2),
+        "freeze0": lambda: hvd_onebit.DistributedOptimizer(torch.optim.Adam(model.parameters()),
+                                                           freeze_step=0),
+        "freeze_float": lambda: hvd_onebit.DistributedOptimizer(
+            torch.optim.Adam(model.parameters()), freeze_step=2.5),
+        "adasum": lambda: hvd_onebit.DistributedOptimizer(torch.optim.Adam(model.parameters()),
+                                                          freeze_step=2, op=hvd.Adasum),
+        "mask_shape": lambda: hvd_onebit.DistributedOptimizer(torch.optim.Adam(
+            [{"params": [model[0].weight], "exp_avg_mask": torch.ones(3, 3)}]), freeze_step=2),
+    }
+    for name, make in cases.items():
+        try:
+            make()
+            errors[name] = None
+        except (TypeError, ValueError) as exc:
+            errors[name] = f"{type(exc).__name__}: {exc}"
+    return errors
+
+
+def convergence(steps=300, freeze_step=60, lr=3e-3, noise=0.1):
+    """Final held-out loss of Adam (Horovod) and 1-bit Adam on a teacher-student regression.
+
+    Targets carry Gaussian noise (std ``noise``), as real data does, so the loss has a floor.
+    """
+    torch.manual_seed(1234)
+    teacher = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 4))
+    gx = torch.Generator().manual_seed(99)
+    x_val = torch.randn(512, 16, generator=gx)
+    with torch.no_grad():
+        y_val = teacher(x_val) + noise * torch.randn(512, 4, generator=gx)
+    losses = {}
+    for kind in ("adam", "onebit"):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(),
+                              nn.Linear(64, 4))
+        base = torch.optim.Adam(model.parameters(), lr=lr)
+        kw = dict(named_parameters=model.named_parameters())
+        opt = (hvd.DistributedOptimizer(base, **kw) if kind == "adam"
+               else hvd_onebit.DistributedOptimizer(base, freeze_step=freeze_step, **kw))
+        for step in range(steps):
+            g = torch.Generator().manual_seed(7919 * step + hvd.rank())
+            x = torch.randn(32, 16, generator=g)
+            with torch.no_grad():
+                y = teacher(x) + noise * torch.randn(32, 4, generator=g)
+            opt.zero_grad()
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+        with torch.no_grad():
+            losses[kind] = float(nn.functional.mse_loss(model(x_val), y_val))
+    return losses
+
+
+def suite():
+    n = hvd.size()
+    out = {
+        "warmup_identical": warmup_matches_horovod(),
+        "warmup_identical_passes2_fp16_adamw": warmup_matches_horovod(passes=2, fp16=True, adamw=True),
+        "frozen_adam": frozen_variance_reference(weight_decay=0.01),
+        "frozen_adamw": frozen_variance_reference(weight_decay=0.01, adamw=True),
+        "consistency": onebit_consistency(),
+        "consistency_passes2_buckets": onebit_consistency(steps=12, passes=2, bucket_size_mb=0.002),
+        "missing": missing_grads_and_requires_grad(),
+        "groups": groups_masks_and_schedules(),
+        "helpers": broadcasts_and_helpers(),
+        "bad": bad_arguments(),
+    }
+    if n == 1:
+        out["single"] = single_rank_is_plain_adam()
+    return out
+
+
+def convergence_suite():
+    """Noisy targets with a 20% warmup, and noise-free targets with a 25% warmup."""
+    return {"noisy": convergence(), "clean": convergence(noise=0.0, freeze_step=75)}
