@@ -101,13 +101,15 @@ class OneBitAllreduce:
         L = self.layout
         f32 = dict(dtype=torch.float32, device=self.device)
         u8 = dict(dtype=torch.uint8, device=self.device)
-        # Double-buffered errors: kernels write the new error beside the old one and the call
-        # swaps them only once every rank has succeeded.
-        self._worker_err = torch.zeros(L.padded, **f32)
-        self._worker_err_next = torch.empty(L.padded, **f32)
+        # Double-buffered state: kernels write the new error beside the old one and the call
+        # swaps them only once every rank has succeeded. The worker error is factored as the last
+        # call's y and sent rows (e = y - s * sign(y)); zero y and zero scales mean e = 0.
+        self._worker_y = torch.zeros(L.padded, **f32)
+        self._worker_y_next = torch.empty(L.padded, **f32)
+        self._sent = torch.zeros(L.n * L.row_bytes, **u8)
+        self._send = torch.zeros(L.n * L.row_bytes, **u8)
         self._server_err = torch.zeros(L.chunk, **f32)
         self._server_err_next = torch.empty(L.chunk, **f32)
-        self._send = torch.empty(L.n * L.row_bytes, **u8)
         self._server_row = torch.empty(L.row_bytes, **u8)
         self._in_flight = False
 
@@ -184,8 +186,8 @@ class OneBitAllreduce:
             self._in_flight = True
             return handle
         L = self.layout
-        kernels.worker_compress(x32, self._worker_err, self._worker_err_next, self._send, L,
-                                self.backend)
+        kernels.worker_compress(x32, self._worker_y, self._sent, self._worker_y_next, self._send,
+                                L, self.backend)
         # Sent even when this rank's input was bad: the status word tells every peer.
         handle.stage1 = self.transport.alltoall_async(self._send.view(L.n, L.row_bytes),
                                                       name=f"{self.name}.alltoall")
@@ -219,7 +221,8 @@ class OneBitAllreduce:
         self._raise_if_bad(kernels.row_status(gathered, L, L.n), "in the server average")
         kernels.decode(gathered, handle.out32, L, self.backend)
         # Every rank succeeded: commit the new error feedback.
-        self._worker_err, self._worker_err_next = self._worker_err_next, self._worker_err
+        self._worker_y, self._worker_y_next = self._worker_y_next, self._worker_y
+        self._sent, self._send = self._send, self._sent
         self._server_err, self._server_err_next = self._server_err_next, self._server_err
         self.wire_bytes = L.wire_bytes
         self.total_wire_bytes += L.wire_bytes
@@ -234,8 +237,8 @@ class OneBitAllreduce:
 
     @property
     def worker_error(self) -> torch.Tensor:
-        """e_w: float32 [padded], this rank's worker error feedback (read only view)."""
-        return self._worker_err
+        """e_w: float32 [padded], this rank's worker error feedback (a fresh tensor)."""
+        return kernels.worker_error(self._worker_y, self._sent, self.layout)
 
     @property
     def server_error(self) -> torch.Tensor:
@@ -244,14 +247,15 @@ class OneBitAllreduce:
 
     def reset(self) -> None:
         """Zero both error-feedback buffers (e.g. after the world size changed)."""
-        self._worker_err.zero_()
+        self._worker_y.zero_()
+        self._sent.zero_()
         self._server_err.zero_()
 
     def state_dict(self) -> dict:
         """This rank's error feedback, with the layout it belongs to."""
         return {"numel": self.layout.numel, "size": self.size, "rank": self.rank,
                 "block_size": self.block_size,
-                "worker_error": self._worker_err.clone(), "server_error": self._server_err.clone()}
+                "worker_error": self.worker_error, "server_error": self._server_err.clone()}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore error feedback saved by :meth:`state_dict` on the same rank and layout."""
@@ -260,5 +264,11 @@ class OneBitAllreduce:
         got = {k: state.get(k) for k in expect}
         if got != expect:
             raise ValueError(f"error-feedback state was saved for {got}, this object is {expect}")
-        self._worker_err.copy_(state["worker_error"])
+        # Factored form of a given e: y = e with zero scales and all sign bits set, so that
+        # y - (+0) reproduces e exactly, signed zeros included.
+        self._worker_y.copy_(state["worker_error"])
+        L = self.layout
+        rows = self._sent.view(L.n, L.row_bytes)
+        rows.zero_()
+        rows[:, L.header_bytes:L.header_bytes + L.bits_bytes] = 0xFF
         self._server_err.copy_(state["server_error"])

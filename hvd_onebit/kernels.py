@@ -12,6 +12,10 @@ The arithmetic both follow, per block of ``layout.block`` elements (see :mod:`hv
 ``y = x + e`` in fp32; ``s = float(sqrt(sum(double(y)^2) / block))``; sign bit ``y >= 0``;
 ``e_new = y - (+s or -s)``. The server sums the decoded rows in rank order in fp32, divides by n
 and adds its error. New errors go to a separate buffer so a failed call changes nothing.
+
+The worker error is stored factored: the last call's ``y`` and its sent rows (scales and signs),
+from which ``e = y - s * sign(y)`` is rebuilt inside the next compression (:func:`worker_error`
+materialises it). Compression is then one pass over the data instead of two.
 """
 from __future__ import annotations
 
@@ -95,6 +99,13 @@ def _write_rows(buf, layout, count, status: float, scales, bits) -> None:
     _row_bits(buf, layout, count).copy_(bits)
 
 
+def _decoded(rows: torch.Tensor, layout: Layout, count: int) -> torch.Tensor:
+    """s * sign for ``count`` rows: float32 [count, nblocks, block]."""
+    scales = row_scales(rows, layout, count).unsqueeze(-1)
+    positive = unpack_signs(_row_bits(rows, layout, count)).view(count, layout.nblocks, layout.block)
+    return torch.where(positive, scales, -scales)
+
+
 def _compress_blocks(y: torch.Tensor, block: int, err_out: torch.Tensor):
     """y: fp32 [rows, nblocks, block]. Returns (finite, scales [rows, nblocks], bits [rows, chunk/8])."""
     sumsq = y.double().square().sum(-1)
@@ -108,26 +119,39 @@ def _compress_blocks(y: torch.Tensor, block: int, err_out: torch.Tensor):
 
 # ---- the three kernels -------------------------------------------------------------------------------
 
-def worker_compress(x: torch.Tensor, err: torch.Tensor, err_out: torch.Tensor, send: torch.Tensor,
-                    layout: Layout, backend: str = "auto") -> bool:
-    """Compress ``x + err`` into the n send rows.
+def worker_compress(x: torch.Tensor, y_prev: torch.Tensor, prev_send: torch.Tensor,
+                    y_out: torch.Tensor, send: torch.Tensor, layout: Layout,
+                    backend: str = "auto") -> bool:
+    """Compress ``x + e`` into the n send rows, with ``e = y_prev - s_prev * sign_prev``.
 
     Args:
         x: float32 [numel], contiguous. Elements past numel are padding (zeros).
-        err: float32 [padded], the worker error feedback (read only).
-        err_out: float32 [padded], receives the new worker error.
+        y_prev: float32 [padded], the previous call's y (read only).
+        prev_send: uint8 [n * row_bytes], the previous call's rows (read only); with ``y_prev``
+            it is the worker error feedback.
+        y_out: float32 [padded], receives this call's y = x + e.
         send: uint8 [n * row_bytes], receives one row per destination rank.
     Returns:
         False if any block held a non-finite value (the rows then carry status 1.0).
     """
     if resolve_backend(backend, x.device) == "native":
-        return _native.worker_compress(x, err, err_out, send, *layout.as_args(), True)
+        return _native.worker_compress(x, y_prev, prev_send, y_out, send, *layout.as_args(), True)
     n, nb, block = layout.n, layout.nblocks, layout.block
-    y = err.clone()
-    y[: layout.numel].add_(x)
-    finite, scales, bits = _compress_blocks(y.view(n, nb, block), block, err_out)
-    _write_rows(send, layout, n, 0.0 if finite else 1.0, scales, bits)
+    e = y_prev - _decoded(prev_send, layout, n).view(-1)
+    y_out.zero_()
+    y_out[: layout.numel].copy_(x)
+    y_out.add_(e)  # x + e on real elements, 0 + e on the padding: the native kernel's order
+    y = y_out.view(n, nb, block)
+    sumsq = y.double().square().sum(-1)
+    finite = bool(torch.isfinite(sumsq).all())
+    scales = torch.sqrt(sumsq / block).float()
+    _write_rows(send, layout, n, 0.0 if finite else 1.0, scales, pack_signs((y >= 0).view(n, -1)))
     return finite
+
+
+def worker_error(y: torch.Tensor, rows: torch.Tensor, layout: Layout) -> torch.Tensor:
+    """The worker error ``e = y - s * sign(y)`` as float32 [padded], from its factored form."""
+    return y - _decoded(rows, layout, layout.n).view(-1)
 
 
 def server_compress(recv: torch.Tensor, err: torch.Tensor, err_out: torch.Tensor,
@@ -145,12 +169,10 @@ def server_compress(recv: torch.Tensor, err: torch.Tensor, err_out: torch.Tensor
     if resolve_backend(backend, recv.device) == "native":
         return _native.server_compress(recv, err, err_out, out_row, *layout.as_args(), True)
     n, nb, block = layout.n, layout.nblocks, layout.block
-    scales = row_scales(recv, layout, n)
-    positive = unpack_signs(_row_bits(recv, layout, n)).view(n, nb, block)
+    decoded = _decoded(recv, layout, n)
     acc = torch.zeros(nb, block, dtype=torch.float32, device=recv.device)
     for i in range(n):  # rank order, fp32: the order the native kernel uses
-        s = scales[i].unsqueeze(-1)
-        acc = acc + torch.where(positive[i], s, -s)
+        acc = acc + decoded[i]
     z = acc / n + err.view(nb, block)
     finite, out_scales, bits = _compress_blocks(z.unsqueeze(0), block, err_out)
     _write_rows(out_row, layout, 1, 0.0 if finite else 1.0, out_scales, bits)
@@ -167,8 +189,4 @@ def decode(rows: torch.Tensor, out: torch.Tensor, layout: Layout, backend: str =
     if resolve_backend(backend, rows.device) == "native":
         _native.decode(rows, out, *layout.as_args(), True)
         return
-    n, nb, block = layout.n, layout.nblocks, layout.block
-    scales = row_scales(rows, layout, n).unsqueeze(-1)
-    positive = unpack_signs(_row_bits(rows, layout, n)).view(n, nb, block)
-    values = torch.where(positive, scales, -scales).view(-1)
-    out.copy_(values[: layout.numel])
+    out.copy_(_decoded(rows, layout, layout.n).view(-1)[: layout.numel])

@@ -31,32 +31,50 @@ def test_pack_unpack_round_trip_and_bit_order():
     assert torch.equal(kernels.unpack_signs(packed), positive)
 
 
-def _run(impl, L, x, err, es):
+def _worker(impl, L, x, y_prev, prev_send):
     send = torch.full((L.n * L.row_bytes,), 0xAB, dtype=torch.uint8)
-    err_out = torch.full((L.padded,), 123.0)
+    y_out = torch.full((L.padded,), 123.0)
+    if impl == "torch":
+        ok = kernels.worker_compress(x, y_prev, prev_send, y_out, send, L, "torch")
+    else:
+        ok = _C.worker_compress(x, y_prev, prev_send, y_out, send, *L.as_args(), impl == "avx2")
+    return ok, y_out, send
+
+
+def _run(impl, L, x, y_prev, prev_send, es):
+    ok, y_out, send = _worker(impl, L, x, y_prev, prev_send)
     es_out = torch.full((L.chunk,), 123.0)
     row = torch.full((L.row_bytes,), 0xCD, dtype=torch.uint8)
     out = torch.empty(L.numel)
     if impl == "torch":
-        ok = kernels.worker_compress(x, err, err_out, send, L, "torch")
         kernels.server_compress(send, es, es_out, row, L, "torch")
         kernels.decode(send, out, L, "torch")
     else:
         simd = impl == "avx2"
-        ok = _C.worker_compress(x, err, err_out, send, *L.as_args(), simd)
         _C.server_compress(send, es, es_out, row, *L.as_args(), simd)
         _C.decode(send, out, *L.as_args(), simd)
-    return ok, send, err_out, es_out, row, out
+    return ok, send, y_out, kernels.worker_error(y_out, send, L), es_out, row, out
+
+
+def _previous_state(L, g):
+    """A realistic factored worker error: one compression of random data from zero state."""
+    y_prev = torch.zeros(L.padded)
+    prev_send = torch.zeros(L.n * L.row_bytes, dtype=torch.uint8)
+    _, y, send = _worker("torch", L, torch.randn(L.numel, generator=g), y_prev, prev_send)
+    return y, send
+
+
+IMPLS = ("torch", "avx2", "scalar")
 
 
 @pytest.mark.parametrize("numel,n,block", CASES)
 def test_native_scalar_and_torch_kernels_give_identical_bits(numel, n, block):
     L = Layout.build(numel, n, block)
     g = torch.Generator().manual_seed(numel)
+    y_prev, prev_send = _previous_state(L, g)
     x = torch.randn(numel, generator=g)
-    err = torch.randn(L.padded, generator=g) * 0.1
     es = torch.randn(L.chunk, generator=g) * 0.1
-    runs = {impl: _run(impl, L, x, err, es) for impl in ("torch", "avx2", "scalar")}
+    runs = {impl: _run(impl, L, x, y_prev, prev_send, es) for impl in IMPLS}
     ref = runs["torch"]
     for impl in ("avx2", "scalar"):
         for a, b in zip(ref[1:], runs[impl][1:]):
@@ -67,9 +85,11 @@ def test_native_scalar_and_torch_kernels_give_identical_bits(numel, n, block):
 @pytest.mark.parametrize("numel,n,block", CASES)
 def test_worker_compression_matches_numpy_reference(numel, n, block):
     L = Layout.build(numel, n, block)
-    x = torch.randn(numel)
-    err = torch.randn(L.padded) * 0.1
-    _, send, err_out, _, _, _ = _run("avx2", L, x, err, torch.zeros(L.chunk))
+    g = torch.Generator().manual_seed(1)
+    y_prev, prev_send = _previous_state(L, g)
+    err = kernels.worker_error(y_prev, prev_send, L)
+    x = torch.randn(numel, generator=g)
+    _, send, _, new_err, _, _, _ = _run("avx2", L, x, y_prev, prev_send, torch.zeros(L.chunk))
     y = np.zeros(L.padded, np.float32)
     y[:numel] = x.numpy()
     y = (y + err.numpy()).astype(np.float32)
@@ -80,27 +100,29 @@ def test_worker_compression_matches_numpy_reference(numel, n, block):
         part = slice(j * L.chunk, (j + 1) * L.chunk)
         _, _, approx, e = _compress(y[part], L.block)
         np.testing.assert_allclose(decoded.numpy()[part], approx, rtol=1e-6)
-        np.testing.assert_allclose(err_out.numpy()[part], e, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(new_err.numpy()[part], e, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("impl", ["torch", "avx2", "scalar"])
-def test_non_finite_input_is_reported_and_old_error_is_untouched(impl):
+@pytest.mark.parametrize("impl", IMPLS)
+def test_non_finite_input_is_reported_and_old_state_is_untouched(impl):
     L = Layout.build(1000, 2)
-    x = torch.randn(1000)
+    g = torch.Generator().manual_seed(2)
+    y_prev, prev_send = _previous_state(L, g)
+    saved = (y_prev.clone(), prev_send.clone())
+    x = torch.randn(1000, generator=g)
     x[500] = float("inf")
-    err = torch.randn(L.padded)
-    err_copy = err.clone()
-    ok, send, *_ = _run(impl, L, x, err, torch.zeros(L.chunk))
+    ok, send, *_ = _run(impl, L, x, y_prev, prev_send, torch.zeros(L.chunk))
     assert ok is False
-    assert torch.equal(err, err_copy)
+    assert torch.equal(y_prev, saved[0]) and torch.equal(prev_send, saved[1])
     assert kernels.row_status(send, L, L.n).tolist() == [1.0, 1.0]
 
 
 def test_zero_block_gives_zero_scale_not_nan():
     L = Layout.build(64, 2)
-    ok, send, err_out, _, _, out = _run("avx2", L, torch.zeros(64), torch.zeros(L.padded),
-                                        torch.zeros(L.chunk))
-    assert ok and torch.equal(out, torch.zeros(64)) and torch.equal(err_out, torch.zeros(L.padded))
+    zeros_rows = torch.zeros(L.n * L.row_bytes, dtype=torch.uint8)
+    ok, send, _, err, _, _, out = _run("avx2", L, torch.zeros(64), torch.zeros(L.padded),
+                                       zeros_rows, torch.zeros(L.chunk))
+    assert ok and torch.equal(out, torch.zeros(64)) and torch.equal(err, torch.zeros(L.padded))
 
 
 def test_backend_selection_errors_are_clear():

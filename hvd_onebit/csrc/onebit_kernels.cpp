@@ -12,6 +12,13 @@
 //
 // New error-feedback values are always written to a separate output buffer, so a call that ends
 // in an error (a non-finite input on any rank) leaves the caller's error buffers untouched.
+//
+// The worker error is kept in factored form, e = y - s * sign(y), as the last call's y and its
+// sent rows (scales and sign bits) rather than as e itself. e is only ever needed inside the next
+// compression, which rebuilds it on the fly from y and the bits it reads anyway. That makes worker
+// compression a single pass over the data (read x and y_prev, write y and the bits), the same
+// memory traffic as torch.add(x, e, out=y); an eagerly stored e would need a second pass after
+// the scale is known. The arithmetic is unchanged: e is computed with the same fp32 subtraction.
 #include <torch/extension.h>
 
 #include <cmath>
@@ -76,34 +83,42 @@ bool cpu_has_avx2() {
 }
 
 // ---- worker compression ------------------------------------------------------------------------
-// For every chunk j and block b: y = x + e, s = rms(y), signs, err_out = y - s*sign(y).
-// x has `numel` valid elements; positions past it are padding (zeros).
-// Returns false (and leaves err_out partially written, which the caller discards) when any
-// sum of squares is not finite.
+// For every chunk j and block b: e = y_prev - s_prev * sign_prev (the factored worker error),
+// y = x + e, s = rms(y), signs of y into `send`, y into y_out. x has `numel` valid elements;
+// positions past it are padding (zeros). *finite becomes false when any block's sum of squares is
+// not finite.
 
-void worker_compress_scalar(const float* x, int64_t numel, const float* e, float* err_out,
-                            uint8_t* send, const Layout& L, bool* finite) {
-  float y[8];
+// e for one group, rebuilt from the previous call's y, scale and sign byte.
+inline void prev_error8_scalar(const float* y_prev, uint8_t prev_bits, float prev_s, float* e) {
+  for (int k = 0; k < 8; ++k) e[k] = y_prev[k] - (((prev_bits >> k) & 1) ? prev_s : -prev_s);
+}
+
+void worker_compress_scalar(const float* x, int64_t numel, const float* y_prev,
+                            const uint8_t* prev_send, float* y_out, uint8_t* send,
+                            const Layout& L, bool* finite) {
+  float e[8];
   const int64_t nb = L.nblocks();
+  const int64_t hb = L.header_bytes();
   for (int64_t j = 0; j < L.n; ++j) {
     uint8_t* row = send + j * L.row_bytes;
-    uint8_t* bits = row + L.header_bytes();
+    const uint8_t* prow = prev_send + j * L.row_bytes;
     for (int64_t b = 0; b < nb; ++b) {
       const int64_t base = j * L.chunk + b * L.block;
+      const float prev_s = reinterpret_cast<const float*>(prow)[1 + b];
       double acc = 0.0;
       for (int64_t g = 0; g < L.block; g += 8) {
         const int64_t p = base + g;
-        load_y8(x + (p < numel ? p : 0), e + p, numel - p, y);
+        const int64_t byte = hb + (b * L.block + g) / 8;
+        prev_error8_scalar(y_prev + p, prow[byte], prev_s, e);
+        float* y = y_out + p;
+        load_y8(x + (p < numel ? p : 0), e, numel - p, y);
         acc += sumsq8_scalar(y);
+        uint8_t bits = 0;
+        for (int k = 0; k < 8; ++k) bits |= static_cast<uint8_t>(y[k] >= 0.0f) << k;
+        row[byte] = bits;
       }
       if (!std::isfinite(acc)) *finite = false;
-      const float s = static_cast<float>(std::sqrt(acc / static_cast<double>(L.block)));
-      row_scales(row)[b] = s;
-      for (int64_t g = 0; g < L.block; g += 8) {
-        const int64_t p = base + g;
-        load_y8(x + (p < numel ? p : 0), e + p, numel - p, y);
-        bits[(b * L.block + g) / 8] = sign_error8_scalar(y, s, err_out + p);
-      }
+      row_scales(row)[b] = static_cast<float>(std::sqrt(acc / static_cast<double>(L.block)));
     }
   }
 }
@@ -139,50 +154,57 @@ __attribute__((target("avx2,fma"))) inline __m256 bitmask8_avx2(uint8_t bits) {
   return _mm256_castsi256_ps(_mm256_cmpeq_epi32(v, sel));
 }
 
-__attribute__((target("avx2,fma"))) void worker_compress_avx2(const float* x, int64_t numel,
-                                                              const float* e, float* err_out,
-                                                              uint8_t* send, const Layout& L,
-                                                              bool* finite) {
+// One group: y = x + (y_prev - (+-prev_s)); store y; accumulate y^2; return y's sign bits.
+__attribute__((target("avx2,fma"))) inline uint8_t worker_group_avx2(
+    __m256 x, const float* y_prev, uint8_t prev_bits, __m256 prev_pos, __m256 prev_neg,
+    float* y_out, __m256d* acc) {
+  const __m256 e = _mm256_sub_ps(_mm256_loadu_ps(y_prev),
+                                 _mm256_blendv_ps(prev_neg, prev_pos, bitmask8_avx2(prev_bits)));
+  const __m256 y = _mm256_add_ps(x, e);
+  _mm256_storeu_ps(y_out, y);
+  *acc = sq_acc_pd(y, *acc);
+  return static_cast<uint8_t>(
+      _mm256_movemask_ps(_mm256_cmp_ps(y, _mm256_setzero_ps(), _CMP_GE_OQ)));
+}
+
+__attribute__((target("avx2,fma"))) void worker_compress_avx2(
+    const float* x, int64_t numel, const float* y_prev, const uint8_t* prev_send, float* y_out,
+    uint8_t* send, const Layout& L, bool* finite) {
   alignas(32) float tmp[8];
   const int64_t nb = L.nblocks();
+  const int64_t hb = L.header_bytes();
+  const int64_t full_end_all = (numel / 8) * 8;  // groups below this hold only real data
   for (int64_t j = 0; j < L.n; ++j) {
     uint8_t* row = send + j * L.row_bytes;
-    uint8_t* bits = row + L.header_bytes();
+    const uint8_t* prow = prev_send + j * L.row_bytes;
     for (int64_t b = 0; b < nb; ++b) {
       const int64_t base = j * L.chunk + b * L.block;
       const int64_t end = base + L.block;
-      // Groups fully inside x take the vector path; the (at most n) groups that touch the
-      // padding go through the scalar loader.
-      int64_t full_end = (numel / 8) * 8;  // groups below this are all real data
-      if (full_end > end) full_end = end;
+      int64_t full_end = full_end_all < end ? full_end_all : end;
       if (full_end < base) full_end = base;
+      const float prev_s = reinterpret_cast<const float*>(prow)[1 + b];
+      const __m256 prev_pos = _mm256_set1_ps(prev_s), prev_neg = _mm256_set1_ps(-prev_s);
+      const uint8_t* prev_bits = prow + hb + b * L.block / 8;
+      uint8_t* bits = row + hb + b * L.block / 8;
       __m256d acc0 = _mm256_setzero_pd(), acc1 = _mm256_setzero_pd();
       int64_t p = base;
-      for (; p + 16 <= full_end; p += 16) {
-        acc0 = sq_acc_pd(_mm256_add_ps(_mm256_loadu_ps(x + p), _mm256_loadu_ps(e + p)), acc0);
-        acc1 = sq_acc_pd(_mm256_add_ps(_mm256_loadu_ps(x + p + 8), _mm256_loadu_ps(e + p + 8)),
-                         acc1);
+      for (; p + 16 <= full_end; p += 16) {  // two accumulators hide the add latency
+        *bits++ = worker_group_avx2(_mm256_loadu_ps(x + p), y_prev + p, *prev_bits++, prev_pos,
+                                    prev_neg, y_out + p, &acc0);
+        *bits++ = worker_group_avx2(_mm256_loadu_ps(x + p + 8), y_prev + p + 8, *prev_bits++,
+                                    prev_pos, prev_neg, y_out + p + 8, &acc1);
       }
       for (; p < full_end; p += 8)
-        acc0 = sq_acc_pd(_mm256_add_ps(_mm256_loadu_ps(x + p), _mm256_loadu_ps(e + p)), acc0);
-      double acc = hsum_pd(_mm256_add_pd(acc0, acc1));
-      for (; p < end; p += 8) {
-        load_y8(x + (p < numel ? p : 0), e + p, numel - p, tmp);
-        acc += sumsq8_scalar(tmp);
+        *bits++ = worker_group_avx2(_mm256_loadu_ps(x + p), y_prev + p, *prev_bits++, prev_pos,
+                                    prev_neg, y_out + p, &acc0);
+      for (; p < end; p += 8) {  // groups touching the padding: x is zero past numel
+        for (int k = 0; k < 8; ++k) tmp[k] = p + k < numel ? x[p + k] : 0.0f;
+        *bits++ = worker_group_avx2(_mm256_load_ps(tmp), y_prev + p, *prev_bits++, prev_pos,
+                                    prev_neg, y_out + p, &acc0);
       }
-      if (!std::isfinite(acc)) *finite = false;
-      const float s = static_cast<float>(std::sqrt(acc / static_cast<double>(L.block)));
-      row_scales(row)[b] = s;
-      const __m256 pos_s = _mm256_set1_ps(s), neg_s = _mm256_set1_ps(-s);
-      uint8_t* out_bits = bits + b * L.block / 8;
-      for (p = base; p < full_end; p += 8) {
-        const __m256 y = _mm256_add_ps(_mm256_loadu_ps(x + p), _mm256_loadu_ps(e + p));
-        *out_bits++ = sign_error8_avx2(y, pos_s, neg_s, err_out + p);
-      }
-      for (; p < end; p += 8) {
-        load_y8(x + (p < numel ? p : 0), e + p, numel - p, tmp);
-        *out_bits++ = sign_error8_scalar(tmp, s, err_out + p);
-      }
+      const double ss = hsum_pd(_mm256_add_pd(acc0, acc1));
+      if (!std::isfinite(ss)) *finite = false;
+      row_scales(row)[b] = static_cast<float>(std::sqrt(ss / static_cast<double>(L.block)));
     }
   }
 }
@@ -333,26 +355,30 @@ void check_cpu(const torch::Tensor& t, torch::ScalarType dtype, const char* name
 
 // ---- bindings ----------------------------------------------------------------------------------
 
-bool worker_compress(const torch::Tensor& x, const torch::Tensor& err, torch::Tensor err_out,
-                     torch::Tensor send, int64_t n, int64_t chunk, int64_t block,
-                     int64_t row_bytes, bool allow_simd) {
+bool worker_compress(const torch::Tensor& x, const torch::Tensor& y_prev,
+                     const torch::Tensor& prev_send, torch::Tensor y_out, torch::Tensor send,
+                     int64_t n, int64_t chunk, int64_t block, int64_t row_bytes, bool allow_simd) {
   const Layout L = make_layout(n, chunk, block, row_bytes);
   check_cpu(x, torch::kFloat32, "x", 0);
   TORCH_CHECK(x.numel() <= n * chunk, "x has more elements than the layout holds");
-  check_cpu(err, torch::kFloat32, "err", n * chunk);
-  check_cpu(err_out, torch::kFloat32, "err_out", n * chunk);
+  check_cpu(y_prev, torch::kFloat32, "y_prev", n * chunk);
+  check_cpu(prev_send, torch::kUInt8, "prev_send", n * row_bytes);
+  check_cpu(y_out, torch::kFloat32, "y_out", n * chunk);
   check_cpu(send, torch::kUInt8, "send", n * row_bytes);
+  TORCH_CHECK(y_out.data_ptr() != y_prev.data_ptr() && send.data_ptr() != prev_send.data_ptr(),
+              "outputs must not alias the previous state (it is kept until the call succeeds)");
   bool finite = true;
-  const float* xp = x.numel() ? x.data_ptr<float>() : err.data_ptr<float>();
+  const float* xp = x.numel() ? x.data_ptr<float>() : y_prev.data_ptr<float>();
   {
     pybind11::gil_scoped_release no_gil;
 #if defined(HVD_ONEBIT_X86)
     if (allow_simd && cpu_has_avx2())
-      worker_compress_avx2(xp, x.numel(), err.data_ptr<float>(), err_out.data_ptr<float>(),
-                           send.data_ptr<uint8_t>(), L, &finite);
+      worker_compress_avx2(xp, x.numel(), y_prev.data_ptr<float>(), prev_send.data_ptr<uint8_t>(),
+                           y_out.data_ptr<float>(), send.data_ptr<uint8_t>(), L, &finite);
     else
 #endif
-      worker_compress_scalar(xp, x.numel(), err.data_ptr<float>(), err_out.data_ptr<float>(),
+      worker_compress_scalar(xp, x.numel(), y_prev.data_ptr<float>(),
+                             prev_send.data_ptr<uint8_t>(), y_out.data_ptr<float>(),
                              send.data_ptr<uint8_t>(), L, &finite);
     const float status = finite ? 0.0f : 1.0f;
     for (int64_t j = 0; j < n; ++j) {
@@ -415,8 +441,8 @@ void decode(const torch::Tensor& rows, torch::Tensor out, int64_t n, int64_t chu
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "hvd_onebit fused CPU kernels for 1-bit compressed allreduce";
   m.def("worker_compress", &worker_compress,
-        "y = x + err; per-block rms scale and packed signs into send rows; err_out = y - s*sign(y)."
-        " Returns False if any block's sum of squares is not finite.");
+        "e = y_prev - s_prev*sign_prev; y = x + e into y_out; per-block rms scale and packed signs"
+        " into send rows. Returns False if any block's sum of squares is not finite.");
   m.def("server_compress", &server_compress,
         "z = mean of the n received rows + err; compress z into out_row; err_out = z - s*sign(z).");
   m.def("decode", &decode, "out = s * sign for the n rows, first out.numel() elements.");

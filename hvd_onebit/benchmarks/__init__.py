@@ -1,0 +1,1 @@
+"""Benchmarks behind `hvd-onebit bench ...`; each returns plain dicts ready for JSON."""
