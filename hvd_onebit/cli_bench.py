@@ -1,9 +1,195 @@
-"""`hvd-onebit bench`: the benchmark commands."""
+"""`hvd-onebit bench`: the benchmark commands (tables by default, JSON with --json)."""
 from __future__ import annotations
 
+import contextlib
+import json
+import platform
+import time
+from typing import Optional
+
 import click
+
+from .benchmarks.allreduce import METHODS, summarize
+
+SIZE_SUFFIX = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+
+
+def parse_count(text: str) -> int:
+    """'16M' -> 16777216 elements; plain integers pass through."""
+    t = text.strip().lower()
+    if t and t[-1] in SIZE_SUFFIX:
+        return int(float(t[:-1]) * SIZE_SUFFIX[t[-1]])
+    return int(t)
+
+
+def _csv(kind):
+    def convert(ctx, param, value):
+        try:
+            return [kind(v) for v in value.split(",") if v.strip()]
+        except ValueError as exc:
+            raise click.BadParameter(str(exc)) from exc
+    return convert
+
+
+def machine_info() -> dict:
+    import os
+
+    return {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "host": platform.node(),
+            "cpu_count": os.cpu_count(), "platform": platform.platform(),
+            "python": platform.python_version()}
+
+
+def print_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> None:
+    """columns: (header, key, format spec)."""
+    cells = [[h for h, _, _ in columns]]
+    for r in rows:
+        line = []
+        for _, key, fmt in columns:
+            v = r.get(key)
+            line.append("-" if v is None else format(v, fmt))
+        cells.append(line)
+    widths = [max(len(c[i]) for c in cells) for i in range(len(columns))]
+    for k, line in enumerate(cells):
+        click.echo("  ".join(c.rjust(w) for c, w in zip(line, widths)))
+        if k == 0:
+            click.echo("  ".join("-" * w for w in widths))
 
 
 @click.group()
 def bench() -> None:
     """Benchmarks; every command prints a table, or JSON with --json."""
+
+
+@bench.command("kernel")
+@click.option("--numel", default="16M", show_default=True, callback=lambda c, p, v: parse_count(v),
+              help="Elements in the buffer (e.g. 1M, 16M).")
+@click.option("--ranks", default=4, show_default=True, help="Chunks in the layout (world size).")
+@click.option("--threads", default=1, show_default=True, help="torch threads.")
+@click.option("--repeats", default=9, show_default=True, help="Timed runs; the median is kept.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+def bench_kernel(numel: int, ranks: int, threads: int, repeats: int, as_json: bool) -> None:
+    """Compression-kernel throughput as a ratio to torch.add(x, e, out=y) (target >= 0.5)."""
+    from .benchmarks.kernel import bench_kernels
+
+    result = bench_kernels(numel=numel, ranks=ranks, threads=threads, repeats=repeats)
+    result["machine"] = machine_info()
+    if as_json:
+        click.echo(json.dumps(result, indent=2))
+        return
+    click.echo(f"{numel} fp32 elements, {ranks} chunks, {threads} thread(s); "
+               f"torch.add: {result['add_elems_per_s'] / 1e6:,.0f} M elements/s")
+    rows = []
+    for backend, b in result["backends"].items():
+        for k in ("compress", "server", "decode"):
+            rows.append({"backend": backend, "kernel": k,
+                         "melem_s": b[f"{k}_elems_per_s"] / 1e6, "ratio": b[f"{k}_ratio_to_add"]})
+    print_table(rows, [("backend", "backend", ""), ("kernel", "kernel", ""),
+                       ("M elem/s", "melem_s", ",.0f"), ("ratio to add", "ratio", ".2f")])
+
+
+@contextlib.contextmanager
+def _cluster_for(np_: int, bandwidth: Optional[str]):
+    """An emulated cluster at ``bandwidth``, or nothing (plain local launch) when unlimited/None."""
+    if bandwidth in (None, "", "none", "local"):
+        yield None
+        return
+    from .emulator import EmulatedCluster
+
+    with EmulatedCluster(np=np_, bandwidth=bandwidth) as cluster:
+        yield cluster
+
+
+@bench.command("allreduce")
+@click.option("--np", "nps", default="2,4", show_default=True, callback=_csv(int),
+              help="World sizes to run, comma separated.")
+@click.option("--sizes", default="1M,4M,16M,64M", show_default=True, callback=_csv(parse_count),
+              help="Buffer sizes in fp32 elements, comma separated.")
+@click.option("--bandwidth", "bandwidths", default="local", show_default=True,
+              callback=_csv(str),
+              help="Comma-separated link rates for an emulated cluster (e.g. 100mbit,1gbit,"
+                   "10gbit,unlimited); 'local' runs plain horovodrun on loopback without "
+                   "emulation. Emulation needs root.")
+@click.option("--methods", default=",".join(METHODS), show_default=True, callback=_csv(str),
+              help="Which allreduces to time.")
+@click.option("--repeats", default=5, show_default=True, help="Timed calls per size and method.")
+@click.option("--transport", type=click.Choice(["horovod", "mpi"]), default="horovod",
+              show_default=True, help="OneBitAllreduce transport (mpi needs --controller mpi).")
+@click.option("--controller", type=click.Choice(["gloo", "mpi"]), default="gloo",
+              show_default=True, help="Horovod controller for local and --hosts runs.")
+@click.option("--hosts", default=None, help="Run on a real cluster through horovodrun, e.g. "
+              "h1:4,h2:4 (no emulation); needs --shared-dir.")
+@click.option("--shared-dir", default=None, help="A folder every host sees, for --hosts.")
+@click.option("--timeout", default=1800.0, show_default=True, help="Seconds per job.")
+@click.option("--plot", default=None, type=click.Path(dir_okay=False),
+              help="Write a PNG of speed-up over fp32 against bandwidth.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+def bench_allreduce(nps, sizes, bandwidths, methods, repeats, transport, controller, hosts,
+                    shared_dir, timeout, plot, as_json) -> None:
+    """fp32 hvd.allreduce vs Compression.fp16 vs OneBitAllreduce: time per call and bytes."""
+    from .testing import run_job
+
+    bad = [m for m in methods if m not in METHODS]
+    if bad:
+        raise click.BadParameter(f"unknown methods {bad}; choose from {METHODS}")
+    jobs = [(n, bw) for bw in bandwidths for n in nps]
+    rows = []
+    with click.progressbar(jobs, label="allreduce jobs", file=click.get_text_stream("stderr"),
+                           item_show_func=lambda j: j and f"np={j[0]} {j[1]}") as bar:
+        for n, bw in bar:
+            kwargs = {"sizes": sizes, "methods": tuple(methods), "repeats": repeats,
+                      "transport": transport}
+            with _cluster_for(n, None if hosts else bw) as cluster:
+                job = run_job("hvd_onebit.benchmarks.allreduce:allreduce_worker", np=n,
+                              controller=controller, kwargs=kwargs, timeout=timeout,
+                              cluster=cluster, hosts=hosts, shared_dir=shared_dir)
+            for r in job.results[0]:
+                r["bandwidth"] = "real" if hosts else bw
+                rows.append(r)
+    summarize(rows)
+    report = {"benchmark": "allreduce", "machine": machine_info(), "rows": rows}
+    if plot:
+        _plot_allreduce(rows, plot)
+        report["plot"] = plot
+    if as_json:
+        click.echo(json.dumps(report, indent=2))
+        return
+    for r in rows:
+        r["mb"] = r["bytes_per_rank"] / 1e6
+        r["ms"] = r["median_s"] * 1e3
+        m = r.get("measured_tx_bytes_per_call")
+        r["measured_mb"] = None if m is None else m / 1e6
+    print_table(rows, [("bandwidth", "bandwidth", ""), ("np", "np", "d"), ("elements", "numel", ",d"),
+                       ("method", "method", ""), ("median ms", "ms", ",.1f"),
+                       ("speed-up vs fp32", "speedup_vs_fp32", ".2f"),
+                       ("MB/rank", "mb", ",.2f"), ("measured MB/rank", "measured_mb", ",.2f"),
+                       ("bytes vs fp32", "bytes_ratio_vs_fp32", ".4f")])
+
+
+def _plot_allreduce(rows: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from .emulator import parse_bandwidth
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    keys = sorted({(r["np"], r["numel"], r["method"]) for r in rows if r["method"] != "fp32"})
+    for n, numel, method in keys:
+        pts = []
+        for r in rows:
+            if (r["np"], r["numel"], r["method"]) == (n, numel, method) and r["bandwidth"] != "local":
+                bps = parse_bandwidth(r["bandwidth"])
+                pts.append((bps or 1e11, r.get("speedup_vs_fp32")))
+        pts = sorted(p for p in pts if p[1])
+        if pts:
+            ax.plot([p[0] / 1e9 for p in pts], [p[1] for p in pts], marker="o",
+                    label=f"{method}, np={n}, {numel / 2**20:g}M elements")
+    ax.set_xscale("log")
+    ax.set_xlabel("link bandwidth (Gbit/s; rightmost = unlimited)")
+    ax.set_ylabel("speed-up over fp32 hvd.allreduce")
+    ax.axhline(1, color="grey", lw=0.8)
+    ax.legend(fontsize=7)
+    ax.set_title("Allreduce time, emulated cluster")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)

@@ -22,6 +22,7 @@ import tempfile
 import time
 import traceback
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
@@ -70,15 +71,30 @@ def kill_job(root: subprocess.Popen, token: str) -> None:
         pass
 
 
-def launch_command(np: int, controller: str, argv: list[str]) -> list[str]:
-    """The command line that starts ``argv`` on ``np`` local ranks with ``controller``."""
+def launch_command(np: int, controller: str, argv: list[str], hosts: Optional[str] = None) -> list[str]:
+    """The command line that starts ``argv`` on ``np`` ranks with ``controller``.
+
+    ``hosts`` ("h1:4,h2:4") runs on a real cluster through horovodrun; default: this machine.
+    """
     if controller == "gloo":
-        return ["horovodrun", "-np", str(np), "-H", f"localhost:{np}", "--gloo"] + argv
+        return ["horovodrun", "-np", str(np), "-H", hosts or f"localhost:{np}", "--gloo"] + argv
     if controller == "mpi":
+        if hosts:
+            return ["horovodrun", "-np", str(np), "-H", hosts, "--mpi"] + argv
         return ["mpirun", "--allow-run-as-root", "--oversubscribe", "--bind-to", "none",
                 "-np", str(np), "-x", "PYTHONPATH", "-x", _TOKEN_VAR, "-x", "HOROVOD_CONTROLLER",
                 "-x", "HOROVOD_CPU_OPERATIONS", "-x", "OMP_NUM_THREADS"] + argv
     raise ValueError(f"controller must be one of {CONTROLLERS}, got {controller!r}")
+
+
+@dataclass
+class JobResult:
+    """Each rank's return value in rank order, the job's wall time and, on an emulated cluster,
+    the emulator's record of the run (per-rank bytes on the wire)."""
+
+    results: list
+    wall_seconds: float
+    cluster_run: Any = None
 
 
 def run_ranks(target: str, np: int = 2, controller: str = "gloo", kwargs: Optional[dict] = None,
@@ -95,7 +111,23 @@ def run_ranks(target: str, np: int = 2, controller: str = "gloo", kwargs: Option
     Raises:
         RankFailure: a rank raised, exited without a result, or the job timed out.
     """
-    workdir = Path(tempfile.mkdtemp(prefix="hvd_onebit_job_"))
+    return run_job(target, np, controller, kwargs, timeout, env).results
+
+
+def run_job(target: str, np: int = 2, controller: str = "gloo", kwargs: Optional[dict] = None,
+            timeout: float = 180.0, env: Optional[dict] = None, cluster=None,
+            hosts: Optional[str] = None, shared_dir: Optional[str] = None) -> JobResult:
+    """:func:`run_ranks` with a choice of where the ranks run.
+
+    Args:
+        cluster: a started :class:`hvd_onebit.emulator.EmulatedCluster` to run on (gloo only).
+        hosts: "h1:4,h2:4": a real cluster through horovodrun; the ranks exchange results through
+            files, so ``shared_dir`` must then be a folder every host sees at the same path.
+        shared_dir: where the job's scratch folder is made (default: the system temp folder).
+    """
+    if cluster is not None and (hosts or controller != "gloo"):
+        raise ValueError("an emulated cluster runs Horovod over gloo on its own hosts")
+    workdir = Path(tempfile.mkdtemp(prefix="hvd_onebit_job_", dir=shared_dir))
     token = uuid.uuid4().hex
     try:
         (workdir / "kwargs.pkl").write_bytes(pickle.dumps(kwargs or {}))
@@ -113,18 +145,28 @@ def run_ranks(target: str, np: int = 2, controller: str = "gloo", kwargs: Option
             job_env["HOROVOD_CONTROLLER"] = "mpi"
         argv = [sys.executable, "-m", "hvd_onebit.testing", target, str(workdir)]
         log_path = workdir / "output.log"
-        with open(log_path, "wb") as log:
-            proc = subprocess.Popen(launch_command(np, controller, argv), stdout=log,
-                                    stderr=subprocess.STDOUT, env=job_env, cwd=repo_root,
-                                    start_new_session=True)
-            try:
-                rc = proc.wait(timeout=timeout)
-                timed_out = False
-            except subprocess.TimeoutExpired:
-                rc, timed_out = None, True
-            finally:
-                kill_job(proc, token)  # a clean exit leaves nothing, a failure leaves nothing too
-        return _collect(workdir, np, rc, timed_out, timeout, target, controller)
+        start = time.monotonic()
+        cluster_run = None
+        if cluster is not None:
+            cluster_run = cluster.run(argv, env=job_env, timeout=timeout, cwd=repo_root)
+            rc, timed_out = cluster_run.returncode, cluster_run.timed_out
+            log_path.write_text("\n".join(f"--- rank {r.rank} output:\n{r.output}"
+                                          for r in cluster_run.ranks))
+        else:
+            with open(log_path, "wb") as log:
+                proc = subprocess.Popen(launch_command(np, controller, argv, hosts), stdout=log,
+                                        stderr=subprocess.STDOUT, env=job_env, cwd=repo_root,
+                                        start_new_session=True)
+                try:
+                    rc = proc.wait(timeout=timeout)
+                    timed_out = False
+                except subprocess.TimeoutExpired:
+                    rc, timed_out = None, True
+                finally:
+                    kill_job(proc, token)  # nothing of the job outlives this call
+        wall = time.monotonic() - start
+        results = _collect(workdir, np, rc, timed_out, timeout, target, controller)
+        return JobResult(results=results, wall_seconds=wall, cluster_run=cluster_run)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 

@@ -1,0 +1,92 @@
+"""Allreduce micro-benchmark: fp32 ``hvd.allreduce``, ``Compression.fp16`` and OneBitAllreduce.
+
+Every method reduces the same buffer on every rank; each timed call starts after a barrier, and a
+call's time is the slowest rank's (a collective is done when its last rank is). Bytes per rank:
+
+* fp32 / fp16: what a bandwidth-optimal ring allreduce sends, ``2 (n-1)/n * N * 4`` (or ``* 2``);
+* onebit: ``wire_bytes``, exactly what this rank hands to the two collectives.
+
+On an emulated cluster every rank also reads its own interface counters around each method, so
+``measured_tx_bytes_per_call`` is what really crossed its link (headers and control traffic
+included).
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from pathlib import Path
+from typing import Optional
+
+METHODS = ("fp32", "fp16", "onebit")
+
+
+def _iface_tx_bytes() -> Optional[int]:
+    """This rank's own link counter, when it has a link of its own (emulated cluster)."""
+    iface = os.environ.get("HOROVOD_GLOO_IFACE", "")
+    path = Path(f"/sys/class/net/{iface}/statistics/tx_bytes")
+    if not iface or iface == "lo" or not path.exists():
+        return None
+    return int(path.read_text())
+
+
+def allreduce_worker(sizes: list[int], methods: tuple[str, ...] = METHODS, repeats: int = 5,
+                     transport: str = "horovod") -> list[dict]:
+    """Runs inside every rank (after hvd.init()); returns one row per (size, method)."""
+    import horovod.torch as hvd
+    import torch
+
+    from ..collective import OneBitAllreduce
+
+    n = hvd.size()
+    rows = []
+    for numel in sizes:
+        x = torch.randn(numel, generator=torch.Generator().manual_seed(hvd.rank()))
+        for method in methods:
+            if method == "onebit":
+                comm = OneBitAllreduce(numel, transport=transport, name=f"bench.{numel}")
+                out = torch.empty_like(x)
+                call = lambda: comm.allreduce(x, out=out)  # noqa: E731
+            elif method == "fp32":
+                call = lambda: hvd.allreduce(x, op=hvd.Average, name=f"bench.fp32.{numel}")  # noqa: E731
+            elif method == "fp16":
+                call = lambda: hvd.allreduce(x, op=hvd.Average, name=f"bench.fp16.{numel}",  # noqa: E731
+                                             compression=hvd.Compression.fp16)
+            else:
+                raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+            call()  # warm-up: buffers, Horovod's response cache, page faults
+            times = []
+            tx_before = _iface_tx_bytes()
+            for _ in range(repeats):
+                hvd.allreduce(torch.zeros(1), name="bench.barrier")
+                start = time.perf_counter()
+                call()
+                times.append(time.perf_counter() - start)
+            tx_after = _iface_tx_bytes()
+            slowest = hvd.allreduce(torch.tensor(times, dtype=torch.float64), op=hvd.Max,
+                                    name=f"bench.times.{numel}.{method}").tolist()
+            if method == "onebit":
+                nbytes = comm.wire_bytes
+                del comm
+            else:
+                elem = 4 if method == "fp32" else 2
+                nbytes = int(2 * (n - 1) / n * numel * elem)
+            rows.append({
+                "np": n, "numel": numel, "method": method,
+                "median_s": statistics.median(slowest), "min_s": min(slowest),
+                "bytes_per_rank": nbytes,
+                "measured_tx_bytes_per_call": (None if tx_before is None else
+                                               (tx_after - tx_before) / repeats),
+            })
+    return rows
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    """Add fp32-relative figures: speedup (fp32 time / method time) and byte ratio."""
+    fp32 = {(r["np"], r["numel"], r.get("bandwidth")): r for r in rows if r["method"] == "fp32"}
+    for r in rows:
+        base = fp32.get((r["np"], r["numel"], r.get("bandwidth")))
+        if base:
+            r["speedup_vs_fp32"] = base["median_s"] / r["median_s"]
+            r["bytes_ratio_vs_fp32"] = r["bytes_per_rank"] / base["bytes_per_rank"] if base["bytes_per_rank"] else None
+    return rows
