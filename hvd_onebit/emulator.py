@@ -96,9 +96,8 @@ def parse_bandwidth(text: str | int | None) -> Optional[int]:
     m = re.fullmatch(r"(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)", s)
     unit = m.group(2) if m else ""
     if not m or (unit and unit not in _UNITS):
-        raise ValueError(
-            f"cannot parse bandwidth {text!r}: use e.g. 100mbit, 1gbit, 10gbit, 500kbit or unlimited"
-        )
+        raise ValueError(f"cannot parse bandwidth {text!r}: use e.g. 100mbit, 1gbit, 10gbit, "
+                         "500kbit or unlimited")
     bps = int(round(float(m.group(1)) * _UNITS[unit or "bit"]))
     if bps < 8000:
         raise ValueError(f"bandwidth {text!r} is below 8kbit, too slow to run anything")
@@ -106,7 +105,7 @@ def parse_bandwidth(text: str | int | None) -> Optional[int]:
 
 
 def format_bandwidth(bps: Optional[int]) -> str:
-    """``1000000000 -> '1gbit'``, ``None -> 'unlimited'`` (the inverse of :func:`parse_bandwidth`)."""
+    """``10**9 -> '1gbit'``, ``None -> 'unlimited'``: the inverse of :func:`parse_bandwidth`."""
     if bps is None:
         return "unlimited"
     for unit in ("tbit", "gbit", "mbit", "kbit"):
@@ -129,20 +128,20 @@ class TbfParams:
 
 
 def tbf_params(bps: int) -> TbfParams:
-    """Choose tbf burst and queue limit for a rate in bits/s (tested from 10mbit to 10gbit).
+    """Choose tbf burst and queue limit (bytes) for a rate in bits/s; tuned from 10mbit to 10gbit.
 
     * burst: 1 ms worth of line rate, but at least 96 KiB. Below ~64 KiB tbf has to split the
-      64 KiB GSO super-packets that veth carries, which costs CPU and loses throughput; above 1 ms
+      64 KiB GSO super-packets that veth carries, which costs CPU and throughput; much above 1 ms
       the link visibly runs faster than its rate in short bursts.
-    * limit (queue): burst + 50 ms of line rate, at least 4 bursts, so a TCP flow's in-flight
-      window fits and tbf rarely drops (drops mean retransmits and a lower, noisy rate).
-
-    Measured on this kind of machine (one TCP stream): 100mbit -> 12.0 MB/s, 1gbit -> 119.6 MB/s,
-    10gbit -> ~1.1 GB/s (near the CPU limit of veth itself).
+    * limit (the queue): burst + 2 ms of line rate, at least 2 bursts -- a shallow, switch-like
+      buffer. Gloo's ring allreduce is a lock-step exchange of chunks, so every millisecond of
+      queueing delay is paid at every step: with a 50 ms queue a 50 MB allreduce between 2 ranks
+      at 1gbit took 3.4 s (wire time 0.4 s); with this one it takes ~0.55 s, while a plain TCP
+      stream still gets ~119 MB/s at 1gbit and ~12 MB/s at 100mbit.
     """
     rate_bytes = bps / 8.0
     burst = max(96 * 1024, int(rate_bytes * 0.001))
-    limit = max(4 * burst, burst + int(rate_bytes * 0.050))
+    limit = max(2 * burst, burst + int(rate_bytes * 0.002))
     return TbfParams(rate_bps=bps, burst_bytes=burst, limit_bytes=limit)
 
 
@@ -316,7 +315,8 @@ class RankResult:
     """What one rank did during one :meth:`EmulatedCluster.run`.
 
     ``exit_code``: the command's exit status as a shell reports it (128 + N if killed by signal N);
-    ``killed``: the emulator killed it (another rank failed, timeout, interrupt);
+    ``killed``: it was still running when the emulator killed the job (another rank failed,
+    timeout, interrupt); it may still have exited with its own status in the grace period;
     ``tx_bytes`` / ``rx_bytes``: bytes the rank's host sent / received on its link during the run
     (Ethernet frames, so including TCP/IP headers and Horovod's control traffic);
     ``output``: its stdout and stderr, interleaved; ``log_path``: where that was also written.
@@ -416,6 +416,7 @@ class EmulatedCluster:
         self.id = ""
         self.bridge = ""
         self.bridge_address = ""
+        self._prefixlen = 24
         self.hosts: list[_Host] = []
         self.rendezvous_port: Optional[int] = None
         self._rendezvous = None
@@ -424,6 +425,7 @@ class EmulatedCluster:
         self._bridge_created = False
         self._started = False
         self._runs = 0
+        self._procs: list[subprocess.Popen] = []  # the current run's launchers, for close()
 
     # -- lifecycle
 
@@ -460,6 +462,9 @@ class EmulatedCluster:
         if not self._started:
             return
         with _signals_deferred():
+            # Normally run() has reaped its ranks; this covers an interrupt in the middle of it.
+            _kill_ranks(self._procs, kill_grace=0.5)
+            self._procs = []
             if self._rendezvous is not None:
                 with contextlib.suppress(Exception):
                     self._rendezvous.stop()
@@ -509,8 +514,9 @@ class EmulatedCluster:
 
     def _create_bridge(self) -> None:
         self._log(f"bridge {self.bridge} {self.bridge_address}/{self._prefixlen}")
-        _sh("ip", "link", "add", self.bridge, "type", "bridge")
+        # Recorded before creating, so an interrupt between the two cannot orphan the object.
         self._bridge_created = True
+        _sh("ip", "link", "add", self.bridge, "type", "bridge")
         # No IPv6 link-local addresses: their router/MLD chatter would pollute the byte counters.
         _sh("ip", "link", "set", self.bridge, "addrgenmode", "none")
         _sh("ip", "addr", "add", f"{self.bridge_address}/{self._prefixlen}", "dev", self.bridge)
@@ -518,12 +524,12 @@ class EmulatedCluster:
 
     def _create_host(self, h: _Host) -> None:
         self._log(f"rank {h.rank}: netns {h.netns}, {h.host_veth} <-> {IFACE} {h.address}")
+        self._created_netns.append(h.netns)  # recorded first, as for the bridge
         _sh("ip", "netns", "add", h.netns)
-        self._created_netns.append(h.netns)
         # The peer is created directly inside the namespace, so 'emu0' never clashes in the root ns.
+        self._created_veths.append(h.host_veth)
         _sh("ip", "link", "add", h.host_veth, "type", "veth", "peer", "name", IFACE,
             "netns", h.netns)
-        self._created_veths.append(h.host_veth)
         _sh("ip", "link", "set", h.host_veth, "addrgenmode", "none")
         _sh("ip", "-n", h.netns, "link", "set", IFACE, "addrgenmode", "none")
         _sh("ip", "link", "set", h.host_veth, "master", self.bridge, "up")
@@ -547,7 +553,6 @@ class EmulatedCluster:
                 d = NETNS_ETC / h.netns
                 d.mkdir(parents=True, exist_ok=True)
                 (d / "hosts").write_text(text)
-                # hostname resolution also reads /etc/hostname nowhere; hosts is enough.
 
     def _start_rendezvous(self) -> None:
         """Horovod's own rendezvous HTTP server, bound to the bridge address only."""
@@ -631,7 +636,7 @@ class EmulatedCluster:
         base_env.update(env or {})
         logs = self._open_logs()
         before = self.counters()
-        procs: list[subprocess.Popen] = []
+        procs = self._procs = []
         outputs: list[list[str]] = [[] for _ in self.hosts]
         readers: list[threading.Thread] = []
         killed = [False] * self.np
@@ -668,7 +673,8 @@ class EmulatedCluster:
                     break
                 time.sleep(0.02)
         except BaseException:
-            _kill_ranks(procs, kill_grace=0.5)
+            with _signals_deferred():
+                _kill_ranks(procs, kill_grace=0.5)
             raise
         finally:
             wall = time.monotonic() - start
@@ -729,6 +735,8 @@ def _kill_ranks(procs: Sequence[subprocess.Popen], kill_grace: float) -> list[bo
     group takes the rank's PID 1 with it and so, by the kernel, everything in its PID namespace.
     """
     alive = [p.poll() is None for p in procs]
+    if not any(alive):
+        return alive
     for p, a in zip(procs, alive):
         if a:
             _signal_group(p, signal.SIGTERM)

@@ -1,0 +1,390 @@
+"""The bandwidth-limited cluster emulator: real namespaces, real tbf links, real Horovod ranks.
+
+Every scenario (normal exit, a crashing rank, timeout, SIGINT, SIGTERM, SIGKILL of the launcher)
+checks afterwards that nothing of *that* cluster is left: no network namespace, no link, no
+/etc/netns entry, no state file, no process. Cluster ids are read from the API or from the CLI's
+--verbose log, so a concurrent cluster on the same machine cannot confuse the checks.
+"""
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import psutil
+import pytest
+
+from hvd_onebit import emulator
+from hvd_onebit.emulator import (EmulatedCluster, EmulatorError, format_bandwidth,
+                                 parse_bandwidth, tbf_params)
+
+pytestmark = pytest.mark.multirank
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPTS = Path(__file__).resolve().parent / "emulator_scripts"
+ALLREDUCE = str(SCRIPTS / "allreduce.py")
+PROBE = str(SCRIPTS / "rank_probe.py")
+CLI = [sys.executable, "-m", "hvd_onebit.cli", "cluster", "run"]
+TOKEN_VAR = "HOB_TEST_TOKEN"
+
+
+def _can_build_namespaces() -> str | None:
+    """None if this machine can run the emulator, else why not (the skip reason)."""
+    if os.geteuid() != 0:
+        return "the emulator needs root"
+    try:
+        emulator.check_privileges()
+    except EmulatorError as e:
+        return str(e)
+    name = f"hob-probe-{uuid.uuid4().hex[:6]}"
+    proc = subprocess.run(["ip", "netns", "add", name], capture_output=True, text=True,
+                          timeout=30)
+    if proc.returncode != 0:
+        return f"cannot create a network namespace: {proc.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30)
+    return None
+
+
+_SKIP_REASON = _can_build_namespaces() if sys.platform.startswith("linux") else "Linux only"
+needs_netns = pytest.mark.skipif(_SKIP_REASON is not None, reason=_SKIP_REASON or "")
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def leftovers(cluster_id: str) -> list[str]:
+    """Everything of cluster ``cluster_id`` still on the machine (should be [])."""
+    found = []
+    netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True,
+                           timeout=30).stdout
+    found += [f"netns {line.split()[0]}" for line in netns.splitlines() if cluster_id in line]
+    links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True,
+                           timeout=30).stdout
+    found += [f"link {line.split(':')[1].strip()}" for line in links.splitlines()
+              if cluster_id in line]
+    if emulator.NETNS_ETC.is_dir():
+        found += [f"/etc/netns/{p.name}" for p in emulator.NETNS_ETC.iterdir()
+                  if cluster_id in p.name]
+    if (emulator.STATE_DIR / f"{cluster_id}.json").exists():
+        found.append(f"state file {cluster_id}.json")
+    return found
+
+
+def token_processes(token: str) -> list[int]:
+    """PIDs of live processes that carry the test's token in their environment."""
+    pids = []
+    for proc in psutil.process_iter(["pid"]):
+        try:
+            if proc.environ().get(TOKEN_VAR) == token and proc.status() != psutil.STATUS_ZOMBIE:
+                pids.append(proc.pid)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return pids
+
+
+def wait_gone(token: str, seconds: float = 10.0) -> list[int]:
+    deadline = time.monotonic() + seconds
+    while (pids := token_processes(token)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return pids
+
+
+def cli_env(token: str) -> dict:
+    env = dict(os.environ)
+    env[TOKEN_VAR] = token
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    env["PYTHONPATH"] = f"{REPO}{os.pathsep}{env.get('PYTHONPATH', '')}"
+    return env
+
+
+def run_cli(args: list[str], token: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(CLI + args, capture_output=True, text=True, cwd=REPO,
+                          env=cli_env(token), timeout=timeout)
+
+
+def cluster_id_from(stderr: str) -> str:
+    m = re.search(r"\[emulator ([0-9a-f]{6})\]", stderr)
+    assert m, f"no cluster id in --verbose output:\n{stderr}"
+    return m.group(1)
+
+
+def last_json(output: str) -> dict:
+    return json.loads([line for line in output.splitlines() if line.startswith("{")][-1])
+
+
+# ----------------------------------------------------------------------------- units (no root)
+
+
+@pytest.mark.parametrize("text, bps", [
+    ("10mbit", 10_000_000), ("100mbit", 100_000_000), ("1gbit", 10**9), ("10gbit", 10**10),
+    ("2.5gbit", 2_500_000_000), ("500kbit", 500_000), ("64000", 64_000), (" 1GBit ", 10**9),
+    ("unlimited", None), ("none", None), (None, None), (123_456, 123_456),
+])
+def test_parse_bandwidth(text, bps):
+    assert parse_bandwidth(text) == bps
+
+
+@pytest.mark.parametrize("text", ["fast", "1gbps", "100MB/s", "", "-5mbit", "10 mbits", "1bit"])
+def test_parse_bandwidth_rejects_nonsense(text):
+    with pytest.raises(ValueError):
+        parse_bandwidth(text)
+
+
+def test_format_bandwidth_round_trips():
+    for text in ("10mbit", "100mbit", "1gbit", "10gbit", "2500kbit", "unlimited"):
+        assert format_bandwidth(parse_bandwidth(text)) == text
+
+
+def test_tbf_params_are_sane_from_10mbit_to_10gbit():
+    for text in ("10mbit", "100mbit", "1gbit", "10gbit"):
+        p = tbf_params(parse_bandwidth(text))
+        assert p.burst_bytes >= 64 * 1024  # whole GSO packets pass without being split
+        assert p.limit_bytes >= 2 * p.burst_bytes
+        assert p.limit_bytes * 8 / p.rate_bps < 0.2  # a shallow queue: < 200 ms of line rate
+        assert p.tc_args()[:3] == ["tbf", "rate", f"{p.rate_bps}bit"]
+
+
+def test_help_explains_every_option():
+    out = subprocess.run(CLI + ["--help"], capture_output=True, text=True, cwd=REPO,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    for option in ("--np", "--bandwidth", "--timeout", "--json", "--log-dir", "--quiet", "--env",
+                   "--kill-grace", "--verbose", "unlimited", "124", "130", "143"):
+        assert option in out.stdout, option
+
+
+# ----------------------------------------------------------------------------- real clusters
+
+
+@needs_netns
+def test_rate_is_enforced_and_bytes_are_counted():
+    """2 ranks allreduce 4 MB at 50mbit: each sends and receives ~4 MB, in about 0.64 s."""
+    mbytes, rate = 4.0, "50mbit"
+    with EmulatedCluster(np=2, bandwidth=rate) as cluster:
+        cid = cluster.id
+        result = cluster.run([sys.executable, ALLREDUCE, str(mbytes)], timeout=120)
+        assert result.ok, [r.output for r in result.ranks]
+        reports = [last_json(r.output) for r in result.ranks]
+        # A second command in the same cluster: fresh rendezvous, counters are per-run deltas.
+        small = cluster.run([sys.executable, ALLREDUCE, "0.5"], timeout=120)
+        assert small.ok, [r.output for r in small.ranks]
+        totals = cluster.counters()
+    assert leftovers(cid) == []
+
+    payload = mbytes * 1e6
+    wire_seconds = payload * 8 / parse_bandwidth(rate)  # 2-rank ring: each rank sends N, gets N
+    for rank, (r, rep) in enumerate(zip(result.ranks, reports)):
+        assert (rep["rank"], rep["size"], rep["hostname"]) == (rank, 2, f"node{rank}")
+        assert (rep["local_size"], rep["cross_size"]) == (1, 2)  # one host per rank
+        # Unshaped this takes ~0.02 s; shaped, the wire time plus overheads (loose for noise).
+        assert 0.8 * wire_seconds < rep["seconds"] < 8 * wire_seconds, rep
+        for direction in (r.tx_bytes, r.rx_bytes):
+            assert payload < direction < 1.25 * payload + 500_000, r  # + headers and control
+        assert r.exit_code == 0 and not r.killed
+    for rank, r in enumerate(small.ranks):
+        assert 0.5e6 < r.tx_bytes < 1.5e6
+        assert totals[rank][0] >= result.ranks[rank].tx_bytes + r.tx_bytes
+
+
+@needs_netns
+def test_ranks_see_their_own_host_and_horovodrun_environment():
+    with EmulatedCluster(np=3, bandwidth="unlimited") as cluster:
+        result = cluster.run([sys.executable, PROBE], env={"HOB_TEST_EXTRA": "yes"}, timeout=60)
+        expected_env = [cluster.horovod_env(r) for r in range(3)]
+        bridge_address, port = cluster.bridge_address, cluster.rendezvous_port
+        addresses = [h.address for h in cluster.hosts]
+        cid = cluster.id
+    assert leftovers(cid) == []
+    assert result.ok, [r.output for r in result.ranks]
+    for rank, r in enumerate(result.ranks):
+        probe = json.loads(r.output.splitlines()[0])
+        assert probe["hostname"] == f"node{rank}" == r.hostname
+        assert probe["resolved"] == addresses[rank] == r.address  # the Gloo process-set trap
+        assert probe["peers"] == {f"node{i}": a for i, a in enumerate(addresses)}
+        assert ipaddress.ip_address(r.address) in ipaddress.ip_network("198.18.0.0/15")
+        env = probe["env"]
+        assert env.pop("HOB_TEST_EXTRA") == "yes"
+        assert env == expected_env[rank]
+        assert env == {
+            "HOROVOD_HOSTNAME": f"node{rank}", "HOROVOD_RANK": str(rank), "HOROVOD_SIZE": "3",
+            "HOROVOD_LOCAL_RANK": "0", "HOROVOD_LOCAL_SIZE": "1",
+            "HOROVOD_CROSS_RANK": str(rank), "HOROVOD_CROSS_SIZE": "3",
+            "HOROVOD_GLOO_RENDEZVOUS_ADDR": bridge_address,
+            "HOROVOD_GLOO_RENDEZVOUS_PORT": str(port),
+            "HOROVOD_CONTROLLER": "gloo", "HOROVOD_CPU_OPERATIONS": "gloo",
+            "HOROVOD_GLOO_IFACE": "emu0", "NCCL_SOCKET_IFNAME": "emu0", "PYTHONUNBUFFERED": "1",
+        }
+        assert probe["pid"] < 10  # its own PID namespace
+
+
+@needs_netns
+def test_cli_normal_run_json_report_and_logs(tmp_path):
+    token = uuid.uuid4().hex
+    out = run_cli(["--np", "2", "--bandwidth", "1gbit", "--json", "--verbose",
+                   "--log-dir", str(tmp_path), "--", "python", ALLREDUCE, "1"], token)
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert report["np"] == 2 and report["bandwidth"] == "1gbit" and report["returncode"] == 0
+    assert report["wall_seconds"] > 0 and not report["timed_out"]
+    for rank, r in enumerate(report["ranks"]):
+        assert r["exit_code"] == 0 and r["hostname"] == f"node{rank}"
+        assert 1e6 < r["tx_bytes"] < 2e6 and 1e6 < r["rx_bytes"] < 2e6
+        log = Path(r["log_path"]).read_text()
+        assert f'"rank": {rank}' in log
+        assert f"[{rank}] " in out.stderr  # live output goes to stderr with --json
+    assert leftovers(cluster_id_from(out.stderr)) == []
+    assert wait_gone(token) == []
+
+
+@needs_netns
+def test_cli_table_report():
+    token = uuid.uuid4().hex
+    out = run_cli(["-n", "2", "-b", "unlimited", "-v", "--", "python", PROBE], token)
+    assert out.returncode == 0, out.stderr
+    assert re.search(r"^rank\s+host\s+address\s+exit\s+tx bytes\s+rx bytes", out.stdout, re.M)
+    assert re.search(r"^1\s+node1\s+198\.1[89]\.\d+\.3\s+0\s", out.stdout, re.M)
+    assert "bandwidth=unlimited" in out.stdout and "-> ok" in out.stdout
+    assert leftovers(cluster_id_from(out.stderr)) == []
+
+
+@needs_netns
+def test_a_crashing_rank_kills_the_others():
+    token = uuid.uuid4().hex
+    start = time.monotonic()
+    out = run_cli(["--np", "3", "--json", "-v", "--kill-grace", "1", "--",
+                   "python", PROBE, "--fail-rank", "1", "--exit-code", "7", "--sleep", "600"],
+                  token, timeout=90)
+    assert time.monotonic() - start < 60
+    assert out.returncode == 7, out.stderr
+    report = json.loads(out.stdout)
+    assert report["first_failed_rank"] == 1
+    codes = [(r["exit_code"], r["killed"]) for r in report["ranks"]]
+    assert codes == [(128 + signal.SIGTERM, True), (7, False), (128 + signal.SIGTERM, True)]
+    assert leftovers(cluster_id_from(out.stderr)) == []
+    assert wait_gone(token) == []
+
+
+@needs_netns
+def test_a_rank_killed_by_a_signal_fails_the_job():
+    """A rank SIGKILLed from outside (OOM killer style): reported as 137, others killed."""
+    token = uuid.uuid4().hex
+    cmd = ["sh", "-c", 'if [ "$HOROVOD_RANK" = 0 ]; then kill -9 $$; fi; sleep 600']
+    out = run_cli(["--np", "2", "--json", "-v", "--kill-grace", "1", "--"] + cmd, token,
+                  timeout=90)
+    assert out.returncode == 137, out.stderr
+    report = json.loads(out.stdout)
+    assert [r["exit_code"] for r in report["ranks"]] == [137, 128 + signal.SIGTERM]
+    assert leftovers(cluster_id_from(out.stderr)) == []
+    assert wait_gone(token) == []
+
+
+@needs_netns
+def test_timeout_kills_everything():
+    token = uuid.uuid4().hex
+    start = time.monotonic()
+    out = run_cli(["--np", "2", "--timeout", "3", "--kill-grace", "1", "-v", "--",
+                   "python", PROBE, "--sleep", "600"], token, timeout=90)
+    assert time.monotonic() - start < 60
+    assert out.returncode == 124, out.stderr
+    assert "TIMED OUT" in out.stdout
+    assert leftovers(cluster_id_from(out.stderr)) == []
+    assert wait_gone(token) == []
+
+
+def _start_and_wait_ready(token: str, np_: int = 2) -> tuple[subprocess.Popen, str]:
+    """Start a CLI job whose ranks sleep; return once every rank has printed 'ready'."""
+    proc = subprocess.Popen(CLI + ["--np", str(np_), "-v", "--kill-grace", "1", "--",
+                                   "python", PROBE, "--sleep", "600"],
+                            cwd=REPO, env=cli_env(token), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    ready, deadline = set(), time.monotonic() + 90
+    while len(ready) < np_ and time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        m = re.search(r"rank (\d+) ready", line)
+        if m:
+            ready.add(int(m.group(1)))
+    if len(ready) < np_:
+        proc.kill()
+        out, err = proc.communicate(timeout=30)
+        pytest.fail(f"ranks never got ready: {ready}\n{out}\n{err}")
+    return proc, token
+
+
+@needs_netns
+@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_a_signal_to_the_launcher_removes_everything(sig, code):
+    proc, token = _start_and_wait_ready(uuid.uuid4().hex)
+    proc.send_signal(sig)
+    try:
+        _out, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+    assert proc.returncode == code, err
+    assert "ranks killed, cluster removed" in err
+    assert leftovers(cluster_id_from(err)) == []
+    assert wait_gone(token) == []
+
+
+@needs_netns
+def test_sigkill_of_the_launcher_kills_ranks_and_next_cluster_cleans_up():
+    """Nothing can run on SIGKILL: ranks die with their launcher, cleanup_stale() does the rest."""
+    proc, token = _start_and_wait_ready(uuid.uuid4().hex)
+    proc.kill()
+    _out, err = proc.communicate(timeout=60)
+    cid = cluster_id_from(err)
+    assert wait_gone(token) == []
+    assert leftovers(cid) != []  # nobody cleaned up yet...
+    assert cid in emulator.cleanup_stale()
+    assert leftovers(cid) == []  # ...until the next cluster (or cleanup_stale) does
+
+
+@needs_netns
+def test_api_cleans_up_when_the_caller_raises():
+    with pytest.raises(RuntimeError, match="boom"):
+        with EmulatedCluster(np=2, bandwidth="100mbit") as cluster:
+            cid = cluster.id
+            assert leftovers(cid) != []
+            raise RuntimeError("boom")
+    assert leftovers(cid) == []
+
+
+def _drop_caps_prefix() -> list[str] | None:
+    if shutil.which("capsh"):
+        return ["capsh", "--drop=cap_net_admin,cap_sys_admin", "--", "-c", 'exec "$0" "$@"']
+    if shutil.which("setpriv"):
+        return ["setpriv", "--bounding-set", "-net_admin,-sys_admin", "--inh-caps", "-all", "--"]
+    return None
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or _drop_caps_prefix() is None,
+                    reason="needs root and capsh or setpriv to drop capabilities")
+def test_without_cap_net_admin_it_is_a_clear_error():
+    token = uuid.uuid4().hex
+    out = subprocess.run(_drop_caps_prefix() + CLI + ["--np", "2", "--", "true"],
+                         capture_output=True, text=True, cwd=REPO, env=cli_env(token),
+                         timeout=60)
+    assert out.returncode == 1, out
+    assert "CAP_NET_ADMIN" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_not_started_and_bad_arguments_are_clear_errors():
+    with pytest.raises(ValueError, match="np must be"):
+        EmulatedCluster(np=0)
+    with pytest.raises(ValueError, match="cannot parse bandwidth"):
+        EmulatedCluster(np=2, bandwidth="fast")
+    with pytest.raises(EmulatorError, match="not started"):
+        EmulatedCluster(np=2).run(["true"])
+    out = subprocess.run(CLI + ["--np", "2", "--bandwidth", "1gbps", "--", "true"],
+                         capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert out.returncode == 2 and "cannot parse bandwidth" in out.stderr
