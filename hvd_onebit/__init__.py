@@ -3,12 +3,29 @@
 ``hvd_onebit.DistributedOptimizer`` wraps ``torch.optim.Adam``/``AdamW`` like
 ``hvd.DistributedOptimizer``: full-precision Horovod allreduce during a warmup, then Adam's variance
 is frozen and only the momentum travels, as 1-bit signs through :class:`OneBitAllreduce`.
+
+The public names are imported on first use, so that tools which only need the emulator or the CLI
+(``hvd-onebit --help``) do not pay for importing Horovod and torch.
 """
+from __future__ import annotations
+
+import importlib
+
 __version__ = "0.1.0"
 
-from .collective import AllreduceHandle, NonFiniteInputError, OneBitAllreduce  # noqa: E402
-from .layout import Layout  # noqa: E402
-from .optimizer import DistributedOptimizer  # noqa: E402
+_PUBLIC = {
+    "AllreduceHandle": ".collective",
+    "NonFiniteInputError": ".collective",
+    "OneBitAllreduce": ".collective",
+    "Layout": ".layout",
+    "DistributedOptimizer": ".optimizer",
+}
+__all__ = sorted(_PUBLIC) + ["__version__"]
 
-__all__ = ["AllreduceHandle", "DistributedOptimizer", "Layout", "NonFiniteInputError",
-           "OneBitAllreduce", "__version__"]
+
+def __getattr__(name: str):
+    if name in _PUBLIC:
+        value = getattr(importlib.import_module(_PUBLIC[name], __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'hvd_onebit' has no attribute {name!r}")

@@ -10,6 +10,7 @@ from typing import Optional
 import click
 
 from .benchmarks.allreduce import METHODS, summarize
+from .benchmarks.train import METHODS as TRAIN_METHODS
 
 SIZE_SUFFIX = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
 
@@ -191,5 +192,98 @@ def _plot_allreduce(rows: list[dict], path: str) -> None:
     ax.axhline(1, color="grey", lw=0.8)
     ax.legend(fontsize=7)
     ax.set_title("Allreduce time, emulated cluster")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+@bench.command("train")
+@click.option("--np", "np_", default=4, show_default=True, help="Ranks.")
+@click.option("--bandwidth", default="1gbit", show_default=True,
+              help="Emulated link rate (e.g. 100mbit, 1gbit, 10gbit, unlimited); 'local' runs "
+                   "plain horovodrun on loopback. Emulation needs root.")
+@click.option("--steps", default=40, show_default=True, help="Optimizer steps per method.")
+@click.option("--warmup-frac", default=0.15, show_default=True,
+              help="1-bit Adam's warmup: freeze_step = warmup_frac * steps.")
+@click.option("--width", default=2048, show_default=True, help="MLP hidden width.")
+@click.option("--depth", default=3, show_default=True, help="MLP hidden layers.")
+@click.option("--batch", default=4, show_default=True, help="Samples per rank per step.")
+@click.option("--powersgd-start", default=10, show_default=True,
+              help="Plain-allreduce iterations before PowerSGD starts compressing.")
+@click.option("--methods", default=",".join(TRAIN_METHODS), show_default=True,
+              callback=_csv(str), help="Which methods to run.")
+@click.option("--hosts", default=None, help="Real cluster through horovodrun (h1:4,h2:4); "
+              "needs --shared-dir.")
+@click.option("--shared-dir", default=None, help="A folder every host sees, for --hosts.")
+@click.option("--timeout", default=3600.0, show_default=True, help="Seconds for the job.")
+@click.option("--plot", default=None, type=click.Path(dir_okay=False),
+              help="Write a PNG bar chart of samples/s per method and phase.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+def bench_train(np_, bandwidth, steps, warmup_frac, width, depth, batch, powersgd_start, methods,
+                hosts, shared_dir, timeout, plot, as_json) -> None:
+    """End-to-end samples/s and bytes per step: Horovod Adam (fp32, fp16), DDP + PowerSGD and
+    1-bit Adam, per phase and over a whole run. Also reports what share of the Horovod fp32
+    step is communication (the 'local' method runs the same step without any)."""
+    from .benchmarks.train import summarize as summarize_train
+    from .testing import run_job
+
+    bad = [m for m in methods if m not in TRAIN_METHODS]
+    if bad:
+        raise click.BadParameter(f"unknown methods {bad}; choose from {TRAIN_METHODS}")
+    kwargs = {"methods": tuple(methods), "steps": steps, "warmup_frac": warmup_frac,
+              "width": width, "depth": depth, "batch": batch, "powersgd_start": powersgd_start}
+    click.echo(f"training {len(methods)} methods x {steps} steps on {np_} ranks "
+               f"({'real hosts' if hosts else bandwidth})...", err=True)
+    with _cluster_for(np_, None if hosts else bandwidth) as cluster:
+        job = run_job("hvd_onebit.benchmarks.train:train_worker", np=np_, kwargs=kwargs,
+                      timeout=timeout, cluster=cluster, hosts=hosts, shared_dir=shared_dir)
+    rows = job.results[0]
+    summary = summarize_train(rows)
+    report = {"benchmark": "train", "machine": machine_info(),
+              "bandwidth": "real" if hosts else bandwidth, "config": kwargs, "rows": rows,
+              "summary": summary, "wall_seconds": job.wall_seconds}
+    if plot:
+        _plot_train(rows, plot, report["bandwidth"])
+        report["plot"] = plot
+    if as_json:
+        click.echo(json.dumps(report, indent=2))
+        return
+    table = []
+    for r in rows:
+        for phase in ("all", "warmup", "compression"):
+            if f"{phase}_step_s" not in r:
+                continue
+            measured = r.get(f"{phase}_measured_tx_bytes_per_step")
+            table.append({"method": r["method"], "phase": phase if phase != "all" else "-",
+                          "steps": r[f"{phase}_steps"], "ms": r[f"{phase}_step_s"] * 1e3,
+                          "sps": r[f"{phase}_samples_per_s"],
+                          "mb": None if measured is None else measured / 1e6,
+                          "run_s": r["run_seconds"]})
+    click.echo(f"model: MLP {width}x{depth}, {rows[0]['params']:,} parameters, "
+               f"{batch} samples/rank/step, {np_} ranks, {report['bandwidth']}")
+    print_table(table, [("method", "method", ""), ("phase", "phase", ""), ("steps", "steps", "d"),
+                        ("median step ms", "ms", ",.1f"), ("samples/s", "sps", ",.1f"),
+                        ("measured MB/step/rank", "mb", ",.2f"), ("run s", "run_s", ",.2f")])
+    for k, v in summary.items():
+        click.echo(f"{k}: {v:.3f}")
+
+
+
+def _plot_train(rows: list[dict], path: str, bandwidth: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels, values = [], []
+    for r in rows:
+        for phase in ("all", "warmup", "compression"):
+            if f"{phase}_samples_per_s" in r:
+                labels.append(r["method"] + ("" if phase == "all" else f"\n{phase}"))
+                values.append(r[f"{phase}_samples_per_s"])
+    fig, ax = plt.subplots(figsize=(8, 4))
+    ax.bar(range(len(values)), values, color="tab:blue")
+    ax.set_xticks(range(len(values)), labels, fontsize=7)
+    ax.set_ylabel("samples/s (all ranks)")
+    ax.set_title(f"Training throughput, {rows[0]['np']} ranks, {bandwidth}")
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -1,0 +1,204 @@
+"""End-to-end training throughput: Horovod Adam (fp32, fp16), DDP + PowerSGD, and 1-bit Adam.
+
+Every method trains the same model on the same synthetic batches from the same initial weights,
+one method after another inside one job, so they share the machine's state and network:
+
+* ``local``: the same step with no communication at all. It gives the compute time, hence the
+  share of a Horovod fp32 step that is communication (the benchmark reports it).
+* ``horovod_fp32`` / ``horovod_fp16``: ``hvd.DistributedOptimizer`` around Adam, without and
+  with ``hvd.Compression.fp16``.
+* ``ddp_powersgd``: ``torch.nn.parallel.DistributedDataParallel`` over Gloo with PyTorch's
+  PowerSGD communication hook (rank-1 approximation, error feedback, warm start), which starts
+  compressing after ``powersgd_start`` vanilla-allreduce iterations.
+* ``onebit``: ``hvd_onebit.DistributedOptimizer`` with ``freeze_step = warmup_frac * steps``.
+
+The optimizer is ``torch.optim.Adam(fused=True)`` everywhere: the fastest Adam step on CPU, so
+the baseline is not slowed by optimizer arithmetic that 1-bit Adam happens to skip.
+
+The default model is a wide MLP with few samples per step: many parameters per FLOP, the regime
+where communication dominates (as on the paper's Ethernet cluster, where BERT-Large's allreduce
+took most of each step).
+"""
+from __future__ import annotations
+
+import os
+import socket
+import statistics
+import time
+from .allreduce import _iface_tx_bytes
+
+METHODS = ("local", "horovod_fp32", "horovod_fp16", "ddp_powersgd", "onebit")
+
+
+def build_mlp(width: int, depth: int, in_dim: int = 256, out_dim: int = 256):
+    import torch.nn as nn
+
+    layers, dim = [], in_dim
+    for _ in range(depth):
+        layers += [nn.Linear(dim, width), nn.GELU()]
+        dim = width
+    layers.append(nn.Linear(dim, out_dim))
+    return nn.Sequential(*layers)
+
+
+def _init_torch_distributed():
+    """Gloo process group for DDP, rendezvous at rank 0's address (found through Horovod)."""
+    import horovod.torch as hvd
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    iface = os.environ.get("HOROVOD_GLOO_IFACE")
+    if iface and iface != "lo":
+        os.environ["GLOO_SOCKET_IFNAME"] = iface  # keep DDP's traffic on the emulated link
+    addr = None
+    if hvd.rank() == 0:
+        host = os.environ.get("HOROVOD_HOSTNAME", "localhost")
+        try:
+            ip = socket.gethostbyname(host if host != "localhost" else socket.gethostname())
+        except OSError:
+            ip = "127.0.0.1"
+        with socket.socket() as s:
+            s.bind((ip, 0))
+            addr = (ip, s.getsockname()[1])
+    addr = hvd.broadcast_object(addr, root_rank=0, name="bench.ddp_addr")
+    dist.init_process_group("gloo", init_method=f"tcp://{addr[0]}:{addr[1]}",
+                            rank=hvd.rank(), world_size=hvd.size())
+
+
+def _make_step(method: str, model, steps: int, warmup_frac: float, powersgd_start: int, lr: float):
+    """Returns (step_fn(x, y), optimizer or None, phase_fn())."""
+    import horovod.torch as hvd
+    import torch
+
+    import hvd_onebit
+
+    loss_fn = torch.nn.MSELoss()
+    base = torch.optim.Adam(model.parameters(), lr=lr, fused=True)
+    opt, net, phase = base, model, (lambda: "n/a")
+    if method in ("horovod_fp32", "horovod_fp16"):
+        comp = hvd.Compression.fp16 if method == "horovod_fp16" else hvd.Compression.none
+        opt = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(),
+                                       compression=comp)
+    elif method == "onebit":
+        opt = hvd_onebit.DistributedOptimizer(base, named_parameters=model.named_parameters(),
+                                              freeze_step=max(1, round(warmup_frac * steps)))
+        phase = lambda: opt.phase  # noqa: E731
+    elif method == "ddp_powersgd":
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
+
+        _init_torch_distributed()
+        # One bucket for the whole model: PowerSGD's hook waits on a second allreduce inside a
+        # future callback, which on Gloo's two worker threads deadlocks when two buckets'
+        # callbacks block at once.
+        model_mb = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
+        net = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=model_mb + 1)
+        state = powersgd.PowerSGDState(process_group=None, matrix_approximation_rank=1,
+                                       start_powerSGD_iter=max(2, powersgd_start))
+        net.register_comm_hook(state, powersgd.powerSGD_hook)
+        counter = {"it": 0}
+
+        def phase():  # PowerSGD's own warm-up uses plain allreduce
+            return "warmup" if counter["it"] < max(2, powersgd_start) else "compression"
+    elif method != "local":
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+
+    def step(x, y):
+        opt.zero_grad()
+        loss_fn(net(x), y).backward()
+        opt.step()
+        if method == "ddp_powersgd":
+            counter["it"] += 1
+
+    return step, opt, phase
+
+
+def train_worker(methods=METHODS, steps: int = 40, warmup_frac: float = 0.15,
+                 width: int = 2048, depth: int = 3, batch: int = 4, lr: float = 1e-4,
+                 powersgd_start: int = 10) -> list[dict]:
+    """Runs in every rank (after hvd.init()). Returns one row per method (rank 0's view)."""
+    import horovod.torch as hvd
+    import torch
+
+    rows = []
+    for method in methods:
+        torch.manual_seed(0)
+        model = build_mlp(width, depth)
+        params = sum(p.numel() for p in model.parameters())
+        step, opt, phase = _make_step(method, model, steps, warmup_frac, powersgd_start, lr)
+        g = torch.Generator().manual_seed(hvd.rank())
+        batches = [(torch.randn(batch, 256, generator=g), torch.randn(batch, 256, generator=g))
+                   for _ in range(4)]
+        times, phases, tx = [], [], []
+        hvd.allreduce(torch.zeros(1), name=f"bench.train.start.{method}")
+        for i in range(steps):
+            phases.append(phase())
+            tx0 = _iface_tx_bytes()
+            start = time.perf_counter()
+            step(*batches[i % len(batches)])
+            times.append(time.perf_counter() - start)
+            tx1 = _iface_tx_bytes()
+            tx.append(None if tx0 is None else tx1 - tx0)
+        # A step is done when its slowest rank is: take the max over ranks, step by step.
+        times = hvd.allreduce(torch.tensor(times, dtype=torch.float64), op=hvd.Max,
+                              name=f"bench.train.times.{method}").tolist()
+        row = {"method": method, "np": hvd.size(), "params": params, "batch_per_rank": batch,
+               "steps": steps, "run_seconds": sum(times)}
+        # The first step of each phase pays one-off set-up (buffers, hooks): steady state skips it.
+        for ph in sorted(set(phases)):
+            idx = [i for i, p in enumerate(phases) if p == ph]
+            steady = idx[1:] if len(idx) > 2 else idx
+            key = "all" if ph == "n/a" else ph
+            med = statistics.median(times[i] for i in steady)
+            row[f"{key}_step_s"] = med
+            row[f"{key}_samples_per_s"] = batch * hvd.size() / med
+            measured = [tx[i] for i in steady if tx[i] is not None]
+            row[f"{key}_measured_tx_bytes_per_step"] = (statistics.median(measured)
+                                                        if measured else None)
+            row[f"{key}_steps"] = len(idx)
+        if method == "onebit":
+            row["freeze_step"] = opt.freeze_step
+            row["compression_bytes_per_step"] = opt.last_step_bytes
+        elif method.startswith("horovod"):
+            elem = 2 if method.endswith("fp16") else 4
+            n = hvd.size()
+            row["bytes_per_step"] = int(2 * (n - 1) / n * params * elem) if n > 1 else 0
+        rows.append(row)
+        del opt, model, step
+    return rows
+
+
+def summarize(rows: list[dict]) -> dict:
+    """Speed-ups against Horovod fp32 Adam and the communication share of its step."""
+    by = {r["method"]: r for r in rows}
+    out: dict = {}
+    fp32 = by.get("horovod_fp32")
+    local = by.get("local")
+    if fp32 and local:
+        out["comm_fraction_of_fp32_step"] = 1 - local["all_step_s"] / fp32["all_step_s"]
+    ob = by.get("onebit")
+    if fp32 and ob:
+        out["onebit_compression_step_speedup_vs_fp32"] = (fp32["all_step_s"]
+                                                          / ob["compression_step_s"])
+        out["onebit_warmup_step_speedup_vs_fp32"] = fp32["all_step_s"] / ob["warmup_step_s"]
+        out["onebit_run_speedup_vs_fp32"] = fp32["run_seconds"] / ob["run_seconds"]
+        frac = ob["freeze_step"] / ob["steps"]
+        out["onebit_warmup_fraction"] = frac
+    for name in ("horovod_fp16", "ddp_powersgd"):
+        r = by.get(name)
+        if fp32 and r:
+            out[f"{name}_run_speedup_vs_fp32"] = fp32["run_seconds"] / r["run_seconds"]
+    ddp = by.get("ddp_powersgd")
+    if ob and ddp:
+        out["onebit_vs_ddp_powersgd_run_speedup"] = ddp["run_seconds"] / ob["run_seconds"]
+        if "compression_step_s" in ddp:
+            out["onebit_vs_ddp_powersgd_compression_step_speedup"] = (
+                ddp["compression_step_s"] / ob["compression_step_s"])
+    return out
+
+
+def estimate_run_speedup(fp32_step: float, warmup_step: float, compression_step: float,
+                         warmup_frac: float) -> float:
+    """Whole-run speed-up over fp32 for a given warmup fraction, from per-phase step times."""
+    return fp32_step / (warmup_frac * warmup_step + (1 - warmup_frac) * compression_step)
+
