@@ -24,7 +24,9 @@ modified (momentum, error feedback, parameters), never one rank skipping while o
 """
 from __future__ import annotations
 
+import hashlib
 import math
+import os
 import time
 import warnings
 from typing import Callable, Iterable, Optional
@@ -40,6 +42,7 @@ from .fusion import Bucket, fuse
 
 COMPRESSORS = ("onebit", "none")
 DEFAULT_BUCKET_MB = 64.0
+STEP_KEY = "onebit_step"  # param_groups[0] entry holding the optimizer step count
 
 
 def _scalar_step(group: dict, p: torch.Tensor) -> torch.Tensor:
@@ -60,7 +63,7 @@ class _OneBitMixin:
 
     def __init__(self, params, named_parameters, compression, backward_passes_per_step, op,
                  gradient_predivide_factor, groups, sparse_as_dense, process_set, freeze_step,
-                 compressor, block_size, transport, kernel_backend, bucket_size_mb):
+                 compressor, block_size, transport, kernel_backend, bucket_size_mb, check_every):
         _DistributedOptimizer.__init__(self, params, named_parameters, compression,
                                        backward_passes_per_step, op, gradient_predivide_factor,
                                        groups, sparse_as_dense, process_set)
@@ -70,8 +73,8 @@ class _OneBitMixin:
         self.transport = transport
         self.kernel_backend = kernel_backend
         self.bucket_size_mb = bucket_size_mb
-        self._world = process_set.size() if process_set.included() else 1
-        self._completed_steps = 0  # optimizer steps taken, warmup and compression together
+        self.check_every = check_every
+        self.param_groups[0].setdefault(STEP_KEY, 0)
         self._buckets: Optional[list[Bucket]] = None
         self._bucket_params: list[torch.Tensor] = []
         self._comms: dict[tuple, OneBitAllreduce] = {}
@@ -83,7 +86,11 @@ class _OneBitMixin:
         self.total_comm_seconds = 0.0
         self.skipped_steps = 0  # compression-phase steps skipped for non-finite values
         self._warmup_wait = 0.0
+        self._pending_error_feedback: Optional[dict] = None
         self._init_state()
+        if self._world > 1 and os.environ.get("HOROVOD_ELASTIC") != "1":
+            # Elastic workers join running jobs, so a collective here could not be matched.
+            self._check_same_parameters_everywhere()
 
     # ---- state ------------------------------------------------------------------------------------
 
@@ -98,6 +105,22 @@ class _OneBitMixin:
                     state["step"] = _scalar_step(group, p)
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+    @property
+    def _world(self) -> int:
+        """Ranks in the process set now (elastic jobs change it)."""
+        return self.process_set.size() if self.process_set.included() else 1
+
+    @property
+    def _completed_steps(self) -> int:
+        # Kept in param group 0 so that everything that moves optimizer state moves it too:
+        # state_dict/load_state_dict, hvd.broadcast_optimizer_state (a joining elastic worker
+        # must know the phase before its first backward) and elastic commits.
+        return int(self.param_groups[0].get(STEP_KEY, 0))
+
+    @_completed_steps.setter
+    def _completed_steps(self, value: int) -> None:
+        self.param_groups[0][STEP_KEY] = int(value)
 
     @property
     def phase(self) -> str:
@@ -122,8 +145,7 @@ class _OneBitMixin:
 
     def state_dict(self) -> dict:
         sd = super(self.__class__, self).state_dict()
-        sd["onebit"] = {"steps": self._completed_steps, "freeze_step": self.freeze_step,
-                        "skipped_steps": self.skipped_steps}
+        sd["onebit"] = {"freeze_step": self.freeze_step, "skipped_steps": self.skipped_steps}
         return sd
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -131,11 +153,100 @@ class _OneBitMixin:
         meta = state_dict.pop("onebit", None)
         _DistributedOptimizer.load_state_dict(self, state_dict)
         if meta is not None:
-            self._completed_steps = int(meta["steps"])
             self.skipped_steps = int(meta.get("skipped_steps", 0))
         self._buckets = None  # exp_avg tensors were replaced: re-fuse at the next step
         self._denoms.clear()
         self._init_state()
+
+    def add_param_group(self, param_group: dict) -> None:
+        if self.param_groups and self._completed_steps >= getattr(self, "freeze_step", 1 << 62):
+            raise ValueError(
+                "cannot add parameters after the variance was frozen (step "
+                f"{self._completed_steps} >= freeze_step {self.freeze_step}): Adam's variance "
+                "for them was never estimated. Add them during the warmup.")
+        super(self.__class__, self).add_param_group(param_group)
+        if hasattr(self, "freeze_step"):  # after construction: new parameters need Adam state
+            self._init_state()
+
+    # ---- rank-local error feedback ------------------------------------------------------------
+
+    def error_feedback_state_dict(self) -> dict:
+        """This rank's error-feedback buffers (rank-local: save one file per rank).
+
+        ``state_dict()`` holds what every rank shares (steps, momentum, frozen variance); the
+        error feedback differs on every rank and only makes sense for the same world size.
+        """
+        return {"world_size": self._world, "rank": self.process_set.rank(),
+                "buckets": {f"{k[0]}:{k[1]}:{k[2]}": c.state_dict()
+                            for k, c in self._comms.items()}}
+
+    def load_error_feedback_state_dict(self, state: dict) -> None:
+        """Restore :meth:`error_feedback_state_dict` from the same rank of a same-size job.
+
+        With another world size, rank or layout the saved errors cannot apply: they are dropped
+        with a warning and error feedback restarts from zero (training continues correctly, the
+        first compressed steps are just a little less accurate).
+        """
+        if state.get("world_size") != self._world or state.get("rank") != self.process_set.rank():
+            warnings.warn(
+                f"hvd_onebit: error feedback saved by rank {state.get('rank')} of "
+                f"{state.get('world_size')} does not fit rank {self.process_set.rank()} of "
+                f"{self._world}; it is reset to zero")
+            self._pending_error_feedback = None
+            for comm in self._comms.values():
+                comm.reset()
+            return
+        self._pending_error_feedback = state
+        if self._buckets is not None:
+            self._apply_pending_error_feedback()
+
+    def _apply_pending_error_feedback(self) -> None:
+        state, self._pending_error_feedback = self._pending_error_feedback, None
+        if state is None:
+            return
+        saved = state.get("buckets", {})
+        mine = {f"{k[0]}:{k[1]}:{k[2]}": c for k, c in self._comms.items()}
+        if set(saved) != set(mine):
+            warnings.warn("hvd_onebit: saved error feedback is for another bucket layout "
+                          f"({sorted(saved)} vs {sorted(mine)}); it is reset to zero")
+            return
+        for key, comm in mine.items():
+            comm.load_state_dict(saved[key])
+
+    # ---- consistency checks ------------------------------------------------------------------
+
+    def _parameter_signature(self) -> list[int]:
+        shapes = repr([(self._parameter_names.get(p), tuple(p.shape), str(p.dtype))
+                       for g in self.param_groups for p in g["params"]])
+        digest = int.from_bytes(hashlib.sha256(shapes.encode()).digest()[:7], "little")
+        return [sum(len(g["params"]) for g in self.param_groups),
+                sum(p.numel() for g in self.param_groups for p in g["params"]), digest]
+
+    def _check_same_parameters_everywhere(self) -> None:
+        mine = torch.tensor([self._parameter_signature()], dtype=torch.int64)
+        everyone = hvd.allgather(mine, name="hvd_onebit.param_signature",
+                                 process_set=self.process_set).tolist()
+        if any(row != everyone[0] for row in everyone):
+            detail = "; ".join(f"rank {r}: {row[0]} parameters, {row[1]} elements"
+                               for r, row in enumerate(everyone))
+            raise ValueError("hvd_onebit.DistributedOptimizer: the ranks' parameters differ in "
+                             f"number, shape, dtype or name ({detail})")
+
+    def _check_consistency(self) -> None:
+        """Raise on every rank if the parameters are no longer bit-identical across ranks."""
+        sums = []
+        for g in self.param_groups:
+            for p in g["params"]:
+                flat = p.detach().reshape(-1)
+                bits = flat.view(torch.int16 if flat.element_size() == 2 else torch.int32)
+                sums.append(bits.to(torch.int64).sum())
+        mine = torch.stack(sums).reshape(1, -1) if sums else torch.zeros(1, 1, dtype=torch.int64)
+        everyone = hvd.allgather(mine, name="hvd_onebit.consistency", process_set=self.process_set)
+        differ = [r for r in range(everyone.shape[0]) if not torch.equal(everyone[r], everyone[0])]
+        if differ:
+            raise RuntimeError(
+                f"hvd_onebit: parameters diverged across ranks at step {self._completed_steps}: "
+                f"rank(s) {differ} differ from rank 0 (check_every={self.check_every})")
 
     # ---- hooks and synchronize ---------------------------------------------------------------------
 
@@ -191,23 +302,62 @@ class _OneBitMixin:
 
     # ---- step ----------------------------------------------------------------------------------
 
+    # torch.amp.GradScaler hands skip decisions to optimizers that set this: it then always calls
+    # step(), with the scale and its local inf flag as attributes, instead of skipping step() on
+    # the ranks that overflowed and leaving the others waiting in a collective.
+    _step_supports_amp_scaling = True
+
     def step(self, closure: Optional[Callable[[], float]] = None):
         """One optimizer step: Horovod + Adam in warmup, 1-bit momentum Adam afterwards."""
+        # Set by torch.amp.GradScaler.step(); consumed here, so the wrapped Adam never sees them.
+        grad_scale = getattr(self, "grad_scale", None)
+        found_inf = getattr(self, "found_inf", None)
+        if grad_scale is not None or found_inf is not None:
+            self.grad_scale = self.found_inf = None
+        inv_scale = None if grad_scale is None else 1.0 / float(grad_scale)
         if not self._compressing():
             self._warmup_wait = 0.0
-            loss = _DistributedOptimizer.step(self, closure)
+            loss = self._warmup_step(closure, inv_scale)
             self._account(self._warmup_bytes(), self._warmup_wait)
-            self._completed_steps += 1
-            return loss
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        if self._compression_step():
-            self._completed_steps += 1
-        for p in self._allreduce_delay:
-            self._allreduce_delay[p] = self.backward_passes_per_step
+        else:
+            loss = None
+            if closure is not None:
+                with torch.enable_grad():
+                    loss = closure()
+            if self._compression_step(inv_scale):
+                self._completed_steps += 1
+            for p in self._allreduce_delay:
+                self._allreduce_delay[p] = self.backward_passes_per_step
+            self._synchronized = False
+        if self.check_every and self._world > 1 and self._completed_steps % self.check_every == 0:
+            self._check_consistency()
+        return loss
+
+    def _warmup_step(self, closure, inv_scale: Optional[float]):
+        """Horovod's step (synchronize, then the wrapped Adam), skipping non-finite gradients.
+
+        After the allreduce the gradients are the same on every rank (an inf anywhere makes the
+        average inf everywhere), so every rank takes the same decision without a collective.
+        """
+        if self._should_synchronize:
+            if self._synchronized:
+                warnings.warn("optimizer.step() called without optimizer.skip_synchronize() "
+                              "context after optimizer.synchronize(). This can cause training "
+                              "slowdown. You may want to consider using "
+                              "optimizer.skip_synchronize() context if you use "
+                              "optimizer.synchronize() in your code.")
+            self.synchronize()
         self._synchronized = False
+        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+        if grads and not bool(torch.stack([torch.isfinite(g).all() for g in grads]).all()):
+            self.skipped_steps += 1
+            warnings.warn("hvd_onebit: step skipped on every rank: non-finite averaged gradients")
+            return None
+        if inv_scale is not None:
+            for g in grads:
+                g.mul_(inv_scale)
+        loss = super(self.__class__, self).step(closure)
+        self._completed_steps += 1
         return loss
 
     def _account(self, nbytes: int, seconds: float) -> None:
@@ -234,7 +384,9 @@ class _OneBitMixin:
     def _ensure_fused(self) -> None:
         """(Re)build the fused momentum buckets when the trainable set or exp_avg tensors changed."""
         active = self._active_params()
-        if self._buckets is not None and len(active) == len(self._bucket_params) and all(
+        if self._buckets is not None and all(
+                self._comm_key(b) in self._comms for b in self._buckets
+                if self.compressor == "onebit") and len(active) == len(self._bucket_params) and all(
                 a is b for a, b in zip(active, self._bucket_params)) and all(
                 self.state[p]["exp_avg"].data_ptr() == bk.momentum_view(i).data_ptr()
                 for bk in self._buckets for i, p in enumerate(bk.params)):
@@ -251,16 +403,20 @@ class _OneBitMixin:
         for bucket in self._buckets:
             for i, p in enumerate(bucket.params):
                 self.state[p]["exp_avg"] = bucket.momentum_view(i)
-        # Error feedback belongs to a bucket layout; a changed layout starts from zero error.
-        wanted = {(b.index, b.numel, str(b.momentum.dtype)) for b in self._buckets}
+        # Error feedback belongs to a bucket layout and a world size; a change starts from zero.
+        wanted = {self._comm_key(b) for b in self._buckets}
         self._comms = {k: c for k, c in self._comms.items() if k in wanted}
         for b in self._buckets:
-            key = (b.index, b.numel, str(b.momentum.dtype))
+            key = self._comm_key(b)
             if key not in self._comms and self.compressor == "onebit":
                 self._comms[key] = OneBitAllreduce(
                     b.numel, self.process_set, block_size=self.block_size,
                     transport=self.transport, backend=self.kernel_backend,
                     device=b.momentum.device, name=f"hvd_onebit.bucket{b.index}")
+        self._apply_pending_error_feedback()
+
+    def _comm_key(self, b: Bucket) -> tuple:
+        return (b.index, b.numel, str(b.momentum.dtype).replace("torch.", ""), self._world)
 
     def _freeze_variance(self, p: torch.Tensor) -> None:
         """Record the step count v was frozen at (once per parameter)."""
@@ -289,7 +445,8 @@ class _OneBitMixin:
         self._denoms[p] = (key, denom)
         return denom
 
-    def _local_grad(self, p: torch.Tensor, group: dict) -> Optional[torch.Tensor]:
+    def _local_grad(self, p: torch.Tensor, group: dict,
+                    inv_scale: Optional[float] = None) -> Optional[torch.Tensor]:
         g = p.grad
         if g is None:
             return None
@@ -299,8 +456,9 @@ class _OneBitMixin:
                     f"parameter {self._parameter_names.get(p, '?')} has a sparse gradient; "
                     "Adam needs dense gradients: pass sparse_as_dense=True")
             g = g.to_dense()
-        if self.op == Sum:  # Horovod's Sum: the update sees the sum over ranks, not the mean
-            g = g * self._world
+        scale = (self._world if self.op == Sum else 1.0) * (inv_scale or 1.0)
+        if scale != 1.0:  # Horovod's Sum sees the sum over ranks; GradScaler's scale comes off
+            g = g * scale
         if group.get("maximize"):
             g = -g
         wd = group["weight_decay"]
@@ -311,7 +469,7 @@ class _OneBitMixin:
     def _decoupled(self, group: dict) -> bool:
         return bool(group.get("decoupled_weight_decay", isinstance(self, torch.optim.AdamW)))
 
-    def _compression_step(self) -> bool:
+    def _compression_step(self, inv_scale: Optional[float] = None) -> bool:
         """Returns False when the step was skipped because some rank had non-finite values."""
         self._ensure_fused()
         owner = {p: (b, i) for b in self._buckets for i, p in enumerate(b.params)}
@@ -323,7 +481,7 @@ class _OneBitMixin:
                     continue
                 bucket, i = owner[p]
                 m, work = bucket.momentum_view(i), bucket.work_view(i)
-                g = self._local_grad(p, group)
+                g = self._local_grad(p, group, inv_scale)
                 if g is None:  # no gradient on this rank: treated as zero, as Horovod does
                     torch.mul(m, beta1, out=work)
                 else:
@@ -333,8 +491,7 @@ class _OneBitMixin:
         nbytes = 0
         try:
             if self.compressor == "onebit":
-                comms = [self._comms[(b.index, b.numel, str(b.momentum.dtype))]
-                         for b in self._buckets]
+                comms = [self._comms[self._comm_key(b)] for b in self._buckets]
                 handles = [c.allreduce_async(b.work, out=b.work) for c, b in zip(comms, self._buckets)]
                 for c, h in zip(comms, handles):
                     c.synchronize(h)
@@ -423,7 +580,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                          block_size: Optional[int] = None,
                          transport: str = "horovod",
                          kernel_backend: str = "auto",
-                         bucket_size_mb: float = DEFAULT_BUCKET_MB):
+                         bucket_size_mb: float = DEFAULT_BUCKET_MB,
+                         check_every: int = 0):
     """Wrap a ``torch.optim.Adam`` or ``AdamW`` for 1-bit Adam over Horovod.
 
     The arguments up to ``process_set`` mean what they mean for ``hvd.DistributedOptimizer`` and
@@ -444,6 +602,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
         bucket_size_mb: momentum fused per OneBitAllreduce, in MiB of fp32 (default 64). Each
             bucket costs two collectives per step; several let compression of one bucket
             overlap the transfer of the previous.
+        check_every: every K steps, compare a checksum of the parameters across ranks and raise
+            on every rank if they diverged (0, the default: never). One small allgather.
 
     A param group may carry ``exp_avg_mask``: a tensor broadcastable to each of its parameters, or
     a list with one tensor (or None) per parameter. In the compression phase the averaged
@@ -471,6 +631,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
         raise ValueError("backward_passes_per_step must be > 0")
     if bucket_size_mb <= 0:
         raise ValueError(f"bucket_size_mb must be positive, got {bucket_size_mb}")
+    if isinstance(check_every, bool) or not isinstance(check_every, int) or check_every < 0:
+        raise ValueError(f"check_every must be a non-negative int, got {check_every!r}")
     _validate_masks(optimizer)
     devices = {p.device for g in optimizer.param_groups for p in g["params"]}
     if len(devices) > 1:
@@ -483,4 +645,4 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,), attrs)
     return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step,
                op, gradient_predivide_factor, groups, sparse_as_dense, process_set, freeze_step,
-               compressor, block_size, transport, kernel_backend, bucket_size_mb)
+               compressor, block_size, transport, kernel_backend, bucket_size_mb, check_every)
