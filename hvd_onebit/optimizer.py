@@ -302,43 +302,82 @@ class _OneBitMixin:
 
     # ---- step ----------------------------------------------------------------------------------
 
-    # torch.amp.GradScaler hands skip decisions to optimizers that set this: it then always calls
-    # step(), with the scale and its local inf flag as attributes, instead of skipping step() on
-    # the ranks that overflowed and leaving the others waiting in a collective.
+    # Tells torch.amp.GradScaler to hand this optimizer the skip decision (it then always calls
+    # step(), passing itself) instead of skipping step() on the ranks that overflowed and leaving
+    # the others waiting in a collective.
     _step_supports_amp_scaling = True
 
-    def step(self, closure: Optional[Callable[[], float]] = None):
-        """One optimizer step: Horovod + Adam in warmup, 1-bit momentum Adam afterwards."""
-        # Set by torch.amp.GradScaler.step(); consumed here, so the wrapped Adam never sees them.
-        grad_scale = getattr(self, "grad_scale", None)
-        found_inf = getattr(self, "found_inf", None)
-        if grad_scale is not None or found_inf is not None:
-            self.grad_scale = self.found_inf = None
-        inv_scale = None if grad_scale is None else 1.0 / float(grad_scale)
-        if not self._compressing():
+    def step(self, closure: Optional[Callable[[], float]] = None, grad_scaler=None):
+        """One optimizer step: Horovod + Adam in warmup, 1-bit momentum Adam afterwards.
+
+        ``grad_scaler`` is passed by ``torch.amp.GradScaler.step()`` itself (it does so for
+        optimizers whose step() takes it): the optimizer then unscales and decides whether to
+        skip, so the decision can be the same on every rank (see :meth:`_amp_step`).
+        """
+        if grad_scaler is not None:
+            loss = self._amp_step(closure, grad_scaler)
+        elif not self._compressing():
             self._warmup_wait = 0.0
-            loss = self._warmup_step(closure, inv_scale)
+            loss = self._warmup_step(closure)
             self._account(self._warmup_bytes(), self._warmup_wait)
         else:
-            loss = None
-            if closure is not None:
-                with torch.enable_grad():
-                    loss = closure()
-            if self._compression_step(inv_scale):
+            loss = self._closure_loss(closure)
+            if self._compression_step():
                 self._completed_steps += 1
-            for p in self._allreduce_delay:
-                self._allreduce_delay[p] = self.backward_passes_per_step
-            self._synchronized = False
+            self._end_compression_step()
         if self.check_every and self._world > 1 and self._completed_steps % self.check_every == 0:
             self._check_consistency()
         return loss
 
-    def _warmup_step(self, closure, inv_scale: Optional[float]):
-        """Horovod's step (synchronize, then the wrapped Adam), skipping non-finite gradients.
+    @staticmethod
+    def _closure_loss(closure):
+        if closure is None:
+            return None
+        with torch.enable_grad():
+            return closure()
 
-        After the allreduce the gradients are the same on every rank (an inf anywhere makes the
-        average inf everywhere), so every rank takes the same decision without a collective.
+    def _end_compression_step(self) -> None:
+        for p in self._allreduce_delay:
+            self._allreduce_delay[p] = self.backward_passes_per_step
+        self._synchronized = False
+
+    def _amp_step(self, closure, scaler):
+        """GradScaler: every rank unscales, agrees on overflow, and skips (or not) together.
+
+        Warmup: gradients are allreduced first, so the inf check sees the averaged gradients,
+        identical on every rank. Compression: the check is local, the allreduce's status word
+        makes the skip decision common, and a skipped step marks every rank's scaler as having
+        seen an inf, so all scalers back off alike and their scales never drift apart.
         """
+        from torch.amp.grad_scaler import OptState
+
+        per_opt = scaler._per_optimizer_states[id(self)]
+        if not self._compressing():
+            self._warmup_wait = 0.0
+            self._synchronize_for_step()
+            if per_opt["stage"] is OptState.READY:
+                scaler.unscale_(self)
+            if sum(float(t) for t in per_opt["found_inf_per_device"].values()):
+                self.skipped_steps += 1
+                loss = None
+            else:
+                loss = super(self.__class__, self).step(closure)
+                self._completed_steps += 1
+            self._account(self._warmup_bytes(), self._warmup_wait)
+            return loss
+        if per_opt["stage"] is OptState.READY:
+            scaler.unscale_(self)
+        loss = self._closure_loss(closure)
+        if self._compression_step():
+            self._completed_steps += 1
+        else:
+            for flag in per_opt["found_inf_per_device"].values():
+                flag.fill_(1.0)
+        self._end_compression_step()
+        return loss
+
+    def _synchronize_for_step(self) -> None:
+        """Horovod's step() prologue: wait for the gradient allreduces unless told not to."""
         if self._should_synchronize:
             if self._synchronized:
                 warnings.warn("optimizer.step() called without optimizer.skip_synchronize() "
@@ -348,14 +387,19 @@ class _OneBitMixin:
                               "optimizer.synchronize() in your code.")
             self.synchronize()
         self._synchronized = False
+
+    def _warmup_step(self, closure):
+        """Horovod's step (synchronize, then the wrapped Adam), skipping non-finite gradients.
+
+        After the allreduce the gradients are the same on every rank (an inf anywhere makes the
+        average inf everywhere), so every rank takes the same decision without a collective.
+        """
+        self._synchronize_for_step()
         grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
         if grads and not bool(torch.stack([torch.isfinite(g).all() for g in grads]).all()):
             self.skipped_steps += 1
             warnings.warn("hvd_onebit: step skipped on every rank: non-finite averaged gradients")
             return None
-        if inv_scale is not None:
-            for g in grads:
-                g.mul_(inv_scale)
         loss = super(self.__class__, self).step(closure)
         self._completed_steps += 1
         return loss
@@ -445,8 +489,7 @@ class _OneBitMixin:
         self._denoms[p] = (key, denom)
         return denom
 
-    def _local_grad(self, p: torch.Tensor, group: dict,
-                    inv_scale: Optional[float] = None) -> Optional[torch.Tensor]:
+    def _local_grad(self, p: torch.Tensor, group: dict) -> Optional[torch.Tensor]:
         g = p.grad
         if g is None:
             return None
@@ -456,9 +499,8 @@ class _OneBitMixin:
                     f"parameter {self._parameter_names.get(p, '?')} has a sparse gradient; "
                     "Adam needs dense gradients: pass sparse_as_dense=True")
             g = g.to_dense()
-        scale = (self._world if self.op == Sum else 1.0) * (inv_scale or 1.0)
-        if scale != 1.0:  # Horovod's Sum sees the sum over ranks; GradScaler's scale comes off
-            g = g * scale
+        if self.op == Sum:  # Horovod's Sum: the update sees the sum over ranks, not the mean
+            g = g * self._world
         if group.get("maximize"):
             g = -g
         wd = group["weight_decay"]
@@ -469,7 +511,7 @@ class _OneBitMixin:
     def _decoupled(self, group: dict) -> bool:
         return bool(group.get("decoupled_weight_decay", isinstance(self, torch.optim.AdamW)))
 
-    def _compression_step(self, inv_scale: Optional[float] = None) -> bool:
+    def _compression_step(self) -> bool:
         """Returns False when the step was skipped because some rank had non-finite values."""
         self._ensure_fused()
         owner = {p: (b, i) for b in self._buckets for i, p in enumerate(b.params)}
@@ -481,7 +523,7 @@ class _OneBitMixin:
                     continue
                 bucket, i = owner[p]
                 m, work = bucket.momentum_view(i), bucket.work_view(i)
-                g = self._local_grad(p, group, inv_scale)
+                g = self._local_grad(p, group)
                 if g is None:  # no gradient on this rank: treated as zero, as Horovod does
                     torch.mul(m, beta1, out=work)
                 else:

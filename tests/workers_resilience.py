@@ -1,0 +1,218 @@
+"""Worker functions for checkpoints, non-finite gradients, GradScaler and bad input."""
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+
+import horovod.torch as hvd
+import torch
+import torch.nn as nn
+
+import hvd_onebit
+from tests.workers_optimizer import batch, make_model, params_bytes
+
+
+def _opt(model, freeze_step, lr=1e-2, **kw):
+    return hvd_onebit.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=lr),
+                                           named_parameters=model.named_parameters(),
+                                           freeze_step=freeze_step, **kw)
+
+
+def checkpoint_run(ckpt_dir, total=20, stop_at=None, freeze_step=5, resume=False,
+                   error_feedback=True, lr=1e-3):
+    """Train to ``stop_at`` and save, or resume from ``ckpt_dir`` and train to ``total``."""
+    ckpt = Path(ckpt_dir)
+    model = make_model()
+    opt = _opt(model, freeze_step, lr=lr)
+    caught = []
+    if resume:
+        model.load_state_dict(torch.load(ckpt / "model.pt"))
+        opt.load_state_dict(torch.load(ckpt / "optimizer.pt"))
+        if error_feedback:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                opt.load_error_feedback_state_dict(
+                    torch.load(ckpt / f"error_feedback.rank{hvd.rank()}.pt"))
+    phases = []
+    loss_fn = nn.MSELoss()
+    start = opt.steps
+    for step in range(start, stop_at if stop_at is not None else total):
+        phases.append(opt.phase)
+        opt.zero_grad()
+        x, y = batch(step, hvd.rank())
+        loss_fn(model(x), y).backward()
+        opt.step()
+    if stop_at is not None:
+        if hvd.rank() == 0:
+            torch.save(model.state_dict(), ckpt / "model.pt")
+            torch.save(opt.state_dict(), ckpt / "optimizer.pt")
+        torch.save(opt.error_feedback_state_dict(), ckpt / f"error_feedback.rank{hvd.rank()}.pt")
+        hvd.allreduce(torch.zeros(1), name="saved")  # every file written before anyone exits
+    xv, yv = batch(10_000, 99, n=256)  # held-out data, the same on every rank
+    with torch.no_grad():
+        val_loss = float(loss_fn(model(xv), yv))
+    return {"params": params_bytes(model), "val_loss": val_loss,
+            "tensors": [p.detach().clone() for p in model.parameters()],
+            "phases": phases, "start": start, "steps": opt.steps,
+            "warnings": [str(w.message) for w in caught]}
+
+
+def error_feedback_from_other_world():
+    """Error feedback saved by a job of another size is dropped with a warning."""
+    model = make_model()
+    opt = _opt(model, 2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt.load_error_feedback_state_dict({"world_size": hvd.size() + 1, "rank": hvd.rank(),
+                                            "buckets": {}})
+    return [str(w.message) for w in caught]
+
+
+def nonfinite_gradients(bad_steps=(2, 8), freeze_step=5, steps=12):
+    """Rank 1 puts an inf into one gradient at ``bad_steps`` (warmup and compression)."""
+    model = make_model()
+    opt = _opt(model, freeze_step)
+    loss_fn = nn.MSELoss()
+    snapshots, skipped_flags = [], []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for step in range(steps):
+            before = params_bytes(model)
+            opt.zero_grad()
+            x, y = batch(step, hvd.rank())
+            loss_fn(model(x), y).backward()
+            if step in bad_steps and hvd.rank() == 1:
+                next(model.parameters()).grad[0, 0] = float("inf")
+            skipped = opt.skipped_steps
+            opt.step()
+            skipped_flags.append(opt.skipped_steps > skipped)
+            snapshots.append(params_bytes(model) == before)
+    return {"skipped": skipped_flags, "unchanged": snapshots, "steps": opt.steps,
+            "final": params_bytes(model),
+            "finite": all(bool(torch.isfinite(p).all()) for p in model.parameters())}
+
+
+def grad_scaler(bad_steps=(2, 8), freeze_step=5, steps=12, horovod_recipe=False):
+    """torch.amp.GradScaler with an overflow on rank 1 only, in warmup and compression."""
+    model = make_model()
+    opt = _opt(model, freeze_step)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+    loss_fn = nn.MSELoss()
+    skipped = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for step in range(steps):
+            opt.zero_grad()
+            x, y = batch(step, hvd.rank())
+            loss = loss_fn(model(x), y)
+            if step in bad_steps and hvd.rank() == 1:
+                loss = loss * float("inf")
+            scaler.scale(loss).backward()
+            steps_before = opt.steps
+            if horovod_recipe:  # Horovod's documented AMP pattern
+                opt.synchronize()
+                scaler.unscale_(opt)
+                with opt.skip_synchronize():
+                    scaler.step(opt)
+            else:
+                scaler.step(opt)
+            scaler.update()
+            skipped.append(opt.steps == steps_before)
+    return {"skipped": skipped, "steps": opt.steps, "final": params_bytes(model),
+            "finite": all(bool(torch.isfinite(p).all()) for p in model.parameters())}
+
+
+def bad_inputs():
+    """Each case must raise a clear error on every rank, never hang."""
+    errors = {}
+
+    def attempt(name, fn):
+        try:
+            fn()
+            errors[name] = None
+        except (TypeError, ValueError, RuntimeError) as exc:
+            errors[name] = f"{type(exc).__name__}: {exc}"
+
+    def shapes_differ():
+        width = 32 if hvd.rank() == 0 else 16
+        _opt(make_model(width=width), 2)
+
+    def duplicate_names():
+        m = make_model()
+        hvd_onebit.DistributedOptimizer(torch.optim.Adam(m.parameters()), freeze_step=2,
+                                        named_parameters=[("same", p) for p in m.parameters()])
+
+    def missing_names():
+        m = make_model()
+        hvd_onebit.DistributedOptimizer(torch.optim.Adam(m.parameters()), freeze_step=2,
+                                        named_parameters=list(m.named_parameters())[:2])
+
+    def mixed_devices():
+        a = nn.Parameter(torch.zeros(3))
+        b = nn.Parameter(torch.zeros(3, device="meta"))
+        hvd_onebit.DistributedOptimizer(torch.optim.Adam([a, b]), freeze_step=2,
+                                        named_parameters=[("a", a), ("b", b)])
+
+    def added_after_freeze():
+        m = make_model()
+        opt = _opt(m, 1)
+        for step in range(2):
+            opt.zero_grad()
+            x, y = batch(step, hvd.rank())
+            nn.functional.mse_loss(m(x), y).backward()
+            opt.step()
+        opt.add_param_group({"params": [nn.Parameter(torch.zeros(4))]})
+
+    def sparse_gradients():
+        emb = nn.Embedding(10, 4, sparse=True)
+        opt = hvd_onebit.DistributedOptimizer(torch.optim.Adam(emb.parameters()), freeze_step=1,
+                                              named_parameters=emb.named_parameters())
+        for step in range(3):  # warmup: Adam's own error; compression: ours
+            opt.zero_grad()
+            emb(torch.tensor([1, 2])).sum().backward()
+            try:
+                opt.step()
+            except RuntimeError:
+                if step == 0:
+                    opt._completed_steps = 1  # move on to the compression phase
+                    continue
+                raise
+
+    attempt("shapes_differ", shapes_differ)
+    attempt("duplicate_names", duplicate_names)
+    attempt("missing_names", missing_names)
+    attempt("mixed_devices", mixed_devices)
+    attempt("added_after_freeze", added_after_freeze)
+    attempt("sparse_gradients", sparse_gradients)
+    return errors
+
+
+def divergence_guard(check_every=3, steps=10, corrupt_step=5):
+    """Rank 1's parameters are corrupted after step ``corrupt_step``: the guard must catch it."""
+    model = make_model()
+    opt = _opt(model, 2, check_every=check_every)
+    loss_fn = nn.MSELoss()
+    for step in range(steps):
+        opt.zero_grad()
+        x, y = batch(step, hvd.rank())
+        loss_fn(model(x), y).backward()
+        try:
+            opt.step()
+        except RuntimeError as exc:
+            return {"raised_at": opt.steps, "message": str(exc)}
+        if step == corrupt_step and hvd.rank() == 1:
+            with torch.no_grad():
+                next(model.parameters())[0, 0] += 1.0
+    return {"raised_at": None, "message": None}
+
+
+def suite(ckpt_dir=None):
+    return {
+        "nonfinite": nonfinite_gradients(),
+        "scaler": grad_scaler(),
+        "scaler_horovod_recipe": grad_scaler(horovod_recipe=True),
+        "bad": bad_inputs(),
+        "guard": divergence_guard(),
+        "ef_other_world": error_feedback_from_other_world(),
+    }
