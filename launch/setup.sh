@@ -111,10 +111,10 @@ log "Horovod $HOROVOD_VERSION OK: PyTorch, MPI and Gloo enabled"
 # Reinstall only when the native kernel sources changed since the last build.
 stamp="$VENV/.hvd_onebit-installed"
 src_hash="$(cat "$ROOT/setup.py" "$ROOT/setup.cfg" "$ROOT"/hvd_onebit/csrc/* 2>/dev/null | sha1sum | cut -d' ' -f1)"
-if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$src_hash" ] || ! "$PY" -c "import hvd_onebit._C" 2>/dev/null; then
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$src_hash" ] || ! "$PY" -c "import torch, hvd_onebit._C" 2>/dev/null; then
     log "installing hvd_onebit (editable) and compiling its native kernels"
     (cd "$ROOT" && pip_install --no-build-isolation --no-deps -e .)
     echo "$src_hash" > "$stamp"
 fi
-"$PY" -c "import hvd_onebit._C" || die "the native kernels (hvd_onebit._C) did not build"
+"$PY" -c "import torch, hvd_onebit._C" || die "the native kernels (hvd_onebit._C) did not build"
 log "ready: $VENV"
