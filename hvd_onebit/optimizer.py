@@ -79,6 +79,7 @@ class _OneBitMixin:
         self._bucket_params: list[torch.Tensor] = []
         self._comms: dict[tuple, OneBitAllreduce] = {}
         self._denoms: dict[torch.Tensor, tuple] = {}
+        self._zero_variance_masks: dict[torch.Tensor, torch.Tensor] = {}
         # Telemetry, readable by training scripts and the CLI.
         self.last_step_bytes = 0  # bytes this rank sent in the last step (warmup: ring estimate)
         self.total_bytes = 0
@@ -441,6 +442,11 @@ class _OneBitMixin:
                              f"found {sorted(str(d) for d in devices)}")
         for p in active:
             self._freeze_variance(p)
+        self._zero_variance_masks = {}
+        for p in active:
+            seen = self.state[p]["exp_avg_sq"] != 0
+            if not bool(seen.all()):
+                self._zero_variance_masks[p] = seen.to(p.dtype)
         bucket_numel = max(1, int(self.bucket_size_mb * 2**20 / 4))
         self._buckets = fuse(active, [self.state[p]["exp_avg"] for p in active], bucket_numel)
         self._bucket_params = active
@@ -463,17 +469,25 @@ class _OneBitMixin:
         return (b.index, b.numel, str(b.momentum.dtype).replace("torch.", ""), self._world)
 
     def _freeze_variance(self, p: torch.Tensor) -> None:
-        """Record the step count v was frozen at (once per parameter)."""
+        """Record the step count v was frozen at (once per parameter).
+
+        Elements whose frozen variance is exactly zero never saw a gradient in the warmup (a
+        dead ReLU unit, an unused embedding row). Adam would divide their momentum by eps, and
+        in the compression phase every element receives about its block's scale, so they would
+        jump by lr * scale / eps. They are held fixed instead (their averaged momentum is masked
+        to zero, see ``_zero_variance_masks``), with a warning.
+        """
         state = self.state[p]
         if "frozen_variance_step" in state:
             return
-        steps = int(state["step"])
-        state["frozen_variance_step"] = steps
-        if steps == 0:
+        state["frozen_variance_step"] = int(state["step"])
+        unseen = int((state["exp_avg_sq"] == 0).sum())
+        if unseen:
             warnings.warn(
-                f"parameter {self._parameter_names.get(p, '?')} received no gradient during the "
-                f"{self.freeze_step}-step warmup: its variance is frozen at zero, so a gradient "
-                "for it in the compression phase would take a step of size lr * m / eps")
+                f"hvd_onebit: {unseen} of {p.numel()} elements of parameter "
+                f"{self._parameter_names.get(p, '?')} received no gradient during the "
+                f"{self.freeze_step}-step warmup (variance 0); they are held fixed in the "
+                "compression phase")
 
     def _denominator(self, p: torch.Tensor, group: dict) -> torch.Tensor:
         """sqrt(v / bc2) + eps for the frozen v, cached while eps and beta2 stay the same."""
@@ -566,6 +580,8 @@ class _OneBitMixin:
                 m = state["exp_avg"]
                 if masks[j] is not None:
                     m.mul_(masks[j])  # in place: exp_avg is the bucket's view
+                if p in self._zero_variance_masks:
+                    m.mul_(self._zero_variance_masks[p])
                 state["step"] += 1
                 bc1 = 1 - beta1 ** float(state["step"])
                 with torch.no_grad():

@@ -2,7 +2,8 @@
 # Fresh-machine set-up for hvd_onebit, idempotent: `make setup` runs it.
 #
 #   1. Debian packages: openmpi-bin, libopenmpi-dev, iproute2, g++, cmake (only those missing).
-#   2. .venv with the CPU build of torch 2.13.0 and the Python dependencies.
+#   2. .venv with the CPU build of torch 2.13.0 and the Python dependencies (scikit-learn only
+#      for the digits example's bundled data set).
 #   3. Horovod 0.28.1 built from its PyPI sdist with PyTorch, Gloo and MPI. The sdist needs two
 #      fixes to build against torch >= 2.1 with a recent cmake:
 #        - CMAKE_POLICY_VERSION_MINIMUM=3.5, because cmake 4 rejects the bundled gloo's
@@ -57,8 +58,8 @@ if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.__version__.startswith('$T
 fi
 # Pin torch in every later install so no resolver step can swap it for a CUDA build.
 TORCH_PIN="torch==$("$PY" -c 'import torch; print(torch.__version__)')"
-deps=(numpy mpi4py click pytest matplotlib cloudpickle psutil pyyaml packaging setuptools wheel)
-if ! "$PY" -c "import numpy, mpi4py, click, pytest, matplotlib, cloudpickle, psutil, yaml, packaging, setuptools, wheel" 2>/dev/null; then
+deps=(numpy mpi4py click pytest matplotlib scikit-learn cloudpickle psutil pyyaml packaging setuptools wheel)
+if ! "$PY" -c "import numpy, mpi4py, click, pytest, matplotlib, sklearn, cloudpickle, psutil, yaml, packaging, setuptools, wheel" 2>/dev/null; then
     log "installing Python dependencies"
     pip_install "$TORCH_PIN" "${deps[@]}"
 fi

@@ -80,3 +80,10 @@ def test_divergence_guard_raises_on_every_rank(results):
         g = r["guard"]
         assert g["raised_at"] == 9  # corrupted after step 6, caught at the next check (step 9)
         assert "diverged" in g["message"] and "[1]" in g["message"]
+
+
+def test_elements_without_warmup_gradient_are_held_fixed(results):
+    for r in results:
+        z = r["zero_variance"]
+        assert z["unseen_fixed"] and z["seen_moved"] and z["finite"]
+        assert any("20 of 40 elements of parameter emb" in w for w in z["warnings"])

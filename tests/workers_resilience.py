@@ -207,8 +207,35 @@ def divergence_guard(check_every=3, steps=10, corrupt_step=5):
     return {"raised_at": None, "message": None}
 
 
+def zero_variance_elements(freeze_step=4, steps=12):
+    """Embedding rows 5-9 get no gradient in the warmup: frozen v = 0 there. They must stay
+    put in the compression phase (not jump by lr * scale / eps), with a warning."""
+    torch.manual_seed(0)
+    emb, head = nn.Embedding(10, 4), nn.Linear(4, 1)
+    params = [emb.weight, head.weight, head.bias]
+    opt = hvd_onebit.DistributedOptimizer(torch.optim.Adam(params, lr=1e-2), freeze_step=freeze_step,
+                                          named_parameters=[("emb", emb.weight), ("w", head.weight),
+                                                            ("b", head.bias)])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(steps):
+            g = torch.Generator().manual_seed(step * 10 + hvd.rank())
+            high = 5 if step < freeze_step else 10  # rows 5-9 only used after the freeze
+            idx = torch.randint(0, high, (16,), generator=g)
+            if step == freeze_step:
+                unseen_before = emb.weight[5:].detach().clone()
+            opt.zero_grad()
+            nn.functional.mse_loss(head(emb(idx)), torch.randn(16, 1, generator=g)).backward()
+            opt.step()
+    return {"unseen_fixed": torch.equal(unseen_before, emb.weight[5:].detach()),
+            "seen_moved": not torch.equal(emb.weight[:5].detach(), torch.zeros(5, 4)),
+            "finite": all(bool(torch.isfinite(p).all()) for p in params),
+            "warnings": [str(w.message) for w in caught if "received no gradient" in str(w.message)]}
+
+
 def suite(ckpt_dir=None):
     return {
+        "zero_variance": zero_variance_elements(),
         "nonfinite": nonfinite_gradients(),
         "scaler": grad_scaler(),
         "scaler_horovod_recipe": grad_scaler(horovod_recipe=True),
