@@ -1,0 +1,216 @@
+"""Convergence of 1-bit Adam against Horovod Adam on examples/train_lm.py.
+
+Runs examples/train_lm.py twice on the same number of local ranks (``horovodrun --gloo``), once
+with ``--optimizer adam`` (hvd.DistributedOptimizer) and once with ``--optimizer onebit``
+(hvd_onebit.DistributedOptimizer, freeze_step = warmup_frac * steps), with the same seed and so the
+same initialisation and the same data order. It writes both validation-loss curves to
+``OUT_DIR/convergence.png``, each run's summary and log to OUT_DIR, and prints one JSON object:
+
+    final_val_loss_adam, final_val_loss_onebit   validation loss at the last step
+    ratio_onebit_over_adam                       final_val_loss_onebit / final_val_loss_adam
+    target_ratio, meets_target                   the target is <= 1.01
+    loss_threshold, threshold_rule               a loss both runs reach (see below)
+    steps_to_threshold_adam / _onebit            first evaluated step at or below it
+    total_bytes_per_rank_adam / _onebit          bytes one rank sent over the whole run
+    bytes_ratio_adam_over_onebit                 communication reduction
+    bytes_per_step_adam, bytes_per_step_onebit_warmup, bytes_per_step_onebit_compression
+    samples_per_sec_adam, samples_per_sec_onebit_warmup, samples_per_sec_onebit_compression
+    wall_seconds_adam, wall_seconds_onebit, wall_seconds_total   (launch included)
+
+Threshold: 2% above the worse of the two final validation losses, so both runs reach it by
+construction; the steps to reach it say how quickly each got close to its final loss. Steps are
+only known at evaluation points (every --eval-every steps).
+
+Bytes: Adam's are the ring-allreduce estimate 2*(n-1)/n * 4 bytes per parameter per step (what
+hvd_onebit reports for its own warmup too); the compression phase's are the bytes 1-bit Adam
+actually put on the wire.
+
+Usage:
+    python benchmarks/convergence.py                 # 4 ranks, 1000 steps (~10-15 min on 2 cores)
+    python benchmarks/convergence.py --quick         # 2 ranks, tiny model, a few steps (tests)
+    python benchmarks/convergence.py --steps 2000 --np 8 --out-dir results/conv8 -- --n-layer 4
+
+Arguments after ``--`` are passed to train_lm.py unchanged.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from hvd_onebit.testing import _TOKEN_VAR, kill_job, launch_command  # noqa: E402
+
+TRAIN_LM = REPO / "examples" / "train_lm.py"
+TARGET_RATIO = 1.01
+QUICK_ARGS = ["--n-layer", "1", "--d-model", "32", "--n-head", "2", "--context", "32",
+              "--batch-size", "4", "--eval-batches", "2"]
+
+
+def run_training(optimizer: str, np: int, train_args: list[str], out_dir: Path,
+                 timeout: float) -> tuple[dict, float]:
+    """Run train_lm.py on ``np`` ranks; return its JSON summary and wall time (launch included)."""
+    json_out = out_dir / f"{optimizer}.json"
+    if json_out.exists():
+        json_out.unlink()
+    argv = [sys.executable, str(TRAIN_LM), "--optimizer", optimizer, "--json-out", str(json_out)]
+    token = uuid.uuid4().hex
+    env = dict(os.environ)
+    env[_TOKEN_VAR] = token
+    env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
+    # The repository after any PYTHONPATH the caller set, so hvd_onebit imports uninstalled too.
+    env["PYTHONPATH"] = os.pathsep.join(p for p in [env.get("PYTHONPATH", ""), str(REPO)] if p)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.setdefault("HOROVOD_CPU_OPERATIONS", "gloo")
+    cmd = launch_command(np, "gloo", argv + train_args)
+    log_path = out_dir / f"{optimizer}.log"
+    start = time.perf_counter()
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=str(REPO),
+                                start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            rc = None
+        finally:
+            kill_job(proc, token)
+    wall = time.perf_counter() - start
+    if rc != 0 or not json_out.exists():
+        tail = log_path.read_text(errors="replace")[-4000:]
+        why = f"timed out after {timeout:.0f}s" if rc is None else f"exited with {rc}"
+        raise RuntimeError(f"train_lm.py --optimizer {optimizer} on {np} ranks {why}; "
+                           f"log {log_path}:\n{tail}")
+    return json.loads(json_out.read_text()), wall
+
+
+def first_step_at_or_below(curve: list[dict], threshold: float):
+    for point in curve:
+        if point["val_loss"] <= threshold:
+            return point["step"]
+    return None
+
+
+def plot(adam: dict, onebit: dict, path: Path, threshold: float) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for summary, label, style in ((adam, "Horovod Adam", "-"), (onebit, "1-bit Adam", "--")):
+        steps = [p["step"] for p in summary["val_curve"]]
+        losses = [p["val_loss"] for p in summary["val_curve"]]
+        ax.plot(steps, losses, style, marker="o", markersize=2.5, label=label)
+    ax.axvline(onebit["freeze_step"], color="grey", linestyle=":", linewidth=1,
+               label=f"freeze_step = {onebit['freeze_step']}")
+    ax.axhline(threshold, color="tab:red", linestyle=":", linewidth=0.8,
+               label=f"threshold {threshold:.3f}")
+    final = [p["val_loss"] for s in (adam, onebit) for p in s["val_curve"]]
+    ax.set_ylim(min(final) - 0.05, min(max(final), min(final) + 2.0))
+    ax.set_xlabel("step")
+    ax.set_ylabel("validation loss (nats/byte)")
+    ax.set_title(f"train_lm.py on {adam['world_size']} ranks: 1-bit Adam vs Adam")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def compare(adam: dict, onebit: dict, wall_adam: float, wall_onebit: float) -> dict:
+    fa, fo = adam["final_val_loss"], onebit["final_val_loss"]
+    threshold = 1.02 * max(fa, fo)
+    ratio = fo / fa
+    ph = onebit["phases"]
+    comp = ph.get("compression", {})
+    return {
+        "world_size": adam["world_size"],
+        "steps": adam["config"]["steps"],
+        "freeze_step": onebit["freeze_step"],
+        "warmup_frac": onebit["config"]["warmup_frac"],
+        "params": adam["params"],
+        "final_val_loss_adam": fa,
+        "final_val_loss_onebit": fo,
+        "ratio_onebit_over_adam": ratio,
+        "target_ratio": TARGET_RATIO,
+        "meets_target": ratio <= TARGET_RATIO,
+        "loss_threshold": threshold,
+        "threshold_rule": "1.02 * max(final_val_loss_adam, final_val_loss_onebit)",
+        "steps_to_threshold_adam": first_step_at_or_below(adam["val_curve"], threshold),
+        "steps_to_threshold_onebit": first_step_at_or_below(onebit["val_curve"], threshold),
+        "total_bytes_per_rank_adam": adam["total_bytes_per_rank"],
+        "total_bytes_per_rank_onebit": onebit["total_bytes_per_rank"],
+        "bytes_ratio_adam_over_onebit": adam["total_bytes_per_rank"]
+        / max(onebit["total_bytes_per_rank"], 1),
+        "bytes_per_step_adam": adam["phases"]["full_precision"]["bytes_per_step"],
+        "bytes_per_step_onebit_warmup": ph["warmup"]["bytes_per_step"],
+        "bytes_per_step_onebit_compression": comp.get("bytes_per_step"),
+        "samples_per_sec_adam": adam["samples_per_sec"],
+        "samples_per_sec_onebit_warmup": ph["warmup"]["samples_per_sec"],
+        "samples_per_sec_onebit_compression": comp.get("samples_per_sec"),
+        "skipped_steps_onebit": onebit["telemetry"]["skipped_steps"],
+        "wall_seconds_adam": wall_adam,
+        "wall_seconds_onebit": wall_onebit,
+        "wall_seconds_total": wall_adam + wall_onebit,
+    }
+
+
+def main(argv=None) -> dict:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = " ".join(["python", "benchmarks/convergence.py"] + argv)
+    extra = []
+    if "--" in argv:
+        i = argv.index("--")
+        argv, extra = argv[:i], argv[i + 1:]
+    p = argparse.ArgumentParser(description="1-bit Adam vs Horovod Adam on examples/train_lm.py",
+                                epilog="Arguments after -- go to train_lm.py.")
+    p.add_argument("--np", type=int, default=None, help="ranks (default 4; --quick: 2)")
+    p.add_argument("--steps", type=int, default=None, help="default 1000; --quick: 12")
+    p.add_argument("--warmup-frac", type=float, default=0.2, help="freeze_step / steps")
+    p.add_argument("--eval-every", type=int, default=None, help="default 50; --quick: 4")
+    p.add_argument("--seed", type=int, default=1337)
+    p.add_argument("--out-dir", default=str(REPO / "results" / "convergence"))
+    p.add_argument("--timeout", type=float, default=None,
+                   help="seconds per training run (default 900; --quick: 120)")
+    p.add_argument("--quick", action="store_true", help="tiny model, 2 ranks, a few steps")
+    args = p.parse_args(argv)
+    np = args.np or (2 if args.quick else 4)
+    steps = args.steps or (12 if args.quick else 1000)
+    eval_every = args.eval_every or (4 if args.quick else 50)
+    timeout = args.timeout or (120.0 if args.quick else 900.0)
+    train_args = ["--steps", str(steps), "--warmup-frac", str(args.warmup_frac),
+                  "--eval-every", str(eval_every), "--seed", str(args.seed)]
+    if args.quick:
+        train_args += QUICK_ARGS
+    train_args += extra
+
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    print(f"[convergence] {np} ranks, train_lm.py {' '.join(train_args)}; output in {out_dir}",
+          file=sys.stderr, flush=True)
+    adam, wall_adam = run_training("adam", np, train_args, out_dir, timeout)
+    print(f"[convergence] adam done in {wall_adam:.0f}s: final val {adam['final_val_loss']:.4f}",
+          file=sys.stderr, flush=True)
+    onebit, wall_onebit = run_training("onebit", np, train_args, out_dir, timeout)
+    print(f"[convergence] onebit done in {wall_onebit:.0f}s: final val "
+          f"{onebit['final_val_loss']:.4f}", file=sys.stderr, flush=True)
+
+    result = compare(adam, onebit, wall_adam, wall_onebit)
+    png = out_dir / "convergence.png"
+    plot(adam, onebit, png, result["loss_threshold"])
+    result["plot"] = str(png)
+    result["command"] = command
+    (out_dir / "summary.json").write_text(json.dumps(result, indent=1))
+    print(json.dumps(result, indent=1), flush=True)
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,334 @@
+"""Train a small GPT-style byte-level language model with Horovod, using Adam or 1-bit Adam.
+
+The text is the Python reference documentation that ships with every CPython
+(``pydoc_data.topics``, about 465 KB of English): nothing is downloaded. The last 10% is held out
+for validation.
+
+Run it on 4 local ranks:
+
+    horovodrun -np 4 -H localhost:4 --gloo python examples/train_lm.py --optimizer onebit
+
+``--optimizer`` changes exactly one thing, the line that wraps the optimizer:
+
+    optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
+    optimizer = hvd_onebit.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
+                                                freeze_step=freeze_step)
+
+Everything else (seeds, model initialisation, the data each rank sees at each step, the LR
+schedule, evaluation) is the same for both, so the two runs can be compared step by step.
+
+Learning rate: linear warmup over the first ``--lr-warmup-frac`` of the steps (default 2%), then
+cosine decay to 10% of ``--lr``. With 1-bit Adam the LR warmup should end well before
+``freeze_step`` (default: 20% of the steps), so Adam's variance is frozen only after it has seen
+gradients at full learning rate.
+
+Data: the training text is split into one contiguous shard per rank; each rank draws random
+windows from its own shard with a generator seeded from ``--seed`` and its rank, so the data order
+depends on the seed and the world size, never on the optimizer. Validation uses a fixed set of
+non-overlapping windows of the held-out text, split among the ranks and averaged with an
+allreduce, so the validation loss does not depend on the world size either.
+
+``--json-out PATH`` writes a summary (rank 0): the validation-loss curve, train loss, samples/s
+and bytes sent per step for each phase, the final validation loss, the world size and the config.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import time
+
+import horovod.torch as hvd
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import hvd_onebit
+
+
+# ---------------------------------------------------------------------------------------------
+# Model: pre-LN transformer decoder over bytes, tied input/output embeddings.
+# ---------------------------------------------------------------------------------------------
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, d_model: int, n_head: int):
+        super().__init__()
+        assert d_model % n_head == 0
+        self.n_head = n_head
+        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.proj = nn.Linear(d_model, d_model)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).contiguous().view(B, T, C))
+
+
+class Block(nn.Module):
+    def __init__(self, d_model: int, n_head: int):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(d_model)
+        self.attn = CausalSelfAttention(d_model, n_head)
+        self.ln2 = nn.LayerNorm(d_model)
+        self.mlp = nn.Sequential(nn.Linear(d_model, 4 * d_model), nn.GELU(),
+                                 nn.Linear(4 * d_model, d_model))
+
+    def forward(self, x):
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, vocab_size=256, context=64, d_model=128, n_layer=2, n_head=4):
+        super().__init__()
+        self.context = context
+        self.tok_emb = nn.Embedding(vocab_size, d_model)
+        self.pos_emb = nn.Embedding(context, d_model)
+        self.blocks = nn.ModuleList([Block(d_model, n_head) for _ in range(n_layer)])
+        self.ln_f = nn.LayerNorm(d_model)
+        self.head = nn.Linear(d_model, vocab_size, bias=False)
+        self.head.weight = self.tok_emb.weight  # tied embeddings
+        self.apply(self._init_weights)
+        for name, p in self.named_parameters():  # GPT-2's scaled init of the residual projections
+            if name.endswith("attn.proj.weight") or name.endswith("mlp.2.weight"):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * n_layer))
+
+    @staticmethod
+    def _init_weights(module):
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def forward(self, idx, targets=None):
+        T = idx.shape[1]
+        x = self.tok_emb(idx) + self.pos_emb(torch.arange(T, device=idx.device))
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.ln_f(x))
+        if targets is None:
+            return logits, None
+        return logits, F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+
+# ---------------------------------------------------------------------------------------------
+# Data: the Python docs as bytes.
+# ---------------------------------------------------------------------------------------------
+
+def load_text() -> torch.Tensor:
+    from pydoc_data.topics import topics
+
+    text = "\n\n".join(topics[k] for k in sorted(topics))
+    return torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8).long()
+
+
+def get_batch(shard: torch.Tensor, batch_size: int, context: int, gen: torch.Generator):
+    ix = torch.randint(len(shard) - context - 1, (batch_size,), generator=gen)
+    x = torch.stack([shard[i:i + context] for i in ix.tolist()])
+    y = torch.stack([shard[i + 1:i + 1 + context] for i in ix.tolist()])
+    return x, y
+
+
+@torch.no_grad()
+def evaluate(model, val_windows: torch.Tensor, batch_size: int) -> float:
+    """Mean loss over the fixed validation windows; each rank takes every world-th window."""
+    model.eval()
+    mine = val_windows[hvd.rank()::hvd.size()]
+    total = torch.zeros(2, dtype=torch.float64)  # [sum of per-token losses, tokens]
+    for i in range(0, len(mine), batch_size):
+        chunk = mine[i:i + batch_size]
+        _, loss = model(chunk[:, :-1], chunk[:, 1:])
+        n = chunk[:, 1:].numel()
+        total += torch.tensor([loss.item() * n, n], dtype=torch.float64)
+    model.train()
+    total = hvd.allreduce(total, op=hvd.Sum, name="eval_loss")
+    return float(total[0] / total[1])
+
+
+def lr_at(step: int, args) -> float:
+    """Linear warmup, then cosine decay to 10% of the peak."""
+    warmup = max(1, round(args.lr_warmup_frac * args.steps))
+    if step < warmup:
+        return args.lr * (step + 1) / warmup
+    progress = (step - warmup) / max(1, args.steps - warmup)
+    return args.lr * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress))))
+
+
+def ring_allreduce_bytes(model: nn.Module, world: int) -> int:
+    """Bytes one rank sends per step in Horovod's ring allreduce of fp32 gradients (estimate)."""
+    numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return int(2 * (world - 1) / world * numel * 4) if world > 1 else 0
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--optimizer", choices=["adam", "onebit"], default="onebit")
+    p.add_argument("--steps", type=int, default=1000)
+    p.add_argument("--batch-size", type=int, default=16, help="sequences per rank per step")
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--lr-warmup-frac", type=float, default=0.02,
+                   help="linear LR warmup, as a fraction of --steps (keep it << --warmup-frac)")
+    p.add_argument("--warmup-frac", type=float, default=0.2,
+                   help="1-bit Adam: freeze_step = round(warmup_frac * steps)")
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--seed", type=int, default=1337)
+    p.add_argument("--eval-every", type=int, default=50)
+    p.add_argument("--eval-batches", type=int, default=8,
+                   help="validation windows = eval_batches * batch_size (0: the whole split)")
+    p.add_argument("--val-frac", type=float, default=0.1)
+    p.add_argument("--context", type=int, default=64)
+    p.add_argument("--d-model", type=int, default=128)
+    p.add_argument("--n-layer", type=int, default=2)
+    p.add_argument("--n-head", type=int, default=4)
+    p.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", "1")),
+                   help="torch intra-op threads per rank")
+    p.add_argument("--json-out", default=None, help="write a JSON summary here (rank 0)")
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    hvd.init()
+    torch.set_num_threads(args.threads)
+    rank, world = hvd.rank(), hvd.size()
+    log = print if rank == 0 else (lambda *a, **k: None)
+
+    # Data: train = first (1 - val_frac) of the bytes, one contiguous shard per rank.
+    data = load_text()
+    n_val = int(len(data) * args.val_frac)
+    train_data, val_data = data[:-n_val], data[-n_val:]
+    shard_len = len(train_data) // world
+    shard = train_data[rank * shard_len:(rank + 1) * shard_len]
+    gen = torch.Generator().manual_seed(args.seed * 1000 + rank)
+    window = args.context + 1
+    val_windows = val_data[:len(val_data) // window * window].view(-1, window)
+    if args.eval_batches > 0 and len(val_windows) > args.eval_batches * args.batch_size:
+        keep = torch.linspace(0, len(val_windows) - 1, args.eval_batches * args.batch_size)
+        val_windows = val_windows[keep.round().long()]
+
+    torch.manual_seed(args.seed)
+    model = GPT(context=args.context, d_model=args.d_model, n_layer=args.n_layer,
+                n_head=args.n_head)
+    n_params = sum(p.numel() for p in model.parameters())
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
+                                   {"params": no_decay, "weight_decay": 0.0}],
+                                  lr=args.lr, betas=(0.9, 0.99))
+
+    freeze_step = max(1, round(args.warmup_frac * args.steps))
+    # ---- the one line that differs ----------------------------------------------------------
+    if args.optimizer == "adam":
+        optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
+    else:
+        optimizer = hvd_onebit.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
+                                                    freeze_step=freeze_step)
+    # -----------------------------------------------------------------------------------------
+    # Same start on every rank: rank 0's parameters. A fresh optimizer's state is zeros on every
+    # rank, so it needs no broadcast; call hvd.broadcast_optimizer_state(optimizer, 0) when
+    # resuming from a checkpoint. (On a fresh torch optimizer Horovod's broadcast creates the state
+    # by taking one step with zero gradients, which would start plain Adam one step ahead and
+    # apply AdamW's decay once; hvd_onebit's optimizer takes no such step.)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+
+    log(f"world={world} params={n_params / 1e6:.2f}M optimizer={args.optimizer} "
+        f"freeze_step={freeze_step if args.optimizer == 'onebit' else '-'} "
+        f"train={len(train_data)}B val={len(val_data)}B eval_windows={len(val_windows)}")
+
+    def phase_now():
+        return optimizer.phase if args.optimizer == "onebit" else "full_precision"
+
+    phases: dict[str, dict] = {}
+    curve, train_curve, phase_switch_step = [], [], None
+    recent_losses: list[float] = []
+    train_losses: list[float] = []  # this rank's loss at every step
+    adam_bytes = ring_allreduce_bytes(model, world)
+    t_start = time.perf_counter()
+
+    def record_eval(step):
+        val = evaluate(model, val_windows, args.batch_size)
+        tr = None
+        if recent_losses:
+            tr = float(hvd.allreduce(torch.tensor(sum(recent_losses) / len(recent_losses)),
+                                     name="train_loss"))
+            recent_losses.clear()
+        curve.append({"step": step, "val_loss": val, "phase": phase_now(), "lr": lr_at(step, args),
+                      "elapsed_s": time.perf_counter() - t_start})
+        if tr is not None:
+            train_curve.append({"step": step, "train_loss": tr})
+        log(f"step {step:5d} | val {val:.4f} | train {tr if tr is None else round(tr, 4)} "
+            f"| phase {phase_now()} | {time.perf_counter() - t_start:.0f}s")
+
+    record_eval(0)
+    for step in range(args.steps):
+        lr = lr_at(step, args)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        phase = phase_now()
+        if phase == "compression" and phase_switch_step is None:
+            phase_switch_step = step
+        t0 = time.perf_counter()
+        x, y = get_batch(shard, args.batch_size, args.context, gen)
+        _, loss = model(x, y)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        dt = time.perf_counter() - t0
+        if args.optimizer == "onebit":
+            sent = optimizer.telemetry()["last_step_bytes"]
+        else:
+            sent = adam_bytes
+        ph = phases.setdefault(phase, {"steps": 0, "seconds": 0.0, "bytes": 0, "first_step": step})
+        ph["steps"] += 1
+        ph["seconds"] += dt
+        ph["bytes"] += sent
+        recent_losses.append(loss.item())
+        train_losses.append(recent_losses[-1])
+        if not math.isfinite(recent_losses[-1]):
+            raise FloatingPointError(f"non-finite training loss at step {step}")
+        if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
+            record_eval(step + 1)
+
+    wall = time.perf_counter() - t_start
+    for name, ph in phases.items():
+        ph["samples_per_sec"] = ph["steps"] * args.batch_size * world / max(ph["seconds"], 1e-9)
+        ph["bytes_per_step"] = ph["bytes"] / ph["steps"]
+    summary = {
+        "optimizer": args.optimizer,
+        "world_size": world,
+        "params": n_params,
+        "freeze_step": freeze_step if args.optimizer == "onebit" else None,
+        "phase_switch_step": phase_switch_step,
+        "final_val_loss": curve[-1]["val_loss"],
+        "val_curve": curve,
+        "train_curve": train_curve,
+        "train_loss_per_step_rank0": train_losses,
+        "phases": phases,
+        "total_bytes_per_rank": sum(ph["bytes"] for ph in phases.values()),
+        "bytes_note": ("onebit: opt.telemetry() (warmup: ring-allreduce estimate; compression: "
+                       "bytes on the wire)" if args.optimizer == "onebit" else
+                       "adam: ring-allreduce estimate, 2*(n-1)/n * 4 bytes per parameter"),
+        "telemetry": optimizer.telemetry() if args.optimizer == "onebit" else None,
+        "samples_per_sec": args.steps * args.batch_size * world
+        / max(sum(ph["seconds"] for ph in phases.values()), 1e-9),
+        "wall_seconds": wall,
+        "config": vars(args),
+    }
+    if rank == 0:
+        log(f"done: final val loss {summary['final_val_loss']:.4f}, "
+            f"{summary['samples_per_sec']:.0f} samples/s, {wall:.0f}s, "
+            f"{summary['total_bytes_per_rank'] / 2**20:.1f} MiB sent per rank")
+        if args.json_out:
+            os.makedirs(os.path.dirname(os.path.abspath(args.json_out)), exist_ok=True)
+            with open(args.json_out, "w") as f:
+                json.dump(summary, f, indent=1)
+    return summary
+
+
+if __name__ == "__main__":
+    main()

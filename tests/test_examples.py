@@ -1,0 +1,150 @@
+"""examples/train_lm.py, examples/train_digits.py and benchmarks/convergence.py, run for real.
+
+Each script is launched the way a user launches it (``horovodrun -np 2 --gloo python SCRIPT``) at a
+tiny size, with a timeout; a job that overruns is killed whole (every process carrying its token).
+train_lm.py runs inside ``benchmarks/convergence.py --quick`` (once per optimizer), which saves
+three launches of horovodrun; the tests read both its printed JSON and each run's summary.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+from hvd_onebit.testing import _TOKEN_VAR, kill_job, launch_command
+
+pytestmark = pytest.mark.multirank
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _env(token: str) -> dict:
+    env = dict(os.environ)
+    env[_TOKEN_VAR] = token
+    env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in [env.get("PYTHONPATH", ""), str(REPO)] if p)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.setdefault("HOROVOD_CPU_OPERATIONS", "gloo")
+    return env
+
+
+def run(cmd: list[str], timeout: float) -> str:
+    """Run ``cmd`` in the repository; return its output; fail with the output on error or timeout."""
+    token = uuid.uuid4().hex
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=_env(token),
+                            cwd=str(REPO), start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_job(proc, token)
+        out, _ = proc.communicate()
+        text = out.decode(errors="replace")[-4000:]
+        pytest.fail(f"{' '.join(cmd)} timed out after {timeout}s:\n{text}")
+    finally:
+        kill_job(proc, token)  # nothing may outlive the test
+    text = out.decode(errors="replace")
+    assert proc.returncode == 0, f"{' '.join(cmd)} exited with {proc.returncode}:\n{text[-4000:]}"
+    return text
+
+
+def horovodrun(script: str, args: list[str], np: int = 2, timeout: float = 120) -> str:
+    return run(launch_command(np, "gloo", [sys.executable, str(REPO / script)] + args), timeout)
+
+
+def finite(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
+
+
+@pytest.fixture(scope="module")
+def quick_benchmark(tmp_path_factory):
+    """benchmarks/convergence.py --quick: train_lm.py on 2 ranks, 8 steps, freeze_step 4, once with
+    each optimizer (``horovodrun -np 2 --gloo python examples/train_lm.py --optimizer ...``)."""
+    out = tmp_path_factory.mktemp("convergence")
+    stdout = run([sys.executable, "benchmarks/convergence.py", "--quick", "--steps", "8",
+                  "--warmup-frac", "0.5", "--eval-every", "4", "--out-dir", str(out)], timeout=300)
+    result, _ = json.JSONDecoder().raw_decode(stdout[stdout.index("{\n"):])
+    runs = {opt: (json.loads((out / f"{opt}.json").read_text()),
+                  (out / f"{opt}.log").read_text(errors="replace")) for opt in ("adam", "onebit")}
+    return out, result, runs
+
+
+@pytest.fixture(scope="module")
+def lm_runs(quick_benchmark):
+    return quick_benchmark[2]
+
+
+def test_train_lm_summary_is_valid_and_finite(lm_runs):
+    for opt, (s, stdout) in lm_runs.items():
+        assert s["optimizer"] == opt and s["world_size"] == 2
+        assert [p["step"] for p in s["val_curve"]] == [0, 4, 8]
+        assert all(finite(p["val_loss"]) for p in s["val_curve"])
+        assert all(finite(p["train_loss"]) for p in s["train_curve"])
+        assert finite(s["final_val_loss"]) and s["final_val_loss"] < s["val_curve"][0]["val_loss"]
+        assert s["total_bytes_per_rank"] > 0 and finite(s["samples_per_sec"])
+        assert s["config"]["steps"] == 8
+        assert "done: final val loss" in stdout  # rank 0's progress lines
+        assert "[1]<stdout>:step" not in stdout  # ... and only rank 0's
+
+
+def test_train_lm_onebit_switches_phase_at_freeze_step(lm_runs):
+    s, _ = lm_runs["onebit"]
+    assert s["freeze_step"] == 4 and s["phase_switch_step"] == 4
+    warm, comp = s["phases"]["warmup"], s["phases"]["compression"]
+    assert (warm["steps"], warm["first_step"]) == (4, 0)
+    assert (comp["steps"], comp["first_step"]) == (4, 4)
+    assert comp["bytes_per_step"] < warm["bytes_per_step"] / 4  # 1-bit momentum vs fp32 grads
+    assert [p["phase"] for p in s["val_curve"]] == ["warmup", "compression", "compression"]
+    assert s["telemetry"]["steps"] == 8 and s["telemetry"]["skipped_steps"] == 0
+    assert s["total_bytes_per_rank"] == s["telemetry"]["total_bytes"]
+
+
+def test_train_lm_adam_and_onebit_share_init_and_data(lm_runs):
+    adam, _ = lm_runs["adam"]
+    onebit, _ = lm_runs["onebit"]
+    assert adam["phase_switch_step"] is None and list(adam["phases"]) == ["full_precision"]
+    # Same seed, same initial model; same data order, same first batch. Not bit-identical: on the
+    # Horovod path hvd.broadcast_optimizer_state creates AdamW's state with a zero-gradient step,
+    # which applies the weight decay once (lr * wd = 2e-4) and offsets Adam's step count by one.
+    assert adam["val_curve"][0]["val_loss"] == pytest.approx(onebit["val_curve"][0]["val_loss"],
+                                                             rel=1e-4)
+    a, o = adam["train_loss_per_step_rank0"], onebit["train_loss_per_step_rank0"]
+    assert len(a) == len(o) == 8
+    assert a[0] == pytest.approx(o[0], rel=1e-4)
+    assert adam["phases"]["full_precision"]["bytes_per_step"] == \
+        onebit["phases"]["warmup"]["bytes_per_step"]
+
+
+def test_train_digits_runs_with_onebit(tmp_path):
+    pytest.importorskip("sklearn")
+    path = tmp_path / "digits.json"
+    horovodrun("examples/train_digits.py",
+               ["--optimizer", "onebit", "--steps", "20", "--warmup-frac", "0.25",
+                "--eval-every", "10", "--batch-size", "16", "--json-out", str(path)])
+    s = json.loads(path.read_text())
+    assert s["world_size"] == 2 and s["freeze_step"] == 5 and s["phase_switch_step"] == 5
+    assert all(finite(p["val_loss"]) and 0 <= p["val_acc"] <= 1 for p in s["val_curve"])
+    assert s["telemetry"]["phase"] == "compression" and s["telemetry"]["skipped_steps"] == 0
+    assert s["final_val_acc"] > 0.2  # better than chance (0.1) after 20 steps
+
+
+def test_convergence_benchmark_quick(quick_benchmark):
+    out, result, _ = quick_benchmark
+    for key in ("final_val_loss_adam", "final_val_loss_onebit", "ratio_onebit_over_adam",
+                "loss_threshold", "total_bytes_per_rank_adam", "total_bytes_per_rank_onebit",
+                "wall_seconds_adam", "wall_seconds_onebit", "wall_seconds_total"):
+        assert finite(result[key]), key
+    assert result["world_size"] == 2 and result["steps"] == 8 and result["freeze_step"] == 4
+    assert result["ratio_onebit_over_adam"] == pytest.approx(
+        result["final_val_loss_onebit"] / result["final_val_loss_adam"])
+    # The threshold is chosen so that both runs reach it.
+    assert result["steps_to_threshold_adam"] is not None
+    assert result["steps_to_threshold_onebit"] is not None
+    assert result["total_bytes_per_rank_onebit"] < result["total_bytes_per_rank_adam"]
+    assert Path(result["plot"]).stat().st_size > 1000
+    assert json.loads((out / "summary.json").read_text()) == result
