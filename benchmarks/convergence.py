@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import time
@@ -46,7 +45,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from hvd_onebit.testing import _TOKEN_VAR, kill_job, launch_command  # noqa: E402
+from hvd_onebit.testing import job_environment, kill_job, launch_command  # noqa: E402
 
 TRAIN_LM = REPO / "examples" / "train_lm.py"
 TARGET_RATIO = 1.01
@@ -62,13 +61,7 @@ def run_training(optimizer: str, np: int, train_args: list[str], out_dir: Path,
         json_out.unlink()
     argv = [sys.executable, str(TRAIN_LM), "--optimizer", optimizer, "--json-out", str(json_out)]
     token = uuid.uuid4().hex
-    env = dict(os.environ)
-    env[_TOKEN_VAR] = token
-    env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
-    # The repository after any PYTHONPATH the caller set, so hvd_onebit imports uninstalled too.
-    env["PYTHONPATH"] = os.pathsep.join(p for p in [env.get("PYTHONPATH", ""), str(REPO)] if p)
-    env.setdefault("OMP_NUM_THREADS", "1")
-    env.setdefault("HOROVOD_CPU_OPERATIONS", "gloo")
+    env = job_environment(token)
     cmd = launch_command(np, "gloo", argv + train_args)
     log_path = out_dir / f"{optimizer}.log"
     start = time.perf_counter()

@@ -56,6 +56,15 @@ def print_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> None:
             click.echo("  ".join("-" * w for w in widths))
 
 
+def _real_cluster_options(command):
+    """--hosts and --shared-dir: run through horovodrun on real machines instead of emulating."""
+    command = click.option("--shared-dir", default=None,
+                           help="A folder every host sees at the same path, for --hosts.")(command)
+    return click.option("--hosts", default=None,
+                        help="Run on a real cluster through horovodrun, e.g. h1:4,h2:4 (no "
+                             "emulation); needs --shared-dir.")(command)
+
+
 @click.group()
 def bench() -> None:
     """Benchmarks; every command prints a table, or JSON with --json."""
@@ -117,9 +126,7 @@ def _cluster_for(np_: int, bandwidth: Optional[str]):
               show_default=True, help="OneBitAllreduce transport (mpi needs --controller mpi).")
 @click.option("--controller", type=click.Choice(["gloo", "mpi"]), default="gloo",
               show_default=True, help="Horovod controller for local and --hosts runs.")
-@click.option("--hosts", default=None, help="Run on a real cluster through horovodrun, e.g. "
-              "h1:4,h2:4 (no emulation); needs --shared-dir.")
-@click.option("--shared-dir", default=None, help="A folder every host sees, for --hosts.")
+@_real_cluster_options
 @click.option("--timeout", default=1800.0, show_default=True, help="Seconds per job.")
 @click.option("--plot", default=None, type=click.Path(dir_okay=False),
               help="Write a PNG of speed-up over fp32 against bandwidth.")
@@ -211,9 +218,7 @@ def _plot_allreduce(rows: list[dict], path: str) -> None:
               help="Plain-allreduce iterations before PowerSGD starts compressing.")
 @click.option("--methods", default=",".join(TRAIN_METHODS), show_default=True,
               callback=_csv(str), help="Which methods to run.")
-@click.option("--hosts", default=None, help="Real cluster through horovodrun (h1:4,h2:4); "
-              "needs --shared-dir.")
-@click.option("--shared-dir", default=None, help="A folder every host sees, for --hosts.")
+@_real_cluster_options
 @click.option("--timeout", default=3600.0, show_default=True, help="Seconds for the job.")
 @click.option("--plot", default=None, type=click.Path(dir_okay=False),
               help="Write a PNG bar chart of samples/s per method and phase.")

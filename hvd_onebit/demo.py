@@ -18,6 +18,8 @@ from pathlib import Path
 
 import click
 
+from .testing import job_environment
+
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO / "examples" / "train_lm.py"
 
@@ -27,8 +29,7 @@ def _run_one(optimizer: str, np_: int, bandwidth: str, steps: int, out_dir: Path
     json_out = out_dir / f"{optimizer}.json"
     argv = [sys.executable, str(EXAMPLE), "--optimizer", optimizer, "--steps", str(steps),
             "--eval-every", str(max(1, steps // 12)), "--json-out", str(json_out), *extra]
-    env = dict(os.environ, OMP_NUM_THREADS="1",
-               PATH=str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", ""))
+    env = job_environment(f"demo-{optimizer}-{os.getpid()}")
     click.echo(f"\n=== {optimizer}: {np_} ranks, "
                f"{bandwidth if emulate else 'loopback (no emulation)'}, {steps} steps")
     start = time.monotonic()

@@ -87,6 +87,25 @@ def launch_command(np: int, controller: str, argv: list[str], hosts: Optional[st
     raise ValueError(f"controller must be one of {CONTROLLERS}, got {controller!r}")
 
 
+def job_environment(token: str, controller: str = "gloo",
+                    extra: Optional[dict] = None) -> dict:
+    """Environment for a job's ranks: this process's, plus ``extra``, the job token (so
+    :func:`kill_job` finds every process), this Python's bin folder on PATH (horovodrun,
+    mpirun's python), the repository on PYTHONPATH, one torch thread per rank, and Horovod's
+    controller settings."""
+    env = dict(os.environ)
+    env.update(extra or {})
+    env[_TOKEN_VAR] = token
+    env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
+    repo_root = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in [repo_root, env.get("PYTHONPATH", "")] if p)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.setdefault("HOROVOD_CPU_OPERATIONS", controller)
+    if controller == "mpi":
+        env["HOROVOD_CONTROLLER"] = "mpi"
+    return env
+
+
 @dataclass
 class JobResult:
     """Each rank's return value in rank order, the job's wall time and, on an emulated cluster,
@@ -131,18 +150,8 @@ def run_job(target: str, np: int = 2, controller: str = "gloo", kwargs: Optional
     token = uuid.uuid4().hex
     try:
         (workdir / "kwargs.pkl").write_bytes(pickle.dumps(kwargs or {}))
-        bin_dir = str(Path(sys.executable).parent)
-        job_env = dict(os.environ)
-        job_env.update(env or {})
-        job_env[_TOKEN_VAR] = token
-        job_env["PATH"] = bin_dir + os.pathsep + job_env.get("PATH", "")
+        job_env = job_environment(token, controller, env)
         repo_root = str(Path(__file__).resolve().parent.parent)
-        job_env["PYTHONPATH"] = os.pathsep.join(
-            p for p in [repo_root, job_env.get("PYTHONPATH", "")] if p)
-        job_env.setdefault("OMP_NUM_THREADS", "1")
-        job_env.setdefault("HOROVOD_CPU_OPERATIONS", controller)
-        if controller == "mpi":
-            job_env["HOROVOD_CONTROLLER"] = "mpi"
         argv = [sys.executable, "-m", "hvd_onebit.testing", target, str(workdir)]
         log_path = workdir / "output.log"
         start = time.monotonic()

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from hvd_onebit.testing import kill_job
+from hvd_onebit.testing import job_environment, kill_job
 
 pytestmark = pytest.mark.multirank
 SCRIPT = Path(__file__).parent / "elastic" / "train_elastic.py"
@@ -22,9 +22,8 @@ def test_worker_killed_in_compression_phase(tmp_path):
     discover = tmp_path / "discover.sh"
     discover.write_text(f"#!/bin/sh\necho localhost:2\necho {host}:1\n")
     discover.chmod(discover.stat().st_mode | stat.S_IEXEC)
-    env = dict(os.environ, OUT_DIR=str(tmp_path), VICTIM_HOST=host, OMP_NUM_THREADS="1",
-               PATH=str(Path(sys.executable).parent) + os.pathsep + os.environ["PATH"],
-               HVD_ONEBIT_JOB_TOKEN=f"elastic-{os.getpid()}")
+    token = f"elastic-{os.getpid()}"
+    env = job_environment(token, extra={"OUT_DIR": str(tmp_path), "VICTIM_HOST": host})
     cmd = ["horovodrun", "-np", "3", "--min-np", "2", "--max-np", "3", "--gloo",
            "--host-discovery-script", str(discover), sys.executable, str(SCRIPT)]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -32,11 +31,11 @@ def test_worker_killed_in_compression_phase(tmp_path):
     try:
         out, _ = proc.communicate(timeout=240)
     except subprocess.TimeoutExpired:
-        kill_job(proc, env["HVD_ONEBIT_JOB_TOKEN"])
+        kill_job(proc, token)
         out, _ = proc.communicate()
         pytest.fail("elastic job hung:\n" + out.decode(errors="replace")[-4000:])
     finally:
-        kill_job(proc, env["HVD_ONEBIT_JOB_TOKEN"])
+        kill_job(proc, token)
     text = out.decode(errors="replace")
     assert proc.returncode == 0, text[-4000:]
     lines = [json.loads(l) for f in tmp_path.glob("*.jsonl") for l in f.read_text().splitlines()]

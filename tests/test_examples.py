@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
 import sys
 import uuid
@@ -17,27 +16,17 @@ from pathlib import Path
 
 import pytest
 
-from hvd_onebit.testing import _TOKEN_VAR, kill_job, launch_command
+from hvd_onebit.testing import job_environment, kill_job, launch_command
 
 pytestmark = pytest.mark.multirank
 
 REPO = Path(__file__).resolve().parent.parent
 
 
-def _env(token: str) -> dict:
-    env = dict(os.environ)
-    env[_TOKEN_VAR] = token
-    env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in [env.get("PYTHONPATH", ""), str(REPO)] if p)
-    env.setdefault("OMP_NUM_THREADS", "1")
-    env.setdefault("HOROVOD_CPU_OPERATIONS", "gloo")
-    return env
-
-
 def run(cmd: list[str], timeout: float) -> str:
     """Run ``cmd`` in the repository; return its output; fail with the output on error or timeout."""
     token = uuid.uuid4().hex
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=_env(token),
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=job_environment(token),
                             cwd=str(REPO), start_new_session=True)
     try:
         out, _ = proc.communicate(timeout=timeout)

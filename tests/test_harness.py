@@ -1,5 +1,4 @@
 """The multi-rank harness itself: results come back, failures and hangs fail fast and clean."""
-import os
 import time
 
 import psutil

@@ -1,7 +1,6 @@
 """Worker functions for checkpoints, non-finite gradients, GradScaler and bad input."""
 from __future__ import annotations
 
-import os
 import warnings
 from pathlib import Path
 
