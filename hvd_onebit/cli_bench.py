@@ -9,7 +9,7 @@ from typing import Optional
 
 import click
 
-from .benchmarks.allreduce import METHODS, summarize
+from .benchmarks.allreduce import DEFAULT_METHODS, METHODS, summarize
 from .benchmarks.train import METHODS as TRAIN_METHODS
 
 SIZE_SUFFIX = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
@@ -119,11 +119,10 @@ def _cluster_for(np_: int, bandwidth: Optional[str]):
               help="Comma-separated link rates for an emulated cluster (e.g. 100mbit,1gbit,"
                    "10gbit,unlimited); 'local' runs plain horovodrun on loopback without "
                    "emulation. Emulation needs root.")
-@click.option("--methods", default=",".join(METHODS), show_default=True, callback=_csv(str),
-              help="Which allreduces to time.")
+@click.option("--methods", default=",".join(DEFAULT_METHODS), show_default=True,
+              callback=_csv(str), help=f"Which allreduces to time, from {', '.join(METHODS)}; "
+              "onebit_mpi is OneBitAllreduce over mpi4py and needs --controller mpi.")
 @click.option("--repeats", default=5, show_default=True, help="Timed calls per size and method.")
-@click.option("--transport", type=click.Choice(["horovod", "mpi"]), default="horovod",
-              show_default=True, help="OneBitAllreduce transport (mpi needs --controller mpi).")
 @click.option("--controller", type=click.Choice(["gloo", "mpi"]), default="gloo",
               show_default=True, help="Horovod controller for local and --hosts runs.")
 @_real_cluster_options
@@ -131,7 +130,7 @@ def _cluster_for(np_: int, bandwidth: Optional[str]):
 @click.option("--plot", default=None, type=click.Path(dir_okay=False),
               help="Write a PNG of speed-up over fp32 against bandwidth.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
-def bench_allreduce(nps, sizes, bandwidths, methods, repeats, transport, controller, hosts,
+def bench_allreduce(nps, sizes, bandwidths, methods, repeats, controller, hosts,
                     shared_dir, timeout, plot, as_json) -> None:
     """fp32 hvd.allreduce vs Compression.fp16 vs OneBitAllreduce: time per call and bytes."""
     from .testing import run_job
@@ -139,13 +138,14 @@ def bench_allreduce(nps, sizes, bandwidths, methods, repeats, transport, control
     bad = [m for m in methods if m not in METHODS]
     if bad:
         raise click.BadParameter(f"unknown methods {bad}; choose from {METHODS}")
+    if "onebit_mpi" in methods and (controller != "mpi" or any(b != "local" for b in bandwidths)):
+        raise click.BadParameter("onebit_mpi needs --controller mpi and --bandwidth local")
     jobs = [(n, bw) for bw in bandwidths for n in nps]
     rows = []
     with click.progressbar(jobs, label="allreduce jobs", file=click.get_text_stream("stderr"),
                            item_show_func=lambda j: j and f"np={j[0]} {j[1]}") as bar:
         for n, bw in bar:
-            kwargs = {"sizes": sizes, "methods": tuple(methods), "repeats": repeats,
-                      "transport": transport}
+            kwargs = {"sizes": sizes, "methods": tuple(methods), "repeats": repeats}
             with _cluster_for(n, None if hosts else bw) as cluster:
                 job = run_job("hvd_onebit.benchmarks.allreduce:allreduce_worker", np=n,
                               controller=controller, kwargs=kwargs, timeout=timeout,

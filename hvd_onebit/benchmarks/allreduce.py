@@ -18,7 +18,8 @@ import time
 from pathlib import Path
 from typing import Optional
 
-METHODS = ("fp32", "fp16", "onebit")
+METHODS = ("fp32", "fp16", "onebit", "onebit_mpi")  # onebit_mpi: mpi4py transport (MPI jobs)
+DEFAULT_METHODS = ("fp32", "fp16", "onebit")
 
 
 def _iface_tx_bytes() -> Optional[int]:
@@ -30,8 +31,8 @@ def _iface_tx_bytes() -> Optional[int]:
     return int(path.read_text())
 
 
-def allreduce_worker(sizes: list[int], methods: tuple[str, ...] = METHODS, repeats: int = 5,
-                     transport: str = "horovod") -> list[dict]:
+def allreduce_worker(sizes: list[int], methods: tuple[str, ...] = DEFAULT_METHODS,
+                     repeats: int = 5) -> list[dict]:
     """Runs inside every rank (after hvd.init()); returns one row per (size, method)."""
     import horovod.torch as hvd
     import torch
@@ -43,8 +44,9 @@ def allreduce_worker(sizes: list[int], methods: tuple[str, ...] = METHODS, repea
     for numel in sizes:
         x = torch.randn(numel, generator=torch.Generator().manual_seed(hvd.rank()))
         for method in methods:
-            if method == "onebit":
-                comm = OneBitAllreduce(numel, transport=transport, name=f"bench.{numel}")
+            if method in ("onebit", "onebit_mpi"):
+                transport = "mpi" if method == "onebit_mpi" else "horovod"
+                comm = OneBitAllreduce(numel, transport=transport, name=f"bench.{numel}.{transport}")
                 out = torch.empty_like(x)
                 call = lambda: comm.allreduce(x, out=out)  # noqa: E731
             elif method == "fp32":
@@ -65,7 +67,7 @@ def allreduce_worker(sizes: list[int], methods: tuple[str, ...] = METHODS, repea
             tx_after = _iface_tx_bytes()
             slowest = hvd.allreduce(torch.tensor(times, dtype=torch.float64), op=hvd.Max,
                                     name=f"bench.times.{numel}.{method}").tolist()
-            if method == "onebit":
+            if method.startswith("onebit"):
                 nbytes = comm.wire_bytes
                 del comm
             else:

@@ -1,0 +1,10 @@
+"""The allreduce benchmark as a script: `python benchmarks/allreduce.py [options]` = `hvd-onebit bench allreduce --json [options]`.
+
+See `hvd-onebit bench allreduce --help` for the options; the logic lives in hvd_onebit/benchmarks/.
+"""
+import sys
+
+from hvd_onebit.cli import main
+
+if __name__ == "__main__":
+    main(["bench", "allreduce", "--json", *sys.argv[1:]])
