@@ -65,12 +65,13 @@ if ! "$PY" -c "import numpy, mpi4py, click, pytest, matplotlib, sklearn, cloudpi
 fi
 
 # --- 3. Horovod ------------------------------------------------------------------------------
-horovod_ok() {
-    "$VENV/bin/horovodrun" --check-build 2>/dev/null | grep -Eq '\[X\] PyTorch' &&
-    "$VENV/bin/horovodrun" --check-build 2>/dev/null | grep -Eq '\[X\] MPI' &&
-    "$VENV/bin/horovodrun" --check-build 2>/dev/null | grep -Eq '\[X\] Gloo'
+horovod_ok() {  # one --check-build (it is slow to start), three ticks looked for in its output
+    local report
+    report="$("$VENV/bin/horovodrun" --check-build 2>/dev/null)" || return 1
+    grep -Eq '\[X\] PyTorch' <<<"$report" && grep -Eq '\[X\] MPI' <<<"$report" &&
+        grep -Eq '\[X\] Gloo' <<<"$report"
 }
-if ! "$PY" -c "import horovod.torch, horovod; assert horovod.__version__ == '$HOROVOD_VERSION'" 2>/dev/null || ! horovod_ok; then
+if ! "$PY" -c "import horovod; assert horovod.__version__ == '$HOROVOD_VERSION'" 2>/dev/null || ! horovod_ok; then
     torch_tag="$("$PY" -c 'import torch; print(torch.__version__.replace("+", "_"))')"
     wheel_dir="$CACHE/wheels/torch-$torch_tag"
     mkdir -p "$wheel_dir"
@@ -101,11 +102,11 @@ if ! "$PY" -c "import horovod.torch, horovod; assert horovod.__version__ == '$HO
         log "using cached Horovod wheel $whl"
     fi
     pip_install --no-deps --force-reinstall "$whl"
+    horovod_ok || {
+        "$VENV/bin/horovodrun" --check-build || true
+        die "Horovod is installed but not with PyTorch, MPI and Gloo all enabled (see --check-build above)"
+    }
 fi
-horovod_ok || {
-    "$VENV/bin/horovodrun" --check-build || true
-    die "Horovod is installed but not with PyTorch, MPI and Gloo all enabled (see --check-build above)"
-}
 log "Horovod $HOROVOD_VERSION OK: PyTorch, MPI and Gloo enabled"
 
 # --- 4. the project ---------------------------------------------------------------------------
@@ -115,7 +116,7 @@ src_hash="$(cat "$ROOT/setup.py" "$ROOT/setup.cfg" "$ROOT"/hvd_onebit/csrc/* 2>/
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$src_hash" ] || ! "$PY" -c "import torch, hvd_onebit._C" 2>/dev/null; then
     log "installing hvd_onebit (editable) and compiling its native kernels"
     (cd "$ROOT" && pip_install --no-build-isolation --no-deps -e .)
+    "$PY" -c "import torch, hvd_onebit._C" || die "the native kernels (hvd_onebit._C) did not build"
     echo "$src_hash" > "$stamp"
 fi
-"$PY" -c "import torch, hvd_onebit._C" || die "the native kernels (hvd_onebit._C) did not build"
 log "ready: $VENV"
