@@ -548,7 +548,10 @@ class _OneBitMixin:
         try:
             if self.compressor == "onebit":
                 comms = [self._comms[self._comm_key(b)] for b in self._buckets]
-                handles = [c.allreduce_async(b.work, out=b.work) for c, b in zip(comms, self._buckets)]
+                # Decoded straight into exp_avg: the call writes its output only once every
+                # rank has succeeded, so a failed call leaves the momentum untouched.
+                handles = [c.allreduce_async(b.work, out=b.momentum)
+                           for c, b in zip(comms, self._buckets)]
                 for c, h in zip(comms, handles):
                     c.synchronize(h)
                     nbytes += c.wire_bytes
@@ -561,14 +564,14 @@ class _OneBitMixin:
                     nbytes += int(2 * (self._world - 1) / self._world * b.numel * b.work.element_size())
                     if not bool(torch.isfinite(b.work).all()):  # same averaged values on every rank
                         raise NonFiniteInputError([], "in the averaged momentum")
+                for b in self._buckets:
+                    b.momentum.copy_(b.work)
         except NonFiniteInputError as exc:
             self.skipped_steps += 1
             self._account(nbytes, time.perf_counter() - start)
             warnings.warn(f"hvd_onebit: step skipped on every rank: {exc}")
             return False
         self._account(nbytes, time.perf_counter() - start)
-        for b in self._buckets:
-            b.momentum.copy_(b.work)
         # 3. Masks, then Adam's update with the frozen variance.
         for group in self.param_groups:
             beta1, lr, wd = group["betas"][0], group["lr"], group["weight_decay"]
