@@ -98,15 +98,21 @@ def bench_kernel(numel: int, ranks: int, threads: int, repeats: int, as_json: bo
 
 
 @contextlib.contextmanager
-def _cluster_for(np_: int, bandwidth: Optional[str]):
-    """An emulated cluster at ``bandwidth``, or nothing (plain local launch) when unlimited/None."""
+def _cluster_for(np_: int, bandwidth: Optional[str], queue_ms: float = 2.0):
+    """An emulated cluster at ``bandwidth``, or nothing (plain local launch) for 'local'/None."""
     if bandwidth in (None, "", "none", "local"):
         yield None
         return
     from .emulator import EmulatedCluster
 
-    with EmulatedCluster(np=np_, bandwidth=bandwidth) as cluster:
+    with EmulatedCluster(np=np_, bandwidth=bandwidth, queue_ms=queue_ms) as cluster:
         yield cluster
+
+
+def _queue_option(command):
+    return click.option("--queue-ms", type=click.FloatRange(min=0), default=2.0, show_default=True,
+                        help="Emulated links' queue depth beyond one burst, in ms of line "
+                             "rate; shallow queues drop packets under incast.")(command)
 
 
 @bench.command("allreduce")
@@ -126,12 +132,13 @@ def _cluster_for(np_: int, bandwidth: Optional[str]):
 @click.option("--controller", type=click.Choice(["gloo", "mpi"]), default="gloo",
               show_default=True, help="Horovod controller for local and --hosts runs.")
 @_real_cluster_options
+@_queue_option
 @click.option("--timeout", default=1800.0, show_default=True, help="Seconds per job.")
 @click.option("--plot", default=None, type=click.Path(dir_okay=False),
               help="Write a PNG of speed-up over fp32 against bandwidth.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 def bench_allreduce(nps, sizes, bandwidths, methods, repeats, controller, hosts,
-                    shared_dir, timeout, plot, as_json) -> None:
+                    shared_dir, queue_ms, timeout, plot, as_json) -> None:
     """fp32 hvd.allreduce vs Compression.fp16 vs OneBitAllreduce: time per call and bytes."""
     from .testing import run_job
 
@@ -146,7 +153,7 @@ def bench_allreduce(nps, sizes, bandwidths, methods, repeats, controller, hosts,
                            item_show_func=lambda j: j and f"np={j[0]} {j[1]}") as bar:
         for n, bw in bar:
             kwargs = {"sizes": sizes, "methods": tuple(methods), "repeats": repeats}
-            with _cluster_for(n, None if hosts else bw) as cluster:
+            with _cluster_for(n, None if hosts else bw, queue_ms) as cluster:
                 job = run_job("hvd_onebit.benchmarks.allreduce:allreduce_worker", np=n,
                               controller=controller, kwargs=kwargs, timeout=timeout,
                               cluster=cluster, hosts=hosts, shared_dir=shared_dir)
@@ -154,7 +161,8 @@ def bench_allreduce(nps, sizes, bandwidths, methods, repeats, controller, hosts,
                 r["bandwidth"] = "real" if hosts else bw
                 rows.append(r)
     summarize(rows)
-    report = {"benchmark": "allreduce", "machine": machine_info(), "rows": rows}
+    report = {"benchmark": "allreduce", "machine": machine_info(), "queue_ms": queue_ms,
+              "rows": rows}
     if plot:
         _plot_allreduce(rows, plot)
         report["plot"] = plot
@@ -219,12 +227,13 @@ def _plot_allreduce(rows: list[dict], path: str) -> None:
 @click.option("--methods", default=",".join(TRAIN_METHODS), show_default=True,
               callback=_csv(str), help="Which methods to run.")
 @_real_cluster_options
+@_queue_option
 @click.option("--timeout", default=3600.0, show_default=True, help="Seconds for the job.")
 @click.option("--plot", default=None, type=click.Path(dir_okay=False),
               help="Write a PNG bar chart of samples/s per method and phase.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 def bench_train(np_, bandwidth, steps, warmup_frac, width, depth, batch, powersgd_start, methods,
-                hosts, shared_dir, timeout, plot, as_json) -> None:
+                hosts, shared_dir, queue_ms, timeout, plot, as_json) -> None:
     """End-to-end samples/s and bytes per step: Horovod Adam (fp32, fp16), DDP + PowerSGD and
     1-bit Adam, per phase and over a whole run. Also reports what share of the Horovod fp32
     step is communication (the 'local' method runs the same step without any)."""
@@ -238,13 +247,14 @@ def bench_train(np_, bandwidth, steps, warmup_frac, width, depth, batch, powersg
               "width": width, "depth": depth, "batch": batch, "powersgd_start": powersgd_start}
     click.echo(f"training {len(methods)} methods x {steps} steps on {np_} ranks "
                f"({'real hosts' if hosts else bandwidth})...", err=True)
-    with _cluster_for(np_, None if hosts else bandwidth) as cluster:
+    with _cluster_for(np_, None if hosts else bandwidth, queue_ms) as cluster:
         job = run_job("hvd_onebit.benchmarks.train:train_worker", np=np_, kwargs=kwargs,
                       timeout=timeout, cluster=cluster, hosts=hosts, shared_dir=shared_dir)
     rows = job.results[0]
     summary = summarize_train(rows)
     report = {"benchmark": "train", "machine": machine_info(),
-              "bandwidth": "real" if hosts else bandwidth, "config": kwargs, "rows": rows,
+              "bandwidth": "real" if hosts else bandwidth, "queue_ms": queue_ms,
+              "config": kwargs, "rows": rows,
               "summary": summary, "wall_seconds": job.wall_seconds}
     if plot:
         _plot_train(rows, plot, report["bandwidth"])

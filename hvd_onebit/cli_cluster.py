@@ -61,6 +61,9 @@ def cluster() -> None:
               help="Link rate of every host, each direction (full duplex), in tc's bit units, "
                    "1000-based: e.g. 10mbit, 100mbit, 1gbit, 2.5gbit, 10gbit; or 'unlimited' "
                    "for no shaping (veth speed, CPU-bound).")
+@click.option("--queue-ms", type=click.FloatRange(min=0), default=2.0, show_default=True,
+              help="Queue depth of every link beyond one burst, in milliseconds of line rate "
+                   "(a switch port's buffer). Shallow queues drop packets under incast.")
 @click.option("--timeout", "-t", type=click.FloatRange(min=0, min_open=True), default=None,
               metavar="SECONDS",
               help=f"Kill every rank after this many seconds of wall time and exit "
@@ -82,9 +85,9 @@ def cluster() -> None:
                    "seconds between SIGTERM and SIGKILL.")
 @click.option("--verbose", "-v", is_flag=True, help="Log the setup steps to stderr.")
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
-def run(np_: int, bandwidth: Optional[int], timeout: Optional[float], as_json: bool,
-        log_dir: Optional[str], quiet: bool, env: dict, kill_grace: float, verbose: bool,
-        command: tuple) -> None:
+def run(np_: int, bandwidth: Optional[int], queue_ms: float, timeout: Optional[float],
+        as_json: bool, log_dir: Optional[str], quiet: bool, env: dict, kill_grace: float,
+        verbose: bool, command: tuple) -> None:
     """Run COMMAND once per rank, as a Horovod (Gloo) job over the emulated network.
 
     \b
@@ -111,7 +114,7 @@ def run(np_: int, bandwidth: Optional[int], timeout: Optional[float], as_json: b
     previous = signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         with EmulatedCluster(np=np_, bandwidth=bandwidth, log_dir=log_dir,
-                             verbose=verbose) as emu:
+                             verbose=verbose, queue_ms=queue_ms) as emu:
             result = emu.run(list(command), env=env, timeout=timeout,
                              on_output=None if quiet else echo_line, kill_grace=kill_grace)
     except EmulatorError as e:

@@ -152,11 +152,20 @@ def test_tbf_params_are_sane_from_10mbit_to_10gbit():
         assert p.tc_args()[:3] == ["tbf", "rate", f"{p.rate_bps}bit"]
 
 
+def test_queue_depth_sets_the_tbf_limit():
+    bps = parse_bandwidth("100mbit")
+    shallow, deep = tbf_params(bps), tbf_params(bps, queue_ms=20)
+    assert deep.burst_bytes == shallow.burst_bytes
+    assert deep.limit_bytes == shallow.burst_bytes + int(bps / 8 * 0.020)
+    with pytest.raises(ValueError, match="queue_ms"):
+        tbf_params(bps, queue_ms=-1)
+
+
 def test_help_explains_every_option():
     out = subprocess.run(CLI + ["--help"], capture_output=True, text=True, cwd=REPO,
                          timeout=60)
     assert out.returncode == 0, out.stderr
-    for option in ("--np", "--bandwidth", "--timeout", "--json", "--log-dir", "--quiet", "--env",
+    for option in ("--np", "--bandwidth", "--queue-ms", "--timeout", "--json", "--log-dir", "--quiet", "--env",
                    "--kill-grace", "--verbose", "unlimited", "124", "130", "143"):
         assert option in out.stdout, option
 
