@@ -19,6 +19,12 @@ STATUS_BYTES = 4
 SCALE_BYTES = 4
 
 
+def ring_allreduce_bytes(nbytes: int, n: int) -> int:
+    """Bytes each of ``n`` ranks sends in a bandwidth-optimal ring allreduce of ``nbytes``:
+    ``2 (n-1)/n * nbytes`` (reduce-scatter, then allgather). The yardstick for full precision."""
+    return int(2 * (n - 1) / n * nbytes) if n > 1 else 0
+
+
 @dataclass(frozen=True)
 class Layout:
     """Sizes of one OneBitAllreduce call. All sizes in elements unless they say bytes."""

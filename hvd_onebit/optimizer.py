@@ -39,6 +39,7 @@ from horovod.torch.optimizer import _DistributedOptimizer
 
 from .collective import NonFiniteInputError, OneBitAllreduce
 from .fusion import Bucket, fuse
+from .layout import ring_allreduce_bytes
 
 COMPRESSORS = ("onebit", "none")
 DEFAULT_BUCKET_MB = 64.0
@@ -178,8 +179,7 @@ class _OneBitMixin:
         error feedback differs on every rank and only makes sense for the same world size.
         """
         return {"world_size": self._world, "rank": self.process_set.rank(),
-                "buckets": {f"{k[0]}:{k[1]}:{k[2]}": c.state_dict()
-                            for k, c in self._comms.items()}}
+                "buckets": {k: c.state_dict() for k, c in self._saved_comm_keys().items()}}
 
     def load_error_feedback_state_dict(self, state: dict) -> None:
         """Restore :meth:`error_feedback_state_dict` from the same rank of a same-size job.
@@ -201,12 +201,17 @@ class _OneBitMixin:
         if self._buckets is not None:
             self._apply_pending_error_feedback()
 
+    def _saved_comm_keys(self) -> dict:
+        """The comms by the key their error feedback is saved under ("bucket:numel:dtype"; the
+        world size is checked separately)."""
+        return {f"{k[0]}:{k[1]}:{k[2]}": c for k, c in self._comms.items()}
+
     def _apply_pending_error_feedback(self) -> None:
         state, self._pending_error_feedback = self._pending_error_feedback, None
         if state is None:
             return
         saved = state.get("buckets", {})
-        mine = {f"{k[0]}:{k[1]}:{k[2]}": c for k, c in self._comms.items()}
+        mine = self._saved_comm_keys()
         if set(saved) != set(mine):
             warnings.warn("hvd_onebit: saved error feedback is for another bucket layout "
                           f"({sorted(saved)} vs {sorted(mine)}); it is reset to zero")
@@ -413,13 +418,9 @@ class _OneBitMixin:
 
     def _warmup_bytes(self) -> int:
         """Bytes a bandwidth-optimal ring allreduce sends per rank for this step's gradients."""
-        if self._world <= 1:
-            return 0
         elem = 2 if self._compression is Compression.fp16 else None
-        total = 0
-        for p in self._requires_update:
-            total += p.numel() * (elem or p.element_size())
-        return int(2 * (self._world - 1) / self._world * total)
+        total = sum(p.numel() * (elem or p.element_size()) for p in self._requires_update)
+        return ring_allreduce_bytes(total, self._world)
 
     # ---- compression phase ---------------------------------------------------------------------
 
@@ -440,11 +441,10 @@ class _OneBitMixin:
         if len(devices) > 1:
             raise ValueError("hvd_onebit.DistributedOptimizer needs all parameters on one device, "
                              f"found {sorted(str(d) for d in devices)}")
-        for p in active:
-            self._freeze_variance(p)
         self._zero_variance_masks = {}
         for p in active:
             seen = self.state[p]["exp_avg_sq"] != 0
+            self._freeze_variance(p, unseen=int((~seen).sum()))
             if not bool(seen.all()):
                 self._zero_variance_masks[p] = seen.to(p.dtype)
         bucket_numel = max(1, int(self.bucket_size_mb * 2**20 / 4))
@@ -468,7 +468,7 @@ class _OneBitMixin:
     def _comm_key(self, b: Bucket) -> tuple:
         return (b.index, b.numel, str(b.momentum.dtype).replace("torch.", ""), self._world)
 
-    def _freeze_variance(self, p: torch.Tensor) -> None:
+    def _freeze_variance(self, p: torch.Tensor, unseen: int) -> None:
         """Record the step count v was frozen at (once per parameter).
 
         Elements whose frozen variance is exactly zero never saw a gradient in the warmup (a
@@ -481,7 +481,6 @@ class _OneBitMixin:
         if "frozen_variance_step" in state:
             return
         state["frozen_variance_step"] = int(state["step"])
-        unseen = int((state["exp_avg_sq"] == 0).sum())
         if unseen:
             warnings.warn(
                 f"hvd_onebit: {unseen} of {p.numel()} elements of parameter "
@@ -561,7 +560,7 @@ class _OneBitMixin:
                 for h in handles:
                     hvd.synchronize(h)
                 for b in self._buckets:
-                    nbytes += int(2 * (self._world - 1) / self._world * b.numel * b.work.element_size())
+                    nbytes += ring_allreduce_bytes(b.numel * b.work.element_size(), self._world)
                     if not bool(torch.isfinite(b.work).all()):  # same averaged values on every rank
                         raise NonFiniteInputError([], "in the averaged momentum")
                 for b in self._buckets:
@@ -629,7 +628,6 @@ def _validate_masks(optimizer: torch.optim.Optimizer) -> None:
             if not isinstance(mask, torch.Tensor):
                 raise TypeError(f"param group {gi}: exp_avg_mask entries must be tensors or None")
             try:
-                torch.broadcast_shapes(mask.shape, p.shape)
                 ok = torch.broadcast_shapes(mask.shape, p.shape) == p.shape
             except RuntimeError:
                 ok = False

@@ -18,6 +18,8 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from ..layout import ring_allreduce_bytes
+
 METHODS = ("fp32", "fp16", "onebit", "onebit_mpi")  # onebit_mpi: mpi4py transport (MPI jobs)
 DEFAULT_METHODS = ("fp32", "fp16", "onebit")
 
@@ -72,7 +74,7 @@ def allreduce_worker(sizes: list[int], methods: tuple[str, ...] = DEFAULT_METHOD
                 del comm
             else:
                 elem = 4 if method == "fp32" else 2
-                nbytes = int(2 * (n - 1) / n * numel * elem)
+                nbytes = ring_allreduce_bytes(numel * elem, n)
             rows.append({
                 "np": n, "numel": numel, "method": method,
                 "median_s": statistics.median(slowest), "min_s": min(slowest),

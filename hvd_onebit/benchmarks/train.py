@@ -25,6 +25,7 @@ import os
 import socket
 import statistics
 import time
+from ..layout import ring_allreduce_bytes
 from .allreduce import _iface_tx_bytes
 
 METHODS = ("local", "horovod_fp32", "horovod_fp16", "ddp_powersgd", "onebit")
@@ -162,7 +163,7 @@ def train_worker(methods=METHODS, steps: int = 40, warmup_frac: float = 0.15,
         elif method.startswith("horovod"):
             elem = 2 if method.endswith("fp16") else 4
             n = hvd.size()
-            row["bytes_per_step"] = int(2 * (n - 1) / n * params * elem) if n > 1 else 0
+            row["bytes_per_step"] = ring_allreduce_bytes(params * elem, n)
         rows.append(row)
         del opt, model, step
     return rows
