@@ -18,9 +18,9 @@ from pathlib import Path
 
 import click
 
+from .testing import REPO_ROOT as REPO
 from .testing import job_environment
 
-REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO / "examples" / "train_lm.py"
 
 

@@ -29,6 +29,7 @@ from typing import Any, Optional
 import psutil
 
 CONTROLLERS = ("gloo", "mpi")
+REPO_ROOT = Path(__file__).resolve().parent.parent  # the checkout: ranks import from here
 _TOKEN_VAR = "HVD_ONEBIT_JOB_TOKEN"
 
 
@@ -97,8 +98,7 @@ def job_environment(token: str, controller: str = "gloo",
     env.update(extra or {})
     env[_TOKEN_VAR] = token
     env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
-    repo_root = str(Path(__file__).resolve().parent.parent)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in [repo_root, env.get("PYTHONPATH", "")] if p)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in [str(REPO_ROOT), env.get("PYTHONPATH", "")] if p)
     env.setdefault("OMP_NUM_THREADS", "1")
     env.setdefault("HOROVOD_CPU_OPERATIONS", controller)
     if controller == "mpi":
@@ -151,20 +151,19 @@ def run_job(target: str, np: int = 2, controller: str = "gloo", kwargs: Optional
     try:
         (workdir / "kwargs.pkl").write_bytes(pickle.dumps(kwargs or {}))
         job_env = job_environment(token, controller, env)
-        repo_root = str(Path(__file__).resolve().parent.parent)
         argv = [sys.executable, "-m", "hvd_onebit.testing", target, str(workdir)]
         log_path = workdir / "output.log"
         start = time.monotonic()
         cluster_run = None
         if cluster is not None:
-            cluster_run = cluster.run(argv, env=job_env, timeout=timeout, cwd=repo_root)
+            cluster_run = cluster.run(argv, env=job_env, timeout=timeout, cwd=REPO_ROOT)
             rc, timed_out = cluster_run.returncode, cluster_run.timed_out
             log_path.write_text("\n".join(f"--- rank {r.rank} output:\n{r.output}"
                                           for r in cluster_run.ranks))
         else:
             with open(log_path, "wb") as log:
                 proc = subprocess.Popen(launch_command(np, controller, argv, hosts), stdout=log,
-                                        stderr=subprocess.STDOUT, env=job_env, cwd=repo_root,
+                                        stderr=subprocess.STDOUT, env=job_env, cwd=REPO_ROOT,
                                         start_new_session=True)
                 try:
                     rc = proc.wait(timeout=timeout)
