@@ -133,6 +133,8 @@ class OneBitAllreduce:
             raise ValueError(f"OneBitAllreduce {self.name!r}: ranks disagree on the buffer ({detail})")
 
     def _check_input(self, tensor: torch.Tensor, out: Optional[torch.Tensor]) -> None:
+        if isinstance(tensor, kernels.MomentumInput):
+            tensor = tensor.momentum
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"expected a torch.Tensor, got {type(tensor).__name__}")
         if tensor.numel() != self.layout.numel:
@@ -168,26 +170,43 @@ class OneBitAllreduce:
         """
         return self.synchronize(self.allreduce_async(tensor, out))
 
-    def allreduce_async(self, tensor: torch.Tensor,
+    def allreduce_async(self, tensor: torch.Tensor | kernels.MomentumInput,
                         out: Optional[torch.Tensor] = None) -> AllreduceHandle:
-        """Compress ``tensor`` and start stage 1; finish with :meth:`synchronize`."""
+        """Compress ``tensor`` and start stage 1; finish with :meth:`synchronize`.
+
+        ``tensor`` may also be a :class:`hvd_onebit.kernels.MomentumInput` (Adam's momentum
+        update ``beta1 * m + (1 - beta1) * g``): the native kernel then computes the input in
+        its compression pass, and ``out`` may be the momentum buffer itself.
+        """
         self._check_input(tensor, out)
+        src = tensor if isinstance(tensor, kernels.MomentumInput) else None
+        like = src.momentum if src is not None else tensor
         if out is None:
-            out = torch.empty_like(tensor, memory_format=torch.contiguous_format)
-        flat = tensor.reshape(-1)
-        x32 = flat if flat.dtype == torch.float32 and flat.is_contiguous() else flat.float()
-        out32 = out.view(-1) if out.dtype == torch.float32 else torch.empty_like(x32)
+            out = torch.empty_like(like, memory_format=torch.contiguous_format)
+        if src is not None:
+            x32 = None
+        else:
+            flat = tensor.reshape(-1)
+            x32 = flat if flat.dtype == torch.float32 and flat.is_contiguous() else flat.float()
+        out32 = (out.view(-1) if out.dtype == torch.float32
+                 else torch.empty(out.numel(), dtype=torch.float32, device=out.device))
         handle = AllreduceHandle(out=out, out32=out32)
         if self.transport is None or self.layout.numel == 0:
             # One rank, or nothing to send: the mean is the input, with the same input contract.
+            if x32 is None:
+                x32 = src.materialize()
             if not bool(torch.isfinite(x32).all()):
                 raise NonFiniteInputError([self.rank], "in the input")
             out32.copy_(x32)
             self._in_flight = True
             return handle
         L = self.layout
-        kernels.worker_compress(x32, self._worker_y, self._sent, self._worker_y_next, self._send,
-                                L, self.backend)
+        if src is not None:
+            kernels.worker_compress_momentum(src, self._worker_y, self._sent, self._worker_y_next,
+                                             self._send, L, self.backend)
+        else:
+            kernels.worker_compress(x32, self._worker_y, self._sent, self._worker_y_next,
+                                    self._send, L, self.backend)
         # Sent even when this rank's input was bad: the status word tells every peer.
         handle.stage1 = self.transport.alltoall_async(self._send.view(L.n, L.row_bytes),
                                                       name=f"{self.name}.alltoall")

@@ -19,6 +19,9 @@ materialises it). Compression is then one pass over the data instead of two.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Optional
+
 import torch
 
 from .layout import STATUS_BYTES, Layout
@@ -147,6 +150,64 @@ def worker_compress(x: torch.Tensor, y_prev: torch.Tensor, prev_send: torch.Tens
     scales = torch.sqrt(sumsq / block).float()
     _write_rows(send, layout, n, 0.0 if finite else 1.0, scales, pack_signs((y >= 0).view(n, -1)))
     return finite
+
+
+@dataclass
+class MomentumInput:
+    """An allreduce input given as Adam's momentum update, ``x = beta1 * m + (1 - beta1) * g``.
+
+    The native worker compression computes x inside its own pass (the momentum update costs no
+    pass over memory of its own); elsewhere :meth:`materialize` computes it with torch ops that
+    give the same bits (two fp32 products and a sum, no FMA).
+
+    Attributes:
+        momentum: float32 [numel], contiguous: the fused exp_avg (read only).
+        grads: one gradient per segment, float32, laid end to end in ``momentum``'s order;
+            None reads as zeros (a parameter without a gradient on this rank).
+        sizes: elements of each segment; they sum to numel.
+        beta1: Adam's first-moment decay.
+    """
+
+    momentum: torch.Tensor
+    grads: list[Optional[torch.Tensor]]
+    sizes: list[int]
+    beta1: float
+
+    def numel(self) -> int:
+        return self.momentum.numel()
+
+    def native_ready(self) -> bool:
+        """Whether the native kernel can read every tensor in place (fp32, contiguous, CPU)."""
+        return self.momentum.dtype == torch.float32 and self.momentum.is_contiguous() and all(
+            g is None or (g.dtype == torch.float32 and g.is_contiguous() and g.device.type == "cpu")
+            for g in self.grads)
+
+    def materialize(self, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """x as float32 [numel], or written into ``out`` (any float dtype, must not alias the
+        momentum) and returned as ``out``."""
+        if out is not None and out.dtype != torch.float32:
+            return out.copy_(self.materialize())
+        out = torch.mul(self.momentum.reshape(-1).float(), self.beta1, out=out)
+        start = 0
+        for g, size in zip(self.grads, self.sizes):
+            seg = out[start:start + size]
+            if g is None:
+                seg.add_(0.0)  # the kernel adds (1 - beta1) * 0; -0.0 becomes +0.0 as it does there
+            else:
+                seg.add_(torch.mul(g.reshape(-1).float(), 1 - self.beta1))
+            start += size
+        return out
+
+
+def worker_compress_momentum(src: MomentumInput, y_prev: torch.Tensor, prev_send: torch.Tensor,
+                             y_out: torch.Tensor, send: torch.Tensor, layout: Layout,
+                             backend: str = "auto") -> bool:
+    """:func:`worker_compress` of ``x = src.materialize()``, with x computed in the same pass."""
+    if resolve_backend(backend, src.momentum.device) == "native" and src.native_ready():
+        return _native.worker_compress_momentum(
+            src.momentum, src.grads, src.sizes, float(src.beta1), y_prev, prev_send, y_out, send,
+            *layout.as_args(), True)
+    return worker_compress(src.materialize(), y_prev, prev_send, y_out, send, layout, backend)
 
 
 def worker_error(y: torch.Tensor, rows: torch.Tensor, layout: Layout) -> torch.Tensor:

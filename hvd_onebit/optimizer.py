@@ -39,7 +39,9 @@ from horovod.torch.optimizer import _DistributedOptimizer
 
 from .collective import NonFiniteInputError, OneBitAllreduce
 from .fusion import Bucket, fuse
+from .kernels import MomentumInput
 from .layout import ring_allreduce_bytes
+from .transports import sleep_until_done
 
 COMPRESSORS = ("onebit", "none")
 DEFAULT_BUCKET_MB = 64.0
@@ -80,7 +82,8 @@ class _OneBitMixin:
         self._bucket_params: list[torch.Tensor] = []
         self._comms: dict[tuple, OneBitAllreduce] = {}
         self._denoms: dict[torch.Tensor, tuple] = {}
-        self._zero_variance_masks: dict[torch.Tensor, torch.Tensor] = {}
+        # parameter -> flat indices of its elements with frozen variance 0 (held fixed)
+        self._zero_variance_index: dict[torch.Tensor, torch.Tensor] = {}
         # Telemetry, readable by training scripts and the CLI.
         self.last_step_bytes = 0  # bytes this rank sent in the last step (warmup: ring estimate)
         self.total_bytes = 0
@@ -296,6 +299,11 @@ class _OneBitMixin:
             return
         start = time.perf_counter()
         self._refresh_hooks()
+        # Sleep until the allreduces the backward hooks started are done, so that Horovod's own
+        # wait (a sched_yield spin) finds them finished instead of taking CPU from other ranks.
+        for handle, _ in list(self._handles.values()):
+            if handle is not None and not callable(handle):
+                sleep_until_done(handle)
         _DistributedOptimizer.synchronize(self)
         self._warmup_wait += time.perf_counter() - start
 
@@ -441,12 +449,14 @@ class _OneBitMixin:
         if len(devices) > 1:
             raise ValueError("hvd_onebit.DistributedOptimizer needs all parameters on one device, "
                              f"found {sorted(str(d) for d in devices)}")
-        self._zero_variance_masks = {}
+        self._zero_variance_index = {}
         for p in active:
-            seen = self.state[p]["exp_avg_sq"] != 0
-            self._freeze_variance(p, unseen=int((~seen).sum()))
-            if not bool(seen.all()):
-                self._zero_variance_masks[p] = seen.to(p.dtype)
+            # Indices, not a dense 0/1 mask: zeroing them costs per held element, not a pass
+            # over the whole parameter every step.
+            unseen = torch.nonzero(self.state[p]["exp_avg_sq"].reshape(-1) == 0).flatten()
+            self._freeze_variance(p, unseen=unseen.numel())
+            if unseen.numel():
+                self._zero_variance_index[p] = unseen
         bucket_numel = max(1, int(self.bucket_size_mb * 2**20 / 4))
         self._buckets = fuse(active, [self.state[p]["exp_avg"] for p in active], bucket_numel)
         self._bucket_params = active
@@ -475,7 +485,7 @@ class _OneBitMixin:
         dead ReLU unit, an unused embedding row). Adam would divide their momentum by eps, and
         in the compression phase every element receives about its block's scale, so they would
         jump by lr * scale / eps. They are held fixed instead (their averaged momentum is masked
-        to zero, see ``_zero_variance_masks``), with a warning.
+        to zero, see ``_zero_variance_index``), with a warning.
         """
         state = self.state[p]
         if "frozen_variance_step" in state:
@@ -528,19 +538,28 @@ class _OneBitMixin:
         """Returns False when the step was skipped because some rank had non-finite values."""
         self._ensure_fused()
         owner = {p: (b, i) for b in self._buckets for i, p in enumerate(b.params)}
-        # 1. Local momentum into the work buffers; exp_avg itself is untouched until success.
+        # 1. Each bucket's local momentum beta1 * m + (1 - beta1) * g, described, not computed:
+        # the 1-bit kernel computes it inside its compression pass. exp_avg itself is untouched
+        # until every rank has succeeded.
+        grads: dict = {}
+        beta1s: dict = {}
         for group in self.param_groups:
-            beta1 = group["betas"][0]
             for p in group["params"]:
-                if p not in owner:
-                    continue
-                bucket, i = owner[p]
-                m, work = bucket.momentum_view(i), bucket.work_view(i)
-                g = self._local_grad(p, group)
-                if g is None:  # no gradient on this rank: treated as zero, as Horovod does
-                    torch.mul(m, beta1, out=work)
-                else:
-                    torch.lerp(m, g, 1 - beta1, out=work)
+                if p in owner:
+                    grads[p] = self._local_grad(p, group)
+                    beta1s[p] = group["betas"][0]
+        inputs = []
+        for b in self._buckets:
+            sizes = [p.numel() for p in b.params]
+            betas = {beta1s[p] for p in b.params}
+            if len(betas) == 1:
+                inputs.append(MomentumInput(b.momentum, [grads[p] for p in b.params], sizes,
+                                            betas.pop()))
+            else:  # param groups with different beta1 share the bucket: one member at a time
+                for i, p in enumerate(b.params):
+                    MomentumInput(b.momentum_view(i).reshape(-1), [grads[p]], [sizes[i]],
+                                  beta1s[p]).materialize(out=b.work_view(i).reshape(-1))
+                inputs.append(b.work)
         # 2. Average the momenta: stage 1 of every bucket is started before any is finished.
         start = time.perf_counter()
         nbytes = 0
@@ -549,12 +568,15 @@ class _OneBitMixin:
                 comms = [self._comms[self._comm_key(b)] for b in self._buckets]
                 # Decoded straight into exp_avg: the call writes its output only once every
                 # rank has succeeded, so a failed call leaves the momentum untouched.
-                handles = [c.allreduce_async(b.work, out=b.momentum)
-                           for c, b in zip(comms, self._buckets)]
+                handles = [c.allreduce_async(x, out=b.momentum)
+                           for c, b, x in zip(comms, self._buckets, inputs)]
                 for c, h in zip(comms, handles):
                     c.synchronize(h)
                     nbytes += c.wire_bytes
             else:
+                for b, x in zip(self._buckets, inputs):
+                    if isinstance(x, MomentumInput):
+                        x.materialize(out=b.work)
                 handles = [hvd.allreduce_async_(b.work, op=Average, name=f"hvd_onebit.exact{b.index}",
                                                 process_set=self.process_set) for b in self._buckets]
                 for h in handles:
@@ -582,8 +604,8 @@ class _OneBitMixin:
                 m = state["exp_avg"]
                 if masks[j] is not None:
                     m.mul_(masks[j])  # in place: exp_avg is the bucket's view
-                if p in self._zero_variance_masks:
-                    m.mul_(self._zero_variance_masks[p])
+                if p in self._zero_variance_index:
+                    m.view(-1).index_fill_(0, self._zero_variance_index[p], 0.0)
                 state["step"] += 1
                 bc1 = 1 - beta1 ** float(state["step"])
                 with torch.no_grad():

@@ -24,6 +24,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
@@ -68,10 +69,6 @@ inline void decode8_scalar(uint8_t bits, float s, float* out, int count) {
   for (int k = 0; k < count; ++k) out[k] = ((bits >> k) & 1) ? s : -s;
 }
 
-// y = x + e for one group, with x implicitly zero at and beyond `valid` (the padding).
-inline void load_y8(const float* x, const float* e, int64_t valid, float* y) {
-  for (int k = 0; k < 8; ++k) y[k] = (k < valid ? x[k] : 0.0f) + e[k];
-}
 
 bool cpu_has_avx2() {
 #if defined(HVD_ONEBIT_X86)
@@ -81,6 +78,68 @@ bool cpu_has_avx2() {
   return false;
 #endif
 }
+
+// ---- worker inputs -----------------------------------------------------------------------------
+// The worker kernels read their input x through a source, so the optimizer's momentum update can
+// be computed inside the compression pass instead of in a pass of its own:
+//   PlainX:    x is a flat buffer.
+//   MomentumX: x = beta1 * m + (1 - beta1) * g, with m the flat fused momentum and g the
+//              parameters' own gradient tensors laid end to end (a missing gradient reads as 0).
+//              Two fp32 products and one sum, never an FMA: the torch twin's
+//              m * beta1 + g * (1 - beta1) gives the same bits.
+// Reads are in increasing position (a few 8-element groups straddle two gradients), so
+// MomentumX finds its segment with a cursor that only moves forward.
+
+struct PlainX {
+  const float* x;
+  float at(int64_t p) { return x[p]; }
+#if defined(HVD_ONEBIT_X86)
+  __attribute__((target("avx2,fma"))) __m256 load8(int64_t p) { return _mm256_loadu_ps(x + p); }
+#endif
+};
+
+struct GradSegment {
+  const float* g;  // nullptr: no gradient, reads as zero
+  int64_t start, end;  // [start, end) in the flat buffer
+};
+
+struct MomentumX {
+  const float* m;
+  const GradSegment* segs;
+  int64_t nsegs;
+  float beta1, one_minus_beta1;
+  int64_t cur = 0;
+
+  const GradSegment& seg_for(int64_t p) {
+    while (cur + 1 < nsegs && segs[cur].end <= p) ++cur;
+    while (cur > 0 && segs[cur].start > p) --cur;  // only if a caller ever steps back
+    return segs[cur];
+  }
+  float at(int64_t p) {
+    const GradSegment& s = seg_for(p);
+    const float g = s.g ? s.g[p - s.start] : 0.0f;
+    return beta1 * m[p] + one_minus_beta1 * g;
+  }
+#if defined(HVD_ONEBIT_X86)
+  __attribute__((target("avx2,fma"))) __m256 load8(int64_t p) {
+    const GradSegment& s = seg_for(p);
+    __m256 g;
+    if (p + 8 <= s.end) {
+      g = s.g ? _mm256_loadu_ps(s.g + (p - s.start)) : _mm256_setzero_ps();
+    } else {  // the group straddles two gradients
+      alignas(32) float t[8];
+      for (int k = 0; k < 8; ++k) {
+        const GradSegment& sk = seg_for(p + k);
+        t[k] = sk.g ? sk.g[p + k - sk.start] : 0.0f;
+      }
+      seg_for(p);
+      g = _mm256_load_ps(t);
+    }
+    return _mm256_add_ps(_mm256_mul_ps(_mm256_set1_ps(beta1), _mm256_loadu_ps(m + p)),
+                         _mm256_mul_ps(_mm256_set1_ps(one_minus_beta1), g));
+  }
+#endif
+};
 
 // ---- worker compression ------------------------------------------------------------------------
 // For every chunk j and block b: e = y_prev - s_prev * sign_prev (the factored worker error),
@@ -93,7 +152,8 @@ inline void prev_error8_scalar(const float* y_prev, uint8_t prev_bits, float pre
   for (int k = 0; k < 8; ++k) e[k] = y_prev[k] - (((prev_bits >> k) & 1) ? prev_s : -prev_s);
 }
 
-void worker_compress_scalar(const float* x, int64_t numel, const float* y_prev,
+template <class XSource>
+void worker_compress_scalar(XSource x, int64_t numel, const float* y_prev,
                             const uint8_t* prev_send, float* y_out, uint8_t* send,
                             const Layout& L, bool* finite) {
   float e[8];
@@ -111,7 +171,8 @@ void worker_compress_scalar(const float* x, int64_t numel, const float* y_prev,
         const int64_t byte = hb + (b * L.block + g) / 8;
         prev_error8_scalar(y_prev + p, prow[byte], prev_s, e);
         float* y = y_out + p;
-        load_y8(x + (p < numel ? p : 0), e, numel - p, y);
+        // y = x + e, with x zero at and past numel (the padding)
+        for (int k = 0; k < 8; ++k) y[k] = (p + k < numel ? x.at(p + k) : 0.0f) + e[k];
         acc += sumsq8_scalar(y);
         uint8_t bits = 0;
         for (int k = 0; k < 8; ++k) bits |= static_cast<uint8_t>(y[k] >= 0.0f) << k;
@@ -167,8 +228,9 @@ __attribute__((target("avx2,fma"))) inline uint8_t worker_group_avx2(
       _mm256_movemask_ps(_mm256_cmp_ps(y, _mm256_setzero_ps(), _CMP_GE_OQ)));
 }
 
+template <class XSource>
 __attribute__((target("avx2,fma"))) void worker_compress_avx2(
-    const float* x, int64_t numel, const float* y_prev, const uint8_t* prev_send, float* y_out,
+    XSource x, int64_t numel, const float* y_prev, const uint8_t* prev_send, float* y_out,
     uint8_t* send, const Layout& L, bool* finite) {
   alignas(32) float tmp[8];
   const int64_t nb = L.nblocks();
@@ -189,16 +251,16 @@ __attribute__((target("avx2,fma"))) void worker_compress_avx2(
       __m256d acc0 = _mm256_setzero_pd(), acc1 = _mm256_setzero_pd();
       int64_t p = base;
       for (; p + 16 <= full_end; p += 16) {  // two accumulators hide the add latency
-        *bits++ = worker_group_avx2(_mm256_loadu_ps(x + p), y_prev + p, *prev_bits++, prev_pos,
+        *bits++ = worker_group_avx2(x.load8(p), y_prev + p, *prev_bits++, prev_pos,
                                     prev_neg, y_out + p, &acc0);
-        *bits++ = worker_group_avx2(_mm256_loadu_ps(x + p + 8), y_prev + p + 8, *prev_bits++,
+        *bits++ = worker_group_avx2(x.load8(p + 8), y_prev + p + 8, *prev_bits++,
                                     prev_pos, prev_neg, y_out + p + 8, &acc1);
       }
       for (; p < full_end; p += 8)
-        *bits++ = worker_group_avx2(_mm256_loadu_ps(x + p), y_prev + p, *prev_bits++, prev_pos,
+        *bits++ = worker_group_avx2(x.load8(p), y_prev + p, *prev_bits++, prev_pos,
                                     prev_neg, y_out + p, &acc0);
       for (; p < end; p += 8) {  // groups touching the padding: x is zero past numel
-        for (int k = 0; k < 8; ++k) tmp[k] = p + k < numel ? x[p + k] : 0.0f;
+        for (int k = 0; k < 8; ++k) tmp[k] = p + k < numel ? x.at(p + k) : 0.0f;
         *bits++ = worker_group_avx2(_mm256_load_ps(tmp), y_prev + p, *prev_bits++, prev_pos,
                                     prev_neg, y_out + p, &acc0);
       }
@@ -355,12 +417,59 @@ void check_cpu(const torch::Tensor& t, torch::ScalarType dtype, const char* name
 
 // ---- bindings ----------------------------------------------------------------------------------
 
+template <class XSource>
+bool run_worker_compress(XSource x, int64_t numel, const torch::Tensor& y_prev,
+                         const torch::Tensor& prev_send, torch::Tensor y_out, torch::Tensor send,
+                         int64_t n, int64_t chunk, int64_t block, int64_t row_bytes,
+                         bool allow_simd);
+
 bool worker_compress(const torch::Tensor& x, const torch::Tensor& y_prev,
                      const torch::Tensor& prev_send, torch::Tensor y_out, torch::Tensor send,
                      int64_t n, int64_t chunk, int64_t block, int64_t row_bytes, bool allow_simd) {
-  const Layout L = make_layout(n, chunk, block, row_bytes);
   check_cpu(x, torch::kFloat32, "x", 0);
   TORCH_CHECK(x.numel() <= n * chunk, "x has more elements than the layout holds");
+  const float* xp = x.numel() ? x.data_ptr<float>() : nullptr;
+  return run_worker_compress(PlainX{xp}, x.numel(), y_prev, prev_send, y_out, send, n, chunk,
+                             block, row_bytes, allow_simd);
+}
+
+bool worker_compress_momentum(const torch::Tensor& m, const std::vector<c10::optional<torch::Tensor>>& grads,
+                              const std::vector<int64_t>& sizes, double beta1,
+                              const torch::Tensor& y_prev, const torch::Tensor& prev_send,
+                              torch::Tensor y_out, torch::Tensor send, int64_t n, int64_t chunk,
+                              int64_t block, int64_t row_bytes, bool allow_simd) {
+  check_cpu(m, torch::kFloat32, "momentum", 0);
+  TORCH_CHECK(m.numel() <= n * chunk, "momentum has more elements than the layout holds");
+  TORCH_CHECK(grads.size() == sizes.size(), "one size per gradient");
+  std::vector<GradSegment> segs;
+  int64_t start = 0;
+  for (size_t i = 0; i < grads.size(); ++i) {
+    const float* g = nullptr;
+    if (grads[i].has_value() && grads[i]->defined()) {
+      check_cpu(*grads[i], torch::kFloat32, "gradient", sizes[i]);
+      TORCH_CHECK(grads[i]->numel() == sizes[i], "gradient ", i, " has ", grads[i]->numel(),
+                  " elements, expected ", sizes[i]);
+      g = grads[i]->data_ptr<float>();
+    }
+    segs.push_back(GradSegment{g, start, start + sizes[i]});
+    start += sizes[i];
+  }
+  TORCH_CHECK(start == m.numel(), "gradients hold ", start, " elements, momentum ", m.numel());
+  if (segs.empty()) segs.push_back(GradSegment{nullptr, 0, 0});
+  // Both coefficients rounded to fp32 from double, as torch rounds a Python scalar.
+  MomentumX x{m.numel() ? m.data_ptr<float>() : nullptr, segs.data(),
+              static_cast<int64_t>(segs.size()), static_cast<float>(beta1),
+              static_cast<float>(1.0 - beta1)};
+  return run_worker_compress(x, m.numel(), y_prev, prev_send, y_out, send, n, chunk, block,
+                             row_bytes, allow_simd);
+}
+
+template <class XSource>
+bool run_worker_compress(XSource x, int64_t numel, const torch::Tensor& y_prev,
+                         const torch::Tensor& prev_send, torch::Tensor y_out, torch::Tensor send,
+                         int64_t n, int64_t chunk, int64_t block, int64_t row_bytes,
+                         bool allow_simd) {
+  const Layout L = make_layout(n, chunk, block, row_bytes);
   check_cpu(y_prev, torch::kFloat32, "y_prev", n * chunk);
   check_cpu(prev_send, torch::kUInt8, "prev_send", n * row_bytes);
   check_cpu(y_out, torch::kFloat32, "y_out", n * chunk);
@@ -368,16 +477,15 @@ bool worker_compress(const torch::Tensor& x, const torch::Tensor& y_prev,
   TORCH_CHECK(y_out.data_ptr() != y_prev.data_ptr() && send.data_ptr() != prev_send.data_ptr(),
               "outputs must not alias the previous state (it is kept until the call succeeds)");
   bool finite = true;
-  const float* xp = x.numel() ? x.data_ptr<float>() : y_prev.data_ptr<float>();
   {
     pybind11::gil_scoped_release no_gil;
 #if defined(HVD_ONEBIT_X86)
     if (allow_simd && cpu_has_avx2())
-      worker_compress_avx2(xp, x.numel(), y_prev.data_ptr<float>(), prev_send.data_ptr<uint8_t>(),
+      worker_compress_avx2(x, numel, y_prev.data_ptr<float>(), prev_send.data_ptr<uint8_t>(),
                            y_out.data_ptr<float>(), send.data_ptr<uint8_t>(), L, &finite);
     else
 #endif
-      worker_compress_scalar(xp, x.numel(), y_prev.data_ptr<float>(),
+      worker_compress_scalar(x, numel, y_prev.data_ptr<float>(),
                              prev_send.data_ptr<uint8_t>(), y_out.data_ptr<float>(),
                              send.data_ptr<uint8_t>(), L, &finite);
     const float status = finite ? 0.0f : 1.0f;
@@ -443,6 +551,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("worker_compress", &worker_compress,
         "e = y_prev - s_prev*sign_prev; y = x + e into y_out; per-block rms scale and packed signs"
         " into send rows. Returns False if any block's sum of squares is not finite.");
+  m.def("worker_compress_momentum", &worker_compress_momentum,
+        "worker_compress of x = beta1 * m + (1 - beta1) * g, computed in the same pass; g is the "
+        "list of gradient tensors (None = zeros) of the given sizes, end to end.");
   m.def("server_compress", &server_compress,
         "z = mean of the n received rows + err; compress z into out_row; err_out = z - s*sign(z).");
   m.def("decode", &decode, "out = s * sign for the n rows, first out.numel() elements.");
