@@ -11,6 +11,8 @@ import click
 
 from .benchmarks.allreduce import DEFAULT_METHODS, METHODS, summarize
 from .benchmarks.train import METHODS as TRAIN_METHODS
+from .benchmarks.train import MODELS as TRAIN_MODELS
+from .benchmarks.train import WAITS as TRAIN_WAITS
 
 SIZE_SUFFIX = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
 
@@ -211,6 +213,14 @@ def _plot_allreduce(rows: list[dict], path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
+# glibc serves allocations above 32 MiB (and, after heap trims, smaller ones) with fresh mmap()s,
+# so a training step that allocates its gradients anew page-faults and zero-fills tens of MB each
+# step: measured 14.5 ms for torch.zeros(8.4M) against 1.0 ms with these settings, and a 9.4M
+# parameter MLP's forward+backward 31 ms against 17 ms. Serving everything from a heap that is
+# never trimmed keeps those pages mapped. (jemalloc or tcmalloc via LD_PRELOAD do the same job.)
+MALLOC_REUSE_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(2**40)}
+
+
 @bench.command("train")
 @click.option("--np", "np_", default=4, show_default=True, help="Ranks.")
 @click.option("--bandwidth", default="1gbit", show_default=True,
@@ -219,9 +229,25 @@ def _plot_allreduce(rows: list[dict], path: str) -> None:
 @click.option("--steps", default=40, show_default=True, help="Optimizer steps per method.")
 @click.option("--warmup-frac", default=0.15, show_default=True,
               help="1-bit Adam's warmup: freeze_step = warmup_frac * steps.")
+@click.option("--model", default="mlp", show_default=True, type=click.Choice(TRAIN_MODELS),
+              help="mlp: a wide MLP (width x depth). embedding: an embedding-bag table "
+                   "(vocab x embed-dim, dense gradient) with an MLP head of --width.")
 @click.option("--width", default=2048, show_default=True, help="MLP hidden width.")
 @click.option("--depth", default=3, show_default=True, help="MLP hidden layers.")
+@click.option("--vocab", default=65536, show_default=True, help="Embedding rows (--model embedding).")
+@click.option("--embed-dim", default=128, show_default=True,
+              help="Embedding width (--model embedding).")
+@click.option("--tokens", default=2048, show_default=True,
+              help="Token ids per sample (--model embedding).")
 @click.option("--batch", default=4, show_default=True, help="Samples per rank per step.")
+@click.option("--malloc", "malloc_mode", default="reuse", show_default=True,
+              type=click.Choice(["reuse", "system"]),
+              help="reuse: the ranks' glibc keeps freed memory for reuse, so the large gradient "
+                   "tensors every step allocates do not page-fault afresh (the same for every "
+                   "method); system: glibc's defaults.")
+@click.option("--wait", default="sleep", show_default=True, type=click.Choice(TRAIN_WAITS),
+              help="How Horovod's optimizer waits for its allreduces: sleep (as hvd_onebit "
+                   "does; fair when ranks share cores) or spin (Horovod's own sched_yield loop).")
 @click.option("--powersgd-start", default=10, show_default=True,
               help="Plain-allreduce iterations before PowerSGD starts compressing.")
 @click.option("--methods", default=",".join(TRAIN_METHODS), show_default=True,
@@ -232,8 +258,9 @@ def _plot_allreduce(rows: list[dict], path: str) -> None:
 @click.option("--plot", default=None, type=click.Path(dir_okay=False),
               help="Write a PNG bar chart of samples/s per method and phase.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
-def bench_train(np_, bandwidth, steps, warmup_frac, width, depth, batch, powersgd_start, methods,
-                hosts, shared_dir, queue_ms, timeout, plot, as_json) -> None:
+def bench_train(np_, bandwidth, steps, warmup_frac, model, width, depth, vocab, embed_dim, tokens,
+                batch, malloc_mode, wait, powersgd_start, methods, hosts, shared_dir, queue_ms,
+                timeout, plot, as_json) -> None:
     """End-to-end samples/s and bytes per step: Horovod Adam (fp32, fp16), DDP + PowerSGD and
     1-bit Adam, per phase and over a whole run. Also reports what share of the Horovod fp32
     step is communication (the 'local' method runs the same step without any)."""
@@ -244,17 +271,20 @@ def bench_train(np_, bandwidth, steps, warmup_frac, width, depth, batch, powersg
     if bad:
         raise click.BadParameter(f"unknown methods {bad}; choose from {TRAIN_METHODS}")
     kwargs = {"methods": tuple(methods), "steps": steps, "warmup_frac": warmup_frac,
-              "width": width, "depth": depth, "batch": batch, "powersgd_start": powersgd_start}
+              "model": model, "width": width, "depth": depth, "vocab": vocab,
+              "embed_dim": embed_dim, "tokens": tokens, "batch": batch, "wait": wait,
+              "powersgd_start": powersgd_start}
     click.echo(f"training {len(methods)} methods x {steps} steps on {np_} ranks "
                f"({'real hosts' if hosts else bandwidth})...", err=True)
     with _cluster_for(np_, None if hosts else bandwidth, queue_ms) as cluster:
         job = run_job("hvd_onebit.benchmarks.train:train_worker", np=np_, kwargs=kwargs,
-                      timeout=timeout, cluster=cluster, hosts=hosts, shared_dir=shared_dir)
+                      timeout=timeout, cluster=cluster, hosts=hosts, shared_dir=shared_dir,
+                      env=MALLOC_REUSE_ENV if malloc_mode == "reuse" else None)
     rows = job.results[0]
     summary = summarize_train(rows)
     report = {"benchmark": "train", "machine": machine_info(),
               "bandwidth": "real" if hosts else bandwidth, "queue_ms": queue_ms,
-              "config": kwargs, "rows": rows,
+              "config": {**kwargs, "malloc": malloc_mode}, "rows": rows,
               "summary": summary, "wall_seconds": job.wall_seconds}
     if plot:
         _plot_train(rows, plot, report["bandwidth"])
@@ -273,8 +303,10 @@ def bench_train(np_, bandwidth, steps, warmup_frac, width, depth, batch, powersg
                           "sps": r[f"{phase}_samples_per_s"],
                           "mb": None if measured is None else measured / 1e6,
                           "run_s": r["run_seconds"]})
-    click.echo(f"model: MLP {width}x{depth}, {rows[0]['params']:,} parameters, "
-               f"{batch} samples/rank/step, {np_} ranks, {report['bandwidth']}")
+    shape = (f"MLP {width}x{depth}" if model == "mlp" else
+             f"embedding bag {vocab}x{embed_dim} ({tokens} tokens/sample) + MLP head {width}")
+    click.echo(f"model: {shape}, {rows[0]['params']:,} parameters, {batch} samples/rank/step, "
+               f"{np_} ranks, {report['bandwidth']}, Horovod waits: {wait}, malloc: {malloc_mode}")
     print_table(table, [("method", "method", ""), ("phase", "phase", ""), ("steps", "steps", "d"),
                         ("median step ms", "ms", ",.1f"), ("samples/s", "sps", ",.1f"),
                         ("measured MB/step/rank", "mb", ",.2f"), ("run s", "run_s", ",.2f")])

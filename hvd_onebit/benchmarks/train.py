@@ -15,9 +15,22 @@ one method after another inside one job, so they share the machine's state and n
 The optimizer is ``torch.optim.Adam(fused=True)`` everywhere: the fastest Adam step on CPU, so
 the baseline is not slowed by optimizer arithmetic that 1-bit Adam happens to skip.
 
-The default model is a wide MLP with few samples per step: many parameters per FLOP, the regime
-where communication dominates (as on the paper's Ethernet cluster, where BERT-Large's allreduce
-took most of each step).
+Two models, both about 9.4M parameters, chosen for many parameters per FLOP, the regime where
+communication dominates (as on the paper's Ethernet cluster, where BERT-Large's allreduce took most
+of each step):
+
+* ``mlp`` (default): a wide MLP with few samples per step. Its backward pass still writes every
+  weight gradient with a small matrix product, about 3 ns of CPU per parameter.
+* ``embedding``: an embedding-bag model (a large token table averaged per sample, then a small
+  MLP head), the shape of recommendation and text-classification models. Its dense table gradient
+  is one scatter pass, so compute is a small share of the step and communication the rest.
+
+Waiting: ``hvd.synchronize`` spins on ``sched_yield`` until an op finishes. When the ranks share
+cores (the emulator puts 4 ranks on this machine's cores), spinning waiters take CPU from ranks
+still computing. hvd_onebit's own waits sleep (see :func:`hvd_onebit.transports.sleep_until_done`);
+with ``wait="sleep"`` (default) the benchmark gives Horovod's optimizer the same sleeping wait, so
+the baselines are not slowed by a waiting strategy that a machine with a core per rank would not
+pay for. ``wait="spin"`` keeps Horovod's own.
 """
 from __future__ import annotations
 
@@ -29,9 +42,12 @@ from ..layout import ring_allreduce_bytes
 from .allreduce import _iface_tx_bytes
 
 METHODS = ("local", "horovod_fp32", "horovod_fp16", "ddp_powersgd", "onebit")
+MODELS = ("mlp", "embedding")
+WAITS = ("sleep", "spin")
+IN_DIM = OUT_DIM = 256
 
 
-def build_mlp(width: int, depth: int, in_dim: int = 256, out_dim: int = 256):
+def build_mlp(width: int, depth: int, in_dim: int = IN_DIM, out_dim: int = OUT_DIM):
     import torch.nn as nn
 
     layers, dim = [], in_dim
@@ -40,6 +56,40 @@ def build_mlp(width: int, depth: int, in_dim: int = 256, out_dim: int = 256):
         dim = width
     layers.append(nn.Linear(dim, out_dim))
     return nn.Sequential(*layers)
+
+
+def build_embedding_model(vocab: int, dim: int, width: int, out_dim: int = OUT_DIM):
+    """EmbeddingBag(vocab x dim, mean over each sample's tokens) -> Linear -> GELU -> Linear.
+
+    The table's gradient is dense (``sparse=False``), as Horovod and Adam need.
+    """
+    import torch.nn as nn
+
+    class EmbeddingBagModel(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.table = nn.EmbeddingBag(vocab, dim, mode="mean")
+            self.head = nn.Sequential(nn.Linear(dim, width), nn.GELU(), nn.Linear(width, out_dim))
+
+        def forward(self, tokens):  # tokens: [batch, tokens per sample] int64
+            return self.head(self.table(tokens))
+
+    return EmbeddingBagModel()
+
+
+def _sleeping_horovod_waits(enable: bool) -> None:
+    """Make ``hvd.DistributedOptimizer`` wait by sleeping (True) or with its own spin (False)."""
+    import horovod.torch.mpi_ops as mpi_ops
+    import horovod.torch.optimizer as horovod_optimizer
+
+    from ..transports import sleep_until_done
+
+    def synchronize(handle):
+        if not callable(handle):
+            sleep_until_done(handle)
+        return mpi_ops.synchronize(handle)
+
+    horovod_optimizer.synchronize = synchronize if enable else mpi_ops.synchronize
 
 
 def _init_torch_distributed():
@@ -115,21 +165,35 @@ def _make_step(method: str, model, steps: int, warmup_frac: float, powersgd_star
 
 
 def train_worker(methods=METHODS, steps: int = 40, warmup_frac: float = 0.15,
-                 width: int = 2048, depth: int = 3, batch: int = 4, lr: float = 1e-4,
-                 powersgd_start: int = 10) -> list[dict]:
-    """Runs in every rank (after hvd.init()). Returns one row per method (rank 0's view)."""
+                 model: str = "mlp", width: int = 2048, depth: int = 3, batch: int = 4,
+                 vocab: int = 65536, embed_dim: int = 128, tokens: int = 2048,
+                 lr: float = 1e-4, powersgd_start: int = 10, wait: str = "sleep") -> list[dict]:
+    """Runs in every rank (after hvd.init()). Returns one row per method (rank 0's view).
+
+    ``model="mlp"`` uses width/depth; ``model="embedding"`` uses vocab/embed_dim, ``tokens``
+    token ids per sample, and ``width`` for its head.
+    """
     import horovod.torch as hvd
     import torch
 
+    if model not in MODELS:
+        raise ValueError(f"model must be one of {MODELS}, got {model!r}")
+    if wait not in WAITS:
+        raise ValueError(f"wait must be one of {WAITS}, got {wait!r}")
+    _sleeping_horovod_waits(wait == "sleep")
     rows = []
     for method in methods:
         torch.manual_seed(0)
-        model = build_mlp(width, depth)
-        params = sum(p.numel() for p in model.parameters())
-        step, opt, phase = _make_step(method, model, steps, warmup_frac, powersgd_start, lr)
+        net = (build_mlp(width, depth) if model == "mlp"
+               else build_embedding_model(vocab, embed_dim, width))
+        params = sum(p.numel() for p in net.parameters())
+        step, opt, phase = _make_step(method, net, steps, warmup_frac, powersgd_start, lr)
         g = torch.Generator().manual_seed(hvd.rank())
-        batches = [(torch.randn(batch, 256, generator=g), torch.randn(batch, 256, generator=g))
-                   for _ in range(4)]
+        if model == "mlp":
+            inputs = [torch.randn(batch, IN_DIM, generator=g) for _ in range(4)]
+        else:
+            inputs = [torch.randint(vocab, (batch, tokens), generator=g) for _ in range(4)]
+        batches = [(x, torch.randn(batch, OUT_DIM, generator=g)) for x in inputs]
         times, phases, tx = [], [], []
         hvd.allreduce(torch.zeros(1), name=f"bench.train.start.{method}")
         for i in range(steps):
@@ -143,8 +207,8 @@ def train_worker(methods=METHODS, steps: int = 40, warmup_frac: float = 0.15,
         # A step is done when its slowest rank is: take the max over ranks, step by step.
         times = hvd.allreduce(torch.tensor(times, dtype=torch.float64), op=hvd.Max,
                               name=f"bench.train.times.{method}").tolist()
-        row = {"method": method, "np": hvd.size(), "params": params, "batch_per_rank": batch,
-               "steps": steps, "run_seconds": sum(times)}
+        row = {"method": method, "model": model, "np": hvd.size(), "params": params,
+               "batch_per_rank": batch, "steps": steps, "run_seconds": sum(times)}
         # The first step of each phase pays one-off set-up (buffers, hooks): steady state skips it.
         for ph in sorted(set(phases)):
             idx = [i for i, p in enumerate(phases) if p == ph]
@@ -165,7 +229,7 @@ def train_worker(methods=METHODS, steps: int = 40, warmup_frac: float = 0.15,
             n = hvd.size()
             row["bytes_per_step"] = ring_allreduce_bytes(params * elem, n)
         rows.append(row)
-        del opt, model, step
+        del opt, net, step
     return rows
 
 
