@@ -114,7 +114,8 @@ def _cluster_for(np_: int, bandwidth: Optional[str], queue_ms: float = 2.0):
 def _queue_option(command):
     return click.option("--queue-ms", type=click.FloatRange(min=0), default=2.0, show_default=True,
                         help="Emulated links' queue depth beyond one burst, in ms of line "
-                             "rate; shallow queues drop packets under incast.")(command)
+                             "rate, never below 256 KiB (a switch port's buffer); shallow "
+                             "queues drop packets under incast.")(command)
 
 
 @bench.command("allreduce")
@@ -234,8 +235,8 @@ MALLOC_REUSE_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(2**40
                    "(vocab x embed-dim, dense gradient) with an MLP head of --width.")
 @click.option("--width", default=2048, show_default=True, help="MLP hidden width.")
 @click.option("--depth", default=3, show_default=True, help="MLP hidden layers.")
-@click.option("--vocab", default=65536, show_default=True, help="Embedding rows (--model embedding).")
-@click.option("--embed-dim", default=128, show_default=True,
+@click.option("--vocab", default=32768, show_default=True, help="Embedding rows (--model embedding).")
+@click.option("--embed-dim", default=256, show_default=True,
               help="Embedding width (--model embedding).")
 @click.option("--tokens", default=2048, show_default=True,
               help="Token ids per sample (--model embedding).")

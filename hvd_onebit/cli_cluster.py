@@ -62,8 +62,9 @@ def cluster() -> None:
                    "1000-based: e.g. 10mbit, 100mbit, 1gbit, 2.5gbit, 10gbit; or 'unlimited' "
                    "for no shaping (veth speed, CPU-bound).")
 @click.option("--queue-ms", type=click.FloatRange(min=0), default=2.0, show_default=True,
-              help="Queue depth of every link beyond one burst, in milliseconds of line rate "
-                   "(a switch port's buffer). Shallow queues drop packets under incast.")
+              help="Queue depth of every link beyond one burst, in milliseconds of line rate, "
+                   "never below 256 KiB (a switch port's buffer). Shallow queues drop packets "
+                   "under incast.")
 @click.option("--timeout", "-t", type=click.FloatRange(min=0, min_open=True), default=None,
               metavar="SECONDS",
               help=f"Kill every rank after this many seconds of wall time and exit "

@@ -54,6 +54,8 @@ class AllreduceHandle:
 
     out: torch.Tensor
     out32: torch.Tensor
+    update: Optional[kernels.AdamUpdate] = None
+    update_applied: bool = False
     stage1: object = None
     started: float = field(default_factory=time.perf_counter)
     done: bool = False
@@ -171,12 +173,17 @@ class OneBitAllreduce:
         return self.synchronize(self.allreduce_async(tensor, out))
 
     def allreduce_async(self, tensor: torch.Tensor | kernels.MomentumInput,
-                        out: Optional[torch.Tensor] = None) -> AllreduceHandle:
+                        out: Optional[torch.Tensor] = None,
+                        update: Optional[kernels.AdamUpdate] = None) -> AllreduceHandle:
         """Compress ``tensor`` and start stage 1; finish with :meth:`synchronize`.
 
         ``tensor`` may also be a :class:`hvd_onebit.kernels.MomentumInput` (Adam's momentum
         update ``beta1 * m + (1 - beta1) * g``): the native kernel then computes the input in
         its compression pass, and ``out`` may be the momentum buffer itself.
+
+        ``update`` (:class:`hvd_onebit.kernels.AdamUpdate`) is applied to the output once the
+        call has succeeded on every rank, fused into the decode pass where the native kernel
+        can; a failed call applies nothing.
         """
         self._check_input(tensor, out)
         src = tensor if isinstance(tensor, kernels.MomentumInput) else None
@@ -190,7 +197,7 @@ class OneBitAllreduce:
             x32 = flat if flat.dtype == torch.float32 and flat.is_contiguous() else flat.float()
         out32 = (out.view(-1) if out.dtype == torch.float32
                  else torch.empty(out.numel(), dtype=torch.float32, device=out.device))
-        handle = AllreduceHandle(out=out, out32=out32)
+        handle = AllreduceHandle(out=out, out32=out32, update=update)
         if self.transport is None or self.layout.numel == 0:
             # One rank, or nothing to send: the mean is the input, with the same input contract.
             if x32 is None:
@@ -225,6 +232,8 @@ class OneBitAllreduce:
             self._in_flight = False
         if handle.out32.data_ptr() != handle.out.data_ptr():
             handle.out.view(-1).copy_(handle.out32)
+        if handle.update is not None and not handle.update_applied:
+            handle.update.apply(handle.out)
         self.last_seconds = time.perf_counter() - handle.started
         self.calls += 1
         return handle.out
@@ -238,7 +247,11 @@ class OneBitAllreduce:
         gathered = self.transport.wait(self.transport.allgather_async(
             self._server_row.view(1, L.row_bytes), name=f"{self.name}.allgather")).reshape(-1)
         self._raise_if_bad(kernels.row_status(gathered, L, L.n), "in the server average")
-        kernels.decode(gathered, handle.out32, L, self.backend)
+        if handle.update is not None and handle.out32.data_ptr() == handle.out.data_ptr():
+            kernels.decode_update(gathered, handle.out32, L, handle.update, self.backend)
+            handle.update_applied = True
+        else:
+            kernels.decode(gathered, handle.out32, L, self.backend)
         # Every rank succeeded: commit the new error feedback.
         self._worker_y, self._worker_y_next = self._worker_y_next, self._worker_y
         self._sent, self._send = self._send, self._sent

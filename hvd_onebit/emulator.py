@@ -128,6 +128,7 @@ class TbfParams:
 
 
 DEFAULT_QUEUE_MS = 2.0
+MIN_QUEUE_BYTES = 256 * 1024  # a switch port's buffer is bytes, whatever the line rate
 
 
 def tbf_params(bps: int, queue_ms: float = DEFAULT_QUEUE_MS) -> TbfParams:
@@ -141,17 +142,20 @@ def tbf_params(bps: int, queue_ms: float = DEFAULT_QUEUE_MS) -> TbfParams:
       queueing delay is paid at every step: with a 50 ms queue a 50 MB allreduce between 2 ranks
       at 1gbit took 3.4 s (wire time 0.4 s); with this one it takes ~0.55 s, while a plain TCP
       stream still gets ~119 MB/s at 1gbit and ~12 MB/s at 100mbit.
-    * ``queue_ms`` deepens the queue (limit = burst + queue_ms of line rate). A shallow queue
-      drops packets when several peers send to one host at once (an alltoall's incast), and
-      TCP's 200 ms minimum retransmission timeout then dominates short exchanges: at 100mbit a
-      4-rank 16M-element OneBitAllreduce took 612 ms with 2 ms and 476 ms with 20 ms, while the
-      fp32 ring allreduce was unchanged (8.7 s vs 8.9 s). Model your own switches' buffers.
+    * ``queue_ms`` deepens the queue (limit = burst + queue_ms of line rate), and the queue is
+      never below ``MIN_QUEUE_BYTES`` (256 KiB): a switch port's buffer is a number of bytes, so
+      at low rates it holds many milliseconds (21 ms at 100mbit, 2 ms at 1gbit). A queue of a
+      few KB drops packets when several peers send to one host at once (an alltoall's incast),
+      and TCP's 200 ms minimum retransmission timeout then dominates short exchanges: at
+      100mbit a 4-rank 16M-element OneBitAllreduce took 612 ms with a 2 ms (25 KB) queue and
+      476 ms with 20 ms, while the fp32 ring allreduce was unchanged (8.7 s vs 8.9 s). Model
+      your own switches' buffers.
     """
     if queue_ms < 0:
         raise ValueError(f"queue_ms must be >= 0, got {queue_ms}")
     rate_bytes = bps / 8.0
     burst = max(96 * 1024, int(rate_bytes * 0.001))
-    limit = max(2 * burst, burst + int(rate_bytes * queue_ms / 1000))
+    limit = max(2 * burst, burst + max(MIN_QUEUE_BYTES, int(rate_bytes * queue_ms / 1000)))
     return TbfParams(rate_bps=bps, burst_bytes=burst, limit_bytes=limit)
 
 

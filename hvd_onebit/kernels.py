@@ -210,6 +210,60 @@ def worker_compress_momentum(src: MomentumInput, y_prev: torch.Tensor, prev_send
     return worker_compress(src.materialize(), y_prev, prev_send, y_out, send, layout, backend)
 
 
+@dataclass
+class AdamUpdate:
+    """Adam's use of the averaged momentum ``m``, to fuse into the decode pass that writes it.
+
+    For every parameter given (None entries are left to the caller):
+    ``w = w * decay`` when ``decay != 1`` (AdamW's decoupled decay), then
+    ``w = w + (step * m) / denom`` (``step = -lr / bias_correction1``), in the operation order
+    of torch's ``w.mul_(decay)`` and ``w.addcdiv_(m, denom, value=step)``.
+
+    Attributes:
+        weights: each parameter's data, laid end to end in ``m``'s order (None = not here).
+        denoms: ``sqrt(v / bc2) + eps`` for each weight, same shape (None with its weight).
+        sizes: elements of each parameter; they sum to m's numel.
+        steps, decays: per parameter.
+    """
+
+    weights: list[Optional[torch.Tensor]]
+    denoms: list[Optional[torch.Tensor]]
+    sizes: list[int]
+    steps: list[float]
+    decays: list[float]
+
+    def native_ready(self) -> bool:
+        return all(t is None or (t.dtype == torch.float32 and t.is_contiguous()
+                                 and t.device.type == "cpu")
+                   for t in (*self.weights, *self.denoms))
+
+    def apply(self, m: torch.Tensor) -> None:
+        """The update with torch ops, ``m``: the decoded momentum [numel]."""
+        flat = m.reshape(-1)
+        start = 0
+        for w, d, size, step, decay in zip(self.weights, self.denoms, self.sizes, self.steps,
+                                           self.decays):
+            if w is not None:
+                if decay != 1.0:
+                    w.mul_(decay)
+                w.addcdiv_(flat[start:start + size].view_as(w), d, value=step)
+            start += size
+
+
+def decode_update(rows: torch.Tensor, out: torch.Tensor, layout: Layout, update: AdamUpdate,
+                  backend: str = "auto") -> None:
+    """:func:`decode` into ``out`` (the momentum, float32 [numel]), then ``update`` in the same
+    pass where the native kernel can."""
+    if (resolve_backend(backend, rows.device) == "native" and update.native_ready()
+            and out.dtype == torch.float32):
+        _native.decode_update(rows, out, update.weights, update.denoms, update.sizes,
+                              [float(s) for s in update.steps], [float(d) for d in update.decays],
+                              *layout.as_args(), True)
+        return
+    decode(rows, out, layout, backend)
+    update.apply(out)
+
+
 def worker_error(y: torch.Tensor, rows: torch.Tensor, layout: Layout) -> torch.Tensor:
     """The worker error ``e = y - s * sign(y)`` as float32 [padded], from its factored form."""
     return y - _decoded(rows, layout, layout.n).view(-1)

@@ -39,7 +39,7 @@ from horovod.torch.optimizer import _DistributedOptimizer
 
 from .collective import NonFiniteInputError, OneBitAllreduce
 from .fusion import Bucket, fuse
-from .kernels import MomentumInput
+from .kernels import AdamUpdate, MomentumInput
 from .layout import ring_allreduce_bytes
 from .transports import sleep_until_done
 
@@ -450,6 +450,7 @@ class _OneBitMixin:
             raise ValueError("hvd_onebit.DistributedOptimizer needs all parameters on one device, "
                              f"found {sorted(str(d) for d in devices)}")
         self._zero_variance_index = {}
+        self._denoms.clear()  # they mark the held elements
         for p in active:
             # Indices, not a dense 0/1 mask: zeroing them costs per held element, not a pass
             # over the whole parameter every step.
@@ -509,6 +510,9 @@ class _OneBitMixin:
         steps = state["frozen_variance_step"]
         bc2 = 1 - beta2 ** steps if steps > 0 else 1.0
         denom = (state["exp_avg_sq"].sqrt() / math.sqrt(bc2)).add_(eps)
+        held = self._zero_variance_index.get(p)
+        if held is not None:  # step * m / inf = 0: held elements get no update
+            denom.view(-1).index_fill_(0, held, math.inf)
         self._denoms[p] = (key, denom)
         return denom
 
@@ -560,6 +564,7 @@ class _OneBitMixin:
                     MomentumInput(b.momentum_view(i).reshape(-1), [grads[p]], [sizes[i]],
                                   beta1s[p]).materialize(out=b.work_view(i).reshape(-1))
                 inputs.append(b.work)
+        updates, masked = self._plan_updates(owner)
         # 2. Average the momenta: stage 1 of every bucket is started before any is finished.
         start = time.perf_counter()
         nbytes = 0
@@ -568,8 +573,8 @@ class _OneBitMixin:
                 comms = [self._comms[self._comm_key(b)] for b in self._buckets]
                 # Decoded straight into exp_avg: the call writes its output only once every
                 # rank has succeeded, so a failed call leaves the momentum untouched.
-                handles = [c.allreduce_async(x, out=b.momentum)
-                           for c, b, x in zip(comms, self._buckets, inputs)]
+                handles = [c.allreduce_async(x, out=b.momentum, update=u)
+                           for c, b, x, u in zip(comms, self._buckets, inputs, updates)]
                 for c, h in zip(comms, handles):
                     c.synchronize(h)
                     nbytes += c.wire_bytes
@@ -585,34 +590,60 @@ class _OneBitMixin:
                     nbytes += ring_allreduce_bytes(b.numel * b.work.element_size(), self._world)
                     if not bool(torch.isfinite(b.work).all()):  # same averaged values on every rank
                         raise NonFiniteInputError([], "in the averaged momentum")
-                for b in self._buckets:
+                for b, u in zip(self._buckets, updates):
                     b.momentum.copy_(b.work)
+                    u.apply(b.momentum)
         except NonFiniteInputError as exc:
             self.skipped_steps += 1
             self._account(nbytes, time.perf_counter() - start)
             warnings.warn(f"hvd_onebit: step skipped on every rank: {exc}")
             return False
         self._account(nbytes, time.perf_counter() - start)
-        # 3. Masks, then Adam's update with the frozen variance.
+        # 3. Held elements keep a zero momentum (their denominator is inf, so the update above
+        # left them alone); parameters with an exp_avg_mask: mask, then the same update.
+        for p, held in self._zero_variance_index.items():
+            self.state[p]["exp_avg"].view(-1).index_fill_(0, held, 0.0)
+        for group, p, mask in masked:
+            self.state[p]["exp_avg"].mul_(mask)  # in place: exp_avg is the bucket's view
+            w, denom, step, decay = self._update_terms(p, group)
+            if decay != 1.0:
+                w.mul_(decay)
+            w.addcdiv_(self.state[p]["exp_avg"], denom, value=step)
+        for p in owner:
+            self.state[p]["step"] += 1
+        return True
+
+    def _update_terms(self, p: torch.Tensor, group: dict) -> tuple:
+        """(weight, denominator, step, decay) of this step's ``w = w * decay + step * m / denom``."""
+        beta1, lr, wd = group["betas"][0], group["lr"], group["weight_decay"]
+        bc1 = 1 - beta1 ** float(self.state[p]["step"] + 1)
+        decay = 1 - lr * wd if wd != 0 and self._decoupled(group) else 1.0
+        return p.detach(), self._denominator(p, group), -lr / bc1, decay
+
+    def _plan_updates(self, owner: dict) -> tuple[list[AdamUpdate], list[tuple]]:
+        """Adam's update with the frozen variance, one :class:`AdamUpdate` per bucket, for the
+        allreduce to apply in its decode pass once every rank has succeeded. Parameters with an
+        ``exp_avg_mask`` are returned apart, as (group, param, mask): their momentum must be
+        masked first."""
+        terms: dict = {}
+        masked = []
         for group in self.param_groups:
-            beta1, lr, wd = group["betas"][0], group["lr"], group["weight_decay"]
             masks = _group_masks(group)
             for j, p in enumerate(group["params"]):
                 if p not in owner:
                     continue
-                state = self.state[p]
-                m = state["exp_avg"]
                 if masks[j] is not None:
-                    m.mul_(masks[j])  # in place: exp_avg is the bucket's view
-                if p in self._zero_variance_index:
-                    m.view(-1).index_fill_(0, self._zero_variance_index[p], 0.0)
-                state["step"] += 1
-                bc1 = 1 - beta1 ** float(state["step"])
-                with torch.no_grad():
-                    if wd != 0 and self._decoupled(group):
-                        p.mul_(1 - lr * wd)
-                    p.addcdiv_(m, self._denominator(p, group), value=-lr / bc1)
-        return True
+                    masked.append((group, p, masks[j]))
+                else:
+                    terms[p] = self._update_terms(p, group)
+        updates = []
+        for b in self._buckets:
+            t = [terms.get(p) for p in b.params]
+            updates.append(AdamUpdate(
+                weights=[x[0] if x else None for x in t], denoms=[x[1] if x else None for x in t],
+                sizes=[p.numel() for p in b.params], steps=[x[2] if x else 0.0 for x in t],
+                decays=[x[3] if x else 1.0 for x in t]))
+        return updates, masked
 
 
 def _all_finite(tensors: list[torch.Tensor]) -> bool:

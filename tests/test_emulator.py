@@ -148,15 +148,18 @@ def test_tbf_params_are_sane_from_10mbit_to_10gbit():
         p = tbf_params(parse_bandwidth(text))
         assert p.burst_bytes >= 64 * 1024  # whole GSO packets pass without being split
         assert p.limit_bytes >= 2 * p.burst_bytes
-        assert p.limit_bytes * 8 / p.rate_bps < 0.2  # a shallow queue: < 200 ms of line rate
+        assert p.limit_bytes >= p.burst_bytes + 256 * 1024  # a switch port's buffer at least
+        if p.rate_bps >= 10**8:
+            assert p.limit_bytes * 8 / p.rate_bps < 0.05  # and shallow: < 50 ms of line rate
         assert p.tc_args()[:3] == ["tbf", "rate", f"{p.rate_bps}bit"]
 
 
 def test_queue_depth_sets_the_tbf_limit():
     bps = parse_bandwidth("100mbit")
-    shallow, deep = tbf_params(bps), tbf_params(bps, queue_ms=20)
+    shallow, deep = tbf_params(bps), tbf_params(bps, queue_ms=50)
     assert deep.burst_bytes == shallow.burst_bytes
-    assert deep.limit_bytes == shallow.burst_bytes + int(bps / 8 * 0.020)
+    assert shallow.limit_bytes == shallow.burst_bytes + 256 * 1024  # 2 ms is below the floor
+    assert deep.limit_bytes == shallow.burst_bytes + int(bps / 8 * 0.050)
     with pytest.raises(ValueError, match="queue_ms"):
         tbf_params(bps, queue_ms=-1)
 

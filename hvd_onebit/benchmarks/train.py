@@ -166,7 +166,7 @@ def _make_step(method: str, model, steps: int, warmup_frac: float, powersgd_star
 
 def train_worker(methods=METHODS, steps: int = 40, warmup_frac: float = 0.15,
                  model: str = "mlp", width: int = 2048, depth: int = 3, batch: int = 4,
-                 vocab: int = 65536, embed_dim: int = 128, tokens: int = 2048,
+                 vocab: int = 32768, embed_dim: int = 256, tokens: int = 2048,
                  lr: float = 1e-4, powersgd_start: int = 10, wait: str = "sleep") -> list[dict]:
     """Runs in every rank (after hvd.init()). Returns one row per method (rank 0's view).
 

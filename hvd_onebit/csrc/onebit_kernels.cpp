@@ -396,6 +396,102 @@ __attribute__((target("avx2,fma"))) void decode_avx2(const uint8_t* rows, float*
 }
 #endif
 
+// ---- decode fused with Adam's update ------------------------------------------------------------
+// The optimizer's use of the averaged momentum d, fused into the decode pass so d is read once:
+// m[p] = d, and for parameters that take the update here (the others are left to the caller),
+//     w = w * decay (when decay != 1), then w = w + (step * d) / denom,
+// the operation order of torch's p.mul_(decay) and p.addcdiv_(m, denom, value=step) in fp32, so
+// the torch twin gives the same bits. Segments are the parameters laid end to end in m.
+
+struct UpdateSegment {
+  float* w;             // nullptr: decode only
+  const float* denom;
+  int64_t start, end;
+  float step, decay;
+  bool apply_decay;
+};
+
+inline void update1(const UpdateSegment& s, int64_t p, float d) {
+  float w = s.w[p - s.start];
+  if (s.apply_decay) w = w * s.decay;
+  s.w[p - s.start] = w + (s.step * d) / s.denom[p - s.start];
+}
+
+struct SegmentCursor {
+  const UpdateSegment* segs;
+  int64_t nsegs;
+  int64_t cur = 0;
+  const UpdateSegment& at(int64_t p) {
+    while (cur + 1 < nsegs && segs[cur].end <= p) ++cur;
+    while (cur > 0 && segs[cur].start > p) --cur;
+    return segs[cur];
+  }
+};
+
+void decode_update_scalar(const uint8_t* rows, float* m, int64_t numel, const Layout& L,
+                          SegmentCursor segs) {
+  decode_scalar(rows, m, numel, L);
+  for (int64_t p = 0; p < numel; ++p) {
+    const UpdateSegment& s = segs.at(p);
+    if (s.w) update1(s, p, m[p]);
+  }
+}
+
+#if defined(HVD_ONEBIT_X86)
+__attribute__((target("avx2,fma"))) void decode_update_avx2(const uint8_t* rows, float* m,
+                                                            int64_t numel, const Layout& L,
+                                                            SegmentCursor segs) {
+  const int64_t nb = L.nblocks();
+  const __m256i sel = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+  for (int64_t j = 0; j < L.n; ++j) {
+    const uint8_t* row = rows + j * L.row_bytes;
+    const float* scales = reinterpret_cast<const float*>(row) + 1;
+    const uint8_t* bits = row + L.header_bytes();
+    for (int64_t b = 0; b < nb; ++b) {
+      const int64_t base = j * L.chunk + b * L.block;
+      int64_t stop = base + L.block;
+      if (stop > numel) stop = numel;
+      const __m256 pos_s = _mm256_set1_ps(scales[b]), neg_s = _mm256_set1_ps(-scales[b]);
+      const uint8_t* bp = bits + b * L.block / 8;
+      int64_t p = base;
+      while (p < stop) {
+        const UpdateSegment& s = segs.at(p);
+        // Full groups inside this segment: vector decode and update.
+        int64_t seg_stop = s.end < stop ? s.end : stop;
+        if (s.w) {
+          const __m256 step = _mm256_set1_ps(s.step), decay = _mm256_set1_ps(s.decay);
+          for (; p + 8 <= seg_stop && (p - base) % 8 == 0; p += 8) {
+            const __m256i v = _mm256_and_si256(_mm256_set1_epi32(bp[(p - base) / 8]), sel);
+            const __m256 d = _mm256_blendv_ps(neg_s, pos_s,
+                                              _mm256_castsi256_ps(_mm256_cmpeq_epi32(v, sel)));
+            _mm256_storeu_ps(m + p, d);
+            float* wp = s.w + (p - s.start);
+            __m256 w = _mm256_loadu_ps(wp);
+            if (s.apply_decay) w = _mm256_mul_ps(w, decay);
+            const __m256 upd = _mm256_div_ps(_mm256_mul_ps(step, d),
+                                             _mm256_loadu_ps(s.denom + (p - s.start)));
+            _mm256_storeu_ps(wp, _mm256_add_ps(w, upd));
+          }
+        } else {
+          for (; p + 8 <= seg_stop && (p - base) % 8 == 0; p += 8) {
+            const __m256i v = _mm256_and_si256(_mm256_set1_epi32(bp[(p - base) / 8]), sel);
+            _mm256_storeu_ps(m + p, _mm256_blendv_ps(
+                                        neg_s, pos_s, _mm256_castsi256_ps(_mm256_cmpeq_epi32(v, sel))));
+          }
+        }
+        // Elements one at a time up to the segment's end or the next whole group.
+        for (; p < seg_stop && (p + 8 > seg_stop || (p - base) % 8 != 0); ++p) {
+          const int64_t k = p - base;
+          const float d = ((bp[k / 8] >> (k % 8)) & 1) ? scales[b] : -scales[b];
+          m[p] = d;
+          if (s.w) update1(s, p, d);
+        }
+      }
+    }
+  }
+}
+#endif
+
 // ---- argument checks shared by the bindings ---------------------------------------------------
 
 Layout make_layout(int64_t n, int64_t chunk, int64_t block, int64_t row_bytes) {
@@ -544,6 +640,49 @@ void decode(const torch::Tensor& rows, torch::Tensor out, int64_t n, int64_t chu
   decode_scalar(rows.data_ptr<uint8_t>(), out.data_ptr<float>(), out.numel(), L);
 }
 
+void decode_update(const torch::Tensor& rows, torch::Tensor m,
+                   const std::vector<c10::optional<torch::Tensor>>& weights,
+                   const std::vector<c10::optional<torch::Tensor>>& denoms,
+                   const std::vector<int64_t>& sizes, const std::vector<double>& steps,
+                   const std::vector<double>& decays, int64_t n, int64_t chunk, int64_t block,
+                   int64_t row_bytes, bool allow_simd) {
+  const Layout L = make_layout(n, chunk, block, row_bytes);
+  check_cpu(rows, torch::kUInt8, "rows", n * row_bytes);
+  check_cpu(m, torch::kFloat32, "momentum", 0);
+  TORCH_CHECK(m.numel() <= n * chunk, "momentum has more elements than the layout holds");
+  const size_t k = sizes.size();
+  TORCH_CHECK(weights.size() == k && denoms.size() == k && steps.size() == k &&
+                  decays.size() == k, "one weight, denominator, step and decay per size");
+  std::vector<UpdateSegment> segs;
+  int64_t start = 0;
+  for (size_t i = 0; i < k; ++i) {
+    UpdateSegment seg{nullptr, nullptr, start, start + sizes[i], static_cast<float>(steps[i]),
+                      static_cast<float>(decays[i]), decays[i] != 1.0};
+    if (weights[i].has_value() && weights[i]->defined()) {
+      TORCH_CHECK(denoms[i].has_value() && denoms[i]->defined(), "weight ", i, " has no denominator");
+      check_cpu(*weights[i], torch::kFloat32, "weight", sizes[i]);
+      check_cpu(*denoms[i], torch::kFloat32, "denominator", sizes[i]);
+      TORCH_CHECK(weights[i]->numel() == sizes[i] && denoms[i]->numel() == sizes[i], "weight ", i,
+                  " and its denominator must have ", sizes[i], " elements");
+      seg.w = weights[i]->data_ptr<float>();
+      seg.denom = denoms[i]->data_ptr<float>();
+    }
+    segs.push_back(seg);
+    start += sizes[i];
+  }
+  TORCH_CHECK(start == m.numel(), "weights hold ", start, " elements, momentum ", m.numel());
+  if (m.numel() == 0) return;
+  SegmentCursor cursor{segs.data(), static_cast<int64_t>(segs.size())};
+  pybind11::gil_scoped_release no_gil;
+#if defined(HVD_ONEBIT_X86)
+  if (allow_simd && cpu_has_avx2()) {
+    decode_update_avx2(rows.data_ptr<uint8_t>(), m.data_ptr<float>(), m.numel(), L, cursor);
+    return;
+  }
+#endif
+  decode_update_scalar(rows.data_ptr<uint8_t>(), m.data_ptr<float>(), m.numel(), L, cursor);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -557,5 +696,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("server_compress", &server_compress,
         "z = mean of the n received rows + err; compress z into out_row; err_out = z - s*sign(z).");
   m.def("decode", &decode, "out = s * sign for the n rows, first out.numel() elements.");
+  m.def("decode_update", &decode_update,
+        "decode into m and, for each weight given, w = w*decay (if decay != 1) then "
+        "w + (step*m)/denom, in the same pass.");
   m.def("has_avx2", &cpu_has_avx2, "Whether the AVX2 code path is available on this CPU.");
 }

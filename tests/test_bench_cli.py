@@ -1,0 +1,90 @@
+"""The `hvd-onebit bench` commands, run for real at toy sizes: JSON fields, tables, plots.
+
+The emulated runs need root (network namespaces); the loopback runs (`--bandwidth local`) run
+anywhere Horovod does. Speed is never asserted here: benchmarks print figures, tests check that
+the figures are there and self-consistent.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from hvd_onebit.testing import REPO_ROOT
+
+CLI = [sys.executable, "-m", "hvd_onebit.cli"]
+
+
+def bench(*args, timeout=600):
+    proc = subprocess.run(CLI + ["bench", *args], capture_output=True, text=True, timeout=timeout,
+                          cwd=REPO_ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc
+
+
+def test_bench_help_lists_every_command():
+    out = bench("--help").stdout
+    for command in ("kernel", "allreduce", "train"):
+        assert command in out
+    train_help = bench("train", "--help").stdout
+    for option in ("--model", "--wait", "--malloc", "--warmup-frac", "--hosts", "--queue-ms"):
+        assert option in train_help
+
+
+def test_bench_kernel_json():
+    report = json.loads(bench("kernel", "--numel", "64K", "--repeats", "2", "--json").stdout)
+    names = json.dumps(report)
+    for kernel in ("compress", "server", "decode"):
+        assert kernel in names
+
+
+def test_bench_allreduce_loopback_json_and_plot(tmp_path):
+    plot = tmp_path / "speedup.png"
+    report = json.loads(bench("allreduce", "--np", "2", "--sizes", "64K", "--repeats", "2",
+                              "--json", "--plot", str(plot)).stdout)
+    rows = report["rows"]
+    assert {r["method"] for r in rows} == {"fp32", "fp16", "onebit"}
+    onebit = next(r for r in rows if r["method"] == "onebit")
+    fp32 = next(r for r in rows if r["method"] == "fp32")
+    assert onebit["np"] == 2 and onebit["numel"] == 64 * 1024
+    # the 1-bit allreduce sends 1/32 of the fp32 ring's bytes (plus a few scale bytes)
+    assert onebit["bytes_per_rank"] * 30 < fp32["bytes_per_rank"]
+
+
+@pytest.mark.parametrize("model", ["mlp", "embedding"])
+def test_bench_train_loopback_reports_phases_and_speedups(tmp_path, model):
+    plot = tmp_path / "train.png"
+    size = (["--width", "64", "--depth", "1"] if model == "mlp"
+            else ["--vocab", "512", "--embed-dim", "16", "--tokens", "64", "--width", "32"])
+    proc = bench("train", "--np", "2", "--bandwidth", "local", "--steps", "8", "--model", model,
+                 "--methods", "local,horovod_fp32,onebit", "--json", "--plot", str(plot), *size)
+    report = json.loads(proc.stdout)
+    rows = {r["method"]: r for r in report["rows"]}
+    assert set(rows) == {"local", "horovod_fp32", "onebit"}
+    ob = rows["onebit"]
+    assert ob["model"] == model and ob["freeze_step"] == 1  # round(0.15 * 8)
+    assert ob["warmup_steps"] == 1 and ob["compression_steps"] == 7
+    assert ob["compression_bytes_per_step"] * 20 < rows["horovod_fp32"]["bytes_per_step"]
+    summary = report["summary"]
+    for key in ("comm_fraction_of_fp32_step", "onebit_compression_step_speedup_vs_fp32",
+                "onebit_run_speedup_vs_fp32"):
+        assert summary[key] == summary[key]  # present and not NaN
+    assert report["config"]["wait"] == "sleep" and report["config"]["malloc"] == "reuse"
+    assert plot.stat().st_size > 0
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the emulator needs root")
+def test_bench_train_on_the_emulator_counts_the_wire_bytes():
+    proc = bench("train", "--np", "2", "--bandwidth", "1gbit", "--steps", "6", "--width", "64",
+                 "--depth", "1", "--methods", "horovod_fp32,onebit", "--wait", "spin",
+                 "--malloc", "system")
+    out = proc.stdout
+    assert "Horovod waits: spin, malloc: system" in out
+    assert "onebit" in out and "compression" in out and "measured MB/step/rank" in out
+
+
+def test_bench_train_rejects_an_unknown_method():
+    proc = subprocess.run(CLI + ["bench", "train", "--methods", "local,sgd"], capture_output=True,
+                          text=True, timeout=60, cwd=REPO_ROOT)
+    assert proc.returncode != 0 and "unknown methods" in proc.stdout + proc.stderr
