@@ -97,6 +97,13 @@ def bench_kernel(numel: int, ranks: int, threads: int, repeats: int, as_json: bo
                          "melem_s": b[f"{k}_elems_per_s"] / 1e6, "ratio": b[f"{k}_ratio_to_add"]})
     print_table(rows, [("backend", "backend", ""), ("kernel", "kernel", ""),
                        ("M elem/s", "melem_s", ",.0f"), ("ratio to add", "ratio", ".2f")])
+    fused = result.get("fused_optimizer_passes")
+    if fused:
+        click.echo(f"optimizer passes (native): momentum+compress {fused['momentum_compress_ms']:.1f}"
+                   f" ms vs lerp then compress {fused['lerp_then_compress_ms']:.1f} ms "
+                   f"({fused['momentum_compress_speedup']:.2f}x); decode+update "
+                   f"{fused['decode_update_ms']:.1f} ms vs decode then addcdiv "
+                   f"{fused['decode_then_addcdiv_ms']:.1f} ms ({fused['decode_update_speedup']:.2f}x)")
 
 
 @contextlib.contextmanager

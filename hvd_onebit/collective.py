@@ -110,9 +110,11 @@ class OneBitAllreduce:
         self._worker_y_next = torch.empty(L.padded, **f32)
         self._sent = torch.zeros(L.n * L.row_bytes, **u8)
         self._send = torch.zeros(L.n * L.row_bytes, **u8)
-        self._server_err = torch.zeros(L.chunk, **f32)
-        self._server_err_next = torch.empty(L.chunk, **f32)
-        self._server_row = torch.empty(L.row_bytes, **u8)
+        # The server error, factored the same way: the last call's z and the row it sent.
+        self._server_z = torch.zeros(L.chunk, **f32)
+        self._server_z_next = torch.empty(L.chunk, **f32)
+        self._server_sent = torch.zeros(L.row_bytes, **u8)
+        self._server_row = torch.zeros(L.row_bytes, **u8)
         self._in_flight = False
 
         self.wire_bytes = 0  # bytes this rank sent in the last call, both stages
@@ -242,8 +244,8 @@ class OneBitAllreduce:
         L = self.layout
         recv = self.transport.wait(handle.stage1).reshape(-1)
         self._raise_if_bad(kernels.row_status(recv, L, L.n), "in the input")
-        kernels.server_compress(recv, self._server_err, self._server_err_next, self._server_row,
-                                L, self.backend)
+        kernels.server_compress(recv, self._server_z, self._server_sent, self._server_z_next,
+                                self._server_row, L, self.backend)
         gathered = self.transport.wait(self.transport.allgather_async(
             self._server_row.view(1, L.row_bytes), name=f"{self.name}.allgather")).reshape(-1)
         self._raise_if_bad(kernels.row_status(gathered, L, L.n), "in the server average")
@@ -255,7 +257,8 @@ class OneBitAllreduce:
         # Every rank succeeded: commit the new error feedback.
         self._worker_y, self._worker_y_next = self._worker_y_next, self._worker_y
         self._sent, self._send = self._send, self._sent
-        self._server_err, self._server_err_next = self._server_err_next, self._server_err
+        self._server_z, self._server_z_next = self._server_z_next, self._server_z
+        self._server_sent, self._server_row = self._server_row, self._server_sent
         self.wire_bytes = L.wire_bytes
         self.total_wire_bytes += L.wire_bytes
 
@@ -274,20 +277,21 @@ class OneBitAllreduce:
 
     @property
     def server_error(self) -> torch.Tensor:
-        """e_s: float32 [chunk], this rank's server error for the chunk it serves."""
-        return self._server_err
+        """e_s: float32 [chunk], this rank's server error for the chunk it serves (a fresh tensor)."""
+        return kernels.server_error(self._server_z, self._server_sent, self.layout)
 
     def reset(self) -> None:
         """Zero both error-feedback buffers (e.g. after the world size changed)."""
         self._worker_y.zero_()
         self._sent.zero_()
-        self._server_err.zero_()
+        self._server_z.zero_()
+        self._server_sent.zero_()
 
     def state_dict(self) -> dict:
         """This rank's error feedback, with the layout it belongs to."""
         return {"numel": self.layout.numel, "size": self.size, "rank": self.rank,
                 "block_size": self.block_size,
-                "worker_error": self.worker_error, "server_error": self._server_err.clone()}
+                "worker_error": self.worker_error, "server_error": self.server_error}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore error feedback saved by :meth:`state_dict` on the same rank and layout."""
@@ -303,4 +307,6 @@ class OneBitAllreduce:
         rows = self._sent.view(L.n, L.row_bytes)
         rows.zero_()
         rows[:, L.header_bytes:L.header_bytes + L.bits_bytes] = 0xFF
-        self._server_err.copy_(state["server_error"])
+        self._server_z.copy_(state["server_error"])
+        self._server_sent.zero_()
+        self._server_sent[L.header_bytes:L.header_bytes + L.bits_bytes] = 0xFF

@@ -6,11 +6,13 @@ optimizer keeps each parameter's ``exp_avg`` as a *view* into a flat bucket, and
 OneBitAllreduce per bucket moves all of them: two collectives per bucket per step, not per
 parameter. Each bucket also has a same-shaped *work* buffer where the local momentum
 ``beta1 * m + (1 - beta1) * g`` is written before the allreduce, so ``exp_avg`` itself is only
-overwritten once every rank has succeeded.
+overwritten once every rank has succeeded. The 1-bit path computes that local momentum inside
+its compression kernel instead, so the work buffer is only allocated when a path needs it.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -24,7 +26,14 @@ class Bucket:
     offsets: list[int]
     numel: int
     momentum: torch.Tensor  # [numel], exp_avg of every member, back to back
-    work: torch.Tensor  # [numel], the local momentum sent to the allreduce
+    _work: Optional[torch.Tensor] = None
+
+    @property
+    def work(self) -> torch.Tensor:
+        """[numel], like momentum: a buffer for the local momentum, allocated on first use."""
+        if self._work is None:
+            self._work = torch.empty_like(self.momentum)
+        return self._work
 
     def momentum_view(self, i: int) -> torch.Tensor:
         """exp_avg of member ``i``, shaped like its parameter, sharing the bucket's storage."""
@@ -74,8 +83,7 @@ def fuse(params: list[torch.Tensor], momenta: list[torch.Tensor],
             total += p.numel()
         like = ps[0]
         momentum = torch.empty(total, dtype=like.dtype, device=like.device)
-        bucket = Bucket(index=index, params=ps, offsets=offsets, numel=total, momentum=momentum,
-                        work=torch.empty_like(momentum))
+        bucket = Bucket(index=index, params=ps, offsets=offsets, numel=total, momentum=momentum)
         for j, i in enumerate(members):
             bucket.momentum_view(j).copy_(momenta[i])
         out.append(bucket)

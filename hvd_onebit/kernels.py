@@ -13,9 +13,10 @@ The arithmetic both follow, per block of ``layout.block`` elements (see :mod:`hv
 ``e_new = y - (+s or -s)``. The server sums the decoded rows in rank order in fp32, divides by n
 and adds its error. New errors go to a separate buffer so a failed call changes nothing.
 
-The worker error is stored factored: the last call's ``y`` and its sent rows (scales and signs),
-from which ``e = y - s * sign(y)`` is rebuilt inside the next compression (:func:`worker_error`
-materialises it). Compression is then one pass over the data instead of two.
+Both error-feedback buffers are stored factored: the last call's ``y`` (or server ``z``) and the
+rows it sent (scales and signs), from which ``e = y - s * sign(y)`` is rebuilt inside the next
+compression (:func:`worker_error` and :func:`server_error` materialise it). Each compression is
+then one pass over the data instead of two.
 """
 from __future__ import annotations
 
@@ -107,17 +108,6 @@ def _decoded(rows: torch.Tensor, layout: Layout, count: int) -> torch.Tensor:
     scales = row_scales(rows, layout, count).unsqueeze(-1)
     positive = unpack_signs(_row_bits(rows, layout, count)).view(count, layout.nblocks, layout.block)
     return torch.where(positive, scales, -scales)
-
-
-def _compress_blocks(y: torch.Tensor, block: int, err_out: torch.Tensor):
-    """y: fp32 [rows, nblocks, block]. Returns (finite, scales [rows, nblocks], bits [rows, chunk/8])."""
-    sumsq = y.double().square().sum(-1)
-    finite = bool(torch.isfinite(sumsq).all())
-    scales = torch.sqrt(sumsq / block).float()
-    positive = y >= 0
-    signed = torch.where(positive, scales.unsqueeze(-1), -scales.unsqueeze(-1))
-    torch.sub(y, signed, out=err_out.view_as(y))
-    return finite, scales, pack_signs(positive.reshape(y.shape[0], -1))
 
 
 # ---- the three kernels -------------------------------------------------------------------------------
@@ -269,29 +259,45 @@ def worker_error(y: torch.Tensor, rows: torch.Tensor, layout: Layout) -> torch.T
     return y - _decoded(rows, layout, layout.n).view(-1)
 
 
-def server_compress(recv: torch.Tensor, err: torch.Tensor, err_out: torch.Tensor,
-                    out_row: torch.Tensor, layout: Layout, backend: str = "auto") -> bool:
-    """Average the n received rows of this rank's chunk, add ``err`` and compress into ``out_row``.
+def server_compress(recv: torch.Tensor, z_prev: torch.Tensor, prev_row: torch.Tensor,
+                    z_out: torch.Tensor, out_row: torch.Tensor, layout: Layout,
+                    backend: str = "auto") -> bool:
+    """Average the n received rows of this rank's chunk, add the server error, compress.
+
+    The server error is factored like the worker's: ``e_s = z_prev - s_prev * sign_prev``, from
+    the previous call's z and the row it sent, so the step is a single pass.
 
     Args:
         recv: uint8 [n * row_bytes], row i from rank i.
-        err: float32 [chunk], the server error feedback (read only).
-        err_out: float32 [chunk], receives the new server error.
-        out_row: uint8 [row_bytes].
+        z_prev: float32 [chunk], the previous call's z (read only).
+        prev_row: uint8 [row_bytes], the previous call's sent row (read only).
+        z_out: float32 [chunk], receives this call's z = mean + e_s.
+        out_row: uint8 [row_bytes], receives z compressed.
     Returns:
-        False if the average was not finite.
+        False if z was not finite.
     """
     if resolve_backend(backend, recv.device) == "native":
-        return _native.server_compress(recv, err, err_out, out_row, *layout.as_args(), True)
+        return _native.server_compress(recv, z_prev, prev_row, z_out, out_row, *layout.as_args(),
+                                       True)
     n, nb, block = layout.n, layout.nblocks, layout.block
     decoded = _decoded(recv, layout, n)
     acc = torch.zeros(nb, block, dtype=torch.float32, device=recv.device)
     for i in range(n):  # rank order, fp32: the order the native kernel uses
         acc = acc + decoded[i]
-    z = acc / n + err.view(nb, block)
-    finite, out_scales, bits = _compress_blocks(z.unsqueeze(0), block, err_out)
-    _write_rows(out_row, layout, 1, 0.0 if finite else 1.0, out_scales, bits)
+    e = z_prev.view(nb, block) - _decoded(prev_row, layout, 1)[0]
+    z = z_out.view(nb, block)
+    torch.add(acc / n, e, out=z)
+    sumsq = z.double().square().sum(-1)
+    finite = bool(torch.isfinite(sumsq).all())
+    scales = torch.sqrt(sumsq / block).float()
+    _write_rows(out_row, layout, 1, 0.0 if finite else 1.0, scales.unsqueeze(0),
+                pack_signs((z >= 0).view(1, -1)))
     return finite
+
+
+def server_error(z: torch.Tensor, row: torch.Tensor, layout: Layout) -> torch.Tensor:
+    """The server error ``e_s = z - s * sign(z)`` as float32 [chunk], from its factored form."""
+    return z - _decoded(row, layout, 1).view(-1)
 
 
 def decode(rows: torch.Tensor, out: torch.Tensor, layout: Layout, backend: str = "auto") -> None:

@@ -43,17 +43,21 @@ def _worker(impl, L, x, y_prev, prev_send):
 
 def _run(impl, L, x, y_prev, prev_send, es):
     ok, y_out, send = _worker(impl, L, x, y_prev, prev_send)
-    es_out = torch.full((L.chunk,), 123.0)
+    # the server error es in factored form: z = es, a previous row with zero scales, all signs +
+    prev_row = torch.zeros(L.row_bytes, dtype=torch.uint8)
+    prev_row[L.header_bytes:L.header_bytes + L.bits_bytes] = 0xFF
+    z_out = torch.full((L.chunk,), 123.0)
     row = torch.full((L.row_bytes,), 0xCD, dtype=torch.uint8)
     out = torch.empty(L.numel)
     if impl == "torch":
-        kernels.server_compress(send, es, es_out, row, L, "torch")
+        kernels.server_compress(send, es, prev_row, z_out, row, L, "torch")
         kernels.decode(send, out, L, "torch")
     else:
         simd = impl == "avx2"
-        _C.server_compress(send, es, es_out, row, *L.as_args(), simd)
+        _C.server_compress(send, es, prev_row, z_out, row, *L.as_args(), simd)
         _C.decode(send, out, *L.as_args(), simd)
-    return ok, send, y_out, kernels.worker_error(y_out, send, L), es_out, row, out
+    return (ok, send, y_out, kernels.worker_error(y_out, send, L),
+            kernels.server_error(z_out, row, L), row, out)
 
 
 def _previous_state(L, g):

@@ -41,8 +41,9 @@ def bench_kernels(numel: int = 16 << 20, ranks: int = 4, threads: int = 1, repea
     y_prev, y_next, y = torch.randn(L.padded, generator=g) * 0.01, torch.empty(L.padded), torch.empty(numel)
     prev_send = torch.zeros(L.n * L.row_bytes, dtype=torch.uint8)
     send = torch.empty(L.n * L.row_bytes, dtype=torch.uint8)
-    server_err, server_err_out = torch.zeros(L.chunk), torch.empty(L.chunk)
-    row = torch.empty(L.row_bytes, dtype=torch.uint8)
+    server_z, server_z_out = torch.zeros(L.chunk), torch.empty(L.chunk)
+    server_sent, row = (torch.zeros(L.row_bytes, dtype=torch.uint8),
+                        torch.empty(L.row_bytes, dtype=torch.uint8))
     out = torch.empty(numel)
     add = _rate(lambda: torch.add(x, y_prev[:numel], out=y), numel, repeats)
     result = {"numel": numel, "ranks": ranks, "threads": threads, "add_elems_per_s": add,
@@ -57,12 +58,50 @@ def bench_kernels(numel: int = 16 << 20, ranks: int = 4, threads: int = 1, repea
         compress()
         rates = {
             "compress": _rate(compress, numel, reps),
-            "server": _rate(lambda: kernels.server_compress(send, server_err, server_err_out, row,
-                                                            L, backend), L.padded, reps),
+            "server": _rate(lambda: kernels.server_compress(send, server_z, server_sent,
+                                                            server_z_out, row, L, backend),
+                            L.padded, reps),
             "decode": _rate(lambda: kernels.decode(send, out, L, backend), numel, reps),
         }
         result["backends"][backend] = {
             **{f"{k}_elems_per_s": v for k, v in rates.items()},
             **{f"{k}_ratio_to_add": v / add for k, v in rates.items()},
         }
+    if kernels.native_available():
+        result["fused_optimizer_passes"] = _bench_fused(L, x, y_prev, prev_send, y_next, send,
+                                                        repeats)
     return result
+
+
+def _bench_fused(L: Layout, g: torch.Tensor, y_prev, prev_send, y_next, send, repeats) -> dict:
+    """The optimizer's two fused passes against the separate passes they replace (native).
+
+    * momentum + compress: ``worker_compress_momentum`` (beta1*m + (1-beta1)*g computed inside
+      the compression) vs ``torch.lerp`` into a buffer, then ``worker_compress``.
+    * decode + update: ``decode_update`` vs ``decode`` into m, then ``w.addcdiv_(m, denom)``.
+    """
+    numel = g.numel()
+    m, work = torch.randn(numel) * 0.1, torch.empty(numel)
+    w, denom = torch.randn(numel), torch.rand(numel) + 0.01
+    src = kernels.MomentumInput(m, [g], [numel], 0.9)
+    update = kernels.AdamUpdate([w], [denom], [numel], [-1e-4], [1.0])
+
+    def separate_compress():
+        torch.lerp(m, g, 0.1, out=work)
+        kernels.worker_compress(work, y_prev, prev_send, y_next, send, L, "native")
+
+    def separate_update():
+        kernels.decode(send, work, L, "native")
+        w.addcdiv_(work, denom, value=-1e-4)
+
+    ms = {
+        "momentum_compress_ms": numel / _rate(lambda: kernels.worker_compress_momentum(
+            src, y_prev, prev_send, y_next, send, L, "native"), numel, repeats) * 1e3,
+        "lerp_then_compress_ms": numel / _rate(separate_compress, numel, repeats) * 1e3,
+        "decode_update_ms": numel / _rate(lambda: kernels.decode_update(
+            send, work, L, update, "native"), numel, repeats) * 1e3,
+        "decode_then_addcdiv_ms": numel / _rate(separate_update, numel, repeats) * 1e3,
+    }
+    ms["momentum_compress_speedup"] = ms["lerp_then_compress_ms"] / ms["momentum_compress_ms"]
+    ms["decode_update_speedup"] = ms["decode_then_addcdiv_ms"] / ms["decode_update_ms"]
+    return ms

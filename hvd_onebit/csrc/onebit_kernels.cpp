@@ -55,16 +55,6 @@ inline double sumsq8_scalar(const float* y) {
   return acc;
 }
 
-inline uint8_t sign_error8_scalar(const float* y, float s, float* err_out) {
-  uint8_t bits = 0;
-  for (int k = 0; k < 8; ++k) {
-    const bool pos = y[k] >= 0.0f;
-    bits |= static_cast<uint8_t>(pos) << k;
-    err_out[k] = y[k] - (pos ? s : -s);
-  }
-  return bits;
-}
-
 inline void decode8_scalar(uint8_t bits, float s, float* out, int count) {
   for (int k = 0; k < count; ++k) out[k] = ((bits >> k) & 1) ? s : -s;
 }
@@ -200,14 +190,6 @@ __attribute__((target("avx2,fma"))) inline double hsum_pd(__m256d v) {
   return (t[0] + t[1]) + (t[2] + t[3]);
 }
 
-// Sign bits (1 for y >= 0) and err = y - (+-s) for 8 lanes.
-__attribute__((target("avx2,fma"))) inline uint8_t sign_error8_avx2(__m256 y, __m256 pos_s,
-                                                                    __m256 neg_s, float* err_out) {
-  const __m256 ge = _mm256_cmp_ps(y, _mm256_setzero_ps(), _CMP_GE_OQ);
-  _mm256_storeu_ps(err_out, _mm256_sub_ps(y, _mm256_blendv_ps(neg_s, pos_s, ge)));
-  return static_cast<uint8_t>(_mm256_movemask_ps(ge));
-}
-
 // Lane k set where bit k of `bits` is set.
 __attribute__((target("avx2,fma"))) inline __m256 bitmask8_avx2(uint8_t bits) {
   const __m256i sel = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
@@ -274,77 +256,70 @@ __attribute__((target("avx2,fma"))) void worker_compress_avx2(
 
 // ---- server step ------------------------------------------------------------------------------
 // recv holds n rows (one from each rank) for this rank's chunk. z = mean_i(s_i * sign_i) + e_s,
-// then z is compressed into out_row with err_out = z - s' * sign(z).
+// then z is compressed into out_row. Like the worker's, the server error is kept factored: the
+// last call's z and the row it sent, e_s = z_prev - s_prev * sign_prev, rebuilt on the fly, so
+// the server step is one pass (read the n rows and z_prev, write z and the bits).
 
-void server_compress_scalar(const uint8_t* recv, const float* e, float* err_out, uint8_t* out_row,
-                            const Layout& L, bool* finite) {
+void server_compress_scalar(const uint8_t* recv, const float* z_prev, const uint8_t* prev_row,
+                            float* z_out, uint8_t* out_row, const Layout& L, bool* finite) {
   const int64_t nb = L.nblocks();
+  const int64_t hb = L.header_bytes();
   const float nf = static_cast<float>(L.n);
-  uint8_t* out_bits = out_row + L.header_bytes();
-  float z[8];
-  auto load_z8 = [&](int64_t b, int64_t g) {
-    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    for (int64_t i = 0; i < L.n; ++i) {
-      const uint8_t* row = recv + i * L.row_bytes;
-      const float s = reinterpret_cast<const float*>(row)[1 + b];
-      const uint8_t bits = row[L.header_bytes() + (b * L.block + g) / 8];
-      float v[8];
-      decode8_scalar(bits, s, v, 8);
-      for (int k = 0; k < 8; ++k) acc[k] += v[k];
-    }
-    const float* ep = e + b * L.block + g;
-    for (int k = 0; k < 8; ++k) z[k] = acc[k] / nf + ep[k];
-  };
+  float e[8];
   for (int64_t b = 0; b < nb; ++b) {
+    const float prev_s = reinterpret_cast<const float*>(prev_row)[1 + b];
     double ss = 0.0;
     for (int64_t g = 0; g < L.block; g += 8) {
-      load_z8(b, g);
+      const int64_t p = b * L.block + g;
+      float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+      for (int64_t i = 0; i < L.n; ++i) {
+        const uint8_t* row = recv + i * L.row_bytes;
+        const float s = reinterpret_cast<const float*>(row)[1 + b];
+        float v[8];
+        decode8_scalar(row[hb + p / 8], s, v, 8);
+        for (int k = 0; k < 8; ++k) acc[k] += v[k];
+      }
+      prev_error8_scalar(z_prev + p, prev_row[hb + p / 8], prev_s, e);
+      float* z = z_out + p;
+      for (int k = 0; k < 8; ++k) z[k] = acc[k] / nf + e[k];
       ss += sumsq8_scalar(z);
+      uint8_t bits = 0;
+      for (int k = 0; k < 8; ++k) bits |= static_cast<uint8_t>(z[k] >= 0.0f) << k;
+      out_row[hb + p / 8] = bits;
     }
     if (!std::isfinite(ss)) *finite = false;
-    const float s = static_cast<float>(std::sqrt(ss / static_cast<double>(L.block)));
-    row_scales(out_row)[b] = s;
-    for (int64_t g = 0; g < L.block; g += 8) {
-      load_z8(b, g);
-      out_bits[(b * L.block + g) / 8] = sign_error8_scalar(z, s, err_out + b * L.block + g);
-    }
+    row_scales(out_row)[b] = static_cast<float>(std::sqrt(ss / static_cast<double>(L.block)));
   }
 }
 
 #if defined(HVD_ONEBIT_X86)
-// z for one group of 8: the rank-ordered fp32 sum of the decoded rows, divided by n, plus e.
-__attribute__((target("avx2,fma"))) inline __m256 server_z8_avx2(const uint8_t* recv, const float* e,
-                                                                 const Layout& L, int64_t b,
-                                                                 int64_t g, __m256 nf) {
-  const int64_t hb = L.header_bytes();
-  __m256 acc = _mm256_setzero_ps();
-  for (int64_t i = 0; i < L.n; ++i) {
-    const uint8_t* row = recv + i * L.row_bytes;
-    const float s = reinterpret_cast<const float*>(row)[1 + b];
-    const __m256 m = bitmask8_avx2(row[hb + (b * L.block + g) / 8]);
-    acc = _mm256_add_ps(acc, _mm256_blendv_ps(_mm256_set1_ps(-s), _mm256_set1_ps(s), m));
-  }
-  return _mm256_add_ps(_mm256_div_ps(acc, nf), _mm256_loadu_ps(e + b * L.block + g));
-}
-
-__attribute__((target("avx2,fma"))) void server_compress_avx2(const uint8_t* recv, const float* e,
-                                                              float* err_out, uint8_t* out_row,
-                                                              const Layout& L, bool* finite) {
+__attribute__((target("avx2,fma"))) void server_compress_avx2(
+    const uint8_t* recv, const float* z_prev, const uint8_t* prev_row, float* z_out,
+    uint8_t* out_row, const Layout& L, bool* finite) {
   const int64_t nb = L.nblocks();
+  const int64_t hb = L.header_bytes();
   const __m256 nf = _mm256_set1_ps(static_cast<float>(L.n));
-  uint8_t* out_bits = out_row + L.header_bytes();
   for (int64_t b = 0; b < nb; ++b) {
-    __m256d acc = _mm256_setzero_pd();
-    for (int64_t g = 0; g < L.block; g += 8)
-      acc = sq_acc_pd(server_z8_avx2(recv, e, L, b, g, nf), acc);
-    const double ss = hsum_pd(acc);
+    const float prev_s = reinterpret_cast<const float*>(prev_row)[1 + b];
+    const __m256 prev_pos = _mm256_set1_ps(prev_s), prev_neg = _mm256_set1_ps(-prev_s);
+    __m256d acc0 = _mm256_setzero_pd();
+    for (int64_t g = 0; g < L.block; g += 8) {
+      const int64_t p = b * L.block + g;
+      // the rank-ordered fp32 sum of the decoded rows, divided by n: the server average
+      __m256 sum = _mm256_setzero_ps();
+      for (int64_t i = 0; i < L.n; ++i) {
+        const uint8_t* row = recv + i * L.row_bytes;
+        const float s = reinterpret_cast<const float*>(row)[1 + b];
+        sum = _mm256_add_ps(sum, _mm256_blendv_ps(_mm256_set1_ps(-s), _mm256_set1_ps(s),
+                                                  bitmask8_avx2(row[hb + p / 8])));
+      }
+      out_row[hb + p / 8] = worker_group_avx2(_mm256_div_ps(sum, nf), z_prev + p,
+                                              prev_row[hb + p / 8], prev_pos, prev_neg,
+                                              z_out + p, &acc0);
+    }
+    const double ss = hsum_pd(acc0);
     if (!std::isfinite(ss)) *finite = false;
-    const float s = static_cast<float>(std::sqrt(ss / static_cast<double>(L.block)));
-    row_scales(out_row)[b] = s;
-    const __m256 pos_s = _mm256_set1_ps(s), neg_s = _mm256_set1_ps(-s);
-    for (int64_t g = 0; g < L.block; g += 8)
-      out_bits[(b * L.block + g) / 8] = sign_error8_avx2(server_z8_avx2(recv, e, L, b, g, nf),
-                                                         pos_s, neg_s, err_out + b * L.block + g);
+    row_scales(out_row)[b] = static_cast<float>(std::sqrt(ss / static_cast<double>(L.block)));
   }
 }
 #endif
@@ -596,25 +571,30 @@ bool run_worker_compress(XSource x, int64_t numel, const torch::Tensor& y_prev,
   return finite;
 }
 
-bool server_compress(const torch::Tensor& recv, const torch::Tensor& err, torch::Tensor err_out,
-                     torch::Tensor out_row, int64_t n, int64_t chunk, int64_t block,
-                     int64_t row_bytes, bool allow_simd) {
+bool server_compress(const torch::Tensor& recv, const torch::Tensor& z_prev,
+                     const torch::Tensor& prev_row, torch::Tensor z_out, torch::Tensor out_row,
+                     int64_t n, int64_t chunk, int64_t block, int64_t row_bytes, bool allow_simd) {
   const Layout L = make_layout(n, chunk, block, row_bytes);
   check_cpu(recv, torch::kUInt8, "recv", n * row_bytes);
-  check_cpu(err, torch::kFloat32, "err", chunk);
-  check_cpu(err_out, torch::kFloat32, "err_out", chunk);
+  check_cpu(z_prev, torch::kFloat32, "z_prev", chunk);
+  check_cpu(prev_row, torch::kUInt8, "prev_row", row_bytes);
+  check_cpu(z_out, torch::kFloat32, "z_out", chunk);
   check_cpu(out_row, torch::kUInt8, "out_row", row_bytes);
+  TORCH_CHECK(z_out.data_ptr() != z_prev.data_ptr() && out_row.data_ptr() != prev_row.data_ptr(),
+              "outputs must not alias the previous state (it is kept until the call succeeds)");
   bool finite = true;
   {
     pybind11::gil_scoped_release no_gil;
 #if defined(HVD_ONEBIT_X86)
     if (allow_simd && cpu_has_avx2())
-      server_compress_avx2(recv.data_ptr<uint8_t>(), err.data_ptr<float>(),
-                           err_out.data_ptr<float>(), out_row.data_ptr<uint8_t>(), L, &finite);
+      server_compress_avx2(recv.data_ptr<uint8_t>(), z_prev.data_ptr<float>(),
+                           prev_row.data_ptr<uint8_t>(), z_out.data_ptr<float>(),
+                           out_row.data_ptr<uint8_t>(), L, &finite);
     else
 #endif
-      server_compress_scalar(recv.data_ptr<uint8_t>(), err.data_ptr<float>(),
-                             err_out.data_ptr<float>(), out_row.data_ptr<uint8_t>(), L, &finite);
+      server_compress_scalar(recv.data_ptr<uint8_t>(), z_prev.data_ptr<float>(),
+                             prev_row.data_ptr<uint8_t>(), z_out.data_ptr<float>(),
+                             out_row.data_ptr<uint8_t>(), L, &finite);
     uint8_t* row = out_row.data_ptr<uint8_t>();
     *row_status(row) = finite ? 0.0f : 1.0f;
     const int64_t used = L.header_bytes() + chunk / 8;
@@ -694,7 +674,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "worker_compress of x = beta1 * m + (1 - beta1) * g, computed in the same pass; g is the "
         "list of gradient tensors (None = zeros) of the given sizes, end to end.");
   m.def("server_compress", &server_compress,
-        "z = mean of the n received rows + err; compress z into out_row; err_out = z - s*sign(z).");
+        "e = z_prev - s_prev*sign_prev; z = mean of the n received rows + e into z_out; "
+        "compress z into out_row. Returns False if z is not finite.");
   m.def("decode", &decode, "out = s * sign for the n rows, first out.numel() elements.");
   m.def("decode_update", &decode_update,
         "decode into m and, for each weight given, w = w*decay (if decay != 1) then "
