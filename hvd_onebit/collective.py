@@ -79,6 +79,9 @@ class OneBitAllreduce:
         name: prefix of the collective op names; must be identical on every rank and unique
             among OneBitAllreduce objects in flight at the same time. Default: a counter, which
             is right when every rank constructs its objects in the same order.
+        defer_check: start the cross-rank layout check here but finish it (and raise on a
+            mismatch, on every rank) at the first call, so construction does not wait for the
+            collectives already queued in Horovod.
 
     Inputs are float32, float16 or bfloat16 of ``numel`` elements; the math is fp32 and the
     output has the input's dtype and shape. With one rank the output equals the input exactly.
@@ -87,7 +90,7 @@ class OneBitAllreduce:
     def __init__(self, numel: int, process_set: hvd.ProcessSet = hvd.global_process_set, *,
                  block_size: Optional[int] = None, transport: str = "horovod",
                  backend: str = "auto", device: torch.device | str = "cpu",
-                 name: Optional[str] = None):
+                 name: Optional[str] = None, defer_check: bool = False):
         if not isinstance(numel, int) or isinstance(numel, bool) or numel < 0:
             raise ValueError(f"numel must be a non-negative int, got {numel!r}")
         self.process_set = process_set
@@ -121,15 +124,25 @@ class OneBitAllreduce:
         self.total_wire_bytes = 0
         self.last_seconds = 0.0  # wall time of the last call, start to output
         self.calls = 0
+        self._pending_check = None
         if self.transport is not None:
-            self._check_same_layout_everywhere()
+            self._pending_check = self.transport.allgather_ints_async(
+                self._layout_signature(), name=f"{self.name}.check")
+            if not defer_check:
+                self._finish_layout_check()
 
     # ---- validation -----------------------------------------------------------------------------
 
-    def _check_same_layout_everywhere(self) -> None:
+    def _layout_signature(self) -> list[int]:
         device_code = {"cpu": 0, "cuda": 1}.get(self.device.type, 2)
-        mine = [self.layout.numel, self.block_size or 0, device_code]
-        everyone = self.transport.allgather_ints(mine, name=f"{self.name}.check")
+        return [self.layout.numel, self.block_size or 0, device_code]
+
+    def _finish_layout_check(self) -> None:
+        if self._pending_check is None:
+            return
+        handle, self._pending_check = self._pending_check, None
+        everyone = self.transport.allgather_ints_wait(handle)
+        mine = self._layout_signature()
         if any(other != mine for other in everyone):
             detail = ", ".join(f"rank {r}: numel={o[0]} block_size={o[1] or None} "
                                f"device={['cpu', 'cuda', 'other'][o[2]]}"
@@ -187,6 +200,7 @@ class OneBitAllreduce:
         call has succeeded on every rank, fused into the decode pass where the native kernel
         can; a failed call applies nothing.
         """
+        self._finish_layout_check()
         self._check_input(tensor, out)
         src = tensor if isinstance(tensor, kernels.MomentumInput) else None
         like = src.momentum if src is not None else tensor

@@ -79,6 +79,7 @@ class _OneBitMixin:
         self.check_every = check_every
         self.param_groups[0].setdefault(STEP_KEY, 0)
         self._buckets: Optional[list[Bucket]] = None
+        self._variance_scanned_for: Optional[list[Bucket]] = None
         self._bucket_params: list[torch.Tensor] = []
         self._comms: dict[tuple, OneBitAllreduce] = {}
         self._denoms: dict[torch.Tensor, tuple] = {}
@@ -299,6 +300,9 @@ class _OneBitMixin:
             return
         start = time.perf_counter()
         self._refresh_hooks()
+        if (self._completed_steps + 1 == self.freeze_step and self._world > 1
+                and not self._fused_up_to_date()):
+            self._fuse()  # while the last full-precision allreduce is on the wire
         # Sleep until the allreduces the backward hooks started are done, so that Horovod's own
         # wait (a sched_yield spin) finds them finished instead of taking CPU from other ranks.
         for handle, _ in list(self._handles.values()):
@@ -436,28 +440,32 @@ class _OneBitMixin:
         return [p for group in self.param_groups for p in group["params"] if p.requires_grad]
 
     def _ensure_fused(self) -> None:
-        """(Re)build the fused momentum buckets when the trainable set or exp_avg tensors changed."""
+        """Compression phase: fused buckets for the current trainable set, and the frozen
+        variance scanned once per set of buckets."""
+        if not self._fused_up_to_date():
+            self._fuse()
+        if self._variance_scanned_for is not self._buckets:
+            self._scan_frozen_variance()
+            self._variance_scanned_for = self._buckets
+
+    def _fused_up_to_date(self) -> bool:
         active = self._active_params()
-        if self._buckets is not None and all(
-                self._comm_key(b) in self._comms for b in self._buckets
-                if self.compressor == "onebit") and len(active) == len(self._bucket_params) and all(
-                a is b for a, b in zip(active, self._bucket_params)) and all(
-                self.state[p]["exp_avg"].data_ptr() == bk.momentum_view(i).data_ptr()
-                for bk in self._buckets for i, p in enumerate(bk.params)):
-            return
+        return self._buckets is not None and all(
+            self._comm_key(b) in self._comms for b in self._buckets
+            if self.compressor == "onebit") and len(active) == len(self._bucket_params) and all(
+            a is b for a, b in zip(active, self._bucket_params)) and all(
+            self.state[p]["exp_avg"].data_ptr() == bk.momentum_view(i).data_ptr()
+            for bk in self._buckets for i, p in enumerate(bk.params))
+
+    def _fuse(self) -> None:
+        """(Re)build the fused momentum buckets (exp_avg becomes views into them) and their
+        OneBitAllreduce objects. Done during the last warmup step's allreduce wait when it can
+        be, so the first compressed step does not pay for allocating and touching the buffers."""
+        active = self._active_params()
         devices = {p.device for p in active}
         if len(devices) > 1:
             raise ValueError("hvd_onebit.DistributedOptimizer needs all parameters on one device, "
                              f"found {sorted(str(d) for d in devices)}")
-        self._zero_variance_index = {}
-        self._denoms.clear()  # they mark the held elements
-        for p in active:
-            # Indices, not a dense 0/1 mask: zeroing them costs per held element, not a pass
-            # over the whole parameter every step.
-            unseen = torch.nonzero(self.state[p]["exp_avg_sq"].reshape(-1) == 0).flatten()
-            self._freeze_variance(p, unseen=unseen.numel())
-            if unseen.numel():
-                self._zero_variance_index[p] = unseen
         bucket_numel = max(1, int(self.bucket_size_mb * 2**20 / 4))
         self._buckets = fuse(active, [self.state[p]["exp_avg"] for p in active], bucket_numel)
         self._bucket_params = active
@@ -473,8 +481,21 @@ class _OneBitMixin:
                 self._comms[key] = OneBitAllreduce(
                     b.numel, self.process_set, block_size=self.block_size,
                     transport=self.transport, backend=self.kernel_backend,
-                    device=b.momentum.device, name=f"hvd_onebit.bucket{b.index}")
+                    device=b.momentum.device, name=f"hvd_onebit.bucket{b.index}",
+                    defer_check=True)
         self._apply_pending_error_feedback()
+
+    def _scan_frozen_variance(self) -> None:
+        """Record the freeze and find the elements whose frozen variance is 0 (held fixed)."""
+        self._zero_variance_index = {}
+        self._denoms.clear()  # they mark the held elements
+        for p in self._bucket_params:
+            # Indices, not a dense 0/1 mask: zeroing them costs per held element, not a pass
+            # over the whole parameter every step.
+            unseen = torch.nonzero(self.state[p]["exp_avg_sq"].reshape(-1) == 0).flatten()
+            self._freeze_variance(p, unseen=unseen.numel())
+            if unseen.numel():
+                self._zero_variance_index[p] = unseen
 
     def _comm_key(self, b: Bucket) -> tuple:
         return (b.index, b.numel, str(b.momentum.dtype).replace("torch.", ""), self._world)

@@ -46,8 +46,15 @@ class HorovodTransport:
 
     def allgather_ints(self, values: list[int], name: str) -> list[list[int]]:
         """Every rank's ``values`` (same length on all ranks), in rank order."""
+        return self.allgather_ints_wait(self.allgather_ints_async(values, name))
+
+    def allgather_ints_async(self, values: list[int], name: str) -> Any:
         row = torch.tensor([values], dtype=torch.int64)
-        return hvd.allgather(row, name=name, process_set=self.process_set).tolist()
+        return hvd.allgather_async(row, name=name, process_set=self.process_set)
+
+    def allgather_ints_wait(self, handle: Any) -> list[list[int]]:
+        sleep_until_done(handle)
+        return hvd.synchronize(handle).tolist()
 
 
 # Waiting for a Horovod handle. hvd.synchronize() spins on sched_yield() until the background
@@ -126,6 +133,12 @@ class MPITransport:
 
     def allgather_ints(self, values: list[int], name: str) -> list[list[int]]:
         return [list(v) for v in self.comm.allgather(list(values))]
+
+    def allgather_ints_async(self, values: list[int], name: str) -> list[list[int]]:
+        return self.allgather_ints(values, name)  # small and rare: done at once
+
+    def allgather_ints_wait(self, handle: list[list[int]]) -> list[list[int]]:
+        return handle
 
 
 def make_transport(kind: str, process_set: hvd.ProcessSet):

@@ -115,6 +115,16 @@ def mismatched_numel():
     return None
 
 
+def mismatched_numel_deferred():
+    """The same with the check deferred: construction returns, the first call raises."""
+    comm = OneBitAllreduce(100 + hvd.rank(), name="mismatch.deferred", defer_check=True)
+    try:
+        comm.allreduce(torch.zeros(100 + hvd.rank()))
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
 def transports_agree(numel=100003):
     """The mpi4py transport gives the same bits as the Horovod one."""
     x = torch.from_numpy(rank_input(5, hvd.rank(), numel))
@@ -144,4 +154,5 @@ def suite(sizes, calls=3):
         "nonfinite": nonfinite_then_recover(),
         "async": async_and_dtypes(),
         "mismatch": mismatched_numel(),
+        "mismatch_deferred": mismatched_numel_deferred(),
     }
