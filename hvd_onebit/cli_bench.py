@@ -237,7 +237,7 @@ MALLOC_REUSE_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(2**40
 @click.option("--steps", default=40, show_default=True, help="Optimizer steps per method.")
 @click.option("--warmup-frac", default=0.15, show_default=True,
               help="1-bit Adam's warmup: freeze_step = warmup_frac * steps.")
-@click.option("--model", default="mlp", show_default=True, type=click.Choice(TRAIN_MODELS),
+@click.option("--model", default="embedding", show_default=True, type=click.Choice(TRAIN_MODELS),
               help="mlp: a wide MLP (width x depth). embedding: an embedding-bag table "
                    "(vocab x embed-dim, dense gradient) with an MLP head of --width.")
 @click.option("--width", default=2048, show_default=True, help="MLP hidden width.")

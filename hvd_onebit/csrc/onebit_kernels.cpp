@@ -344,33 +344,6 @@ void decode_scalar(const uint8_t* rows, float* out, int64_t numel, const Layout&
   }
 }
 
-#if defined(HVD_ONEBIT_X86)
-__attribute__((target("avx2,fma"))) void decode_avx2(const uint8_t* rows, float* out,
-                                                     int64_t numel, const Layout& L) {
-  const int64_t nb = L.nblocks();
-  const __m256i sel = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
-  for (int64_t j = 0; j < L.n; ++j) {
-    const uint8_t* row = rows + j * L.row_bytes;
-    const float* scales = reinterpret_cast<const float*>(row) + 1;
-    const uint8_t* bits = row + L.header_bytes();
-    for (int64_t b = 0; b < nb; ++b) {
-      const int64_t base = j * L.chunk + b * L.block;
-      int64_t stop = base + L.block;
-      if (stop > numel) stop = numel;
-      const __m256 pos_s = _mm256_set1_ps(scales[b]), neg_s = _mm256_set1_ps(-scales[b]);
-      const uint8_t* bp = bits + b * L.block / 8;
-      int64_t p = base;
-      for (; p + 8 <= stop; p += 8) {
-        const __m256i v = _mm256_and_si256(_mm256_set1_epi32(*bp++), sel);
-        const __m256 m = _mm256_castsi256_ps(_mm256_cmpeq_epi32(v, sel));
-        _mm256_storeu_ps(out + p, _mm256_blendv_ps(neg_s, pos_s, m));
-      }
-      if (p < stop) decode8_scalar(*bp, scales[b], out + p, static_cast<int>(stop - p));
-    }
-  }
-}
-#endif
-
 // ---- decode fused with Adam's update ------------------------------------------------------------
 // The optimizer's use of the averaged momentum d, fused into the decode pass so d is read once:
 // m[p] = d, and for parameters that take the update here (the others are left to the caller),
@@ -613,7 +586,10 @@ void decode(const torch::Tensor& rows, torch::Tensor out, int64_t n, int64_t chu
   pybind11::gil_scoped_release no_gil;
 #if defined(HVD_ONEBIT_X86)
   if (allow_simd && cpu_has_avx2()) {
-    decode_avx2(rows.data_ptr<uint8_t>(), out.data_ptr<float>(), out.numel(), L);
+    // decode alone is decode_update over one segment that takes no update
+    const UpdateSegment none{nullptr, nullptr, 0, out.numel(), 0.0f, 1.0f, false};
+    decode_update_avx2(rows.data_ptr<uint8_t>(), out.data_ptr<float>(), out.numel(), L,
+                       SegmentCursor{&none, 1});
     return;
   }
 #endif
