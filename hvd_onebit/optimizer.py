@@ -12,7 +12,9 @@ Two phases, decided by the number of optimizer steps taken so far (never by anyt
   parameters, fused into a few flat buckets, go through :class:`~hvd_onebit.OneBitAllreduce`; then
   ``p -= lr * (m / bc1) / (sqrt(v / bc2) + eps)`` with ``bc1 = 1 - beta1^t`` advancing and ``bc2``
   frozen with ``v``, plus AdamW's decoupled decay. These are torch.optim.Adam's formulas, so the
-  phase change is continuous.
+  phase change is continuous. On CPU the step is two passes over the momentum: the local momentum
+  is computed inside the compression kernel (:class:`~hvd_onebit.kernels.MomentumInput`), and the
+  decode of the average applies the update (:class:`~hvd_onebit.kernels.AdamUpdate`).
 
 The choice of ``freeze_step`` is the main knob: 15-25% of the total steps is the published guidance.
 Too short a warmup freezes a variance that has not settled and training can diverge; a longer one

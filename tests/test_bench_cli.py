@@ -79,8 +79,8 @@ def test_bench_train_loopback_reports_phases_and_speedups(tmp_path, model):
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="the emulator needs root")
 def test_bench_train_on_the_emulator_counts_the_wire_bytes():
-    proc = bench("train", "--np", "2", "--bandwidth", "1gbit", "--steps", "6", "--width", "64",
-                 "--depth", "1", "--methods", "horovod_fp32,onebit", "--wait", "spin",
+    proc = bench("train", "--np", "2", "--bandwidth", "1gbit", "--steps", "6", "--model", "mlp",
+                 "--width", "64", "--depth", "1", "--methods", "horovod_fp32,onebit", "--wait", "spin",
                  "--malloc", "system")
     out = proc.stdout
     assert "Horovod waits: spin, malloc: system" in out
