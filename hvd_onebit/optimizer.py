@@ -781,6 +781,11 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     if isinstance(check_every, bool) or not isinstance(check_every, int) or check_every < 0:
         raise ValueError(f"check_every must be a non-negative int, got {check_every!r}")
     _validate_masks(optimizer)
+    bf16 = [p for g in optimizer.param_groups for p in g["params"] if p.dtype == torch.bfloat16]
+    if bf16:
+        raise TypeError(f"{len(bf16)} parameter(s) are bfloat16: Horovod's allreduce, which carries "
+                        "the warmup, does not take bfloat16. Keep float32 parameters (train in "
+                        "bfloat16 with torch.autocast) or use float16")
     devices = {p.device for g in optimizer.param_groups for p in g["params"]}
     if len(devices) > 1:
         raise ValueError("hvd_onebit.DistributedOptimizer needs all parameters on one device, "

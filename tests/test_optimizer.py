@@ -48,6 +48,17 @@ def test_parameters_stay_identical_across_ranks_every_step(world):
         assert results[0][key]["finite"]
 
 
+def test_float16_parameters_and_groups_with_different_betas(world):
+    n, results = world
+    assert same_on_all_ranks(results, "other_paths", "fp16_hash")
+    assert same_on_all_ranks(results, "other_paths", "betas_hashes")
+    r = results[0]["other_paths"]
+    assert r["fp16_finite_and_moved"] and r["fp16_phase"] == "compression"
+    assert r["betas_finite"]
+    if n > 1:
+        assert r["betas_buckets"] == 1  # both groups share one bucket
+
+
 def test_phase_telemetry_and_bytes(world):
     n, results = world
     c = results[0]["consistency"]
@@ -114,6 +125,7 @@ def test_bad_arguments_are_clear_errors(world):
         assert "freeze_step must be a positive int" in bad["freeze_float"]
         assert "op=hvd.Average or hvd.Sum" in bad["adasum"]
         assert "does not broadcast" in bad["mask_shape"]
+        assert bad["bfloat16"].startswith("TypeError: 6 parameter(s) are bfloat16")
 
 
 def test_single_rank_is_plain_adam(world):

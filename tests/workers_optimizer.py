@@ -248,6 +248,8 @@ def bad_arguments():
             torch.optim.Adam(model.parameters()), freeze_step=2.5),
         "adasum": lambda: hvd_onebit.DistributedOptimizer(torch.optim.Adam(model.parameters()),
                                                           freeze_step=2, op=hvd.Adasum),
+        "bfloat16": lambda: hvd_onebit.DistributedOptimizer(
+            torch.optim.Adam(make_model().to(torch.bfloat16).parameters()), freeze_step=2),
         "mask_shape": lambda: hvd_onebit.DistributedOptimizer(torch.optim.Adam(
             [{"params": [model[0].weight], "exp_avg_mask": torch.ones(3, 3)}]), freeze_step=2),
     }
@@ -293,6 +295,45 @@ def convergence(steps=300, freeze_step=60, lr=3e-3, noise=0.1):
     return losses
 
 
+def half_precision_and_mixed_betas(steps=10, freeze_step=3):
+    """Paths beside the fused fp32 one: float16 parameters (a float16 bucket, the torch
+    materialisation of the momentum and the torch update), and param groups with different
+    beta1 sharing a bucket (the momentum built per member into the work buffer)."""
+    out = {}
+    fp16 = make_model().to(torch.float16)
+    start = [p.detach().clone() for p in fp16.parameters()]
+    # eps=1e-4: the default 1e-8 is 0 in float16, and plain Adam then divides by a zero v
+    opt = hvd_onebit.DistributedOptimizer(torch.optim.Adam(fp16.parameters(), lr=1e-2, eps=1e-4),
+                                          named_parameters=fp16.named_parameters(),
+                                          freeze_step=freeze_step)
+    loss_fn = nn.MSELoss()
+    for step in range(steps):
+        x, y = batch(step, hvd.rank())
+        opt.zero_grad()
+        loss_fn(fp16(x.to(torch.float16)), y.to(torch.float16)).backward()
+        opt.step()
+    out["fp16_hash"] = hashlib.sha256(b"".join(
+        p.detach().view(torch.int16).numpy().tobytes() for p in fp16.parameters())).hexdigest()
+    out["fp16_finite_and_moved"] = all(
+        bool(torch.isfinite(p.float()).all()) and not torch.equal(p.detach(), s0)
+        for p, s0 in zip(fp16.parameters(), start))
+    out["fp16_phase"] = opt.phase
+
+    model = make_model()
+    layers = list(model.parameters())
+    groups = [{"params": layers[:2], "betas": (0.9, 0.999)},
+              {"params": layers[2:], "betas": (0.8, 0.999)}]
+    opt = hvd_onebit.DistributedOptimizer(torch.optim.Adam(groups, lr=1e-2),
+                                          named_parameters=model.named_parameters(),
+                                          freeze_step=freeze_step)
+    hashes = []
+    train(model, opt, steps, hashes=hashes)
+    out["betas_hashes"] = hashes
+    out["betas_buckets"] = len(opt._buckets or [])
+    out["betas_finite"] = all(bool(torch.isfinite(p).all()) for p in model.parameters())
+    return out
+
+
 def suite():
     n = hvd.size()
     out = {
@@ -306,6 +347,7 @@ def suite():
         "groups": groups_masks_and_schedules(),
         "helpers": broadcasts_and_helpers(),
         "bad": bad_arguments(),
+        "other_paths": half_precision_and_mixed_betas(),
     }
     if n == 1:
         out["single"] = single_rank_is_plain_adam()
