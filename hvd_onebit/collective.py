@@ -314,13 +314,8 @@ class OneBitAllreduce:
         got = {k: state.get(k) for k in expect}
         if got != expect:
             raise ValueError(f"error-feedback state was saved for {got}, this object is {expect}")
-        # Factored form of a given e: y = e with zero scales and all sign bits set, so that
-        # y - (+0) reproduces e exactly, signed zeros included.
+        # Factored form of a given e: y = e with rows that decode to +0, so y - (+0) = e.
         self._worker_y.copy_(state["worker_error"])
-        L = self.layout
-        rows = self._sent.view(L.n, L.row_bytes)
-        rows.zero_()
-        rows[:, L.header_bytes:L.header_bytes + L.bits_bytes] = 0xFF
+        kernels.set_identity_rows(self._sent, self.layout, self.layout.n)
         self._server_z.copy_(state["server_error"])
-        self._server_sent.zero_()
-        self._server_sent[L.header_bytes:L.header_bytes + L.bits_bytes] = 0xFF
+        kernels.set_identity_rows(self._server_sent, self.layout, 1)

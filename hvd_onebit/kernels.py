@@ -110,6 +110,24 @@ def _decoded(rows: torch.Tensor, layout: Layout, count: int) -> torch.Tensor:
     return torch.where(positive, scales, -scales)
 
 
+def _rms_scales(y: torch.Tensor, block: int) -> tuple[bool, torch.Tensor]:
+    """y: fp32 [rows, nblocks, block] -> (all finite, scales fp32 [rows, nblocks]): the block
+    rms, with the sum of squares in double as the native kernels accumulate it."""
+    sumsq = y.double().square().sum(-1)
+    return bool(torch.isfinite(sumsq).all()), torch.sqrt(sumsq / block).float()
+
+
+def set_identity_rows(buf: torch.Tensor, layout: Layout, count: int) -> None:
+    """Make ``count`` rows of ``buf`` decode to +0 everywhere (zero scales, every sign bit set).
+
+    A factored error (y, rows) with such rows is e = y - (+0) = y exactly, signed zeros
+    included: how a given error is loaded into the factored form.
+    """
+    rows = _rows(buf, layout, count)
+    rows.zero_()
+    rows[:, layout.header_bytes:layout.header_bytes + layout.bits_bytes] = 0xFF
+
+
 # ---- the three kernels -------------------------------------------------------------------------------
 
 def worker_compress(x: torch.Tensor, y_prev: torch.Tensor, prev_send: torch.Tensor,
@@ -130,14 +148,12 @@ def worker_compress(x: torch.Tensor, y_prev: torch.Tensor, prev_send: torch.Tens
     if resolve_backend(backend, x.device) == "native":
         return _native.worker_compress(x, y_prev, prev_send, y_out, send, *layout.as_args(), True)
     n, nb, block = layout.n, layout.nblocks, layout.block
-    e = y_prev - _decoded(prev_send, layout, n).view(-1)
+    e = worker_error(y_prev, prev_send, layout)
     y_out.zero_()
     y_out[: layout.numel].copy_(x)
     y_out.add_(e)  # x + e on real elements, 0 + e on the padding: the native kernel's order
     y = y_out.view(n, nb, block)
-    sumsq = y.double().square().sum(-1)
-    finite = bool(torch.isfinite(sumsq).all())
-    scales = torch.sqrt(sumsq / block).float()
+    finite, scales = _rms_scales(y, block)
     _write_rows(send, layout, n, 0.0 if finite else 1.0, scales, pack_signs((y >= 0).view(n, -1)))
     return finite
 
@@ -162,9 +178,6 @@ class MomentumInput:
     grads: list[Optional[torch.Tensor]]
     sizes: list[int]
     beta1: float
-
-    def numel(self) -> int:
-        return self.momentum.numel()
 
     def native_ready(self) -> bool:
         """Whether the native kernel can read every tensor in place (fp32, contiguous, CPU)."""
@@ -284,13 +297,11 @@ def server_compress(recv: torch.Tensor, z_prev: torch.Tensor, prev_row: torch.Te
     acc = torch.zeros(nb, block, dtype=torch.float32, device=recv.device)
     for i in range(n):  # rank order, fp32: the order the native kernel uses
         acc = acc + decoded[i]
-    e = z_prev.view(nb, block) - _decoded(prev_row, layout, 1)[0]
-    z = z_out.view(nb, block)
-    torch.add(acc / n, e, out=z)
-    sumsq = z.double().square().sum(-1)
-    finite = bool(torch.isfinite(sumsq).all())
-    scales = torch.sqrt(sumsq / block).float()
-    _write_rows(out_row, layout, 1, 0.0 if finite else 1.0, scales.unsqueeze(0),
+    e = server_error(z_prev, prev_row, layout).view(nb, block)
+    z = z_out.view(1, nb, block)
+    torch.add(acc / n, e, out=z[0])
+    finite, scales = _rms_scales(z, block)
+    _write_rows(out_row, layout, 1, 0.0 if finite else 1.0, scales,
                 pack_signs((z >= 0).view(1, -1)))
     return finite
 

@@ -564,7 +564,7 @@ class _OneBitMixin:
     def _compression_step(self) -> bool:
         """Returns False when the step was skipped because some rank had non-finite values."""
         self._ensure_fused()
-        owner = {p: (b, i) for b in self._buckets for i, p in enumerate(b.params)}
+        owner = {p for b in self._buckets for p in b.params}
         # 1. Each bucket's local momentum beta1 * m + (1 - beta1) * g, described, not computed:
         # the 1-bit kernel computes it inside its compression pass. exp_avg itself is untouched
         # until every rank has succeeded.
@@ -627,11 +627,10 @@ class _OneBitMixin:
         for p, held in self._zero_variance_index.items():
             self.state[p]["exp_avg"].view(-1).index_fill_(0, held, 0.0)
         for group, p, mask in masked:
-            self.state[p]["exp_avg"].mul_(mask)  # in place: exp_avg is the bucket's view
+            m = self.state[p]["exp_avg"]
+            m.mul_(mask)  # in place: exp_avg is the bucket's view
             w, denom, step, decay = self._update_terms(p, group)
-            if decay != 1.0:
-                w.mul_(decay)
-            w.addcdiv_(self.state[p]["exp_avg"], denom, value=step)
+            AdamUpdate([w], [denom], [p.numel()], [step], [decay]).apply(m)
         for p in owner:
             self.state[p]["step"] += 1
         return True
@@ -643,7 +642,7 @@ class _OneBitMixin:
         decay = 1 - lr * wd if wd != 0 and self._decoupled(group) else 1.0
         return p.detach(), self._denominator(p, group), -lr / bc1, decay
 
-    def _plan_updates(self, owner: dict) -> tuple[list[AdamUpdate], list[tuple]]:
+    def _plan_updates(self, owner: set) -> tuple[list[AdamUpdate], list[tuple]]:
         """Adam's update with the frozen variance, one :class:`AdamUpdate` per bucket, for the
         allreduce to apply in its decode pass once every rank has succeeded. Parameters with an
         ``exp_avg_mask`` are returned apart, as (group, param, mask): their momentum must be

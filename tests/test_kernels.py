@@ -44,8 +44,8 @@ def _worker(impl, L, x, y_prev, prev_send):
 def _run(impl, L, x, y_prev, prev_send, es):
     ok, y_out, send = _worker(impl, L, x, y_prev, prev_send)
     # the server error es in factored form: z = es, a previous row with zero scales, all signs +
-    prev_row = torch.zeros(L.row_bytes, dtype=torch.uint8)
-    prev_row[L.header_bytes:L.header_bytes + L.bits_bytes] = 0xFF
+    prev_row = torch.empty(L.row_bytes, dtype=torch.uint8)
+    kernels.set_identity_rows(prev_row, L, 1)
     z_out = torch.full((L.chunk,), 123.0)
     row = torch.full((L.row_bytes,), 0xCD, dtype=torch.uint8)
     out = torch.empty(L.numel)

@@ -88,6 +88,20 @@ struct PlainX {
 #endif
 };
 
+// Segments (parameters laid end to end, each with a [start, end) range in the flat buffer),
+// looked up by position with a cursor: reads move forward, so a lookup is O(1) amortised.
+template <class Segment>
+struct SegmentCursor {
+  const Segment* segs;
+  int64_t nsegs;
+  int64_t cur = 0;
+  const Segment& at(int64_t p) {
+    while (cur + 1 < nsegs && segs[cur].end <= p) ++cur;
+    while (cur > 0 && segs[cur].start > p) --cur;  // a caller that steps back
+    return segs[cur];
+  }
+};
+
 struct GradSegment {
   const float* g;  // nullptr: no gradient, reads as zero
   int64_t start, end;  // [start, end) in the flat buffer
@@ -95,16 +109,10 @@ struct GradSegment {
 
 struct MomentumX {
   const float* m;
-  const GradSegment* segs;
-  int64_t nsegs;
+  SegmentCursor<GradSegment> segs;
   float beta1, one_minus_beta1;
-  int64_t cur = 0;
 
-  const GradSegment& seg_for(int64_t p) {
-    while (cur + 1 < nsegs && segs[cur].end <= p) ++cur;
-    while (cur > 0 && segs[cur].start > p) --cur;  // only if a caller ever steps back
-    return segs[cur];
-  }
+  const GradSegment& seg_for(int64_t p) { return segs.at(p); }
   float at(int64_t p) {
     const GradSegment& s = seg_for(p);
     const float g = s.g ? s.g[p - s.start] : 0.0f;
@@ -365,19 +373,8 @@ inline void update1(const UpdateSegment& s, int64_t p, float d) {
   s.w[p - s.start] = w + (s.step * d) / s.denom[p - s.start];
 }
 
-struct SegmentCursor {
-  const UpdateSegment* segs;
-  int64_t nsegs;
-  int64_t cur = 0;
-  const UpdateSegment& at(int64_t p) {
-    while (cur + 1 < nsegs && segs[cur].end <= p) ++cur;
-    while (cur > 0 && segs[cur].start > p) --cur;
-    return segs[cur];
-  }
-};
-
 void decode_update_scalar(const uint8_t* rows, float* m, int64_t numel, const Layout& L,
-                          SegmentCursor segs) {
+                          SegmentCursor<UpdateSegment> segs) {
   decode_scalar(rows, m, numel, L);
   for (int64_t p = 0; p < numel; ++p) {
     const UpdateSegment& s = segs.at(p);
@@ -388,7 +385,7 @@ void decode_update_scalar(const uint8_t* rows, float* m, int64_t numel, const La
 #if defined(HVD_ONEBIT_X86)
 __attribute__((target("avx2,fma"))) void decode_update_avx2(const uint8_t* rows, float* m,
                                                             int64_t numel, const Layout& L,
-                                                            SegmentCursor segs) {
+                                                            SegmentCursor<UpdateSegment> segs) {
   const int64_t nb = L.nblocks();
   const __m256i sel = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
   for (int64_t j = 0; j < L.n; ++j) {
@@ -501,9 +498,9 @@ bool worker_compress_momentum(const torch::Tensor& m, const std::vector<c10::opt
   TORCH_CHECK(start == m.numel(), "gradients hold ", start, " elements, momentum ", m.numel());
   if (segs.empty()) segs.push_back(GradSegment{nullptr, 0, 0});
   // Both coefficients rounded to fp32 from double, as torch rounds a Python scalar.
-  MomentumX x{m.numel() ? m.data_ptr<float>() : nullptr, segs.data(),
-              static_cast<int64_t>(segs.size()), static_cast<float>(beta1),
-              static_cast<float>(1.0 - beta1)};
+  MomentumX x{m.numel() ? m.data_ptr<float>() : nullptr,
+              SegmentCursor<GradSegment>{segs.data(), static_cast<int64_t>(segs.size())},
+              static_cast<float>(beta1), static_cast<float>(1.0 - beta1)};
   return run_worker_compress(x, m.numel(), y_prev, prev_send, y_out, send, n, chunk, block,
                              row_bytes, allow_simd);
 }
@@ -589,7 +586,7 @@ void decode(const torch::Tensor& rows, torch::Tensor out, int64_t n, int64_t chu
     // decode alone is decode_update over one segment that takes no update
     const UpdateSegment none{nullptr, nullptr, 0, out.numel(), 0.0f, 1.0f, false};
     decode_update_avx2(rows.data_ptr<uint8_t>(), out.data_ptr<float>(), out.numel(), L,
-                       SegmentCursor{&none, 1});
+                       SegmentCursor<UpdateSegment>{&none, 1});
     return;
   }
 #endif
@@ -628,7 +625,7 @@ void decode_update(const torch::Tensor& rows, torch::Tensor m,
   }
   TORCH_CHECK(start == m.numel(), "weights hold ", start, " elements, momentum ", m.numel());
   if (m.numel() == 0) return;
-  SegmentCursor cursor{segs.data(), static_cast<int64_t>(segs.size())};
+  SegmentCursor<UpdateSegment> cursor{segs.data(), static_cast<int64_t>(segs.size())};
   pybind11::gil_scoped_release no_gil;
 #if defined(HVD_ONEBIT_X86)
   if (allow_simd && cpu_has_avx2()) {
