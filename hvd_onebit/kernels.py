@@ -20,6 +20,7 @@ then one pass over the data instead of two.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -220,7 +221,9 @@ class AdamUpdate:
     For every parameter given (None entries are left to the caller):
     ``w = w * decay`` when ``decay != 1`` (AdamW's decoupled decay), then
     ``w = w + (step * m) / denom`` (``step = -lr / bias_correction1``), in the operation order
-    of torch's ``w.mul_(decay)`` and ``w.addcdiv_(m, denom, value=step)``.
+    of torch's ``w.mul_(decay)`` and ``w.addcdiv_(m, denom, value=step)``. An element whose
+    denominator is ``+inf`` is held fixed: the update adds +-0 and its momentum is set to +0
+    afterwards (how the optimizer keeps elements whose frozen variance is 0 out of training).
 
     Attributes:
         weights: each parameter's data, laid end to end in ``m``'s order (None = not here).
@@ -249,7 +252,9 @@ class AdamUpdate:
             if w is not None:
                 if decay != 1.0:
                     w.mul_(decay)
-                w.addcdiv_(flat[start:start + size].view_as(w), d, value=step)
+                m_here = flat[start:start + size].view_as(w)
+                w.addcdiv_(m_here, d, value=step)
+                m_here.masked_fill_(d == math.inf, 0.0)
             start += size
 
 

@@ -85,8 +85,6 @@ class _OneBitMixin:
         self._bucket_params: list[torch.Tensor] = []
         self._comms: dict[tuple, OneBitAllreduce] = {}
         self._denoms: dict[torch.Tensor, tuple] = {}
-        # parameter -> flat indices of its elements with frozen variance 0 (held fixed)
-        self._zero_variance_index: dict[torch.Tensor, torch.Tensor] = {}
         # Telemetry, readable by training scripts and the CLI.
         self.last_step_bytes = 0  # bytes this rank sent in the last step (warmup: ring estimate)
         self.total_bytes = 0
@@ -488,16 +486,11 @@ class _OneBitMixin:
         self._apply_pending_error_feedback()
 
     def _scan_frozen_variance(self) -> None:
-        """Record the freeze and find the elements whose frozen variance is 0 (held fixed)."""
-        self._zero_variance_index = {}
-        self._denoms.clear()  # they mark the held elements
+        """Record the freeze and count the elements whose frozen variance is 0 (held fixed)."""
         for p in self._bucket_params:
-            # Indices, not a dense 0/1 mask: zeroing them costs per held element, not a pass
-            # over the whole parameter every step.
-            unseen = torch.nonzero(self.state[p]["exp_avg_sq"].reshape(-1) == 0).flatten()
-            self._freeze_variance(p, unseen=unseen.numel())
-            if unseen.numel():
-                self._zero_variance_index[p] = unseen
+            if "frozen_variance_step" not in self.state[p]:
+                unseen = int(torch.count_nonzero(self.state[p]["exp_avg_sq"] == 0))
+                self._freeze_variance(p, unseen=unseen)
 
     def _comm_key(self, b: Bucket) -> tuple:
         return (b.index, b.numel, str(b.momentum.dtype).replace("torch.", ""), self._world)
@@ -508,8 +501,9 @@ class _OneBitMixin:
         Elements whose frozen variance is exactly zero never saw a gradient in the warmup (a
         dead ReLU unit, an unused embedding row). Adam would divide their momentum by eps, and
         in the compression phase every element receives about its block's scale, so they would
-        jump by lr * scale / eps. They are held fixed instead (their averaged momentum is masked
-        to zero, see ``_zero_variance_index``), with a warning.
+        jump by lr * scale / eps. They are held fixed instead, with a warning: their denominator
+        is +inf (see :meth:`_denominator`), so the update leaves them alone and sets their
+        momentum to 0.
         """
         state = self.state[p]
         if "frozen_variance_step" in state:
@@ -532,10 +526,11 @@ class _OneBitMixin:
             return cached[1]
         steps = state["frozen_variance_step"]
         bc2 = 1 - beta2 ** steps if steps > 0 else 1.0
-        denom = (state["exp_avg_sq"].sqrt() / math.sqrt(bc2)).add_(eps)
-        held = self._zero_variance_index.get(p)
-        if held is not None:  # step * m / inf = 0: held elements get no update
-            denom.view(-1).index_fill_(0, held, math.inf)
+        v = state["exp_avg_sq"]
+        denom = (v.sqrt() / math.sqrt(bc2)).add_(eps)
+        # Frozen variance 0: held fixed. An infinite denominator tells the update (fused into
+        # the decode pass) to add +-0 and zero the momentum, at no cost per held element.
+        denom.masked_fill_(v == 0, math.inf)
         self._denoms[p] = (key, denom)
         return denom
 
@@ -622,10 +617,8 @@ class _OneBitMixin:
             warnings.warn(f"hvd_onebit: step skipped on every rank: {exc}")
             return False
         self._account(nbytes, time.perf_counter() - start)
-        # 3. Held elements keep a zero momentum (their denominator is inf, so the update above
-        # left them alone); parameters with an exp_avg_mask: mask, then the same update.
-        for p, held in self._zero_variance_index.items():
-            self.state[p]["exp_avg"].view(-1).index_fill_(0, held, 0.0)
+        # 3. Parameters with an exp_avg_mask: mask, then the same update. (Held elements, whose
+        # denominator is inf, got no update and a zero momentum from the update itself.)
         for group, p, mask in masked:
             m = self.state[p]["exp_avg"]
             m.mul_(mask)  # in place: exp_avg is the bucket's view

@@ -1,4 +1,6 @@
 """Single-process tests of the layout and the sign-compression kernels (no Horovod job)."""
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -190,7 +192,8 @@ def test_momentum_input_rejects_mismatched_gradients():
 def test_decode_fused_with_adam_update_equals_torch(sizes, n):
     """Decode + ``w = w*decay + (step*m)/denom`` in one pass (AVX2 and scalar) gives the bits of
     torch's decode, ``w.mul_(decay)`` and ``w.addcdiv_(m, denom, value=step)``; parameters given
-    as None are only decoded."""
+    as None are only decoded. Elements with an infinite denominator (held fixed) keep their weight
+    (times decay) and get a zero momentum, in vector groups and in the scalar tails alike."""
     numel = sum(sizes)
     L = Layout.build(numel, n, None)
     g = torch.Generator().manual_seed(numel)
@@ -199,6 +202,10 @@ def test_decode_fused_with_adam_update_equals_torch(sizes, n):
     weights = [None if i % 3 == 1 else torch.randn(s, generator=g) for i, s in enumerate(sizes)]
     denoms = [None if w is None else torch.rand(s, generator=g) + 0.01
               for w, s in zip(weights, sizes)]
+    held = [None if d is None else torch.rand(d.shape, generator=g) < 0.3 for d in denoms]
+    for d, h in zip(denoms, held):
+        if d is not None:
+            d[h] = math.inf
     steps = [-1e-3 / 0.9 * (i + 1) for i in range(len(sizes))]
     decays = [1 - 1e-5 if i % 2 else 1.0 for i in range(len(sizes))]
     results = []
@@ -215,3 +222,11 @@ def test_decode_fused_with_adam_update_equals_torch(sizes, n):
     assert results[1] == results[0] and results[2] == results[0]
     before = [None if t is None else t.numpy().tobytes() for t in weights]
     assert all(a != b for a, b in zip(results[0][1], before) if a is not None)
+    m = torch.frombuffer(bytearray(results[1][0]), dtype=torch.float32)
+    start = 0
+    for i, (h, w0, decay) in enumerate(zip(held, weights, decays)):
+        if h is not None and h.any():
+            assert torch.all(m[start:start + sizes[i]][h] == 0)
+            w1 = torch.frombuffer(bytearray(results[1][1][i]), dtype=torch.float32)
+            assert torch.equal(w1[h], w0[h] * decay if decay != 1 else w0[h])
+        start += sizes[i]

@@ -85,5 +85,5 @@ def test_divergence_guard_raises_on_every_rank(results):
 def test_elements_without_warmup_gradient_are_held_fixed(results):
     for r in results:
         z = r["zero_variance"]
-        assert z["unseen_fixed"] and z["seen_moved"] and z["finite"]
+        assert z["unseen_fixed"] and z["seen_moved"] and z["finite"] and z["unseen_momentum_zero"]
         assert any("20 of 40 elements of parameter emb" in w for w in z["warnings"])

@@ -208,7 +208,8 @@ def divergence_guard(check_every=3, steps=10, corrupt_step=5):
 
 def zero_variance_elements(freeze_step=4, steps=12):
     """Embedding rows 5-9 get no gradient in the warmup: frozen v = 0 there. They must stay
-    put in the compression phase (not jump by lr * scale / eps), with a warning."""
+    put in the compression phase (not jump by lr * scale / eps), with a zero momentum (so they
+    add nothing to the next compression) and a warning."""
     torch.manual_seed(0)
     emb, head = nn.Embedding(10, 4), nn.Linear(4, 1)
     params = [emb.weight, head.weight, head.bias]
@@ -227,6 +228,7 @@ def zero_variance_elements(freeze_step=4, steps=12):
             nn.functional.mse_loss(head(emb(idx)), torch.randn(16, 1, generator=g)).backward()
             opt.step()
     return {"unseen_fixed": torch.equal(unseen_before, emb.weight[5:].detach()),
+            "unseen_momentum_zero": bool((opt.state[emb.weight]["exp_avg"][5:] == 0).all()),
             "seen_moved": not torch.equal(emb.weight[:5].detach(), torch.zeros(5, 4)),
             "finite": all(bool(torch.isfinite(p).all()) for p in params),
             "warnings": [str(w.message) for w in caught if "received no gradient" in str(w.message)]}

@@ -24,6 +24,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -357,7 +358,10 @@ void decode_scalar(const uint8_t* rows, float* out, int64_t numel, const Layout&
 // m[p] = d, and for parameters that take the update here (the others are left to the caller),
 //     w = w * decay (when decay != 1), then w = w + (step * d) / denom,
 // the operation order of torch's p.mul_(decay) and p.addcdiv_(m, denom, value=step) in fp32, so
-// the torch twin gives the same bits. Segments are the parameters laid end to end in m.
+// the torch twin gives the same bits. An infinite denominator marks an element held fixed (its
+// frozen variance is 0): the update adds +-0 and its momentum is stored as +0, so held elements
+// cost one compare here instead of a scatter over their indices every step. Segments are the
+// parameters laid end to end in m.
 
 struct UpdateSegment {
   float* w;             // nullptr: decode only
@@ -367,10 +371,13 @@ struct UpdateSegment {
   bool apply_decay;
 };
 
-inline void update1(const UpdateSegment& s, int64_t p, float d) {
+// Element p of a segment with an update: d is the decoded momentum, written to m[p] (or +0).
+inline void update1(const UpdateSegment& s, int64_t p, float d, float* m) {
+  const float denom = s.denom[p - s.start];
   float w = s.w[p - s.start];
   if (s.apply_decay) w = w * s.decay;
-  s.w[p - s.start] = w + (s.step * d) / s.denom[p - s.start];
+  s.w[p - s.start] = w + (s.step * d) / denom;
+  m[p] = denom == std::numeric_limits<float>::infinity() ? 0.0f : d;
 }
 
 void decode_update_scalar(const uint8_t* rows, float* m, int64_t numel, const Layout& L,
@@ -378,7 +385,7 @@ void decode_update_scalar(const uint8_t* rows, float* m, int64_t numel, const La
   decode_scalar(rows, m, numel, L);
   for (int64_t p = 0; p < numel; ++p) {
     const UpdateSegment& s = segs.at(p);
-    if (s.w) update1(s, p, m[p]);
+    if (s.w) update1(s, p, m[p], m);
   }
 }
 
@@ -405,16 +412,18 @@ __attribute__((target("avx2,fma"))) void decode_update_avx2(const uint8_t* rows,
         int64_t seg_stop = s.end < stop ? s.end : stop;
         if (s.w) {
           const __m256 step = _mm256_set1_ps(s.step), decay = _mm256_set1_ps(s.decay);
+          const __m256 inf = _mm256_set1_ps(std::numeric_limits<float>::infinity());
           for (; p + 8 <= seg_stop && (p - base) % 8 == 0; p += 8) {
             const __m256i v = _mm256_and_si256(_mm256_set1_epi32(bp[(p - base) / 8]), sel);
             const __m256 d = _mm256_blendv_ps(neg_s, pos_s,
                                               _mm256_castsi256_ps(_mm256_cmpeq_epi32(v, sel)));
-            _mm256_storeu_ps(m + p, d);
+            const __m256 denom = _mm256_loadu_ps(s.denom + (p - s.start));
+            // held elements (denominator +inf) store a +0 momentum
+            _mm256_storeu_ps(m + p, _mm256_andnot_ps(_mm256_cmp_ps(denom, inf, _CMP_EQ_OQ), d));
             float* wp = s.w + (p - s.start);
             __m256 w = _mm256_loadu_ps(wp);
             if (s.apply_decay) w = _mm256_mul_ps(w, decay);
-            const __m256 upd = _mm256_div_ps(_mm256_mul_ps(step, d),
-                                             _mm256_loadu_ps(s.denom + (p - s.start)));
+            const __m256 upd = _mm256_div_ps(_mm256_mul_ps(step, d), denom);
             _mm256_storeu_ps(wp, _mm256_add_ps(w, upd));
           }
         } else {
@@ -428,8 +437,11 @@ __attribute__((target("avx2,fma"))) void decode_update_avx2(const uint8_t* rows,
         for (; p < seg_stop && (p + 8 > seg_stop || (p - base) % 8 != 0); ++p) {
           const int64_t k = p - base;
           const float d = ((bp[k / 8] >> (k % 8)) & 1) ? scales[b] : -scales[b];
-          m[p] = d;
-          if (s.w) update1(s, p, d);
+          if (s.w) {
+            update1(s, p, d, m);
+          } else {
+            m[p] = d;
+          }
         }
       }
     }
