@@ -110,12 +110,14 @@ class OneBitAllreduce:
         # swaps them only once every rank has succeeded. The worker error is factored as the last
         # call's y and sent rows (e = y - s * sign(y)); zero y and zero scales mean e = 0.
         self._worker_y = torch.zeros(L.padded, **f32)
-        self._worker_y_next = torch.empty(L.padded, **f32)
+        # Every buffer is written here (zeros, not empty): the pages are touched now, not in the
+        # first call, which would otherwise page-fault ~5 bytes per element.
+        self._worker_y_next = torch.zeros(L.padded, **f32)
         self._sent = torch.zeros(L.n * L.row_bytes, **u8)
         self._send = torch.zeros(L.n * L.row_bytes, **u8)
         # The server error, factored the same way: the last call's z and the row it sent.
         self._server_z = torch.zeros(L.chunk, **f32)
-        self._server_z_next = torch.empty(L.chunk, **f32)
+        self._server_z_next = torch.zeros(L.chunk, **f32)
         self._server_sent = torch.zeros(L.row_bytes, **u8)
         self._server_row = torch.zeros(L.row_bytes, **u8)
         self._in_flight = False
@@ -236,11 +238,18 @@ class OneBitAllreduce:
         self._in_flight = True
         return handle
 
-    def synchronize(self, handle: AllreduceHandle) -> torch.Tensor:
-        """Finish an allreduce: server step, stage 2 and decode. Returns the output tensor."""
+    def synchronize(self, handle: AllreduceHandle,
+                    update: Optional[kernels.AdamUpdate] = None) -> torch.Tensor:
+        """Finish an allreduce: server step, stage 2 and decode. Returns the output tensor.
+
+        ``update``, if given, is applied as :meth:`allreduce_async`'s would be (replacing it):
+        it lets the caller prepare the update while stage 1 is on the wire.
+        """
         if handle.done:
             raise RuntimeError("this allreduce handle was already synchronized")
         handle.done = True
+        if update is not None:
+            handle.update = update
         try:
             if handle.stage1 is not None:
                 self._finish(handle)

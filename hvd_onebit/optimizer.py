@@ -483,6 +483,9 @@ class _OneBitMixin:
                     transport=self.transport, backend=self.kernel_backend,
                     device=b.momentum.device, name=f"hvd_onebit.bucket{b.index}",
                     defer_check=True)
+        for p in active:
+            if p not in self._denoms and "exp_avg_sq" in self.state[p]:
+                self._denoms[p] = (None, torch.zeros_like(self.state[p]["exp_avg_sq"]))
         self._apply_pending_error_feedback()
 
     def _scan_frozen_variance(self) -> None:
@@ -527,10 +530,14 @@ class _OneBitMixin:
         steps = state["frozen_variance_step"]
         bc2 = 1 - beta2 ** steps if steps > 0 else 1.0
         v = state["exp_avg_sq"]
-        denom = (v.sqrt() / math.sqrt(bc2)).add_(eps)
+        # Into the buffer _fuse allocated (and touched) while the last warmup allreduce was on
+        # the wire, so the first compressed step does not page-fault a parameter-sized tensor.
+        denom = cached[1] if cached is not None and cached[1].shape == v.shape else None
+        denom = torch.sqrt(v, out=denom)
+        denom.div_(math.sqrt(bc2)).add_(eps)
         # Frozen variance 0: held fixed. An infinite denominator tells the update (fused into
         # the decode pass) to add +-0 and zero the momentum, at no cost per held element.
-        denom.masked_fill_(v == 0, math.inf)
+        torch.where(v != 0, denom, denom.new_full((), math.inf), out=denom)
         self._denoms[p] = (key, denom)
         return denom
 
@@ -582,7 +589,6 @@ class _OneBitMixin:
                     MomentumInput(b.momentum_view(i).reshape(-1), [grads[p]], [sizes[i]],
                                   beta1s[p]).materialize(out=b.work_view(i).reshape(-1))
                 inputs.append(b.work)
-        updates, masked = self._plan_updates(owner)
         # 2. Average the momenta: stage 1 of every bucket is started before any is finished.
         start = time.perf_counter()
         nbytes = 0
@@ -591,12 +597,16 @@ class _OneBitMixin:
                 comms = [self._comms[self._comm_key(b)] for b in self._buckets]
                 # Decoded straight into exp_avg: the call writes its output only once every
                 # rank has succeeded, so a failed call leaves the momentum untouched.
-                handles = [c.allreduce_async(x, out=b.momentum, update=u)
-                           for c, b, x, u in zip(comms, self._buckets, inputs, updates)]
-                for c, h in zip(comms, handles):
-                    c.synchronize(h)
+                handles = [c.allreduce_async(x, out=b.momentum)
+                           for c, b, x in zip(comms, self._buckets, inputs)]
+                # Adam's update terms (the first time: the frozen denominators) are prepared
+                # while stage 1 is on the wire, and applied in each bucket's decode pass.
+                updates, masked = self._plan_updates(owner)
+                for c, h, u in zip(comms, handles, updates):
+                    c.synchronize(h, update=u)
                     nbytes += c.wire_bytes
             else:
+                updates, masked = self._plan_updates(owner)
                 for b, x in zip(self._buckets, inputs):
                     if isinstance(x, MomentumInput):
                         x.materialize(out=b.work)
