@@ -199,6 +199,20 @@ __attribute__((target("avx2,fma"))) inline double hsum_pd(__m256d v) {
   return (t[0] + t[1]) + (t[2] + t[3]);
 }
 
+// Buffers of at least this many floats are written with non-temporal (streaming) stores: they
+// are far larger than the caches and read again only in the next step, after the forward and
+// backward pass have evicted them, so a normal store's read-for-ownership of every line is
+// wasted memory traffic (4 of the ~16-20 bytes per element each fused pass moves).
+constexpr int64_t kStreamMinFloats = int64_t(1) << 20;
+
+__attribute__((target("avx2,fma"))) inline void store8(float* dst, __m256 v, bool stream) {
+  if (stream && (reinterpret_cast<uintptr_t>(dst) & 31) == 0) {
+    _mm256_stream_ps(dst, v);
+  } else {
+    _mm256_storeu_ps(dst, v);
+  }
+}
+
 // Lane k set where bit k of `bits` is set.
 __attribute__((target("avx2,fma"))) inline __m256 bitmask8_avx2(uint8_t bits) {
   const __m256i sel = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
@@ -209,11 +223,11 @@ __attribute__((target("avx2,fma"))) inline __m256 bitmask8_avx2(uint8_t bits) {
 // One group: y = x + (y_prev - (+-prev_s)); store y; accumulate y^2; return y's sign bits.
 __attribute__((target("avx2,fma"))) inline uint8_t worker_group_avx2(
     __m256 x, const float* y_prev, uint8_t prev_bits, __m256 prev_pos, __m256 prev_neg,
-    float* y_out, __m256d* acc) {
+    float* y_out, __m256d* acc, bool stream) {
   const __m256 e = _mm256_sub_ps(_mm256_loadu_ps(y_prev),
                                  _mm256_blendv_ps(prev_neg, prev_pos, bitmask8_avx2(prev_bits)));
   const __m256 y = _mm256_add_ps(x, e);
-  _mm256_storeu_ps(y_out, y);
+  store8(y_out, y, stream);
   *acc = sq_acc_pd(y, *acc);
   return static_cast<uint8_t>(
       _mm256_movemask_ps(_mm256_cmp_ps(y, _mm256_setzero_ps(), _CMP_GE_OQ)));
@@ -227,6 +241,7 @@ __attribute__((target("avx2,fma"))) void worker_compress_avx2(
   const int64_t nb = L.nblocks();
   const int64_t hb = L.header_bytes();
   const int64_t full_end_all = (numel / 8) * 8;  // groups below this hold only real data
+  const bool stream = L.n * L.chunk >= kStreamMinFloats;
   for (int64_t j = 0; j < L.n; ++j) {
     uint8_t* row = send + j * L.row_bytes;
     const uint8_t* prow = prev_send + j * L.row_bytes;
@@ -243,23 +258,24 @@ __attribute__((target("avx2,fma"))) void worker_compress_avx2(
       int64_t p = base;
       for (; p + 16 <= full_end; p += 16) {  // two accumulators hide the add latency
         *bits++ = worker_group_avx2(x.load8(p), y_prev + p, *prev_bits++, prev_pos,
-                                    prev_neg, y_out + p, &acc0);
+                                    prev_neg, y_out + p, &acc0, stream);
         *bits++ = worker_group_avx2(x.load8(p + 8), y_prev + p + 8, *prev_bits++,
-                                    prev_pos, prev_neg, y_out + p + 8, &acc1);
+                                    prev_pos, prev_neg, y_out + p + 8, &acc1, stream);
       }
       for (; p < full_end; p += 8)
         *bits++ = worker_group_avx2(x.load8(p), y_prev + p, *prev_bits++, prev_pos,
-                                    prev_neg, y_out + p, &acc0);
+                                    prev_neg, y_out + p, &acc0, stream);
       for (; p < end; p += 8) {  // groups touching the padding: x is zero past numel
         for (int k = 0; k < 8; ++k) tmp[k] = p + k < numel ? x.at(p + k) : 0.0f;
         *bits++ = worker_group_avx2(_mm256_load_ps(tmp), y_prev + p, *prev_bits++, prev_pos,
-                                    prev_neg, y_out + p, &acc0);
+                                    prev_neg, y_out + p, &acc0, stream);
       }
       const double ss = hsum_pd(_mm256_add_pd(acc0, acc1));
       if (!std::isfinite(ss)) *finite = false;
       row_scales(row)[b] = static_cast<float>(std::sqrt(ss / static_cast<double>(L.block)));
     }
   }
+  if (stream) _mm_sfence();  // streaming stores are weakly ordered: publish them
 }
 #endif
 
@@ -308,6 +324,7 @@ __attribute__((target("avx2,fma"))) void server_compress_avx2(
   const int64_t nb = L.nblocks();
   const int64_t hb = L.header_bytes();
   const __m256 nf = _mm256_set1_ps(static_cast<float>(L.n));
+  const bool stream = L.chunk >= kStreamMinFloats;
   for (int64_t b = 0; b < nb; ++b) {
     const float prev_s = reinterpret_cast<const float*>(prev_row)[1 + b];
     const __m256 prev_pos = _mm256_set1_ps(prev_s), prev_neg = _mm256_set1_ps(-prev_s);
@@ -324,12 +341,13 @@ __attribute__((target("avx2,fma"))) void server_compress_avx2(
       }
       out_row[hb + p / 8] = worker_group_avx2(_mm256_div_ps(sum, nf), z_prev + p,
                                               prev_row[hb + p / 8], prev_pos, prev_neg,
-                                              z_out + p, &acc0);
+                                              z_out + p, &acc0, stream);
     }
     const double ss = hsum_pd(acc0);
     if (!std::isfinite(ss)) *finite = false;
     row_scales(out_row)[b] = static_cast<float>(std::sqrt(ss / static_cast<double>(L.block)));
   }
+  if (stream) _mm_sfence();
 }
 #endif
 
@@ -394,6 +412,7 @@ __attribute__((target("avx2,fma"))) void decode_update_avx2(const uint8_t* rows,
                                                             int64_t numel, const Layout& L,
                                                             SegmentCursor<UpdateSegment> segs) {
   const int64_t nb = L.nblocks();
+  const bool stream = numel >= kStreamMinFloats;
   const __m256i sel = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
   for (int64_t j = 0; j < L.n; ++j) {
     const uint8_t* row = rows + j * L.row_bytes;
@@ -419,7 +438,7 @@ __attribute__((target("avx2,fma"))) void decode_update_avx2(const uint8_t* rows,
                                               _mm256_castsi256_ps(_mm256_cmpeq_epi32(v, sel)));
             const __m256 denom = _mm256_loadu_ps(s.denom + (p - s.start));
             // held elements (denominator +inf) store a +0 momentum
-            _mm256_storeu_ps(m + p, _mm256_andnot_ps(_mm256_cmp_ps(denom, inf, _CMP_EQ_OQ), d));
+            store8(m + p, _mm256_andnot_ps(_mm256_cmp_ps(denom, inf, _CMP_EQ_OQ), d), stream);
             float* wp = s.w + (p - s.start);
             __m256 w = _mm256_loadu_ps(wp);
             if (s.apply_decay) w = _mm256_mul_ps(w, decay);
@@ -429,8 +448,9 @@ __attribute__((target("avx2,fma"))) void decode_update_avx2(const uint8_t* rows,
         } else {
           for (; p + 8 <= seg_stop && (p - base) % 8 == 0; p += 8) {
             const __m256i v = _mm256_and_si256(_mm256_set1_epi32(bp[(p - base) / 8]), sel);
-            _mm256_storeu_ps(m + p, _mm256_blendv_ps(
-                                        neg_s, pos_s, _mm256_castsi256_ps(_mm256_cmpeq_epi32(v, sel))));
+            store8(m + p, _mm256_blendv_ps(
+                              neg_s, pos_s, _mm256_castsi256_ps(_mm256_cmpeq_epi32(v, sel))),
+                   stream);
           }
         }
         // Elements one at a time up to the segment's end or the next whole group.
@@ -446,6 +466,7 @@ __attribute__((target("avx2,fma"))) void decode_update_avx2(const uint8_t* rows,
       }
     }
   }
+  if (stream) _mm_sfence();
 }
 #endif
 
