@@ -69,6 +69,9 @@ def test_bench_train_loopback_reports_phases_and_speedups(tmp_path, model):
     assert ob["model"] == model and ob["freeze_step"] == 1  # round(0.15 * 8)
     assert ob["warmup_steps"] == 1 and ob["compression_steps"] == 7
     assert ob["compression_bytes_per_step"] * 20 < rows["horovod_fp32"]["bytes_per_step"]
+    # per-step times are means over ranks; the run is the slowest rank's own total
+    assert len(ob["step_seconds"]) == 8 and ob["step_phases"] == ["warmup"] + 7 * ["compression"]
+    assert ob["run_seconds"] >= sum(ob["step_seconds"]) - 1e-9
     summary = report["summary"]
     for key in ("comm_fraction_of_fp32_step", "onebit_compression_step_speedup_vs_fp32",
                 "onebit_run_speedup_vs_fp32"):

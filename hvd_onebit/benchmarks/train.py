@@ -205,11 +205,18 @@ def train_worker(methods=METHODS, steps: int = 40, warmup_frac: float = 0.15,
             times.append(time.perf_counter() - start)
             tx1 = _iface_tx_bytes()
             tx.append(None if tx0 is None else tx1 - tx0)
-        # A step is done when its slowest rank is: take the max over ranks, step by step.
-        times = hvd.allreduce(torch.tensor(times, dtype=torch.float64), op=hvd.Max,
-                              name=f"bench.train.times.{method}").tolist()
+        # Every rank's step times: [ranks, steps]. The ranks are chained by the step's
+        # collectives, so a rank delayed in step i lengthens its own step i and the others'
+        # step i+1 (they wait for it in the next collective). The max over ranks step by step
+        # would count that delay twice; the mean over ranks counts it once, and its sum over
+        # the steps is the run's wall time. The run time is the slowest rank's own total.
+        per_rank = hvd.allgather(torch.tensor([times], dtype=torch.float64),
+                                 name=f"bench.train.times.{method}")
+        times = per_rank.mean(0).tolist()
         row = {"method": method, "model": model, "np": hvd.size(), "params": params,
-               "batch_per_rank": batch, "steps": steps, "run_seconds": sum(times)}
+               "batch_per_rank": batch, "steps": steps,
+               "run_seconds": float(per_rank.sum(1).max()),
+               "step_seconds": times, "step_phases": phases}
         # The first step of each phase pays one-off set-up (buffers, hooks): steady state skips it.
         for ph in sorted(set(phases)):
             idx = [i for i, p in enumerate(phases) if p == ph]
