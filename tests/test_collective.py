@@ -106,7 +106,7 @@ def test_async_dtypes_and_inplace(world):
     n, results = world
     for r in results:
         a = r["async"]
-        assert a["async_equal"] and a["inplace"]
+        assert a["async_equal"] and a["inplace"] and a["update_fused"]
         assert "in flight" in a["two_in_flight"]
         for key in ("torch.float16", "torch.bfloat16"):
             same_dtype, same_shape, _, _ = a[key]
