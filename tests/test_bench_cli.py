@@ -94,3 +94,17 @@ def test_bench_train_rejects_an_unknown_method():
     proc = subprocess.run(CLI + ["bench", "train", "--methods", "local,sgd"], capture_output=True,
                           text=True, timeout=60, cwd=REPO_ROOT)
     assert proc.returncode != 0 and "unknown methods" in proc.stdout + proc.stderr
+
+
+def test_bench_on_a_real_host_list_through_horovodrun(tmp_path):
+    """--hosts runs through horovodrun without emulation; here the 'cluster' is this machine."""
+    shared = ["--hosts", "localhost:2", "--shared-dir", str(tmp_path)]
+    report = json.loads(bench("allreduce", "--np", "2", "--sizes", "4096", "--repeats", "1",
+                              "--json", *shared).stdout)
+    assert {r["method"] for r in report["rows"]} == {"fp32", "fp16", "onebit"}
+    assert all(r["bandwidth"] == "real" and r["np"] == 2 for r in report["rows"])
+    report = json.loads(bench("train", "--np", "2", "--steps", "4", "--model", "mlp", "--width",
+                              "32", "--depth", "1", "--methods", "horovod_fp32,onebit", "--json",
+                              *shared).stdout)
+    rows = {r["method"]: r for r in report["rows"]}
+    assert rows["onebit"]["compression_steps"] == 3 and report["bandwidth"] == "real"
