@@ -54,8 +54,6 @@ class AllreduceHandle:
 
     out: torch.Tensor
     out32: torch.Tensor
-    update: Optional[kernels.AdamUpdate] = None
-    update_applied: bool = False
     stage1: object = None
     started: float = field(default_factory=time.perf_counter)
     done: bool = False
@@ -190,17 +188,12 @@ class OneBitAllreduce:
         return self.synchronize(self.allreduce_async(tensor, out))
 
     def allreduce_async(self, tensor: torch.Tensor | kernels.MomentumInput,
-                        out: Optional[torch.Tensor] = None,
-                        update: Optional[kernels.AdamUpdate] = None) -> AllreduceHandle:
+                        out: Optional[torch.Tensor] = None) -> AllreduceHandle:
         """Compress ``tensor`` and start stage 1; finish with :meth:`synchronize`.
 
         ``tensor`` may also be a :class:`hvd_onebit.kernels.MomentumInput` (Adam's momentum
         update ``beta1 * m + (1 - beta1) * g``): the native kernel then computes the input in
         its compression pass, and ``out`` may be the momentum buffer itself.
-
-        ``update`` (:class:`hvd_onebit.kernels.AdamUpdate`) is applied to the output once the
-        call has succeeded on every rank, fused into the decode pass where the native kernel
-        can; a failed call applies nothing.
         """
         self._finish_layout_check()
         self._check_input(tensor, out)
@@ -215,7 +208,7 @@ class OneBitAllreduce:
             x32 = flat if flat.dtype == torch.float32 and flat.is_contiguous() else flat.float()
         out32 = (out.view(-1) if out.dtype == torch.float32
                  else torch.empty(out.numel(), dtype=torch.float32, device=out.device))
-        handle = AllreduceHandle(out=out, out32=out32, update=update)
+        handle = AllreduceHandle(out=out, out32=out32)
         if self.transport is None or self.layout.numel == 0:
             # One rank, or nothing to send: the mean is the input, with the same input contract.
             if x32 is None:
@@ -242,28 +235,30 @@ class OneBitAllreduce:
                     update: Optional[kernels.AdamUpdate] = None) -> torch.Tensor:
         """Finish an allreduce: server step, stage 2 and decode. Returns the output tensor.
 
-        ``update``, if given, is applied as :meth:`allreduce_async`'s would be (replacing it):
-        it lets the caller prepare the update while stage 1 is on the wire.
+        ``update`` (:class:`hvd_onebit.kernels.AdamUpdate`) is applied to the output once the
+        call has succeeded on every rank, fused into the decode pass where the native kernel
+        can; a failed call applies nothing. Passing it here, not at the start, lets the caller
+        prepare it while stage 1 is on the wire.
         """
         if handle.done:
             raise RuntimeError("this allreduce handle was already synchronized")
         handle.done = True
-        if update is not None:
-            handle.update = update
+        update_applied = False
         try:
             if handle.stage1 is not None:
-                self._finish(handle)
+                update_applied = self._finish(handle, update)
         finally:
             self._in_flight = False
         if handle.out32.data_ptr() != handle.out.data_ptr():
             handle.out.view(-1).copy_(handle.out32)
-        if handle.update is not None and not handle.update_applied:
-            handle.update.apply(handle.out)
+        if update is not None and not update_applied:
+            update.apply(handle.out)
         self.last_seconds = time.perf_counter() - handle.started
         self.calls += 1
         return handle.out
 
-    def _finish(self, handle: AllreduceHandle) -> None:
+    def _finish(self, handle: AllreduceHandle, update: Optional[kernels.AdamUpdate]) -> bool:
+        """Server step, stage 2 and decode; returns whether ``update`` was applied in the decode."""
         L = self.layout
         recv = self.transport.wait(handle.stage1).reshape(-1)
         self._raise_if_bad(kernels.row_status(recv, L, L.n), "in the input")
@@ -272,9 +267,9 @@ class OneBitAllreduce:
         gathered = self.transport.wait(self.transport.allgather_async(
             self._server_row.view(1, L.row_bytes), name=f"{self.name}.allgather")).reshape(-1)
         self._raise_if_bad(kernels.row_status(gathered, L, L.n), "in the server average")
-        if handle.update is not None and handle.out32.data_ptr() == handle.out.data_ptr():
-            kernels.decode_update(gathered, handle.out32, L, handle.update, self.backend)
-            handle.update_applied = True
+        fused = update is not None and handle.out32.data_ptr() == handle.out.data_ptr()
+        if fused:
+            kernels.decode_update(gathered, handle.out32, L, update, self.backend)
         else:
             kernels.decode(gathered, handle.out32, L, self.backend)
         # Every rank succeeded: commit the new error feedback.
@@ -284,6 +279,7 @@ class OneBitAllreduce:
         self._server_sent, self._server_row = self._server_row, self._server_sent
         self.wire_bytes = L.wire_bytes
         self.total_wire_bytes += L.wire_bytes
+        return fused
 
     @staticmethod
     def _raise_if_bad(status: torch.Tensor, stage: str) -> None:

@@ -491,14 +491,12 @@ class _OneBitMixin:
     def _scan_frozen_variance(self) -> None:
         """Record the freeze and count the elements whose frozen variance is 0 (held fixed)."""
         for p in self._bucket_params:
-            if "frozen_variance_step" not in self.state[p]:
-                unseen = int(torch.count_nonzero(self.state[p]["exp_avg_sq"] == 0))
-                self._freeze_variance(p, unseen=unseen)
+            self._freeze_variance(p)
 
     def _comm_key(self, b: Bucket) -> tuple:
         return (b.index, b.numel, str(b.momentum.dtype).replace("torch.", ""), self._world)
 
-    def _freeze_variance(self, p: torch.Tensor, unseen: int) -> None:
+    def _freeze_variance(self, p: torch.Tensor) -> None:
         """Record the step count v was frozen at (once per parameter).
 
         Elements whose frozen variance is exactly zero never saw a gradient in the warmup (a
@@ -512,6 +510,7 @@ class _OneBitMixin:
         if "frozen_variance_step" in state:
             return
         state["frozen_variance_step"] = int(state["step"])
+        unseen = int(torch.count_nonzero(state["exp_avg_sq"] == 0))
         if unseen:
             warnings.warn(
                 f"hvd_onebit: {unseen} of {p.numel()} elements of parameter "

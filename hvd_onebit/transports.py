@@ -53,8 +53,7 @@ class HorovodTransport:
         return hvd.allgather_async(row, name=name, process_set=self.process_set)
 
     def allgather_ints_wait(self, handle: Any) -> list[list[int]]:
-        sleep_until_done(handle)
-        return hvd.synchronize(handle).tolist()
+        return self.wait(handle).tolist()
 
 
 # Waiting for a Horovod handle. hvd.synchronize() spins on sched_yield() until the background
