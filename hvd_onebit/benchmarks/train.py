@@ -269,9 +269,3 @@ def summarize(rows: list[dict]) -> dict:
                 ddp["compression_step_s"] / ob["compression_step_s"])
     return out
 
-
-def estimate_run_speedup(fp32_step: float, warmup_step: float, compression_step: float,
-                         warmup_frac: float) -> float:
-    """Whole-run speed-up over fp32 for a given warmup fraction, from per-phase step times."""
-    return fp32_step / (warmup_frac * warmup_step + (1 - warmup_frac) * compression_step)
-
