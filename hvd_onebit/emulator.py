@@ -46,6 +46,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -445,7 +446,7 @@ class EmulatedCluster:
         self._bridge_created = False
         self._started = False
         self._runs = 0
-        self._procs: list[subprocess.Popen] = []  # the current run's launchers, for close()
+        self._procs: list[_RankProcess] = []  # the current run's launchers, for close()
 
     # -- lifecycle
 
@@ -619,17 +620,21 @@ class EmulatedCluster:
 
     # -- running
 
-    def _launch_argv(self, h: _Host, command: Sequence[str]) -> list[str]:
+    def _launch_argv(self, h: _Host, command: Sequence[str], started: Path) -> list[str]:
         # ip netns exec: network namespace and /etc/netns/<ns>/hosts over /etc/hosts.
         # unshare --uts: own hostname. --pid --fork --kill-child --mount-proc: the command's whole
         # process tree lives in a PID namespace that dies with it (and with the launcher); /proc
         # is remounted so os.getpid() and /proc/<pid> agree for tools like psutil.
         # sh stays as PID 1 (no exec): PID 1 ignores default-action signals, the user's command
         # must not, and sh reports the command's status as 128+N when it is killed by signal N.
-        script = 'hostname "$1" || exit 126; shift; "$@"'
+        # The command runs in a subshell that first creates ``started`` and then execs it: until
+        # that file exists the rank is still in its set-up, where a SIGTERM would either be
+        # dropped (unshare blocks it, a namespace's PID 1 ignores it) or kill `hostname` instead
+        # of the command, so _kill_ranks signals a rank only once it has started.
+        script = 'hostname "$1" || exit 126; shift; started=$1; shift; (: > "$started" && exec "$@")'
         return ["ip", "netns", "exec", h.netns,
                 "unshare", "--uts", "--pid", "--fork", "--kill-child", "--mount-proc", "--",
-                "sh", "-c", script, "hob-rank", h.hostname, *command]
+                "sh", "-c", script, "hob-rank", h.hostname, str(started), *command]
 
     def run(self, command: Sequence[str], env: Optional[Mapping[str, str]] = None,
             timeout: Optional[float] = None, cwd: str | os.PathLike | None = None,
@@ -657,6 +662,7 @@ class EmulatedCluster:
         logs = self._open_logs()
         before = self.counters()
         procs = self._procs = []
+        started_dir = Path(tempfile.mkdtemp(prefix="hob-started-"))
         outputs: list[list[str]] = [[] for _ in self.hosts]
         readers: list[threading.Thread] = []
         killed = [False] * self.np
@@ -665,19 +671,21 @@ class EmulatedCluster:
         start = time.monotonic()
         try:
             for h in self.hosts:
-                procs.append(subprocess.Popen(
-                    self._launch_argv(h, command), env={**base_env, **self.horovod_env(h.rank)},
+                started = started_dir / f"rank{h.rank}"
+                procs.append(_RankProcess(subprocess.Popen(
+                    self._launch_argv(h, command, started),
+                    env={**base_env, **self.horovod_env(h.rank)},
                     cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                     stderr=subprocess.STDOUT, start_new_session=True,
-                    preexec_fn=_die_with_parent))
+                    preexec_fn=_die_with_parent), started))
             for h, p in zip(self.hosts, procs):
                 t = threading.Thread(target=_pump, daemon=True,
-                                     args=(p.stdout, h.rank, outputs[h.rank], logs[h.rank],
+                                     args=(p.proc.stdout, h.rank, outputs[h.rank], logs[h.rank],
                                            on_output))
                 t.start()
                 readers.append(t)
             while True:
-                codes = [p.poll() for p in procs]
+                codes = [p.proc.poll() for p in procs]
                 if all(c is not None for c in codes):
                     break
                 failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
@@ -703,9 +711,10 @@ class EmulatedCluster:
             for f in logs:
                 if f is not None:
                     f.close()
+            shutil.rmtree(started_dir, ignore_errors=True)
         after = self.counters()
         ranks = [RankResult(rank=h.rank, hostname=h.hostname, address=h.address,
-                            exit_code=_shell_status(p.returncode), killed=killed[h.rank],
+                            exit_code=_shell_status(p.proc.returncode), killed=killed[h.rank],
                             tx_bytes=after[h.rank][0] - before[h.rank][0],
                             rx_bytes=after[h.rank][1] - before[h.rank][1],
                             output="".join(outputs[h.rank]),
@@ -743,30 +752,49 @@ def _shell_status(returncode: Optional[int]) -> Optional[int]:
     return returncode
 
 
-def _signal_group(proc: subprocess.Popen, sig: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, sig)
+@dataclass
+class _RankProcess:
+    """One rank's launcher process and the file its wrapper creates when the command starts."""
+
+    proc: subprocess.Popen
+    started: Path
+
+    def signal(self, sig: int) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, sig)
 
 
-def _kill_ranks(procs: Sequence[subprocess.Popen], kill_grace: float) -> list[bool]:
+def _kill_ranks(procs: Sequence[_RankProcess], kill_grace: float) -> list[bool]:
     """SIGTERM every still-running rank's process group, SIGKILL after ``kill_grace`` s, reap.
+
+    A rank still in its set-up (namespaces, hostname: its command has not started) gets its
+    SIGTERM when the command starts, within the same grace period: a SIGTERM during the set-up
+    would be lost or hit the set-up instead, and the rank would report 126 or 137 by chance. So
+    a rank killed here reports what its command did with SIGTERM (143 by default), or 137 if it
+    (or its set-up) outlived the grace period.
 
     Returns which ranks were still running (i.e. were killed by us). SIGKILL of the launcher
     group takes the rank's PID 1 with it and so, by the kernel, everything in its PID namespace.
     """
-    alive = [p.poll() is None for p in procs]
+    alive = [p.proc.poll() is None for p in procs]
     if not any(alive):
         return alive
-    for p, a in zip(procs, alive):
-        if a:
-            _signal_group(p, signal.SIGTERM)
+    pending = [p for p, a in zip(procs, alive) if a]
     deadline = time.monotonic() + kill_grace
-    while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+    while True:
+        for p in list(pending):
+            if p.proc.poll() is not None:
+                pending.remove(p)
+            elif p.started.exists():
+                p.signal(signal.SIGTERM)
+                pending.remove(p)
+        if time.monotonic() >= deadline or all(p.proc.poll() is not None for p in procs):
+            break
         time.sleep(0.02)
     for p in procs:
-        if p.poll() is None:
-            _signal_group(p, signal.SIGKILL)
+        if p.proc.poll() is None:
+            p.signal(signal.SIGKILL)
     for p in procs:
         with contextlib.suppress(subprocess.TimeoutExpired):
-            p.wait(timeout=10)
+            p.proc.wait(timeout=10)
     return alive

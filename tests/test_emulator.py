@@ -299,6 +299,34 @@ def test_a_rank_killed_by_a_signal_fails_the_job():
 
 
 @needs_netns
+def test_a_rank_killed_during_its_setup_reports_the_signal(tmp_path):
+    """Peers are killed while rank 1 is still in its set-up (before its command started).
+
+    A `hostname` that stalls for rank 1 holds it in the set-up when rank 0 fails at once. A
+    SIGTERM sent then used to hit the set-up (126) or be dropped by the namespace's PID 1 (137
+    after the grace period); the rank must report the SIGTERM its command got, 143, every time.
+    """
+    real = shutil.which("hostname")
+    fake = tmp_path / "bin" / "hostname"
+    fake.parent.mkdir()
+    fake.write_text(f'#!/bin/sh\n[ "$HOROVOD_RANK" = 1 ] && sleep 2\nexec {real} "$@"\n')
+    fake.chmod(0o755)
+    token = uuid.uuid4().hex
+    env = cli_env(token)
+    env["PATH"] = f"{fake.parent}{os.pathsep}{env['PATH']}"
+    cmd = ["sh", "-c", 'if [ "$HOROVOD_RANK" = 0 ]; then exit 7; fi; sleep 600']
+    out = subprocess.run(CLI + ["--np", "2", "--json", "-v", "--kill-grace", "20", "--"] + cmd,
+                         capture_output=True, text=True, cwd=REPO, env=env, timeout=90)
+    assert out.returncode == 7, out.stderr
+    report = json.loads(out.stdout)
+    assert [(r["exit_code"], r["killed"]) for r in report["ranks"]] == [
+        (7, False), (128 + signal.SIGTERM, True)]
+    assert report["wall_seconds"] < 15  # signalled as soon as it started, not at the deadline
+    assert leftovers(cluster_id_from(out.stderr)) == []
+    assert wait_gone(token) == []
+
+
+@needs_netns
 def test_timeout_kills_everything():
     token = uuid.uuid4().hex
     start = time.monotonic()
