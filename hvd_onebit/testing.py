@@ -8,14 +8,18 @@ rank order, is returned. A rank that raises, exits early, or runs past ``timeout
 process of the job is killed first (found by a token in their environment, so launcher
 grandchildren in other process groups are not missed). A hung job is never left behind.
 
-Lives in the package (not under tests/) so benchmarks and the CLI can reuse it.
+Lives in the package (not under tests/) so benchmarks and the CLI can reuse it. Nothing here
+depends on a checkout: the ranks run in the caller's working directory, with the folders that
+hold ``target``'s module and this package on PYTHONPATH.
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 import pickle
 import shutil
 import signal
+import site
 import subprocess
 import sys
 import tempfile
@@ -24,12 +28,14 @@ import traceback
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import IO, Any, Optional, Sequence
 
 import psutil
 
 CONTROLLERS = ("gloo", "mpi")
-REPO_ROOT = Path(__file__).resolve().parent.parent  # the checkout: ranks import from here
+# The folder holding the hvd_onebit package the caller runs: the checkout in development (ranks
+# then import this very copy), site-packages when installed.
+REPO_ROOT = Path(__file__).resolve().parent.parent
 _TOKEN_VAR = "HVD_ONEBIT_JOB_TOKEN"
 
 
@@ -88,22 +94,71 @@ def launch_command(np: int, controller: str, argv: list[str], hosts: Optional[st
     raise ValueError(f"controller must be one of {CONTROLLERS}, got {controller!r}")
 
 
-def job_environment(token: str, controller: str = "gloo",
-                    extra: Optional[dict] = None) -> dict:
+def import_root(module: str) -> Optional[Path]:
+    """The sys.path folder from which this process imports ``module`` ("tests.workers" -> the
+    folder holding tests/), or None if it cannot be found."""
+    try:
+        spec = importlib.util.find_spec(module.split(".")[0])
+    except (ImportError, ValueError):
+        return None
+    if spec is None:
+        return None
+    if spec.submodule_search_locations:
+        return Path(list(spec.submodule_search_locations)[0]).resolve().parent
+    return Path(spec.origin).resolve().parent if spec.origin else None
+
+
+def _python_path(extra_roots: Sequence[Path]) -> list[str]:
+    """Folders the ranks need on PYTHONPATH: ``extra_roots`` and this package's own folder,
+    except site-packages folders, which every Python of this installation has anyway."""
+    sites = {Path(p).resolve() for p in site.getsitepackages() + [site.getusersitepackages()]}
+    paths = []
+    for root in [*extra_roots, REPO_ROOT]:
+        if root.resolve() not in sites and str(root) not in paths:
+            paths.append(str(root))
+    return paths
+
+
+def job_environment(token: str, controller: str = "gloo", extra: Optional[dict] = None,
+                    import_roots: Sequence[Path] = ()) -> dict:
     """Environment for a job's ranks: this process's, plus ``extra``, the job token (so
     :func:`kill_job` finds every process), this Python's bin folder on PATH (horovodrun,
-    mpirun's python), the repository on PYTHONPATH, one torch thread per rank, and Horovod's
-    controller settings."""
+    mpirun's python), ``import_roots`` and this package's folder on PYTHONPATH (unless
+    installed in site-packages), one torch thread per rank, and Horovod's controller settings."""
     env = dict(os.environ)
     env.update(extra or {})
     env[_TOKEN_VAR] = token
     env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in [str(REPO_ROOT), env.get("PYTHONPATH", "")] if p)
+    env["PYTHONPATH"] = os.pathsep.join(_python_path(import_roots)
+                                        + [p for p in [env.get("PYTHONPATH", "")] if p])
     env.setdefault("OMP_NUM_THREADS", "1")
     env.setdefault("HOROVOD_CPU_OPERATIONS", controller)
     if controller == "mpi":
         env["HOROVOD_CONTROLLER"] = "mpi"
     return env
+
+
+def run_command(argv: list[str], np: int = 2, controller: str = "gloo",
+                timeout: Optional[float] = None, log: Optional[IO] = None,
+                env: Optional[dict] = None, hosts: Optional[str] = None,
+                cwd: Optional[str] = None, import_roots: Sequence[Path] = ()) -> Optional[int]:
+    """Run the command ``argv`` on ``np`` ranks (horovodrun or mpirun) and wait for it.
+
+    Output goes to ``log`` (a binary file; default: this process's stdout and stderr). Returns
+    the launcher's exit status, or None if it ran past ``timeout`` seconds. Every process of the
+    job is killed before this returns, so nothing outlives it.
+    """
+    token = uuid.uuid4().hex
+    proc = subprocess.Popen(launch_command(np, controller, argv, hosts), stdout=log,
+                            stderr=None if log is None else subprocess.STDOUT,
+                            env=job_environment(token, controller, env, import_roots), cwd=cwd,
+                            start_new_session=True)
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return None
+    finally:
+        kill_job(proc, token)
 
 
 @dataclass
@@ -139,7 +194,7 @@ def run_job(target: str, np: int = 2, controller: str = "gloo", kwargs: Optional
     """:func:`run_ranks` with a choice of where the ranks run.
 
     Args:
-        cluster: a started :class:`hvd_onebit.emulator.EmulatedCluster` to run on (gloo only).
+        cluster: a started :class:`hvd_onebit.cluster.EmulatedCluster` to run on (gloo only).
         hosts: "h1:4,h2:4": a real cluster through horovodrun; the ranks exchange results through
             files, so ``shared_dir`` must then be a folder every host sees at the same path.
         shared_dir: where the job's scratch folder is made (default: the system temp folder).
@@ -147,31 +202,24 @@ def run_job(target: str, np: int = 2, controller: str = "gloo", kwargs: Optional
     if cluster is not None and (hosts or controller != "gloo"):
         raise ValueError("an emulated cluster runs Horovod over gloo on its own hosts")
     workdir = Path(tempfile.mkdtemp(prefix="hvd_onebit_job_", dir=shared_dir))
-    token = uuid.uuid4().hex
+    roots = [r for r in [import_root(target.split(":")[0])] if r is not None]
     try:
         (workdir / "kwargs.pkl").write_bytes(pickle.dumps(kwargs or {}))
-        job_env = job_environment(token, controller, env)
         argv = [sys.executable, "-m", "hvd_onebit.testing", target, str(workdir)]
         log_path = workdir / "output.log"
         start = time.monotonic()
         cluster_run = None
         if cluster is not None:
-            cluster_run = cluster.run(argv, env=job_env, timeout=timeout, cwd=REPO_ROOT)
+            job_env = job_environment(uuid.uuid4().hex, controller, env, roots)
+            cluster_run = cluster.run(argv, env=job_env, timeout=timeout, cwd=os.getcwd())
             rc, timed_out = cluster_run.returncode, cluster_run.timed_out
             log_path.write_text("\n".join(f"--- rank {r.rank} output:\n{r.output}"
                                           for r in cluster_run.ranks))
         else:
             with open(log_path, "wb") as log:
-                proc = subprocess.Popen(launch_command(np, controller, argv, hosts), stdout=log,
-                                        stderr=subprocess.STDOUT, env=job_env, cwd=REPO_ROOT,
-                                        start_new_session=True)
-                try:
-                    rc = proc.wait(timeout=timeout)
-                    timed_out = False
-                except subprocess.TimeoutExpired:
-                    rc, timed_out = None, True
-                finally:
-                    kill_job(proc, token)  # nothing of the job outlives this call
+                rc = run_command(argv, np, controller, timeout, log, env, hosts,
+                                 import_roots=roots)
+            timed_out = rc is None
         wall = time.monotonic() - start
         results = _collect(workdir, np, rc, timed_out, timeout, target, controller)
         return JobResult(results=results, wall_seconds=wall, cluster_run=cluster_run)

@@ -1,9 +1,13 @@
 """The multi-rank harness itself: results come back, failures and hangs fail fast and clean."""
+import os
+import site
 import time
+from pathlib import Path
 
 import psutil
 import pytest
 
+from hvd_onebit import testing
 from hvd_onebit.testing import RankFailure, run_ranks
 
 pytestmark = pytest.mark.multirank
@@ -45,3 +49,29 @@ def test_a_hung_rank_is_killed_at_the_timeout(tmp_path):
 def test_unknown_controller_is_a_clear_error():
     with pytest.raises(ValueError, match="controller must be one of"):
         run_ranks("tests.workers_harness:allreduce_rank", np=2, controller="tcp")
+
+
+def test_ranks_import_the_callers_modules_wherever_they_are(tmp_path, monkeypatch):
+    """Nothing depends on the checkout: a worker module outside it, run from another folder, is
+    found by the ranks (through where the caller imports it from), and they run in the caller's
+    folder."""
+    elsewhere, run_dir = tmp_path / "elsewhere", tmp_path / "run_here"
+    elsewhere.mkdir()
+    run_dir.mkdir()
+    (elsewhere / "outside_workers.py").write_text(
+        "import os\n\nimport horovod.torch as hvd\n\n\n"
+        "def where():\n    return hvd.rank(), os.getcwd()\n")
+    monkeypatch.syspath_prepend(str(elsewhere))
+    monkeypatch.chdir(run_dir)
+    assert run_ranks("outside_workers:where", np=2, timeout=120) == [
+        (0, str(run_dir)), (1, str(run_dir))]
+
+
+def test_an_installed_package_puts_no_site_packages_on_pythonpath(monkeypatch):
+    """Installed (not editable), the package's folder is site-packages, which the ranks' Python
+    has anyway: only the folders of the caller's own modules go on PYTHONPATH."""
+    site_dir = Path(site.getsitepackages()[0])
+    monkeypatch.setattr(testing, "REPO_ROOT", site_dir)
+    monkeypatch.delenv("PYTHONPATH", raising=False)
+    env = testing.job_environment("token", import_roots=[testing.import_root("tests.workers_harness")])
+    assert env["PYTHONPATH"].split(os.pathsep) == [str(Path(__file__).resolve().parents[1])]
