@@ -14,7 +14,7 @@ test: setup
 	timeout --signal=INT --kill-after=60 75m $(PY) -m pytest -q $(PYTEST_ARGS)
 
 demo: setup
-	$(PY) -m hvd_onebit.demo
+	$(PY) -m hvd_onebit.bench.demo
 
 bench: setup
 	$(PY) -m hvd_onebit.cli bench kernel

@@ -1,6 +1,6 @@
 """The allreduce benchmark as a script: `python benchmarks/allreduce.py [options]` = `hvd-onebit bench allreduce --json [options]`.
 
-See `hvd-onebit bench allreduce --help` for the options; the logic lives in hvd_onebit/benchmarks/.
+See `hvd-onebit bench allreduce --help` for the options; the logic lives in hvd_onebit/bench/.
 """
 import sys
 

@@ -26,7 +26,7 @@ hvd_onebit reports for its own warmup too); the compression phase's are the byte
 actually put on the wire.
 
 Usage:
-    python benchmarks/convergence.py                 # 4 ranks, 1000 steps (~10-15 min on 2 cores)
+    python benchmarks/convergence.py                 # 4 ranks, 1000 steps
     python benchmarks/convergence.py --quick         # 2 ranks, tiny model, a few steps (tests)
     python benchmarks/convergence.py --steps 2000 --np 8 --out-dir results/conv8 -- --n-layer 4
 
@@ -36,51 +36,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
-import time
-import uuid
 from pathlib import Path
 
+from hvd_onebit.bench.lm import plot_val_loss, train_lm
+
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from hvd_onebit.testing import job_environment, kill_job, launch_command  # noqa: E402
-
 TRAIN_LM = REPO / "examples" / "train_lm.py"
 TARGET_RATIO = 1.01
 QUICK_ARGS = ["--n-layer", "1", "--d-model", "32", "--n-head", "2", "--context", "32",
               "--batch-size", "4", "--eval-batches", "2"]
-
-
-def run_training(optimizer: str, np: int, train_args: list[str], out_dir: Path,
-                 timeout: float) -> tuple[dict, float]:
-    """Run train_lm.py on ``np`` ranks; return its JSON summary and wall time (launch included)."""
-    json_out = out_dir / f"{optimizer}.json"
-    if json_out.exists():
-        json_out.unlink()
-    argv = [sys.executable, str(TRAIN_LM), "--optimizer", optimizer, "--json-out", str(json_out)]
-    token = uuid.uuid4().hex
-    env = job_environment(token)
-    cmd = launch_command(np, "gloo", argv + train_args)
-    log_path = out_dir / f"{optimizer}.log"
-    start = time.perf_counter()
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=str(REPO),
-                                start_new_session=True)
-        try:
-            rc = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            rc = None
-        finally:
-            kill_job(proc, token)
-    wall = time.perf_counter() - start
-    if rc != 0 or not json_out.exists():
-        tail = log_path.read_text(errors="replace")[-4000:]
-        why = f"timed out after {timeout:.0f}s" if rc is None else f"exited with {rc}"
-        raise RuntimeError(f"train_lm.py --optimizer {optimizer} on {np} ranks {why}; "
-                           f"log {log_path}:\n{tail}")
-    return json.loads(json_out.read_text()), wall
 
 
 def first_step_at_or_below(curve: list[dict], threshold: float):
@@ -88,33 +53,6 @@ def first_step_at_or_below(curve: list[dict], threshold: float):
         if point["val_loss"] <= threshold:
             return point["step"]
     return None
-
-
-def plot(adam: dict, onebit: dict, path: Path, threshold: float) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.2))
-    for summary, label, style in ((adam, "Horovod Adam", "-"), (onebit, "1-bit Adam", "--")):
-        steps = [p["step"] for p in summary["val_curve"]]
-        losses = [p["val_loss"] for p in summary["val_curve"]]
-        ax.plot(steps, losses, style, marker="o", markersize=2.5, label=label)
-    ax.axvline(onebit["freeze_step"], color="grey", linestyle=":", linewidth=1,
-               label=f"freeze_step = {onebit['freeze_step']}")
-    ax.axhline(threshold, color="tab:red", linestyle=":", linewidth=0.8,
-               label=f"threshold {threshold:.3f}")
-    final = [p["val_loss"] for s in (adam, onebit) for p in s["val_curve"]]
-    ax.set_ylim(min(final) - 0.05, min(max(final), min(final) + 2.0))
-    ax.set_xlabel("step")
-    ax.set_ylabel("validation loss (nats/byte)")
-    ax.set_title(f"train_lm.py on {adam['world_size']} ranks: 1-bit Adam vs Adam")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 def compare(adam: dict, onebit: dict, wall_adam: float, wall_onebit: float) -> dict:
@@ -188,16 +126,20 @@ def main(argv=None) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     print(f"[convergence] {np} ranks, train_lm.py {' '.join(train_args)}; output in {out_dir}",
           file=sys.stderr, flush=True)
-    adam, wall_adam = run_training("adam", np, train_args, out_dir, timeout)
+    adam_run = train_lm("adam", np, train_args, out_dir, timeout, script=TRAIN_LM)
+    adam, wall_adam = adam_run.summary, adam_run.wall_seconds
     print(f"[convergence] adam done in {wall_adam:.0f}s: final val {adam['final_val_loss']:.4f}",
           file=sys.stderr, flush=True)
-    onebit, wall_onebit = run_training("onebit", np, train_args, out_dir, timeout)
+    onebit_run = train_lm("onebit", np, train_args, out_dir, timeout, script=TRAIN_LM)
+    onebit, wall_onebit = onebit_run.summary, onebit_run.wall_seconds
     print(f"[convergence] onebit done in {wall_onebit:.0f}s: final val "
           f"{onebit['final_val_loss']:.4f}", file=sys.stderr, flush=True)
 
     result = compare(adam, onebit, wall_adam, wall_onebit)
     png = out_dir / "convergence.png"
-    plot(adam, onebit, png, result["loss_threshold"])
+    plot_val_loss({"adam": adam, "onebit": onebit}, png,
+                  f"train_lm.py on {adam['world_size']} ranks: 1-bit Adam vs Adam",
+                  threshold=result["loss_threshold"])
     result["plot"] = str(png)
     result["command"] = command
     (out_dir / "summary.json").write_text(json.dumps(result, indent=1))

@@ -1,6 +1,6 @@
 """The kernel benchmark as a script: `python benchmarks/kernel.py [options]` = `hvd-onebit bench kernel --json [options]`.
 
-See `hvd-onebit bench kernel --help` for the options; the logic lives in hvd_onebit/benchmarks/.
+See `hvd-onebit bench kernel --help` for the options; the logic lives in hvd_onebit/bench/.
 """
 import sys
 

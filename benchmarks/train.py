@@ -1,6 +1,6 @@
 """The train benchmark as a script: `python benchmarks/train.py [options]` = `hvd-onebit bench train --json [options]`.
 
-See `hvd-onebit bench train --help` for the options; the logic lives in hvd_onebit/benchmarks/.
+See `hvd-onebit bench train --help` for the options; the logic lives in hvd_onebit/bench/.
 """
 import sys
 

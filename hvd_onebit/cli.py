@@ -16,11 +16,11 @@ def main() -> None:
 
 
 def _register() -> None:
-    from .cli_bench import bench
+    from .bench.cli import bench
 
     main.add_command(bench)
     try:
-        from .cli_cluster import cluster
+        from .cluster.cli import cluster
     except ImportError:  # the emulator is optional on machines without iproute2
         return
     main.add_command(cluster)

@@ -94,3 +94,34 @@ def summarize(rows: list[dict]) -> list[dict]:
             r["speedup_vs_fp32"] = base["median_s"] / r["median_s"]
             r["bytes_ratio_vs_fp32"] = r["bytes_per_rank"] / base["bytes_per_rank"] if base["bytes_per_rank"] else None
     return rows
+
+
+def plot(rows: list[dict], path: str) -> None:
+    """A PNG of each method's speed-up over fp32 against the emulated link rate."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from ..cluster.bandwidth import parse_bandwidth
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    keys = sorted({(r["np"], r["numel"], r["method"]) for r in rows if r["method"] != "fp32"})
+    for n, numel, method in keys:
+        pts = []
+        for r in rows:
+            if (r["np"], r["numel"], r["method"]) == (n, numel, method) and r["bandwidth"] != "local":
+                bps = parse_bandwidth(r["bandwidth"])
+                pts.append((bps or 1e11, r.get("speedup_vs_fp32")))
+        pts = sorted(p for p in pts if p[1])
+        if pts:
+            ax.plot([p[0] / 1e9 for p in pts], [p[1] for p in pts], marker="o",
+                    label=f"{method}, np={n}, {numel / 2**20:g}M elements")
+    ax.set_xscale("log")
+    ax.set_xlabel("link bandwidth (Gbit/s; rightmost = unlimited)")
+    ax.set_ylabel("speed-up over fp32 hvd.allreduce")
+    ax.axhline(1, color="grey", lw=0.8)
+    ax.legend(fontsize=7)
+    ax.set_title("Allreduce time, emulated cluster")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)

@@ -10,51 +10,36 @@ Without the privileges to create network namespaces it says so and runs on plain
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import click
 
-from .testing import REPO_ROOT as REPO
-from .testing import job_environment
-
-EXAMPLE = REPO / "examples" / "train_lm.py"
+from .lm import TrainingFailed, find_train_lm, plot_val_loss, train_lm
 
 
 def _run_one(optimizer: str, np_: int, bandwidth: str, steps: int, out_dir: Path,
              emulate: bool, extra: list[str]) -> dict:
-    json_out = out_dir / f"{optimizer}.json"
-    argv = [sys.executable, str(EXAMPLE), "--optimizer", optimizer, "--steps", str(steps),
-            "--eval-every", str(max(1, steps // 12)), "--json-out", str(json_out), *extra]
-    env = job_environment(f"demo-{optimizer}-{os.getpid()}")
+    train_args = ["--steps", str(steps), "--eval-every", str(max(1, steps // 12)), *extra]
     click.echo(f"\n=== {optimizer}: {np_} ranks, "
                f"{bandwidth if emulate else 'loopback (no emulation)'}, {steps} steps")
-    start = time.monotonic()
-    measured = None
-    if emulate:
-        from .emulator import EmulatedCluster
+    try:
+        if emulate:
+            from ..cluster import EmulatedCluster
 
-        def show(rank: int, line: str) -> None:
-            if rank == 0:
-                click.echo(f"  {line.rstrip()}")
+            def show(rank: int, line: str) -> None:
+                if rank == 0:
+                    click.echo(f"  {line.rstrip()}")
 
-        with EmulatedCluster(np=np_, bandwidth=bandwidth) as cluster:
-            result = cluster.run(argv, env=env, timeout=1800, cwd=REPO, on_output=show)
-        if not result.ok:
-            raise click.ClickException(f"the {optimizer} run failed (exit {result.returncode}):\n"
-                                       + result.ranks[result.first_failed_rank or 0].output[-3000:])
-        measured = sum(r.tx_bytes for r in result.ranks) / len(result.ranks)
-    else:
-        cmd = ["horovodrun", "-np", str(np_), "-H", f"localhost:{np_}", "--gloo", *argv]
-        proc = subprocess.run(cmd, env=env, cwd=REPO, timeout=1800)
-        if proc.returncode != 0:
-            raise click.ClickException(f"the {optimizer} run failed (exit {proc.returncode})")
-    summary = json.loads(json_out.read_text())
-    summary["demo_wall_seconds"] = time.monotonic() - start
-    summary["measured_tx_bytes_per_rank"] = measured
+            with EmulatedCluster(np=np_, bandwidth=bandwidth) as cluster:
+                run = train_lm(optimizer, np_, train_args, out_dir, 1800, cluster=cluster,
+                               on_output=show, log_to_file=False)
+        else:
+            run = train_lm(optimizer, np_, train_args, out_dir, 1800, log_to_file=False)
+    except TrainingFailed as exc:
+        raise click.ClickException(str(exc)) from None
+    summary = run.summary
+    summary["demo_wall_seconds"] = run.wall_seconds
+    summary["measured_tx_bytes_per_rank"] = run.measured_tx_bytes_per_rank
     return summary
 
 
@@ -75,34 +60,11 @@ def _row(s: dict, steps: int) -> dict:
     }
 
 
-def _plot(summaries: dict, path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.2))
-    for name, s in summaries.items():
-        curve = s["val_curve"]
-        ax.plot([c["step"] for c in curve], [c["val_loss"] for c in curve], marker=".",
-                label=f"{'1-bit Adam' if name == 'onebit' else 'Horovod Adam'} "
-                      f"(final {s['final_val_loss']:.3f})")
-    freeze = summaries.get("onebit", {}).get("freeze_step")
-    if freeze:
-        ax.axvline(freeze, color="grey", ls="--", lw=0.8, label=f"freeze_step {freeze}")
-    ax.set_xlabel("step")
-    ax.set_ylabel("validation loss (nats/byte)")
-    ax.set_title(title)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-
-
 @click.command()
 @click.option("--np", "np_", default=4, show_default=True, help="Ranks.")
 @click.option("--bandwidth", default="1gbit", show_default=True, help="Emulated link rate.")
 @click.option("--steps", default=300, show_default=True, help="Training steps per optimizer.")
-@click.option("--out-dir", default=str(REPO / "results" / "demo"), show_default=True,
+@click.option("--out-dir", default=str(Path("results") / "demo"), show_default=True,
               type=click.Path(file_okay=False), help="Where the JSON summaries and plot go.")
 @click.option("--no-emulation", is_flag=True, help="Run on plain loopback.")
 @click.argument("extra", nargs=-1)
@@ -111,11 +73,15 @@ def main(np_: int, bandwidth: str, steps: int, out_dir: str, no_emulation: bool,
 
     EXTRA arguments after -- go to examples/train_lm.py (e.g. -- --d-model 256).
     """
+    try:
+        find_train_lm()
+    except FileNotFoundError as exc:
+        raise click.ClickException(str(exc)) from None
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     emulate = not no_emulation
     if emulate:
-        from .emulator import EmulatorError, check_privileges
+        from ..cluster import EmulatorError, check_privileges
 
         try:
             check_privileges()
@@ -128,9 +94,9 @@ def main(np_: int, bandwidth: str, steps: int, out_dir: str, no_emulation: bool,
     rows = [_row(summaries[k], steps) for k in ("adam", "onebit")]
     where = f"{np_} ranks, emulated {bandwidth} links" if emulate else f"{np_} ranks, loopback"
     plot = out / "demo_val_loss.png"
-    _plot(summaries, plot, f"Byte-level LM on pydoc_data.topics, {where}")
+    plot_val_loss(summaries, plot, f"Byte-level LM on pydoc_data.topics, {where}")
 
-    from .cli_bench import machine_info, print_table
+    from .report import machine_info, print_table
 
     info = machine_info()
     click.echo(f"\nResults ({where}; {steps} steps; {info['date']}; {info['cpu_count']} CPUs):")

@@ -23,8 +23,7 @@ of each step):
   then a small MLP head), the shape of recommendation and text-classification models. Its dense
   table gradient is one scatter pass, so compute is a small share of the step.
 * ``mlp``: a wide MLP with few samples per step. Its backward pass still writes every weight
-  gradient with a small matrix product, about 2 ns of CPU per parameter, so with 4 ranks on 2
-  cores compute is a larger share.
+  gradient with a small matrix product, so when ranks share cores compute is a larger share.
 
 Waiting: ``hvd.synchronize`` spins on ``sched_yield`` until an op finishes. When the ranks share
 cores (the emulator puts 4 ranks on this machine's cores), spinning waiters take CPU from ranks
@@ -39,9 +38,15 @@ import os
 import socket
 import statistics
 import time
+
 from ..layout import ring_allreduce_bytes
 from .allreduce import _iface_tx_bytes
 
+# glibc serves allocations above 32 MiB (and, after heap trims, smaller ones) with fresh mmap()s,
+# so a training step that allocates its gradients anew page-faults and zero-fills tens of MB each
+# step (README.md, Benchmarks, has what it cost here). Serving everything from a heap that is
+# never trimmed keeps those pages mapped. (jemalloc or tcmalloc via LD_PRELOAD do the same job.)
+MALLOC_REUSE_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(2**40)}
 METHODS = ("local", "horovod_fp32", "horovod_fp16", "ddp_powersgd", "onebit")
 MODELS = ("mlp", "embedding")
 WAITS = ("sleep", "spin")
@@ -269,3 +274,24 @@ def summarize(rows: list[dict]) -> dict:
                 ddp["compression_step_s"] / ob["compression_step_s"])
     return out
 
+
+def plot(rows: list[dict], path: str, bandwidth: str) -> None:
+    """A PNG bar chart of samples/s per method and phase."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels, values = [], []
+    for r in rows:
+        for phase in ("all", "warmup", "compression"):
+            if f"{phase}_samples_per_s" in r:
+                labels.append(r["method"] + ("" if phase == "all" else f"\n{phase}"))
+                values.append(r[f"{phase}_samples_per_s"])
+    fig, ax = plt.subplots(figsize=(8, 4))
+    ax.bar(range(len(values)), values, color="tab:blue")
+    ax.set_xticks(range(len(values)), labels, fontsize=7)
+    ax.set_ylabel("samples/s (all ranks)")
+    ax.set_title(f"Training throughput, {rows[0]['np']} ranks, {bandwidth}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)

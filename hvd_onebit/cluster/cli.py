@@ -8,8 +8,11 @@ from typing import Optional
 
 import click
 
-from .emulator import (MAX_RANKS, EmulatedCluster, EmulatorError, RunResult, format_bandwidth,
-                       parse_bandwidth)
+from .bandwidth import format_bandwidth, parse_bandwidth
+from .launcher import EmulatedCluster
+from .network import MAX_RANKS
+from .results import RunResult
+from .system import EmulatorError
 
 # What the CLI exits with when it did not get a rank's status (shell conventions).
 EXIT_TIMEOUT = 124

@@ -9,16 +9,17 @@ import os
 import subprocess
 import sys
 
+from pathlib import Path
+
 import pytest
 
-from hvd_onebit.testing import REPO_ROOT
-
+REPO = Path(__file__).resolve().parents[2]
 CLI = [sys.executable, "-m", "hvd_onebit.cli"]
 
 
 def bench(*args, timeout=600):
     proc = subprocess.run(CLI + ["bench", *args], capture_output=True, text=True, timeout=timeout,
-                          cwd=REPO_ROOT)
+                          cwd=REPO)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc
 
@@ -92,7 +93,7 @@ def test_bench_train_on_the_emulator_counts_the_wire_bytes():
 
 def test_bench_train_rejects_an_unknown_method():
     proc = subprocess.run(CLI + ["bench", "train", "--methods", "local,sgd"], capture_output=True,
-                          text=True, timeout=60, cwd=REPO_ROOT)
+                          text=True, timeout=60, cwd=REPO)
     assert proc.returncode != 0 and "unknown methods" in proc.stdout + proc.stderr
 
 

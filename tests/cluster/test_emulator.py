@@ -22,13 +22,13 @@ from pathlib import Path
 import psutil
 import pytest
 
-from hvd_onebit import emulator
-from hvd_onebit.emulator import (EmulatedCluster, EmulatorError, format_bandwidth,
-                                 parse_bandwidth, tbf_params)
+from hvd_onebit.cluster import (EmulatedCluster, EmulatorError, check_privileges, cleanup_stale,
+                                parse_bandwidth)
+from hvd_onebit.cluster.network import NETNS_ETC, STATE_DIR
 
 pytestmark = pytest.mark.multirank
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 SCRIPTS = Path(__file__).resolve().parent / "emulator_scripts"
 ALLREDUCE = str(SCRIPTS / "allreduce.py")
 PROBE = str(SCRIPTS / "rank_probe.py")
@@ -41,7 +41,7 @@ def _can_build_namespaces() -> str | None:
     if os.geteuid() != 0:
         return "the emulator needs root"
     try:
-        emulator.check_privileges()
+        check_privileges()
     except EmulatorError as e:
         return str(e)
     name = f"hob-probe-{uuid.uuid4().hex[:6]}"
@@ -70,10 +70,9 @@ def leftovers(cluster_id: str) -> list[str]:
                            timeout=30).stdout
     found += [f"link {line.split(':')[1].strip()}" for line in links.splitlines()
               if cluster_id in line]
-    if emulator.NETNS_ETC.is_dir():
-        found += [f"/etc/netns/{p.name}" for p in emulator.NETNS_ETC.iterdir()
-                  if cluster_id in p.name]
-    if (emulator.STATE_DIR / f"{cluster_id}.json").exists():
+    if NETNS_ETC.is_dir():
+        found += [f"/etc/netns/{p.name}" for p in NETNS_ETC.iterdir() if cluster_id in p.name]
+    if (STATE_DIR / f"{cluster_id}.json").exists():
         found.append(f"state file {cluster_id}.json")
     return found
 
@@ -120,48 +119,7 @@ def last_json(output: str) -> dict:
     return json.loads([line for line in output.splitlines() if line.startswith("{")][-1])
 
 
-# ----------------------------------------------------------------------------- units (no root)
-
-
-@pytest.mark.parametrize("text, bps", [
-    ("10mbit", 10_000_000), ("100mbit", 100_000_000), ("1gbit", 10**9), ("10gbit", 10**10),
-    ("2.5gbit", 2_500_000_000), ("500kbit", 500_000), ("64000", 64_000), (" 1GBit ", 10**9),
-    ("unlimited", None), ("none", None), (None, None), (123_456, 123_456),
-])
-def test_parse_bandwidth(text, bps):
-    assert parse_bandwidth(text) == bps
-
-
-@pytest.mark.parametrize("text", ["fast", "1gbps", "100MB/s", "", "-5mbit", "10 mbits", "1bit"])
-def test_parse_bandwidth_rejects_nonsense(text):
-    with pytest.raises(ValueError):
-        parse_bandwidth(text)
-
-
-def test_format_bandwidth_round_trips():
-    for text in ("10mbit", "100mbit", "1gbit", "10gbit", "2500kbit", "unlimited"):
-        assert format_bandwidth(parse_bandwidth(text)) == text
-
-
-def test_tbf_params_are_sane_from_10mbit_to_10gbit():
-    for text in ("10mbit", "100mbit", "1gbit", "10gbit"):
-        p = tbf_params(parse_bandwidth(text))
-        assert p.burst_bytes >= 64 * 1024  # whole GSO packets pass without being split
-        assert p.limit_bytes >= 2 * p.burst_bytes
-        assert p.limit_bytes >= p.burst_bytes + 256 * 1024  # a switch port's buffer at least
-        if p.rate_bps >= 10**8:
-            assert p.limit_bytes * 8 / p.rate_bps < 0.05  # and shallow: < 50 ms of line rate
-        assert p.tc_args()[:3] == ["tbf", "rate", f"{p.rate_bps}bit"]
-
-
-def test_queue_depth_sets_the_tbf_limit():
-    bps = parse_bandwidth("100mbit")
-    shallow, deep = tbf_params(bps), tbf_params(bps, queue_ms=50)
-    assert deep.burst_bytes == shallow.burst_bytes
-    assert shallow.limit_bytes == shallow.burst_bytes + 256 * 1024  # 2 ms is below the floor
-    assert deep.limit_bytes == shallow.burst_bytes + int(bps / 8 * 0.050)
-    with pytest.raises(ValueError, match="queue_ms"):
-        tbf_params(bps, queue_ms=-1)
+# ----------------------------------------------------------------------------- no root needed
 
 
 def test_help_explains_every_option():
@@ -385,7 +343,7 @@ def test_sigkill_of_the_launcher_kills_ranks_and_next_cluster_cleans_up():
     cid = cluster_id_from(err)
     assert wait_gone(token) == []
     assert leftovers(cid) != []  # nobody cleaned up yet...
-    assert cid in emulator.cleanup_stale()
+    assert cid in cleanup_stale()
     assert leftovers(cid) == []  # ...until the next cluster (or cleanup_stale) does
 
 

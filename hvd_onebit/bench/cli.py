@@ -3,16 +3,16 @@ from __future__ import annotations
 
 import contextlib
 import json
-import platform
-import time
 from typing import Optional
 
 import click
 
-from .benchmarks.allreduce import DEFAULT_METHODS, METHODS, summarize
-from .benchmarks.train import METHODS as TRAIN_METHODS
-from .benchmarks.train import MODELS as TRAIN_MODELS
-from .benchmarks.train import WAITS as TRAIN_WAITS
+from .allreduce import DEFAULT_METHODS, METHODS, summarize
+from .report import machine_info, print_table
+from .train import MALLOC_REUSE_ENV
+from .train import METHODS as TRAIN_METHODS
+from .train import MODELS as TRAIN_MODELS
+from .train import WAITS as TRAIN_WAITS
 
 SIZE_SUFFIX = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
 
@@ -32,30 +32,6 @@ def _csv(kind):
         except ValueError as exc:
             raise click.BadParameter(str(exc)) from exc
     return convert
-
-
-def machine_info() -> dict:
-    import os
-
-    return {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "host": platform.node(),
-            "cpu_count": os.cpu_count(), "platform": platform.platform(),
-            "python": platform.python_version()}
-
-
-def print_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> None:
-    """columns: (header, key, format spec)."""
-    cells = [[h for h, _, _ in columns]]
-    for r in rows:
-        line = []
-        for _, key, fmt in columns:
-            v = r.get(key)
-            line.append("-" if v is None else format(v, fmt))
-        cells.append(line)
-    widths = [max(len(c[i]) for c in cells) for i in range(len(columns))]
-    for k, line in enumerate(cells):
-        click.echo("  ".join(c.rjust(w) for c, w in zip(line, widths)))
-        if k == 0:
-            click.echo("  ".join("-" * w for w in widths))
 
 
 def _real_cluster_options(command):
@@ -81,7 +57,7 @@ def bench() -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 def bench_kernel(numel: int, ranks: int, threads: int, repeats: int, as_json: bool) -> None:
     """Compression-kernel throughput as a ratio to torch.add(x, e, out=y) (target >= 0.5)."""
-    from .benchmarks.kernel import bench_kernels
+    from .kernel import bench_kernels
 
     result = bench_kernels(numel=numel, ranks=ranks, threads=threads, repeats=repeats)
     result["machine"] = machine_info()
@@ -112,7 +88,7 @@ def _cluster_for(np_: int, bandwidth: Optional[str], queue_ms: float = 2.0):
     if bandwidth in (None, "", "none", "local"):
         yield None
         return
-    from .emulator import EmulatedCluster
+    from ..cluster import EmulatedCluster
 
     with EmulatedCluster(np=np_, bandwidth=bandwidth, queue_ms=queue_ms) as cluster:
         yield cluster
@@ -150,7 +126,7 @@ def _queue_option(command):
 def bench_allreduce(nps, sizes, bandwidths, methods, repeats, controller, hosts,
                     shared_dir, queue_ms, timeout, plot, as_json) -> None:
     """fp32 hvd.allreduce vs Compression.fp16 vs OneBitAllreduce: time per call and bytes."""
-    from .testing import run_job
+    from ..testing import run_job
 
     bad = [m for m in methods if m not in METHODS]
     if bad:
@@ -164,7 +140,7 @@ def bench_allreduce(nps, sizes, bandwidths, methods, repeats, controller, hosts,
         for n, bw in bar:
             kwargs = {"sizes": sizes, "methods": tuple(methods), "repeats": repeats}
             with _cluster_for(n, None if hosts else bw, queue_ms) as cluster:
-                job = run_job("hvd_onebit.benchmarks.allreduce:allreduce_worker", np=n,
+                job = run_job("hvd_onebit.bench.allreduce:allreduce_worker", np=n,
                               controller=controller, kwargs=kwargs, timeout=timeout,
                               cluster=cluster, hosts=hosts, shared_dir=shared_dir)
             for r in job.results[0]:
@@ -174,7 +150,9 @@ def bench_allreduce(nps, sizes, bandwidths, methods, repeats, controller, hosts,
     report = {"benchmark": "allreduce", "machine": machine_info(), "queue_ms": queue_ms,
               "rows": rows}
     if plot:
-        _plot_allreduce(rows, plot)
+        from .allreduce import plot as plot_allreduce
+
+        plot_allreduce(rows, plot)
         report["plot"] = plot
     if as_json:
         click.echo(json.dumps(report, indent=2))
@@ -189,44 +167,6 @@ def bench_allreduce(nps, sizes, bandwidths, methods, repeats, controller, hosts,
                        ("speed-up vs fp32", "speedup_vs_fp32", ".2f"),
                        ("MB/rank", "mb", ",.2f"), ("measured MB/rank", "measured_mb", ",.2f"),
                        ("bytes vs fp32", "bytes_ratio_vs_fp32", ".4f")])
-
-
-def _plot_allreduce(rows: list[dict], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from .emulator import parse_bandwidth
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    keys = sorted({(r["np"], r["numel"], r["method"]) for r in rows if r["method"] != "fp32"})
-    for n, numel, method in keys:
-        pts = []
-        for r in rows:
-            if (r["np"], r["numel"], r["method"]) == (n, numel, method) and r["bandwidth"] != "local":
-                bps = parse_bandwidth(r["bandwidth"])
-                pts.append((bps or 1e11, r.get("speedup_vs_fp32")))
-        pts = sorted(p for p in pts if p[1])
-        if pts:
-            ax.plot([p[0] / 1e9 for p in pts], [p[1] for p in pts], marker="o",
-                    label=f"{method}, np={n}, {numel / 2**20:g}M elements")
-    ax.set_xscale("log")
-    ax.set_xlabel("link bandwidth (Gbit/s; rightmost = unlimited)")
-    ax.set_ylabel("speed-up over fp32 hvd.allreduce")
-    ax.axhline(1, color="grey", lw=0.8)
-    ax.legend(fontsize=7)
-    ax.set_title("Allreduce time, emulated cluster")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-
-
-# glibc serves allocations above 32 MiB (and, after heap trims, smaller ones) with fresh mmap()s,
-# so a training step that allocates its gradients anew page-faults and zero-fills tens of MB each
-# step: measured 14.5 ms for torch.zeros(8.4M) against 1.0 ms with these settings, and a 9.4M
-# parameter MLP's forward+backward 31 ms against 17 ms. Serving everything from a heap that is
-# never trimmed keeps those pages mapped. (jemalloc or tcmalloc via LD_PRELOAD do the same job.)
-MALLOC_REUSE_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(2**40)}
 
 
 @bench.command("train")
@@ -272,8 +212,8 @@ def bench_train(np_, bandwidth, steps, warmup_frac, model, width, depth, vocab, 
     """End-to-end samples/s and bytes per step: Horovod Adam (fp32, fp16), DDP + PowerSGD and
     1-bit Adam, per phase and over a whole run. Also reports what share of the Horovod fp32
     step is communication (the 'local' method runs the same step without any)."""
-    from .benchmarks.train import summarize as summarize_train
-    from .testing import run_job
+    from .train import summarize as summarize_train
+    from ..testing import run_job
 
     bad = [m for m in methods if m not in TRAIN_METHODS]
     if bad:
@@ -285,7 +225,7 @@ def bench_train(np_, bandwidth, steps, warmup_frac, model, width, depth, vocab, 
     click.echo(f"training {len(methods)} methods x {steps} steps on {np_} ranks "
                f"({'real hosts' if hosts else bandwidth})...", err=True)
     with _cluster_for(np_, None if hosts else bandwidth, queue_ms) as cluster:
-        job = run_job("hvd_onebit.benchmarks.train:train_worker", np=np_, kwargs=kwargs,
+        job = run_job("hvd_onebit.bench.train:train_worker", np=np_, kwargs=kwargs,
                       timeout=timeout, cluster=cluster, hosts=hosts, shared_dir=shared_dir,
                       env=MALLOC_REUSE_ENV if malloc_mode == "reuse" else None)
     rows = job.results[0]
@@ -295,7 +235,9 @@ def bench_train(np_, bandwidth, steps, warmup_frac, model, width, depth, vocab, 
               "config": {**kwargs, "malloc": malloc_mode}, "rows": rows,
               "summary": summary, "wall_seconds": job.wall_seconds}
     if plot:
-        _plot_train(rows, plot, report["bandwidth"])
+        from .train import plot as plot_train
+
+        plot_train(rows, plot, report["bandwidth"])
         report["plot"] = plot
     if as_json:
         click.echo(json.dumps(report, indent=2))
@@ -320,25 +262,3 @@ def bench_train(np_, bandwidth, steps, warmup_frac, model, width, depth, vocab, 
                         ("measured MB/step/rank", "mb", ",.2f"), ("run s", "run_s", ",.2f")])
     for k, v in summary.items():
         click.echo(f"{k}: {v:.3f}")
-
-
-
-def _plot_train(rows: list[dict], path: str, bandwidth: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    labels, values = [], []
-    for r in rows:
-        for phase in ("all", "warmup", "compression"):
-            if f"{phase}_samples_per_s" in r:
-                labels.append(r["method"] + ("" if phase == "all" else f"\n{phase}"))
-                values.append(r[f"{phase}_samples_per_s"])
-    fig, ax = plt.subplots(figsize=(8, 4))
-    ax.bar(range(len(values)), values, color="tab:blue")
-    ax.set_xticks(range(len(values)), labels, fontsize=7)
-    ax.set_ylabel("samples/s (all ranks)")
-    ax.set_title(f"Training throughput, {rows[0]['np']} ranks, {bandwidth}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)

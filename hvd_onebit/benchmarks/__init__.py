@@ -1,1 +1,0 @@
-"""Benchmarks behind `hvd-onebit bench ...`; each returns plain dicts ready for JSON."""

@@ -1,0 +1,71 @@
+"""What one run of a command on the emulated cluster did: per-rank status, bytes and output."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Optional
+
+from .bandwidth import format_bandwidth
+
+
+@dataclass
+class RankResult:
+    """What one rank did during one :meth:`EmulatedCluster.run`.
+
+    ``exit_code``: the command's exit status as a shell reports it (128 + N if killed by signal N);
+    ``killed``: it was still running when the emulator killed the job (another rank failed,
+    timeout, interrupt); it may still have exited with its own status in the grace period. It
+    gets SIGTERM once its command has started (a rank still in its set-up gets it when the set-up
+    is done), so it reports 143 unless its command handles SIGTERM, or 137 if it was still
+    running at the end of the grace period;
+    ``tx_bytes`` / ``rx_bytes``: bytes the rank's host sent / received on its link during the run
+    (Ethernet frames, so including TCP/IP headers and Horovod's control traffic);
+    ``output``: its stdout and stderr, interleaved; ``log_path``: where that was also written.
+    """
+
+    rank: int
+    hostname: str
+    address: str
+    exit_code: Optional[int]
+    killed: bool
+    tx_bytes: int
+    rx_bytes: int
+    output: str = field(repr=False, default="")
+    log_path: Optional[str] = None
+
+
+@dataclass
+class RunResult:
+    """One command run on every rank. ``wall_seconds``: launch to last rank's exit."""
+
+    ranks: list[RankResult]
+    wall_seconds: float
+    bandwidth_bps: Optional[int]
+    timed_out: bool = False
+    first_failed_rank: Optional[int] = None
+
+    @property
+    def ok(self) -> bool:
+        return not self.timed_out and all(r.exit_code == 0 for r in self.ranks)
+
+    @property
+    def returncode(self) -> int:
+        """0 on success, 124 on timeout, else the exit code of the first rank that failed."""
+        if self.timed_out:
+            return 124
+        if self.first_failed_rank is not None:
+            return self.ranks[self.first_failed_rank].exit_code or 1
+        return next((r.exit_code or 1 for r in self.ranks if r.exit_code != 0), 0)
+
+    @property
+    def tx_bytes(self) -> int:
+        return sum(r.tx_bytes for r in self.ranks)
+
+    def to_dict(self, with_output: bool = False) -> dict:
+        ranks = [asdict(r) for r in self.ranks]
+        if not with_output:
+            for r in ranks:
+                r.pop("output")
+        return {"np": len(self.ranks), "bandwidth": format_bandwidth(self.bandwidth_bps),
+                "bandwidth_bps": self.bandwidth_bps, "wall_seconds": round(self.wall_seconds, 3),
+                "timed_out": self.timed_out, "first_failed_rank": self.first_failed_rank,
+                "returncode": self.returncode, "ranks": ranks}
