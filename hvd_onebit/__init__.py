@@ -17,6 +17,7 @@ _PUBLIC = {
     "AllreduceHandle": ".collective",
     "NonFiniteInputError": ".collective",
     "OneBitAllreduce": ".collective",
+    "synchronize_all": ".collective",
     "Layout": ".layout",
     "DistributedOptimizer": ".optimizer",
 }

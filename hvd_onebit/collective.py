@@ -18,14 +18,15 @@ averages. They are rank-local state (``state_dict`` / ``load_state_dict``).
 A call either completes and commits both error buffers, or raises and leaves them untouched: a
 non-finite input on any rank travels as a status word in every row of stage 1, so every rank raises
 :class:`NonFiniteInputError` after the same collective instead of one rank raising and the others
-hanging.
+hanging. :func:`synchronize_all` extends this to several calls (one per bucket of a training step):
+all commit, or none does.
 """
 from __future__ import annotations
 
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Sequence
 
 import horovod.torch as hvd
 import torch
@@ -50,11 +51,16 @@ class NonFiniteInputError(FloatingPointError):
 
 @dataclass
 class AllreduceHandle:
-    """An allreduce started by :meth:`OneBitAllreduce.allreduce_async`; pass it to ``synchronize``."""
+    """An allreduce started by :meth:`OneBitAllreduce.allreduce_async`; pass it to ``synchronize``
+    (or, with other calls that must succeed or fail together, to :func:`synchronize_all`)."""
 
     out: torch.Tensor
     out32: torch.Tensor
-    stage1: object = None
+    stage1: object = None  # transport handle of the alltoall, None without communication
+    stage2: object = None  # transport handle of the allgather, once started
+    recv: Optional[torch.Tensor] = None  # stage 1's received rows
+    gathered: Optional[torch.Tensor] = None  # stage 2's received rows
+    local_bad: bool = False  # one rank: the input held inf/NaN
     started: float = field(default_factory=time.perf_counter)
     done: bool = False
 
@@ -213,9 +219,9 @@ class OneBitAllreduce:
             # One rank, or nothing to send: the mean is the input, with the same input contract.
             if x32 is None:
                 x32 = src.materialize()
-            if not bool(torch.isfinite(x32).all()):
-                raise NonFiniteInputError([self.rank], "in the input")
-            out32.copy_(x32)
+            handle.local_bad = not bool(torch.isfinite(x32).all())
+            if not handle.local_bad:
+                out32.copy_(x32)
             self._in_flight = True
             return handle
         L = self.layout
@@ -239,53 +245,86 @@ class OneBitAllreduce:
         call has succeeded on every rank, fused into the decode pass where the native kernel
         can; a failed call applies nothing. Passing it here, not at the start, lets the caller
         prepare it while stage 1 is on the wire.
+
+        Raises:
+            NonFiniteInputError: on every rank, if any rank's input (or a server's average) held
+                inf or NaN; the output, the error feedback and ``update``'s tensors are untouched.
         """
+        return synchronize_all([(self, handle)], [update])[0]
+
+    # ---- the phases of a call, driven by synchronize_all ------------------------------------------
+
+    def _claim(self, handle: AllreduceHandle) -> None:
         if handle.done:
             raise RuntimeError("this allreduce handle was already synchronized")
         handle.done = True
-        update_applied = False
-        try:
-            if handle.stage1 is not None:
-                update_applied = self._finish(handle, update)
-        finally:
-            self._in_flight = False
+
+    def _wait_stage1(self, handle: AllreduceHandle) -> list[int]:
+        """Wait for stage 1; return the ranks whose input was not finite (the same on every rank:
+        each row carries its sender's status)."""
+        if handle.stage1 is None:
+            return [self.rank] if handle.local_bad else []
+        stage1, handle.stage1 = handle.stage1, None
+        handle.recv = self.transport.wait(stage1).reshape(-1)
+        return self._bad_ranks(handle.recv)
+
+    def _start_stage2(self, handle: AllreduceHandle) -> None:
+        """Server step into the spare buffers (nothing committed yet), then start stage 2."""
+        if handle.recv is None:
+            return
+        L = self.layout
+        kernels.server_compress(handle.recv, self._server_z, self._server_sent, self._server_z_next,
+                                self._server_row, L, self.backend)
+        handle.stage2 = self.transport.allgather_async(self._server_row.view(1, L.row_bytes),
+                                                       name=f"{self.name}.allgather")
+
+    def _wait_stage2(self, handle: AllreduceHandle) -> list[int]:
+        """Wait for stage 2; return the servers whose average was not finite (same everywhere)."""
+        if handle.stage2 is None:
+            return []
+        stage2, handle.stage2 = handle.stage2, None
+        handle.gathered = self.transport.wait(stage2).reshape(-1)
+        return self._bad_ranks(handle.gathered)
+
+    def _drain(self, handle: AllreduceHandle) -> None:
+        """Wait out whatever of this call is still on the wire, ignoring its result: a call
+        abandoned by its group leaves no collective in flight under its names."""
+        for attr in ("stage1", "stage2"):
+            pending = getattr(handle, attr)
+            setattr(handle, attr, None)
+            if pending is not None:
+                self.transport.wait(pending)
+
+    def _commit(self, handle: AllreduceHandle, update: Optional[kernels.AdamUpdate]) -> None:
+        """Decode (with ``update`` fused where possible), then adopt the new error feedback."""
+        L = self.layout
+        applied = False
+        if handle.gathered is not None:
+            applied = update is not None and handle.out32.data_ptr() == handle.out.data_ptr()
+            if applied:
+                kernels.decode_update(handle.gathered, handle.out32, L, update, self.backend)
+            else:
+                kernels.decode(handle.gathered, handle.out32, L, self.backend)
+            self._worker_y, self._worker_y_next = self._worker_y_next, self._worker_y
+            self._sent, self._send = self._send, self._sent
+            self._server_z, self._server_z_next = self._server_z_next, self._server_z
+            self._server_sent, self._server_row = self._server_row, self._server_sent
+            self.wire_bytes = L.wire_bytes
+            self.total_wire_bytes += L.wire_bytes
         if handle.out32.data_ptr() != handle.out.data_ptr():
             handle.out.view(-1).copy_(handle.out32)
-        if update is not None and not update_applied:
+        if update is not None and not applied:
             update.apply(handle.out)
+        handle.recv = handle.gathered = None
         self.last_seconds = time.perf_counter() - handle.started
         self.calls += 1
-        return handle.out
 
-    def _finish(self, handle: AllreduceHandle, update: Optional[kernels.AdamUpdate]) -> bool:
-        """Server step, stage 2 and decode; returns whether ``update`` was applied in the decode."""
-        L = self.layout
-        recv = self.transport.wait(handle.stage1).reshape(-1)
-        self._raise_if_bad(kernels.row_status(recv, L, L.n), "in the input")
-        kernels.server_compress(recv, self._server_z, self._server_sent, self._server_z_next,
-                                self._server_row, L, self.backend)
-        gathered = self.transport.wait(self.transport.allgather_async(
-            self._server_row.view(1, L.row_bytes), name=f"{self.name}.allgather")).reshape(-1)
-        self._raise_if_bad(kernels.row_status(gathered, L, L.n), "in the server average")
-        fused = update is not None and handle.out32.data_ptr() == handle.out.data_ptr()
-        if fused:
-            kernels.decode_update(gathered, handle.out32, L, update, self.backend)
-        else:
-            kernels.decode(gathered, handle.out32, L, self.backend)
-        # Every rank succeeded: commit the new error feedback.
-        self._worker_y, self._worker_y_next = self._worker_y_next, self._worker_y
-        self._sent, self._send = self._send, self._sent
-        self._server_z, self._server_z_next = self._server_z_next, self._server_z
-        self._server_sent, self._server_row = self._server_row, self._server_sent
-        self.wire_bytes = L.wire_bytes
-        self.total_wire_bytes += L.wire_bytes
-        return fused
+    def _release(self) -> None:
+        self._in_flight = False
 
-    @staticmethod
-    def _raise_if_bad(status: torch.Tensor, stage: str) -> None:
-        bad = torch.nonzero(status).flatten().tolist()
-        if bad:
-            raise NonFiniteInputError(bad, stage)
+    def _bad_ranks(self, rows: torch.Tensor) -> list[int]:
+        status = kernels.row_status(rows, self.layout, self.layout.n)
+        return torch.nonzero(status).flatten().tolist()
 
     # ---- error-feedback state ---------------------------------------------------------------------
 
@@ -324,3 +363,59 @@ class OneBitAllreduce:
         kernels.set_identity_rows(self._sent, self.layout, self.layout.n)
         self._server_z.copy_(state["server_error"])
         kernels.set_identity_rows(self._server_sent, self.layout, 1)
+
+
+def synchronize_all(calls: Sequence[tuple[OneBitAllreduce, AllreduceHandle]],
+                    updates: Optional[Sequence[Optional[kernels.AdamUpdate]]] = None
+                    ) -> list[torch.Tensor]:
+    """Finish several started allreduces as one transaction: every call commits, or none does.
+
+    A training step spans several buckets, each its own call; a step must never be half applied.
+    Stage 1 of every call is waited for before any output is written, and the statuses in the
+    rows (every rank's, in every row) tell every rank the same thing, so the decision to commit
+    or abandon is the same on every rank without another collective. Stage 2 of a call starts
+    as soon as its stage 1 is in and no earlier call of the group saw a bad value; stage 2 can
+    only fail if a server's average overflowed, and is agreed the same way. On failure nothing
+    is written (outputs, error feedback, ``updates``' tensors), every started collective has
+    been waited out, and the calls are ready for the next step.
+
+    Args:
+        calls: (collective, handle) pairs, in the same order on every rank.
+        updates: per call, an optional :class:`hvd_onebit.kernels.AdamUpdate` applied to its output
+            in the decode pass, only once every call has succeeded.
+    Returns:
+        The outputs, in the order of ``calls``.
+    Raises:
+        NonFiniteInputError: on every rank, naming the ranks whose values were not finite.
+    """
+    updates = list(updates) if updates is not None else [None] * len(calls)
+    if len(updates) != len(calls):
+        raise ValueError(f"{len(updates)} updates for {len(calls)} calls")
+    for comm, handle in calls:
+        comm._claim(handle)
+    try:
+        bad_inputs: set[int] = set()
+        for comm, handle in calls:
+            bad_inputs.update(comm._wait_stage1(handle))
+            if not bad_inputs:
+                comm._start_stage2(handle)
+        bad_servers: set[int] = set()
+        for comm, handle in calls:
+            bad_servers.update(comm._wait_stage2(handle))
+        if bad_inputs:
+            raise NonFiniteInputError(sorted(bad_inputs), "in the input")
+        if bad_servers:
+            raise NonFiniteInputError(sorted(bad_servers), "in the server average")
+        for (comm, handle), update in zip(calls, updates):
+            comm._commit(handle, update)
+    except BaseException:
+        for comm, handle in calls:
+            try:
+                comm._drain(handle)
+            except Exception:  # the transport itself failed (a lost rank): nothing to wait for
+                pass
+        raise
+    finally:
+        for comm, _ in calls:
+            comm._release()
+    return [handle.out for _, handle in calls]

@@ -72,7 +72,9 @@ def fuse(params: list[torch.Tensor], momenta: list[torch.Tensor],
          bucket_numel: int) -> list[Bucket]:
     """Copy ``momenta`` (one per parameter) into fresh flat buckets; return the buckets.
 
-    The caller replaces each parameter's ``exp_avg`` with ``bucket.momentum_view(i)``.
+    A bucket's buffer has its members' momentum dtype (float32 for float16 and bfloat16
+    parameters, whose optimizer state is float32). The caller replaces each parameter's
+    ``exp_avg`` with ``bucket.momentum_view(i)``.
     """
     out = []
     for index, members in enumerate(plan_buckets(params, bucket_numel)):
@@ -81,7 +83,7 @@ def fuse(params: list[torch.Tensor], momenta: list[torch.Tensor],
         for p in ps:
             offsets.append(total)
             total += p.numel()
-        like = ps[0]
+        like = momenta[members[0]]
         momentum = torch.empty(total, dtype=like.dtype, device=like.device)
         bucket = Bucket(index=index, params=ps, offsets=offsets, numel=total, momentum=momentum)
         for j, i in enumerate(members):

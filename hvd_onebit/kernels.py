@@ -226,7 +226,8 @@ class AdamUpdate:
     afterwards (how the optimizer keeps elements whose frozen variance is 0 out of training).
 
     Attributes:
-        weights: each parameter's data, laid end to end in ``m``'s order (None = not here).
+        weights: each parameter's data, laid end to end in ``m``'s order (None = not here);
+            float16/bfloat16 weights are updated in float32 and rounded once.
         denoms: ``sqrt(v / bc2) + eps`` for each weight, same shape (None with its weight).
         sizes: elements of each parameter; they sum to m's numel.
         steps, decays: per parameter.
@@ -250,10 +251,14 @@ class AdamUpdate:
         for w, d, size, step, decay in zip(self.weights, self.denoms, self.sizes, self.steps,
                                            self.decays):
             if w is not None:
-                if decay != 1.0:
-                    w.mul_(decay)
                 m_here = flat[start:start + size].view_as(w)
-                w.addcdiv_(m_here, d, value=step)
+                # float16/bfloat16 weights: the update in float32, rounded once
+                target = w if w.dtype == m_here.dtype else w.float()
+                if decay != 1.0:
+                    target.mul_(decay)
+                target.addcdiv_(m_here, d, value=step)
+                if target is not w:
+                    w.copy_(target)
                 m_here.masked_fill_(d == math.inf, 0.0)
             start += size
 

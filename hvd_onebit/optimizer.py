@@ -39,15 +39,18 @@ from horovod.torch.compression import Compression
 from horovod.torch.mpi_ops import Adasum, Average, Sum
 from horovod.torch.optimizer import _DistributedOptimizer
 
-from .collective import NonFiniteInputError, OneBitAllreduce
+from . import elastic
+from .collective import NonFiniteInputError, OneBitAllreduce, synchronize_all
+from .config import DEFAULT_BUCKET_MB, OneBitConfig
 from .fusion import Bucket, fuse
 from .kernels import AdamUpdate, MomentumInput
 from .layout import ring_allreduce_bytes
+from .low_precision import (WidenBfloat16, adam_step_float32, float32_state_in, is_low_precision,
+                            state_dtype)
 from .transports import sleep_until_done
 
-COMPRESSORS = ("onebit", "none")
-DEFAULT_BUCKET_MB = 64.0
 STEP_KEY = "onebit_step"  # param_groups[0] entry holding the optimizer step count
+NOT_FROZEN = -1  # state["frozen_variance_step"] before the freeze
 
 
 def _scalar_step(group: dict, p: torch.Tensor) -> torch.Tensor:
@@ -67,19 +70,22 @@ class _OneBitMixin:
     """
 
     def __init__(self, params, named_parameters, compression, backward_passes_per_step, op,
-                 gradient_predivide_factor, groups, sparse_as_dense, process_set, freeze_step,
-                 compressor, block_size, transport, kernel_backend, bucket_size_mb, check_every):
-        _DistributedOptimizer.__init__(self, params, named_parameters, compression,
+                 gradient_predivide_factor, groups, sparse_as_dense, process_set,
+                 config: OneBitConfig):
+        # bfloat16 gradients cross Horovod's allreduce (which refuses bfloat16) as float32.
+        _DistributedOptimizer.__init__(self, params, named_parameters, WidenBfloat16(compression),
                                        backward_passes_per_step, op, gradient_predivide_factor,
                                        groups, sparse_as_dense, process_set)
-        self.freeze_step = freeze_step
-        self.compressor = compressor
-        self.block_size = block_size
-        self.transport = transport
-        self.kernel_backend = kernel_backend
-        self.bucket_size_mb = bucket_size_mb
-        self.check_every = check_every
+        self.config = config
+        self.freeze_step = config.freeze_step  # a checkpoint past its freeze keeps its own
+        self.compressor = config.compressor
+        self.block_size = config.block_size
+        self.transport = config.transport
+        self.kernel_backend = config.kernel_backend
+        self.bucket_size_mb = config.bucket_size_mb
+        self.check_every = config.check_every
         self.param_groups[0].setdefault(STEP_KEY, 0)
+        self._generation = 0  # bumped when every collective must be rebuilt (elastic reset)
         self._buckets: Optional[list[Bucket]] = None
         self._variance_scanned_for: Optional[list[Bucket]] = None
         self._bucket_params: list[torch.Tensor] = []
@@ -104,13 +110,18 @@ class _OneBitMixin:
         # Create Adam's state now, with Adam's own initial values, rather than lazily at the first
         # step: hvd.broadcast_optimizer_state would otherwise run a step to create it, and on this
         # optimizer a step communicates and counts.
+        # Every key exists from the start, with the same types on every rank and in every phase:
+        # hvd.broadcast_optimizer_state (an elastic sync) matches entries by name, so a worker
+        # joining in the compression phase must already hold "frozen_variance_step".
         for group in self.param_groups:
             for p in group["params"]:
                 state = self.state[p]
                 if len(state) == 0:
                     state["step"] = _scalar_step(group, p)
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    like = dict(dtype=state_dtype(p), memory_format=torch.preserve_format)
+                    state["exp_avg"] = torch.zeros_like(p, **like)
+                    state["exp_avg_sq"] = torch.zeros_like(p, **like)
+                state.setdefault("frozen_variance_step", NOT_FROZEN)
 
     @property
     def _world(self) -> int:
@@ -155,14 +166,42 @@ class _OneBitMixin:
         return sd
 
     def load_state_dict(self, state_dict: dict) -> None:
+        """Load a :meth:`state_dict`. A checkpoint taken in the compression phase stays there:
+        its variance was frozen at its own ``freeze_step``, which wins over this optimizer's
+        (with a warning when they differ). A warmup checkpoint takes this optimizer's."""
         state_dict = dict(state_dict)
         meta = state_dict.pop("onebit", None)
+        params = [p for g in self.param_groups for p in g["params"]]
+        wide = float32_state_in(state_dict, params)
         _DistributedOptimizer.load_state_dict(self, state_dict)
+        # torch cast every state tensor to its parameter's dtype: put float32 state back.
+        ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        for pid, p in zip(ids, params):
+            for key, value in wide.get(pid, {}).items():
+                self.state[p][key] = value.to(device=p.device, copy=True)
         if meta is not None:
             self.skipped_steps = int(meta.get("skipped_steps", 0))
-        self._buckets = None  # exp_avg tensors were replaced: re-fuse at the next step
-        self._denoms.clear()
+            saved_freeze = int(meta.get("freeze_step", self.freeze_step))
+            if self._completed_steps >= saved_freeze and saved_freeze != self.freeze_step:
+                warnings.warn(
+                    f"hvd_onebit: the checkpoint is in the compression phase (step "
+                    f"{self._completed_steps}, frozen at freeze_step={saved_freeze}); it keeps "
+                    f"its frozen variance and freeze_step={saved_freeze}, not {self.freeze_step}")
+                self.freeze_step = saved_freeze
         self._init_state()
+        self.reset_collectives()  # exp_avg tensors were replaced: re-fuse at the next step
+
+    def reset_collectives(self) -> None:
+        """Drop the fused buckets, the frozen denominators and every 1-bit collective (with its
+        error feedback); the next compressed step rebuilds them. Every rank must call it at the
+        same point (elastic resets do, through :mod:`hvd_onebit.elastic`), so that the rebuilt
+        collectives match across ranks."""
+        self._buckets = None
+        self._variance_scanned_for = None
+        self._bucket_params = []
+        self._comms.clear()
+        self._denoms.clear()
+        self._generation += 1
 
     def add_param_group(self, param_group: dict) -> None:
         if self.param_groups and self._completed_steps >= getattr(self, "freeze_step", 1 << 62):
@@ -309,6 +348,11 @@ class _OneBitMixin:
             if handle is not None and not callable(handle):
                 sleep_until_done(handle)
         _DistributedOptimizer.synchronize(self)
+        if self.sparse_as_dense:
+            # Horovod hands the averaged gradient back sparse; Adam takes dense gradients only.
+            for p in self._requires_update:
+                if p.grad is not None and p.grad.is_sparse:
+                    p.grad = p.grad.to_dense()
         self._warmup_wait += time.perf_counter() - start
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -379,7 +423,7 @@ class _OneBitMixin:
                 self.skipped_steps += 1
                 loss = None
             else:
-                loss = super(self.__class__, self).step(closure)
+                loss = self._adam_step(closure)
                 self._completed_steps += 1
             self._account(self._warmup_bytes(), self._warmup_wait)
             return loss
@@ -418,8 +462,35 @@ class _OneBitMixin:
             self.skipped_steps += 1
             warnings.warn("hvd_onebit: step skipped on every rank: non-finite averaged gradients")
             return None
-        loss = super(self.__class__, self).step(closure)
+        loss = self._adam_step(closure)
         self._completed_steps += 1
+        return loss
+
+    def _adam_step(self, closure):
+        """The wrapped Adam's step on the averaged gradients; float16 and bfloat16 parameters
+        step in float32 with their float32 state (:mod:`hvd_onebit.low_precision`)."""
+        loss = self._closure_loss(closure)
+        low = []
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise TypeError(
+                        f"parameter {self._parameter_names.get(p, '?')} has a sparse gradient; "
+                        "Adam needs dense gradients: pass sparse_as_dense=True")
+                if is_low_precision(p):
+                    low.append((p, group))
+        stashed = [p.grad for p, _ in low]
+        for p, _ in low:
+            p.grad = None  # torch's Adam skips parameters without a gradient
+        try:
+            super(self.__class__, self).step()
+        finally:
+            for (p, _), g in zip(low, stashed):
+                p.grad = g
+        for p, group in low:
+            adam_step_float32(p, self.state[p], group, self._decoupled(group))
         return loss
 
     def _account(self, nbytes: int, seconds: float) -> None:
@@ -430,8 +501,10 @@ class _OneBitMixin:
 
     def _warmup_bytes(self) -> int:
         """Bytes a bandwidth-optimal ring allreduce sends per rank for this step's gradients."""
-        elem = 2 if self._compression is Compression.fp16 else None
-        total = sum(p.numel() * (elem or p.element_size()) for p in self._requires_update)
+        elem = 2 if self._compression.inner is Compression.fp16 else None
+        # bfloat16 gradients travel as float32 (WidenBfloat16)
+        total = sum(p.numel() * (elem or (4 if p.dtype == torch.bfloat16 else p.element_size()))
+                    for p in self._requires_update)
         return ring_allreduce_bytes(total, self._world)
 
     # ---- compression phase ---------------------------------------------------------------------
@@ -466,8 +539,8 @@ class _OneBitMixin:
         if len(devices) > 1:
             raise ValueError("hvd_onebit.DistributedOptimizer needs all parameters on one device, "
                              f"found {sorted(str(d) for d in devices)}")
-        bucket_numel = max(1, int(self.bucket_size_mb * 2**20 / 4))
-        self._buckets = fuse(active, [self.state[p]["exp_avg"] for p in active], bucket_numel)
+        self._buckets = fuse(active, [self.state[p]["exp_avg"] for p in active],
+                             self.config.bucket_numel)
         self._bucket_params = active
         for bucket in self._buckets:
             for i, p in enumerate(bucket.params):
@@ -494,7 +567,8 @@ class _OneBitMixin:
             self._freeze_variance(p)
 
     def _comm_key(self, b: Bucket) -> tuple:
-        return (b.index, b.numel, str(b.momentum.dtype).replace("torch.", ""), self._world)
+        return (b.index, b.numel, str(b.momentum.dtype).replace("torch.", ""), self._world,
+                self._generation)
 
     def _freeze_variance(self, p: torch.Tensor) -> None:
         """Record the step count v was frozen at (once per parameter).
@@ -507,7 +581,7 @@ class _OneBitMixin:
         momentum to 0.
         """
         state = self.state[p]
-        if "frozen_variance_step" in state:
+        if state.get("frozen_variance_step", NOT_FROZEN) != NOT_FROZEN:
             return
         state["frozen_variance_step"] = int(state["step"])
         unseen = int(torch.count_nonzero(state["exp_avg_sq"] == 0))
@@ -550,13 +624,15 @@ class _OneBitMixin:
                     f"parameter {self._parameter_names.get(p, '?')} has a sparse gradient; "
                     "Adam needs dense gradients: pass sparse_as_dense=True")
             g = g.to_dense()
+        if is_low_precision(p):  # the momentum is float32: so is the gradient it takes in
+            g = g.float()
         if self.op == Sum:  # Horovod's Sum: the update sees the sum over ranks, not the mean
             g = g * self._world
         if group.get("maximize"):
             g = -g
         wd = group["weight_decay"]
         if wd != 0 and not self._decoupled(group):
-            g = g.add(p.detach(), alpha=wd)
+            g = g.add(p.detach().to(g.dtype), alpha=wd)
         return g
 
     def _decoupled(self, group: dict) -> bool:
@@ -601,9 +677,10 @@ class _OneBitMixin:
                 # Adam's update terms (the first time: the frozen denominators) are prepared
                 # while stage 1 is on the wire, and applied in each bucket's decode pass.
                 updates, masked = self._plan_updates(owner)
-                for c, h, u in zip(comms, handles, updates):
-                    c.synchronize(h, update=u)
-                    nbytes += c.wire_bytes
+                # One transaction over every bucket: a bad value in any bucket on any rank
+                # leaves every bucket's momentum, error feedback and parameters untouched.
+                synchronize_all(list(zip(comms, handles)), updates)
+                nbytes += sum(c.wire_bytes for c in comms)
             else:
                 updates, masked = self._plan_updates(owner)
                 for b, x in zip(self._buckets, inputs):
@@ -630,7 +707,9 @@ class _OneBitMixin:
         # denominator is inf, got no update and a zero momentum from the update itself.)
         for group, p, mask in masked:
             m = self.state[p]["exp_avg"]
-            m.mul_(mask)  # in place: exp_avg is the bucket's view
+            # in place (exp_avg is the bucket's view); the mask may live elsewhere, e.g. where
+            # hvd.broadcast_optimizer_state unpickled it
+            m.mul_(mask.to(device=m.device, dtype=m.dtype))
             w, denom, step, decay = self._update_terms(p, group)
             AdamUpdate([w], [denom], [p.numel()], [step], [decay]).apply(m)
         for p in owner:
@@ -673,12 +752,15 @@ class _OneBitMixin:
 def _all_finite(tensors: list[torch.Tensor]) -> bool:
     """Whether no tensor holds inf or NaN: one vectorised read pass, no allocation per tensor.
 
-    The fp32 sum is inf/NaN when an element is; it can also overflow when the values are near
-    fp32's limit, and such gradients are as good as non-finite anyway (the step is skipped).
+    The float32 (or float64) sum is inf/NaN when an element is; it can also overflow when the
+    values are near float32's limit, and such gradients are as good as non-finite anyway (the step
+    is skipped).
     """
     if not tensors:
         return True
-    sums = [(t.coalesce().values() if t.is_sparse else t).sum() for t in tensors]
+    # Summed in float32 at least: a float16 sum overflows at 65504 where the values are finite.
+    sums = [(t.coalesce().values() if t.is_sparse else t).sum(
+        dtype=torch.float32 if is_low_precision(t) else None) for t in tensors]
     return bool(torch.isfinite(torch.stack(sums)).all())
 
 
@@ -737,14 +819,17 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     the warmup's gradient allreduce.
 
     Args:
-        optimizer: a ``torch.optim.Adam`` or ``torch.optim.AdamW`` (amsgrad off). Its lr, betas,
-            eps and weight_decay are read from the param groups at every step, so LR schedulers
-            and per-group settings work in both phases.
+        optimizer: a ``torch.optim.Adam`` or ``torch.optim.AdamW`` (amsgrad off) over float32,
+            float16 or bfloat16 parameters on one device. Its lr, betas, eps and weight_decay are
+            read from the param groups at every step, so LR schedulers and per-group settings
+            work in both phases. Adam's state for float16 and bfloat16 parameters is float32
+            (a float16 variance underflows); bfloat16 gradients travel as float32 in the warmup.
         freeze_step: warmup length in optimizer steps (positive int). The variance is frozen
             after this many steps. Guidance: 15-25% of the total steps.
         compressor: "onebit" (default) or "none", which averages the momentum in full precision
             in the compression phase: Adam with a frozen variance, for comparisons.
-        block_size: elements per scale in the 1-bit allreduce (None: one per chunk).
+        block_size: elements per scale in the 1-bit allreduce, a positive multiple of 8
+            (None: one per chunk).
         transport: "horovod" (default) or "mpi" (mpi4py; MPI jobs, CPU tensors).
         kernel_backend: "auto", "native" (C++, CPU) or "torch".
         bucket_size_mb: momentum fused per OneBitAllreduce, in MiB of fp32 (default 64). Each
@@ -769,33 +854,23 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     if any(g.get("amsgrad") for g in optimizer.param_groups):
         raise ValueError("amsgrad=True is not supported: 1-bit Adam freezes the variance, "
                          "which amsgrad's running maximum would contradict")
-    if isinstance(freeze_step, bool) or not isinstance(freeze_step, int) or freeze_step < 1:
-        raise ValueError(f"freeze_step must be a positive int (warmup steps), got {freeze_step!r}")
-    if compressor not in COMPRESSORS:
-        raise ValueError(f"compressor must be one of {COMPRESSORS}, got {compressor!r}")
+    config = OneBitConfig(freeze_step=freeze_step, compressor=compressor, block_size=block_size,
+                          transport=transport, kernel_backend=kernel_backend,
+                          bucket_size_mb=bucket_size_mb, check_every=check_every)
     if op == Adasum or op not in (Average, Sum):
         raise ValueError("hvd_onebit.DistributedOptimizer supports op=hvd.Average or hvd.Sum")
-    if backward_passes_per_step <= 0:
-        raise ValueError("backward_passes_per_step must be > 0")
-    if bucket_size_mb <= 0:
-        raise ValueError(f"bucket_size_mb must be positive, got {bucket_size_mb}")
-    if isinstance(check_every, bool) or not isinstance(check_every, int) or check_every < 0:
-        raise ValueError(f"check_every must be a non-negative int, got {check_every!r}")
+    if isinstance(backward_passes_per_step, bool) or not isinstance(backward_passes_per_step, int) \
+            or backward_passes_per_step <= 0:
+        raise ValueError("backward_passes_per_step must be a positive int, got "
+                         f"{backward_passes_per_step!r}")
     _validate_masks(optimizer)
-    bf16 = [p for g in optimizer.param_groups for p in g["params"] if p.dtype == torch.bfloat16]
-    if bf16:
-        raise TypeError(f"{len(bf16)} parameter(s) are bfloat16: Horovod's allreduce, which carries "
-                        "the warmup, does not take bfloat16. Keep float32 parameters (train in "
-                        "bfloat16 with torch.autocast) or use float16")
-    devices = {p.device for g in optimizer.param_groups for p in g["params"]}
-    if len(devices) > 1:
-        raise ValueError("hvd_onebit.DistributedOptimizer needs all parameters on one device, "
-                         f"found {sorted(str(d) for d in devices)}")
+    config.check_environment([p for g in optimizer.param_groups for p in g["params"]], process_set)
 
     attrs = dict(_DistributedOptimizer.__dict__)
     attrs.update({k: v for k, v in _OneBitMixin.__dict__.items()
                   if k not in ("__dict__", "__weakref__")})
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,), attrs)
-    return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step,
-               op, gradient_predivide_factor, groups, sparse_as_dense, process_set, freeze_step,
-               compressor, block_size, transport, kernel_backend, bucket_size_mb, check_every)
+    opt = cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step,
+              op, gradient_predivide_factor, groups, sparse_as_dense, process_set, config)
+    elastic.register_state_handler(cls)
+    return opt

@@ -95,18 +95,11 @@ class MPITransport:
     name = "mpi"
 
     def __init__(self, process_set: hvd.ProcessSet = hvd.global_process_set):
-        try:
-            from mpi4py import MPI
-        except ImportError as exc:  # pragma: no cover - mpi4py is a declared dependency
-            raise RuntimeError("transport='mpi' needs mpi4py") from exc
-        base = getattr(process_set, "mpi_comm", None) or MPI.COMM_WORLD
+        from mpi4py import MPI
+
+        base = _mpi_communicator(process_set)
         self.size = process_set.size()
         self.rank = process_set.rank()
-        if base.Get_size() != self.size or base.Get_rank() != self.rank:
-            raise RuntimeError(
-                "transport='mpi' needs the job launched with MPI (mpirun, or horovodrun --mpi): "
-                f"the MPI communicator has size {base.Get_size()} and rank {base.Get_rank()}, "
-                f"Horovod's process set has size {self.size} and rank {self.rank}")
         self._MPI = MPI
         self.comm = base.Dup()  # our own context: never matches Horovod's messages
 
@@ -138,6 +131,48 @@ class MPITransport:
 
     def allgather_ints_wait(self, handle: list[list[int]]) -> list[list[int]]:
         return handle
+
+
+def _mpi_communicator(process_set: hvd.ProcessSet):
+    """The MPI communicator behind ``process_set``, or a clear error saying why MPI cannot serve.
+
+    Checked locally (no collective), so every rank raises the same error at construction.
+    """
+    try:
+        from mpi4py import MPI
+    except ImportError as exc:  # pragma: no cover - mpi4py is a declared dependency
+        raise RuntimeError("transport='mpi' needs mpi4py") from exc
+    base = getattr(process_set, "mpi_comm", None) or MPI.COMM_WORLD
+    size, rank = process_set.size(), process_set.rank()
+    if base.Get_size() != size or base.Get_rank() != rank:
+        raise RuntimeError(
+            "transport='mpi' needs the job launched with MPI (mpirun, or horovodrun --mpi): "
+            f"the MPI communicator has size {base.Get_size()} and rank {base.Get_rank()}, "
+            f"Horovod's process set has size {size} and rank {rank}")
+    # Horovod's background thread calls MPI while this transport calls it from the training
+    # thread: anything below MPI_THREAD_MULTIPLE makes that undefined behaviour.
+    level = MPI.Query_thread()
+    if size > 1 and level != MPI.THREAD_MULTIPLE:
+        names = {MPI.THREAD_SINGLE: "MPI_THREAD_SINGLE", MPI.THREAD_FUNNELED: "MPI_THREAD_FUNNELED",
+                 MPI.THREAD_SERIALIZED: "MPI_THREAD_SERIALIZED"}
+        raise RuntimeError(
+            "transport='mpi' needs MPI initialised with MPI_THREAD_MULTIPLE (Horovod's background "
+            f"thread calls MPI too), but this job has {names.get(level, level)}; unset "
+            "HOROVOD_MPI_THREADS_DISABLE, use an MPI built with thread support, or "
+            "transport='horovod'")
+    return base
+
+
+def check_transport(kind: str, process_set: hvd.ProcessSet, device: torch.device) -> None:
+    """Raise (the same error on every rank) if transport ``kind`` cannot run in this job on
+    ``device``; collective-free, so it can run at construction."""
+    if kind not in TRANSPORTS:
+        raise ValueError(f"transport must be one of {TRANSPORTS}, got {kind!r}")
+    if kind == "mpi":
+        if torch.device(device).type != "cpu":
+            raise ValueError(f"transport='mpi' moves CPU tensors only, the parameters are on "
+                             f"{device}; use transport='horovod' on GPU")
+        _mpi_communicator(process_set)
 
 
 def make_transport(kind: str, process_set: hvd.ProcessSet):

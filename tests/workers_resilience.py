@@ -167,16 +167,10 @@ def bad_inputs():
         emb = nn.Embedding(10, 4, sparse=True)
         opt = hvd_onebit.DistributedOptimizer(torch.optim.Adam(emb.parameters()), freeze_step=1,
                                               named_parameters=emb.named_parameters())
-        for step in range(3):  # warmup: Adam's own error; compression: ours
+        for step in range(3):  # the error must come in the warmup already
             opt.zero_grad()
             emb(torch.tensor([1, 2])).sum().backward()
-            try:
-                opt.step()
-            except RuntimeError:
-                if step == 0:
-                    opt._completed_steps = 1  # move on to the compression phase
-                    continue
-                raise
+            opt.step()
 
     attempt("shapes_differ", shapes_differ)
     attempt("duplicate_names", duplicate_names)

@@ -1,0 +1,92 @@
+"""OneBitConfig: the 1-bit options of DistributedOptimizer, validated once, at construction.
+
+Every rank builds the same config from the same arguments, so a bad option raises the same clear
+error on every rank before any collective, not hours later at the freeze.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterable, Optional
+
+import torch
+
+from . import kernels
+from .transports import TRANSPORTS, check_transport
+
+COMPRESSORS = ("onebit", "none")
+DEFAULT_BUCKET_MB = 64.0
+# Parameter dtypes the optimizer trains. float16 and bfloat16 parameters keep float32 optimizer
+# state (see hvd_onebit.low_precision); the 1-bit kernels compute in float32.
+TRAINABLE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class OneBitConfig:
+    """The compression-phase options (see :func:`hvd_onebit.DistributedOptimizer` for meanings).
+
+    Attributes:
+        freeze_step: warmup length in optimizer steps, >= 1.
+        compressor: "onebit" or "none".
+        block_size: elements per scale (a positive multiple of 8), or None for one per chunk.
+        transport: "horovod" or "mpi".
+        kernel_backend: "auto", "native" or "torch".
+        bucket_size_mb: MiB of float32 momentum per fused bucket, > 0.
+        check_every: steps between cross-rank parameter checks, 0 for never.
+    """
+
+    freeze_step: int
+    compressor: str = "onebit"
+    block_size: Optional[int] = None
+    transport: str = "horovod"
+    kernel_backend: str = "auto"
+    bucket_size_mb: float = DEFAULT_BUCKET_MB
+    check_every: int = 0
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.freeze_step) or self.freeze_step < 1:
+            raise ValueError(f"freeze_step must be a positive int (warmup steps), got "
+                             f"{self.freeze_step!r}")
+        if self.compressor not in COMPRESSORS:
+            raise ValueError(f"compressor must be one of {COMPRESSORS}, got {self.compressor!r}")
+        if self.block_size is not None and (not _is_int(self.block_size) or self.block_size <= 0
+                                            or self.block_size % 8):
+            raise ValueError(f"block_size must be None or a positive multiple of 8, got "
+                             f"{self.block_size!r}")
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
+        if self.kernel_backend not in kernels.BACKENDS:
+            raise ValueError(f"kernel_backend must be one of {kernels.BACKENDS}, got "
+                             f"{self.kernel_backend!r}")
+        size = self.bucket_size_mb
+        if (isinstance(size, bool) or not isinstance(size, (int, float)) or not math.isfinite(size)
+                or size <= 0):
+            raise ValueError(f"bucket_size_mb must be a positive number of MiB, got {size!r}")
+        if not _is_int(self.check_every) or self.check_every < 0:
+            raise ValueError(f"check_every must be a non-negative int, got {self.check_every!r}")
+
+    @property
+    def bucket_numel(self) -> int:
+        """Elements of float32 momentum per bucket (at least 1)."""
+        return max(1, int(self.bucket_size_mb * 2**20 / 4))
+
+    def check_environment(self, params: Iterable[torch.Tensor], process_set) -> None:
+        """What can only be checked against the parameters and the job: dtypes, one device, a
+        kernel backend that runs there, a transport this job can use. Raises on every rank."""
+        params = list(params)
+        bad = sorted({str(p.dtype) for p in params if p.dtype not in TRAINABLE_DTYPES})
+        if bad:
+            raise TypeError(f"hvd_onebit.DistributedOptimizer trains float32, float16 and bfloat16 "
+                            f"parameters; got {', '.join(bad)}")
+        devices = sorted({str(p.device) for p in params})
+        if len(devices) > 1:
+            raise ValueError("hvd_onebit.DistributedOptimizer needs all parameters on one device, "
+                             f"found {devices}")
+        if params:
+            kernels.resolve_backend(self.kernel_backend, params[0].device)
+            if self.compressor == "onebit":
+                check_transport(self.transport, process_set, params[0].device)

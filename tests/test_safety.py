@@ -1,0 +1,117 @@
+"""The compression phase on real models' shapes, 2 ranks: several buckets with a non-finite value
+in one, float16 and bfloat16 parameters, sparse embeddings, options checked at construction,
+an exp_avg_mask that lives elsewhere."""
+import pytest
+import torch
+
+from hvd_onebit.testing import run_ranks
+
+pytestmark = pytest.mark.multirank
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_ranks("tests.workers_safety:suite", np=2, timeout=400)
+
+
+def deviation(run, ref):
+    """||params - ref params|| / ||ref params - start||: how far a run strays from a reference
+    run, against how far the reference moved from their common start."""
+    num = sum(float((a - b).norm() ** 2) for a, b in zip(run["params"], ref["params"]))
+    den = sum(float((b - s).norm() ** 2) for b, s in zip(ref["params"], ref["start"]))
+    return (num / den) ** 0.5
+
+
+@pytest.mark.parametrize("scaler", [False, True], ids=["plain", "grad_scaler"])
+@pytest.mark.parametrize("layer", [0, 1, 2], ids=["first_bucket", "middle_bucket", "last_bucket"])
+def test_nonfinite_value_in_one_bucket_skips_the_whole_step(results, layer, scaler):
+    ref = [r["nonfinite"][("reference", scaler)] for r in results]
+    for rank, r in enumerate(results):
+        run = r["nonfinite"][(layer, scaler)]
+        assert run["error"] is None, f"rank {rank}: {run['error']}"
+        assert run["buckets"] == 6, f"rank {rank}: expected six 0.01 MiB buckets, got {run['buckets']}"
+        assert run["skipped"] == [s == 6 for s in range(10)], \
+            f"rank {rank}: skipped flags per step {run['skipped']}"
+        assert run["changed_at_bad_step"] == {"params": [], "momenta": [], "steps": [],
+                                              "errors": []}, \
+            f"rank {rank}: the skipped step changed {run['changed_at_bad_step']}"
+        assert run["steps"] == 9 and run["finite"]
+        # A skipped step is as if step() had not been called: the rest of the run is bit-identical
+        # to a run that left that step out.
+        assert run["hashes"][-1] == ref[rank]["hashes"][-1], \
+            f"rank {rank}: training after the skipped step differs from the run without it"
+        if scaler:
+            assert run["scales"][5:7] == [256.0, 128.0], f"rank {rank}: scales {run['scales']}"
+    assert results[0]["nonfinite"][(layer, scaler)]["hashes"] == \
+        results[1]["nonfinite"][(layer, scaler)]["hashes"]
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+@pytest.mark.parametrize("size", ["small", "large"])
+def test_low_precision_parameters_train_like_float32(results, precision, size):
+    bounds = {"fp16": (0.02, 0.03), "bf16": (0.1, 0.06)}  # (variance, parameters)
+    for rank, r in enumerate(results):
+        run, ref = r["low_precision"][f"{precision}_{size}"], r["low_precision"][f"fp32_{size}"]
+        assert run["phase"] == "compression" and run["steps"] == 8
+        assert run["skipped"] == 0, f"rank {rank}: {run['skipped']} steps skipped (a float16 " \
+                                    "sum of finite gradients must not overflow)"
+        assert run["held_warnings"] == [], f"rank {rank}: {run['held_warnings']}"
+        assert run["v_dtype"] == "torch.float32"
+        for v, v_ref in zip(run["v"], ref["v"]):
+            assert bool((v > 0).all()), f"rank {rank}: a zero variance at the freeze"
+            rel = float(((v - v_ref) / v_ref).abs().max())
+            assert rel < bounds[precision][0], f"rank {rank}: variance {rel:.3g} off float32's"
+        dev = deviation(run, ref)
+        assert dev < bounds[precision][1], f"rank {rank}: parameters {dev:.3g} off float32's"
+    a, b = (r["low_precision"][f"{precision}_{size}"]["params"] for r in results)
+    assert all(torch.equal(x, y) for x, y in zip(a, b)), "ranks differ"
+
+
+def test_float16_with_exact_averaging_matches_the_float32_reference(results):
+    for r in results:
+        lp = r["low_precision"]
+        dev = deviation(lp["fp16_small_none"], lp["fp32_small_none"])
+        assert dev < 0.01, f"compressor='none' in float16 is {dev:.3g} off float32"
+        # and 1-bit float16 strays from the exact float32 reference no further than 1-bit float32
+        assert deviation(lp["fp16_small"], lp["fp32_small_none"]) < \
+            deviation(lp["fp32_small"], lp["fp32_small_none"]) * 1.05
+
+
+def test_sparse_embedding_with_sparse_as_dense_trains_like_a_dense_one(results):
+    for rank, r in enumerate(results):
+        assert r["sparse"]["phases"] == ["warmup"] * 2 + ["compression"] * 6
+        for name, a, b in zip(("emb", "w", "b"), r["sparse"]["params"], r["dense"]["params"]):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7,
+                                       msg=f"rank {rank}: {name} differs from the dense run")
+
+
+@pytest.mark.parametrize("case, expected", [
+    ("block_size_12", "block_size must be None or a positive multiple of 8, got 12"),
+    ("block_size_0", "block_size must be None or a positive multiple of 8, got 0"),
+    ("block_size_float", "block_size must be None or a positive multiple of 8, got 64.0"),
+    ("transport", "transport must be one of ('horovod', 'mpi'), got 'tcp'"),
+    ("kernel_backend", "kernel_backend must be one of ('auto', 'native', 'torch'), got 'cuda'"),
+    ("native_on_meta", "native kernels run on CPU tensors only, got device meta"),
+    ("bucket_zero", "bucket_size_mb must be a positive number of MiB, got 0"),
+    ("bucket_nan", "bucket_size_mb must be a positive number of MiB, got nan"),
+    ("bucket_str", "bucket_size_mb must be a positive number of MiB, got '64'"),
+    ("compressor", "compressor must be one of ('onebit', 'none'), got 'twobit'"),
+    ("float64", "float32, float16 and bfloat16 parameters; got torch.float64"),
+    ("complex", "float32, float16 and bfloat16 parameters; got torch.complex64"),
+    ("mpi_transport_under_gloo", "transport='mpi' needs the job launched with MPI"),
+    ("check_every", "check_every must be a non-negative int, got -1"),
+    ("passes", "backward_passes_per_step must be a positive int, got 0"),
+])
+def test_bad_options_fail_at_construction_on_every_rank(results, case, expected):
+    for rank, r in enumerate(results):
+        got = r["errors"][case]
+        assert got is not None and expected in got, f"rank {rank}, {case}: {got!r}"
+
+
+def test_exp_avg_mask_on_another_device_and_dtype_is_applied(results):
+    for rank, r in enumerate(results):
+        m = r["mask"]
+        assert m["phase"] == "compression"
+        assert not m["pad_row"].any(), f"rank {rank}: masked row moved: {m['pad_row']}"
+        assert not m["pad_momentum"].any(), f"rank {rank}: masked momentum {m['pad_momentum']}"
+        assert m["rows_moved"] == 9, f"rank {rank}: {m['rows_moved']} unmasked rows trained"
