@@ -1,6 +1,7 @@
 """hvd_onebit.DistributedOptimizer on real 1, 2 and 4-rank jobs."""
 import numpy as np
 import pytest
+import torch
 
 from hvd_onebit.testing import run_ranks
 
@@ -16,6 +17,16 @@ def world(request):
     # which the bit-identity test needs.
     return n, run_ranks("tests.workers_optimizer:suite", np=n, timeout=400,
                         env={"HOROVOD_FUSION_THRESHOLD": "0"})
+
+
+def assert_trains_like_exact_averaging(onebit_loss, exact_loss, start_loss, what):
+    """1-bit's held-out loss against the same run with the momentum averaged exactly
+    (compressor="none"): both below the start, 1-bit within 5% of exact. (Parameters are not
+    compared: the sign noise sends a tiny model along another, equally good path.)"""
+    assert exact_loss < start_loss, f"{what}: the exact reference did not train"
+    assert onebit_loss < start_loss, f"{what}: 1-bit did not train ({onebit_loss} vs {start_loss})"
+    assert onebit_loss <= exact_loss * 1.05, \
+        f"{what}: 1-bit held-out loss {onebit_loss:.4f} vs exact averaging {exact_loss:.4f}"
 
 
 def same_on_all_ranks(results, key, field=None):
@@ -50,11 +61,18 @@ def test_parameters_stay_identical_across_ranks_every_step(world):
 
 def test_float16_parameters_and_groups_with_different_betas(world):
     n, results = world
-    assert same_on_all_ranks(results, "other_paths", "fp16_hash")
     assert same_on_all_ranks(results, "other_paths", "betas_hashes")
-    r = results[0]["other_paths"]
-    assert r["fp16_finite_and_moved"] and r["fp16_phase"] == "compression"
-    assert r["betas_finite"]
+    first = results[0]["other_paths"]["fp16_params"]
+    for rank, r in enumerate(results):
+        assert all(torch.equal(a, b) for a, b in zip(r["other_paths"]["fp16_params"], first)), \
+            f"rank {rank}'s float16 parameters differ from rank 0's"
+    r, ref = results[0]["other_paths"], results[0]["other_paths_none"]
+    assert r["fp16_phase"] == "compression"
+    for key in ("fp16", "betas"):
+        moved = [float((p - s).abs().max()) for p, s in zip(r[f"{key}_params"], r[f"{key}_start"])]
+        assert min(moved) > 0, f"{key}: a parameter did not train: moved {moved}"
+        assert_trains_like_exact_averaging(r[f"{key}_val_loss"], ref[f"{key}_val_loss"],
+                                           r["start_val_loss"], key)
     if n > 1:
         assert r["betas_buckets"] == 1  # both groups share one bucket
 
@@ -79,18 +97,32 @@ def test_phase_telemetry_and_bytes(world):
 
 def test_variance_is_frozen_at_freeze_step(world):
     n, results = world
-    # the same v on every rank: it was built from allreduced gradients during warmup
-    vs = [r["consistency"]["v"] for r in results]
-    for v in vs[1:]:
-        np.testing.assert_array_equal(v, vs[0])
+    if n == 1:
+        pytest.skip("one rank runs plain Adam: nothing is frozen")
+    freeze = 5
+    for rank, r in enumerate(results):
+        v = r["consistency"]["v_by_step"]  # after each step
+        assert not np.array_equal(v[freeze - 2], v[freeze - 1]), \
+            f"rank {rank}: v did not change in the last warmup step"
+        for step in range(freeze, len(v)):
+            np.testing.assert_array_equal(v[step], v[freeze - 1],
+                                          err_msg=f"rank {rank}: v changed at step {step}")
+        # the same v on every rank: it was built from allreduced gradients during warmup
+        np.testing.assert_array_equal(v[-1], results[0]["consistency"]["v_by_step"][-1],
+                                      err_msg=f"rank {rank}'s frozen v differs from rank 0's")
 
 
 def test_missing_gradients_and_requires_grad_changes(world):
     n, results = world
     assert same_on_all_ranks(results, "missing", "hashes")
-    for r in results:
-        assert r["missing"]["frozen_stayed"] is True
-        assert r["missing"]["unfrozen_moved"] is True
+    for rank, r in enumerate(results):
+        m = r["missing"]
+        assert torch.equal(m["head_at_freeze"], m["head_at_unfreeze"]), \
+            f"rank {rank}: a parameter with requires_grad=False moved"
+        assert not torch.equal(m["head_at_unfreeze"], m["head_end"]), \
+            f"rank {rank}: the parameter did not train again after requires_grad=True"
+        assert_trains_like_exact_averaging(m["val_loss"], r["missing_none"]["val_loss"],
+                                           m["start_val_loss"], f"rank {rank}")
 
 
 def test_param_groups_masks_and_lr_schedule(world):
@@ -112,7 +144,15 @@ def test_broadcasts_zero_grad_and_skip_synchronize(world):
         assert h["zero_grads"] and h["none_grads"]
         assert h["steps"] == 6
         if n > 1:
-            assert h["errors_kept"] and h["error_nonzero"]
+            assert h["worker_error_norm"] > 0, f"no error feedback after 3 compressed steps"
+
+
+def test_broadcast_in_the_compression_phase_changes_nothing(world):
+    n, results = world
+    for rank, r in enumerate(results):
+        without, with_broadcast = r["broadcast_mid_compression"]
+        assert with_broadcast == without, \
+            f"rank {rank}: a broadcast of identical state changed the training trajectory"
 
 
 def test_bad_arguments_are_clear_errors(world):
@@ -125,7 +165,6 @@ def test_bad_arguments_are_clear_errors(world):
         assert "freeze_step must be a positive int" in bad["freeze_float"]
         assert "op=hvd.Average or hvd.Sum" in bad["adasum"]
         assert "does not broadcast" in bad["mask_shape"]
-        assert bad["bfloat16"].startswith("TypeError: 6 parameter(s) are bfloat16")
 
 
 def test_single_rank_is_plain_adam(world):
