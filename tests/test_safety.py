@@ -1,10 +1,14 @@
 """The compression phase on real models' shapes, 2 ranks: several buckets with a non-finite value
 in one, float16 and bfloat16 parameters, sparse embeddings, options checked at construction,
 an exp_avg_mask that lives elsewhere."""
+import json
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
-from hvd_onebit.testing import run_ranks
+from hvd_onebit.testing import run_command, run_ranks
 
 pytestmark = pytest.mark.multirank
 
@@ -115,3 +119,22 @@ def test_exp_avg_mask_on_another_device_and_dtype_is_applied(results):
         assert not m["pad_row"].any(), f"rank {rank}: masked row moved: {m['pad_row']}"
         assert not m["pad_momentum"].any(), f"rank {rank}: masked momentum {m['pad_momentum']}"
         assert m["rows_moved"] == 9, f"rank {rank}: {m['rows_moved']} unmasked rows trained"
+
+
+def test_mpi_transport_refuses_a_job_without_thread_multiple(tmp_path):
+    """Horovod's background thread calls MPI too: transport='mpi' needs MPI_THREAD_MULTIPLE."""
+    script = Path(__file__).parent / "scripts" / "mpi_serialized.py"
+    code = run_command([sys.executable, str(script)], np=2, controller="mpi", timeout=120,
+                       env={"OUT_DIR": str(tmp_path)})
+    assert code == 0, f"the job exited with {code}"
+    for rank in range(2):
+        r = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert r["thread_level"] == r["serialized"], r
+        assert r["error"] is not None and "needs MPI initialised with MPI_THREAD_MULTIPLE" in \
+            r["error"] and "MPI_THREAD_SERIALIZED" in r["error"], f"rank {rank}: {r['error']!r}"
+
+
+def test_mpi_transport_accepts_a_job_with_thread_multiple():
+    for rank, r in enumerate(run_ranks("tests.workers_safety:mpi_transport_error", np=2,
+                                       controller="mpi", timeout=120)):
+        assert r["thread_level"] == r["multiple"] and r["error"] is None, f"rank {rank}: {r}"

@@ -232,3 +232,17 @@ def suite() -> dict:
     out["errors"] = construction_errors()
     out["mask"] = mask_elsewhere()
     return out
+
+
+def mpi_transport_error() -> dict:
+    """transport='mpi' in this job: the error at construction (None if it was accepted), and the
+    MPI thread level the job has."""
+    from mpi4py import MPI
+    try:
+        hvd_onebit.DistributedOptimizer(torch.optim.Adam(nn.Linear(4, 4).parameters()),
+                                        freeze_step=2, transport="mpi")
+        error = None
+    except RuntimeError as exc:
+        error = str(exc)
+    return {"error": error, "thread_level": MPI.Query_thread(),
+            "multiple": MPI.THREAD_MULTIPLE}
