@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import itertools
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
@@ -33,10 +34,14 @@ import torch
 
 from . import kernels
 from .layout import Layout
-from .transports import make_transport
+from .transports import Transport, make_transport
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _default_names = itertools.count()
+# Default names of objects built on a transport object are counted per transport: the virtual
+# ranks of an in-process world share this module, and each must count its own objects.
+_default_names_per_transport: "weakref.WeakKeyDictionary[Transport, itertools.count]" = \
+    weakref.WeakKeyDictionary()
 
 
 class NonFiniteInputError(FloatingPointError):
@@ -71,18 +76,22 @@ class OneBitAllreduce:
     Args:
         numel: elements per call (N); every rank must pass the same value (checked here, with
             one small allgather, so a mismatch is a clear error on every rank, not a hang).
-        process_set: Horovod process set to reduce over.
+        process_set: Horovod process set to reduce over (with a ``transport`` name).
         block_size: elements per scale, a multiple of 8. ``None`` (default): one scale per chunk
             (N/n elements). Smaller blocks cost 4 bytes each on the wire and track the
             magnitude of the data more closely; below a few hundred elements the scales start
             to weigh on the 32x saving.
         transport: "horovod" (default; Gloo, MPI or NCCL) or "mpi" (mpi4py on Horovod's MPI
-            communicator; CPU tensors; needs a job launched with MPI).
+            communicator; CPU tensors; needs a job launched with MPI), both over ``process_set``;
+            or a :class:`~hvd_onebit.transports.Transport` object, which then gives the size and
+            rank and ``process_set`` is not used (e.g.
+            :class:`~hvd_onebit.transports.InProcessTransport`: ranks as threads of one process).
         backend: kernels: "auto" (native C++ on CPU, torch elsewhere), "native" or "torch".
         device: where the buffers live; inputs must be on it. Default CPU.
         name: prefix of the collective op names; must be identical on every rank and unique
-            among OneBitAllreduce objects in flight at the same time. Default: a counter, which
-            is right when every rank constructs its objects in the same order.
+            among OneBitAllreduce objects in flight at the same time. Default: a counter (per
+            transport object, if one is given), which is right when every rank constructs its
+            objects in the same order.
         defer_check: start the cross-rank layout check here but finish it (and raise on a
             mismatch, on every rank) at the first call, so construction does not wait for the
             collectives already queued in Horovod.
@@ -92,20 +101,35 @@ class OneBitAllreduce:
     """
 
     def __init__(self, numel: int, process_set: hvd.ProcessSet = hvd.global_process_set, *,
-                 block_size: Optional[int] = None, transport: str = "horovod",
+                 block_size: Optional[int] = None, transport: str | Transport = "horovod",
                  backend: str = "auto", device: torch.device | str = "cpu",
                  name: Optional[str] = None, defer_check: bool = False):
         if not isinstance(numel, int) or isinstance(numel, bool) or numel < 0:
             raise ValueError(f"numel must be a non-negative int, got {numel!r}")
-        self.process_set = process_set
-        self.size = process_set.size()
-        self.rank = process_set.rank()
+        if isinstance(transport, str):
+            self.process_set = process_set
+            self.size = process_set.size()
+            self.rank = process_set.rank()
+            names = _default_names
+        elif isinstance(transport, Transport):
+            self.process_set = None
+            self.size = transport.size
+            self.rank = transport.rank
+            names = _default_names_per_transport.setdefault(transport, itertools.count())
+        else:
+            raise TypeError("transport must be a transport's name or a Transport object, got "
+                            f"{type(transport).__name__}")
         self.device = torch.device(device)
         self.layout = Layout.build(numel, self.size, block_size)
         self.block_size = block_size
-        self.name = name if name is not None else f"hvd_onebit.{next(_default_names)}"
+        self.name = name if name is not None else f"hvd_onebit.{next(names)}"
         self.backend = kernels.resolve_backend(backend, self.device)
-        self.transport = make_transport(transport, process_set) if self.size > 1 else None
+        if self.size == 1:
+            self.transport = None
+        elif isinstance(transport, str):
+            self.transport = make_transport(transport, process_set)
+        else:
+            self.transport = transport
 
         L = self.layout
         f32 = dict(dtype=torch.float32, device=self.device)

@@ -1,0 +1,214 @@
+"""OneBitAllreduce on the in-process transport: n virtual ranks as threads of one process.
+
+No Horovod job is launched; every world size from 1 to 8 runs in seconds. That these bits are the
+Horovod job's bits is checked in tests/test_collective.py.
+"""
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from hvd_onebit import NonFiniteInputError, OneBitAllreduce, synchronize_all
+from hvd_onebit.transports import InProcessTransport, InProcessWorld, Transport, run_threads
+from tests.onebit_reference import ReferenceOneBit
+from tests.workers_collective import rank_input
+
+SIZES = [0, 1, 7, 8 * 8 + 1, 4099, 100_003]
+WORLDS = range(1, 9)
+
+
+def allreduce_calls(transport, numel, calls, **kwargs):
+    comm = OneBitAllreduce(numel, transport=transport, name=f"calls.{numel}", **kwargs)
+    return [comm.allreduce(torch.from_numpy(rank_input(c, transport.rank, numel))).numpy().copy()
+            for c in range(calls)]
+
+
+def assert_same_bytes_on_every_rank(per_rank):
+    for other in per_rank[1:]:
+        assert [a.tobytes() for a in other] == [a.tobytes() for a in per_rank[0]]
+
+
+@pytest.mark.parametrize("n", WORLDS)
+@pytest.mark.parametrize("numel", SIZES)
+def test_matches_reference_and_is_identical_on_every_rank(n, numel):
+    per_rank = run_threads(n, lambda t: allreduce_calls(t, numel, calls=3))
+    assert_same_bytes_on_every_rank(per_rank)
+    ref = ReferenceOneBit(numel, n)
+    for call, got in enumerate(per_rank[0]):
+        want = ref.allreduce([rank_input(call, r, numel) for r in range(n)])
+        assert got.shape == (numel,)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=f"n={n} call={call}")
+
+
+@pytest.mark.parametrize("n", [2, 5])
+def test_finer_blocks_and_both_backends(n):
+    numel = 5000
+    by_backend = {b: run_threads(n, lambda t: allreduce_calls(t, numel, 2, block_size=64, backend=b))
+                  for b in ("native", "torch")}
+    assert_same_bytes_on_every_rank(by_backend["native"] + by_backend["torch"])
+    ref = ReferenceOneBit(numel, n, block_size=64)
+    for call, got in enumerate(by_backend["native"][0]):
+        want = ref.allreduce([rank_input(call, r, numel) for r in range(n)])
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_nonfinite_input_on_one_rank_raises_on_every_rank_and_keeps_state(n):
+    numel = 1001
+
+    def rank_fn(t):
+        comm = OneBitAllreduce(numel, transport=t, name="nf")
+        x = torch.from_numpy(rank_input(0, t.rank, numel))
+        comm.allreduce(x)  # some error feedback to protect
+        before = comm.state_dict()
+        bad = x.clone()
+        if t.rank == n - 1:
+            bad[numel // 2] = float("nan")
+        out = torch.full((numel,), 7.0)
+        with pytest.raises(NonFiniteInputError) as info:
+            comm.allreduce(bad, out=out)
+        after = comm.state_dict()
+        kept = (torch.equal(before["worker_error"], after["worker_error"])
+                and torch.equal(before["server_error"], after["server_error"])
+                and bool((out == 7.0).all()))
+        return info.value.ranks, kept, comm.allreduce(x).numpy()
+
+    results = run_threads(n, rank_fn)
+    for ranks, kept, _ in results:
+        assert ranks == [n - 1] and kept
+    assert_same_bytes_on_every_rank([[r[2]] for r in results])
+    assert np.isfinite(results[0][2]).all()
+
+
+def test_synchronize_all_commits_nothing_anywhere_when_one_call_is_bad():
+    n, sizes = 3, [300, 4099, 17]
+
+    def rank_fn(t):
+        comms = [OneBitAllreduce(s, transport=t, name=f"bucket{i}") for i, s in enumerate(sizes)]
+        xs = [torch.from_numpy(rank_input(i, t.rank, s)) for i, s in enumerate(sizes)]
+        synchronize_all([(c, c.allreduce_async(x)) for c, x in zip(comms, xs)])
+        before = [c.state_dict() for c in comms]
+        outs = [torch.full((s,), 3.0) for s in sizes]
+        bad = [x.clone() for x in xs]
+        if t.rank == 1:
+            bad[1][5] = float("inf")  # the middle bucket, on one rank only
+        handles = [c.allreduce_async(x, out=o) for c, x, o in zip(comms, bad, outs)]
+        with pytest.raises(NonFiniteInputError) as info:
+            synchronize_all(list(zip(comms, handles)))
+        untouched = all(
+            torch.equal(b["worker_error"], c.state_dict()["worker_error"])
+            and torch.equal(b["server_error"], c.state_dict()["server_error"])
+            and bool((o == 3.0).all()) for b, c, o in zip(before, comms, outs))
+        # every call is ready for the next step, on every rank
+        after = synchronize_all([(c, c.allreduce_async(x)) for c, x in zip(comms, xs)])
+        return info.value.ranks, untouched, [a.numpy() for a in after]
+
+    results = run_threads(n, rank_fn)
+    for ranks, untouched, _ in results:
+        assert ranks == [1] and untouched
+    assert_same_bytes_on_every_rank([r[2] for r in results])
+
+
+def test_a_rank_that_never_joins_gives_a_clear_timeout_not_a_hang():
+    def rank_fn(t):
+        comm = OneBitAllreduce(64, transport=t, name="lonely")
+        if t.rank == 2:
+            return "left"  # never calls allreduce
+        with pytest.raises(TimeoutError, match=r"'lonely.alltoall'.*rank\(s\) \[2\] never joined"):
+            comm.allreduce(torch.ones(64))
+        return "timed out"
+
+    world = InProcessWorld(3, timeout=0.5)
+    start = time.monotonic()
+    assert run_threads(3, rank_fn, world=world) == ["timed out", "timed out", "left"]
+    assert time.monotonic() - start < 10
+
+
+def test_a_failing_rank_aborts_the_others_at_once_and_is_reported():
+    def rank_fn(t):
+        if t.rank == 1:
+            raise KeyError("boom")
+        t.wait(t.alltoall_async(torch.zeros(2, 4, dtype=torch.uint8), "op"))
+
+    start = time.monotonic()
+    with pytest.raises(KeyError, match="boom") as info:
+        run_threads(2, rank_fn, timeout=30)
+    assert time.monotonic() - start < 10
+    assert "virtual rank 1 of 2" in "".join(getattr(info.value, "__notes__", []))
+
+
+def test_ops_match_by_name_and_order_whatever_the_interleaving():
+    """Ranks start several ops before waiting and in different orders; a name used again is
+    matched by call order, as Horovod matches it."""
+    n = 4
+
+    def rank_fn(t):
+        names = ["a", "b", "c"] if t.rank % 2 == 0 else ["c", "a", "b"]
+        handles = {}
+        for repeat in range(2):
+            for name in names:
+                row = torch.full((n, 3), 10 * t.rank + repeat, dtype=torch.uint8)
+                handles[name, repeat] = t.alltoall_async(row, name)
+        gathered = t.allgather_async(torch.tensor([[t.rank, 1]], dtype=torch.uint8), "g")
+        ints = t.allgather_ints_async([t.rank, -t.rank], "i")
+        got = {key: t.wait(h) for key, h in sorted(handles.items(), reverse=True)}
+        return got, t.wait(gathered), t.allgather_ints_wait(ints)
+
+    for rank, (alltoalls, gathered, ints) in enumerate(run_threads(n, rank_fn)):
+        for (name, repeat), rows in alltoalls.items():
+            assert rows.tolist() == [[10 * r + repeat] * 3 for r in range(n)]
+        assert gathered.tolist() == [[r, 1] for r in range(n)]
+        assert ints == [[r, -r] for r in range(n)]
+
+
+def test_ranks_disagreeing_on_an_op_get_an_error_not_a_hang():
+    def rank_fn(t):
+        with pytest.raises(RuntimeError, match="'x'.*do not fit together"):
+            t.wait(t.allgather_async(torch.zeros(1, 4 + t.rank, dtype=torch.uint8), "x"))
+        with pytest.raises(RuntimeError, match="different collectives"):
+            if t.rank:
+                t.allgather_ints_wait(t.allgather_ints_async([1], "y"))
+            else:
+                t.wait(t.allgather_async(torch.zeros(1, 4, dtype=torch.uint8), "y"))
+
+    run_threads(2, rank_fn, timeout=5)
+
+
+def test_transport_objects_and_their_errors():
+    world = InProcessWorld(2)
+    assert isinstance(InProcessTransport(world, 1), Transport)
+    with pytest.raises(ValueError, match="outside a world of 2"):
+        InProcessTransport(world, 2)
+    with pytest.raises(ValueError, match="at least one rank"):
+        InProcessWorld(0)
+    with pytest.raises(TypeError, match="Transport object"):
+        OneBitAllreduce(10, transport=object())
+    single = OneBitAllreduce(10, transport=InProcessTransport(InProcessWorld(1), 0))
+    assert single.transport is None and single.size == 1 and single.process_set is None
+
+
+def test_mismatched_layouts_are_a_clear_error_on_every_rank():
+    def rank_fn(t):
+        with pytest.raises(ValueError, match="ranks disagree.*numel=100.*numel=101"):
+            OneBitAllreduce(100 + t.rank, transport=t, name="mismatch")
+
+    run_threads(2, rank_fn, timeout=5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("n", [2, 4])
+def test_virtual_ranks_share_one_gpu(n):
+    numel = 100_003
+
+    def rank_fn(t):
+        comm = OneBitAllreduce(numel, transport=t, device="cuda", name="gpu")
+        return [comm.allreduce(torch.from_numpy(rank_input(c, t.rank, numel)).cuda()).cpu().numpy()
+                for c in range(3)]
+
+    per_rank = run_threads(n, rank_fn)
+    assert_same_bytes_on_every_rank(per_rank)
+    ref = ReferenceOneBit(numel, n)
+    for call, got in enumerate(per_rank[0]):
+        want = ref.allreduce([rank_input(call, r, numel) for r in range(n)])
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
