@@ -4,8 +4,9 @@ import pytest
 
 from hvd_onebit.layout import Layout
 from hvd_onebit.testing import run_ranks
+from hvd_onebit.transports import run_threads
 from tests.onebit_reference import ReferenceOneBit
-from tests.workers_collective import rank_input
+from tests.workers_collective import fixed_input_outputs, rank_input
 
 pytestmark = pytest.mark.multirank
 
@@ -61,6 +62,24 @@ def test_native_and_torch_kernels_give_the_same_bits(world):
     for r in results:
         for a, b in zip(r["torch_backend"][4099]["outputs"], r["native_backend"][4099]["outputs"]):
             assert a.tobytes() == b.tobytes()
+
+
+def test_inprocess_transport_gives_the_bits_of_the_horovod_job(world):
+    """The same inputs through n virtual ranks of one process (threads, InProcessTransport)
+    give every rank the bytes the n-rank Horovod job gave it: the in-process transport can
+    stand in for Horovod in tests of the collective and the optimizer."""
+    n, results = world
+    in_process = run_threads(n, lambda t: fixed_input_outputs(sizes_for(n), transport=t))
+    compared = 0
+    for rank in range(n):
+        for key, per_size in in_process[rank].items():
+            for numel, got in per_size.items():
+                want = results[rank][key][numel]["outputs"]
+                assert len(got["outputs"]) == len(want)
+                for a, b in zip(got["outputs"], want):
+                    assert a.tobytes() == b.tobytes(), (n, rank, key, numel)
+                    compared += 1
+    assert compared == n * (3 * len(set(sizes_for(n))) + 2 * 3)
 
 
 def test_wire_bytes_match_the_formula(world):

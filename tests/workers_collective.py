@@ -19,14 +19,18 @@ def rank_input(seed: int, rank: int, numel: int) -> np.ndarray:
 
 
 def outputs_for_sizes(sizes, calls=3, block_size=None, transport="horovod", backend="auto"):
-    """For each size: ``calls`` allreduces of rank_input; returns {numel: [outputs], ...}."""
+    """For each size: ``calls`` allreduces of rank_input; returns {numel: [outputs], ...}.
+
+    ``transport`` is a name (in a Horovod job) or a transport object (e.g. a virtual rank of
+    an in-process world): the same inputs and calls either way, so their bits can be compared.
+    """
     results = {}
     for numel in sizes:
         comm = OneBitAllreduce(numel, block_size=block_size, transport=transport, backend=backend,
                                name=f"sizes.{numel}")
         outs = []
         for call in range(calls):
-            x = torch.from_numpy(rank_input(call, hvd.rank(), numel))
+            x = torch.from_numpy(rank_input(call, comm.rank, numel))
             outs.append(comm.allreduce(x).numpy().copy())
         results[numel] = {"outputs": outs, "wire_bytes": comm.wire_bytes,
                           "row_bytes": comm.layout.row_bytes}
@@ -159,13 +163,21 @@ def mpi_transport_without_mpi():
     return None
 
 
+def fixed_input_outputs(sizes, calls=3, transport="horovod"):
+    """Outputs for rank_input through ``transport`` (a name or a transport object): edge sizes,
+    finer blocks, and both kernel backends."""
+    return {
+        "sizes": outputs_for_sizes(sizes, calls=calls, transport=transport),
+        "blocks": outputs_for_sizes([5000], calls=2, block_size=64, transport=transport),
+        "torch_backend": outputs_for_sizes([4099], calls=2, backend="torch", transport=transport),
+        "native_backend": outputs_for_sizes([4099], calls=2, backend="native", transport=transport),
+    }
+
+
 def suite(sizes, calls=3):
     """Everything one launch checks, so each world size costs a single job start."""
     return {
-        "sizes": outputs_for_sizes(sizes, calls=calls),
-        "blocks": outputs_for_sizes([5000], calls=2, block_size=64),
-        "torch_backend": outputs_for_sizes([4099], calls=2, backend="torch"),
-        "native_backend": outputs_for_sizes([4099], calls=2, backend="native"),
+        **fixed_input_outputs(sizes, calls=calls),
         "ef": error_feedback_convergence(),
         "nonfinite": nonfinite_then_recover(),
         "async": async_and_dtypes(),
