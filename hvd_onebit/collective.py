@@ -1,4 +1,4 @@
-"""OneBitAllreduce: the error-compensated two-stage 1-bit allreduce (1-bit Adam's communication).
+"""OneBitAllreduce: the error-compensated two-stage 1-bit allreduce.
 
 For n ranks and a buffer x of N elements (padded to n equal chunks, see :mod:`hvd_onebit.layout`):
 
@@ -20,6 +20,11 @@ non-finite input on any rank travels as a status word in every row of stage 1, s
 :class:`NonFiniteInputError` after the same collective instead of one rank raising and the others
 hanging. :func:`synchronize_all` extends this to several calls (one per bucket of a training step):
 all commit, or none does.
+
+Two hooks let a caller fuse its own work into the collective's passes over memory, so that work
+costs no pass of its own: an :class:`InputProducer` is an input the worker compression computes
+in its own pass, and an :class:`Epilogue` is applied to the output by the decode pass that
+writes it (only once every rank has succeeded).
 """
 from __future__ import annotations
 
@@ -27,7 +32,7 @@ import itertools
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Optional, Protocol, Sequence, runtime_checkable
 
 import horovod.torch as hvd
 import torch
@@ -42,6 +47,45 @@ _default_names = itertools.count()
 # ranks of an in-process world share this module, and each must count its own objects.
 _default_names_per_transport: "weakref.WeakKeyDictionary[Transport, itertools.count]" = \
     weakref.WeakKeyDictionary()
+
+
+@runtime_checkable
+class InputProducer(Protocol):
+    """An input that the worker compression can compute inside its own pass.
+
+    ``like`` is a tensor with the input's number of elements, dtype and device (the output is
+    made like it). :meth:`compress` is :func:`hvd_onebit.kernels.worker_compress` of the input,
+    computing it in the same pass where it can; :meth:`materialize` computes it alone, with the
+    same bits.
+    """
+
+    @property
+    def like(self) -> torch.Tensor: ...
+
+    def compress(self, y_prev: torch.Tensor, prev_send: torch.Tensor, y_out: torch.Tensor,
+                 send: torch.Tensor, layout: Layout, backend: str) -> bool:
+        """Like ``kernels.worker_compress(input, y_prev, prev_send, y_out, send, layout,
+        backend)``; returns False if the input held a non-finite value."""
+
+    def materialize(self) -> torch.Tensor:
+        """The input as float32 [numel]."""
+
+
+@runtime_checkable
+class Epilogue(Protocol):
+    """Work on the output of a call, done only once the call has succeeded on every rank.
+
+    :meth:`decode_into` decodes and applies it in one pass where it can; :meth:`apply` applies
+    it to an output already decoded (used when the output is not float32); the two give the
+    same bits.
+    """
+
+    def decode_into(self, rows: torch.Tensor, out: torch.Tensor, layout: Layout,
+                    backend: str) -> None:
+        """Like ``kernels.decode(rows, out, layout, backend)`` followed by ``apply(out)``."""
+
+    def apply(self, out: torch.Tensor) -> None:
+        """Apply to ``out``, the decoded output [numel]."""
 
 
 class NonFiniteInputError(FloatingPointError):
@@ -179,11 +223,13 @@ class OneBitAllreduce:
                                for r, o in enumerate(everyone))
             raise ValueError(f"OneBitAllreduce {self.name!r}: ranks disagree on the buffer ({detail})")
 
-    def _check_input(self, tensor: torch.Tensor, out: Optional[torch.Tensor]) -> None:
-        if isinstance(tensor, kernels.MomentumInput):
-            tensor = tensor.momentum
+    def _check_input(self, tensor: torch.Tensor | InputProducer,
+                     out: Optional[torch.Tensor]) -> None:
+        if not isinstance(tensor, torch.Tensor) and isinstance(tensor, InputProducer):
+            tensor = tensor.like
         if not isinstance(tensor, torch.Tensor):
-            raise TypeError(f"expected a torch.Tensor, got {type(tensor).__name__}")
+            raise TypeError(f"expected a torch.Tensor or an InputProducer, got "
+                            f"{type(tensor).__name__}")
         if tensor.numel() != self.layout.numel:
             raise ValueError(f"OneBitAllreduce {self.name!r} was built for {self.layout.numel} "
                              f"elements, got a tensor of {tensor.numel()} ({tuple(tensor.shape)})")
@@ -217,18 +263,18 @@ class OneBitAllreduce:
         """
         return self.synchronize(self.allreduce_async(tensor, out))
 
-    def allreduce_async(self, tensor: torch.Tensor | kernels.MomentumInput,
+    def allreduce_async(self, tensor: torch.Tensor | InputProducer,
                         out: Optional[torch.Tensor] = None) -> AllreduceHandle:
         """Compress ``tensor`` and start stage 1; finish with :meth:`synchronize`.
 
-        ``tensor`` may also be a :class:`hvd_onebit.kernels.MomentumInput` (Adam's momentum
-        update ``beta1 * m + (1 - beta1) * g``): the native kernel then computes the input in
-        its compression pass, and ``out`` may be the momentum buffer itself.
+        ``tensor`` may also be an :class:`InputProducer`, which then computes the input inside
+        the compression pass; ``out`` may be a tensor it reads (outputs are written only by
+        :meth:`synchronize`).
         """
         self._finish_layout_check()
         self._check_input(tensor, out)
-        src = tensor if isinstance(tensor, kernels.MomentumInput) else None
-        like = src.momentum if src is not None else tensor
+        src = None if isinstance(tensor, torch.Tensor) else tensor
+        like = src.like if src is not None else tensor
         if out is None:
             out = torch.empty_like(like, memory_format=torch.contiguous_format)
         if src is not None:
@@ -250,8 +296,8 @@ class OneBitAllreduce:
             return handle
         L = self.layout
         if src is not None:
-            kernels.worker_compress_momentum(src, self._worker_y, self._sent, self._worker_y_next,
-                                             self._send, L, self.backend)
+            src.compress(self._worker_y, self._sent, self._worker_y_next, self._send, L,
+                         self.backend)
         else:
             kernels.worker_compress(x32, self._worker_y, self._sent, self._worker_y_next,
                                     self._send, L, self.backend)
@@ -262,19 +308,19 @@ class OneBitAllreduce:
         return handle
 
     def synchronize(self, handle: AllreduceHandle,
-                    update: Optional[kernels.AdamUpdate] = None) -> torch.Tensor:
+                    epilogue: Optional[Epilogue] = None) -> torch.Tensor:
         """Finish an allreduce: server step, stage 2 and decode. Returns the output tensor.
 
-        ``update`` (:class:`hvd_onebit.kernels.AdamUpdate`) is applied to the output once the
-        call has succeeded on every rank, fused into the decode pass where the native kernel
-        can; a failed call applies nothing. Passing it here, not at the start, lets the caller
-        prepare it while stage 1 is on the wire.
+        ``epilogue`` is applied to the output once the call has succeeded on every rank, fused
+        into the decode pass where it can; a failed call applies nothing. Passing it here, not
+        at the start, lets the caller prepare it while stage 1 is on the wire.
 
         Raises:
             NonFiniteInputError: on every rank, if any rank's input (or a server's average) held
-                inf or NaN; the output, the error feedback and ``update``'s tensors are untouched.
+                inf or NaN; the output, the error feedback and ``epilogue``'s tensors are
+                untouched.
         """
-        return synchronize_all([(self, handle)], [update])[0]
+        return synchronize_all([(self, handle)], [epilogue])[0]
 
     # ---- the phases of a call, driven by synchronize_all ------------------------------------------
 
@@ -319,14 +365,14 @@ class OneBitAllreduce:
             if pending is not None:
                 self.transport.wait(pending)
 
-    def _commit(self, handle: AllreduceHandle, update: Optional[kernels.AdamUpdate]) -> None:
-        """Decode (with ``update`` fused where possible), then adopt the new error feedback."""
+    def _commit(self, handle: AllreduceHandle, epilogue: Optional[Epilogue]) -> None:
+        """Decode (with ``epilogue`` fused where possible), then adopt the new error feedback."""
         L = self.layout
         applied = False
         if handle.gathered is not None:
-            applied = update is not None and handle.out32.data_ptr() == handle.out.data_ptr()
+            applied = epilogue is not None and handle.out32.data_ptr() == handle.out.data_ptr()
             if applied:
-                kernels.decode_update(handle.gathered, handle.out32, L, update, self.backend)
+                epilogue.decode_into(handle.gathered, handle.out32, L, self.backend)
             else:
                 kernels.decode(handle.gathered, handle.out32, L, self.backend)
             self._worker_y, self._worker_y_next = self._worker_y_next, self._worker_y
@@ -337,8 +383,8 @@ class OneBitAllreduce:
             self.total_wire_bytes += L.wire_bytes
         if handle.out32.data_ptr() != handle.out.data_ptr():
             handle.out.view(-1).copy_(handle.out32)
-        if update is not None and not applied:
-            update.apply(handle.out)
+        if epilogue is not None and not applied:
+            epilogue.apply(handle.out)
         handle.recv = handle.gathered = None
         self.last_seconds = time.perf_counter() - handle.started
         self.calls += 1
@@ -390,7 +436,7 @@ class OneBitAllreduce:
 
 
 def synchronize_all(calls: Sequence[tuple[OneBitAllreduce, AllreduceHandle]],
-                    updates: Optional[Sequence[Optional[kernels.AdamUpdate]]] = None
+                    epilogues: Optional[Sequence[Optional[Epilogue]]] = None
                     ) -> list[torch.Tensor]:
     """Finish several started allreduces as one transaction: every call commits, or none does.
 
@@ -400,21 +446,21 @@ def synchronize_all(calls: Sequence[tuple[OneBitAllreduce, AllreduceHandle]],
     or abandon is the same on every rank without another collective. Stage 2 of a call starts
     as soon as its stage 1 is in and no earlier call of the group saw a bad value; stage 2 can
     only fail if a server's average overflowed, and is agreed the same way. On failure nothing
-    is written (outputs, error feedback, ``updates``' tensors), every started collective has
+    is written (outputs, error feedback, ``epilogues``' tensors), every started collective has
     been waited out, and the calls are ready for the next step.
 
     Args:
         calls: (collective, handle) pairs, in the same order on every rank.
-        updates: per call, an optional :class:`hvd_onebit.kernels.AdamUpdate` applied to its output
-            in the decode pass, only once every call has succeeded.
+        epilogues: per call, an optional :class:`Epilogue` applied to its output in the decode
+            pass, only once every call has succeeded.
     Returns:
         The outputs, in the order of ``calls``.
     Raises:
         NonFiniteInputError: on every rank, naming the ranks whose values were not finite.
     """
-    updates = list(updates) if updates is not None else [None] * len(calls)
-    if len(updates) != len(calls):
-        raise ValueError(f"{len(updates)} updates for {len(calls)} calls")
+    epilogues = list(epilogues) if epilogues is not None else [None] * len(calls)
+    if len(epilogues) != len(calls):
+        raise ValueError(f"{len(epilogues)} epilogues for {len(calls)} calls")
     for comm, handle in calls:
         comm._claim(handle)
     try:
@@ -430,8 +476,8 @@ def synchronize_all(calls: Sequence[tuple[OneBitAllreduce, AllreduceHandle]],
             raise NonFiniteInputError(sorted(bad_inputs), "in the input")
         if bad_servers:
             raise NonFiniteInputError(sorted(bad_servers), "in the server average")
-        for (comm, handle), update in zip(calls, updates):
-            comm._commit(handle, update)
+        for (comm, handle), epilogue in zip(calls, epilogues):
+            comm._commit(handle, epilogue)
     except BaseException:
         for comm, handle in calls:
             try:

@@ -20,10 +20,6 @@ then one pass over the data instead of two.
 """
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-from typing import Optional
-
 import torch
 
 from .layout import STATUS_BYTES, Layout
@@ -39,6 +35,25 @@ BACKENDS = ("auto", "native", "torch")
 def native_available() -> bool:
     """Whether the fused C++ kernels were built."""
     return _native is not None
+
+
+def native_module():
+    """The compiled extension ``hvd_onebit._C`` (None when not built), for modules that call
+    fused kernels of their own (:mod:`hvd_onebit.fused_adam`) after :func:`resolve_backend`."""
+    return _native
+
+
+# Adam's fused prologue and epilogue moved to hvd_onebit.fused_adam; their old names here still
+# resolve, for code written against them.
+_MOVED_TO_FUSED_ADAM = ("MomentumInput", "AdamUpdate", "worker_compress_momentum", "decode_update")
+
+
+def __getattr__(name: str):
+    if name in _MOVED_TO_FUSED_ADAM:
+        from . import fused_adam
+
+        return getattr(fused_adam, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
@@ -157,124 +172,6 @@ def worker_compress(x: torch.Tensor, y_prev: torch.Tensor, prev_send: torch.Tens
     finite, scales = _rms_scales(y, block)
     _write_rows(send, layout, n, 0.0 if finite else 1.0, scales, pack_signs((y >= 0).view(n, -1)))
     return finite
-
-
-@dataclass
-class MomentumInput:
-    """An allreduce input given as Adam's momentum update, ``x = beta1 * m + (1 - beta1) * g``.
-
-    The native worker compression computes x inside its own pass (the momentum update costs no
-    pass over memory of its own); elsewhere :meth:`materialize` computes it with torch ops that
-    give the same bits (two fp32 products and a sum, no FMA).
-
-    Attributes:
-        momentum: float32 [numel], contiguous: the fused exp_avg (read only).
-        grads: one gradient per segment, float32, laid end to end in ``momentum``'s order;
-            None reads as zeros (a parameter without a gradient on this rank).
-        sizes: elements of each segment; they sum to numel.
-        beta1: Adam's first-moment decay.
-    """
-
-    momentum: torch.Tensor
-    grads: list[Optional[torch.Tensor]]
-    sizes: list[int]
-    beta1: float
-
-    def native_ready(self) -> bool:
-        """Whether the native kernel can read every tensor in place (fp32, contiguous, CPU)."""
-        return self.momentum.dtype == torch.float32 and self.momentum.is_contiguous() and all(
-            g is None or (g.dtype == torch.float32 and g.is_contiguous() and g.device.type == "cpu")
-            for g in self.grads)
-
-    def materialize(self, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """x as float32 [numel], or written into ``out`` (any float dtype, must not alias the
-        momentum) and returned as ``out``."""
-        if out is not None and out.dtype != torch.float32:
-            return out.copy_(self.materialize())
-        out = torch.mul(self.momentum.reshape(-1).float(), self.beta1, out=out)
-        start = 0
-        for g, size in zip(self.grads, self.sizes):
-            seg = out[start:start + size]
-            if g is None:
-                seg.add_(0.0)  # the kernel adds (1 - beta1) * 0; -0.0 becomes +0.0 as it does there
-            else:
-                seg.add_(torch.mul(g.reshape(-1).float(), 1 - self.beta1))
-            start += size
-        return out
-
-
-def worker_compress_momentum(src: MomentumInput, y_prev: torch.Tensor, prev_send: torch.Tensor,
-                             y_out: torch.Tensor, send: torch.Tensor, layout: Layout,
-                             backend: str = "auto") -> bool:
-    """:func:`worker_compress` of ``x = src.materialize()``, with x computed in the same pass."""
-    if resolve_backend(backend, src.momentum.device) == "native" and src.native_ready():
-        return _native.worker_compress_momentum(
-            src.momentum, src.grads, src.sizes, float(src.beta1), y_prev, prev_send, y_out, send,
-            *layout.as_args(), True)
-    return worker_compress(src.materialize(), y_prev, prev_send, y_out, send, layout, backend)
-
-
-@dataclass
-class AdamUpdate:
-    """Adam's use of the averaged momentum ``m``, to fuse into the decode pass that writes it.
-
-    For every parameter given (None entries are left to the caller):
-    ``w = w * decay`` when ``decay != 1`` (AdamW's decoupled decay), then
-    ``w = w + (step * m) / denom`` (``step = -lr / bias_correction1``), in the operation order
-    of torch's ``w.mul_(decay)`` and ``w.addcdiv_(m, denom, value=step)``. An element whose
-    denominator is ``+inf`` is held fixed: the update adds +-0 and its momentum is set to +0
-    afterwards (how the optimizer keeps elements whose frozen variance is 0 out of training).
-
-    Attributes:
-        weights: each parameter's data, laid end to end in ``m``'s order (None = not here);
-            float16/bfloat16 weights are updated in float32 and rounded once.
-        denoms: ``sqrt(v / bc2) + eps`` for each weight, same shape (None with its weight).
-        sizes: elements of each parameter; they sum to m's numel.
-        steps, decays: per parameter.
-    """
-
-    weights: list[Optional[torch.Tensor]]
-    denoms: list[Optional[torch.Tensor]]
-    sizes: list[int]
-    steps: list[float]
-    decays: list[float]
-
-    def native_ready(self) -> bool:
-        return all(t is None or (t.dtype == torch.float32 and t.is_contiguous()
-                                 and t.device.type == "cpu")
-                   for t in (*self.weights, *self.denoms))
-
-    def apply(self, m: torch.Tensor) -> None:
-        """The update with torch ops, ``m``: the decoded momentum [numel]."""
-        flat = m.reshape(-1)
-        start = 0
-        for w, d, size, step, decay in zip(self.weights, self.denoms, self.sizes, self.steps,
-                                           self.decays):
-            if w is not None:
-                m_here = flat[start:start + size].view_as(w)
-                # float16/bfloat16 weights: the update in float32, rounded once
-                target = w if w.dtype == m_here.dtype else w.float()
-                if decay != 1.0:
-                    target.mul_(decay)
-                target.addcdiv_(m_here, d, value=step)
-                if target is not w:
-                    w.copy_(target)
-                m_here.masked_fill_(d == math.inf, 0.0)
-            start += size
-
-
-def decode_update(rows: torch.Tensor, out: torch.Tensor, layout: Layout, update: AdamUpdate,
-                  backend: str = "auto") -> None:
-    """:func:`decode` into ``out`` (the momentum, float32 [numel]), then ``update`` in the same
-    pass where the native kernel can."""
-    if (resolve_backend(backend, rows.device) == "native" and update.native_ready()
-            and out.dtype == torch.float32):
-        _native.decode_update(rows, out, update.weights, update.denoms, update.sizes,
-                              [float(s) for s in update.steps], [float(d) for d in update.decays],
-                              *layout.as_args(), True)
-        return
-    decode(rows, out, layout, backend)
-    update.apply(out)
 
 
 def worker_error(y: torch.Tensor, rows: torch.Tensor, layout: Layout) -> torch.Tensor:

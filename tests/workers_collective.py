@@ -9,7 +9,8 @@ import horovod.torch as hvd
 import numpy as np
 import torch
 
-from hvd_onebit import NonFiniteInputError, OneBitAllreduce, kernels
+from hvd_onebit import NonFiniteInputError, OneBitAllreduce
+from hvd_onebit.fused_adam import AdamUpdate
 
 
 def rank_input(seed: int, rank: int, numel: int) -> np.ndarray:
@@ -107,19 +108,19 @@ def async_and_dtypes(numel=4099):
         two_in_flight = str(exc)
     d.synchronize(h)
     res["two_in_flight"] = two_in_flight
-    # An Adam update handed to synchronize is applied in the decode pass (native fused kernel):
-    # the same bits as decoding, then AdamUpdate.apply's torch ops; held elements (inf
-    # denominator) keep their weight and get a zero momentum.
+    # An Adam update handed to synchronize as its epilogue is applied in the decode pass (native
+    # fused kernel): the same bits as decoding, then AdamUpdate.apply's torch ops; held elements
+    # (inf denominator) keep their weight and get a zero momentum.
     g = torch.Generator().manual_seed(7)
     w = torch.randn(numel, generator=g)
     denom = torch.rand(numel, generator=g) + 0.1
     denom[::5] = float("inf")
     w0, w_ref, m_ref = w.clone(), w.clone(), sync_out.clone()
-    kernels.AdamUpdate([w_ref], [denom], [numel], [-1e-3], [1.0]).apply(m_ref)
+    AdamUpdate([w_ref], [denom], [numel], [-1e-3], [1.0]).apply(m_ref)
     e = OneBitAllreduce(numel, name="update")
     m = torch.empty(numel)
     e.synchronize(e.allreduce_async(x, out=m),
-                  update=kernels.AdamUpdate([w], [denom], [numel], [-1e-3], [1.0]))
+                  epilogue=AdamUpdate([w], [denom], [numel], [-1e-3], [1.0]))
     res["update_fused"] = (torch.equal(w, w_ref) and torch.equal(m, m_ref)
                            and bool((m[::5] == 0).all()) and torch.equal(w[::5], w0[::5])
                            and bool((w[1::5] != w0[1::5]).all()))

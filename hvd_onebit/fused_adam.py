@@ -1,0 +1,173 @@
+"""Adam's work fused into the 1-bit allreduce's own passes over memory: a prologue and an epilogue.
+
+In the compression phase a step reads the momentum twice and the weights once. Done as separate
+passes, Adam's arithmetic would cost as much memory traffic as the compression itself, so it rides
+along in the collective's passes:
+
+* **prologue** (:class:`MomentumInput`): the allreduce's input ``x = beta1 * m + (1 - beta1) * g``
+  is computed inside the worker compression (:func:`worker_compress_momentum`), never stored.
+* **epilogue** (:class:`AdamUpdate`): the decode pass that writes the averaged momentum also
+  applies Adam's update with the frozen denominators (:func:`decode_update`).
+
+:class:`~hvd_onebit.collective.OneBitAllreduce` knows neither: it takes them through its generic
+hooks (``InputProducer`` and ``Epilogue`` in :mod:`hvd_onebit.collective`). Each fused native
+kernel has a torch reference beside it (:meth:`MomentumInput.materialize`,
+:meth:`AdamUpdate.apply`) giving the same bits: separate fp32 ``mul`` and ``add``, no FMA, as the
+native code is built with ``-ffp-contract=off``.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from . import kernels
+from .layout import Layout
+
+
+def _native_ready(tensors) -> bool:
+    """Whether the native kernels can read every given tensor in place (fp32, contiguous, CPU)."""
+    return all(t is None or (t.dtype == torch.float32 and t.is_contiguous() and t.device.type == "cpu")
+               for t in tensors)
+
+
+# ---- prologue: the momentum update, computed inside the worker compression ----------------------------
+
+@dataclass
+class MomentumInput:
+    """An allreduce input given as Adam's momentum update, ``x = beta1 * m + (1 - beta1) * g``.
+
+    The native worker compression computes x inside its own pass (the momentum update costs no
+    pass over memory of its own); elsewhere :meth:`materialize` computes it with torch ops that
+    give the same bits (two fp32 products and a sum, no FMA). An ``InputProducer`` of
+    :mod:`hvd_onebit.collective`.
+
+    Attributes:
+        momentum: float32 [numel], contiguous: the fused exp_avg (read only).
+        grads: one gradient per segment, float32, laid end to end in ``momentum``'s order;
+            None reads as zeros (a parameter without a gradient on this rank).
+        sizes: elements of each segment; they sum to numel.
+        beta1: Adam's first-moment decay.
+    """
+
+    momentum: torch.Tensor
+    grads: list[Optional[torch.Tensor]]
+    sizes: list[int]
+    beta1: float
+
+    @property
+    def like(self) -> torch.Tensor:
+        """A tensor of x's size, dtype and device (the momentum): the output is shaped like it."""
+        return self.momentum
+
+    def native_ready(self) -> bool:
+        """Whether the native kernel can read every tensor in place (fp32, contiguous, CPU)."""
+        return _native_ready([self.momentum, *self.grads])
+
+    def materialize(self, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """x as float32 [numel], or written into ``out`` (any float dtype, must not alias the
+        momentum) and returned as ``out``. The torch reference of the fused prologue."""
+        if out is not None and out.dtype != torch.float32:
+            return out.copy_(self.materialize())
+        out = torch.mul(self.momentum.reshape(-1).float(), self.beta1, out=out)
+        start = 0
+        for g, size in zip(self.grads, self.sizes):
+            seg = out[start:start + size]
+            if g is None:
+                seg.add_(0.0)  # the kernel adds (1 - beta1) * 0; -0.0 becomes +0.0 as it does there
+            else:
+                seg.add_(torch.mul(g.reshape(-1).float(), 1 - self.beta1))
+            start += size
+        return out
+
+    def compress(self, y_prev: torch.Tensor, prev_send: torch.Tensor, y_out: torch.Tensor,
+                 send: torch.Tensor, layout: Layout, backend: str = "auto") -> bool:
+        """The collective's hook: :func:`worker_compress_momentum` of this input."""
+        return worker_compress_momentum(self, y_prev, prev_send, y_out, send, layout, backend)
+
+
+def worker_compress_momentum(src: MomentumInput, y_prev: torch.Tensor, prev_send: torch.Tensor,
+                             y_out: torch.Tensor, send: torch.Tensor, layout: Layout,
+                             backend: str = "auto") -> bool:
+    """:func:`~hvd_onebit.kernels.worker_compress` of ``x = src.materialize()``, with x computed
+    in the same pass where the native kernel can read every tensor in place."""
+    if kernels.resolve_backend(backend, src.momentum.device) == "native" and src.native_ready():
+        return kernels.native_module().worker_compress_momentum(
+            src.momentum, src.grads, src.sizes, float(src.beta1), y_prev, prev_send, y_out, send,
+            *layout.as_args(), True)
+    return kernels.worker_compress(src.materialize(), y_prev, prev_send, y_out, send, layout,
+                                   backend)
+
+
+# ---- epilogue: Adam's update, applied in the decode pass ----------------------------------------------
+
+@dataclass
+class AdamUpdate:
+    """Adam's use of the averaged momentum ``m``, to fuse into the decode pass that writes it.
+
+    For every parameter given (None entries are left to the caller):
+    ``w = w * decay`` when ``decay != 1`` (AdamW's decoupled decay), then
+    ``w = w + (step * m) / denom`` (``step = -lr / bias_correction1``), in the operation order
+    of torch's ``w.mul_(decay)`` and ``w.addcdiv_(m, denom, value=step)``. An element whose
+    denominator is ``+inf`` is held fixed: the update adds +-0 and its momentum is set to +0
+    afterwards (how the optimizer keeps elements whose frozen variance is 0 out of training).
+    An ``Epilogue`` of :mod:`hvd_onebit.collective`.
+
+    Attributes:
+        weights: each parameter's data, laid end to end in ``m``'s order (None = not here);
+            float16/bfloat16 weights are updated in float32 and rounded once.
+        denoms: ``sqrt(v / bc2) + eps`` for each weight, same shape (None with its weight).
+        sizes: elements of each parameter; they sum to m's numel.
+        steps, decays: per parameter.
+    """
+
+    weights: list[Optional[torch.Tensor]]
+    denoms: list[Optional[torch.Tensor]]
+    sizes: list[int]
+    steps: list[float]
+    decays: list[float]
+
+    def native_ready(self) -> bool:
+        """Whether the native kernel can update every tensor in place (fp32, contiguous, CPU)."""
+        return _native_ready([*self.weights, *self.denoms])
+
+    def apply(self, m: torch.Tensor) -> None:
+        """The update with torch ops, ``m``: the decoded momentum [numel]. The torch reference
+        of the fused epilogue."""
+        flat = m.reshape(-1)
+        start = 0
+        for w, d, size, step, decay in zip(self.weights, self.denoms, self.sizes, self.steps,
+                                           self.decays):
+            if w is not None:
+                m_here = flat[start:start + size].view_as(w)
+                # float16/bfloat16 weights: the update in float32, rounded once
+                target = w if w.dtype == m_here.dtype else w.float()
+                if decay != 1.0:
+                    target.mul_(decay)
+                target.addcdiv_(m_here, d, value=step)
+                if target is not w:
+                    w.copy_(target)
+                m_here.masked_fill_(d == math.inf, 0.0)
+            start += size
+
+    def decode_into(self, rows: torch.Tensor, out: torch.Tensor, layout: Layout,
+                    backend: str = "auto") -> None:
+        """The collective's hook: :func:`decode_update` with this update."""
+        decode_update(rows, out, layout, self, backend)
+
+
+def decode_update(rows: torch.Tensor, out: torch.Tensor, layout: Layout, update: AdamUpdate,
+                  backend: str = "auto") -> None:
+    """:func:`~hvd_onebit.kernels.decode` into ``out`` (the momentum, float32 [numel]), then
+    ``update`` in the same pass where the native kernel can."""
+    if (kernels.resolve_backend(backend, rows.device) == "native" and update.native_ready()
+            and out.dtype == torch.float32):
+        kernels.native_module().decode_update(
+            rows, out, update.weights, update.denoms, update.sizes,
+            [float(s) for s in update.steps], [float(d) for d in update.decays],
+            *layout.as_args(), True)
+        return
+    kernels.decode(rows, out, layout, backend)
+    update.apply(out)

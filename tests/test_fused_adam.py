@@ -1,0 +1,159 @@
+"""Adam's fused prologue and epilogue (hvd_onebit.fused_adam): the native kernels give the bits
+of their torch references (single process, no Horovod job)."""
+import math
+
+import pytest
+import torch
+
+from hvd_onebit import OneBitAllreduce, _C, kernels
+from hvd_onebit.collective import Epilogue, InputProducer
+from hvd_onebit.fused_adam import AdamUpdate, MomentumInput, worker_compress_momentum
+from hvd_onebit.layout import Layout
+from hvd_onebit.transports import run_threads
+from tests.test_kernels import _previous_state
+
+
+@pytest.mark.parametrize("sizes,n", [([5, 0, 13, 1000, 7], 4), ([64, 64], 3), ([1], 2),
+                                     ([4099], 1), ([300_001, 3, 200_000], 4)])
+def test_momentum_input_compressed_in_one_pass_equals_materialised(sizes, n):
+    """beta1*m + (1-beta1)*g computed inside the compression (AVX2 and scalar, called directly
+    and through the collective's hook) gives the same bits as torch computing x first, across gradient boundaries that split 8-element groups and
+    with missing gradients (zeros)."""
+    numel = sum(sizes)
+    L = Layout.build(numel, n, None)
+    g = torch.Generator().manual_seed(numel)
+    y_prev, prev_send = _previous_state(L, g)
+    m = torch.randn(numel, generator=g)
+    m[:1] = -0.0  # a negative zero times beta1 plus (1-beta1)*0 is +0 in both paths
+    grads = [None if i % 3 == 1 else torch.randn(s, generator=g) for i, s in enumerate(sizes)]
+    src = MomentumInput(m, grads, sizes, 0.9)
+    x = src.materialize()
+    expect = x.clone()
+    for i, (grad, start) in enumerate(zip(grads, [sum(sizes[:k]) for k in range(len(sizes))])):
+        if grad is not None:
+            expect[start:start + sizes[i]] = 0.9 * m[start:start + sizes[i]] + 0.1 * grad
+    torch.testing.assert_close(x, expect, rtol=1e-6, atol=1e-7)
+    runs = []
+    for impl in ("avx2", "scalar", "torch", "materialised", "hook"):
+        y_out = torch.empty(L.padded)
+        send = torch.empty(L.n * L.row_bytes, dtype=torch.uint8)
+        if impl == "materialised":
+            ok = kernels.worker_compress(x, y_prev, prev_send, y_out, send, L, "native")
+        elif impl == "hook":  # what the collective calls
+            ok = src.compress(y_prev, prev_send, y_out, send, L, "native")
+        elif impl == "torch":
+            ok = worker_compress_momentum(src, y_prev, prev_send, y_out, send, L, "torch")
+        else:
+            ok = _C.worker_compress_momentum(m, grads, sizes, 0.9, y_prev, prev_send, y_out, send,
+                                             *L.as_args(), impl == "avx2")
+        runs.append((ok, y_out.numpy().tobytes(), send.numpy().tobytes()))
+    assert all(r == runs[0] for r in runs[1:])
+    assert runs[0][0] is True
+
+
+def test_momentum_input_rejects_mismatched_gradients():
+    L = Layout.build(10, 2, None)
+    args = (torch.zeros(L.padded), torch.zeros(L.n * L.row_bytes, dtype=torch.uint8),
+            torch.empty(L.padded), torch.empty(L.n * L.row_bytes, dtype=torch.uint8))
+    with pytest.raises(RuntimeError, match="gradient has 3 elements, needs 4"):
+        _C.worker_compress_momentum(torch.zeros(10), [torch.zeros(3), torch.zeros(6)], [4, 6],
+                                    0.9, *args, *L.as_args(), True)
+    with pytest.raises(RuntimeError, match="gradients hold 9 elements, momentum 10"):
+        _C.worker_compress_momentum(torch.zeros(10), [None, None], [4, 5], 0.9, *args,
+                                    *L.as_args(), True)
+
+
+@pytest.mark.parametrize("sizes,n", [([5, 0, 13, 1000, 7], 4), ([64, 64], 3), ([1], 2),
+                                     ([300_001, 3, 200_000], 4)])
+def test_decode_fused_with_adam_update_equals_torch(sizes, n):
+    """Decode + ``w = w*decay + (step*m)/denom`` in one pass (AVX2 and scalar, called directly and
+    through the collective's hook) gives the bits of
+    torch's decode, ``w.mul_(decay)`` and ``w.addcdiv_(m, denom, value=step)``; parameters given
+    as None are only decoded. Elements with an infinite denominator (held fixed) keep their weight
+    (times decay) and get a zero momentum, in vector groups and in the scalar tails alike."""
+    numel = sum(sizes)
+    L = Layout.build(numel, n, None)
+    g = torch.Generator().manual_seed(numel)
+    rows = torch.randint(0, 255, (L.n * L.row_bytes,), dtype=torch.uint8, generator=g)
+    kernels.row_scales(rows, L, L.n).copy_(torch.rand(L.n, L.nblocks, generator=g))
+    weights = [None if i % 3 == 1 else torch.randn(s, generator=g) for i, s in enumerate(sizes)]
+    denoms = [None if w is None else torch.rand(s, generator=g) + 0.01
+              for w, s in zip(weights, sizes)]
+    held = [None if d is None else torch.rand(d.shape, generator=g) < 0.3 for d in denoms]
+    for d, h in zip(denoms, held):
+        if d is not None:
+            d[h] = math.inf
+    steps = [-1e-3 / 0.9 * (i + 1) for i in range(len(sizes))]
+    decays = [1 - 1e-5 if i % 2 else 1.0 for i in range(len(sizes))]
+    results = []
+    for impl in ("torch", "avx2", "scalar", "hook"):
+        w = [None if t is None else t.clone() for t in weights]
+        m = torch.full((numel,), float("nan"))
+        update = AdamUpdate(w, denoms, sizes, steps, decays)
+        if impl == "torch":
+            kernels.decode(rows, m, L, "torch")
+            update.apply(m)
+        elif impl == "hook":  # what the collective calls
+            update.decode_into(rows, m, L, "native")
+        else:
+            _C.decode_update(rows, m, w, denoms, sizes, steps, decays, *L.as_args(), impl == "avx2")
+        results.append((m.numpy().tobytes(), [None if t is None else t.numpy().tobytes() for t in w]))
+    assert all(r == results[0] for r in results[1:])
+    before = [None if t is None else t.numpy().tobytes() for t in weights]
+    assert all(a != b for a, b in zip(results[0][1], before) if a is not None)
+    m = torch.frombuffer(bytearray(results[1][0]), dtype=torch.float32)
+    start = 0
+    for i, (h, w0, decay) in enumerate(zip(held, weights, decays)):
+        if h is not None and h.any():
+            assert torch.all(m[start:start + sizes[i]][h] == 0)
+            w1 = torch.frombuffer(bytearray(results[1][1][i]), dtype=torch.float32)
+            assert torch.equal(w1[h], w0[h] * decay if decay != 1 else w0[h])
+        start += sizes[i]
+
+
+@pytest.mark.parametrize("n", [1, 3])
+@pytest.mark.parametrize("backend", ["native", "torch"])
+def test_through_the_collective_hooks_equal_the_unfused_steps(n, backend):
+    """OneBitAllreduce given a MomentumInput and an AdamUpdate epilogue gives the bits of the
+    same steps unfused: materialise the input, allreduce it, apply the update (n virtual ranks
+    in one process)."""
+    sizes = [1000, 3, 517]
+    numel = sum(sizes)
+
+    def rank_fn(t):
+        g = torch.Generator().manual_seed(10 + t.rank)
+        m0 = torch.randn(numel, generator=torch.Generator().manual_seed(0))  # same on all ranks
+        grads = [torch.randn(s, generator=g) for s in sizes]
+        shared = torch.Generator().manual_seed(1)
+        w0 = [torch.randn(s, generator=shared) for s in sizes]
+        denoms = [torch.rand(s, generator=shared) + 0.1 for s in sizes]
+        denoms[0][::7] = math.inf
+        runs = []
+        for fused in (True, False):
+            comm = OneBitAllreduce(numel, transport=t, backend=backend, name=f"fused.{fused}")
+            m, w = m0.clone(), [x.clone() for x in w0]
+            for _ in range(3):
+                src = MomentumInput(m, grads, sizes, 0.9)
+                update = AdamUpdate(w, denoms, sizes, [-1e-3] * 3, [1.0, 0.99, 1.0])
+                if fused:
+                    comm.synchronize(comm.allreduce_async(src, out=m), epilogue=update)
+                else:
+                    m.copy_(comm.allreduce(src.materialize()))
+                    update.apply(m)
+            runs.append([m.numpy().tobytes()] + [x.numpy().tobytes() for x in w])
+        return runs
+
+    for fused, unfused in run_threads(n, rank_fn):
+        assert fused == unfused
+
+
+def test_the_adam_types_are_the_collective_hooks_and_keep_their_old_names():
+    src = MomentumInput(torch.zeros(4), [None], [4], 0.9)
+    update = AdamUpdate([None], [None], [4], [0.0], [1.0])
+    assert isinstance(src, InputProducer) and isinstance(update, Epilogue)
+    from hvd_onebit.kernels import AdamUpdate as OldUpdate, MomentumInput as OldInput
+
+    assert OldUpdate is AdamUpdate and OldInput is MomentumInput
+    assert kernels.decode_update.__module__ == "hvd_onebit.fused_adam"
+    with pytest.raises(AttributeError):
+        kernels.no_such_kernel
