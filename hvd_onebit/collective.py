@@ -109,6 +109,7 @@ class AllreduceHandle:
     stage2: object = None  # transport handle of the allgather, once started
     recv: Optional[torch.Tensor] = None  # stage 1's received rows
     gathered: Optional[torch.Tensor] = None  # stage 2's received rows
+    local: Optional[torch.Tensor] = None  # no communication: the input, the output once committed
     local_bad: bool = False  # one rank: the input held inf/NaN
     started: float = field(default_factory=time.perf_counter)
     done: bool = False
@@ -286,12 +287,14 @@ class OneBitAllreduce:
                  else torch.empty(out.numel(), dtype=torch.float32, device=out.device))
         handle = AllreduceHandle(out=out, out32=out32)
         if self.transport is None or self.layout.numel == 0:
-            # One rank, or nothing to send: the mean is the input, with the same input contract.
+            # One rank, or nothing to send: the mean is the input, with the same contract: read
+            # now, written only when the call (and its group) commits.
             if x32 is None:
                 x32 = src.materialize()
+            elif x32.data_ptr() == tensor.data_ptr():
+                x32 = x32.clone()
+            handle.local = x32
             handle.local_bad = not bool(torch.isfinite(x32).all())
-            if not handle.local_bad:
-                out32.copy_(x32)
             self._in_flight = True
             return handle
         L = self.layout
@@ -381,11 +384,13 @@ class OneBitAllreduce:
             self._server_sent, self._server_row = self._server_row, self._server_sent
             self.wire_bytes = L.wire_bytes
             self.total_wire_bytes += L.wire_bytes
+        elif handle.local is not None:
+            handle.out32.copy_(handle.local)
         if handle.out32.data_ptr() != handle.out.data_ptr():
             handle.out.view(-1).copy_(handle.out32)
         if epilogue is not None and not applied:
             epilogue.apply(handle.out)
-        handle.recv = handle.gathered = None
+        handle.recv = handle.gathered = handle.local = None
         self.last_seconds = time.perf_counter() - handle.started
         self.calls += 1
 
