@@ -3,8 +3,9 @@
 Two implementations with the same arguments and the same bits:
 
 * ``native``: fused C++ (``hvd_onebit._C``, AVX2 where the CPU has it), CPU tensors only. This is
-  what makes 1-bit Adam pay off on CPU: a torch-eager sign compression runs at 80-190 M elements/s,
-  an order of magnitude below memory speed, and would eat the bandwidth it saves.
+  what makes 1-bit Adam pay off on CPU: torch-eager sign compression takes several passes over
+  memory per element where the fused kernel takes one, so it runs far below memory speed and
+  would eat the bandwidth it saves (``hvd-onebit bench kernel`` compares the two).
 * ``torch``: plain tensor ops, for any device (CUDA included) and as the reference the native
   kernels are tested against.
 

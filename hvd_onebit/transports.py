@@ -96,10 +96,10 @@ class HorovodTransport:
 
 # Waiting for a Horovod handle. hvd.synchronize() spins on sched_yield() until the background
 # thread finishes the op; when ranks outnumber cores (or share them with data loaders), those
-# spinning waiters take CPU time from the ranks still compressing, and every rank then waits for
-# the slowest one. Measured with 4 ranks on 2 cores: 300-580k context switches/s and 60-80% system
-# time in the compression phase. So poll, then sleep with a doubling back-off from a few
-# microseconds (short ops stay fast) to a cap that bounds the added latency per wait.
+# spinning waiters take CPU time from the ranks still compressing (as context switches and
+# system time), and every rank then waits for the slowest one. So poll, then sleep with a
+# doubling back-off from a few microseconds (short ops stay fast) to a cap that bounds the added
+# latency per wait.
 _POLL_FIRST_S = 20e-6
 _POLL_CAP_S = 500e-6
 
