@@ -1,21 +1,22 @@
 """Elastic Horovod: a worker that joins in the compression phase gets the committed state.
 
 ``hvd.elastic.TorchState(model=..., optimizer=opt)`` picks a state handler for each object from
-Horovod's handler registry. For hvd_onebit optimizers this module puts its own handler first:
+Horovod's handler registry. This module puts two of its own first, used for hvd_onebit optimizers
+and for models whose parameters such an optimizer trains (others keep Horovod's):
 
-* its ``sync()`` (run on every rank after every reset, and at the start) broadcasts the optimizer
-  state from a rank that holds the committed state: the lowest rank among those with the most
-  optimizer steps. Horovod's own handler always uses rank 0; Horovod gives the oldest hosts the
-  lowest ranks, so that is normally a survivor too, and then both choices agree. Parameters are
-  re-broadcast from that root with the optimizer state (the optimizer owns them); module buffers
-  and the other objects of the state are synced by Horovod from rank 0.
-* every rank drops its fused buckets and 1-bit collectives before the broadcast, so survivors and
-  newcomers rebuild them alike at the next compressed step (error feedback restarts from zero:
-  it belongs to the old world's rank numbers and chunks).
+* their ``sync()`` (run on every rank after every reset, and at the start) broadcasts from a rank
+  that holds the committed state: the lowest rank among those whose optimizer has taken the most
+  steps. Horovod's handlers always use rank 0; Horovod gives the oldest hosts the lowest ranks,
+  so that is normally a survivor too, and then both choices agree. The other objects of the
+  state (e.g. a batch counter) are synced by Horovod from rank 0.
+* every rank drops its fused buckets and 1-bit collectives before the optimizer broadcast, so
+  survivors and newcomers rebuild them alike at the next compressed step (error feedback restarts
+  from zero: it belongs to the old world's rank numbers and chunks).
 """
 from __future__ import annotations
 
 import abc
+import weakref
 
 import horovod.torch as hvd
 import torch
@@ -42,21 +43,33 @@ class OneBitStateHandler(hvd_state.OptimizerStateHandler):
         opt = self.value
         root = committed_root(opt)
         opt.reset_collectives()
-        if root != 0:
-            params = [p for g in opt.param_groups for p in g["params"]]
-            # bfloat16 travels bit for bit as int16 (Horovod's broadcast takes no bfloat16)
-            hvd.broadcast_parameters(
-                [(f"hvd_onebit.elastic.param.{i}",
-                  p.data.view(torch.int16) if p.dtype == torch.bfloat16 else p.data)
-                 for i, p in enumerate(params)], root_rank=root)
         hvd.broadcast_optimizer_state(opt, root_rank=root)
 
 
-def register_state_handler(cls: type | None = None) -> None:
-    """Mark ``cls`` as an hvd_onebit optimizer class and put :class:`OneBitStateHandler` first in
-    Horovod's elastic handler registry (once)."""
-    if cls is not None:
-        OneBitOptimizerType.register(cls)
+class OneBitModelStateHandler(hvd_state.ModelStateHandler):
+    """Horovod elastic state handler for a model: parameters and buffers from the rank that holds
+    the committed state when an hvd_onebit optimizer trains the model, from rank 0 otherwise."""
+
+    def sync(self):
+        owned = {id(p) for p in self.value.parameters()}
+        owners = [opt for opt in list(_live_optimizers)
+                  if any(id(p) in owned for g in opt.param_groups for p in g["params"])]
+        root = committed_root(owners[0]) if owners else 0
+        # bfloat16 travels bit for bit as int16 (Horovod's broadcast takes no bfloat16)
+        hvd.broadcast_parameters({k: v.view(torch.int16) if v.dtype == torch.bfloat16 else v
+                                  for k, v in self.value.state_dict().items()}, root_rank=root)
+
+
+_live_optimizers: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def register_state_handler(optimizer) -> None:
+    """Make Horovod's elastic state use this module's handlers for ``optimizer`` (an hvd_onebit
+    optimizer) and for models it trains; the registry is extended once per process."""
+    OneBitOptimizerType.register(type(optimizer))
+    _live_optimizers.add(optimizer)
     registry = hvd_state.get_handler_registry()
     if not any(handler is OneBitStateHandler for _, handler in registry):
-        hvd_state.set_handler_registry([(OneBitOptimizerType, OneBitStateHandler)] + list(registry))
+        hvd_state.set_handler_registry([(OneBitOptimizerType, OneBitStateHandler),
+                                        (torch.nn.Module, OneBitModelStateHandler)]
+                                       + list(registry))

@@ -872,5 +872,5 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,), attrs)
     opt = cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step,
               op, gradient_predivide_factor, groups, sparse_as_dense, process_set, config)
-    elastic.register_state_handler(cls)
+    elastic.register_state_handler(opt)
     return opt

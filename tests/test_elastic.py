@@ -1,7 +1,8 @@
-"""Elastic Horovod: a worker lost in the compression phase, the others go on."""
+"""Elastic Horovod in the compression phase: a worker lost, a worker replaced, the job grown.
+
+Real horovodrun --gloo jobs whose "hosts" are names of this machine's loopback address."""
 import json
 import os
-import socket
 import stat
 import subprocess
 import sys
@@ -13,19 +14,26 @@ from hvd_onebit.testing import job_environment, kill_job
 
 pytestmark = pytest.mark.multirank
 SCRIPT = Path(__file__).parent / "elastic" / "train_elastic.py"
+TOTAL, KILL_STEP, GROW_STEP = 24, 12, 10
+
+SCENARIOS = {
+    # np, min, max, initial hosts
+    "lost": (3, 2, 3, "localhost:2\n127.0.0.1:1\n"),
+    "replace": (2, 2, 2, "localhost:1\n127.0.0.1:1\n127.1:1\n127.0.1:1\n"),
+    "grow": (2, 2, 3, "localhost:1\n127.0.0.1:1\n"),
+}
 
 
-def test_worker_killed_in_compression_phase(tmp_path):
-    host = socket.gethostname()
-    if host == "localhost":
-        pytest.skip("needs a hostname other than localhost to act as a second host")
+def run_scenario(tmp_path, scenario):
+    np_, min_np, max_np, hosts = SCENARIOS[scenario]
+    (tmp_path / "hosts.txt").write_text(hosts)
     discover = tmp_path / "discover.sh"
-    discover.write_text(f"#!/bin/sh\necho localhost:2\necho {host}:1\n")
+    discover.write_text(f"#!/bin/sh\ncat {tmp_path / 'hosts.txt'}\n")
     discover.chmod(discover.stat().st_mode | stat.S_IEXEC)
-    token = f"elastic-{os.getpid()}"
-    env = job_environment(token, extra={"OUT_DIR": str(tmp_path), "VICTIM_HOST": host})
-    cmd = ["horovodrun", "-np", "3", "--min-np", "2", "--max-np", "3", "--gloo",
-           "--host-discovery-script", str(discover), sys.executable, str(SCRIPT)]
+    token = f"elastic-{os.getpid()}-{scenario}"
+    env = job_environment(token, extra={"OUT_DIR": str(tmp_path), "SCENARIO": scenario})
+    cmd = ["horovodrun", "-np", str(np_), "--min-np", str(min_np), "--max-np", str(max_np),
+           "--gloo", "--host-discovery-script", str(discover), sys.executable, str(SCRIPT)]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             start_new_session=True)
     try:
@@ -33,21 +41,88 @@ def test_worker_killed_in_compression_phase(tmp_path):
     except subprocess.TimeoutExpired:
         kill_job(proc, token)
         out, _ = proc.communicate()
-        pytest.fail("elastic job hung:\n" + out.decode(errors="replace")[-4000:])
+        pytest.fail(f"elastic job ({scenario}) hung:\n" + out.decode(errors="replace")[-4000:])
     finally:
         kill_job(proc, token)
     text = out.decode(errors="replace")
     assert proc.returncode == 0, text[-4000:]
-    lines = [json.loads(l) for f in tmp_path.glob("*.jsonl") for l in f.read_text().splitlines()]
-    steps = [l for l in lines if "step" in l]
-    done = [l for l in lines if l.get("done")]
-    # Three ranks reached the compression phase, then one was lost.
-    assert {l["size"] for l in steps if l["step"] <= 12} == {3}
-    assert any(l["phase"] == "compression" and l["size"] == 3 for l in steps)
-    # Two survivors finished every step in a world of two, with identical parameters.
-    assert len(done) == 2 and all(d["size"] == 2 and d["steps"] == 24 for d in done)
-    assert done[0]["hash"] == done[1]["hash"]
-    after = [l for l in steps if l["size"] == 2]
-    assert after and all(l["phase"] == "compression" for l in after)
-    for step in {l["step"] for l in after}:
-        assert len({l["hash"] for l in after if l["step"] == step}) == 1
+    per_process = {}
+    for f in tmp_path.glob("*.jsonl"):
+        per_process[f.stem] = [json.loads(line) for line in f.read_text().splitlines()]
+    return per_process, text
+
+
+def steps_of(per_process):
+    return [line for lines in per_process.values() for line in lines if "step" in line]
+
+
+def assert_identical_at_every_step(steps, text):
+    for step in sorted({s["step"] for s in steps}):
+        hashes = {(s["size"], s["hash"]) for s in steps if s["step"] == step}
+        sizes = {size for size, _ in hashes}
+        for size in sizes:
+            assert len({h for sz, h in hashes if sz == size}) == 1, \
+                f"ranks differ at step {step} (world size {size})\n{text[-3000:]}"
+
+
+def assert_finished_together(per_process, size, text):
+    done = [line for lines in per_process.values() for line in lines if line.get("done")]
+    assert len(done) == size, f"{len(done)} processes finished, expected {size}\n{text[-3000:]}"
+    assert all(d["size"] == size and d["steps"] == TOTAL for d in done), done
+    assert len({d["hash"] for d in done}) == 1, "final parameters differ across ranks"
+
+
+def joiners(per_process):
+    """Processes that started after step 0: the workers that joined a running job."""
+    return {pid: lines for pid, lines in per_process.items()
+            if lines and "step" in lines[0] and lines[0]["step"] > 0}
+
+
+def test_worker_lost_in_compression_phase(tmp_path):
+    per_process, text = run_scenario(tmp_path, "lost")
+    steps = steps_of(per_process)
+    assert {s["size"] for s in steps if s["step"] <= KILL_STEP} == {3}
+    assert any(s["phase"] == "compression" and s["size"] == 3 for s in steps)
+    after = [s for s in steps if s["size"] == 2]
+    assert after and all(s["phase"] == "compression" for s in after), after[:3]
+    assert_identical_at_every_step(steps, text)
+    assert_finished_together(per_process, 2, text)
+
+
+def test_worker_replaced_in_compression_phase(tmp_path):
+    per_process, text = run_scenario(tmp_path, "replace")
+    new = joiners(per_process)
+    assert len(new) == 1, f"expected one replacement worker, got {list(new)}\n{text[-3000:]}"
+    first = next(iter(new.values()))[0]
+    assert first["step"] > KILL_STEP - 1 and first["phase"] == "compression", first
+    assert first["size"] == 2 and first["opt_steps"] == first["step"] + 1, first
+    assert_identical_at_every_step(steps_of(per_process), text)
+    assert_finished_together(per_process, 2, text)
+
+
+def test_job_grows_in_compression_phase(tmp_path):
+    per_process, text = run_scenario(tmp_path, "grow")
+    new = joiners(per_process)
+    assert len(new) == 1, f"expected one new worker, got {list(new)}\n{text[-3000:]}"
+    first = next(iter(new.values()))[0]
+    assert first["step"] > GROW_STEP and first["phase"] == "compression", first
+    assert first["size"] == 3 and first["opt_steps"] == first["step"] + 1, first
+    assert_identical_at_every_step(steps_of(per_process), text)
+    assert_finished_together(per_process, 3, text)
+
+
+def test_sync_takes_the_state_from_a_rank_that_holds_it():
+    """Whatever rank a fresh worker gets, even 0, the elastic sync restores from a rank with the
+    committed state (the lowest rank among those with the most steps)."""
+    from hvd_onebit.testing import run_ranks
+
+    r0, r1 = run_ranks("tests.workers_elastic:sync_from_the_rank_that_holds_the_state", np=2,
+                       timeout=120)
+    assert r0["handler"] == r1["handler"] == ["OneBitModelStateHandler", "OneBitStateHandler"]
+    assert r0["before"]["steps"] == 0 and r1["before"]["steps"] == 5, (r0["before"], r1["before"])
+    for rank, r in enumerate((r0, r1)):
+        assert r["after"]["steps"] == 5 and r["after"]["phase"] == "compression", \
+            f"rank {rank} after the sync: {r['after']}"
+        assert r["after"]["hash"] == r1["trained"], f"rank {rank}: parameters not rank 1's"
+    assert (r0["after"]["v"] == r1["after"]["v"]).all(), "frozen variance not rank 1's"
+    assert r0["final"] == r1["final"], "ranks differ after training on from the sync"

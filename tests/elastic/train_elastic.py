@@ -1,15 +1,23 @@
-"""An elastic Horovod job with hvd_onebit; one worker kills itself in the compression phase.
+"""An elastic Horovod job with hvd_onebit, through the freeze, in one of three scenarios.
 
-Run by tests/test_elastic.py under `horovodrun --gloo` with a host-discovery script listing two
-local "hosts" (localhost and this machine's hostname). The worker on the hostname host SIGKILLs
-itself after step KILL_STEP; Horovod blacklists that host and the survivors must restore the last
-commit, rebuild their 1-bit buffers for the smaller world and finish. Each process appends one
-JSON line per step to OUT_DIR/<pid>.jsonl.
+Run by tests/test_elastic.py under `horovodrun --gloo` with a host-discovery script. The "hosts"
+are names of this machine (localhost, 127.0.0.1, 127.1, 127.0.1 all resolve to the loopback
+address, so Horovod starts every worker locally). SCENARIO (environment):
+
+* ``lost``: the worker on host 127.0.0.1 SIGKILLs itself after step KILL_STEP (compression phase);
+  Horovod blacklists that host and the survivors finish in a smaller world.
+* ``replace``: the worker at rank 1 SIGKILLs itself after KILL_STEP; a spare host is listed, so
+  a new worker joins the compression phase in a world of the same size.
+* ``grow``: after GROW_STEP, rank 0 adds a host to the discovery file; the job grows by one
+  worker, which joins in the compression phase.
+
+Each process appends one JSON line per step to OUT_DIR/<pid>.jsonl, and one when it is done.
 """
 import json
 import os
 import signal
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -22,8 +30,9 @@ import hvd_onebit  # noqa: E402
 from tests.workers_optimizer import batch, make_model, params_hash  # noqa: E402
 
 OUT = Path(os.environ["OUT_DIR"])
-TOTAL, FREEZE, KILL_STEP = 24, 6, 12
-VICTIM_HOST = os.environ["VICTIM_HOST"]
+SCENARIO = os.environ["SCENARIO"]
+TOTAL, FREEZE, KILL_STEP, GROW_STEP = 24, 6, 12, 10
+HOST = os.environ.get("HOROVOD_HOSTNAME")
 
 warnings.simplefilter("ignore")
 hvd.init()
@@ -36,22 +45,40 @@ state = hvd.elastic.TorchState(model=model, optimizer=opt, batch=0)
 log = open(OUT / f"{os.getpid()}.jsonl", "a")
 
 
+def should_die(step: int) -> bool:
+    if step != KILL_STEP:
+        return False
+    if SCENARIO == "lost":
+        return HOST == "127.0.0.1"
+    if SCENARIO == "replace" and hvd.rank() == 1:
+        marker = OUT / "killed"
+        if not marker.exists():  # once: the replacement must not die too
+            marker.touch()
+            return True
+    return False
+
+
 @hvd.elastic.run
 def train(state):
     while state.batch < TOTAL:
         step = state.batch
+        if SCENARIO == "grow" and step > GROW_STEP and hvd.size() < 3:
+            time.sleep(0.2)  # give the driver time to notice the new host (bounded by the test)
         opt.zero_grad()
         x, y = batch(step, hvd.rank())
         nn.functional.mse_loss(model(x), y).backward()
         opt.step()
         state.batch += 1
-        state.commit()
         log.write(json.dumps({"step": step, "size": hvd.size(), "rank": hvd.rank(),
-                              "phase": opt.phase, "hash": params_hash(model),
-                              "host": os.environ.get("HOROVOD_HOSTNAME")}) + "\n")
+                              "phase": opt.phase, "hash": params_hash(model), "host": HOST,
+                              "opt_steps": opt.steps}) + "\n")
         log.flush()
-        if step == KILL_STEP and os.environ.get("HOROVOD_HOSTNAME") == VICTIM_HOST:
+        if SCENARIO == "grow" and step == GROW_STEP and hvd.rank() == 0:
+            with open(OUT / "hosts.txt", "a") as hosts:
+                hosts.write("127.1:1\n")
+        if should_die(step):
             os.kill(os.getpid(), signal.SIGKILL)  # a lost worker: no goodbye, no cleanup
+        state.commit()
 
 
 train(state)
