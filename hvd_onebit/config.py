@@ -90,3 +90,36 @@ class OneBitConfig:
             kernels.resolve_backend(self.kernel_backend, params[0].device)
             if self.compressor == "onebit":
                 check_transport(self.transport, process_set, params[0].device)
+
+
+def group_masks(group: dict) -> list[Optional[torch.Tensor]]:
+    """The group's ``exp_avg_mask`` as one entry per parameter (None = no mask)."""
+    mask = group.get("exp_avg_mask")
+    params = group["params"]
+    if mask is None:
+        return [None] * len(params)
+    if isinstance(mask, torch.Tensor):
+        return [mask] * len(params)
+    return list(mask)
+
+
+def validate_masks(param_groups: list[dict]) -> None:
+    """Each group's ``exp_avg_mask``: one tensor, or one tensor (or None) per parameter, each
+    broadcastable to its parameter."""
+    for gi, group in enumerate(param_groups):
+        masks = group_masks(group)
+        if len(masks) != len(group["params"]):
+            raise ValueError(f"param group {gi}: exp_avg_mask has {len(masks)} entries for "
+                             f"{len(group['params'])} parameters")
+        for p, mask in zip(group["params"], masks):
+            if mask is None:
+                continue
+            if not isinstance(mask, torch.Tensor):
+                raise TypeError(f"param group {gi}: exp_avg_mask entries must be tensors or None")
+            try:
+                ok = torch.broadcast_shapes(mask.shape, p.shape) == p.shape
+            except RuntimeError:
+                ok = False
+            if not ok:
+                raise ValueError(f"param group {gi}: exp_avg_mask of shape {tuple(mask.shape)} "
+                                 f"does not broadcast to parameter shape {tuple(p.shape)}")

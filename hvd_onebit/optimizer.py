@@ -12,9 +12,9 @@ Two phases, decided by the number of optimizer steps taken so far (never by anyt
   parameters, fused into a few flat buckets, go through :class:`~hvd_onebit.OneBitAllreduce`; then
   ``p -= lr * (m / bc1) / (sqrt(v / bc2) + eps)`` with ``bc1 = 1 - beta1^t`` advancing and ``bc2``
   frozen with ``v``, plus AdamW's decoupled decay. These are torch.optim.Adam's formulas, so the
-  phase change is continuous. On CPU the step is two passes over the momentum: the local momentum
-  is computed inside the compression kernel (:class:`~hvd_onebit.kernels.MomentumInput`), and the
-  decode of the average applies the update (:class:`~hvd_onebit.kernels.AdamUpdate`).
+  phase change is continuous. The phase is run by :class:`~hvd_onebit.compressed_step.CompressedStep`;
+  on CPU it is two passes over the momentum: the local momentum is computed inside the compression
+  kernel and the decode of the average applies the update (:mod:`hvd_onebit.fused_adam`).
 
 The choice of ``freeze_step`` is the main knob: 15-25% of the total steps is the published guidance.
 Too short a warmup freezes a variance that has not settled and training can diverge; a longer one
@@ -22,12 +22,14 @@ costs full-precision communication for longer.
 
 A rank that sees inf/NaN in its gradients makes every rank skip the step: the bad value travels in
 the allreduce's status word, so the decision is agreed within the same collective and nothing is
-modified (momentum, error feedback, parameters), never one rank skipping while others wait.
+modified (momentum, error feedback, parameters) in any bucket, never one rank skipping while others
+wait.
+
+This module is the Horovod-facing wrapper: phase and step count, hooks, warmup, GradScaler, state
+dicts. Options are validated once, at construction (:class:`~hvd_onebit.config.OneBitConfig`).
 """
 from __future__ import annotations
 
-import hashlib
-import math
 import os
 import time
 import warnings
@@ -40,17 +42,16 @@ from horovod.torch.mpi_ops import Adasum, Average, Sum
 from horovod.torch.optimizer import _DistributedOptimizer
 
 from . import elastic
-from .collective import NonFiniteInputError, OneBitAllreduce, synchronize_all
-from .config import DEFAULT_BUCKET_MB, OneBitConfig
-from .fusion import Bucket, fuse
-from .kernels import AdamUpdate, MomentumInput
+from .collective import NonFiniteInputError
+from .compressed_step import NOT_FROZEN, CompressedStep
+from .config import DEFAULT_BUCKET_MB, OneBitConfig, validate_masks
+from .consistency import check_parameters_identical, check_same_parameters
 from .layout import ring_allreduce_bytes
 from .low_precision import (WidenBfloat16, adam_step_float32, float32_state_in, is_low_precision,
                             state_dtype)
 from .transports import sleep_until_done
 
 STEP_KEY = "onebit_step"  # param_groups[0] entry holding the optimizer step count
-NOT_FROZEN = -1  # state["frozen_variance_step"] before the freeze
 
 
 def _scalar_step(group: dict, p: torch.Tensor) -> torch.Tensor:
@@ -85,12 +86,8 @@ class _OneBitMixin:
         self.bucket_size_mb = config.bucket_size_mb
         self.check_every = config.check_every
         self.param_groups[0].setdefault(STEP_KEY, 0)
-        self._generation = 0  # bumped when every collective must be rebuilt (elastic reset)
-        self._buckets: Optional[list[Bucket]] = None
-        self._variance_scanned_for: Optional[list[Bucket]] = None
-        self._bucket_params: list[torch.Tensor] = []
-        self._comms: dict[tuple, OneBitAllreduce] = {}
-        self._denoms: dict[torch.Tensor, tuple] = {}
+        self._engine = CompressedStep(config, self.state, self._decoupled, process_set,
+                                      names=self._parameter_names)
         # Telemetry, readable by training scripts and the CLI.
         self.last_step_bytes = 0  # bytes this rank sent in the last step (warmup: ring estimate)
         self.total_bytes = 0
@@ -98,11 +95,10 @@ class _OneBitMixin:
         self.total_comm_seconds = 0.0
         self.skipped_steps = 0  # compression-phase steps skipped for non-finite values
         self._warmup_wait = 0.0
-        self._pending_error_feedback: Optional[dict] = None
         self._init_state()
         if self._world > 1 and os.environ.get("HOROVOD_ELASTIC") != "1":
             # Elastic workers join running jobs, so a collective here could not be matched.
-            self._check_same_parameters_everywhere()
+            check_same_parameters(self.param_groups, self._parameter_names, self.process_set)
 
     # ---- state ------------------------------------------------------------------------------------
 
@@ -152,6 +148,11 @@ class _OneBitMixin:
     def _compressing(self) -> bool:
         return self._world > 1 and self.phase == "compression"
 
+    @property
+    def compressed_step(self) -> CompressedStep:
+        """The compression-phase engine: buckets, 1-bit collectives, error feedback."""
+        return self._engine
+
     def telemetry(self) -> dict:
         """Phase, step count and communication counters as a plain dict."""
         return {"phase": self.phase, "steps": self._completed_steps,
@@ -188,6 +189,7 @@ class _OneBitMixin:
                     f"{self._completed_steps}, frozen at freeze_step={saved_freeze}); it keeps "
                     f"its frozen variance and freeze_step={saved_freeze}, not {self.freeze_step}")
                 self.freeze_step = saved_freeze
+        self._engine.state = self.state  # torch replaced the state dict itself
         self._init_state()
         self.reset_collectives()  # exp_avg tensors were replaced: re-fuse at the next step
 
@@ -196,12 +198,7 @@ class _OneBitMixin:
         error feedback); the next compressed step rebuilds them. Every rank must call it at the
         same point (elastic resets do, through :mod:`hvd_onebit.elastic`), so that the rebuilt
         collectives match across ranks."""
-        self._buckets = None
-        self._variance_scanned_for = None
-        self._bucket_params = []
-        self._comms.clear()
-        self._denoms.clear()
-        self._generation += 1
+        self._engine.reset()
 
     def add_param_group(self, param_group: dict) -> None:
         if self.param_groups and self._completed_steps >= getattr(self, "freeze_step", 1 << 62):
@@ -221,8 +218,7 @@ class _OneBitMixin:
         ``state_dict()`` holds what every rank shares (steps, momentum, frozen variance); the
         error feedback differs on every rank and only makes sense for the same world size.
         """
-        return {"world_size": self._world, "rank": self.process_set.rank(),
-                "buckets": {k: c.state_dict() for k, c in self._saved_comm_keys().items()}}
+        return self._engine.error_feedback_state_dict()
 
     def load_error_feedback_state_dict(self, state: dict) -> None:
         """Restore :meth:`error_feedback_state_dict` from the same rank of a same-size job.
@@ -231,71 +227,7 @@ class _OneBitMixin:
         with a warning and error feedback restarts from zero (training continues correctly, the
         first compressed steps are just a little less accurate).
         """
-        if state.get("world_size") != self._world or state.get("rank") != self.process_set.rank():
-            warnings.warn(
-                f"hvd_onebit: error feedback saved by rank {state.get('rank')} of "
-                f"{state.get('world_size')} does not fit rank {self.process_set.rank()} of "
-                f"{self._world}; it is reset to zero")
-            self._pending_error_feedback = None
-            for comm in self._comms.values():
-                comm.reset()
-            return
-        self._pending_error_feedback = state
-        if self._buckets is not None:
-            self._apply_pending_error_feedback()
-
-    def _saved_comm_keys(self) -> dict:
-        """The comms by the key their error feedback is saved under ("bucket:numel:dtype"; the
-        world size is checked separately)."""
-        return {f"{k[0]}:{k[1]}:{k[2]}": c for k, c in self._comms.items()}
-
-    def _apply_pending_error_feedback(self) -> None:
-        state, self._pending_error_feedback = self._pending_error_feedback, None
-        if state is None:
-            return
-        saved = state.get("buckets", {})
-        mine = self._saved_comm_keys()
-        if set(saved) != set(mine):
-            warnings.warn("hvd_onebit: saved error feedback is for another bucket layout "
-                          f"({sorted(saved)} vs {sorted(mine)}); it is reset to zero")
-            return
-        for key, comm in mine.items():
-            comm.load_state_dict(saved[key])
-
-    # ---- consistency checks ------------------------------------------------------------------
-
-    def _parameter_signature(self) -> list[int]:
-        shapes = repr([(self._parameter_names.get(p), tuple(p.shape), str(p.dtype))
-                       for g in self.param_groups for p in g["params"]])
-        digest = int.from_bytes(hashlib.sha256(shapes.encode()).digest()[:7], "little")
-        return [sum(len(g["params"]) for g in self.param_groups),
-                sum(p.numel() for g in self.param_groups for p in g["params"]), digest]
-
-    def _check_same_parameters_everywhere(self) -> None:
-        mine = torch.tensor([self._parameter_signature()], dtype=torch.int64)
-        everyone = hvd.allgather(mine, name="hvd_onebit.param_signature",
-                                 process_set=self.process_set).tolist()
-        if any(row != everyone[0] for row in everyone):
-            detail = "; ".join(f"rank {r}: {row[0]} parameters, {row[1]} elements"
-                               for r, row in enumerate(everyone))
-            raise ValueError("hvd_onebit.DistributedOptimizer: the ranks' parameters differ in "
-                             f"number, shape, dtype or name ({detail})")
-
-    def _check_consistency(self) -> None:
-        """Raise on every rank if the parameters are no longer bit-identical across ranks."""
-        sums = []
-        for g in self.param_groups:
-            for p in g["params"]:
-                flat = p.detach().reshape(-1)
-                bits = flat.view(torch.int16 if flat.element_size() == 2 else torch.int32)
-                sums.append(bits.to(torch.int64).sum())
-        mine = torch.stack(sums).reshape(1, -1) if sums else torch.zeros(1, 1, dtype=torch.int64)
-        everyone = hvd.allgather(mine, name="hvd_onebit.consistency", process_set=self.process_set)
-        differ = [r for r in range(everyone.shape[0]) if not torch.equal(everyone[r], everyone[0])]
-        if differ:
-            raise RuntimeError(
-                f"hvd_onebit: parameters diverged across ranks at step {self._completed_steps}: "
-                f"rank(s) {differ} differ from rank 0 (check_every={self.check_every})")
+        self._engine.load_error_feedback_state_dict(state)
 
     # ---- hooks and synchronize ---------------------------------------------------------------------
 
@@ -340,8 +272,8 @@ class _OneBitMixin:
         start = time.perf_counter()
         self._refresh_hooks()
         if (self._completed_steps + 1 == self.freeze_step and self._world > 1
-                and not self._fused_up_to_date()):
-            self._fuse()  # while the last full-precision allreduce is on the wire
+                and not self._engine.up_to_date(self._active_params())):
+            self._engine.fuse(self._active_params())  # while the last allreduce is on the wire
         # Sleep until the allreduces the backward hooks started are done, so that Horovod's own
         # wait (a sched_yield spin) finds them finished instead of taking CPU from other ranks.
         for handle, _ in list(self._handles.values()):
@@ -388,7 +320,8 @@ class _OneBitMixin:
                 self._completed_steps += 1
             self._end_compression_step()
         if self.check_every and self._world > 1 and self._completed_steps % self.check_every == 0:
-            self._check_consistency()
+            check_parameters_identical(self.param_groups, self.process_set,
+                                       self._completed_steps, self.check_every)
         return loss
 
     @staticmethod
@@ -512,108 +445,6 @@ class _OneBitMixin:
     def _active_params(self) -> list[torch.Tensor]:
         return [p for group in self.param_groups for p in group["params"] if p.requires_grad]
 
-    def _ensure_fused(self) -> None:
-        """Compression phase: fused buckets for the current trainable set, and the frozen
-        variance scanned once per set of buckets."""
-        if not self._fused_up_to_date():
-            self._fuse()
-        if self._variance_scanned_for is not self._buckets:
-            self._scan_frozen_variance()
-            self._variance_scanned_for = self._buckets
-
-    def _fused_up_to_date(self) -> bool:
-        active = self._active_params()
-        return self._buckets is not None and all(
-            self._comm_key(b) in self._comms for b in self._buckets
-            if self.compressor == "onebit") and len(active) == len(self._bucket_params) and all(
-            a is b for a, b in zip(active, self._bucket_params)) and all(
-            self.state[p]["exp_avg"].data_ptr() == bk.momentum_view(i).data_ptr()
-            for bk in self._buckets for i, p in enumerate(bk.params))
-
-    def _fuse(self) -> None:
-        """(Re)build the fused momentum buckets (exp_avg becomes views into them) and their
-        OneBitAllreduce objects. Done during the last warmup step's allreduce wait when it can
-        be, so the first compressed step does not pay for allocating and touching the buffers."""
-        active = self._active_params()
-        devices = {p.device for p in active}
-        if len(devices) > 1:
-            raise ValueError("hvd_onebit.DistributedOptimizer needs all parameters on one device, "
-                             f"found {sorted(str(d) for d in devices)}")
-        self._buckets = fuse(active, [self.state[p]["exp_avg"] for p in active],
-                             self.config.bucket_numel)
-        self._bucket_params = active
-        for bucket in self._buckets:
-            for i, p in enumerate(bucket.params):
-                self.state[p]["exp_avg"] = bucket.momentum_view(i)
-        # Error feedback belongs to a bucket layout and a world size; a change starts from zero.
-        wanted = {self._comm_key(b) for b in self._buckets}
-        self._comms = {k: c for k, c in self._comms.items() if k in wanted}
-        for b in self._buckets:
-            key = self._comm_key(b)
-            if key not in self._comms and self.compressor == "onebit":
-                self._comms[key] = OneBitAllreduce(
-                    b.numel, self.process_set, block_size=self.block_size,
-                    transport=self.transport, backend=self.kernel_backend,
-                    device=b.momentum.device, name=f"hvd_onebit.bucket{b.index}",
-                    defer_check=True)
-        for p in active:
-            if p not in self._denoms and "exp_avg_sq" in self.state[p]:
-                self._denoms[p] = (None, torch.zeros_like(self.state[p]["exp_avg_sq"]))
-        self._apply_pending_error_feedback()
-
-    def _scan_frozen_variance(self) -> None:
-        """Record the freeze and count the elements whose frozen variance is 0 (held fixed)."""
-        for p in self._bucket_params:
-            self._freeze_variance(p)
-
-    def _comm_key(self, b: Bucket) -> tuple:
-        return (b.index, b.numel, str(b.momentum.dtype).replace("torch.", ""), self._world,
-                self._generation)
-
-    def _freeze_variance(self, p: torch.Tensor) -> None:
-        """Record the step count v was frozen at (once per parameter).
-
-        Elements whose frozen variance is exactly zero never saw a gradient in the warmup (a
-        dead ReLU unit, an unused embedding row). Adam would divide their momentum by eps, and
-        in the compression phase every element receives about its block's scale, so they would
-        jump by lr * scale / eps. They are held fixed instead, with a warning: their denominator
-        is +inf (see :meth:`_denominator`), so the update leaves them alone and sets their
-        momentum to 0.
-        """
-        state = self.state[p]
-        if state.get("frozen_variance_step", NOT_FROZEN) != NOT_FROZEN:
-            return
-        state["frozen_variance_step"] = int(state["step"])
-        unseen = int(torch.count_nonzero(state["exp_avg_sq"] == 0))
-        if unseen:
-            warnings.warn(
-                f"hvd_onebit: {unseen} of {p.numel()} elements of parameter "
-                f"{self._parameter_names.get(p, '?')} received no gradient during the "
-                f"{self.freeze_step}-step warmup (variance 0); they are held fixed in the "
-                "compression phase")
-
-    def _denominator(self, p: torch.Tensor, group: dict) -> torch.Tensor:
-        """sqrt(v / bc2) + eps for the frozen v, cached while eps and beta2 stay the same."""
-        state = self.state[p]
-        beta2, eps = group["betas"][1], group["eps"]
-        key = (float(beta2), float(eps), state["exp_avg_sq"].data_ptr())
-        cached = self._denoms.get(p)
-        if cached is not None and cached[0] == key:
-            return cached[1]
-        steps = state["frozen_variance_step"]
-        bc2 = 1 - beta2 ** steps if steps > 0 else 1.0
-        v = state["exp_avg_sq"]
-        # Into the buffer _fuse allocated (and touched) while the last warmup allreduce was on
-        # the wire, so the first compressed step does not page-fault a parameter-sized tensor.
-        denom = cached[1] if cached is not None and cached[1].shape == v.shape else None
-        denom = torch.sqrt(v, out=denom)
-        denom.div_(math.sqrt(bc2)).add_(eps)
-        # Frozen variance 0: held fixed. An infinite denominator tells the update (fused into
-        # the decode pass) to add +-0 and zero the momentum, at no cost per held element.
-        torch.where(v != 0, denom, denom.new_full((), math.inf), out=denom)
-        self._denoms[p] = (key, denom)
-        return denom
-
     def _local_grad(self, p: torch.Tensor, group: dict) -> Optional[torch.Tensor]:
         g = p.grad
         if g is None:
@@ -640,113 +471,20 @@ class _OneBitMixin:
 
     def _compression_step(self) -> bool:
         """Returns False when the step was skipped because some rank had non-finite values."""
-        self._ensure_fused()
-        owner = {p for b in self._buckets for p in b.params}
-        # 1. Each bucket's local momentum beta1 * m + (1 - beta1) * g, described, not computed:
-        # the 1-bit kernel computes it inside its compression pass. exp_avg itself is untouched
-        # until every rank has succeeded.
-        grads: dict = {}
-        beta1s: dict = {}
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p in owner:
-                    grads[p] = self._local_grad(p, group)
-                    beta1s[p] = group["betas"][0]
-        inputs = []
-        for b in self._buckets:
-            sizes = [p.numel() for p in b.params]
-            betas = {beta1s[p] for p in b.params}
-            if len(betas) == 1:
-                inputs.append(MomentumInput(b.momentum, [grads[p] for p in b.params], sizes,
-                                            betas.pop()))
-            else:  # param groups with different beta1 share the bucket: one member at a time
-                for i, p in enumerate(b.params):
-                    MomentumInput(b.momentum_view(i).reshape(-1), [grads[p]], [sizes[i]],
-                                  beta1s[p]).materialize(out=b.work_view(i).reshape(-1))
-                inputs.append(b.work)
-        # 2. Average the momenta: stage 1 of every bucket is started before any is finished.
+        self._engine.ensure_ready(self._active_params())
+        owner = set(self._engine.params)
+        grads = {p: self._local_grad(p, group)
+                 for group in self.param_groups for p in group["params"] if p in owner}
         start = time.perf_counter()
-        nbytes = 0
         try:
-            if self.compressor == "onebit":
-                comms = [self._comms[self._comm_key(b)] for b in self._buckets]
-                # Decoded straight into exp_avg: the call writes its output only once every
-                # rank has succeeded, so a failed call leaves the momentum untouched.
-                handles = [c.allreduce_async(x, out=b.momentum)
-                           for c, b, x in zip(comms, self._buckets, inputs)]
-                # Adam's update terms (the first time: the frozen denominators) are prepared
-                # while stage 1 is on the wire, and applied in each bucket's decode pass.
-                updates, masked = self._plan_updates(owner)
-                # One transaction over every bucket: a bad value in any bucket on any rank
-                # leaves every bucket's momentum, error feedback and parameters untouched.
-                synchronize_all(list(zip(comms, handles)), updates)
-                nbytes += sum(c.wire_bytes for c in comms)
-            else:
-                updates, masked = self._plan_updates(owner)
-                for b, x in zip(self._buckets, inputs):
-                    if isinstance(x, MomentumInput):
-                        x.materialize(out=b.work)
-                handles = [hvd.allreduce_async_(b.work, op=Average, name=f"hvd_onebit.exact{b.index}",
-                                                process_set=self.process_set) for b in self._buckets]
-                for h in handles:
-                    hvd.synchronize(h)
-                for b in self._buckets:
-                    nbytes += ring_allreduce_bytes(b.numel * b.work.element_size(), self._world)
-                    if not bool(torch.isfinite(b.work).all()):  # same averaged values on every rank
-                        raise NonFiniteInputError([], "in the averaged momentum")
-                for b, u in zip(self._buckets, updates):
-                    b.momentum.copy_(b.work)
-                    u.apply(b.momentum)
+            nbytes = self._engine.step(self.param_groups, grads)
         except NonFiniteInputError as exc:
             self.skipped_steps += 1
-            self._account(nbytes, time.perf_counter() - start)
+            self._account(0, time.perf_counter() - start)
             warnings.warn(f"hvd_onebit: step skipped on every rank: {exc}")
             return False
         self._account(nbytes, time.perf_counter() - start)
-        # 3. Parameters with an exp_avg_mask: mask, then the same update. (Held elements, whose
-        # denominator is inf, got no update and a zero momentum from the update itself.)
-        for group, p, mask in masked:
-            m = self.state[p]["exp_avg"]
-            # in place (exp_avg is the bucket's view); the mask may live elsewhere, e.g. where
-            # hvd.broadcast_optimizer_state unpickled it
-            m.mul_(mask.to(device=m.device, dtype=m.dtype))
-            w, denom, step, decay = self._update_terms(p, group)
-            AdamUpdate([w], [denom], [p.numel()], [step], [decay]).apply(m)
-        for p in owner:
-            self.state[p]["step"] += 1
         return True
-
-    def _update_terms(self, p: torch.Tensor, group: dict) -> tuple:
-        """(weight, denominator, step, decay) of this step's ``w = w * decay + step * m / denom``."""
-        beta1, lr, wd = group["betas"][0], group["lr"], group["weight_decay"]
-        bc1 = 1 - beta1 ** float(self.state[p]["step"] + 1)
-        decay = 1 - lr * wd if wd != 0 and self._decoupled(group) else 1.0
-        return p.detach(), self._denominator(p, group), -lr / bc1, decay
-
-    def _plan_updates(self, owner: set) -> tuple[list[AdamUpdate], list[tuple]]:
-        """Adam's update with the frozen variance, one :class:`AdamUpdate` per bucket, for the
-        allreduce to apply in its decode pass once every rank has succeeded. Parameters with an
-        ``exp_avg_mask`` are returned apart, as (group, param, mask): their momentum must be
-        masked first."""
-        terms: dict = {}
-        masked = []
-        for group in self.param_groups:
-            masks = _group_masks(group)
-            for j, p in enumerate(group["params"]):
-                if p not in owner:
-                    continue
-                if masks[j] is not None:
-                    masked.append((group, p, masks[j]))
-                else:
-                    terms[p] = self._update_terms(p, group)
-        updates = []
-        for b in self._buckets:
-            t = [terms.get(p) for p in b.params]
-            updates.append(AdamUpdate(
-                weights=[x[0] if x else None for x in t], denoms=[x[1] if x else None for x in t],
-                sizes=[p.numel() for p in b.params], steps=[x[2] if x else 0.0 for x in t],
-                decays=[x[3] if x else 1.0 for x in t]))
-        return updates, masked
 
 
 def _all_finite(tensors: list[torch.Tensor]) -> bool:
@@ -762,37 +500,6 @@ def _all_finite(tensors: list[torch.Tensor]) -> bool:
     sums = [(t.coalesce().values() if t.is_sparse else t).sum(
         dtype=torch.float32 if is_low_precision(t) else None) for t in tensors]
     return bool(torch.isfinite(torch.stack(sums)).all())
-
-
-def _group_masks(group: dict) -> list[Optional[torch.Tensor]]:
-    """The group's ``exp_avg_mask`` as one entry per parameter (None = no mask)."""
-    mask = group.get("exp_avg_mask")
-    params = group["params"]
-    if mask is None:
-        return [None] * len(params)
-    if isinstance(mask, torch.Tensor):
-        return [mask] * len(params)
-    return list(mask)
-
-
-def _validate_masks(optimizer: torch.optim.Optimizer) -> None:
-    for gi, group in enumerate(optimizer.param_groups):
-        masks = _group_masks(group)
-        if len(masks) != len(group["params"]):
-            raise ValueError(f"param group {gi}: exp_avg_mask has {len(masks)} entries for "
-                             f"{len(group['params'])} parameters")
-        for p, mask in zip(group["params"], masks):
-            if mask is None:
-                continue
-            if not isinstance(mask, torch.Tensor):
-                raise TypeError(f"param group {gi}: exp_avg_mask entries must be tensors or None")
-            try:
-                ok = torch.broadcast_shapes(mask.shape, p.shape) == p.shape
-            except RuntimeError:
-                ok = False
-            if not ok:
-                raise ValueError(f"param group {gi}: exp_avg_mask of shape {tuple(mask.shape)} "
-                                 f"does not broadcast to parameter shape {tuple(p.shape)}")
 
 
 def DistributedOptimizer(optimizer: torch.optim.Optimizer,
@@ -863,7 +570,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
             or backward_passes_per_step <= 0:
         raise ValueError("backward_passes_per_step must be a positive int, got "
                          f"{backward_passes_per_step!r}")
-    _validate_masks(optimizer)
+    validate_masks(optimizer.param_groups)
     config.check_environment([p for g in optimizer.param_groups for p in g["params"]], process_set)
 
     attrs = dict(_DistributedOptimizer.__dict__)

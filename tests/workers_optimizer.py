@@ -133,7 +133,7 @@ def onebit_consistency(steps=30, freeze_step=5, passes=1, bucket_size_mb=64.0):
         v_by_step.append(opt.state[next(model.parameters())]["exp_avg_sq"].clone().numpy())
     return {"hashes": hashes, "phases": phases, "bytes": bytes_per_step,
             "telemetry": opt.telemetry(), "v_by_step": v_by_step,
-            "buckets": len(opt._buckets or []),
+            "buckets": len(opt.compressed_step.buckets or []),
             "finite": all(bool(torch.isfinite(p).all()) for p in model.parameters())}
 
 
@@ -233,7 +233,7 @@ def broadcasts_and_helpers(freeze_step=3):
     opt.zero_grad(set_to_none=True)
     res["none_grads"] = all(p.grad is None for p in model.parameters())
     if hvd.size() > 1:  # error feedback exists only with more than one rank
-        res["worker_error_norm"] = float(next(iter(opt._comms.values())).worker_error.norm())
+        res["worker_error_norm"] = float(next(iter(opt.compressed_step.comms.values())).worker_error.norm())
     res["steps"] = opt.steps
     res["hash"] = params_hash(model)
     return res
@@ -352,7 +352,7 @@ def half_precision_and_mixed_betas(steps=10, freeze_step=3, compressor="onebit")
     hashes = []
     train(model, opt, steps, hashes=hashes)
     out["betas_hashes"] = hashes
-    out["betas_buckets"] = len(opt._buckets or [])
+    out["betas_buckets"] = len(opt.compressed_step.buckets or [])
     out["betas_params"] = [p.detach().clone() for p in model.parameters()]
     out["betas_val_loss"] = val_loss(model)
     return out

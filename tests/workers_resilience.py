@@ -68,7 +68,7 @@ def error_feedback_from_other_world(freeze_step=2, steps=5):
         x, y = batch(step, hvd.rank())
         loss_fn(model(x), y).backward()
         opt.step()
-    comm = next(iter(opt._comms.values()))
+    comm = next(iter(opt.compressed_step.comms.values()))
     before = (float(comm.worker_error.norm()), float(comm.server_error.norm()))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -21,7 +21,7 @@ def _snapshot(opt, model) -> dict:
         "momenta": [opt.state[p]["exp_avg"].clone() for p in model.parameters()],
         "steps": [int(opt.state[p]["step"]) for p in model.parameters()],
         "errors": {key: (c.worker_error.clone(), c.server_error.clone())
-                   for key, c in opt._saved_comm_keys().items()},
+                   for key, c in opt.compressed_step.saved_comms().items()},
     }
 
 
@@ -88,7 +88,7 @@ def nonfinite_in_one_bucket(layer: int, scaler: bool, bad_step: int = 6, steps: 
             if step == bad_step:
                 out["changed_at_bad_step"] = _changed(before, _snapshot(opt, model))
             out["hashes"].append(params_hash(model))
-    out["buckets"] = len(opt._buckets or [])
+    out["buckets"] = len(opt.compressed_step.buckets or [])
     out["steps"] = opt.steps
     out["finite"] = all(bool(torch.isfinite(p).all()) for p in model.parameters())
     return out

@@ -1,0 +1,349 @@
+"""CompressedStep: 1-bit Adam's compression phase as an engine of its own.
+
+It owns everything the phase adds to Adam: the fused momentum buckets (each parameter's
+``exp_avg`` becomes a view into one), one :class:`~hvd_onebit.OneBitAllreduce` per bucket with its
+rank-local error feedback, the frozen variance's denominators, and the all-or-nothing commit of a
+step across buckets. It reads Adam's state and param groups, and writes only through the step it
+commits; it knows nothing of Horovod's optimizer class, so it runs as well on the in-process
+transport (n ranks as threads) as inside ``horovodrun``.
+
+One step, per bucket (see :mod:`hvd_onebit.fused_adam`): the local momentum
+``beta1 * m + (1 - beta1) * g`` is computed inside the worker compression; stage 1 of every
+bucket is started before any is finished; the update terms (the first time, the frozen
+denominators) are prepared while stage 1 is on the wire; the decode of each averaged momentum
+applies Adam's update ``w = w * decay - lr / bc1 * m / (sqrt(v / bc2) + eps)``, only once every
+bucket on every rank has succeeded (:func:`~hvd_onebit.collective.synchronize_all`).
+"""
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Callable, Mapping, Optional
+
+import horovod.torch as hvd
+import torch
+from horovod.torch.mpi_ops import Average
+
+from .collective import NonFiniteInputError, OneBitAllreduce, synchronize_all
+from .config import OneBitConfig, group_masks
+from .fusion import Bucket, fuse
+from .fused_adam import AdamUpdate, MomentumInput
+from .layout import ring_allreduce_bytes
+from .transports import Transport
+
+NOT_FROZEN = -1  # state["frozen_variance_step"] before the freeze
+
+
+class CompressedStep:
+    """The compression phase over an Adam optimizer's parameters and state.
+
+    Args:
+        config: the validated 1-bit options.
+        state: Adam's per-parameter state (``exp_avg``, ``exp_avg_sq``, ``step``,
+            ``frozen_variance_step``), read and written in place.
+        decoupled: whether a param group's weight decay is AdamW's (decoupled) or Adam's (L2).
+        process_set: the Horovod process set to reduce over (with ``transport`` a name).
+        transport: "horovod" or "mpi" (over ``process_set``), or a
+            :class:`~hvd_onebit.transports.Transport` instance (e.g. the in-process one).
+        names: parameter names for messages.
+    """
+
+    def __init__(self, config: OneBitConfig, state: Mapping[torch.Tensor, dict],
+                 decoupled: Callable[[dict], bool],
+                 process_set: Optional[hvd.ProcessSet] = hvd.global_process_set,
+                 transport: str | Transport | None = None,
+                 names: Optional[Mapping[torch.Tensor, str]] = None):
+        self.config = config
+        self.state = state
+        self.decoupled = decoupled
+        self.process_set = process_set
+        self.transport = config.transport if transport is None else transport
+        if not isinstance(self.transport, str) and config.compressor != "onebit":
+            raise ValueError("compressor='none' averages through Horovod; a transport object "
+                             "carries only the 1-bit collective")
+        self.names = names if names is not None else {}
+        self.buckets: Optional[list[Bucket]] = None
+        self.params: list[torch.Tensor] = []  # the bucketed parameters, in bucket order
+        self.comms: dict[tuple, OneBitAllreduce] = {}
+        self._denoms: dict[torch.Tensor, tuple] = {}
+        self._variance_scanned_for: Optional[list[Bucket]] = None
+        self._pending_error_feedback: Optional[dict] = None
+        self._generation = 0  # bumped by reset(): the collectives' key
+
+    # ---- the world ---------------------------------------------------------------------------------
+
+    @property
+    def world(self) -> int:
+        """Ranks taking part now (elastic jobs change it)."""
+        if not isinstance(self.transport, str):
+            return self.transport.size
+        return self.process_set.size() if self.process_set.included() else 1
+
+    @property
+    def rank(self) -> int:
+        if not isinstance(self.transport, str):
+            return self.transport.rank
+        return self.process_set.rank()
+
+    # ---- buckets and collectives ---------------------------------------------------------------
+
+    def up_to_date(self, active: list[torch.Tensor]) -> bool:
+        """Whether the buckets and collectives fit the trainable set ``active`` and the world."""
+        return self.buckets is not None and all(
+            self._key(b) in self.comms for b in self.buckets
+            if self.config.compressor == "onebit") and len(active) == len(self.params) and all(
+            a is b for a, b in zip(active, self.params)) and all(
+            self.state[p]["exp_avg"].data_ptr() == bk.momentum_view(i).data_ptr()
+            for bk in self.buckets for i, p in enumerate(bk.params))
+
+    def fuse(self, active: list[torch.Tensor]) -> None:
+        """(Re)build the fused momentum buckets (``exp_avg`` becomes views into them) and their
+        collectives. The optimizer calls it during the last warmup step's allreduce wait where
+        it can, so the first compressed step does not pay for allocating and touching them."""
+        devices = {p.device for p in active}
+        if len(devices) > 1:
+            raise ValueError("hvd_onebit.DistributedOptimizer needs all parameters on one device, "
+                             f"found {sorted(str(d) for d in devices)}")
+        self.buckets = fuse(active, [self.state[p]["exp_avg"] for p in active],
+                            self.config.bucket_numel)
+        self.params = list(active)
+        for bucket in self.buckets:
+            for i, p in enumerate(bucket.params):
+                self.state[p]["exp_avg"] = bucket.momentum_view(i)
+        # Error feedback belongs to a bucket layout and a world size; a change starts from zero.
+        wanted = {self._key(b) for b in self.buckets}
+        self.comms = {k: c for k, c in self.comms.items() if k in wanted}
+        for b in self.buckets:
+            key = self._key(b)
+            if key not in self.comms and self.config.compressor == "onebit":
+                self.comms[key] = OneBitAllreduce(
+                    b.numel, self.process_set, block_size=self.config.block_size,
+                    transport=self.transport, backend=self.config.kernel_backend,
+                    device=b.momentum.device, name=f"hvd_onebit.bucket{b.index}",
+                    defer_check=True)
+        for p in active:
+            if p not in self._denoms:
+                self._denoms[p] = (None, torch.zeros_like(self.state[p]["exp_avg_sq"]))
+        self._apply_pending_error_feedback()
+
+    def ensure_ready(self, active: list[torch.Tensor]) -> None:
+        """Buckets for the current trainable set, and the frozen variance scanned once per set."""
+        if not self.up_to_date(active):
+            self.fuse(active)
+        if self._variance_scanned_for is not self.buckets:
+            for p in self.params:
+                self._freeze_variance(p)
+            self._variance_scanned_for = self.buckets
+
+    def reset(self) -> None:
+        """Drop the buckets, denominators and collectives (with their error feedback); the next
+        step rebuilds them. Every rank must call it at the same point."""
+        self.buckets = None
+        self._variance_scanned_for = None
+        self.params = []
+        self.comms.clear()
+        self._denoms.clear()
+        self._generation += 1
+
+    def _key(self, b: Bucket) -> tuple:
+        return (b.index, b.numel, str(b.momentum.dtype).replace("torch.", ""), self.world,
+                self._generation)
+
+    # ---- rank-local error feedback ------------------------------------------------------------
+
+    def saved_comms(self) -> dict[str, OneBitAllreduce]:
+        """The collectives by the key their error feedback is saved under
+        ("bucket:numel:dtype"; the world size is checked separately)."""
+        return {f"{k[0]}:{k[1]}:{k[2]}": c for k, c in self.comms.items()}
+
+    def error_feedback_state_dict(self) -> dict:
+        """This rank's error-feedback buffers (rank-local: save one file per rank)."""
+        return {"world_size": self.world, "rank": self.rank,
+                "buckets": {k: c.state_dict() for k, c in self.saved_comms().items()}}
+
+    def load_error_feedback_state_dict(self, state: dict) -> None:
+        """Restore :meth:`error_feedback_state_dict` from the same rank of a same-size job; with
+        another world size, rank or layout it is dropped with a warning (errors restart at 0)."""
+        if state.get("world_size") != self.world or state.get("rank") != self.rank:
+            warnings.warn(
+                f"hvd_onebit: error feedback saved by rank {state.get('rank')} of "
+                f"{state.get('world_size')} does not fit rank {self.rank} of "
+                f"{self.world}; it is reset to zero")
+            self._pending_error_feedback = None
+            for comm in self.comms.values():
+                comm.reset()
+            return
+        self._pending_error_feedback = state
+        if self.buckets is not None:
+            self._apply_pending_error_feedback()
+
+    def _apply_pending_error_feedback(self) -> None:
+        state, self._pending_error_feedback = self._pending_error_feedback, None
+        if state is None:
+            return
+        saved = state.get("buckets", {})
+        mine = self.saved_comms()
+        if set(saved) != set(mine):
+            warnings.warn("hvd_onebit: saved error feedback is for another bucket layout "
+                          f"({sorted(saved)} vs {sorted(mine)}); it is reset to zero")
+            return
+        for key, comm in mine.items():
+            comm.load_state_dict(saved[key])
+
+    # ---- the frozen variance ---------------------------------------------------------------------
+
+    def _freeze_variance(self, p: torch.Tensor) -> None:
+        """Record the step count v was frozen at (once per parameter).
+
+        Elements whose frozen variance is exactly zero never saw a gradient in the warmup (a
+        dead ReLU unit, an unused embedding row). Adam would divide their momentum by eps, and
+        every element receives about its block's scale, so they would jump by
+        lr * scale / eps. They are held fixed instead, with a warning: their denominator is
+        +inf (see :meth:`_denominator`), so the update leaves them alone and zeroes their
+        momentum.
+        """
+        state = self.state[p]
+        if state.get("frozen_variance_step", NOT_FROZEN) != NOT_FROZEN:
+            return
+        state["frozen_variance_step"] = int(state["step"])
+        unseen = int(torch.count_nonzero(state["exp_avg_sq"] == 0))
+        if unseen:
+            warnings.warn(
+                f"hvd_onebit: {unseen} of {p.numel()} elements of parameter "
+                f"{self.names.get(p, '?')} received no gradient during the "
+                f"{state['frozen_variance_step']}-step warmup (variance 0); they are held fixed "
+                "in the compression phase")
+
+    def _denominator(self, p: torch.Tensor, group: dict) -> torch.Tensor:
+        """sqrt(v / bc2) + eps for the frozen v, cached while eps and beta2 stay the same."""
+        state = self.state[p]
+        beta2, eps = group["betas"][1], group["eps"]
+        key = (float(beta2), float(eps), state["exp_avg_sq"].data_ptr())
+        cached = self._denoms.get(p)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        steps = state["frozen_variance_step"]
+        bc2 = 1 - beta2 ** steps if steps > 0 else 1.0
+        v = state["exp_avg_sq"]
+        # Into the buffer fuse() allocated (and touched) while the last warmup allreduce was on
+        # the wire, so the first compressed step does not page-fault a parameter-sized tensor.
+        denom = cached[1] if cached is not None and cached[1].shape == v.shape else None
+        denom = torch.sqrt(v, out=denom)
+        denom.div_(math.sqrt(bc2)).add_(eps)
+        # Frozen variance 0: held fixed. An infinite denominator tells the update (fused into
+        # the decode pass) to add +-0 and zero the momentum, at no cost per held element.
+        torch.where(v != 0, denom, denom.new_full((), math.inf), out=denom)
+        self._denoms[p] = (key, denom)
+        return denom
+
+    # ---- the step -------------------------------------------------------------------------------
+
+    def step(self, param_groups: list[dict], grads: Mapping[torch.Tensor, Optional[torch.Tensor]]
+             ) -> int:
+        """One compressed step of every bucketed parameter; returns the bytes this rank sent.
+
+        Args:
+            param_groups: Adam's param groups (lr, betas, eps, weight_decay, exp_avg_mask).
+            grads: each bucketed parameter's local gradient (float32 for low-precision
+                parameters; Adam's L2 decay, ``maximize`` and the averaging op already applied),
+                or None where this rank computed none.
+        Raises:
+            NonFiniteInputError: on every rank when any rank's momentum (or a server's average)
+                was not finite; then nothing was changed anywhere.
+        """
+        owner = set(self.params)
+        beta1s = {p: g["betas"][0] for g in param_groups for p in g["params"] if p in owner}
+        inputs = []
+        for b in self.buckets:
+            sizes = [p.numel() for p in b.params]
+            betas = {beta1s[p] for p in b.params}
+            if len(betas) == 1:
+                inputs.append(MomentumInput(b.momentum, [grads[p] for p in b.params], sizes,
+                                            betas.pop()))
+            else:  # param groups with different beta1 share the bucket: one member at a time
+                for i, p in enumerate(b.params):
+                    MomentumInput(b.momentum_view(i).reshape(-1), [grads[p]], [sizes[i]],
+                                  beta1s[p]).materialize(out=b.work_view(i).reshape(-1))
+                inputs.append(b.work)
+        if self.config.compressor == "onebit":
+            nbytes = self._onebit_average(inputs, param_groups, owner)
+        else:
+            nbytes = self._exact_average(inputs, param_groups, owner)
+        for p in owner:
+            self.state[p]["step"] += 1
+        return nbytes
+
+    def _onebit_average(self, inputs: list, param_groups: list[dict], owner: set) -> int:
+        comms = [self.comms[self._key(b)] for b in self.buckets]
+        # Decoded straight into exp_avg: outputs are written only once every bucket on every
+        # rank has succeeded, so a skipped step leaves the momentum untouched.
+        handles = [c.allreduce_async(x, out=b.momentum)
+                   for c, b, x in zip(comms, self.buckets, inputs)]
+        updates, masked = self._plan_updates(param_groups, owner)  # while stage 1 is on the wire
+        synchronize_all(list(zip(comms, handles)), updates)
+        self._apply_masked(masked)
+        return sum(c.wire_bytes for c in comms)
+
+    def _exact_average(self, inputs: list, param_groups: list[dict], owner: set) -> int:
+        """compressor="none": the momenta averaged in full precision (Adam with a frozen
+        variance), through Horovod."""
+        updates, masked = self._plan_updates(param_groups, owner)
+        for b, x in zip(self.buckets, inputs):
+            if isinstance(x, MomentumInput):
+                x.materialize(out=b.work)
+        handles = [hvd.allreduce_async_(b.work, op=Average, name=f"hvd_onebit.exact{b.index}",
+                                        process_set=self.process_set) for b in self.buckets]
+        for h in handles:
+            hvd.synchronize(h)
+        for b in self.buckets:  # the same averaged values on every rank: the same decision
+            if not bool(torch.isfinite(b.work).all()):
+                raise NonFiniteInputError([], "in the averaged momentum")
+        for b, u in zip(self.buckets, updates):
+            b.momentum.copy_(b.work)
+            u.apply(b.momentum)
+        self._apply_masked(masked)
+        return sum(ring_allreduce_bytes(b.numel * b.work.element_size(), self.world)
+                   for b in self.buckets)
+
+    def _apply_masked(self, masked: list[tuple]) -> None:
+        """Parameters with an exp_avg_mask: mask the averaged momentum, then the same update.
+        (Held elements, whose denominator is inf, got no update and a zero momentum already.)"""
+        for group, p, mask in masked:
+            m = self.state[p]["exp_avg"]
+            # in place (exp_avg is the bucket's view); the mask may live elsewhere, e.g. where
+            # hvd.broadcast_optimizer_state unpickled it
+            m.mul_(mask.to(device=m.device, dtype=m.dtype))
+            w, denom, step, decay = self._update_terms(p, group)
+            AdamUpdate([w], [denom], [p.numel()], [step], [decay]).apply(m)
+
+    def _update_terms(self, p: torch.Tensor, group: dict) -> tuple:
+        """(weight, denominator, step, decay) of this step's ``w = w * decay + step * m / denom``."""
+        beta1, lr, wd = group["betas"][0], group["lr"], group["weight_decay"]
+        bc1 = 1 - beta1 ** float(self.state[p]["step"] + 1)
+        decay = 1 - lr * wd if wd != 0 and self.decoupled(group) else 1.0
+        return p.detach(), self._denominator(p, group), -lr / bc1, decay
+
+    def _plan_updates(self, param_groups: list[dict], owner: set
+                      ) -> tuple[list[AdamUpdate], list[tuple]]:
+        """Adam's update with the frozen variance, one :class:`AdamUpdate` per bucket, for the
+        collective to apply in its decode pass once every rank has succeeded. Parameters with an
+        ``exp_avg_mask`` are returned apart, as (group, param, mask): their momentum must be
+        masked first."""
+        terms: dict = {}
+        masked = []
+        for group in param_groups:
+            for p, mask in zip(group["params"], group_masks(group)):
+                if p not in owner:
+                    continue
+                if mask is not None:
+                    masked.append((group, p, mask))
+                else:
+                    terms[p] = self._update_terms(p, group)
+        updates = []
+        for b in self.buckets:
+            t = [terms.get(p) for p in b.params]
+            updates.append(AdamUpdate(
+                weights=[x[0] if x else None for x in t], denoms=[x[1] if x else None for x in t],
+                sizes=[p.numel() for p in b.params], steps=[x[2] if x else 0.0 for x in t],
+                decays=[x[3] if x else 1.0 for x in t]))
+        return updates, masked

@@ -1,0 +1,60 @@
+"""CompressedStep on its own: n virtual ranks on the in-process transport (no job launched),
+checked against the NumPy reference, for all-or-nothing skips, and bit for bit against the same
+engine inside a Horovod job."""
+import numpy as np
+import pytest
+
+from hvd_onebit.testing import run_ranks
+from hvd_onebit.transports import run_threads
+from tests.workers_compressed_step import reference, run_engine
+
+
+def run_inprocess(n, **kwargs):
+    return run_threads(n, lambda t: run_engine(t.rank, transport=t, **kwargs), timeout=120)
+
+
+@pytest.mark.parametrize("n", range(1, 9))
+def test_engine_matches_the_reference_on_every_virtual_rank(n):
+    results = run_inprocess(n)
+    want = reference(n)
+    for rank, r in enumerate(results):
+        assert r["buckets"] > 1, "the model must span several buckets"
+        assert r["skipped"] == [False] * 6, r["errors"]
+        for step, (got, exp) in enumerate(zip(r["params"], want)):
+            for i, (a, b) in enumerate(zip(got, exp)):
+                np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6,
+                                           err_msg=f"n={n} rank {rank} step {step} param {i}")
+            for i, (a, b) in enumerate(zip(got, results[0]["params"][step])):
+                assert a.tobytes() == b.tobytes(), \
+                    f"n={n}: rank {rank} differs from rank 0 at step {step}, param {i}"
+
+
+@pytest.mark.parametrize("n", [1, 2, 5])
+@pytest.mark.parametrize("param", [0, 3, 5], ids=["first_bucket", "middle_bucket", "last_bucket"])
+def test_a_nonfinite_gradient_changes_nothing_anywhere(n, param):
+    bad_rank = n - 1
+    results = run_inprocess(n, bad=(2, bad_rank, param))
+    clean = run_inprocess(n)
+    for rank, r in enumerate(results):
+        assert r["skipped"] == [s == 2 for s in range(6)], f"rank {rank}: {r['skipped']}"
+        assert f"[{bad_rank}]" in r["errors"][0], r["errors"]
+        for key in ("params", "momenta"):
+            for i, (a, b) in enumerate(zip(r[key][2], r[key][1])):
+                assert a.tobytes() == b.tobytes(), f"rank {rank}: {key}[{i}] changed when skipped"
+            # the steps after the skip go on (not the same as the clean run: its step 2 counted)
+            assert not np.array_equal(r[key][3][0], r[key][2][0]), f"rank {rank}: {key} stuck"
+    # the step before the bad one is the clean run's, bit for bit
+    for a, b in zip(results[0]["params"][1], clean[0]["params"][1]):
+        assert a.tobytes() == b.tobytes()
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("n", [2, 4])
+def test_inprocess_engine_gives_the_bits_of_a_horovod_job(n):
+    job = run_ranks("tests.workers_compressed_step:horovod_job", np=n, timeout=200)
+    threads = run_inprocess(n)
+    for rank in range(n):
+        for step, (a_step, b_step) in enumerate(zip(job[rank]["params"], threads[rank]["params"])):
+            for i, (a, b) in enumerate(zip(a_step, b_step)):
+                assert a.tobytes() == b.tobytes(), \
+                    f"n={n} rank {rank} step {step} param {i}: Horovod and in-process differ"

@@ -1,0 +1,109 @@
+"""Driving CompressedStep directly, without Horovod's optimizer class: on the in-process transport
+(virtual ranks as threads) or inside a Horovod job. Returns data; the tests assert."""
+from __future__ import annotations
+
+import warnings
+from typing import Optional
+
+import numpy as np
+import torch
+
+from hvd_onebit.compressed_step import NOT_FROZEN, CompressedStep
+from hvd_onebit.config import OneBitConfig
+
+SHAPES = [(40, 30), (30,), (30, 20), (20,), (20, 1), (1,)]  # several buckets at 0.004 MiB
+LR, BETAS, EPS = 1e-2, (0.9, 0.999), 1e-8
+WARM_STEPS = 4  # Adam steps "taken" before the freeze
+
+
+def initial_state(seed: int = 0) -> tuple[list[torch.Tensor], dict]:
+    """Parameters and an Adam state as after a warmup of WARM_STEPS steps (the same on every
+    rank): momentum and a positive variance."""
+    g = torch.Generator().manual_seed(seed)
+    params = [torch.randn(s, generator=g) for s in SHAPES]
+    state = {p: {"step": torch.tensor(float(WARM_STEPS)),
+                 "exp_avg": torch.randn(p.shape, generator=g) * 0.01,
+                 "exp_avg_sq": torch.rand(p.shape, generator=g) * 1e-4 + 1e-6,
+                 "frozen_variance_step": NOT_FROZEN} for p in params}
+    return params, state
+
+
+def gradient(step: int, rank: int, shape) -> torch.Tensor:
+    g = torch.Generator().manual_seed(7919 * step + 31 * rank + len(shape))
+    return torch.randn(shape, generator=g) * (1 + rank) * 0.01
+
+
+def run_engine(rank: int, transport=None, steps: int = 6, bad: Optional[tuple] = None,
+               block_size: Optional[int] = None) -> dict:
+    """``steps`` compressed steps; ``bad`` = (step, rank, parameter index) puts an inf into that
+    gradient. Returns per step whether it was skipped, and the parameters/momenta after each."""
+    params, state = initial_state()
+    config = OneBitConfig(freeze_step=WARM_STEPS, bucket_size_mb=0.004, block_size=block_size)
+    engine = CompressedStep(config, state, decoupled=lambda group: False, transport=transport)
+    groups = [{"params": params, "lr": LR, "betas": BETAS, "eps": EPS, "weight_decay": 0.0}]
+    out = {"skipped": [], "params": [], "momenta": [], "errors": []}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for step in range(steps):
+            engine.ensure_ready(params)
+            grads = {p: gradient(step, rank, p.shape) for p in params}
+            if bad is not None and (step, rank) == bad[:2]:
+                grads[params[bad[2]]][0] = float("inf")
+            try:
+                engine.step(groups, grads)
+                out["skipped"].append(False)
+            except FloatingPointError as exc:
+                out["skipped"].append(True)
+                out["errors"].append(str(exc))
+            out["params"].append([p.clone().numpy() for p in params])
+            out["momenta"].append([state[p]["exp_avg"].clone().numpy() for p in params])
+    out["buckets"] = len(engine.buckets)
+    return out
+
+
+def horovod_job(**kwargs) -> dict:
+    """run_engine in a Horovod job (Horovod transport over the global process set)."""
+    import horovod.torch as hvd
+
+    return run_engine(hvd.rank(), **kwargs)
+
+
+def reference(n: int, steps: int = 6) -> list[list[np.ndarray]]:
+    """The same steps from ALGORITHM.md in NumPy: local momenta, the 1-bit allreduce reference of
+    each bucket, Adam's update with the frozen variance. Parameters after each step."""
+    from tests.onebit_reference import ReferenceOneBit
+
+    params, state = initial_state()
+    w = [p.numpy().astype(np.float64) for p in params]
+    m = [state[p]["exp_avg"].numpy().copy() for p in params]
+    v = [state[p]["exp_avg_sq"].numpy().astype(np.float64) for p in params]
+    # the engine's buckets: parameters in order, at most 0.004 MiB = 1048 float32 each
+    buckets, current, size = [], [], 0
+    for i, p in enumerate(params):
+        if current and size + p.numel() > int(0.004 * 2**20 / 4):
+            buckets.append(current)
+            current, size = [], 0
+        current.append(i)
+        size += p.numel()
+    buckets.append(current)
+    refs = [ReferenceOneBit(sum(params[i].numel() for i in b), n) for b in buckets]
+    bc2 = 1 - BETAS[1] ** WARM_STEPS
+    history = []
+    for step in range(steps):
+        t = WARM_STEPS + step + 1
+        bc1 = 1 - BETAS[0] ** t
+        for b, ref in zip(buckets, refs):
+            inputs = [np.concatenate([
+                (np.float32(BETAS[0]) * m[i] + np.float32(1 - BETAS[0])
+                 * gradient(step, r, params[i].shape).numpy()).reshape(-1) for i in b])
+                for r in range(n)]
+            avg = ref.allreduce(inputs)
+            start = 0
+            for i in b:
+                k = params[i].numel()
+                m[i] = avg[start:start + k].reshape(params[i].shape)
+                start += k
+        for i in range(len(params)):
+            w[i] = w[i] - LR / bc1 * m[i] / (np.sqrt(v[i] / bc2) + EPS)
+        history.append([x.astype(np.float32) for x in w])
+    return history
