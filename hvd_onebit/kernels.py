@@ -44,19 +44,6 @@ def native_module():
     return _native
 
 
-# Adam's fused prologue and epilogue moved to hvd_onebit.fused_adam; their old names here still
-# resolve, for code written against them.
-_MOVED_TO_FUSED_ADAM = ("MomentumInput", "AdamUpdate", "worker_compress_momentum", "decode_update")
-
-
-def __getattr__(name: str):
-    if name in _MOVED_TO_FUSED_ADAM:
-        from . import fused_adam
-
-        return getattr(fused_adam, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 def resolve_backend(backend: str, device: torch.device) -> str:
     """Pick "native" or "torch" for tensors on ``device``; raise on an impossible request."""
     if backend not in BACKENDS:

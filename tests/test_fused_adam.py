@@ -147,13 +147,7 @@ def test_through_the_collective_hooks_equal_the_unfused_steps(n, backend):
         assert fused == unfused
 
 
-def test_the_adam_types_are_the_collective_hooks_and_keep_their_old_names():
+def test_the_adam_types_are_the_collective_hooks():
     src = MomentumInput(torch.zeros(4), [None], [4], 0.9)
     update = AdamUpdate([None], [None], [4], [0.0], [1.0])
     assert isinstance(src, InputProducer) and isinstance(update, Epilogue)
-    from hvd_onebit.kernels import AdamUpdate as OldUpdate, MomentumInput as OldInput
-
-    assert OldUpdate is AdamUpdate and OldInput is MomentumInput
-    assert kernels.decode_update.__module__ == "hvd_onebit.fused_adam"
-    with pytest.raises(AttributeError):
-        kernels.no_such_kernel

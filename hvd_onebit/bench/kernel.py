@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from .. import kernels
+from .. import fused_adam, kernels
 from ..layout import Layout
 
 
@@ -83,8 +83,8 @@ def _bench_fused(L: Layout, g: torch.Tensor, y_prev, prev_send, y_next, send, re
     numel = g.numel()
     m, work = torch.randn(numel) * 0.1, torch.empty(numel)
     w, denom = torch.randn(numel), torch.rand(numel) + 0.01
-    src = kernels.MomentumInput(m, [g], [numel], 0.9)
-    update = kernels.AdamUpdate([w], [denom], [numel], [-1e-4], [1.0])
+    src = fused_adam.MomentumInput(m, [g], [numel], 0.9)
+    update = fused_adam.AdamUpdate([w], [denom], [numel], [-1e-4], [1.0])
 
     def separate_compress():
         torch.lerp(m, g, 0.1, out=work)
@@ -95,10 +95,10 @@ def _bench_fused(L: Layout, g: torch.Tensor, y_prev, prev_send, y_next, send, re
         w.addcdiv_(work, denom, value=-1e-4)
 
     ms = {
-        "momentum_compress_ms": numel / _rate(lambda: kernels.worker_compress_momentum(
+        "momentum_compress_ms": numel / _rate(lambda: fused_adam.worker_compress_momentum(
             src, y_prev, prev_send, y_next, send, L, "native"), numel, repeats) * 1e3,
         "lerp_then_compress_ms": numel / _rate(separate_compress, numel, repeats) * 1e3,
-        "decode_update_ms": numel / _rate(lambda: kernels.decode_update(
+        "decode_update_ms": numel / _rate(lambda: fused_adam.decode_update(
             send, work, L, update, "native"), numel, repeats) * 1e3,
         "decode_then_addcdiv_ms": numel / _rate(separate_update, numel, repeats) * 1e3,
     }
