@@ -6,8 +6,8 @@ error on every rank before any collective, not hours later at the freeze.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Iterable, Optional
+from dataclasses import dataclass, fields
+from typing import Any, Iterable, Optional, Union
 
 import torch
 
@@ -15,6 +15,7 @@ from . import kernels
 from .transports import TRANSPORTS, check_transport
 
 COMPRESSORS = ("onebit", "none")
+AUTO = "auto"  # freeze_step="auto": freeze once the variance has settled (hvd_onebit.auto_freeze)
 DEFAULT_BUCKET_MB = 64.0
 # Parameter dtypes the optimizer trains. float16 and bfloat16 parameters keep float32 optimizer
 # state (see hvd_onebit.low_precision); the 1-bit kernels compute in float32.
@@ -26,11 +27,63 @@ def _is_int(value) -> bool:
 
 
 @dataclass(frozen=True)
+class AutoFreeze:
+    """Options of ``freeze_step="auto"`` (``auto_freeze=dict(...)``; the rule is in
+    :mod:`hvd_onebit.auto_freeze`), validated at construction.
+
+    Attributes:
+        window: steps between checks; the change is measured over this many steps.
+        tolerance: freeze when the relative L1 change of the bias-corrected variance over a
+            window is below this...
+        patience: ...at this many consecutive checks.
+        min_steps: never freeze before this many steps.
+        max_steps: freeze after this many steps at the latest.
+    """
+
+    window: int = 10
+    tolerance: float = 0.1
+    patience: int = 2
+    min_steps: int = 50
+    max_steps: int = 10000
+
+    def __post_init__(self) -> None:
+        for name in ("window", "patience", "min_steps", "max_steps"):
+            value = getattr(self, name)
+            if not _is_int(value) or value < 1:
+                raise ValueError(f"auto_freeze {name} must be a positive int, got {value!r}")
+        tol = self.tolerance
+        if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not math.isfinite(tol) \
+                or tol <= 0:
+            raise ValueError(f"auto_freeze tolerance must be a positive number, got {tol!r}")
+        if self.max_steps < self.min_steps:
+            raise ValueError(f"auto_freeze max_steps ({self.max_steps}) must be >= min_steps "
+                             f"({self.min_steps})")
+
+    @classmethod
+    def from_options(cls, options) -> "AutoFreeze":
+        """From None (the defaults), a dict of some of the fields, or an AutoFreeze."""
+        if options is None:
+            return cls()
+        if isinstance(options, cls):
+            return options
+        if not isinstance(options, dict):
+            raise TypeError(f"auto_freeze must be a dict of options, got {type(options).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise ValueError(f"auto_freeze: unknown option(s) {unknown}; known: {sorted(known)}")
+        return cls(**options)
+
+
+@dataclass(frozen=True)
 class OneBitConfig:
     """The compression-phase options (see :func:`hvd_onebit.DistributedOptimizer` for meanings).
 
     Attributes:
-        freeze_step: warmup length in optimizer steps, >= 1.
+        freeze_step: warmup length in optimizer steps, >= 1, or "auto".
+        auto_freeze: with freeze_step="auto", its options: None (the defaults), a dict of some
+            of :class:`AutoFreeze`'s fields, or an AutoFreeze; stored as
+            an AutoFreeze (None with an int freeze_step).
         compressor: "onebit" or "none".
         block_size: elements per scale (a positive multiple of 8), or None for one per chunk.
         transport: "horovod" or "mpi".
@@ -39,18 +92,24 @@ class OneBitConfig:
         check_every: steps between cross-rank parameter checks, 0 for never.
     """
 
-    freeze_step: int
+    freeze_step: Union[int, str]
     compressor: str = "onebit"
     block_size: Optional[int] = None
     transport: str = "horovod"
     kernel_backend: str = "auto"
     bucket_size_mb: float = DEFAULT_BUCKET_MB
     check_every: int = 0
+    auto_freeze: Any = None
 
     def __post_init__(self) -> None:
-        if not _is_int(self.freeze_step) or self.freeze_step < 1:
-            raise ValueError(f"freeze_step must be a positive int (warmup steps), got "
+        if self.freeze_step == AUTO:
+            object.__setattr__(self, "auto_freeze", AutoFreeze.from_options(self.auto_freeze))
+        elif not _is_int(self.freeze_step) or self.freeze_step < 1:
+            raise ValueError(f"freeze_step must be a positive int (warmup steps) or 'auto', got "
                              f"{self.freeze_step!r}")
+        elif self.auto_freeze is not None:
+            raise ValueError("auto_freeze options apply only with freeze_step='auto', got "
+                             f"freeze_step={self.freeze_step!r}")
         if self.compressor not in COMPRESSORS:
             raise ValueError(f"compressor must be one of {COMPRESSORS}, got {self.compressor!r}")
         if self.block_size is not None and (not _is_int(self.block_size) or self.block_size <= 0
@@ -68,6 +127,11 @@ class OneBitConfig:
             raise ValueError(f"bucket_size_mb must be a positive number of MiB, got {size!r}")
         if not _is_int(self.check_every) or self.check_every < 0:
             raise ValueError(f"check_every must be a non-negative int, got {self.check_every!r}")
+
+    @property
+    def auto(self) -> bool:
+        """Whether the warmup ends when the variance has settled (freeze_step="auto")."""
+        return self.freeze_step == AUTO
 
     @property
     def bucket_numel(self) -> int:

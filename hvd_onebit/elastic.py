@@ -11,7 +11,8 @@ and for models whose parameters such an optimizer trains (others keep Horovod's)
   state (e.g. a batch counter) are synced by Horovod from rank 0.
 * every rank drops its fused buckets and 1-bit collectives before the optimizer broadcast, so
   survivors and newcomers rebuild them alike at the next compressed step (error feedback restarts
-  from zero: it belongs to the old world's rank numbers and chunks).
+  from zero: it belongs to the old world's rank numbers and chunks). With ``freeze_step="auto"``
+  every rank also restarts its record of the variance, so all decide alike (a newcomer has none).
 """
 from __future__ import annotations
 
@@ -44,6 +45,7 @@ class OneBitStateHandler(hvd_state.OptimizerStateHandler):
         root = committed_root(opt)
         opt.reset_collectives()
         hvd.broadcast_optimizer_state(opt, root_rank=root)
+        opt.restart_variance_monitor()
 
 
 class OneBitModelStateHandler(hvd_state.ModelStateHandler):

@@ -18,7 +18,8 @@ Two phases, decided by the number of optimizer steps taken so far (never by anyt
 
 The choice of ``freeze_step`` is the main knob: 15-25% of the total steps is the published guidance.
 Too short a warmup freezes a variance that has not settled and training can diverge; a longer one
-costs full-precision communication for longer.
+costs full-precision communication for longer. ``freeze_step="auto"`` ends the warmup once the
+variance has settled (:mod:`hvd_onebit.auto_freeze`).
 
 A rank that sees inf/NaN in its gradients makes every rank skip the step: the bad value travels in
 the allreduce's status word, so the decision is agreed within the same collective and nothing is
@@ -42,6 +43,7 @@ from horovod.torch.mpi_ops import Adasum, Average, Sum
 from horovod.torch.optimizer import _DistributedOptimizer
 
 from . import elastic
+from .auto_freeze import VarianceMonitor
 from .collective import NonFiniteInputError
 from .compressed_step import NOT_FROZEN, CompressedStep
 from .config import DEFAULT_BUCKET_MB, OneBitConfig, validate_masks
@@ -52,6 +54,7 @@ from .low_precision import (WidenBfloat16, adam_step_float32, float32_state_in, 
 from .transports import sleep_until_done
 
 STEP_KEY = "onebit_step"  # param_groups[0] entry holding the optimizer step count
+FREEZE_KEY = "onebit_freeze_step"  # param_groups[0] entry: the freeze step, -1 while undecided
 
 
 def _scalar_step(group: dict, p: torch.Tensor) -> torch.Tensor:
@@ -78,14 +81,16 @@ class _OneBitMixin:
                                        backward_passes_per_step, op, gradient_predivide_factor,
                                        groups, sparse_as_dense, process_set)
         self.config = config
-        self.freeze_step = config.freeze_step  # a checkpoint past its freeze keeps its own
+        self.param_groups[0].setdefault(STEP_KEY, 0)
+        # A checkpoint past its freeze keeps its own freeze_step (see load_state_dict).
+        self.freeze_step = None if config.auto else config.freeze_step
+        self._monitor = VarianceMonitor(config.auto_freeze) if config.auto else None
         self.compressor = config.compressor
         self.block_size = config.block_size
         self.transport = config.transport
         self.kernel_backend = config.kernel_backend
         self.bucket_size_mb = config.bucket_size_mb
         self.check_every = config.check_every
-        self.param_groups[0].setdefault(STEP_KEY, 0)
         self._engine = CompressedStep(config, self.state, self._decoupled, process_set,
                                       names=self._parameter_names)
         # Telemetry, readable by training scripts and the CLI.
@@ -136,9 +141,28 @@ class _OneBitMixin:
         self.param_groups[0][STEP_KEY] = int(value)
 
     @property
+    def freeze_step(self) -> Optional[int]:
+        """The step count the variance freezes (or froze) at; None while ``freeze_step="auto"``
+        has not decided. Kept in param group 0, like the step count."""
+        value = int(self.param_groups[0].get(FREEZE_KEY, -1))
+        return value if value >= 1 else None
+
+    @freeze_step.setter
+    def freeze_step(self, value: Optional[int]) -> None:
+        self.param_groups[0][FREEZE_KEY] = -1 if value is None else int(value)
+
+    @property
+    def freeze_decision(self) -> Optional[dict]:
+        """``freeze_step="auto"``: how the step was chosen (``freeze_step``, ``reason``, the
+        ``change`` that triggered it and the ``history`` of (step, change) checks); None before
+        the decision and with a fixed ``freeze_step``."""
+        return self._monitor.decision if self._monitor is not None else None
+
+    @property
     def phase(self) -> str:
         """"warmup" until ``freeze_step`` steps have been taken, then "compression"."""
-        return "warmup" if self._completed_steps < self.freeze_step else "compression"
+        freeze = self.freeze_step
+        return "warmup" if freeze is None or self._completed_steps < freeze else "compression"
 
     @property
     def steps(self) -> int:
@@ -164,12 +188,16 @@ class _OneBitMixin:
     def state_dict(self) -> dict:
         sd = super(self.__class__, self).state_dict()
         sd["onebit"] = {"freeze_step": self.freeze_step, "skipped_steps": self.skipped_steps}
+        if self._monitor is not None:
+            sd["onebit"]["auto_freeze"] = self._monitor.state_dict()
         return sd
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a :meth:`state_dict`. A checkpoint taken in the compression phase stays there:
         its variance was frozen at its own ``freeze_step``, which wins over this optimizer's
-        (with a warning when they differ). A warmup checkpoint takes this optimizer's."""
+        (with a warning when they differ). A warmup checkpoint takes this optimizer's; with
+        ``freeze_step="auto"`` it also takes the checkpoint's record of the variance, so the
+        resumed run decides at the same step as an uninterrupted one."""
         state_dict = dict(state_dict)
         meta = state_dict.pop("onebit", None)
         params = [p for g in self.param_groups for p in g["params"]]
@@ -180,15 +208,22 @@ class _OneBitMixin:
         for pid, p in zip(ids, params):
             for key, value in wide.get(pid, {}).items():
                 self.state[p][key] = value.to(device=p.device, copy=True)
+        mine = None if self.config.auto else self.config.freeze_step
+        saved = None
         if meta is not None:
             self.skipped_steps = int(meta.get("skipped_steps", 0))
-            saved_freeze = int(meta.get("freeze_step", self.freeze_step))
-            if self._completed_steps >= saved_freeze and saved_freeze != self.freeze_step:
+            saved = meta.get("freeze_step")
+        if saved is not None and self._completed_steps >= int(saved):
+            if mine is not None and int(saved) != mine:
                 warnings.warn(
                     f"hvd_onebit: the checkpoint is in the compression phase (step "
-                    f"{self._completed_steps}, frozen at freeze_step={saved_freeze}); it keeps "
-                    f"its frozen variance and freeze_step={saved_freeze}, not {self.freeze_step}")
-                self.freeze_step = saved_freeze
+                    f"{self._completed_steps}, frozen at freeze_step={saved}); it keeps "
+                    f"its frozen variance and freeze_step={saved}, not {mine}")
+            self.freeze_step = int(saved)
+        else:
+            self.freeze_step = mine
+        if self._monitor is not None:
+            self._monitor.load_state_dict((meta or {}).get("auto_freeze") or {})
         self._engine.state = self.state  # torch replaced the state dict itself
         self._init_state()
         self.reset_collectives()  # exp_avg tensors were replaced: re-fuse at the next step
@@ -201,13 +236,14 @@ class _OneBitMixin:
         self._engine.reset()
 
     def add_param_group(self, param_group: dict) -> None:
-        if self.param_groups and self._completed_steps >= getattr(self, "freeze_step", 1 << 62):
+        constructed = "config" in self.__dict__
+        if constructed and self.phase == "compression":
             raise ValueError(
                 "cannot add parameters after the variance was frozen (step "
                 f"{self._completed_steps} >= freeze_step {self.freeze_step}): Adam's variance "
                 "for them was never estimated. Add them during the warmup.")
         super(self.__class__, self).add_param_group(param_group)
-        if hasattr(self, "freeze_step"):  # after construction: new parameters need Adam state
+        if constructed:  # new parameters need Adam state
             self._init_state()
 
     # ---- rank-local error feedback ------------------------------------------------------------
@@ -358,6 +394,7 @@ class _OneBitMixin:
             else:
                 loss = self._adam_step(closure)
                 self._completed_steps += 1
+                self._observe_variance()
             self._account(self._warmup_bytes(), self._warmup_wait)
             return loss
         if per_opt["stage"] is OptState.READY:
@@ -397,7 +434,25 @@ class _OneBitMixin:
             return None
         loss = self._adam_step(closure)
         self._completed_steps += 1
+        self._observe_variance()
         return loss
+
+    def _observe_variance(self) -> None:
+        """freeze_step="auto", after a warmup step: decide whether the variance has settled.
+        The variance is the same on every rank here, so is the decision."""
+        if self._monitor is None or self.freeze_step is not None:
+            return
+        variances = ((self.state[p]["exp_avg_sq"], int(self.state[p]["step"]), g["betas"][1])
+                     for g in self.param_groups for p in g["params"])
+        decided = self._monitor.observe(self._completed_steps, variances)
+        if decided is not None:
+            self.freeze_step = decided
+
+    def restart_variance_monitor(self) -> None:
+        """freeze_step="auto": forget the variance record (the next check starts a new one).
+        Every rank must call it at the same point; elastic syncs do."""
+        if self._monitor is not None:
+            self._monitor.restart()
 
     def _adam_step(self, closure):
         """The wrapped Adam's step on the averaged gradients; float16 and bfloat16 parameters
@@ -512,7 +567,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                          sparse_as_dense: bool = False,
                          process_set: hvd.ProcessSet = hvd.global_process_set,
                          *,
-                         freeze_step: int,
+                         freeze_step: int | str,
+                         auto_freeze: Optional[dict] = None,
                          compressor: str = "onebit",
                          block_size: Optional[int] = None,
                          transport: str = "horovod",
@@ -532,7 +588,15 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
             work in both phases. Adam's state for float16 and bfloat16 parameters is float32
             (a float16 variance underflows); bfloat16 gradients travel as float32 in the warmup.
         freeze_step: warmup length in optimizer steps (positive int). The variance is frozen
-            after this many steps. Guidance: 15-25% of the total steps.
+            after this many steps. Guidance: 15-25% of the total steps. Or "auto": freeze once
+            the variance has settled (:mod:`hvd_onebit.auto_freeze`); ``opt.freeze_step`` is
+            None until then, then the step chosen (``opt.freeze_decision`` says why).
+        auto_freeze: with ``freeze_step="auto"``, a dict of some of ``window`` (10),
+            ``tolerance`` (0.1), ``patience`` (2), ``min_steps`` (50), ``max_steps`` (10000):
+            every ``window`` steps the relative L1 change of the bias-corrected variance over
+            the last ``window`` steps is measured; the warmup ends at the first check, at or
+            after ``min_steps``, where it was below ``tolerance`` at ``patience`` checks in a
+            row, and after ``max_steps`` at the latest.
         compressor: "onebit" (default) or "none", which averages the momentum in full precision
             in the compression phase: Adam with a frozen variance, for comparisons.
         block_size: elements per scale in the 1-bit allreduce, a positive multiple of 8
@@ -551,7 +615,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
 
     Returns:
         An optimizer of the wrapped class with Horovod's ``synchronize()`` and
-        ``skip_synchronize()``, plus ``phase``, ``steps``, ``telemetry()`` and the counters
+        ``skip_synchronize()``, plus ``phase``, ``steps``, ``freeze_step``, ``freeze_decision``,
+        ``telemetry()`` and the counters
         ``last_step_bytes``, ``total_bytes``, ``last_step_comm_seconds``, ``total_comm_seconds``.
     """
     if not isinstance(optimizer, torch.optim.Adam):
@@ -563,7 +628,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                          "which amsgrad's running maximum would contradict")
     config = OneBitConfig(freeze_step=freeze_step, compressor=compressor, block_size=block_size,
                           transport=transport, kernel_backend=kernel_backend,
-                          bucket_size_mb=bucket_size_mb, check_every=check_every)
+                          bucket_size_mb=bucket_size_mb, check_every=check_every,
+                          auto_freeze=auto_freeze)
     if op == Adasum or op not in (Average, Sum):
         raise ValueError("hvd_onebit.DistributedOptimizer supports op=hvd.Average or hvd.Sum")
     if isinstance(backward_passes_per_step, bool) or not isinstance(backward_passes_per_step, int) \
