@@ -22,14 +22,14 @@ from typing import Callable, Mapping, Optional
 
 import horovod.torch as hvd
 import torch
-from horovod.torch.mpi_ops import Average
+from horovod.torch.mpi_ops import Average, Sum
 
 from .collective import NonFiniteInputError, OneBitAllreduce, synchronize_all
 from .config import OneBitConfig, group_masks
 from .fusion import Bucket, fuse
 from .fused_adam import AdamUpdate, MomentumInput
 from .layout import ring_allreduce_bytes
-from .transports import Transport
+from .transports import Transport, sleep_until_done
 
 NOT_FROZEN = -1  # state["frozen_variance_step"] before the freeze
 
@@ -189,6 +189,95 @@ class CompressedStep:
             return
         for key, comm in mine.items():
             comm.load_state_dict(saved[key])
+
+    def flush_error_feedback(self, param_groups: list[dict]) -> int:
+        """Fold every rank's worker error and every server's error into the momentum, with one
+        exact allreduce, then zero both; returns the bytes this rank sent (0: nothing to flush).
+
+        What compression has not delivered yet: rank i's worker error ``e_w^i`` (padded, full
+        size) and server j's error ``e_s^j`` (its chunk). Error feedback adds them to the next
+        call's input on its way through, so the next averaged momentum gains, on average,
+
+            e = mean_i e_w^i + concat_j e_s^j
+
+        on top of ``mean_i(beta1 * m + (1 - beta1) * g_i)``. Each rank contributes
+        ``e_w^i / n`` plus its own server chunk at its place, and one allreduce (Sum) gives e,
+        the same on every rank. Adding ``e / beta1`` to the momentum m (each parameter with its
+        group's beta1) makes the next step's average ``beta1 * (m + e / beta1) + (1 - beta1) *
+        mean_i g_i``: what error feedback would have delivered, with nothing left behind. The
+        momentum stays identical on every rank (each adds the same e), so rank 0's
+        ``state_dict()`` is then a complete checkpoint, for any world size. Entries the step
+        would leave at zero stay zero: ``exp_avg_mask`` is applied, and elements held fixed
+        (frozen variance 0) keep a zero momentum.
+
+        All or nothing: the new momenta are computed aside, and only if every value of every
+        bucket is finite (checked on the allreduced values, the same on every rank) are they
+        written and the errors zeroed; otherwise every rank raises
+        :class:`~hvd_onebit.collective.NonFiniteInputError` and nothing changed.
+        """
+        if self.config.compressor != "onebit" or self.buckets is None or self.world == 1:
+            return 0
+        beta1s = {p: float(g["betas"][0]) for g in param_groups for p in g["params"]}
+        if any(beta1s[p] == 0 for p in self.params):
+            raise ValueError("flush_error_feedback needs beta1 > 0: with beta1 = 0 the momentum "
+                             "does not carry into the next step, so the error cannot be folded")
+        comms = [self.comms[self._key(b)] for b in self.buckets]
+        n = self.world
+        sums = []
+        for b, c in zip(self.buckets, comms):
+            e = c.worker_error.mul_(1.0 / n)
+            e[c.rank * c.layout.chunk:(c.rank + 1) * c.layout.chunk].add_(c.server_error)
+            sums.append(e)
+        sums, nbytes = self._exact_sum(sums)
+        new = []
+        for b, e in zip(self.buckets, sums):
+            m = b.momentum.clone()
+            for i, p in enumerate(b.params):
+                lo = b.offsets[i]
+                m[lo:lo + p.numel()].add_(e[lo:lo + p.numel()].div_(beta1s[p]))
+            new.append(m)
+        bad = [b.index for b, m in zip(self.buckets, new) if not bool(torch.isfinite(m).all())]
+        if bad:
+            raise NonFiniteInputError(
+                [], f"in the error feedback (or the momentum it was folded into) of bucket(s) "
+                f"{bad}, seen by flush_error_feedback; nothing was folded")
+        for b, m in zip(self.buckets, new):
+            b.momentum.copy_(m)
+            for p in b.params:
+                exp_avg = self.state[p]["exp_avg"]
+                exp_avg.masked_fill_(self.state[p]["exp_avg_sq"] == 0, 0.0)  # held elements
+        owner = set(self.params)
+        for group in param_groups:
+            for p, mask in zip(group["params"], group_masks(group)):
+                if mask is not None and p in owner:
+                    m = self.state[p]["exp_avg"]
+                    m.mul_(mask.to(device=m.device, dtype=m.dtype))
+        for c in comms:
+            c.reset()
+        return nbytes
+
+    def _exact_sum(self, tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], int]:
+        """The sum over ranks of each tensor, the same bits on every rank, and the bytes this
+        rank sent: Horovod's allreduce (a ring: each chunk is reduced once, then copied), or
+        with a transport object an allgather summed in rank order."""
+        if isinstance(self.transport, str):
+            handles = [hvd.allreduce_async(t, op=Sum, name=f"hvd_onebit.flush{i}",
+                                           process_set=self.process_set)
+                       for i, t in enumerate(tensors)]
+            for h in handles:
+                sleep_until_done(h)
+            return [hvd.synchronize(h) for h in handles], sum(
+                ring_allreduce_bytes(4 * t.numel(), self.world) for t in tensors)
+        handles = [self.transport.allgather_async(t.view(1, -1), name=f"hvd_onebit.flush{i}")
+                   for i, t in enumerate(tensors)]
+        out = []
+        for t, h in zip(tensors, handles):
+            rows = self.transport.wait(h).view(self.world, -1)
+            total = rows[0].clone()
+            for r in range(1, self.world):
+                total.add_(rows[r])
+            out.append(total)
+        return out, sum(4 * t.numel() * (self.world - 1) for t in tensors)
 
     # ---- the frozen variance ---------------------------------------------------------------------
 

@@ -90,6 +90,8 @@ class OneBitConfig:
         kernel_backend: "auto", "native" or "torch".
         bucket_size_mb: MiB of float32 momentum per fused bucket, > 0.
         check_every: steps between cross-rank parameter checks, 0 for never.
+        flush_on_commit: elastic jobs: fold the error feedback into the momentum at every
+            commit (:meth:`flush_error_feedback`), so a committed state loses none.
     """
 
     freeze_step: Union[int, str]
@@ -100,6 +102,7 @@ class OneBitConfig:
     bucket_size_mb: float = DEFAULT_BUCKET_MB
     check_every: int = 0
     auto_freeze: Any = None
+    flush_on_commit: bool = False
 
     def __post_init__(self) -> None:
         if self.freeze_step == AUTO:
@@ -110,6 +113,8 @@ class OneBitConfig:
         elif self.auto_freeze is not None:
             raise ValueError("auto_freeze options apply only with freeze_step='auto', got "
                              f"freeze_step={self.freeze_step!r}")
+        if not isinstance(self.flush_on_commit, bool):
+            raise ValueError(f"flush_on_commit must be True or False, got {self.flush_on_commit!r}")
         if self.compressor not in COMPRESSORS:
             raise ValueError(f"compressor must be one of {COMPRESSORS}, got {self.compressor!r}")
         if self.block_size is not None and (not _is_int(self.block_size) or self.block_size <= 0

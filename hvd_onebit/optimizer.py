@@ -265,6 +265,32 @@ class _OneBitMixin:
         """
         self._engine.load_error_feedback_state_dict(state)
 
+    def flush_error_feedback(self) -> int:
+        """Fold every rank's outstanding error feedback into the momentum and zero it.
+
+        One full-precision allreduce of the momentum's size (each rank sends
+        ``2 (n-1)/n * 4`` bytes per element); see
+        :meth:`~hvd_onebit.compressed_step.CompressedStep.flush_error_feedback` for the math.
+        Afterwards the momentum is identical on every rank and no error is rank-local, so rank
+        0's ``state_dict()`` alone is a complete checkpoint that resumes on any world size.
+        Every rank must call it at the same point. In the warmup, on one rank and with
+        ``compressor="none"`` there is no error feedback and it does nothing.
+
+        Returns:
+            The bytes this rank sent (0 when there was nothing to flush).
+        Raises:
+            NonFiniteInputError: on every rank, when an error or the momentum it would be folded
+                into is not finite; nothing was changed.
+        """
+        if not self._compressing() or self.compressor != "onebit":
+            return 0
+        self._engine.ensure_ready(self._active_params())  # applies error feedback just loaded
+        start = time.perf_counter()
+        nbytes = self._engine.flush_error_feedback(self.param_groups)
+        self.total_bytes += nbytes
+        self.total_comm_seconds += time.perf_counter() - start
+        return nbytes
+
     # ---- hooks and synchronize ---------------------------------------------------------------------
 
     def _make_hook(self, p):
@@ -574,7 +600,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                          transport: str = "horovod",
                          kernel_backend: str = "auto",
                          bucket_size_mb: float = DEFAULT_BUCKET_MB,
-                         check_every: int = 0):
+                         check_every: int = 0,
+                         flush_on_commit: bool = False):
     """Wrap a ``torch.optim.Adam`` or ``AdamW`` for 1-bit Adam over Horovod.
 
     The arguments up to ``process_set`` mean what they mean for ``hvd.DistributedOptimizer`` and
@@ -608,6 +635,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
             overlap the transfer of the previous.
         check_every: every K steps, compare a checksum of the parameters across ranks and raise
             on every rank if they diverged (0, the default: never). One small allgather.
+        flush_on_commit: in Horovod elastic jobs, call :meth:`flush_error_feedback` at every
+            ``state.commit()``, so the committed state holds every rank's error feedback (one
+            full-precision allreduce of the momentum per commit in the compression phase).
 
     A param group may carry ``exp_avg_mask``: a tensor broadcastable to each of its parameters, or
     a list with one tensor (or None) per parameter. In the compression phase the averaged
@@ -616,7 +646,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     Returns:
         An optimizer of the wrapped class with Horovod's ``synchronize()`` and
         ``skip_synchronize()``, plus ``phase``, ``steps``, ``freeze_step``, ``freeze_decision``,
-        ``telemetry()`` and the counters
+        ``flush_error_feedback()``, ``telemetry()`` and the counters
         ``last_step_bytes``, ``total_bytes``, ``last_step_comm_seconds``, ``total_comm_seconds``.
     """
     if not isinstance(optimizer, torch.optim.Adam):
@@ -629,7 +659,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     config = OneBitConfig(freeze_step=freeze_step, compressor=compressor, block_size=block_size,
                           transport=transport, kernel_backend=kernel_backend,
                           bucket_size_mb=bucket_size_mb, check_every=check_every,
-                          auto_freeze=auto_freeze)
+                          auto_freeze=auto_freeze, flush_on_commit=flush_on_commit)
     if op == Adasum or op not in (Average, Sum):
         raise ValueError("hvd_onebit.DistributedOptimizer supports op=hvd.Average or hvd.Sum")
     if isinstance(backward_passes_per_step, bool) or not isinstance(backward_passes_per_step, int) \
