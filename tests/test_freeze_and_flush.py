@@ -1,0 +1,217 @@
+"""freeze_step="auto" (the warmup ends when Adam's variance has settled) and
+flush_error_feedback (every rank's error feedback folded into the momentum), issue #17."""
+import pytest
+import torch
+
+from hvd_onebit.config import AutoFreeze, OneBitConfig
+from hvd_onebit.testing import run_ranks
+from hvd_onebit.transports import run_threads
+from tests.workers_compressed_step import BETAS
+from tests.workers_freeze_and_flush import AUTO, flush_engine
+
+W = "tests.workers_freeze_and_flush:"
+
+
+# ---- freeze_step="auto" -------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def auto_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("auto")
+
+
+@pytest.fixture(scope="module")
+def auto_full(auto_dir):
+    """The uninterrupted run, 2 ranks, with a checkpoint after every step."""
+    return run_ranks(W + "auto_freeze_run", np=2, timeout=300,
+                     kwargs={"ckpt_dir": str(auto_dir), "save_every": True})
+
+
+@pytest.mark.multirank
+def test_auto_freeze_is_decided_at_the_same_step_on_every_rank_and_logged(auto_full):
+    decided = [r["freeze_step"] for r in auto_full]
+    assert decided[0] is not None and len(set(decided)) == 1, f"ranks decided {decided}"
+    step = decided[0]
+    assert AUTO["min_steps"] <= step < AUTO["max_steps"], \
+        f"decided at {step}: by the bounds, not by the variance ({auto_full[0]['decision']})"
+    for rank, r in enumerate(auto_full):
+        assert r["seen"] == [("warmup", None)] * step + [("compression", step)] * (30 - step), \
+            f"rank {rank}: (phase, freeze_step) before each step: {r['seen']}"
+        change = r["decision"]["change"]
+        assert change < AUTO["tolerance"], r["decision"]
+        assert [c < AUTO["tolerance"] for _, c in r["decision"]["history"][-2:]] == [True] * 2
+        assert any(f"after step {step}" in m and f"{change:.4g}" in m for m in r["log"]), \
+            f"rank {rank}: the decision and its figure are not in the log: {r['log']}"
+    assert auto_full[0]["decision"] == auto_full[1]["decision"]
+    assert auto_full[0]["params"] == auto_full[1]["params"]
+
+
+@pytest.mark.multirank
+def test_auto_checkpoint_before_the_decision_decides_the_same(auto_full, auto_dir):
+    step = auto_full[0]["freeze_step"]
+    resumed = run_ranks(W + "auto_freeze_run", np=2, timeout=300,
+                        kwargs={"ckpt_dir": str(auto_dir), "resume_from": step - 1})
+    for rank, r in enumerate(resumed):
+        assert r["start"] == step - 1 and r["seen"][0] == ("warmup", None), r["seen"][:2]
+        assert r["freeze_step"] == step, \
+            f"rank {rank}: resumed at {step - 1}, decided {r['freeze_step']}, uninterrupted {step}"
+        assert r["params"] == auto_full[rank]["params"], \
+            f"rank {rank}: the resumed run is not bit-identical to the uninterrupted one"
+
+
+@pytest.mark.multirank
+def test_auto_checkpoint_after_the_decision_stays_frozen_there(auto_full, auto_dir):
+    step = auto_full[0]["freeze_step"]
+    resumed = run_ranks(W + "auto_freeze_run", np=2, timeout=300,
+                        kwargs={"ckpt_dir": str(auto_dir), "resume_from": step + 3})
+    for rank, r in enumerate(resumed):
+        assert r["seen"] == [("compression", step)] * (30 - step - 3), \
+            f"rank {rank}: {r['seen']}"
+        assert r["freeze_step"] == step and r["decision"]["freeze_step"] == step
+        assert r["params"] == auto_full[rank]["params"], \
+            f"rank {rank}: the resumed run is not bit-identical to the uninterrupted one"
+
+
+# ---- flush_error_feedback: the engine on virtual ranks ----------------------------------------------
+
+def expected_fold(ranks: list[dict]) -> list[torch.Tensor]:
+    """m + (mean_i e_w^i + concat_j e_s^j) / beta1, per bucket, from every rank's state before."""
+    out = []
+    for k, numel in enumerate(ranks[0]["numel"]):
+        e = torch.stack([r["before"]["worker_errors"][k] for r in ranks]).mean(0)
+        e = e + torch.cat([r["before"]["server_errors"][k] for r in ranks])
+        out.append(ranks[0]["before"]["momenta"][k] + e[:numel] / BETAS[0])
+    return out
+
+
+def check_flushed(ranks: list[dict], rtol: float, bytes_per_element: float) -> None:
+    want = expected_fold(ranks)
+    for rank, r in enumerate(ranks):
+        for k, (got, exp) in enumerate(zip(r["after"]["momenta"], want)):
+            torch.testing.assert_close(got, exp, rtol=rtol, atol=1e-7,
+                                       msg=f"rank {rank}, bucket {k}: not the folded momentum")
+            assert torch.equal(got, ranks[0]["after"]["momenta"][k]), \
+                f"rank {rank}, bucket {k}: momentum differs from rank 0's after the flush"
+            assert not r["after"]["worker_errors"][k].any() and \
+                not r["after"]["server_errors"][k].any(), f"rank {rank}: errors not zeroed"
+        n = len(ranks)
+        assert r["bytes"] == sum(int(bytes_per_element * c * n) for c in r["before"]["chunks"]), \
+            f"rank {rank}: {r['bytes']} bytes sent"
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_flush_folds_every_error_into_the_momentum_on_virtual_ranks(n):
+    ranks = run_threads(n, lambda t: flush_engine(t), timeout=120)
+    assert any(e.abs().sum() > 0 for e in ranks[0]["before"]["worker_errors"]), \
+        "nothing to flush: the test needs error feedback"
+    check_flushed(ranks, rtol=1e-5, bytes_per_element=4 * (n - 1))  # an allgather
+
+
+def test_flush_on_one_rank_is_a_no_op():
+    (r,) = run_threads(1, lambda t: flush_engine(t), timeout=60)
+    assert r["bytes"] == 0 and r["error"] is None
+    assert all(torch.equal(a, b) for a, b in zip(r["before"]["momenta"], r["after"]["momenta"]))
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_flush_with_a_nonfinite_error_changes_nothing_anywhere(n):
+    ranks = run_threads(n, lambda t: flush_engine(t, bad_rank=n - 1), timeout=120)
+    messages = {r["error"] for r in ranks}
+    assert len(messages) == 1 and None not in messages, f"ranks raised {messages}"
+    assert "bucket(s) [0]" in messages.pop()
+    for rank, r in enumerate(ranks):
+        for key in ("momenta", "worker_errors", "server_errors"):
+            for k, (a, b) in enumerate(zip(r["before"][key], r["after"][key])):
+                assert torch.allclose(a, b, rtol=0, atol=0, equal_nan=True), \
+                    f"rank {rank}: {key}[{k}] changed by a failed flush"
+
+
+# ---- flush_error_feedback in Horovod jobs ------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def flush_results():
+    return run_ranks(W + "flush_suite", np=2, timeout=300)
+
+
+@pytest.mark.multirank
+def test_flush_in_the_warmup_is_a_no_op(flush_results):
+    for rank, r in enumerate(flush_results):
+        w = r["warmup"]
+        assert w["bytes"] == 0 and w["momentum_unchanged"], f"rank {rank}: {w}"
+        assert w["with"]["params"] == w["without"]["params"], \
+            f"rank {rank}: a flush in the warmup changed the trajectory"
+
+
+@pytest.mark.multirank
+def test_flush_through_horovod_folds_the_errors_and_zeroes_them(flush_results):
+    ranks = [r["compression"] for r in flush_results]
+    check_flushed(ranks, rtol=1e-5, bytes_per_element=2 * (2 - 1) / 2 * 4)  # a ring allreduce
+    for rank, r in enumerate(ranks):
+        assert r["ef_norms"] and not any(r["ef_norms"]), \
+            f"rank {rank}: error feedback left after the flush: {r['ef_norms']}"
+        assert r["finite_after"]
+
+
+@pytest.mark.multirank
+def test_flush_with_a_nonfinite_error_raises_on_every_rank(flush_results):
+    got = [r["nonfinite"] for r in flush_results]
+    assert got[0]["error"] is not None and got[0]["error"] == got[1]["error"], got
+    assert "flush_error_feedback" in got[0]["error"] and "nothing was folded" in got[0]["error"]
+    for rank, r in enumerate(got):
+        assert r["unchanged"] == {"momenta": True, "worker_errors": True, "server_errors": True}, \
+            f"rank {rank}: a failed flush changed {r['unchanged']}"
+
+
+@pytest.mark.multirank
+def test_elastic_commit_flushes_with_flush_on_commit(flush_results):
+    for rank, r in enumerate(flush_results):
+        c = r["commit"]
+        assert c["norms_before"] > 0 and c["norms_after"] == 0.0, f"rank {rank}: {c}"
+        assert c["saved_equals_live"], f"rank {rank}: the committed momentum is not the flushed one"
+
+
+@pytest.mark.multirank
+def test_flushed_checkpoint_resumes_on_any_world_size_closer_than_a_reset(tmp_path):
+    kw = {"ckpt_dir": str(tmp_path)}
+    full = run_ranks(W + "flush_checkpoint_save", np=4, kwargs=kw, timeout=300)
+    for rank, r in enumerate(full):
+        assert all(torch.equal(a, b) for a, b in zip(r["flushed_momentum"],
+                                                     full[0]["flushed_momentum"])), \
+            f"rank {rank}: the momentum differs from rank 0's after the flush"
+    reference = full[0]["val_loss"]
+    gaps = {}
+    for np_ in (4, 2):
+        resumed = run_ranks(W + "flush_checkpoint_resume", np=np_, kwargs=kw, timeout=300)
+        for rank, r in enumerate(resumed):
+            for kind in ("flush", "reset"):
+                assert r[kind]["steps"] == 16 and r[kind]["phase"] == "compression"
+            assert not any("error feedback" in w for w in r["flush"]["warnings"]), \
+                r["flush"]["warnings"]
+        gaps[np_] = {kind: abs(resumed[0][kind]["val_loss"] - reference)
+                     for kind in ("flush", "reset")}
+        assert gaps[np_]["flush"] < gaps[np_]["reset"], \
+            f"{np_} ranks: held-out loss gap to the uninterrupted run ({reference:.6f}) after " \
+            f"a flush {gaps[np_]['flush']:.3g}, after a reset {gaps[np_]['reset']:.3g}"
+    print(f"\nheld-out loss gap to the uninterrupted 4-rank run ({reference:.6f}): {gaps}")
+
+
+@pytest.mark.parametrize("options, expected", [
+    (dict(window=0), "auto_freeze window must be a positive int, got 0"),
+    (dict(patience=1.5), "auto_freeze patience must be a positive int, got 1.5"),
+    (dict(tolerance=float("nan")), "auto_freeze tolerance must be a positive number, got nan"),
+    (dict(tolerance=0), "auto_freeze tolerance must be a positive number, got 0"),
+    (dict(min_steps=20, max_steps=10), "max_steps (10) must be >= min_steps (20)"),
+    (dict(windw=5), "auto_freeze: unknown option(s) ['windw']"),
+    ("fast", "auto_freeze must be a dict of options, got str"),
+])
+def test_bad_auto_freeze_options_fail_at_construction(options, expected):
+    with pytest.raises((ValueError, TypeError)) as info:
+        OneBitConfig(freeze_step="auto", auto_freeze=options)
+    assert expected in str(info.value)
+
+
+def test_auto_freeze_options_need_freeze_step_auto():
+    with pytest.raises(ValueError, match="apply only with freeze_step='auto'"):
+        OneBitConfig(freeze_step=10, auto_freeze={"window": 5})
+    with pytest.raises(ValueError, match="positive int \\(warmup steps\\) or 'auto', got 'AUTO'"):
+        OneBitConfig(freeze_step="AUTO")
+    assert OneBitConfig(freeze_step="auto").auto_freeze == AutoFreeze()

@@ -1,0 +1,266 @@
+"""Worker functions for freeze_step="auto" and flush_error_feedback (issue #17). They return data;
+the tests assert."""
+from __future__ import annotations
+
+import copy
+import logging
+import warnings
+from pathlib import Path
+from typing import Optional
+
+import horovod.torch as hvd
+import torch
+import torch.nn as nn
+
+import hvd_onebit
+from hvd_onebit.compressed_step import CompressedStep
+from hvd_onebit.config import OneBitConfig
+from tests.workers_compressed_step import BETAS, EPS, LR, WARM_STEPS, gradient, initial_state
+from tests.workers_optimizer import batch, make_model, params_bytes, val_loss
+
+# Small enough for the toy model to decide after a few checks, by the tolerance, not max_steps.
+AUTO = dict(window=2, tolerance=0.15, patience=2, min_steps=4, max_steps=40)
+
+
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.messages: list[str] = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+def _train(model, opt, steps, record=None, data_ranks=None):
+    """``data_ranks``: the global batch is that many ranks' batches, whatever the world size
+    (each rank takes every size()-th of them), so runs at different sizes see the same data."""
+    for step in steps:
+        if record is not None:
+            record.append((opt.phase, opt.freeze_step))
+        opt.zero_grad()
+        mine = range(hvd.rank(), data_ranks, hvd.size()) if data_ranks else [hvd.rank()]
+        x, y = (torch.cat(t) for t in zip(*(batch(step, q) for q in mine)))
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+
+
+def _save(opt, model, where: Path) -> None:
+    where.mkdir(parents=True, exist_ok=True)
+    if hvd.rank() == 0:
+        torch.save(model.state_dict(), where / "model.pt")
+        torch.save(opt.state_dict(), where / "optimizer.pt")
+    torch.save(opt.error_feedback_state_dict(), where / f"ef.rank{hvd.rank()}.pt")
+
+
+def _load(opt, model, where: Path, error_feedback: bool = True) -> None:
+    model.load_state_dict(torch.load(where / "model.pt"))
+    opt.load_state_dict(torch.load(where / "optimizer.pt"))
+    if error_feedback:
+        opt.load_error_feedback_state_dict(torch.load(where / f"ef.rank{hvd.rank()}.pt"))
+
+
+def auto_freeze_run(ckpt_dir, total=30, resume_from: Optional[int] = None, save_every=False):
+    """freeze_step="auto" on the toy model. ``save_every``: a checkpoint after every step (under
+    ckpt_dir/step<k>); ``resume_from=k``: start from that checkpoint in this new job."""
+    handler = _Records()
+    logging.getLogger("hvd_onebit").addHandler(handler)
+    logging.getLogger("hvd_onebit").setLevel(logging.INFO)
+    model = make_model()
+    opt = hvd_onebit.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2),
+                                          named_parameters=model.named_parameters(),
+                                          freeze_step="auto", auto_freeze=AUTO)
+    ckpt = Path(ckpt_dir)
+    if resume_from is not None:
+        _load(opt, model, ckpt / f"step{resume_from}")
+    seen, start = [], opt.steps
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for step in range(start, total):
+            _train(model, opt, [step], seen)
+            if save_every:
+                _save(opt, model, ckpt / f"step{opt.steps}")
+    hvd.allreduce(torch.zeros(1), name="saved")  # every file written before anyone exits
+    logging.getLogger("hvd_onebit").removeHandler(handler)
+    return {"start": start, "seen": seen, "freeze_step": opt.freeze_step,
+            "decision": opt.freeze_decision, "phase": opt.phase, "log": handler.messages,
+            "params": params_bytes(model), "steps": opt.steps}
+
+
+# ---- flush_error_feedback ------------------------------------------------------------------------
+
+DATA_RANKS = 4  # checkpoints of a 4-rank job, resumed at 2 and 4 ranks on the same global batches
+
+def _buckets(opt):
+    engine = opt.compressed_step
+    comms = [engine.comms[engine._key(b)] for b in engine.buckets]
+    return engine, comms
+
+
+def _snapshot(opt) -> dict:
+    engine, comms = _buckets(opt)
+    return {"momenta": [b.momentum.clone() for b in engine.buckets],
+            "worker_errors": [c.worker_error for c in comms],
+            "server_errors": [c.server_error for c in comms],
+            "chunks": [c.layout.chunk for c in comms]}
+
+
+def _flush_opt(freeze_step=3, flush_on_commit=False):
+    model = make_model()
+    opt = hvd_onebit.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2),
+                                          named_parameters=model.named_parameters(),
+                                          freeze_step=freeze_step, bucket_size_mb=0.002,
+                                          flush_on_commit=flush_on_commit)
+    return model, opt
+
+
+def flush_in_warmup(steps=8, flush_at=2):
+    """A flush in the warmup changes nothing: the run matches one without it, bit for bit."""
+    runs = {}
+    for flush in (False, True):
+        model, opt = _flush_opt(freeze_step=5)
+        nbytes = None
+        for step in range(steps):
+            _train(model, opt, [step])
+            if flush and step == flush_at:
+                before = [opt.state[p]["exp_avg"].clone() for p in model.parameters()]
+                nbytes = opt.flush_error_feedback()
+                unchanged = all(torch.equal(a, opt.state[p]["exp_avg"])
+                                for a, p in zip(before, model.parameters()))
+        runs[flush] = {"params": params_bytes(model), "phase": opt.phase}
+    return {"bytes": nbytes, "momentum_unchanged": unchanged, "with": runs[True],
+            "without": runs[False]}
+
+
+def flush_in_compression(steps=7):
+    """After a flush: what each rank held before (to check the fold), what it holds after."""
+    model, opt = _flush_opt()
+    _train(model, opt, range(steps))
+    before = _snapshot(opt)
+    nbytes = opt.flush_error_feedback()
+    after = _snapshot(opt)
+    ef = opt.error_feedback_state_dict()
+    _train(model, opt, range(steps, steps + 3))  # training goes on after a flush
+    return {"before": before, "after": after, "bytes": nbytes,
+            "numel": [b.numel for b in opt.compressed_step.buckets],
+            "ef_norms": [float(t.norm()) for b in ef["buckets"].values()
+                         for t in (b["worker_error"], b["server_error"])],
+            "finite_after": all(bool(torch.isfinite(p).all()) for p in model.parameters())}
+
+
+def flush_nonfinite(steps=6, bad_rank=1):
+    """An inf in one rank's worker error: every rank raises the same error, nothing changes."""
+    model, opt = _flush_opt()
+    _train(model, opt, range(steps))
+    _, comms = _buckets(opt)
+    if hvd.rank() == bad_rank:
+        comms[-1]._worker_y[0] = float("inf")  # its factored form: e_w = y - s*sign(y)
+    before = _snapshot(opt)
+    try:
+        opt.flush_error_feedback()
+        error = None
+    except FloatingPointError as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    after = _snapshot(opt)
+    unchanged = {k: all(torch.equal(a, b) for a, b in zip(before[k], after[k]))
+                 for k in ("momenta", "worker_errors", "server_errors")}
+    return {"error": error, "unchanged": unchanged}
+
+
+def flush_on_commit(steps=6):
+    """The elastic state handler folds the error feedback at save() (what commit() calls)."""
+    model, opt = _flush_opt(flush_on_commit=True)
+    state = hvd.elastic.TorchState(model=model, optimizer=opt, batch=0)
+    _train(model, opt, range(steps))
+    _, comms = _buckets(opt)
+    norms_before = sum(float(c.worker_error.norm()) for c in comms)
+    state.save()
+    saved = state._handlers["optimizer"]._saved_optimizer_state
+    return {"norms_before": norms_before,
+            "norms_after": sum(float(c.worker_error.norm() + c.server_error.norm())
+                               for c in comms),
+            "saved_equals_live": all(
+                torch.equal(saved["state"][i]["exp_avg"], opt.state[p]["exp_avg"])
+                for i, p in enumerate(model.parameters()))}
+
+
+def flush_suite():
+    return {"warmup": flush_in_warmup(), "compression": flush_in_compression(),
+            "nonfinite": flush_nonfinite(), "commit": flush_on_commit()}
+
+
+def flush_checkpoint_save(ckpt_dir, stop_at=8, total=16, freeze_step=4, lr=1e-2):
+    """Train to ``stop_at``; save rank 0's state as it is (dir/reset) and after a flush
+    (dir/flush); then put the unflushed state back (bit for bit: the optimizer state and every
+    rank's error feedback) and train on to ``total``: the uninterrupted run."""
+    ckpt = Path(ckpt_dir)
+    model, opt = _flush_opt(freeze_step=freeze_step)
+    for g in opt.param_groups:
+        g["lr"] = lr
+    _train(model, opt, range(stop_at), data_ranks=DATA_RANKS)
+    for kind in ("reset", "flush"):
+        (ckpt / kind).mkdir(parents=True, exist_ok=True)
+    kept = copy.deepcopy(opt.state_dict()), opt.error_feedback_state_dict()
+    if hvd.rank() == 0:
+        torch.save(model.state_dict(), ckpt / "reset" / "model.pt")
+        torch.save(opt.state_dict(), ckpt / "reset" / "optimizer.pt")
+    nbytes = opt.flush_error_feedback()
+    momentum = [opt.state[p]["exp_avg"].clone() for p in model.parameters()]
+    if hvd.rank() == 0:
+        torch.save(model.state_dict(), ckpt / "flush" / "model.pt")
+        torch.save(opt.state_dict(), ckpt / "flush" / "optimizer.pt")
+    opt.load_state_dict(kept[0])
+    opt.load_error_feedback_state_dict(kept[1])
+    _train(model, opt, range(stop_at, total), data_ranks=DATA_RANKS)
+    hvd.allreduce(torch.zeros(1), name="saved")
+    return {"val_loss": val_loss(model), "tensors": [p.detach().clone() for p in model.parameters()],
+            "flushed_momentum": momentum, "bytes": nbytes}
+
+
+def flush_checkpoint_resume(ckpt_dir, stop_at=8, total=16, freeze_step=4, lr=1e-2):
+    """Resume both checkpoints of flush_checkpoint_save (rank 0's files only) in this job."""
+    out = {}
+    for kind in ("flush", "reset"):
+        model, opt = _flush_opt(freeze_step=freeze_step)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            _load(opt, model, Path(ckpt_dir) / kind, error_feedback=False)
+            for g in opt.param_groups:
+                g["lr"] = lr
+            _train(model, opt, range(stop_at, total), data_ranks=DATA_RANKS)
+        out[kind] = {"val_loss": val_loss(model), "steps": opt.steps, "phase": opt.phase,
+                     "tensors": [p.detach().clone() for p in model.parameters()],
+                     "warnings": [str(w.message) for w in caught]}
+    return out
+
+
+# ---- the engine alone, on the in-process transport ---------------------------------------------
+
+def flush_engine(transport, steps=3, bad_rank=None):
+    """CompressedStep on virtual ranks: a few steps, then a flush. Returns each rank's errors and
+    momenta before, its momenta and errors after, or the error every rank raised."""
+    params, state = initial_state()
+    config = OneBitConfig(freeze_step=WARM_STEPS, bucket_size_mb=0.004)
+    engine = CompressedStep(config, state, decoupled=lambda group: False, transport=transport)
+    groups = [{"params": params, "lr": LR, "betas": BETAS, "eps": EPS, "weight_decay": 0.0}]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for step in range(steps):
+            engine.ensure_ready(params)
+            engine.step(groups, {p: gradient(step, transport.rank, p.shape) for p in params})
+    comms = [engine.comms[engine._key(b)] for b in engine.buckets]
+    if bad_rank == transport.rank:
+        comms[0]._server_z[-1] = float("nan")
+    before = {"momenta": [b.momentum.clone() for b in engine.buckets],
+              "worker_errors": [c.worker_error for c in comms],
+              "server_errors": [c.server_error for c in comms],
+              "chunks": [c.layout.chunk for c in comms]}
+    try:
+        nbytes = engine.flush_error_feedback(groups)
+        error = None
+    except FloatingPointError as exc:
+        nbytes, error = None, str(exc)
+    after = {"momenta": [b.momentum.clone() for b in engine.buckets],
+             "worker_errors": [c.worker_error for c in comms],
+             "server_errors": [c.server_error for c in comms]}
+    return {"before": before, "after": after, "bytes": nbytes, "error": error,
+            "numel": [b.numel for b in engine.buckets]}
