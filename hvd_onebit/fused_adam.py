@@ -10,10 +10,11 @@ along in the collective's passes:
   applies Adam's update with the frozen denominators (:func:`decode_update`).
 
 :class:`~hvd_onebit.collective.OneBitAllreduce` knows neither: it takes them through its generic
-hooks (``InputProducer`` and ``Epilogue`` in :mod:`hvd_onebit.collective`). Each fused native
-kernel has a torch reference beside it (:meth:`MomentumInput.materialize`,
-:meth:`AdamUpdate.apply`) giving the same bits: separate fp32 ``mul`` and ``add``, no FMA, as the
-native code is built with ``-ffp-contract=off``.
+hooks (``InputProducer`` and ``Epilogue`` in :mod:`hvd_onebit.collective`). Each fused kernel
+(native C++ on CPU, Triton on CUDA) has a torch reference beside it
+(:meth:`MomentumInput.materialize`, :meth:`AdamUpdate.apply`) giving the same bits on every
+device: separate fp32 ``mul``, ``div`` and ``add``, no FMA, as the native code is built with
+``-ffp-contract=off`` and the Triton kernels are launched with ``enable_fp_fusion=False``.
 """
 from __future__ import annotations
 
@@ -93,10 +94,18 @@ def worker_compress_momentum(src: MomentumInput, y_prev: torch.Tensor, prev_send
                              backend: str = "auto") -> bool:
     """:func:`~hvd_onebit.kernels.worker_compress` of ``x = src.materialize()``, with x computed
     in the same pass where the native kernel can read every tensor in place."""
-    if kernels.resolve_backend(backend, src.momentum.device) == "native" and src.native_ready():
+    resolved = kernels.resolve_backend(backend, src.momentum.device)
+    if resolved == "native" and src.native_ready():
         return kernels.native_module().worker_compress_momentum(
             src.momentum, src.grads, src.sizes, float(src.beta1), y_prev, prev_send, y_out, send,
             *layout.as_args(), True)
+    if resolved == "triton" and layout.padded > 0:
+        tk = kernels.triton_module()
+        if (tk.ready([src.momentum], src.momentum.device)
+                and tk.ready(src.grads, src.momentum.device, tk.LOW_PRECISION)):
+            return tk.worker_compress_momentum(src.momentum, src.grads, src.sizes,
+                                               float(src.beta1), y_prev, prev_send, y_out, send,
+                                               layout)
     return kernels.worker_compress(src.materialize(), y_prev, prev_send, y_out, send, layout,
                                    backend)
 
@@ -110,7 +119,7 @@ class AdamUpdate:
     For every parameter given (None entries are left to the caller):
     ``w = w * decay`` when ``decay != 1`` (AdamW's decoupled decay), then
     ``w = w + (step * m) / denom`` (``step = -lr / bias_correction1``), in the operation order
-    of torch's ``w.mul_(decay)`` and ``w.addcdiv_(m, denom, value=step)``. An element whose
+    of torch's ``w.mul_(decay)`` and ``w.addcdiv_(m, denom, value=step)`` on CPU. An element whose
     denominator is ``+inf`` is held fixed: the update adds +-0 and its momentum is set to +0
     afterwards (how the optimizer keeps elements whose frozen variance is 0 out of training).
     An ``Epilogue`` of :mod:`hvd_onebit.collective`.
@@ -146,7 +155,9 @@ class AdamUpdate:
                 target = w if w.dtype == m_here.dtype else w.float()
                 if decay != 1.0:
                     target.mul_(decay)
-                target.addcdiv_(m_here, d, value=step)
+                # (step * m) / d, then the add: the CPU's addcdiv_ order. CUDA's addcdiv_
+                # computes w + step * (m / d) and contracts it into an FMA: other bits.
+                target.add_(torch.mul(m_here, step).div_(d))
                 if target is not w:
                     w.copy_(target)
                 m_here.masked_fill_(d == math.inf, 0.0)
@@ -162,12 +173,19 @@ def decode_update(rows: torch.Tensor, out: torch.Tensor, layout: Layout, update:
                   backend: str = "auto") -> None:
     """:func:`~hvd_onebit.kernels.decode` into ``out`` (the momentum, float32 [numel]), then
     ``update`` in the same pass where the native kernel can."""
-    if (kernels.resolve_backend(backend, rows.device) == "native" and update.native_ready()
-            and out.dtype == torch.float32):
+    resolved = kernels.resolve_backend(backend, rows.device)
+    if resolved == "native" and update.native_ready() and out.dtype == torch.float32:
         kernels.native_module().decode_update(
             rows, out, update.weights, update.denoms, update.sizes,
             [float(s) for s in update.steps], [float(d) for d in update.decays],
             *layout.as_args(), True)
         return
+    if resolved == "triton" and layout.padded > 0 and out.dtype == torch.float32:
+        tk = kernels.triton_module()
+        if (tk.ready([rows, out, *update.denoms], rows.device)
+                and tk.ready(update.weights, rows.device, tk.LOW_PRECISION)):
+            tk.decode(rows, out, layout, update.weights, update.denoms, update.sizes,
+                      update.steps, update.decays)
+            return
     kernels.decode(rows, out, layout, backend)
     update.apply(out)

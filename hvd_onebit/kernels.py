@@ -1,13 +1,16 @@
 """Sign-compression kernels: worker compress, server average-and-recompress, decode.
 
-Two implementations with the same arguments and the same bits:
+Three implementations with the same arguments and the same bits:
 
 * ``native``: fused C++ (``hvd_onebit._C``, AVX2 where the CPU has it), CPU tensors only. This is
   what makes 1-bit Adam pay off on CPU: torch-eager sign compression takes several passes over
   memory per element where the fused kernel takes one, so it runs far below memory speed and
   would eat the bandwidth it saves (``hvd-onebit bench kernel`` compares the two).
-* ``torch``: plain tensor ops, for any device (CUDA included) and as the reference the native
-  kernels are tested against.
+* ``triton``: the same fused passes for CUDA tensors (:mod:`hvd_onebit.triton_kernels`, imported
+  only when picked); CPU tensors too under Triton's interpreter (``TRITON_INTERPRET=1``), for tests.
+* ``torch``: plain tensor ops, for any device and as the reference the others are tested
+  against. Written so that CUDA gives the CPU's bits: no op that multiplies by a reciprocal or
+  contracts into an FMA on CUDA (see :func:`exact_div`).
 
 The arithmetic both follow, per block of ``layout.block`` elements (see :mod:`hvd_onebit.layout`):
 ``y = x + e`` in fp32; ``s = float(sqrt(sum(double(y)^2) / block))``; sign bit ``y >= 0``;
@@ -21,6 +24,9 @@ then one pass over the data instead of two.
 """
 from __future__ import annotations
 
+import importlib.util
+import os
+
 import torch
 
 from .layout import STATUS_BYTES, Layout
@@ -30,7 +36,7 @@ try:  # The extension is built by `make setup` (pip install -e .); torch fallbac
 except ImportError:  # pragma: no cover - exercised only on machines without a compiler
     _native = None
 
-BACKENDS = ("auto", "native", "torch")
+BACKENDS = ("auto", "native", "torch", "triton")
 
 
 def native_available() -> bool:
@@ -44,18 +50,61 @@ def native_module():
     return _native
 
 
+def triton_available() -> bool:
+    """Whether the ``triton`` package is installed (not imported here: importing it is slow, and
+    :mod:`hvd_onebit.triton_kernels` must be imported after ``TRITON_INTERPRET`` is settled)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def triton_module():
+    """:mod:`hvd_onebit.triton_kernels`, imported on first use."""
+    from . import triton_kernels
+    return triton_kernels
+
+
+def _triton_interpreted() -> bool:
+    import sys
+    mod = sys.modules.get(f"{__package__}.triton_kernels")
+    if mod is not None:
+        return mod.INTERPRETED
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
 def resolve_backend(backend: str, device: torch.device) -> str:
-    """Pick "native" or "torch" for tensors on ``device``; raise on an impossible request."""
+    """Pick "native", "triton" or "torch" for tensors on ``device``; raise on an impossible
+    request. "auto": native on CPU (when built), triton on CUDA (when installed), else torch."""
     if backend not in BACKENDS:
         raise ValueError(f"kernel backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
-        return "native" if (_native is not None and device.type == "cpu") else "torch"
+        if device.type == "cpu":
+            return "native" if _native is not None else "torch"
+        return "triton" if device.type == "cuda" and triton_available() else "torch"
     if backend == "native":
         if _native is None:
             raise RuntimeError("the native kernels (hvd_onebit._C) are not built; run `make setup`")
         if device.type != "cpu":
             raise ValueError(f"the native kernels run on CPU tensors only, got device {device}")
+    if backend == "triton":
+        if not triton_available():
+            raise RuntimeError("the triton kernels need the triton package (pip install triton)")
+        if device.type != "cuda" and not (device.type == "cpu" and _triton_interpreted()):
+            raise ValueError(f"the triton kernels run on CUDA tensors (CPU tensors only under "
+                             f"TRITON_INTERPRET=1), got device {device}")
     return backend
+
+
+def _use_triton(backend: str, device: torch.device, layout: Layout, tensors) -> bool:
+    """Whether this call runs the triton kernels: resolved to triton, something to do, and every
+    tensor float32/uint8, contiguous, on ``device``."""
+    return (resolve_backend(backend, device) == "triton" and layout.padded > 0
+            and all(t.device == device and t.is_contiguous() for t in tensors))
+
+
+def exact_div(t: torch.Tensor, divisor: float) -> torch.Tensor:
+    """``t / divisor`` correctly rounded on every device. CUDA divides by a Python (CPU) scalar
+    as a multiplication by its reciprocal, which is not the CPU's bits when 1/divisor is not
+    exact (n = 3); a divisor tensor on t's device is a true division everywhere."""
+    return t / torch.full((), divisor, dtype=t.dtype, device=t.device)
 
 
 # ---- row views (torch path) ------------------------------------------------------------------------
@@ -118,7 +167,7 @@ def _rms_scales(y: torch.Tensor, block: int) -> tuple[bool, torch.Tensor]:
     """y: fp32 [rows, nblocks, block] -> (all finite, scales fp32 [rows, nblocks]): the block
     rms, with the sum of squares in double as the native kernels accumulate it."""
     sumsq = y.double().square().sum(-1)
-    return bool(torch.isfinite(sumsq).all()), torch.sqrt(sumsq / block).float()
+    return bool(torch.isfinite(sumsq).all()), torch.sqrt(exact_div(sumsq, block)).float()
 
 
 def set_identity_rows(buf: torch.Tensor, layout: Layout, count: int) -> None:
@@ -147,8 +196,12 @@ def worker_compress(x: torch.Tensor, y_prev: torch.Tensor, prev_send: torch.Tens
         y_out: float32 [padded], receives this call's y = x + e.
         send: uint8 [n * row_bytes], receives one row per destination rank.
     Returns:
-        False if any block held a non-finite value (the rows then carry status 1.0).
+        False if any block held a non-finite value (the rows then carry status 1.0). The triton
+        backend returns a :class:`~hvd_onebit.triton_kernels.DeviceFlag` instead: it tests
+        the same, and only a test of it waits for the GPU.
     """
+    if _use_triton(backend, x.device, layout, (x, y_prev, prev_send, y_out, send)):
+        return triton_module().worker_compress(x, y_prev, prev_send, y_out, send, layout)
     if resolve_backend(backend, x.device) == "native":
         return _native.worker_compress(x, y_prev, prev_send, y_out, send, *layout.as_args(), True)
     n, nb, block = layout.n, layout.nblocks, layout.block
@@ -184,6 +237,8 @@ def server_compress(recv: torch.Tensor, z_prev: torch.Tensor, prev_row: torch.Te
     Returns:
         False if z was not finite.
     """
+    if _use_triton(backend, recv.device, layout, (recv, z_prev, prev_row, z_out, out_row)):
+        return triton_module().server_compress(recv, z_prev, prev_row, z_out, out_row, layout)
     if resolve_backend(backend, recv.device) == "native":
         return _native.server_compress(recv, z_prev, prev_row, z_out, out_row, *layout.as_args(),
                                        True)
@@ -194,7 +249,7 @@ def server_compress(recv: torch.Tensor, z_prev: torch.Tensor, prev_row: torch.Te
         acc = acc + decoded[i]
     e = server_error(z_prev, prev_row, layout).view(nb, block)
     z = z_out.view(1, nb, block)
-    torch.add(acc / n, e, out=z[0])
+    torch.add(exact_div(acc, n), e, out=z[0])
     finite, scales = _rms_scales(z, block)
     _write_rows(out_row, layout, 1, 0.0 if finite else 1.0, scales,
                 pack_signs((z >= 0).view(1, -1)))
@@ -213,6 +268,9 @@ def decode(rows: torch.Tensor, out: torch.Tensor, layout: Layout, backend: str =
         rows: uint8 [n * row_bytes].
         out: float32 [numel], contiguous.
     """
+    if _use_triton(backend, rows.device, layout, (rows, out)):
+        triton_module().decode(rows, out, layout)
+        return
     if resolve_backend(backend, rows.device) == "native":
         _native.decode(rows, out, *layout.as_args(), True)
         return

@@ -63,6 +63,26 @@ def test_momentum_input_rejects_mismatched_gradients():
                                     *L.as_args(), True)
 
 
+def update_case(sizes, L, dtypes=(torch.float32,)):
+    """Inputs of a decode with Adam's update: random rows with scales in [0, 1), and per
+    parameter (every third None) a weight of ``dtypes[i % len(dtypes)]``, a denominator with
+    ~30% held elements (+inf, mask in ``held``), a step and a decay (every other one != 1)."""
+    g = torch.Generator().manual_seed(sum(sizes))
+    rows = torch.randint(0, 255, (L.n * L.row_bytes,), dtype=torch.uint8, generator=g)
+    kernels.row_scales(rows, L, L.n).copy_(torch.rand(L.n, L.nblocks, generator=g))
+    weights = [None if i % 3 == 1 else torch.randn(s, generator=g).to(dtypes[i % len(dtypes)])
+               for i, s in enumerate(sizes)]
+    denoms = [None if w is None else torch.rand(s, generator=g) + 0.01
+              for w, s in zip(weights, sizes)]
+    held = [None if d is None else torch.rand(d.shape, generator=g) < 0.3 for d in denoms]
+    for d, h in zip(denoms, held):
+        if d is not None:
+            d[h] = math.inf
+    steps = [-1e-3 / 0.9 * (i + 1) for i in range(len(sizes))]
+    decays = [1 - 1e-5 if i % 2 else 1.0 for i in range(len(sizes))]
+    return rows, weights, denoms, held, steps, decays
+
+
 @pytest.mark.parametrize("sizes,n", [([5, 0, 13, 1000, 7], 4), ([64, 64], 3), ([1], 2),
                                      ([300_001, 3, 200_000], 4)])
 def test_decode_fused_with_adam_update_equals_torch(sizes, n):
@@ -73,18 +93,7 @@ def test_decode_fused_with_adam_update_equals_torch(sizes, n):
     (times decay) and get a zero momentum, in vector groups and in the scalar tails alike."""
     numel = sum(sizes)
     L = Layout.build(numel, n, None)
-    g = torch.Generator().manual_seed(numel)
-    rows = torch.randint(0, 255, (L.n * L.row_bytes,), dtype=torch.uint8, generator=g)
-    kernels.row_scales(rows, L, L.n).copy_(torch.rand(L.n, L.nblocks, generator=g))
-    weights = [None if i % 3 == 1 else torch.randn(s, generator=g) for i, s in enumerate(sizes)]
-    denoms = [None if w is None else torch.rand(s, generator=g) + 0.01
-              for w, s in zip(weights, sizes)]
-    held = [None if d is None else torch.rand(d.shape, generator=g) < 0.3 for d in denoms]
-    for d, h in zip(denoms, held):
-        if d is not None:
-            d[h] = math.inf
-    steps = [-1e-3 / 0.9 * (i + 1) for i in range(len(sizes))]
-    decays = [1 - 1e-5 if i % 2 else 1.0 for i in range(len(sizes))]
+    rows, weights, denoms, held, steps, decays = update_case(sizes, L)
     results = []
     for impl in ("torch", "avx2", "scalar", "hook"):
         w = [None if t is None else t.clone() for t in weights]

@@ -136,4 +136,9 @@ def test_backend_selection_errors_are_clear():
         kernels.resolve_backend("cuda-magic", torch.device("cpu"))
     with pytest.raises(ValueError, match="CPU tensors only"):
         kernels.resolve_backend("native", torch.device("cuda"))
-    assert kernels.resolve_backend("auto", torch.device("cuda")) == "torch"
+    # auto on CUDA: the triton kernels where triton is installed, the torch twins elsewhere
+    expect = "triton" if kernels.triton_available() else "torch"
+    assert kernels.resolve_backend("auto", torch.device("cuda")) == expect
+    if kernels.triton_available() and not kernels._triton_interpreted():
+        with pytest.raises(ValueError, match="CUDA tensors"):
+            kernels.resolve_backend("triton", torch.device("cpu"))

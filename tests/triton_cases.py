@@ -1,0 +1,197 @@
+"""The Triton kernels (hvd_onebit.triton_kernels) under Triton's interpreter, on CPU tensors:
+the bits of the torch twins and of the native kernels, and the NumPy reference through the
+collective (n virtual ranks as threads).
+
+Not collected by the suite itself: tests/test_triton_kernels.py runs this file in a subprocess
+with ``TRITON_INTERPRET=1``, which must be set before triton is first imported (triton's own
+``tl.sum``/``tl.max`` are jitted at its import), so the variable never reaches other tests. To run
+it directly: ``TRITON_INTERPRET=1 .venv/bin/python -m pytest -q tests/triton_cases.py``.
+
+Tolerances: the kernels are compared bit for bit with the torch twins and the native kernels
+(same fp32 operations in the same order, no FMA). Block scales are float(sqrt(sum in float64)),
+whose float64 sum is taken in a different order by each implementation; the squares are exact,
+so the orders differ only within float64 rounding and the float32 scale agrees unless the root
+lies within ~1e-16 relative of a float32 rounding boundary: with these fixed seeds it never does,
+so the comparisons stay exact. Against the NumPy reference (float64 pairwise sums, numpy's own
+operation order) the collective's outputs are compared with the tolerance test_inprocess.py
+uses (rtol 1e-5, atol 1e-6).
+"""
+import os
+
+import numpy as np
+import pytest
+import torch
+
+if os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("needs TRITON_INTERPRET=1 from the start (tests/test_triton_kernels.py sets it)",
+                allow_module_level=True)
+
+from hvd_onebit import OneBitAllreduce, _C, kernels  # noqa: E402
+from hvd_onebit import triton_kernels as tk  # noqa: E402
+from hvd_onebit.fused_adam import (AdamUpdate, MomentumInput, decode_update,  # noqa: E402
+                                   worker_compress_momentum)
+from hvd_onebit.layout import Layout  # noqa: E402
+from hvd_onebit.transports import run_threads  # noqa: E402
+from tests.onebit_reference import ReferenceOneBit  # noqa: E402
+from tests.test_fused_adam import update_case  # noqa: E402
+from tests.test_kernels import _previous_state  # noqa: E402
+from tests.workers_collective import rank_input  # noqa: E402
+
+assert tk.INTERPRETED
+
+
+def _bytes(t):
+    return None if t is None else t.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+# sizes not a multiple of 8, n = 1..4, one block per chunk and several (block 24: not a power
+# of two; block 4096 and chunk 5000: blocks split over several programs' tiles)
+CASES = [(7, 3, None), (33, 4, None), (100, 1, None), (4099, 3, None), (5000, 2, 64),
+         (5001, 3, 24), (10_003, 2, None), (20_001, 4, 4096)]
+
+
+def _three_kernels(impl, L, x, y_prev, prev_send, z_prev, prev_row):
+    """worker compress, server step (on the rows just sent) and decode with one implementation;
+    every output buffer starts as garbage."""
+    send = torch.full((L.n * L.row_bytes,), 0xAB, dtype=torch.uint8)
+    y_out = torch.full((L.padded,), 123.0)
+    z_out = torch.full((L.chunk,), 5.0)
+    row = torch.full((L.row_bytes,), 0xCD, dtype=torch.uint8)
+    out = torch.full((L.numel,), 7.0)
+    if impl == "avx2":
+        ok = _C.worker_compress(x, y_prev, prev_send, y_out, send, *L.as_args(), True)
+        ok_s = _C.server_compress(send, z_prev, prev_row, z_out, row, *L.as_args(), True)
+        _C.decode(send, out, *L.as_args(), True)
+    else:
+        ok = kernels.worker_compress(x, y_prev, prev_send, y_out, send, L, impl)
+        ok_s = kernels.server_compress(send, z_prev, prev_row, z_out, row, L, impl)
+        kernels.decode(send, out, L, impl)
+    return [bool(ok), bool(ok_s)] + [_bytes(t) for t in (y_out, send, z_out, row, out)]
+
+
+@pytest.mark.parametrize("numel,n,block", CASES)
+def test_kernels_give_the_bits_of_the_torch_twins_and_native(numel, n, block):
+    L = Layout.build(numel, n, block)
+    g = torch.Generator().manual_seed(numel)
+    y_prev, prev_send = _previous_state(L, g)
+    x = torch.randn(numel, generator=g)
+    z_prev = torch.randn(L.chunk, generator=g)
+    prev_row = prev_send[:L.row_bytes].clone()  # a realistic factored server error
+    runs = {impl: _three_kernels(impl, L, x, y_prev, prev_send, z_prev, prev_row)
+            for impl in ("torch", "avx2", "triton")}
+    runs["triton again"] = _three_kernels("triton", L, x, y_prev, prev_send, z_prev, prev_row)
+    assert runs["torch"][:2] == [True, True]
+    for impl in ("avx2", "triton", "triton again"):
+        assert runs[impl] == runs["torch"], impl
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_collective_on_triton_matches_the_numpy_reference(n):
+    """OneBitAllreduce(backend="triton") with n virtual ranks: ranks identical, the native
+    backend's bits, the reference within test_inprocess.py's tolerance."""
+    numel = 4099
+
+    def calls(t, backend):
+        comm = OneBitAllreduce(numel, transport=t, backend=backend, name=f"tt.{backend}")
+        return [comm.allreduce(torch.from_numpy(rank_input(c, t.rank, numel))).numpy().copy()
+                for c in range(3)]
+
+    per_rank = run_threads(n, lambda t: calls(t, "triton"))
+    native = run_threads(n, lambda t: calls(t, "native"))
+    for got in per_rank[1:] + native:
+        assert [a.tobytes() for a in got] == [a.tobytes() for a in per_rank[0]]
+    ref = ReferenceOneBit(numel, n)
+    for call, got in enumerate(per_rank[0]):
+        want = ref.allreduce([rank_input(call, r, numel) for r in range(n)])
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=f"call {call}")
+
+
+SEGMENTS = [([5, 0, 13, 1000, 7], 4), ([64, 64], 3), ([1], 2), ([4099], 1),
+            ([3001, 3, 2000, 9000, 11], 2)]
+
+
+@pytest.mark.parametrize("sizes,n", SEGMENTS)
+def test_momentum_update_inside_the_compression(sizes, n):
+    """beta1*m + (1-beta1)*g computed in the compression pass across gradient boundaries that
+    split 8-element groups and tiles, with missing (None) and float16/bfloat16 gradients: the
+    torch twin's bits (materialise, then compress), and native's where it can run."""
+    numel = sum(sizes)
+    L = Layout.build(numel, n, None)
+    g = torch.Generator().manual_seed(numel)
+    y_prev, prev_send = _previous_state(L, g)
+    m = torch.randn(numel, generator=g)
+    m[:1] = -0.0
+    grads = [None if i % 3 == 1 else torch.randn(s, generator=g) for i, s in enumerate(sizes)]
+    low = [None if gr is None else gr.to([torch.float32, torch.float16, torch.bfloat16][i % 3])
+           for i, gr in enumerate(grads)]
+    for grad_list in (grads, low):
+        src = MomentumInput(m, grad_list, sizes, 0.9)
+        runs = []
+        for impl in ("torch", "triton", "native"):
+            y_out = torch.full((L.padded,), 9.0)
+            send = torch.full((L.n * L.row_bytes,), 0xEE, dtype=torch.uint8)
+            ok = worker_compress_momentum(src, y_prev, prev_send, y_out, send, L, impl)
+            runs.append((bool(ok), _bytes(y_out), _bytes(send)))
+        assert runs[0][0] is True
+        assert runs[1] == runs[0] and runs[2] == runs[0]
+
+
+@pytest.mark.parametrize("sizes,n", SEGMENTS)
+def test_decode_with_adam_update(sizes, n):
+    """Decode + w = w*decay + (step*m)/denom in one pass: the torch twin's bits, float32,
+    float16 and bfloat16 weights (updated in float32, rounded once), parameters given as None
+    only decoded, held elements (denominator +inf) keep w*decay and get a +0 momentum."""
+    numel = sum(sizes)
+    L = Layout.build(numel, n, None)
+    rows, weights, denoms, held, steps, decays = update_case(
+        sizes, L, (torch.float32, torch.float32, torch.float16, torch.bfloat16))
+    results = {}
+    for impl in ("torch", "triton", "native"):
+        w = [None if t is None else t.clone() for t in weights]
+        m = torch.full((numel,), float("nan"))
+        decode_update(rows, m, L, AdamUpdate(w, denoms, sizes, steps, decays), impl)
+        results[impl] = (m, w)
+    ref_m, ref_w = results["torch"]
+    for impl in ("triton", "native"):
+        m, w = results[impl]
+        assert _bytes(m) == _bytes(ref_m), impl
+        assert [_bytes(t) for t in w] == [_bytes(t) for t in ref_w], impl
+    start = 0
+    for i, (h, w0) in enumerate(zip(held, weights)):
+        if h is not None and h.any():
+            seg = ref_m[start:start + sizes[i]]
+            assert torch.all(seg[h] == 0) and not torch.signbit(seg[h]).any()
+            expect = w0.float()[h] * decays[i] if decays[i] != 1.0 else w0.float()[h]
+            assert torch.equal(ref_w[i][h], expect.to(w0.dtype))
+        start += sizes[i]
+
+
+def test_non_finite_input_sets_every_status_and_leaves_the_old_state():
+    L = Layout.build(3000, 3, 64)
+    g = torch.Generator().manual_seed(2)
+    y_prev, prev_send = _previous_state(L, g)
+    saved = (y_prev.clone(), prev_send.clone())
+    x = torch.randn(3000, generator=g)
+    x[1500] = float("nan")
+    send = torch.empty(L.n * L.row_bytes, dtype=torch.uint8)
+    ok = kernels.worker_compress(x, y_prev, prev_send, torch.empty(L.padded), send, L, "triton")
+    assert isinstance(ok, tk.DeviceFlag) and not ok and ok == False  # noqa: E712
+    assert kernels.row_status(send, L, L.n).tolist() == [1.0] * 3
+    assert torch.equal(y_prev, saved[0]) and torch.equal(prev_send, saved[1])
+
+
+def test_zero_input_gives_zero_scales_and_an_identity_error():
+    L = Layout.build(64, 2)
+    send = torch.empty(L.n * L.row_bytes, dtype=torch.uint8)
+    y = torch.empty(L.padded)
+    assert kernels.worker_compress(torch.zeros(64), torch.zeros(L.padded),
+                                   torch.zeros(L.n * L.row_bytes, dtype=torch.uint8), y, send, L,
+                                   "triton")
+    assert torch.equal(kernels.row_scales(send, L, L.n), torch.zeros(L.n, 1))
+    assert torch.equal(kernels.worker_error(y, send, L), torch.zeros(L.padded))
+
+
+def test_backend_resolution_with_triton():
+    assert kernels.resolve_backend("triton", torch.device("cpu")) == "triton"  # interpreted
+    assert kernels.resolve_backend("auto", torch.device("cpu")) == "native"
+    assert kernels.resolve_backend("auto", torch.device("cuda")) == "triton"
