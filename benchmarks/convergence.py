@@ -93,13 +93,18 @@ def compare(adam: dict, onebit: dict, wall_adam: float, wall_onebit: float) -> d
     }
 
 
-def main(argv=None) -> dict:
+def split_argv(argv, script: str) -> tuple[str, list[str], list[str]]:
+    """(the command line as typed, this script's arguments, those after ``--`` for the example)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    command = " ".join(["python", "benchmarks/convergence.py"] + argv)
-    extra = []
-    if "--" in argv:
-        i = argv.index("--")
-        argv, extra = argv[:i], argv[i + 1:]
+    command = " ".join(["python", f"benchmarks/{script}"] + argv)
+    if "--" not in argv:
+        return command, argv, []
+    i = argv.index("--")
+    return command, argv[:i], argv[i + 1:]
+
+
+def main(argv=None) -> dict:
+    command, argv, extra = split_argv(argv, "convergence.py")
     p = argparse.ArgumentParser(description="1-bit Adam vs Horovod Adam on examples/train_lm.py",
                                 epilog="Arguments after -- go to train_lm.py.")
     p.add_argument("--np", type=int, default=None, help="ranks (default 4; --quick: 2)")

@@ -26,6 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import hvd_onebit
+from train_lm import freeze_options, warmup_frac
 
 
 class SmallCNN(nn.Module):
@@ -81,8 +82,9 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--batch-size", type=int, default=32, help="images per rank per step")
     p.add_argument("--lr", type=float, default=2e-3, help="constant learning rate")
-    p.add_argument("--warmup-frac", type=float, default=0.2,
-                   help="1-bit Adam: freeze_step = round(warmup_frac * steps)")
+    p.add_argument("--warmup-frac", type=warmup_frac, default=0.2,
+                   help="1-bit Adam: freeze_step = round(warmup_frac * steps), or 'auto': freeze "
+                        "once Adam's variance has settled (at most after half the steps)")
     p.add_argument("--width", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--eval-every", type=int, default=50)
@@ -104,18 +106,18 @@ def main(argv=None):
     torch.manual_seed(args.seed)
     model = SmallCNN(args.width)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
-    freeze_step = max(1, round(args.warmup_frac * args.steps))
+    freeze = freeze_options(args.warmup_frac, args.steps)
     # ---- the one line that differs ----------------------------------------------------------
     if args.optimizer == "adam":
         optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
     else:
         optimizer = hvd_onebit.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
-                                                    freeze_step=freeze_step)
+                                                    **freeze)
     # -----------------------------------------------------------------------------------------
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
     log(f"world={world} train={len(x_train)} val={len(x_val)} optimizer={args.optimizer} "
-        f"freeze_step={freeze_step if args.optimizer == 'onebit' else '-'}")
+        f"freeze_step={freeze['freeze_step'] if args.optimizer == 'onebit' else '-'}")
 
     curve, phase_switch_step, total_bytes = [], None, 0
     start = time.perf_counter()
@@ -140,7 +142,9 @@ def main(argv=None):
                 f"| acc {val_acc:.3f} | phase {phase}")
 
     summary = {"optimizer": args.optimizer, "world_size": world,
-               "freeze_step": freeze_step if args.optimizer == "onebit" else None,
+               "freeze_step": optimizer.freeze_step if args.optimizer == "onebit" else None,
+               "freeze_decision": optimizer.freeze_decision if args.optimizer == "onebit" else None,
+               "params": sum(p.numel() for p in model.parameters()),
                "phase_switch_step": phase_switch_step, "val_curve": curve,
                "final_val_loss": curve[-1]["val_loss"], "final_val_acc": curve[-1]["val_acc"],
                "total_bytes_per_rank": total_bytes if args.optimizer == "onebit" else None,

@@ -17,6 +17,10 @@ Run it on 4 local ranks:
 Everything else (seeds, model initialisation, the data each rank sees at each step, the LR
 schedule, evaluation) is the same for both, so the two runs can be compared step by step.
 
+``--warmup-frac auto`` passes ``freeze_step="auto"`` instead: the variance is frozen once it has
+settled (bounded by half the steps); the summary's ``freeze_step`` and ``freeze_decision`` say
+where and why.
+
 Learning rate: linear warmup over the first ``--lr-warmup-frac`` of the steps (default 2%), then
 cosine decay to 10% of ``--lr``. With 1-bit Adam the LR warmup should end well before
 ``freeze_step`` (default: 20% of the steps), so Adam's variance is frozen only after it has seen
@@ -165,6 +169,18 @@ def ring_allreduce_bytes(model: nn.Module, world: int) -> int:
     return int(2 * (world - 1) / world * numel * 4) if world > 1 else 0
 
 
+def warmup_frac(text: str):
+    """--warmup-frac: a fraction of the steps, or "auto"."""
+    return text if text == "auto" else float(text)
+
+
+def freeze_options(frac, steps: int) -> dict:
+    """hvd_onebit.DistributedOptimizer's freeze arguments for --warmup-frac."""
+    if frac == "auto":
+        return {"freeze_step": "auto", "auto_freeze": {"max_steps": max(50, steps // 2)}}
+    return {"freeze_step": max(1, round(frac * steps))}
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--optimizer", choices=["adam", "onebit"], default="onebit")
@@ -173,8 +189,9 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--lr-warmup-frac", type=float, default=0.02,
                    help="linear LR warmup, as a fraction of --steps (keep it << --warmup-frac)")
-    p.add_argument("--warmup-frac", type=float, default=0.2,
-                   help="1-bit Adam: freeze_step = round(warmup_frac * steps)")
+    p.add_argument("--warmup-frac", type=warmup_frac, default=0.2,
+                   help="1-bit Adam: freeze_step = round(warmup_frac * steps), or 'auto': freeze "
+                        "once Adam's variance has settled (at most after half the steps)")
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--eval-every", type=int, default=50)
@@ -221,13 +238,13 @@ def main(argv=None):
                                    {"params": no_decay, "weight_decay": 0.0}],
                                   lr=args.lr, betas=(0.9, 0.99))
 
-    freeze_step = max(1, round(args.warmup_frac * args.steps))
+    freeze = freeze_options(args.warmup_frac, args.steps)
     # ---- the one line that differs ----------------------------------------------------------
     if args.optimizer == "adam":
         optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
     else:
         optimizer = hvd_onebit.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
-                                                    freeze_step=freeze_step)
+                                                    **freeze)
     # -----------------------------------------------------------------------------------------
     # Same start on every rank: rank 0's parameters. A fresh optimizer's state is zeros on every
     # rank, so it needs no broadcast; call hvd.broadcast_optimizer_state(optimizer, 0) when
@@ -237,7 +254,7 @@ def main(argv=None):
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
 
     log(f"world={world} params={n_params / 1e6:.2f}M optimizer={args.optimizer} "
-        f"freeze_step={freeze_step if args.optimizer == 'onebit' else '-'} "
+        f"freeze_step={freeze['freeze_step'] if args.optimizer == 'onebit' else '-'} "
         f"train={len(train_data)}B val={len(val_data)}B eval_windows={len(val_windows)}")
 
     def phase_now():
@@ -302,7 +319,8 @@ def main(argv=None):
         "optimizer": args.optimizer,
         "world_size": world,
         "params": n_params,
-        "freeze_step": freeze_step if args.optimizer == "onebit" else None,
+        "freeze_step": optimizer.freeze_step if args.optimizer == "onebit" else None,
+        "freeze_decision": optimizer.freeze_decision if args.optimizer == "onebit" else None,
         "phase_switch_step": phase_switch_step,
         "final_val_loss": curve[-1]["val_loss"],
         "val_curve": curve,

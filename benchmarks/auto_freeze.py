@@ -1,0 +1,136 @@
+"""freeze_step="auto" against fixed warmups and Adam, on examples/train_lm.py or train_digits.py.
+
+Runs the example on the same ranks, seed and data four times: Horovod Adam, and 1-bit Adam with
+``--warmup-frac auto`` (freeze once the variance has settled), a deliberately early fixed freeze
+(2% of the steps) and a late one (50%). Writes ``OUT_DIR/<example>_auto_freeze.png`` (validation
+loss against step, each freeze marked), each run's JSON summary and log under OUT_DIR/<run>/,
+and prints one JSON object:
+
+    runs.<name>.final_val_loss, .ratio_to_adam     the last validation loss, and / Adam's
+    runs.<name>.freeze_step, .freeze_fraction      where the variance froze (1-bit runs)
+    runs.<name>.total_bytes_per_rank               bytes one rank sent over the run
+    runs.<name>.failed                             instead, why the run failed (e.g. the example
+                                                   stops at a non-finite loss: a divergence)
+    auto_freeze_decision                           the step, the figure that triggered it, history
+    auto_in_10_30_percent, auto_within_1_01_of_adam  the two targets of issue #17
+
+Bytes: 1-bit runs report what they sent (warmup: the ring-allreduce figure 2 (n-1)/n * 4 bytes
+per parameter per step; compression: bytes on the wire); Adam's are that ring figure every step.
+
+Usage:
+    python benchmarks/auto_freeze.py --example lm        # 4 ranks, train_lm.py's 1000 steps
+    python benchmarks/auto_freeze.py --example digits    # 4 ranks, train_digits.py's 300 steps
+    python benchmarks/auto_freeze.py --example lm --np 2 -- --steps 200   # args after -- go to the example
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from convergence import split_argv  # benchmarks/, next to this script
+from hvd_onebit.bench.lm import TrainingFailed, train_lm
+from hvd_onebit.layout import ring_allreduce_bytes
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPTS = {"lm": REPO / "examples" / "train_lm.py", "digits": REPO / "examples" / "train_digits.py"}
+RUNS = {"adam": ("adam", None), "auto": ("onebit", "auto"), "early_2pct": ("onebit", "0.02"),
+        "late_50pct": ("onebit", "0.5")}
+
+
+def summarize(name: str, summary: dict, wall: float) -> dict:
+    steps = summary["config"]["steps"]
+    world = summary["world_size"]
+    if summary["optimizer"] == "adam":
+        total_bytes = steps * ring_allreduce_bytes(4 * summary["params"], world)
+    else:
+        total_bytes = summary["total_bytes_per_rank"]
+    freeze = summary.get("freeze_step")
+    return {"final_val_loss": summary["final_val_loss"], "freeze_step": freeze,
+            "freeze_fraction": freeze / steps if freeze else None,
+            "total_bytes_per_rank": total_bytes, "wall_seconds": wall,
+            "val_curve": [(c["step"], c["val_loss"]) for c in summary["val_curve"]]}
+
+
+def plot(runs: dict, path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.4))
+    for i, (name, r) in enumerate(runs.items()):
+        color = f"C{i}"
+        steps, losses = zip(*r["val_curve"])
+        ax.plot(steps, losses, "-" if name == "adam" else "--", color=color, marker="o",
+                markersize=2, label=f"{name} (final {r['final_val_loss']:.4f}, "
+                                    f"{r['total_bytes_per_rank'] / 1e6:.0f} MB/rank)")
+        if r["freeze_step"]:
+            ax.axvline(r["freeze_step"], color=color, ls=":", lw=1)
+    losses = [v for r in runs.values() for _, v in r["val_curve"]]
+    ax.set_ylim(min(losses) - 0.05, min(max(losses), min(losses) + 1.5))
+    ax.set_xlabel("step (dotted: where each 1-bit run froze the variance)")
+    ax.set_ylabel("validation loss")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None) -> dict:
+    command, argv, extra = split_argv(argv, "auto_freeze.py")
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                epilog="Arguments after -- go to the example script.")
+    p.add_argument("--example", choices=sorted(SCRIPTS), default="lm")
+    p.add_argument("--np", type=int, default=4)
+    p.add_argument("--runs", default=",".join(RUNS), help=f"subset of {','.join(RUNS)}")
+    p.add_argument("--out-dir", default=None, help="default results/auto_freeze_<example>")
+    p.add_argument("--timeout", type=float, default=1800.0, help="seconds per training run")
+    args = p.parse_args(argv)
+    out_dir = Path(args.out_dir or REPO / "results" / f"auto_freeze_{args.example}")
+    runs = {}
+    for name in args.runs.split(","):
+        optimizer, frac = RUNS[name]
+        run_dir = out_dir / name
+        run_dir.mkdir(parents=True, exist_ok=True)
+        train_args = list(extra) + (["--warmup-frac", frac] if frac else [])
+        try:
+            run = train_lm(optimizer, args.np, train_args, run_dir, args.timeout,
+                           script=SCRIPTS[args.example])
+        except TrainingFailed as exc:
+            lines = str(exc).splitlines()
+            reason = [x for x in lines if "FloatingPointError:" in x] or \
+                [x for x in lines if "Error" in x] or [str(exc)[-300:]]
+            runs[name] = {"failed": reason[0]}
+            print(f"[auto_freeze] {name}: failed: {runs[name]['failed']}", file=sys.stderr,
+                  flush=True)
+            continue
+        runs[name] = summarize(name, run.summary, run.wall_seconds)
+        if name == "auto":
+            runs[name]["decision"] = run.summary.get("freeze_decision")
+        print(f"[auto_freeze] {name}: final val {runs[name]['final_val_loss']:.4f}, freeze "
+              f"{runs[name]['freeze_step']}, {run.wall_seconds:.0f}s", file=sys.stderr, flush=True)
+    adam = runs.get("adam", {}).get("final_val_loss")
+    done = {name: r for name, r in runs.items() if "failed" not in r}
+    for r in done.values():
+        r["ratio_to_adam"] = r["final_val_loss"] / adam if adam else None
+    result = {"example": args.example, "np": args.np, "command": command, "runs": runs}
+    if "auto" in done:
+        auto = done["auto"]
+        result["auto_freeze_decision"] = auto.pop("decision")
+        result["auto_in_10_30_percent"] = 0.1 <= auto["freeze_fraction"] <= 0.3
+        if adam:
+            result["auto_within_1_01_of_adam"] = auto["ratio_to_adam"] <= 1.01
+    png = out_dir / f"{args.example}_auto_freeze.png"
+    plot(done, png, f"{SCRIPTS[args.example].name} on {args.np} ranks: where to freeze")
+    result["plot"] = str(png)
+    (out_dir / "summary.json").write_text(json.dumps(result, indent=1))
+    print(json.dumps(result, indent=1), flush=True)
+    return result
+
+
+if __name__ == "__main__":
+    main()
