@@ -57,9 +57,20 @@ def cluster() -> None:
 
 @cluster.command("run", context_settings={"ignore_unknown_options": True,
                                           "allow_interspersed_args": False})
-@click.option("--np", "-n", "np_", type=click.IntRange(1, MAX_RANKS), required=True,
+@click.option("--np", "-n", "np_", type=click.IntRange(1, MAX_RANKS), default=None,
               help="Number of ranks; each is its own emulated host (node0, node1, ...) with one "
-                   "Horovod slot, so local_size is 1 and cross_size is NP.")
+                   "Horovod slot, so local_size is 1 and cross_size is NP. With --nodes, "
+                   "optional (NODES x RANKS_PER_NODE).")
+@click.option("--nodes", type=click.IntRange(1, MAX_RANKS), default=None,
+              help="Emulated nodes (hosts). Each runs --ranks-per-node ranks that share its "
+                   "network namespace: their traffic to each other stays on the node, only "
+                   "traffic between nodes crosses the shaped links, and HOROVOD_LOCAL_* / "
+                   "HOROVOD_CROSS_* are set as horovodrun -H node0:L,node1:L,... would.")
+@click.option("--ranks-per-node", type=click.IntRange(1, 64), default=1, show_default=True,
+              help="Ranks on each node (with --nodes).")
+@click.option("--intra-bandwidth", default="unlimited", show_default=True, callback=_bandwidth,
+              help="Rate of the traffic inside a node (its loopback), standing in for NVLink or "
+                   "PCIe; 'unlimited' leaves it unshaped.")
 @click.option("--bandwidth", "-b", default="1gbit", show_default=True, callback=_bandwidth,
               help="Link rate of every host, each direction (full duplex), in tc's bit units, "
                    "1000-based: e.g. 10mbit, 100mbit, 1gbit, 2.5gbit, 10gbit; or 'unlimited' "
@@ -89,25 +100,29 @@ def cluster() -> None:
                    "seconds between SIGTERM and SIGKILL.")
 @click.option("--verbose", "-v", is_flag=True, help="Log the setup steps to stderr.")
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
-def run(np_: int, bandwidth: Optional[int], queue_ms: float, timeout: Optional[float],
-        as_json: bool, log_dir: Optional[str], quiet: bool, env: dict, kill_grace: float,
-        verbose: bool, command: tuple) -> None:
+def run(np_: Optional[int], nodes: Optional[int], ranks_per_node: int,
+        intra_bandwidth: Optional[int], bandwidth: Optional[int], queue_ms: float,
+        timeout: Optional[float], as_json: bool, log_dir: Optional[str], quiet: bool, env: dict,
+        kill_grace: float, verbose: bool, command: tuple) -> None:
     """Run COMMAND once per rank, as a Horovod (Gloo) job over the emulated network.
 
     \b
-    Example:
+    Examples:
       hvd-onebit cluster run --np 4 --bandwidth 1gbit -- python train.py --epochs 1
+      hvd-onebit cluster run --nodes 2 --ranks-per-node 2 --bandwidth 1gbit -- python train.py
 
     Every rank gets exactly the environment 'horovodrun --gloo' would give it (HOROVOD_RANK,
     HOROVOD_SIZE, HOROVOD_GLOO_RENDEZVOUS_ADDR/PORT, HOROVOD_GLOO_IFACE=emu0, ...), so an
     unmodified Horovod script runs as is. If any rank exits non-zero, the others are killed, as
     horovodrun does. At the end a table (or --json) reports per rank the exit status and the bytes
-    its host sent and received on its link during the run, plus the wall time.
+    its host sent and received on its link during the run (with several ranks per node: an even
+    share of the node's link, and per node in the JSON's node_bytes), plus the wall time.
 
     Exit status: 0 if every rank exited 0; else the first failing rank's status; 124 on
     --timeout; 130 on Ctrl-C; 143 on SIGTERM; 1 if the cluster cannot be built (e.g. not root).
     Everything created (namespaces, links, bridge, /etc/netns entries) is removed in every case.
     """
+    np_ = _ranks(np_, nodes, ranks_per_node)
     out = sys.stderr if as_json else sys.stdout
     width = len(str(np_ - 1))
 
@@ -118,7 +133,8 @@ def run(np_: int, bandwidth: Optional[int], queue_ms: float, timeout: Optional[f
     previous = signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         with EmulatedCluster(np=np_, bandwidth=bandwidth, log_dir=log_dir,
-                             verbose=verbose, queue_ms=queue_ms) as emu:
+                             verbose=verbose, queue_ms=queue_ms, ranks_per_node=ranks_per_node,
+                             intra_bandwidth=intra_bandwidth) as emu:
             result = emu.run(list(command), env=env, timeout=timeout,
                              on_output=None if quiet else echo_line, kill_grace=kill_grace)
     except EmulatorError as e:
@@ -142,6 +158,22 @@ def run(np_: int, bandwidth: Optional[int], queue_ms: float, timeout: Optional[f
     else:
         click.echo(format_report(result))
     sys.exit(result.returncode)
+
+
+def _ranks(np_: Optional[int], nodes: Optional[int], ranks_per_node: int) -> int:
+    """The number of ranks from --np and/or --nodes x --ranks-per-node (they must agree)."""
+    if nodes is None:
+        if np_ is None:
+            raise click.UsageError("give --np, or --nodes (and --ranks-per-node)")
+        if ranks_per_node != 1:
+            raise click.UsageError("--ranks-per-node needs --nodes")
+        return np_
+    if np_ is not None and np_ != nodes * ranks_per_node:
+        raise click.UsageError(f"--np {np_} is not --nodes {nodes} x --ranks-per-node "
+                               f"{ranks_per_node}")
+    if nodes * ranks_per_node > MAX_RANKS:
+        raise click.UsageError(f"at most {MAX_RANKS} ranks")
+    return nodes * ranks_per_node
 
 
 def format_report(result: RunResult) -> str:

@@ -2,9 +2,11 @@
 
 :class:`EmulatedCluster` builds the :class:`~hvd_onebit.cluster.network.Network` and Horovod's
 rendezvous (:mod:`~hvd_onebit.cluster.rendezvous`), then :meth:`EmulatedCluster.run` starts the
-command once per host, each rank in its host's network namespace and in its own UTS namespace
-(``hostname`` is ``node<rank>``) and PID namespace (when a rank ends, or is killed, nothing it
-started can survive it). If one rank fails the others are killed, like horovodrun.
+command once per rank, each rank in its host's network namespace and in its own UTS namespace
+(``hostname`` is ``node<host>``) and PID namespace (when a rank ends, or is killed, nothing it
+started can survive it). A host is one rank by default; with ``ranks_per_node=L`` it is a node of
+L ranks sharing its namespace, so their traffic to each other stays on the node and only traffic
+between nodes crosses the shaped links. If one rank fails the others are killed, like horovodrun.
 
 Everything created is torn down by :meth:`EmulatedCluster.close` (also on errors, a crashed rank,
 ``KeyboardInterrupt`` and, in the CLI, SIGTERM); a cluster whose owner was SIGKILLed is removed by
@@ -48,11 +50,14 @@ def _die_with_parent() -> None:  # pragma: no cover - runs in the forked child
 
 
 class EmulatedCluster:
-    """``np`` emulated hosts joined by links of ``bandwidth`` (see the module docstring).
+    """``np`` ranks on emulated hosts joined by links of ``bandwidth`` (see the module docstring).
 
-    :param np: number of ranks/hosts, 1..253.
+    :param np: number of ranks, 1..253 hosts' worth.
     :param bandwidth: per-host link rate each way, a :func:`parse_bandwidth` string, bits/s as an
         int, or ``"unlimited"``/``None`` for no shaping.
+    :param ranks_per_node: ranks per host (a node); ``np`` must be a multiple of it. Horovod's
+        ``HOROVOD_LOCAL_*``/``HOROVOD_CROSS_*`` then describe ``np / ranks_per_node`` nodes.
+    :param intra_bandwidth: rate of the traffic inside a node (its loopback), default unshaped.
     :param log_dir: if given, each run writes ``rank.<r>.log`` there (else output is only kept in
         memory, in :attr:`RankResult.output`).
     :param verbose: print the setup commands' progress to stderr.
@@ -64,17 +69,25 @@ class EmulatedCluster:
 
     def __init__(self, np: int, bandwidth: str | int | None = "1gbit",
                  log_dir: str | os.PathLike | None = None, verbose: bool = False,
-                 queue_ms: float = DEFAULT_QUEUE_MS):
-        if not 1 <= int(np) <= MAX_RANKS:
-            raise ValueError(f"np must be between 1 and {MAX_RANKS}, got {np}")
+                 queue_ms: float = DEFAULT_QUEUE_MS, ranks_per_node: int = 1,
+                 intra_bandwidth: str | int | None = None):
+        if int(ranks_per_node) < 1 or int(np) % int(ranks_per_node):
+            raise ValueError(f"np ({np}) must be a positive multiple of ranks_per_node "
+                             f"({ranks_per_node})")
+        self.ranks_per_node = int(ranks_per_node)
+        if not 1 <= int(np) // self.ranks_per_node <= MAX_RANKS:
+            raise ValueError(f"np must be between 1 and {MAX_RANKS} hosts' worth, got {np}")
         self.np = int(np)
+        self.nodes = self.np // self.ranks_per_node
         self.bandwidth_bps = parse_bandwidth(bandwidth)
+        self.intra_bandwidth_bps = parse_bandwidth(intra_bandwidth)
         if queue_ms < 0:
             raise ValueError(f"queue_ms must be >= 0, got {queue_ms}")
         self.queue_ms = float(queue_ms)
         self.log_dir = Path(log_dir) if log_dir is not None else None
         self.verbose = verbose
-        self.network = Network(self.np, self.bandwidth_bps, self.queue_ms, log=self._log)
+        self.network = Network(self.nodes, self.bandwidth_bps, self.queue_ms, log=self._log,
+                               intra_bandwidth_bps=self.intra_bandwidth_bps)
         self.rendezvous_port: Optional[int] = None
         self._rendezvous = None
         self._started = False
@@ -93,12 +106,16 @@ class EmulatedCluster:
 
     @property
     def hosts(self) -> list[Host]:
+        """The hosts (nodes), one network namespace each."""
         return self.network.hosts
 
-    def counters(self) -> list[tuple[int, int]]:
-        """Cumulative ``(tx_bytes, rx_bytes)`` of each rank's link since the cluster started.
+    def host_of(self, rank: int) -> Host:
+        """The host (node) ``rank`` runs on: ranks fill the nodes one after another."""
+        return self.hosts[rank // self.ranks_per_node]
 
-        Call before and after a workload to get its traffic.
+    def counters(self) -> list[tuple[int, int]]:
+        """Cumulative ``(tx_bytes, rx_bytes)`` of each host's (node's) link since the cluster
+        started: the bytes between nodes. Call before and after a workload to get its traffic.
         """
         return self.network.counters()
 
@@ -151,17 +168,19 @@ class EmulatedCluster:
     # -- Horovod
 
     def host_alloc_plan(self):
-        """Horovod's slot plan: one host per rank, one slot per host (local_size 1)."""
-        return rendezvous.host_alloc_plan([h.hostname for h in self.hosts])
+        """Horovod's slot plan: ``ranks_per_node`` slots on each host."""
+        return rendezvous.host_alloc_plan([h.hostname for h in self.hosts], self.ranks_per_node)
 
     def horovod_env(self, rank: int) -> dict[str, str]:
         """The environment ``horovodrun --gloo`` would give ``rank`` (see gloo_run.launch_gloo)."""
         return rendezvous.horovod_env([h.hostname for h in self.hosts], rank,
-                                      self.bridge_address, self.rendezvous_port)
+                                      self.bridge_address, self.rendezvous_port,
+                                      self.ranks_per_node)
 
     # -- running
 
     def _launch_argv(self, h: Host, command: Sequence[str], started: Path) -> list[str]:
+        """The argv that runs ``command`` as one rank on host ``h``."""
         # ip netns exec: network namespace and /etc/netns/<ns>/hosts over /etc/hosts.
         # unshare --uts: own hostname. --pid --fork --kill-child --mount-proc: the command's whole
         # process tree lives in a PID namespace that dies with it (and with the launcher); /proc
@@ -204,24 +223,24 @@ class EmulatedCluster:
         before = self.counters()
         procs = self._procs = []
         started_dir = Path(tempfile.mkdtemp(prefix="hob-started-"))
-        outputs: list[list[str]] = [[] for _ in self.hosts]
+        outputs: list[list[str]] = [[] for _ in range(self.np)]
         readers: list[threading.Thread] = []
         killed = [False] * self.np
         timed_out = False
         first_failed = None
         start = time.monotonic()
         try:
-            for h in self.hosts:
-                started = started_dir / f"rank{h.rank}"
+            for rank in range(self.np):
+                started = started_dir / f"rank{rank}"
                 procs.append(_RankProcess(subprocess.Popen(
-                    self._launch_argv(h, command, started),
-                    env={**base_env, **self.horovod_env(h.rank)},
+                    self._launch_argv(self.host_of(rank), command, started),
+                    env={**base_env, **self.horovod_env(rank)},
                     cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                     stderr=subprocess.STDOUT, start_new_session=True,
                     preexec_fn=_die_with_parent), started))
-            for h, p in zip(self.hosts, procs):
+            for rank, p in enumerate(procs):
                 t = threading.Thread(target=_pump, daemon=True,
-                                     args=(p.proc.stdout, h.rank, outputs[h.rank], logs[h.rank],
+                                     args=(p.proc.stdout, rank, outputs[rank], logs[rank],
                                            on_output))
                 t.start()
                 readers.append(t)
@@ -254,22 +273,28 @@ class EmulatedCluster:
                     f.close()
             shutil.rmtree(started_dir, ignore_errors=True)
         after = self.counters()
-        ranks = [RankResult(rank=h.rank, hostname=h.hostname, address=h.address,
-                            exit_code=_shell_status(p.proc.returncode), killed=killed[h.rank],
-                            tx_bytes=after[h.rank][0] - before[h.rank][0],
-                            rx_bytes=after[h.rank][1] - before[h.rank][1],
-                            output="".join(outputs[h.rank]),
-                            log_path=None if logs[h.rank] is None else logs[h.rank].name)
-                 for h, p in zip(self.hosts, procs)]
+        node_bytes = [(a[0] - b[0], a[1] - b[1]) for a, b in zip(after, before)]
+        per_node = self.ranks_per_node
+        ranks = []
+        for rank, p in enumerate(procs):
+            h = self.host_of(rank)
+            tx, rx = node_bytes[h.rank]
+            ranks.append(RankResult(
+                rank=rank, hostname=h.hostname, address=h.address,
+                exit_code=_shell_status(p.proc.returncode), killed=killed[rank],
+                # a node's link is shared by its ranks: each gets an even share
+                tx_bytes=tx // per_node, rx_bytes=rx // per_node, output="".join(outputs[rank]),
+                log_path=None if logs[rank] is None else logs[rank].name))
         return RunResult(ranks=ranks, wall_seconds=wall, bandwidth_bps=self.bandwidth_bps,
-                         timed_out=timed_out, first_failed_rank=first_failed)
+                         timed_out=timed_out, first_failed_rank=first_failed,
+                         node_bytes=node_bytes, ranks_per_node=per_node)
 
     def _open_logs(self) -> list:
         if self.log_dir is None:
             return [None] * self.np
         self.log_dir.mkdir(parents=True, exist_ok=True)
         suffix = "" if self._runs == 1 else f".run{self._runs}"
-        return [open(self.log_dir / f"rank.{h.rank}{suffix}.log", "w") for h in self.hosts]
+        return [open(self.log_dir / f"rank.{rank}{suffix}.log", "w") for rank in range(self.np)]
 
 
 def _pump(stream, rank: int, sink: list[str], log, on_output) -> None:

@@ -9,7 +9,10 @@ Each host is:
   every ``node<r>`` to its address.
 
 ``tc qdisc ... tbf`` on *both* ends of every veth caps what each host can send and receive at the
-requested rate, like a full-duplex NIC; ``unlimited`` installs no qdisc.
+requested rate, like a full-duplex NIC; ``unlimited`` installs no qdisc. A host may run several
+ranks (a node): their traffic to each other goes to the host's own address, which the kernel
+delivers over the namespace's loopback, so it never crosses the shaped link; ``intra_bandwidth``
+shapes that loopback too (a stand-in for NVLink or PCIe; default unshaped).
 
 Addresses come only from 198.18.0.0/15 (RFC 2544 benchmarking space): one free /24 per network;
 the bridge is ``.1`` and rank ``r`` is ``.(r + 2)``. Nothing is routed off the machine.
@@ -144,16 +147,19 @@ def cleanup_stale() -> list[str]:
 
 
 class Network:
-    """``np`` hosts on a bridge, links shaped at ``bandwidth_bps`` (None: unshaped).
+    """``np`` hosts on a bridge, links shaped at ``bandwidth_bps`` (None: unshaped), each host's
+    loopback at ``intra_bandwidth_bps`` (None: unshaped).
 
     :meth:`create` builds it (about 0.1 s per host), :meth:`remove` tears it down (idempotent,
     safe after a partial :meth:`create`). ``log`` receives progress messages.
     """
 
     def __init__(self, np: int, bandwidth_bps: Optional[int],
-                 queue_ms: float = DEFAULT_QUEUE_MS, log=lambda msg: None):
+                 queue_ms: float = DEFAULT_QUEUE_MS, log=lambda msg: None,
+                 intra_bandwidth_bps: Optional[int] = None):
         self.np = np
         self.bandwidth_bps = bandwidth_bps
+        self.intra_bandwidth_bps = intra_bandwidth_bps
         self.queue_ms = queue_ms
         self._log = log
         self.id = ""
@@ -250,6 +256,9 @@ class Network:
             # Root side shapes what the host receives, namespace side what it sends.
             sh("tc", "qdisc", "add", "dev", h.host_veth, "root", *tbf)
             sh("tc", "-n", h.netns, "qdisc", "add", "dev", IFACE, "root", *tbf)
+        if self.intra_bandwidth_bps is not None:
+            tbf = tbf_params(self.intra_bandwidth_bps, self.queue_ms).tc_args()
+            sh("tc", "-n", h.netns, "qdisc", "add", "dev", "lo", "root", *tbf)
 
     def _write_hosts_files(self) -> None:
         """/etc/netns/<ns>/hosts: every node name -> its veth address (Gloo resolves hostnames)."""

@@ -18,7 +18,8 @@ class RankResult:
     is done), so it reports 143 unless its command handles SIGTERM, or 137 if it was still
     running at the end of the grace period;
     ``tx_bytes`` / ``rx_bytes``: bytes the rank's host sent / received on its link during the run
-    (Ethernet frames, so including TCP/IP headers and Horovod's control traffic);
+    (Ethernet frames, so including TCP/IP headers and Horovod's control traffic); on a node of
+    several ranks, an even share of the node's bytes (the link is the node's, not the rank's);
     ``output``: its stdout and stderr, interleaved; ``log_path``: where that was also written.
     """
 
@@ -35,13 +36,16 @@ class RankResult:
 
 @dataclass
 class RunResult:
-    """One command run on every rank. ``wall_seconds``: launch to last rank's exit."""
+    """One command run on every rank. ``wall_seconds``: launch to last rank's exit;
+    ``node_bytes``: (tx, rx) bytes of each node's link, i.e. the traffic between nodes."""
 
     ranks: list[RankResult]
     wall_seconds: float
     bandwidth_bps: Optional[int]
     timed_out: bool = False
     first_failed_rank: Optional[int] = None
+    node_bytes: list[tuple[int, int]] = field(default_factory=list)
+    ranks_per_node: int = 1
 
     @property
     def ok(self) -> bool:
@@ -65,7 +69,9 @@ class RunResult:
         if not with_output:
             for r in ranks:
                 r.pop("output")
-        return {"np": len(self.ranks), "bandwidth": format_bandwidth(self.bandwidth_bps),
+        return {"np": len(self.ranks), "ranks_per_node": self.ranks_per_node,
+                "node_bytes": [list(b) for b in self.node_bytes],
+                "bandwidth": format_bandwidth(self.bandwidth_bps),
                 "bandwidth_bps": self.bandwidth_bps, "wall_seconds": round(self.wall_seconds, 3),
                 "timed_out": self.timed_out, "first_failed_rank": self.first_failed_rank,
                 "returncode": self.returncode, "ranks": ranks}

@@ -127,7 +127,8 @@ def test_help_explains_every_option():
                          timeout=60)
     assert out.returncode == 0, out.stderr
     for option in ("--np", "--bandwidth", "--queue-ms", "--timeout", "--json", "--log-dir", "--quiet", "--env",
-                   "--kill-grace", "--verbose", "unlimited", "124", "130", "143"):
+                   "--kill-grace", "--verbose", "--nodes", "--ranks-per-node", "--intra-bandwidth",
+                   "unlimited", "124", "130", "143"):
         assert option in out.stdout, option
 
 
@@ -193,6 +194,65 @@ def test_ranks_see_their_own_host_and_horovodrun_environment():
             "HOROVOD_GLOO_IFACE": "emu0", "NCCL_SOCKET_IFNAME": "emu0", "PYTHONUNBUFFERED": "1",
         }
         assert probe["pid"] < 10  # its own PID namespace
+
+
+@needs_netns
+def test_nodes_share_a_namespace_and_get_horovodrun_local_and_cross_environment():
+    with EmulatedCluster(np=4, ranks_per_node=2, bandwidth="unlimited") as cluster:
+        result = cluster.run([sys.executable, PROBE], timeout=60)
+        addresses = [h.address for h in cluster.hosts]
+        cid = cluster.id
+    assert leftovers(cid) == []
+    assert result.ok, [r.output for r in result.ranks]
+    assert len(addresses) == 2, addresses
+    for rank, r in enumerate(result.ranks):
+        node, local = divmod(rank, 2)
+        probe = json.loads(r.output.splitlines()[0])
+        assert probe["hostname"] == f"node{node}" == r.hostname, (rank, probe["hostname"])
+        assert probe["resolved"] == addresses[node] == r.address
+        assert probe["peers"] == {f"node{i}": a for i, a in enumerate(addresses)}
+        env = probe["env"]
+        got = {k: env[k] for k in ("HOROVOD_HOSTNAME", "HOROVOD_RANK", "HOROVOD_SIZE",
+                                   "HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE",
+                                   "HOROVOD_CROSS_RANK", "HOROVOD_CROSS_SIZE")}
+        assert got == {"HOROVOD_HOSTNAME": f"node{node}", "HOROVOD_RANK": str(rank),
+                       "HOROVOD_SIZE": "4", "HOROVOD_LOCAL_RANK": str(local),
+                       "HOROVOD_LOCAL_SIZE": "2", "HOROVOD_CROSS_RANK": str(node),
+                       "HOROVOD_CROSS_SIZE": "2"}, (rank, got)
+        assert probe["pid"] < 10  # still its own PID namespace
+
+
+@needs_netns
+def test_traffic_inside_a_node_stays_off_the_shaped_links():
+    """4 MB allreduced by 2 ranks of one node: (almost) nothing on the node's link, and fast
+    although the link is 20mbit; by 2 nodes of 2 ranks: the node links carry the traffic."""
+    mbytes = 4.0
+    with EmulatedCluster(np=2, ranks_per_node=2, bandwidth="20mbit") as one_node:
+        inside = one_node.run([sys.executable, ALLREDUCE, str(mbytes)], timeout=120)
+    with EmulatedCluster(np=4, ranks_per_node=2, bandwidth="unlimited") as two_nodes:
+        across = two_nodes.run([sys.executable, ALLREDUCE, str(mbytes)], timeout=120)
+    assert inside.ok and across.ok, [r.output for r in inside.ranks + across.ranks]
+    payload = mbytes * 1e6
+    # each rank reports an even share of its node's link (integer division: within a byte each)
+    assert 0 <= inside.node_bytes[0][0] - sum(r.tx_bytes for r in inside.ranks) < 2
+    assert inside.node_bytes[0][0] < 0.05 * payload, inside.node_bytes
+    for r in inside.ranks:
+        rep = last_json(r.output)
+        assert (rep["local_size"], rep["cross_size"]) == (2, 1)
+        assert rep["seconds"] < payload * 8 / parse_bandwidth("20mbit") / 2, rep
+    assert len(across.node_bytes) == 2
+    for tx, rx in across.node_bytes:
+        assert tx > 0.5 * payload and rx > 0.5 * payload, across.node_bytes
+    assert sum(r.tx_bytes for r in across.ranks) <= sum(tx for tx, _ in across.node_bytes)
+
+
+def test_bad_node_arguments_are_clear_errors():
+    with pytest.raises(ValueError, match="multiple of ranks_per_node"):
+        EmulatedCluster(np=3, ranks_per_node=2)
+    out = run_cli(["--nodes", "2", "--np", "3", "--", "true"], token="x", timeout=60)
+    assert out.returncode != 0 and "--np 3 is not --nodes 2 x --ranks-per-node 1" in out.stderr
+    out = run_cli(["--ranks-per-node", "2", "--", "true"], token="x", timeout=60)
+    assert out.returncode != 0 and "give --np, or --nodes" in out.stderr, out.stderr
 
 
 @needs_netns

@@ -25,7 +25,7 @@ print(json.dumps({
     "hostname": hostname,
     "resolved": socket.gethostbyname(hostname),
     "peers": {f"node{r}": socket.gethostbyname(f"node{r}")
-              for r in range(int(os.environ["HOROVOD_SIZE"]))},
+              for r in range(int(os.environ["HOROVOD_CROSS_SIZE"]))},
     "env": {k: v for k, v in os.environ.items()
             if k.startswith(("HOROVOD_", "NCCL_")) or k in ("PYTHONUNBUFFERED", "HOB_TEST_EXTRA")},
     "pid": os.getpid(),
