@@ -3,7 +3,8 @@
 #
 #   1. Debian packages: openmpi-bin, libopenmpi-dev, iproute2, g++, cmake (only those missing).
 #   2. .venv with the CPU build of torch 2.13.0 and the Python dependencies (scikit-learn only
-#      for the digits example's bundled data set).
+#      for the digits example's bundled data set), and triton 3.9.0: the CUDA kernels, tested
+#      here under Triton's interpreter on CPU tensors (a ~285 MB wheel, about 40 s to install).
 #   3. Horovod 0.28.1 built from its PyPI sdist with PyTorch, Gloo and MPI. The sdist needs two
 #      fixes to build against torch >= 2.1 with a recent cmake:
 #        - CMAKE_POLICY_VERSION_MINIMUM=3.5, because cmake 4 rejects the bundled gloo's
@@ -20,6 +21,7 @@ VENV="${HVD_ONEBIT_VENV:-$ROOT/.venv}"
 CACHE="${HVD_ONEBIT_CACHE:-$HOME/.cache/hvd_onebit}"
 HOROVOD_VERSION=0.28.1
 TORCH_VERSION=2.13.0
+TRITON_VERSION=3.9.0
 PY="$VENV/bin/python"
 
 log() { printf '[setup] %s\n' "$*"; }
@@ -62,6 +64,11 @@ deps=(numpy mpi4py click pytest matplotlib scikit-learn cloudpickle psutil pyyam
 if ! "$PY" -c "import numpy, mpi4py, click, pytest, matplotlib, sklearn, cloudpickle, psutil, yaml, packaging, setuptools, wheel" 2>/dev/null; then
     log "installing Python dependencies"
     pip_install "$TORCH_PIN" "${deps[@]}"
+fi
+if ! "$PY" -c "import torch, triton, sys; sys.exit(0 if triton.__version__ == '$TRITON_VERSION' else 1)" 2>/dev/null; then
+    log "installing triton $TRITON_VERSION (the CUDA kernels; tested here under its interpreter)"
+    pip_install "$TORCH_PIN" "triton==$TRITON_VERSION"
+    "$PY" -c "import torch, triton" || die "triton $TRITON_VERSION does not import beside $TORCH_PIN"
 fi
 
 # --- 3. Horovod ------------------------------------------------------------------------------
