@@ -2,12 +2,14 @@
 
 ``torch.add`` reads two fp32 arrays and writes one: the memory-speed yardstick. A kernel whose
 ratio is near 1 costs about as much as one extra pass over the momentum; the sign compression in
-plain torch ops runs an order of magnitude slower, which is what the native kernels fix.
+plain torch ops runs an order of magnitude slower, which is what the native kernels (CPU) and the
+Triton kernels (CUDA, :func:`bench_kernels_cuda`) fix.
 """
 from __future__ import annotations
 
 import statistics
 import time
+from types import SimpleNamespace
 
 import torch
 
@@ -26,6 +28,53 @@ def _rate(fn, numel: int, repeats: int) -> float:
     return numel / statistics.median(times)
 
 
+def _buffers(numel: int, ranks: int, device: str = "cpu"):
+    """The layout and the buffers every kernel reads and writes, made on ``device``."""
+    L = Layout.build(numel, ranks)
+    g = torch.Generator(device=device).manual_seed(0)
+    b = SimpleNamespace(device=device)
+    b.x = torch.randn(numel, generator=g, device=device)
+    b.y_prev = torch.randn(L.padded, generator=g, device=device) * 0.01
+    b.y_next, b.y = torch.empty(L.padded, device=device), torch.empty(numel, device=device)
+    b.prev_send = torch.zeros(L.n * L.row_bytes, dtype=torch.uint8, device=device)
+    b.send = torch.empty(L.n * L.row_bytes, dtype=torch.uint8, device=device)
+    b.server_z, b.server_z_out = torch.zeros(L.chunk, device=device), torch.empty(L.chunk, device=device)
+    b.server_sent = torch.zeros(L.row_bytes, dtype=torch.uint8, device=device)
+    b.row = torch.empty(L.row_bytes, dtype=torch.uint8, device=device)
+    b.out = torch.empty(numel, device=device)
+    return L, b
+
+
+def _calls(L: Layout, b, backend: str) -> dict:
+    """name -> (kernel call, elements it counts): worker compress and decode per element of the
+    buffer, the server step per element of the chunk it reduces times n (the data it reads)."""
+    return {
+        "compress": (lambda: kernels.worker_compress(b.x, b.y_prev, b.prev_send, b.y_next,
+                                                     b.send, L, backend), L.numel),
+        "server": (lambda: kernels.server_compress(b.send, b.server_z, b.server_sent,
+                                                   b.server_z_out, b.row, L, backend), L.padded),
+        "decode": (lambda: kernels.decode(b.send, b.out, L, backend), L.numel),
+    }
+
+
+def _fused_calls(L: Layout, b, backend: str) -> dict:
+    """Adam's fused passes on ``b``: the momentum update inside the compression (gradients in
+    two segments) and the decode with the update (one weight, a tenth of it held)."""
+    numel, dev = L.numel, b.device
+    m = torch.randn(numel, device=dev) * 0.1
+    half = numel // 2
+    src = fused_adam.MomentumInput(m, [b.x[:half], b.x[half:]], [half, numel - half], 0.9)
+    w, denom = torch.randn(numel, device=dev), torch.rand(numel, device=dev) + 0.01
+    denom[::10] = float("inf")
+    update = fused_adam.AdamUpdate([w], [denom], [numel], [-1e-4], [1 - 1e-5])
+    return {
+        "momentum_compress": (lambda: fused_adam.worker_compress_momentum(
+            src, b.y_prev, b.prev_send, b.y_next, b.send, L, backend), numel),
+        "decode_update": (lambda: fused_adam.decode_update(b.send, b.out, L, update, backend),
+                          numel),
+    }
+
+
 def bench_kernels(numel: int = 16 << 20, ranks: int = 4, threads: int = 1, repeats: int = 7,
                   backends: tuple[str, ...] = ("native", "torch")) -> dict:
     """Throughput of worker compress, server step and decode for one buffer of ``numel`` floats.
@@ -35,41 +84,79 @@ def bench_kernels(numel: int = 16 << 20, ranks: int = 4, threads: int = 1, repea
     The server step is counted per element of the chunk it reduces times n (the data it reads).
     """
     torch.set_num_threads(threads)
-    L = Layout.build(numel, ranks)
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(numel, generator=g)
-    y_prev, y_next, y = torch.randn(L.padded, generator=g) * 0.01, torch.empty(L.padded), torch.empty(numel)
-    prev_send = torch.zeros(L.n * L.row_bytes, dtype=torch.uint8)
-    send = torch.empty(L.n * L.row_bytes, dtype=torch.uint8)
-    server_z, server_z_out = torch.zeros(L.chunk), torch.empty(L.chunk)
-    server_sent, row = (torch.zeros(L.row_bytes, dtype=torch.uint8),
-                        torch.empty(L.row_bytes, dtype=torch.uint8))
-    out = torch.empty(numel)
-    add = _rate(lambda: torch.add(x, y_prev[:numel], out=y), numel, repeats)
+    L, b = _buffers(numel, ranks)
+    add = _rate(lambda: torch.add(b.x, b.y_prev[:numel], out=b.y), numel, repeats)
     result = {"numel": numel, "ranks": ranks, "threads": threads, "add_elems_per_s": add,
               "native_available": kernels.native_available(), "backends": {}}
     for backend in backends:
         if backend == "native" and not kernels.native_available():
             continue
         reps = repeats if backend == "native" else max(1, repeats // 3)
-        def compress():
-            kernels.worker_compress(x, y_prev, prev_send, y_next, send, L, backend)
-
-        compress()
-        rates = {
-            "compress": _rate(compress, numel, reps),
-            "server": _rate(lambda: kernels.server_compress(send, server_z, server_sent,
-                                                            server_z_out, row, L, backend),
-                            L.padded, reps),
-            "decode": _rate(lambda: kernels.decode(send, out, L, backend), numel, reps),
-        }
+        calls = _calls(L, b, backend)
+        calls["compress"][0]()
+        rates = {k: _rate(fn, count, reps) for k, (fn, count) in calls.items()}
         result["backends"][backend] = {
             **{f"{k}_elems_per_s": v for k, v in rates.items()},
             **{f"{k}_ratio_to_add": v / add for k, v in rates.items()},
         }
     if kernels.native_available():
-        result["fused_optimizer_passes"] = _bench_fused(L, x, y_prev, prev_send, y_next, send,
-                                                        repeats)
+        result["fused_optimizer_passes"] = _bench_fused(L, b.x, b.y_prev, b.prev_send, b.y_next,
+                                                        b.send, repeats)
+    return result
+
+
+TARGET_RATIO = 0.5  # issue #14: every kernel at >= half of torch.add's element rate
+
+
+def _rate_cuda(fn, numel: int, repeats: int) -> float:
+    """Median elements per second of ``fn`` on the current CUDA stream, timed with CUDA events
+    (one warm-up call first: it compiles the Triton kernels)."""
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return numel / statistics.median(times)
+
+
+def bench_kernels_cuda(numels=(16 << 20, 64 << 20, 256 << 20), ranks: int = 4, repeats: int = 9,
+                       backends: tuple[str, ...] = ("triton", "torch")) -> dict:
+    """The kernels on the CUDA device, per buffer size: element rates and ratios to torch.add
+    on the same device, Adam's fused passes included (``momentum_compress``, ``decode_update``).
+
+    Raises RuntimeError without a CUDA device, or without triton when "triton" is asked for.
+    """
+    if not torch.cuda.is_available():
+        raise RuntimeError("bench kernel --device cuda needs a CUDA device; "
+                           "torch.cuda.is_available() is False here")
+    if "triton" in backends and not kernels.triton_available():
+        raise RuntimeError("the triton backend needs the triton package (pip install triton)")
+    result = {"device": "cuda", "device_name": torch.cuda.get_device_name(), "ranks": ranks,
+              "target_ratio": TARGET_RATIO, "sizes": []}
+    for numel in numels:
+        L, b = _buffers(numel, ranks, "cuda")
+        add = _rate_cuda(lambda: torch.add(b.x, b.y_prev[:numel], out=b.y), numel, repeats)
+        entry = {"numel": numel, "add_elems_per_s": add, "backends": {}}
+        for backend in backends:
+            calls = {**_calls(L, b, backend), **_fused_calls(L, b, backend)}
+            reps = repeats if backend == "triton" else max(2, repeats // 3)
+            rates = {k: _rate_cuda(fn, count, reps) for k, (fn, count) in calls.items()}
+            entry["backends"][backend] = {
+                **{f"{k}_elems_per_s": v for k, v in rates.items()},
+                **{f"{k}_ratio_to_add": v / add for k, v in rates.items()},
+            }
+        result["sizes"].append(entry)
+        del b
+        torch.cuda.empty_cache()
+    result["meets_target"] = {
+        backend: all(v >= TARGET_RATIO for e in result["sizes"]
+                     for k, v in e["backends"][backend].items() if k.endswith("_ratio_to_add"))
+        for backend in backends}
     return result
 
 
