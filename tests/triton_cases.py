@@ -195,3 +195,21 @@ def test_backend_resolution_with_triton():
     assert kernels.resolve_backend("triton", torch.device("cpu")) == "triton"  # interpreted
     assert kernels.resolve_backend("auto", torch.device("cpu")) == "native"
     assert kernels.resolve_backend("auto", torch.device("cuda")) == "triton"
+
+
+def test_the_cuda_bench_calls_run_on_triton():
+    """bench kernel --device cuda's kernel calls (run here on CPU tensors): each runs and the
+    fused ones give the torch twins' bits."""
+    from hvd_onebit.bench import kernel as bench
+    outputs = {}
+    for backend in ("torch", "triton"):
+        L, b = bench._buffers(4099, 3)
+        torch.manual_seed(0)
+        calls = {**bench._calls(L, b, backend), **bench._fused_calls(L, b, backend)}
+        assert set(calls) == {"compress", "server", "decode", "momentum_compress",
+                              "decode_update"}
+        for fn, count in calls.values():
+            fn()
+            assert count >= 4099
+        outputs[backend] = [_bytes(t) for t in (b.y_next, b.send, b.out, b.server_z_out)]
+    assert outputs["triton"] == outputs["torch"]

@@ -1,0 +1,42 @@
+"""benchmarks/gpu_check.py without a GPU: --dry-run runs its bit and virtual-rank checks on CPU
+tensors under Triton's interpreter (in a subprocess: TRITON_INTERPRET is set there only) and
+reports the CUDA-only checks as skipped; without --dry-run and without CUDA it says so."""
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
+
+
+def _run(*args):
+    return subprocess.run([sys.executable, str(SCRIPT), *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                    reason="triton is not installed (`make setup` installs it)")
+def test_dry_run_checks_bits_and_virtual_ranks_on_cpu(tmp_path):
+    out = tmp_path / "check.json"
+    proc = _run("--dry-run", "--out", str(out))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["dry_run"] and report["ok"]
+    checks = report["checks"]
+    assert checks["bits"]["ok"] and all(
+        v for case in checks["bits"]["cases"] for k, v in case.items() if k.startswith("triton"))
+    assert checks["virtual_ranks"]["ranks_identical"]
+    assert checks["virtual_ranks"]["equal_to_native_cpu"]
+    assert {checks[k]["skipped"] for k in ("ratios", "memory", "host_syncs")} == {"needs CUDA"}
+
+
+def test_without_cuda_the_report_says_so():
+    proc = _run()
+    report = json.loads(proc.stdout)
+    if report["cuda_available"]:
+        pytest.skip("this machine has CUDA")
+    assert proc.returncode == 1 and "no CUDA device" in report["error"]
