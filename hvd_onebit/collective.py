@@ -111,6 +111,7 @@ class AllreduceHandle:
     gathered: Optional[torch.Tensor] = None  # stage 2's received rows
     local: Optional[torch.Tensor] = None  # no communication: the input, the output once committed
     local_bad: bool = False  # one rank: the input held inf/NaN
+    decoded: bool = False  # stage 2's rows already decoded into out32 (see _decode)
     started: float = field(default_factory=time.perf_counter)
     done: bool = False
 
@@ -368,15 +369,24 @@ class OneBitAllreduce:
             if pending is not None:
                 self.transport.wait(pending)
 
+    def _decode(self, handle: AllreduceHandle) -> torch.Tensor:
+        """Decode stage 2's rows into the float32 output without committing anything (for a
+        caller that must hear from other collectives before it commits: see
+        :mod:`hvd_onebit.hierarchical`); :meth:`_commit` then skips its own decode."""
+        kernels.decode(handle.gathered, handle.out32, self.layout, self.backend)
+        handle.decoded = True
+        return handle.out32
+
     def _commit(self, handle: AllreduceHandle, epilogue: Optional[Epilogue]) -> None:
         """Decode (with ``epilogue`` fused where possible), then adopt the new error feedback."""
         L = self.layout
         applied = False
         if handle.gathered is not None:
-            applied = epilogue is not None and handle.out32.data_ptr() == handle.out.data_ptr()
+            applied = (epilogue is not None and not handle.decoded
+                       and handle.out32.data_ptr() == handle.out.data_ptr())
             if applied:
                 epilogue.decode_into(handle.gathered, handle.out32, L, self.backend)
-            else:
+            elif not handle.decoded:
                 kernels.decode(handle.gathered, handle.out32, L, self.backend)
             self._worker_y, self._worker_y_next = self._worker_y_next, self._worker_y
             self._sent, self._send = self._send, self._sent

@@ -61,3 +61,33 @@ class ReferenceOneBit:
             self.server_err[j] = err
             out[j * chunk:(j + 1) * chunk] = approx
         return out[: self.numel]
+
+
+class ReferenceHierarchical:
+    """All ranks of one hierarchical 1-bit allreduce (ALGORITHM.md, "Hierarchical variant"), in
+    NumPy: ``nodes`` nodes of ``per_node`` ranks; rank = node * per_node + local rank."""
+
+    def __init__(self, numel: int, nodes: int, per_node: int, block_size: int | None = None):
+        self.numel, self.nodes, self.per_node = numel, nodes, per_node
+        self.shard = max(1, -(-numel // per_node))
+        # one 1-bit allreduce per local rank i, among the nodes, of shard i
+        self.groups = [ReferenceOneBit(self.shard, nodes, block_size) for _ in range(per_node)]
+
+    def allreduce(self, inputs: list[np.ndarray]) -> np.ndarray:
+        """inputs: one float32 [numel] array per rank. Returns the float32 [numel] output."""
+        L, S = self.per_node, self.shard
+        padded = []
+        for x in inputs:
+            p = np.zeros(L * S, np.float32)
+            p[: self.numel] = x
+            padded.append(p)
+        out = np.zeros(L * S, np.float32)
+        for i in range(L):
+            node_means = []
+            for k in range(self.nodes):  # the node's ranks summed in local-rank order, float32
+                acc = padded[k * L][i * S:(i + 1) * S].copy()
+                for j in range(1, L):
+                    acc = (acc + padded[k * L + j][i * S:(i + 1) * S]).astype(np.float32)
+                node_means.append((acc / np.float32(L)).astype(np.float32))
+            out[i * S:(i + 1) * S] = self.groups[i].allreduce(node_means)
+        return out[: self.numel]

@@ -1,0 +1,334 @@
+"""Hierarchical 1-bit allreduce for nodes of several ranks (fast links inside, a slow network
+between).
+
+For N nodes of L ranks and a buffer of ``numel`` elements, padded to L shards of S elements:
+
+0. *Inside each node* (full precision, the fast links): a reduce-scatter, so local rank i holds
+   its node's mean of shard i (the L shards summed in local-rank order, in float32, / L).
+1-2. *Across nodes*, among the N ranks with local rank i: the two-stage 1-bit allreduce
+   (:class:`~hvd_onebit.OneBitAllreduce`) of shard i, with worker and server error feedback on
+   this stage only. Each rank sends about ``2 (N-1)/N * S/8`` bytes between nodes, and the L
+   ranks of a node send in parallel: a node sends ``2 (N-1)/N * numel/8`` in all, where flat 1-bit
+   sends ``L`` times ``2 (n-1)/n * numel/8``.
+3. *Inside each node*: an allgather of the L averaged shards. Every rank ends with the same bits.
+
+No Horovod process sets are needed (Horovod registers them only at ``hvd.init`` or with dynamic
+process sets): each stage is one of Horovod's global alltoalls with splits, every rank sending
+only to the members of its own group (:class:`SubsetTransport`).
+
+All or nothing, on every rank, with no extra collective: stage 0 carries a status word per row,
+so a node learns whether any of its ranks had a non-finite value, and a node that did feeds a
+non-finite value into every one of its 1-bit stages, so every group hears of it in stage 1. Stage
+3 carries each group's stage-2 status, so a server average that overflowed in one group stops
+the commit in all. Nothing (outputs, error feedback) is written until every stage is in: it is
+driven by :func:`~hvd_onebit.collective.synchronize_all` like the flat collective.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+import horovod.torch as hvd
+import torch
+
+from .collective import (AllreduceHandle, Epilogue, InputProducer, OneBitAllreduce,
+                         synchronize_all)
+from .transports import sleep_until_done
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Where this rank sits: node ``node`` of ``nodes``, local rank ``local`` of ``per_node``.
+
+    Attributes:
+        local_members: global ranks of this rank's node, by local rank.
+        cross_members: global ranks with this rank's local rank, by node.
+        grid: every rank's global rank, as ``grid[node][local]``.
+    """
+
+    rank: int
+    node: int
+    local: int
+    nodes: int
+    per_node: int
+    local_members: tuple[int, ...]
+    cross_members: tuple[int, ...]
+    grid: tuple[tuple[int, ...], ...]
+
+    @classmethod
+    def from_layout(cls, rank: int, layout: Sequence[Sequence[int]]) -> "Topology":
+        """From every rank's (node, local rank), in rank order (e.g. one allgather's result)."""
+        nodes = 1 + max(node for node, _ in layout)
+        per_node = 1 + max(local for _, local in layout)
+        grid = {(node, local): r for r, (node, local) in enumerate(layout)}
+        if len(grid) != len(layout) or len(layout) != nodes * per_node:
+            raise ValueError("hierarchical 1-bit needs every node to run the same number of ranks "
+                             f"(node, local rank) per rank: {[tuple(x) for x in layout]}")
+        node, local = layout[rank]
+        return cls(rank=rank, node=node, local=local, nodes=nodes, per_node=per_node,
+                   local_members=tuple(grid[(node, i)] for i in range(per_node)),
+                   cross_members=tuple(grid[(k, local)] for k in range(nodes)),
+                   grid=tuple(tuple(grid[(k, i)] for i in range(per_node))
+                              for k in range(nodes)))
+
+    @classmethod
+    def from_horovod(cls) -> "Topology":
+        """This job's topology from Horovod (cross rank = node, local rank); one allgather."""
+        mine = torch.tensor([[hvd.cross_rank(), hvd.local_rank()]], dtype=torch.int64)
+        layout = hvd.allgather(mine, name="hvd_onebit.topology").tolist()
+        return cls.from_layout(hvd.rank(), layout)
+
+    def signature(self) -> list[int]:
+        """[nodes, per_node, node, local]: what error feedback saved in this role belongs to."""
+        return [self.nodes, self.per_node, self.node, self.local]
+
+
+class SubsetTransport:
+    """A :class:`~hvd_onebit.transports.Transport` among ``members`` (global ranks, ascending),
+    over Horovod's global alltoall with splits: every rank of the job takes part in each op, and
+    sends rows only to the members of its own group (each group under the same op name).
+
+    Args:
+        members: the group's global ranks in ascending order; row j goes to ``members[j]``.
+        rank: this process's global rank (one of ``members``).
+        world: ranks in the job.
+    """
+
+    name = "horovod-subset"
+
+    def __init__(self, members: Sequence[int], rank: int, world: int):
+        if list(members) != sorted(members) or rank not in members:
+            raise ValueError(f"members must be ascending and hold rank {rank}: {list(members)}")
+        self.members = tuple(members)
+        self.size = len(members)
+        self.rank = self.members.index(rank)
+        self._splits = torch.zeros(world, dtype=torch.int32)
+        self._splits[list(members)] = 1
+
+    def alltoall_async(self, rows: torch.Tensor, name: str) -> Any:
+        """rows: [size, ...]; row j goes to members[j]. Received: [size, ...] in member order."""
+        return hvd.alltoall_async(rows, splits=self._splits, name=name)
+
+    def allgather_async(self, row: torch.Tensor, name: str) -> Any:
+        """row: [1, ...]; every member receives [size, ...] in member order."""
+        return self.alltoall_async(row.expand(self.size, *row.shape[1:]).contiguous(), name)
+
+    def wait(self, handle: Any) -> torch.Tensor:
+        sleep_until_done(handle)
+        out = hvd.synchronize(handle)
+        return out[0] if isinstance(out, tuple) else out
+
+    def allgather_ints(self, values: list[int], name: str) -> list[list[int]]:
+        return self.allgather_ints_wait(self.allgather_ints_async(values, name))
+
+    def allgather_ints_async(self, values: list[int], name: str) -> Any:
+        return self.allgather_async(torch.tensor([values], dtype=torch.int64), name)
+
+    def allgather_ints_wait(self, handle: Any) -> list[list[int]]:
+        return self.wait(handle).tolist()
+
+
+@dataclass
+class HierarchicalHandle:
+    """A hierarchical allreduce in flight (see :class:`HierarchicalOneBitAllreduce`)."""
+
+    out: torch.Tensor
+    out32: torch.Tensor
+    stage0: object = None  # the intra-node reduce-scatter
+    inner: Optional[AllreduceHandle] = None  # the 1-bit stages of this rank's shard
+    stage2_started: bool = False  # False: the group abandoned this call after stage 1
+    stage3: object = None  # the intra-node allgather
+    gathered: Optional[torch.Tensor] = None  # stage 3's rows: [per_node, 1 + shard]
+    started: float = field(default_factory=time.perf_counter)
+    done: bool = False
+
+
+class HierarchicalOneBitAllreduce:
+    """Mean over all ranks of a fixed-size buffer: full precision inside nodes, 1-bit between.
+
+    Args:
+        numel: elements per call; the same on every rank.
+        topology: this rank's place (:meth:`Topology.from_horovod`).
+        block_size, backend, device: as for :class:`~hvd_onebit.OneBitAllreduce` (of the 1-bit
+            stage between nodes).
+        name: prefix of the op names, identical on every rank.
+        defer_check: as for :class:`~hvd_onebit.OneBitAllreduce`.
+
+    Same calling convention as the flat collective (``allreduce``, ``allreduce_async`` and
+    ``synchronize``, or :func:`~hvd_onebit.collective.synchronize_all`); the epilogue is applied
+    after the last stage with its torch reference (not fused into a decode pass).
+    """
+
+    def __init__(self, numel: int, topology: Topology, *, block_size: Optional[int] = None,
+                 backend: str = "auto", device: torch.device | str = "cpu",
+                 name: str = "hvd_onebit.hier", defer_check: bool = False):
+        if not isinstance(numel, int) or isinstance(numel, bool) or numel < 0:
+            raise ValueError(f"numel must be a non-negative int, got {numel!r}")
+        self.topology = topology
+        self.numel = numel
+        self.name = name
+        self.device = torch.device(device)
+        world = topology.nodes * topology.per_node
+        self.local = SubsetTransport(topology.local_members, topology.rank, world)
+        self.cross = SubsetTransport(topology.cross_members, topology.rank, world)
+        L = topology.per_node
+        self.shard = max(1, math.ceil(numel / L))
+        self.inner = OneBitAllreduce(self.shard, block_size=block_size, transport=self.cross,
+                                     backend=backend, device=self.device, name=f"{name}.cross",
+                                     defer_check=defer_check)
+        f32 = dict(dtype=torch.float32, device=self.device)
+        self._full = torch.zeros(L * self.shard, **f32)  # this rank's input, padded
+        self._rows = torch.zeros(L, 1 + self.shard, **f32)  # [status, shard] per local rank
+        self._shard_in = torch.zeros(self.shard, **f32)  # the node's mean of this rank's shard
+        self._shard_out = torch.zeros(self.shard, **f32)  # its average over nodes
+        self._in_flight = False
+        self.wire_bytes = 0  # bytes this rank sent between nodes in the last call
+        self.intra_bytes = 0  # bytes this rank sent inside its node in the last call
+        self.total_wire_bytes = 0
+        self.calls = 0
+
+    @property
+    def layout(self):
+        """The 1-bit stage's layout (of this rank's shard among the nodes)."""
+        return self.inner.layout
+
+    # ---- the collective -------------------------------------------------------------------------
+
+    def allreduce(self, tensor: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return self.synchronize(self.allreduce_async(tensor, out))
+
+    def allreduce_async(self, tensor: torch.Tensor | InputProducer,
+                        out: Optional[torch.Tensor] = None) -> HierarchicalHandle:
+        """Read the input (a tensor, or an input producer such as Adam's momentum update) and
+        start the intra-node reduce-scatter."""
+        if self._in_flight:
+            raise RuntimeError(f"{self.name!r} already has a call in flight; synchronize it first")
+        producer = not isinstance(tensor, torch.Tensor)
+        like = tensor.like if producer else tensor
+        if like.numel() != self.numel:
+            raise ValueError(f"{self.name!r} was built for {self.numel} elements, got "
+                             f"{like.numel()}")
+        if out is None:
+            out = torch.empty_like(like, memory_format=torch.contiguous_format)
+        x32 = tensor.materialize() if producer else tensor.reshape(-1).float()
+        self._full[:self.numel].copy_(x32.reshape(-1))
+        L = self.topology.per_node
+        self._rows[:, 0] = 0.0 if bool(torch.isfinite(x32).all()) else 1.0
+        self._rows[:, 1:].copy_(self._full.view(L, self.shard))
+        out32 = (out.view(-1) if out.dtype == torch.float32
+                 else torch.empty(out.numel(), dtype=torch.float32, device=out.device))
+        handle = HierarchicalHandle(out=out, out32=out32)
+        handle.stage0 = self.local.alltoall_async(self._rows, name=f"{self.name}.scatter")
+        self._in_flight = True
+        return handle
+
+    def synchronize(self, handle: HierarchicalHandle,
+                    epilogue: Optional[Epilogue] = None) -> torch.Tensor:
+        return synchronize_all([(self, handle)], [epilogue])[0]
+
+    # ---- the phases, driven by synchronize_all ------------------------------------------------------
+
+    def _claim(self, handle: HierarchicalHandle) -> None:
+        if handle.done:
+            raise RuntimeError("this allreduce handle was already synchronized")
+        handle.done = True
+
+    def _wait_stage1(self, handle: HierarchicalHandle) -> list[int]:
+        """The node's reduce-scatter, then stage 1 of the 1-bit allreduce among the nodes.
+        Returns the global ranks of the nodes where a value was not finite (known everywhere)."""
+        stage0, handle.stage0 = handle.stage0, None
+        recv = self.local.wait(stage0)  # [per_node, 1 + shard], from each local rank
+        node_bad = bool((recv[:, 0] != 0).any())
+        acc = recv[0, 1:].clone()
+        for i in range(1, self.topology.per_node):  # local-rank order, float32
+            acc.add_(recv[i, 1:])
+        torch.div(acc, float(self.topology.per_node), out=self._shard_in)
+        if node_bad:  # tell every group between nodes: each of its 1-bit inputs is non-finite
+            self._shard_in[0] = math.nan
+        handle.inner = self.inner.allreduce_async(self._shard_in, out=self._shard_out)
+        self.inner._claim(handle.inner)
+        bad_nodes = self.inner._wait_stage1(handle.inner)
+        return self._ranks_of_nodes(bad_nodes)
+
+    def _start_stage2(self, handle: HierarchicalHandle) -> None:
+        self.inner._start_stage2(handle.inner)
+        handle.stage2_started = True
+
+    def _wait_stage2(self, handle: HierarchicalHandle) -> list[int]:
+        """Stage 2 among the nodes, the decode of this rank's shard (nothing committed), and the
+        intra-node allgather, whose rows carry each group's stage-2 status."""
+        if not handle.stage2_started:
+            return []  # the group was abandoned after stage 1 (the same on every rank)
+        bad_servers = self.inner._wait_stage2(handle.inner)
+        row = torch.zeros(1, 1 + self.shard, dtype=torch.float32, device=self.device)
+        row[0, 0] = 1.0 if bad_servers else 0.0
+        if not bad_servers:
+            # one node: the 1-bit stage is the identity (no communication, nothing to decode)
+            shard = (handle.inner.local if handle.inner.gathered is None
+                     else self.inner._decode(handle.inner))
+            row[0, 1:].copy_(shard)
+        handle.stage3 = self.local.allgather_async(row, name=f"{self.name}.gather")
+        stage3, handle.stage3 = handle.stage3, None
+        handle.gathered = self.local.wait(stage3)
+        bad_groups = torch.nonzero(handle.gathered[:, 0]).flatten().tolist()
+        return sorted({r for i in bad_groups for r in self._ranks_of_group(i)})
+
+    def _commit(self, handle: HierarchicalHandle, epilogue: Optional[Epilogue]) -> None:
+        """Adopt the 1-bit stage's error feedback, write the output, apply the epilogue."""
+        self.inner._commit(handle.inner, None)
+        handle.out32.copy_(handle.gathered[:, 1:].reshape(-1)[:self.numel])
+        if handle.out32.data_ptr() != handle.out.data_ptr():
+            handle.out.view(-1).copy_(handle.out32)
+        if epilogue is not None:
+            epilogue.apply(handle.out)
+        L = self.topology.per_node
+        self.wire_bytes = self.inner.wire_bytes
+        self.total_wire_bytes += self.wire_bytes
+        self.intra_bytes = 2 * (L - 1) * (1 + self.shard) * 4
+        self.calls += 1
+        handle.gathered = None
+
+    def _drain(self, handle: HierarchicalHandle) -> None:
+        for attr in ("stage0", "stage3"):
+            pending = getattr(handle, attr)
+            setattr(handle, attr, None)
+            if pending is not None:
+                self.local.wait(pending)
+        if handle.inner is not None:
+            self.inner._drain(handle.inner)
+
+    def _release(self) -> None:
+        self.inner._release()
+        self._in_flight = False
+
+    def _ranks_of_nodes(self, nodes: Sequence[int]) -> list[int]:
+        return sorted(r for k in nodes for r in self.topology.grid[k])
+
+    def _ranks_of_group(self, local: int) -> list[int]:
+        return [row[local] for row in self.topology.grid]
+
+    # ---- error feedback: the 1-bit stage's, in this rank's role ---------------------------------
+
+    @property
+    def worker_error(self) -> torch.Tensor:
+        return self.inner.worker_error
+
+    @property
+    def server_error(self) -> torch.Tensor:
+        return self.inner.server_error
+
+    def reset(self) -> None:
+        self.inner.reset()
+
+    def state_dict(self) -> dict:
+        """The 1-bit stage's error feedback, with the topology role it belongs to."""
+        return {**self.inner.state_dict(), "topology": self.topology.signature()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if list(state.get("topology", [])) != self.topology.signature():
+            raise ValueError(f"error feedback was saved in topology role {state.get('topology')}, "
+                             f"this rank is {self.topology.signature()} "
+                             "([nodes, ranks per node, node, local rank])")
+        self.inner.load_state_dict({k: v for k, v in state.items() if k != "topology"})

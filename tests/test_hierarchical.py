@@ -1,0 +1,89 @@
+"""Hierarchical 1-bit allreduce on 2 nodes x 2 ranks: real horovodrun jobs whose two "hosts"
+are names of this machine (127.0.0.1 and 127.1), so Horovod sets local and cross ranks as on a
+cluster; checked against the NumPy reference of the scheme."""
+import numpy as np
+import pytest
+
+from hvd_onebit.testing import run_job
+from tests.onebit_reference import ReferenceHierarchical
+from tests.workers_collective import rank_input
+
+pytestmark = pytest.mark.multirank
+HOSTS = "127.0.0.1:2,127.1:2"
+
+
+def run(target, **kwargs):
+    return run_job(f"tests.workers_hierarchical:{target}", np=4, hosts=HOSTS, kwargs=kwargs,
+                   timeout=240).results
+
+
+def reference(numel, calls, block_size=None, skip=()):
+    ref = ReferenceHierarchical(numel, nodes=2, per_node=2, block_size=block_size)
+    return [None if c in skip else ref.allreduce([rank_input(c, r, numel) for r in range(4)])
+            for c in range(calls)]
+
+
+SIZES = [1, 7, 1001, 1 << 16]
+
+
+@pytest.fixture(scope="module")
+def sizes():
+    return run("outputs_for_sizes", sizes=SIZES)
+
+
+@pytest.mark.parametrize("numel", SIZES)
+def test_matches_the_reference_and_is_identical_on_every_rank(sizes, numel):
+    results = [r[numel] for r in sizes]
+    expected = reference(numel, 3)
+    for rank, r in enumerate(results):
+        assert r["topology"] == [2, 2, rank // 2, rank % 2], r["topology"]
+        assert r["errors"] == [None] * 3, r["errors"]
+        for call, (got, want) in enumerate(zip(r["outputs"], expected)):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6,
+                                       err_msg=f"numel={numel} rank {rank} call {call}")
+            assert got.tobytes() == results[0]["outputs"][call].tobytes(), \
+                f"numel={numel}: rank {rank} differs from rank 0 at call {call}"
+
+
+def test_bytes_between_nodes_are_half_of_flat_1bit(sizes):
+    numel = 1 << 16
+    for rank, r in enumerate(x[numel] for x in sizes):
+        # 2 x 2: a rank's 1-bit rows of half the buffer go to one other node; flat 1-bit sends
+        # rows of a quarter of it to two ranks of the other node, in both stages
+        assert r["wire_bytes"] <= 0.55 * r["flat_wire_bytes_between_nodes"], \
+            (rank, r["wire_bytes"], r["flat_wire_bytes_between_nodes"])
+        assert r["intra_bytes"] == 2 * 1 * (1 + numel // 2) * 4
+
+
+def test_finer_blocks_match_the_reference():
+    numel = 5000
+    results = run("outputs", numel=numel, block_size=64)
+    for got, want in zip(results[0]["outputs"], reference(numel, 3, block_size=64)):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_nonfinite_input_on_one_rank_raises_everywhere_and_changes_nothing():
+    numel = 1001
+    results = run("outputs", numel=numel, calls=4, bad_call=1, bad_rank=1)
+    expected = reference(numel, 4, skip=(1,))
+    for rank, r in enumerate(results):
+        assert r["errors"][1] is not None and "[0, 1]" in r["errors"][1], \
+            f"rank {rank}: {r['errors']}"  # node 0's ranks
+        assert [e is None for e in r["errors"]] == [True, False, True, True], r["errors"]
+        np.testing.assert_array_equal(r["worker_error"][1], r["worker_error"][0],
+                                      err_msg=f"rank {rank}: error feedback changed")
+        for call in (0, 2, 3):  # the skipped call is as if it had not been made
+            np.testing.assert_allclose(r["outputs"][call], expected[call], rtol=1e-5, atol=1e-6,
+                                       err_msg=f"rank {rank} call {call}")
+
+
+def test_several_calls_commit_all_or_nothing():
+    results = run("group_all_or_nothing")
+    for rank, r in enumerate(results):
+        calls = r["calls"]
+        assert [c["error"] is None for c in calls] == [True, False, True], calls
+        assert calls[1]["outputs_changed"] == [False, False], f"rank {rank}: {calls[1]}"
+        assert calls[1]["errors_changed"] == [False, False], f"rank {rank}: {calls[1]}"
+        assert calls[2]["outputs_changed"] == [True, True]
+        for a, b in zip(r["final"], results[0]["final"]):
+            assert a.tobytes() == b.tobytes()

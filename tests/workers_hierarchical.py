@@ -1,0 +1,71 @@
+"""Worker functions for the hierarchical 1-bit allreduce (2 nodes x 2 ranks under horovodrun)."""
+from __future__ import annotations
+
+import horovod.torch as hvd
+import numpy as np
+import torch
+
+from hvd_onebit.collective import NonFiniteInputError, synchronize_all
+from hvd_onebit.hierarchical import HierarchicalOneBitAllreduce, Topology
+from tests.workers_collective import rank_input
+
+
+def outputs(numel: int, calls: int = 3, block_size=None, bad_call: int = -1,
+            bad_rank: int = -1) -> dict:
+    """``calls`` allreduces of tests.workers_collective.rank_input; ``bad_rank`` puts an inf into
+    its input at ``bad_call``. Per call: the output (or the error) and the error feedback."""
+    topo = Topology.from_horovod()
+    comm = HierarchicalOneBitAllreduce(numel, topo, block_size=block_size, name="t.hier")
+    out = {"topology": topo.signature(), "outputs": [], "errors": [], "worker_error": []}
+    for call in range(calls):
+        x = torch.from_numpy(rank_input(call, hvd.rank(), numel))
+        if call == bad_call and hvd.rank() == bad_rank:
+            x[numel // 2] = float("inf")
+        try:
+            out["outputs"].append(comm.allreduce(x).numpy().copy())
+            out["errors"].append(None)
+        except NonFiniteInputError as exc:
+            out["outputs"].append(None)
+            out["errors"].append(str(exc))
+        out["worker_error"].append(comm.worker_error.numpy().copy())
+    out["wire_bytes"], out["intra_bytes"] = comm.wire_bytes, comm.intra_bytes
+    out["flat_wire_bytes_between_nodes"] = _flat_wire_bytes(numel)
+    return out
+
+
+def _flat_wire_bytes(numel: int) -> int:
+    """Bytes a rank of flat 1-bit sends to the other nodes per call: of the n-1 rows of each
+    stage, those to the n - local_size ranks outside its node."""
+    from hvd_onebit.layout import Layout
+
+    return 2 * (hvd.size() - hvd.local_size()) * Layout.build(numel, hvd.size()).row_bytes
+
+
+def outputs_for_sizes(sizes, **kwargs) -> dict:
+    return {numel: outputs(numel, **kwargs) for numel in sizes}
+
+
+def group_all_or_nothing(numel: int = 1000) -> dict:
+    """Two hierarchical collectives in one transaction; rank 3 puts an inf into the second's
+    input at call 1: neither commits anywhere (outputs and error feedback untouched)."""
+    topo = Topology.from_horovod()
+    comms = [HierarchicalOneBitAllreduce(numel, topo, name=f"t.group{i}") for i in range(2)]
+    outs = [torch.zeros(numel) for _ in comms]
+    record = []
+    for call in range(3):
+        xs = [torch.from_numpy(rank_input(call * 2 + i, hvd.rank(), numel)) for i in range(2)]
+        if call == 1 and hvd.rank() == 3:
+            xs[1][0] = float("nan")
+        before = [o.clone() for o in outs], [c.worker_error.clone() for c in comms]
+        handles = [c.allreduce_async(x, out=o) for c, x, o in zip(comms, xs, outs)]
+        try:
+            synchronize_all(list(zip(comms, handles)))
+            error = None
+        except NonFiniteInputError as exc:
+            error = str(exc)
+        record.append({
+            "error": error,
+            "outputs_changed": [not torch.equal(a, b) for a, b in zip(before[0], outs)],
+            "errors_changed": [not torch.equal(a, c.worker_error) for a, c in zip(before[1], comms)],
+        })
+    return {"calls": record, "final": [o.numpy().copy() for o in outs]}
