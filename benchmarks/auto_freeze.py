@@ -69,7 +69,8 @@ def plot(runs: dict, path: Path, title: str) -> None:
         if r["freeze_step"]:
             ax.axvline(r["freeze_step"], color=color, ls=":", lw=1)
     losses = [v for r in runs.values() for _, v in r["val_curve"]]
-    ax.set_ylim(min(losses) - 0.05, min(max(losses), min(losses) + 1.5))
+    top = max(min(losses) + 1.5, 1.1 * max(r["final_val_loss"] for r in runs.values()))
+    ax.set_ylim(min(losses) - 0.05, min(max(losses), top))  # every final loss in view
     ax.set_xlabel("step (dotted: where each 1-bit run froze the variance)")
     ax.set_ylabel("validation loss")
     ax.set_title(title)
