@@ -423,6 +423,15 @@ class OneBitAllreduce:
         """e_s: float32 [chunk], this rank's server error for the chunk it serves (a fresh tensor)."""
         return kernels.server_error(self._server_z, self._server_sent, self.layout)
 
+    def error_contribution(self) -> torch.Tensor:
+        """float32 [padded]: this rank's share of what error feedback has yet to deliver,
+        ``e_w / n`` plus its server error at its chunk's place; summed over the ranks it is
+        ``mean_i e_w^i + concat_j e_s^j`` (see ``CompressedStep.flush_error_feedback``)."""
+        e = self.worker_error.mul_(1.0 / self.size)
+        chunk = self.layout.chunk
+        e[self.rank * chunk:(self.rank + 1) * chunk].add_(self.server_error)
+        return e
+
     def reset(self) -> None:
         """Zero both error-feedback buffers (e.g. after the world size changed)."""
         self._worker_y.zero_()

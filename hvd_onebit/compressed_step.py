@@ -25,6 +25,7 @@ import torch
 from horovod.torch.mpi_ops import Average, Sum
 
 from .collective import NonFiniteInputError, OneBitAllreduce, synchronize_all
+from .hierarchical import HierarchicalOneBitAllreduce, Topology
 from .config import OneBitConfig, group_masks
 from .fusion import Bucket, fuse
 from .fused_adam import AdamUpdate, MomentumInput
@@ -69,6 +70,7 @@ class CompressedStep:
         self._variance_scanned_for: Optional[list[Bucket]] = None
         self._pending_error_feedback: Optional[dict] = None
         self._generation = 0  # bumped by reset(): the collectives' key
+        self._topology: Topology | bool | None = None  # None: not decided yet; False: flat
 
     # ---- the world ---------------------------------------------------------------------------------
 
@@ -116,15 +118,45 @@ class CompressedStep:
         for b in self.buckets:
             key = self._key(b)
             if key not in self.comms and self.config.compressor == "onebit":
-                self.comms[key] = OneBitAllreduce(
-                    b.numel, self.process_set, block_size=self.config.block_size,
-                    transport=self.transport, backend=self.config.kernel_backend,
-                    device=b.momentum.device, name=f"hvd_onebit.bucket{b.index}",
-                    defer_check=True)
+                self.comms[key] = self._collective(b)
         for p in active:
             if p not in self._denoms:
                 self._denoms[p] = (None, torch.zeros_like(self.state[p]["exp_avg_sq"]))
         self._apply_pending_error_feedback()
+
+    def _collective(self, b: Bucket):
+        """The 1-bit collective of bucket ``b``: hierarchical (nodes) or flat."""
+        common = dict(block_size=self.config.block_size, backend=self.config.kernel_backend,
+                      device=b.momentum.device, defer_check=True)
+        topology = self.topology()
+        if topology is not None:
+            return HierarchicalOneBitAllreduce(b.numel, topology, name=f"hvd_onebit.hier{b.index}",
+                                               **common)
+        return OneBitAllreduce(b.numel, self.process_set, transport=self.transport,
+                               name=f"hvd_onebit.bucket{b.index}", **common)
+
+    def topology(self) -> Optional[Topology]:
+        """The nodes' layout when the 1-bit stage is hierarchical in this world, else None.
+
+        ``hierarchical="auto"`` is on when there are several nodes of several ranks each, all
+        alike; the decision rests on one allgather of every rank's (node, local rank), so it is
+        the same on every rank. Kept until :meth:`reset` (an elastic reset re-decides)."""
+        if self._topology is None:
+            mode = self.config.hierarchical
+            if mode is False or not isinstance(self.transport, str) or self.world == 1:
+                self._topology = False
+            else:
+                try:
+                    topo = Topology.from_horovod()
+                except ValueError as exc:
+                    if mode is True:
+                        raise
+                    warnings.warn(f"hvd_onebit: hierarchical='auto' stays flat: {exc}")
+                    topo = None
+                if mode == "auto" and topo is not None and (topo.nodes == 1 or topo.per_node == 1):
+                    topo = None
+                self._topology = topo if topo is not None else False
+        return self._topology or None
 
     def ensure_ready(self, active: list[torch.Tensor]) -> None:
         """Buckets for the current trainable set, and the frozen variance scanned once per set."""
@@ -143,6 +175,7 @@ class CompressedStep:
         self.params = []
         self.comms.clear()
         self._denoms.clear()
+        self._topology = None
         self._generation += 1
 
     def _key(self, b: Bucket) -> tuple:
@@ -188,7 +221,14 @@ class CompressedStep:
                           f"({sorted(saved)} vs {sorted(mine)}); it is reset to zero")
             return
         for key, comm in mine.items():
-            comm.load_state_dict(saved[key])
+            try:
+                comm.load_state_dict(saved[key])
+            except ValueError as exc:  # another topology role or layout
+                warnings.warn(f"hvd_onebit: saved error feedback does not fit ({exc}); it is "
+                              "reset to zero")
+                for c in mine.values():
+                    c.reset()
+                return
 
     def flush_error_feedback(self, param_groups: list[dict]) -> int:
         """Fold every rank's worker error and every server's error into the momentum, with one
@@ -222,12 +262,7 @@ class CompressedStep:
             raise ValueError("flush_error_feedback needs beta1 > 0: with beta1 = 0 the momentum "
                              "does not carry into the next step, so the error cannot be folded")
         comms = [self.comms[self._key(b)] for b in self.buckets]
-        n = self.world
-        sums = []
-        for b, c in zip(self.buckets, comms):
-            e = c.worker_error.mul_(1.0 / n)
-            e[c.rank * c.layout.chunk:(c.rank + 1) * c.layout.chunk].add_(c.server_error)
-            sums.append(e)
+        sums = [c.error_contribution() for c in comms]
         sums, nbytes = self._exact_sum(sums)
         new = []
         for b, e in zip(self.buckets, sums):
@@ -371,7 +406,9 @@ class CompressedStep:
         updates, masked = self._plan_updates(param_groups, owner)  # while stage 1 is on the wire
         synchronize_all(list(zip(comms, handles)), updates)
         self._apply_masked(masked)
-        return sum(c.wire_bytes for c in comms)
+        # bytes this rank sent: the 1-bit rows, and (hierarchical) the full-precision shards
+        # inside its node
+        return sum(c.wire_bytes + getattr(c, "intra_bytes", 0) for c in comms)
 
     def _exact_average(self, inputs: list, param_groups: list[dict], owner: set) -> int:
         """compressor="none": the momenta averaged in full precision (Adam with a frozen

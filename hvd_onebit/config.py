@@ -92,6 +92,9 @@ class OneBitConfig:
         check_every: steps between cross-rank parameter checks, 0 for never.
         flush_on_commit: elastic jobs: fold the error feedback into the momentum at every
             commit (:meth:`flush_error_feedback`), so a committed state loses none.
+        hierarchical: True, False or "auto": the 1-bit stage among nodes, full precision inside
+            them (:mod:`hvd_onebit.hierarchical`); "auto" when there are several nodes of several
+            ranks each.
     """
 
     freeze_step: Union[int, str]
@@ -103,6 +106,7 @@ class OneBitConfig:
     check_every: int = 0
     auto_freeze: Any = None
     flush_on_commit: bool = False
+    hierarchical: Union[bool, str] = False
 
     def __post_init__(self) -> None:
         if self.freeze_step == AUTO:
@@ -115,6 +119,12 @@ class OneBitConfig:
                              f"freeze_step={self.freeze_step!r}")
         if not isinstance(self.flush_on_commit, bool):
             raise ValueError(f"flush_on_commit must be True or False, got {self.flush_on_commit!r}")
+        if not (isinstance(self.hierarchical, bool) or self.hierarchical == "auto"):
+            raise ValueError(f"hierarchical must be True, False or 'auto', got "
+                             f"{self.hierarchical!r}")
+        if self.hierarchical is not False and self.transport != "horovod":
+            raise ValueError("hierarchical 1-bit runs on transport='horovod' (it uses Horovod's "
+                             f"alltoall with splits), got transport={self.transport!r}")
         if self.compressor not in COMPRESSORS:
             raise ValueError(f"compressor must be one of {COMPRESSORS}, got {self.compressor!r}")
         if self.block_size is not None and (not _is_int(self.block_size) or self.block_size <= 0

@@ -319,6 +319,16 @@ class HierarchicalOneBitAllreduce:
     def server_error(self) -> torch.Tensor:
         return self.inner.server_error
 
+    def error_contribution(self) -> torch.Tensor:
+        """float32 [per_node * shard]: this rank's share of what error feedback has yet to
+        deliver, at its shard's place (the 1-bit stage's, over the nodes' means); summed over
+        every rank of the job it is what the flat collective's contributions sum to."""
+        t = self.topology
+        e = torch.zeros(t.per_node * self.shard, dtype=torch.float32, device=self.device)
+        e[t.local * self.shard:(t.local + 1) * self.shard] = \
+            self.inner.error_contribution()[:self.shard]
+        return e
+
     def reset(self) -> None:
         self.inner.reset()
 

@@ -601,7 +601,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                          kernel_backend: str = "auto",
                          bucket_size_mb: float = DEFAULT_BUCKET_MB,
                          check_every: int = 0,
-                         flush_on_commit: bool = False):
+                         flush_on_commit: bool = False,
+                         hierarchical: bool | str = False):
     """Wrap a ``torch.optim.Adam`` or ``AdamW`` for 1-bit Adam over Horovod.
 
     The arguments up to ``process_set`` mean what they mean for ``hvd.DistributedOptimizer`` and
@@ -638,6 +639,13 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
         flush_on_commit: in Horovod elastic jobs, call :meth:`flush_error_feedback` at every
             ``state.commit()``, so the committed state holds every rank's error feedback (one
             full-precision allreduce of the momentum per commit in the compression phase).
+        hierarchical: True, False (default) or "auto" (on with several nodes of several ranks
+            each). The momentum is reduce-scattered in full precision inside each node, the
+            1-bit two-stage allreduce runs among the ranks with the same local rank, and an
+            allgather inside the node completes it: between nodes each node sends 1/L of the
+            1-bit rows flat 1-bit would (L ranks per node). Error feedback belongs to the
+            rank's role in the topology; a checkpoint's is reset, with a warning, when the
+            topology changes.
 
     A param group may carry ``exp_avg_mask``: a tensor broadcastable to each of its parameters, or
     a list with one tensor (or None) per parameter. In the compression phase the averaged
@@ -659,7 +667,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     config = OneBitConfig(freeze_step=freeze_step, compressor=compressor, block_size=block_size,
                           transport=transport, kernel_backend=kernel_backend,
                           bucket_size_mb=bucket_size_mb, check_every=check_every,
-                          auto_freeze=auto_freeze, flush_on_commit=flush_on_commit)
+                          auto_freeze=auto_freeze, flush_on_commit=flush_on_commit,
+                          hierarchical=hierarchical)
     if op == Adasum or op not in (Average, Sum):
         raise ValueError("hvd_onebit.DistributedOptimizer supports op=hvd.Average or hvd.Sum")
     if isinstance(backward_passes_per_step, bool) or not isinstance(backward_passes_per_step, int) \

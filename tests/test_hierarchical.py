@@ -12,9 +12,9 @@ pytestmark = pytest.mark.multirank
 HOSTS = "127.0.0.1:2,127.1:2"
 
 
-def run(target, **kwargs):
+def run(target, env=None, **kwargs):
     return run_job(f"tests.workers_hierarchical:{target}", np=4, hosts=HOSTS, kwargs=kwargs,
-                   timeout=240).results
+                   timeout=240, env=env).results
 
 
 def reference(numel, calls, block_size=None, skip=()):
@@ -87,3 +87,34 @@ def test_several_calls_commit_all_or_nothing():
         assert calls[2]["outputs_changed"] == [True, True]
         for a, b in zip(r["final"], results[0]["final"]):
             assert a.tobytes() == b.tobytes()
+
+
+@pytest.fixture(scope="module")
+def paths():
+    # Tensor fusion off: with it, Horovod's own warmup allreduce is not bit-reproducible run to
+    # run on more than two ranks (see tests/test_optimizer.py), and the paths are compared bitwise
+    return run("optimizer_paths", env={"HOROVOD_FUSION_THRESHOLD": "0"})
+
+
+def test_optimizer_trains_like_the_flat_path_with_identical_ranks(paths):
+    for rank, r in enumerate(paths):
+        hier, flat, auto = r[True], r[False], r["auto"]
+        assert hier["topology"] == [2, 2, rank // 2, rank % 2] and flat["topology"] is None
+        assert auto["topology"] == hier["topology"], "auto: 2 nodes x 2 ranks is hierarchical"
+        assert auto["hashes"] == hier["hashes"]
+        assert hier["phase"] == "compression"
+        assert hier["hashes"] == paths[0][True]["hashes"], f"rank {rank} differs from rank 0"
+        # the same data and warmup: the loss follows the flat path's within tolerance
+        for step, (a, b) in enumerate(zip(hier["losses"], flat["losses"])):
+            assert a == pytest.approx(b, rel=0.1, abs=0.02), (step, hier["losses"], flat["losses"])
+        assert hier["val_loss"] == pytest.approx(flat["val_loss"], rel=0.05), \
+            (hier["val_loss"], flat["val_loss"])
+
+
+def test_error_feedback_belongs_to_the_rank_s_role(paths):
+    for rank, r in enumerate(paths):
+        hier = r[True]
+        assert hier["same_role_warnings"] == [] and hier["norm_after_same_role"] > 0, hier
+        assert any("does not fit" in w and "reset to zero" in w
+                   for w in hier["other_role_warnings"]), hier["other_role_warnings"]
+        assert hier["norm_after_other_role"] == 0.0

@@ -69,3 +69,50 @@ def group_all_or_nothing(numel: int = 1000) -> dict:
             "errors_changed": [not torch.equal(a, c.worker_error) for a, c in zip(before[1], comms)],
         })
     return {"calls": record, "final": [o.numpy().copy() for o in outs]}
+
+
+def optimizer_run(hierarchical, steps: int = 16, freeze_step: int = 4) -> dict:
+    """The test model trained with hvd_onebit; per step the parameters' hash and the loss."""
+    import warnings
+
+    import torch.nn as nn
+
+    import hvd_onebit
+    from tests.workers_optimizer import batch, make_model, params_hash, val_loss
+
+    model = make_model()
+    opt = hvd_onebit.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2),
+                                          named_parameters=model.named_parameters(),
+                                          freeze_step=freeze_step, hierarchical=hierarchical)
+    hashes, losses = [], []
+    for step in range(steps):
+        opt.zero_grad()
+        x, y = batch(step, hvd.rank())
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        hashes.append(params_hash(model))
+        losses.append(float(loss))
+    topology = opt.compressed_step.topology()
+    saved = opt.error_feedback_state_dict()
+    with warnings.catch_warnings(record=True) as same_role:
+        warnings.simplefilter("always")
+        opt.load_error_feedback_state_dict(saved)
+    norm_after_same = float(next(iter(opt.compressed_step.comms.values())).worker_error.norm())
+    moved = {**saved, "buckets": {k: {**v, "topology": [4, 1, 0, 0]} if "topology" in v else v
+                                  for k, v in saved["buckets"].items()}}
+    with warnings.catch_warnings(record=True) as other_role:
+        warnings.simplefilter("always")
+        opt.load_error_feedback_state_dict(moved)
+    return {"hashes": hashes, "losses": losses, "val_loss": val_loss(model),
+            "topology": None if topology is None else topology.signature(),
+            "bytes": opt.last_step_bytes, "phase": opt.phase,
+            "same_role_warnings": [str(w.message) for w in same_role],
+            "norm_after_same_role": norm_after_same,
+            "other_role_warnings": [str(w.message) for w in other_role],
+            "norm_after_other_role": float(
+                next(iter(opt.compressed_step.comms.values())).worker_error.norm())}
+
+
+def optimizer_paths() -> dict:
+    return {mode: optimizer_run(mode) for mode in (True, False, "auto")}
