@@ -286,3 +286,160 @@ def bench_train(np_, bandwidth, steps, warmup_frac, model, width, depth, vocab, 
                         ("measured MB/step/rank", "mb", ",.2f"), ("run s", "run_s", ",.2f")])
     for k, v in summary.items():
         click.echo(f"{k}: {v:.3f}")
+
+
+@bench.command("calibrate")
+@click.option("--out", default=None, type=click.Path(dir_okay=False),
+              help="Where to save the constants (JSON) [default: "
+                   "~/.cache/hvd_onebit/calibration.json].")
+@click.option("--procs", default="1,2,4", show_default=True, callback=_csv(int),
+              help="Processes timing compute and kernels at once (ranks sharing the cores).")
+@click.option("--np", "nps", default="2,4", show_default=True, callback=_csv(int),
+              help="Ranks of the emulated collectives jobs.")
+@click.option("--link", default="1gbit", show_default=True,
+              help="Shaped link rate at which the links' efficiency is measured.")
+@click.option("--numel", default="4M", show_default=True,
+              callback=lambda c, p, v: parse_count(v),
+              help="Elements of the large collectives' buffer.")
+@click.option("--repeats", default=7, show_default=True, help="Timed calls per measurement.")
+@_queue_option
+@click.option("--json", "as_json", is_flag=True, help="Print the constants as JSON too.")
+def bench_calibrate(out, procs, nps, link, numel, repeats, queue_ms, as_json) -> None:
+    """Measure the scale model's constants on this machine and save them (needs root: the
+    collectives run on the emulated cluster). `bench predict` loads them."""
+    from . import calibrate as cal_mod
+    from .predict import constants
+
+    cal = cal_mod.calibrate(procs=tuple(procs), nps=tuple(nps), link=link, numel=numel,
+                            repeats=repeats, queue_ms=queue_ms,
+                            progress=lambda s: click.echo(s, err=True))
+    path = cal_mod.save(cal, out or cal_mod.DEFAULT_PATH)
+    click.echo(f"saved {path} ({cal['seconds']:.0f} s)", err=True)
+    if as_json:
+        click.echo(json.dumps(cal, indent=2))
+        return
+    for k, v in constants(cal).items():
+        click.echo(f"{k}: {v}")
+
+
+def _rates(ctx, param, value):
+    from ..cluster.bandwidth import parse_bandwidth
+
+    try:
+        return [parse_bandwidth(v) for v in value.split(",") if v.strip()]
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from exc
+
+
+@bench.command("predict")
+@click.option("--calibration", default=None, type=click.Path(dir_okay=False),
+              help="Constants from `bench calibrate` [default: "
+                   "~/.cache/hvd_onebit/calibration.json].")
+@click.option("--np", "nps", default="4", show_default=True, callback=_csv(int),
+              help="Ranks, comma separated for a sweep (e.g. 8,16,...,1024).")
+@click.option("--ranks-per-node", default=1, show_default=True,
+              help="Ranks per node (they share the node's link); 1: a link per rank.")
+@click.option("--bandwidth", "bandwidths", default="1gbit", show_default=True, callback=_rates,
+              help="Link rate between nodes (each node's link), comma separated for a sweep.")
+@click.option("--intra-bandwidth", default="unlimited", show_default=True,
+              callback=lambda c, p, v: _rates(c, p, v)[0], help="Each rank's link inside a node.")
+@click.option("--latency-us", default=0.0, show_default=True,
+              help="One-way link latency between nodes, microseconds.")
+@click.option("--intra-latency-us", default=0.0, show_default=True,
+              help="One-way latency inside a node, microseconds.")
+@click.option("--params", default=None, help="Parameters (e.g. 350M, 9.4e6); default: the "
+              "--model's.")
+@click.option("--model", "bench_model", default=None, type=click.Choice(TRAIN_MODELS),
+              help="Take compute time (and parameters) from the calibration's measurement of "
+                   "`bench train --model ...`'s step (the `local` method).")
+@click.option("--compute-ms", default=None, type=float,
+              help="Compute per step: forward + backward + Adam (e.g. `bench train`'s local step).")
+@click.option("--adam-ms", default=None, type=float,
+              help="Adam's part of --compute-ms, which the compressed step replaces by its "
+                   "kernels [default: 0, no credit; with --model alone: calibrated].")
+@click.option("--warmup-frac", default=0.15, show_default=True,
+              help="Share of the steps in 1-bit Adam's full-precision warmup.")
+@click.option("--colocated", is_flag=True,
+              help="All ranks share this machine's cores (as on the emulated cluster): compute "
+                   "and kernels at the speeds calibrated with that many processes at once.")
+@click.option("--kernel-speedup", default=1.0, show_default=True,
+              help="Divide the calibrated kernel and Adam times per element (a faster device).")
+@click.option("--host-speedup", default=1.0, show_default=True,
+              help="Divide the calibrated host cost per byte of collectives (copies, reductions,"
+                   " TCP); 'inf' drops it (NIC offload).")
+@click.option("--per-peer-us", default=None, type=float,
+              help="Replace the calibrated per-peer cost of every Horovod op (microseconds).")
+@click.option("--methods", default="horovod_fp32,horovod_fp16,onebit,onebit_hierarchical",
+              show_default=True, callback=_csv(click.Choice(
+                  ["horovod_fp32", "horovod_fp16", "onebit", "onebit_hierarchical"])),
+              help="Methods to predict.")
+@click.option("--check", "check_dir", default=None, type=click.Path(exists=True, file_okay=False),
+              help="Instead: compare predictions with every `bench train --json` output "
+                   "(train_*.json) in this folder and print each pair.")
+@click.option("--plot", default=None, type=click.Path(dir_okay=False),
+              help="PNG: speed-up against ranks for a sweep, else each method's phases.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+def bench_predict(calibration, nps, ranks_per_node, bandwidths, intra_bandwidth, latency_us,
+                  intra_latency_us, params, bench_model, compute_ms, adam_ms, warmup_frac,
+                  colocated, kernel_speedup, host_speedup, per_peer_us, methods, check_dir, plot,
+                  as_json) -> None:
+    """Predict step time per phase, whole-run speed-up and bytes per rank of Horovod fp32/fp16,
+    flat 1-bit and hierarchical 1-bit Adam (the hierarchical scheme is not built yet: a
+    prediction only) from the constants `bench calibrate` measured. README.md, "Predicting
+    the speed-up at scale", has the model and its assumptions."""
+    from pathlib import Path
+
+    from . import calibrate as cal_mod
+    from . import predict as pm
+
+    try:
+        cal = cal_mod.load(calibration or cal_mod.DEFAULT_PATH)
+    except (FileNotFoundError, ValueError) as exc:
+        raise click.ClickException(str(exc)) from exc
+    if check_dir:
+        reports = [json.loads(p.read_text()) for p in sorted(Path(check_dir).glob("train_*.json"))]
+        if not reports:
+            raise click.ClickException(f"no train_*.json in {check_dir}")
+        result = pm.check_report(reports, cal)
+        if as_json:
+            click.echo(json.dumps(result, indent=2))
+        else:
+            pm.print_check(result)
+        return
+    if params is None and bench_model is None:
+        raise click.BadParameter("give --params (and --compute-ms) or --model")
+    if compute_ms is None and bench_model is None:
+        raise click.BadParameter("give --compute-ms, or --model to use a calibrated bench model")
+    n_params = (pm.parse_params(params) if params is not None else
+                int(cal["compute"]["1"]["models"][bench_model]["params"]))
+    job = pm.Job(params=n_params, model=bench_model,
+                 compute_s=None if compute_ms is None else compute_ms / 1e3,
+                 adam_s=None if adam_ms is None else adam_ms / 1e3, warmup_frac=warmup_frac,
+                 kernel_speedup=kernel_speedup, host_speedup=host_speedup)
+    model = pm.Model(cal, None if per_peer_us is None else per_peer_us * 1e-6)
+    rows = pm.sweep(model, job, nps, bandwidths, ranks_per_node, intra_bandwidth,
+                    latency_us * 1e-6, intra_latency_us * 1e-6, colocated, tuple(methods))
+    report = {"benchmark": "predict", "calibration": cal.get("machine"),
+              "inputs": {"params": n_params, "compute_s": model.compute(job, pm.Cluster(
+                  nodes=nps[0], colocated=colocated))[0], "warmup_frac": warmup_frac,
+                  "ranks_per_node": ranks_per_node, "intra_bps": intra_bandwidth,
+                  "latency_s": latency_us * 1e-6, "intra_latency_s": intra_latency_us * 1e-6,
+                  "colocated": colocated, "kernel_speedup": kernel_speedup,
+                  "host_speedup": host_speedup, "per_peer_s": model.per_peer_s},
+              "note": pm.HIERARCHICAL_NOTE, "rows": rows, "crossovers": pm.crossovers(rows)}
+    if plot:
+        from ..cluster.bandwidth import format_bandwidth
+
+        title = (f"{n_params / 1e6:,.0f}M params, compute {report['inputs']['compute_s'] * 1e3:,.0f}"
+                 f" ms/step, warmup {warmup_frac:.0%}, {ranks_per_node} ranks/node (predicted)")
+        if len(rows) > 1:
+            pm.plot_sweep(rows, plot, title)
+        else:
+            bw = rows[0]["inter_bps"]
+            pm.plot_phases(rows[0]["methods"], plot, f"{title}\n{rows[0]['np']} ranks, "
+                           f"{format_bandwidth(int(bw)) if bw else 'unlimited'}")
+        report["plot"] = plot
+    if as_json:
+        click.echo(json.dumps(report, indent=2))
+    else:
+        pm.print_prediction(report)

@@ -1,0 +1,300 @@
+"""Measure the constants of the scale model (:mod:`hvd_onebit.bench.predict`) on this machine.
+
+Three groups, saved together as one JSON file (``hvd-onebit bench calibrate --out FILE``):
+
+* **compute** (no Horovod): for ``k`` processes running at once on this machine's cores
+  (``k`` in ``--procs``, default 1, 2, 4), each with one torch thread as a rank has, the
+  bench models' whole step (forward, backward, fused Adam) run free, as `bench train`'s
+  ``local`` ranks run it, then forward+backward and Adam's step each timed with all k processes
+  in the same phase (ranks synchronised by collectives run them so, and contend more for cores
+  and memory), and the 1-bit kernels' time per element (momentum + compress, server step,
+  decode + update), in lock-step too. ``k = 1`` is a rank with a core to itself; larger ``k``
+  is what ranks that share cores (the emulator) get.
+* **collectives** (Horovod over Gloo on the emulated cluster, every rank its own link): the
+  time of a tiny allreduce, alltoall and allgather (the per-op cost: negotiation, size
+  exchanges, per-peer messages), and of large fp32 and fp16 allreduces, alltoalls and
+  allgathers, at ``--np`` ranks, first on unshaped links (the host's own cost per byte:
+  reductions, copies, the TCP stack) then on shaped links of ``--link`` (the link's efficiency:
+  payload bytes per second over the nominal rate).
+* **machine**: cores, and the date.
+
+Every timed collective starts after a barrier; a call's time is the slowest rank's (the op ends
+when its last rank is done); the median of ``repeats`` calls is kept.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+from typing import Optional
+
+CALIBRATION_VERSION = 2
+DEFAULT_PATH = Path("~/.cache/hvd_onebit/calibration.json")
+# the bench train models at their default sizes (hvd-onebit bench train --model ...)
+BENCH_MODELS = {
+    "embedding": {"model": "embedding", "vocab": 32768, "embed_dim": 256, "width": 2048,
+                  "tokens": 2048, "batch": 4},
+    "mlp": {"model": "mlp", "width": 2048, "depth": 3, "batch": 4},
+}
+
+
+def _median_time(fn, repeats: int, min_seconds: float = 0.0, windows: int = 5) -> float:
+    """Time of ``fn`` on this machine, not its neighbours': the medians of ``windows`` windows
+    (each at least ``repeats`` calls and ``min_seconds / windows`` seconds, so that processes
+    timing at once overlap throughout), and the smallest of them. Other jobs on a shared
+    machine come and go; a window they hit is slower, and is not kept."""
+    best = float("inf")
+    for _ in range(windows):
+        times = []
+        end = time.perf_counter() + min_seconds / windows
+        while len(times) < repeats or time.perf_counter() < end:
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        best = min(best, statistics.median(times))
+    return best
+
+
+def _compute_proc(k: int, models: dict, kernel_numel: int, repeats: int, seconds: float, barrier,
+                  queue) -> None:
+    """One of ``k`` processes timing the same work at the same time (so they share the cores)."""
+    import torch
+
+    from .. import fused_adam
+    from ..layout import Layout
+    from .train import IN_DIM, OUT_DIM, build_embedding_model, build_mlp
+
+    torch.set_num_threads(1)
+    out: dict = {"models": {}}
+    for name, cfg in models.items():
+        torch.manual_seed(0)
+        net = (build_mlp(cfg["width"], cfg["depth"]) if cfg["model"] == "mlp" else
+               build_embedding_model(cfg["vocab"], cfg["embed_dim"], cfg["width"]))
+        opt = torch.optim.Adam(net.parameters(), lr=1e-4, fused=True)
+        g = torch.Generator().manual_seed(1)
+        x = (torch.randn(cfg["batch"], IN_DIM, generator=g) if cfg["model"] == "mlp" else
+             torch.randint(cfg["vocab"], (cfg["batch"], cfg["tokens"]), generator=g))
+        y = torch.randn(cfg["batch"], OUT_DIM, generator=g)
+        loss_fn = torch.nn.MSELoss()
+
+        def fwd_bwd():
+            opt.zero_grad()
+            loss_fn(net(x), y).backward()
+
+        def step():
+            fwd_bwd()
+            opt.step()
+
+        for _ in range(3):
+            step()
+        # the whole step free-running (as `bench train`'s local method runs), then each phase
+        # in lock-step (as ranks that collectives synchronise run them)
+        barrier.wait()
+        step_s = _median_time(step, repeats, seconds)
+        barrier.wait()
+        fwd_bwd_s = _median_time(fwd_bwd, repeats, seconds)
+        barrier.wait()
+        out["models"][name] = {"params": sum(p.numel() for p in net.parameters()),
+                               "step_s": step_s, "fwd_bwd_s": fwd_bwd_s,
+                               "adam_s": _median_time(opt.step, repeats, seconds)}
+    # the 1-bit kernels on a buffer of kernel_numel floats, 4 chunks
+    L = Layout.build(kernel_numel, 4)
+    g = torch.Generator().manual_seed(0)
+    grad = torch.randn(kernel_numel, generator=g)
+    m, y_prev, y_next = (torch.randn(kernel_numel, generator=g) * 0.1,
+                         torch.randn(L.padded, generator=g) * 0.01, torch.empty(L.padded))
+    prev_send = torch.zeros(L.n * L.row_bytes, dtype=torch.uint8)
+    send = torch.empty(L.n * L.row_bytes, dtype=torch.uint8)
+    server_z, server_z_out = torch.zeros(L.chunk), torch.empty(L.chunk)
+    server_sent, row = (torch.zeros(L.row_bytes, dtype=torch.uint8),
+                        torch.empty(L.row_bytes, dtype=torch.uint8))
+    w, denom, work = torch.randn(kernel_numel), torch.rand(kernel_numel) + 0.01, torch.empty(kernel_numel)
+    src = fused_adam.MomentumInput(m, [grad], [kernel_numel], 0.9)
+    update = fused_adam.AdamUpdate([w], [denom], [kernel_numel], [-1e-4], [1.0])
+    from .. import kernels
+
+    calls = {
+        "compress_momentum": lambda: fused_adam.worker_compress_momentum(
+            src, y_prev, prev_send, y_next, send, L, "native"),
+        # the server reduces one chunk from each of n ranks: L.padded elements read per rank
+        "server": lambda: kernels.server_compress(send, server_z, server_sent, server_z_out,
+                                                  row, L, "native"),
+        "decode_update": lambda: fused_adam.decode_update(send, work, L, update, "native"),
+    }
+    out["kernel_s_per_elem"] = {}
+    for kname, call in calls.items():
+        call()
+        barrier.wait()
+        out["kernel_s_per_elem"][kname] = _median_time(call, repeats, seconds) / kernel_numel
+    queue.put(out)
+
+
+def measure_compute(procs=(1, 2, 4), models: Optional[dict] = None, kernel_numel: int = 4 << 20,
+                    repeats: int = 3, seconds: float = 1.5) -> dict:
+    """Per ``k`` in ``procs``: the medians over the k processes of each timed quantity."""
+    import multiprocessing as mp
+
+    from .. import kernels
+    from .train import MALLOC_REUSE_ENV
+
+    if not kernels.native_available():
+        raise RuntimeError("calibration times the native kernels, which are not built here")
+    models = models or BENCH_MODELS
+    # the ranks of `bench train` run with these (glibc reads them at start-up)
+    saved = {k: os.environ.get(k) for k in (*MALLOC_REUSE_ENV, "OMP_NUM_THREADS")}
+    os.environ.update({**MALLOC_REUSE_ENV, "OMP_NUM_THREADS": "1"})
+    ctx = mp.get_context("spawn")
+    result = {}
+    try:
+        for k in procs:
+            barrier, queue = ctx.Barrier(k), ctx.Queue()
+            ps = [ctx.Process(target=_compute_proc,
+                              args=(k, models, kernel_numel, repeats, seconds, barrier, queue))
+                  for _ in range(k)]
+            for p in ps:
+                p.start()
+            outs = [queue.get(timeout=600) for _ in ps]
+            for p in ps:
+                p.join()
+            result[str(k)] = {
+                "models": {name: {key: (statistics.median(o["models"][name][key] for o in outs))
+                                  for key in outs[0]["models"][name]}
+                           for name in models},
+                "kernel_s_per_elem": {kn: statistics.median(o["kernel_s_per_elem"][kn] for o in outs)
+                                      for kn in outs[0]["kernel_s_per_elem"]},
+            }
+    finally:
+        for key, v in saved.items():
+            if v is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = v
+    return result
+
+
+def collectives_worker(numel: int = 4 << 20, repeats: int = 7, tiny_repeats: int = 21) -> dict:
+    """Runs in every rank: median time (slowest rank) of tiny and large Horovod collectives.
+
+    Every wait sleeps (:func:`~hvd_onebit.transports.sleep_until_done`), as the train benchmark's
+    do: ranks spinning in ``hvd.synchronize`` would take the cores of ranks sharing them.
+    """
+    import horovod.torch as hvd
+    import torch
+
+    from ..transports import sleep_until_done
+
+    def wait(handle):
+        sleep_until_done(handle)
+        return hvd.synchronize(handle)
+
+    n = hvd.size()
+    row = max(8, numel // 8 // n)  # one 1-bit row of a numel-element buffer
+    x = torch.randn(numel)
+    calls = {
+        "allreduce_tiny": lambda: wait(hvd.allreduce_async(torch.zeros(1), name="cal.ar.tiny")),
+        "alltoall_tiny": lambda: wait(hvd.alltoall_async(torch.zeros(n, 8, dtype=torch.uint8),
+                                                         name="cal.a2a.tiny")),
+        "allgather_tiny": lambda: wait(hvd.allgather_async(torch.zeros(1, 8, dtype=torch.uint8),
+                                                           name="cal.ag.tiny")),
+        "allreduce_fp32": lambda: wait(hvd.allreduce_async(x, op=hvd.Average, name="cal.ar.fp32")),
+        "allreduce_fp16": lambda: _fp16_allreduce(hvd, x, wait),
+        "alltoall": lambda: wait(hvd.alltoall_async(torch.zeros(n, row, dtype=torch.uint8),
+                                                    name="cal.a2a")),
+        "allgather": lambda: wait(hvd.allgather_async(torch.zeros(1, row, dtype=torch.uint8),
+                                                      name="cal.ag")),
+    }
+    out = {"np": n, "numel": numel, "row_bytes": row, "median_s": {}}
+    for name, call in calls.items():
+        call()
+        times = []
+        for _ in range(tiny_repeats if name.endswith("_tiny") else repeats):
+            wait(hvd.allreduce_async(torch.zeros(1), name="cal.barrier"))
+            start = time.perf_counter()
+            call()
+            times.append(time.perf_counter() - start)
+        slowest = hvd.allreduce(torch.tensor(times, dtype=torch.float64), op=hvd.Max,
+                                name=f"cal.times.{name}").tolist()
+        # tiny ops: the smallest median of three windows (see _median_time)
+        size = -(-len(slowest) // 3) if name.endswith("_tiny") else len(slowest)
+        groups = [slowest[i:i + size] for i in range(0, len(slowest), size)]
+        out["median_s"][name] = min(statistics.median(g) for g in groups if g)
+    return out
+
+
+def _fp16_allreduce(hvd, x, wait):
+    """``Compression.fp16`` as Horovod's optimizer applies it: cast, allreduce, cast back."""
+    comp = hvd.Compression.fp16
+    half, ctx = comp.compress(x)
+    return comp.decompress(wait(hvd.allreduce_async(half, op=hvd.Average, name="cal.ar.fp16")),
+                           ctx)
+
+
+def measure_collectives(nps=(2, 4), link: str = "1gbit", numel: int = 4 << 20, repeats: int = 7,
+                        queue_ms: float = 2.0, timeout: float = 900.0) -> dict:
+    """``{np: {"unlimited": row, link: row}}`` from jobs on the emulated cluster (root needed)."""
+    from ..cluster import EmulatedCluster
+    from ..testing import run_job
+    from .train import MALLOC_REUSE_ENV
+
+    out: dict = {}
+    for n in nps:
+        for bw in ("unlimited", link):
+            with EmulatedCluster(np=n, bandwidth=bw, queue_ms=queue_ms) as cluster:
+                job = run_job("hvd_onebit.bench.calibrate:collectives_worker", np=n,
+                              kwargs={"numel": numel, "repeats": repeats}, timeout=timeout,
+                              cluster=cluster, env=MALLOC_REUSE_ENV)
+            out.setdefault(str(n), {})[bw] = job.results[0]
+    return out
+
+
+def calibrate(procs=(1, 2, 4), nps=(2, 4), link: str = "1gbit", numel: int = 4 << 20,
+              repeats: int = 7, queue_ms: float = 2.0, progress=None) -> dict:
+    """Everything the scale model needs, measured here. ``progress(str)`` reports each stage."""
+    from ..cluster.bandwidth import parse_bandwidth
+    from .report import machine_info
+
+    say = progress or (lambda s: None)
+    start = time.monotonic()
+    say(f"compute and kernels with {', '.join(map(str, procs))} processes at once...")
+    compute = measure_compute(procs=procs)
+    say(f"collectives on the emulated cluster, np={', '.join(map(str, nps))}, "
+        f"unlimited and {link} links...")
+    coll = measure_collectives(nps=nps, link=link, numel=numel, repeats=repeats,
+                               queue_ms=queue_ms)
+    return {"version": CALIBRATION_VERSION, "machine": machine_info(),
+            "cores": len(os.sched_getaffinity(0)), "link": link,
+            "link_bps": parse_bandwidth(link), "queue_ms": queue_ms, "bench_models": BENCH_MODELS,
+            "compute": compute, "collectives": coll,
+            "seconds": time.monotonic() - start}
+
+
+def save(cal: dict, path) -> Path:
+    p = Path(path).expanduser()
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(json.dumps(cal, indent=2))
+    return p
+
+
+class CalibrationMissing(FileNotFoundError):
+    pass
+
+
+def load(path) -> dict:
+    """The saved calibration, or a clear error that says how to make one."""
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise CalibrationMissing(
+            f"no calibration file at {p}: run `hvd-onebit bench calibrate --out {p}` on the "
+            "machine whose constants you want (it needs root for the emulated cluster, "
+            "about 2-3 minutes), or pass --calibration PATH")
+    cal = json.loads(p.read_text())
+    if cal.get("version") != CALIBRATION_VERSION:
+        raise ValueError(f"{p} is calibration version {cal.get('version')}, this model reads "
+                         f"version {CALIBRATION_VERSION}: run `hvd-onebit bench calibrate` again")
+    for key in ("compute", "collectives", "cores"):
+        if key not in cal:
+            raise ValueError(f"{p} has no {key!r}: not a calibration file from "
+                             "`hvd-onebit bench calibrate`")
+    return cal
