@@ -22,7 +22,8 @@ The model (README.md, "Predicting the speed-up at scale", says the same in prose
   rows of ``r`` bytes: ``(n-1) r`` per rank (alltoall: one latency, its messages go at once;
   ring allgather: ``n-1``). With ``L`` ranks per node the node's link carries ``L (n-L) r`` in the
   alltoall and the ring's ``2 (n-1)/n B`` (one ring crossing per node boundary).
-* Hierarchical 1-bit (ALGORITHM.md; **not implemented in the library**, predicted only):
+* Hierarchical 1-bit (ALGORITHM.md; predicted only: modelled before the library had it, and
+  not checked against a measurement):
   full-precision reduce-scatter inside the node, the two-stage 1-bit allreduce of the shard
   ``|m|/L`` among the ``N`` ranks with the same local rank (the node's link carries
   ``2 (N-1)/N |m|/8`` bytes), full-precision allgather inside the node.
@@ -43,8 +44,8 @@ from ..layout import Layout, ring_allreduce_bytes
 
 TCP_EFFICIENCY = 1448 / 1514  # TCP payload per Ethernet frame at a 1500-byte MTU
 METHODS = ("horovod_fp32", "horovod_fp16", "onebit", "onebit_hierarchical")
-HIERARCHICAL_NOTE = ("onebit_hierarchical is a prediction of a scheme not yet built in "
-                     "hvd_onebit (ALGORITHM.md, hierarchical variant)")
+HIERARCHICAL_NOTE = ("onebit_hierarchical is a prediction of ALGORITHM.md's hierarchical scheme, "
+                     "not checked against a measurement (the emulator has one rank per node)")
 
 
 # --------------------------------------------------------------------------------------------
@@ -181,10 +182,12 @@ class Model:
     """Predictions from a calibration. ``per_peer_s`` replaces the calibrated per-peer cost of
     every Horovod op (``b_op``), e.g. to see what a lower one would change."""
 
-    def __init__(self, cal: dict, per_peer_s: Optional[float] = None):
+    def __init__(self, cal: dict, per_peer_s: Optional[float] = None,
+                 hierarchical_global_ops: bool = False):
         self.cal = cal
         self.c = constants(cal)
         self.per_peer_s = per_peer_s
+        self.hierarchical_global_ops = hierarchical_global_ops
 
     # -- per-world-size lookups
 
@@ -321,6 +324,15 @@ class Model:
             phases["allgather"] = ag
             phases["decode_update"] = self.kernel("decode_update", P, job, cl)
             phases["allgather_intra"] = phases["reduce_scatter"]
+            if self.hierarchical_global_ops and N > 1:
+                # every stage one global Horovod op (as hvd_onebit/hierarchical.py runs them):
+                # each pays the per-op cost of all n ranks instead of its group's
+                used = {"reduce_scatter": self.alpha("allreduce", L) / 2 if L > 1 else 0.0,
+                        "alltoall": self.alpha("alltoall", N),
+                        "allgather": self.alpha("allgather", N)}
+                used["allgather_intra"] = used["reduce_scatter"]
+                for ph, a in used.items():
+                    phases[ph] += self.alpha("alltoall", n) - a
             return Prediction(method, phases, 2 * rs_bytes + inter_bytes,
                               L * inter_bytes if N > 1 else None, [HIERARCHICAL_NOTE])
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
