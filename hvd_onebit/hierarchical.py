@@ -16,12 +16,15 @@ No Horovod process sets are needed (Horovod registers them only at ``hvd.init`` 
 process sets): each stage is one of Horovod's global alltoalls with splits, every rank sending
 only to the members of its own group (:class:`SubsetTransport`).
 
-All or nothing, on every rank, with no extra collective: stage 0 carries a status word per row,
-so a node learns whether any of its ranks had a non-finite value, and a node that did feeds a
-non-finite value into every one of its 1-bit stages, so every group hears of it in stage 1. Stage
-3 carries each group's stage-2 status, so a server average that overflowed in one group stops
-the commit in all. Nothing (outputs, error feedback) is written until every stage is in: it is
-driven by :func:`~hvd_onebit.collective.synchronize_all` like the flat collective.
+All or nothing, on every rank, with no extra collective: a non-finite value anywhere in a node
+makes that shard's node mean non-finite, so the 1-bit stage of that shard's group sees it in its
+status words (as does a group whose server average overflowed). Groups may therefore disagree
+after stage 1, so every group goes on through stage 2 (a group that stopped would leave the
+others waiting in the same global alltoall), and a group that saw a bad value sends a row of NaNs
+in stage 3: every rank of every node (each group spans every node) then knows, and every rank
+decides the same. Nothing (outputs, error feedback) is written until stage 3 is in: it is driven
+by :func:`~hvd_onebit.collective.synchronize_all` like the flat collective. The stages send the
+buffers themselves, no status columns, so each costs no copy of its own.
 """
 from __future__ import annotations
 
@@ -138,6 +141,7 @@ class HierarchicalHandle:
     out32: torch.Tensor
     stage0: object = None  # the intra-node reduce-scatter
     inner: Optional[AllreduceHandle] = None  # the 1-bit stages of this rank's shard
+    stage1_bad: list = field(default_factory=list)  # nodes whose shard mean was not finite
     stage2_started: bool = False  # False: the group abandoned this call after stage 1
     stage3: object = None  # the intra-node allgather
     gathered: Optional[torch.Tensor] = None  # stage 3's rows: [per_node, 1 + shard]
@@ -179,8 +183,7 @@ class HierarchicalOneBitAllreduce:
                                      backend=backend, device=self.device, name=f"{name}.cross",
                                      defer_check=defer_check)
         f32 = dict(dtype=torch.float32, device=self.device)
-        self._full = torch.zeros(L * self.shard, **f32)  # this rank's input, padded
-        self._rows = torch.zeros(L, 1 + self.shard, **f32)  # [status, shard] per local rank
+        self._full = torch.zeros(L * self.shard, **f32)  # this rank's input, padded: L shards
         self._shard_in = torch.zeros(self.shard, **f32)  # the node's mean of this rank's shard
         self._shard_out = torch.zeros(self.shard, **f32)  # its average over nodes
         self._in_flight = False
@@ -212,15 +215,17 @@ class HierarchicalOneBitAllreduce:
                              f"{like.numel()}")
         if out is None:
             out = torch.empty_like(like, memory_format=torch.contiguous_format)
-        x32 = tensor.materialize() if producer else tensor.reshape(-1).float()
-        self._full[:self.numel].copy_(x32.reshape(-1))
-        L = self.topology.per_node
-        self._rows[:, 0] = 0.0 if bool(torch.isfinite(x32).all()) else 1.0
-        self._rows[:, 1:].copy_(self._full.view(L, self.shard))
+        x32 = self._full[:self.numel]  # the padding past numel stays zero
+        if producer:
+            tensor.materialize(out=x32)
+        else:
+            x32.copy_(tensor.reshape(-1))
         out32 = (out.view(-1) if out.dtype == torch.float32
                  else torch.empty(out.numel(), dtype=torch.float32, device=out.device))
         handle = HierarchicalHandle(out=out, out32=out32)
-        handle.stage0 = self.local.alltoall_async(self._rows, name=f"{self.name}.scatter")
+        handle.stage0 = self.local.alltoall_async(self._full.view(self.topology.per_node,
+                                                                  self.shard),
+                                                  name=f"{self.name}.scatter")
         self._in_flight = True
         return handle
 
@@ -237,20 +242,21 @@ class HierarchicalOneBitAllreduce:
 
     def _wait_stage1(self, handle: HierarchicalHandle) -> list[int]:
         """The node's reduce-scatter, then stage 1 of the 1-bit allreduce among the nodes.
-        Returns the global ranks of the nodes where a value was not finite (known everywhere)."""
+        Returns nothing: what this group saw is only known to it yet, and is reported (to
+        everyone alike) after stage 3."""
         stage0, handle.stage0 = handle.stage0, None
-        recv = self.local.wait(stage0)  # [per_node, 1 + shard], from each local rank
-        node_bad = bool((recv[:, 0] != 0).any())
-        acc = recv[0, 1:].clone()
+        recv = self.local.wait(stage0)  # [per_node, shard], from each local rank
+        acc = self._shard_in
+        acc.copy_(recv[0])
         for i in range(1, self.topology.per_node):  # local-rank order, float32
-            acc.add_(recv[i, 1:])
-        torch.div(acc, float(self.topology.per_node), out=self._shard_in)
-        if node_bad:  # tell every group between nodes: each of its 1-bit inputs is non-finite
-            self._shard_in[0] = math.nan
+            acc.add_(recv[i])
+        # A non-finite value on any rank of the node leaves this mean non-finite, and the 1-bit
+        # stage's status words carry that to every group.
+        acc.div_(float(self.topology.per_node))
         handle.inner = self.inner.allreduce_async(self._shard_in, out=self._shard_out)
         self.inner._claim(handle.inner)
-        bad_nodes = self.inner._wait_stage1(handle.inner)
-        return self._ranks_of_nodes(bad_nodes)
+        handle.stage1_bad = self.inner._wait_stage1(handle.inner)
+        return []
 
     def _start_stage2(self, handle: HierarchicalHandle) -> None:
         self.inner._start_stage2(handle.inner)
@@ -262,23 +268,23 @@ class HierarchicalOneBitAllreduce:
         if not handle.stage2_started:
             return []  # the group was abandoned after stage 1 (the same on every rank)
         bad_servers = self.inner._wait_stage2(handle.inner)
-        row = torch.zeros(1, 1 + self.shard, dtype=torch.float32, device=self.device)
-        row[0, 0] = 1.0 if bad_servers else 0.0
-        if not bad_servers:
-            # one node: the 1-bit stage is the identity (no communication, nothing to decode)
-            shard = (handle.inner.local if handle.inner.gathered is None
-                     else self.inner._decode(handle.inner))
-            row[0, 1:].copy_(shard)
+        if handle.stage1_bad or bad_servers:  # a row of NaNs tells the node (decoded shards are
+            # always finite)
+            row = torch.full((1, self.shard), math.nan, dtype=torch.float32, device=self.device)
+        elif handle.inner.gathered is None:  # one node: the 1-bit stage is the identity
+            row = handle.inner.local.view(1, self.shard)
+        else:
+            row = self.inner._decode(handle.inner).view(1, self.shard)
         handle.stage3 = self.local.allgather_async(row, name=f"{self.name}.gather")
         stage3, handle.stage3 = handle.stage3, None
         handle.gathered = self.local.wait(stage3)
-        bad_groups = torch.nonzero(handle.gathered[:, 0]).flatten().tolist()
+        bad_groups = torch.nonzero(torch.isnan(handle.gathered[:, 0])).flatten().tolist()
         return sorted({r for i in bad_groups for r in self._ranks_of_group(i)})
 
     def _commit(self, handle: HierarchicalHandle, epilogue: Optional[Epilogue]) -> None:
         """Adopt the 1-bit stage's error feedback, write the output, apply the epilogue."""
         self.inner._commit(handle.inner, None)
-        handle.out32.copy_(handle.gathered[:, 1:].reshape(-1)[:self.numel])
+        handle.out32.copy_(handle.gathered.reshape(-1)[:self.numel])
         if handle.out32.data_ptr() != handle.out.data_ptr():
             handle.out.view(-1).copy_(handle.out32)
         if epilogue is not None:
@@ -286,7 +292,7 @@ class HierarchicalOneBitAllreduce:
         L = self.topology.per_node
         self.wire_bytes = self.inner.wire_bytes
         self.total_wire_bytes += self.wire_bytes
-        self.intra_bytes = 2 * (L - 1) * (1 + self.shard) * 4
+        self.intra_bytes = 2 * (L - 1) * self.shard * 4
         self.calls += 1
         handle.gathered = None
 
@@ -302,9 +308,6 @@ class HierarchicalOneBitAllreduce:
     def _release(self) -> None:
         self.inner._release()
         self._in_flight = False
-
-    def _ranks_of_nodes(self, nodes: Sequence[int]) -> list[int]:
-        return sorted(r for k in nodes for r in self.topology.grid[k])
 
     def _ranks_of_group(self, local: int) -> list[int]:
         return [row[local] for row in self.topology.grid]

@@ -11,6 +11,8 @@ one method after another inside one job, so they share the machine's state and n
   PowerSGD communication hook (rank-1 approximation, error feedback, warm start), which starts
   compressing after ``powersgd_start`` vanilla-allreduce iterations.
 * ``onebit``: ``hvd_onebit.DistributedOptimizer`` with ``freeze_step = warmup_frac * steps``.
+* ``onebit_hier``: the same with ``hierarchical=True`` (full precision inside nodes, 1-bit
+  between them); meant for clusters with several ranks per node (``--ranks-per-node``).
 
 The optimizer is ``torch.optim.Adam(fused=True)`` everywhere: the fastest Adam step on CPU, so
 the baseline is not slowed by optimizer arithmetic that 1-bit Adam happens to skip.
@@ -47,7 +49,8 @@ from .allreduce import _iface_tx_bytes
 # step (README.md, Benchmarks, has what it cost here). Serving everything from a heap that is
 # never trimmed keeps those pages mapped. (jemalloc or tcmalloc via LD_PRELOAD do the same job.)
 MALLOC_REUSE_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(2**40)}
-METHODS = ("local", "horovod_fp32", "horovod_fp16", "ddp_powersgd", "onebit")
+METHODS = ("local", "horovod_fp32", "horovod_fp16", "ddp_powersgd", "onebit", "onebit_hier")
+DEFAULT_METHODS = ("local", "horovod_fp32", "horovod_fp16", "ddp_powersgd", "onebit")
 MODELS = ("mlp", "embedding")
 WAITS = ("sleep", "spin")
 IN_DIM = OUT_DIM = 256
@@ -137,9 +140,10 @@ def _make_step(method: str, model, steps: int, warmup_frac: float, powersgd_star
         comp = hvd.Compression.fp16 if method == "horovod_fp16" else hvd.Compression.none
         opt = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(),
                                        compression=comp)
-    elif method == "onebit":
+    elif method in ("onebit", "onebit_hier"):
         opt = hvd_onebit.DistributedOptimizer(base, named_parameters=model.named_parameters(),
-                                              freeze_step=max(1, round(warmup_frac * steps)))
+                                              freeze_step=max(1, round(warmup_frac * steps)),
+                                              hierarchical=method == "onebit_hier")
         phase = lambda: opt.phase  # noqa: E731
     elif method == "ddp_powersgd":
         from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
@@ -234,7 +238,7 @@ def train_worker(methods=METHODS, steps: int = 40, warmup_frac: float = 0.15,
             row[f"{key}_measured_tx_bytes_per_step"] = (statistics.median(measured)
                                                         if measured else None)
             row[f"{key}_steps"] = len(idx)
-        if method == "onebit":
+        if method in ("onebit", "onebit_hier"):
             row["freeze_step"] = opt.freeze_step
             row["compression_bytes_per_step"] = opt.last_step_bytes
         elif method.startswith("horovod"):
@@ -262,6 +266,19 @@ def summarize(rows: list[dict]) -> dict:
         out["onebit_run_speedup_vs_fp32"] = fp32["run_seconds"] / ob["run_seconds"]
         frac = ob["freeze_step"] / ob["steps"]
         out["onebit_warmup_fraction"] = frac
+    hier = by.get("onebit_hier")
+    if hier and fp32:
+        out["onebit_hier_compression_step_speedup_vs_fp32"] = (fp32["all_step_s"]
+                                                               / hier["compression_step_s"])
+        out["onebit_hier_run_speedup_vs_fp32"] = fp32["run_seconds"] / hier["run_seconds"]
+    if hier and ob:
+        out["onebit_hier_compression_step_speedup_vs_onebit"] = (ob["compression_step_s"]
+                                                                 / hier["compression_step_s"])
+        out["onebit_hier_measured_bytes_vs_onebit"] = (
+            hier["compression_measured_tx_bytes_per_step"]
+            / ob["compression_measured_tx_bytes_per_step"]
+            if hier.get("compression_measured_tx_bytes_per_step")
+            and ob.get("compression_measured_tx_bytes_per_step") else None)
     for name in ("horovod_fp16", "ddp_powersgd"):
         r = by.get(name)
         if fp32 and r:
