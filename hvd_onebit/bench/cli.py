@@ -10,6 +10,7 @@ import click
 from .allreduce import DEFAULT_METHODS, METHODS, summarize
 from .report import machine_info, print_table
 from .train import MALLOC_REUSE_ENV
+from .train import DEFAULT_METHODS as TRAIN_DEFAULT_METHODS
 from .train import METHODS as TRAIN_METHODS
 from .train import MODELS as TRAIN_MODELS
 from .train import WAITS as TRAIN_WAITS
@@ -107,15 +108,35 @@ def bench_kernel(numel, ranks: int, threads: int, repeats: int, device: str,
 
 
 @contextlib.contextmanager
-def _cluster_for(np_: int, bandwidth: Optional[str], queue_ms: float = 2.0):
-    """An emulated cluster at ``bandwidth``, or nothing (plain local launch) for 'local'/None."""
+def _cluster_for(np_: int, bandwidth: Optional[str], queue_ms: float = 2.0,
+                 ranks_per_node: int = 1, intra_bandwidth: Optional[str] = None):
+    """An emulated cluster at ``bandwidth`` (nodes of ``ranks_per_node`` ranks), or nothing
+    (plain local launch) for 'local'/None."""
     if bandwidth in (None, "", "none", "local"):
+        if ranks_per_node != 1:
+            raise click.UsageError("--ranks-per-node needs an emulated --bandwidth")
         yield None
         return
     from ..cluster import EmulatedCluster
 
-    with EmulatedCluster(np=np_, bandwidth=bandwidth, queue_ms=queue_ms) as cluster:
+    if np_ % ranks_per_node:
+        raise click.UsageError(f"--np {np_} is not a multiple of --ranks-per-node "
+                               f"{ranks_per_node}")
+    with EmulatedCluster(np=np_, bandwidth=bandwidth, queue_ms=queue_ms,
+                         ranks_per_node=ranks_per_node,
+                         intra_bandwidth=intra_bandwidth) as cluster:
         yield cluster
+
+
+def _nodes_options(command):
+    command = click.option(
+        "--intra-bandwidth", default="unlimited", show_default=True,
+        help="With --ranks-per-node: the rate inside a node (its loopback), standing in for "
+             "NVLink or PCIe.")(command)
+    return click.option(
+        "--ranks-per-node", default=1, show_default=True, type=click.IntRange(1, 64),
+        help="Emulated nodes of this many ranks: their traffic to each other stays on the node, "
+             "only traffic between nodes crosses the shaped links (NP / this = nodes).")(command)
 
 
 def _queue_option(command):
@@ -143,12 +164,14 @@ def _queue_option(command):
               show_default=True, help="Horovod controller for local and --hosts runs.")
 @_real_cluster_options
 @_queue_option
+@_nodes_options
 @click.option("--timeout", default=1800.0, show_default=True, help="Seconds per job.")
 @click.option("--plot", default=None, type=click.Path(dir_okay=False),
               help="Write a PNG of speed-up over fp32 against bandwidth.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 def bench_allreduce(nps, sizes, bandwidths, methods, repeats, controller, hosts,
-                    shared_dir, queue_ms, timeout, plot, as_json) -> None:
+                    shared_dir, queue_ms, ranks_per_node, intra_bandwidth, timeout, plot,
+                    as_json) -> None:
     """fp32 hvd.allreduce vs Compression.fp16 vs OneBitAllreduce: time per call and bytes."""
     from ..testing import run_job
 
@@ -163,7 +186,8 @@ def bench_allreduce(nps, sizes, bandwidths, methods, repeats, controller, hosts,
                            item_show_func=lambda j: j and f"np={j[0]} {j[1]}") as bar:
         for n, bw in bar:
             kwargs = {"sizes": sizes, "methods": tuple(methods), "repeats": repeats}
-            with _cluster_for(n, None if hosts else bw, queue_ms) as cluster:
+            with _cluster_for(n, None if hosts else bw, queue_ms, ranks_per_node,
+                              intra_bandwidth) as cluster:
                 job = run_job("hvd_onebit.bench.allreduce:allreduce_worker", np=n,
                               controller=controller, kwargs=kwargs, timeout=timeout,
                               cluster=cluster, hosts=hosts, shared_dir=shared_dir)
@@ -222,17 +246,19 @@ def bench_allreduce(nps, sizes, bandwidths, methods, repeats, controller, hosts,
                    "does; fair when ranks share cores) or spin (Horovod's own sched_yield loop).")
 @click.option("--powersgd-start", default=10, show_default=True,
               help="Plain-allreduce iterations before PowerSGD starts compressing.")
-@click.option("--methods", default=",".join(TRAIN_METHODS), show_default=True,
-              callback=_csv(str), help="Which methods to run.")
+@click.option("--methods", default=",".join(TRAIN_DEFAULT_METHODS), show_default=True,
+              callback=_csv(str), help=f"Which methods to run, from {', '.join(TRAIN_METHODS)} "
+              "(onebit_hier: hierarchical=True, for --ranks-per-node > 1).")
 @_real_cluster_options
 @_queue_option
+@_nodes_options
 @click.option("--timeout", default=3600.0, show_default=True, help="Seconds for the job.")
 @click.option("--plot", default=None, type=click.Path(dir_okay=False),
               help="Write a PNG bar chart of samples/s per method and phase.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 def bench_train(np_, bandwidth, steps, warmup_frac, model, width, depth, vocab, embed_dim, tokens,
                 batch, malloc_mode, wait, powersgd_start, methods, hosts, shared_dir, queue_ms,
-                timeout, plot, as_json) -> None:
+                ranks_per_node, intra_bandwidth, timeout, plot, as_json) -> None:
     """End-to-end samples/s and bytes per step: Horovod Adam (fp32, fp16), DDP + PowerSGD and
     1-bit Adam, per phase and over a whole run. Also reports what share of the Horovod fp32
     step is communication (the 'local' method runs the same step without any)."""
@@ -248,7 +274,8 @@ def bench_train(np_, bandwidth, steps, warmup_frac, model, width, depth, vocab, 
               "powersgd_start": powersgd_start}
     click.echo(f"training {len(methods)} methods x {steps} steps on {np_} ranks "
                f"({'real hosts' if hosts else bandwidth})...", err=True)
-    with _cluster_for(np_, None if hosts else bandwidth, queue_ms) as cluster:
+    with _cluster_for(np_, None if hosts else bandwidth, queue_ms, ranks_per_node,
+                      intra_bandwidth) as cluster:
         job = run_job("hvd_onebit.bench.train:train_worker", np=np_, kwargs=kwargs,
                       timeout=timeout, cluster=cluster, hosts=hosts, shared_dir=shared_dir,
                       env=MALLOC_REUSE_ENV if malloc_mode == "reuse" else None)
@@ -256,6 +283,7 @@ def bench_train(np_, bandwidth, steps, warmup_frac, model, width, depth, vocab, 
     summary = summarize_train(rows)
     report = {"benchmark": "train", "machine": machine_info(),
               "bandwidth": "real" if hosts else bandwidth, "queue_ms": queue_ms,
+              "ranks_per_node": ranks_per_node, "intra_bandwidth": intra_bandwidth,
               "config": {**kwargs, "malloc": malloc_mode}, "rows": rows,
               "summary": summary, "wall_seconds": job.wall_seconds}
     if plot:

@@ -91,6 +91,20 @@ def test_bench_train_on_the_emulator_counts_the_wire_bytes():
     assert "onebit" in out and "compression" in out and "measured MB/step/rank" in out
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="the emulator needs root")
+def test_bench_train_on_emulated_nodes_runs_the_hierarchical_method():
+    proc = bench("train", "--np", "4", "--ranks-per-node", "2", "--bandwidth", "1gbit",
+                 "--steps", "6", "--model", "mlp", "--width", "64", "--depth", "1",
+                 "--methods", "onebit,onebit_hier", "--json")
+    report = json.loads(proc.stdout)
+    assert report["ranks_per_node"] == 2
+    rows = {r["method"]: r for r in report["rows"]}
+    assert set(rows) == {"onebit", "onebit_hier"}
+    for r in rows.values():
+        assert r["compression_step_s"] > 0 and r["compression_measured_tx_bytes_per_step"] > 0, r
+    assert "onebit_hier_compression_step_speedup_vs_onebit" in report["summary"]
+
+
 def test_bench_train_rejects_an_unknown_method():
     proc = subprocess.run(CLI + ["bench", "train", "--methods", "local,sgd"], capture_output=True,
                           text=True, timeout=60, cwd=REPO)
