@@ -42,7 +42,9 @@ def main() -> None:
 @click.option("--np", "nps", default=",".join(map(str, NPS)), show_default=True)
 @click.option("--bandwidths", default=",".join(BANDWIDTHS), show_default=True)
 @click.option("--models", default=",".join(MODELS), show_default=True)
-def run(out, repeats, nps, bandwidths, models) -> None:
+@click.option("--calibrate-first/--no-calibrate-first", default=True, show_default=True,
+              help="--no-calibrate-first: OUT/calibration.json is already there (just made).")
+def run(out, repeats, nps, bandwidths, models, calibrate_first) -> None:
     """Calibrate, run every bench train configuration --repeats times, calibrate again."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -57,7 +59,8 @@ def run(out, repeats, nps, bandwidths, models) -> None:
             path.write_text(proc.stdout)
         print(f"{time.monotonic() - start:6.1f} s  {' '.join(args)}", file=sys.stderr, flush=True)
 
-    call(["calibrate", "--out", str(out / "calibration.json")], None)
+    if calibrate_first:
+        call(["calibrate", "--out", str(out / "calibration.json")], None)
     for rep in range(repeats):
         for bw in bandwidths.split(","):
             for n in nps.split(","):

@@ -512,9 +512,9 @@ def plot_sweep(rows: list[dict], path: str, title: str) -> None:
 
     from ..cluster.bandwidth import format_bandwidth
 
-    fig, ax = plt.subplots(figsize=(8, 5))
+    fig, ax = plt.subplots(figsize=(10.5, 5))
     styles = {"horovod_fp16": ("tab:gray", "fp16"), "onebit": ("tab:blue", "flat 1-bit"),
-              "onebit_hierarchical": ("tab:green", "hierarchical 1-bit (predicted, not built)")}
+              "onebit_hierarchical": ("tab:green", "hierarchical 1-bit (ALGORITHM.md)")}
     dashes = ["-", "--", ":", "-."]
     bws = sorted({r["inter_bps"] or 0 for r in rows})
     cross = crossovers(rows)
@@ -544,7 +544,7 @@ def plot_sweep(rows: list[dict], path: str, title: str) -> None:
     ax.set_xlabel("ranks")
     ax.set_ylabel("whole-run speed-up over Horovod fp32 Adam")
     ax.set_title(title, fontsize=9)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
