@@ -45,7 +45,7 @@ from ..layout import Layout, ring_allreduce_bytes
 TCP_EFFICIENCY = 1448 / 1514  # TCP payload per Ethernet frame at a 1500-byte MTU
 METHODS = ("horovod_fp32", "horovod_fp16", "onebit", "onebit_hierarchical")
 HIERARCHICAL_NOTE = ("onebit_hierarchical is a prediction of ALGORITHM.md's hierarchical scheme, "
-                     "not checked against a measurement (the emulator has one rank per node)")
+                     "not checked against a measurement with several ranks per node")
 
 
 # --------------------------------------------------------------------------------------------
