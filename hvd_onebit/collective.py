@@ -116,7 +116,32 @@ class AllreduceHandle:
     done: bool = False
 
 
-class OneBitAllreduce:
+class TransactionalCollective:
+    """What a collective shares with every other one :func:`synchronize_all` drives: finishing one
+    call alone, and claiming a handle once. Subclasses implement the phases (``_wait_stage1``,
+    ``_start_stage2``, ``_wait_stage2``, ``_commit``, ``_drain``, ``_release``)."""
+
+    def synchronize(self, handle, epilogue: Optional[Epilogue] = None) -> torch.Tensor:
+        """Finish an allreduce: the remaining stages and the decode. Returns the output tensor.
+
+        ``epilogue`` is applied to the output once the call has succeeded on every rank, fused
+        into the decode pass where it can; a failed call applies nothing. Passing it here, not
+        at the start, lets the caller prepare it while stage 1 is on the wire.
+
+        Raises:
+            NonFiniteInputError: on every rank, if any rank's input (or a server's average) held
+                inf or NaN; the output, the error feedback and ``epilogue``'s tensors are
+                untouched.
+        """
+        return synchronize_all([(self, handle)], [epilogue])[0]
+
+    def _claim(self, handle) -> None:
+        if handle.done:
+            raise RuntimeError("this allreduce handle was already synchronized")
+        handle.done = True
+
+
+class OneBitAllreduce(TransactionalCollective):
     """Mean over ranks of a fixed-size buffer, sent as 1-bit signs with two-sided error feedback.
 
     Args:
@@ -311,27 +336,7 @@ class OneBitAllreduce:
         self._in_flight = True
         return handle
 
-    def synchronize(self, handle: AllreduceHandle,
-                    epilogue: Optional[Epilogue] = None) -> torch.Tensor:
-        """Finish an allreduce: server step, stage 2 and decode. Returns the output tensor.
-
-        ``epilogue`` is applied to the output once the call has succeeded on every rank, fused
-        into the decode pass where it can; a failed call applies nothing. Passing it here, not
-        at the start, lets the caller prepare it while stage 1 is on the wire.
-
-        Raises:
-            NonFiniteInputError: on every rank, if any rank's input (or a server's average) held
-                inf or NaN; the output, the error feedback and ``epilogue``'s tensors are
-                untouched.
-        """
-        return synchronize_all([(self, handle)], [epilogue])[0]
-
     # ---- the phases of a call, driven by synchronize_all ------------------------------------------
-
-    def _claim(self, handle: AllreduceHandle) -> None:
-        if handle.done:
-            raise RuntimeError("this allreduce handle was already synchronized")
-        handle.done = True
 
     def _wait_stage1(self, handle: AllreduceHandle) -> list[int]:
         """Wait for stage 1; return the ranks whose input was not finite (the same on every rank:

@@ -37,7 +37,7 @@ import horovod.torch as hvd
 import torch
 
 from .collective import (AllreduceHandle, Epilogue, InputProducer, OneBitAllreduce,
-                         synchronize_all)
+                         TransactionalCollective)
 from .transports import sleep_until_done
 
 
@@ -149,7 +149,7 @@ class HierarchicalHandle:
     done: bool = False
 
 
-class HierarchicalOneBitAllreduce:
+class HierarchicalOneBitAllreduce(TransactionalCollective):
     """Mean over all ranks of a fixed-size buffer: full precision inside nodes, 1-bit between.
 
     Args:
@@ -229,16 +229,7 @@ class HierarchicalOneBitAllreduce:
         self._in_flight = True
         return handle
 
-    def synchronize(self, handle: HierarchicalHandle,
-                    epilogue: Optional[Epilogue] = None) -> torch.Tensor:
-        return synchronize_all([(self, handle)], [epilogue])[0]
-
     # ---- the phases, driven by synchronize_all ------------------------------------------------------
-
-    def _claim(self, handle: HierarchicalHandle) -> None:
-        if handle.done:
-            raise RuntimeError("this allreduce handle was already synchronized")
-        handle.done = True
 
     def _wait_stage1(self, handle: HierarchicalHandle) -> list[int]:
         """The node's reduce-scatter, then stage 1 of the 1-bit allreduce among the nodes.
