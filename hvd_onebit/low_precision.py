@@ -63,8 +63,7 @@ def adam_step_float32(p: torch.Tensor, state: dict, group: dict, decoupled: bool
     """
     beta1, beta2 = group["betas"]
     lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
-    g = p.grad.to_dense() if p.grad.is_sparse else p.grad
-    g = g.float()
+    g = p.grad.float()  # dense: the optimizer densified or refused sparse gradients before
     if group.get("maximize"):
         g = -g
     w = p.detach().float()

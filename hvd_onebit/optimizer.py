@@ -490,9 +490,7 @@ class _OneBitMixin:
                 if p.grad is None:
                     continue
                 if p.grad.is_sparse:
-                    raise TypeError(
-                        f"parameter {self._parameter_names.get(p, '?')} has a sparse gradient; "
-                        "Adam needs dense gradients: pass sparse_as_dense=True")
+                    raise self._sparse_gradient_error(p)
                 if is_low_precision(p):
                     low.append((p, group))
         stashed = [p.grad for p, _ in low]
@@ -532,9 +530,7 @@ class _OneBitMixin:
             return None
         if g.is_sparse:
             if not self.sparse_as_dense:
-                raise TypeError(
-                    f"parameter {self._parameter_names.get(p, '?')} has a sparse gradient; "
-                    "Adam needs dense gradients: pass sparse_as_dense=True")
+                raise self._sparse_gradient_error(p)
             g = g.to_dense()
         if is_low_precision(p):  # the momentum is float32: so is the gradient it takes in
             g = g.float()
@@ -546,6 +542,10 @@ class _OneBitMixin:
         if wd != 0 and not self._decoupled(group):
             g = g.add(p.detach().to(g.dtype), alpha=wd)
         return g
+
+    def _sparse_gradient_error(self, p: torch.Tensor) -> TypeError:
+        return TypeError(f"parameter {self._parameter_names.get(p, '?')} has a sparse gradient; "
+                         "Adam needs dense gradients: pass sparse_as_dense=True")
 
     def _decoupled(self, group: dict) -> bool:
         return bool(group.get("decoupled_weight_decay", isinstance(self, torch.optim.AdamW)))
