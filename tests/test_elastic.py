@@ -89,26 +89,26 @@ def test_worker_lost_in_compression_phase(tmp_path):
     assert_finished_together(per_process, 2, text)
 
 
+def assert_one_worker_joined(per_process, text, after_step: int, size: int) -> None:
+    """One worker started after ``after_step``, in the compression phase of a world of ``size``
+    ranks, with the committed step count; every step's ranks identical; all finished together."""
+    new = joiners(per_process)
+    assert len(new) == 1, f"expected one new worker, got {list(new)}\n{text[-3000:]}"
+    first = next(iter(new.values()))[0]
+    assert first["step"] > after_step and first["phase"] == "compression", first
+    assert first["size"] == size and first["opt_steps"] == first["step"] + 1, first
+    assert_identical_at_every_step(steps_of(per_process), text)
+    assert_finished_together(per_process, size, text)
+
+
 def test_worker_replaced_in_compression_phase(tmp_path):
     per_process, text = run_scenario(tmp_path, "replace")
-    new = joiners(per_process)
-    assert len(new) == 1, f"expected one replacement worker, got {list(new)}\n{text[-3000:]}"
-    first = next(iter(new.values()))[0]
-    assert first["step"] > KILL_STEP - 1 and first["phase"] == "compression", first
-    assert first["size"] == 2 and first["opt_steps"] == first["step"] + 1, first
-    assert_identical_at_every_step(steps_of(per_process), text)
-    assert_finished_together(per_process, 2, text)
+    assert_one_worker_joined(per_process, text, after_step=KILL_STEP - 1, size=2)
 
 
 def test_job_grows_in_compression_phase(tmp_path):
     per_process, text = run_scenario(tmp_path, "grow")
-    new = joiners(per_process)
-    assert len(new) == 1, f"expected one new worker, got {list(new)}\n{text[-3000:]}"
-    first = next(iter(new.values()))[0]
-    assert first["step"] > GROW_STEP and first["phase"] == "compression", first
-    assert first["size"] == 3 and first["opt_steps"] == first["step"] + 1, first
-    assert_identical_at_every_step(steps_of(per_process), text)
-    assert_finished_together(per_process, 3, text)
+    assert_one_worker_joined(per_process, text, after_step=GROW_STEP, size=3)
 
 
 def test_sync_takes_the_state_from_a_rank_that_holds_it():
