@@ -63,7 +63,7 @@ def _kernel_outputs(backend, device, L, x, y_prev, prev_send, z_prev, prev_row):
     return [bool(ok), bool(ok_s)] + [_bytes(t) for t in (y_out, send, z_out, row, out)]
 
 
-def _fused_outputs(backend, device, L, sizes, m, grads, rows, weights, denoms, steps, decays):
+def _fused_outputs(backend, device, L, sizes, m, grads, rows, weights, variances, steps, decays):
     import torch
     from hvd_onebit.fused_adam import (AdamUpdate, MomentumInput, decode_update,
                                        worker_compress_momentum)
@@ -76,8 +76,9 @@ def _fused_outputs(backend, device, L, sizes, m, grads, rows, weights, denoms, s
     worker_compress_momentum(src, y_prev, prev, y_out, send, L, backend)
     w = [to(t) for t in weights]
     out = torch.full((L.numel,), float("nan"), device=device)
-    decode_update(to(rows), out, L, AdamUpdate(w, [to(d) for d in denoms], sizes, steps, decays),
-                  backend)
+    update = AdamUpdate(w, [to(v) for v in variances], sizes, steps, decays,
+                        [0.3] * len(sizes), [1e-8] * len(sizes))
+    decode_update(to(rows), out, L, update, backend)
     return [_bytes(y_out), _bytes(send), _bytes(out)] + [_bytes(t) for t in w]
 
 
@@ -113,16 +114,16 @@ def check_bits(device: str) -> dict:
         rows = torch.randint(0, 255, (L.n * L.row_bytes,), dtype=torch.uint8, generator=g)
         kernels.row_scales(rows, L, L.n).copy_(torch.rand(L.n, L.nblocks, generator=g))
         weights = [None if i % 3 == 1 else torch.randn(s, generator=g) for i, s in enumerate(sizes)]
-        denoms = [None if w is None else torch.rand(s, generator=g) + 0.01
-                  for w, s in zip(weights, sizes)]
-        for d in denoms:
-            if d is not None:
-                d[::7] = float("inf")
+        variances = [None if w is None else torch.rand(s, generator=g) + 0.01
+                     for w, s in zip(weights, sizes)]
+        for v in variances:
+            if v is not None:
+                v[::7] = 0.0  # held elements
         steps = [-1e-3 * (i + 1) for i in range(len(sizes))]
         decays = [1 - 1e-5 if i % 2 else 1.0 for i in range(len(sizes))]
-        fp32 = (L, sizes, m, grads, rows, weights, denoms, steps, decays)
+        fp32 = (L, sizes, m, grads, rows, weights, variances, steps, decays)
         low_w = [None if w is None else w.to(dtypes[i % 3]) for i, w in enumerate(weights)]
-        low = (L, sizes, m, grads, rows, low_w, denoms, steps, decays)
+        low = (L, sizes, m, grads, rows, low_w, variances, steps, decays)
         ref32 = _fused_outputs("native", "cpu", *fp32)
         ref_low = _fused_outputs("torch", "cpu", *low)  # native takes float32 only
         entry = {"fused_sizes": sizes, "n": n}

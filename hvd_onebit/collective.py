@@ -21,6 +21,14 @@ non-finite input on any rank travels as a status word in every row of stage 1, s
 hanging. :func:`synchronize_all` extends this to several calls (one per bucket of a training step):
 all commit, or none does.
 
+One buffer per error, not two: the compression passes before each stage write only the rows
+(the error's new y, or z, is not stored), and once every rank's status words said the call
+succeeded, the commit runs each pass again with y (z) updated in place, which gives the same bits
+from the same inputs. So the input must not change between ``allreduce_async`` and the end of
+``synchronize``. Memory beyond the input and output: the worker error (``padded`` float32), the
+server error (``chunk`` float32) and a few rows of ``padded / 8`` bytes; traffic: one more read of
+the input and the worker error per call.
+
 Two hooks let a caller fuse its own work into the collective's passes over memory, so that work
 costs no pass of its own: an :class:`InputProducer` is an input the worker compression computes
 in its own pass, and an :class:`Epilogue` is applied to the output by the decode pass that
@@ -99,6 +107,39 @@ class NonFiniteInputError(FloatingPointError):
 
 
 @dataclass
+class Status:
+    """What one stage of one call says about each rank, left on the device: reading it is a
+    device-to-host sync, so a step reads every call's and stage's at once (:func:`read_statuses`).
+
+    Attributes:
+        bad: bool [k] (any shape with k elements) on the collective's device, or None (k = 0).
+        ranks: the rank each flag is about, k of them (a rank may appear more than once).
+    """
+
+    bad: Optional[torch.Tensor]
+    ranks: list[int]
+
+    @classmethod
+    def none(cls) -> "Status":
+        """Nothing to report."""
+        return cls(None, [])
+
+
+def read_statuses(stages: Sequence[Sequence[Status]]) -> list[list[int]]:
+    """Per stage, the sorted ranks any of its statuses flagged, with one device-to-host read for
+    all of them (none when no status holds a flag): the step's one host sync."""
+    live = [(i, st) for i, group in enumerate(stages) for st in group if st.ranks]
+    bad: list[set[int]] = [set() for _ in stages]
+    if live:
+        flags = torch.cat([st.bad.reshape(-1).to(torch.bool) for _, st in live]).tolist()
+        at = 0
+        for i, st in live:
+            bad[i].update(r for r, f in zip(st.ranks, flags[at:at + len(st.ranks)]) if f)
+            at += len(st.ranks)
+    return [sorted(b) for b in bad]
+
+
+@dataclass
 class AllreduceHandle:
     """An allreduce started by :meth:`OneBitAllreduce.allreduce_async`; pass it to ``synchronize``
     (or, with other calls that must succeed or fail together, to :func:`synchronize_all`)."""
@@ -110,7 +151,8 @@ class AllreduceHandle:
     recv: Optional[torch.Tensor] = None  # stage 1's received rows
     gathered: Optional[torch.Tensor] = None  # stage 2's received rows
     local: Optional[torch.Tensor] = None  # no communication: the input, the output once committed
-    local_bad: bool = False  # one rank: the input held inf/NaN
+    local_bad: Optional[torch.Tensor] = None  # one rank: the input held inf/NaN (a device flag)
+    source: object = None  # the input (tensor or producer), compressed again at the commit
     decoded: bool = False  # stage 2's rows already decoded into out32 (see _decode)
     started: float = field(default_factory=time.perf_counter)
     done: bool = False
@@ -205,18 +247,16 @@ class OneBitAllreduce(TransactionalCollective):
         L = self.layout
         f32 = dict(dtype=torch.float32, device=self.device)
         u8 = dict(dtype=torch.uint8, device=self.device)
-        # Double-buffered state: kernels write the new error beside the old one and the call
-        # swaps them only once every rank has succeeded. The worker error is factored as the last
-        # call's y and sent rows (e = y - s * sign(y)); zero y and zero scales mean e = 0.
-        self._worker_y = torch.zeros(L.padded, **f32)
+        # The worker error, factored as the last call's y and sent rows (e = y - s * sign(y));
+        # zero y and zero scales mean e = 0. One y, updated in place at the commit (see the
+        # module's docstring); the rows are small and kept twice (the last sent, the next).
         # Every buffer is written here (zeros, not empty): the pages are touched now, not in the
-        # first call, which would otherwise page-fault ~5 bytes per element.
-        self._worker_y_next = torch.zeros(L.padded, **f32)
+        # first call, which would otherwise page-fault ~4 bytes per element.
+        self._worker_y = torch.zeros(L.padded, **f32)
         self._sent = torch.zeros(L.n * L.row_bytes, **u8)
         self._send = torch.zeros(L.n * L.row_bytes, **u8)
         # The server error, factored the same way: the last call's z and the row it sent.
         self._server_z = torch.zeros(L.chunk, **f32)
-        self._server_z_next = torch.zeros(L.chunk, **f32)
         self._server_sent = torch.zeros(L.row_bytes, **u8)
         self._server_row = torch.zeros(L.row_bytes, **u8)
         self._in_flight = False
@@ -296,7 +336,8 @@ class OneBitAllreduce(TransactionalCollective):
 
         ``tensor`` may also be an :class:`InputProducer`, which then computes the input inside
         the compression pass; ``out`` may be a tensor it reads (outputs are written only by
-        :meth:`synchronize`).
+        :meth:`synchronize`). The input (what a producer reads) must not change until
+        :meth:`synchronize` returns: the commit compresses it again to store the new error.
         """
         self._finish_layout_check()
         self._check_input(tensor, out)
@@ -320,50 +361,61 @@ class OneBitAllreduce(TransactionalCollective):
             elif x32.data_ptr() == tensor.data_ptr():
                 x32 = x32.clone()
             handle.local = x32
-            handle.local_bad = not bool(torch.isfinite(x32).all())
+            handle.local_bad = ~torch.isfinite(x32).all().reshape(1)  # read with the others'
             self._in_flight = True
             return handle
         L = self.layout
-        if src is not None:
-            src.compress(self._worker_y, self._sent, self._worker_y_next, self._send, L,
-                         self.backend)
-        else:
-            kernels.worker_compress(x32, self._worker_y, self._sent, self._worker_y_next,
-                                    self._send, L, self.backend)
+        handle.source = src if src is not None else x32
+        self._compress(handle.source, y_out=None)  # the rows only: y is stored at the commit
         # Sent even when this rank's input was bad: the status word tells every peer.
         handle.stage1 = self.transport.alltoall_async(self._send.view(L.n, L.row_bytes),
                                                       name=f"{self.name}.alltoall")
         self._in_flight = True
         return handle
 
+    def _compress(self, source, y_out: Optional[torch.Tensor]) -> None:
+        """The worker compression of ``source`` (a tensor or an InputProducer) into ``_send``,
+        from the committed error (``_worker_y``, ``_sent``); y into ``y_out`` (None: not
+        stored)."""
+        L = self.layout
+        if isinstance(source, torch.Tensor):
+            kernels.worker_compress(source, self._worker_y, self._sent, y_out, self._send, L,
+                                    self.backend)
+        else:
+            source.compress(self._worker_y, self._sent, y_out, self._send, L, self.backend)
+
     # ---- the phases of a call, driven by synchronize_all ------------------------------------------
 
-    def _wait_stage1(self, handle: AllreduceHandle) -> list[int]:
-        """Wait for stage 1; return the ranks whose input was not finite (the same on every rank:
-        each row carries its sender's status)."""
+    def _wait_stage1(self, handle: AllreduceHandle) -> Status:
+        """Wait for stage 1; return each rank's input status (the same on every rank: each row
+        carries its sender's status), left on the device."""
         if handle.stage1 is None:
-            return [self.rank] if handle.local_bad else []
+            if handle.local_bad is None:
+                return Status.none()
+            return Status(handle.local_bad, [self.rank])
         stage1, handle.stage1 = handle.stage1, None
         handle.recv = self.transport.wait(stage1).reshape(-1)
-        return self._bad_ranks(handle.recv)
+        return self._statuses(handle.recv)
 
     def _start_stage2(self, handle: AllreduceHandle) -> None:
-        """Server step into the spare buffers (nothing committed yet), then start stage 2."""
+        """Server step (its rows only: nothing committed yet), then start stage 2. Run whatever
+        stage 1 said, so that no decision waits for the device: a bad input makes a bad row."""
         if handle.recv is None:
             return
         L = self.layout
-        kernels.server_compress(handle.recv, self._server_z, self._server_sent, self._server_z_next,
+        kernels.server_compress(handle.recv, self._server_z, self._server_sent, None,
                                 self._server_row, L, self.backend)
         handle.stage2 = self.transport.allgather_async(self._server_row.view(1, L.row_bytes),
                                                        name=f"{self.name}.allgather")
 
-    def _wait_stage2(self, handle: AllreduceHandle) -> list[int]:
-        """Wait for stage 2; return the servers whose average was not finite (same everywhere)."""
+    def _wait_stage2(self, handle: AllreduceHandle) -> Status:
+        """Wait for stage 2; return each server's status (not finite: its average, or an input
+        it averaged; the same everywhere), left on the device."""
         if handle.stage2 is None:
-            return []
+            return Status.none()
         stage2, handle.stage2 = handle.stage2, None
         handle.gathered = self.transport.wait(stage2).reshape(-1)
-        return self._bad_ranks(handle.gathered)
+        return self._statuses(handle.gathered)
 
     def _drain(self, handle: AllreduceHandle) -> None:
         """Wait out whatever of this call is still on the wire, ignoring its result: a call
@@ -383,20 +435,23 @@ class OneBitAllreduce(TransactionalCollective):
         return handle.out32
 
     def _commit(self, handle: AllreduceHandle, epilogue: Optional[Epilogue]) -> None:
-        """Decode (with ``epilogue`` fused where possible), then adopt the new error feedback."""
+        """Store the new error feedback (both passes again, y and z in place: the same bits as
+        the rows sent), then decode (with ``epilogue`` fused where possible). In this order:
+        the input (e.g. the momentum a producer reads) may be the output."""
         L = self.layout
         applied = False
         if handle.gathered is not None:
+            self._compress(handle.source, y_out=self._worker_y)
+            kernels.server_compress(handle.recv, self._server_z, self._server_sent,
+                                    self._server_z, self._server_row, L, self.backend)
+            self._sent, self._send = self._send, self._sent
+            self._server_sent, self._server_row = self._server_row, self._server_sent
             applied = (epilogue is not None and not handle.decoded
                        and handle.out32.data_ptr() == handle.out.data_ptr())
             if applied:
                 epilogue.decode_into(handle.gathered, handle.out32, L, self.backend)
             elif not handle.decoded:
                 kernels.decode(handle.gathered, handle.out32, L, self.backend)
-            self._worker_y, self._worker_y_next = self._worker_y_next, self._worker_y
-            self._sent, self._send = self._send, self._sent
-            self._server_z, self._server_z_next = self._server_z_next, self._server_z
-            self._server_sent, self._server_row = self._server_row, self._server_sent
             self.wire_bytes = L.wire_bytes
             self.total_wire_bytes += L.wire_bytes
         elif handle.local is not None:
@@ -405,16 +460,18 @@ class OneBitAllreduce(TransactionalCollective):
             handle.out.view(-1).copy_(handle.out32)
         if epilogue is not None and not applied:
             epilogue.apply(handle.out)
-        handle.recv = handle.gathered = handle.local = None
+        handle.recv = handle.gathered = handle.local = handle.source = None
         self.last_seconds = time.perf_counter() - handle.started
         self.calls += 1
 
     def _release(self) -> None:
         self._in_flight = False
 
-    def _bad_ranks(self, rows: torch.Tensor) -> list[int]:
-        status = kernels.row_status(rows, self.layout, self.layout.n)
-        return torch.nonzero(status).flatten().tolist()
+    def _statuses(self, rows: torch.Tensor) -> Status:
+        """The status word of each of the n received rows, by rank (read later, with the other
+        calls' and stages': one device-to-host read per step)."""
+        return Status(kernels.row_status(rows, self.layout, self.layout.n) != 0,
+                      list(range(self.layout.n)))
 
     # ---- error-feedback state ---------------------------------------------------------------------
 
@@ -473,10 +530,12 @@ def synchronize_all(calls: Sequence[tuple[OneBitAllreduce, AllreduceHandle]],
     Stage 1 of every call is waited for before any output is written, and the statuses in the
     rows (every rank's, in every row) tell every rank the same thing, so the decision to commit
     or abandon is the same on every rank without another collective. Stage 2 of a call starts
-    as soon as its stage 1 is in and no earlier call of the group saw a bad value; stage 2 can
-    only fail if a server's average overflowed, and is agreed the same way. On failure nothing
-    is written (outputs, error feedback, ``epilogues``' tensors), every started collective has
-    been waited out, and the calls are ready for the next step.
+    as soon as its stage 1 is in, whatever it said (a bad input only makes bad server rows);
+    stage 2 can only fail if a server's average (or an input it averaged) was not finite, and is
+    agreed the same way. Every status stays on the device until all stages of all calls are
+    in, and is then read at once: one device-to-host sync per step, whatever the number of
+    calls. On failure nothing is written (outputs, error feedback, ``epilogues``' tensors),
+    every started collective has been waited out, and the calls are ready for the next step.
 
     Args:
         calls: (collective, handle) pairs, in the same order on every rank.
@@ -493,18 +552,16 @@ def synchronize_all(calls: Sequence[tuple[OneBitAllreduce, AllreduceHandle]],
     for comm, handle in calls:
         comm._claim(handle)
     try:
-        bad_inputs: set[int] = set()
+        inputs: list[Status] = []
         for comm, handle in calls:
-            bad_inputs.update(comm._wait_stage1(handle))
-            if not bad_inputs:
-                comm._start_stage2(handle)
-        bad_servers: set[int] = set()
-        for comm, handle in calls:
-            bad_servers.update(comm._wait_stage2(handle))
+            inputs.append(comm._wait_stage1(handle))
+            comm._start_stage2(handle)
+        servers = [comm._wait_stage2(handle) for comm, handle in calls]
+        bad_inputs, bad_servers = read_statuses([inputs, servers])
         if bad_inputs:
-            raise NonFiniteInputError(sorted(bad_inputs), "in the input")
+            raise NonFiniteInputError(bad_inputs, "in the input")
         if bad_servers:
-            raise NonFiniteInputError(sorted(bad_servers), "in the server average")
+            raise NonFiniteInputError(bad_servers, "in the server average")
         for (comm, handle), epilogue in zip(calls, epilogues):
             comm._commit(handle, epilogue)
     except BaseException:

@@ -2,17 +2,17 @@
 
 It owns everything the phase adds to Adam: the fused momentum buckets (each parameter's
 ``exp_avg`` becomes a view into one), one :class:`~hvd_onebit.OneBitAllreduce` per bucket with its
-rank-local error feedback, the frozen variance's denominators, and the all-or-nothing commit of a
-step across buckets. It reads Adam's state and param groups, and writes only through the step it
+rank-local error feedback, and the all-or-nothing commit of a step across buckets. The frozen
+variance's denominators are not stored: the decode pass computes them from ``exp_avg_sq``. It reads Adam's state and param groups, and writes only through the step it
 commits; it knows nothing of Horovod's optimizer class, so it runs as well on the in-process
 transport (n ranks as threads) as inside ``horovodrun``.
 
 One step, per bucket (see :mod:`hvd_onebit.fused_adam`): the local momentum
 ``beta1 * m + (1 - beta1) * g`` is computed inside the worker compression; stage 1 of every
-bucket is started before any is finished; the update terms (the first time, the frozen
-denominators) are prepared while stage 1 is on the wire; the decode of each averaged momentum
-applies Adam's update ``w = w * decay - lr / bc1 * m / (sqrt(v / bc2) + eps)``, only once every
-bucket on every rank has succeeded (:func:`~hvd_onebit.collective.synchronize_all`).
+bucket is started before any is finished; the update terms are prepared while stage 1 is on the
+wire; the decode of each averaged momentum applies Adam's update
+``w = w * decay - lr / bc1 * m / (sqrt(v) / sqrt(bc2) + eps)``, only once every bucket on every
+rank has succeeded (:func:`~hvd_onebit.collective.synchronize_all`).
 """
 from __future__ import annotations
 
@@ -66,7 +66,9 @@ class CompressedStep:
         self.buckets: Optional[list[Bucket]] = None
         self.params: list[torch.Tensor] = []  # the bucketed parameters, in bucket order
         self.comms: dict[tuple, OneBitAllreduce] = {}
-        self._denoms: dict[torch.Tensor, tuple] = {}
+        # Each parameter's step count on the host, keyed by the step tensor and its version:
+        # reading a device tensor's value every step would be a host sync per parameter.
+        self._host_steps: dict[torch.Tensor, tuple] = {}
         self._variance_scanned_for: Optional[list[Bucket]] = None
         self._pending_error_feedback: Optional[dict] = None
         self._generation = 0  # bumped by reset(): the collectives' key
@@ -119,9 +121,6 @@ class CompressedStep:
             key = self._key(b)
             if key not in self.comms and self.config.compressor == "onebit":
                 self.comms[key] = self._collective(b)
-        for p in active:
-            if p not in self._denoms:
-                self._denoms[p] = (None, torch.zeros_like(self.state[p]["exp_avg_sq"]))
         self._apply_pending_error_feedback()
 
     def _collective(self, b: Bucket):
@@ -174,7 +173,7 @@ class CompressedStep:
         self._variance_scanned_for = None
         self.params = []
         self.comms.clear()
-        self._denoms.clear()
+        self._host_steps.clear()
         self._topology = None
         self._generation += 1
 
@@ -323,8 +322,8 @@ class CompressedStep:
         dead ReLU unit, an unused embedding row). Adam would divide their momentum by eps, and
         every element receives about its block's scale, so they would jump by
         lr * scale / eps. They are held fixed instead, with a warning: their denominator is
-        +inf (see :meth:`_denominator`), so the update leaves them alone and zeroes their
-        momentum.
+        +inf (see :class:`~hvd_onebit.fused_adam.AdamUpdate`), so the update leaves them alone
+        and zeroes their momentum.
         """
         state = self.state[p]
         if state.get("frozen_variance_step", NOT_FROZEN) != NOT_FROZEN:
@@ -338,27 +337,20 @@ class CompressedStep:
                 f"{state['frozen_variance_step']}-step warmup (variance 0); they are held fixed "
                 "in the compression phase")
 
-    def _denominator(self, p: torch.Tensor, group: dict) -> torch.Tensor:
-        """sqrt(v / bc2) + eps for the frozen v, cached while eps and beta2 stay the same."""
-        state = self.state[p]
-        beta2, eps = group["betas"][1], group["eps"]
-        key = (float(beta2), float(eps), state["exp_avg_sq"].data_ptr())
-        cached = self._denoms.get(p)
-        if cached is not None and cached[0] == key:
-            return cached[1]
-        steps = state["frozen_variance_step"]
-        bc2 = 1 - beta2 ** steps if steps > 0 else 1.0
-        v = state["exp_avg_sq"]
-        # Into the buffer fuse() allocated (and touched) while the last warmup allreduce was on
-        # the wire, so the first compressed step does not page-fault a parameter-sized tensor.
-        denom = cached[1] if cached is not None and cached[1].shape == v.shape else None
-        denom = torch.sqrt(v, out=denom)
-        denom.div_(math.sqrt(bc2)).add_(eps)
-        # Frozen variance 0: held fixed. An infinite denominator tells the update (fused into
-        # the decode pass) to add +-0 and zero the momentum, at no cost per held element.
-        torch.where(v != 0, denom, denom.new_full((), math.inf), out=denom)
-        self._denoms[p] = (key, denom)
-        return denom
+    def _host_step(self, p: torch.Tensor) -> float:
+        """Adam's step count of ``p`` as a host number. A step tensor on a GPU (fused or
+        capturable Adam) would cost a device-to-host sync per parameter and step to read, so the
+        value is read once and then followed on the host: :meth:`step` increments both. A
+        replaced or externally changed tensor (a loaded state dict) is read again."""
+        t = self.state[p]["step"]
+        if not isinstance(t, torch.Tensor):
+            return float(t)
+        cached = self._host_steps.get(p)
+        if cached is not None and cached[0] is t and cached[1] == t._version:
+            return cached[2]
+        value = float(t)
+        self._host_steps[p] = (t, t._version, value)
+        return value
 
     # ---- the step -------------------------------------------------------------------------------
 
@@ -394,7 +386,11 @@ class CompressedStep:
         else:
             nbytes = self._exact_average(inputs, param_groups, owner)
         for p in owner:
+            value = self._host_step(p)
             self.state[p]["step"] += 1
+            t = self.state[p]["step"]
+            if isinstance(t, torch.Tensor):
+                self._host_steps[p] = (t, t._version, value + 1)
         return nbytes
 
     def _onebit_average(self, inputs: list, param_groups: list[dict], owner: set) -> int:
@@ -439,15 +435,20 @@ class CompressedStep:
             # in place (exp_avg is the bucket's view); the mask may live elsewhere, e.g. where
             # hvd.broadcast_optimizer_state unpickled it
             m.mul_(mask.to(device=m.device, dtype=m.dtype))
-            w, denom, step, decay = self._update_terms(p, group)
-            AdamUpdate([w], [denom], [p.numel()], [step], [decay]).apply(m)
+            w, v, step, decay, sqrt_bc2, eps = self._update_terms(p, group)
+            AdamUpdate([w], [v], [p.numel()], [step], [decay], [sqrt_bc2], [eps]).apply(m)
 
     def _update_terms(self, p: torch.Tensor, group: dict) -> tuple:
-        """(weight, denominator, step, decay) of this step's ``w = w * decay + step * m / denom``."""
-        beta1, lr, wd = group["betas"][0], group["lr"], group["weight_decay"]
-        bc1 = 1 - beta1 ** float(self.state[p]["step"] + 1)
+        """(weight, frozen variance, step, decay, sqrt_bc2, eps) of this step's
+        ``w = w * decay + step * m / (sqrt(v) / sqrt_bc2 + eps)`` (host numbers: no sync)."""
+        state = self.state[p]
+        beta1, beta2, lr, wd = group["betas"][0], group["betas"][1], group["lr"], group["weight_decay"]
+        bc1 = 1 - beta1 ** (self._host_step(p) + 1)
         decay = 1 - lr * wd if wd != 0 and self.decoupled(group) else 1.0
-        return p.detach(), self._denominator(p, group), -lr / bc1, decay
+        frozen = state["frozen_variance_step"]
+        bc2 = 1 - beta2 ** frozen if frozen > 0 else 1.0
+        return (p.detach(), state["exp_avg_sq"], -lr / bc1, decay, math.sqrt(bc2),
+                float(group["eps"]))
 
     def _plan_updates(self, param_groups: list[dict], owner: set
                       ) -> tuple[list[AdamUpdate], list[tuple]]:
@@ -469,7 +470,9 @@ class CompressedStep:
         for b in self.buckets:
             t = [terms.get(p) for p in b.params]
             updates.append(AdamUpdate(
-                weights=[x[0] if x else None for x in t], denoms=[x[1] if x else None for x in t],
+                weights=[x[0] if x else None for x in t],
+                variances=[x[1] if x else None for x in t],
                 sizes=[p.numel() for p in b.params], steps=[x[2] if x else 0.0 for x in t],
-                decays=[x[3] if x else 1.0 for x in t]))
+                decays=[x[3] if x else 1.0 for x in t], sqrt_bc2s=[x[4] if x else 1.0 for x in t],
+                eps=[x[5] if x else 0.0 for x in t]))
         return updates, masked

@@ -7,7 +7,8 @@ along in the collective's passes:
 * **prologue** (:class:`MomentumInput`): the allreduce's input ``x = beta1 * m + (1 - beta1) * g``
   is computed inside the worker compression (:func:`worker_compress_momentum`), never stored.
 * **epilogue** (:class:`AdamUpdate`): the decode pass that writes the averaged momentum also
-  applies Adam's update with the frozen denominators (:func:`decode_update`).
+  applies Adam's update, its denominators computed from the frozen variance in the same pass
+  (:func:`decode_update`): no parameter-sized copy of them is kept.
 
 :class:`~hvd_onebit.collective.OneBitAllreduce` knows neither: it takes them through its generic
 hooks (``InputProducer`` and ``Epilogue`` in :mod:`hvd_onebit.collective`). Each fused kernel
@@ -20,12 +21,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
 from . import kernels
 from .layout import Layout
+
+
+#: Elements per slice of :meth:`AdamUpdate.apply` (the torch reference): bounds its temporaries.
+APPLY_SLICE = 1 << 20
 
 
 def _native_ready(tensors) -> bool:
@@ -116,51 +121,85 @@ def worker_compress_momentum(src: MomentumInput, y_prev: torch.Tensor, prev_send
 class AdamUpdate:
     """Adam's use of the averaged momentum ``m``, to fuse into the decode pass that writes it.
 
-    For every parameter given (None entries are left to the caller):
-    ``w = w * decay`` when ``decay != 1`` (AdamW's decoupled decay), then
-    ``w = w + (step * m) / denom`` (``step = -lr / bias_correction1``), in the operation order
-    of torch's ``w.mul_(decay)`` and ``w.addcdiv_(m, denom, value=step)`` on CPU. An element whose
-    denominator is ``+inf`` is held fixed: the update adds +-0 and its momentum is set to +0
-    afterwards (how the optimizer keeps elements whose frozen variance is 0 out of training).
-    An ``Epilogue`` of :mod:`hvd_onebit.collective`.
+    For every parameter given (None entries are left to the caller), with ``v`` its frozen
+    variance: ``denom = sqrt(v) / sqrt_bc2 + eps`` (``+inf`` where ``v == 0``), computed in the
+    pass itself (fp32, in this order, sqrt and division correctly rounded); ``w = w * decay``
+    when ``decay != 1`` (AdamW's decoupled decay), then ``w = w + (step * m) / denom``
+    (``step = -lr / bias_correction1``), in the operation order of torch's ``w.mul_(decay)`` and
+    ``w.addcdiv_(m, denom, value=step)`` on CPU. An element whose denominator is ``+inf`` is held
+    fixed: the update adds +-0 and its momentum is set to +0 afterwards (how the optimizer keeps
+    elements whose frozen variance is 0 out of training). An ``Epilogue`` of
+    :mod:`hvd_onebit.collective`.
 
     Attributes:
         weights: each parameter's data, laid end to end in ``m``'s order (None = not here);
             float16/bfloat16 weights are updated in float32 and rounded once.
-        denoms: ``sqrt(v / bc2) + eps`` for each weight, same shape (None with its weight).
+        variances: the frozen ``exp_avg_sq`` of each weight, float32, same shape (None with its
+            weight); read only.
         sizes: elements of each parameter; they sum to m's numel.
         steps, decays: per parameter.
+        sqrt_bc2s: per parameter, ``sqrt(1 - beta2 ** frozen_step)`` (default 1.0).
+        eps: per parameter, Adam's eps (default 0.0).
     """
 
     weights: list[Optional[torch.Tensor]]
-    denoms: list[Optional[torch.Tensor]]
+    variances: list[Optional[torch.Tensor]]
     sizes: list[int]
     steps: list[float]
     decays: list[float]
+    sqrt_bc2s: Optional[Sequence[float]] = None
+    eps: Optional[Sequence[float]] = None
+
+    def __post_init__(self):
+        if self.sqrt_bc2s is None:
+            self.sqrt_bc2s = [1.0] * len(self.sizes)
+        if self.eps is None:
+            self.eps = [0.0] * len(self.sizes)
 
     def native_ready(self) -> bool:
         """Whether the native kernel can update every tensor in place (fp32, contiguous, CPU)."""
-        return _native_ready([*self.weights, *self.denoms])
+        return _native_ready([*self.weights, *self.variances])
+
+    def denominator(self, i: int, lo: int = 0, hi: Optional[int] = None) -> torch.Tensor:
+        """Elements ``[lo, hi)`` of parameter ``i``'s denominator, float32 (a fresh tensor): the
+        torch reference of what the fused kernels compute in their pass. Correctly rounded on
+        every device: torch's float32 sqrt on CPU is MKL's (not always correctly rounded, unlike
+        the kernels'), a float64 root rounded to float32 is; the division is by a float32 tensor
+        (:func:`~hvd_onebit.kernels.exact_div`)."""
+        v = self.variances[i].reshape(-1)[lo:hi]
+        root = torch.sqrt(v.double()).float()
+        d = kernels.exact_div(root, float(self.sqrt_bc2s[i])).add_(float(self.eps[i]))
+        return d.masked_fill_(v == 0, math.inf)
 
     def apply(self, m: torch.Tensor) -> None:
         """The update with torch ops, ``m``: the decoded momentum [numel]. The torch reference
-        of the fused epilogue."""
+        of the fused epilogue. Works through each parameter in slices of ``APPLY_SLICE``
+        elements, so its temporaries (the denominator, the update, a float32 copy of a
+        low-precision weight) stay small whatever the parameter's size."""
         flat = m.reshape(-1)
         start = 0
-        for w, d, size, step, decay in zip(self.weights, self.denoms, self.sizes, self.steps,
-                                           self.decays):
+        for i, (w, size, step, decay) in enumerate(zip(self.weights, self.sizes, self.steps,
+                                                       self.decays)):
             if w is not None:
-                m_here = flat[start:start + size].view_as(w)
-                # float16/bfloat16 weights: the update in float32, rounded once
-                target = w if w.dtype == m_here.dtype else w.float()
-                if decay != 1.0:
-                    target.mul_(decay)
-                # (step * m) / d, then the add: the CPU's addcdiv_ order. CUDA's addcdiv_
-                # computes w + step * (m / d) and contracts it into an FMA: other bits.
-                target.add_(torch.mul(m_here, step).div_(d))
-                if target is not w:
-                    w.copy_(target)
-                m_here.masked_fill_(d == math.inf, 0.0)
+                # in m's (row-major) order; a copy only for a non-contiguous (channels-last) weight
+                w_flat = w.reshape(-1)
+                for lo in range(0, size, APPLY_SLICE):
+                    hi = min(size, lo + APPLY_SLICE)
+                    m_here = flat[start + lo:start + hi]
+                    d = self.denominator(i, lo, hi)
+                    # float16/bfloat16 weights: the update in float32, rounded once
+                    w_here = w_flat[lo:hi]
+                    target = w_here if w.dtype == m_here.dtype else w_here.float()
+                    if decay != 1.0:
+                        target.mul_(decay)
+                    # (step * m) / d, then the add: the CPU's addcdiv_ order. CUDA's addcdiv_
+                    # computes w + step * (m / d) and contracts it into an FMA: other bits.
+                    target.add_(torch.mul(m_here, step).div_(d))
+                    if target is not w_here:
+                        w_here.copy_(target)
+                    m_here.masked_fill_(d == math.inf, 0.0)
+                if not w.is_contiguous():
+                    w.copy_(w_flat.view(w.shape))
             start += size
 
     def decode_into(self, rows: torch.Tensor, out: torch.Tensor, layout: Layout,
@@ -176,16 +215,17 @@ def decode_update(rows: torch.Tensor, out: torch.Tensor, layout: Layout, update:
     resolved = kernels.resolve_backend(backend, rows.device)
     if resolved == "native" and update.native_ready() and out.dtype == torch.float32:
         kernels.native_module().decode_update(
-            rows, out, update.weights, update.denoms, update.sizes,
+            rows, out, update.weights, update.variances, update.sizes,
             [float(s) for s in update.steps], [float(d) for d in update.decays],
+            [float(b) for b in update.sqrt_bc2s], [float(e) for e in update.eps],
             *layout.as_args(), True)
         return
     if resolved == "triton" and layout.padded > 0 and out.dtype == torch.float32:
         tk = kernels.triton_module()
-        if (tk.ready([rows, out, *update.denoms], rows.device)
+        if (tk.ready([rows, out, *update.variances], rows.device)
                 and tk.ready(update.weights, rows.device, tk.LOW_PRECISION)):
-            tk.decode(rows, out, layout, update.weights, update.denoms, update.sizes,
-                      update.steps, update.decays)
+            tk.decode(rows, out, layout, update.weights, update.variances, update.sizes,
+                      update.steps, update.decays, update.sqrt_bc2s, update.eps)
             return
     kernels.decode(rows, out, layout, backend)
     update.apply(out)

@@ -36,7 +36,7 @@ from typing import Any, Optional, Sequence
 import horovod.torch as hvd
 import torch
 
-from .collective import (AllreduceHandle, Epilogue, InputProducer, OneBitAllreduce,
+from .collective import (AllreduceHandle, Epilogue, InputProducer, OneBitAllreduce, Status,
                          TransactionalCollective)
 from .transports import sleep_until_done
 
@@ -141,7 +141,7 @@ class HierarchicalHandle:
     out32: torch.Tensor
     stage0: object = None  # the intra-node reduce-scatter
     inner: Optional[AllreduceHandle] = None  # the 1-bit stages of this rank's shard
-    stage1_bad: list = field(default_factory=list)  # nodes whose shard mean was not finite
+    stage1: Status = field(default_factory=Status.none)  # the 1-bit stage 1's input statuses
     stage2_started: bool = False  # False: the group abandoned this call after stage 1
     stage3: object = None  # the intra-node allgather
     gathered: Optional[torch.Tensor] = None  # stage 3's rows: [per_node, 1 + shard]
@@ -231,7 +231,7 @@ class HierarchicalOneBitAllreduce(TransactionalCollective):
 
     # ---- the phases, driven by synchronize_all ------------------------------------------------------
 
-    def _wait_stage1(self, handle: HierarchicalHandle) -> list[int]:
+    def _wait_stage1(self, handle: HierarchicalHandle) -> Status:
         """The node's reduce-scatter, then stage 1 of the 1-bit allreduce among the nodes.
         Returns nothing: what this group saw is only known to it yet, and is reported (to
         everyone alike) after stage 3."""
@@ -246,31 +246,35 @@ class HierarchicalOneBitAllreduce(TransactionalCollective):
         acc.div_(float(self.topology.per_node))
         handle.inner = self.inner.allreduce_async(self._shard_in, out=self._shard_out)
         self.inner._claim(handle.inner)
-        handle.stage1_bad = self.inner._wait_stage1(handle.inner)
-        return []
+        handle.stage1 = self.inner._wait_stage1(handle.inner)
+        return Status.none()
 
     def _start_stage2(self, handle: HierarchicalHandle) -> None:
         self.inner._start_stage2(handle.inner)
         handle.stage2_started = True
 
-    def _wait_stage2(self, handle: HierarchicalHandle) -> list[int]:
+    def _wait_stage2(self, handle: HierarchicalHandle) -> Status:
         """Stage 2 among the nodes, the decode of this rank's shard (nothing committed), and the
-        intra-node allgather, whose rows carry each group's stage-2 status."""
+        intra-node allgather, whose rows carry each group's stage-2 status. No decision here
+        reads the device: the statuses go into the row as NaNs, and out as flags."""
         if not handle.stage2_started:
-            return []  # the group was abandoned after stage 1 (the same on every rank)
-        bad_servers = self.inner._wait_stage2(handle.inner)
-        if handle.stage1_bad or bad_servers:  # a row of NaNs tells the node (decoded shards are
-            # always finite)
-            row = torch.full((1, self.shard), math.nan, dtype=torch.float32, device=self.device)
-        elif handle.inner.gathered is None:  # one node: the 1-bit stage is the identity
+            return Status.none()  # the group was abandoned after stage 1 (the same everywhere)
+        servers = self.inner._wait_stage2(handle.inner)
+        if handle.inner.gathered is None:  # one node: the 1-bit stage is the identity
             row = handle.inner.local.view(1, self.shard)
         else:
             row = self.inner._decode(handle.inner).view(1, self.shard)
+        # A row of NaNs tells the node that this group saw a bad value (decoded shards are
+        # always finite); the flag stays on the device.
+        flags = [st.bad.reshape(-1) for st in (handle.stage1, servers) if st.ranks]
+        if flags:
+            row.masked_fill_(torch.cat(flags).any(), math.nan)
         handle.stage3 = self.local.allgather_async(row, name=f"{self.name}.gather")
         stage3, handle.stage3 = handle.stage3, None
         handle.gathered = self.local.wait(stage3)
-        bad_groups = torch.nonzero(torch.isnan(handle.gathered[:, 0])).flatten().tolist()
-        return sorted({r for i in bad_groups for r in self._ranks_of_group(i)})
+        nodes = self.topology.nodes
+        ranks = [r for i in range(self.topology.per_node) for r in self._ranks_of_group(i)]
+        return Status(torch.isnan(handle.gathered[:, 0]).repeat_interleave(nodes), ranks)
 
     def _commit(self, handle: HierarchicalHandle, epilogue: Optional[Epilogue]) -> None:
         """Adopt the 1-bit stage's error feedback, write the output, apply the epilogue."""

@@ -15,7 +15,9 @@ Three implementations with the same arguments and the same bits:
 The arithmetic both follow, per block of ``layout.block`` elements (see :mod:`hvd_onebit.layout`):
 ``y = x + e`` in fp32; ``s = float(sqrt(sum(double(y)^2) / block))``; sign bit ``y >= 0``;
 ``e_new = y - (+s or -s)``. The server sums the decoded rows in rank order in fp32, divides by n
-and adds its error. New errors go to a separate buffer so a failed call changes nothing.
+and adds its error. New rows go to a separate buffer; y (z) is updated in place or not stored
+(``y_out=None``), so a caller can send the rows first and store y only once the call has
+succeeded on every rank (see :class:`hvd_onebit.OneBitAllreduce`): a failed call changes nothing.
 
 Both error-feedback buffers are stored factored: the last call's ``y`` (or server ``z``) and the
 rows it sent (scales and signs), from which ``e = y - s * sign(y)`` is rebuilt inside the next
@@ -193,19 +195,23 @@ def worker_compress(x: torch.Tensor, y_prev: torch.Tensor, prev_send: torch.Tens
         y_prev: float32 [padded], the previous call's y (read only).
         prev_send: uint8 [n * row_bytes], the previous call's rows (read only); with ``y_prev``
             it is the worker error feedback.
-        y_out: float32 [padded], receives this call's y = x + e.
-        send: uint8 [n * row_bytes], receives one row per destination rank.
+        y_out: float32 [padded], receives this call's y = x + e; may be ``y_prev`` itself
+            (updated in place), or None (y is not stored: the rows alone).
+        send: uint8 [n * row_bytes], receives one row per destination rank (not ``prev_send``).
     Returns:
         False if any block held a non-finite value (the rows then carry status 1.0). The triton
         backend returns a :class:`~hvd_onebit.triton_kernels.DeviceFlag` instead: it tests
         the same, and only a test of it waits for the GPU.
     """
-    if _use_triton(backend, x.device, layout, (x, y_prev, prev_send, y_out, send)):
+    outputs = (send,) if y_out is None else (y_out, send)
+    if _use_triton(backend, x.device, layout, (x, y_prev, prev_send, *outputs)):
         return triton_module().worker_compress(x, y_prev, prev_send, y_out, send, layout)
     if resolve_backend(backend, x.device) == "native":
         return _native.worker_compress(x, y_prev, prev_send, y_out, send, *layout.as_args(), True)
     n, nb, block = layout.n, layout.nblocks, layout.block
-    e = worker_error(y_prev, prev_send, layout)
+    e = worker_error(y_prev, prev_send, layout)  # before y_out is written: it may be y_prev
+    if y_out is None:
+        y_out = torch.empty_like(y_prev)
     y_out.zero_()
     y_out[: layout.numel].copy_(x)
     y_out.add_(e)  # x + e on real elements, 0 + e on the padding: the native kernel's order
@@ -232,12 +238,14 @@ def server_compress(recv: torch.Tensor, z_prev: torch.Tensor, prev_row: torch.Te
         recv: uint8 [n * row_bytes], row i from rank i.
         z_prev: float32 [chunk], the previous call's z (read only).
         prev_row: uint8 [row_bytes], the previous call's sent row (read only).
-        z_out: float32 [chunk], receives this call's z = mean + e_s.
-        out_row: uint8 [row_bytes], receives z compressed.
+        z_out: float32 [chunk], receives this call's z = mean + e_s; may be ``z_prev`` itself,
+            or None (not stored).
+        out_row: uint8 [row_bytes], receives z compressed (not ``prev_row``).
     Returns:
         False if z was not finite.
     """
-    if _use_triton(backend, recv.device, layout, (recv, z_prev, prev_row, z_out, out_row)):
+    outputs = (out_row,) if z_out is None else (z_out, out_row)
+    if _use_triton(backend, recv.device, layout, (recv, z_prev, prev_row, *outputs)):
         return triton_module().server_compress(recv, z_prev, prev_row, z_out, out_row, layout)
     if resolve_backend(backend, recv.device) == "native":
         return _native.server_compress(recv, z_prev, prev_row, z_out, out_row, *layout.as_args(),
@@ -247,7 +255,9 @@ def server_compress(recv: torch.Tensor, z_prev: torch.Tensor, prev_row: torch.Te
     acc = torch.zeros(nb, block, dtype=torch.float32, device=recv.device)
     for i in range(n):  # rank order, fp32: the order the native kernel uses
         acc = acc + decoded[i]
-    e = server_error(z_prev, prev_row, layout).view(nb, block)
+    e = server_error(z_prev, prev_row, layout).view(nb, block)  # z_out may be z_prev
+    if z_out is None:
+        z_out = torch.empty_like(z_prev)
     z = z_out.view(1, nb, block)
     torch.add(exact_div(acc, n), e, out=z[0])
     finite, scales = _rms_scales(z, block)

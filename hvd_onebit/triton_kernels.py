@@ -129,9 +129,10 @@ def _tile(pid, G, block, nblocks, T, R: tl.constexpr, C: tl.constexpr):
 def _compress_kernel(src_ptr, src_words_ptr, tab_ptr, nsegs, beta1, one_minus_beta1, nrecv,
                      numel, y_prev_ptr, prev_ptr, prev_words_ptr, y_out_ptr, send_ptr,
                      partial_ptr, G, nblocks, block, T, row_bytes, row_words, hb,
-                     SRC: tl.constexpr, R: tl.constexpr, C: tl.constexpr):
+                     SRC: tl.constexpr, WRITE_Y: tl.constexpr, R: tl.constexpr, C: tl.constexpr):
     """SRC 0: x = src (float32 [numel]); SRC 1: x = beta1 * src + (1 - beta1) * g, g from the
-    segment table; SRC 2: x = (rank-ordered fp32 sum of the ``nrecv`` rows at src) / nrecv."""
+    segment table; SRC 2: x = (rank-ordered fp32 sum of the ``nrecv`` rows at src) / nrecv.
+    WRITE_Y: store y (y_out may be y_prev: each element is loaded before it is stored)."""
     pid = tl.program_id(0)
     t, gb, o, gb_ok, valid, p, p_lo, p_hi, j, b = _tile(pid, G, block, nblocks, T, R, C)
     shift = (tl.arange(0, C) % 8).to(tl.uint8)[None, :]  # bit of each element in its byte
@@ -173,7 +174,8 @@ def _compress_kernel(src_ptr, src_words_ptr, tab_ptr, nsegs, beta1, one_minus_be
     e = tl.load(y_prev_ptr + p, mask=valid, other=0.0) - tl.where(
         ((prev_bits >> shift) & 1) != 0, prev_s, -prev_s)
     y = x + e
-    tl.store(y_out_ptr + p, y, mask=valid)
+    if WRITE_Y:
+        tl.store(y_out_ptr + p, y, mask=valid)
 
     y64 = tl.where(valid, y, 0.0).to(tl.float64)
     tl.store(partial_ptr + gb.to(tl.int64) * T + t, tl.sum(y64 * y64, axis=1), mask=gb_ok)
@@ -235,7 +237,8 @@ def _decode_kernel(rows_ptr, words_ptr, m_ptr, numel, G, nblocks, block, T, row_
                    row_words, hb, tab_ptr, ftab_ptr, nsegs,
                    UPDATE: tl.constexpr, R: tl.constexpr, C: tl.constexpr):
     """m[p] = +-s for p < numel; with UPDATE, for segments with a weight:
-    w = w * decay (if flagged), w = w + (step * m) / denom, and m = +0 where denom is +inf."""
+    denom = sqrt(v) / sqrt_bc2 + eps (+inf where v == 0), w = w * decay (if flagged),
+    w = w + (step * m) / denom, and m = +0 where denom is +inf."""
     pid = tl.program_id(0)
     t, gb, o, gb_ok, valid, p, p_lo, p_hi, j, b = _tile(pid, G, block, nblocks, T, R, C)
     valid = valid & (p < numel)
@@ -258,12 +261,16 @@ def _decode_kernel(rows_ptr, words_ptr, m_ptr, numel, G, nblocks, block, T, row_
                 here = valid & (p >= st) & (p < en)
                 off = p - st
                 w_addr = tl.load(tab_ptr + nsegs + 1 + seg)
-                den = tl.load(tl.load(tab_ptr + 2 * nsegs + 1 + seg).to(
+                v = tl.load(tl.load(tab_ptr + 2 * nsegs + 1 + seg).to(
                     tl.pointer_type(tl.float32)) + off, mask=here, other=1.0)
+                # the denominator from the frozen variance, correctly rounded sqrt and division
+                den = tl.div_rn(tl.sqrt_rn(v), tl.zeros_like(v) + tl.load(ftab_ptr + 4 * seg + 2))
+                den = den + tl.load(ftab_ptr + 4 * seg + 3)
+                den = tl.where(v == 0.0, float("inf"), den)
                 w = _load_as_f32(w_addr, off, here, kind)
                 if tl.load(tab_ptr + 4 * nsegs + 1 + seg) != 0:
-                    w = w * tl.load(ftab_ptr + 2 * seg + 1)
-                w = w + tl.div_rn(tl.load(ftab_ptr + 2 * seg) * d, den)
+                    w = w * tl.load(ftab_ptr + 4 * seg + 1)
+                w = w + tl.div_rn(tl.load(ftab_ptr + 4 * seg) * d, den)
                 _store_from_f32(w_addr, off, w, here, kind)
                 d = tl.where(here & (den == float("inf")), 0.0, d)
             seg += 1
@@ -353,7 +360,10 @@ def _compress(src_mode: int, src, src_words, tab, nsegs: int, beta1: float, nrec
     block, nblocks = layout.block, layout.nblocks
     G = nrows * nblocks
     R, C, T = _geometry(block)
-    dev = y_out.device
+    dev = send.device
+    write_y = y_out is not None
+    if not write_y:
+        y_out = y_prev  # not written (WRITE_Y=False): any float32 pointer will do
     partial = torch.empty(G * T, dtype=torch.float64, device=dev)
     nfin = triton.cdiv(G, _FB)
     flags = torch.empty(nfin, dtype=torch.int32, device=dev)
@@ -364,7 +374,7 @@ def _compress(src_mode: int, src, src_words, tab, nsegs: int, beta1: float, nrec
         _compress_kernel[(triton.cdiv(G, R) * T,)](
             src, src_words, tab, nsegs, float(beta1), float(1.0 - beta1), nrecv, numel,
             y_prev, prev, _words(prev), y_out, send, partial, G, nblocks, block, T,
-            layout.row_bytes, rw, layout.header_bytes, SRC=src_mode, R=R, C=C,
+            layout.row_bytes, rw, layout.header_bytes, SRC=src_mode, WRITE_Y=write_y, R=R, C=C,
             num_warps=_WARPS, **_LAUNCH)
         _finalize_kernel[(nfin,)](partial, words, flags, G, T, nblocks, block, rw, FB=_FB,
                                   TT=min(_TT, triton.next_power_of_2(T)), **_LAUNCH)
@@ -375,7 +385,8 @@ def _compress(src_mode: int, src, src_words, tab, nsegs: int, beta1: float, nrec
 
 
 def worker_compress(x: torch.Tensor, y_prev: torch.Tensor, prev_send: torch.Tensor,
-                    y_out: torch.Tensor, send: torch.Tensor, layout: Layout) -> DeviceFlag:
+                    y_out: Optional[torch.Tensor], send: torch.Tensor, layout: Layout
+                    ) -> DeviceFlag:
     """:func:`hvd_onebit.kernels.worker_compress` (float32 contiguous tensors, one device)."""
     return _compress(0, x, x, x, 1, 0.0, 1, x.numel(), y_prev, prev_send, y_out, send,
                      layout.n, layout.chunk, layout)
@@ -383,8 +394,8 @@ def worker_compress(x: torch.Tensor, y_prev: torch.Tensor, prev_send: torch.Tens
 
 def worker_compress_momentum(momentum: torch.Tensor, grads: Sequence[Optional[torch.Tensor]],
                              sizes: Sequence[int], beta1: float, y_prev: torch.Tensor,
-                             prev_send: torch.Tensor, y_out: torch.Tensor, send: torch.Tensor,
-                             layout: Layout) -> DeviceFlag:
+                             prev_send: torch.Tensor, y_out: Optional[torch.Tensor],
+                             send: torch.Tensor, layout: Layout) -> DeviceFlag:
     """Worker compression of ``x = beta1 * momentum + (1 - beta1) * g`` computed in the same
     pass, ``g`` the gradients laid end to end (None reads as zeros); see :func:`ready`."""
     tab = _table([[_addr(g) for g in grads], [_kind(g) for g in grads]], sizes, momentum.device)
@@ -393,17 +404,19 @@ def worker_compress_momentum(momentum: torch.Tensor, grads: Sequence[Optional[to
 
 
 def server_compress(recv: torch.Tensor, z_prev: torch.Tensor, prev_row: torch.Tensor,
-                    z_out: torch.Tensor, out_row: torch.Tensor, layout: Layout) -> DeviceFlag:
+                    z_out: Optional[torch.Tensor], out_row: torch.Tensor, layout: Layout
+                    ) -> DeviceFlag:
     """:func:`hvd_onebit.kernels.server_compress`: the n rows averaged, compressed, one pass."""
-    return _compress(2, recv, _words(recv), z_out, 1, 0.0, layout.n, layout.chunk, z_prev,
+    return _compress(2, recv, _words(recv), z_prev, 1, 0.0, layout.n, layout.chunk, z_prev,
                      prev_row, z_out, out_row, 1, layout.chunk, layout)
 
 
 def decode(rows: torch.Tensor, out: torch.Tensor, layout: Layout,
            weights: Optional[Sequence[Optional[torch.Tensor]]] = None,
-           denoms: Optional[Sequence[Optional[torch.Tensor]]] = None,
+           variances: Optional[Sequence[Optional[torch.Tensor]]] = None,
            sizes: Optional[Sequence[int]] = None, steps: Optional[Sequence[float]] = None,
-           decays: Optional[Sequence[float]] = None) -> None:
+           decays: Optional[Sequence[float]] = None, sqrt_bc2s: Optional[Sequence[float]] = None,
+           epss: Optional[Sequence[float]] = None) -> None:
     """out[:numel] = s * sign from the n rows; with ``weights`` (AdamUpdate's lists), Adam's
     update in the same pass (see :class:`hvd_onebit.fused_adam.AdamUpdate`)."""
     numel = out.numel()
@@ -416,10 +429,10 @@ def decode(rows: torch.Tensor, out: torch.Tensor, layout: Layout,
     if update:
         live = [w is not None and w.numel() > 0 for w in weights]
         tab = _table([[_addr(w) if k else 0 for w, k in zip(weights, live)],
-                      [_addr(d) if k else 0 for d, k in zip(denoms, live)],
+                      [_addr(v) if k else 0 for v, k in zip(variances, live)],
                       [_kind(w) if k else 0 for w, k in zip(weights, live)],
                       [int(float(dc) != 1.0) for dc in decays]], sizes, out.device)
-        ftab = torch.tensor([v for st, dc in zip(steps, decays) for v in (float(st), float(dc))],
+        ftab = torch.tensor([float(v) for row in zip(steps, decays, sqrt_bc2s, epss) for v in row],
                             dtype=torch.float32).to(out.device, non_blocking=True)
         nsegs = len(sizes)
     else:

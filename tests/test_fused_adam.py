@@ -65,47 +65,52 @@ def test_momentum_input_rejects_mismatched_gradients():
 
 def update_case(sizes, L, dtypes=(torch.float32,)):
     """Inputs of a decode with Adam's update: random rows with scales in [0, 1), and per
-    parameter (every third None) a weight of ``dtypes[i % len(dtypes)]``, a denominator with
-    ~30% held elements (+inf, mask in ``held``), a step and a decay (every other one != 1)."""
+    parameter (every third None) a weight of ``dtypes[i % len(dtypes)]``, a frozen variance with
+    ~30% held elements (0, mask in ``held``), a step and a decay (every other one != 1); then
+    sqrt(bc2) and eps per parameter."""
     g = torch.Generator().manual_seed(sum(sizes))
     rows = torch.randint(0, 255, (L.n * L.row_bytes,), dtype=torch.uint8, generator=g)
     kernels.row_scales(rows, L, L.n).copy_(torch.rand(L.n, L.nblocks, generator=g))
     weights = [None if i % 3 == 1 else torch.randn(s, generator=g).to(dtypes[i % len(dtypes)])
                for i, s in enumerate(sizes)]
-    denoms = [None if w is None else torch.rand(s, generator=g) + 0.01
-              for w, s in zip(weights, sizes)]
-    held = [None if d is None else torch.rand(d.shape, generator=g) < 0.3 for d in denoms]
-    for d, h in zip(denoms, held):
-        if d is not None:
-            d[h] = math.inf
+    variances = [None if w is None else torch.rand(s, generator=g) * 1e-4 + 1e-9
+                 for w, s in zip(weights, sizes)]
+    held = [None if v is None else torch.rand(v.shape, generator=g) < 0.3 for v in variances]
+    for v, h in zip(variances, held):
+        if v is not None:
+            v[h] = 0.0
     steps = [-1e-3 / 0.9 * (i + 1) for i in range(len(sizes))]
     decays = [1 - 1e-5 if i % 2 else 1.0 for i in range(len(sizes))]
-    return rows, weights, denoms, held, steps, decays
+    sqrt_bc2s = [math.sqrt(1 - 0.999 ** (10 * (i + 1))) for i in range(len(sizes))]
+    eps = [1e-8 if i % 2 else 1e-6 for i in range(len(sizes))]
+    return rows, weights, variances, held, steps, decays, sqrt_bc2s, eps
 
 
 @pytest.mark.parametrize("sizes,n", [([5, 0, 13, 1000, 7], 4), ([64, 64], 3), ([1], 2),
                                      ([300_001, 3, 200_000], 4)])
 def test_decode_fused_with_adam_update_equals_torch(sizes, n):
-    """Decode + ``w = w*decay + (step*m)/denom`` in one pass (AVX2 and scalar, called directly and
-    through the collective's hook) gives the bits of
-    torch's decode, ``w.mul_(decay)`` and ``w.addcdiv_(m, denom, value=step)``; parameters given
-    as None are only decoded. Elements with an infinite denominator (held fixed) keep their weight
-    (times decay) and get a zero momentum, in vector groups and in the scalar tails alike."""
+    """Decode + ``denom = sqrt(v)/sqrt_bc2 + eps``, ``w = w*decay + (step*m)/denom`` in one pass
+    (AVX2 and scalar, called directly and through the collective's hook) gives the bits of
+    torch's decode, the denominator, ``w.mul_(decay)`` and ``w.addcdiv_(m, denom, value=step)``;
+    parameters given as None are only decoded. Elements with a zero variance (infinite
+    denominator: held fixed) keep their weight (times decay) and get a zero momentum, in vector
+    groups and in the scalar tails alike."""
     numel = sum(sizes)
     L = Layout.build(numel, n, None)
-    rows, weights, denoms, held, steps, decays = update_case(sizes, L)
+    rows, weights, variances, held, steps, decays, sqrt_bc2s, eps = update_case(sizes, L)
     results = []
     for impl in ("torch", "avx2", "scalar", "hook"):
         w = [None if t is None else t.clone() for t in weights]
         m = torch.full((numel,), float("nan"))
-        update = AdamUpdate(w, denoms, sizes, steps, decays)
+        update = AdamUpdate(w, variances, sizes, steps, decays, sqrt_bc2s, eps)
         if impl == "torch":
             kernels.decode(rows, m, L, "torch")
             update.apply(m)
         elif impl == "hook":  # what the collective calls
             update.decode_into(rows, m, L, "native")
         else:
-            _C.decode_update(rows, m, w, denoms, sizes, steps, decays, *L.as_args(), impl == "avx2")
+            _C.decode_update(rows, m, w, variances, sizes, steps, decays, sqrt_bc2s, eps,
+                             *L.as_args(), impl == "avx2")
         results.append((m.numpy().tobytes(), [None if t is None else t.numpy().tobytes() for t in w]))
     assert all(r == results[0] for r in results[1:])
     before = [None if t is None else t.numpy().tobytes() for t in weights]
@@ -135,15 +140,16 @@ def test_through_the_collective_hooks_equal_the_unfused_steps(n, backend):
         grads = [torch.randn(s, generator=g) for s in sizes]
         shared = torch.Generator().manual_seed(1)
         w0 = [torch.randn(s, generator=shared) for s in sizes]
-        denoms = [torch.rand(s, generator=shared) + 0.1 for s in sizes]
-        denoms[0][::7] = math.inf
+        variances = [torch.rand(s, generator=shared) * 1e-4 for s in sizes]
+        variances[0][::7] = 0.0
         runs = []
         for fused in (True, False):
             comm = OneBitAllreduce(numel, transport=t, backend=backend, name=f"fused.{fused}")
             m, w = m0.clone(), [x.clone() for x in w0]
             for _ in range(3):
                 src = MomentumInput(m, grads, sizes, 0.9)
-                update = AdamUpdate(w, denoms, sizes, [-1e-3] * 3, [1.0, 0.99, 1.0])
+                update = AdamUpdate(w, variances, sizes, [-1e-3] * 3, [1.0, 0.99, 1.0],
+                                    [0.3] * 3, [1e-8] * 3)
                 if fused:
                     comm.synchronize(comm.allreduce_async(src, out=m), epilogue=update)
                 else:

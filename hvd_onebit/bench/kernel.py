@@ -64,9 +64,9 @@ def _fused_calls(L: Layout, b, backend: str) -> dict:
     m = torch.randn(numel, device=dev) * 0.1
     half = numel // 2
     src = fused_adam.MomentumInput(m, [b.x[:half], b.x[half:]], [half, numel - half], 0.9)
-    w, denom = torch.randn(numel, device=dev), torch.rand(numel, device=dev) + 0.01
-    denom[::10] = float("inf")
-    update = fused_adam.AdamUpdate([w], [denom], [numel], [-1e-4], [1 - 1e-5])
+    w, var = torch.randn(numel, device=dev), torch.rand(numel, device=dev) + 0.01
+    var[::10] = 0.0  # held elements
+    update = fused_adam.AdamUpdate([w], [var], [numel], [-1e-4], [1 - 1e-5], [0.3], [1e-8])
     return {
         "momentum_compress": (lambda: fused_adam.worker_compress_momentum(
             src, b.y_prev, b.prev_send, b.y_next, b.send, L, backend), numel),
@@ -165,13 +165,15 @@ def _bench_fused(L: Layout, g: torch.Tensor, y_prev, prev_send, y_next, send, re
 
     * momentum + compress: ``worker_compress_momentum`` (beta1*m + (1-beta1)*g computed inside
       the compression) vs ``torch.lerp`` into a buffer, then ``worker_compress``.
-    * decode + update: ``decode_update`` vs ``decode`` into m, then ``w.addcdiv_(m, denom)``.
+    * decode + update: ``decode_update`` (denominators computed from the variance in the pass)
+      vs ``decode`` into m, then ``w.addcdiv_(m, denom)`` with stored denominators.
     """
     numel = g.numel()
     m, work = torch.randn(numel) * 0.1, torch.empty(numel)
-    w, denom = torch.randn(numel), torch.rand(numel) + 0.01
+    w, var = torch.randn(numel), torch.rand(numel) + 0.01
+    denom = var.sqrt() / 0.3 + 1e-8
     src = fused_adam.MomentumInput(m, [g], [numel], 0.9)
-    update = fused_adam.AdamUpdate([w], [denom], [numel], [-1e-4], [1.0])
+    update = fused_adam.AdamUpdate([w], [var], [numel], [-1e-4], [1.0], [0.3], [1e-8])
 
     def separate_compress():
         torch.lerp(m, g, 0.1, out=work)

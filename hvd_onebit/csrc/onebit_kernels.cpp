@@ -10,8 +10,10 @@
 // float(sqrt(sumsq / block)), the server average adds the ranks' decoded values in rank order in
 // fp32 and divides by n. Nothing here may be contracted into FMAs (built with -ffp-contract=off).
 //
-// New error-feedback values are always written to a separate output buffer, so a call that ends
-// in an error (a non-finite input on any rank) leaves the caller's error buffers untouched.
+// New rows are always written to a separate output buffer; y (and z) may be updated in place or
+// not stored at all: a caller that must leave its error feedback untouched by a call that fails
+// on any rank computes the rows first (y not stored) and, once every rank has succeeded, runs the
+// same pass again with y updated in place. One y buffer instead of two, for one more read pass.
 //
 // The worker error is kept in factored form, e = y - s * sign(y), as the last call's y and its
 // sent rows (scales and sign bits) rather than as e itself. e is only ever needed inside the next
@@ -142,9 +144,14 @@ struct MomentumX {
 
 // ---- worker compression ------------------------------------------------------------------------
 // For every chunk j and block b: e = y_prev - s_prev * sign_prev (the factored worker error),
-// y = x + e, s = rms(y), signs of y into `send`, y into y_out. x has `numel` valid elements;
+// y = x + e, s = rms(y), signs of y into `send`, y into y_out. y_out may be y_prev itself (each
+// element is read before it is written) or null (y not stored: the rows alone, for a caller that
+// stores y only once the call has succeeded everywhere). x has `numel` valid elements;
 // positions past it are padding (zeros). *finite becomes false when any block's sum of squares is
 // not finite.
+
+// base + p, or null where there is no output buffer.
+inline float* offset_or_null(float* base, int64_t p) { return base ? base + p : nullptr; }
 
 // e for one group, rebuilt from the previous call's y, scale and sign byte.
 inline void prev_error8_scalar(const float* y_prev, uint8_t prev_bits, float prev_s, float* e) {
@@ -155,7 +162,7 @@ template <class XSource>
 void worker_compress_scalar(XSource x, int64_t numel, const float* y_prev,
                             const uint8_t* prev_send, float* y_out, uint8_t* send,
                             const Layout& L, bool* finite) {
-  float e[8];
+  float e[8], scratch[8];
   const int64_t nb = L.nblocks();
   const int64_t hb = L.header_bytes();
   for (int64_t j = 0; j < L.n; ++j) {
@@ -169,7 +176,7 @@ void worker_compress_scalar(XSource x, int64_t numel, const float* y_prev,
         const int64_t p = base + g;
         const int64_t byte = hb + (b * L.block + g) / 8;
         prev_error8_scalar(y_prev + p, prow[byte], prev_s, e);
-        float* y = y_out + p;
+        float* y = y_out ? y_out + p : scratch;
         // y = x + e, with x zero at and past numel (the padding)
         for (int k = 0; k < 8; ++k) y[k] = (p + k < numel ? x.at(p + k) : 0.0f) + e[k];
         acc += sumsq8_scalar(y);
@@ -227,7 +234,7 @@ __attribute__((target("avx2,fma"))) inline uint8_t worker_group_avx2(
   const __m256 e = _mm256_sub_ps(_mm256_loadu_ps(y_prev),
                                  _mm256_blendv_ps(prev_neg, prev_pos, bitmask8_avx2(prev_bits)));
   const __m256 y = _mm256_add_ps(x, e);
-  store8(y_out, y, stream);
+  if (y_out) store8(y_out, y, stream);
   *acc = sq_acc_pd(y, *acc);
   return static_cast<uint8_t>(
       _mm256_movemask_ps(_mm256_cmp_ps(y, _mm256_setzero_ps(), _CMP_GE_OQ)));
@@ -258,17 +265,18 @@ __attribute__((target("avx2,fma"))) void worker_compress_avx2(
       int64_t p = base;
       for (; p + 16 <= full_end; p += 16) {  // two accumulators hide the add latency
         *bits++ = worker_group_avx2(x.load8(p), y_prev + p, *prev_bits++, prev_pos,
-                                    prev_neg, y_out + p, &acc0, stream);
+                                    prev_neg, offset_or_null(y_out, p), &acc0, stream);
         *bits++ = worker_group_avx2(x.load8(p + 8), y_prev + p + 8, *prev_bits++,
-                                    prev_pos, prev_neg, y_out + p + 8, &acc1, stream);
+                                    prev_pos, prev_neg, offset_or_null(y_out, p + 8), &acc1,
+                                    stream);
       }
       for (; p < full_end; p += 8)
         *bits++ = worker_group_avx2(x.load8(p), y_prev + p, *prev_bits++, prev_pos,
-                                    prev_neg, y_out + p, &acc0, stream);
+                                    prev_neg, offset_or_null(y_out, p), &acc0, stream);
       for (; p < end; p += 8) {  // groups touching the padding: x is zero past numel
         for (int k = 0; k < 8; ++k) tmp[k] = p + k < numel ? x.at(p + k) : 0.0f;
         *bits++ = worker_group_avx2(_mm256_load_ps(tmp), y_prev + p, *prev_bits++, prev_pos,
-                                    prev_neg, y_out + p, &acc0, stream);
+                                    prev_neg, offset_or_null(y_out, p), &acc0, stream);
       }
       const double ss = hsum_pd(_mm256_add_pd(acc0, acc1));
       if (!std::isfinite(ss)) *finite = false;
@@ -290,7 +298,7 @@ void server_compress_scalar(const uint8_t* recv, const float* z_prev, const uint
   const int64_t nb = L.nblocks();
   const int64_t hb = L.header_bytes();
   const float nf = static_cast<float>(L.n);
-  float e[8];
+  float e[8], scratch[8];
   for (int64_t b = 0; b < nb; ++b) {
     const float prev_s = reinterpret_cast<const float*>(prev_row)[1 + b];
     double ss = 0.0;
@@ -305,7 +313,7 @@ void server_compress_scalar(const uint8_t* recv, const float* z_prev, const uint
         for (int k = 0; k < 8; ++k) acc[k] += v[k];
       }
       prev_error8_scalar(z_prev + p, prev_row[hb + p / 8], prev_s, e);
-      float* z = z_out + p;
+      float* z = z_out ? z_out + p : scratch;
       for (int k = 0; k < 8; ++k) z[k] = acc[k] / nf + e[k];
       ss += sumsq8_scalar(z);
       uint8_t bits = 0;
@@ -341,7 +349,7 @@ __attribute__((target("avx2,fma"))) void server_compress_avx2(
       }
       out_row[hb + p / 8] = worker_group_avx2(_mm256_div_ps(sum, nf), z_prev + p,
                                               prev_row[hb + p / 8], prev_pos, prev_neg,
-                                              z_out + p, &acc0, stream);
+                                              offset_or_null(z_out, p), &acc0, stream);
     }
     const double ss = hsum_pd(acc0);
     if (!std::isfinite(ss)) *finite = false;
@@ -374,24 +382,30 @@ void decode_scalar(const uint8_t* rows, float* out, int64_t numel, const Layout&
 // ---- decode fused with Adam's update ------------------------------------------------------------
 // The optimizer's use of the averaged momentum d, fused into the decode pass so d is read once:
 // m[p] = d, and for parameters that take the update here (the others are left to the caller),
+//     denom = sqrt(v) / sqrt_bc2 + eps   (+inf where v == 0),
 //     w = w * decay (when decay != 1), then w = w + (step * d) / denom,
-// the operation order of torch's p.mul_(decay) and p.addcdiv_(m, denom, value=step) in fp32, so
-// the torch twin gives the same bits. An infinite denominator marks an element held fixed (its
-// frozen variance is 0): the update adds +-0 and its momentum is stored as +0, so held elements
-// cost one compare here instead of a scatter over their indices every step. Segments are the
-// parameters laid end to end in m.
+// with v the frozen variance (exp_avg_sq), read here instead of a stored copy of the denominators
+// (a parameter-sized buffer saved). fp32 throughout, in this order (sqrt and / correctly
+// rounded), so the torch twin and the Triton kernel give the same bits. An infinite denominator
+// marks an element held fixed (its frozen variance is 0): the update adds +-0 and its momentum is
+// stored as +0, so held elements cost one compare here instead of a scatter over their indices
+// every step. Segments are the parameters laid end to end in m.
 
 struct UpdateSegment {
   float* w;             // nullptr: decode only
-  const float* denom;
+  const float* v;       // the frozen variance
   int64_t start, end;
-  float step, decay;
+  float step, decay, sqrt_bc2, eps;
   bool apply_decay;
 };
 
+inline float denominator1(const UpdateSegment& s, float v) {
+  return v == 0.0f ? std::numeric_limits<float>::infinity() : std::sqrt(v) / s.sqrt_bc2 + s.eps;
+}
+
 // Element p of a segment with an update: d is the decoded momentum, written to m[p] (or +0).
 inline void update1(const UpdateSegment& s, int64_t p, float d, float* m) {
-  const float denom = s.denom[p - s.start];
+  const float denom = denominator1(s, s.v[p - s.start]);
   float w = s.w[p - s.start];
   if (s.apply_decay) w = w * s.decay;
   s.w[p - s.start] = w + (s.step * d) / denom;
@@ -431,12 +445,17 @@ __attribute__((target("avx2,fma"))) void decode_update_avx2(const uint8_t* rows,
         int64_t seg_stop = s.end < stop ? s.end : stop;
         if (s.w) {
           const __m256 step = _mm256_set1_ps(s.step), decay = _mm256_set1_ps(s.decay);
+          const __m256 sqrt_bc2 = _mm256_set1_ps(s.sqrt_bc2), eps = _mm256_set1_ps(s.eps);
           const __m256 inf = _mm256_set1_ps(std::numeric_limits<float>::infinity());
           for (; p + 8 <= seg_stop && (p - base) % 8 == 0; p += 8) {
             const __m256i v = _mm256_and_si256(_mm256_set1_epi32(bp[(p - base) / 8]), sel);
             const __m256 d = _mm256_blendv_ps(neg_s, pos_s,
                                               _mm256_castsi256_ps(_mm256_cmpeq_epi32(v, sel)));
-            const __m256 denom = _mm256_loadu_ps(s.denom + (p - s.start));
+            // denominator1, 8 at a time: sqrt and div are correctly rounded, as the scalar's
+            const __m256 var = _mm256_loadu_ps(s.v + (p - s.start));
+            const __m256 denom = _mm256_blendv_ps(
+                _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(var), sqrt_bc2), eps), inf,
+                _mm256_cmp_ps(var, _mm256_setzero_ps(), _CMP_EQ_OQ));
             // held elements (denominator +inf) store a +0 momentum
             store8(m + p, _mm256_andnot_ps(_mm256_cmp_ps(denom, inf, _CMP_EQ_OQ), d), stream);
             float* wp = s.w + (p - s.start);
@@ -489,16 +508,31 @@ void check_cpu(const torch::Tensor& t, torch::ScalarType dtype, const char* name
   TORCH_CHECK(t.numel() >= min_numel, name, " has ", t.numel(), " elements, needs ", min_numel);
 }
 
+// The data of an optional float32 output of `numel` elements: null when absent; it may be `prev`
+// itself (updated in place: every element is read before it is written) but not overlap it
+// otherwise.
+float* output_or_null(const c10::optional<torch::Tensor>& out, const torch::Tensor& prev,
+                      int64_t numel, const char* name, const char* prev_name) {
+  if (!out.has_value() || !out->defined()) return nullptr;
+  check_cpu(*out, torch::kFloat32, name, numel);
+  const float* o = out->data_ptr<float>();
+  const float* p = prev.data_ptr<float>();
+  TORCH_CHECK(o == p || o + numel <= p || p + numel <= o, name, " must be ", prev_name,
+              " itself or not overlap it");
+  return out->data_ptr<float>();
+}
+
 // ---- bindings ----------------------------------------------------------------------------------
 
 template <class XSource>
 bool run_worker_compress(XSource x, int64_t numel, const torch::Tensor& y_prev,
-                         const torch::Tensor& prev_send, torch::Tensor y_out, torch::Tensor send,
-                         int64_t n, int64_t chunk, int64_t block, int64_t row_bytes,
-                         bool allow_simd);
+                         const torch::Tensor& prev_send, const c10::optional<torch::Tensor>& y_out,
+                         torch::Tensor send, int64_t n, int64_t chunk, int64_t block,
+                         int64_t row_bytes, bool allow_simd);
 
 bool worker_compress(const torch::Tensor& x, const torch::Tensor& y_prev,
-                     const torch::Tensor& prev_send, torch::Tensor y_out, torch::Tensor send,
+                     const torch::Tensor& prev_send, const c10::optional<torch::Tensor>& y_out,
+                     torch::Tensor send,
                      int64_t n, int64_t chunk, int64_t block, int64_t row_bytes, bool allow_simd) {
   check_cpu(x, torch::kFloat32, "x", 0);
   TORCH_CHECK(x.numel() <= n * chunk, "x has more elements than the layout holds");
@@ -510,7 +544,8 @@ bool worker_compress(const torch::Tensor& x, const torch::Tensor& y_prev,
 bool worker_compress_momentum(const torch::Tensor& m, const std::vector<c10::optional<torch::Tensor>>& grads,
                               const std::vector<int64_t>& sizes, double beta1,
                               const torch::Tensor& y_prev, const torch::Tensor& prev_send,
-                              torch::Tensor y_out, torch::Tensor send, int64_t n, int64_t chunk,
+                              const c10::optional<torch::Tensor>& y_out, torch::Tensor send,
+                              int64_t n, int64_t chunk,
                               int64_t block, int64_t row_bytes, bool allow_simd) {
   check_cpu(m, torch::kFloat32, "momentum", 0);
   TORCH_CHECK(m.numel() <= n * chunk, "momentum has more elements than the layout holds");
@@ -540,27 +575,27 @@ bool worker_compress_momentum(const torch::Tensor& m, const std::vector<c10::opt
 
 template <class XSource>
 bool run_worker_compress(XSource x, int64_t numel, const torch::Tensor& y_prev,
-                         const torch::Tensor& prev_send, torch::Tensor y_out, torch::Tensor send,
-                         int64_t n, int64_t chunk, int64_t block, int64_t row_bytes,
-                         bool allow_simd) {
+                         const torch::Tensor& prev_send, const c10::optional<torch::Tensor>& y_out,
+                         torch::Tensor send, int64_t n, int64_t chunk, int64_t block,
+                         int64_t row_bytes, bool allow_simd) {
   const Layout L = make_layout(n, chunk, block, row_bytes);
   check_cpu(y_prev, torch::kFloat32, "y_prev", n * chunk);
   check_cpu(prev_send, torch::kUInt8, "prev_send", n * row_bytes);
-  check_cpu(y_out, torch::kFloat32, "y_out", n * chunk);
   check_cpu(send, torch::kUInt8, "send", n * row_bytes);
-  TORCH_CHECK(y_out.data_ptr() != y_prev.data_ptr() && send.data_ptr() != prev_send.data_ptr(),
-              "outputs must not alias the previous state (it is kept until the call succeeds)");
+  float* y_out_p = output_or_null(y_out, y_prev, n * chunk, "y_out", "y_prev");
+  TORCH_CHECK(send.data_ptr() != prev_send.data_ptr(),
+              "send must not alias prev_send (the previous rows are kept until the call succeeds)");
   bool finite = true;
   {
     pybind11::gil_scoped_release no_gil;
 #if defined(HVD_ONEBIT_X86)
     if (allow_simd && cpu_has_avx2())
       worker_compress_avx2(x, numel, y_prev.data_ptr<float>(), prev_send.data_ptr<uint8_t>(),
-                           y_out.data_ptr<float>(), send.data_ptr<uint8_t>(), L, &finite);
+                           y_out_p, send.data_ptr<uint8_t>(), L, &finite);
     else
 #endif
       worker_compress_scalar(x, numel, y_prev.data_ptr<float>(),
-                             prev_send.data_ptr<uint8_t>(), y_out.data_ptr<float>(),
+                             prev_send.data_ptr<uint8_t>(), y_out_p,
                              send.data_ptr<uint8_t>(), L, &finite);
     const float status = finite ? 0.0f : 1.0f;
     for (int64_t j = 0; j < n; ++j) {
@@ -575,28 +610,29 @@ bool run_worker_compress(XSource x, int64_t numel, const torch::Tensor& y_prev,
 }
 
 bool server_compress(const torch::Tensor& recv, const torch::Tensor& z_prev,
-                     const torch::Tensor& prev_row, torch::Tensor z_out, torch::Tensor out_row,
+                     const torch::Tensor& prev_row, const c10::optional<torch::Tensor>& z_out,
+                     torch::Tensor out_row,
                      int64_t n, int64_t chunk, int64_t block, int64_t row_bytes, bool allow_simd) {
   const Layout L = make_layout(n, chunk, block, row_bytes);
   check_cpu(recv, torch::kUInt8, "recv", n * row_bytes);
   check_cpu(z_prev, torch::kFloat32, "z_prev", chunk);
   check_cpu(prev_row, torch::kUInt8, "prev_row", row_bytes);
-  check_cpu(z_out, torch::kFloat32, "z_out", chunk);
   check_cpu(out_row, torch::kUInt8, "out_row", row_bytes);
-  TORCH_CHECK(z_out.data_ptr() != z_prev.data_ptr() && out_row.data_ptr() != prev_row.data_ptr(),
-              "outputs must not alias the previous state (it is kept until the call succeeds)");
+  float* z_out_p = output_or_null(z_out, z_prev, chunk, "z_out", "z_prev");
+  TORCH_CHECK(out_row.data_ptr() != prev_row.data_ptr(),
+              "out_row must not alias prev_row (the previous row is kept until the call succeeds)");
   bool finite = true;
   {
     pybind11::gil_scoped_release no_gil;
 #if defined(HVD_ONEBIT_X86)
     if (allow_simd && cpu_has_avx2())
       server_compress_avx2(recv.data_ptr<uint8_t>(), z_prev.data_ptr<float>(),
-                           prev_row.data_ptr<uint8_t>(), z_out.data_ptr<float>(),
+                           prev_row.data_ptr<uint8_t>(), z_out_p,
                            out_row.data_ptr<uint8_t>(), L, &finite);
     else
 #endif
       server_compress_scalar(recv.data_ptr<uint8_t>(), z_prev.data_ptr<float>(),
-                             prev_row.data_ptr<uint8_t>(), z_out.data_ptr<float>(),
+                             prev_row.data_ptr<uint8_t>(), z_out_p,
                              out_row.data_ptr<uint8_t>(), L, &finite);
     uint8_t* row = out_row.data_ptr<uint8_t>();
     *row_status(row) = finite ? 0.0f : 1.0f;
@@ -617,7 +653,7 @@ void decode(const torch::Tensor& rows, torch::Tensor out, int64_t n, int64_t chu
 #if defined(HVD_ONEBIT_X86)
   if (allow_simd && cpu_has_avx2()) {
     // decode alone is decode_update over one segment that takes no update
-    const UpdateSegment none{nullptr, nullptr, 0, out.numel(), 0.0f, 1.0f, false};
+    const UpdateSegment none{nullptr, nullptr, 0, out.numel(), 0.0f, 1.0f, 1.0f, 0.0f, false};
     decode_update_avx2(rows.data_ptr<uint8_t>(), out.data_ptr<float>(), out.numel(), L,
                        SegmentCursor<UpdateSegment>{&none, 1});
     return;
@@ -628,30 +664,35 @@ void decode(const torch::Tensor& rows, torch::Tensor out, int64_t n, int64_t chu
 
 void decode_update(const torch::Tensor& rows, torch::Tensor m,
                    const std::vector<c10::optional<torch::Tensor>>& weights,
-                   const std::vector<c10::optional<torch::Tensor>>& denoms,
+                   const std::vector<c10::optional<torch::Tensor>>& variances,
                    const std::vector<int64_t>& sizes, const std::vector<double>& steps,
-                   const std::vector<double>& decays, int64_t n, int64_t chunk, int64_t block,
+                   const std::vector<double>& decays, const std::vector<double>& sqrt_bc2s,
+                   const std::vector<double>& epss, int64_t n, int64_t chunk, int64_t block,
                    int64_t row_bytes, bool allow_simd) {
   const Layout L = make_layout(n, chunk, block, row_bytes);
   check_cpu(rows, torch::kUInt8, "rows", n * row_bytes);
   check_cpu(m, torch::kFloat32, "momentum", 0);
   TORCH_CHECK(m.numel() <= n * chunk, "momentum has more elements than the layout holds");
   const size_t k = sizes.size();
-  TORCH_CHECK(weights.size() == k && denoms.size() == k && steps.size() == k &&
-                  decays.size() == k, "one weight, denominator, step and decay per size");
+  TORCH_CHECK(weights.size() == k && variances.size() == k && steps.size() == k &&
+                  decays.size() == k && sqrt_bc2s.size() == k && epss.size() == k,
+              "one weight, variance, step, decay, sqrt_bc2 and eps per size");
   std::vector<UpdateSegment> segs;
   int64_t start = 0;
   for (size_t i = 0; i < k; ++i) {
+    // Each scalar rounded to fp32 from double, as torch rounds a Python scalar.
     UpdateSegment seg{nullptr, nullptr, start, start + sizes[i], static_cast<float>(steps[i]),
-                      static_cast<float>(decays[i]), decays[i] != 1.0};
+                      static_cast<float>(decays[i]), static_cast<float>(sqrt_bc2s[i]),
+                      static_cast<float>(epss[i]), decays[i] != 1.0};
     if (weights[i].has_value() && weights[i]->defined()) {
-      TORCH_CHECK(denoms[i].has_value() && denoms[i]->defined(), "weight ", i, " has no denominator");
+      TORCH_CHECK(variances[i].has_value() && variances[i]->defined(), "weight ", i,
+                  " has no variance");
       check_cpu(*weights[i], torch::kFloat32, "weight", sizes[i]);
-      check_cpu(*denoms[i], torch::kFloat32, "denominator", sizes[i]);
-      TORCH_CHECK(weights[i]->numel() == sizes[i] && denoms[i]->numel() == sizes[i], "weight ", i,
-                  " and its denominator must have ", sizes[i], " elements");
+      check_cpu(*variances[i], torch::kFloat32, "variance", sizes[i]);
+      TORCH_CHECK(weights[i]->numel() == sizes[i] && variances[i]->numel() == sizes[i], "weight ",
+                  i, " and its variance must have ", sizes[i], " elements");
       seg.w = weights[i]->data_ptr<float>();
-      seg.denom = denoms[i]->data_ptr<float>();
+      seg.v = variances[i]->data_ptr<float>();
     }
     segs.push_back(seg);
     start += sizes[i];
@@ -674,17 +715,19 @@ void decode_update(const torch::Tensor& rows, torch::Tensor m,
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "hvd_onebit fused CPU kernels for 1-bit compressed allreduce";
   m.def("worker_compress", &worker_compress,
-        "e = y_prev - s_prev*sign_prev; y = x + e into y_out; per-block rms scale and packed signs"
+        "e = y_prev - s_prev*sign_prev; y = x + e into y_out (None: not stored; may be y_prev); "
+        "per-block rms scale and packed signs"
         " into send rows. Returns False if any block's sum of squares is not finite.");
   m.def("worker_compress_momentum", &worker_compress_momentum,
         "worker_compress of x = beta1 * m + (1 - beta1) * g, computed in the same pass; g is the "
         "list of gradient tensors (None = zeros) of the given sizes, end to end.");
   m.def("server_compress", &server_compress,
-        "e = z_prev - s_prev*sign_prev; z = mean of the n received rows + e into z_out; "
+        "e = z_prev - s_prev*sign_prev; z = mean of the n received rows + e into z_out (None: "
+        "not stored; may be z_prev); "
         "compress z into out_row. Returns False if z is not finite.");
   m.def("decode", &decode, "out = s * sign for the n rows, first out.numel() elements.");
   m.def("decode_update", &decode_update,
-        "decode into m and, for each weight given, w = w*decay (if decay != 1) then "
-        "w + (step*m)/denom, in the same pass.");
+        "decode into m and, for each weight given, denom = sqrt(v)/sqrt_bc2 + eps (inf where "
+        "v == 0), w = w*decay (if decay != 1) then w + (step*m)/denom, in the same pass.");
   m.def("has_avx2", &cpu_has_avx2, "Whether the AVX2 code path is available on this CPU.");
 }
