@@ -26,7 +26,7 @@ def bench(*args, timeout=600):
 
 def test_bench_help_lists_every_command():
     out = bench("--help").stdout
-    for command in ("kernel", "allreduce", "train"):
+    for command in ("kernel", "allreduce", "train", "memory"):
         assert command in out
     train_help = bench("train", "--help").stdout
     for option in ("--model", "--wait", "--malloc", "--warmup-frac", "--hosts", "--queue-ms"):
