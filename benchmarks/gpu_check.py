@@ -18,6 +18,12 @@ Checks (each in its own try/except; a failure is reported in the JSON, the other
   the parameters' bytes.
 * ``host_syncs``: device-to-host syncs in one call, counted with
   ``torch.cuda.set_sync_debug_mode("warn")``.
+* ``compressed_step``: the optimizer's compression engine (``CompressedStep``) on 2 virtual
+  ranks with several buckets and step counts on the device (as fused or capturable Adam keeps
+  them): the syncs of one steady step (issue #14's target: at most 1 outside the in-process
+  transport, whose own stream waits are counted apart), what it holds beyond Adam's own and its
+  peak (``torch.cuda.max_memory_allocated``) as ratios to the parameters' fp32 bytes. On CPU
+  (``--dry-run``) it runs without the sync count.
 
 ``--dry-run`` runs the checks that need no GPU on CPU tensors under Triton's interpreter (small
 sizes); the CUDA-only ones are reported as skipped. The script must not import triton before it
@@ -207,6 +213,79 @@ def check_host_syncs(numel: int) -> dict:
             "examples": sorted(set(syncs))[:5]}
 
 
+def check_compressed_step(device: str, width: int = 2048, layers: int = 4) -> dict:
+    """See the module's docstring: CompressedStep's syncs and memory in one steady step."""
+    import threading
+
+    import torch
+    from hvd_onebit.bench.memory import held_bytes
+    from hvd_onebit.compressed_step import NOT_FROZEN, CompressedStep
+    from hvd_onebit.config import OneBitConfig
+    from hvd_onebit.transports import run_threads
+
+    cuda = device == "cuda"
+    gate = threading.Barrier(2)
+    peak = {}
+
+    def rank_fn(t):
+        g = torch.Generator().manual_seed(0)
+        shapes = [s for _ in range(layers) for s in ((width, width), (width,))]
+        params = [torch.randn(s, generator=g).to(device) for s in shapes]
+        state = {p: {"step": torch.tensor(10.0, device=device),
+                     "exp_avg": (torch.randn(p.shape, generator=g) * 1e-3).to(device),
+                     "exp_avg_sq": (torch.rand(p.shape, generator=g) * 1e-6 + 1e-9).to(device),
+                     "frozen_variance_step": NOT_FROZEN} for p in params}
+        # a bucket per weight matrix: several buckets, each bias packed behind its weight
+        config = OneBitConfig(freeze_step=10, bucket_size_mb=(width * width + width) * 4 / 2**20)
+        engine = CompressedStep(config, state, decoupled=lambda group: False, transport=t)
+        groups = [{"params": params, "lr": 1e-4, "betas": (0.9, 0.999), "eps": 1e-8,
+                   "weight_decay": 0.0}]
+        gen = torch.Generator().manual_seed(1 + t.rank)
+        grads = {p: (torch.randn(p.shape, generator=gen) * 1e-3).to(device) for p in params}
+        for _ in range(2):  # kernels compiled, first-step reads (step counts) done
+            engine.ensure_ready(params)
+            engine.step(groups, grads)
+        held = held_bytes({"engine": {k: v for k, v in vars(engine).items() if k != "comms"},
+                           "collectives": engine.comms}, params, state)
+        engine.ensure_ready(params)
+        gate.wait()
+        if t.rank == 0 and cuda:
+            torch.cuda.synchronize()
+            peak["base"] = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            torch.cuda.set_sync_debug_mode("warn")
+        gate.wait()
+        engine.step(groups, grads)
+        gate.wait()
+        if t.rank == 0 and cuda:
+            torch.cuda.set_sync_debug_mode("default")
+            torch.cuda.synchronize()
+            peak["bytes"] = torch.cuda.max_memory_allocated() - peak["base"]
+        return {"buckets": len(engine.buckets), "held": held["total"],
+                "param_bytes": 4 * sum(p.numel() for p in params),
+                "params": _bytes(torch.cat([p.reshape(-1) for p in params]))}
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        per_rank = run_threads(2, rank_fn, timeout=600)
+    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    transport = [w for w in syncs if w.filename.endswith("transports.py")]
+    ours = [f"{Path(w.filename).name}:{w.lineno}" for w in syncs if w not in transport]
+    param_bytes = per_rank[0]["param_bytes"]
+    out = {"buckets": per_rank[0]["buckets"], "ranks": 2, "param_bytes": param_bytes,
+           "ranks_identical": per_rank[0]["params"] == per_rank[1]["params"],
+           "held_over_param_bytes": max(r["held"] for r in per_rank) / param_bytes}
+    if cuda:
+        out.update({"host_syncs_per_rank": len(ours) / 2,
+                    "transport_syncs_per_rank": len(transport) / 2,
+                    "sync_sites": sorted(set(ours)),
+                    "peak_over_param_bytes": (max(r["held"] for r in per_rank)
+                                              + peak["bytes"] / 2) / param_bytes})
+    out["ok"] = bool(out["ranks_identical"] and out["buckets"] > 1
+                     and (not cuda or out["host_syncs_per_rank"] <= 1))
+    return out
+
+
 def check_ratios(numels) -> dict:
     from hvd_onebit.bench.kernel import bench_kernels_cuda
     result = bench_kernels_cuda(numels)
@@ -240,6 +319,8 @@ def run(dry_run: bool, numels) -> dict:
     checks["bits"] = _guarded("bits", check_bits, device)
     checks["virtual_ranks"] = _guarded("virtual_ranks", check_virtual_ranks, device,
                                        4099 if dry_run else 1 << 20)
+    checks["compressed_step"] = _guarded("compressed_step", check_compressed_step, device,
+                                         *((64, 3) if dry_run else ()))
     if dry_run:
         for name in ("ratios", "memory", "host_syncs"):
             checks[name] = {"ok": None, "skipped": "needs CUDA"}

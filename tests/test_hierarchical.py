@@ -85,6 +85,8 @@ def test_several_calls_commit_all_or_nothing():
         assert [c["error"] is None for c in calls] == [True, False, True], calls
         assert calls[1]["outputs_changed"] == [False, False], f"rank {rank}: {calls[1]}"
         assert calls[1]["errors_changed"] == [False, False], f"rank {rank}: {calls[1]}"
+        # one host read of device values per transaction, committed or not
+        assert [c["host_reads"] for c in calls] == [1, 1, 1], [c["host_reads_where"] for c in calls]
         assert calls[2]["outputs_changed"] == [True, True]
         for a, b in zip(r["final"], results[0]["final"]):
             assert a.tobytes() == b.tobytes()

@@ -47,7 +47,10 @@ def outputs_for_sizes(sizes, **kwargs) -> dict:
 
 def group_all_or_nothing(numel: int = 1000) -> dict:
     """Two hierarchical collectives in one transaction; rank 3 puts an inf into the second's
-    input at call 1: neither commits anywhere (outputs and error feedback untouched)."""
+    input at call 1: neither commits anywhere (outputs and error feedback untouched). Also
+    counts the host reads of tensor values while the transaction finishes (one expected)."""
+    from tests.sync_counter import HostReads
+
     topo = Topology.from_horovod()
     comms = [HierarchicalOneBitAllreduce(numel, topo, name=f"t.group{i}") for i in range(2)]
     outs = [torch.zeros(numel) for _ in comms]
@@ -58,13 +61,15 @@ def group_all_or_nothing(numel: int = 1000) -> dict:
             xs[1][0] = float("nan")
         before = [o.clone() for o in outs], [c.worker_error.clone() for c in comms]
         handles = [c.allreduce_async(x, out=o) for c, x, o in zip(comms, xs, outs)]
-        try:
-            synchronize_all(list(zip(comms, handles)))
-            error = None
-        except NonFiniteInputError as exc:
-            error = str(exc)
+        with HostReads() as reads:
+            try:
+                synchronize_all(list(zip(comms, handles)))
+                error = None
+            except NonFiniteInputError as exc:
+                error = str(exc)
         record.append({
-            "error": error,
+            "error": error, "host_reads": sum(map(len, reads.calls.values())),
+            "host_reads_where": [w for c in reads.calls.values() for w in c],
             "outputs_changed": [not torch.equal(a, b) for a, b in zip(before[0], outs)],
             "errors_changed": [not torch.equal(a, c.worker_error) for a, c in zip(before[1], comms)],
         })
