@@ -142,3 +142,68 @@ def test_backend_selection_errors_are_clear():
     if kernels.triton_available() and not kernels._triton_interpreted():
         with pytest.raises(ValueError, match="CUDA tensors"):
             kernels.resolve_backend("triton", torch.device("cpu"))
+
+
+def _compress_modes(impl, L, x, y_prev, prev_send, z_prev, prev_row):
+    """Worker and server compression with y (z) into a spare buffer, not stored, and in place:
+    (y, send, z, row) of each, as bytes."""
+    def worker(y_out, y_from):
+        send = torch.full((L.n * L.row_bytes,), 0xAB, dtype=torch.uint8)
+        if impl == "torch":
+            kernels.worker_compress(x, y_from, prev_send, y_out, send, L, "torch")
+        else:
+            _C.worker_compress(x, y_from, prev_send, y_out, send, *L.as_args(), impl == "avx2")
+        return send
+
+    def server(send, z_out, z_from):
+        row = torch.full((L.row_bytes,), 0xCD, dtype=torch.uint8)
+        if impl == "torch":
+            kernels.server_compress(send, z_from, prev_row, z_out, row, L, "torch")
+        else:
+            _C.server_compress(send, z_from, prev_row, z_out, row, *L.as_args(), impl == "avx2")
+        return row
+
+    b = lambda t: t.numpy().tobytes()  # noqa: E731
+    spare_y, spare_z = torch.full((L.padded,), 1.0), torch.full((L.chunk,), 1.0)
+    send = worker(spare_y, y_prev)
+    row = server(send, spare_z, z_prev)
+    modes = {"spare": (b(spare_y), b(send), b(spare_z), b(row))}
+    send_only, row_only = worker(None, y_prev), server(send, None, z_prev)
+    modes["none"] = (b(spare_y), b(send_only), b(spare_z), b(row_only))
+    y, z = y_prev.clone(), z_prev.clone()
+    send_in_place = worker(y, y)
+    row_in_place = server(send, z, z)
+    modes["in place"] = (b(y), b(send_in_place), b(z), b(row_in_place))
+    return modes
+
+
+@pytest.mark.parametrize("numel,n,block", [(4099, 3, None), (5000, 2, 64),
+                                           ((1 << 21) + 5, 2, None)])
+def test_y_and_z_not_stored_or_updated_in_place_give_the_same_bits(numel, n, block):
+    """How the collective keeps one error buffer: the rows alone first (y_out=None), then the
+    same pass with y updated in place, must give the bits of y written to a spare buffer (the
+    large case takes the native kernels' streaming-store path)."""
+    L = Layout.build(numel, n, block)
+    g = torch.Generator().manual_seed(numel)
+    y_prev, prev_send = _previous_state(L, g)
+    x = torch.randn(numel, generator=g)
+    z_prev = torch.randn(L.chunk, generator=g)
+    prev_row = prev_send[:L.row_bytes].clone()
+    saved = (y_prev.clone(), z_prev.clone())
+    runs = {impl: _compress_modes(impl, L, x, y_prev, prev_send, z_prev, prev_row)
+            for impl in IMPLS}
+    assert torch.equal(y_prev, saved[0]) and torch.equal(z_prev, saved[1])
+    for impl, modes in runs.items():
+        for mode, got in modes.items():
+            assert got == runs["torch"]["spare"], (impl, mode)
+
+
+def test_an_output_overlapping_the_previous_state_is_refused():
+    L = Layout.build(100, 2)
+    buf = torch.zeros(2 * L.padded)
+    send, prev = (torch.zeros(L.n * L.row_bytes, dtype=torch.uint8) for _ in range(2))
+    with pytest.raises(RuntimeError, match="y_prev itself or not overlap it"):
+        _C.worker_compress(torch.zeros(100), buf[:L.padded], prev, buf[8:8 + L.padded], send,
+                           *L.as_args(), True)
+    with pytest.raises(RuntimeError, match="send must not alias prev_send"):
+        _C.worker_compress(torch.zeros(100), buf[:L.padded], prev, None, prev, *L.as_args(), True)

@@ -214,3 +214,29 @@ def test_the_cuda_bench_calls_run_on_triton():
             assert count >= 4099
         outputs[backend] = [_bytes(t) for t in (b.y_next, b.send, b.out, b.server_z_out)]
     assert outputs["triton"] == outputs["torch"]
+
+
+@pytest.mark.parametrize("numel,n,block", [(4099, 3, None), (20_001, 4, 4096)])
+def test_y_and_z_not_stored_or_updated_in_place(numel, n, block):
+    """WRITE_Y=False (the rows alone) and y (z) updated in place give the bits of y (z) written
+    to a spare buffer: how the collective keeps one error buffer."""
+    L = Layout.build(numel, n, block)
+    g = torch.Generator().manual_seed(numel)
+    y_prev, prev_send = _previous_state(L, g)
+    x = torch.randn(numel, generator=g)
+    z_prev = torch.randn(L.chunk, generator=g)
+    prev_row = prev_send[:L.row_bytes].clone()
+    ref = _three_kernels("torch", L, x, y_prev, prev_send, z_prev, prev_row)
+
+    send = torch.full((L.n * L.row_bytes,), 0xAB, dtype=torch.uint8)
+    kernels.worker_compress(x, y_prev, prev_send, None, send, L, "triton")
+    row = torch.full((L.row_bytes,), 0xCD, dtype=torch.uint8)
+    kernels.server_compress(send, z_prev, prev_row, None, row, L, "triton")
+    assert (_bytes(send), _bytes(row)) == (ref[3], ref[5])
+
+    y, z = y_prev.clone(), z_prev.clone()
+    send = torch.full((L.n * L.row_bytes,), 0xAB, dtype=torch.uint8)
+    kernels.worker_compress(x, y, prev_send, y, send, L, "triton")
+    row = torch.full((L.row_bytes,), 0xCD, dtype=torch.uint8)
+    kernels.server_compress(send, z, prev_row, z, row, L, "triton")
+    assert [_bytes(t) for t in (y, send, z, row)] == ref[2:6]

@@ -248,7 +248,8 @@ __attribute__((target("avx2,fma"))) void worker_compress_avx2(
   const int64_t nb = L.nblocks();
   const int64_t hb = L.header_bytes();
   const int64_t full_end_all = (numel / 8) * 8;  // groups below this hold only real data
-  const bool stream = L.n * L.chunk >= kStreamMinFloats;
+  // In place, y_prev's line was just read into the cache: a normal store is cheaper there.
+  const bool stream = L.n * L.chunk >= kStreamMinFloats && y_out != y_prev;
   for (int64_t j = 0; j < L.n; ++j) {
     uint8_t* row = send + j * L.row_bytes;
     const uint8_t* prow = prev_send + j * L.row_bytes;
@@ -332,7 +333,7 @@ __attribute__((target("avx2,fma"))) void server_compress_avx2(
   const int64_t nb = L.nblocks();
   const int64_t hb = L.header_bytes();
   const __m256 nf = _mm256_set1_ps(static_cast<float>(L.n));
-  const bool stream = L.chunk >= kStreamMinFloats;
+  const bool stream = L.chunk >= kStreamMinFloats && z_out != z_prev;  // see the worker's
   for (int64_t b = 0; b < nb; ++b) {
     const float prev_s = reinterpret_cast<const float*>(prev_row)[1 + b];
     const __m256 prev_pos = _mm256_set1_ps(prev_s), prev_neg = _mm256_set1_ps(-prev_s);
