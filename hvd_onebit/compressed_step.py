@@ -3,9 +3,10 @@
 It owns everything the phase adds to Adam: the fused momentum buckets (each parameter's
 ``exp_avg`` becomes a view into one), one :class:`~hvd_onebit.OneBitAllreduce` per bucket with its
 rank-local error feedback, and the all-or-nothing commit of a step across buckets. The frozen
-variance's denominators are not stored: the decode pass computes them from ``exp_avg_sq``. It reads Adam's state and param groups, and writes only through the step it
-commits; it knows nothing of Horovod's optimizer class, so it runs as well on the in-process
-transport (n ranks as threads) as inside ``horovodrun``.
+variance's denominators are not stored: the decode pass computes them from ``exp_avg_sq``. It
+reads Adam's state and param groups, and writes only through the step it commits; it knows
+nothing of Horovod's optimizer class, so it runs as well on the in-process transport (n ranks
+as threads) as inside ``horovodrun``.
 
 One step, per bucket (see :mod:`hvd_onebit.fused_adam`): the local momentum
 ``beta1 * m + (1 - beta1) * g`` is computed inside the worker compression; stage 1 of every
@@ -442,7 +443,7 @@ class CompressedStep:
         """(weight, frozen variance, step, decay, sqrt_bc2, eps) of this step's
         ``w = w * decay + step * m / (sqrt(v) / sqrt_bc2 + eps)`` (host numbers: no sync)."""
         state = self.state[p]
-        beta1, beta2, lr, wd = group["betas"][0], group["betas"][1], group["lr"], group["weight_decay"]
+        (beta1, beta2), lr, wd = group["betas"], group["lr"], group["weight_decay"]
         bc1 = 1 - beta1 ** (self._host_step(p) + 1)
         decay = 1 - lr * wd if wd != 0 and self.decoupled(group) else 1.0
         frozen = state["frozen_variance_step"]

@@ -9,15 +9,13 @@ CPU tensors by wrapping those methods (:mod:`tests.sync_counter`); the GPU count
 import threading
 
 import pytest
-import torch
 
 from hvd_onebit.collective import NonFiniteInputError
+from hvd_onebit.compressed_step import CompressedStep
+from hvd_onebit.config import OneBitConfig
 from hvd_onebit.transports import run_threads
 from tests.sync_counter import HostReads
 from tests.workers_compressed_step import BETAS, EPS, LR, gradient, initial_state
-
-from hvd_onebit.compressed_step import CompressedStep
-from hvd_onebit.config import OneBitConfig
 
 
 def _engine_steps(t, reads: HostReads, steps: int, bad_step: int = -1) -> dict:

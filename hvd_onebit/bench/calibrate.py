@@ -110,7 +110,8 @@ def _compute_proc(k: int, models: dict, kernel_numel: int, repeats: int, seconds
     server_z, server_z_out = torch.zeros(L.chunk), torch.empty(L.chunk)
     server_sent, row = (torch.zeros(L.row_bytes, dtype=torch.uint8),
                         torch.empty(L.row_bytes, dtype=torch.uint8))
-    w, var, work = torch.randn(kernel_numel), torch.rand(kernel_numel) + 0.01, torch.empty(kernel_numel)
+    w, var = torch.randn(kernel_numel), torch.rand(kernel_numel) + 0.01
+    work = torch.empty(kernel_numel)
     src = fused_adam.MomentumInput(m, [grad], [kernel_numel], 0.9)
     update = fused_adam.AdamUpdate([w], [var], [kernel_numel], [-1e-4], [1.0], [0.3], [1e-8])
     from .. import kernels

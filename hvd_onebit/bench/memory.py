@@ -32,7 +32,6 @@ together divided by n; the ranks run in lockstep, so their transients overlap).
 """
 from __future__ import annotations
 
-import os
 import warnings
 from typing import Any, Optional
 
@@ -110,7 +109,7 @@ def held_bytes(roots: dict[str, Any], params, state) -> dict[str, int]:
     return out
 
 
-# ---- transient peak of one step --------------------------------------------------------------------
+# ---- transient peak of one step ------------------------------------------------------------------
 
 def use_measuring_malloc() -> None:
     """:data:`MALLOC_MEASURE_ENV` for a process already running (glibc reads the environment at
@@ -181,7 +180,7 @@ def _phase_entry(held: list[dict], before: list[int], transients: list[int],
             "steps_measured": len(transients)}
 
 
-# ---- a Horovod job: DistributedOptimizer through both phases ------------------------------------------
+# ---- a Horovod job: DistributedOptimizer through both phases -------------------------------------
 
 def rank_run(layers: int, width: int, warmup: int, compressed: int, batch: int = 8,
              device: str = "cpu", bucket_size_mb: Optional[float] = None) -> dict:
@@ -251,7 +250,7 @@ def _adam_step_transient(model: torch.nn.Module, x: torch.Tensor, dev: torch.dev
     return peak.bytes
 
 
-# ---- the engine alone on n virtual ranks -----------------------------------------------------------
+# ---- the engine alone on n virtual ranks ---------------------------------------------------------
 
 def inprocess_run(n: int, layers: int, width: int, steps: int,
                   bucket_size_mb: Optional[float] = None) -> dict:
@@ -271,7 +270,8 @@ def inprocess_run(n: int, layers: int, width: int, steps: int,
     def rank_fn(t):
         g = torch.Generator().manual_seed(0)
         params = [torch.randn(width, width, generator=g) for _ in range(layers)]
-        state = {p: {"step": torch.tensor(10.0), "exp_avg": torch.randn(p.shape, generator=g) * 1e-3,
+        state = {p: {"step": torch.tensor(10.0),
+                     "exp_avg": torch.randn(p.shape, generator=g) * 1e-3,
                      "exp_avg_sq": torch.rand(p.shape, generator=g) * 1e-6 + 1e-9,
                      "frozen_variance_step": NOT_FROZEN} for p in params}
         extra = {} if bucket_size_mb is None else {"bucket_size_mb": bucket_size_mb}
