@@ -96,6 +96,23 @@ class Epilogue(Protocol):
         """Apply to ``out``, the decoded output [numel]."""
 
 
+# Status words in a row (see hvd_onebit.layout): 0.0 for good rows, 1.0 when the sender saw a
+# non-finite value (the kernels write those two), STALE when the sender's input was started early
+# and changed before its step (see AllreduceHandle.stale).
+STALE = 2.0
+
+
+class StaleInputError(RuntimeError):
+    """A rank's input changed after its call was started early (e.g. gradients clipped or
+    unscaled between backward and step); raised on every rank, state unchanged, so that every
+    rank can start the calls again together."""
+
+    def __init__(self, ranks: list[int]):
+        self.ranks = ranks
+        super().__init__(f"OneBitAllreduce: the input of rank(s) {ranks} changed after its call "
+                         "was started; the call was abandoned on every rank")
+
+
 class NonFiniteInputError(FloatingPointError):
     """A rank's input to OneBitAllreduce held inf or NaN; raised on every rank, state unchanged."""
 
@@ -154,6 +171,10 @@ class AllreduceHandle:
     local_bad: Optional[torch.Tensor] = None  # one rank: the input held inf/NaN (a device flag)
     source: object = None  # the input (tensor or producer), compressed again at the commit
     decoded: bool = False  # stage 2's rows already decoded into out32 (see _decode)
+    # Set by the caller before synchronizing when the input it started from is out of date: the
+    # server row then carries STALE, so every rank abandons the call (StaleInputError) together.
+    stale: bool = False
+    stale_from: Optional[Status] = None  # which servers' rows said STALE (set by _wait_stage2)
     started: float = field(default_factory=time.perf_counter)
     done: bool = False
 
@@ -194,8 +215,9 @@ class OneBitAllreduce(TransactionalCollective):
             (N/n elements). Smaller blocks cost 4 bytes each on the wire and track the
             magnitude of the data more closely; below a few hundred elements the scales start
             to weigh on the 32x saving.
-        transport: "horovod" (default; Gloo, MPI or NCCL) or "mpi" (mpi4py on Horovod's MPI
-            communicator; CPU tensors; needs a job launched with MPI), both over ``process_set``;
+        transport: "horovod" (default; Gloo, MPI or NCCL), "mpi" (mpi4py on Horovod's MPI
+            communicator; CPU tensors; needs a job launched with MPI), both over ``process_set``,
+            or "torch" (torch.distributed: Gloo on CPU, NCCL on CUDA; the global process set);
             or a :class:`~hvd_onebit.transports.Transport` object, which then gives the size and
             rank and ``process_set`` is not used (e.g.
             :class:`~hvd_onebit.transports.InProcessTransport`: ranks as threads of one process).
@@ -240,7 +262,7 @@ class OneBitAllreduce(TransactionalCollective):
         if self.size == 1:
             self.transport = None
         elif isinstance(transport, str):
-            self.transport = make_transport(transport, process_set)
+            self.transport = make_transport(transport, process_set, self.device)
         else:
             self.transport = transport
 
@@ -405,6 +427,8 @@ class OneBitAllreduce(TransactionalCollective):
         L = self.layout
         kernels.server_compress(handle.recv, self._server_z, self._server_sent, None,
                                 self._server_row, L, self.backend)
+        if handle.stale:
+            kernels.row_status(self._server_row, L, 1).fill_(STALE)
         handle.stage2 = self.transport.allgather_async(self._server_row.view(1, L.row_bytes),
                                                        name=f"{self.name}.allgather")
 
@@ -415,7 +439,9 @@ class OneBitAllreduce(TransactionalCollective):
             return Status.none()
         stage2, handle.stage2 = handle.stage2, None
         handle.gathered = self.transport.wait(stage2).reshape(-1)
-        return self._statuses(handle.gathered)
+        status = kernels.row_status(handle.gathered, self.layout, self.layout.n)
+        handle.stale_from = Status(status == STALE, list(range(self.layout.n)))
+        return Status(status != 0, list(range(self.layout.n)))
 
     def _drain(self, handle: AllreduceHandle) -> None:
         """Wait out whatever of this call is still on the wire, ignoring its result: a call
@@ -522,8 +548,8 @@ class OneBitAllreduce(TransactionalCollective):
 
 
 def synchronize_all(calls: Sequence[tuple[OneBitAllreduce, AllreduceHandle]],
-                    epilogues: Optional[Sequence[Optional[Epilogue]]] = None
-                    ) -> list[torch.Tensor]:
+                    epilogues: Optional[Sequence[Optional[Epilogue]]] = None,
+                    clock: Optional[dict] = None) -> list[torch.Tensor]:
     """Finish several started allreduces as one transaction: every call commits, or none does.
 
     A training step spans several buckets, each its own call; a step must never be half applied.
@@ -541,11 +567,25 @@ def synchronize_all(calls: Sequence[tuple[OneBitAllreduce, AllreduceHandle]],
         calls: (collective, handle) pairs, in the same order on every rank.
         epilogues: per call, an optional :class:`Epilogue` applied to its output in the decode
             pass, only once every call has succeeded.
+        clock: if given, seconds spent here are added to its "wait" (blocked on the
+            transport), "server" (server steps) and "decode" (decode and commit) entries.
     Returns:
         The outputs, in the order of ``calls``.
     Raises:
         NonFiniteInputError: on every rank, naming the ranks whose values were not finite.
+        StaleInputError: on every rank, when a rank marked its call ``stale`` (and no input
+            was non-finite); nothing was changed.
     """
+    clock = clock if clock is not None else {}
+    tick = time.perf_counter
+
+    def timed(key: str, fn, *args):
+        start = tick()
+        try:
+            return fn(*args)
+        finally:
+            clock[key] = clock.get(key, 0.0) + tick() - start
+
     epilogues = list(epilogues) if epilogues is not None else [None] * len(calls)
     if len(epilogues) != len(calls):
         raise ValueError(f"{len(epilogues)} epilogues for {len(calls)} calls")
@@ -554,16 +594,19 @@ def synchronize_all(calls: Sequence[tuple[OneBitAllreduce, AllreduceHandle]],
     try:
         inputs: list[Status] = []
         for comm, handle in calls:
-            inputs.append(comm._wait_stage1(handle))
-            comm._start_stage2(handle)
-        servers = [comm._wait_stage2(handle) for comm, handle in calls]
-        bad_inputs, bad_servers = read_statuses([inputs, servers])
+            inputs.append(timed("wait", comm._wait_stage1, handle))
+            timed("server", comm._start_stage2, handle)
+        servers = [timed("wait", comm._wait_stage2, handle) for comm, handle in calls]
+        stale = [getattr(handle, "stale_from", None) or Status.none() for _, handle in calls]
+        bad_inputs, bad_servers, stale_ranks = read_statuses([inputs, servers, stale])
         if bad_inputs:
             raise NonFiniteInputError(bad_inputs, "in the input")
+        if stale_ranks:
+            raise StaleInputError(stale_ranks)
         if bad_servers:
             raise NonFiniteInputError(bad_servers, "in the server average")
         for (comm, handle), epilogue in zip(calls, epilogues):
-            comm._commit(handle, epilogue)
+            timed("decode", comm._commit, handle, epilogue)
     except BaseException:
         for comm, handle in calls:
             try:

@@ -18,6 +18,7 @@ rank has succeeded (:func:`~hvd_onebit.collective.synchronize_all`).
 from __future__ import annotations
 
 import math
+import time
 import warnings
 from typing import Callable, Mapping, Optional
 
@@ -25,7 +26,8 @@ import horovod.torch as hvd
 import torch
 from horovod.torch.mpi_ops import Average, Sum
 
-from .collective import NonFiniteInputError, OneBitAllreduce, synchronize_all
+from .collective import (NonFiniteInputError, OneBitAllreduce, StaleInputError,
+                         synchronize_all)
 from .hierarchical import HierarchicalOneBitAllreduce, Topology
 from .config import OneBitConfig, group_masks
 from .fusion import Bucket, fuse
@@ -34,6 +36,10 @@ from .layout import ring_allreduce_bytes
 from .transports import Transport, sleep_until_done
 
 NOT_FROZEN = -1  # state["frozen_variance_step"] before the freeze
+# Where a compressed step's time goes, in seconds (CompressedStep.breakdown): the compression
+# passes with their stage-1 starts, waiting on the transport, the server steps, the decode
+# passes with Adam's update.
+BREAKDOWN = ("compress", "wait", "server", "decode")
 
 
 class CompressedStep:
@@ -65,7 +71,7 @@ class CompressedStep:
                              "carries only the 1-bit collective")
         self.names = names if names is not None else {}
         self.buckets: Optional[list[Bucket]] = None
-        self.params: list[torch.Tensor] = []  # the bucketed parameters, in bucket order
+        self.params: list[torch.Tensor] = []  # the bucketed parameters, in the order given to fuse()
         self.comms: dict[tuple, OneBitAllreduce] = {}
         # Each parameter's step count on the host, keyed by the step tensor and its version:
         # reading a device tensor's value every step would be a host sync per parameter.
@@ -74,6 +80,10 @@ class CompressedStep:
         self._pending_error_feedback: Optional[dict] = None
         self._generation = 0  # bumped by reset(): the collectives' key
         self._topology: Topology | bool | None = None  # None: not decided yet; False: flat
+        self._early: list = []  # handles of the buckets started before step(), in start order
+        self.breakdown: dict[str, float] = dict.fromkeys(BREAKDOWN, 0.0)  # this step's seconds
+        self.restarts = 0  # steps started again because an early start's input went stale
+        self.early_starts = 0  # buckets started before step(), over the run
 
     # ---- the world ---------------------------------------------------------------------------------
 
@@ -109,7 +119,11 @@ class CompressedStep:
         if len(devices) > 1:
             raise ValueError("hvd_onebit.DistributedOptimizer needs all parameters on one device, "
                              f"found {sorted(str(d) for d in devices)}")
-        self.buckets = fuse(active, [self.state[p]["exp_avg"] for p in active],
+        # Backward produces gradients roughly in the reverse of the parameters' order, so the
+        # buckets are planned from the last parameter: the first bucket is the first one whose
+        # gradients are all ready, and buckets start in order (see start_bucket).
+        order = active[::-1]
+        self.buckets = fuse(order, [self.state[p]["exp_avg"] for p in order],
                             self.config.bucket_numel)
         self.params = list(active)
         for bucket in self.buckets:
@@ -176,6 +190,7 @@ class CompressedStep:
         self.comms.clear()
         self._host_steps.clear()
         self._topology = None
+        self._early = []
         self._generation += 1
 
     def _key(self, b: Bucket) -> tuple:
@@ -355,36 +370,105 @@ class CompressedStep:
 
     # ---- the step -------------------------------------------------------------------------------
 
-    def step(self, param_groups: list[dict], grads: Mapping[torch.Tensor, Optional[torch.Tensor]]
-             ) -> int:
+    # ---- starting buckets early ------------------------------------------------------------------
+
+    @property
+    def can_start_early(self) -> bool:
+        """Whether buckets may be started before :meth:`step` (from gradient hooks): the flat
+        1-bit collective over several ranks. (compressor="none" averages through Horovod's
+        allreduce in step(); the hierarchical collective is started there too.)"""
+        return (self.config.compressor == "onebit" and self.world > 1
+                and self.buckets is not None and self.topology() is None)
+
+    def bucket_params(self, position: int) -> list[torch.Tensor]:
+        """The parameters of the bucket at ``position`` in start order."""
+        return self.buckets[position].params
+
+    @property
+    def next_to_start(self) -> int:
+        """Buckets start in one order on every rank (transports that match collectives by the
+        order of the calls need it): the position of the next one to start."""
+        return len(self._early)
+
+    def start_bucket(self, param_groups: list[dict],
+                     grads: Mapping[torch.Tensor, Optional[torch.Tensor]]) -> None:
+        """Start the next bucket's exchange now: its momentum update inside the compression pass,
+        then stage 1. :meth:`step` finishes it. ``grads`` as for :meth:`step` (only this
+        bucket's parameters are read)."""
+        b = self.buckets[self.next_to_start]
+        start = time.perf_counter()
+        x = self._input(b, self._beta1s(param_groups), grads)
+        self._early.append(self.comms[self._key(b)].allreduce_async(x, out=b.momentum))
+        self.early_starts += 1
+        self.breakdown["compress"] += time.perf_counter() - start
+
+    def _beta1s(self, param_groups: list[dict]) -> dict:
+        owner = set(self.params)
+        return {p: g["betas"][0] for g in param_groups for p in g["params"] if p in owner}
+
+    def _input(self, b: Bucket, beta1s: dict, grads: Mapping) -> object:
+        """Bucket ``b``'s allreduce input: its local momentum ``beta1 * m + (1 - beta1) * g``,
+        computed inside the compression pass where one beta1 serves the whole bucket."""
+        sizes = [p.numel() for p in b.params]
+        betas = {beta1s[p] for p in b.params}
+        if len(betas) == 1:
+            return MomentumInput(b.momentum, [grads[p] for p in b.params], sizes, betas.pop())
+        # param groups with different beta1 share the bucket: one member at a time
+        for i, p in enumerate(b.params):
+            MomentumInput(b.momentum_view(i).reshape(-1), [grads[p]], [sizes[i]],
+                          beta1s[p]).materialize(out=b.work_view(i).reshape(-1))
+        return b.work
+
+    @property
+    def started(self) -> int:
+        """Buckets started for the coming step and not finished yet."""
+        return len(self._early)
+
+    def abandon_early(self) -> None:
+        """Wait out the buckets started early and drop them (the step is not taken; error
+        feedback and momenta are unchanged). Every rank must do it at the same point."""
+        early, self._early = self._early, []
+        for b, h in zip(self.buckets, early):
+            comm = self.comms[self._key(b)]
+            try:
+                comm._claim(h)
+                comm._drain(h)
+            finally:
+                comm._release()
+
+    def begin_step(self) -> None:
+        """A new step: no bucket started, the time breakdown at zero."""
+        self._early = []
+        self.breakdown = dict.fromkeys(BREAKDOWN, 0.0)
+
+    # ---- the step -------------------------------------------------------------------------------
+
+    def step(self, param_groups: list[dict], grads: Mapping[torch.Tensor, Optional[torch.Tensor]],
+             stale: bool = False) -> int:
         """One compressed step of every bucketed parameter; returns the bytes this rank sent.
+
+        Buckets started early (:meth:`start_bucket`) are finished; the others start here.
 
         Args:
             param_groups: Adam's param groups (lr, betas, eps, weight_decay, exp_avg_mask).
             grads: each bucketed parameter's local gradient (float32 for low-precision
                 parameters; Adam's L2 decay, ``maximize`` and the averaging op already applied),
-                or None where this rank computed none.
+                or None where this rank computed none. Read only for buckets not yet started,
+                or all of them when the step starts again.
+            stale: the inputs of the buckets started early are out of date on this rank (the
+                gradients or options changed since). Every rank then abandons them together and
+                the step starts every bucket again from ``grads``: the result is the same as
+                if nothing had started early.
         Raises:
             NonFiniteInputError: on every rank when any rank's momentum (or a server's average)
                 was not finite; then nothing was changed anywhere.
         """
+        early, self._early = self._early, []
         owner = set(self.params)
-        beta1s = {p: g["betas"][0] for g in param_groups for p in g["params"] if p in owner}
-        inputs = []
-        for b in self.buckets:
-            sizes = [p.numel() for p in b.params]
-            betas = {beta1s[p] for p in b.params}
-            if len(betas) == 1:
-                inputs.append(MomentumInput(b.momentum, [grads[p] for p in b.params], sizes,
-                                            betas.pop()))
-            else:  # param groups with different beta1 share the bucket: one member at a time
-                for i, p in enumerate(b.params):
-                    MomentumInput(b.momentum_view(i).reshape(-1), [grads[p]], [sizes[i]],
-                                  beta1s[p]).materialize(out=b.work_view(i).reshape(-1))
-                inputs.append(b.work)
         if self.config.compressor == "onebit":
-            nbytes = self._onebit_average(inputs, param_groups, owner)
+            nbytes = self._onebit_average(early, param_groups, owner, grads, stale)
         else:
+            inputs = [self._input(b, self._beta1s(param_groups), grads) for b in self.buckets]
             nbytes = self._exact_average(inputs, param_groups, owner)
         for p in owner:
             value = self._host_step(p)
@@ -394,14 +478,31 @@ class CompressedStep:
                 self._host_steps[p] = (t, t._version, value + 1)
         return nbytes
 
-    def _onebit_average(self, inputs: list, param_groups: list[dict], owner: set) -> int:
+    def _onebit_average(self, early: list, param_groups: list[dict], owner: set,
+                        grads: Mapping, stale: bool) -> int:
         comms = [self.comms[self._key(b)] for b in self.buckets]
-        # Decoded straight into exp_avg: outputs are written only once every bucket on every
-        # rank has succeeded, so a skipped step leaves the momentum untouched.
-        handles = [c.allreduce_async(x, out=b.momentum)
-                   for c, b, x in zip(comms, self.buckets, inputs)]
+        for h in early:
+            h.stale = stale
+        beta1s = self._beta1s(param_groups)
+
+        def start(position: int):
+            b = self.buckets[position]
+            begun = time.perf_counter()
+            # Decoded straight into exp_avg: outputs are written only once every bucket on every
+            # rank has succeeded, so a skipped step leaves the momentum untouched.
+            handle = comms[position].allreduce_async(self._input(b, beta1s, grads), out=b.momentum)
+            self.breakdown["compress"] += time.perf_counter() - begun
+            return handle
+
+        handles = early + [start(i) for i in range(len(early), len(self.buckets))]
         updates, masked = self._plan_updates(param_groups, owner)  # while stage 1 is on the wire
-        synchronize_all(list(zip(comms, handles)), updates)
+        try:
+            synchronize_all(list(zip(comms, handles)), updates, clock=self.breakdown)
+        except StaleInputError:
+            # Every rank saw it in the same rows: every rank starts every bucket again, in order.
+            self.restarts += 1
+            handles = [start(i) for i in range(len(self.buckets))]
+            synchronize_all(list(zip(comms, handles)), updates, clock=self.breakdown)
         self._apply_masked(masked)
         # bytes this rank sent: the 1-bit rows, and (hierarchical) the full-precision shards
         # inside its node

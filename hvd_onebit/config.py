@@ -86,7 +86,7 @@ class OneBitConfig:
             an AutoFreeze (None with an int freeze_step).
         compressor: "onebit" or "none".
         block_size: elements per scale (a positive multiple of 8), or None for one per chunk.
-        transport: "horovod" or "mpi".
+        transport: "horovod", "mpi" or "torch".
         kernel_backend: "auto", "native" or "torch".
         bucket_size_mb: MiB of float32 momentum per fused bucket, > 0.
         check_every: steps between cross-rank parameter checks, 0 for never.
@@ -95,6 +95,7 @@ class OneBitConfig:
         hierarchical: True, False or "auto": the 1-bit stage among nodes, full precision inside
             them (:mod:`hvd_onebit.hierarchical`); "auto" when there are several nodes of several
             ranks each.
+        overlap: start each bucket's exchange from the gradient hooks, during backward.
     """
 
     freeze_step: Union[int, str]
@@ -107,6 +108,7 @@ class OneBitConfig:
     auto_freeze: Any = None
     flush_on_commit: bool = False
     hierarchical: Union[bool, str] = False
+    overlap: bool = True
 
     def __post_init__(self) -> None:
         if self.freeze_step == AUTO:
@@ -117,6 +119,8 @@ class OneBitConfig:
         elif self.auto_freeze is not None:
             raise ValueError("auto_freeze options apply only with freeze_step='auto', got "
                              f"freeze_step={self.freeze_step!r}")
+        if not isinstance(self.overlap, bool):
+            raise ValueError(f"overlap must be True or False, got {self.overlap!r}")
         if not isinstance(self.flush_on_commit, bool):
             raise ValueError(f"flush_on_commit must be True or False, got {self.flush_on_commit!r}")
         if not (isinstance(self.hierarchical, bool) or self.hierarchical == "auto"):

@@ -49,8 +49,12 @@ def plan_buckets(params: list[torch.Tensor], bucket_numel: int) -> list[list[int
     """Group parameter indices into buckets of at most ``bucket_numel`` elements.
 
     Parameters keep their order; a bucket holds one (device, dtype); a parameter larger than
-    ``bucket_numel`` gets a bucket of its own. Deterministic, so every rank plans the same buckets.
+    ``bucket_numel`` gets a bucket of its own. A small parameter (at most 1/16 of
+    ``bucket_numel``) joins the open bucket even where it overflows it, so a bias never gets a
+    bucket (and two collectives) of its own behind a full one. Deterministic, so every rank plans
+    the same buckets.
     """
+    small = bucket_numel // 16
     if bucket_numel <= 0:
         raise ValueError(f"bucket size must be positive, got {bucket_numel} elements")
     buckets: list[list[int]] = []
@@ -59,7 +63,7 @@ def plan_buckets(params: list[torch.Tensor], bucket_numel: int) -> list[list[int
     for i, p in enumerate(params):
         key = (p.device, p.dtype)
         b = open_bucket.get(key)
-        if b is None or sizes[b] + p.numel() > bucket_numel:
+        if b is None or (sizes[b] + p.numel() > bucket_numel and p.numel() > small):
             buckets.append([])
             sizes.append(0)
             b = open_bucket[key] = len(buckets) - 1

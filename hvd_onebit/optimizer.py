@@ -34,7 +34,7 @@ from __future__ import annotations
 import os
 import time
 import warnings
-from typing import Callable, Iterable, Optional
+from typing import Callable, Iterable, Mapping, Optional
 
 import horovod.torch as hvd
 import torch
@@ -99,7 +99,11 @@ class _OneBitMixin:
         self.last_step_comm_seconds = 0.0  # seconds blocked on communication in the last step
         self.total_comm_seconds = 0.0
         self.skipped_steps = 0  # compression-phase steps skipped for non-finite values
+        # seconds of the last compressed step by part (CompressedStep.BREAKDOWN); {} in warmup
+        self.last_step_breakdown: dict[str, float] = {}
         self._warmup_wait = 0.0
+        self._early: Optional[_EarlyStarts] | bool = None  # this step's early starts (see hooks)
+        self._overlap_off: Optional[str] = None  # why this rank stopped starting buckets early
         self._init_state()
         if self._world > 1 and os.environ.get("HOROVOD_ELASTIC") != "1":
             # Elastic workers join running jobs, so a collective here could not be matched.
@@ -183,7 +187,8 @@ class _OneBitMixin:
                 "skipped_steps": self.skipped_steps, "last_step_bytes": self.last_step_bytes,
                 "total_bytes": self.total_bytes,
                 "last_step_comm_seconds": self.last_step_comm_seconds,
-                "total_comm_seconds": self.total_comm_seconds}
+                "total_comm_seconds": self.total_comm_seconds,
+                "last_step_breakdown": dict(self.last_step_breakdown)}
 
     def state_dict(self) -> dict:
         sd = super(self.__class__, self).state_dict()
@@ -234,6 +239,7 @@ class _OneBitMixin:
         same point (elastic resets do, through :mod:`hvd_onebit.elastic`), so that the rebuilt
         collectives match across ranks."""
         self._engine.reset()
+        self._early = None
 
     def add_param_group(self, param_group: dict) -> None:
         constructed = "config" in self.__dict__
@@ -299,15 +305,77 @@ class _OneBitMixin:
         def hook(*ignore):
             if not self._compressing():
                 return warmup_hook(*ignore)
-            # Compression phase: gradients stay local; only count the backward passes.
+            # Compression phase: no gradient is communicated. On the last backward pass of the
+            # step, the gradient completes its bucket's momentum, which may then start its
+            # exchange while backward goes on.
             if self._allreduce_delay[p] <= 0:
                 raise AssertionError(
                     "Gradients were computed more than backward_passes_per_step times before "
                     "call to step(). Increase backward_passes_per_step to accumulate gradients "
                     "locally.")
             self._allreduce_delay[p] -= 1
+            if self._allreduce_delay[p] == 0:
+                self._gradient_ready(p)
 
         return hook
+
+    # ---- starting buckets during backward ----------------------------------------------------------
+
+    def _early_starts(self) -> Optional[_EarlyStarts]:
+        """This step's early-start bookkeeping, set up at its first ready gradient; None when
+        buckets start in step() this time (overlap off, or the buckets must be rebuilt first,
+        which step() does)."""
+        if self._early is None:
+            self._early = False
+            engine = self._engine
+            active = self._active_params()
+            if self.config.overlap and self._overlap_off is None and engine.up_to_date(active):
+                engine.ensure_ready(active)
+                if engine.can_start_early:
+                    engine.begin_step()
+                    groups = {p: g for g in self.param_groups for p in g["params"]}
+                    self._early = _EarlyStarts(groups, engine)
+        return self._early or None
+
+    def _gradient_ready(self, p: torch.Tensor) -> None:
+        """p's gradient is final for this step: start every bucket, in order, whose gradients
+        are all final. What each start read is recorded, so step() can tell if it changed."""
+        early = self._early_starts()
+        if early is None or early.failed or p not in early.position:
+            return
+        engine = self._engine
+        early.missing[early.position[p]] -= 1
+        try:
+            while (engine.next_to_start < len(early.missing)
+                   and early.missing[engine.next_to_start] == 0):
+                params = engine.bucket_params(engine.next_to_start)
+                grads = {q: self._local_grad(q, early.groups[q]) for q in params}
+                for q in params:
+                    early.read[q] = self._inputs_of(q, early.groups[q])
+                engine.start_bucket(self.param_groups, grads)
+        except Exception:
+            # e.g. a sparse gradient: step() computes the rest and raises the error itself, on
+            # every rank, after waiting out what started
+            early.failed = True
+
+    def _inputs_of(self, p: torch.Tensor, group: dict) -> tuple:
+        """What p's part of its bucket's input is computed from: its gradient tensor (identity
+        and in-place version), its own version (Adam's L2 decay reads it) and the options."""
+        g = p.grad
+        return (g, None if g is None else g._version, p._version, group["betas"][0],
+                group["weight_decay"], bool(group.get("maximize")))
+
+    def _stale_early_starts(self) -> bool:
+        """Whether anything a bucket started early read has changed since (gradients clipped
+        or unscaled in place, replaced, options changed): then it is started again."""
+        early = self._early or None
+        if early is None:
+            return False
+        for q, then in early.read.items():
+            now = self._inputs_of(q, early.groups[q])
+            if now[0] is not then[0] or now[1:] != then[1:]:
+                return True
+        return False
 
     def _refresh_hooks(self) -> None:
         """Follow requires_grad changes: hook newly trainable parameters, drop frozen ones."""
@@ -350,7 +418,7 @@ class _OneBitMixin:
         self._warmup_wait += time.perf_counter() - start
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        if self._handles:
+        if self._handles or self._engine.started:
             raise AssertionError("optimizer.zero_grad() was called after loss.backward() but "
                                  "before optimizer.step() or optimizer.synchronize(). This is "
                                  "prohibited as it can cause a race condition.")
@@ -374,6 +442,7 @@ class _OneBitMixin:
             loss = self._amp_step(closure, grad_scaler)
         elif not self._compressing():
             self._warmup_wait = 0.0
+            self.last_step_breakdown = {}
             loss = self._warmup_step(closure)
             self._account(self._warmup_bytes(), self._warmup_wait)
         else:
@@ -397,6 +466,7 @@ class _OneBitMixin:
         for p in self._allreduce_delay:
             self._allreduce_delay[p] = self.backward_passes_per_step
         self._synchronized = False
+        self._early = None
 
     def _amp_step(self, closure, scaler):
         """GradScaler: every rank unscales, agrees on overflow, and skips (or not) together.
@@ -426,7 +496,9 @@ class _OneBitMixin:
         if per_opt["stage"] is OptState.READY:
             scaler.unscale_(self)
         loss = self._closure_loss(closure)
-        if self._compression_step():
+        # The hooks saw the scaled gradients (unscaling in place leaves no trace on their
+        # version counters): anything started early is out of date.
+        if self._compression_step(changed=True):
             self._completed_steps += 1
         else:
             for flag in per_opt["found_inf_per_device"].values():
@@ -550,22 +622,77 @@ class _OneBitMixin:
     def _decoupled(self, group: dict) -> bool:
         return bool(group.get("decoupled_weight_decay", isinstance(self, torch.optim.AdamW)))
 
-    def _compression_step(self) -> bool:
-        """Returns False when the step was skipped because some rank had non-finite values."""
-        self._engine.ensure_ready(self._active_params())
-        owner = set(self._engine.params)
-        grads = {p: self._local_grad(p, group)
-                 for group in self.param_groups for p in group["params"] if p in owner}
+    def _compression_step(self, changed: bool = False) -> bool:
+        """Returns False when the step was skipped because some rank had non-finite values.
+        ``changed``: the gradients were changed since backward, whether it shows or not."""
+        engine = self._engine
+        early = self._early or None
+        if early is None:
+            engine.begin_step()
+        engine.ensure_ready(self._active_params())
+        stale = (changed and engine.started > 0) or self._stale_early_starts()
+        if stale and self._overlap_off is None:
+            self._overlap_off = "gradients changed between backward and step()"
+            warnings.warn(
+                "hvd_onebit: the gradients changed between backward and step() (e.g. clipped, "
+                "or unscaled by a GradScaler); the buckets started during backward were "
+                "started again, and from now on this rank starts them in step() (overlap off). "
+                "Leave the gradients as backward made them to keep the overlap, or pass "
+                "overlap=False.")
+        started = set() if stale or early is None else set(early.read)
+        groups = {p: group for group in self.param_groups for p in group["params"]}
+        grads = _LocalGrads(self._local_grad, groups)
+        try:  # before anything more starts: a bad gradient raises here, on every rank
+            for p in engine.params:
+                if p not in started:
+                    grads[p]
+        except Exception:
+            engine.abandon_early()
+            raise
         start = time.perf_counter()
         try:
-            nbytes = self._engine.step(self.param_groups, grads)
+            nbytes = engine.step(self.param_groups, grads, stale=stale)
         except NonFiniteInputError as exc:
             self.skipped_steps += 1
             self._account(0, time.perf_counter() - start)
             warnings.warn(f"hvd_onebit: step skipped on every rank: {exc}")
             return False
+        finally:
+            self.last_step_breakdown = dict(engine.breakdown)
         self._account(nbytes, time.perf_counter() - start)
         return True
+
+
+class _LocalGrads(Mapping):
+    """Each parameter's local gradient (:meth:`_OneBitMixin._local_grad`), computed on first
+    access: a step started again after a stale early start reads the ones it did not need."""
+
+    def __init__(self, local_grad: Callable, groups: dict):
+        self._local_grad = local_grad
+        self._groups = groups
+        self._done: dict = {}
+
+    def __getitem__(self, p: torch.Tensor) -> Optional[torch.Tensor]:
+        if p not in self._done:
+            self._done[p] = self._local_grad(p, self._groups[p])
+        return self._done[p]
+
+    def __iter__(self):
+        return iter(self._groups)
+
+    def __len__(self) -> int:
+        return len(self._groups)
+
+
+class _EarlyStarts:
+    """One step's bookkeeping of the buckets started from gradient hooks."""
+
+    def __init__(self, groups: dict, engine: CompressedStep):
+        self.groups = groups  # parameter -> its param group
+        self.position = {p: i for i, b in enumerate(engine.buckets) for p in b.params}
+        self.missing = [len(b.params) for b in engine.buckets]  # gradients not final yet
+        self.read: dict = {}  # parameter -> what its bucket's start read (_inputs_of)
+        self.failed = False  # a start raised: the rest start in step()
 
 
 def _all_finite(tensors: list[torch.Tensor]) -> bool:
@@ -602,7 +729,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                          bucket_size_mb: float = DEFAULT_BUCKET_MB,
                          check_every: int = 0,
                          flush_on_commit: bool = False,
-                         hierarchical: bool | str = False):
+                         hierarchical: bool | str = False,
+                         overlap: bool = True):
     """Wrap a ``torch.optim.Adam`` or ``AdamW`` for 1-bit Adam over Horovod.
 
     The arguments up to ``process_set`` mean what they mean for ``hvd.DistributedOptimizer`` and
@@ -629,7 +757,11 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
             in the compression phase: Adam with a frozen variance, for comparisons.
         block_size: elements per scale in the 1-bit allreduce, a positive multiple of 8
             (None: one per chunk).
-        transport: "horovod" (default) or "mpi" (mpi4py; MPI jobs, CPU tensors).
+        transport: how the compression phase's two stages travel: "horovod" (default; through
+            Horovod's background thread, which negotiates every collective with rank 0 first),
+            "torch" (torch.distributed, Gloo on CPU or NCCL on CUDA, set up over Horovod's
+            ranks at the freeze: no negotiation, so each stage costs about one round trip less;
+            not for elastic jobs or process sets) or "mpi" (mpi4py; MPI jobs, CPU tensors).
         kernel_backend: "auto", "native" (C++, CPU) or "torch".
         bucket_size_mb: momentum fused per OneBitAllreduce, in MiB of fp32 (default 64). Each
             bucket costs two collectives per step; several let compression of one bucket
@@ -646,6 +778,16 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
             1-bit rows flat 1-bit would (L ranks per node). Error feedback belongs to the
             rank's role in the topology; a checkpoint's is reset, with a warning, when the
             topology changes.
+        overlap: in the compression phase, start each bucket's exchange from the gradient
+            hooks, as soon as backward has produced all its gradients (on the last of
+            ``backward_passes_per_step`` passes), so that its compression and stage 1 run while
+            backward goes on; step() finishes the rest. Buckets start in one order on every
+            rank, planned from the last parameter (the first gradients backward produces). The
+            result is bit-identical to ``overlap=False``, which starts every bucket in step().
+            If the gradients change between backward and step() (clipping, a GradScaler's
+            unscale), that step starts its buckets again (all ranks together) and this rank
+            stops starting them early, with a warning. The flat 1-bit collective only
+            (``compressor="none"`` and ``hierarchical`` start in step()).
 
     A param group may carry ``exp_avg_mask``: a tensor broadcastable to each of its parameters, or
     a list with one tensor (or None) per parameter. In the compression phase the averaged
@@ -668,7 +810,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                           transport=transport, kernel_backend=kernel_backend,
                           bucket_size_mb=bucket_size_mb, check_every=check_every,
                           auto_freeze=auto_freeze, flush_on_commit=flush_on_commit,
-                          hierarchical=hierarchical)
+                          hierarchical=hierarchical, overlap=overlap)
     if op == Adasum or op not in (Average, Sum):
         raise ValueError("hvd_onebit.DistributedOptimizer supports op=hvd.Average or hvd.Sum")
     if isinstance(backward_passes_per_step, bool) or not isinstance(backward_passes_per_step, int) \

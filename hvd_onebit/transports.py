@@ -6,12 +6,16 @@ layout check (:class:`Transport` names exactly that). Horovod's is the default a
 whatever Horovod runs on (Gloo, MPI or NCCL; CPU or GPU tensors). The mpi4py one issues
 MPI_Ialltoall / MPI_Iallgather on (a duplicate of) the communicator Horovod uses, bypassing
 Horovod's background thread and its negotiation round; it needs a job launched with MPI. The
+torch.distributed one (Gloo for CPU tensors, NCCL for CUDA) also has no negotiation round and
+needs nothing but the ranks' TCP reachability, which a Horovod job already has. The
 in-process one (:class:`InProcessWorld`, :class:`InProcessTransport`, :func:`run_threads`) runs n
 virtual ranks as threads of one process: tests of any world size without launching a job, and
 several ranks on one GPU (NCCL refuses two ranks on one device).
 """
 from __future__ import annotations
 
+import os
+import socket
 import threading
 import time
 from collections import Counter
@@ -21,7 +25,7 @@ from typing import Any, Callable, Optional, Protocol, TypeVar, runtime_checkable
 import horovod.torch as hvd
 import torch
 
-TRANSPORTS = ("horovod", "mpi")
+TRANSPORTS = ("horovod", "mpi", "torch")
 
 
 @runtime_checkable
@@ -29,7 +33,9 @@ class Transport(Protocol):
     """What :class:`~hvd_onebit.collective.OneBitAllreduce` needs from a transport.
 
     Ops are matched across ranks by ``name`` and, for a name used again, by the order of the
-    calls, as Horovod matches them; a rank may start several ops before waiting on any.
+    calls, as Horovod matches them; a rank may start several ops before waiting on any. Callers
+    start ops in the same order on every rank, so transports that match by order alone (MPI,
+    torch.distributed) serve as well.
     """
 
     name: str  # the transport's kind, e.g. "horovod"
@@ -171,6 +177,135 @@ class MPITransport:
         return handle
 
 
+class _TorchWork:
+    def __init__(self, work, result: torch.Tensor):
+        self.work = work
+        self.result = result
+
+
+class TorchTransport:
+    """Stage collectives through torch.distributed: Gloo for CPU tensors, NCCL for CUDA ones.
+
+    Ops go straight to the process group, with no negotiation round in Horovod's background
+    thread: one collective costs about one network round trip plus its bytes. They are matched
+    by the order of the calls (every caller here starts them in the same order on every rank).
+    The process group is torch.distributed's default group, initialised on first use with the
+    ranks of Horovod's global process set (:func:`init_torch_distributed`), or the one the
+    script initialised itself if its ranks agree with Horovod's.
+
+    Args:
+        process_set: must be Horovod's global process set.
+        device: where the tensors live: CPU needs a Gloo group, CUDA an NCCL one.
+    """
+
+    name = "torch"
+
+    def __init__(self, process_set: hvd.ProcessSet = hvd.global_process_set,
+                 device: torch.device | str = "cpu"):
+        import torch.distributed as dist
+
+        _check_torch_transport(process_set, torch.device(device))
+        init_torch_distributed(torch.device(device))
+        self._dist = dist
+        self.size = dist.get_world_size()
+        self.rank = dist.get_rank()
+        self.device = torch.device(device)
+
+    def alltoall_async(self, rows: torch.Tensor, name: str) -> _TorchWork:
+        """rows: [n, row_bytes] uint8; row j goes to rank j."""
+        out = torch.empty_like(rows)
+        return _TorchWork(self._dist.all_to_all_single(out, rows.contiguous(), async_op=True), out)
+
+    def allgather_async(self, row: torch.Tensor, name: str) -> _TorchWork:
+        """row: [1, row_bytes] uint8; every rank receives [n, row_bytes]."""
+        out = torch.empty((self.size * row.shape[0], *row.shape[1:]), dtype=row.dtype,
+                          device=row.device)
+        return _TorchWork(self._dist.all_gather_into_tensor(out, row.contiguous(), async_op=True),
+                          out)
+
+    def wait(self, handle: _TorchWork) -> torch.Tensor:
+        handle.work.wait()  # Gloo: a condition-variable wait (no spinning); NCCL: a stream wait
+        return handle.result
+
+    def allgather_ints(self, values: list[int], name: str) -> list[list[int]]:
+        out: list = [None] * self.size
+        self._dist.all_gather_object(out, [int(v) for v in values])
+        return [list(v) for v in out]
+
+    def allgather_ints_async(self, values: list[int], name: str) -> list[list[int]]:
+        return self.allgather_ints(values, name)  # small and rare: done at once
+
+    def allgather_ints_wait(self, handle: list[list[int]]) -> list[list[int]]:
+        return handle
+
+
+def _check_torch_transport(process_set: hvd.ProcessSet, device: torch.device) -> None:
+    """Raise (the same error on every rank, without a collective) if transport='torch' cannot
+    serve this job."""
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        raise RuntimeError("transport='torch' needs torch.distributed, which this torch build "
+                           "lacks; use transport='horovod'")
+    if process_set.process_set_id != hvd.global_process_set.process_set_id:
+        raise ValueError("transport='torch' reduces over all of Horovod's ranks; with a process "
+                         "set use transport='horovod'")
+    if os.environ.get("HOROVOD_ELASTIC") == "1":
+        raise ValueError("transport='torch' cannot follow an elastic job's changing ranks (a "
+                         "torch.distributed group has a fixed size); use transport='horovod'")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"transport='torch' moves CPU (Gloo) or CUDA (NCCL) tensors, the "
+                         f"parameters are on {device}")
+    if dist.is_initialized():
+        backend = dist.get_backend()
+        if dist.get_world_size() != hvd.size() or dist.get_rank() != hvd.rank():
+            raise RuntimeError(
+                f"transport='torch': torch.distributed was initialised with rank "
+                f"{dist.get_rank()} of {dist.get_world_size()}, Horovod has rank {hvd.rank()} of "
+                f"{hvd.size()}; they must agree")
+        needed = "nccl" if device.type == "cuda" else "gloo"
+        if needed not in str(backend):
+            raise RuntimeError(f"transport='torch' with {device.type} tensors needs a "
+                               f"{needed} process group; torch.distributed was initialised with "
+                               f"{backend}")
+
+
+def init_torch_distributed(device: torch.device | str = "cpu") -> None:
+    """Initialise torch.distributed's default group over Horovod's ranks, unless it is already.
+
+    Rank 0 listens on a free port of the address Horovod reaches it at (its
+    ``HOROVOD_HOSTNAME``) and tells the others through ``hvd.broadcast_object``; with
+    ``MASTER_ADDR`` and ``MASTER_PORT`` set, those are used instead. Gloo is kept on Horovod's
+    interface (``HOROVOD_GLOO_IFACE``). Every rank must call it at the same point (it is a
+    Horovod collective, then a rendezvous).
+    """
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    backend = "nccl" if torch.device(device).type == "cuda" else "gloo"
+    iface = os.environ.get("HOROVOD_GLOO_IFACE")
+    if iface and iface != "lo" and "GLOO_SOCKET_IFNAME" not in os.environ:
+        os.environ["GLOO_SOCKET_IFNAME"] = iface
+    if os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT"):
+        hvd.broadcast_object(None, root_rank=0, name="hvd_onebit.torch_dist_addr")
+        init = "env://"
+    else:
+        addr = None
+        if hvd.rank() == 0:
+            host = os.environ.get("HOROVOD_HOSTNAME", "localhost")
+            try:
+                ip = socket.gethostbyname(host if host != "localhost" else socket.gethostname())
+            except OSError:
+                ip = "127.0.0.1"
+            with socket.socket() as s:
+                s.bind((ip, 0))
+                addr = (ip, s.getsockname()[1])
+        addr = hvd.broadcast_object(addr, root_rank=0, name="hvd_onebit.torch_dist_addr")
+        init = f"tcp://{addr[0]}:{addr[1]}"
+    dist.init_process_group(backend, init_method=init, rank=hvd.rank(), world_size=hvd.size())
+
+
 def _mpi_communicator(process_set: hvd.ProcessSet):
     """The MPI communicator behind ``process_set``, or a clear error saying why MPI cannot serve.
 
@@ -211,14 +346,18 @@ def check_transport(kind: str, process_set: hvd.ProcessSet, device: torch.device
             raise ValueError(f"transport='mpi' moves CPU tensors only, the parameters are on "
                              f"{device}; use transport='horovod' on GPU")
         _mpi_communicator(process_set)
+    if kind == "torch":
+        _check_torch_transport(process_set, torch.device(device))
 
 
-def make_transport(kind: str, process_set: hvd.ProcessSet):
-    """Build the transport named ``kind`` ("horovod" or "mpi") for ``process_set``."""
+def make_transport(kind: str, process_set: hvd.ProcessSet, device: torch.device | str = "cpu"):
+    """Build the transport named ``kind`` ("horovod", "mpi" or "torch") for ``process_set``."""
     if kind == "horovod":
         return HorovodTransport(process_set)
     if kind == "mpi":
         return MPITransport(process_set)
+    if kind == "torch":
+        return TorchTransport(process_set, device)
     raise ValueError(f"transport must be one of {TRANSPORTS}, got {kind!r}")
 
 

@@ -77,10 +77,13 @@ def reference(n: int, steps: int = 6) -> list[list[np.ndarray]]:
     w = [p.numpy().astype(np.float64) for p in params]
     m = [state[p]["exp_avg"].numpy().copy() for p in params]
     v = [state[p]["exp_avg_sq"].numpy().astype(np.float64) for p in params]
-    # the engine's buckets: parameters in order, at most 0.004 MiB = 1048 float32 each
+    # the engine's buckets: parameters from the last, at most 0.004 MiB = 1048 float32 each,
+    # except that a parameter of at most 1/16 of that joins the open bucket anyway
+    cap = int(0.004 * 2**20 / 4)
     buckets, current, size = [], [], 0
-    for i, p in enumerate(params):
-        if current and size + p.numel() > int(0.004 * 2**20 / 4):
+    for i in reversed(range(len(params))):
+        p = params[i]
+        if current and size + p.numel() > cap and p.numel() > cap // 16:
             buckets.append(current)
             current, size = [], 0
         current.append(i)

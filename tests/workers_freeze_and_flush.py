@@ -249,7 +249,7 @@ def flush_engine(transport, steps=3, bad_rank=None):
             engine.step(groups, {p: gradient(step, transport.rank, p.shape) for p in params})
     comms = [engine.comms[engine._key(b)] for b in engine.buckets]
     if bad_rank == transport.rank:
-        comms[0]._server_z[-1] = float("nan")
+        comms[-1]._server_z[0] = float("nan")  # a real element of the last rank's chunk
     before = {"momenta": [b.momentum.clone() for b in engine.buckets],
               "worker_errors": [c.worker_error for c in comms],
               "server_errors": [c.server_error for c in comms],

@@ -248,7 +248,13 @@ def bench_allreduce(nps, sizes, bandwidths, methods, repeats, controller, hosts,
               help="Plain-allreduce iterations before PowerSGD starts compressing.")
 @click.option("--methods", default=",".join(TRAIN_DEFAULT_METHODS), show_default=True,
               callback=_csv(str), help=f"Which methods to run, from {', '.join(TRAIN_METHODS)} "
-              "(onebit_hier: hierarchical=True, for --ranks-per-node > 1).")
+              "(onebit_sync: overlap=False, the exchange starts in step(); onebit_hier: "
+              "hierarchical=True, for --ranks-per-node > 1).")
+@click.option("--transport", default="horovod", show_default=True,
+              type=click.Choice(["horovod", "torch", "mpi"]),
+              help="1-bit Adam's transport for the compression phase.")
+@click.option("--bucket-size-mb", default=None, type=float,
+              help="1-bit Adam's bucket_size_mb [default: the optimizer's].")
 @_real_cluster_options
 @_queue_option
 @_nodes_options
@@ -257,8 +263,9 @@ def bench_allreduce(nps, sizes, bandwidths, methods, repeats, controller, hosts,
               help="Write a PNG bar chart of samples/s per method and phase.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 def bench_train(np_, bandwidth, steps, warmup_frac, model, width, depth, vocab, embed_dim, tokens,
-                batch, malloc_mode, wait, powersgd_start, methods, hosts, shared_dir, queue_ms,
-                ranks_per_node, intra_bandwidth, timeout, plot, as_json) -> None:
+                batch, malloc_mode, wait, powersgd_start, methods, transport, bucket_size_mb, hosts,
+                shared_dir, queue_ms, ranks_per_node, intra_bandwidth, timeout, plot,
+                as_json) -> None:
     """End-to-end samples/s and bytes per step: Horovod Adam (fp32, fp16), DDP + PowerSGD and
     1-bit Adam, per phase and over a whole run. Also reports what share of the Horovod fp32
     step is communication (the 'local' method runs the same step without any)."""
@@ -271,7 +278,8 @@ def bench_train(np_, bandwidth, steps, warmup_frac, model, width, depth, vocab, 
     kwargs = {"methods": tuple(methods), "steps": steps, "warmup_frac": warmup_frac,
               "model": model, "width": width, "depth": depth, "vocab": vocab,
               "embed_dim": embed_dim, "tokens": tokens, "batch": batch, "wait": wait,
-              "powersgd_start": powersgd_start}
+              "powersgd_start": powersgd_start, "transport": transport,
+              "bucket_size_mb": bucket_size_mb}
     click.echo(f"training {len(methods)} methods x {steps} steps on {np_} ranks "
                f"({'real hosts' if hosts else bandwidth})...", err=True)
     with _cluster_for(np_, None if hosts else bandwidth, queue_ms, ranks_per_node,
@@ -312,6 +320,11 @@ def bench_train(np_, bandwidth, steps, warmup_frac, model, width, depth, vocab, 
     print_table(table, [("method", "method", ""), ("phase", "phase", ""), ("steps", "steps", "d"),
                         ("median step ms", "ms", ",.1f"), ("samples/s", "sps", ",.1f"),
                         ("measured MB/step/rank", "mb", ",.2f"), ("run s", "run_s", ",.2f")])
+    for r in rows:
+        parts = r.get("compression_breakdown_s")
+        if parts:
+            click.echo(f"{r['method']} compressed step, median ms: " + ", ".join(
+                f"{k} {v * 1e3:.1f}" for k, v in parts.items()))
     for k, v in summary.items():
         click.echo(f"{k}: {v:.3f}")
 

@@ -36,10 +36,9 @@ pay for. ``wait="spin"`` keeps Horovod's own.
 """
 from __future__ import annotations
 
-import os
-import socket
 import statistics
 import time
+from typing import Optional
 
 from ..layout import ring_allreduce_bytes
 from .allreduce import _iface_tx_bytes
@@ -49,7 +48,9 @@ from .allreduce import _iface_tx_bytes
 # step (README.md, Benchmarks, has what it cost here). Serving everything from a heap that is
 # never trimmed keeps those pages mapped. (jemalloc or tcmalloc via LD_PRELOAD do the same job.)
 MALLOC_REUSE_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(2**40)}
-METHODS = ("local", "horovod_fp32", "horovod_fp16", "ddp_powersgd", "onebit", "onebit_hier")
+METHODS = ("local", "horovod_fp32", "horovod_fp16", "ddp_powersgd", "onebit", "onebit_sync",
+           "onebit_hier")
+ONEBIT_METHODS = ("onebit", "onebit_sync", "onebit_hier")
 DEFAULT_METHODS = ("local", "horovod_fp32", "horovod_fp16", "ddp_powersgd", "onebit")
 MODELS = ("mlp", "embedding")
 WAITS = ("sleep", "spin")
@@ -101,33 +102,9 @@ def _sleeping_horovod_waits(enable: bool) -> None:
     horovod_optimizer.synchronize = synchronize if enable else mpi_ops.synchronize
 
 
-def _init_torch_distributed():
-    """Gloo process group for DDP, rendezvous at rank 0's address (found through Horovod)."""
-    import horovod.torch as hvd
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        return
-    iface = os.environ.get("HOROVOD_GLOO_IFACE")
-    if iface and iface != "lo":
-        os.environ["GLOO_SOCKET_IFNAME"] = iface  # keep DDP's traffic on the emulated link
-    addr = None
-    if hvd.rank() == 0:
-        host = os.environ.get("HOROVOD_HOSTNAME", "localhost")
-        try:
-            ip = socket.gethostbyname(host if host != "localhost" else socket.gethostname())
-        except OSError:
-            ip = "127.0.0.1"
-        with socket.socket() as s:
-            s.bind((ip, 0))
-            addr = (ip, s.getsockname()[1])
-    addr = hvd.broadcast_object(addr, root_rank=0, name="bench.ddp_addr")
-    dist.init_process_group("gloo", init_method=f"tcp://{addr[0]}:{addr[1]}",
-                            rank=hvd.rank(), world_size=hvd.size())
-
-
-def _make_step(method: str, model, steps: int, warmup_frac: float, powersgd_start: int, lr: float):
-    """Returns (step_fn(x, y), optimizer or None, phase_fn())."""
+def _make_step(method: str, model, steps: int, warmup_frac: float, powersgd_start: int, lr: float,
+               onebit_options: dict):
+    """Returns (step_fn(x, y) -> backward seconds, optimizer or None, phase_fn())."""
     import horovod.torch as hvd
     import torch
 
@@ -140,15 +117,22 @@ def _make_step(method: str, model, steps: int, warmup_frac: float, powersgd_star
         comp = hvd.Compression.fp16 if method == "horovod_fp16" else hvd.Compression.none
         opt = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(),
                                        compression=comp)
-    elif method in ("onebit", "onebit_hier"):
+    elif method in ONEBIT_METHODS:
+        options = dict(onebit_options)
+        if method == "onebit_hier":
+            options["hierarchical"] = True
+        if method == "onebit_sync":
+            options["overlap"] = False
         opt = hvd_onebit.DistributedOptimizer(base, named_parameters=model.named_parameters(),
                                               freeze_step=max(1, round(warmup_frac * steps)),
-                                              hierarchical=method == "onebit_hier")
+                                              **options)
         phase = lambda: opt.phase  # noqa: E731
     elif method == "ddp_powersgd":
         from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
 
-        _init_torch_distributed()
+        from ..transports import init_torch_distributed
+
+        init_torch_distributed()
         # One bucket for the whole model: PowerSGD's hook waits on a second allreduce inside a
         # future callback, which on Gloo's two worker threads deadlocks when two buckets'
         # callbacks block at once.
@@ -166,10 +150,14 @@ def _make_step(method: str, model, steps: int, warmup_frac: float, powersgd_star
 
     def step(x, y):
         opt.zero_grad()
-        loss_fn(net(x), y).backward()
+        loss = loss_fn(net(x), y)
+        start = time.perf_counter()
+        loss.backward()
+        backward = time.perf_counter() - start
         opt.step()
         if method == "ddp_powersgd":
             counter["it"] += 1
+        return backward
 
     return step, opt, phase
 
@@ -177,11 +165,14 @@ def _make_step(method: str, model, steps: int, warmup_frac: float, powersgd_star
 def train_worker(methods=METHODS, steps: int = 40, warmup_frac: float = 0.15,
                  model: str = "embedding", width: int = 2048, depth: int = 3, batch: int = 4,
                  vocab: int = 32768, embed_dim: int = 256, tokens: int = 2048,
-                 lr: float = 1e-4, powersgd_start: int = 10, wait: str = "sleep") -> list[dict]:
+                 lr: float = 1e-4, powersgd_start: int = 10, wait: str = "sleep",
+                 transport: str = "horovod", bucket_size_mb: Optional[float] = None
+                 ) -> list[dict]:
     """Runs in every rank (after hvd.init()). Returns one row per method (rank 0's view).
 
     ``model="mlp"`` uses width/depth; ``model="embedding"`` uses vocab/embed_dim, ``tokens``
-    token ids per sample, and ``width`` for its head.
+    token ids per sample, and ``width`` for its head. ``transport`` and ``bucket_size_mb`` are
+    1-bit Adam's options (None: its default bucket size).
     """
     import horovod.torch as hvd
     import torch
@@ -197,21 +188,27 @@ def train_worker(methods=METHODS, steps: int = 40, warmup_frac: float = 0.15,
         net = (build_mlp(width, depth) if model == "mlp"
                else build_embedding_model(vocab, embed_dim, width))
         params = sum(p.numel() for p in net.parameters())
-        step, opt, phase = _make_step(method, net, steps, warmup_frac, powersgd_start, lr)
+        options = {"transport": transport}
+        if bucket_size_mb is not None:
+            options["bucket_size_mb"] = bucket_size_mb
+        step, opt, phase = _make_step(method, net, steps, warmup_frac, powersgd_start, lr, options)
         g = torch.Generator().manual_seed(hvd.rank())
         if model == "mlp":
             inputs = [torch.randn(batch, IN_DIM, generator=g) for _ in range(4)]
         else:
             inputs = [torch.randint(vocab, (batch, tokens), generator=g) for _ in range(4)]
         batches = [(x, torch.randn(batch, OUT_DIM, generator=g)) for x in inputs]
-        times, phases, tx = [], [], []
+        times, phases, tx, parts = [], [], [], []
         hvd.allreduce(torch.zeros(1), name=f"bench.train.start.{method}")
         for i in range(steps):
             phases.append(phase())
             tx0 = _iface_tx_bytes()
             start = time.perf_counter()
-            step(*batches[i % len(batches)])
+            backward = step(*batches[i % len(batches)])
             times.append(time.perf_counter() - start)
+            # where the compressed step's time went (hvd_onebit's own accounting)
+            split = getattr(opt, "last_step_breakdown", None) or {}
+            parts.append({"backward": backward, **split})
             tx1 = _iface_tx_bytes()
             tx.append(None if tx0 is None else tx1 - tx0)
         # Every rank's step times: [ranks, steps]. The ranks are chained by the step's
@@ -238,7 +235,10 @@ def train_worker(methods=METHODS, steps: int = 40, warmup_frac: float = 0.15,
             row[f"{key}_measured_tx_bytes_per_step"] = (statistics.median(measured)
                                                         if measured else None)
             row[f"{key}_steps"] = len(idx)
-        if method in ("onebit", "onebit_hier"):
+            names = sorted({k for i in steady for k in parts[i]})
+            row[f"{key}_breakdown_s"] = {k: statistics.median(parts[i].get(k, 0.0) for i in steady)
+                                         for k in names}
+        if method in ONEBIT_METHODS:
             row["freeze_step"] = opt.freeze_step
             row["compression_bytes_per_step"] = opt.last_step_bytes
         elif method.startswith("horovod"):
@@ -266,6 +266,11 @@ def summarize(rows: list[dict]) -> dict:
         out["onebit_run_speedup_vs_fp32"] = fp32["run_seconds"] / ob["run_seconds"]
         frac = ob["freeze_step"] / ob["steps"]
         out["onebit_warmup_fraction"] = frac
+    if ob and local:
+        out["onebit_compression_step_vs_local"] = ob["compression_step_s"] / local["all_step_s"]
+    sync = by.get("onebit_sync")
+    if ob and sync:
+        out["onebit_overlap_step_vs_sync"] = ob["compression_step_s"] / sync["compression_step_s"]
     hier = by.get("onebit_hier")
     if hier and fp32:
         out["onebit_hier_compression_step_speedup_vs_fp32"] = (fp32["all_step_s"]

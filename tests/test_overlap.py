@@ -1,0 +1,65 @@
+"""Buckets started from the gradient hooks during backward (overlap=True, the default) give the
+same bits as buckets started in step(), with several buckets, backward_passes_per_step, a
+parameter without gradients, param groups with different beta1, gradient clipping and
+GradScaler; over Horovod's transport and torch.distributed's. 2 real ranks."""
+import pytest
+
+from hvd_onebit.testing import run_ranks
+
+pytestmark = pytest.mark.multirank
+
+CASES = ["plain", "passes2", "clip", "scaler", "scaler_clip"]
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_ranks("tests.workers_overlap:suite", np=2, timeout=400)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_overlap_is_bit_identical_to_starting_in_step(results, case):
+    for rank, r in enumerate(results):
+        on, off = r[(case, True)], r[(case, False)]
+        assert on["error"] is None and off["error"] is None, (on["error"], off["error"])
+        assert on["buckets"] >= 4, f"rank {rank}: expected several buckets, got {on['buckets']}"
+        assert on["hashes"] == off["hashes"], \
+            f"rank {rank}, {case}: parameters differ from overlap=False at steps " \
+            f"{[i for i, (a, b) in enumerate(zip(on['hashes'], off['hashes'])) if a != b]}"
+        assert off["early_starts"] == 0, f"rank {rank}: overlap=False started buckets early"
+    assert results[0][(case, True)]["hashes"] == results[1][(case, True)]["hashes"], \
+        f"{case}: ranks differ"
+
+
+def test_buckets_start_during_backward(results):
+    for rank, r in enumerate(results):
+        run = r[("plain", True)]
+        # 6 compressed steps; the bucket holding the unused layer (and every bucket after it)
+        # can only start in step(), the buckets before it start in the hooks
+        assert 0 < run["early_starts"] < 6 * run["buckets"], \
+            f"rank {rank}: {run['early_starts']} early starts over 6 steps of {run['buckets']} buckets"
+        assert run["restarts"] == 0 and run["warnings"] == [], (run["restarts"], run["warnings"])
+        assert set(run["breakdown"]) == {"compress", "wait", "server", "decode"}, run["breakdown"]
+        assert run["breakdown"]["compress"] > 0 and run["breakdown"]["decode"] > 0, run["breakdown"]
+
+
+@pytest.mark.parametrize("case", ["clip", "scaler", "scaler_clip"])
+def test_gradients_changed_after_backward_restart_once_then_start_in_step(results, case):
+    for rank, r in enumerate(results):
+        run = r[(case, True)]
+        assert run["restarts"] == 1, f"rank {rank}, {case}: {run['restarts']} restarted steps"
+        assert any("changed between backward and step" in w for w in run["warnings"]), \
+            f"rank {rank}, {case}: no warning, got {run['warnings']}"
+
+
+def test_torch_distributed_transport_gives_the_same_bits(results):
+    for rank, r in enumerate(results):
+        assert r["torch_transport"]["hashes"] == r[("plain", True)]["hashes"], \
+            f"rank {rank}: transport='torch' differs from transport='horovod'"
+        assert r["torch_transport"]["early_starts"] == r[("plain", True)]["early_starts"]
+
+
+def test_zero_grad_with_buckets_in_flight_is_refused(results):
+    for rank, r in enumerate(results):
+        assert "zero_grad() was called after loss.backward()" in (r["zero_grad"]["zero_grad_error"]
+                                                                  or ""), \
+            f"rank {rank}: {r['zero_grad']['zero_grad_error']!r}"

@@ -1,0 +1,102 @@
+"""Worker functions for starting buckets from the gradient hooks (overlap): each runs a short
+training in every rank and returns what the tests compare with the same run started in step()."""
+from __future__ import annotations
+
+import contextlib
+import warnings
+
+import horovod.torch as hvd
+import torch
+import torch.nn as nn
+
+import hvd_onebit
+from tests.workers_optimizer import params_hash
+
+
+class FourLayers(nn.Module):
+    """Four Linear layers and one the forward pass never uses (no gradient, ever)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(32, 64)
+        self.unused = nn.Linear(64, 64)
+        self.b = nn.Linear(64, 64)
+        self.c = nn.Linear(64, 64)
+        self.d = nn.Linear(64, 8)
+
+    def forward(self, x):
+        return self.d(torch.tanh(self.c(torch.tanh(self.b(torch.tanh(self.a(x)))))))
+
+
+def _batch(step: int, k: int = 0):
+    g = torch.Generator().manual_seed(1000 * hvd.rank() + 10 * step + k)
+    x = torch.randn(16, 32, generator=g)
+    return x, torch.sin(x[:, :8])
+
+
+def run(overlap: bool, steps: int = 9, freeze_step: int = 3, passes: int = 1,
+        clip: bool = False, scaler: bool = False, transport: str = "horovod",
+        zero_grad_between: bool = False) -> dict:
+    """One training run; returns per-step parameter hashes and the engine's counters."""
+    model = FourLayers()
+    groups = [{"params": [p for n, p in model.named_parameters() if n.startswith("c.")],
+               "betas": (0.8, 0.999)},
+              {"params": [p for n, p in model.named_parameters() if not n.startswith("c.")]}]
+    opt = hvd_onebit.DistributedOptimizer(
+        torch.optim.Adam(groups, lr=1e-2), named_parameters=model.named_parameters(),
+        freeze_step=freeze_step, bucket_size_mb=0.01, backward_passes_per_step=passes,
+        overlap=overlap, transport=transport)
+    amp = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8) if scaler else None
+    out = {"hashes": [], "warnings": [], "error": None, "zero_grad_error": None}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(steps):
+            opt.zero_grad()
+            for k in range(passes):
+                x, y = _batch(step, k)
+                loss = nn.functional.mse_loss(model(x), y)
+                (amp.scale(loss) if amp else loss).backward()
+            if zero_grad_between and opt.phase == "compression":
+                try:
+                    opt.zero_grad()
+                except AssertionError as exc:
+                    out["zero_grad_error"] = str(exc)
+                zero_grad_between = False
+            if clip:  # Horovod's recipe: the gradients are final once synchronize() returns
+                opt.synchronize()
+                if amp:
+                    amp.unscale_(opt)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+            with opt.skip_synchronize() if clip else contextlib.nullcontext():
+                if amp:
+                    amp.step(opt)
+                    amp.update()
+                else:
+                    opt.step()
+            out["hashes"].append(params_hash(model))
+    engine = opt.compressed_step
+    out["warnings"] = sorted({str(w.message)[:60] for w in caught if "hvd_onebit" in str(w.message)
+                              and "no gradient" not in str(w.message)})
+    out["buckets"] = len(engine.buckets)
+    out["early_starts"] = engine.early_starts
+    out["restarts"] = engine.restarts
+    out["breakdown"] = opt.last_step_breakdown
+    return out
+
+
+def suite() -> dict:
+    cases = {
+        "plain": {},
+        "passes2": {"passes": 2},
+        "clip": {"clip": True},
+        "scaler": {"scaler": True},
+        "scaler_clip": {"scaler": True, "clip": True},
+    }
+    out = {}
+    for name, kwargs in cases.items():
+        for overlap in (True, False):
+            out[(name, overlap)] = run(overlap, **kwargs)
+    out["torch_transport"] = run(True, transport="torch")
+    out["zero_grad"] = run(True, zero_grad_between=True, steps=5)
+    return out
