@@ -12,9 +12,12 @@ Two numbers per phase:
   Adam's own storages excluded, after the phase's first and last step (the last warmup step
   already allocates the compression phase's buffers, while its allreduce is on the wire). Exact.
 * **peak**: the most, over the phase's steps, of what was held before a step plus the transient
-  growth of its ``optimizer.step()`` (the backward pass is left out: autograd's temporaries are
-  not the optimizer's; torch's Adam step has temporaries of its own, measured alone on the same
-  model as ``adam_step_transient_bytes`` and not subtracted), measured
+  growth of its backward pass and ``optimizer.step()`` (both: the optimizer starts its
+  collectives from the gradient hooks, in the warmup and, with ``overlap``, in the compression
+  phase) less that of the backward pass alone on a copy of the model without an optimizer
+  (``backward_transient_bytes``: autograd's temporaries are not the optimizer's). torch's own
+  Adam step has temporaries too, measured on that copy as ``adam_step_transient_bytes`` and
+  not subtracted. Measured
   on CPU as the rise of the resident set's high-water mark (``VmHWM`` in ``/proc/self/status``,
   reset through ``/proc/self/clear_refs`` before the step) over the resident set before it, with
   glibc told to serve every allocation above 128 KiB by its own ``mmap`` (so a freed temporary
@@ -206,7 +209,7 @@ def rank_run(layers: int, width: int, warmup: int, compressed: int, batch: int =
     transients: dict[str, list[int]] = {"warmup": [], "compression": []}
     held: dict[str, list[dict]] = {"warmup": [], "compression": []}
     before: dict[str, list[int]] = {"warmup": [], "compression": []}
-    adam_transient = _adam_step_transient(model, x, dev)
+    backward_transient, adam_transient = _baseline_transients(model, x, dev)
     last = 0
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -214,10 +217,10 @@ def rank_run(layers: int, width: int, warmup: int, compressed: int, batch: int =
             phase = opt.phase
             loss = model(x).square().mean()
             opt.zero_grad(set_to_none=False)
-            loss.backward()
             with StepPeak(dev) as peak:
+                loss.backward()
                 opt.step()
-            transients[phase].append(peak.bytes)
+            transients[phase].append(max(0, peak.bytes - backward_transient))
             before[phase].append(last)
             engine = opt.compressed_step
             held[phase].append(held_bytes({"optimizer_state": opt.state,
@@ -230,24 +233,28 @@ def rank_run(layers: int, width: int, warmup: int, compressed: int, batch: int =
     param_bytes = 4 * sum(p.numel() for p in params)
     return {"rank": hvd.rank(), "param_bytes": param_bytes,
             "buckets": len(engine.buckets or []), "adam_step_transient_bytes": adam_transient,
+            "backward_transient_bytes": backward_transient,
             "phases": {ph: _phase_entry(held[ph], before[ph], transients[ph], param_bytes)
                        for ph in ("warmup", "compression") if held[ph]}}
 
 
-def _adam_step_transient(model: torch.nn.Module, x: torch.Tensor, dev: torch.device) -> int:
-    """The transient growth of one step of torch's own Adam on a copy of ``model`` (its second
-    step: the first allocates the state)."""
+def _baseline_transients(model: torch.nn.Module, x: torch.Tensor, dev: torch.device
+                         ) -> tuple[int, int]:
+    """On a copy of ``model`` with torch's own Adam: the transient growth of a backward pass
+    (gradients already allocated) and of one Adam step (its state already allocated)."""
     import copy
 
     twin = copy.deepcopy(model)
     adam = torch.optim.Adam(twin.parameters(), lr=1e-4)
     for _ in range(2):
         adam.zero_grad(set_to_none=False)
-        twin(x).square().mean().backward()
-        with StepPeak(dev) as peak:
+        loss = twin(x).square().mean()
+        with StepPeak(dev) as backward:
+            loss.backward()
+        with StepPeak(dev) as step:
             adam.step()
     del twin, adam
-    return peak.bytes
+    return backward.bytes, step.bytes
 
 
 # ---- the engine alone on n virtual ranks ---------------------------------------------------------
