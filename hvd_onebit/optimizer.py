@@ -51,7 +51,7 @@ from .consistency import check_parameters_identical, check_same_parameters
 from .layout import ring_allreduce_bytes
 from .low_precision import (WidenBfloat16, adam_step_float32, float32_state_in, is_low_precision,
                             state_dtype)
-from .transports import sleep_until_done
+from .transports import init_torch_distributed, resolve_transport, sleep_until_done
 
 STEP_KEY = "onebit_step"  # param_groups[0] entry holding the optimizer step count
 FREEZE_KEY = "onebit_freeze_step"  # param_groups[0] entry: the freeze step, -1 while undecided
@@ -87,12 +87,16 @@ class _OneBitMixin:
         self._monitor = VarianceMonitor(config.auto_freeze) if config.auto else None
         self.compressor = config.compressor
         self.block_size = config.block_size
-        self.transport = config.transport
+        device = next((p.device for g in self.param_groups for p in g["params"]),
+                      torch.device("cpu"))
+        # "auto" is decided here, from what every rank sees alike
+        self.transport = resolve_transport(config.transport, process_set, device,
+                                           config.hierarchical)
         self.kernel_backend = config.kernel_backend
         self.bucket_size_mb = config.bucket_size_mb
         self.check_every = config.check_every
         self._engine = CompressedStep(config, self.state, self._decoupled, process_set,
-                                      names=self._parameter_names)
+                                      transport=self.transport, names=self._parameter_names)
         # Telemetry, readable by training scripts and the CLI.
         self.last_step_bytes = 0  # bytes this rank sent in the last step (warmup: ring estimate)
         self.total_bytes = 0
@@ -108,6 +112,10 @@ class _OneBitMixin:
         if self._world > 1 and os.environ.get("HOROVOD_ELASTIC") != "1":
             # Elastic workers join running jobs, so a collective here could not be matched.
             check_same_parameters(self.param_groups, self._parameter_names, self.process_set)
+        if self.transport == "torch" and config.compressor == "onebit" and self._world > 1:
+            # Set up now, on every rank together, so a network that cannot carry it fails at
+            # construction, not at the freeze.
+            init_torch_distributed(device)
 
     # ---- state ------------------------------------------------------------------------------------
 
@@ -724,7 +732,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                          auto_freeze: Optional[dict] = None,
                          compressor: str = "onebit",
                          block_size: Optional[int] = None,
-                         transport: str = "horovod",
+                         transport: str = "auto",
                          kernel_backend: str = "auto",
                          bucket_size_mb: float = DEFAULT_BUCKET_MB,
                          check_every: int = 0,
@@ -757,11 +765,13 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
             in the compression phase: Adam with a frozen variance, for comparisons.
         block_size: elements per scale in the 1-bit allreduce, a positive multiple of 8
             (None: one per chunk).
-        transport: how the compression phase's two stages travel: "horovod" (default; through
-            Horovod's background thread, which negotiates every collective with rank 0 first),
-            "torch" (torch.distributed, Gloo on CPU or NCCL on CUDA, set up over Horovod's
-            ranks at the freeze: no negotiation, so each stage costs about one round trip less;
-            not for elastic jobs or process sets) or "mpi" (mpi4py; MPI jobs, CPU tensors).
+        transport: how the compression phase's two stages travel: "torch" (torch.distributed,
+            Gloo on CPU or NCCL on CUDA, set up over Horovod's ranks when the optimizer is
+            built: no negotiation round, so each stage costs about one round trip less than
+            through Horovod; not for elastic jobs, process sets or ``hierarchical``), "horovod"
+            (Horovod's alltoall and allgather, negotiated with rank 0 by its background thread;
+            whatever Horovod runs on), "mpi" (mpi4py; MPI jobs, CPU tensors), or "auto"
+            (default): "torch" where it can serve, else "horovod". ``opt.transport`` says which.
         kernel_backend: "auto", "native" (C++, CPU) or "torch".
         bucket_size_mb: momentum fused per OneBitAllreduce, in MiB of fp32 (default 64). Each
             bucket costs two collectives per step; several let compression of one bucket

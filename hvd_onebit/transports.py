@@ -25,7 +25,7 @@ from typing import Any, Callable, Optional, Protocol, TypeVar, runtime_checkable
 import horovod.torch as hvd
 import torch
 
-TRANSPORTS = ("horovod", "mpi", "torch")
+TRANSPORTS = ("auto", "horovod", "mpi", "torch")
 
 
 @runtime_checkable
@@ -334,6 +334,24 @@ def _mpi_communicator(process_set: hvd.ProcessSet):
             "initialise MPI (or set mpi4py.rc.thread_level = 'multiple' before importing "
             "mpi4py.MPI), use an MPI built with thread support, or transport='horovod'")
     return base
+
+
+def resolve_transport(kind: str, process_set: hvd.ProcessSet, device: torch.device | str,
+                      hierarchical: bool | str = False) -> str:
+    """The transport "auto" stands for in this job: "torch" where torch.distributed can serve
+    (all of Horovod's ranks, not elastic, CPU or CUDA tensors, a flat collective, and, if the
+    script initialised torch.distributed itself, a group that fits), else "horovod". Other
+    kinds are returned as they are. Decided from what every rank sees alike, without a
+    collective."""
+    if kind != "auto":
+        return kind
+    if hierarchical is not False:
+        return "horovod"
+    try:
+        _check_torch_transport(process_set, torch.device(device))
+    except (RuntimeError, ValueError):
+        return "horovod"
+    return "torch"
 
 
 def check_transport(kind: str, process_set: hvd.ProcessSet, device: torch.device) -> None:

@@ -94,7 +94,7 @@ def test_sparse_embedding_with_sparse_as_dense_trains_like_a_dense_one(results):
     ("block_size_12", "block_size must be None or a positive multiple of 8, got 12"),
     ("block_size_0", "block_size must be None or a positive multiple of 8, got 0"),
     ("block_size_float", "block_size must be None or a positive multiple of 8, got 64.0"),
-    ("transport", "transport must be one of ('horovod', 'mpi', 'torch'), got 'tcp'"),
+    ("transport", "transport must be one of ('auto', 'horovod', 'mpi', 'torch'), got 'tcp'"),
     ("kernel_backend", "kernel_backend must be one of ('auto', 'native', 'torch', 'triton'), got 'cuda'"),
     ("native_on_meta", "native kernels run on CPU tensors only, got device meta"),
     ("bucket_zero", "bucket_size_mb must be a positive number of MiB, got 0"),
