@@ -352,7 +352,8 @@ class _OneBitMixin:
         if early is None or early.failed or p not in early.position:
             return
         engine = self._engine
-        early.missing[early.position[p]] -= 1
+        for i in early.position[p]:
+            early.missing[i] -= 1
         try:
             while (engine.next_to_start < len(early.missing)
                    and early.missing[engine.next_to_start] == 0):
@@ -697,7 +698,10 @@ class _EarlyStarts:
 
     def __init__(self, groups: dict, engine: CompressedStep):
         self.groups = groups  # parameter -> its param group
-        self.position = {p: i for i, b in enumerate(engine.buckets) for p in b.params}
+        self.position: dict = {}  # parameter -> the buckets holding a part of it
+        for i, b in enumerate(engine.buckets):
+            for p in b.params:
+                self.position.setdefault(p, []).append(i)
         self.missing = [len(b.params) for b in engine.buckets]  # gradients not final yet
         self.read: dict = {}  # parameter -> what its bucket's start read (_inputs_of)
         self.failed = False  # a start raised: the rest start in step()

@@ -369,7 +369,9 @@ def check_transport(kind: str, process_set: hvd.ProcessSet, device: torch.device
 
 
 def make_transport(kind: str, process_set: hvd.ProcessSet, device: torch.device | str = "cpu"):
-    """Build the transport named ``kind`` ("horovod", "mpi" or "torch") for ``process_set``."""
+    """Build the transport named ``kind`` ("horovod", "mpi", "torch" or "auto", see
+    :func:`resolve_transport`) for ``process_set``."""
+    kind = resolve_transport(kind, process_set, device)
     if kind == "horovod":
         return HorovodTransport(process_set)
     if kind == "mpi":
