@@ -34,6 +34,7 @@ from __future__ import annotations
 import os
 import time
 import warnings
+import weakref
 from typing import Callable, Iterable, Mapping, Optional
 
 import horovod.torch as hvd
@@ -108,6 +109,7 @@ class _OneBitMixin:
         self._warmup_wait = 0.0
         self._early: Optional[_EarlyStarts] | bool = None  # this step's early starts (see hooks)
         self._overlap_off: Optional[str] = None  # why this rank stopped starting buckets early
+        self._scaler_ref = None  # weakref to the GradScaler of the last step, if one was used
         self._init_state()
         if self._world > 1 and os.environ.get("HOROVOD_ELASTIC") != "1":
             # Elastic workers join running jobs, so a collective here could not be matched.
@@ -342,7 +344,13 @@ class _OneBitMixin:
                 if engine.can_start_early:
                     engine.begin_step()
                     groups = {p: g for g in self.param_groups for p in g["params"]}
-                    self._early = _EarlyStarts(groups, engine)
+                    # A GradScaler used last step is assumed this step too: the hooks see
+                    # scaled gradients and unscale them as GradScaler.unscale_ will (step()
+                    # checks the assumption).
+                    scaler = self._scaler_ref() if self._scaler_ref is not None else None
+                    if scaler is not None and scaler._scale is None:
+                        scaler = None
+                    self._early = _EarlyStarts(groups, engine, scaler)
         return self._early or None
 
     def _gradient_ready(self, p: torch.Tensor) -> None:
@@ -358,7 +366,8 @@ class _OneBitMixin:
             while (engine.next_to_start < len(early.missing)
                    and early.missing[engine.next_to_start] == 0):
                 params = engine.bucket_params(engine.next_to_start)
-                grads = {q: self._local_grad(q, early.groups[q]) for q in params}
+                grads = {q: self._local_grad(q, early.groups[q], early.inv_scale)
+                         for q in params}
                 for q in params:
                     early.read[q] = self._inputs_of(q, early.groups[q])
                 engine.start_bucket(self.param_groups, grads)
@@ -452,11 +461,14 @@ class _OneBitMixin:
         elif not self._compressing():
             self._warmup_wait = 0.0
             self.last_step_breakdown = {}
+            self._scaler_ref = None
             loss = self._warmup_step(closure)
             self._account(self._warmup_bytes(), self._warmup_wait)
         else:
             loss = self._closure_loss(closure)
-            if self._compression_step():
+            early = self._early or None
+            self._scaler_ref = None
+            if self._compression_step(changed=early is not None and early.scaler is not None):
                 self._completed_steps += 1
             self._end_compression_step()
         if self.check_every and self._world > 1 and self._completed_steps % self.check_every == 0:
@@ -488,6 +500,7 @@ class _OneBitMixin:
         from torch.amp.grad_scaler import OptState
 
         per_opt = scaler._per_optimizer_states[id(self)]
+        self._scaler_ref = weakref.ref(scaler)
         if not self._compressing():
             self._warmup_wait = 0.0
             self._synchronize_for_step()
@@ -505,9 +518,10 @@ class _OneBitMixin:
         if per_opt["stage"] is OptState.READY:
             scaler.unscale_(self)
         loss = self._closure_loss(closure)
-        # The hooks saw the scaled gradients (unscaling in place leaves no trace on their
-        # version counters): anything started early is out of date.
-        if self._compression_step(changed=True):
+        # Unscaling in place leaves no trace on the gradients' version counters: what the hooks
+        # assumed about the scaler is checked instead.
+        early = self._early or None
+        if self._compression_step(changed=early is not None and early.scaler is not scaler):
             self._completed_steps += 1
         else:
             for flag in per_opt["found_inf_per_device"].values():
@@ -605,7 +619,11 @@ class _OneBitMixin:
     def _active_params(self) -> list[torch.Tensor]:
         return [p for group in self.param_groups for p in group["params"] if p.requires_grad]
 
-    def _local_grad(self, p: torch.Tensor, group: dict) -> Optional[torch.Tensor]:
+    def _local_grad(self, p: torch.Tensor, group: dict,
+                    inv_scale: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+        """p's gradient as the compressed step takes it in; ``inv_scale``: the gradient is
+        still scaled by a GradScaler, unscale it first (the bits of GradScaler.unscale_: one
+        float32 product, rounded to the gradient's dtype)."""
         g = p.grad
         if g is None:
             return None
@@ -613,6 +631,8 @@ class _OneBitMixin:
             if not self.sparse_as_dense:
                 raise self._sparse_gradient_error(p)
             g = g.to_dense()
+        if inv_scale is not None:
+            g = torch.mul(g.float(), inv_scale).to(g.dtype)
         if is_low_precision(p):  # the momentum is float32: so is the gradient it takes in
             g = g.float()
         if self.op == Sum:  # Horovod's Sum: the update sees the sum over ranks, not the mean
@@ -644,10 +664,10 @@ class _OneBitMixin:
             self._overlap_off = "gradients changed between backward and step()"
             warnings.warn(
                 "hvd_onebit: the gradients changed between backward and step() (e.g. clipped, "
-                "or unscaled by a GradScaler); the buckets started during backward were "
-                "started again, and from now on this rank starts them in step() (overlap off). "
-                "Leave the gradients as backward made them to keep the overlap, or pass "
-                "overlap=False.")
+                "or a GradScaler used this step and not the last, or the reverse); the buckets "
+                "started during backward were started again, and from now on this rank starts "
+                "them in step() (overlap off). Leave the gradients as backward made them to "
+                "keep the overlap, or pass overlap=False.")
         started = set() if stale or early is None else set(early.read)
         groups = {p: group for group in self.param_groups for p in group["params"]}
         grads = _LocalGrads(self._local_grad, groups)
@@ -696,8 +716,12 @@ class _LocalGrads(Mapping):
 class _EarlyStarts:
     """One step's bookkeeping of the buckets started from gradient hooks."""
 
-    def __init__(self, groups: dict, engine: CompressedStep):
+    def __init__(self, groups: dict, engine: CompressedStep, scaler=None):
         self.groups = groups  # parameter -> its param group
+        self.scaler = scaler  # the GradScaler the gradients are assumed scaled by, or None
+        # GradScaler.unscale_'s own factor
+        self.inv_scale = (None if scaler is None
+                          else scaler._scale.double().reciprocal().float())
         self.position: dict = {}  # parameter -> the buckets holding a part of it
         for i, b in enumerate(engine.buckets):
             for p in b.params:
@@ -798,9 +822,10 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
             backward goes on; step() finishes the rest. Buckets start in one order on every
             rank, planned from the last parameter (the first gradients backward produces). The
             result is bit-identical to ``overlap=False``, which starts every bucket in step().
-            If the gradients change between backward and step() (clipping, a GradScaler's
-            unscale), that step starts its buckets again (all ranks together) and this rank
-            stops starting them early, with a warning. The flat 1-bit collective only
+            With a GradScaler the hooks unscale as ``GradScaler.unscale_`` does. If the
+            gradients change between backward and step() (clipping), that step starts its
+            buckets again (all ranks together) and this rank stops starting them early, with a
+            warning. The flat 1-bit collective only
             (``compressor="none"`` and ``hierarchical`` start in step()).
 
     A param group may carry ``exp_avg_mask``: a tensor broadcastable to each of its parameters, or

@@ -42,7 +42,15 @@ def test_buckets_start_during_backward(results):
         assert run["breakdown"]["compress"] > 0 and run["breakdown"]["decode"] > 0, run["breakdown"]
 
 
-@pytest.mark.parametrize("case", ["clip", "scaler", "scaler_clip"])
+def test_a_grad_scaler_keeps_the_overlap(results):
+    for rank, r in enumerate(results):
+        run = r[("scaler", True)]
+        # the hooks unscale as GradScaler.unscale_ does: nothing to start again
+        assert run["restarts"] == 0 and run["warnings"] == [], (run["restarts"], run["warnings"])
+        assert run["early_starts"] == r[("plain", True)]["early_starts"] > 0, run["early_starts"]
+
+
+@pytest.mark.parametrize("case", ["clip", "scaler_clip"])
 def test_gradients_changed_after_backward_restart_once_then_start_in_step(results, case):
     for rank, r in enumerate(results):
         run = r[(case, True)]
