@@ -32,7 +32,7 @@ from .config import OneBitConfig, group_masks
 from .fusion import Bucket, fuse, param_offsets
 from .fused_adam import AdamUpdate, MomentumInput
 from .layout import ring_allreduce_bytes
-from .transports import Transport, sleep_until_done
+from .transports import Transport, resolve_transport, sleep_until_done
 
 NOT_FROZEN = -1  # state["frozen_variance_step"] before the freeze
 # Where a compressed step's time goes, in seconds (CompressedStep.breakdown): the compression
@@ -146,8 +146,9 @@ class CompressedStep:
                       device=b.momentum.device, defer_check=True)
         topology = self.topology()
         if topology is not None:
+            transport = resolve_transport(self.transport, self.process_set, b.momentum.device)
             return HierarchicalOneBitAllreduce(b.numel, topology, name=f"hvd_onebit.hier{b.index}",
-                                               **common)
+                                               transport=transport, **common)
         return OneBitAllreduce(b.numel, self.process_set, transport=self.transport,
                                name=f"hvd_onebit.bucket{b.index}", **common)
 

@@ -126,9 +126,9 @@ class OneBitConfig:
         if not (isinstance(self.hierarchical, bool) or self.hierarchical == "auto"):
             raise ValueError(f"hierarchical must be True, False or 'auto', got "
                              f"{self.hierarchical!r}")
-        if self.hierarchical is not False and self.transport not in ("horovod", "auto"):
-            raise ValueError("hierarchical 1-bit runs on transport='horovod' (it uses Horovod's "
-                             f"alltoall with splits), got transport={self.transport!r}")
+        if self.hierarchical is not False and self.transport not in ("horovod", "torch", "auto"):
+            raise ValueError("hierarchical 1-bit runs on transport='horovod' or 'torch', got "
+                             f"transport={self.transport!r}")
         if self.compressor not in COMPRESSORS:
             raise ValueError(f"compressor must be one of {COMPRESSORS}, got {self.compressor!r}")
         if self.block_size is not None and (not _is_int(self.block_size) or self.block_size <= 0

@@ -796,7 +796,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
         transport: how the compression phase's two stages travel: "torch" (torch.distributed,
             Gloo on CPU or NCCL on CUDA, set up over Horovod's ranks when the optimizer is
             built: no negotiation round, so each stage costs about one round trip less than
-            through Horovod; not for elastic jobs, process sets or ``hierarchical``), "horovod"
+            through Horovod; with ``hierarchical``, one subgroup per node and per local rank;
+            not for elastic jobs or process sets), "horovod"
             (Horovod's alltoall and allgather, negotiated with rank 0 by its background thread;
             whatever Horovod runs on), "mpi" (mpi4py; MPI jobs, CPU tensors), or "auto"
             (default): "torch" where it can serve, else "horovod". ``opt.transport`` says which.

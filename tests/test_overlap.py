@@ -80,6 +80,6 @@ def test_auto_transport_is_torch_distributed_where_it_can_serve(results):
     for rank, r in enumerate(results):
         choice = r["choice"]
         assert (choice["plain"], choice["hierarchical"], choice["explicit"], choice["elastic"]) \
-            == ("torch", "horovod", "horovod", "horovod"), f"rank {rank}: {choice}"
+            == ("torch", "torch", "horovod", "horovod"), f"rank {rank}: {choice}"
         assert "elastic" in (choice["elastic_torch_error"] or ""), \
             f"rank {rank}: transport='torch' in an elastic job: {choice['elastic_torch_error']!r}"
