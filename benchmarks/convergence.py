@@ -25,8 +25,15 @@ Bytes: Adam's are the ring-allreduce estimate 2*(n-1)/n * 4 bytes per parameter 
 hvd_onebit reports for its own warmup too); the compression phase's are the bytes 1-bit Adam
 actually put on the wire.
 
+With ``--nodes N`` the ranks run as N "nodes" (horovodrun hosts that are names of this machine,
+so Horovod sets local and cross ranks as on a cluster) and a third run trains with
+``--onebit-hierarchical`` (a name horovodrun cannot mistake for an abbreviation of its own
+options); the JSON adds ``final_val_loss_onebit_hierarchical`` and
+``ratio_hierarchical_over_flat`` (target: within 1%, ``hierarchical_within_1pct``).
+
 Usage:
     python benchmarks/convergence.py                 # 4 ranks, 1000 steps
+    python benchmarks/convergence.py --nodes 2       # 2 nodes x 2 ranks: flat vs hierarchical
     python benchmarks/convergence.py --quick         # 2 ranks, tiny model, a few steps (tests)
     python benchmarks/convergence.py --steps 2000 --np 8 --out-dir results/conv8 -- --n-layer 4
 
@@ -116,8 +123,17 @@ def main(argv=None) -> dict:
     p.add_argument("--timeout", type=float, default=None,
                    help="seconds per training run (default 900; --quick: 120)")
     p.add_argument("--quick", action="store_true", help="tiny model, 2 ranks, a few steps")
+    p.add_argument("--nodes", type=int, default=1,
+                   help="run the ranks as this many nodes (at most 4: names of this machine) "
+                        "and add a hierarchical 1-bit run")
     args = p.parse_args(argv)
     np = args.np or (2 if args.quick else 4)
+    hosts = None
+    if args.nodes > 1:
+        names = ["127.0.0.1", "127.1", "127.0.1", "localhost"]
+        if args.nodes > len(names) or np % args.nodes:
+            raise SystemExit(f"--nodes must divide --np and be at most {len(names)}")
+        hosts = ",".join(f"{h}:{np // args.nodes}" for h in names[:args.nodes])
     steps = args.steps or (12 if args.quick else 1000)
     eval_every = args.eval_every or (4 if args.quick else 50)
     timeout = args.timeout or (120.0 if args.quick else 900.0)
@@ -131,18 +147,34 @@ def main(argv=None) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     print(f"[convergence] {np} ranks, train_lm.py {' '.join(train_args)}; output in {out_dir}",
           file=sys.stderr, flush=True)
-    adam_run = train_lm("adam", np, train_args, out_dir, timeout, script=TRAIN_LM)
+    adam_run = train_lm("adam", np, train_args, out_dir, timeout, script=TRAIN_LM, hosts=hosts)
     adam, wall_adam = adam_run.summary, adam_run.wall_seconds
     print(f"[convergence] adam done in {wall_adam:.0f}s: final val {adam['final_val_loss']:.4f}",
           file=sys.stderr, flush=True)
-    onebit_run = train_lm("onebit", np, train_args, out_dir, timeout, script=TRAIN_LM)
+    onebit_run = train_lm("onebit", np, train_args, out_dir, timeout, script=TRAIN_LM,
+                          hosts=hosts)
     onebit, wall_onebit = onebit_run.summary, onebit_run.wall_seconds
     print(f"[convergence] onebit done in {wall_onebit:.0f}s: final val "
           f"{onebit['final_val_loss']:.4f}", file=sys.stderr, flush=True)
 
     result = compare(adam, onebit, wall_adam, wall_onebit)
+    curves = {"adam": adam, "onebit": onebit}
+    if hosts:
+        hier_run = train_lm("onebit", np, train_args + ["--onebit-hierarchical"], out_dir, timeout,
+                            script=TRAIN_LM, hosts=hosts, tag="onebit_hierarchical")
+        hier = hier_run.summary
+        curves["onebit_hierarchical"] = hier
+        print(f"[convergence] hierarchical onebit done in {hier_run.wall_seconds:.0f}s: final val "
+              f"{hier['final_val_loss']:.4f}", file=sys.stderr, flush=True)
+        ratio = hier["final_val_loss"] / onebit["final_val_loss"]
+        result.update({"nodes": args.nodes, "hosts": hosts,
+                       "final_val_loss_onebit_hierarchical": hier["final_val_loss"],
+                       "ratio_hierarchical_over_flat": ratio,
+                       "hierarchical_within_1pct": abs(ratio - 1) <= 0.01,
+                       "total_bytes_per_rank_onebit_hierarchical": hier["total_bytes_per_rank"],
+                       "wall_seconds_onebit_hierarchical": hier_run.wall_seconds})
     png = out_dir / "convergence.png"
-    plot_val_loss({"adam": adam, "onebit": onebit}, png,
+    plot_val_loss(curves, png,
                   f"train_lm.py on {adam['world_size']} ranks: 1-bit Adam vs Adam",
                   threshold=result["loss_threshold"])
     result["plot"] = str(png)

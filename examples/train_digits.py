@@ -85,6 +85,11 @@ def main(argv=None):
     p.add_argument("--warmup-frac", type=warmup_frac, default=0.2,
                    help="1-bit Adam: freeze_step = round(warmup_frac * steps), or 'auto': freeze "
                         "once Adam's variance has settled (at most after half the steps)")
+    p.add_argument("--block-size", type=int, default=None,
+                   help="1-bit Adam: elements per scale (a multiple of 8; default one per chunk)")
+    p.add_argument("--compressor", choices=["onebit", "none"], default="onebit",
+                   help="1-bit Adam's compression phase: 1-bit momentum, or 'none': the momentum "
+                        "averaged in full precision (Adam with a frozen variance, for comparison)")
     p.add_argument("--width", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--eval-every", type=int, default=50)
@@ -112,7 +117,8 @@ def main(argv=None):
         optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
     else:
         optimizer = hvd_onebit.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
-                                                    **freeze)
+                                                    block_size=args.block_size,
+                                                    compressor=args.compressor, **freeze)
     # -----------------------------------------------------------------------------------------
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)

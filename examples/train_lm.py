@@ -204,6 +204,9 @@ def parse_args(argv=None):
     p.add_argument("--n-head", type=int, default=4)
     p.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", "1")),
                    help="torch intra-op threads per rank")
+    p.add_argument("--onebit-hierarchical", action="store_true",
+                   help="1-bit Adam: hierarchical=True (full precision inside each node, 1-bit "
+                        "between nodes)")
     p.add_argument("--json-out", default=None, help="write a JSON summary here (rank 0)")
     return p.parse_args(argv)
 
@@ -244,7 +247,7 @@ def main(argv=None):
         optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
     else:
         optimizer = hvd_onebit.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
-                                                    **freeze)
+                                                    hierarchical=args.onebit_hierarchical, **freeze)
     # -----------------------------------------------------------------------------------------
     # Same start on every rank: rank 0's parameters. A fresh optimizer's state is zeros on every
     # rank, so it needs no broadcast; call hvd.broadcast_optimizer_state(optimizer, 0) when

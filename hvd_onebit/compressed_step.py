@@ -30,10 +30,10 @@ from .collective import (NonFiniteInputError, OneBitAllreduce, StaleInputError,
                          synchronize_all)
 from .hierarchical import HierarchicalOneBitAllreduce, Topology
 from .config import OneBitConfig, group_masks
-from .fusion import Bucket, fuse
+from .fusion import Bucket, fuse, param_offsets
 from .fused_adam import AdamUpdate, MomentumInput
 from .layout import ring_allreduce_bytes
-from .transports import Transport, sleep_until_done
+from .transports import Transport, resolve_transport, sleep_until_done
 
 NOT_FROZEN = -1  # state["frozen_variance_step"] before the freeze
 # Where a compressed step's time goes, in seconds (CompressedStep.breakdown): the compression
@@ -76,6 +76,7 @@ class CompressedStep:
         # Each parameter's step count on the host, keyed by the step tensor and its version:
         # reading a device tensor's value every step would be a host sync per parameter.
         self._host_steps: dict[torch.Tensor, tuple] = {}
+        self._momentum_views: dict[torch.Tensor, torch.Tensor] = {}  # exp_avg in the flat buffer
         self._variance_scanned_for: Optional[list[Bucket]] = None
         self._pending_error_feedback: Optional[dict] = None
         self._generation = 0  # bumped by reset(): the collectives' key
@@ -108,8 +109,8 @@ class CompressedStep:
             self._key(b) in self.comms for b in self.buckets
             if self.config.compressor == "onebit") and len(active) == len(self.params) and all(
             a is b for a, b in zip(active, self.params)) and all(
-            self.state[p]["exp_avg"].data_ptr() == bk.momentum_view(i).data_ptr()
-            for bk in self.buckets for i, p in enumerate(bk.params))
+            self.state[p]["exp_avg"].data_ptr() == view.data_ptr()
+            for p, view in self._momentum_views.items())
 
     def fuse(self, active: list[torch.Tensor]) -> None:
         """(Re)build the fused momentum buckets (``exp_avg`` becomes views into them) and their
@@ -123,12 +124,13 @@ class CompressedStep:
         # buckets are planned from the last parameter: the first bucket is the first one whose
         # gradients are all ready, and buckets start in order (see start_bucket).
         order = active[::-1]
-        self.buckets = fuse(order, [self.state[p]["exp_avg"] for p in order],
-                            self.config.bucket_numel)
+        flat, self.buckets = fuse(order, [self.state[p]["exp_avg"] for p in order],
+                                  self.config.bucket_numel)
         self.params = list(active)
-        for bucket in self.buckets:
-            for i, p in enumerate(bucket.params):
-                self.state[p]["exp_avg"] = bucket.momentum_view(i)
+        self._momentum_views = {p: flat[off:off + p.numel()].view_as(p)
+                                for p, off in zip(order, param_offsets(order))}
+        for p, view in self._momentum_views.items():
+            self.state[p]["exp_avg"] = view
         # Error feedback belongs to a bucket layout and a world size; a change starts from zero.
         wanted = {self._key(b) for b in self.buckets}
         self.comms = {k: c for k, c in self.comms.items() if k in wanted}
@@ -144,8 +146,9 @@ class CompressedStep:
                       device=b.momentum.device, defer_check=True)
         topology = self.topology()
         if topology is not None:
+            transport = resolve_transport(self.transport, self.process_set, b.momentum.device)
             return HierarchicalOneBitAllreduce(b.numel, topology, name=f"hvd_onebit.hier{b.index}",
-                                               **common)
+                                               transport=transport, **common)
         return OneBitAllreduce(b.numel, self.process_set, transport=self.transport,
                                name=f"hvd_onebit.bucket{b.index}", **common)
 
@@ -189,6 +192,7 @@ class CompressedStep:
         self.params = []
         self.comms.clear()
         self._host_steps.clear()
+        self._momentum_views = {}
         self._topology = None
         self._early = []
         self._generation += 1
@@ -282,9 +286,9 @@ class CompressedStep:
         new = []
         for b, e in zip(self.buckets, sums):
             m = b.momentum.clone()
-            for i, p in enumerate(b.params):
-                lo = b.offsets[i]
-                m[lo:lo + p.numel()].add_(e[lo:lo + p.numel()].div_(beta1s[p]))
+            for seg in b.segments:
+                lo, hi = seg.offset, seg.offset + seg.numel
+                m[lo:hi].add_(e[lo:hi].div_(beta1s[seg.param]))
             new.append(m)
         bad = [b.index for b, m in zip(self.buckets, new) if not bool(torch.isfinite(m).all())]
         if bad:
@@ -409,14 +413,15 @@ class CompressedStep:
     def _input(self, b: Bucket, beta1s: dict, grads: Mapping) -> object:
         """Bucket ``b``'s allreduce input: its local momentum ``beta1 * m + (1 - beta1) * g``,
         computed inside the compression pass where one beta1 serves the whole bucket."""
-        sizes = [p.numel() for p in b.params]
+        sizes = [seg.numel for seg in b.segments]
+        pieces = [b.piece(i, grads[seg.param]) for i, seg in enumerate(b.segments)]
         betas = {beta1s[p] for p in b.params}
         if len(betas) == 1:
-            return MomentumInput(b.momentum, [grads[p] for p in b.params], sizes, betas.pop())
+            return MomentumInput(b.momentum, pieces, sizes, betas.pop())
         # param groups with different beta1 share the bucket: one member at a time
-        for i, p in enumerate(b.params):
-            MomentumInput(b.momentum_view(i).reshape(-1), [grads[p]], [sizes[i]],
-                          beta1s[p]).materialize(out=b.work_view(i).reshape(-1))
+        for i, seg in enumerate(b.segments):
+            MomentumInput(b.momentum_view(i), [pieces[i]], [sizes[i]],
+                          beta1s[seg.param]).materialize(out=b.work_view(i))
         return b.work
 
     @property
@@ -572,9 +577,9 @@ class CompressedStep:
         for b in self.buckets:
             t = [terms.get(p) for p in b.params]
             updates.append(AdamUpdate(
-                weights=[x[0] if x else None for x in t],
-                variances=[x[1] if x else None for x in t],
-                sizes=[p.numel() for p in b.params], steps=[x[2] if x else 0.0 for x in t],
+                weights=[b.piece(i, x[0]) if x else None for i, x in enumerate(t)],
+                variances=[b.piece(i, x[1]) if x else None for i, x in enumerate(t)],
+                sizes=[seg.numel for seg in b.segments], steps=[x[2] if x else 0.0 for x in t],
                 decays=[x[3] if x else 1.0 for x in t], sqrt_bc2s=[x[4] if x else 1.0 for x in t],
                 eps=[x[5] if x else 0.0 for x in t]))
         return updates, masked

@@ -86,7 +86,7 @@ class OneBitConfig:
             an AutoFreeze (None with an int freeze_step).
         compressor: "onebit" or "none".
         block_size: elements per scale (a positive multiple of 8), or None for one per chunk.
-        transport: "horovod", "mpi" or "torch".
+        transport: "auto", "horovod", "mpi" or "torch".
         kernel_backend: "auto", "native" or "torch".
         bucket_size_mb: MiB of float32 momentum per fused bucket, > 0.
         check_every: steps between cross-rank parameter checks, 0 for never.
@@ -101,7 +101,7 @@ class OneBitConfig:
     freeze_step: Union[int, str]
     compressor: str = "onebit"
     block_size: Optional[int] = None
-    transport: str = "horovod"
+    transport: str = "auto"
     kernel_backend: str = "auto"
     bucket_size_mb: float = DEFAULT_BUCKET_MB
     check_every: int = 0
@@ -126,9 +126,9 @@ class OneBitConfig:
         if not (isinstance(self.hierarchical, bool) or self.hierarchical == "auto"):
             raise ValueError(f"hierarchical must be True, False or 'auto', got "
                              f"{self.hierarchical!r}")
-        if self.hierarchical is not False and self.transport != "horovod":
-            raise ValueError("hierarchical 1-bit runs on transport='horovod' (it uses Horovod's "
-                             f"alltoall with splits), got transport={self.transport!r}")
+        if self.hierarchical is not False and self.transport not in ("horovod", "torch", "auto"):
+            raise ValueError("hierarchical 1-bit runs on transport='horovod' or 'torch', got "
+                             f"transport={self.transport!r}")
         if self.compressor not in COMPRESSORS:
             raise ValueError(f"compressor must be one of {COMPRESSORS}, got {self.compressor!r}")
         if self.block_size is not None and (not _is_int(self.block_size) or self.block_size <= 0

@@ -1,13 +1,15 @@
-"""Buffer fusion: many parameters' momenta laid back to back in a few large flat buffers.
+"""Buffer fusion: every parameter's momentum laid back to back in one flat buffer, exchanged in
+buckets that are contiguous ranges of it.
 
 1-bit compression only pays off on large messages: every call has a fixed cost (two collectives,
-a negotiation round in Horovod, kernel start-up) and Horovod never fuses alltoalls. So the
-optimizer keeps each parameter's ``exp_avg`` as a *view* into a flat bucket, and one
-OneBitAllreduce per bucket moves all of them: two collectives per bucket per step, not per
-parameter. Each bucket also has a same-shaped *work* buffer where the local momentum
-``beta1 * m + (1 - beta1) * g`` is written before the allreduce, so ``exp_avg`` itself is only
-overwritten once every rank has succeeded. The 1-bit path computes that local momentum inside
-its compression kernel instead, so the work buffer is only allocated when a path needs it.
+kernel start-up) and Horovod never fuses alltoalls. So the optimizer keeps each parameter's
+``exp_avg`` as a *view* into one flat buffer, and one OneBitAllreduce per bucket moves a range of
+it: two collectives per bucket per step, not per parameter. A bucket may end inside a parameter
+(its next part opens the next bucket), so a large tensor is exchanged in pieces: the compression
+of one piece runs while the previous one is on the wire. A bucket also has a same-sized *work*
+buffer, allocated on first use, for paths that must materialise the local momentum
+``beta1 * m + (1 - beta1) * g`` before the allreduce (the 1-bit path computes it inside its
+compression kernel instead).
 """
 from __future__ import annotations
 
@@ -17,16 +19,35 @@ from typing import Optional
 import torch
 
 
+@dataclass(frozen=True)
+class Segment:
+    """A part of one parameter in a bucket: its elements [start, start + numel) in the
+    parameter's row-major order, at ``offset`` in the bucket."""
+
+    param: torch.Tensor
+    start: int
+    numel: int
+    offset: int
+
+    @property
+    def whole(self) -> bool:
+        return self.start == 0 and self.numel == self.param.numel()
+
+
 @dataclass
 class Bucket:
-    """Parameters sharing one flat momentum buffer (one dtype, one device)."""
+    """A contiguous range of the flat momentum buffer: parts of one or more parameters."""
 
     index: int
-    params: list[torch.Tensor]
-    offsets: list[int]
+    segments: list[Segment]
     numel: int
-    momentum: torch.Tensor  # [numel], exp_avg of every member, back to back
+    momentum: torch.Tensor  # [numel], a view into the flat buffer: the members' exp_avg
     _work: Optional[torch.Tensor] = None
+
+    @property
+    def params(self) -> list[torch.Tensor]:
+        """The parameters with a segment here, in bucket order."""
+        return [s.param for s in self.segments]
 
     @property
     def work(self) -> torch.Tensor:
@@ -35,62 +56,98 @@ class Bucket:
             self._work = torch.empty_like(self.momentum)
         return self._work
 
+    def piece(self, i: int, t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """Segment ``i``'s part of ``t``, a tensor shaped like its parameter: ``t`` itself for a
+        whole parameter, else a flat view [numel] (only contiguous parameters are cut); None
+        stays None."""
+        if t is None:
+            return None
+        s = self.segments[i]
+        return t if s.whole else t.reshape(-1)[s.start:s.start + s.numel]
+
     def momentum_view(self, i: int) -> torch.Tensor:
-        """exp_avg of member ``i``, shaped like its parameter, sharing the bucket's storage."""
-        p, off = self.params[i], self.offsets[i]
-        return self.momentum[off:off + p.numel()].view_as(p)
+        """Segment ``i``'s momentum, flat [numel], sharing the bucket's storage."""
+        s = self.segments[i]
+        return self.momentum[s.offset:s.offset + s.numel]
 
     def work_view(self, i: int) -> torch.Tensor:
-        p, off = self.params[i], self.offsets[i]
-        return self.work[off:off + p.numel()].view_as(p)
+        s = self.segments[i]
+        return self.work[s.offset:s.offset + s.numel]
 
 
-def plan_buckets(params: list[torch.Tensor], bucket_numel: int) -> list[list[int]]:
-    """Group parameter indices into buckets of at most ``bucket_numel`` elements.
+def plan_buckets(params: list[torch.Tensor], bucket_numel: int
+                 ) -> list[list[tuple[int, int, int]]]:
+    """Cut the parameters, in the order given, into buckets of about ``bucket_numel`` elements.
 
-    Parameters keep their order; a bucket holds one (device, dtype); a parameter larger than
-    ``bucket_numel`` gets a bucket of its own. A small parameter (at most 1/16 of
-    ``bucket_numel``) joins the open bucket even where it overflows it, so a bias never gets a
-    bucket (and two collectives) of its own behind a full one. Deterministic, so every rank plans
-    the same buckets.
+    Returns per bucket its segments as (parameter index, start, numel). A contiguous parameter
+    that does not fit in the open bucket fills it and goes on in the next (so a bucket ends at
+    ``bucket_numel`` elements), except that a remainder of at most 1/16 of ``bucket_numel`` stays
+    with its bucket rather than costing two collectives of its own; a small parameter joins the
+    open bucket even where it overflows it, for the same reason. A non-contiguous parameter is
+    never cut (its parts would not be views): it goes whole into the open bucket if it fits,
+    else opens one. Deterministic, so every rank plans the same buckets.
     """
-    small = bucket_numel // 16
     if bucket_numel <= 0:
         raise ValueError(f"bucket size must be positive, got {bucket_numel} elements")
-    buckets: list[list[int]] = []
-    open_bucket: dict[tuple, int] = {}  # (device, dtype) -> index into buckets
-    sizes: list[int] = []
+    small = bucket_numel // 16
+    buckets: list[list[tuple[int, int, int]]] = [[]]
+    size = 0
     for i, p in enumerate(params):
-        key = (p.device, p.dtype)
-        b = open_bucket.get(key)
-        if b is None or (sizes[b] + p.numel() > bucket_numel and p.numel() > small):
-            buckets.append([])
-            sizes.append(0)
-            b = open_bucket[key] = len(buckets) - 1
-        buckets[b].append(i)
-        sizes[b] += p.numel()
-    return buckets
+        total, start = p.numel(), 0
+        if not p.is_contiguous() or total <= small:
+            if size and size + total > bucket_numel and total > small:
+                buckets.append([])
+                size = 0
+            buckets[-1].append((i, 0, total))
+            size += total
+            continue
+        while start < total:
+            if size >= bucket_numel:
+                buckets.append([])
+                size = 0
+            take = min(total - start, bucket_numel - size)
+            if total - start - take <= small:
+                take = total - start
+            buckets[-1].append((i, start, take))
+            start += take
+            size += take
+    return [b for b in buckets if b]
 
 
 def fuse(params: list[torch.Tensor], momenta: list[torch.Tensor],
-         bucket_numel: int) -> list[Bucket]:
-    """Copy ``momenta`` (one per parameter) into fresh flat buckets; return the buckets.
+         bucket_numel: int) -> tuple[torch.Tensor, list[Bucket]]:
+    """Copy ``momenta`` (one per parameter, float32, one device) into one fresh flat buffer cut
+    into buckets; return the buffer and the buckets.
 
-    A bucket's buffer has its members' momentum dtype (float32 for float16 and bfloat16
-    parameters, whose optimizer state is float32). The caller replaces each parameter's
-    ``exp_avg`` with ``bucket.momentum_view(i)``.
+    The caller replaces each parameter's ``exp_avg`` with its view of the buffer
+    (``flat[offset:offset + numel].view_as(p)``, offsets in ``params``' order, as
+    :func:`param_offsets` gives them).
     """
-    out = []
-    for index, members in enumerate(plan_buckets(params, bucket_numel)):
-        ps = [params[i] for i in members]
-        offsets, total = [], 0
-        for p in ps:
-            offsets.append(total)
-            total += p.numel()
-        like = momenta[members[0]]
-        momentum = torch.empty(total, dtype=like.dtype, device=like.device)
-        bucket = Bucket(index=index, params=ps, offsets=offsets, numel=total, momentum=momentum)
-        for j, i in enumerate(members):
-            bucket.momentum_view(j).copy_(momenta[i])
-        out.append(bucket)
-    return out
+    dtypes = {m.dtype for m in momenta}
+    if len(dtypes) > 1:
+        raise ValueError(f"momenta of one dtype only, got {sorted(str(d) for d in dtypes)}")
+    offsets = param_offsets(params)
+    total = sum(p.numel() for p in params)
+    like = momenta[0] if momenta else torch.empty(0)
+    flat = torch.empty(total, dtype=like.dtype, device=like.device)
+    for p, m, off in zip(params, momenta, offsets):
+        flat[off:off + p.numel()].view_as(p).copy_(m)
+    out, at = [], 0
+    for index, plan in enumerate(plan_buckets(params, bucket_numel)):
+        segments, numel = [], 0
+        for i, start, count in plan:
+            segments.append(Segment(params[i], start, count, numel))
+            numel += count
+        out.append(Bucket(index=index, segments=segments, numel=numel,
+                          momentum=flat[at:at + numel]))
+        at += numel
+    return flat, out
+
+
+def param_offsets(params: list[torch.Tensor]) -> list[int]:
+    """Where each parameter's momentum starts in the flat buffer (element offsets)."""
+    offsets, at = [], 0
+    for p in params:
+        offsets.append(at)
+        at += p.numel()
+    return offsets

@@ -12,9 +12,11 @@ For N nodes of L ranks and a buffer of ``numel`` elements, padded to L shards of
    sends ``L`` times ``2 (n-1)/n * numel/8``.
 3. *Inside each node*: an allgather of the L averaged shards. Every rank ends with the same bits.
 
-No Horovod process sets are needed (Horovod registers them only at ``hvd.init`` or with dynamic
-process sets): each stage is one of Horovod's global alltoalls with splits, every rank sending
-only to the members of its own group (:class:`SubsetTransport`).
+Each stage runs on a transport among the group's members: torch.distributed subgroups (one per
+node, one per local rank; ``transport="torch"``), or, with ``transport="horovod"``, Horovod's
+global alltoall with splits, every rank sending only to the members of its own group
+(:class:`SubsetTransport`; Horovod registers process sets only at ``hvd.init`` or with dynamic
+process sets, which a user's script does not ask for).
 
 All or nothing, on every rank, with no extra collective: a non-finite value anywhere in a node
 makes that shard's node mean non-finite, so the 1-bit stage of that shard's group sees it in its
@@ -38,7 +40,7 @@ import torch
 
 from .collective import (AllreduceHandle, Epilogue, InputProducer, OneBitAllreduce, Status,
                          TransactionalCollective)
-from .transports import sleep_until_done
+from .transports import TorchTransport, sleep_until_done, torch_subgroups
 
 
 @dataclass(frozen=True)
@@ -159,6 +161,9 @@ class HierarchicalOneBitAllreduce(TransactionalCollective):
             stage between nodes).
         name: prefix of the op names, identical on every rank.
         defer_check: as for :class:`~hvd_onebit.OneBitAllreduce`.
+        transport: "horovod" (global alltoalls with splits) or "torch" (torch.distributed
+            subgroups, made here on first use: every rank must build its collectives at the
+            same point, as the optimizer does).
 
     Same calling convention as the flat collective (``allreduce``, ``allreduce_async`` and
     ``synchronize``, or :func:`~hvd_onebit.collective.synchronize_all`); the epilogue is applied
@@ -167,7 +172,8 @@ class HierarchicalOneBitAllreduce(TransactionalCollective):
 
     def __init__(self, numel: int, topology: Topology, *, block_size: Optional[int] = None,
                  backend: str = "auto", device: torch.device | str = "cpu",
-                 name: str = "hvd_onebit.hier", defer_check: bool = False):
+                 name: str = "hvd_onebit.hier", defer_check: bool = False,
+                 transport: str = "horovod"):
         if not isinstance(numel, int) or isinstance(numel, bool) or numel < 0:
             raise ValueError(f"numel must be a non-negative int, got {numel!r}")
         self.topology = topology
@@ -175,8 +181,22 @@ class HierarchicalOneBitAllreduce(TransactionalCollective):
         self.name = name
         self.device = torch.device(device)
         world = topology.nodes * topology.per_node
-        self.local = SubsetTransport(topology.local_members, topology.rank, world)
-        self.cross = SubsetTransport(topology.cross_members, topology.rank, world)
+        if transport == "torch":
+            nodes = [tuple(row) for row in topology.grid]
+            columns = [tuple(row[i] for row in topology.grid) for i in range(topology.per_node)]
+            # rows are exchanged in member order, which must be the ranks' order (as torch's
+            # group ranks are); SubsetTransport checks the same
+            if any(list(g) != sorted(g) for g in nodes + columns):
+                raise ValueError(f"hierarchical 1-bit needs ranks numbered node by node: {nodes}")
+            torch_subgroups(nodes + columns)
+            self.local = TorchTransport(device=device, members=tuple(topology.local_members))
+            self.cross = TorchTransport(device=device, members=tuple(topology.cross_members))
+        elif transport == "horovod":
+            self.local = SubsetTransport(topology.local_members, topology.rank, world)
+            self.cross = SubsetTransport(topology.cross_members, topology.rank, world)
+        else:
+            raise ValueError(f"the hierarchical collective runs on transport 'horovod' or "
+                             f"'torch', got {transport!r}")
         L = topology.per_node
         self.shard = max(1, math.ceil(numel / L))
         self.inner = OneBitAllreduce(self.shard, block_size=block_size, transport=self.cross,

@@ -34,6 +34,7 @@ from __future__ import annotations
 import os
 import time
 import warnings
+import weakref
 from typing import Callable, Iterable, Mapping, Optional
 
 import horovod.torch as hvd
@@ -51,7 +52,7 @@ from .consistency import check_parameters_identical, check_same_parameters
 from .layout import ring_allreduce_bytes
 from .low_precision import (WidenBfloat16, adam_step_float32, float32_state_in, is_low_precision,
                             state_dtype)
-from .transports import sleep_until_done
+from .transports import init_torch_distributed, resolve_transport, sleep_until_done
 
 STEP_KEY = "onebit_step"  # param_groups[0] entry holding the optimizer step count
 FREEZE_KEY = "onebit_freeze_step"  # param_groups[0] entry: the freeze step, -1 while undecided
@@ -87,12 +88,16 @@ class _OneBitMixin:
         self._monitor = VarianceMonitor(config.auto_freeze) if config.auto else None
         self.compressor = config.compressor
         self.block_size = config.block_size
-        self.transport = config.transport
+        device = next((p.device for g in self.param_groups for p in g["params"]),
+                      torch.device("cpu"))
+        # "auto" is decided here, from what every rank sees alike
+        self.transport = resolve_transport(config.transport, process_set, device,
+                                           config.hierarchical)
         self.kernel_backend = config.kernel_backend
         self.bucket_size_mb = config.bucket_size_mb
         self.check_every = config.check_every
         self._engine = CompressedStep(config, self.state, self._decoupled, process_set,
-                                      names=self._parameter_names)
+                                      transport=self.transport, names=self._parameter_names)
         # Telemetry, readable by training scripts and the CLI.
         self.last_step_bytes = 0  # bytes this rank sent in the last step (warmup: ring estimate)
         self.total_bytes = 0
@@ -104,10 +109,15 @@ class _OneBitMixin:
         self._warmup_wait = 0.0
         self._early: Optional[_EarlyStarts] | bool = None  # this step's early starts (see hooks)
         self._overlap_off: Optional[str] = None  # why this rank stopped starting buckets early
+        self._scaler_ref = None  # weakref to the GradScaler of the last step, if one was used
         self._init_state()
         if self._world > 1 and os.environ.get("HOROVOD_ELASTIC") != "1":
             # Elastic workers join running jobs, so a collective here could not be matched.
             check_same_parameters(self.param_groups, self._parameter_names, self.process_set)
+        if self.transport == "torch" and config.compressor == "onebit" and self._world > 1:
+            # Set up now, on every rank together, so a network that cannot carry it fails at
+            # construction, not at the freeze.
+            init_torch_distributed(device)
 
     # ---- state ------------------------------------------------------------------------------------
 
@@ -334,7 +344,13 @@ class _OneBitMixin:
                 if engine.can_start_early:
                     engine.begin_step()
                     groups = {p: g for g in self.param_groups for p in g["params"]}
-                    self._early = _EarlyStarts(groups, engine)
+                    # A GradScaler used last step is assumed this step too: the hooks see
+                    # scaled gradients and unscale them as GradScaler.unscale_ will (step()
+                    # checks the assumption).
+                    scaler = self._scaler_ref() if self._scaler_ref is not None else None
+                    if scaler is not None and scaler._scale is None:
+                        scaler = None
+                    self._early = _EarlyStarts(groups, engine, scaler)
         return self._early or None
 
     def _gradient_ready(self, p: torch.Tensor) -> None:
@@ -344,12 +360,14 @@ class _OneBitMixin:
         if early is None or early.failed or p not in early.position:
             return
         engine = self._engine
-        early.missing[early.position[p]] -= 1
+        for i in early.position[p]:
+            early.missing[i] -= 1
         try:
             while (engine.next_to_start < len(early.missing)
                    and early.missing[engine.next_to_start] == 0):
                 params = engine.bucket_params(engine.next_to_start)
-                grads = {q: self._local_grad(q, early.groups[q]) for q in params}
+                grads = {q: self._local_grad(q, early.groups[q], early.inv_scale)
+                         for q in params}
                 for q in params:
                     early.read[q] = self._inputs_of(q, early.groups[q])
                 engine.start_bucket(self.param_groups, grads)
@@ -443,11 +461,14 @@ class _OneBitMixin:
         elif not self._compressing():
             self._warmup_wait = 0.0
             self.last_step_breakdown = {}
+            self._scaler_ref = None
             loss = self._warmup_step(closure)
             self._account(self._warmup_bytes(), self._warmup_wait)
         else:
             loss = self._closure_loss(closure)
-            if self._compression_step():
+            early = self._early or None
+            self._scaler_ref = None
+            if self._compression_step(changed=early is not None and early.scaler is not None):
                 self._completed_steps += 1
             self._end_compression_step()
         if self.check_every and self._world > 1 and self._completed_steps % self.check_every == 0:
@@ -479,6 +500,7 @@ class _OneBitMixin:
         from torch.amp.grad_scaler import OptState
 
         per_opt = scaler._per_optimizer_states[id(self)]
+        self._scaler_ref = weakref.ref(scaler)
         if not self._compressing():
             self._warmup_wait = 0.0
             self._synchronize_for_step()
@@ -496,9 +518,10 @@ class _OneBitMixin:
         if per_opt["stage"] is OptState.READY:
             scaler.unscale_(self)
         loss = self._closure_loss(closure)
-        # The hooks saw the scaled gradients (unscaling in place leaves no trace on their
-        # version counters): anything started early is out of date.
-        if self._compression_step(changed=True):
+        # Unscaling in place leaves no trace on the gradients' version counters: what the hooks
+        # assumed about the scaler is checked instead.
+        early = self._early or None
+        if self._compression_step(changed=early is not None and early.scaler is not scaler):
             self._completed_steps += 1
         else:
             for flag in per_opt["found_inf_per_device"].values():
@@ -596,7 +619,11 @@ class _OneBitMixin:
     def _active_params(self) -> list[torch.Tensor]:
         return [p for group in self.param_groups for p in group["params"] if p.requires_grad]
 
-    def _local_grad(self, p: torch.Tensor, group: dict) -> Optional[torch.Tensor]:
+    def _local_grad(self, p: torch.Tensor, group: dict,
+                    inv_scale: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+        """p's gradient as the compressed step takes it in; ``inv_scale``: the gradient is
+        still scaled by a GradScaler, unscale it first (the bits of GradScaler.unscale_: one
+        float32 product, rounded to the gradient's dtype)."""
         g = p.grad
         if g is None:
             return None
@@ -604,6 +631,8 @@ class _OneBitMixin:
             if not self.sparse_as_dense:
                 raise self._sparse_gradient_error(p)
             g = g.to_dense()
+        if inv_scale is not None:
+            g = torch.mul(g.float(), inv_scale).to(g.dtype)
         if is_low_precision(p):  # the momentum is float32: so is the gradient it takes in
             g = g.float()
         if self.op == Sum:  # Horovod's Sum: the update sees the sum over ranks, not the mean
@@ -635,10 +664,10 @@ class _OneBitMixin:
             self._overlap_off = "gradients changed between backward and step()"
             warnings.warn(
                 "hvd_onebit: the gradients changed between backward and step() (e.g. clipped, "
-                "or unscaled by a GradScaler); the buckets started during backward were "
-                "started again, and from now on this rank starts them in step() (overlap off). "
-                "Leave the gradients as backward made them to keep the overlap, or pass "
-                "overlap=False.")
+                "or a GradScaler used this step and not the last, or the reverse); the buckets "
+                "started during backward were started again, and from now on this rank starts "
+                "them in step() (overlap off). Leave the gradients as backward made them to "
+                "keep the overlap, or pass overlap=False.")
         started = set() if stale or early is None else set(early.read)
         groups = {p: group for group in self.param_groups for p in group["params"]}
         grads = _LocalGrads(self._local_grad, groups)
@@ -687,9 +716,16 @@ class _LocalGrads(Mapping):
 class _EarlyStarts:
     """One step's bookkeeping of the buckets started from gradient hooks."""
 
-    def __init__(self, groups: dict, engine: CompressedStep):
+    def __init__(self, groups: dict, engine: CompressedStep, scaler=None):
         self.groups = groups  # parameter -> its param group
-        self.position = {p: i for i, b in enumerate(engine.buckets) for p in b.params}
+        self.scaler = scaler  # the GradScaler the gradients are assumed scaled by, or None
+        # GradScaler.unscale_'s own factor
+        self.inv_scale = (None if scaler is None
+                          else scaler._scale.double().reciprocal().float())
+        self.position: dict = {}  # parameter -> the buckets holding a part of it
+        for i, b in enumerate(engine.buckets):
+            for p in b.params:
+                self.position.setdefault(p, []).append(i)
         self.missing = [len(b.params) for b in engine.buckets]  # gradients not final yet
         self.read: dict = {}  # parameter -> what its bucket's start read (_inputs_of)
         self.failed = False  # a start raised: the rest start in step()
@@ -724,7 +760,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                          auto_freeze: Optional[dict] = None,
                          compressor: str = "onebit",
                          block_size: Optional[int] = None,
-                         transport: str = "horovod",
+                         transport: str = "auto",
                          kernel_backend: str = "auto",
                          bucket_size_mb: float = DEFAULT_BUCKET_MB,
                          check_every: int = 0,
@@ -757,11 +793,14 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
             in the compression phase: Adam with a frozen variance, for comparisons.
         block_size: elements per scale in the 1-bit allreduce, a positive multiple of 8
             (None: one per chunk).
-        transport: how the compression phase's two stages travel: "horovod" (default; through
-            Horovod's background thread, which negotiates every collective with rank 0 first),
-            "torch" (torch.distributed, Gloo on CPU or NCCL on CUDA, set up over Horovod's
-            ranks at the freeze: no negotiation, so each stage costs about one round trip less;
-            not for elastic jobs or process sets) or "mpi" (mpi4py; MPI jobs, CPU tensors).
+        transport: how the compression phase's two stages travel: "torch" (torch.distributed,
+            Gloo on CPU or NCCL on CUDA, set up over Horovod's ranks when the optimizer is
+            built: no negotiation round, so each stage costs about one round trip less than
+            through Horovod; with ``hierarchical``, one subgroup per node and per local rank;
+            not for elastic jobs or process sets), "horovod"
+            (Horovod's alltoall and allgather, negotiated with rank 0 by its background thread;
+            whatever Horovod runs on), "mpi" (mpi4py; MPI jobs, CPU tensors), or "auto"
+            (default): "torch" where it can serve, else "horovod". ``opt.transport`` says which.
         kernel_backend: "auto", "native" (C++, CPU) or "torch".
         bucket_size_mb: momentum fused per OneBitAllreduce, in MiB of fp32 (default 64). Each
             bucket costs two collectives per step; several let compression of one bucket
@@ -784,9 +823,10 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
             backward goes on; step() finishes the rest. Buckets start in one order on every
             rank, planned from the last parameter (the first gradients backward produces). The
             result is bit-identical to ``overlap=False``, which starts every bucket in step().
-            If the gradients change between backward and step() (clipping, a GradScaler's
-            unscale), that step starts its buckets again (all ranks together) and this rank
-            stops starting them early, with a warning. The flat 1-bit collective only
+            With a GradScaler the hooks unscale as ``GradScaler.unscale_`` does. If the
+            gradients change between backward and step() (clipping), that step starts its
+            buckets again (all ranks together) and this rank stops starting them early, with a
+            warning. The flat 1-bit collective only
             (``compressor="none"`` and ``hierarchical`` start in step()).
 
     A param group may carry ``exp_avg_mask``: a tensor broadcastable to each of its parameters, or

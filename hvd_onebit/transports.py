@@ -25,7 +25,7 @@ from typing import Any, Callable, Optional, Protocol, TypeVar, runtime_checkable
 import horovod.torch as hvd
 import torch
 
-TRANSPORTS = ("horovod", "mpi", "torch")
+TRANSPORTS = ("auto", "horovod", "mpi", "torch")
 
 
 @runtime_checkable
@@ -196,32 +196,44 @@ class TorchTransport:
     Args:
         process_set: must be Horovod's global process set.
         device: where the tensors live: CPU needs a Gloo group, CUDA an NCCL one.
+        members: a subgroup's global ranks, ascending (its group from :func:`torch_subgroups`);
+            None: every rank.
     """
 
     name = "torch"
 
     def __init__(self, process_set: hvd.ProcessSet = hvd.global_process_set,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", members: Optional[tuple[int, ...]] = None):
         import torch.distributed as dist
 
         _check_torch_transport(process_set, torch.device(device))
         init_torch_distributed(torch.device(device))
         self._dist = dist
-        self.size = dist.get_world_size()
-        self.rank = dist.get_rank()
         self.device = torch.device(device)
+        if members is None:
+            self.group = None
+            self.size = dist.get_world_size()
+            self.rank = dist.get_rank()
+        else:
+            self.group = _SUBGROUPS.get(tuple(members))
+            if self.group is None:
+                raise RuntimeError(f"no torch.distributed group for ranks {tuple(members)}: "
+                                   "create the job's groups with torch_subgroups() first")
+            self.size = len(members)
+            self.rank = list(members).index(dist.get_rank())
 
     def alltoall_async(self, rows: torch.Tensor, name: str) -> _TorchWork:
         """rows: [n, row_bytes] uint8; row j goes to rank j."""
         out = torch.empty_like(rows)
-        return _TorchWork(self._dist.all_to_all_single(out, rows.contiguous(), async_op=True), out)
+        return _TorchWork(self._dist.all_to_all_single(out, rows.contiguous(), group=self.group,
+                                                       async_op=True), out)
 
     def allgather_async(self, row: torch.Tensor, name: str) -> _TorchWork:
         """row: [1, row_bytes] uint8; every rank receives [n, row_bytes]."""
         out = torch.empty((self.size * row.shape[0], *row.shape[1:]), dtype=row.dtype,
                           device=row.device)
-        return _TorchWork(self._dist.all_gather_into_tensor(out, row.contiguous(), async_op=True),
-                          out)
+        return _TorchWork(self._dist.all_gather_into_tensor(out, row.contiguous(),
+                                                             group=self.group, async_op=True), out)
 
     def wait(self, handle: _TorchWork) -> torch.Tensor:
         handle.work.wait()  # Gloo: a condition-variable wait (no spinning); NCCL: a stream wait
@@ -229,7 +241,7 @@ class TorchTransport:
 
     def allgather_ints(self, values: list[int], name: str) -> list[list[int]]:
         out: list = [None] * self.size
-        self._dist.all_gather_object(out, [int(v) for v in values])
+        self._dist.all_gather_object(out, [int(v) for v in values], group=self.group)
         return [list(v) for v in out]
 
     def allgather_ints_async(self, values: list[int], name: str) -> list[list[int]]:
@@ -237,6 +249,21 @@ class TorchTransport:
 
     def allgather_ints_wait(self, handle: list[list[int]]) -> list[list[int]]:
         return handle
+
+
+# torch.distributed subgroups by their members (global ranks, ascending); made collectively, once
+_SUBGROUPS: dict[tuple[int, ...], Any] = {}
+
+
+def torch_subgroups(groups: list[tuple[int, ...]]) -> None:
+    """Create the torch.distributed groups of ``groups`` (each a tuple of global ranks,
+    ascending), those not made yet. Every rank must call it with the same list at the same point
+    (``dist.new_group`` is a collective of the default group, even for non-members)."""
+    import torch.distributed as dist
+
+    for members in groups:
+        if tuple(members) not in _SUBGROUPS:
+            _SUBGROUPS[tuple(members)] = dist.new_group(list(members))
 
 
 def _check_torch_transport(process_set: hvd.ProcessSet, device: torch.device) -> None:
@@ -336,6 +363,22 @@ def _mpi_communicator(process_set: hvd.ProcessSet):
     return base
 
 
+def resolve_transport(kind: str, process_set: hvd.ProcessSet, device: torch.device | str,
+                      hierarchical: bool | str = False) -> str:
+    """The transport "auto" stands for in this job: "torch" where torch.distributed can serve
+    (all of Horovod's ranks, not elastic, CPU or CUDA tensors, and, if the script initialised
+    torch.distributed itself, a group that fits), else "horovod". Other kinds are returned as
+    they are. Decided from what every rank sees alike, without a collective. (``hierarchical``
+    is accepted for the callers' symmetry; the hierarchical collective runs on either.)"""
+    if kind != "auto":
+        return kind
+    try:
+        _check_torch_transport(process_set, torch.device(device))
+    except (RuntimeError, ValueError):
+        return "horovod"
+    return "torch"
+
+
 def check_transport(kind: str, process_set: hvd.ProcessSet, device: torch.device) -> None:
     """Raise (the same error on every rank) if transport ``kind`` cannot run in this job on
     ``device``; collective-free, so it can run at construction."""
@@ -351,7 +394,9 @@ def check_transport(kind: str, process_set: hvd.ProcessSet, device: torch.device
 
 
 def make_transport(kind: str, process_set: hvd.ProcessSet, device: torch.device | str = "cpu"):
-    """Build the transport named ``kind`` ("horovod", "mpi" or "torch") for ``process_set``."""
+    """Build the transport named ``kind`` ("horovod", "mpi", "torch" or "auto", see
+    :func:`resolve_transport`) for ``process_set``."""
+    kind = resolve_transport(kind, process_set, device)
     if kind == "horovod":
         return HorovodTransport(process_set)
     if kind == "mpi":

@@ -26,14 +26,18 @@ def reference(numel, calls, block_size=None, skip=()):
 SIZES = [1, 7, 1001, 1 << 16]
 
 
+TRANSPORTS = ["horovod", "torch"]
+
+
 @pytest.fixture(scope="module")
 def sizes():
-    return run("outputs_for_sizes", sizes=SIZES)
+    return run("outputs_for_sizes", sizes=SIZES, transports=TRANSPORTS)
 
 
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("numel", SIZES)
-def test_matches_the_reference_and_is_identical_on_every_rank(sizes, numel):
-    results = [r[numel] for r in sizes]
+def test_matches_the_reference_and_is_identical_on_every_rank(sizes, numel, transport):
+    results = [r[(numel, transport)] for r in sizes]
     expected = reference(numel, 3)
     for rank, r in enumerate(results):
         assert r["topology"] == [2, 2, rank // 2, rank % 2], r["topology"]
@@ -45,9 +49,10 @@ def test_matches_the_reference_and_is_identical_on_every_rank(sizes, numel):
                 f"numel={numel}: rank {rank} differs from rank 0 at call {call}"
 
 
-def test_bytes_between_nodes_are_half_of_flat_1bit(sizes):
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_bytes_between_nodes_are_half_of_flat_1bit(sizes, transport):
     numel = 1 << 16
-    for rank, r in enumerate(x[numel] for x in sizes):
+    for rank, r in enumerate(x[(numel, transport)] for x in sizes):
         # 2 x 2: a rank's 1-bit rows of half the buffer go to one other node; flat 1-bit sends
         # rows of a quarter of it to two ranks of the other node, in both stages
         assert r["wire_bytes"] <= 0.55 * r["flat_wire_bytes_between_nodes"], \
@@ -62,9 +67,10 @@ def test_finer_blocks_match_the_reference():
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
-def test_a_nonfinite_input_on_one_rank_raises_everywhere_and_changes_nothing():
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_nonfinite_input_on_one_rank_raises_everywhere_and_changes_nothing(transport):
     numel = 1001
-    results = run("outputs", numel=numel, calls=4, bad_call=1, bad_rank=1)
+    results = run("outputs", numel=numel, calls=4, bad_call=1, bad_rank=1, transport=transport)
     expected = reference(numel, 4, skip=(1,))
     for rank, r in enumerate(results):
         # the inf (element 500) is in shard 0: the group of local rank 0 (ranks 0 and 2) saw it
@@ -78,8 +84,9 @@ def test_a_nonfinite_input_on_one_rank_raises_everywhere_and_changes_nothing():
                                        err_msg=f"rank {rank} call {call}")
 
 
-def test_several_calls_commit_all_or_nothing():
-    results = run("group_all_or_nothing")
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_several_calls_commit_all_or_nothing(transport):
+    results = run("group_all_or_nothing", transport=transport)
     for rank, r in enumerate(results):
         calls = r["calls"]
         assert [c["error"] is None for c in calls] == [True, False, True], calls
@@ -105,6 +112,9 @@ def test_optimizer_trains_like_the_flat_path_with_identical_ranks(paths):
         assert hier["topology"] == [2, 2, rank // 2, rank % 2] and flat["topology"] is None
         assert auto["topology"] == hier["topology"], "auto: 2 nodes x 2 ranks is hierarchical"
         assert auto["hashes"] == hier["hashes"]
+        # transport="auto" is torch.distributed's subgroups; Horovod's gives the same bits
+        assert hier["transport"] == "torch" and r["horovod"]["transport"] == "horovod"
+        assert r["horovod"]["hashes"] == hier["hashes"], f"rank {rank}: the transports differ"
         assert hier["phase"] == "compression"
         assert hier["hashes"] == paths[0][True]["hashes"], f"rank {rank} differs from rank 0"
         # the same data and warmup: the loss follows the flat path's within tolerance

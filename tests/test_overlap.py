@@ -42,7 +42,15 @@ def test_buckets_start_during_backward(results):
         assert run["breakdown"]["compress"] > 0 and run["breakdown"]["decode"] > 0, run["breakdown"]
 
 
-@pytest.mark.parametrize("case", ["clip", "scaler", "scaler_clip"])
+def test_a_grad_scaler_keeps_the_overlap(results):
+    for rank, r in enumerate(results):
+        run = r[("scaler", True)]
+        # the hooks unscale as GradScaler.unscale_ does: nothing to start again
+        assert run["restarts"] == 0 and run["warnings"] == [], (run["restarts"], run["warnings"])
+        assert run["early_starts"] == r[("plain", True)]["early_starts"] > 0, run["early_starts"]
+
+
+@pytest.mark.parametrize("case", ["clip", "scaler_clip"])
 def test_gradients_changed_after_backward_restart_once_then_start_in_step(results, case):
     for rank, r in enumerate(results):
         run = r[(case, True)]
@@ -51,11 +59,14 @@ def test_gradients_changed_after_backward_restart_once_then_start_in_step(result
             f"rank {rank}, {case}: no warning, got {run['warnings']}"
 
 
-def test_torch_distributed_transport_gives_the_same_bits(results):
+def test_transports_give_the_same_bits(results):
     for rank, r in enumerate(results):
-        assert r["torch_transport"]["hashes"] == r[("plain", True)]["hashes"], \
-            f"rank {rank}: transport='torch' differs from transport='horovod'"
-        assert r["torch_transport"]["early_starts"] == r[("plain", True)]["early_starts"]
+        auto, hvd_run = r[("plain", True)], r["horovod_transport"]
+        assert auto["transport"] == "torch", f"rank {rank}: transport='auto' chose {auto['transport']}"
+        assert hvd_run["transport"] == "horovod"
+        assert hvd_run["hashes"] == auto["hashes"], \
+            f"rank {rank}: transport='horovod' differs from transport='torch'"
+        assert hvd_run["early_starts"] == auto["early_starts"]
 
 
 def test_zero_grad_with_buckets_in_flight_is_refused(results):
@@ -63,3 +74,12 @@ def test_zero_grad_with_buckets_in_flight_is_refused(results):
         assert "zero_grad() was called after loss.backward()" in (r["zero_grad"]["zero_grad_error"]
                                                                   or ""), \
             f"rank {rank}: {r['zero_grad']['zero_grad_error']!r}"
+
+
+def test_auto_transport_is_torch_distributed_where_it_can_serve(results):
+    for rank, r in enumerate(results):
+        choice = r["choice"]
+        assert (choice["plain"], choice["hierarchical"], choice["explicit"], choice["elastic"]) \
+            == ("torch", "torch", "horovod", "horovod"), f"rank {rank}: {choice}"
+        assert "elastic" in (choice["elastic_torch_error"] or ""), \
+            f"rank {rank}: transport='torch' in an elastic job: {choice['elastic_torch_error']!r}"

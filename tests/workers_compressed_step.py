@@ -77,19 +77,12 @@ def reference(n: int, steps: int = 6) -> list[list[np.ndarray]]:
     w = [p.numpy().astype(np.float64) for p in params]
     m = [state[p]["exp_avg"].numpy().copy() for p in params]
     v = [state[p]["exp_avg_sq"].numpy().astype(np.float64) for p in params]
-    # the engine's buckets: parameters from the last, at most 0.004 MiB = 1048 float32 each,
-    # except that a parameter of at most 1/16 of that joins the open bucket anyway
-    cap = int(0.004 * 2**20 / 4)
-    buckets, current, size = [], [], 0
-    for i in reversed(range(len(params))):
-        p = params[i]
-        if current and size + p.numel() > cap and p.numel() > cap // 16:
-            buckets.append(current)
-            current, size = [], 0
-        current.append(i)
-        size += p.numel()
-    buckets.append(current)
-    refs = [ReferenceOneBit(sum(params[i].numel() for i in b), n) for b in buckets]
+    # the engine's buckets, 0.004 MiB = 1048 float32 each, planned from the last parameter: the
+    # five small ones (671 elements), then the (40, 30) weight cut after 377 elements so the
+    # first bucket is full, its other 823 in the second. As (parameter, start, count).
+    buckets = [[(5, 0, 1), (4, 0, 20), (3, 0, 20), (2, 0, 600), (1, 0, 30), (0, 0, 377)],
+               [(0, 377, 823)]]
+    refs = [ReferenceOneBit(sum(count for _, _, count in b), n) for b in buckets]
     bc2 = 1 - BETAS[1] ** WARM_STEPS
     history = []
     for step in range(steps):
@@ -97,15 +90,20 @@ def reference(n: int, steps: int = 6) -> list[list[np.ndarray]]:
         bc1 = 1 - BETAS[0] ** t
         for b, ref in zip(buckets, refs):
             inputs = [np.concatenate([
-                (np.float32(BETAS[0]) * m[i] + np.float32(1 - BETAS[0])
-                 * gradient(step, r, params[i].shape).numpy()).reshape(-1) for i in b])
+                (np.float32(BETAS[0]) * m[i].reshape(-1)[a:a + k] + np.float32(1 - BETAS[0])
+                 * gradient(step, r, params[i].shape).numpy().reshape(-1)[a:a + k])
+                for i, a, k in b])
                 for r in range(n)]
             avg = ref.allreduce(inputs)
-            start = 0
-            for i in b:
-                k = params[i].numel()
-                m[i] = avg[start:start + k].reshape(params[i].shape)
-                start += k
+            new_m = {}
+            at = 0
+            for i, a, k in b:
+                new_m[(i, a)] = avg[at:at + k]
+                at += k
+            for (i, a), piece in new_m.items():
+                flat = m[i].reshape(-1).copy()
+                flat[a:a + piece.size] = piece
+                m[i] = flat.reshape(params[i].shape)
         for i in range(len(params)):
             w[i] = w[i] - LR / bc1 * m[i] / (np.sqrt(v[i] / bc2) + EPS)
         history.append([x.astype(np.float32) for x in w])

@@ -10,12 +10,21 @@ from hvd_onebit.hierarchical import HierarchicalOneBitAllreduce, Topology
 from tests.workers_collective import rank_input
 
 
+def _ready(transport: str) -> None:
+    if transport == "torch":
+        from hvd_onebit.transports import init_torch_distributed
+
+        init_torch_distributed()
+
+
 def outputs(numel: int, calls: int = 3, block_size=None, bad_call: int = -1,
-            bad_rank: int = -1) -> dict:
+            bad_rank: int = -1, transport: str = "horovod") -> dict:
     """``calls`` allreduces of tests.workers_collective.rank_input; ``bad_rank`` puts an inf into
     its input at ``bad_call``. Per call: the output (or the error) and the error feedback."""
+    _ready(transport)
     topo = Topology.from_horovod()
-    comm = HierarchicalOneBitAllreduce(numel, topo, block_size=block_size, name="t.hier")
+    comm = HierarchicalOneBitAllreduce(numel, topo, block_size=block_size,
+                                       name=f"t.hier.{numel}", transport=transport)
     out = {"topology": topo.signature(), "outputs": [], "errors": [], "worker_error": []}
     for call in range(calls):
         x = torch.from_numpy(rank_input(call, hvd.rank(), numel))
@@ -41,18 +50,21 @@ def _flat_wire_bytes(numel: int) -> int:
     return 2 * (hvd.size() - hvd.local_size()) * Layout.build(numel, hvd.size()).row_bytes
 
 
-def outputs_for_sizes(sizes, **kwargs) -> dict:
-    return {numel: outputs(numel, **kwargs) for numel in sizes}
+def outputs_for_sizes(sizes, transports=("horovod",), **kwargs) -> dict:
+    return {(numel, t): outputs(numel, transport=t, **kwargs) for t in transports
+            for numel in sizes}
 
 
-def group_all_or_nothing(numel: int = 1000) -> dict:
+def group_all_or_nothing(numel: int = 1000, transport: str = "horovod") -> dict:
     """Two hierarchical collectives in one transaction; rank 3 puts an inf into the second's
     input at call 1: neither commits anywhere (outputs and error feedback untouched). Also
     counts the host reads of tensor values while the transaction finishes (one expected)."""
     from tests.sync_counter import HostReads
 
+    _ready(transport)
     topo = Topology.from_horovod()
-    comms = [HierarchicalOneBitAllreduce(numel, topo, name=f"t.group{i}") for i in range(2)]
+    comms = [HierarchicalOneBitAllreduce(numel, topo, name=f"t.group{i}", transport=transport)
+             for i in range(2)]
     outs = [torch.zeros(numel) for _ in comms]
     record = []
     for call in range(3):
@@ -76,7 +88,8 @@ def group_all_or_nothing(numel: int = 1000) -> dict:
     return {"calls": record, "final": [o.numpy().copy() for o in outs]}
 
 
-def optimizer_run(hierarchical, steps: int = 16, freeze_step: int = 4) -> dict:
+def optimizer_run(hierarchical, steps: int = 16, freeze_step: int = 4,
+                  transport: str = "auto") -> dict:
     """The test model trained with hvd_onebit; per step the parameters' hash and the loss."""
     import warnings
 
@@ -88,7 +101,8 @@ def optimizer_run(hierarchical, steps: int = 16, freeze_step: int = 4) -> dict:
     model = make_model()
     opt = hvd_onebit.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2),
                                           named_parameters=model.named_parameters(),
-                                          freeze_step=freeze_step, hierarchical=hierarchical)
+                                          freeze_step=freeze_step, hierarchical=hierarchical,
+                                          transport=transport)
     hashes, losses = [], []
     for step in range(steps):
         opt.zero_grad()
@@ -111,7 +125,7 @@ def optimizer_run(hierarchical, steps: int = 16, freeze_step: int = 4) -> dict:
         opt.load_error_feedback_state_dict(moved)
     return {"hashes": hashes, "losses": losses, "val_loss": val_loss(model),
             "topology": None if topology is None else topology.signature(),
-            "bytes": opt.last_step_bytes, "phase": opt.phase,
+            "bytes": opt.last_step_bytes, "phase": opt.phase, "transport": opt.transport,
             "same_role_warnings": [str(w.message) for w in same_role],
             "norm_after_same_role": norm_after_same,
             "other_role_warnings": [str(w.message) for w in other_role],
@@ -120,4 +134,6 @@ def optimizer_run(hierarchical, steps: int = 16, freeze_step: int = 4) -> dict:
 
 
 def optimizer_paths() -> dict:
-    return {mode: optimizer_run(mode) for mode in (True, False, "auto")}
+    out = {mode: optimizer_run(mode) for mode in (True, False, "auto")}
+    out["horovod"] = optimizer_run(True, transport="horovod")
+    return out

@@ -36,7 +36,7 @@ def _batch(step: int, k: int = 0):
 
 
 def run(overlap: bool, steps: int = 9, freeze_step: int = 3, passes: int = 1,
-        clip: bool = False, scaler: bool = False, transport: str = "horovod",
+        clip: bool = False, scaler: bool = False, transport: str = "auto",
         zero_grad_between: bool = False) -> dict:
     """One training run; returns per-step parameter hashes and the engine's counters."""
     model = FourLayers()
@@ -82,6 +82,7 @@ def run(overlap: bool, steps: int = 9, freeze_step: int = 3, passes: int = 1,
     out["early_starts"] = engine.early_starts
     out["restarts"] = engine.restarts
     out["breakdown"] = opt.last_step_breakdown
+    out["transport"] = opt.transport
     return out
 
 
@@ -97,6 +98,30 @@ def suite() -> dict:
     for name, kwargs in cases.items():
         for overlap in (True, False):
             out[(name, overlap)] = run(overlap, **kwargs)
-    out["torch_transport"] = run(True, transport="torch")
+    out["horovod_transport"] = run(True, transport="horovod")
     out["zero_grad"] = run(True, zero_grad_between=True, steps=5)
+    out["choice"] = transport_choice()
+    return out
+
+
+def transport_choice() -> dict:
+    """What transport="auto" resolves to, and transport="torch"'s refusal, per situation."""
+    import os
+
+    from hvd_onebit.transports import check_transport, resolve_transport
+
+    ps, cpu = hvd.global_process_set, torch.device("cpu")
+    out = {"plain": resolve_transport("auto", ps, cpu),
+           "hierarchical": resolve_transport("auto", ps, cpu, hierarchical="auto"),
+           "explicit": resolve_transport("horovod", ps, cpu)}
+    os.environ["HOROVOD_ELASTIC"] = "1"
+    try:
+        out["elastic"] = resolve_transport("auto", ps, cpu)
+        try:
+            check_transport("torch", ps, cpu)
+            out["elastic_torch_error"] = None
+        except ValueError as exc:
+            out["elastic_torch_error"] = str(exc)
+    finally:
+        del os.environ["HOROVOD_ELASTIC"]
     return out

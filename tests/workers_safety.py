@@ -49,7 +49,7 @@ def _batch(step):
 
 def nonfinite_in_one_bucket(layer: int, scaler: bool, bad_step: int = 6, steps: int = 10,
                             freeze_step: int = 3, skip_instead: bool = False) -> dict:
-    """Four buckets (0.01 MiB each: one per weight, the biases packed with them); rank 1 puts an inf into layer ``layer``'s weight gradient at
+    """Five buckets (0.01 MiB each, the layers cut across them); rank 1 puts an inf into layer ``layer``'s weight gradient at
     ``bad_step``. With ``skip_instead`` no rank calls step() at ``bad_step`` (the reference run a
     skipped step must equal)."""
     model = _three_layers()

@@ -250,8 +250,8 @@ def bench_allreduce(nps, sizes, bandwidths, methods, repeats, controller, hosts,
               callback=_csv(str), help=f"Which methods to run, from {', '.join(TRAIN_METHODS)} "
               "(onebit_sync: overlap=False, the exchange starts in step(); onebit_hier: "
               "hierarchical=True, for --ranks-per-node > 1).")
-@click.option("--transport", default="horovod", show_default=True,
-              type=click.Choice(["horovod", "torch", "mpi"]),
+@click.option("--transport", default="auto", show_default=True,
+              type=click.Choice(["auto", "horovod", "torch", "mpi"]),
               help="1-bit Adam's transport for the compression phase.")
 @click.option("--bucket-size-mb", default=None, type=float,
               help="1-bit Adam's bucket_size_mb [default: the optimizer's].")

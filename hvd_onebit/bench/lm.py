@@ -50,16 +50,19 @@ class LmRun:
 
 def train_lm(optimizer: str, np: int, train_args: Sequence[str], out_dir: Path, timeout: float,
              cluster=None, on_output: Optional[Callable[[int, str], None]] = None,
-             log_to_file: bool = True, script: str | os.PathLike | None = None) -> LmRun:
+             log_to_file: bool = True, script: str | os.PathLike | None = None,
+             hosts: Optional[str] = None, tag: Optional[str] = None) -> LmRun:
     """Run train_lm.py ``--optimizer optimizer`` on ``np`` ranks; raise TrainingFailed if it fails.
 
-    The summary goes to ``out_dir/<optimizer>.json``, the output to ``out_dir/<optimizer>.log``
-    (or, without ``log_to_file``, to this process's output; on an emulated ``cluster``, to
-    ``on_output(rank, line)``).
+    The summary goes to ``out_dir/<tag>.json``, the output to ``out_dir/<tag>.log`` (``tag``
+    defaults to ``optimizer``; without ``log_to_file`` the output goes to this process's output;
+    on an emulated ``cluster``, to ``on_output(rank, line)``). ``hosts``: horovodrun's ``-H``
+    (e.g. two names of this machine, ``127.0.0.1:2,127.1:2``, for 2 nodes of 2 ranks).
     """
-    json_out = out_dir / f"{optimizer}.json"
+    tag = tag or optimizer
+    json_out = out_dir / f"{tag}.json"
     json_out.unlink(missing_ok=True)
-    log_path = out_dir / f"{optimizer}.log"
+    log_path = out_dir / f"{tag}.log"
     argv = [sys.executable, str(find_train_lm(script)), "--optimizer", optimizer,
             "--json-out", str(json_out), *train_args]
     what = f"train_lm.py --optimizer {optimizer} on {np} ranks"
@@ -79,14 +82,18 @@ def train_lm(optimizer: str, np: int, train_args: Sequence[str], out_dir: Path, 
     else:
         if log_to_file:
             with open(log_path, "wb") as log:
-                rc = run_command(argv, np, "gloo", timeout, log)
+                rc = run_command(argv, np, "gloo", timeout, log, hosts=hosts)
         else:
-            rc = run_command(argv, np, "gloo", timeout)
+            rc = run_command(argv, np, "gloo", timeout, hosts=hosts)
         if rc != 0 or not json_out.exists():
             why = f"timed out after {timeout:.0f}s" if rc is None else f"exited with {rc}"
             tail = log_path.read_text(errors="replace")[-4000:] if log_to_file else ""
             raise TrainingFailed(f"{what} {why}" + (f"; log {log_path}:\n{tail}" if tail else ""))
     return LmRun(json.loads(json_out.read_text()), time.monotonic() - start, measured)
+
+
+LABELS = {"adam": "Horovod Adam", "onebit": "1-bit Adam",
+          "onebit_hierarchical": "1-bit Adam, hierarchical"}
 
 
 def plot_val_loss(summaries: dict[str, dict], path: Path, title: str,
@@ -102,9 +109,8 @@ def plot_val_loss(summaries: dict[str, dict], path: Path, title: str,
     for name, s in summaries.items():
         curve = s["val_curve"]
         ax.plot([c["step"] for c in curve], [c["val_loss"] for c in curve],
-                "--" if name == "onebit" else "-", marker="o", markersize=2.5,
-                label=f"{'1-bit Adam' if name == 'onebit' else 'Horovod Adam'} "
-                      f"(final {s['final_val_loss']:.3f})")
+                "-" if name == "adam" else "--", marker="o", markersize=2.5,
+                label=f"{LABELS.get(name, name)} (final {s['final_val_loss']:.3f})")
     freeze = summaries.get("onebit", {}).get("freeze_step")
     if freeze:
         ax.axvline(freeze, color="grey", ls=":", lw=1, label=f"freeze_step {freeze}")

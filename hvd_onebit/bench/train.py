@@ -166,7 +166,7 @@ def train_worker(methods=METHODS, steps: int = 40, warmup_frac: float = 0.15,
                  model: str = "embedding", width: int = 2048, depth: int = 3, batch: int = 4,
                  vocab: int = 32768, embed_dim: int = 256, tokens: int = 2048,
                  lr: float = 1e-4, powersgd_start: int = 10, wait: str = "sleep",
-                 transport: str = "horovod", bucket_size_mb: Optional[float] = None
+                 transport: str = "auto", bucket_size_mb: Optional[float] = None
                  ) -> list[dict]:
     """Runs in every rank (after hvd.init()). Returns one row per method (rank 0's view).
 
