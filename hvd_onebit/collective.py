@@ -21,13 +21,16 @@ non-finite input on any rank travels as a status word in every row of stage 1, s
 hanging. :func:`synchronize_all` extends this to several calls (one per bucket of a training step):
 all commit, or none does.
 
-One buffer per error, not two: the compression passes before each stage write only the rows
-(the error's new y, or z, is not stored), and once every rank's status words said the call
-succeeded, the commit runs each pass again with y (z) updated in place, which gives the same bits
-from the same inputs. So the input must not change between ``allreduce_async`` and the end of
-``synchronize``. Memory beyond the input and output: the worker error (``padded`` float32), the
-server error (``chunk`` float32) and a few rows of ``padded / 8`` bytes; traffic: one more read of
-the input and the worker error per call.
+One buffer per error, not two (``spare_errors=False``, the lean mode): the compression passes
+before each stage write only the rows (the error's new y, or z, is not stored), and once every
+rank's status words said the call succeeded, the commit runs each pass again with y (z) updated in
+place, which gives the same bits from the same inputs. So the input must not change between
+``allreduce_async`` and the end of ``synchronize``. Memory beyond the input and output: the
+worker error (``padded`` float32), the server error (``chunk`` float32) and a few rows of
+``padded / 8`` bytes; traffic: one more pass over the input and the worker error per call. With
+``spare_errors=True`` the passes write the new y and z beside the committed ones and the commit
+swaps them: one more ``padded + chunk`` float32, no pass repeated (where compute, not memory,
+is short: a CPU).
 
 Two hooks let a caller fuse its own work into the collective's passes over memory, so that work
 costs no pass of its own: an :class:`InputProducer` is an input the worker compression computes
@@ -230,6 +233,9 @@ class OneBitAllreduce(TransactionalCollective):
         defer_check: start the cross-rank layout check here but finish it (and raise on a
             mismatch, on every rank) at the first call, so construction does not wait for the
             collectives already queued in Horovod.
+        spare_errors: keep a second worker and server error buffer, written by the passes and
+            adopted at the commit, instead of repeating both passes at the commit (see the
+            module's docstring): +1x the buffer's float32 bytes, one pass less per call.
 
     Inputs are float32, float16 or bfloat16 of ``numel`` elements; the math is fp32 and the
     output has the input's dtype and shape. With one rank the output equals the input exactly.
@@ -238,9 +244,11 @@ class OneBitAllreduce(TransactionalCollective):
     def __init__(self, numel: int, process_set: hvd.ProcessSet = hvd.global_process_set, *,
                  block_size: Optional[int] = None, transport: str | Transport = "horovod",
                  backend: str = "auto", device: torch.device | str = "cpu",
-                 name: Optional[str] = None, defer_check: bool = False):
+                 name: Optional[str] = None, defer_check: bool = False,
+                 spare_errors: bool = False):
         if not isinstance(numel, int) or isinstance(numel, bool) or numel < 0:
             raise ValueError(f"numel must be a non-negative int, got {numel!r}")
+        self.spare_errors = bool(spare_errors)
         if isinstance(transport, str):
             self.process_set = process_set
             self.size = process_set.size()
@@ -275,10 +283,12 @@ class OneBitAllreduce(TransactionalCollective):
         # Every buffer is written here (zeros, not empty): the pages are touched now, not in the
         # first call, which would otherwise page-fault ~4 bytes per element.
         self._worker_y = torch.zeros(L.padded, **f32)
+        self._worker_y_next = torch.zeros(L.padded, **f32) if self.spare_errors else None
         self._sent = torch.zeros(L.n * L.row_bytes, **u8)
         self._send = torch.zeros(L.n * L.row_bytes, **u8)
         # The server error, factored the same way: the last call's z and the row it sent.
         self._server_z = torch.zeros(L.chunk, **f32)
+        self._server_z_next = torch.zeros(L.chunk, **f32) if self.spare_errors else None
         self._server_sent = torch.zeros(L.row_bytes, **u8)
         self._server_row = torch.zeros(L.row_bytes, **u8)
         self._in_flight = False
@@ -388,7 +398,8 @@ class OneBitAllreduce(TransactionalCollective):
             return handle
         L = self.layout
         handle.source = src if src is not None else x32
-        self._compress(handle.source, y_out=None)  # the rows only: y is stored at the commit
+        # the rows only (y is stored at the commit), or y beside the committed one
+        self._compress(handle.source, y_out=self._worker_y_next)
         # Sent even when this rank's input was bad: the status word tells every peer.
         handle.stage1 = self.transport.alltoall_async(self._send.view(L.n, L.row_bytes),
                                                       name=f"{self.name}.alltoall")
@@ -425,8 +436,8 @@ class OneBitAllreduce(TransactionalCollective):
         if handle.recv is None:
             return
         L = self.layout
-        kernels.server_compress(handle.recv, self._server_z, self._server_sent, None,
-                                self._server_row, L, self.backend)
+        kernels.server_compress(handle.recv, self._server_z, self._server_sent,
+                                self._server_z_next, self._server_row, L, self.backend)
         if handle.stale:
             kernels.row_status(self._server_row, L, 1).fill_(STALE)
         handle.stage2 = self.transport.allgather_async(self._server_row.view(1, L.row_bytes),
@@ -467,9 +478,13 @@ class OneBitAllreduce(TransactionalCollective):
         L = self.layout
         applied = False
         if handle.gathered is not None:
-            self._compress(handle.source, y_out=self._worker_y)
-            kernels.server_compress(handle.recv, self._server_z, self._server_sent,
-                                    self._server_z, self._server_row, L, self.backend)
+            if self.spare_errors:
+                self._worker_y, self._worker_y_next = self._worker_y_next, self._worker_y
+                self._server_z, self._server_z_next = self._server_z_next, self._server_z
+            else:
+                self._compress(handle.source, y_out=self._worker_y)
+                kernels.server_compress(handle.recv, self._server_z, self._server_sent,
+                                        self._server_z, self._server_row, L, self.backend)
             self._sent, self._send = self._send, self._sent
             self._server_sent, self._server_row = self._server_row, self._server_sent
             applied = (epilogue is not None and not handle.decoded

@@ -143,7 +143,8 @@ class CompressedStep:
     def _collective(self, b: Bucket):
         """The 1-bit collective of bucket ``b``: hierarchical (nodes) or flat."""
         common = dict(block_size=self.config.block_size, backend=self.config.kernel_backend,
-                      device=b.momentum.device, defer_check=True)
+                      device=b.momentum.device, defer_check=True,
+                      spare_errors=self.config.spare_errors(b.momentum.device))
         topology = self.topology()
         if topology is not None:
             transport = resolve_transport(self.transport, self.process_set, b.momentum.device)

@@ -15,6 +15,7 @@ from . import kernels
 from .transports import TRANSPORTS, check_transport
 
 COMPRESSORS = ("onebit", "none")
+MEMORY_MODES = ("auto", "lean", "fast")
 AUTO = "auto"  # freeze_step="auto": freeze once the variance has settled (hvd_onebit.auto_freeze)
 DEFAULT_BUCKET_MB = 64.0
 # Parameter dtypes the optimizer trains. float16 and bfloat16 parameters keep float32 optimizer
@@ -96,6 +97,9 @@ class OneBitConfig:
             them (:mod:`hvd_onebit.hierarchical`); "auto" when there are several nodes of several
             ranks each.
         overlap: start each bucket's exchange from the gradient hooks, during backward.
+        memory: "lean", "fast" or "auto": one error buffer per collective and its passes
+            repeated at the commit, or a spare one of each and no pass repeated; "auto" is lean
+            on CUDA and fast elsewhere (see :meth:`spare_errors`).
     """
 
     freeze_step: Union[int, str]
@@ -109,6 +113,7 @@ class OneBitConfig:
     flush_on_commit: bool = False
     hierarchical: Union[bool, str] = False
     overlap: bool = True
+    memory: str = "auto"
 
     def __post_init__(self) -> None:
         if self.freeze_step == AUTO:
@@ -119,6 +124,8 @@ class OneBitConfig:
         elif self.auto_freeze is not None:
             raise ValueError("auto_freeze options apply only with freeze_step='auto', got "
                              f"freeze_step={self.freeze_step!r}")
+        if self.memory not in MEMORY_MODES:
+            raise ValueError(f"memory must be one of {MEMORY_MODES}, got {self.memory!r}")
         if not isinstance(self.overlap, bool):
             raise ValueError(f"overlap must be True or False, got {self.overlap!r}")
         if not isinstance(self.flush_on_commit, bool):
@@ -151,6 +158,15 @@ class OneBitConfig:
     def auto(self) -> bool:
         """Whether the warmup ends when the variance has settled (freeze_step="auto")."""
         return self.freeze_step == AUTO
+
+    def spare_errors(self, device: torch.device) -> bool:
+        """Whether the collectives keep spare error buffers on ``device`` (memory="fast"):
+        "auto" keeps them off CUDA, where memory is plentiful and the repeated passes would cost
+        compute time the CPU is short of; on a GPU the passes run at memory speed and the
+        memory is what is short."""
+        if self.memory == "auto":
+            return torch.device(device).type != "cuda"
+        return self.memory == "fast"
 
     @property
     def bucket_numel(self) -> int:

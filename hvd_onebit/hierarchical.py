@@ -164,6 +164,7 @@ class HierarchicalOneBitAllreduce(TransactionalCollective):
         transport: "horovod" (global alltoalls with splits) or "torch" (torch.distributed
             subgroups, made here on first use: every rank must build its collectives at the
             same point, as the optimizer does).
+        spare_errors: as for :class:`~hvd_onebit.OneBitAllreduce` (its 1-bit stage).
 
     Same calling convention as the flat collective (``allreduce``, ``allreduce_async`` and
     ``synchronize``, or :func:`~hvd_onebit.collective.synchronize_all`); the epilogue is applied
@@ -173,7 +174,7 @@ class HierarchicalOneBitAllreduce(TransactionalCollective):
     def __init__(self, numel: int, topology: Topology, *, block_size: Optional[int] = None,
                  backend: str = "auto", device: torch.device | str = "cpu",
                  name: str = "hvd_onebit.hier", defer_check: bool = False,
-                 transport: str = "horovod"):
+                 transport: str = "horovod", spare_errors: bool = False):
         if not isinstance(numel, int) or isinstance(numel, bool) or numel < 0:
             raise ValueError(f"numel must be a non-negative int, got {numel!r}")
         self.topology = topology
@@ -201,7 +202,7 @@ class HierarchicalOneBitAllreduce(TransactionalCollective):
         self.shard = max(1, math.ceil(numel / L))
         self.inner = OneBitAllreduce(self.shard, block_size=block_size, transport=self.cross,
                                      backend=backend, device=self.device, name=f"{name}.cross",
-                                     defer_check=defer_check)
+                                     defer_check=defer_check, spare_errors=spare_errors)
         f32 = dict(dtype=torch.float32, device=self.device)
         self._full = torch.zeros(L * self.shard, **f32)  # this rank's input, padded: L shards
         self._shard_in = torch.zeros(self.shard, **f32)  # the node's mean of this rank's shard

@@ -766,7 +766,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                          check_every: int = 0,
                          flush_on_commit: bool = False,
                          hierarchical: bool | str = False,
-                         overlap: bool = True):
+                         overlap: bool = True,
+                         memory: str = "auto"):
     """Wrap a ``torch.optim.Adam`` or ``AdamW`` for 1-bit Adam over Horovod.
 
     The arguments up to ``process_set`` mean what they mean for ``hvd.DistributedOptimizer`` and
@@ -829,6 +830,15 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
             warning. The flat 1-bit collective only
             (``compressor="none"`` and ``hierarchical`` start in step()).
 
+        memory: "auto" (default), "lean" or "fast". Each bucket's collective keeps a worker
+            error (1x the bucket's float32 bytes) and a server error (1/n of it). "lean": one of
+            each; the compression passes before the stages write only the rows, and the commit
+            runs them again to store the new errors in place (one more pass per step), so the
+            compression phase adds about 1 + 1/n + 1/16 of the parameters' float32 bytes beyond
+            Adam's own. "fast": a spare of each, written by the passes and adopted at the
+            commit: one pass less per step, 1x the parameters more. "auto": lean on CUDA (GPU
+            memory is short, its passes run at memory speed), fast elsewhere.
+
     A param group may carry ``exp_avg_mask``: a tensor broadcastable to each of its parameters, or
     a list with one tensor (or None) per parameter. In the compression phase the averaged
     momentum is multiplied by it in place, so masked entries (e.g. padding rows) stay zero.
@@ -850,7 +860,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                           transport=transport, kernel_backend=kernel_backend,
                           bucket_size_mb=bucket_size_mb, check_every=check_every,
                           auto_freeze=auto_freeze, flush_on_commit=flush_on_commit,
-                          hierarchical=hierarchical, overlap=overlap)
+                          hierarchical=hierarchical, overlap=overlap, memory=memory)
     if op == Adasum or op not in (Average, Sum):
         raise ValueError("hvd_onebit.DistributedOptimizer supports op=hvd.Average or hvd.Sum")
     if isinstance(backward_passes_per_step, bool) or not isinstance(backward_passes_per_step, int) \

@@ -29,11 +29,28 @@ def test_engine_matches_the_reference_on_every_virtual_rank(n):
                     f"n={n}: rank {rank} differs from rank 0 at step {step}, param {i}"
 
 
+@pytest.mark.parametrize("n", [2, 3])
+def test_lean_and_fast_memory_give_the_same_bits(n):
+    """memory="lean" (one error buffer, the passes repeated at the commit) and "fast" (spare
+    buffers adopted at the commit) store the same errors, so every step is bit-identical; a
+    skipped step included."""
+    runs = {mode: run_inprocess(n, memory=mode, bad=(2, n - 1, 3)) for mode in ("lean", "fast")}
+    for rank in range(n):
+        lean, fast = runs["lean"][rank], runs["fast"][rank]
+        assert lean["skipped"] == fast["skipped"] == [s == 2 for s in range(6)], lean["skipped"]
+        for key in ("params", "momenta"):
+            for step, (a_step, b_step) in enumerate(zip(lean[key], fast[key])):
+                for i, (a, b) in enumerate(zip(a_step, b_step)):
+                    assert a.tobytes() == b.tobytes(), \
+                        f"n={n} rank {rank} step {step} {key}[{i}]: lean and fast differ"
+
+
+@pytest.mark.parametrize("memory", ["lean", "fast"])
 @pytest.mark.parametrize("n", [1, 2, 5])
 @pytest.mark.parametrize("param", [0, 3, 5], ids=["first_bucket", "middle_bucket", "last_bucket"])
-def test_a_nonfinite_gradient_changes_nothing_anywhere(n, param):
+def test_a_nonfinite_gradient_changes_nothing_anywhere(n, param, memory):
     bad_rank = n - 1
-    results = run_inprocess(n, bad=(2, bad_rank, param))
+    results = run_inprocess(n, bad=(2, bad_rank, param), memory=memory)
     clean = run_inprocess(n)
     for rank, r in enumerate(results):
         assert r["skipped"] == [s == 2 for s in range(6)], f"rank {rank}: {r['skipped']}"

@@ -34,11 +34,12 @@ def gradient(step: int, rank: int, shape) -> torch.Tensor:
 
 
 def run_engine(rank: int, transport=None, steps: int = 6, bad: Optional[tuple] = None,
-               block_size: Optional[int] = None) -> dict:
+               block_size: Optional[int] = None, memory: str = "auto") -> dict:
     """``steps`` compressed steps; ``bad`` = (step, rank, parameter index) puts an inf into that
     gradient. Returns per step whether it was skipped, and the parameters/momenta after each."""
     params, state = initial_state()
-    config = OneBitConfig(freeze_step=WARM_STEPS, bucket_size_mb=0.004, block_size=block_size)
+    config = OneBitConfig(freeze_step=WARM_STEPS, bucket_size_mb=0.004, block_size=block_size,
+                          memory=memory)
     engine = CompressedStep(config, state, decoupled=lambda group: False, transport=transport)
     groups = [{"params": params, "lr": LR, "betas": BETAS, "eps": EPS, "weight_decay": 0.0}]
     out = {"skipped": [], "params": [], "momenta": [], "errors": []}

@@ -506,17 +506,20 @@ def bench_predict(calibration, nps, ranks_per_node, bandwidths, intra_bandwidth,
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
 @click.option("--bucket-mb", type=float, default=None, help="Bucket size in MiB [default: the "
               "optimizer's].")
+@click.option("--memory", "memory_mode", type=click.Choice(["lean", "fast", "auto"]),
+              default="lean", show_default=True,
+              help="The optimizer's memory option (lean: CUDA's default; fast: the CPU's).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 def bench_memory_command(ranks: int, layers: int, width: int, warmup: int, compressed: int,
                          transport: str, device: str, bucket_mb: Optional[float],
-                         as_json: bool) -> None:
+                         memory_mode: str, as_json: bool) -> None:
     """Memory beyond Adam's own per phase, as a ratio to the parameters' fp32 bytes
     (compression-phase target: <= 1.25, peak included)."""
     from .memory import bench_memory
 
     result = bench_memory(ranks=ranks, layers=layers, width=width, warmup=warmup,
                           compressed=compressed, transport=transport, device=device,
-                          bucket_size_mb=bucket_mb)
+                          bucket_size_mb=bucket_mb, memory=memory_mode)
     if as_json:
         click.echo(json.dumps(result, indent=2))
         return

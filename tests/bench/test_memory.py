@@ -27,6 +27,16 @@ def test_sixteen_virtual_ranks_stay_within_the_target():
     assert report["per_rank"][0]["phases"]["compression"]["steps_measured"] == 2
 
 
+def test_fast_memory_keeps_one_more_error_buffer():
+    """memory="fast" (the CPU default) keeps spare error buffers: 1x the parameters more than
+    "lean", nothing else."""
+    held = {mode: bench_memory(ranks=4, layers=1, width=512, compressed=1, transport="inprocess",
+                               memory=mode)["phases"]["compression"]["held_ratio"]
+            for mode in ("lean", "fast")}
+    assert 1.25 <= held["lean"] <= 1.25 + 0.1, held
+    assert held["fast"] - held["lean"] == pytest.approx(1 + 1 / 4, abs=0.02), held
+
+
 @pytest.mark.multirank
 def test_a_horovod_job_reports_both_phases_as_json():
     """Two ranks through the freeze: the held memory is the floor 1 + 1/2 + rows (not the
