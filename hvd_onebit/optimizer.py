@@ -52,7 +52,8 @@ from .consistency import check_parameters_identical, check_same_parameters
 from .layout import ring_allreduce_bytes
 from .low_precision import (WidenBfloat16, adam_step_float32, float32_state_in, is_low_precision,
                             state_dtype)
-from .transports import init_torch_distributed, resolve_transport, sleep_until_done
+from .transports import (TorchRendezvousError, init_torch_distributed, resolve_transport,
+                         sleep_until_done)
 
 STEP_KEY = "onebit_step"  # param_groups[0] entry holding the optimizer step count
 FREEZE_KEY = "onebit_freeze_step"  # param_groups[0] entry: the freeze step, -1 while undecided
@@ -116,8 +117,16 @@ class _OneBitMixin:
             check_same_parameters(self.param_groups, self._parameter_names, self.process_set)
         if self.transport == "torch" and config.compressor == "onebit" and self._world > 1:
             # Set up now, on every rank together, so a network that cannot carry it fails at
-            # construction, not at the freeze.
-            init_torch_distributed(device)
+            # construction, not at the freeze; "auto" then stays with Horovod (the failure is
+            # agreed, so every rank does).
+            try:
+                init_torch_distributed(device)
+            except TorchRendezvousError as exc:
+                if config.transport != "auto":
+                    raise
+                warnings.warn(f"hvd_onebit: transport='auto' uses Horovod: {exc}")
+                self.transport = "horovod"
+                self._engine.transport = "horovod"
 
     # ---- state ------------------------------------------------------------------------------------
 

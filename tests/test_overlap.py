@@ -83,3 +83,13 @@ def test_auto_transport_is_torch_distributed_where_it_can_serve(results):
             == ("torch", "torch", "horovod", "horovod"), f"rank {rank}: {choice}"
         assert "elastic" in (choice["elastic_torch_error"] or ""), \
             f"rank {rank}: transport='torch' in an elastic job: {choice['elastic_torch_error']!r}"
+
+
+def test_an_unreachable_rendezvous_falls_back_to_horovod_on_every_rank():
+    results = run_ranks("tests.workers_overlap:rendezvous_fallback", np=2, timeout=120)
+    for rank, r in enumerate(results):
+        assert r["auto"] == "horovod", f"rank {rank}: transport='auto' chose {r['auto']}"
+        assert any("198.18.255.1:29999" in w for w in r["auto_warnings"]), r["auto_warnings"]
+        assert "TorchRendezvousError" in (r["torch_error"] or "") and \
+            "rank(s) [" in r["torch_error"], f"rank {rank}: {r['torch_error']!r}"
+        assert r["steps"] == 1

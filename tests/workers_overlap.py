@@ -125,3 +125,39 @@ def transport_choice() -> dict:
     finally:
         del os.environ["HOROVOD_ELASTIC"]
     return out
+
+
+def rendezvous_fallback() -> dict:
+    """torch.distributed's rendezvous made unreachable (rank 0's MASTER_ADDR nowhere): with
+    transport="auto" every rank stays with Horovod and says why; with "torch" every rank raises."""
+    import os
+
+    os.environ.update({"MASTER_ADDR": "198.18.255.1", "MASTER_PORT": "29999",
+                       "HVD_ONEBIT_RENDEZVOUS_S": "3"})
+    out = {}
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model = FourLayers()
+            opt = hvd_onebit.DistributedOptimizer(torch.optim.Adam(model.parameters()),
+                                                  named_parameters=model.named_parameters(),
+                                                  freeze_step=2)
+        out["auto"] = opt.transport
+        out["auto_warnings"] = [str(w.message) for w in caught if "transport='auto'" in str(w.message)]
+        other = FourLayers()  # its own hooks: never the first model's
+        try:
+            hvd_onebit.DistributedOptimizer(torch.optim.Adam(other.parameters()),
+                                            named_parameters=other.named_parameters(),
+                                            freeze_step=2, transport="torch")
+            out["torch_error"] = None
+        except RuntimeError as exc:
+            out["torch_error"] = f"{type(exc).__name__}: {exc}"
+        # the job goes on through Horovod: a step of the fallback optimizer
+        x, y = _batch(0)
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        out["steps"] = opt.steps
+    finally:
+        for key in ("MASTER_ADDR", "MASTER_PORT", "HVD_ONEBIT_RENDEZVOUS_S"):
+            os.environ.pop(key, None)
+    return out
