@@ -8,14 +8,19 @@ Three groups, saved together as one JSON file (``hvd-onebit bench calibrate --ou
   ``local`` ranks run it, then forward+backward and Adam's step each timed with all k processes
   in the same phase (ranks synchronised by collectives run them so, and contend more for cores
   and memory), and the 1-bit kernels' time per element (momentum + compress, server step,
-  decode + update), in lock-step too. ``k = 1`` is a rank with a core to itself; larger ``k``
+  decode + update), in lock-step too; and the passes the hierarchical collective makes with
+  torch ops and plain kernels (momentum materialised, a float32 add, plain compress and decode,
+  Adam's update as torch ops). ``k = 1`` is a rank with a core to itself; larger ``k``
   is what ranks that share cores (the emulator) get.
 * **collectives** (Horovod over Gloo on the emulated cluster, every rank its own link): the
   time of a tiny allreduce, alltoall and allgather (the per-op cost: negotiation, size
   exchanges, per-peer messages), and of large fp32 and fp16 allreduces, alltoalls and
   allgathers, at ``--np`` ranks, first on unshaped links (the host's own cost per byte:
   reductions, copies, the TCP stack) then on shaped links of ``--link`` (the link's efficiency:
-  payload bytes per second over the nominal rate).
+  payload bytes per second over the nominal rate). The same jobs time the 1-bit stages as
+  ``transport="torch"`` runs them (:class:`~hvd_onebit.transports.TorchTransport`:
+  torch.distributed's Gloo alltoall and allgather, no Horovod negotiation), tiny and large,
+  under ``torch_*`` keys.
 * **machine**: cores, and the date.
 
 Every timed collective starts after a barrier; a call's time is the slowest rank's (the op ends
@@ -30,7 +35,10 @@ import time
 from pathlib import Path
 from typing import Optional
 
-CALIBRATION_VERSION = 2
+CALIBRATION_VERSION = 3
+# version 2: no torch.distributed collectives, no hierarchical passes (read, with what needs
+# them refused)
+READABLE_VERSIONS = (2, 3)
 DEFAULT_PATH = Path("~/.cache/hvd_onebit/calibration.json")
 # the bench train models at their default sizes (hvd-onebit bench train --model ...)
 BENCH_MODELS = {
@@ -62,7 +70,7 @@ def _compute_proc(k: int, models: dict, kernel_numel: int, repeats: int, seconds
     """One of ``k`` processes timing the same work at the same time (so they share the cores)."""
     import torch
 
-    from .. import fused_adam
+    from .. import fused_adam, kernels
     from ..layout import Layout
     from .train import IN_DIM, OUT_DIM, build_embedding_model, build_mlp
 
@@ -113,8 +121,7 @@ def _compute_proc(k: int, models: dict, kernel_numel: int, repeats: int, seconds
     w, denom, work = torch.randn(kernel_numel), torch.rand(kernel_numel) + 0.01, torch.empty(kernel_numel)
     src = fused_adam.MomentumInput(m, [grad], [kernel_numel], 0.9)
     update = fused_adam.AdamUpdate([w], [denom], [kernel_numel], [-1e-4], [1.0])
-    from .. import kernels
-
+    x, acc = torch.randn(kernel_numel, generator=g), torch.randn(kernel_numel, generator=g)
     calls = {
         "compress_momentum": lambda: fused_adam.worker_compress_momentum(
             src, y_prev, prev_send, y_next, send, L, "native"),
@@ -122,6 +129,15 @@ def _compute_proc(k: int, models: dict, kernel_numel: int, repeats: int, seconds
         "server": lambda: kernels.server_compress(send, server_z, server_sent, server_z_out,
                                                   row, L, "native"),
         "decode_update": lambda: fused_adam.decode_update(send, work, L, update, "native"),
+        # the hierarchical collective's passes (hvd_onebit/hierarchical.py): Adam's momentum
+        # update materialised with torch ops, the node mean's float32 adds, the plain
+        # compress and decode of its shard, the output copy and Adam's update as torch ops
+        "materialize": lambda: src.materialize(out=x),
+        "add": lambda: acc.add_(x),
+        "compress": lambda: kernels.worker_compress(x, y_prev, prev_send, y_next, send, L,
+                                                    "native"),
+        "decode": lambda: kernels.decode(send, work, L, "native"),
+        "epilogue": lambda: (work.copy_(x), update.apply(work)),
     }
     out["kernel_s_per_elem"] = {}
     for kname, call in calls.items():
@@ -174,11 +190,15 @@ def measure_compute(procs=(1, 2, 4), models: Optional[dict] = None, kernel_numel
     return result
 
 
-def collectives_worker(numel: int = 4 << 20, repeats: int = 7, tiny_repeats: int = 21) -> dict:
-    """Runs in every rank: median time (slowest rank) of tiny and large Horovod collectives.
+def collectives_worker(numel: int = 4 << 20, repeats: int = 7, tiny_repeats: int = 21,
+                       torch_ops: bool = True) -> dict:
+    """Runs in every rank: median time (slowest rank) of tiny and large Horovod collectives, and
+    with ``torch_ops`` of the 1-bit stages through torch.distributed (``torch_*``: what
+    ``transport="torch"``, the default on CPU, runs them with).
 
     Every wait sleeps (:func:`~hvd_onebit.transports.sleep_until_done`), as the train benchmark's
-    do: ranks spinning in ``hvd.synchronize`` would take the cores of ranks sharing them.
+    do: ranks spinning in ``hvd.synchronize`` would take the cores of ranks sharing them. Gloo's
+    own waits already block on a condition variable.
     """
     import horovod.torch as hvd
     import torch
@@ -205,12 +225,33 @@ def collectives_worker(numel: int = 4 << 20, repeats: int = 7, tiny_repeats: int
         "allgather": lambda: wait(hvd.allgather_async(torch.zeros(1, row, dtype=torch.uint8),
                                                       name="cal.ag")),
     }
+    barriers = dict.fromkeys(calls, lambda: wait(hvd.allreduce_async(torch.zeros(1),
+                                                                      name="cal.barrier")))
+    if torch_ops:
+        import torch.distributed as dist
+
+        from ..transports import TorchTransport
+
+        tt = TorchTransport()  # torch.distributed's default group over Horovod's ranks (Gloo)
+        torch_calls = {
+            "torch_alltoall_tiny": lambda: tt.wait(tt.alltoall_async(
+                torch.zeros(n, 8, dtype=torch.uint8), "cal.t.a2a.tiny")),
+            "torch_allgather_tiny": lambda: tt.wait(tt.allgather_async(
+                torch.zeros(1, 8, dtype=torch.uint8), "cal.t.ag.tiny")),
+            "torch_alltoall": lambda: tt.wait(tt.alltoall_async(
+                torch.zeros(n, row, dtype=torch.uint8), "cal.t.a2a")),
+            "torch_allgather": lambda: tt.wait(tt.allgather_async(
+                torch.zeros(1, row, dtype=torch.uint8), "cal.t.ag")),
+        }
+        calls.update(torch_calls)
+        # the preceding op in a compressed step is a Gloo op too: a Gloo barrier
+        barriers.update(dict.fromkeys(torch_calls, dist.barrier))
     out = {"np": n, "numel": numel, "row_bytes": row, "median_s": {}}
     for name, call in calls.items():
         call()
         times = []
         for _ in range(tiny_repeats if name.endswith("_tiny") else repeats):
-            wait(hvd.allreduce_async(torch.zeros(1), name="cal.barrier"))
+            barriers[name]()
             start = time.perf_counter()
             call()
             times.append(time.perf_counter() - start)
@@ -290,9 +331,10 @@ def load(path) -> dict:
             "machine whose constants you want (it needs root for the emulated cluster, "
             "about 2-3 minutes), or pass --calibration PATH")
     cal = json.loads(p.read_text())
-    if cal.get("version") != CALIBRATION_VERSION:
+    if cal.get("version") not in READABLE_VERSIONS:
         raise ValueError(f"{p} is calibration version {cal.get('version')}, this model reads "
-                         f"version {CALIBRATION_VERSION}: run `hvd-onebit bench calibrate` again")
+                         f"versions {', '.join(map(str, READABLE_VERSIONS))}: run `hvd-onebit bench "
+                         "calibrate` again")
     for key in ("compute", "collectives", "cores"):
         if key not in cal:
             raise ValueError(f"{p} has no {key!r}: not a calibration file from "

@@ -44,8 +44,9 @@ from ..layout import Layout, ring_allreduce_bytes
 
 TCP_EFFICIENCY = 1448 / 1514  # TCP payload per Ethernet frame at a 1500-byte MTU
 METHODS = ("horovod_fp32", "horovod_fp16", "onebit", "onebit_hierarchical")
-HIERARCHICAL_NOTE = ("onebit_hierarchical is a prediction of ALGORITHM.md's hierarchical scheme, "
-                     "not checked against a measurement with several ranks per node")
+HIERARCHICAL_NOTE = ("onebit_hierarchical models hvd_onebit/hierarchical.py (4 Horovod alltoalls "
+                     "with splits per bucket, Horovod's transport); checked on the emulator at "
+                     "2 nodes x 2 ranks only")
 
 
 # --------------------------------------------------------------------------------------------
@@ -72,7 +73,11 @@ def _line(points: dict[int, float]):
 
 
 OPS = {"allreduce_fp32": "allreduce", "allreduce_fp16": "allreduce", "alltoall": "alltoall",
-       "allgather": "allgather"}
+       "allgather": "allgather", "torch_alltoall": "torch_alltoall",
+       "torch_allgather": "torch_allgather"}
+# the op kinds whose per-op cost is calibrated (tiny ops): Horovod's, then torch.distributed's
+KINDS = ("allreduce", "alltoall", "allgather", "torch_alltoall", "torch_allgather")
+TRANSPORTS = ("torch", "horovod")
 
 
 def _bytes_per_rank(op: str, n: int, numel: int, row: int) -> int:
@@ -89,8 +94,11 @@ def constants(cal: dict) -> dict:
     coll = cal["collectives"]
     link, link_bps = cal.get("link"), cal.get("link_bps")
     out: dict = {"cores": cal["cores"], "tcp_efficiency": TCP_EFFICIENCY}
-    for kind in ("allreduce", "alltoall", "allgather"):
-        a, b = _line({int(n): coll[n]["unlimited"]["median_s"][f"{kind}_tiny"] for n in coll})
+    for kind in KINDS:
+        points = {int(n): coll[n]["unlimited"]["median_s"].get(f"{kind}_tiny") for n in coll}
+        if None in points.values():
+            continue  # a version-2 calibration: no torch.distributed ops
+        a, b = _line(points)
         out[f"alpha_{kind}_s"] = a
         out[f"alpha_{kind}_per_peer_s"] = b
     for n, runs in coll.items():
@@ -98,6 +106,8 @@ def constants(cal: dict) -> dict:
         shaped = runs[link]["median_s"] if link in runs and link_bps else None
         numel, row = runs["unlimited"]["numel"], runs["unlimited"]["row_bytes"]
         for op, kind in OPS.items():
+            if op not in unl:
+                continue
             nbytes = _bytes_per_rank(op, int(n), numel, row)
             host = max(0.0, unl[op] - unl[f"{kind}_tiny"])
             out[f"host_{op}_s_per_byte@{n}"] = host / nbytes
@@ -179,15 +189,27 @@ class Prediction:
 
 
 class Model:
-    """Predictions from a calibration. ``per_peer_s`` replaces the calibrated per-peer cost of
-    every Horovod op (``b_op``), e.g. to see what a lower one would change."""
+    """Predictions from a calibration.
+
+    ``transport``: what carries flat 1-bit Adam's two stages: ``"torch"`` (torch.distributed's
+    Gloo alltoall and allgather, what ``transport="auto"`` picks on CPU) or ``"horovod"``
+    (Horovod's, with its negotiation per op). Hierarchical 1-bit always runs on Horovod's.
+    ``per_peer_s`` replaces the calibrated per-peer cost of every op (``b_op``), e.g. to see
+    what a lower one would change. ``hierarchical_global_ops``: every stage of the hierarchical
+    collective is one global Horovod alltoall with splits, as ``hvd_onebit/hierarchical.py``
+    runs them (each pays the per-op cost of all n ranks); False: collectives of their own
+    groups (process sets), which the library does not have.
+    """
 
     def __init__(self, cal: dict, per_peer_s: Optional[float] = None,
-                 hierarchical_global_ops: bool = False):
+                 hierarchical_global_ops: bool = True, transport: str = "torch"):
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
         self.cal = cal
         self.c = constants(cal)
         self.per_peer_s = per_peer_s
         self.hierarchical_global_ops = hierarchical_global_ops
+        self.transport = transport
 
     # -- per-world-size lookups
 
@@ -210,6 +232,10 @@ class Model:
     def alpha(self, kind: str, n: int) -> float:
         if n <= 1:
             return 0.0
+        if f"alpha_{kind}_s" not in self.c:
+            raise ValueError(f"the calibration has no {kind} ops (a version-2 file, made before "
+                             "transport='torch'): run `hvd-onebit bench calibrate` again, or "
+                             "predict with --transport horovod")
         b = self.c[f"alpha_{kind}_per_peer_s"] if self.per_peer_s is None else self.per_peer_s
         return self.c[f"alpha_{kind}_s"] + b * (n - 1)
 
@@ -235,18 +261,23 @@ class Model:
         return compute, min(adam, compute)
 
     def kernel(self, name: str, elems: float, job: Job, cl: Cluster) -> float:
-        per = self.cal["compute"][self._procs(cl)]["kernel_s_per_elem"][name]
-        return per * elems / job.kernel_speedup
+        rates = self.cal["compute"][self._procs(cl)]["kernel_s_per_elem"]
+        if name not in rates:
+            raise ValueError(f"the calibration has no {name!r} pass (a version-2 file, made "
+                             "before the hierarchical collective's passes were timed): run "
+                             "`hvd-onebit bench calibrate` again")
+        return rates[name] * elems / job.kernel_speedup
 
     # -- collectives
 
     def _transfer(self, op: str, n: int, nbytes: float, link_bytes: float, bps, latency_steps: int,
                   latency_s: float, job: Job, cl: Cluster, kind: str) -> float:
+        alpha = self.alpha(kind, n)  # first: it says clearly when the calibration lacks op
         h, kappa = self._host(op, n, cl)
         host = h * nbytes / job.host_speedup
         wire = 0.0 if bps is None else link_bytes * 8 / (bps * TCP_EFFICIENCY)
         data = max(host, wire) + kappa * min(host, wire)
-        return self.alpha(kind, n) + latency_steps * latency_s + data
+        return alpha + latency_steps * latency_s + data
 
     def _bottleneck(self, cl: Cluster, inter_bytes: float, intra_bytes: float) -> tuple[float, float]:
         """(link bytes on the slower path scaled to the inter-node rate, rate)."""
@@ -269,17 +300,13 @@ class Model:
         return self._transfer(op, n, per_rank, link_bytes, bps, 2 * (n - 1), lat, job, cl,
                               "allreduce")
 
-    def hierarchical_stages(self, shard: float, cl: Cluster, job: Job) -> tuple[float, float, int]:
-        """(alltoall s, allgather s, bytes per rank) of the two-stage 1-bit allreduce of a shard
-        among the ``nodes`` ranks with the same local rank; the node's ``L`` ranks do theirs at
-        once, so its link carries ``L (N-1)`` rows per stage."""
-        N, L = cl.nodes, cl.ranks_per_node
-        layout = Layout.build(int(math.ceil(shard)), N)
-        per_rank = (N - 1) * layout.row_bytes
-        args = (N, per_rank, L * per_rank, cl.inter_bps)
-        a2a = self._transfer("alltoall", *args, 1, cl.inter_latency_s, job, cl, "alltoall")
-        ag = self._transfer("allgather", *args, N - 1, cl.inter_latency_s, job, cl, "allgather")
-        return a2a, ag, layout.wire_bytes
+    def _alltoall_stage(self, kind_n: int, per_rank: float, link_bytes: float, bps,
+                        latency_s: float, job: Job, cl: Cluster) -> float:
+        """One of the hierarchical collective's stages: a Horovod alltoall (with splits) whose
+        per-op cost is that of ``kind_n`` ranks (all n when it is a global op), ``per_rank``
+        bytes sent by each rank, ``link_bytes`` on the busiest link of rate ``bps``."""
+        return self._transfer("alltoall", kind_n, per_rank, link_bytes, bps, 1, latency_s, job,
+                              cl, "alltoall")
 
     # -- the methods
 
@@ -307,34 +334,7 @@ class Model:
                 inter = L * (n - L) * row + (n - 1) * row
             return Prediction(method, phases, nbytes, inter)
         if method == "onebit_hierarchical":
-            shard = P / L
-            phases = {"compute": fwd_bwd}
-            intra = Cluster(nodes=1, ranks_per_node=L, intra_bps=cl.intra_bps,
-                            intra_latency_s=cl.intra_latency_s, colocated=cl.colocated)
-            rs_bytes = ring_allreduce_bytes(4 * P, L) // 2  # reduce-scatter: half a ring allreduce
-            phases["reduce_scatter"] = (self.ring_allreduce("allreduce_fp32", 4 * P, intra, job) / 2
-                                        if L > 1 else 0.0)
-            phases["compress"] = self.kernel("compress_momentum", shard, job, cl)
-            a2a = ag = 0.0
-            inter_bytes = 0
-            if N > 1:
-                a2a, ag, inter_bytes = self.hierarchical_stages(shard, cl, job)
-            phases["alltoall"] = a2a
-            phases["server"] = self.kernel("server", shard, job, cl)
-            phases["allgather"] = ag
-            phases["decode_update"] = self.kernel("decode_update", P, job, cl)
-            phases["allgather_intra"] = phases["reduce_scatter"]
-            if self.hierarchical_global_ops and N > 1:
-                # every stage one global Horovod op (as hvd_onebit/hierarchical.py runs them):
-                # each pays the per-op cost of all n ranks instead of its group's
-                used = {"reduce_scatter": self.alpha("allreduce", L) / 2 if L > 1 else 0.0,
-                        "alltoall": self.alpha("alltoall", N),
-                        "allgather": self.alpha("allgather", N)}
-                used["allgather_intra"] = used["reduce_scatter"]
-                for ph, a in used.items():
-                    phases[ph] += self.alpha("alltoall", n) - a
-            return Prediction(method, phases, 2 * rs_bytes + inter_bytes,
-                              L * inter_bytes if N > 1 else None, [HIERARCHICAL_NOTE])
+            return self._hierarchical(P, fwd_bwd, job, cl)
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
 
     def _flat_onebit(self, P: int, cl: Cluster, job: Job) -> tuple[float, float, int]:
@@ -349,11 +349,55 @@ class Model:
         a2a_bytes, a2a_bps = self._bottleneck(cl, L * (n - L) * row, per_rank if cl.nodes == 1
                                               else (L - 1) * row)
         ag_bytes, ag_bps = self._bottleneck(cl, per_rank, per_rank)
-        a2a = self._transfer("alltoall", n, per_rank, a2a_bytes, a2a_bps, 1, lat, job, cl,
-                             "alltoall")
-        ag = self._transfer("allgather", n, per_rank, ag_bytes, ag_bps, n - 1, lat, job, cl,
-                            "allgather")
+        pre = "torch_" if self.transport == "torch" else ""
+        a2a = self._transfer(pre + "alltoall", n, per_rank, a2a_bytes, a2a_bps, 1, lat, job, cl,
+                             pre + "alltoall")
+        ag = self._transfer(pre + "allgather", n, per_rank, ag_bytes, ag_bps, n - 1, lat, job,
+                            cl, pre + "allgather")
         return a2a, ag, layout.wire_bytes
+
+    def _hierarchical(self, P: int, fwd_bwd: float, job: Job, cl: Cluster) -> Prediction:
+        """Hierarchical 1-bit as ``hvd_onebit/hierarchical.py`` runs it, per bucket (``L`` ranks
+        per node, ``N`` nodes, shard ``S = P/L``):
+
+        materialize: Adam's momentum update written out with torch ops (P; no fused pass);
+        scatter: a Horovod alltoall with splits, ``(L-1) S`` float32 to the node's ranks;
+        node_mean: copy, ``L-1`` float32 adds and a division of the shard (``L+1`` passes of S);
+        compress (plain kernel, S), alltoall (1-bit stage 1 among the N ranks of one local
+        rank: ``N-1`` rows of ``S/(8N)`` bytes, ``L (N-1)`` rows on a node's link), server (S),
+        allgather (stage 2: an alltoall with splits of the server row, copied ``N-1`` times),
+        decode (plain kernel, S);
+        gather: an alltoall with splits of the shard copied ``L`` times (the copy: a pass of P),
+        ``(L-1) S`` float32 to the node's ranks;
+        commit: the output copy and Adam's update with torch ops (P).
+
+        Every stage is one global Horovod op (``hierarchical_global_ops``, the library's way):
+        each pays Horovod's alltoall per-op cost of all n ranks; else that of its group.
+        """
+        n, L, N = cl.n, cl.ranks_per_node, cl.nodes
+        S = P / L
+        glob = self.hierarchical_global_ops
+        ph = {"compute": fwd_bwd, "materialize": self.kernel("materialize", P, job, cl)}
+        intra_rank = (L - 1) * S * 4  # each rank's full-precision bytes inside its node
+        intra = (self._alltoall_stage(n if glob else L, intra_rank, intra_rank, cl.intra_bps,
+                                      cl.intra_latency_s, job, cl) if (glob or L > 1) else 0.0)
+        ph["scatter"] = intra
+        ph["node_mean"] = self.kernel("add", (L + 1) * S, job, cl)
+        layout = Layout.build(int(math.ceil(S)), N)
+        ph["compress"] = self.kernel("compress", S, job, cl)
+        inter_rank = (N - 1) * layout.row_bytes
+        for stage in ("alltoall", "allgather"):
+            ph[stage] = (self._alltoall_stage(n if glob else N, inter_rank, L * inter_rank,
+                                              cl.inter_bps, cl.inter_latency_s, job, cl)
+                         if (glob or N > 1) else 0.0)
+            if stage == "alltoall":
+                ph["server"] = self.kernel("server", S, job, cl)
+        ph["decode"] = self.kernel("decode", S, job, cl)
+        ph["gather"] = intra + self.kernel("add", P, job, cl)
+        ph["commit"] = self.kernel("epilogue", P, job, cl)
+        wire = layout.wire_bytes if N > 1 else 0
+        return Prediction("onebit_hierarchical", ph, int(2 * intra_rank) + wire,
+                          L * wire if N > 1 else None, [HIERARCHICAL_NOTE])
 
     def predict_all(self, job: Job, cl: Cluster, methods=METHODS) -> dict:
         """Per method: phases, step time, bytes; 1-bit rows also their warmup step and the
@@ -383,7 +427,9 @@ class Model:
 
 # (method, phase of bench train's row) -> the predicted quantity
 CHECK_PAIRS = (("local", "all"), ("horovod_fp32", "all"), ("horovod_fp16", "all"),
-               ("onebit", "warmup"), ("onebit", "compression"))
+               ("onebit", "warmup"), ("onebit", "compression"), ("onebit_hier", "warmup"),
+               ("onebit_hier", "compression"))
+PREDICTED_AS = {"onebit": "onebit", "onebit_hier": "onebit_hierarchical"}
 
 
 def bound_for(method: str, phase: str, bandwidth: str) -> float:
@@ -391,43 +437,63 @@ def bound_for(method: str, phase: str, bandwidth: str) -> float:
     return 0.15 if (method, phase, bandwidth) == ("onebit", "compression", "1gbit") else 0.25
 
 
+def model_transport(config: dict) -> str:
+    """The scale model's transport for flat 1-bit in a `bench train` run: 'auto' and 'torch'
+    ran torch.distributed (on CPU 'auto' resolves to it), 'horovod' (and 'mpi', not modelled:
+    the nearest) Horovod's."""
+    return "torch" if config.get("transport", "auto") in ("auto", "torch") else "horovod"
+
+
 def check_report(reports: list[dict], cal: dict) -> dict:
     """Pairs of predicted and measured step times for ``bench train --json`` reports (several
-    runs of one configuration are pooled: median and range)."""
+    runs of one configuration are pooled: median and range). A compressed step's pair also
+    carries the predicted phases and the measured breakdown (median per part over the runs)."""
     import statistics
 
     from ..cluster.bandwidth import parse_bandwidth
 
-    model = Model(cal)
     groups: dict = {}
     for rep in reports:
         cfg = rep["config"]
-        key = (rep["rows"][0]["np"], rep["bandwidth"], cfg["model"])
+        key = (rep["rows"][0]["np"], rep.get("ranks_per_node", 1) or 1, rep["bandwidth"],
+               cfg["model"], model_transport(cfg))
         groups.setdefault(key, []).append(rep)
     pairs = []
-    for (n, bw, model_name), reps in sorted(groups.items()):
+    for (n, L, bw, model_name, transport), reps in sorted(groups.items()):
+        model = Model(cal, transport=transport)
         cfg, row0 = reps[0]["config"], reps[0]["rows"][0]
         bps = None if bw in ("local", "real") else parse_bandwidth(bw)  # loopback: unshaped
-        cl = Cluster(nodes=n, inter_bps=bps, colocated=True)
+        cl = Cluster(nodes=n // L, ranks_per_node=L, inter_bps=bps, colocated=True)
         job = Job(params=row0["params"], model=model_name, warmup_frac=cfg["warmup_frac"])
-        preds = {"local": model.compute(job, cl, free_running=True)[0],
-                 "horovod_fp32": model.predict("horovod_fp32", job, cl).step_s,
-                 "horovod_fp16": model.predict("horovod_fp16", job, cl).step_s,
-                 "onebit/warmup": model.predict("horovod_fp32", job, cl).step_s,
-                 "onebit/compression": model.predict("onebit", job, cl).step_s}
+        fp32 = model.predict("horovod_fp32", job, cl)
+        preds = {("local", "all"): (model.compute(job, cl, free_running=True)[0], None),
+                 ("horovod_fp32", "all"): (fp32.step_s, fp32.phases)}
+        for method, predicted in PREDICTED_AS.items():
+            preds[(method, "warmup")] = (fp32.step_s, fp32.phases)
+            p = model.predict(predicted, job, cl)
+            preds[(method, "compression")] = (p.step_s, p.phases)
+        fp16 = model.predict("horovod_fp16", job, cl)
+        preds[("horovod_fp16", "all")] = (fp16.step_s, fp16.phases)
         for method, phase in CHECK_PAIRS:
-            vals = [r[f"{phase}_step_s"] for rep in reps for r in rep["rows"]
+            rows = [r for rep in reps for r in rep["rows"]
                     if r["method"] == method and f"{phase}_step_s" in r]
-            if not vals:
+            if not rows:
                 continue
-            pred = preds[method if phase == "all" else f"{method}/{phase}"]
+            vals = [r[f"{phase}_step_s"] for r in rows]
+            pred, pred_phases = preds[(method, phase)]
             med = statistics.median(vals)
             bound = bound_for(method, phase, bw)
-            pairs.append({"np": n, "bandwidth": bw, "model": model_name, "method": method,
-                          "phase": phase, "predicted_s": pred, "measured_s": med,
-                          "measured_min_s": min(vals), "measured_max_s": max(vals),
+            parts = [r.get(f"{phase}_breakdown_s") or {} for r in rows]
+            names = sorted({k for b in parts for k in b})
+            breakdown = {k: statistics.median(b.get(k, 0.0) for b in parts) for k in names}
+            pairs.append({"np": n, "ranks_per_node": L, "bandwidth": bw, "model": model_name,
+                          "transport": transport if method == "onebit" else "horovod",
+                          "method": method, "phase": phase, "predicted_s": pred,
+                          "measured_s": med, "measured_min_s": min(vals),
+                          "measured_max_s": max(vals), "measured_runs_s": vals,
                           "runs": len(vals), "ratio": pred / med, "bound": bound,
-                          "within": abs(pred / med - 1) <= bound})
+                          "within": abs(pred / med - 1) <= bound,
+                          "predicted_phases_s": pred_phases, "measured_breakdown_s": breakdown})
     met = sum(p["within"] for p in pairs)
     return {"pairs": pairs, "met": met, "total": len(pairs),
             "calibration_date": cal.get("machine", {}).get("date")}
@@ -440,14 +506,25 @@ def print_check(result: dict, echo=None) -> None:
              "range": f"{p['measured_min_s'] * 1e3:,.1f}-{p['measured_max_s'] * 1e3:,.1f}",
              "ok": ("yes" if p["within"] else "NO") + f" ({p['bound']:.0%})"}
             for p in result["pairs"]]
-    print_table(rows, [("np", "np", "d"), ("link", "bandwidth", ""), ("model", "model", ""),
+    print_table(rows, [("np", "np", "d"), ("L", "ranks_per_node", "d"),
+                       ("link", "bandwidth", ""), ("model", "model", ""),
                        ("method", "method", ""), ("phase", "phase", ""),
                        ("predicted ms", "pred_ms", ",.1f"), ("measured ms", "meas_ms", ",.1f"),
                        ("measured range", "range", ""), ("runs", "runs", "d"),
                        ("pred/meas", "ratio", ".2f"), ("within", "ok", "")])
     import click
 
-    (echo or click.echo)(f"{result['met']} of {result['total']} pairs within their bound")
+    echo = echo or click.echo
+    echo(f"{result['met']} of {result['total']} pairs within their bound")
+    echo("compressed steps, ms: predicted phases | measured breakdown (median over runs; "
+         "'wait' is both stages' waits, and for onebit_hier the node mean and compress too)")
+    for p in result["pairs"]:
+        if p["phase"] != "compression" or not p["predicted_phases_s"]:
+            continue
+        pred = " ".join(f"{k}={v * 1e3:.1f}" for k, v in p["predicted_phases_s"].items())
+        meas = " ".join(f"{k}={v * 1e3:.1f}" for k, v in p["measured_breakdown_s"].items())
+        echo(f"np={p['np']} L={p['ranks_per_node']} {p['bandwidth']} {p['model']} {p['method']}"
+             f" ({p['transport']}): {pred} | {meas}")
 
 
 # --------------------------------------------------------------------------------------------
