@@ -20,7 +20,9 @@ Three groups, saved together as one JSON file (``hvd-onebit bench calibrate --ou
   payload bytes per second over the nominal rate). The same jobs time the 1-bit stages as
   ``transport="torch"`` runs them (:class:`~hvd_onebit.transports.TorchTransport`:
   torch.distributed's Gloo alltoall and allgather, no Horovod negotiation), tiny and large,
-  under ``torch_*`` keys.
+  under ``torch_*`` keys; and the bench models' compute as the ranks of those jobs run it
+  (next to Horovod's background thread), which `bench predict --colocated` prefers to the bare
+  processes' figures.
 * **machine**: cores, and the date.
 
 Every timed collective starts after a barrier; a call's time is the slowest rank's (the op ends
@@ -190,8 +192,73 @@ def measure_compute(procs=(1, 2, 4), models: Optional[dict] = None, kernel_numel
     return result
 
 
+def ranks_compute(models: dict, seconds: float = 1.0) -> dict:
+    """Runs in every rank of a Horovod job: the bench models' compute as `bench train`'s ranks
+    run it, next to Horovod's background thread (it wakes every cycle) and every other rank
+    of this machine. ``step_s``: the whole step free-running (the ``local`` method); and in
+    lock-step, every call after a Horovod barrier as a step's collectives line ranks up:
+    ``fwd_bwd_s`` (forward + backward) and ``adam_s`` (fused Adam). Each: the median of the
+    calls, the mean over ranks (as `bench train` takes a step's time)."""
+    import horovod.torch as hvd
+    import torch
+
+    from ..transports import sleep_until_done
+    from .train import IN_DIM, OUT_DIM, build_embedding_model, build_mlp
+
+    def barrier():
+        h = hvd.allreduce_async(torch.zeros(1), name="cal.compute.barrier")
+        sleep_until_done(h)
+        hvd.synchronize(h)
+
+    def timed(fn, lockstep: bool) -> float:
+        times: list[float] = []
+        end = time.perf_counter() + seconds
+        while True:
+            if lockstep:
+                barrier()
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+            if len(times) % 5 == 0:  # every rank makes the same number of calls
+                more = float(time.perf_counter() < end)
+                if float(hvd.allreduce(torch.tensor([more]), op=hvd.Max,
+                                       name="cal.compute.more")) == 0:
+                    break
+        med = statistics.median(times)
+        return float(hvd.allreduce(torch.tensor([med], dtype=torch.float64), op=hvd.Average,
+                                   name="cal.compute.mean"))
+
+    out = {}
+    for name, cfg in models.items():
+        torch.manual_seed(0)
+        net = (build_mlp(cfg["width"], cfg["depth"]) if cfg["model"] == "mlp" else
+               build_embedding_model(cfg["vocab"], cfg["embed_dim"], cfg["width"]))
+        opt = torch.optim.Adam(net.parameters(), lr=1e-4, fused=True)
+        g = torch.Generator().manual_seed(hvd.rank())
+        x = (torch.randn(cfg["batch"], IN_DIM, generator=g) if cfg["model"] == "mlp" else
+             torch.randint(cfg["vocab"], (cfg["batch"], cfg["tokens"]), generator=g))
+        y = torch.randn(cfg["batch"], OUT_DIM, generator=g)
+        loss_fn = torch.nn.MSELoss()
+
+        def fwd_bwd():
+            opt.zero_grad()
+            loss_fn(net(x), y).backward()
+
+        def step():
+            fwd_bwd()
+            opt.step()
+
+        for _ in range(3):
+            step()
+        out[name] = {"params": sum(p.numel() for p in net.parameters()),
+                     "step_s": timed(step, False), "fwd_bwd_s": timed(fwd_bwd, True),
+                     "adam_s": timed(opt.step, True)}
+        del net, opt
+    return out
+
+
 def collectives_worker(numel: int = 4 << 20, repeats: int = 7, tiny_repeats: int = 21,
-                       torch_ops: bool = True) -> dict:
+                       torch_ops: bool = True, models: Optional[dict] = None) -> dict:
     """Runs in every rank: median time (slowest rank) of tiny and large Horovod collectives, and
     with ``torch_ops`` of the 1-bit stages through torch.distributed (``torch_*``: what
     ``transport="torch"``, the default on CPU, runs them with).
@@ -247,6 +314,8 @@ def collectives_worker(numel: int = 4 << 20, repeats: int = 7, tiny_repeats: int
         # the preceding op in a compressed step is a Gloo op too: a Gloo barrier
         barriers.update(dict.fromkeys(torch_calls, dist.barrier))
     out = {"np": n, "numel": numel, "row_bytes": row, "median_s": {}}
+    if models:  # compute as the ranks of a Horovod job run it (before any large buffer)
+        out["models"] = ranks_compute(models)
     for name, call in calls.items():
         call()
         times = []
@@ -273,8 +342,11 @@ def _fp16_allreduce(hvd, x, wait):
 
 
 def measure_collectives(nps=(2, 4), link: str = "1gbit", numel: int = 4 << 20, repeats: int = 7,
-                        queue_ms: float = 2.0, timeout: float = 900.0) -> dict:
-    """``{np: {"unlimited": row, link: row}}`` from jobs on the emulated cluster (root needed)."""
+                        queue_ms: float = 2.0, timeout: float = 900.0,
+                        models: Optional[dict] = None) -> dict:
+    """``{np: {"unlimited": row, link: row}}`` from jobs on the emulated cluster (root needed);
+    with ``models`` the unlimited row also has the bench models' compute timed inside the
+    ranks (:func:`ranks_compute`)."""
     from ..cluster import EmulatedCluster
     from ..testing import run_job
     from .train import MALLOC_REUSE_ENV
@@ -282,10 +354,13 @@ def measure_collectives(nps=(2, 4), link: str = "1gbit", numel: int = 4 << 20, r
     out: dict = {}
     for n in nps:
         for bw in ("unlimited", link):
+            kwargs = {"numel": numel, "repeats": repeats}
+            if bw == "unlimited" and models:
+                kwargs["models"] = models
             with EmulatedCluster(np=n, bandwidth=bw, queue_ms=queue_ms) as cluster:
                 job = run_job("hvd_onebit.bench.calibrate:collectives_worker", np=n,
-                              kwargs={"numel": numel, "repeats": repeats}, timeout=timeout,
-                              cluster=cluster, env=MALLOC_REUSE_ENV)
+                              kwargs=kwargs, timeout=timeout, cluster=cluster,
+                              env=MALLOC_REUSE_ENV)
             out.setdefault(str(n), {})[bw] = job.results[0]
     return out
 
@@ -303,7 +378,7 @@ def calibrate(procs=(1, 2, 4), nps=(2, 4), link: str = "1gbit", numel: int = 4 <
     say(f"collectives on the emulated cluster, np={', '.join(map(str, nps))}, "
         f"unlimited and {link} links...")
     coll = measure_collectives(nps=nps, link=link, numel=numel, repeats=repeats,
-                               queue_ms=queue_ms)
+                               queue_ms=queue_ms, models=BENCH_MODELS)
     return {"version": CALIBRATION_VERSION, "machine": machine_info(),
             "cores": len(os.sched_getaffinity(0)), "link": link,
             "link_bps": parse_bandwidth(link), "queue_ms": queue_ms, "bench_models": BENCH_MODELS,

@@ -122,6 +122,11 @@ def constants(cal: dict) -> dict:
             if min(host, wire) > 0:
                 kappa = (shaped["allreduce_fp32"] - alpha - max(host, wire)) / min(host, wire)
         out[f"kappa@{n}"] = min(1.0, max(0.0, kappa))
+    for n, runs in coll.items():
+        for model, m in runs.get("unlimited", {}).get("models", {}).items():
+            out[f"{model}_step_ms@{n}ranks"] = m["step_s"] * 1e3
+            out[f"{model}_fwd_bwd_ms@{n}ranks"] = m["fwd_bwd_s"] * 1e3
+            out[f"{model}_adam_ms@{n}ranks"] = m["adam_s"] * 1e3
     for k, c in cal["compute"].items():
         for name, kern in c["kernel_s_per_elem"].items():
             out[f"kernel_{name}_ns_per_elem@{k}procs"] = kern * 1e9
@@ -247,7 +252,7 @@ class Model:
         ``free_running`` the whole step as ranks without communication run it."""
         m = None
         if job.model is not None:
-            m = self.cal["compute"][self._procs(cl)]["models"][job.model]
+            m = self.model_figures(job.model, cl)
         compute = job.compute_s if job.compute_s is not None else (
             (m["step_s"] if free_running else m["fwd_bwd_s"] + m["adam_s"]) if m else None)
         if compute is None:
@@ -259,6 +264,21 @@ class Model:
         else:  # a compute time given without its Adam share: the compressed step gets no credit
             adam = 0.0
         return compute, min(adam, compute)
+
+    def model_figures(self, name: str, cl: Cluster) -> dict:
+        """A calibrated bench model's compute (params, step_s, fwd_bwd_s, adam_s): colocated,
+        as timed inside the ranks of the calibration's Horovod job with the nearest world size
+        where it has them (Horovod's background thread and the other ranks share the cores as
+        in `bench train`), else as bare processes sharing the cores; not colocated, one bare
+        process with a core to itself."""
+        if cl.colocated:
+            coll = self.cal["collectives"]
+            keys = sorted(int(k) for k in coll)
+            k = str(min(keys, key=lambda k: (abs(k - cl.n), -k)))
+            ranks = coll[k].get("unlimited", {}).get("models", {})
+            if name in ranks:
+                return ranks[name]
+        return self.cal["compute"][self._procs(cl)]["models"][name]
 
     def kernel(self, name: str, elems: float, job: Job, cl: Cluster) -> float:
         rates = self.cal["compute"][self._procs(cl)]["kernel_s_per_elem"]

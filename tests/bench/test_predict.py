@@ -156,6 +156,21 @@ def test_hierarchical_follows_hierarchical_py_and_ranks_share_cores():
     assert alone == pytest.approx(0.012) and shared == pytest.approx(0.022)
 
 
+def test_colocated_compute_prefers_the_figures_timed_inside_the_ranks():
+    cal = fake_calibration()
+    cal["collectives"]["4"]["unlimited"]["models"] = {
+        "mlp": {"params": 1_000_000, "step_s": 0.03, "fwd_bwd_s": 0.025, "adam_s": 0.004}}
+    model = pm.Model(cal)
+    job = pm.Job(params=1_000_000, model="mlp")
+    assert model.compute(job, pm.Cluster(nodes=4, colocated=True)) == pytest.approx((0.029, 0.004))
+    assert model.compute(job, pm.Cluster(nodes=4, colocated=True), free_running=True)[0] == \
+        pytest.approx(0.03)
+    # np=2 is nearest the calibration's 2-rank job, which has none: the bare processes' figures
+    assert model.compute(job, pm.Cluster(nodes=2, colocated=True))[0] == pytest.approx(0.012)
+    assert model.compute(job, pm.Cluster(nodes=4))[0] == pytest.approx(0.012)  # a core each
+    assert pm.constants(cal)["mlp_fwd_bwd_ms@4ranks"] == pytest.approx(25)
+
+
 def test_a_version_2_calibration_predicts_on_horovods_transport_only():
     cal = fake_calibration()
     cal["version"] = 2
