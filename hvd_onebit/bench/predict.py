@@ -22,12 +22,15 @@ The model (README.md, "Predicting the speed-up at scale", says the same in prose
   rows of ``r`` bytes: ``(n-1) r`` per rank (alltoall: one latency, its messages go at once;
   ring allgather: ``n-1``). With ``L`` ranks per node the node's link carries ``L (n-L) r`` in the
   alltoall and the ring's ``2 (n-1)/n B`` (one ring crossing per node boundary).
-* Hierarchical 1-bit (ALGORITHM.md; predicted only: modelled before the library had it, and
-  not checked against a measurement):
-  full-precision reduce-scatter inside the node, the two-stage 1-bit allreduce of the shard
-  ``|m|/L`` among the ``N`` ranks with the same local rank (the node's link carries
-  ``2 (N-1)/N |m|/8`` bytes), full-precision allgather inside the node.
-* Ranks that share this machine's cores (``colocated``, the emulator) run compute and kernels at
+* Flat 1-bit's two stages are costed with the constants of the transport that runs them:
+  torch.distributed's Gloo alltoall and allgather (``transport="torch"``, what ``"auto"``
+  picks on CPU) or Horovod's.
+* Hierarchical 1-bit as ``hvd_onebit/hierarchical.py`` runs it (:meth:`Model._hierarchical`):
+  per bucket four global Horovod alltoalls with splits (full-precision scatter inside the
+  node, the two 1-bit stages of the shard ``|m|/L`` among the ``N`` ranks with the same local
+  rank, the gather inside the node), and the passes it makes with torch ops and plain kernels.
+* Ranks that share this machine's cores (``colocated``, the emulator) run compute as timed
+  inside the calibration's Horovod ranks (else: bare processes sharing the cores), kernels at
   the speeds measured with that many processes at once (in lock-step: collectives start every
   rank's phase together; ``bench train``'s ``local`` ranks run free, so it is predicted with the
   free-running step); otherwise a rank has a core to itself.
@@ -611,7 +614,7 @@ def plot_sweep(rows: list[dict], path: str, title: str) -> None:
 
     fig, ax = plt.subplots(figsize=(10.5, 5))
     styles = {"horovod_fp16": ("tab:gray", "fp16"), "onebit": ("tab:blue", "flat 1-bit"),
-              "onebit_hierarchical": ("tab:green", "hierarchical 1-bit (ALGORITHM.md)")}
+              "onebit_hierarchical": ("tab:green", "hierarchical 1-bit (hierarchical.py)")}
     dashes = ["-", "--", ":", "-."]
     bws = sorted({r["inter_bps"] or 0 for r in rows})
     cross = crossovers(rows)
