@@ -50,11 +50,17 @@ BENCH_MODELS = {
 }
 
 
-def _median_time(fn, repeats: int, min_seconds: float = 0.0, windows: int = 5) -> float:
+def _median_time(fn, repeats: int, min_seconds: float = 0.0, windows: int = 5,
+                 shared: bool = False) -> float:
     """Time of ``fn`` on this machine, not its neighbours': the medians of ``windows`` windows
     (each at least ``repeats`` calls and ``min_seconds / windows`` seconds, so that processes
     timing at once overlap throughout), and the smallest of them. Other jobs on a shared
-    machine come and go; a window they hit is slower, and is not kept."""
+    machine come and go; a window they hit is slower, and is not kept.
+
+    ``shared``: processes share the cores (more of them than cores). The scheduler then runs
+    some calls whole within a time slice and stretches others over several, so the median
+    call is the unshared time; a window's mean (its time over its calls) is the share of the
+    cores a call really gets."""
     best = float("inf")
     for _ in range(windows):
         times = []
@@ -63,7 +69,7 @@ def _median_time(fn, repeats: int, min_seconds: float = 0.0, windows: int = 5) -
             start = time.perf_counter()
             fn()
             times.append(time.perf_counter() - start)
-        best = min(best, statistics.median(times))
+        best = min(best, statistics.fmean(times) if shared else statistics.median(times))
     return best
 
 
@@ -77,6 +83,7 @@ def _compute_proc(k: int, models: dict, kernel_numel: int, repeats: int, seconds
     from .train import IN_DIM, OUT_DIM, build_embedding_model, build_mlp
 
     torch.set_num_threads(1)
+    shared = k > len(os.sched_getaffinity(0))
     out: dict = {"models": {}}
     for name, cfg in models.items():
         torch.manual_seed(0)
@@ -102,13 +109,14 @@ def _compute_proc(k: int, models: dict, kernel_numel: int, repeats: int, seconds
         # the whole step free-running (as `bench train`'s local method runs), then each phase
         # in lock-step (as ranks that collectives synchronise run them)
         barrier.wait()
-        step_s = _median_time(step, repeats, seconds)
+        step_s = _median_time(step, repeats, seconds, shared=shared)
         barrier.wait()
-        fwd_bwd_s = _median_time(fwd_bwd, repeats, seconds)
+        fwd_bwd_s = _median_time(fwd_bwd, repeats, seconds, shared=shared)
         barrier.wait()
         out["models"][name] = {"params": sum(p.numel() for p in net.parameters()),
                                "step_s": step_s, "fwd_bwd_s": fwd_bwd_s,
-                               "adam_s": _median_time(opt.step, repeats, seconds)}
+                               "adam_s": _median_time(opt.step, repeats, seconds,
+                                                      shared=shared)}
     # the 1-bit kernels on a buffer of kernel_numel floats, 4 chunks
     L = Layout.build(kernel_numel, 4)
     g = torch.Generator().manual_seed(0)
@@ -145,7 +153,8 @@ def _compute_proc(k: int, models: dict, kernel_numel: int, repeats: int, seconds
     for kname, call in calls.items():
         call()
         barrier.wait()
-        out["kernel_s_per_elem"][kname] = _median_time(call, repeats, seconds) / kernel_numel
+        out["kernel_s_per_elem"][kname] = _median_time(call, repeats, seconds,
+                                                       shared=shared) / kernel_numel
     queue.put(out)
 
 
@@ -197,8 +206,9 @@ def ranks_compute(models: dict, seconds: float = 1.0) -> dict:
     run it, next to Horovod's background thread (it wakes every cycle) and every other rank
     of this machine. ``step_s``: the whole step free-running (the ``local`` method); and in
     lock-step, every call after a Horovod barrier as a step's collectives line ranks up:
-    ``fwd_bwd_s`` (forward + backward) and ``adam_s`` (fused Adam). Each: the median of the
-    calls, the mean over ranks (as `bench train` takes a step's time)."""
+    ``fwd_bwd_s`` (forward + backward) and ``adam_s`` (fused Adam), each until the last rank is
+    done, as the next collective waits for it. Each: the median of the calls, the mean over
+    ranks (as `bench train` takes a step's time)."""
     import horovod.torch as hvd
     import torch
 
@@ -211,6 +221,8 @@ def ranks_compute(models: dict, seconds: float = 1.0) -> dict:
         hvd.synchronize(h)
 
     def timed(fn, lockstep: bool) -> float:
+        """Free-running: the call. Lock-step: from a barrier until the last rank is done (the
+        next collective waits for it), less an empty barrier's own time."""
         times: list[float] = []
         end = time.perf_counter() + seconds
         while True:
@@ -218,15 +230,20 @@ def ranks_compute(models: dict, seconds: float = 1.0) -> dict:
                 barrier()
             start = time.perf_counter()
             fn()
+            if lockstep:
+                barrier()
             times.append(time.perf_counter() - start)
             if len(times) % 5 == 0:  # every rank makes the same number of calls
                 more = float(time.perf_counter() < end)
                 if float(hvd.allreduce(torch.tensor([more]), op=hvd.Max,
                                        name="cal.compute.more")) == 0:
                     break
-        med = statistics.median(times)
+        med = statistics.median(times) - (empty if lockstep else 0.0)
         return float(hvd.allreduce(torch.tensor([med], dtype=torch.float64), op=hvd.Average,
                                    name="cal.compute.mean"))
+
+    empty = 0.0
+    empty = timed(lambda: None, True)
 
     out = {}
     for name, cfg in models.items():
@@ -287,6 +304,8 @@ def collectives_worker(numel: int = 4 << 20, repeats: int = 7, tiny_repeats: int
                                                            name="cal.ag.tiny")),
         "allreduce_fp32": lambda: wait(hvd.allreduce_async(x, op=hvd.Average, name="cal.ar.fp32")),
         "allreduce_fp16": lambda: _fp16_allreduce(hvd, x, wait),
+        # full precision: the hierarchical collective's scatter and gather inside a node
+        "alltoall_fp32": lambda: wait(hvd.alltoall_async(x.view(n, -1), name="cal.a2a.fp32")),
         "alltoall": lambda: wait(hvd.alltoall_async(torch.zeros(n, row, dtype=torch.uint8),
                                                     name="cal.a2a")),
         "allgather": lambda: wait(hvd.allgather_async(torch.zeros(1, row, dtype=torch.uint8),

@@ -76,7 +76,7 @@ def _line(points: dict[int, float]):
 
 
 OPS = {"allreduce_fp32": "allreduce", "allreduce_fp16": "allreduce", "alltoall": "alltoall",
-       "allgather": "allgather", "torch_alltoall": "torch_alltoall",
+       "allgather": "allgather", "alltoall_fp32": "alltoall", "torch_alltoall": "torch_alltoall",
        "torch_allgather": "torch_allgather"}
 # the op kinds whose per-op cost is calibrated (tiny ops): Horovod's, then torch.distributed's
 KINDS = ("allreduce", "alltoall", "allgather", "torch_alltoall", "torch_allgather")
@@ -88,6 +88,8 @@ def _bytes_per_rank(op: str, n: int, numel: int, row: int) -> int:
         return ring_allreduce_bytes(4 * numel, n)
     if op == "allreduce_fp16":
         return ring_allreduce_bytes(2 * numel, n)
+    if op == "alltoall_fp32":  # n rows of numel/n floats, n-1 of them sent
+        return (n - 1) * (4 * numel // n)
     return (n - 1) * row
 
 
@@ -324,12 +326,17 @@ class Model:
                               "allreduce")
 
     def _alltoall_stage(self, kind_n: int, per_rank: float, link_bytes: float, bps,
-                        latency_s: float, job: Job, cl: Cluster) -> float:
+                        latency_s: float, job: Job, cl: Cluster, fp32: bool = False) -> float:
         """One of the hierarchical collective's stages: a Horovod alltoall (with splits) whose
         per-op cost is that of ``kind_n`` ranks (all n when it is a global op), ``per_rank``
-        bytes sent by each rank, ``link_bytes`` on the busiest link of rate ``bps``."""
-        return self._transfer("alltoall", kind_n, per_rank, link_bytes, bps, 1, latency_s, job,
-                              cl, "alltoall")
+        bytes sent by each rank, ``link_bytes`` on the busiest link of rate ``bps``. ``fp32``:
+        the full-precision stages, with the host cost of a large float32 alltoall where the
+        calibration has one (a version-3 file), else that of the 1-bit rows'."""
+        measured = sorted(int(k) for k in self.cal["collectives"])
+        op = ("alltoall_fp32" if fp32 and f"host_alltoall_fp32_s_per_byte@{measured[0]}"
+              in self.c else "alltoall")
+        return self._transfer(op, kind_n, per_rank, link_bytes, bps, 1, latency_s, job, cl,
+                              "alltoall")
 
     # -- the methods
 
@@ -403,7 +410,8 @@ class Model:
         ph = {"compute": fwd_bwd, "materialize": self.kernel("materialize", P, job, cl)}
         intra_rank = (L - 1) * S * 4  # each rank's full-precision bytes inside its node
         intra = (self._alltoall_stage(n if glob else L, intra_rank, intra_rank, cl.intra_bps,
-                                      cl.intra_latency_s, job, cl) if (glob or L > 1) else 0.0)
+                                      cl.intra_latency_s, job, cl, fp32=True)
+                 if (glob or L > 1) else 0.0)
         ph["scatter"] = intra
         ph["node_mean"] = self.kernel("add", (L + 1) * S, job, cl)
         layout = Layout.build(int(math.ceil(S)), N)
