@@ -423,8 +423,10 @@ def _rates(ctx, param, value):
                    "the library does not use).")
 @click.option("--methods", default="horovod_fp32,horovod_fp16,onebit,onebit_hierarchical",
               show_default=True, callback=_csv(click.Choice(
-                  ["horovod_fp32", "horovod_fp16", "onebit", "onebit_hierarchical"])),
-              help="Methods to predict.")
+                  ["horovod_fp32", "horovod_fp16", "onebit", "onebit_hierarchical",
+                   "onebit_hierarchical_group"])),
+              help="Methods to predict (onebit_hierarchical_group: the hierarchical scheme with "
+                   "its stages as collectives of their own groups, which the library lacks).")
 @click.option("--check", "check_dir", default=None, type=click.Path(exists=True, file_okay=False),
               help="Instead: compare predictions with every `bench train --json` output "
                    "(train_*.json) in this folder and print each pair.")

@@ -47,6 +47,9 @@ from ..layout import Layout, ring_allreduce_bytes
 
 TCP_EFFICIENCY = 1448 / 1514  # TCP payload per Ethernet frame at a 1500-byte MTU
 METHODS = ("horovod_fp32", "horovod_fp16", "onebit", "onebit_hierarchical")
+# not a method of the library: hierarchical 1-bit with each stage a collective of its own group
+# (process sets), to show what the global ops cost at scale
+GROUP_METHOD = "onebit_hierarchical_group"
 HIERARCHICAL_NOTE = ("onebit_hierarchical models hvd_onebit/hierarchical.py (4 Horovod alltoalls "
                      "with splits per bucket, Horovod's transport); checked on the emulator at "
                      "2 nodes x 2 ranks only")
@@ -365,6 +368,14 @@ class Model:
             return Prediction(method, phases, nbytes, inter)
         if method == "onebit_hierarchical":
             return self._hierarchical(P, fwd_bwd, job, cl)
+        if method == GROUP_METHOD:
+            saved, self.hierarchical_global_ops = self.hierarchical_global_ops, False
+            try:
+                p = self._hierarchical(P, fwd_bwd, job, cl)
+            finally:
+                self.hierarchical_global_ops = saved
+            p.method = method
+            return p
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
 
     def _flat_onebit(self, P: int, cl: Cluster, job: Job) -> tuple[float, float, int]:
@@ -600,6 +611,9 @@ def crossovers(rows: list[dict]) -> dict:
     for bps in dict.fromkeys(r["inter_bps"] for r in rows):
         sel = sorted((r for r in rows if r["inter_bps"] == bps), key=lambda r: r["np"])
         d = {"flat_onebit_stops_paying_at": None, "hierarchical_beats_flat_from": None}
+        if "onebit" in sel[0]["methods"] and GROUP_METHOD in sel[0]["methods"]:
+            d["hierarchical_group_beats_flat_from"] = from_on(
+                sel, lambda ms: ms[GROUP_METHOD]["run_step_s"] < ms["onebit"]["run_step_s"])
         if "onebit" in sel[0]["methods"]:
             d["flat_onebit_stops_paying_at"] = from_on(
                 sel, lambda ms: ms["onebit"]["run_speedup_vs_fp32"] <= 1.0)
@@ -622,7 +636,8 @@ def plot_sweep(rows: list[dict], path: str, title: str) -> None:
 
     fig, ax = plt.subplots(figsize=(10.5, 5))
     styles = {"horovod_fp16": ("tab:gray", "fp16"), "onebit": ("tab:blue", "flat 1-bit"),
-              "onebit_hierarchical": ("tab:green", "hierarchical 1-bit (hierarchical.py)")}
+              "onebit_hierarchical": ("tab:green", "hierarchical 1-bit (hierarchical.py)"),
+              GROUP_METHOD: ("tab:olive", "hierarchical 1-bit, stages as group collectives")}
     dashes = ["-", "--", ":", "-."]
     bws = sorted({r["inter_bps"] or 0 for r in rows})
     cross = crossovers(rows)
@@ -637,14 +652,15 @@ def plot_sweep(rows: list[dict], path: str, title: str) -> None:
             ax.plot(xs, ys, dashes[i % len(dashes)], color=color, marker="o", ms=3,
                     label=f"{name}, {label_bw}")
         c = cross.get(str(sel[0]["inter_bps"]), {})
-        for key, color, text in (("flat_onebit_stops_paying_at", "tab:blue", "flat 1-bit <= fp32"),
-                                 ("hierarchical_beats_flat_from", "tab:green",
-                                  "hierarchical > flat")):
+        for j, (key, color, text) in enumerate((
+                ("flat_onebit_stops_paying_at", "tab:blue", "flat 1-bit <= fp32"),
+                ("hierarchical_beats_flat_from", "tab:green", "hierarchical > flat"),
+                ("hierarchical_group_beats_flat_from", "tab:olive", "group hierarchical > flat"))):
             if c.get(key):
                 ax.axvline(c[key], color=color, ls=dashes[i % len(dashes)], lw=0.8, alpha=0.6)
                 right = c[key] > max(r["np"] for r in rows) / 4  # keep the label inside
                 ax.text(c[key] / 1.03 if right else c[key] * 1.03,
-                        0.02 + 0.06 * (2 * i + (color == "tab:green")),
+                        0.02 + 0.05 * (3 * i + j),
                         f"{text} from n={c[key]} ({label_bw})", fontsize=7, color=color,
                         ha="right" if right else "left", transform=ax.get_xaxis_transform())
     ax.axhline(1, color="black", lw=0.8)
@@ -704,4 +720,6 @@ def print_prediction(report: dict, echo=None) -> None:
                         ("phases (ms)", "phases", "")])
     for bw, c in report["crossovers"].items():
         echo(f"link {bw} bit/s: flat 1-bit stops paying from n={c['flat_onebit_stops_paying_at']}"
-             f", hierarchical beats flat from n={c['hierarchical_beats_flat_from']}")
+             f", hierarchical beats flat from n={c['hierarchical_beats_flat_from']}"
+             + (f", group hierarchical beats flat from n={c['hierarchical_group_beats_flat_from']}"
+                if "hierarchical_group_beats_flat_from" in c else ""))

@@ -147,6 +147,8 @@ def test_hierarchical_follows_hierarchical_py_and_ranks_share_cores():
     # with collectives of their own groups each stage pays its group's per-op cost instead
     grp = pm.Model(fake_calibration(), hierarchical_global_ops=False)
     saved = hier.step_s - grp.predict("onebit_hierarchical", job, cl).step_s
+    assert model.predict(pm.GROUP_METHOD, job, cl).step_s == pytest.approx(hier.step_s - saved)
+    assert model.hierarchical_global_ops  # restored
     assert saved == pytest.approx(4 * a - 2 * model.alpha("alltoall", 8)
                                   - 2 * model.alpha("alltoall", 16))
     # colocated ranks compute at the speed calibrated with that many processes at once
