@@ -51,7 +51,7 @@ BENCH_MODELS = {
 
 
 def _median_time(fn, repeats: int, min_seconds: float = 0.0, windows: int = 5,
-                 shared: bool = False) -> float:
+                 shared: bool = False, barrier=None) -> float:
     """Time of ``fn`` on this machine, not its neighbours': the medians of ``windows`` windows
     (each at least ``repeats`` calls and ``min_seconds / windows`` seconds, so that processes
     timing at once overlap throughout), and the smallest of them. Other jobs on a shared
@@ -60,9 +60,12 @@ def _median_time(fn, repeats: int, min_seconds: float = 0.0, windows: int = 5,
     ``shared``: processes share the cores (more of them than cores). The scheduler then runs
     some calls whole within a time slice and stretches others over several, so the median
     call is the unshared time; a window's mean (its time over its calls) is the share of the
-    cores a call really gets."""
+    cores a call really gets. ``barrier``: every process timing at once starts each window
+    together, so that the smallest window is not one the others did not overlap."""
     best = float("inf")
     for _ in range(windows):
+        if barrier is not None:
+            barrier.wait()
         times = []
         end = time.perf_counter() + min_seconds / windows
         while len(times) < repeats or time.perf_counter() < end:
@@ -109,14 +112,14 @@ def _compute_proc(k: int, models: dict, kernel_numel: int, repeats: int, seconds
         # the whole step free-running (as `bench train`'s local method runs), then each phase
         # in lock-step (as ranks that collectives synchronise run them)
         barrier.wait()
-        step_s = _median_time(step, repeats, seconds, shared=shared)
+        step_s = _median_time(step, repeats, seconds, shared=shared, barrier=barrier)
         barrier.wait()
-        fwd_bwd_s = _median_time(fwd_bwd, repeats, seconds, shared=shared)
+        fwd_bwd_s = _median_time(fwd_bwd, repeats, seconds, shared=shared, barrier=barrier)
         barrier.wait()
         out["models"][name] = {"params": sum(p.numel() for p in net.parameters()),
                                "step_s": step_s, "fwd_bwd_s": fwd_bwd_s,
                                "adam_s": _median_time(opt.step, repeats, seconds,
-                                                      shared=shared)}
+                                                      shared=shared, barrier=barrier)}
     # the 1-bit kernels on a buffer of kernel_numel floats, 4 chunks
     L = Layout.build(kernel_numel, 4)
     g = torch.Generator().manual_seed(0)
@@ -153,8 +156,8 @@ def _compute_proc(k: int, models: dict, kernel_numel: int, repeats: int, seconds
     for kname, call in calls.items():
         call()
         barrier.wait()
-        out["kernel_s_per_elem"][kname] = _median_time(call, repeats, seconds,
-                                                       shared=shared) / kernel_numel
+        out["kernel_s_per_elem"][kname] = _median_time(
+            call, repeats, seconds, shared=shared, barrier=barrier) / kernel_numel
     queue.put(out)
 
 
