@@ -266,7 +266,8 @@ def test_check_pairs_predictions_with_a_train_report():
 
 
 def test_small_prediction_against_measurement_on_loopback():
-    """Calibrate a small MLP and the collectives at np=2 on loopback, then predict bench train's
+    """Calibrate a small MLP (in bare processes and inside the Horovod ranks, which a colocated
+    prediction uses) and the collectives at np=2 on loopback, then predict bench train's
     steps there. Only the fp32 step and the compressed step are asserted, within a factor 3:
     steps of a few ms on a shared 2-core machine swing with the scheduler's time slices (the
     tight check is benchmarks/predict_check.py)."""
@@ -277,8 +278,9 @@ def test_small_prediction_against_measurement_on_loopback():
     compute = cal_mod.measure_compute(procs=(2,), models=small, kernel_numel=1 << 18, repeats=3,
                                       seconds=0.5)
     coll = run_job("hvd_onebit.bench.calibrate:collectives_worker", np=2,
-                   kwargs={"numel": 1 << 20, "repeats": 5, "tiny_repeats": 9}, timeout=120,
-                   env=MALLOC_REUSE_ENV).results[0]
+                   kwargs={"numel": 1 << 20, "repeats": 5, "tiny_repeats": 9, "models": small},
+                   timeout=120, env=MALLOC_REUSE_ENV).results[0]
+    assert set(coll["models"]["mlp"]) == {"params", "step_s", "fwd_bwd_s", "adam_s"}
     cal = {"version": cal_mod.CALIBRATION_VERSION, "cores": 2, "link": None, "link_bps": None,
            "compute": compute, "collectives": {"2": {"unlimited": coll}}}
     proc = subprocess.run(CLI + ["train", "--np", "2", "--bandwidth", "local", "--model", "mlp",
