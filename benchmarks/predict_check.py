@@ -4,9 +4,12 @@
     python benchmarks/predict_check.py compare check/                   # print every pair
 
 ``run`` calibrates (`hvd-onebit bench calibrate`), then runs `hvd-onebit bench train --json`
-for np in {2, 4} x bandwidth in {100mbit, 1gbit, 10gbit} x model in {embedding, mlp},
-``--repeats`` times (one whole sweep after another, so slow spells of a shared machine spread
-over all configurations), then calibrates again; every JSON lands in ``--out``.
+for np in {2, 4} x bandwidth in {100mbit, 1gbit, 10gbit} x model in {embedding, mlp} (flat
+1-bit on the default transport, 'auto': torch.distributed), and the hierarchical check:
+``--np 4 --ranks-per-node 2`` (2 emulated nodes of 2 ranks) at ``--hier-bandwidths`` with
+``onebit_hier``, ``--repeats`` times (one whole sweep after another, so slow spells of a
+shared machine spread over all configurations), then calibrates again (unless
+``--no-calibrate-after``); every JSON lands in ``--out``.
 ``compare`` predicts each configuration with `hvd-onebit bench predict` from the first
 calibration (``--calibration`` for another) and prints, per configuration and method phase, the
 predicted and measured step times (median and range over the runs) and their ratio, and which
@@ -25,6 +28,8 @@ NPS = (2, 4)
 BANDWIDTHS = ("100mbit", "1gbit", "10gbit")
 MODELS = ("embedding", "mlp")
 METHODS = "local,horovod_fp32,horovod_fp16,onebit"
+HIER_BANDWIDTHS = ("1gbit", "100mbit")
+HIER_METHODS = "local,horovod_fp32,onebit,onebit_hier"
 # steps per method: at 100 Mbit/s an fp32 step takes seconds, so fewer
 STEPS = {"100mbit": 6, "1gbit": 16, "10gbit": 16}
 WARMUP_FRAC = 0.25
@@ -42,9 +47,16 @@ def main() -> None:
 @click.option("--np", "nps", default=",".join(map(str, NPS)), show_default=True)
 @click.option("--bandwidths", default=",".join(BANDWIDTHS), show_default=True)
 @click.option("--models", default=",".join(MODELS), show_default=True)
+@click.option("--hier-bandwidths", default=",".join(HIER_BANDWIDTHS), show_default=True,
+              help="Rates of the 2 nodes x 2 ranks runs with onebit_hier ('' for none).")
+@click.option("--hier-models", default=",".join(MODELS), show_default=True)
+@click.option("--steps-factor", default=1.0, show_default=True,
+              help="Scale every run's steps (a reduced check on a short quiet spell).")
 @click.option("--calibrate-first/--no-calibrate-first", default=True, show_default=True,
               help="--no-calibrate-first: OUT/calibration.json is already there (just made).")
-def run(out, repeats, nps, bandwidths, models, calibrate_first) -> None:
+@click.option("--calibrate-after/--no-calibrate-after", default=True, show_default=True)
+def run(out, repeats, nps, bandwidths, models, hier_bandwidths, hier_models, steps_factor,
+        calibrate_first, calibrate_after) -> None:
     """Calibrate, run every bench train configuration --repeats times, calibrate again."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -61,15 +73,25 @@ def run(out, repeats, nps, bandwidths, models, calibrate_first) -> None:
 
     if calibrate_first:
         call(["calibrate", "--out", str(out / "calibration.json")], None)
+    def steps(bw):
+        return str(max(4, round(STEPS.get(bw, 20) * steps_factor)))
+
     for rep in range(repeats):
-        for bw in bandwidths.split(","):
+        for bw in [b for b in bandwidths.split(",") if b]:
             for n in nps.split(","):
                 for model in models.split(","):
                     call(["train", "--np", n, "--bandwidth", bw, "--model", model,
-                          "--steps", str(STEPS.get(bw, 20)), "--warmup-frac", str(WARMUP_FRAC),
+                          "--steps", steps(bw), "--warmup-frac", str(WARMUP_FRAC),
                           "--methods", METHODS, "--json"],
                          out / f"train_np{n}_{bw}_{model}_run{rep}.json")
-    call(["calibrate", "--out", str(out / "calibration_after.json")], None)
+        for bw in [b for b in hier_bandwidths.split(",") if b]:
+            for model in hier_models.split(","):
+                call(["train", "--np", "4", "--ranks-per-node", "2", "--bandwidth", bw,
+                      "--model", model, "--steps", steps(bw), "--warmup-frac", str(WARMUP_FRAC),
+                      "--methods", HIER_METHODS, "--json"],
+                     out / f"train_np4_rpn2_{bw}_{model}_run{rep}.json")
+    if calibrate_after:
+        call(["calibrate", "--out", str(out / "calibration_after.json")], None)
 
 
 @main.command()

@@ -8,14 +8,21 @@ Three groups, saved together as one JSON file (``hvd-onebit bench calibrate --ou
   ``local`` ranks run it, then forward+backward and Adam's step each timed with all k processes
   in the same phase (ranks synchronised by collectives run them so, and contend more for cores
   and memory), and the 1-bit kernels' time per element (momentum + compress, server step,
-  decode + update), in lock-step too. ``k = 1`` is a rank with a core to itself; larger ``k``
+  decode + update), in lock-step too; and the passes the hierarchical collective makes with
+  torch ops and plain kernels (momentum materialised, a float32 add, plain compress and decode,
+  Adam's update as torch ops). ``k = 1`` is a rank with a core to itself; larger ``k``
   is what ranks that share cores (the emulator) get.
 * **collectives** (Horovod over Gloo on the emulated cluster, every rank its own link): the
   time of a tiny allreduce, alltoall and allgather (the per-op cost: negotiation, size
   exchanges, per-peer messages), and of large fp32 and fp16 allreduces, alltoalls and
   allgathers, at ``--np`` ranks, first on unshaped links (the host's own cost per byte:
   reductions, copies, the TCP stack) then on shaped links of ``--link`` (the link's efficiency:
-  payload bytes per second over the nominal rate).
+  payload bytes per second over the nominal rate). The same jobs time the 1-bit stages as
+  ``transport="torch"`` runs them (:class:`~hvd_onebit.transports.TorchTransport`:
+  torch.distributed's Gloo alltoall and allgather, no Horovod negotiation), tiny and large,
+  under ``torch_*`` keys; and the bench models' compute as the ranks of those jobs run it
+  (next to Horovod's background thread), which `bench predict --colocated` prefers to the bare
+  processes' figures.
 * **machine**: cores, and the date.
 
 Every timed collective starts after a barrier; a call's time is the slowest rank's (the op ends
@@ -30,7 +37,10 @@ import time
 from pathlib import Path
 from typing import Optional
 
-CALIBRATION_VERSION = 2
+CALIBRATION_VERSION = 3
+# version 2: no torch.distributed collectives, no hierarchical passes (read, with what needs
+# them refused)
+READABLE_VERSIONS = (2, 3)
 DEFAULT_PATH = Path("~/.cache/hvd_onebit/calibration.json")
 # the bench train models at their default sizes (hvd-onebit bench train --model ...)
 BENCH_MODELS = {
@@ -40,20 +50,29 @@ BENCH_MODELS = {
 }
 
 
-def _median_time(fn, repeats: int, min_seconds: float = 0.0, windows: int = 5) -> float:
+def _median_time(fn, repeats: int, min_seconds: float = 0.0, windows: int = 5,
+                 shared: bool = False, barrier=None) -> float:
     """Time of ``fn`` on this machine, not its neighbours': the medians of ``windows`` windows
     (each at least ``repeats`` calls and ``min_seconds / windows`` seconds, so that processes
     timing at once overlap throughout), and the smallest of them. Other jobs on a shared
-    machine come and go; a window they hit is slower, and is not kept."""
+    machine come and go; a window they hit is slower, and is not kept.
+
+    ``shared``: processes share the cores (more of them than cores). The scheduler then runs
+    some calls whole within a time slice and stretches others over several, so the median
+    call is the unshared time; a window's mean (its time over its calls) is the share of the
+    cores a call really gets. ``barrier``: every process timing at once starts each window
+    together, so that the smallest window is not one the others did not overlap."""
     best = float("inf")
     for _ in range(windows):
+        if barrier is not None:
+            barrier.wait()
         times = []
         end = time.perf_counter() + min_seconds / windows
         while len(times) < repeats or time.perf_counter() < end:
             start = time.perf_counter()
             fn()
             times.append(time.perf_counter() - start)
-        best = min(best, statistics.median(times))
+        best = min(best, statistics.fmean(times) if shared else statistics.median(times))
     return best
 
 
@@ -62,11 +81,12 @@ def _compute_proc(k: int, models: dict, kernel_numel: int, repeats: int, seconds
     """One of ``k`` processes timing the same work at the same time (so they share the cores)."""
     import torch
 
-    from .. import fused_adam
+    from .. import fused_adam, kernels
     from ..layout import Layout
     from .train import IN_DIM, OUT_DIM, build_embedding_model, build_mlp
 
     torch.set_num_threads(1)
+    shared = k > len(os.sched_getaffinity(0))
     out: dict = {"models": {}}
     for name, cfg in models.items():
         torch.manual_seed(0)
@@ -92,13 +112,14 @@ def _compute_proc(k: int, models: dict, kernel_numel: int, repeats: int, seconds
         # the whole step free-running (as `bench train`'s local method runs), then each phase
         # in lock-step (as ranks that collectives synchronise run them)
         barrier.wait()
-        step_s = _median_time(step, repeats, seconds)
+        step_s = _median_time(step, repeats, seconds, shared=shared, barrier=barrier)
         barrier.wait()
-        fwd_bwd_s = _median_time(fwd_bwd, repeats, seconds)
+        fwd_bwd_s = _median_time(fwd_bwd, repeats, seconds, shared=shared, barrier=barrier)
         barrier.wait()
         out["models"][name] = {"params": sum(p.numel() for p in net.parameters()),
                                "step_s": step_s, "fwd_bwd_s": fwd_bwd_s,
-                               "adam_s": _median_time(opt.step, repeats, seconds)}
+                               "adam_s": _median_time(opt.step, repeats, seconds,
+                                                      shared=shared, barrier=barrier)}
     # the 1-bit kernels on a buffer of kernel_numel floats, 4 chunks
     L = Layout.build(kernel_numel, 4)
     g = torch.Generator().manual_seed(0)
@@ -114,6 +135,7 @@ def _compute_proc(k: int, models: dict, kernel_numel: int, repeats: int, seconds
     work = torch.empty(kernel_numel)
     src = fused_adam.MomentumInput(m, [grad], [kernel_numel], 0.9)
     update = fused_adam.AdamUpdate([w], [var], [kernel_numel], [-1e-4], [1.0], [0.3], [1e-8])
+    x, acc = torch.randn(kernel_numel, generator=g), torch.randn(kernel_numel, generator=g)
     from .. import kernels
 
     calls = {
@@ -123,12 +145,22 @@ def _compute_proc(k: int, models: dict, kernel_numel: int, repeats: int, seconds
         "server": lambda: kernels.server_compress(send, server_z, server_sent, server_z_out,
                                                   row, L, "native"),
         "decode_update": lambda: fused_adam.decode_update(send, work, L, update, "native"),
+        # the hierarchical collective's passes (hvd_onebit/hierarchical.py): Adam's momentum
+        # update materialised with torch ops, the node mean's float32 adds, the plain
+        # compress and decode of its shard, the output copy and Adam's update as torch ops
+        "materialize": lambda: src.materialize(out=x),
+        "add": lambda: acc.add_(x),
+        "compress": lambda: kernels.worker_compress(x, y_prev, prev_send, y_next, send, L,
+                                                    "native"),
+        "decode": lambda: kernels.decode(send, work, L, "native"),
+        "epilogue": lambda: (work.copy_(x), update.apply(work)),
     }
     out["kernel_s_per_elem"] = {}
     for kname, call in calls.items():
         call()
         barrier.wait()
-        out["kernel_s_per_elem"][kname] = _median_time(call, repeats, seconds) / kernel_numel
+        out["kernel_s_per_elem"][kname] = _median_time(
+            call, repeats, seconds, shared=shared, barrier=barrier) / kernel_numel
     queue.put(out)
 
 
@@ -175,11 +207,88 @@ def measure_compute(procs=(1, 2, 4), models: Optional[dict] = None, kernel_numel
     return result
 
 
-def collectives_worker(numel: int = 4 << 20, repeats: int = 7, tiny_repeats: int = 21) -> dict:
-    """Runs in every rank: median time (slowest rank) of tiny and large Horovod collectives.
+def ranks_compute(models: dict, seconds: float = 1.0) -> dict:
+    """Runs in every rank of a Horovod job: the bench models' compute as `bench train`'s ranks
+    run it, next to Horovod's background thread (it wakes every cycle) and every other rank
+    of this machine. ``step_s``: the whole step free-running (the ``local`` method); and in
+    lock-step, every call after a Horovod barrier as a step's collectives line ranks up:
+    ``fwd_bwd_s`` (forward + backward) and ``adam_s`` (fused Adam), each until the last rank is
+    done, as the next collective waits for it. Each: the median of the calls, the mean over
+    ranks (as `bench train` takes a step's time)."""
+    import horovod.torch as hvd
+    import torch
+
+    from ..transports import sleep_until_done
+    from .train import IN_DIM, OUT_DIM, build_embedding_model, build_mlp
+
+    def barrier():
+        h = hvd.allreduce_async(torch.zeros(1), name="cal.compute.barrier")
+        sleep_until_done(h)
+        hvd.synchronize(h)
+
+    def timed(fn, lockstep: bool) -> float:
+        """Free-running: the call. Lock-step: from a barrier until the last rank is done (the
+        next collective waits for it), less an empty barrier's own time."""
+        times: list[float] = []
+        end = time.perf_counter() + seconds
+        while True:
+            if lockstep:
+                barrier()
+            start = time.perf_counter()
+            fn()
+            if lockstep:
+                barrier()
+            times.append(time.perf_counter() - start)
+            if len(times) % 5 == 0:  # every rank makes the same number of calls
+                more = float(time.perf_counter() < end)
+                if float(hvd.allreduce(torch.tensor([more]), op=hvd.Max,
+                                       name="cal.compute.more")) == 0:
+                    break
+        med = statistics.median(times) - (empty if lockstep else 0.0)
+        return float(hvd.allreduce(torch.tensor([med], dtype=torch.float64), op=hvd.Average,
+                                   name="cal.compute.mean"))
+
+    empty = 0.0
+    empty = timed(lambda: None, True)
+
+    out = {}
+    for name, cfg in models.items():
+        torch.manual_seed(0)
+        net = (build_mlp(cfg["width"], cfg["depth"]) if cfg["model"] == "mlp" else
+               build_embedding_model(cfg["vocab"], cfg["embed_dim"], cfg["width"]))
+        opt = torch.optim.Adam(net.parameters(), lr=1e-4, fused=True)
+        g = torch.Generator().manual_seed(hvd.rank())
+        x = (torch.randn(cfg["batch"], IN_DIM, generator=g) if cfg["model"] == "mlp" else
+             torch.randint(cfg["vocab"], (cfg["batch"], cfg["tokens"]), generator=g))
+        y = torch.randn(cfg["batch"], OUT_DIM, generator=g)
+        loss_fn = torch.nn.MSELoss()
+
+        def fwd_bwd():
+            opt.zero_grad()
+            loss_fn(net(x), y).backward()
+
+        def step():
+            fwd_bwd()
+            opt.step()
+
+        for _ in range(3):
+            step()
+        out[name] = {"params": sum(p.numel() for p in net.parameters()),
+                     "step_s": timed(step, False), "fwd_bwd_s": timed(fwd_bwd, True),
+                     "adam_s": timed(opt.step, True)}
+        del net, opt
+    return out
+
+
+def collectives_worker(numel: int = 4 << 20, repeats: int = 7, tiny_repeats: int = 21,
+                       torch_ops: bool = True, models: Optional[dict] = None) -> dict:
+    """Runs in every rank: median time (slowest rank) of tiny and large Horovod collectives, and
+    with ``torch_ops`` of the 1-bit stages through torch.distributed (``torch_*``: what
+    ``transport="torch"``, the default on CPU, runs them with).
 
     Every wait sleeps (:func:`~hvd_onebit.transports.sleep_until_done`), as the train benchmark's
-    do: ranks spinning in ``hvd.synchronize`` would take the cores of ranks sharing them.
+    do: ranks spinning in ``hvd.synchronize`` would take the cores of ranks sharing them. Gloo's
+    own waits already block on a condition variable.
     """
     import horovod.torch as hvd
     import torch
@@ -201,17 +310,42 @@ def collectives_worker(numel: int = 4 << 20, repeats: int = 7, tiny_repeats: int
                                                            name="cal.ag.tiny")),
         "allreduce_fp32": lambda: wait(hvd.allreduce_async(x, op=hvd.Average, name="cal.ar.fp32")),
         "allreduce_fp16": lambda: _fp16_allreduce(hvd, x, wait),
+        # full precision: the hierarchical collective's scatter and gather inside a node
+        "alltoall_fp32": lambda: wait(hvd.alltoall_async(x.view(n, -1), name="cal.a2a.fp32")),
         "alltoall": lambda: wait(hvd.alltoall_async(torch.zeros(n, row, dtype=torch.uint8),
                                                     name="cal.a2a")),
         "allgather": lambda: wait(hvd.allgather_async(torch.zeros(1, row, dtype=torch.uint8),
                                                       name="cal.ag")),
     }
+    barriers = dict.fromkeys(calls, lambda: wait(hvd.allreduce_async(torch.zeros(1),
+                                                                      name="cal.barrier")))
+    if torch_ops:
+        import torch.distributed as dist
+
+        from ..transports import TorchTransport
+
+        tt = TorchTransport()  # torch.distributed's default group over Horovod's ranks (Gloo)
+        torch_calls = {
+            "torch_alltoall_tiny": lambda: tt.wait(tt.alltoall_async(
+                torch.zeros(n, 8, dtype=torch.uint8), "cal.t.a2a.tiny")),
+            "torch_allgather_tiny": lambda: tt.wait(tt.allgather_async(
+                torch.zeros(1, 8, dtype=torch.uint8), "cal.t.ag.tiny")),
+            "torch_alltoall": lambda: tt.wait(tt.alltoall_async(
+                torch.zeros(n, row, dtype=torch.uint8), "cal.t.a2a")),
+            "torch_allgather": lambda: tt.wait(tt.allgather_async(
+                torch.zeros(1, row, dtype=torch.uint8), "cal.t.ag")),
+        }
+        calls.update(torch_calls)
+        # the preceding op in a compressed step is a Gloo op too: a Gloo barrier
+        barriers.update(dict.fromkeys(torch_calls, dist.barrier))
     out = {"np": n, "numel": numel, "row_bytes": row, "median_s": {}}
+    if models:  # compute as the ranks of a Horovod job run it (before any large buffer)
+        out["models"] = ranks_compute(models)
     for name, call in calls.items():
         call()
         times = []
         for _ in range(tiny_repeats if name.endswith("_tiny") else repeats):
-            wait(hvd.allreduce_async(torch.zeros(1), name="cal.barrier"))
+            barriers[name]()
             start = time.perf_counter()
             call()
             times.append(time.perf_counter() - start)
@@ -233,8 +367,11 @@ def _fp16_allreduce(hvd, x, wait):
 
 
 def measure_collectives(nps=(2, 4), link: str = "1gbit", numel: int = 4 << 20, repeats: int = 7,
-                        queue_ms: float = 2.0, timeout: float = 900.0) -> dict:
-    """``{np: {"unlimited": row, link: row}}`` from jobs on the emulated cluster (root needed)."""
+                        queue_ms: float = 2.0, timeout: float = 900.0,
+                        models: Optional[dict] = None) -> dict:
+    """``{np: {"unlimited": row, link: row}}`` from jobs on the emulated cluster (root needed);
+    with ``models`` the unlimited row also has the bench models' compute timed inside the
+    ranks (:func:`ranks_compute`)."""
     from ..cluster import EmulatedCluster
     from ..testing import run_job
     from .train import MALLOC_REUSE_ENV
@@ -242,10 +379,13 @@ def measure_collectives(nps=(2, 4), link: str = "1gbit", numel: int = 4 << 20, r
     out: dict = {}
     for n in nps:
         for bw in ("unlimited", link):
+            kwargs = {"numel": numel, "repeats": repeats}
+            if bw == "unlimited" and models:
+                kwargs["models"] = models
             with EmulatedCluster(np=n, bandwidth=bw, queue_ms=queue_ms) as cluster:
                 job = run_job("hvd_onebit.bench.calibrate:collectives_worker", np=n,
-                              kwargs={"numel": numel, "repeats": repeats}, timeout=timeout,
-                              cluster=cluster, env=MALLOC_REUSE_ENV)
+                              kwargs=kwargs, timeout=timeout, cluster=cluster,
+                              env=MALLOC_REUSE_ENV)
             out.setdefault(str(n), {})[bw] = job.results[0]
     return out
 
@@ -263,7 +403,7 @@ def calibrate(procs=(1, 2, 4), nps=(2, 4), link: str = "1gbit", numel: int = 4 <
     say(f"collectives on the emulated cluster, np={', '.join(map(str, nps))}, "
         f"unlimited and {link} links...")
     coll = measure_collectives(nps=nps, link=link, numel=numel, repeats=repeats,
-                               queue_ms=queue_ms)
+                               queue_ms=queue_ms, models=BENCH_MODELS)
     return {"version": CALIBRATION_VERSION, "machine": machine_info(),
             "cores": len(os.sched_getaffinity(0)), "link": link,
             "link_bps": parse_bandwidth(link), "queue_ms": queue_ms, "bench_models": BENCH_MODELS,
@@ -291,9 +431,10 @@ def load(path) -> dict:
             "machine whose constants you want (it needs root for the emulated cluster, "
             "about 2-3 minutes), or pass --calibration PATH")
     cal = json.loads(p.read_text())
-    if cal.get("version") != CALIBRATION_VERSION:
+    if cal.get("version") not in READABLE_VERSIONS:
         raise ValueError(f"{p} is calibration version {cal.get('version')}, this model reads "
-                         f"version {CALIBRATION_VERSION}: run `hvd-onebit bench calibrate` again")
+                         f"versions {', '.join(map(str, READABLE_VERSIONS))}: run `hvd-onebit bench "
+                         "calibrate` again")
     for key in ("compute", "collectives", "cores"):
         if key not in cal:
             raise ValueError(f"{p} has no {key!r}: not a calibration file from "

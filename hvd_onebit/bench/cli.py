@@ -409,16 +409,24 @@ def _rates(ctx, param, value):
               help="Divide the calibrated host cost per byte of collectives (copies, reductions,"
                    " TCP); 'inf' drops it (NIC offload).")
 @click.option("--per-peer-us", default=None, type=float,
-              help="Replace the calibrated per-peer cost of every Horovod op (microseconds).")
-@click.option("--hierarchical-ops", default="group", show_default=True,
-              type=click.Choice(["group", "global"]),
-              help="group: the hierarchical stages are collectives of the node's ranks and of "
-                   "the ranks with one local rank; global: each is a Horovod op of all ranks "
-                   "(alltoall with splits, as hvd_onebit/hierarchical.py runs them).")
+              help="Replace the calibrated per-peer cost of every collective (microseconds).")
+@click.option("--transport", default="torch", show_default=True,
+              type=click.Choice(["torch", "horovod"]),
+              help="What carries flat 1-bit Adam's two stages: torch.distributed (Gloo; what "
+                   "transport='auto' picks on CPU) or Horovod's alltoall/allgather. "
+                   "Hierarchical 1-bit always uses Horovod's.")
+@click.option("--hierarchical-ops", default="global", show_default=True,
+              type=click.Choice(["global", "group"]),
+              help="global: each hierarchical stage is a Horovod alltoall of all ranks (with "
+                   "splits), as hvd_onebit/hierarchical.py runs them; group: collectives of "
+                   "the node's ranks and of the ranks with one local rank (process sets, which "
+                   "the library does not use).")
 @click.option("--methods", default="horovod_fp32,horovod_fp16,onebit,onebit_hierarchical",
               show_default=True, callback=_csv(click.Choice(
-                  ["horovod_fp32", "horovod_fp16", "onebit", "onebit_hierarchical"])),
-              help="Methods to predict.")
+                  ["horovod_fp32", "horovod_fp16", "onebit", "onebit_hierarchical",
+                   "onebit_hierarchical_group"])),
+              help="Methods to predict (onebit_hierarchical_group: the hierarchical scheme with "
+                   "its stages as collectives of their own groups, which the library lacks).")
 @click.option("--check", "check_dir", default=None, type=click.Path(exists=True, file_okay=False),
               help="Instead: compare predictions with every `bench train --json` output "
                    "(train_*.json) in this folder and print each pair.")
@@ -427,12 +435,12 @@ def _rates(ctx, param, value):
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 def bench_predict(calibration, nps, ranks_per_node, bandwidths, intra_bandwidth, latency_us,
                   intra_latency_us, params, bench_model, compute_ms, adam_ms, warmup_frac,
-                  colocated, kernel_speedup, host_speedup, per_peer_us, hierarchical_ops, methods,
-                  check_dir, plot, as_json) -> None:
+                  colocated, kernel_speedup, host_speedup, per_peer_us, transport,
+                  hierarchical_ops, methods, check_dir, plot, as_json) -> None:
     """Predict step time per phase, whole-run speed-up and bytes per rank of Horovod fp32/fp16,
-    flat 1-bit and hierarchical 1-bit Adam (hierarchical: a prediction of ALGORITHM.md's
-    scheme, not checked against a measurement) from the constants `bench calibrate` measured. README.md, "Predicting
-    the speed-up at scale", has the model and its assumptions."""
+    flat 1-bit and hierarchical 1-bit Adam (as hvd_onebit/hierarchical.py runs it) from the
+    constants `bench calibrate` measured. README.md, "Predicting the speed-up at scale", has the
+    model and its assumptions."""
     from pathlib import Path
 
     from . import calibrate as cal_mod
@@ -463,9 +471,12 @@ def bench_predict(calibration, nps, ranks_per_node, bandwidths, intra_bandwidth,
                  adam_s=None if adam_ms is None else adam_ms / 1e3, warmup_frac=warmup_frac,
                  kernel_speedup=kernel_speedup, host_speedup=host_speedup)
     model = pm.Model(cal, None if per_peer_us is None else per_peer_us * 1e-6,
-                     hierarchical_global_ops=hierarchical_ops == "global")
-    rows = pm.sweep(model, job, nps, bandwidths, ranks_per_node, intra_bandwidth,
-                    latency_us * 1e-6, intra_latency_us * 1e-6, colocated, tuple(methods))
+                     hierarchical_global_ops=hierarchical_ops == "global", transport=transport)
+    try:
+        rows = pm.sweep(model, job, nps, bandwidths, ranks_per_node, intra_bandwidth,
+                        latency_us * 1e-6, intra_latency_us * 1e-6, colocated, tuple(methods))
+    except ValueError as exc:  # e.g. a version-2 calibration without torch.distributed ops
+        raise click.ClickException(str(exc)) from exc
     report = {"benchmark": "predict", "calibration": cal.get("machine"),
               "inputs": {"params": n_params, "compute_s": model.compute(job, pm.Cluster(
                   nodes=nps[0], colocated=colocated))[0], "warmup_frac": warmup_frac,
@@ -473,7 +484,7 @@ def bench_predict(calibration, nps, ranks_per_node, bandwidths, intra_bandwidth,
                   "latency_s": latency_us * 1e-6, "intra_latency_s": intra_latency_us * 1e-6,
                   "colocated": colocated, "kernel_speedup": kernel_speedup,
                   "host_speedup": host_speedup, "per_peer_s": model.per_peer_s,
-                  "hierarchical_ops": hierarchical_ops},
+                  "transport": transport, "hierarchical_ops": hierarchical_ops},
               "note": pm.HIERARCHICAL_NOTE, "rows": rows, "crossovers": pm.crossovers(rows)}
     if plot:
         from ..cluster.bandwidth import format_bandwidth

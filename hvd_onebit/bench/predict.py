@@ -22,12 +22,15 @@ The model (README.md, "Predicting the speed-up at scale", says the same in prose
   rows of ``r`` bytes: ``(n-1) r`` per rank (alltoall: one latency, its messages go at once;
   ring allgather: ``n-1``). With ``L`` ranks per node the node's link carries ``L (n-L) r`` in the
   alltoall and the ring's ``2 (n-1)/n B`` (one ring crossing per node boundary).
-* Hierarchical 1-bit (ALGORITHM.md; predicted only: modelled before the library had it, and
-  not checked against a measurement):
-  full-precision reduce-scatter inside the node, the two-stage 1-bit allreduce of the shard
-  ``|m|/L`` among the ``N`` ranks with the same local rank (the node's link carries
-  ``2 (N-1)/N |m|/8`` bytes), full-precision allgather inside the node.
-* Ranks that share this machine's cores (``colocated``, the emulator) run compute and kernels at
+* Flat 1-bit's two stages are costed with the constants of the transport that runs them:
+  torch.distributed's Gloo alltoall and allgather (``transport="torch"``, what ``"auto"``
+  picks on CPU) or Horovod's.
+* Hierarchical 1-bit as ``hvd_onebit/hierarchical.py`` runs it (:meth:`Model._hierarchical`):
+  per bucket four global Horovod alltoalls with splits (full-precision scatter inside the
+  node, the two 1-bit stages of the shard ``|m|/L`` among the ``N`` ranks with the same local
+  rank, the gather inside the node), and the passes it makes with torch ops and plain kernels.
+* Ranks that share this machine's cores (``colocated``, the emulator) run compute as timed
+  inside the calibration's Horovod ranks (else: bare processes sharing the cores), kernels at
   the speeds measured with that many processes at once (in lock-step: collectives start every
   rank's phase together; ``bench train``'s ``local`` ranks run free, so it is predicted with the
   free-running step); otherwise a rank has a core to itself.
@@ -44,8 +47,12 @@ from ..layout import Layout, ring_allreduce_bytes
 
 TCP_EFFICIENCY = 1448 / 1514  # TCP payload per Ethernet frame at a 1500-byte MTU
 METHODS = ("horovod_fp32", "horovod_fp16", "onebit", "onebit_hierarchical")
-HIERARCHICAL_NOTE = ("onebit_hierarchical is a prediction of ALGORITHM.md's hierarchical scheme, "
-                     "not checked against a measurement with several ranks per node")
+# not a method of the library: hierarchical 1-bit with each stage a collective of its own group
+# (process sets), to show what the global ops cost at scale
+GROUP_METHOD = "onebit_hierarchical_group"
+HIERARCHICAL_NOTE = ("onebit_hierarchical models hvd_onebit/hierarchical.py (4 Horovod alltoalls "
+                     "with splits per bucket, Horovod's transport); checked on the emulator at "
+                     "2 nodes x 2 ranks only")
 
 
 # --------------------------------------------------------------------------------------------
@@ -72,7 +79,11 @@ def _line(points: dict[int, float]):
 
 
 OPS = {"allreduce_fp32": "allreduce", "allreduce_fp16": "allreduce", "alltoall": "alltoall",
-       "allgather": "allgather"}
+       "allgather": "allgather", "alltoall_fp32": "alltoall", "torch_alltoall": "torch_alltoall",
+       "torch_allgather": "torch_allgather"}
+# the op kinds whose per-op cost is calibrated (tiny ops): Horovod's, then torch.distributed's
+KINDS = ("allreduce", "alltoall", "allgather", "torch_alltoall", "torch_allgather")
+TRANSPORTS = ("torch", "horovod")
 
 
 def _bytes_per_rank(op: str, n: int, numel: int, row: int) -> int:
@@ -80,6 +91,8 @@ def _bytes_per_rank(op: str, n: int, numel: int, row: int) -> int:
         return ring_allreduce_bytes(4 * numel, n)
     if op == "allreduce_fp16":
         return ring_allreduce_bytes(2 * numel, n)
+    if op == "alltoall_fp32":  # n rows of numel/n floats, n-1 of them sent
+        return (n - 1) * (4 * numel // n)
     return (n - 1) * row
 
 
@@ -89,8 +102,11 @@ def constants(cal: dict) -> dict:
     coll = cal["collectives"]
     link, link_bps = cal.get("link"), cal.get("link_bps")
     out: dict = {"cores": cal["cores"], "tcp_efficiency": TCP_EFFICIENCY}
-    for kind in ("allreduce", "alltoall", "allgather"):
-        a, b = _line({int(n): coll[n]["unlimited"]["median_s"][f"{kind}_tiny"] for n in coll})
+    for kind in KINDS:
+        points = {int(n): coll[n]["unlimited"]["median_s"].get(f"{kind}_tiny") for n in coll}
+        if None in points.values():
+            continue  # a version-2 calibration: no torch.distributed ops
+        a, b = _line(points)
         out[f"alpha_{kind}_s"] = a
         out[f"alpha_{kind}_per_peer_s"] = b
     for n, runs in coll.items():
@@ -98,6 +114,8 @@ def constants(cal: dict) -> dict:
         shaped = runs[link]["median_s"] if link in runs and link_bps else None
         numel, row = runs["unlimited"]["numel"], runs["unlimited"]["row_bytes"]
         for op, kind in OPS.items():
+            if op not in unl:
+                continue
             nbytes = _bytes_per_rank(op, int(n), numel, row)
             host = max(0.0, unl[op] - unl[f"{kind}_tiny"])
             out[f"host_{op}_s_per_byte@{n}"] = host / nbytes
@@ -112,6 +130,11 @@ def constants(cal: dict) -> dict:
             if min(host, wire) > 0:
                 kappa = (shaped["allreduce_fp32"] - alpha - max(host, wire)) / min(host, wire)
         out[f"kappa@{n}"] = min(1.0, max(0.0, kappa))
+    for n, runs in coll.items():
+        for model, m in runs.get("unlimited", {}).get("models", {}).items():
+            out[f"{model}_step_ms@{n}ranks"] = m["step_s"] * 1e3
+            out[f"{model}_fwd_bwd_ms@{n}ranks"] = m["fwd_bwd_s"] * 1e3
+            out[f"{model}_adam_ms@{n}ranks"] = m["adam_s"] * 1e3
     for k, c in cal["compute"].items():
         for name, kern in c["kernel_s_per_elem"].items():
             out[f"kernel_{name}_ns_per_elem@{k}procs"] = kern * 1e9
@@ -179,15 +202,27 @@ class Prediction:
 
 
 class Model:
-    """Predictions from a calibration. ``per_peer_s`` replaces the calibrated per-peer cost of
-    every Horovod op (``b_op``), e.g. to see what a lower one would change."""
+    """Predictions from a calibration.
+
+    ``transport``: what carries flat 1-bit Adam's two stages: ``"torch"`` (torch.distributed's
+    Gloo alltoall and allgather, what ``transport="auto"`` picks on CPU) or ``"horovod"``
+    (Horovod's, with its negotiation per op). Hierarchical 1-bit always runs on Horovod's.
+    ``per_peer_s`` replaces the calibrated per-peer cost of every op (``b_op``), e.g. to see
+    what a lower one would change. ``hierarchical_global_ops``: every stage of the hierarchical
+    collective is one global Horovod alltoall with splits, as ``hvd_onebit/hierarchical.py``
+    runs them (each pays the per-op cost of all n ranks); False: collectives of their own
+    groups (process sets), which the library does not have.
+    """
 
     def __init__(self, cal: dict, per_peer_s: Optional[float] = None,
-                 hierarchical_global_ops: bool = False):
+                 hierarchical_global_ops: bool = True, transport: str = "torch"):
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
         self.cal = cal
         self.c = constants(cal)
         self.per_peer_s = per_peer_s
         self.hierarchical_global_ops = hierarchical_global_ops
+        self.transport = transport
 
     # -- per-world-size lookups
 
@@ -210,6 +245,10 @@ class Model:
     def alpha(self, kind: str, n: int) -> float:
         if n <= 1:
             return 0.0
+        if f"alpha_{kind}_s" not in self.c:
+            raise ValueError(f"the calibration has no {kind} ops (a version-2 file, made before "
+                             "transport='torch'): run `hvd-onebit bench calibrate` again, or "
+                             "predict with --transport horovod")
         b = self.c[f"alpha_{kind}_per_peer_s"] if self.per_peer_s is None else self.per_peer_s
         return self.c[f"alpha_{kind}_s"] + b * (n - 1)
 
@@ -221,7 +260,7 @@ class Model:
         ``free_running`` the whole step as ranks without communication run it."""
         m = None
         if job.model is not None:
-            m = self.cal["compute"][self._procs(cl)]["models"][job.model]
+            m = self.model_figures(job.model, cl)
         compute = job.compute_s if job.compute_s is not None else (
             (m["step_s"] if free_running else m["fwd_bwd_s"] + m["adam_s"]) if m else None)
         if compute is None:
@@ -234,19 +273,39 @@ class Model:
             adam = 0.0
         return compute, min(adam, compute)
 
+    def model_figures(self, name: str, cl: Cluster) -> dict:
+        """A calibrated bench model's compute (params, step_s, fwd_bwd_s, adam_s): colocated,
+        as timed inside the ranks of the calibration's Horovod job with the nearest world size
+        where it has them (Horovod's background thread and the other ranks share the cores as
+        in `bench train`), else as bare processes sharing the cores; not colocated, one bare
+        process with a core to itself."""
+        if cl.colocated:
+            coll = self.cal["collectives"]
+            keys = sorted(int(k) for k in coll)
+            k = str(min(keys, key=lambda k: (abs(k - cl.n), -k)))
+            ranks = coll[k].get("unlimited", {}).get("models", {})
+            if name in ranks:
+                return ranks[name]
+        return self.cal["compute"][self._procs(cl)]["models"][name]
+
     def kernel(self, name: str, elems: float, job: Job, cl: Cluster) -> float:
-        per = self.cal["compute"][self._procs(cl)]["kernel_s_per_elem"][name]
-        return per * elems / job.kernel_speedup
+        rates = self.cal["compute"][self._procs(cl)]["kernel_s_per_elem"]
+        if name not in rates:
+            raise ValueError(f"the calibration has no {name!r} pass (a version-2 file, made "
+                             "before the hierarchical collective's passes were timed): run "
+                             "`hvd-onebit bench calibrate` again")
+        return rates[name] * elems / job.kernel_speedup
 
     # -- collectives
 
     def _transfer(self, op: str, n: int, nbytes: float, link_bytes: float, bps, latency_steps: int,
                   latency_s: float, job: Job, cl: Cluster, kind: str) -> float:
+        alpha = self.alpha(kind, n)  # first: it says clearly when the calibration lacks op
         h, kappa = self._host(op, n, cl)
         host = h * nbytes / job.host_speedup
         wire = 0.0 if bps is None else link_bytes * 8 / (bps * TCP_EFFICIENCY)
         data = max(host, wire) + kappa * min(host, wire)
-        return self.alpha(kind, n) + latency_steps * latency_s + data
+        return alpha + latency_steps * latency_s + data
 
     def _bottleneck(self, cl: Cluster, inter_bytes: float, intra_bytes: float) -> tuple[float, float]:
         """(link bytes on the slower path scaled to the inter-node rate, rate)."""
@@ -269,17 +328,18 @@ class Model:
         return self._transfer(op, n, per_rank, link_bytes, bps, 2 * (n - 1), lat, job, cl,
                               "allreduce")
 
-    def hierarchical_stages(self, shard: float, cl: Cluster, job: Job) -> tuple[float, float, int]:
-        """(alltoall s, allgather s, bytes per rank) of the two-stage 1-bit allreduce of a shard
-        among the ``nodes`` ranks with the same local rank; the node's ``L`` ranks do theirs at
-        once, so its link carries ``L (N-1)`` rows per stage."""
-        N, L = cl.nodes, cl.ranks_per_node
-        layout = Layout.build(int(math.ceil(shard)), N)
-        per_rank = (N - 1) * layout.row_bytes
-        args = (N, per_rank, L * per_rank, cl.inter_bps)
-        a2a = self._transfer("alltoall", *args, 1, cl.inter_latency_s, job, cl, "alltoall")
-        ag = self._transfer("allgather", *args, N - 1, cl.inter_latency_s, job, cl, "allgather")
-        return a2a, ag, layout.wire_bytes
+    def _alltoall_stage(self, kind_n: int, per_rank: float, link_bytes: float, bps,
+                        latency_s: float, job: Job, cl: Cluster, fp32: bool = False) -> float:
+        """One of the hierarchical collective's stages: a Horovod alltoall (with splits) whose
+        per-op cost is that of ``kind_n`` ranks (all n when it is a global op), ``per_rank``
+        bytes sent by each rank, ``link_bytes`` on the busiest link of rate ``bps``. ``fp32``:
+        the full-precision stages, with the host cost of a large float32 alltoall where the
+        calibration has one (a version-3 file), else that of the 1-bit rows'."""
+        measured = sorted(int(k) for k in self.cal["collectives"])
+        op = ("alltoall_fp32" if fp32 and f"host_alltoall_fp32_s_per_byte@{measured[0]}"
+              in self.c else "alltoall")
+        return self._transfer(op, kind_n, per_rank, link_bytes, bps, 1, latency_s, job, cl,
+                              "alltoall")
 
     # -- the methods
 
@@ -307,34 +367,15 @@ class Model:
                 inter = L * (n - L) * row + (n - 1) * row
             return Prediction(method, phases, nbytes, inter)
         if method == "onebit_hierarchical":
-            shard = P / L
-            phases = {"compute": fwd_bwd}
-            intra = Cluster(nodes=1, ranks_per_node=L, intra_bps=cl.intra_bps,
-                            intra_latency_s=cl.intra_latency_s, colocated=cl.colocated)
-            rs_bytes = ring_allreduce_bytes(4 * P, L) // 2  # reduce-scatter: half a ring allreduce
-            phases["reduce_scatter"] = (self.ring_allreduce("allreduce_fp32", 4 * P, intra, job) / 2
-                                        if L > 1 else 0.0)
-            phases["compress"] = self.kernel("compress_momentum", shard, job, cl)
-            a2a = ag = 0.0
-            inter_bytes = 0
-            if N > 1:
-                a2a, ag, inter_bytes = self.hierarchical_stages(shard, cl, job)
-            phases["alltoall"] = a2a
-            phases["server"] = self.kernel("server", shard, job, cl)
-            phases["allgather"] = ag
-            phases["decode_update"] = self.kernel("decode_update", P, job, cl)
-            phases["allgather_intra"] = phases["reduce_scatter"]
-            if self.hierarchical_global_ops and N > 1:
-                # every stage one global Horovod op (as hvd_onebit/hierarchical.py runs them):
-                # each pays the per-op cost of all n ranks instead of its group's
-                used = {"reduce_scatter": self.alpha("allreduce", L) / 2 if L > 1 else 0.0,
-                        "alltoall": self.alpha("alltoall", N),
-                        "allgather": self.alpha("allgather", N)}
-                used["allgather_intra"] = used["reduce_scatter"]
-                for ph, a in used.items():
-                    phases[ph] += self.alpha("alltoall", n) - a
-            return Prediction(method, phases, 2 * rs_bytes + inter_bytes,
-                              L * inter_bytes if N > 1 else None, [HIERARCHICAL_NOTE])
+            return self._hierarchical(P, fwd_bwd, job, cl)
+        if method == GROUP_METHOD:
+            saved, self.hierarchical_global_ops = self.hierarchical_global_ops, False
+            try:
+                p = self._hierarchical(P, fwd_bwd, job, cl)
+            finally:
+                self.hierarchical_global_ops = saved
+            p.method = method
+            return p
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
 
     def _flat_onebit(self, P: int, cl: Cluster, job: Job) -> tuple[float, float, int]:
@@ -349,11 +390,56 @@ class Model:
         a2a_bytes, a2a_bps = self._bottleneck(cl, L * (n - L) * row, per_rank if cl.nodes == 1
                                               else (L - 1) * row)
         ag_bytes, ag_bps = self._bottleneck(cl, per_rank, per_rank)
-        a2a = self._transfer("alltoall", n, per_rank, a2a_bytes, a2a_bps, 1, lat, job, cl,
-                             "alltoall")
-        ag = self._transfer("allgather", n, per_rank, ag_bytes, ag_bps, n - 1, lat, job, cl,
-                            "allgather")
+        pre = "torch_" if self.transport == "torch" else ""
+        a2a = self._transfer(pre + "alltoall", n, per_rank, a2a_bytes, a2a_bps, 1, lat, job, cl,
+                             pre + "alltoall")
+        ag = self._transfer(pre + "allgather", n, per_rank, ag_bytes, ag_bps, n - 1, lat, job,
+                            cl, pre + "allgather")
         return a2a, ag, layout.wire_bytes
+
+    def _hierarchical(self, P: int, fwd_bwd: float, job: Job, cl: Cluster) -> Prediction:
+        """Hierarchical 1-bit as ``hvd_onebit/hierarchical.py`` runs it, per bucket (``L`` ranks
+        per node, ``N`` nodes, shard ``S = P/L``):
+
+        materialize: Adam's momentum update written out with torch ops (P; no fused pass);
+        scatter: a Horovod alltoall with splits, ``(L-1) S`` float32 to the node's ranks;
+        node_mean: copy, ``L-1`` float32 adds and a division of the shard (``L+1`` passes of S);
+        compress (plain kernel, S), alltoall (1-bit stage 1 among the N ranks of one local
+        rank: ``N-1`` rows of ``S/(8N)`` bytes, ``L (N-1)`` rows on a node's link), server (S),
+        allgather (stage 2: an alltoall with splits of the server row, copied ``N-1`` times),
+        decode (plain kernel, S);
+        gather: an alltoall with splits of the shard copied ``L`` times (the copy: a pass of P),
+        ``(L-1) S`` float32 to the node's ranks;
+        commit: the output copy and Adam's update with torch ops (P).
+
+        Every stage is one global Horovod op (``hierarchical_global_ops``, the library's way):
+        each pays Horovod's alltoall per-op cost of all n ranks; else that of its group.
+        """
+        n, L, N = cl.n, cl.ranks_per_node, cl.nodes
+        S = P / L
+        glob = self.hierarchical_global_ops
+        ph = {"compute": fwd_bwd, "materialize": self.kernel("materialize", P, job, cl)}
+        intra_rank = (L - 1) * S * 4  # each rank's full-precision bytes inside its node
+        intra = (self._alltoall_stage(n if glob else L, intra_rank, intra_rank, cl.intra_bps,
+                                      cl.intra_latency_s, job, cl, fp32=True)
+                 if (glob or L > 1) else 0.0)
+        ph["scatter"] = intra
+        ph["node_mean"] = self.kernel("add", (L + 1) * S, job, cl)
+        layout = Layout.build(int(math.ceil(S)), N)
+        ph["compress"] = self.kernel("compress", S, job, cl)
+        inter_rank = (N - 1) * layout.row_bytes
+        for stage in ("alltoall", "allgather"):
+            ph[stage] = (self._alltoall_stage(n if glob else N, inter_rank, L * inter_rank,
+                                              cl.inter_bps, cl.inter_latency_s, job, cl)
+                         if (glob or N > 1) else 0.0)
+            if stage == "alltoall":
+                ph["server"] = self.kernel("server", S, job, cl)
+        ph["decode"] = self.kernel("decode", S, job, cl)
+        ph["gather"] = intra + self.kernel("add", P, job, cl)
+        ph["commit"] = self.kernel("epilogue", P, job, cl)
+        wire = layout.wire_bytes if N > 1 else 0
+        return Prediction("onebit_hierarchical", ph, int(2 * intra_rank) + wire,
+                          L * wire if N > 1 else None, [HIERARCHICAL_NOTE])
 
     def predict_all(self, job: Job, cl: Cluster, methods=METHODS) -> dict:
         """Per method: phases, step time, bytes; 1-bit rows also their warmup step and the
@@ -383,7 +469,9 @@ class Model:
 
 # (method, phase of bench train's row) -> the predicted quantity
 CHECK_PAIRS = (("local", "all"), ("horovod_fp32", "all"), ("horovod_fp16", "all"),
-               ("onebit", "warmup"), ("onebit", "compression"))
+               ("onebit", "warmup"), ("onebit", "compression"), ("onebit_hier", "warmup"),
+               ("onebit_hier", "compression"))
+PREDICTED_AS = {"onebit": "onebit", "onebit_hier": "onebit_hierarchical"}
 
 
 def bound_for(method: str, phase: str, bandwidth: str) -> float:
@@ -391,43 +479,63 @@ def bound_for(method: str, phase: str, bandwidth: str) -> float:
     return 0.15 if (method, phase, bandwidth) == ("onebit", "compression", "1gbit") else 0.25
 
 
+def model_transport(config: dict) -> str:
+    """The scale model's transport for flat 1-bit in a `bench train` run: 'auto' and 'torch'
+    ran torch.distributed (on CPU 'auto' resolves to it), 'horovod' (and 'mpi', not modelled:
+    the nearest) Horovod's."""
+    return "torch" if config.get("transport", "auto") in ("auto", "torch") else "horovod"
+
+
 def check_report(reports: list[dict], cal: dict) -> dict:
     """Pairs of predicted and measured step times for ``bench train --json`` reports (several
-    runs of one configuration are pooled: median and range)."""
+    runs of one configuration are pooled: median and range). A compressed step's pair also
+    carries the predicted phases and the measured breakdown (median per part over the runs)."""
     import statistics
 
     from ..cluster.bandwidth import parse_bandwidth
 
-    model = Model(cal)
     groups: dict = {}
     for rep in reports:
         cfg = rep["config"]
-        key = (rep["rows"][0]["np"], rep["bandwidth"], cfg["model"])
+        key = (rep["rows"][0]["np"], rep.get("ranks_per_node", 1) or 1, rep["bandwidth"],
+               cfg["model"], model_transport(cfg))
         groups.setdefault(key, []).append(rep)
     pairs = []
-    for (n, bw, model_name), reps in sorted(groups.items()):
+    for (n, L, bw, model_name, transport), reps in sorted(groups.items()):
+        model = Model(cal, transport=transport)
         cfg, row0 = reps[0]["config"], reps[0]["rows"][0]
         bps = None if bw in ("local", "real") else parse_bandwidth(bw)  # loopback: unshaped
-        cl = Cluster(nodes=n, inter_bps=bps, colocated=True)
+        cl = Cluster(nodes=n // L, ranks_per_node=L, inter_bps=bps, colocated=True)
         job = Job(params=row0["params"], model=model_name, warmup_frac=cfg["warmup_frac"])
-        preds = {"local": model.compute(job, cl, free_running=True)[0],
-                 "horovod_fp32": model.predict("horovod_fp32", job, cl).step_s,
-                 "horovod_fp16": model.predict("horovod_fp16", job, cl).step_s,
-                 "onebit/warmup": model.predict("horovod_fp32", job, cl).step_s,
-                 "onebit/compression": model.predict("onebit", job, cl).step_s}
+        fp32 = model.predict("horovod_fp32", job, cl)
+        preds = {("local", "all"): (model.compute(job, cl, free_running=True)[0], None),
+                 ("horovod_fp32", "all"): (fp32.step_s, fp32.phases)}
+        for method, predicted in PREDICTED_AS.items():
+            preds[(method, "warmup")] = (fp32.step_s, fp32.phases)
+            p = model.predict(predicted, job, cl)
+            preds[(method, "compression")] = (p.step_s, p.phases)
+        fp16 = model.predict("horovod_fp16", job, cl)
+        preds[("horovod_fp16", "all")] = (fp16.step_s, fp16.phases)
         for method, phase in CHECK_PAIRS:
-            vals = [r[f"{phase}_step_s"] for rep in reps for r in rep["rows"]
+            rows = [r for rep in reps for r in rep["rows"]
                     if r["method"] == method and f"{phase}_step_s" in r]
-            if not vals:
+            if not rows:
                 continue
-            pred = preds[method if phase == "all" else f"{method}/{phase}"]
+            vals = [r[f"{phase}_step_s"] for r in rows]
+            pred, pred_phases = preds[(method, phase)]
             med = statistics.median(vals)
             bound = bound_for(method, phase, bw)
-            pairs.append({"np": n, "bandwidth": bw, "model": model_name, "method": method,
-                          "phase": phase, "predicted_s": pred, "measured_s": med,
-                          "measured_min_s": min(vals), "measured_max_s": max(vals),
+            parts = [r.get(f"{phase}_breakdown_s") or {} for r in rows]
+            names = sorted({k for b in parts for k in b})
+            breakdown = {k: statistics.median(b.get(k, 0.0) for b in parts) for k in names}
+            pairs.append({"np": n, "ranks_per_node": L, "bandwidth": bw, "model": model_name,
+                          "transport": transport if method == "onebit" else "horovod",
+                          "method": method, "phase": phase, "predicted_s": pred,
+                          "measured_s": med, "measured_min_s": min(vals),
+                          "measured_max_s": max(vals), "measured_runs_s": vals,
                           "runs": len(vals), "ratio": pred / med, "bound": bound,
-                          "within": abs(pred / med - 1) <= bound})
+                          "within": abs(pred / med - 1) <= bound,
+                          "predicted_phases_s": pred_phases, "measured_breakdown_s": breakdown})
     met = sum(p["within"] for p in pairs)
     return {"pairs": pairs, "met": met, "total": len(pairs),
             "calibration_date": cal.get("machine", {}).get("date")}
@@ -440,14 +548,25 @@ def print_check(result: dict, echo=None) -> None:
              "range": f"{p['measured_min_s'] * 1e3:,.1f}-{p['measured_max_s'] * 1e3:,.1f}",
              "ok": ("yes" if p["within"] else "NO") + f" ({p['bound']:.0%})"}
             for p in result["pairs"]]
-    print_table(rows, [("np", "np", "d"), ("link", "bandwidth", ""), ("model", "model", ""),
+    print_table(rows, [("np", "np", "d"), ("L", "ranks_per_node", "d"),
+                       ("link", "bandwidth", ""), ("model", "model", ""),
                        ("method", "method", ""), ("phase", "phase", ""),
                        ("predicted ms", "pred_ms", ",.1f"), ("measured ms", "meas_ms", ",.1f"),
                        ("measured range", "range", ""), ("runs", "runs", "d"),
                        ("pred/meas", "ratio", ".2f"), ("within", "ok", "")])
     import click
 
-    (echo or click.echo)(f"{result['met']} of {result['total']} pairs within their bound")
+    echo = echo or click.echo
+    echo(f"{result['met']} of {result['total']} pairs within their bound")
+    echo("compressed steps, ms: predicted phases | measured breakdown (median over runs; "
+         "'wait' is both stages' waits, and for onebit_hier the node mean and compress too)")
+    for p in result["pairs"]:
+        if p["phase"] != "compression" or not p["predicted_phases_s"]:
+            continue
+        pred = " ".join(f"{k}={v * 1e3:.1f}" for k, v in p["predicted_phases_s"].items())
+        meas = " ".join(f"{k}={v * 1e3:.1f}" for k, v in p["measured_breakdown_s"].items())
+        echo(f"np={p['np']} L={p['ranks_per_node']} {p['bandwidth']} {p['model']} {p['method']}"
+             f" ({p['transport']}): {pred} | {meas}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -492,6 +611,9 @@ def crossovers(rows: list[dict]) -> dict:
     for bps in dict.fromkeys(r["inter_bps"] for r in rows):
         sel = sorted((r for r in rows if r["inter_bps"] == bps), key=lambda r: r["np"])
         d = {"flat_onebit_stops_paying_at": None, "hierarchical_beats_flat_from": None}
+        if "onebit" in sel[0]["methods"] and GROUP_METHOD in sel[0]["methods"]:
+            d["hierarchical_group_beats_flat_from"] = from_on(
+                sel, lambda ms: ms[GROUP_METHOD]["run_step_s"] < ms["onebit"]["run_step_s"])
         if "onebit" in sel[0]["methods"]:
             d["flat_onebit_stops_paying_at"] = from_on(
                 sel, lambda ms: ms["onebit"]["run_speedup_vs_fp32"] <= 1.0)
@@ -514,7 +636,8 @@ def plot_sweep(rows: list[dict], path: str, title: str) -> None:
 
     fig, ax = plt.subplots(figsize=(10.5, 5))
     styles = {"horovod_fp16": ("tab:gray", "fp16"), "onebit": ("tab:blue", "flat 1-bit"),
-              "onebit_hierarchical": ("tab:green", "hierarchical 1-bit (ALGORITHM.md)")}
+              "onebit_hierarchical": ("tab:green", "hierarchical 1-bit (hierarchical.py)"),
+              GROUP_METHOD: ("tab:olive", "hierarchical 1-bit, stages as group collectives")}
     dashes = ["-", "--", ":", "-."]
     bws = sorted({r["inter_bps"] or 0 for r in rows})
     cross = crossovers(rows)
@@ -529,14 +652,15 @@ def plot_sweep(rows: list[dict], path: str, title: str) -> None:
             ax.plot(xs, ys, dashes[i % len(dashes)], color=color, marker="o", ms=3,
                     label=f"{name}, {label_bw}")
         c = cross.get(str(sel[0]["inter_bps"]), {})
-        for key, color, text in (("flat_onebit_stops_paying_at", "tab:blue", "flat 1-bit <= fp32"),
-                                 ("hierarchical_beats_flat_from", "tab:green",
-                                  "hierarchical > flat")):
+        for j, (key, color, text) in enumerate((
+                ("flat_onebit_stops_paying_at", "tab:blue", "flat 1-bit <= fp32"),
+                ("hierarchical_beats_flat_from", "tab:green", "hierarchical > flat"),
+                ("hierarchical_group_beats_flat_from", "tab:olive", "group hierarchical > flat"))):
             if c.get(key):
                 ax.axvline(c[key], color=color, ls=dashes[i % len(dashes)], lw=0.8, alpha=0.6)
                 right = c[key] > max(r["np"] for r in rows) / 4  # keep the label inside
                 ax.text(c[key] / 1.03 if right else c[key] * 1.03,
-                        0.02 + 0.06 * (2 * i + (color == "tab:green")),
+                        0.02 + 0.05 * (3 * i + j),
                         f"{text} from n={c[key]} ({label_bw})", fontsize=7, color=color,
                         ha="right" if right else "left", transform=ax.get_xaxis_transform())
     ax.axhline(1, color="black", lw=0.8)
@@ -596,4 +720,6 @@ def print_prediction(report: dict, echo=None) -> None:
                         ("phases (ms)", "phases", "")])
     for bw, c in report["crossovers"].items():
         echo(f"link {bw} bit/s: flat 1-bit stops paying from n={c['flat_onebit_stops_paying_at']}"
-             f", hierarchical beats flat from n={c['hierarchical_beats_flat_from']}")
+             f", hierarchical beats flat from n={c['hierarchical_beats_flat_from']}"
+             + (f", group hierarchical beats flat from n={c['hierarchical_group_beats_flat_from']}"
+                if "hierarchical_group_beats_flat_from" in c else ""))

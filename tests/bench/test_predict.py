@@ -22,25 +22,29 @@ CLI = [sys.executable, "-m", "hvd_onebit.cli", "bench"]
 NUMEL, ROW = 1 << 20, 1 << 16
 
 
-def fake_calibration(alpha=(1e-3, 2e-3), host_per_byte=1e-9, link_bps=10**9, overlap=0.5):
-    """Calibration measured at np = 2 and 4: tiny ops take alpha[n], host cost per byte sent
-    is ``host_per_byte`` and on the shaped link (where the wire takes longer) ``overlap`` of it
-    hides behind the wire."""
+def fake_calibration(alpha=(1e-3, 2e-3), host_per_byte=1e-9, link_bps=10**9, overlap=0.5,
+                     torch_alpha=(0.2e-3, 0.3e-3), torch_host_per_byte=2e-9):
+    """Calibration measured at np = 2 and 4: tiny Horovod ops take alpha[n] (torch.distributed's:
+    torch_alpha[n]), host cost per byte sent is ``host_per_byte`` (``torch_host_per_byte``) and
+    on the shaped link (where the wire takes longer) ``overlap`` of it hides behind the wire."""
     coll = {}
-    for n, a in zip((2, 4), alpha):
+    for n, a, ta in zip((2, 4), alpha, torch_alpha):
         unl, shaped = {}, {}
-        for op in ("allreduce", "alltoall", "allgather"):
-            unl[f"{op}_tiny"] = shaped[f"{op}_tiny"] = a
+        for op in pm.KINDS:
+            unl[f"{op}_tiny"] = shaped[f"{op}_tiny"] = ta if op.startswith("torch_") else a
         for op in pm.OPS:
+            torch_op = op.startswith("torch_")
             nbytes = pm._bytes_per_rank(op, n, NUMEL, ROW)
-            host = host_per_byte * nbytes
+            host = (torch_host_per_byte if torch_op else host_per_byte) * nbytes
             wire = nbytes * 8 / (link_bps * pm.TCP_EFFICIENCY)
-            unl[op] = a + host
-            shaped[op] = a + wire + (1 - overlap) * host
+            unl[op] = (ta if torch_op else a) + host
+            shaped[op] = (ta if torch_op else a) + wire + (1 - overlap) * host
         coll[str(n)] = {"unlimited": {"np": n, "numel": NUMEL, "row_bytes": ROW, "median_s": unl},
                         "1gbit": {"np": n, "numel": NUMEL, "row_bytes": ROW, "median_s": shaped}}
     model = {"params": 1_000_000, "step_s": 0.011, "fwd_bwd_s": 0.010, "adam_s": 0.002}
-    kern = {"compress_momentum": 1e-9, "server": 0.5e-9, "decode_update": 1e-9}
+    kern = {"compress_momentum": 1e-9, "server": 0.5e-9, "decode_update": 1e-9,
+            "materialize": 2e-9, "add": 0.25e-9, "compress": 0.75e-9, "decode": 0.4e-9,
+            "epilogue": 3e-9}
     compute = {str(k): {"models": {"mlp": {**model, "fwd_bwd_s": 0.010 * k / 2 if k > 2 else 0.010}},
                         "kernel_s_per_elem": kern} for k in (1, 2, 4)}
     return {"version": cal_mod.CALIBRATION_VERSION, "cores": 2, "link": "1gbit",
@@ -52,8 +56,13 @@ def test_constants_recover_the_calibrated_terms():
     # a line through (n-1, alpha): 1 ms at n=2, 2 ms at n=4
     assert c["alpha_allreduce_per_peer_s"] == pytest.approx(0.5e-3)
     assert c["alpha_allreduce_s"] == pytest.approx(0.5e-3)
+    # torch.distributed's ops: 0.2 ms at n=2, 0.3 ms at n=4
+    for kind in ("torch_alltoall", "torch_allgather"):
+        assert c[f"alpha_{kind}_per_peer_s"] == pytest.approx(0.05e-3)
+        assert c[f"alpha_{kind}_s"] == pytest.approx(0.15e-3)
     for n in (2, 4):
         assert c[f"host_allreduce_fp32_s_per_byte@{n}"] == pytest.approx(1e-9)
+        assert c[f"host_torch_alltoall_s_per_byte@{n}"] == pytest.approx(2e-9)
         assert c[f"kappa@{n}"] == pytest.approx(0.5)
 
 
@@ -69,16 +78,23 @@ def test_step_times_are_the_sum_of_their_terms():
     assert fp32.phases["allreduce_fp32"] == pytest.approx(2e-3 + wire + 0.5 * host)
     assert fp32.bytes_per_rank == b
 
+    # flat 1-bit on transport='torch' (the default): torch.distributed's per-op and host costs
     onebit = model.predict("onebit", job, cl)
     layout = Layout.build(job.params, 4)
     sent = 3 * layout.row_bytes
-    stage = sent * 8 / (1e9 * pm.TCP_EFFICIENCY) + 0.5 * 1e-9 * sent
+    wire = sent * 8 / (1e9 * pm.TCP_EFFICIENCY)
     assert onebit.bytes_per_rank == layout.wire_bytes
     assert onebit.phases["compute"] == pytest.approx(0.010)  # Adam's pass is replaced
-    assert onebit.phases["alltoall"] == pytest.approx(2e-3 + stage)
-    assert onebit.phases["allgather"] == pytest.approx(2e-3 + stage)
+    assert onebit.phases["alltoall"] == pytest.approx(0.3e-3 + wire + 0.5 * 2e-9 * sent)
+    assert onebit.phases["allgather"] == pytest.approx(0.3e-3 + wire + 0.5 * 2e-9 * sent)
     assert onebit.phases["compress"] == pytest.approx(1e-3)
     assert onebit.phases["server"] == pytest.approx(0.5e-3)
+    # on Horovod's transport: its costs
+    hvd_onebit = pm.Model(fake_calibration(), transport="horovod").predict("onebit", job, cl)
+    stage = wire + 0.5 * 1e-9 * sent
+    assert hvd_onebit.phases["alltoall"] == pytest.approx(2e-3 + stage)
+    assert hvd_onebit.phases["allgather"] == pytest.approx(2e-3 + stage)
+    assert hvd_onebit.step_s - onebit.step_s == pytest.approx(2 * (1.7e-3 - 0.5e-9 * sent))
 
     # link latency: 2 (n-1) steps in the ring, 1 in the alltoall, n-1 in the ring allgather
     cl_lat = pm.Cluster(nodes=4, inter_bps=10**9, inter_latency_s=1e-4)
@@ -89,35 +105,86 @@ def test_step_times_are_the_sum_of_their_terms():
     run = 0.2 * fp32.step_s + 0.8 * onebit.step_s
     assert rows["onebit"]["run_speedup_vs_fp32"] == pytest.approx(fp32.step_s / run)
     assert rows["onebit"]["warmup_step_s"] == pytest.approx(fp32.step_s)
-    # one rank per node: hierarchical is the flat scheme
-    assert rows["onebit_hierarchical"]["step_s"] == pytest.approx(onebit.step_s)
     assert pm.HIERARCHICAL_NOTE in rows["onebit_hierarchical"]["notes"]
 
 
-def test_hierarchical_sends_a_shard_between_nodes_and_ranks_share_cores():
-    model = pm.Model(fake_calibration())
+def test_hierarchical_follows_hierarchical_py_and_ranks_share_cores():
+    model = pm.Model(fake_calibration())  # global ops: hvd_onebit/hierarchical.py's way
     job = pm.Job(params=8_000_000, compute_s=0.1, adam_s=0.01)
     cl = pm.Cluster(nodes=16, ranks_per_node=8, inter_bps=10**10, intra_bps=10**11)
     hier = model.predict("onebit_hierarchical", job, cl)
+    P, S, n = 8_000_000, 1_000_000, 128
     # between nodes: the 1-bit two-stage allreduce of |m|/L among N = 16, for each of L ranks
-    inter = Layout.build(job.params // 8, 16).wire_bytes
-    assert hier.inter_node_bytes_per_node == 8 * inter
-    assert hier.bytes_per_rank == ring_allreduce_bytes(4 * job.params, 8) + inter
+    inter = Layout.build(S, 16)
+    assert hier.inter_node_bytes_per_node == 8 * inter.wire_bytes
+    # inside the node: the scatter and the gather send (L-1) shards of float32 each
+    intra = 7 * S * 4
+    assert hier.bytes_per_rank == 2 * intra + inter.wire_bytes
+    # four Horovod alltoalls (with splits) of all n ranks: alpha = 0.5 ms + 0.5 ms x (n-1)
+    a = model.alpha("alltoall", n)
+    assert a == pytest.approx(0.5e-3 + 0.5e-3 * 127)
+    intra_t = a + max(1e-9 * intra, intra * 8 / (1e11 * pm.TCP_EFFICIENCY)) + 0.5 * min(
+        1e-9 * intra, intra * 8 / (1e11 * pm.TCP_EFFICIENCY))
+    assert hier.phases["scatter"] == pytest.approx(intra_t)
+    assert hier.phases["gather"] == pytest.approx(intra_t + 0.25e-9 * P)  # + the row copies
+    sent = 15 * inter.row_bytes
+    wire = 8 * sent * 8 / (1e10 * pm.TCP_EFFICIENCY)  # the node's 8 ranks share its link
+    assert hier.phases["alltoall"] == pytest.approx(a + wire + 0.5 * 1e-9 * sent)
+    assert hier.phases["allgather"] == pytest.approx(hier.phases["alltoall"])
+    # the passes: materialize and commit over P, node mean (L+1 passes), kernels over S
+    assert hier.phases["materialize"] == pytest.approx(2e-9 * P)
+    assert hier.phases["node_mean"] == pytest.approx(0.25e-9 * 9 * S)
+    assert hier.phases["compress"] == pytest.approx(0.75e-9 * S)
+    assert hier.phases["server"] == pytest.approx(0.5e-9 * S)
+    assert hier.phases["decode"] == pytest.approx(0.4e-9 * S)
+    assert hier.phases["commit"] == pytest.approx(3e-9 * P)
+    assert hier.phases["compute"] == pytest.approx(0.09)
     flat = model.predict("onebit", job, cl)
     fp32 = model.predict("horovod_fp32", job, cl)
     # the flat alltoall puts L (n-L) rows on a node's link: more than hierarchical's shard
     assert flat.inter_node_bytes_per_node > hier.inter_node_bytes_per_node
     assert fp32.inter_node_bytes_per_node > flat.inter_node_bytes_per_node
-    # the same scheme with every stage a global Horovod op pays alltoall's per-op cost at n
-    glob = pm.Model(fake_calibration(), hierarchical_global_ops=True)
-    extra = glob.predict("onebit_hierarchical", job, cl).step_s - hier.step_s
-    assert extra == pytest.approx(4 * model.alpha("alltoall", 128) - model.alpha("allreduce", 8)
-                                  - model.alpha("alltoall", 16) - model.alpha("allgather", 16))
+    # with collectives of their own groups each stage pays its group's per-op cost instead
+    grp = pm.Model(fake_calibration(), hierarchical_global_ops=False)
+    saved = hier.step_s - grp.predict("onebit_hierarchical", job, cl).step_s
+    assert model.predict(pm.GROUP_METHOD, job, cl).step_s == pytest.approx(hier.step_s - saved)
+    assert model.hierarchical_global_ops  # restored
+    assert saved == pytest.approx(4 * a - 2 * model.alpha("alltoall", 8)
+                                  - 2 * model.alpha("alltoall", 16))
     # colocated ranks compute at the speed calibrated with that many processes at once
     jm = pm.Job(params=1_000_000, model="mlp")
     alone = model.compute(jm, pm.Cluster(nodes=4))[0]
     shared = model.compute(jm, pm.Cluster(nodes=4, colocated=True))[0]
     assert alone == pytest.approx(0.012) and shared == pytest.approx(0.022)
+
+
+def test_colocated_compute_prefers_the_figures_timed_inside_the_ranks():
+    cal = fake_calibration()
+    cal["collectives"]["4"]["unlimited"]["models"] = {
+        "mlp": {"params": 1_000_000, "step_s": 0.03, "fwd_bwd_s": 0.025, "adam_s": 0.004}}
+    model = pm.Model(cal)
+    job = pm.Job(params=1_000_000, model="mlp")
+    assert model.compute(job, pm.Cluster(nodes=4, colocated=True)) == pytest.approx((0.029, 0.004))
+    assert model.compute(job, pm.Cluster(nodes=4, colocated=True), free_running=True)[0] == \
+        pytest.approx(0.03)
+    # np=2 is nearest the calibration's 2-rank job, which has none: the bare processes' figures
+    assert model.compute(job, pm.Cluster(nodes=2, colocated=True))[0] == pytest.approx(0.012)
+    assert model.compute(job, pm.Cluster(nodes=4))[0] == pytest.approx(0.012)  # a core each
+    assert pm.constants(cal)["mlp_fwd_bwd_ms@4ranks"] == pytest.approx(25)
+
+
+def test_a_version_2_calibration_predicts_on_horovods_transport_only():
+    cal = fake_calibration()
+    cal["version"] = 2
+    for runs in cal["collectives"].values():
+        for row in runs.values():
+            row["median_s"] = {k: v for k, v in row["median_s"].items()
+                               if not k.startswith("torch_")}
+    job = pm.Job(params=1_000_000, model="mlp")
+    cl = pm.Cluster(nodes=4)
+    assert pm.Model(cal, transport="horovod").predict("onebit", job, cl).step_s > 0
+    with pytest.raises(ValueError, match="--transport horovod"):
+        pm.Model(cal).predict("onebit", job, cl)
 
 
 def test_crossovers_find_where_flat_stops_paying():
@@ -155,7 +222,7 @@ def test_calibration_round_trip_and_clear_errors(tmp_path):
     report = json.loads(proc.stdout)
     assert plot.stat().st_size > 0 and len(report["rows"]) == 6
     assert set(report["rows"][0]["methods"]) == set(pm.METHODS)
-    assert "not checked against a measurement" in report["note"]
+    assert report["note"] == pm.HIERARCHICAL_NOTE and report["inputs"]["transport"] == "torch"
 
 
 def test_check_pairs_predictions_with_a_train_report():
@@ -170,10 +237,37 @@ def test_check_pairs_predictions_with_a_train_report():
     assert pairs[("local", "all")]["predicted_s"] == pytest.approx(0.011)  # the free-running step
     assert not pairs[("local", "all")]["within"]  # 0.011 / 0.02 = 0.55
     assert pairs[("onebit", "compression")]["bound"] == 0.15 and pairs[("local", "all")]["runs"] == 2
+    # transport 'auto' ran torch.distributed: predicted with its constants
+    torch_step = pm.Model(cal).predict("onebit", pm.Job(params=1_000_000, model="mlp"),
+                                       pm.Cluster(nodes=4, inter_bps=10**9, colocated=True))
+    assert pairs[("onebit", "compression")]["predicted_s"] == pytest.approx(torch_step.step_s)
+    assert pairs[("onebit", "compression")]["transport"] == "torch"
+    assert pairs[("onebit", "compression")]["predicted_phases_s"] == torch_step.phases
+
+    # bench train --np 4 --ranks-per-node 2 --transport horovod, with onebit_hier
+    hier_rows = rows + [{"method": "onebit_hier", "np": 4, "params": 1_000_000,
+                         "warmup_step_s": 0.1, "compression_step_s": 0.06,
+                         "compression_breakdown_s": {"wait": 0.03, "decode": 0.01}}]
+    hier_report = {"bandwidth": "1gbit", "ranks_per_node": 2, "rows": hier_rows,
+                   "config": {"model": "mlp", "warmup_frac": 0.2, "transport": "horovod"}}
+    result = pm.check_report([hier_report], cal)
+    pairs = {(p["method"], p["phase"]): p for p in result["pairs"]}
+    cl = pm.Cluster(nodes=2, ranks_per_node=2, inter_bps=10**9, colocated=True)
+    job = pm.Job(params=1_000_000, model="mlp")
+    hvd_model = pm.Model(cal, transport="horovod")
+    assert pairs[("onebit_hier", "compression")]["predicted_s"] == pytest.approx(
+        hvd_model.predict("onebit_hierarchical", job, cl).step_s)
+    assert pairs[("onebit", "compression")]["predicted_s"] == pytest.approx(
+        hvd_model.predict("onebit", job, cl).step_s)
+    assert pairs[("onebit_hier", "compression")]["measured_breakdown_s"] == {"wait": 0.03,
+                                                                           "decode": 0.01}
+    assert pairs[("onebit_hier", "compression")]["bound"] == 0.25
+    assert {p["ranks_per_node"] for p in result["pairs"]} == {2}
 
 
 def test_small_prediction_against_measurement_on_loopback():
-    """Calibrate a small MLP and the collectives at np=2 on loopback, then predict bench train's
+    """Calibrate a small MLP (in bare processes and inside the Horovod ranks, which a colocated
+    prediction uses) and the collectives at np=2 on loopback, then predict bench train's
     steps there. Only the fp32 step and the compressed step are asserted, within a factor 3:
     steps of a few ms on a shared 2-core machine swing with the scheduler's time slices (the
     tight check is benchmarks/predict_check.py)."""
@@ -184,8 +278,9 @@ def test_small_prediction_against_measurement_on_loopback():
     compute = cal_mod.measure_compute(procs=(2,), models=small, kernel_numel=1 << 18, repeats=3,
                                       seconds=0.5)
     coll = run_job("hvd_onebit.bench.calibrate:collectives_worker", np=2,
-                   kwargs={"numel": 1 << 20, "repeats": 5, "tiny_repeats": 9}, timeout=120,
-                   env=MALLOC_REUSE_ENV).results[0]
+                   kwargs={"numel": 1 << 20, "repeats": 5, "tiny_repeats": 9, "models": small},
+                   timeout=120, env=MALLOC_REUSE_ENV).results[0]
+    assert set(coll["models"]["mlp"]) == {"params", "step_s", "fwd_bwd_s", "adam_s"}
     cal = {"version": cal_mod.CALIBRATION_VERSION, "cores": 2, "link": None, "link_bps": None,
            "compute": compute, "collectives": {"2": {"unlimited": coll}}}
     proc = subprocess.run(CLI + ["train", "--np", "2", "--bandwidth", "local", "--model", "mlp",
