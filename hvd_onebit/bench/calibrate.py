@@ -136,8 +136,6 @@ def _compute_proc(k: int, models: dict, kernel_numel: int, repeats: int, seconds
     src = fused_adam.MomentumInput(m, [grad], [kernel_numel], 0.9)
     update = fused_adam.AdamUpdate([w], [var], [kernel_numel], [-1e-4], [1.0], [0.3], [1e-8])
     x, acc = torch.randn(kernel_numel, generator=g), torch.randn(kernel_numel, generator=g)
-    from .. import kernels
-
     calls = {
         "compress_momentum": lambda: fused_adam.worker_compress_momentum(
             src, y_prev, prev_send, y_next, send, L, "native"),

@@ -47,8 +47,8 @@ from ..layout import Layout, ring_allreduce_bytes
 
 TCP_EFFICIENCY = 1448 / 1514  # TCP payload per Ethernet frame at a 1500-byte MTU
 METHODS = ("horovod_fp32", "horovod_fp16", "onebit", "onebit_hierarchical")
-# not a method of the library: hierarchical 1-bit with each stage a collective of its own group
-# (process sets), to show what the global ops cost at scale
+# hierarchical 1-bit with each stage a collective of its own group: what hierarchical.py does on
+# torch.distributed subgroups (transport "torch"/"auto"), here with Horovod's per-peer costs
 GROUP_METHOD = "onebit_hierarchical_group"
 HIERARCHICAL_NOTE = ("onebit_hierarchical models hvd_onebit/hierarchical.py (4 Horovod alltoalls "
                      "with splits per bucket, Horovod's transport); checked on the emulator at "
