@@ -50,6 +50,37 @@ BENCH_MODELS = {
 }
 
 
+def _bench_model(cfg: dict, data_seed: int):
+    """One of ``bench train``'s models (``cfg`` as in BENCH_MODELS) with fused Adam and one
+    batch of data from ``data_seed``, warmed up by three steps. Returns (net, opt, fwd_bwd,
+    step): the forward and backward pass, and the whole step."""
+    import torch
+
+    from .train import IN_DIM, OUT_DIM, build_embedding_model, build_mlp
+
+    torch.manual_seed(0)
+    net = (build_mlp(cfg["width"], cfg["depth"]) if cfg["model"] == "mlp" else
+           build_embedding_model(cfg["vocab"], cfg["embed_dim"], cfg["width"]))
+    opt = torch.optim.Adam(net.parameters(), lr=1e-4, fused=True)
+    g = torch.Generator().manual_seed(data_seed)
+    x = (torch.randn(cfg["batch"], IN_DIM, generator=g) if cfg["model"] == "mlp" else
+         torch.randint(cfg["vocab"], (cfg["batch"], cfg["tokens"]), generator=g))
+    y = torch.randn(cfg["batch"], OUT_DIM, generator=g)
+    loss_fn = torch.nn.MSELoss()
+
+    def fwd_bwd():
+        opt.zero_grad()
+        loss_fn(net(x), y).backward()
+
+    def step():
+        fwd_bwd()
+        opt.step()
+
+    for _ in range(3):
+        step()
+    return net, opt, fwd_bwd, step
+
+
 def _median_time(fn, repeats: int, min_seconds: float = 0.0, windows: int = 5,
                  shared: bool = False, barrier=None) -> float:
     """Time of ``fn`` on this machine, not its neighbours': the medians of ``windows`` windows
@@ -83,32 +114,12 @@ def _compute_proc(k: int, models: dict, kernel_numel: int, repeats: int, seconds
 
     from .. import fused_adam, kernels
     from ..layout import Layout
-    from .train import IN_DIM, OUT_DIM, build_embedding_model, build_mlp
 
     torch.set_num_threads(1)
     shared = k > len(os.sched_getaffinity(0))
     out: dict = {"models": {}}
     for name, cfg in models.items():
-        torch.manual_seed(0)
-        net = (build_mlp(cfg["width"], cfg["depth"]) if cfg["model"] == "mlp" else
-               build_embedding_model(cfg["vocab"], cfg["embed_dim"], cfg["width"]))
-        opt = torch.optim.Adam(net.parameters(), lr=1e-4, fused=True)
-        g = torch.Generator().manual_seed(1)
-        x = (torch.randn(cfg["batch"], IN_DIM, generator=g) if cfg["model"] == "mlp" else
-             torch.randint(cfg["vocab"], (cfg["batch"], cfg["tokens"]), generator=g))
-        y = torch.randn(cfg["batch"], OUT_DIM, generator=g)
-        loss_fn = torch.nn.MSELoss()
-
-        def fwd_bwd():
-            opt.zero_grad()
-            loss_fn(net(x), y).backward()
-
-        def step():
-            fwd_bwd()
-            opt.step()
-
-        for _ in range(3):
-            step()
+        net, opt, fwd_bwd, step = _bench_model(cfg, data_seed=1)
         # the whole step free-running (as `bench train`'s local method runs), then each phase
         # in lock-step (as ranks that collectives synchronise run them)
         barrier.wait()
@@ -217,7 +228,6 @@ def ranks_compute(models: dict, seconds: float = 1.0) -> dict:
     import torch
 
     from ..transports import sleep_until_done
-    from .train import IN_DIM, OUT_DIM, build_embedding_model, build_mlp
 
     def barrier():
         h = hvd.allreduce_async(torch.zeros(1), name="cal.compute.barrier")
@@ -251,26 +261,7 @@ def ranks_compute(models: dict, seconds: float = 1.0) -> dict:
 
     out = {}
     for name, cfg in models.items():
-        torch.manual_seed(0)
-        net = (build_mlp(cfg["width"], cfg["depth"]) if cfg["model"] == "mlp" else
-               build_embedding_model(cfg["vocab"], cfg["embed_dim"], cfg["width"]))
-        opt = torch.optim.Adam(net.parameters(), lr=1e-4, fused=True)
-        g = torch.Generator().manual_seed(hvd.rank())
-        x = (torch.randn(cfg["batch"], IN_DIM, generator=g) if cfg["model"] == "mlp" else
-             torch.randint(cfg["vocab"], (cfg["batch"], cfg["tokens"]), generator=g))
-        y = torch.randn(cfg["batch"], OUT_DIM, generator=g)
-        loss_fn = torch.nn.MSELoss()
-
-        def fwd_bwd():
-            opt.zero_grad()
-            loss_fn(net(x), y).backward()
-
-        def step():
-            fwd_bwd()
-            opt.step()
-
-        for _ in range(3):
-            step()
+        net, opt, fwd_bwd, step = _bench_model(cfg, data_seed=hvd.rank())
         out[name] = {"params": sum(p.numel() for p in net.parameters()),
                      "step_s": timed(step, False), "fwd_bwd_s": timed(fwd_bwd, True),
                      "adam_s": timed(opt.step, True)}
