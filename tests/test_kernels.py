@@ -70,6 +70,18 @@ def _previous_state(L, g):
     return y, send
 
 
+def _error_feedback_case(numel, n, block):
+    """A layout and the inputs of both compressions from a committed state: (L, x, y_prev,
+    prev_send, z_prev, prev_row)."""
+    L = Layout.build(numel, n, block)
+    g = torch.Generator().manual_seed(numel)
+    y_prev, prev_send = _previous_state(L, g)
+    x = torch.randn(numel, generator=g)
+    z_prev = torch.randn(L.chunk, generator=g)
+    prev_row = prev_send[:L.row_bytes].clone()
+    return L, x, y_prev, prev_send, z_prev, prev_row
+
+
 IMPLS = ("torch", "avx2", "scalar")
 
 
@@ -183,12 +195,7 @@ def test_y_and_z_not_stored_or_updated_in_place_give_the_same_bits(numel, n, blo
     """How the collective keeps one error buffer: the rows alone first (y_out=None), then the
     same pass with y updated in place, must give the bits of y written to a spare buffer (the
     large case takes the native kernels' streaming-store path)."""
-    L = Layout.build(numel, n, block)
-    g = torch.Generator().manual_seed(numel)
-    y_prev, prev_send = _previous_state(L, g)
-    x = torch.randn(numel, generator=g)
-    z_prev = torch.randn(L.chunk, generator=g)
-    prev_row = prev_send[:L.row_bytes].clone()
+    L, x, y_prev, prev_send, z_prev, prev_row = _error_feedback_case(numel, n, block)
     saved = (y_prev.clone(), z_prev.clone())
     runs = {impl: _compress_modes(impl, L, x, y_prev, prev_send, z_prev, prev_row)
             for impl in IMPLS}

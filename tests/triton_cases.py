@@ -34,7 +34,7 @@ from hvd_onebit.layout import Layout  # noqa: E402
 from hvd_onebit.transports import run_threads  # noqa: E402
 from tests.onebit_reference import ReferenceOneBit  # noqa: E402
 from tests.test_fused_adam import update_case  # noqa: E402
-from tests.test_kernels import _previous_state  # noqa: E402
+from tests.test_kernels import _error_feedback_case, _previous_state  # noqa: E402
 from tests.workers_collective import rank_input  # noqa: E402
 
 assert tk.INTERPRETED
@@ -220,12 +220,7 @@ def test_the_cuda_bench_calls_run_on_triton():
 def test_y_and_z_not_stored_or_updated_in_place(numel, n, block):
     """WRITE_Y=False (the rows alone) and y (z) updated in place give the bits of y (z) written
     to a spare buffer: how the collective keeps one error buffer."""
-    L = Layout.build(numel, n, block)
-    g = torch.Generator().manual_seed(numel)
-    y_prev, prev_send = _previous_state(L, g)
-    x = torch.randn(numel, generator=g)
-    z_prev = torch.randn(L.chunk, generator=g)
-    prev_row = prev_send[:L.row_bytes].clone()
+    L, x, y_prev, prev_send, z_prev, prev_row = _error_feedback_case(numel, n, block)
     ref = _three_kernels("torch", L, x, y_prev, prev_send, z_prev, prev_row)
 
     send = torch.full((L.n * L.row_bytes,), 0xAB, dtype=torch.uint8)
