@@ -474,7 +474,8 @@ class CompressedStep:
         if self.config.compressor == "onebit":
             nbytes = self._onebit_average(early, param_groups, owner, grads, stale)
         else:
-            inputs = [self._input(b, self._beta1s(param_groups), grads) for b in self.buckets]
+            beta1s = self._beta1s(param_groups)
+            inputs = [self._input(b, beta1s, grads) for b in self.buckets]
             nbytes = self._exact_average(inputs, param_groups, owner)
         for p in owner:
             value = self._host_step(p)
