@@ -98,6 +98,10 @@ class Epilogue(Protocol):
     def apply(self, out: torch.Tensor) -> None:
         """Apply to ``out``, the decoded output [numel]."""
 
+    def copy_apply(self, src: torch.Tensor, out: torch.Tensor, backend: str) -> None:
+        """Like ``out.copy_(src)`` followed by ``apply(out)`` (``src``, ``out``: float32 [numel];
+        ``src`` may be ``out``)."""
+
 
 # Status words in a row (see hvd_onebit.layout): 0.0 for good rows, 1.0 when the sender saw a
 # non-finite value (the kernels write those two), STALE when the sender's input was started early

@@ -202,6 +202,22 @@ class AdamUpdate:
                     w.copy_(w_flat.view(w.shape))
             start += size
 
+    def copy_apply(self, src: torch.Tensor, out: torch.Tensor, backend: str = "auto") -> None:
+        """``out.copy_(src)`` then :meth:`apply` to ``out``, in one pass where the native kernel
+        can (``src``, ``out``: float32 [numel]; ``src`` may be ``out``). The collective's hook for
+        an output that arrives decoded (the hierarchical collective's gathered shards)."""
+        src = src.reshape(-1)
+        if (kernels.resolve_backend(backend, out.device) == "native" and self.native_ready()
+                and _native_ready([src, out]) and out.is_contiguous()):
+            kernels.native_module().update(
+                src, out.view(-1), self.weights, self.variances, self.sizes,
+                [float(s) for s in self.steps], [float(d) for d in self.decays],
+                [float(b) for b in self.sqrt_bc2s], [float(e) for e in self.eps], True)
+            return
+        if src.data_ptr() != out.data_ptr():
+            out.view(-1).copy_(src)
+        self.apply(out)
+
     def decode_into(self, rows: torch.Tensor, out: torch.Tensor, layout: Layout,
                     backend: str = "auto") -> None:
         """The collective's hook: :func:`decode_update` with this update."""

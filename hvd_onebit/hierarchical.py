@@ -168,7 +168,7 @@ class HierarchicalOneBitAllreduce(TransactionalCollective):
 
     Same calling convention as the flat collective (``allreduce``, ``allreduce_async`` and
     ``synchronize``, or :func:`~hvd_onebit.collective.synchronize_all`); the epilogue is applied
-    after the last stage with its torch reference (not fused into a decode pass).
+    after the last stage, as the gathered mean is copied out (``Epilogue.copy_apply``).
     """
 
     def __init__(self, numel: int, topology: Topology, *, block_size: Optional[int] = None,
@@ -300,11 +300,16 @@ class HierarchicalOneBitAllreduce(TransactionalCollective):
     def _commit(self, handle: HierarchicalHandle, epilogue: Optional[Epilogue]) -> None:
         """Adopt the 1-bit stage's error feedback, write the output, apply the epilogue."""
         self.inner._commit(handle.inner, None)
-        handle.out32.copy_(handle.gathered.reshape(-1)[:self.numel])
-        if handle.out32.data_ptr() != handle.out.data_ptr():
-            handle.out.view(-1).copy_(handle.out32)
-        if epilogue is not None:
-            epilogue.apply(handle.out)
+        mean = handle.gathered.reshape(-1)[:self.numel]
+        if epilogue is not None and handle.out32.data_ptr() == handle.out.data_ptr():
+            # the copy out and Adam's update in one pass (one native kernel on CPU)
+            epilogue.copy_apply(mean, handle.out32, self.inner.backend)
+        else:
+            handle.out32.copy_(mean)
+            if handle.out32.data_ptr() != handle.out.data_ptr():
+                handle.out.view(-1).copy_(handle.out32)
+            if epilogue is not None:
+                epilogue.apply(handle.out)
         L = self.topology.per_node
         self.wire_bytes = self.inner.wire_bytes
         self.total_wire_bytes += self.wire_bytes

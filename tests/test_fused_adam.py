@@ -125,6 +125,46 @@ def test_decode_fused_with_adam_update_equals_torch(sizes, n):
         start += sizes[i]
 
 
+@pytest.mark.parametrize("sizes", [[5, 0, 13, 1000, 7], [64, 64], [1], [300_001, 3, 200_000]])
+@pytest.mark.parametrize("alias", [False, True], ids=["src", "in-place"])
+def test_update_from_a_decoded_momentum_equals_torch(sizes, alias):
+    """Adam's update from a momentum that arrives decoded (the hierarchical collective's
+    gathered mean): the native pass (AVX2 and scalar, and through ``copy_apply``) gives the bits
+    of ``out.copy_(src)`` then the torch reference :meth:`AdamUpdate.apply`: weights, and the
+    momentum with held elements (zero variance) set to +0; ``src`` may be ``out``."""
+    numel = sum(sizes)
+    L = Layout.build(numel, 2, None)
+    _, weights, variances, held, steps, decays, sqrt_bc2s, eps = update_case(sizes, L)
+    src = torch.randn(numel, generator=torch.Generator().manual_seed(7))
+    results = {}
+    for impl in ("torch", "avx2", "scalar", "hook"):
+        w = [None if t is None else t.clone() for t in weights]
+        m = src.clone() if alias else torch.full((numel,), float("nan"))
+        given = m if alias else src.clone()
+        update = AdamUpdate(w, variances, sizes, steps, decays, sqrt_bc2s, eps)
+        if impl == "torch":
+            m.copy_(given)
+            update.apply(m)
+        elif impl == "hook":
+            update.copy_apply(given, m, "native")
+        else:
+            _C.update(given, m, w, variances, sizes, steps, decays, sqrt_bc2s, eps,
+                      impl == "avx2")
+        results[impl] = (m.numpy().tobytes(),
+                         [None if t is None else t.numpy().tobytes() for t in w])
+    for impl in ("avx2", "scalar", "hook"):
+        assert results[impl][0] == results["torch"][0], f"{impl}: momentum differs from torch's"
+        assert results[impl][1] == results["torch"][1], f"{impl}: weights differ from torch's"
+    m = torch.frombuffer(bytearray(results["avx2"][0]), dtype=torch.float32)
+    start = 0
+    for h, size in zip(held, sizes):
+        if h is not None:
+            assert torch.all(m[start:start + size][h] == 0), "held elements keep a momentum"
+            assert torch.equal(m[start:start + size][~h], src[start:start + size][~h]), \
+                "updated elements' momentum is not the source's"
+        start += size
+
+
 @pytest.mark.parametrize("n", [1, 3])
 @pytest.mark.parametrize("backend", ["native", "torch"])
 def test_through_the_collective_hooks_equal_the_unfused_steps(n, backend):

@@ -490,6 +490,56 @@ __attribute__((target("avx2,fma"))) void decode_update_avx2(const uint8_t* rows,
 }
 #endif
 
+// ---- Adam's update from a momentum already decoded ------------------------------------------------
+// The same update as decode_update, for a collective whose averaged momentum arrives decoded (the
+// hierarchical collective gathers float32 shards): m[p] = src[p] (+0 where held) and the weight
+// update, in one pass over src, m, w and v. src may be m.
+
+void update_scalar(const float* src, float* m, const std::vector<UpdateSegment>& segs) {
+  for (const UpdateSegment& s : segs) {
+    for (int64_t p = s.start; p < s.end; ++p) {
+      if (s.w) {
+        update1(s, p, src[p], m);
+      } else {
+        m[p] = src[p];
+      }
+    }
+  }
+}
+
+#if defined(HVD_ONEBIT_X86)
+__attribute__((target("avx2,fma"))) void update_avx2(const float* src, float* m, int64_t numel,
+                                                     const std::vector<UpdateSegment>& segs) {
+  const bool stream = numel >= kStreamMinFloats && src != m;
+  const __m256 inf = _mm256_set1_ps(std::numeric_limits<float>::infinity());
+  for (const UpdateSegment& s : segs) {
+    int64_t p = s.start;
+    if (s.w) {
+      const __m256 step = _mm256_set1_ps(s.step), decay = _mm256_set1_ps(s.decay);
+      const __m256 sqrt_bc2 = _mm256_set1_ps(s.sqrt_bc2), eps = _mm256_set1_ps(s.eps);
+      for (; p + 8 <= s.end; p += 8) {
+        const __m256 d = _mm256_loadu_ps(src + p);
+        const __m256 var = _mm256_loadu_ps(s.v + (p - s.start));
+        // denominator1, 8 at a time (sqrt and div correctly rounded, as the scalar's)
+        const __m256 denom = _mm256_blendv_ps(
+            _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(var), sqrt_bc2), eps), inf,
+            _mm256_cmp_ps(var, _mm256_setzero_ps(), _CMP_EQ_OQ));
+        store8(m + p, _mm256_andnot_ps(_mm256_cmp_ps(denom, inf, _CMP_EQ_OQ), d), stream);
+        float* wp = s.w + (p - s.start);
+        __m256 w = _mm256_loadu_ps(wp);
+        if (s.apply_decay) w = _mm256_mul_ps(w, decay);
+        _mm256_storeu_ps(wp, _mm256_add_ps(w, _mm256_div_ps(_mm256_mul_ps(step, d), denom)));
+      }
+      for (; p < s.end; ++p) update1(s, p, src[p], m);
+    } else {
+      for (; p + 8 <= s.end; p += 8) store8(m + p, _mm256_loadu_ps(src + p), stream);
+      for (; p < s.end; ++p) m[p] = src[p];
+    }
+  }
+  if (stream) _mm_sfence();
+}
+#endif
+
 // ---- argument checks shared by the bindings ---------------------------------------------------
 
 Layout make_layout(int64_t n, int64_t chunk, int64_t block, int64_t row_bytes) {
@@ -663,17 +713,12 @@ void decode(const torch::Tensor& rows, torch::Tensor out, int64_t n, int64_t chu
   decode_scalar(rows.data_ptr<uint8_t>(), out.data_ptr<float>(), out.numel(), L);
 }
 
-void decode_update(const torch::Tensor& rows, torch::Tensor m,
-                   const std::vector<c10::optional<torch::Tensor>>& weights,
-                   const std::vector<c10::optional<torch::Tensor>>& variances,
-                   const std::vector<int64_t>& sizes, const std::vector<double>& steps,
-                   const std::vector<double>& decays, const std::vector<double>& sqrt_bc2s,
-                   const std::vector<double>& epss, int64_t n, int64_t chunk, int64_t block,
-                   int64_t row_bytes, bool allow_simd) {
-  const Layout L = make_layout(n, chunk, block, row_bytes);
-  check_cpu(rows, torch::kUInt8, "rows", n * row_bytes);
-  check_cpu(m, torch::kFloat32, "momentum", 0);
-  TORCH_CHECK(m.numel() <= n * chunk, "momentum has more elements than the layout holds");
+// The UpdateSegments of the parameters laid end to end in m (checked against m's size).
+std::vector<UpdateSegment> update_segments(
+    const torch::Tensor& m, const std::vector<c10::optional<torch::Tensor>>& weights,
+    const std::vector<c10::optional<torch::Tensor>>& variances, const std::vector<int64_t>& sizes,
+    const std::vector<double>& steps, const std::vector<double>& decays,
+    const std::vector<double>& sqrt_bc2s, const std::vector<double>& epss) {
   const size_t k = sizes.size();
   TORCH_CHECK(weights.size() == k && variances.size() == k && steps.size() == k &&
                   decays.size() == k && sqrt_bc2s.size() == k && epss.size() == k,
@@ -699,6 +744,22 @@ void decode_update(const torch::Tensor& rows, torch::Tensor m,
     start += sizes[i];
   }
   TORCH_CHECK(start == m.numel(), "weights hold ", start, " elements, momentum ", m.numel());
+  return segs;
+}
+
+void decode_update(const torch::Tensor& rows, torch::Tensor m,
+                   const std::vector<c10::optional<torch::Tensor>>& weights,
+                   const std::vector<c10::optional<torch::Tensor>>& variances,
+                   const std::vector<int64_t>& sizes, const std::vector<double>& steps,
+                   const std::vector<double>& decays, const std::vector<double>& sqrt_bc2s,
+                   const std::vector<double>& epss, int64_t n, int64_t chunk, int64_t block,
+                   int64_t row_bytes, bool allow_simd) {
+  const Layout L = make_layout(n, chunk, block, row_bytes);
+  check_cpu(rows, torch::kUInt8, "rows", n * row_bytes);
+  check_cpu(m, torch::kFloat32, "momentum", 0);
+  TORCH_CHECK(m.numel() <= n * chunk, "momentum has more elements than the layout holds");
+  const std::vector<UpdateSegment> segs =
+      update_segments(m, weights, variances, sizes, steps, decays, sqrt_bc2s, epss);
   if (m.numel() == 0) return;
   SegmentCursor<UpdateSegment> cursor{segs.data(), static_cast<int64_t>(segs.size())};
   pybind11::gil_scoped_release no_gil;
@@ -709,6 +770,29 @@ void decode_update(const torch::Tensor& rows, torch::Tensor m,
   }
 #endif
   decode_update_scalar(rows.data_ptr<uint8_t>(), m.data_ptr<float>(), m.numel(), L, cursor);
+}
+
+void update(const torch::Tensor& src, torch::Tensor m,
+            const std::vector<c10::optional<torch::Tensor>>& weights,
+            const std::vector<c10::optional<torch::Tensor>>& variances,
+            const std::vector<int64_t>& sizes, const std::vector<double>& steps,
+            const std::vector<double>& decays, const std::vector<double>& sqrt_bc2s,
+            const std::vector<double>& epss, bool allow_simd) {
+  check_cpu(m, torch::kFloat32, "momentum", 0);
+  check_cpu(src, torch::kFloat32, "src", m.numel());
+  TORCH_CHECK(src.numel() == m.numel(), "src has ", src.numel(), " elements, momentum ",
+              m.numel());
+  const std::vector<UpdateSegment> segs =
+      update_segments(m, weights, variances, sizes, steps, decays, sqrt_bc2s, epss);
+  if (m.numel() == 0) return;
+  pybind11::gil_scoped_release no_gil;
+#if defined(HVD_ONEBIT_X86)
+  if (allow_simd && cpu_has_avx2()) {
+    update_avx2(src.data_ptr<float>(), m.data_ptr<float>(), m.numel(), segs);
+    return;
+  }
+#endif
+  update_scalar(src.data_ptr<float>(), m.data_ptr<float>(), segs);
 }
 
 }  // namespace
@@ -730,5 +814,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_update", &decode_update,
         "decode into m and, for each weight given, denom = sqrt(v)/sqrt_bc2 + eps (inf where "
         "v == 0), w = w*decay (if decay != 1) then w + (step*m)/denom, in the same pass.");
+  m.def("update", &update,
+        "m = src (+0 where v == 0) and, for each weight given, decode_update's weight update "
+        "with d = src; src may be m.");
   m.def("has_avx2", &cpu_has_avx2, "Whether the AVX2 code path is available on this CPU.");
 }
