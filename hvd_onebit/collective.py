@@ -78,8 +78,10 @@ class InputProducer(Protocol):
         """Like ``kernels.worker_compress(input, y_prev, prev_send, y_out, send, layout,
         backend)``; returns False if the input held a non-finite value."""
 
-    def materialize(self) -> torch.Tensor:
-        """The input as float32 [numel]."""
+    def materialize(self, out: Optional[torch.Tensor] = None,
+                    backend: str = "torch") -> torch.Tensor:
+        """The input as float32 [numel], or written into ``out`` and returned as ``out``;
+        ``backend`` as for the kernels (every backend gives the same bits)."""
 
 
 @runtime_checkable

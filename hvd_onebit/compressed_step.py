@@ -29,6 +29,7 @@ from horovod.torch.mpi_ops import Average, Sum
 from .collective import (NonFiniteInputError, OneBitAllreduce, StaleInputError,
                          synchronize_all)
 from .hierarchical import HierarchicalOneBitAllreduce, Topology
+from .shared_memory import SharedMemoryError
 from .config import OneBitConfig, group_masks
 from .fusion import Bucket, fuse, param_offsets
 from .fused_adam import AdamUpdate, MomentumInput
@@ -148,7 +149,23 @@ class CompressedStep:
         topology = self.topology()
         if topology is not None:
             transport = resolve_transport(self.transport, self.process_set, b.momentum.device)
-            return HierarchicalOneBitAllreduce(b.numel, topology, name=f"hvd_onebit.hier{b.index}",
+            name = f"hvd_onebit.hier{b.index}"
+            if self.config.shared_memory_inside_nodes(transport, b.momentum.device):
+                comm, failure = None, ""
+                try:
+                    comm = HierarchicalOneBitAllreduce(b.numel, topology, name=name,
+                                                       transport=transport, **common,
+                                                       intra="shared_memory")
+                except SharedMemoryError as exc:  # the same on every rank of this node
+                    failure = str(exc)
+                if self.config.intra_node == "shared_memory":
+                    # asked for: every rank raises if any node failed (none waits for it)
+                    _raise_if_any_failed(failure)
+                if comm is not None:
+                    return comm
+                # each node chooses for itself: the stages between nodes are the same either way
+                warnings.warn(f"hvd_onebit: this node's stages use the network: {failure}")
+            return HierarchicalOneBitAllreduce(b.numel, topology, name=name,
                                                transport=transport, **common)
         return OneBitAllreduce(b.numel, self.process_set, transport=self.transport,
                                name=f"hvd_onebit.bucket{b.index}", **common)
@@ -422,7 +439,8 @@ class CompressedStep:
         # param groups with different beta1 share the bucket: one member at a time
         for i, seg in enumerate(b.segments):
             MomentumInput(b.momentum_view(i), [pieces[i]], [sizes[i]],
-                          beta1s[seg.param]).materialize(out=b.work_view(i))
+                          beta1s[seg.param]).materialize(out=b.work_view(i),
+                                                         backend=self.config.kernel_backend)
         return b.work
 
     @property
@@ -521,7 +539,7 @@ class CompressedStep:
         updates, masked = self._plan_updates(param_groups, owner)
         for b, x in zip(self.buckets, inputs):
             if isinstance(x, MomentumInput):
-                x.materialize(out=b.work)
+                x.materialize(out=b.work, backend=self.config.kernel_backend)
         handles = [hvd.allreduce_async_(b.work, op=Average, name=f"hvd_onebit.exact{b.index}",
                                         process_set=self.process_set) for b in self.buckets]
         for h in handles:
@@ -585,3 +603,16 @@ class CompressedStep:
                 decays=[x[3] if x else 1.0 for x in t], sqrt_bc2s=[x[4] if x else 1.0 for x in t],
                 eps=[x[5] if x else 0.0 for x in t]))
         return updates, masked
+
+
+def _raise_if_any_failed(failure: str) -> None:
+    """Raise SharedMemoryError on every rank if any rank's ``failure`` is not empty (one
+    allgather on torch.distributed's default group)."""
+    import torch.distributed as dist
+
+    failures: list = [None] * dist.get_world_size()
+    dist.all_gather_object(failures, failure)
+    failed = {rank: f for rank, f in enumerate(failures) if f}
+    if failed:
+        raise SharedMemoryError(f"intra_node='shared_memory' failed on rank(s) {sorted(failed)}: "
+                                f"{next(iter(failed.values()))}")

@@ -16,6 +16,7 @@ from .transports import TRANSPORTS, check_transport
 
 COMPRESSORS = ("onebit", "none")
 MEMORY_MODES = ("auto", "lean", "fast")
+INTRA_NODE_MODES = ("auto", "shared_memory", "network")
 AUTO = "auto"  # freeze_step="auto": freeze once the variance has settled (hvd_onebit.auto_freeze)
 DEFAULT_BUCKET_MB = 64.0
 # Parameter dtypes the optimizer trains. float16 and bfloat16 parameters keep float32 optimizer
@@ -100,6 +101,8 @@ class OneBitConfig:
         memory: "lean", "fast" or "auto": one error buffer per collective and its passes
             repeated at the commit, or a spare one of each and no pass repeated; "auto" is lean
             on CUDA and fast elsewhere (see :meth:`spare_errors`).
+        intra_node: "auto", "shared_memory" or "network": how the hierarchical stages inside a
+            node travel (see :meth:`shared_memory_inside_nodes`).
     """
 
     freeze_step: Union[int, str]
@@ -114,6 +117,7 @@ class OneBitConfig:
     hierarchical: Union[bool, str] = False
     overlap: bool = True
     memory: str = "auto"
+    intra_node: str = "auto"
 
     def __post_init__(self) -> None:
         if self.freeze_step == AUTO:
@@ -136,6 +140,12 @@ class OneBitConfig:
         if self.hierarchical is not False and self.transport not in ("horovod", "torch", "auto"):
             raise ValueError("hierarchical 1-bit runs on transport='horovod' or 'torch', got "
                              f"transport={self.transport!r}")
+        if self.intra_node not in INTRA_NODE_MODES:
+            raise ValueError(f"intra_node must be one of {INTRA_NODE_MODES}, got "
+                             f"{self.intra_node!r}")
+        if self.intra_node == "shared_memory" and self.transport not in ("torch", "auto"):
+            raise ValueError("intra_node='shared_memory' runs beside transport='torch' (or "
+                             f"'auto'), got transport={self.transport!r}")
         if self.compressor not in COMPRESSORS:
             raise ValueError(f"compressor must be one of {COMPRESSORS}, got {self.compressor!r}")
         if self.block_size is not None and (not _is_int(self.block_size) or self.block_size <= 0
@@ -167,6 +177,17 @@ class OneBitConfig:
         if self.memory == "auto":
             return torch.device(device).type != "cuda"
         return self.memory == "fast"
+
+    def shared_memory_inside_nodes(self, transport: str, device: torch.device) -> bool:
+        """Whether the hierarchical stages inside a node go through shared memory: CPU buffers
+        on the torch transport ("auto" and "shared_memory"); "network" never. Raises if
+        "shared_memory" was asked for where it cannot serve (the transport resolved to another
+        one, or the parameters are not on the CPU)."""
+        possible = transport == "torch" and torch.device(device).type == "cpu"
+        if self.intra_node == "shared_memory" and not possible:
+            raise ValueError("intra_node='shared_memory' needs CPU parameters on transport "
+                             f"'torch', this job has {torch.device(device)} on {transport!r}")
+        return possible and self.intra_node != "network"
 
     @property
     def bucket_numel(self) -> int:

@@ -72,11 +72,21 @@ class MomentumInput:
         """Whether the native kernel can read every tensor in place (fp32, contiguous, CPU)."""
         return _native_ready([self.momentum, *self.grads])
 
-    def materialize(self, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def materialize(self, out: Optional[torch.Tensor] = None,
+                    backend: str = "torch") -> torch.Tensor:
         """x as float32 [numel], or written into ``out`` (any float dtype, must not alias the
-        momentum) and returned as ``out``. The torch reference of the fused prologue."""
+        momentum) and returned as ``out``. With ``backend="torch"`` (default) the torch
+        reference of the fused prologue; "native" or "auto" computes it in one native pass where
+        every tensor can be read in place (the same bits)."""
         if out is not None and out.dtype != torch.float32:
             return out.copy_(self.materialize())
+        if (kernels.resolve_backend(backend, self.momentum.device) == "native"
+                and self.native_ready() and (out is None or _native_ready([out]))):
+            if out is None:
+                out = torch.empty_like(self.momentum)
+            kernels.native_module().momentum_update(self.momentum, self.grads, self.sizes,
+                                                    float(self.beta1), out.view(-1), True)
+            return out
         out = torch.mul(self.momentum.reshape(-1).float(), self.beta1, out=out)
         start = 0
         for g, size in zip(self.grads, self.sizes):

@@ -16,7 +16,9 @@ Each stage runs on a transport among the group's members: torch.distributed subg
 node, one per local rank; ``transport="torch"``), or, with ``transport="horovod"``, Horovod's
 global alltoall with splits, every rank sending only to the members of its own group
 (:class:`SubsetTransport`; Horovod registers process sets only at ``hvd.init`` or with dynamic
-process sets, which a user's script does not ask for).
+process sets, which a user's script does not ask for). With CPU buffers and torch's transport, the
+two stages inside a node can instead go through memory the node's ranks share
+(``intra="shared_memory"``, :mod:`hvd_onebit.shared_memory`), as MPI does between ranks of a host.
 
 All or nothing, on every rank, with no extra collective: a non-finite value anywhere in a node
 makes that shard's node mean non-finite, so the 1-bit stage of that shard's group sees it in its
@@ -40,6 +42,7 @@ import torch
 
 from .collective import (AllreduceHandle, Epilogue, InputProducer, OneBitAllreduce, Status,
                          TransactionalCollective)
+from .shared_memory import SharedMemoryTransport
 from .transports import TorchTransport, sleep_until_done, torch_subgroups
 
 
@@ -165,6 +168,11 @@ class HierarchicalOneBitAllreduce(TransactionalCollective):
             subgroups, made here on first use: every rank must build its collectives at the
             same point, as the optimizer does).
         spare_errors: as for :class:`~hvd_onebit.OneBitAllreduce` (its 1-bit stage).
+        intra: how the stages inside a node travel: "network" (the transport's) or
+            "shared_memory" (CPU buffers with ``transport="torch"``: through a segment the node's
+            ranks share, :mod:`hvd_onebit.shared_memory`; same bits, no copies through the
+            kernel). Raises :class:`~hvd_onebit.shared_memory.SharedMemoryError` on every rank
+            of a node that cannot share memory.
 
     Same calling convention as the flat collective (``allreduce``, ``allreduce_async`` and
     ``synchronize``, or :func:`~hvd_onebit.collective.synchronize_all`); the epilogue is applied
@@ -174,7 +182,8 @@ class HierarchicalOneBitAllreduce(TransactionalCollective):
     def __init__(self, numel: int, topology: Topology, *, block_size: Optional[int] = None,
                  backend: str = "auto", device: torch.device | str = "cpu",
                  name: str = "hvd_onebit.hier", defer_check: bool = False,
-                 transport: str = "horovod", spare_errors: bool = False):
+                 transport: str = "horovod", spare_errors: bool = False,
+                 intra: str = "network"):
         if not isinstance(numel, int) or isinstance(numel, bool) or numel < 0:
             raise ValueError(f"numel must be a non-negative int, got {numel!r}")
         self.topology = topology
@@ -198,15 +207,29 @@ class HierarchicalOneBitAllreduce(TransactionalCollective):
         else:
             raise ValueError(f"the hierarchical collective runs on transport 'horovod' or "
                              f"'torch', got {transport!r}")
+        if intra not in ("network", "shared_memory"):
+            raise ValueError(f"intra must be 'network' or 'shared_memory', got {intra!r}")
+        if intra == "shared_memory" and (transport != "torch" or self.device.type != "cpu"):
+            raise ValueError("intra='shared_memory' moves CPU buffers beside transport='torch', "
+                             f"got transport={transport!r} on {self.device}")
         L = topology.per_node
         self.shard = max(1, math.ceil(numel / L))
+        if intra == "shared_memory":
+            self.local = SharedMemoryTransport(topology.local_members, self.shard,
+                                               name=f"{name}.node")
+        self.intra = intra
         self.inner = OneBitAllreduce(self.shard, block_size=block_size, transport=self.cross,
                                      backend=backend, device=self.device, name=f"{name}.cross",
                                      defer_check=defer_check, spare_errors=spare_errors)
         f32 = dict(dtype=torch.float32, device=self.device)
-        self._full = torch.zeros(L * self.shard, **f32)  # this rank's input, padded: L shards
+        shared = intra == "shared_memory"
+        # this rank's input, padded: L shards (the padding stays zero)
+        self._full = self.local.input_row() if shared else torch.zeros(L * self.shard, **f32)
         self._shard_in = torch.zeros(self.shard, **f32)  # the node's mean of this rank's shard
-        self._shard_out = torch.zeros(self.shard, **f32)  # its average over nodes
+        # its average over nodes, decoded straight into the node's segment where there is one
+        # (with one node the 1-bit stage's commit writes it again: a private buffer then)
+        self._shard_out = (self.local.output_row() if shared and topology.nodes > 1
+                           else torch.zeros(self.shard, **f32))
         self._in_flight = False
         self.wire_bytes = 0  # bytes this rank sent between nodes in the last call
         self.intra_bytes = 0  # bytes this rank sent inside its node in the last call
@@ -238,7 +261,7 @@ class HierarchicalOneBitAllreduce(TransactionalCollective):
             out = torch.empty_like(like, memory_format=torch.contiguous_format)
         x32 = self._full[:self.numel]  # the padding past numel stays zero
         if producer:
-            tensor.materialize(out=x32)
+            tensor.materialize(out=x32, backend=self.inner.backend)
         else:
             x32.copy_(tensor.reshape(-1))
         out32 = (out.view(-1) if out.dtype == torch.float32

@@ -127,6 +127,8 @@ class _OneBitMixin:
                 warnings.warn(f"hvd_onebit: transport='auto' uses Horovod: {exc}")
                 self.transport = "horovod"
                 self._engine.transport = "horovod"
+        if config.hierarchical is not False and config.intra_node == "shared_memory":
+            config.shared_memory_inside_nodes(self.transport, device)  # raises where it cannot
 
     # ---- state ------------------------------------------------------------------------------------
 
@@ -776,7 +778,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                          flush_on_commit: bool = False,
                          hierarchical: bool | str = False,
                          overlap: bool = True,
-                         memory: str = "auto"):
+                         memory: str = "auto",
+                         intra_node: str = "auto"):
     """Wrap a ``torch.optim.Adam`` or ``AdamW`` for 1-bit Adam over Horovod.
 
     The arguments up to ``process_set`` mean what they mean for ``hvd.DistributedOptimizer`` and
@@ -847,6 +850,12 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
             Adam's own. "fast": a spare of each, written by the passes and adopted at the
             commit: one pass less per step, 1x the parameters more. "auto": lean on CUDA (GPU
             memory is short, its passes run at memory speed), fast elsewhere.
+        intra_node: how the hierarchical collective's full-precision stages travel inside a
+            node: "shared_memory" (a segment in ``/dev/shm`` the node's ranks map: no copies
+            through the kernel; CPU parameters with transport "torch"), "network" (the
+            transport's own links, e.g. NCCL's NVLink on GPUs, or emulated links between ranks)
+            or "auto" (default): shared memory where it can serve, else the network; a node
+            whose ranks cannot share memory uses the network, with a warning.
 
     A param group may carry ``exp_avg_mask``: a tensor broadcastable to each of its parameters, or
     a list with one tensor (or None) per parameter. In the compression phase the averaged
@@ -869,7 +878,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                           transport=transport, kernel_backend=kernel_backend,
                           bucket_size_mb=bucket_size_mb, check_every=check_every,
                           auto_freeze=auto_freeze, flush_on_commit=flush_on_commit,
-                          hierarchical=hierarchical, overlap=overlap, memory=memory)
+                          hierarchical=hierarchical, overlap=overlap, memory=memory,
+                          intra_node=intra_node)
     if op == Adasum or op not in (Average, Sum):
         raise ValueError("hvd_onebit.DistributedOptimizer supports op=hvd.Average or hvd.Sum")
     if isinstance(backward_passes_per_step, bool) or not isinstance(backward_passes_per_step, int) \

@@ -51,6 +51,29 @@ def test_momentum_input_compressed_in_one_pass_equals_materialised(sizes, n):
     assert runs[0][0] is True
 
 
+@pytest.mark.parametrize("sizes", [[5, 0, 13, 1000, 7], [1], [300_001, 3, 1_100_000]])
+def test_momentum_input_written_out_natively_equals_torch(sizes):
+    """``materialize(backend="native")`` (one native pass, AVX2 and scalar; streaming stores
+    past 2**20 elements) writes the bits of the torch reference, across gradient boundaries
+    inside 8-element groups and with missing gradients."""
+    numel = sum(sizes)
+    g = torch.Generator().manual_seed(numel)
+    m = torch.randn(numel, generator=g)
+    m[:1] = -0.0
+    grads = [None if i % 3 == 1 else torch.randn(s, generator=g) for i, s in enumerate(sizes)]
+    src = MomentumInput(m, grads, sizes, 0.9)
+    expect = src.materialize().numpy().tobytes()
+    for simd in (True, False):
+        out = torch.full((numel,), float("nan"))
+        _C.momentum_update(m, grads, sizes, 0.9, out, simd)
+        assert out.numpy().tobytes() == expect, f"avx2={simd}: bits differ from torch's"
+    out = torch.full((numel,), float("nan"))
+    assert src.materialize(out=out, backend="native") is out
+    assert out.numpy().tobytes() == expect, "materialize(backend='native') differs from torch's"
+    with pytest.raises(RuntimeError, match="must not be the momentum"):
+        _C.momentum_update(m, grads, sizes, 0.9, m, True)
+
+
 def test_momentum_input_rejects_mismatched_gradients():
     L = Layout.build(10, 2, None)
     args = (torch.zeros(L.padded), torch.zeros(L.n * L.row_bytes, dtype=torch.uint8),

@@ -26,7 +26,8 @@ def reference(numel, calls, block_size=None, skip=()):
 SIZES = [1, 7, 1001, 1 << 16]
 
 
-TRANSPORTS = ["horovod", "torch"]
+# torch-shm: torch.distributed between nodes, the node's shared memory inside them
+TRANSPORTS = ["horovod", "torch", "torch-shm"]
 
 
 @pytest.fixture(scope="module")
@@ -42,6 +43,7 @@ def test_matches_the_reference_and_is_identical_on_every_rank(sizes, numel, tran
     for rank, r in enumerate(results):
         assert r["topology"] == [2, 2, rank // 2, rank % 2], r["topology"]
         assert r["errors"] == [None] * 3, r["errors"]
+        assert r["intra"] == ("shared_memory" if transport == "torch-shm" else "network")
         for call, (got, want) in enumerate(zip(r["outputs"], expected)):
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6,
                                        err_msg=f"numel={numel} rank {rank} call {call}")
@@ -112,9 +114,14 @@ def test_optimizer_trains_like_the_flat_path_with_identical_ranks(paths):
         assert hier["topology"] == [2, 2, rank // 2, rank % 2] and flat["topology"] is None
         assert auto["topology"] == hier["topology"], "auto: 2 nodes x 2 ranks is hierarchical"
         assert auto["hashes"] == hier["hashes"]
-        # transport="auto" is torch.distributed's subgroups; Horovod's gives the same bits
+        # transport="auto" is torch.distributed's subgroups, with the node's shared memory
+        # inside a node; Horovod's transport and the network inside nodes give the same bits
         assert hier["transport"] == "torch" and r["horovod"]["transport"] == "horovod"
+        assert hier["intra"] == ["shared_memory"], hier["intra"]
+        assert r["network"]["intra"] == ["network"] and r["horovod"]["intra"] == ["network"]
         assert r["horovod"]["hashes"] == hier["hashes"], f"rank {rank}: the transports differ"
+        assert r["network"]["hashes"] == hier["hashes"], \
+            f"rank {rank}: shared memory and the network inside nodes differ"
         assert hier["phase"] == "compression"
         assert hier["hashes"] == paths[0][True]["hashes"], f"rank {rank} differs from rank 0"
         # the same data and warmup: the loss follows the flat path's within tolerance
@@ -131,3 +138,17 @@ def test_error_feedback_belongs_to_the_rank_s_role(paths):
         assert any("does not fit" in w and "reset to zero" in w
                    for w in hier["other_role_warnings"]), hier["other_role_warnings"]
         assert hier["norm_after_other_role"] == 0.0
+
+
+def test_nodes_that_cannot_share_memory_use_the_network_or_raise_as_asked():
+    env = {"HOROVOD_FUSION_THRESHOLD": "0", "HVD_ONEBIT_SHM_DIR": "/nonexistent/hvd_onebit"}
+    auto = run("without_shared_memory", env=env, intra_node="auto")
+    for rank, r in enumerate(auto):
+        assert r.get("error") is None and r["intra"] == ["network"], f"rank {rank}: {r}"
+        assert any("use the network" in w and "/nonexistent/hvd_onebit" in w
+                   for w in r["warnings"]), f"rank {rank}: {r['warnings']}"
+        assert r["hashes"][-1] == auto[0]["hashes"][-1], f"rank {rank} differs from rank 0"
+    asked = run("without_shared_memory", env=env, intra_node="shared_memory")
+    for rank, r in enumerate(asked):
+        assert r["error"].startswith("SharedMemoryError") and "rank(s) [0, 1, 2, 3]" in \
+            r["error"], f"rank {rank}: {r['error']}"

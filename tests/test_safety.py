@@ -105,6 +105,9 @@ def test_sparse_embedding_with_sparse_as_dense_trains_like_a_dense_one(results):
     ("complex", "float32, float16 and bfloat16 parameters; got torch.complex64"),
     ("mpi_transport_under_gloo", "transport='mpi' needs the job launched with MPI"),
     ("check_every", "check_every must be a non-negative int, got -1"),
+    ("intra_node", "intra_node must be one of ('auto', 'shared_memory', 'network'), got 'nvlink'"),
+    ("intra_node_horovod", "intra_node='shared_memory' runs beside transport='torch' (or 'auto'), "
+                           "got transport='horovod'"),
     ("passes", "backward_passes_per_step must be a positive int, got 0"),
 ])
 def test_bad_options_fail_at_construction_on_every_rank(results, case, expected):

@@ -21,11 +21,13 @@ def outputs(numel: int, calls: int = 3, block_size=None, bad_call: int = -1,
             bad_rank: int = -1, transport: str = "horovod") -> dict:
     """``calls`` allreduces of tests.workers_collective.rank_input; ``bad_rank`` puts an inf into
     its input at ``bad_call``. Per call: the output (or the error) and the error feedback."""
+    transport, intra = _transport_and_intra(transport)
     _ready(transport)
     topo = Topology.from_horovod()
     comm = HierarchicalOneBitAllreduce(numel, topo, block_size=block_size,
-                                       name=f"t.hier.{numel}", transport=transport)
-    out = {"topology": topo.signature(), "outputs": [], "errors": [], "worker_error": []}
+                                       name=f"t.hier.{numel}", transport=transport, intra=intra)
+    out = {"topology": topo.signature(), "outputs": [], "errors": [], "worker_error": [],
+           "intra": comm.intra}
     for call in range(calls):
         x = torch.from_numpy(rank_input(call, hvd.rank(), numel))
         if call == bad_call and hvd.rank() == bad_rank:
@@ -40,6 +42,11 @@ def outputs(numel: int, calls: int = 3, block_size=None, bad_call: int = -1,
     out["wire_bytes"], out["intra_bytes"] = comm.wire_bytes, comm.intra_bytes
     out["flat_wire_bytes_between_nodes"] = _flat_wire_bytes(numel)
     return out
+
+
+def _transport_and_intra(name: str) -> tuple[str, str]:
+    """"torch-shm": torch's transport between nodes, shared memory inside them."""
+    return ("torch", "shared_memory") if name == "torch-shm" else (name, "network")
 
 
 def _flat_wire_bytes(numel: int) -> int:
@@ -61,10 +68,11 @@ def group_all_or_nothing(numel: int = 1000, transport: str = "horovod") -> dict:
     counts the host reads of tensor values while the transaction finishes (one expected)."""
     from tests.sync_counter import HostReads
 
+    transport, intra = _transport_and_intra(transport)
     _ready(transport)
     topo = Topology.from_horovod()
-    comms = [HierarchicalOneBitAllreduce(numel, topo, name=f"t.group{i}", transport=transport)
-             for i in range(2)]
+    comms = [HierarchicalOneBitAllreduce(numel, topo, name=f"t.group{i}", transport=transport,
+                                         intra=intra) for i in range(2)]
     outs = [torch.zeros(numel) for _ in comms]
     record = []
     for call in range(3):
@@ -89,7 +97,7 @@ def group_all_or_nothing(numel: int = 1000, transport: str = "horovod") -> dict:
 
 
 def optimizer_run(hierarchical, steps: int = 16, freeze_step: int = 4,
-                  transport: str = "auto") -> dict:
+                  transport: str = "auto", intra_node: str = "auto") -> dict:
     """The test model trained with hvd_onebit; per step the parameters' hash and the loss."""
     import warnings
 
@@ -102,16 +110,19 @@ def optimizer_run(hierarchical, steps: int = 16, freeze_step: int = 4,
     opt = hvd_onebit.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2),
                                           named_parameters=model.named_parameters(),
                                           freeze_step=freeze_step, hierarchical=hierarchical,
-                                          transport=transport)
+                                          transport=transport, intra_node=intra_node)
     hashes, losses = [], []
-    for step in range(steps):
-        opt.zero_grad()
-        x, y = batch(step, hvd.rank())
-        loss = nn.functional.mse_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        hashes.append(params_hash(model))
-        losses.append(float(loss))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(steps):
+            opt.zero_grad()
+            x, y = batch(step, hvd.rank())
+            loss = nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            hashes.append(params_hash(model))
+            losses.append(float(loss))
+    intra = [getattr(c, "intra", None) for c in opt.compressed_step.comms.values()]
     topology = opt.compressed_step.topology()
     saved = opt.error_feedback_state_dict()
     with warnings.catch_warnings(record=True) as same_role:
@@ -126,6 +137,7 @@ def optimizer_run(hierarchical, steps: int = 16, freeze_step: int = 4,
     return {"hashes": hashes, "losses": losses, "val_loss": val_loss(model),
             "topology": None if topology is None else topology.signature(),
             "bytes": opt.last_step_bytes, "phase": opt.phase, "transport": opt.transport,
+            "intra": intra, "warnings": [str(w.message) for w in caught],
             "same_role_warnings": [str(w.message) for w in same_role],
             "norm_after_same_role": norm_after_same,
             "other_role_warnings": [str(w.message) for w in other_role],
@@ -136,4 +148,14 @@ def optimizer_run(hierarchical, steps: int = 16, freeze_step: int = 4,
 def optimizer_paths() -> dict:
     out = {mode: optimizer_run(mode) for mode in (True, False, "auto")}
     out["horovod"] = optimizer_run(True, transport="horovod")
+    out["network"] = optimizer_run(True, intra_node="network")
     return out
+
+
+def without_shared_memory(intra_node: str) -> dict:
+    """A hierarchical run where the nodes cannot share memory (HVD_ONEBIT_SHM_DIR set to a
+    missing folder by the test): what happened, or the error."""
+    try:
+        return optimizer_run(True, steps=6, intra_node=intra_node)
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        return {"error": f"{type(exc).__name__}: {exc}"}

@@ -181,6 +181,9 @@ def construction_errors() -> dict:
         "complex": lambda: make(params=[nn.Parameter(torch.zeros(4, dtype=torch.complex64))]),
         "mpi_transport_under_gloo": lambda: make(transport="mpi"),
         "check_every": lambda: make(check_every=-1),
+        "intra_node": lambda: make(intra_node="nvlink"),
+        "intra_node_horovod": lambda: make(hierarchical=True, transport="horovod",
+                                           intra_node="shared_memory"),
         "passes": lambda: make(backward_passes_per_step=0),
     }
     errors = {}

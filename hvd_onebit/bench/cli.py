@@ -255,6 +255,10 @@ def bench_allreduce(nps, sizes, bandwidths, methods, repeats, controller, hosts,
               help="1-bit Adam's transport for the compression phase.")
 @click.option("--bucket-size-mb", default=None, type=float,
               help="1-bit Adam's bucket_size_mb [default: the optimizer's].")
+@click.option("--intra-node", default="auto", show_default=True,
+              type=click.Choice(["auto", "shared_memory", "network"]),
+              help="1-bit Adam's intra_node (onebit_hier's stages inside a node); auto is "
+                   "network when --intra-bandwidth is set, so the emulated links carry them.")
 @_real_cluster_options
 @_queue_option
 @_nodes_options
@@ -263,9 +267,9 @@ def bench_allreduce(nps, sizes, bandwidths, methods, repeats, controller, hosts,
               help="Write a PNG bar chart of samples/s per method and phase.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 def bench_train(np_, bandwidth, steps, warmup_frac, model, width, depth, vocab, embed_dim, tokens,
-                batch, malloc_mode, wait, powersgd_start, methods, transport, bucket_size_mb, hosts,
-                shared_dir, queue_ms, ranks_per_node, intra_bandwidth, timeout, plot,
-                as_json) -> None:
+                batch, malloc_mode, wait, powersgd_start, methods, transport, bucket_size_mb,
+                intra_node, hosts, shared_dir, queue_ms, ranks_per_node, intra_bandwidth, timeout,
+                plot, as_json) -> None:
     """End-to-end samples/s and bytes per step: Horovod Adam (fp32, fp16), DDP + PowerSGD and
     1-bit Adam, per phase and over a whole run. Also reports what share of the Horovod fp32
     step is communication (the 'local' method runs the same step without any)."""
@@ -279,7 +283,9 @@ def bench_train(np_, bandwidth, steps, warmup_frac, model, width, depth, vocab, 
               "model": model, "width": width, "depth": depth, "vocab": vocab,
               "embed_dim": embed_dim, "tokens": tokens, "batch": batch, "wait": wait,
               "powersgd_start": powersgd_start, "transport": transport,
-              "bucket_size_mb": bucket_size_mb}
+              "bucket_size_mb": bucket_size_mb,
+              "intra_node": ("network" if intra_node == "auto" and intra_bandwidth != "unlimited"
+                             else intra_node)}
     click.echo(f"training {len(methods)} methods x {steps} steps on {np_} ranks "
                f"({'real hosts' if hosts else bandwidth})...", err=True)
     with _cluster_for(np_, None if hosts else bandwidth, queue_ms, ranks_per_node,

@@ -166,13 +166,13 @@ def train_worker(methods=METHODS, steps: int = 40, warmup_frac: float = 0.15,
                  model: str = "embedding", width: int = 2048, depth: int = 3, batch: int = 4,
                  vocab: int = 32768, embed_dim: int = 256, tokens: int = 2048,
                  lr: float = 1e-4, powersgd_start: int = 10, wait: str = "sleep",
-                 transport: str = "auto", bucket_size_mb: Optional[float] = None
-                 ) -> list[dict]:
+                 transport: str = "auto", bucket_size_mb: Optional[float] = None,
+                 intra_node: str = "auto") -> list[dict]:
     """Runs in every rank (after hvd.init()). Returns one row per method (rank 0's view).
 
     ``model="mlp"`` uses width/depth; ``model="embedding"`` uses vocab/embed_dim, ``tokens``
-    token ids per sample, and ``width`` for its head. ``transport`` and ``bucket_size_mb`` are
-    1-bit Adam's options (None: its default bucket size).
+    token ids per sample, and ``width`` for its head. ``transport``, ``bucket_size_mb`` and
+    ``intra_node`` are 1-bit Adam's options (None: its default bucket size).
     """
     import horovod.torch as hvd
     import torch
@@ -188,7 +188,7 @@ def train_worker(methods=METHODS, steps: int = 40, warmup_frac: float = 0.15,
         net = (build_mlp(width, depth) if model == "mlp"
                else build_embedding_model(vocab, embed_dim, width))
         params = sum(p.numel() for p in net.parameters())
-        options = {"transport": transport}
+        options = {"transport": transport, "intra_node": intra_node}
         if bucket_size_mb is not None:
             options["bucket_size_mb"] = bucket_size_mb
         step, opt, phase = _make_step(method, net, steps, warmup_frac, powersgd_start, lr, options)

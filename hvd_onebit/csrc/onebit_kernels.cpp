@@ -592,14 +592,11 @@ bool worker_compress(const torch::Tensor& x, const torch::Tensor& y_prev,
                              block, row_bytes, allow_simd);
 }
 
-bool worker_compress_momentum(const torch::Tensor& m, const std::vector<c10::optional<torch::Tensor>>& grads,
-                              const std::vector<int64_t>& sizes, double beta1,
-                              const torch::Tensor& y_prev, const torch::Tensor& prev_send,
-                              const c10::optional<torch::Tensor>& y_out, torch::Tensor send,
-                              int64_t n, int64_t chunk,
-                              int64_t block, int64_t row_bytes, bool allow_simd) {
+// The gradient segments of a momentum update (checked against m's size); never empty.
+std::vector<GradSegment> grad_segments(const torch::Tensor& m,
+                                       const std::vector<c10::optional<torch::Tensor>>& grads,
+                                       const std::vector<int64_t>& sizes) {
   check_cpu(m, torch::kFloat32, "momentum", 0);
-  TORCH_CHECK(m.numel() <= n * chunk, "momentum has more elements than the layout holds");
   TORCH_CHECK(grads.size() == sizes.size(), "one size per gradient");
   std::vector<GradSegment> segs;
   int64_t start = 0;
@@ -616,12 +613,59 @@ bool worker_compress_momentum(const torch::Tensor& m, const std::vector<c10::opt
   }
   TORCH_CHECK(start == m.numel(), "gradients hold ", start, " elements, momentum ", m.numel());
   if (segs.empty()) segs.push_back(GradSegment{nullptr, 0, 0});
-  // Both coefficients rounded to fp32 from double, as torch rounds a Python scalar.
-  MomentumX x{m.numel() ? m.data_ptr<float>() : nullptr,
-              SegmentCursor<GradSegment>{segs.data(), static_cast<int64_t>(segs.size())},
-              static_cast<float>(beta1), static_cast<float>(1.0 - beta1)};
-  return run_worker_compress(x, m.numel(), y_prev, prev_send, y_out, send, n, chunk, block,
-                             row_bytes, allow_simd);
+  return segs;
+}
+
+// Both coefficients rounded to fp32 from double, as torch rounds a Python scalar.
+MomentumX momentum_source(const torch::Tensor& m, const std::vector<GradSegment>& segs,
+                          double beta1) {
+  return MomentumX{m.numel() ? m.data_ptr<float>() : nullptr,
+                   SegmentCursor<GradSegment>{segs.data(), static_cast<int64_t>(segs.size())},
+                   static_cast<float>(beta1), static_cast<float>(1.0 - beta1)};
+}
+
+bool worker_compress_momentum(const torch::Tensor& m, const std::vector<c10::optional<torch::Tensor>>& grads,
+                              const std::vector<int64_t>& sizes, double beta1,
+                              const torch::Tensor& y_prev, const torch::Tensor& prev_send,
+                              const c10::optional<torch::Tensor>& y_out, torch::Tensor send,
+                              int64_t n, int64_t chunk,
+                              int64_t block, int64_t row_bytes, bool allow_simd) {
+  TORCH_CHECK(m.numel() <= n * chunk, "momentum has more elements than the layout holds");
+  const std::vector<GradSegment> segs = grad_segments(m, grads, sizes);
+  return run_worker_compress(momentum_source(m, segs, beta1), m.numel(), y_prev, prev_send,
+                             y_out, send, n, chunk, block, row_bytes, allow_simd);
+}
+
+#if defined(HVD_ONEBIT_X86)
+// Whole groups of 8 from the start; returns where the scalar tail begins. (A function of its
+// own: __m256 values may only cross calls between AVX2-targeted functions.)
+__attribute__((target("avx2,fma"))) int64_t momentum_update_avx2(MomentumX x, int64_t numel,
+                                                                   float* o) {
+  const bool stream = numel >= kStreamMinFloats;
+  int64_t p = 0;
+  for (; p + 8 <= numel; p += 8) store8(o + p, x.load8(p), stream);
+  if (stream) _mm_sfence();
+  return p;
+}
+#endif
+
+// out = beta1 * m + (1 - beta1) * g: the worker compression's momentum source written out, for a
+// collective that sends the momentum in full precision first (the hierarchical one's node stage).
+void momentum_update(const torch::Tensor& m, const std::vector<c10::optional<torch::Tensor>>& grads,
+                     const std::vector<int64_t>& sizes, double beta1, torch::Tensor out,
+                     bool allow_simd) {
+  const std::vector<GradSegment> segs = grad_segments(m, grads, sizes);
+  check_cpu(out, torch::kFloat32, "out", m.numel());
+  TORCH_CHECK(out.data_ptr() != m.data_ptr() || m.numel() == 0, "out must not be the momentum");
+  MomentumX x = momentum_source(m, segs, beta1);
+  const int64_t numel = m.numel();
+  float* o = numel ? out.data_ptr<float>() : nullptr;
+  pybind11::gil_scoped_release no_gil;
+  int64_t p = 0;
+#if defined(HVD_ONEBIT_X86)
+  if (allow_simd && cpu_has_avx2()) p = momentum_update_avx2(x, numel, o);
+#endif
+  for (; p < numel; ++p) o[p] = x.at(p);
 }
 
 template <class XSource>
@@ -806,6 +850,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("worker_compress_momentum", &worker_compress_momentum,
         "worker_compress of x = beta1 * m + (1 - beta1) * g, computed in the same pass; g is the "
         "list of gradient tensors (None = zeros) of the given sizes, end to end.");
+  m.def("momentum_update", &momentum_update,
+        "out = beta1 * m + (1 - beta1) * g, g the gradients (None = zeros) of the given sizes, "
+        "end to end: worker_compress_momentum's input, written out.");
   m.def("server_compress", &server_compress,
         "e = z_prev - s_prev*sign_prev; z = mean of the n received rows + e into z_out (None: "
         "not stored; may be z_prev); "
