@@ -33,12 +33,6 @@ from .layout import Layout
 APPLY_SLICE = 1 << 20
 
 
-def _native_ready(tensors) -> bool:
-    """Whether the native kernels can read every given tensor in place (fp32, contiguous, CPU)."""
-    return all(t is None or (t.dtype == torch.float32 and t.is_contiguous() and t.device.type == "cpu")
-               for t in tensors)
-
-
 # ---- prologue: the momentum update, computed inside the worker compression ----------------------------
 
 @dataclass
@@ -70,7 +64,7 @@ class MomentumInput:
 
     def native_ready(self) -> bool:
         """Whether the native kernel can read every tensor in place (fp32, contiguous, CPU)."""
-        return _native_ready([self.momentum, *self.grads])
+        return kernels.native_ready([self.momentum, *self.grads])
 
     def materialize(self, out: Optional[torch.Tensor] = None,
                     backend: str = "torch") -> torch.Tensor:
@@ -81,7 +75,7 @@ class MomentumInput:
         if out is not None and out.dtype != torch.float32:
             return out.copy_(self.materialize())
         if (kernels.resolve_backend(backend, self.momentum.device) == "native"
-                and self.native_ready() and (out is None or _native_ready([out]))):
+                and self.native_ready() and (out is None or kernels.native_ready([out]))):
             if out is None:
                 out = torch.empty_like(self.momentum)
             kernels.native_module().momentum_update(self.momentum, self.grads, self.sizes,
@@ -168,7 +162,7 @@ class AdamUpdate:
 
     def native_ready(self) -> bool:
         """Whether the native kernel can update every tensor in place (fp32, contiguous, CPU)."""
-        return _native_ready([*self.weights, *self.variances])
+        return kernels.native_ready([*self.weights, *self.variances])
 
     def denominator(self, i: int, lo: int = 0, hi: Optional[int] = None) -> torch.Tensor:
         """Elements ``[lo, hi)`` of parameter ``i``'s denominator, float32 (a fresh tensor): the
@@ -218,7 +212,7 @@ class AdamUpdate:
         an output that arrives decoded (the hierarchical collective's gathered shards)."""
         src = src.reshape(-1)
         if (kernels.resolve_backend(backend, out.device) == "native" and self.native_ready()
-                and _native_ready([src, out]) and out.is_contiguous()):
+                and kernels.native_ready([src, out]) and out.is_contiguous()):
             kernels.native_module().update(
                 src, out.view(-1), self.weights, self.variances, self.sizes,
                 [float(s) for s in self.steps], [float(d) for d in self.decays],

@@ -40,6 +40,7 @@ from typing import Any, Optional, Sequence
 import horovod.torch as hvd
 import torch
 
+from . import kernels
 from .collective import (AllreduceHandle, Epilogue, InputProducer, OneBitAllreduce, Status,
                          TransactionalCollective)
 from .shared_memory import SharedMemoryTransport
@@ -136,6 +137,40 @@ class SubsetTransport:
 
     def allgather_ints_wait(self, handle: Any) -> list[list[int]]:
         return self.wait(handle).tolist()
+
+
+@dataclass
+class NodeMean:
+    """An allreduce input given as the node's mean of one shard: ``(rows[0] + rows[1] + ...) /
+    len(rows)``, summed in row (local-rank) order in float32, then divided. The native worker
+    compression computes it in its own pass (:func:`worker_compress_mean`), so the mean is never
+    written out; :meth:`materialize` is the torch reference (the same bits). An
+    ``InputProducer`` of :mod:`hvd_onebit.collective`.
+
+    Attributes:
+        rows: one float32 [shard] per local rank, contiguous (read only).
+        like: a float32 [shard] tensor, also :meth:`compress`'s scratch where it materializes.
+    """
+
+    rows: list[torch.Tensor]
+    like: torch.Tensor
+
+    def materialize(self, out: Optional[torch.Tensor] = None,
+                    backend: str = "torch") -> torch.Tensor:
+        out = torch.empty_like(self.like) if out is None else out
+        out.copy_(self.rows[0])
+        for row in self.rows[1:]:
+            out.add_(row)
+        return out.div_(float(len(self.rows)))
+
+    def compress(self, y_prev: torch.Tensor, prev_send: torch.Tensor, y_out: torch.Tensor,
+                 send: torch.Tensor, layout, backend: str = "auto") -> bool:
+        resolved = kernels.resolve_backend(backend, self.like.device)
+        if resolved == "native" and kernels.native_ready(self.rows):
+            return kernels.native_module().worker_compress_mean(
+                self.rows, y_prev, prev_send, y_out, send, *layout.as_args(), True)
+        return kernels.worker_compress(self.materialize(out=self.like), y_prev, prev_send, y_out,
+                                       send, layout, backend)
 
 
 @dataclass
@@ -281,14 +316,14 @@ class HierarchicalOneBitAllreduce(TransactionalCollective):
         everyone alike) after stage 3."""
         stage0, handle.stage0 = handle.stage0, None
         recv = self.local.wait(stage0)  # [per_node, shard], from each local rank
-        acc = self._shard_in
-        acc.copy_(recv[0])
-        for i in range(1, self.topology.per_node):  # local-rank order, float32
-            acc.add_(recv[i])
         # A non-finite value on any rank of the node leaves this mean non-finite, and the 1-bit
         # stage's status words carry that to every group.
-        acc.div_(float(self.topology.per_node))
-        handle.inner = self.inner.allreduce_async(self._shard_in, out=self._shard_out)
+        mean = NodeMean([recv[i] for i in range(self.topology.per_node)], self._shard_in)
+        if self.intra == "shared_memory" and not self.inner.spare_errors:
+            # the lean commit reads its input again, after the node's ranks may have reused
+            # their rows in the segment: a private copy then
+            mean = mean.materialize(out=self._shard_in)
+        handle.inner = self.inner.allreduce_async(mean, out=self._shard_out)
         self.inner._claim(handle.inner)
         handle.stage1 = self.inner._wait_stage1(handle.inner)
         return Status.none()

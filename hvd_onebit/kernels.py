@@ -46,6 +46,13 @@ def native_available() -> bool:
     return _native is not None
 
 
+def native_ready(tensors) -> bool:
+    """Whether the native kernels can read every given tensor in place (fp32, contiguous, CPU;
+    None entries are skipped)."""
+    return all(t is None or (t.dtype == torch.float32 and t.is_contiguous()
+                             and t.device.type == "cpu") for t in tensors)
+
+
 def native_module():
     """The compiled extension ``hvd_onebit._C`` (None when not built), for modules that call
     fused kernels of their own (:mod:`hvd_onebit.fused_adam`) after :func:`resolve_backend`."""

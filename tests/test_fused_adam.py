@@ -229,3 +229,39 @@ def test_the_adam_types_are_the_collective_hooks():
     src = MomentumInput(torch.zeros(4), [None], [4], 0.9)
     update = AdamUpdate([None], [None], [4], [0.0], [1.0])
     assert isinstance(src, InputProducer) and isinstance(update, Epilogue)
+
+
+@pytest.mark.parametrize("rows,numel,n", [(2, 1001, 2), (3, 8, 1), (1, 77, 3), (2, 300_007, 2)])
+def test_node_mean_compressed_in_one_pass_equals_materialised(rows, numel, n):
+    """The hierarchical collective's node mean, (r_0 + r_1 + ...) / k, computed inside the
+    worker compression (AVX2, scalar, and through the producer's hook) gives the bits of torch
+    summing in row order, dividing, then compressing; a non-finite row element is reported."""
+    from hvd_onebit.hierarchical import NodeMean
+
+    L = Layout.build(numel, n, None)
+    g = torch.Generator().manual_seed(numel + rows)
+    y_prev, prev_send = _previous_state(L, g)
+    data = [torch.randn(numel, generator=g) * (k + 1) for k in range(rows)]
+    mean = NodeMean(data, torch.empty(numel))
+    x = mean.materialize()
+    torch.testing.assert_close(x, sum(data) / rows, rtol=1e-6, atol=1e-6)
+    assert isinstance(mean, InputProducer)
+    runs = {}
+    for impl in ("materialised", "avx2", "scalar", "hook"):
+        y_out = torch.empty(L.padded)
+        send = torch.empty(L.n * L.row_bytes, dtype=torch.uint8)
+        if impl == "materialised":
+            ok = kernels.worker_compress(x, y_prev, prev_send, y_out, send, L, "torch")
+        elif impl == "hook":
+            ok = mean.compress(y_prev, prev_send, y_out, send, L, "native")
+        else:
+            ok = _C.worker_compress_mean(data, y_prev, prev_send, y_out, send, *L.as_args(),
+                                         impl == "avx2")
+        runs[impl] = (ok, y_out.numpy().tobytes(), send.numpy().tobytes())
+    for impl in ("avx2", "scalar", "hook"):
+        assert runs[impl] == runs["materialised"], f"{impl}: differs from torch's"
+    assert runs["avx2"][0] is True
+    data[-1][numel // 2] = float("inf")
+    send = torch.empty(L.n * L.row_bytes, dtype=torch.uint8)
+    assert mean.compress(y_prev, prev_send, None, send, L, "native") is False, \
+        "an inf in a row was not reported"

@@ -142,6 +142,26 @@ struct MomentumX {
 #endif
 };
 
+// x = (r_0 + r_1 + ... + r_{k-1}) / k, summed in row order in fp32, then one correctly rounded
+// division: the hierarchical collective's node mean of a shard, computed inside the compression
+// of that shard instead of in a pass of its own (the torch twin: copy, add_ in order, div_).
+struct MeanX {
+  std::vector<const float*> rows;
+  float divisor;
+  float at(int64_t p) {
+    float acc = rows[0][p];
+    for (size_t k = 1; k < rows.size(); ++k) acc = acc + rows[k][p];
+    return acc / divisor;
+  }
+#if defined(HVD_ONEBIT_X86)
+  __attribute__((target("avx2,fma"))) __m256 load8(int64_t p) {
+    __m256 acc = _mm256_loadu_ps(rows[0] + p);
+    for (size_t k = 1; k < rows.size(); ++k) acc = _mm256_add_ps(acc, _mm256_loadu_ps(rows[k] + p));
+    return _mm256_div_ps(acc, _mm256_set1_ps(divisor));
+  }
+#endif
+};
+
 // ---- worker compression ------------------------------------------------------------------------
 // For every chunk j and block b: e = y_prev - s_prev * sign_prev (the factored worker error),
 // y = x + e, s = rms(y), signs of y into `send`, y into y_out. y_out may be y_prev itself (each
@@ -592,6 +612,24 @@ bool worker_compress(const torch::Tensor& x, const torch::Tensor& y_prev,
                              block, row_bytes, allow_simd);
 }
 
+bool worker_compress_mean(const std::vector<torch::Tensor>& rows, const torch::Tensor& y_prev,
+                          const torch::Tensor& prev_send,
+                          const c10::optional<torch::Tensor>& y_out, torch::Tensor send,
+                          int64_t n, int64_t chunk, int64_t block, int64_t row_bytes,
+                          bool allow_simd) {
+  TORCH_CHECK(!rows.empty(), "at least one row to average");
+  const int64_t numel = rows[0].numel();
+  TORCH_CHECK(numel <= n * chunk, "rows have more elements than the layout holds");
+  MeanX x{{}, static_cast<float>(rows.size())};
+  for (const torch::Tensor& r : rows) {
+    check_cpu(r, torch::kFloat32, "row", numel);
+    TORCH_CHECK(r.numel() == numel, "every row must have ", numel, " elements, got ", r.numel());
+    x.rows.push_back(numel ? r.data_ptr<float>() : nullptr);
+  }
+  return run_worker_compress(x, numel, y_prev, prev_send, y_out, send, n, chunk, block,
+                             row_bytes, allow_simd);
+}
+
 // The gradient segments of a momentum update (checked against m's size); never empty.
 std::vector<GradSegment> grad_segments(const torch::Tensor& m,
                                        const std::vector<c10::optional<torch::Tensor>>& grads,
@@ -850,6 +888,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("worker_compress_momentum", &worker_compress_momentum,
         "worker_compress of x = beta1 * m + (1 - beta1) * g, computed in the same pass; g is the "
         "list of gradient tensors (None = zeros) of the given sizes, end to end.");
+  m.def("worker_compress_mean", &worker_compress_mean,
+        "worker_compress of x = (rows[0] + rows[1] + ...) / len(rows), summed in order in fp32, "
+        "computed in the same pass.");
   m.def("momentum_update", &momentum_update,
         "out = beta1 * m + (1 - beta1) * g, g the gradients (None = zeros) of the given sizes, "
         "end to end: worker_compress_momentum's input, written out.");
