@@ -37,10 +37,11 @@ import time
 from pathlib import Path
 from typing import Optional
 
-CALIBRATION_VERSION = 3
-# version 2: no torch.distributed collectives, no hierarchical passes (read, with what needs
-# them refused)
-READABLE_VERSIONS = (2, 3)
+CALIBRATION_VERSION = 4
+# version 2: no torch.distributed collectives, no hierarchical passes; version 3: the
+# hierarchical collective's torch-op passes, not its native ones (read, with what needs them
+# refused)
+READABLE_VERSIONS = (2, 3, 4)
 DEFAULT_PATH = Path("~/.cache/hvd_onebit/calibration.json")
 # the bench train models at their default sizes (hvd-onebit bench train --model ...)
 BENCH_MODELS = {
@@ -113,6 +114,7 @@ def _compute_proc(k: int, models: dict, kernel_numel: int, repeats: int, seconds
     import torch
 
     from .. import fused_adam, kernels
+    from ..hierarchical import NodeMean
     from ..layout import Layout
 
     torch.set_num_threads(1)
@@ -147,6 +149,7 @@ def _compute_proc(k: int, models: dict, kernel_numel: int, repeats: int, seconds
     src = fused_adam.MomentumInput(m, [grad], [kernel_numel], 0.9)
     update = fused_adam.AdamUpdate([w], [var], [kernel_numel], [-1e-4], [1.0], [0.3], [1e-8])
     x, acc = torch.randn(kernel_numel, generator=g), torch.randn(kernel_numel, generator=g)
+    mean = NodeMean([x, acc], torch.empty(kernel_numel))
     calls = {
         "compress_momentum": lambda: fused_adam.worker_compress_momentum(
             src, y_prev, prev_send, y_next, send, L, "native"),
@@ -155,8 +158,13 @@ def _compute_proc(k: int, models: dict, kernel_numel: int, repeats: int, seconds
                                                   row, L, "native"),
         "decode_update": lambda: fused_adam.decode_update(send, work, L, update, "native"),
         # the hierarchical collective's passes (hvd_onebit/hierarchical.py): Adam's momentum
-        # update materialised with torch ops, the node mean's float32 adds, the plain
-        # compress and decode of its shard, the output copy and Adam's update as torch ops
+        # update written out, the node mean of 2 rows inside the shard's compression (per
+        # element of the shard; a float32 add per further row), the plain compress and decode
+        # of a shard, the gathered mean copied out with Adam's update; and, for calibrations
+        # read by older models, the torch-op passes it made before
+        "momentum_update": lambda: src.materialize(out=x, backend="native"),
+        "compress_mean": lambda: mean.compress(y_prev, prev_send, y_next, send, L, "native"),
+        "update": lambda: update.copy_apply(x, work, "native"),
         "materialize": lambda: src.materialize(out=x),
         "add": lambda: acc.add_(x),
         "compress": lambda: kernels.worker_compress(x, y_prev, prev_send, y_next, send, L,

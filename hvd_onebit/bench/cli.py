@@ -418,15 +418,20 @@ def _rates(ctx, param, value):
               help="Replace the calibrated per-peer cost of every collective (microseconds).")
 @click.option("--transport", default="torch", show_default=True,
               type=click.Choice(["torch", "horovod"]),
-              help="What carries flat 1-bit Adam's two stages: torch.distributed (Gloo; what "
-                   "transport='auto' picks on CPU) or Horovod's alltoall/allgather. "
-                   "Hierarchical 1-bit always uses Horovod's.")
+              help="What carries 1-bit Adam's stages: torch.distributed (Gloo; what "
+                   "transport='auto' picks on CPU; hierarchical: collectives of each group) or "
+                   "Horovod's alltoall/allgather.")
 @click.option("--hierarchical-ops", default="global", show_default=True,
               type=click.Choice(["global", "group"]),
-              help="global: each hierarchical stage is a Horovod alltoall of all ranks (with "
-                   "splits), as hvd_onebit/hierarchical.py runs them; group: collectives of "
-                   "the node's ranks and of the ranks with one local rank (process sets, which "
-                   "the library does not use).")
+              help="With --transport horovod: global: each hierarchical stage is a Horovod "
+                   "alltoall of all ranks (with splits), as hvd_onebit/hierarchical.py runs "
+                   "them there; group: Horovod collectives of the node's ranks and of the ranks "
+                   "with one local rank (process sets, which the library does not use).")
+@click.option("--intra-node", default="network", show_default=True,
+              type=click.Choice(["network", "shared_memory"]),
+              help="With --transport torch: the hierarchical stages inside a node over the "
+                   "node's links (--intra-bandwidth: NVLink, PCIe) or through shared memory (a "
+                   "barrier each: CPU ranks, intra_node='auto' on CPU).")
 @click.option("--methods", default="horovod_fp32,horovod_fp16,onebit,onebit_hierarchical",
               show_default=True, callback=_csv(click.Choice(
                   ["horovod_fp32", "horovod_fp16", "onebit", "onebit_hierarchical",
@@ -442,7 +447,7 @@ def _rates(ctx, param, value):
 def bench_predict(calibration, nps, ranks_per_node, bandwidths, intra_bandwidth, latency_us,
                   intra_latency_us, params, bench_model, compute_ms, adam_ms, warmup_frac,
                   colocated, kernel_speedup, host_speedup, per_peer_us, transport,
-                  hierarchical_ops, methods, check_dir, plot, as_json) -> None:
+                  hierarchical_ops, intra_node, methods, check_dir, plot, as_json) -> None:
     """Predict step time per phase, whole-run speed-up and bytes per rank of Horovod fp32/fp16,
     flat 1-bit and hierarchical 1-bit Adam (as hvd_onebit/hierarchical.py runs it) from the
     constants `bench calibrate` measured. README.md, "Predicting the speed-up at scale", has the
@@ -477,7 +482,8 @@ def bench_predict(calibration, nps, ranks_per_node, bandwidths, intra_bandwidth,
                  adam_s=None if adam_ms is None else adam_ms / 1e3, warmup_frac=warmup_frac,
                  kernel_speedup=kernel_speedup, host_speedup=host_speedup)
     model = pm.Model(cal, None if per_peer_us is None else per_peer_us * 1e-6,
-                     hierarchical_global_ops=hierarchical_ops == "global", transport=transport)
+                     hierarchical_global_ops=hierarchical_ops == "global", transport=transport,
+                     intra_node=intra_node)
     try:
         rows = pm.sweep(model, job, nps, bandwidths, ranks_per_node, intra_bandwidth,
                         latency_us * 1e-6, intra_latency_us * 1e-6, colocated, tuple(methods))
@@ -490,7 +496,8 @@ def bench_predict(calibration, nps, ranks_per_node, bandwidths, intra_bandwidth,
                   "latency_s": latency_us * 1e-6, "intra_latency_s": intra_latency_us * 1e-6,
                   "colocated": colocated, "kernel_speedup": kernel_speedup,
                   "host_speedup": host_speedup, "per_peer_s": model.per_peer_s,
-                  "transport": transport, "hierarchical_ops": hierarchical_ops},
+                  "transport": transport, "hierarchical_ops": hierarchical_ops,
+                  "intra_node": intra_node},
               "note": pm.HIERARCHICAL_NOTE, "rows": rows, "crossovers": pm.crossovers(rows)}
     if plot:
         from ..cluster.bandwidth import format_bandwidth

@@ -25,10 +25,14 @@ The model (README.md, "Predicting the speed-up at scale", says the same in prose
 * Flat 1-bit's two stages are costed with the constants of the transport that runs them:
   torch.distributed's Gloo alltoall and allgather (``transport="torch"``, what ``"auto"``
   picks on CPU) or Horovod's.
-* Hierarchical 1-bit as ``hvd_onebit/hierarchical.py`` runs it (:meth:`Model._hierarchical`):
-  per bucket four global Horovod alltoalls with splits (full-precision scatter inside the
-  node, the two 1-bit stages of the shard ``|m|/L`` among the ``N`` ranks with the same local
-  rank, the gather inside the node), and the passes it makes with torch ops and plain kernels.
+* Hierarchical 1-bit as ``hvd_onebit/hierarchical.py`` runs it (:meth:`Model._hierarchical`),
+  on the same transport as flat 1-bit: with ``"torch"``, the two 1-bit stages of the shard
+  ``|m|/L`` as torch.distributed collectives of the ``N`` ranks with the same local rank, and the
+  full-precision scatter and gather inside the node through shared memory (``intra_node=
+  "shared_memory"``: a barrier each, what CPU ranks do) or the node's links (``"network"``:
+  NVLink, PCIe); with ``"horovod"``, four global Horovod alltoalls with splits. Its passes are
+  the native kernels it runs (momentum written out, node mean inside the shard's compression,
+  decode, copy-out with Adam's update).
 * Ranks that share this machine's cores (``colocated``, the emulator) run compute as timed
   inside the calibration's Horovod ranks (else: bare processes sharing the cores), kernels at
   the speeds measured with that many processes at once (in lock-step: collectives start every
@@ -50,9 +54,11 @@ METHODS = ("horovod_fp32", "horovod_fp16", "onebit", "onebit_hierarchical")
 # hierarchical 1-bit with each stage a collective of its own group: what hierarchical.py does on
 # torch.distributed subgroups (transport "torch"/"auto"), here with Horovod's per-peer costs
 GROUP_METHOD = "onebit_hierarchical_group"
-HIERARCHICAL_NOTE = ("onebit_hierarchical models hvd_onebit/hierarchical.py (4 Horovod alltoalls "
-                     "with splits per bucket, Horovod's transport); checked on the emulator at "
-                     "2 nodes x 2 ranks only")
+HIERARCHICAL_NOTE = ("onebit_hierarchical models hvd_onebit/hierarchical.py on the flat 1-bit "
+                     "transport (torch: group collectives between nodes, intra_node inside them; "
+                     "horovod: 4 global alltoalls with splits per bucket); checked on the "
+                     "emulator at 2 nodes x 2 ranks only")
+INTRA_NODE = ("network", "shared_memory")
 
 
 # --------------------------------------------------------------------------------------------
@@ -204,20 +210,28 @@ class Prediction:
 class Model:
     """Predictions from a calibration.
 
-    ``transport``: what carries flat 1-bit Adam's two stages: ``"torch"`` (torch.distributed's
-    Gloo alltoall and allgather, what ``transport="auto"`` picks on CPU) or ``"horovod"``
-    (Horovod's, with its negotiation per op). Hierarchical 1-bit always runs on Horovod's.
-    ``per_peer_s`` replaces the calibrated per-peer cost of every op (``b_op``), e.g. to see
-    what a lower one would change. ``hierarchical_global_ops``: every stage of the hierarchical
+    ``transport``: what carries 1-bit Adam's stages, flat and hierarchical: ``"torch"``
+    (torch.distributed's Gloo collectives, what ``transport="auto"`` picks on CPU; the
+    hierarchical stages between nodes as collectives of their groups) or ``"horovod"``
+    (Horovod's, with its negotiation per op). ``per_peer_s`` replaces the calibrated per-peer
+    cost of every op (``b_op``), e.g. to see what a lower one would change.
+    ``hierarchical_global_ops`` (Horovod's transport): every stage of the hierarchical
     collective is one global Horovod alltoall with splits, as ``hvd_onebit/hierarchical.py``
-    runs them (each pays the per-op cost of all n ranks); False: collectives of their own
-    groups (process sets), which the library does not have.
+    runs them there (each pays the per-op cost of all n ranks); False: Horovod collectives of
+    their own groups (process sets), which the library does not use. ``intra_node``
+    (torch's transport): the hierarchical stages inside a node through ``"shared_memory"`` (a
+    barrier of the node's ranks each: CPU ranks, the library's default there) or the node's
+    links (``"network"``: NCCL over NVLink or PCIe, or emulated links).
     """
 
     def __init__(self, cal: dict, per_peer_s: Optional[float] = None,
-                 hierarchical_global_ops: bool = True, transport: str = "torch"):
+                 hierarchical_global_ops: bool = True, transport: str = "torch",
+                 intra_node: str = "network"):
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+        if intra_node not in INTRA_NODE:
+            raise ValueError(f"intra_node must be one of {INTRA_NODE}, got {intra_node!r}")
+        self.intra_node = intra_node
         self.cal = cal
         self.c = constants(cal)
         self.per_peer_s = per_peer_s
@@ -291,9 +305,10 @@ class Model:
     def kernel(self, name: str, elems: float, job: Job, cl: Cluster) -> float:
         rates = self.cal["compute"][self._procs(cl)]["kernel_s_per_elem"]
         if name not in rates:
-            raise ValueError(f"the calibration has no {name!r} pass (a version-2 file, made "
-                             "before the hierarchical collective's passes were timed): run "
-                             "`hvd-onebit bench calibrate` again")
+            raise ValueError(f"the calibration has no {name!r} pass (version "
+                             f"{self.cal.get('version')}, made before the hierarchical "
+                             "collective's native passes were timed): run `hvd-onebit bench "
+                             "calibrate` again")
         return rates[name] * elems / job.kernel_speedup
 
     # -- collectives
@@ -401,44 +416,66 @@ class Model:
         """Hierarchical 1-bit as ``hvd_onebit/hierarchical.py`` runs it, per bucket (``L`` ranks
         per node, ``N`` nodes, shard ``S = P/L``):
 
-        materialize: Adam's momentum update written out with torch ops (P; no fused pass);
-        scatter: a Horovod alltoall with splits, ``(L-1) S`` float32 to the node's ranks;
-        node_mean: copy, ``L-1`` float32 adds and a division of the shard (``L+1`` passes of S);
-        compress (plain kernel, S), alltoall (1-bit stage 1 among the N ranks of one local
-        rank: ``N-1`` rows of ``S/(8N)`` bytes, ``L (N-1)`` rows on a node's link), server (S),
-        allgather (stage 2: an alltoall with splits of the server row, copied ``N-1`` times),
-        decode (plain kernel, S);
-        gather: an alltoall with splits of the shard copied ``L`` times (the copy: a pass of P),
-        ``(L-1) S`` float32 to the node's ranks;
-        commit: the output copy and Adam's update with torch ops (P).
+        materialize: Adam's momentum update written out (native, one pass of P);
+        scatter: the node's full-precision alltoall, ``(L-1) S`` float32 to the node's ranks,
+        or with shared memory a barrier of the node's ranks (a tiny torch op among L);
+        compress: the node mean computed inside the shard's compression (a pass over the L
+        rows of S: calibrated at L = 2, plus a float32 add of S per further row);
+        alltoall (1-bit stage 1 among the N ranks of one local rank: ``N-1`` rows of
+        ``S/(8N)`` bytes, ``L (N-1)`` rows on a node's link), server (S), allgather (stage 2),
+        decode (S);
+        gather: the node's allgather, ``(L-1) S`` float32 to the node's ranks (a barrier with
+        shared memory; Horovod's alltoall with splits also copies the row L times, P);
+        commit: the gathered mean copied out with Adam's update (native, P).
 
-        Every stage is one global Horovod op (``hierarchical_global_ops``, the library's way):
-        each pays Horovod's alltoall per-op cost of all n ranks; else that of its group.
+        On Horovod's transport every stage is one global Horovod op
+        (``hierarchical_global_ops``, the library's way): each pays Horovod's alltoall per-op
+        cost of all n ranks; else that of its group. On torch's, the stages between nodes are
+        torch.distributed collectives of the N ranks (its constants).
         """
         n, L, N = cl.n, cl.ranks_per_node, cl.nodes
         S = P / L
-        glob = self.hierarchical_global_ops
-        ph = {"compute": fwd_bwd, "materialize": self.kernel("materialize", P, job, cl)}
+        on_torch = self.transport == "torch"
+        glob = self.hierarchical_global_ops and not on_torch
+        shared = on_torch and self.intra_node == "shared_memory"
+        ph = {"compute": fwd_bwd, "materialize": self.kernel("momentum_update", P, job, cl)}
         intra_rank = (L - 1) * S * 4  # each rank's full-precision bytes inside its node
-        intra = (self._alltoall_stage(n if glob else L, intra_rank, intra_rank, cl.intra_bps,
-                                      cl.intra_latency_s, job, cl, fp32=True)
-                 if (glob or L > 1) else 0.0)
+        if shared:
+            intra = self.alpha("torch_allgather", L)  # the barrier: one tiny op of the node
+        elif on_torch:
+            intra = (self._transfer("torch_alltoall", L, intra_rank, intra_rank, cl.intra_bps,
+                                    1, cl.intra_latency_s, job, cl, "torch_alltoall")
+                     if L > 1 else 0.0)
+        else:
+            intra = (self._alltoall_stage(n if glob else L, intra_rank, intra_rank, cl.intra_bps,
+                                          cl.intra_latency_s, job, cl, fp32=True)
+                     if (glob or L > 1) else 0.0)
         ph["scatter"] = intra
-        ph["node_mean"] = self.kernel("add", (L + 1) * S, job, cl)
         layout = Layout.build(int(math.ceil(S)), N)
-        ph["compress"] = self.kernel("compress", S, job, cl)
+        ph["compress"] = (self.kernel("compress_mean", S, job, cl)
+                          + self.kernel("add", max(0, L - 2) * S, job, cl) if L > 1
+                          else self.kernel("compress", S, job, cl))
         inter_rank = (N - 1) * layout.row_bytes
         for stage in ("alltoall", "allgather"):
-            ph[stage] = (self._alltoall_stage(n if glob else N, inter_rank, L * inter_rank,
-                                              cl.inter_bps, cl.inter_latency_s, job, cl)
-                         if (glob or N > 1) else 0.0)
+            if on_torch:
+                op = f"torch_{stage}"
+                ph[stage] = (self._transfer(op, N, inter_rank, L * inter_rank, cl.inter_bps,
+                                            1 if stage == "alltoall" else N - 1,
+                                            cl.inter_latency_s, job, cl, op)
+                             if N > 1 else 0.0)
+            else:
+                ph[stage] = (self._alltoall_stage(n if glob else N, inter_rank, L * inter_rank,
+                                                  cl.inter_bps, cl.inter_latency_s, job, cl)
+                             if (glob or N > 1) else 0.0)
             if stage == "alltoall":
                 ph["server"] = self.kernel("server", S, job, cl)
         ph["decode"] = self.kernel("decode", S, job, cl)
-        ph["gather"] = intra + self.kernel("add", P, job, cl)
-        ph["commit"] = self.kernel("epilogue", P, job, cl)
+        # Horovod's allgather of the shard is an alltoall of the row copied L times
+        ph["gather"] = intra + (0.0 if on_torch else self.kernel("add", P, job, cl))
+        ph["commit"] = self.kernel("update", P, job, cl)
         wire = layout.wire_bytes if N > 1 else 0
-        return Prediction("onebit_hierarchical", ph, int(2 * intra_rank) + wire,
+        return Prediction("onebit_hierarchical", ph,
+                          (0 if shared else int(2 * intra_rank)) + wire,
                           L * wire if N > 1 else None, [HIERARCHICAL_NOTE])
 
     def predict_all(self, job: Job, cl: Cluster, methods=METHODS) -> dict:
@@ -486,6 +523,16 @@ def model_transport(config: dict) -> str:
     return "torch" if config.get("transport", "auto") in ("auto", "torch") else "horovod"
 
 
+def model_intra_node(config: dict, transport: str) -> str:
+    """How a `bench train` run's hierarchical stages inside a node travelled: its
+    ``intra_node`` ('auto' is shared memory on CPU with torch's transport); runs that predate
+    the option used the network."""
+    mode = config.get("intra_node", "network")
+    if mode == "auto":
+        mode = "shared_memory" if transport == "torch" else "network"
+    return mode
+
+
 def check_report(reports: list[dict], cal: dict) -> dict:
     """Pairs of predicted and measured step times for ``bench train --json`` reports (several
     runs of one configuration are pooled: median and range). A compressed step's pair also
@@ -502,8 +549,8 @@ def check_report(reports: list[dict], cal: dict) -> dict:
         groups.setdefault(key, []).append(rep)
     pairs = []
     for (n, L, bw, model_name, transport), reps in sorted(groups.items()):
-        model = Model(cal, transport=transport)
         cfg, row0 = reps[0]["config"], reps[0]["rows"][0]
+        model = Model(cal, transport=transport, intra_node=model_intra_node(cfg, transport))
         bps = None if bw in ("local", "real") else parse_bandwidth(bw)  # loopback: unshaped
         cl = Cluster(nodes=n // L, ranks_per_node=L, inter_bps=bps, colocated=True)
         job = Job(params=row0["params"], model=model_name, warmup_frac=cfg["warmup_frac"])
@@ -529,7 +576,7 @@ def check_report(reports: list[dict], cal: dict) -> dict:
             names = sorted({k for b in parts for k in b})
             breakdown = {k: statistics.median(b.get(k, 0.0) for b in parts) for k in names}
             pairs.append({"np": n, "ranks_per_node": L, "bandwidth": bw, "model": model_name,
-                          "transport": transport if method == "onebit" else "horovod",
+                          "transport": transport if method.startswith("onebit") else "horovod",
                           "method": method, "phase": phase, "predicted_s": pred,
                           "measured_s": med, "measured_min_s": min(vals),
                           "measured_max_s": max(vals), "measured_runs_s": vals,

@@ -44,7 +44,8 @@ def fake_calibration(alpha=(1e-3, 2e-3), host_per_byte=1e-9, link_bps=10**9, ove
     model = {"params": 1_000_000, "step_s": 0.011, "fwd_bwd_s": 0.010, "adam_s": 0.002}
     kern = {"compress_momentum": 1e-9, "server": 0.5e-9, "decode_update": 1e-9,
             "materialize": 2e-9, "add": 0.25e-9, "compress": 0.75e-9, "decode": 0.4e-9,
-            "epilogue": 3e-9}
+            "epilogue": 3e-9, "momentum_update": 1.5e-9, "compress_mean": 1.25e-9,
+            "update": 2.5e-9}
     compute = {str(k): {"models": {"mlp": {**model, "fwd_bwd_s": 0.010 * k / 2 if k > 2 else 0.010}},
                         "kernel_s_per_elem": kern} for k in (1, 2, 4)}
     return {"version": cal_mod.CALIBRATION_VERSION, "cores": 2, "link": "1gbit",
@@ -109,7 +110,8 @@ def test_step_times_are_the_sum_of_their_terms():
 
 
 def test_hierarchical_follows_hierarchical_py_and_ranks_share_cores():
-    model = pm.Model(fake_calibration())  # global ops: hvd_onebit/hierarchical.py's way
+    # Horovod's transport: global ops, hvd_onebit/hierarchical.py's way there
+    model = pm.Model(fake_calibration(), transport="horovod")
     job = pm.Job(params=8_000_000, compute_s=0.1, adam_s=0.01)
     cl = pm.Cluster(nodes=16, ranks_per_node=8, inter_bps=10**10, intra_bps=10**11)
     hier = model.predict("onebit_hierarchical", job, cl)
@@ -131,13 +133,14 @@ def test_hierarchical_follows_hierarchical_py_and_ranks_share_cores():
     wire = 8 * sent * 8 / (1e10 * pm.TCP_EFFICIENCY)  # the node's 8 ranks share its link
     assert hier.phases["alltoall"] == pytest.approx(a + wire + 0.5 * 1e-9 * sent)
     assert hier.phases["allgather"] == pytest.approx(hier.phases["alltoall"])
-    # the passes: materialize and commit over P, node mean (L+1 passes), kernels over S
-    assert hier.phases["materialize"] == pytest.approx(2e-9 * P)
-    assert hier.phases["node_mean"] == pytest.approx(0.25e-9 * 9 * S)
-    assert hier.phases["compress"] == pytest.approx(0.75e-9 * S)
+    # the native passes: momentum and commit over P; the node mean inside the shard's
+    # compression (calibrated with 2 rows, an add of S per further row); kernels over S
+    assert hier.phases["materialize"] == pytest.approx(1.5e-9 * P)
+    assert "node_mean" not in hier.phases
+    assert hier.phases["compress"] == pytest.approx(1.25e-9 * S + 0.25e-9 * 6 * S)
     assert hier.phases["server"] == pytest.approx(0.5e-9 * S)
     assert hier.phases["decode"] == pytest.approx(0.4e-9 * S)
-    assert hier.phases["commit"] == pytest.approx(3e-9 * P)
+    assert hier.phases["commit"] == pytest.approx(2.5e-9 * P)
     assert hier.phases["compute"] == pytest.approx(0.09)
     flat = model.predict("onebit", job, cl)
     fp32 = model.predict("horovod_fp32", job, cl)
@@ -145,7 +148,7 @@ def test_hierarchical_follows_hierarchical_py_and_ranks_share_cores():
     assert flat.inter_node_bytes_per_node > hier.inter_node_bytes_per_node
     assert fp32.inter_node_bytes_per_node > flat.inter_node_bytes_per_node
     # with collectives of their own groups each stage pays its group's per-op cost instead
-    grp = pm.Model(fake_calibration(), hierarchical_global_ops=False)
+    grp = pm.Model(fake_calibration(), transport="horovod", hierarchical_global_ops=False)
     saved = hier.step_s - grp.predict("onebit_hierarchical", job, cl).step_s
     assert model.predict(pm.GROUP_METHOD, job, cl).step_s == pytest.approx(hier.step_s - saved)
     assert model.hierarchical_global_ops  # restored
@@ -156,6 +159,46 @@ def test_hierarchical_follows_hierarchical_py_and_ranks_share_cores():
     alone = model.compute(jm, pm.Cluster(nodes=4))[0]
     shared = model.compute(jm, pm.Cluster(nodes=4, colocated=True))[0]
     assert alone == pytest.approx(0.012) and shared == pytest.approx(0.022)
+
+
+def test_hierarchical_on_torch_groups_with_shared_memory_or_the_node_s_links():
+    """transport='torch' (the library's default): the stages between nodes are torch.distributed
+    collectives of the N ranks with one local rank; inside the node a barrier each through
+    shared memory, or a torch alltoall / allgather of the node's ranks over its links."""
+    job = pm.Job(params=8_000_000, compute_s=0.1, adam_s=0.01)
+    cl = pm.Cluster(nodes=16, ranks_per_node=8, inter_bps=10**10, intra_bps=10**11)
+    shm = pm.Model(fake_calibration(), intra_node="shared_memory").predict(
+        "onebit_hierarchical", job, cl)
+    net = pm.Model(fake_calibration()).predict("onebit_hierarchical", job, cl)
+    model = pm.Model(fake_calibration())
+    P, S = 8_000_000, 1_000_000
+    inter = Layout.build(S, 16)
+    sent = 15 * inter.row_bytes
+    wire = 8 * sent * 8 / (1e10 * pm.TCP_EFFICIENCY)
+    # stage 1: one latency step; torch's per-op cost of 16 ranks (0.15 ms + 0.05 ms x 15)
+    a16 = model.alpha("torch_alltoall", 16)
+    assert a16 == pytest.approx(0.15e-3 + 0.05e-3 * 15)
+    assert shm.phases["alltoall"] == pytest.approx(a16 + wire + 0.5 * 2e-9 * sent)
+    assert shm.phases["allgather"] == pytest.approx(
+        model.alpha("torch_allgather", 16) + wire + 0.5 * 2e-9 * sent)
+    # shared memory: a barrier of the node's 8 ranks for the scatter and the gather, no copy
+    barrier = model.alpha("torch_allgather", 8)
+    assert shm.phases["scatter"] == pytest.approx(barrier)
+    assert shm.phases["gather"] == pytest.approx(barrier)
+    assert shm.bytes_per_rank == inter.wire_bytes, "shared memory sends nothing on a link"
+    # the node's links: a torch alltoall of (L-1) float32 shards, the same for the gather
+    intra = 7 * S * 4
+    t = model.alpha("torch_alltoall", 8) + max(2e-9 * intra, intra * 8 / (1e11 * pm.TCP_EFFICIENCY)) \
+        + 0.5 * min(2e-9 * intra, intra * 8 / (1e11 * pm.TCP_EFFICIENCY))
+    assert net.phases["scatter"] == pytest.approx(t)
+    assert net.phases["gather"] == pytest.approx(t)
+    assert net.bytes_per_rank == 2 * intra + inter.wire_bytes
+    assert net.inter_node_bytes_per_node == shm.inter_node_bytes_per_node == 8 * inter.wire_bytes
+    for name in ("materialize", "compress", "server", "decode", "commit", "compute"):
+        assert shm.phases[name] == pytest.approx(net.phases[name]), name
+    assert shm.step_s < net.step_s
+    with pytest.raises(ValueError, match="intra_node must be one of"):
+        pm.Model(fake_calibration(), intra_node="nvlink")
 
 
 def test_colocated_compute_prefers_the_figures_timed_inside_the_ranks():
