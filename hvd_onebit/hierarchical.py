@@ -267,7 +267,7 @@ class HierarchicalOneBitAllreduce(TransactionalCollective):
                            else torch.zeros(self.shard, **f32))
         self._in_flight = False
         self.wire_bytes = 0  # bytes this rank sent between nodes in the last call
-        self.intra_bytes = 0  # bytes this rank sent inside its node in the last call
+        self.intra_bytes = 0  # bytes this rank sent inside its node (on a network) last call
         self.total_wire_bytes = 0
         self.calls = 0
 
@@ -371,7 +371,8 @@ class HierarchicalOneBitAllreduce(TransactionalCollective):
         L = self.topology.per_node
         self.wire_bytes = self.inner.wire_bytes
         self.total_wire_bytes += self.wire_bytes
-        self.intra_bytes = 2 * (L - 1) * self.shard * 4
+        # through shared memory nothing is sent: the rows are written and read in place
+        self.intra_bytes = 0 if self.intra == "shared_memory" else 2 * (L - 1) * self.shard * 4
         self.calls += 1
         handle.gathered = None
 
