@@ -181,8 +181,16 @@ def _compute_proc(k: int, models: dict, kernel_numel: int, repeats: int, seconds
     queue.put(out)
 
 
-def measure_compute(procs=(1, 2, 4), models: Optional[dict] = None, kernel_numel: int = 4 << 20,
-                    repeats: int = 3, seconds: float = 1.5) -> dict:
+#: Elements per buffer of the timed kernels: their buffers (64 MiB each) are well beyond a
+#: last-level cache, as a model's are. With buffers that partly fit in the cache, processes
+#: timed together ran at one process's per-element speed, where ranks streaming a model's
+#: buffers share the memory bandwidth.
+KERNEL_NUMEL = 16 << 20
+
+
+def measure_compute(procs=(1, 2, 4), models: Optional[dict] = None,
+                    kernel_numel: int = KERNEL_NUMEL, repeats: int = 3,
+                    seconds: float = 1.5) -> dict:
     """Per ``k`` in ``procs``: the medians over the k processes of each timed quantity."""
     import multiprocessing as mp
 
