@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import subprocess
 import sys
+
+from hvd_onebit.bench.report import repeated_runs
 
 
 def run_once(args, bandwidth: str) -> dict:
@@ -59,16 +60,8 @@ def main(argv=None) -> dict:
     result = {"nodes": 2, "ranks_per_node": 2, "steps": args.steps, "model": args.model,
               "intra_node": args.intra_node, "bandwidths": {}}
     for bandwidth in args.bandwidths.split(","):
-        runs = []
-        for i in range(args.repeats):
-            runs.append(run_once(args, bandwidth))
-            print(f"[hierarchical] {bandwidth} run {i + 1}: {json.dumps(runs[-1])}",
-                  file=sys.stderr, flush=True)
-        keys = [k for k, v in runs[0].items() if isinstance(v, float)]
-        result["bandwidths"][bandwidth] = {
-            "runs": runs,
-            "median": {k: statistics.median(r[k] for r in runs) for k in keys},
-            "range": {k: (min(r[k] for r in runs), max(r[k] for r in runs)) for k in keys}}
+        result["bandwidths"][bandwidth] = repeated_runs(
+            lambda: run_once(args, bandwidth), args.repeats, f"hierarchical {bandwidth}")
     print(json.dumps(result, indent=1), flush=True)
     return result
 

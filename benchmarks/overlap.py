@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import subprocess
 import sys
+
+from hvd_onebit.bench.report import repeated_runs
 
 CONFIGS = ("embedding", "mlp", "buckets")
 
@@ -66,16 +67,8 @@ def main(argv=None) -> dict:
     args = p.parse_args(argv)
     result = {"np": args.np, "bandwidth": args.bandwidth, "steps": args.steps, "configs": {}}
     for config in args.configs.split(","):
-        runs = []
-        for i in range(args.repeats):
-            runs.append(run_once(args, config))
-            print(f"[overlap] {config} run {i + 1}: {json.dumps(runs[-1])}", file=sys.stderr,
-                  flush=True)
-        keys = [k for k, v in runs[0].items() if isinstance(v, float)]
-        result["configs"][config] = {
-            "runs": runs,
-            "median": {k: statistics.median(r[k] for r in runs) for k in keys},
-            "range": {k: (min(r[k] for r in runs), max(r[k] for r in runs)) for k in keys}}
+        result["configs"][config] = repeated_runs(lambda: run_once(args, config), args.repeats,
+                                                  f"overlap {config}")
     print(json.dumps(result, indent=1), flush=True)
     return result
 

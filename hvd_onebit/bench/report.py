@@ -30,3 +30,18 @@ def print_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> None:
             click.echo("  ".join("-" * w for w in widths))
 
 
+def repeated_runs(run, repeats: int, label: str) -> dict:
+    """``run()`` (one benchmark run, a dict of figures) ``repeats`` times, each reported on
+    stderr as it lands; returns every run and, per float figure, the median and the range."""
+    import json
+    import statistics
+    import sys
+
+    runs = []
+    for i in range(repeats):
+        runs.append(run())
+        print(f"[{label}] run {i + 1}: {json.dumps(runs[-1])}", file=sys.stderr, flush=True)
+    keys = [k for k, v in runs[0].items() if isinstance(v, float)]
+    return {"runs": runs,
+            "median": {k: statistics.median(r[k] for r in runs) for k in keys},
+            "range": {k: (min(r[k] for r in runs), max(r[k] for r in runs)) for k in keys}}

@@ -433,6 +433,27 @@ inline void update1(const UpdateSegment& s, int64_t p, float d, float* m) {
   m[p] = denom == std::numeric_limits<float>::infinity() ? 0.0f : d;
 }
 
+#if defined(HVD_ONEBIT_X86)
+// update1 for the 8 elements at p, all inside segment s (which has a weight); d: their momentum.
+__attribute__((target("avx2,fma"))) inline void update8_avx2(const UpdateSegment& s, int64_t p,
+                                                             __m256 d, float* m, bool stream) {
+  const __m256 inf = _mm256_set1_ps(std::numeric_limits<float>::infinity());
+  // denominator1, 8 at a time: sqrt and div are correctly rounded, as the scalar's
+  const __m256 var = _mm256_loadu_ps(s.v + (p - s.start));
+  const __m256 denom = _mm256_blendv_ps(
+      _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(var), _mm256_set1_ps(s.sqrt_bc2)),
+                    _mm256_set1_ps(s.eps)),
+      inf, _mm256_cmp_ps(var, _mm256_setzero_ps(), _CMP_EQ_OQ));
+  // held elements (denominator +inf) store a +0 momentum
+  store8(m + p, _mm256_andnot_ps(_mm256_cmp_ps(denom, inf, _CMP_EQ_OQ), d), stream);
+  float* wp = s.w + (p - s.start);
+  __m256 w = _mm256_loadu_ps(wp);
+  if (s.apply_decay) w = _mm256_mul_ps(w, _mm256_set1_ps(s.decay));
+  const __m256 upd = _mm256_div_ps(_mm256_mul_ps(_mm256_set1_ps(s.step), d), denom);
+  _mm256_storeu_ps(wp, _mm256_add_ps(w, upd));
+}
+#endif
+
 void decode_update_scalar(const uint8_t* rows, float* m, int64_t numel, const Layout& L,
                           SegmentCursor<UpdateSegment> segs) {
   decode_scalar(rows, m, numel, L);
@@ -465,25 +486,12 @@ __attribute__((target("avx2,fma"))) void decode_update_avx2(const uint8_t* rows,
         // Full groups inside this segment: vector decode and update.
         int64_t seg_stop = s.end < stop ? s.end : stop;
         if (s.w) {
-          const __m256 step = _mm256_set1_ps(s.step), decay = _mm256_set1_ps(s.decay);
-          const __m256 sqrt_bc2 = _mm256_set1_ps(s.sqrt_bc2), eps = _mm256_set1_ps(s.eps);
-          const __m256 inf = _mm256_set1_ps(std::numeric_limits<float>::infinity());
           for (; p + 8 <= seg_stop && (p - base) % 8 == 0; p += 8) {
             const __m256i v = _mm256_and_si256(_mm256_set1_epi32(bp[(p - base) / 8]), sel);
-            const __m256 d = _mm256_blendv_ps(neg_s, pos_s,
-                                              _mm256_castsi256_ps(_mm256_cmpeq_epi32(v, sel)));
-            // denominator1, 8 at a time: sqrt and div are correctly rounded, as the scalar's
-            const __m256 var = _mm256_loadu_ps(s.v + (p - s.start));
-            const __m256 denom = _mm256_blendv_ps(
-                _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(var), sqrt_bc2), eps), inf,
-                _mm256_cmp_ps(var, _mm256_setzero_ps(), _CMP_EQ_OQ));
-            // held elements (denominator +inf) store a +0 momentum
-            store8(m + p, _mm256_andnot_ps(_mm256_cmp_ps(denom, inf, _CMP_EQ_OQ), d), stream);
-            float* wp = s.w + (p - s.start);
-            __m256 w = _mm256_loadu_ps(wp);
-            if (s.apply_decay) w = _mm256_mul_ps(w, decay);
-            const __m256 upd = _mm256_div_ps(_mm256_mul_ps(step, d), denom);
-            _mm256_storeu_ps(wp, _mm256_add_ps(w, upd));
+            update8_avx2(s, p,
+                         _mm256_blendv_ps(neg_s, pos_s,
+                                          _mm256_castsi256_ps(_mm256_cmpeq_epi32(v, sel))),
+                         m, stream);
           }
         } else {
           for (; p + 8 <= seg_stop && (p - base) % 8 == 0; p += 8) {
@@ -531,25 +539,10 @@ void update_scalar(const float* src, float* m, const std::vector<UpdateSegment>&
 __attribute__((target("avx2,fma"))) void update_avx2(const float* src, float* m, int64_t numel,
                                                      const std::vector<UpdateSegment>& segs) {
   const bool stream = numel >= kStreamMinFloats && src != m;
-  const __m256 inf = _mm256_set1_ps(std::numeric_limits<float>::infinity());
   for (const UpdateSegment& s : segs) {
     int64_t p = s.start;
     if (s.w) {
-      const __m256 step = _mm256_set1_ps(s.step), decay = _mm256_set1_ps(s.decay);
-      const __m256 sqrt_bc2 = _mm256_set1_ps(s.sqrt_bc2), eps = _mm256_set1_ps(s.eps);
-      for (; p + 8 <= s.end; p += 8) {
-        const __m256 d = _mm256_loadu_ps(src + p);
-        const __m256 var = _mm256_loadu_ps(s.v + (p - s.start));
-        // denominator1, 8 at a time (sqrt and div correctly rounded, as the scalar's)
-        const __m256 denom = _mm256_blendv_ps(
-            _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(var), sqrt_bc2), eps), inf,
-            _mm256_cmp_ps(var, _mm256_setzero_ps(), _CMP_EQ_OQ));
-        store8(m + p, _mm256_andnot_ps(_mm256_cmp_ps(denom, inf, _CMP_EQ_OQ), d), stream);
-        float* wp = s.w + (p - s.start);
-        __m256 w = _mm256_loadu_ps(wp);
-        if (s.apply_decay) w = _mm256_mul_ps(w, decay);
-        _mm256_storeu_ps(wp, _mm256_add_ps(w, _mm256_div_ps(_mm256_mul_ps(step, d), denom)));
-      }
+      for (; p + 8 <= s.end; p += 8) update8_avx2(s, p, _mm256_loadu_ps(src + p), m, stream);
       for (; p < s.end; ++p) update1(s, p, src[p], m);
     } else {
       for (; p + 8 <= s.end; p += 8) store8(m + p, _mm256_loadu_ps(src + p), stream);
