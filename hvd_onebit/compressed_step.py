@@ -198,8 +198,7 @@ class CompressedStep:
         if not self.up_to_date(active):
             self.fuse(active)
         if self._variance_scanned_for is not self.buckets:
-            for p in self.params:
-                self._freeze_variance(p)
+            self._freeze_variances(self.params)
             self._variance_scanned_for = self.buckets
 
     def reset(self) -> None:
@@ -353,8 +352,11 @@ class CompressedStep:
 
     # ---- the frozen variance ---------------------------------------------------------------------
 
-    def _freeze_variance(self, p: torch.Tensor) -> None:
-        """Record the step count v was frozen at (once per parameter).
+    def _freeze_variances(self, params: list[torch.Tensor]) -> None:
+        """Record the step count each parameter's variance was frozen at (once per parameter),
+        reading every such step count and zero-variance count in one device-to-host read (a
+        read per parameter would be a sync each on a GPU); the step counts also prime
+        :meth:`_host_step`.
 
         Elements whose frozen variance is exactly zero never saw a gradient in the warmup (a
         dead ReLU unit, an unused embedding row). Adam would divide their momentum by eps, and
@@ -363,17 +365,31 @@ class CompressedStep:
         +inf (see :class:`~hvd_onebit.fused_adam.AdamUpdate`), so the update leaves them alone
         and zeroes their momentum.
         """
-        state = self.state[p]
-        if state.get("frozen_variance_step", NOT_FROZEN) != NOT_FROZEN:
+        todo = [p for p in params
+                if self.state[p].get("frozen_variance_step", NOT_FROZEN) == NOT_FROZEN]
+        if not todo:
             return
-        state["frozen_variance_step"] = int(state["step"])
-        unseen = int(torch.count_nonzero(state["exp_avg_sq"] == 0))
-        if unseen:
-            warnings.warn(
-                f"hvd_onebit: {unseen} of {p.numel()} elements of parameter "
-                f"{self.names.get(p, '?')} received no gradient during the "
-                f"{state['frozen_variance_step']}-step warmup (variance 0); they are held fixed "
-                "in the compression phase")
+        device = self.state[todo[0]]["exp_avg_sq"].device
+        f64 = dict(dtype=torch.float64, device=device)
+        figures = []  # per parameter: its step count, then its count of zero variances
+        for p in todo:
+            step = self.state[p]["step"]
+            figures.append(step.detach().reshape(()).to(**f64) if isinstance(step, torch.Tensor)
+                           else torch.tensor(float(step), **f64))
+            figures.append(torch.count_nonzero(self.state[p]["exp_avg_sq"] == 0).to(**f64))
+        values = torch.stack(figures).tolist()
+        for i, p in enumerate(todo):
+            state, step, unseen = self.state[p], values[2 * i], int(values[2 * i + 1])
+            state["frozen_variance_step"] = int(step)
+            if isinstance(state["step"], torch.Tensor):
+                t = state["step"]
+                self._host_steps[p] = (t, t._version, step)
+            if unseen:
+                warnings.warn(
+                    f"hvd_onebit: {unseen} of {p.numel()} elements of parameter "
+                    f"{self.names.get(p, '?')} received no gradient during the "
+                    f"{state['frozen_variance_step']}-step warmup (variance 0); they are held "
+                    "fixed in the compression phase")
 
     def _host_step(self, p: torch.Tensor) -> float:
         """Adam's step count of ``p`` as a host number. A step tensor on a GPU (fused or
