@@ -381,9 +381,7 @@ class CompressedStep:
         for i, p in enumerate(todo):
             state, step, unseen = self.state[p], values[2 * i], int(values[2 * i + 1])
             state["frozen_variance_step"] = int(step)
-            if isinstance(state["step"], torch.Tensor):
-                t = state["step"]
-                self._host_steps[p] = (t, t._version, step)
+            self._remember_step(p, step)
             if unseen:
                 warnings.warn(
                     f"hvd_onebit: {unseen} of {p.numel()} elements of parameter "
@@ -403,8 +401,15 @@ class CompressedStep:
         if cached is not None and cached[0] is t and cached[1] == t._version:
             return cached[2]
         value = float(t)
-        self._host_steps[p] = (t, t._version, value)
+        self._remember_step(p, value)
         return value
+
+    def _remember_step(self, p: torch.Tensor, value: float) -> None:
+        """Record ``value`` as the host copy of ``p``'s step tensor as it is now (nothing for a
+        step held as a Python number)."""
+        t = self.state[p]["step"]
+        if isinstance(t, torch.Tensor):
+            self._host_steps[p] = (t, t._version, value)
 
     # ---- the step -------------------------------------------------------------------------------
 
@@ -514,9 +519,7 @@ class CompressedStep:
         for p in owner:
             value = self._host_step(p)
             self.state[p]["step"] += 1
-            t = self.state[p]["step"]
-            if isinstance(t, torch.Tensor):
-                self._host_steps[p] = (t, t._version, value + 1)
+            self._remember_step(p, value + 1)
         return nbytes
 
     def _onebit_average(self, early: list, param_groups: list[dict], owner: set,

@@ -164,6 +164,13 @@ class AdamUpdate:
         """Whether the native kernel can update every tensor in place (fp32, contiguous, CPU)."""
         return kernels.native_ready([*self.weights, *self.variances])
 
+    def native_args(self) -> tuple:
+        """(weights, variances, sizes, steps, decays, sqrt_bc2s, eps) as the native kernels take
+        them: the scalars as Python floats, one per parameter."""
+        return (self.weights, self.variances, self.sizes, [float(s) for s in self.steps],
+                [float(d) for d in self.decays], [float(b) for b in self.sqrt_bc2s],
+                [float(e) for e in self.eps])
+
     def denominator(self, i: int, lo: int = 0, hi: Optional[int] = None) -> torch.Tensor:
         """Elements ``[lo, hi)`` of parameter ``i``'s denominator, float32 (a fresh tensor): the
         torch reference of what the fused kernels compute in their pass. Correctly rounded on
@@ -213,10 +220,7 @@ class AdamUpdate:
         src = src.reshape(-1)
         if (kernels.resolve_backend(backend, out.device) == "native" and self.native_ready()
                 and kernels.native_ready([src, out]) and out.is_contiguous()):
-            kernels.native_module().update(
-                src, out.view(-1), self.weights, self.variances, self.sizes,
-                [float(s) for s in self.steps], [float(d) for d in self.decays],
-                [float(b) for b in self.sqrt_bc2s], [float(e) for e in self.eps], True)
+            kernels.native_module().update(src, out.view(-1), *self.native_args(), True)
             return
         if src.data_ptr() != out.data_ptr():
             out.view(-1).copy_(src)
@@ -234,11 +238,8 @@ def decode_update(rows: torch.Tensor, out: torch.Tensor, layout: Layout, update:
     ``update`` in the same pass where the native kernel can."""
     resolved = kernels.resolve_backend(backend, rows.device)
     if resolved == "native" and update.native_ready() and out.dtype == torch.float32:
-        kernels.native_module().decode_update(
-            rows, out, update.weights, update.variances, update.sizes,
-            [float(s) for s in update.steps], [float(d) for d in update.decays],
-            [float(b) for b in update.sqrt_bc2s], [float(e) for e in update.eps],
-            *layout.as_args(), True)
+        kernels.native_module().decode_update(rows, out, *update.native_args(),
+                                              *layout.as_args(), True)
         return
     if resolved == "triton" and layout.padded > 0 and out.dtype == torch.float32:
         tk = kernels.triton_module()

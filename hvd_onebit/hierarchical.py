@@ -226,6 +226,15 @@ class HierarchicalOneBitAllreduce(TransactionalCollective):
         self.name = name
         self.device = torch.device(device)
         world = topology.nodes * topology.per_node
+        if intra not in ("network", "shared_memory"):
+            raise ValueError(f"intra must be 'network' or 'shared_memory', got {intra!r}")
+        if intra == "shared_memory" and (transport != "torch" or self.device.type != "cpu"):
+            raise ValueError("intra='shared_memory' moves CPU buffers beside transport='torch', "
+                             f"got transport={transport!r} on {self.device}")
+        self.intra = intra
+        shared = intra == "shared_memory"
+        L = topology.per_node
+        self.shard = max(1, math.ceil(numel / L))
         if transport == "torch":
             nodes = [tuple(row) for row in topology.grid]
             columns = [tuple(row[i] for row in topology.grid) for i in range(topology.per_node)]
@@ -234,7 +243,9 @@ class HierarchicalOneBitAllreduce(TransactionalCollective):
             if any(list(g) != sorted(g) for g in nodes + columns):
                 raise ValueError(f"hierarchical 1-bit needs ranks numbered node by node: {nodes}")
             torch_subgroups(nodes + columns)
-            self.local = TorchTransport(device=device, members=tuple(topology.local_members))
+            self.local = (SharedMemoryTransport(topology.local_members, self.shard,
+                                                name=f"{name}.node") if shared
+                          else TorchTransport(device=device, members=tuple(topology.local_members)))
             self.cross = TorchTransport(device=device, members=tuple(topology.cross_members))
         elif transport == "horovod":
             self.local = SubsetTransport(topology.local_members, topology.rank, world)
@@ -242,22 +253,10 @@ class HierarchicalOneBitAllreduce(TransactionalCollective):
         else:
             raise ValueError(f"the hierarchical collective runs on transport 'horovod' or "
                              f"'torch', got {transport!r}")
-        if intra not in ("network", "shared_memory"):
-            raise ValueError(f"intra must be 'network' or 'shared_memory', got {intra!r}")
-        if intra == "shared_memory" and (transport != "torch" or self.device.type != "cpu"):
-            raise ValueError("intra='shared_memory' moves CPU buffers beside transport='torch', "
-                             f"got transport={transport!r} on {self.device}")
-        L = topology.per_node
-        self.shard = max(1, math.ceil(numel / L))
-        if intra == "shared_memory":
-            self.local = SharedMemoryTransport(topology.local_members, self.shard,
-                                               name=f"{name}.node")
-        self.intra = intra
         self.inner = OneBitAllreduce(self.shard, block_size=block_size, transport=self.cross,
                                      backend=backend, device=self.device, name=f"{name}.cross",
                                      defer_check=defer_check, spare_errors=spare_errors)
         f32 = dict(dtype=torch.float32, device=self.device)
-        shared = intra == "shared_memory"
         # this rank's input, padded: L shards (the padding stays zero)
         self._full = self.local.input_row() if shared else torch.zeros(L * self.shard, **f32)
         self._shard_in = torch.zeros(self.shard, **f32)  # the node's mean of this rank's shard

@@ -65,8 +65,10 @@ class SharedMemoryTransport:
     name = "shared-memory"
 
     def __init__(self, members: Sequence[int], shard: int, name: str = "hvd_onebit.shm"):
-        self._group = TorchTransport(members=tuple(members))
-        self._dist = self._group._dist
+        import torch.distributed as dist
+
+        self._dist = dist
+        self._group = TorchTransport(members=tuple(members))  # the node's subgroup
         self.size = self._group.size
         self.rank = self._group.rank
         self.shard = shard

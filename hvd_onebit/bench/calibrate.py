@@ -8,9 +8,9 @@ Three groups, saved together as one JSON file (``hvd-onebit bench calibrate --ou
   ``local`` ranks run it, then forward+backward and Adam's step each timed with all k processes
   in the same phase (ranks synchronised by collectives run them so, and contend more for cores
   and memory), and the 1-bit kernels' time per element (momentum + compress, server step,
-  decode + update), in lock-step too; and the passes the hierarchical collective makes with
-  torch ops and plain kernels (momentum materialised, a float32 add, plain compress and decode,
-  Adam's update as torch ops). ``k = 1`` is a rank with a core to itself; larger ``k``
+  decode + update), in lock-step too; and the hierarchical collective's passes (momentum
+  written out, the node mean inside the shard's compression, a float32 add, plain compress and
+  decode, the copy-out with Adam's update). ``k = 1`` is a rank with a core to itself; larger ``k``
   is what ranks that share cores (the emulator) get.
 * **collectives** (Horovod over Gloo on the emulated cluster, every rank its own link): the
   time of a tiny allreduce, alltoall and allgather (the per-op cost: negotiation, size
@@ -38,9 +38,8 @@ from pathlib import Path
 from typing import Optional
 
 CALIBRATION_VERSION = 4
-# version 2: no torch.distributed collectives, no hierarchical passes; version 3: the
-# hierarchical collective's torch-op passes, not its native ones (read, with what needs them
-# refused)
+# version 2: no torch.distributed collectives, no hierarchical passes; version 3: not the
+# hierarchical collective's native passes (read, with what needs them refused)
 READABLE_VERSIONS = (2, 3, 4)
 DEFAULT_PATH = Path("~/.cache/hvd_onebit/calibration.json")
 # the bench train models at their default sizes (hvd-onebit bench train --model ...)
@@ -159,18 +158,15 @@ def _compute_proc(k: int, models: dict, kernel_numel: int, repeats: int, seconds
         "decode_update": lambda: fused_adam.decode_update(send, work, L, update, "native"),
         # the hierarchical collective's passes (hvd_onebit/hierarchical.py): Adam's momentum
         # update written out, the node mean of 2 rows inside the shard's compression (per
-        # element of the shard; a float32 add per further row), the plain compress and decode
-        # of a shard, the gathered mean copied out with Adam's update; and, for calibrations
-        # read by older models, the torch-op passes it made before
+        # element of the shard; a float32 add per further row), the plain compress (one node)
+        # and decode of a shard, the gathered mean copied out with Adam's update
         "momentum_update": lambda: src.materialize(out=x, backend="native"),
         "compress_mean": lambda: mean.compress(y_prev, prev_send, y_next, send, L, "native"),
         "update": lambda: update.copy_apply(x, work, "native"),
-        "materialize": lambda: src.materialize(out=x),
         "add": lambda: acc.add_(x),
         "compress": lambda: kernels.worker_compress(x, y_prev, prev_send, y_next, send, L,
                                                     "native"),
         "decode": lambda: kernels.decode(send, work, L, "native"),
-        "epilogue": lambda: (work.copy_(x), update.apply(work)),
     }
     out["kernel_s_per_elem"] = {}
     for kname, call in calls.items():

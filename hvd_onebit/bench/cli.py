@@ -436,8 +436,10 @@ def _rates(ctx, param, value):
               show_default=True, callback=_csv(click.Choice(
                   ["horovod_fp32", "horovod_fp16", "onebit", "onebit_hierarchical",
                    "onebit_hierarchical_group"])),
-              help="Methods to predict (onebit_hierarchical_group: the hierarchical scheme with "
-                   "its stages as collectives of their own groups, which the library lacks).")
+              help="Methods to predict (onebit_hierarchical_group: with --transport horovod, "
+                   "the hierarchical scheme with its stages as Horovod collectives of their own "
+                   "groups, which the library does not use; with --transport torch, the same as "
+                   "onebit_hierarchical).")
 @click.option("--check", "check_dir", default=None, type=click.Path(exists=True, file_okay=False),
               help="Instead: compare predictions with every `bench train --json` output "
                    "(train_*.json) in this folder and print each pair.")

@@ -51,8 +51,9 @@ from ..layout import Layout, ring_allreduce_bytes
 
 TCP_EFFICIENCY = 1448 / 1514  # TCP payload per Ethernet frame at a 1500-byte MTU
 METHODS = ("horovod_fp32", "horovod_fp16", "onebit", "onebit_hierarchical")
-# hierarchical 1-bit with each stage a collective of its own group: what hierarchical.py does on
-# torch.distributed subgroups (transport "torch"/"auto"), here with Horovod's per-peer costs
+# hierarchical 1-bit on Horovod's transport with each stage a collective of its own group
+# (process sets, which the library does not use there); on torch's transport the stages are
+# group collectives already, and this method is onebit_hierarchical
 GROUP_METHOD = "onebit_hierarchical_group"
 HIERARCHICAL_NOTE = ("onebit_hierarchical models hvd_onebit/hierarchical.py on the flat 1-bit "
                      "transport (torch: group collectives between nodes, intra_node inside them; "

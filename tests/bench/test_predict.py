@@ -43,8 +43,8 @@ def fake_calibration(alpha=(1e-3, 2e-3), host_per_byte=1e-9, link_bps=10**9, ove
                         "1gbit": {"np": n, "numel": NUMEL, "row_bytes": ROW, "median_s": shaped}}
     model = {"params": 1_000_000, "step_s": 0.011, "fwd_bwd_s": 0.010, "adam_s": 0.002}
     kern = {"compress_momentum": 1e-9, "server": 0.5e-9, "decode_update": 1e-9,
-            "materialize": 2e-9, "add": 0.25e-9, "compress": 0.75e-9, "decode": 0.4e-9,
-            "epilogue": 3e-9, "momentum_update": 1.5e-9, "compress_mean": 1.25e-9,
+            "add": 0.25e-9, "compress": 0.75e-9, "decode": 0.4e-9,
+            "momentum_update": 1.5e-9, "compress_mean": 1.25e-9,
             "update": 2.5e-9}
     compute = {str(k): {"models": {"mlp": {**model, "fwd_bwd_s": 0.010 * k / 2 if k > 2 else 0.010}},
                         "kernel_s_per_elem": kern} for k in (1, 2, 4)}
