@@ -37,10 +37,11 @@ import time
 from pathlib import Path
 from typing import Optional
 
-CALIBRATION_VERSION = 4
+CALIBRATION_VERSION = 5
 # version 2: no torch.distributed collectives, no hierarchical passes; version 3: not the
-# hierarchical collective's native passes (read, with what needs them refused)
-READABLE_VERSIONS = (2, 3, 4)
+# hierarchical collective's native passes (read, with what needs them refused); version 4: no
+# fp16 allreduce of the bench models' own gradients (fp16 predicted from random normal values)
+READABLE_VERSIONS = (2, 3, 4, 5)
 DEFAULT_PATH = Path("~/.cache/hvd_onebit/calibration.json")
 # the bench train models at their default sizes (hvd-onebit bench train --model ...)
 BENCH_MODELS = {
@@ -235,7 +236,11 @@ def ranks_compute(models: dict, seconds: float = 1.0) -> dict:
     lock-step, every call after a Horovod barrier as a step's collectives line ranks up:
     ``fwd_bwd_s`` (forward + backward) and ``adam_s`` (fused Adam), each until the last rank is
     done, as the next collective waits for it. Each: the median of the calls, the mean over
-    ranks (as `bench train` takes a step's time)."""
+    ranks (as `bench train` takes a step's time). ``fp16_allreduce_s``: ``Compression.fp16``'s
+    cast, allreduce and cast back of the model's own gradient, all of it in one buffer (the
+    slowest rank's median): its cost depends on the values, not only on their number, because
+    gradients under 2**-14 in magnitude become float16 subnormals, which the host converts and
+    sums several times slower than normal values or zeros."""
     import horovod.torch as hvd
     import torch
 
@@ -277,7 +282,13 @@ def ranks_compute(models: dict, seconds: float = 1.0) -> dict:
         out[name] = {"params": sum(p.numel() for p in net.parameters()),
                      "step_s": timed(step, False), "fwd_bwd_s": timed(fwd_bwd, True),
                      "adam_s": timed(opt.step, True)}
+        fwd_bwd()
+        grad = torch.cat([p.grad.flatten() for p in net.parameters() if p.grad is not None])
         del net, opt
+        out[name]["fp16_allreduce_s"] = _slowest_median(
+            lambda: _fp16_allreduce(hvd, grad, _wait), barrier, repeats=5,
+            name=f"cal.fp16.{name}")
+        del grad
     return out
 
 
@@ -357,6 +368,33 @@ def collectives_worker(numel: int = 4 << 20, repeats: int = 7, tiny_repeats: int
         groups = [slowest[i:i + size] for i in range(0, len(slowest), size)]
         out["median_s"][name] = min(statistics.median(g) for g in groups if g)
     return out
+
+
+def _wait(handle):
+    """Sleep until a Horovod handle is done (as `bench train`'s ranks wait), then its result."""
+    import horovod.torch as hvd
+
+    from ..transports import sleep_until_done
+
+    sleep_until_done(handle)
+    return hvd.synchronize(handle)
+
+
+def _slowest_median(call, barrier, repeats: int, name: str) -> float:
+    """The median over ``repeats`` calls, each after ``barrier``, of the slowest rank's time."""
+    import horovod.torch as hvd
+    import torch
+
+    call()  # Horovod's first op of a name negotiates and allocates: not timed
+    times = []
+    for _ in range(repeats):
+        barrier()
+        start = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - start)
+    slowest = hvd.allreduce(torch.tensor(times, dtype=torch.float64), op=hvd.Max,
+                            name=f"{name}.times")
+    return statistics.median(slowest.tolist())
 
 
 def _fp16_allreduce(hvd, x, wait):

@@ -15,7 +15,9 @@ The model (README.md, "Predicting the speed-up at scale", says the same in prose
 
   ``alpha_op(n) = a_op + b_op * (n - 1)``: Horovod's cost per op (negotiation, size exchanges,
   one message per peer), a line through the tiny-op times measured at two world sizes.
-  ``h_op``: the host's cost per byte (reduction, copies, TCP stack), measured on unshaped links;
+  ``h_op``: the host's cost per byte (reduction, copies, TCP stack), measured on unshaped links
+  (for Horovod's fp16 allreduce of a calibrated bench model: on that model's own gradient, as
+  float16 subnormals make its cost depend on the values);
   ``kappa``: the share of the shorter of host and wire time that the longer one does not hide
   (the ring pipelines its chunks), from the large fp32 allreduce on a shaped link.
 * Ring allreduce: ``2 (n-1)/n B`` per rank, ``2 (n-1)`` latency steps; alltoall and allgather of
@@ -142,6 +144,8 @@ def constants(cal: dict) -> dict:
             out[f"{model}_step_ms@{n}ranks"] = m["step_s"] * 1e3
             out[f"{model}_fwd_bwd_ms@{n}ranks"] = m["fwd_bwd_s"] * 1e3
             out[f"{model}_adam_ms@{n}ranks"] = m["adam_s"] * 1e3
+            if "fp16_allreduce_s" in m:
+                out[f"{model}_fp16_allreduce_ms@{n}ranks"] = m["fp16_allreduce_s"] * 1e3
     for k, c in cal["compute"].items():
         for name, kern in c["kernel_s_per_elem"].items():
             out[f"kernel_{name}_ns_per_elem@{k}procs"] = kern * 1e9
@@ -314,10 +318,29 @@ class Model:
 
     # -- collectives
 
+    def _model_host(self, op: str, job: Job, cl: Cluster) -> Optional[float]:
+        """Seconds per byte of ``op`` on the job's calibrated bench model's own gradient, where
+        the calibration timed it (``allreduce_fp16``, version 5): the float16 cast and sum cost
+        depends on the values (subnormals are slow), so random normal values misjudge a real
+        gradient. None: use the op's figure from random normal values."""
+        if op != "allreduce_fp16" or job.model is None:
+            return None
+        coll = self.cal["collectives"]
+        measured = sorted(int(k) for k in coll)
+        key = min(measured, key=lambda k: (abs(k - cl.n), -k)) if cl.colocated else measured[0]
+        row = coll[str(key)].get("unlimited", {})
+        m = row.get("models", {}).get(job.model, {})
+        if "fp16_allreduce_s" not in m:
+            return None
+        nbytes = ring_allreduce_bytes(2 * m["params"], key)
+        return max(0.0, m["fp16_allreduce_s"] - row["median_s"]["allreduce_tiny"]) / nbytes
+
     def _transfer(self, op: str, n: int, nbytes: float, link_bytes: float, bps, latency_steps: int,
                   latency_s: float, job: Job, cl: Cluster, kind: str) -> float:
         alpha = self.alpha(kind, n)  # first: it says clearly when the calibration lacks op
         h, kappa = self._host(op, n, cl)
+        model_h = self._model_host(op, job, cl)
+        h = h if model_h is None else model_h
         host = h * nbytes / job.host_speedup
         wire = 0.0 if bps is None else link_bytes * 8 / (bps * TCP_EFFICIENCY)
         data = max(host, wire) + kappa * min(host, wire)

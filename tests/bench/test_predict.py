@@ -216,6 +216,32 @@ def test_colocated_compute_prefers_the_figures_timed_inside_the_ranks():
     assert pm.constants(cal)["mlp_fwd_bwd_ms@4ranks"] == pytest.approx(25)
 
 
+def test_fp16_of_a_calibrated_model_uses_its_own_gradients_cost():
+    """Horovod's fp16 allreduce costs what it cost on the model's own gradient (float16
+    subnormals are slow to convert and sum), not the random normal buffer's cost."""
+    cal = fake_calibration()
+    n, params = 4, 1_000_000
+    nbytes = ring_allreduce_bytes(2 * params, n)
+    alpha = cal["collectives"]["4"]["unlimited"]["median_s"]["allreduce_tiny"]
+    cal["collectives"]["4"]["unlimited"]["models"] = {
+        "mlp": {"params": params, "step_s": 0.03, "fwd_bwd_s": 0.025, "adam_s": 0.004,
+                "fp16_allreduce_s": alpha + 5e-9 * nbytes}}  # 5x the random buffer's 1e-9
+    model = pm.Model(cal)
+    cl = pm.Cluster(nodes=4, inter_bps=None, colocated=True)  # unshaped: alpha + host
+    own = model.predict("horovod_fp16", pm.Job(params=params, model="mlp"), cl)
+    assert own.phases["allreduce_fp16"] == pytest.approx(alpha + 5e-9 * nbytes), own.phases
+    # no model named (or a version-4 calibration without the figure): the random buffer's cost
+    generic = model.predict("horovod_fp16", pm.Job(params=params, compute_s=0.03), cl)
+    assert generic.phases["allreduce_fp16"] == pytest.approx(alpha + 1e-9 * nbytes), \
+        generic.phases
+    # fp32 is not affected by the model's fp16 figure
+    fp32 = model.predict("horovod_fp32", pm.Job(params=params, model="mlp"), cl)
+    assert fp32.phases["allreduce_fp32"] == pytest.approx(
+        alpha + 1e-9 * ring_allreduce_bytes(4 * params, n)), fp32.phases
+    assert pm.constants(cal)["mlp_fp16_allreduce_ms@4ranks"] == pytest.approx(
+        (alpha + 5e-9 * nbytes) * 1e3)
+
+
 def test_a_version_2_calibration_predicts_on_horovods_transport_only():
     cal = fake_calibration()
     cal["version"] = 2
@@ -323,7 +349,10 @@ def test_small_prediction_against_measurement_on_loopback():
     coll = run_job("hvd_onebit.bench.calibrate:collectives_worker", np=2,
                    kwargs={"numel": 1 << 20, "repeats": 5, "tiny_repeats": 9, "models": small},
                    timeout=120, env=MALLOC_REUSE_ENV).results[0]
-    assert set(coll["models"]["mlp"]) == {"params", "step_s", "fwd_bwd_s", "adam_s"}
+    assert set(coll["models"]["mlp"]) == {"params", "step_s", "fwd_bwd_s", "adam_s",
+                                          "fp16_allreduce_s"}
+    # the fp16 allreduce of the model's own gradient costs at least a tiny allreduce
+    assert coll["models"]["mlp"]["fp16_allreduce_s"] > coll["median_s"]["allreduce_tiny"], coll
     cal = {"version": cal_mod.CALIBRATION_VERSION, "cores": 2, "link": None, "link_bps": None,
            "compute": compute, "collectives": {"2": {"unlimited": coll}}}
     proc = subprocess.run(CLI + ["train", "--np", "2", "--bandwidth", "local", "--model", "mlp",
