@@ -14,12 +14,20 @@ and prints one JSON object:
     auto_freeze_decision                           the step, the figure that triggered it, history
     auto_in_10_30_percent, auto_within_1_01_of_adam  the two targets of issue #17
 
+``adam_reordered`` (not run by default) is Horovod Adam again with only the order of the batches
+changed (the example's ``--data-seed``): its ratio to Adam is how far the final loss moves with
+the batch order alone, the scale against which the other ratios are read. ``--seeds 0,1,2``
+repeats everything per seed (``--seed`` to the example; ``OUT_DIR/seed<s>/``) and adds
+``per_seed`` (each seed's result as above) and ``summary.<run>``: each seed's ratio to that
+seed's Adam, their mean, and for ``auto`` each seed's freeze fraction.
+
 Bytes: 1-bit runs report what they sent (warmup: the ring-allreduce figure 2 (n-1)/n * 4 bytes
 per parameter per step; compression: bytes on the wire); Adam's are that ring figure every step.
 
 Usage:
     python benchmarks/auto_freeze.py --example lm        # 4 ranks, train_lm.py's 1000 steps
     python benchmarks/auto_freeze.py --example digits    # 4 ranks, train_digits.py's 300 steps
+    python benchmarks/auto_freeze.py --example digits --seeds 0,1,2,3,4 --runs adam,adam_reordered,auto
     python benchmarks/auto_freeze.py --example lm --np 2 -- --steps 200   # args after -- go to the example
 """
 from __future__ import annotations
@@ -36,7 +44,9 @@ from hvd_onebit.layout import ring_allreduce_bytes
 REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = {"lm": REPO / "examples" / "train_lm.py", "digits": REPO / "examples" / "train_digits.py"}
 RUNS = {"adam": ("adam", None), "auto": ("onebit", "auto"), "early_2pct": ("onebit", "0.02"),
-        "late_50pct": ("onebit", "0.5")}
+        "late_50pct": ("onebit", "0.5"), "adam_reordered": ("adam", None)}
+DEFAULT_RUNS = ("adam", "auto", "early_2pct", "late_50pct")
+REORDERED_DATA_SEED = 1000  # added to the run's seed: another batch order, same model and split
 
 
 def summarize(name: str, summary: dict, wall: float) -> dict:
@@ -81,23 +91,26 @@ def plot(runs: dict, path: Path, title: str) -> None:
     plt.close(fig)
 
 
-def main(argv=None) -> dict:
-    command, argv, extra = split_argv(argv, "auto_freeze.py")
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                epilog="Arguments after -- go to the example script.")
-    p.add_argument("--example", choices=sorted(SCRIPTS), default="lm")
-    p.add_argument("--np", type=int, default=4)
-    p.add_argument("--runs", default=",".join(RUNS), help=f"subset of {','.join(RUNS)}")
-    p.add_argument("--out-dir", default=None, help="default results/auto_freeze_<example>")
-    p.add_argument("--timeout", type=float, default=1800.0, help="seconds per training run")
-    args = p.parse_args(argv)
-    out_dir = Path(args.out_dir or REPO / "results" / f"auto_freeze_{args.example}")
+def example_seed(example: str, extra: list[str]) -> int:
+    """The ``--seed`` among the example's arguments, else the example's default."""
+    for i, arg in enumerate(extra):
+        if arg == "--seed" and i + 1 < len(extra):
+            return int(extra[i + 1])
+        if arg.startswith("--seed="):
+            return int(arg.split("=", 1)[1])
+    return {"lm": 1337, "digits": 0}[example]
+
+
+def run_all(args, names: list[str], extra: list[str], out_dir: Path, command: str) -> dict:
+    """Every run in ``names`` on the example with ``extra``; the result object described above."""
     runs = {}
-    for name in args.runs.split(","):
+    for name in names:
         optimizer, frac = RUNS[name]
         run_dir = out_dir / name
         run_dir.mkdir(parents=True, exist_ok=True)
         train_args = list(extra) + (["--warmup-frac", frac] if frac else [])
+        if name == "adam_reordered":
+            train_args += ["--data-seed", str(example_seed(args.example, extra) + REORDERED_DATA_SEED)]
         try:
             run = train_lm(optimizer, args.np, train_args, run_dir, args.timeout,
                            script=SCRIPTS[args.example])
@@ -129,6 +142,65 @@ def main(argv=None) -> dict:
     plot(done, png, f"{SCRIPTS[args.example].name} on {args.np} ranks: where to freeze")
     result["plot"] = str(png)
     (out_dir / "summary.json").write_text(json.dumps(result, indent=1))
+    return result
+
+
+def across_seeds(per_seed: dict) -> dict:
+    """Per run: each seed's ratio to its Adam and their mean; for auto, where it froze."""
+    summary: dict = {}
+    for seed, result in per_seed.items():
+        for name, r in result["runs"].items():
+            if name == "adam":
+                continue
+            row = summary.setdefault(name, {"ratio_to_adam": {}, "failed": {}})
+            if "failed" in r:
+                row["failed"][seed] = r["failed"]
+            elif r.get("ratio_to_adam") is not None:
+                row["ratio_to_adam"][seed] = r["ratio_to_adam"]
+            if name == "auto" and "failed" not in r:
+                row.setdefault("freeze_fraction", {})[seed] = r["freeze_fraction"]
+    for row in summary.values():
+        ratios = list(row["ratio_to_adam"].values())
+        row["mean_ratio_to_adam"] = sum(ratios) / len(ratios) if ratios else None
+        row["range_ratio_to_adam"] = [min(ratios), max(ratios)] if ratios else None
+        if not row["failed"]:
+            del row["failed"]
+    return summary
+
+
+def main(argv=None) -> dict:
+    command, argv, extra = split_argv(argv, "auto_freeze.py")
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                epilog="Arguments after -- go to the example script.")
+    p.add_argument("--example", choices=sorted(SCRIPTS), default="lm")
+    p.add_argument("--np", type=int, default=4)
+    p.add_argument("--runs", default=",".join(DEFAULT_RUNS), help=f"subset of {','.join(RUNS)}")
+    p.add_argument("--seeds", default=None,
+                   help="comma-separated seeds: everything once per seed (--seed to the example)")
+    p.add_argument("--out-dir", default=None, help="default results/auto_freeze_<example>")
+    p.add_argument("--timeout", type=float, default=1800.0, help="seconds per training run")
+    args = p.parse_args(argv)
+    names = args.runs.split(",")
+    unknown = [n for n in names if n not in RUNS]
+    if unknown:
+        p.error(f"--runs: unknown {', '.join(unknown)}; choose from {', '.join(RUNS)}")
+    out_dir = Path(args.out_dir or REPO / "results" / f"auto_freeze_{args.example}")
+    if args.seeds is None:
+        result = run_all(args, names, extra, out_dir, command)
+    else:
+        if any(a == "--seed" or a.startswith("--seed=") for a in extra):
+            p.error("--seeds sets the example's --seed: do not pass --seed after --")
+        if "adam" not in names:
+            p.error("--seeds compares every run with its seed's Adam: include adam in --runs")
+        per_seed = {}
+        for seed in (int(s) for s in args.seeds.split(",")):
+            print(f"[auto_freeze] seed {seed}", file=sys.stderr, flush=True)
+            per_seed[str(seed)] = run_all(args, names, list(extra) + ["--seed", str(seed)],
+                                          out_dir / f"seed{seed}", command)
+        result = {"example": args.example, "np": args.np, "command": command,
+                  "seeds": list(per_seed), "summary": across_seeds(per_seed),
+                  "per_seed": per_seed}
+        (out_dir / "summary.json").write_text(json.dumps(result, indent=1))
     print(json.dumps(result, indent=1), flush=True)
     return result
 

@@ -194,6 +194,10 @@ def parse_args(argv=None):
                         "once Adam's variance has settled (at most after half the steps)")
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--seed", type=int, default=1337)
+    p.add_argument("--data-seed", type=int, default=None,
+                   help="seeds only the order of the batches each rank draws (default: --seed); "
+                        "a run that differs from another only here shows how much the final "
+                        "loss moves with the batch order alone")
     p.add_argument("--eval-every", type=int, default=50)
     p.add_argument("--eval-batches", type=int, default=8,
                    help="validation windows = eval_batches * batch_size (0: the whole split)")
@@ -224,7 +228,8 @@ def main(argv=None):
     train_data, val_data = data[:-n_val], data[-n_val:]
     shard_len = len(train_data) // world
     shard = train_data[rank * shard_len:(rank + 1) * shard_len]
-    gen = torch.Generator().manual_seed(args.seed * 1000 + rank)
+    data_seed = args.seed if args.data_seed is None else args.data_seed
+    gen = torch.Generator().manual_seed(data_seed * 1000 + rank)
     window = args.context + 1
     val_windows = val_data[:len(val_data) // window * window].view(-1, window)
     if args.eval_batches > 0 and len(val_windows) > args.eval_batches * args.batch_size:

@@ -137,3 +137,29 @@ def test_convergence_benchmark_quick(quick_benchmark):
     assert result["total_bytes_per_rank_onebit"] < result["total_bytes_per_rank_adam"]
     assert Path(result["plot"]).stat().st_size > 1000
     assert json.loads((out / "summary.json").read_text()) == result
+
+
+def test_auto_freeze_benchmark_across_seeds_with_the_batch_order_alone_changed(tmp_path):
+    """benchmarks/auto_freeze.py --seeds: per seed, Adam and Adam on another batch order (the
+    example's --data-seed); the summary holds each seed's ratio to that seed's Adam."""
+    pytest.importorskip("sklearn")
+    stdout = run([sys.executable, "benchmarks/auto_freeze.py", "--example", "digits", "--np", "2",
+                  "--seeds", "0,1", "--runs", "adam,adam_reordered", "--out-dir", str(tmp_path),
+                  "--", "--steps", "12", "--eval-every", "6", "--batch-size", "8"], timeout=300)
+    result, _ = json.JSONDecoder().raw_decode(stdout[stdout.index("{\n"):])
+    assert result["seeds"] == ["0", "1"], result["seeds"]
+    per_seed = result["per_seed"]
+    losses = {s: {name: r["final_val_loss"] for name, r in per_seed[s]["runs"].items()}
+              for s in per_seed}
+    # the seed reaches the example (another split and init), the data seed only the batch order
+    assert losses["0"]["adam"] != losses["1"]["adam"], losses
+    for s in ("0", "1"):
+        assert losses[s]["adam_reordered"] != losses[s]["adam"], losses
+        curve = per_seed[s]["runs"]["adam_reordered"]["val_curve"]
+        assert [step for step, _ in curve] == [6, 12], curve
+    ratios = result["summary"]["adam_reordered"]["ratio_to_adam"]
+    assert ratios == {s: pytest.approx(losses[s]["adam_reordered"] / losses[s]["adam"])
+                      for s in ("0", "1")}, ratios
+    mean = result["summary"]["adam_reordered"]["mean_ratio_to_adam"]
+    assert mean == pytest.approx(sum(ratios.values()) / 2), mean
+    assert json.loads((tmp_path / "summary.json").read_text()) == result
