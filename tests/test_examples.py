@@ -163,3 +163,24 @@ def test_auto_freeze_benchmark_across_seeds_with_the_batch_order_alone_changed(t
     mean = result["summary"]["adam_reordered"]["mean_ratio_to_adam"]
     assert mean == pytest.approx(sum(ratios.values()) / 2), mean
     assert json.loads((tmp_path / "summary.json").read_text()) == result
+
+
+def test_variance_trend_reports_the_variance_and_the_recent_gradients(tmp_path):
+    """benchmarks/variance_trend.py on the digits model: a row every --every steps with the
+    summed variance, its fall since the first row, the recent gradients' mean square over it and
+    auto-freeze's own figure; a summary with the drop; a clear error for too short a window."""
+    pytest.importorskip("sklearn")
+    out = run([sys.executable, "benchmarks/variance_trend.py", "--example", "digits",
+               "--steps", "60", "--every", "20"], timeout=120)
+    lines = [json.loads(x) for x in out.splitlines() if x.startswith("{")]
+    rows, summary = lines[:-1], lines[-1]
+    assert [r["step"] for r in rows] == [20, 40, 60], rows
+    assert rows[0]["variance_vs_first"] == 1.0 and "recent_over_variance" not in rows[0], rows[0]
+    for r in rows[1:]:
+        assert r["variance_vs_first"] == pytest.approx(r["variance_sum"] / rows[0]["variance_sum"])
+        assert 0 < r["recent_over_variance"] < 50 and 0 < r["change_10"] < 2, r
+    assert summary["variance_drop_first_to_last"] == pytest.approx(
+        rows[0]["variance_sum"] / rows[-1]["variance_sum"]), summary
+    proc = subprocess.run([sys.executable, "benchmarks/variance_trend.py", "--every", "5"],
+                          capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert proc.returncode == 2 and "--every must be at least 10" in proc.stderr, proc.stderr
