@@ -306,6 +306,13 @@ def test_check_pairs_predictions_with_a_train_report():
     assert pairs[("local", "all")]["predicted_s"] == pytest.approx(0.011)  # the free-running step
     assert not pairs[("local", "all")]["within"]  # 0.011 / 0.02 = 0.55
     assert pairs[("onebit", "compression")]["bound"] == 0.15 and pairs[("local", "all")]["runs"] == 2
+    # the counts: every pair; the methods' (local is the compute input); the compressed steps'
+    methods = [p for p in result["pairs"] if p["method"] != "local"]
+    assert (result["met"], result["total"]) == (sum(p["within"] for p in result["pairs"]), 3)
+    assert (result["methods_met"], result["methods_total"]) == (
+        sum(p["within"] for p in methods), 2), result
+    assert (result["compressed_met"], result["compressed_total"]) == (
+        int(pairs[("onebit", "compression")]["within"]), 1), result
     # transport 'auto' ran torch.distributed: predicted with its constants
     torch_step = pm.Model(cal).predict("onebit", pm.Job(params=1_000_000, model="mlp"),
                                        pm.Cluster(nodes=4, inter_bps=10**9, colocated=True))
