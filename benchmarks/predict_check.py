@@ -13,7 +13,9 @@ shared machine spread over all configurations), then calibrates again (unless
 ``compare`` predicts each configuration with `hvd-onebit bench predict` from the first
 calibration (``--calibration`` for another) and prints, per configuration and method phase, the
 predicted and measured step times (median and range over the runs) and their ratio, and which
-pairs are within the bounds (25%; 15% for the compressed step at 1 Gbit/s).
+pairs are within the bounds (25%; 15% for the compressed step at 1 Gbit/s), then three counts:
+every pair, the methods' pairs (all but ``local``, which checks the compute input) and the
+compressed steps'.
 """
 from __future__ import annotations
 
