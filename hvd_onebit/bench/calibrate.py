@@ -244,12 +244,8 @@ def ranks_compute(models: dict, seconds: float = 1.0) -> dict:
     import horovod.torch as hvd
     import torch
 
-    from ..transports import sleep_until_done
-
     def barrier():
-        h = hvd.allreduce_async(torch.zeros(1), name="cal.compute.barrier")
-        sleep_until_done(h)
-        hvd.synchronize(h)
+        _wait(hvd.allreduce_async(torch.zeros(1), name="cal.compute.barrier"))
 
     def timed(fn, lockstep: bool) -> float:
         """Free-running: the call. Lock-step: from a barrier until the last rank is done (the
@@ -286,8 +282,8 @@ def ranks_compute(models: dict, seconds: float = 1.0) -> dict:
         grad = torch.cat([p.grad.flatten() for p in net.parameters() if p.grad is not None])
         del net, opt
         out[name]["fp16_allreduce_s"] = _slowest_median(
-            lambda: _fp16_allreduce(hvd, grad, _wait), barrier, repeats=5,
-            name=f"cal.fp16.{name}")
+            lambda g=grad: _fp16_allreduce(hvd, g), barrier, repeats=5,
+            name=f"cal.fp16.{name}.times")
         del grad
     return out
 
@@ -305,31 +301,25 @@ def collectives_worker(numel: int = 4 << 20, repeats: int = 7, tiny_repeats: int
     import horovod.torch as hvd
     import torch
 
-    from ..transports import sleep_until_done
-
-    def wait(handle):
-        sleep_until_done(handle)
-        return hvd.synchronize(handle)
-
     n = hvd.size()
     row = max(8, numel // 8 // n)  # one 1-bit row of a numel-element buffer
     x = torch.randn(numel)
     calls = {
-        "allreduce_tiny": lambda: wait(hvd.allreduce_async(torch.zeros(1), name="cal.ar.tiny")),
-        "alltoall_tiny": lambda: wait(hvd.alltoall_async(torch.zeros(n, 8, dtype=torch.uint8),
+        "allreduce_tiny": lambda: _wait(hvd.allreduce_async(torch.zeros(1), name="cal.ar.tiny")),
+        "alltoall_tiny": lambda: _wait(hvd.alltoall_async(torch.zeros(n, 8, dtype=torch.uint8),
                                                          name="cal.a2a.tiny")),
-        "allgather_tiny": lambda: wait(hvd.allgather_async(torch.zeros(1, 8, dtype=torch.uint8),
+        "allgather_tiny": lambda: _wait(hvd.allgather_async(torch.zeros(1, 8, dtype=torch.uint8),
                                                            name="cal.ag.tiny")),
-        "allreduce_fp32": lambda: wait(hvd.allreduce_async(x, op=hvd.Average, name="cal.ar.fp32")),
-        "allreduce_fp16": lambda: _fp16_allreduce(hvd, x, wait),
+        "allreduce_fp32": lambda: _wait(hvd.allreduce_async(x, op=hvd.Average, name="cal.ar.fp32")),
+        "allreduce_fp16": lambda: _fp16_allreduce(hvd, x),
         # full precision: the hierarchical collective's scatter and gather inside a node
-        "alltoall_fp32": lambda: wait(hvd.alltoall_async(x.view(n, -1), name="cal.a2a.fp32")),
-        "alltoall": lambda: wait(hvd.alltoall_async(torch.zeros(n, row, dtype=torch.uint8),
+        "alltoall_fp32": lambda: _wait(hvd.alltoall_async(x.view(n, -1), name="cal.a2a.fp32")),
+        "alltoall": lambda: _wait(hvd.alltoall_async(torch.zeros(n, row, dtype=torch.uint8),
                                                     name="cal.a2a")),
-        "allgather": lambda: wait(hvd.allgather_async(torch.zeros(1, row, dtype=torch.uint8),
+        "allgather": lambda: _wait(hvd.allgather_async(torch.zeros(1, row, dtype=torch.uint8),
                                                       name="cal.ag")),
     }
-    barriers = dict.fromkeys(calls, lambda: wait(hvd.allreduce_async(torch.zeros(1),
+    barriers = dict.fromkeys(calls, lambda: _wait(hvd.allreduce_async(torch.zeros(1),
                                                                       name="cal.barrier")))
     if torch_ops:
         import torch.distributed as dist
@@ -354,19 +344,11 @@ def collectives_worker(numel: int = 4 << 20, repeats: int = 7, tiny_repeats: int
     if models:  # compute as the ranks of a Horovod job run it (before any large buffer)
         out["models"] = ranks_compute(models)
     for name, call in calls.items():
-        call()
-        times = []
-        for _ in range(tiny_repeats if name.endswith("_tiny") else repeats):
-            barriers[name]()
-            start = time.perf_counter()
-            call()
-            times.append(time.perf_counter() - start)
-        slowest = hvd.allreduce(torch.tensor(times, dtype=torch.float64), op=hvd.Max,
-                                name=f"cal.times.{name}").tolist()
+        tiny = name.endswith("_tiny")
         # tiny ops: the smallest median of three windows (see _median_time)
-        size = -(-len(slowest) // 3) if name.endswith("_tiny") else len(slowest)
-        groups = [slowest[i:i + size] for i in range(0, len(slowest), size)]
-        out["median_s"][name] = min(statistics.median(g) for g in groups if g)
+        out["median_s"][name] = _slowest_median(call, barriers[name],
+                                                tiny_repeats if tiny else repeats,
+                                                f"cal.times.{name}", windows=3 if tiny else 1)
     return out
 
 
@@ -380,12 +362,14 @@ def _wait(handle):
     return hvd.synchronize(handle)
 
 
-def _slowest_median(call, barrier, repeats: int, name: str) -> float:
-    """The median over ``repeats`` calls, each after ``barrier``, of the slowest rank's time."""
+def _slowest_median(call, barrier, repeats: int, name: str, windows: int = 1) -> float:
+    """Every rank calls ``call`` ``repeats`` times, each after ``barrier``; per call the slowest
+    rank's time (one Horovod allreduce named ``name``), and of ``windows`` consecutive windows
+    of them the smallest median (the first untimed call negotiates and allocates)."""
     import horovod.torch as hvd
     import torch
 
-    call()  # Horovod's first op of a name negotiates and allocates: not timed
+    call()
     times = []
     for _ in range(repeats):
         barrier()
@@ -393,15 +377,16 @@ def _slowest_median(call, barrier, repeats: int, name: str) -> float:
         call()
         times.append(time.perf_counter() - start)
     slowest = hvd.allreduce(torch.tensor(times, dtype=torch.float64), op=hvd.Max,
-                            name=f"{name}.times")
-    return statistics.median(slowest.tolist())
+                            name=name).tolist()
+    size = -(-len(slowest) // windows)
+    return min(statistics.median(slowest[i:i + size]) for i in range(0, len(slowest), size))
 
 
-def _fp16_allreduce(hvd, x, wait):
+def _fp16_allreduce(hvd, x):
     """``Compression.fp16`` as Horovod's optimizer applies it: cast, allreduce, cast back."""
     comp = hvd.Compression.fp16
     half, ctx = comp.compress(x)
-    return comp.decompress(wait(hvd.allreduce_async(half, op=hvd.Average, name="cal.ar.fp16")),
+    return comp.decompress(_wait(hvd.allreduce_async(half, op=hvd.Average, name="cal.ar.fp16")),
                            ctx)
 
 
