@@ -254,11 +254,15 @@ class Model:
         keys = sorted(int(k) for k in comp)
         return str(min(keys, key=lambda k: (abs(k - cl.n), -k)))
 
-    def _host(self, op: str, n: int, cl: Cluster) -> tuple[float, float]:
-        """(seconds per byte, kappa) of the host for ``op`` among ``n`` ranks: as measured with
-        the nearest world size if colocated, else with the smallest (a core per rank)."""
+    def _collectives_n(self, n: int, cl: Cluster) -> int:
+        """The calibration's collectives job whose figures stand for ``n`` ranks: the nearest
+        world size if colocated (ties: the larger), else the smallest (a core per rank)."""
         measured = sorted(int(k) for k in self.cal["collectives"])
-        key = (min(measured, key=lambda k: (abs(k - n), -k)) if cl.colocated else measured[0])
+        return min(measured, key=lambda k: (abs(k - n), -k)) if cl.colocated else measured[0]
+
+    def _host(self, op: str, n: int, cl: Cluster) -> tuple[float, float]:
+        """(seconds per byte, kappa) of the host for ``op`` among ``n`` ranks."""
+        key = self._collectives_n(n, cl)
         return self.c[f"host_{op}_s_per_byte@{key}"], self.c[f"kappa@{key}"]
 
     def alpha(self, kind: str, n: int) -> float:
@@ -299,10 +303,8 @@ class Model:
         in `bench train`), else as bare processes sharing the cores; not colocated, one bare
         process with a core to itself."""
         if cl.colocated:
-            coll = self.cal["collectives"]
-            keys = sorted(int(k) for k in coll)
-            k = str(min(keys, key=lambda k: (abs(k - cl.n), -k)))
-            ranks = coll[k].get("unlimited", {}).get("models", {})
+            k = str(self._collectives_n(cl.n, cl))
+            ranks = self.cal["collectives"][k].get("unlimited", {}).get("models", {})
             if name in ranks:
                 return ranks[name]
         return self.cal["compute"][self._procs(cl)]["models"][name]
@@ -325,10 +327,8 @@ class Model:
         gradient. None: use the op's figure from random normal values."""
         if op != "allreduce_fp16" or job.model is None:
             return None
-        coll = self.cal["collectives"]
-        measured = sorted(int(k) for k in coll)
-        key = min(measured, key=lambda k: (abs(k - cl.n), -k)) if cl.colocated else measured[0]
-        row = coll[str(key)].get("unlimited", {})
+        key = self._collectives_n(cl.n, cl)
+        row = self.cal["collectives"][str(key)].get("unlimited", {})
         m = row.get("models", {}).get(job.model, {})
         if "fp16_allreduce_s" not in m:
             return None
