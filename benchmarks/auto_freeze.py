@@ -36,6 +36,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Optional
 
 from convergence import split_argv  # benchmarks/, next to this script
 from hvd_onebit.bench.lm import TrainingFailed, train_lm
@@ -46,6 +47,7 @@ SCRIPTS = {"lm": REPO / "examples" / "train_lm.py", "digits": REPO / "examples" 
 RUNS = {"adam": ("adam", None), "auto": ("onebit", "auto"), "early_2pct": ("onebit", "0.02"),
         "late_50pct": ("onebit", "0.5"), "adam_reordered": ("adam", None)}
 DEFAULT_RUNS = ("adam", "auto", "early_2pct", "late_50pct")
+EXAMPLE_SEEDS = {"lm": 1337, "digits": 0}  # each example's --seed default
 REORDERED_DATA_SEED = 1000  # added to the run's seed: another batch order, same model and split
 
 
@@ -91,14 +93,20 @@ def plot(runs: dict, path: Path, title: str) -> None:
     plt.close(fig)
 
 
-def example_seed(example: str, extra: list[str]) -> int:
-    """The ``--seed`` among the example's arguments, else the example's default."""
+def seed_arg(extra: list[str]) -> Optional[int]:
+    """The ``--seed`` among the example's arguments, or None."""
     for i, arg in enumerate(extra):
         if arg == "--seed" and i + 1 < len(extra):
             return int(extra[i + 1])
         if arg.startswith("--seed="):
             return int(arg.split("=", 1)[1])
-    return {"lm": 1337, "digits": 0}[example]
+    return None
+
+
+def example_seed(example: str, extra: list[str]) -> int:
+    """The ``--seed`` among the example's arguments, else the example's default."""
+    seed = seed_arg(extra)
+    return EXAMPLE_SEEDS[example] if seed is None else seed
 
 
 def run_all(args, names: list[str], extra: list[str], out_dir: Path, command: str) -> dict:
@@ -110,7 +118,8 @@ def run_all(args, names: list[str], extra: list[str], out_dir: Path, command: st
         run_dir.mkdir(parents=True, exist_ok=True)
         train_args = list(extra) + (["--warmup-frac", frac] if frac else [])
         if name == "adam_reordered":
-            train_args += ["--data-seed", str(example_seed(args.example, extra) + REORDERED_DATA_SEED)]
+            reordered = example_seed(args.example, extra) + REORDERED_DATA_SEED
+            train_args += ["--data-seed", str(reordered)]
         try:
             run = train_lm(optimizer, args.np, train_args, run_dir, args.timeout,
                            script=SCRIPTS[args.example])
@@ -188,7 +197,7 @@ def main(argv=None) -> dict:
     if args.seeds is None:
         result = run_all(args, names, extra, out_dir, command)
     else:
-        if any(a == "--seed" or a.startswith("--seed=") for a in extra):
+        if seed_arg(extra) is not None:
             p.error("--seeds sets the example's --seed: do not pass --seed after --")
         if "adam" not in names:
             p.error("--seeds compares every run with its seed's Adam: include adam in --runs")

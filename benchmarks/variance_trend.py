@@ -96,7 +96,9 @@ def main(argv=None) -> list[dict]:
     if args.every < 10:
         p.error("--every must be at least 10 (change_10 needs the variance 10 steps back)")
     if args.seed is None:
-        args.seed = {"digits": 0, "lm": 1337}[args.example]
+        from auto_freeze import EXAMPLE_SEEDS  # benchmarks/, next to this script
+
+        args.seed = EXAMPLE_SEEDS[args.example]
     sys.path.insert(0, str(EXAMPLES))
     torch.set_num_threads(1)
     model, optimizer, loss_fn, lr_fn = (digits_setup if args.example == "digits"
