@@ -20,9 +20,9 @@ Three groups, saved together as one JSON file (``hvd-onebit bench calibrate --ou
   payload bytes per second over the nominal rate). The same jobs time the 1-bit stages as
   ``transport="torch"`` runs them (:class:`~hvd_onebit.transports.TorchTransport`:
   torch.distributed's Gloo alltoall and allgather, no Horovod negotiation), tiny and large,
-  under ``torch_*`` keys; and the bench models' compute as the ranks of those jobs run it
-  (next to Horovod's background thread), which `bench predict --colocated` prefers to the bare
-  processes' figures.
+  under ``torch_*`` keys; and the bench models' compute and the 1-bit kernels as the ranks of
+  those jobs run them (next to Horovod's background thread, every rank in the same phase),
+  which `bench predict --colocated` prefers to the bare processes' figures.
 * **machine**: cores, and the date.
 
 Every timed collective starts after a barrier; a call's time is the slowest rank's (the op ends
@@ -37,11 +37,12 @@ import time
 from pathlib import Path
 from typing import Optional
 
-CALIBRATION_VERSION = 5
+CALIBRATION_VERSION = 6
 # version 2: no torch.distributed collectives, no hierarchical passes; version 3: not the
 # hierarchical collective's native passes (read, with what needs them refused); version 4: no
-# fp16 allreduce of the bench models' own gradients (fp16 predicted from random normal values)
-READABLE_VERSIONS = (2, 3, 4, 5)
+# fp16 allreduce of the bench models' own gradients (fp16 predicted from random normal values);
+# version 5: no kernels timed inside the Horovod ranks (the bare processes' figures serve)
+READABLE_VERSIONS = (2, 3, 4, 5, 6)
 DEFAULT_PATH = Path("~/.cache/hvd_onebit/calibration.json")
 # the bench train models at their default sizes (hvd-onebit bench train --model ...)
 BENCH_MODELS = {
@@ -108,49 +109,32 @@ def _median_time(fn, repeats: int, min_seconds: float = 0.0, windows: int = 5,
     return best
 
 
-def _compute_proc(k: int, models: dict, kernel_numel: int, repeats: int, seconds: float, barrier,
-                  queue) -> None:
-    """One of ``k`` processes timing the same work at the same time (so they share the cores)."""
+def _kernel_calls(numel: int) -> dict:
+    """The 1-bit kernels as the compressed steps run them, each a call on buffers of ``numel``
+    float32 elements (4 chunks), by name; the buffers live as long as the calls."""
     import torch
 
     from .. import fused_adam, kernels
     from ..hierarchical import NodeMean
     from ..layout import Layout
 
-    torch.set_num_threads(1)
-    shared = k > len(os.sched_getaffinity(0))
-    out: dict = {"models": {}}
-    for name, cfg in models.items():
-        net, opt, fwd_bwd, step = _bench_model(cfg, data_seed=1)
-        # the whole step free-running (as `bench train`'s local method runs), then each phase
-        # in lock-step (as ranks that collectives synchronise run them)
-        barrier.wait()
-        step_s = _median_time(step, repeats, seconds, shared=shared, barrier=barrier)
-        barrier.wait()
-        fwd_bwd_s = _median_time(fwd_bwd, repeats, seconds, shared=shared, barrier=barrier)
-        barrier.wait()
-        out["models"][name] = {"params": sum(p.numel() for p in net.parameters()),
-                               "step_s": step_s, "fwd_bwd_s": fwd_bwd_s,
-                               "adam_s": _median_time(opt.step, repeats, seconds,
-                                                      shared=shared, barrier=barrier)}
-    # the 1-bit kernels on a buffer of kernel_numel floats, 4 chunks
-    L = Layout.build(kernel_numel, 4)
+    L = Layout.build(numel, 4)
     g = torch.Generator().manual_seed(0)
-    grad = torch.randn(kernel_numel, generator=g)
-    m, y_prev, y_next = (torch.randn(kernel_numel, generator=g) * 0.1,
+    grad = torch.randn(numel, generator=g)
+    m, y_prev, y_next = (torch.randn(numel, generator=g) * 0.1,
                          torch.randn(L.padded, generator=g) * 0.01, torch.empty(L.padded))
     prev_send = torch.zeros(L.n * L.row_bytes, dtype=torch.uint8)
     send = torch.empty(L.n * L.row_bytes, dtype=torch.uint8)
     server_z, server_z_out = torch.zeros(L.chunk), torch.empty(L.chunk)
     server_sent, row = (torch.zeros(L.row_bytes, dtype=torch.uint8),
                         torch.empty(L.row_bytes, dtype=torch.uint8))
-    w, var = torch.randn(kernel_numel), torch.rand(kernel_numel) + 0.01
-    work = torch.empty(kernel_numel)
-    src = fused_adam.MomentumInput(m, [grad], [kernel_numel], 0.9)
-    update = fused_adam.AdamUpdate([w], [var], [kernel_numel], [-1e-4], [1.0], [0.3], [1e-8])
-    x, acc = torch.randn(kernel_numel, generator=g), torch.randn(kernel_numel, generator=g)
-    mean = NodeMean([x, acc], torch.empty(kernel_numel))
-    calls = {
+    w, var = torch.randn(numel), torch.rand(numel) + 0.01
+    work = torch.empty(numel)
+    src = fused_adam.MomentumInput(m, [grad], [numel], 0.9)
+    update = fused_adam.AdamUpdate([w], [var], [numel], [-1e-4], [1.0], [0.3], [1e-8])
+    x, acc = torch.randn(numel, generator=g), torch.randn(numel, generator=g)
+    mean = NodeMean([x, acc], torch.empty(numel))
+    return {
         "compress_momentum": lambda: fused_adam.worker_compress_momentum(
             src, y_prev, prev_send, y_next, send, L, "native"),
         # the server reduces one chunk from each of n ranks: L.padded elements read per rank
@@ -169,8 +153,31 @@ def _compute_proc(k: int, models: dict, kernel_numel: int, repeats: int, seconds
                                                     "native"),
         "decode": lambda: kernels.decode(send, work, L, "native"),
     }
+
+
+def _compute_proc(k: int, models: dict, kernel_numel: int, repeats: int, seconds: float, barrier,
+                  queue) -> None:
+    """One of ``k`` processes timing the same work at the same time (so they share the cores)."""
+    import torch
+
+    torch.set_num_threads(1)
+    shared = k > len(os.sched_getaffinity(0))
+    out: dict = {"models": {}}
+    for name, cfg in models.items():
+        net, opt, fwd_bwd, step = _bench_model(cfg, data_seed=1)
+        # the whole step free-running (as `bench train`'s local method runs), then each phase
+        # in lock-step (as ranks that collectives synchronise run them)
+        barrier.wait()
+        step_s = _median_time(step, repeats, seconds, shared=shared, barrier=barrier)
+        barrier.wait()
+        fwd_bwd_s = _median_time(fwd_bwd, repeats, seconds, shared=shared, barrier=barrier)
+        barrier.wait()
+        out["models"][name] = {"params": sum(p.numel() for p in net.parameters()),
+                               "step_s": step_s, "fwd_bwd_s": fwd_bwd_s,
+                               "adam_s": _median_time(opt.step, repeats, seconds,
+                                                      shared=shared, barrier=barrier)}
     out["kernel_s_per_elem"] = {}
-    for kname, call in calls.items():
+    for kname, call in _kernel_calls(kernel_numel).items():
         call()
         barrier.wait()
         out["kernel_s_per_elem"][kname] = _median_time(
@@ -229,27 +236,19 @@ def measure_compute(procs=(1, 2, 4), models: Optional[dict] = None,
     return result
 
 
-def ranks_compute(models: dict, seconds: float = 1.0) -> dict:
-    """Runs in every rank of a Horovod job: the bench models' compute as `bench train`'s ranks
-    run it, next to Horovod's background thread (it wakes every cycle) and every other rank
-    of this machine. ``step_s``: the whole step free-running (the ``local`` method); and in
-    lock-step, every call after a Horovod barrier as a step's collectives line ranks up:
-    ``fwd_bwd_s`` (forward + backward) and ``adam_s`` (fused Adam), each until the last rank is
-    done, as the next collective waits for it. Each: the median of the calls, the mean over
-    ranks (as `bench train` takes a step's time). ``fp16_allreduce_s``: ``Compression.fp16``'s
-    cast, allreduce and cast back of the model's own gradient, all of it in one buffer (the
-    slowest rank's median): its cost depends on the values, not only on their number, because
-    gradients under 2**-14 in magnitude become float16 subnormals, which the host converts and
-    sums several times slower than normal values or zeros."""
+def _rank_timer(seconds: float):
+    """In every rank of a Horovod job: ``timed(fn, lockstep)``, the median time of calls of
+    ``fn`` made for ``seconds``, the mean over ranks (as `bench train` takes a step's time).
+    Free-running: the call alone. Lock-step: every call after a Horovod barrier, as a step's
+    collectives line ranks up, until the last rank is done (the next collective waits for
+    it), less an empty barrier's own time."""
     import horovod.torch as hvd
     import torch
 
     def barrier():
         _wait(hvd.allreduce_async(torch.zeros(1), name="cal.compute.barrier"))
 
-    def timed(fn, lockstep: bool) -> float:
-        """Free-running: the call. Lock-step: from a barrier until the last rank is done (the
-        next collective waits for it), less an empty barrier's own time."""
+    def timed(fn, lockstep: bool, empty: float = 0.0) -> float:
         times: list[float] = []
         end = time.perf_counter() + seconds
         while True:
@@ -269,9 +268,24 @@ def ranks_compute(models: dict, seconds: float = 1.0) -> dict:
         return float(hvd.allreduce(torch.tensor([med], dtype=torch.float64), op=hvd.Average,
                                    name="cal.compute.mean"))
 
-    empty = 0.0
     empty = timed(lambda: None, True)
+    return lambda fn, lockstep: timed(fn, lockstep, empty), barrier
 
+
+def ranks_compute(models: dict, seconds: float = 1.0) -> dict:
+    """Runs in every rank of a Horovod job: the bench models' compute as `bench train`'s ranks
+    run it, next to Horovod's background thread (it wakes every cycle) and every other rank
+    of this machine (see :func:`_rank_timer`). ``step_s``: the whole step free-running (the
+    ``local`` method); in lock-step ``fwd_bwd_s`` (forward + backward) and ``adam_s`` (fused
+    Adam). ``fp16_allreduce_s``: ``Compression.fp16``'s cast, allreduce and cast back of the
+    model's own gradient, all of it in one buffer (the slowest rank's median): its cost depends
+    on the values, not only on their number, because gradients under 2**-14 in magnitude become
+    float16 subnormals, which the host converts and sums several times slower than normal
+    values or zeros."""
+    import horovod.torch as hvd
+    import torch
+
+    timed, barrier = _rank_timer(seconds)
     out = {}
     for name, cfg in models.items():
         net, opt, fwd_bwd, step = _bench_model(cfg, data_seed=hvd.rank())
@@ -288,11 +302,28 @@ def ranks_compute(models: dict, seconds: float = 1.0) -> dict:
     return out
 
 
+def ranks_kernels(numel: int = KERNEL_NUMEL, seconds: float = 1.0) -> dict:
+    """Runs in every rank of a Horovod job: each 1-bit kernel's time per element on buffers of
+    ``numel`` floats, in lock-step as a compressed step runs
+    them (:func:`_rank_timer`): every rank streams its buffers at once, next to Horovod's
+    background thread. Bare processes timed together did not stand for this: two of them
+    often ran at one process's speed, which the ranks of a step do not."""
+    timed, _ = _rank_timer(seconds)
+    out = {}
+    for name, call in _kernel_calls(numel).items():
+        call()
+        out[name] = timed(call, True) / numel
+    return out
+
+
 def collectives_worker(numel: int = 4 << 20, repeats: int = 7, tiny_repeats: int = 21,
-                       torch_ops: bool = True, models: Optional[dict] = None) -> dict:
+                       torch_ops: bool = True, models: Optional[dict] = None,
+                       kernel_numel: int = KERNEL_NUMEL) -> dict:
     """Runs in every rank: median time (slowest rank) of tiny and large Horovod collectives, and
     with ``torch_ops`` of the 1-bit stages through torch.distributed (``torch_*``: what
-    ``transport="torch"``, the default on CPU, runs them with).
+    ``transport="torch"``, the default on CPU, runs them with). With ``models``, first the
+    models' compute (:func:`ranks_compute`) and the kernels on ``kernel_numel`` elements
+    (:func:`ranks_kernels`) as these ranks run them.
 
     Every wait sleeps (:func:`~hvd_onebit.transports.sleep_until_done`), as the train benchmark's
     do: ranks spinning in ``hvd.synchronize`` would take the cores of ranks sharing them. Gloo's
@@ -341,8 +372,10 @@ def collectives_worker(numel: int = 4 << 20, repeats: int = 7, tiny_repeats: int
         # the preceding op in a compressed step is a Gloo op too: a Gloo barrier
         barriers.update(dict.fromkeys(torch_calls, dist.barrier))
     out = {"np": n, "numel": numel, "row_bytes": row, "median_s": {}}
-    if models:  # compute as the ranks of a Horovod job run it (before any large buffer)
+    if models:  # compute and kernels as the ranks of a Horovod job run them (before any
+        # large buffer of the collectives)
         out["models"] = ranks_compute(models)
+        out["kernel_s_per_elem"] = ranks_kernels(kernel_numel)
     for name, call in calls.items():
         tiny = name.endswith("_tiny")
         # tiny ops: the smallest median of three windows (see _median_time)

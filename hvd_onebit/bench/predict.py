@@ -35,11 +35,11 @@ The model (README.md, "Predicting the speed-up at scale", says the same in prose
   NVLink, PCIe); with ``"horovod"``, four global Horovod alltoalls with splits. Its passes are
   the native kernels it runs (momentum written out, node mean inside the shard's compression,
   decode, copy-out with Adam's update).
-* Ranks that share this machine's cores (``colocated``, the emulator) run compute as timed
-  inside the calibration's Horovod ranks (else: bare processes sharing the cores), kernels at
-  the speeds measured with that many processes at once (in lock-step: collectives start every
-  rank's phase together; ``bench train``'s ``local`` ranks run free, so it is predicted with the
-  free-running step); otherwise a rank has a core to itself.
+* Ranks that share this machine's cores (``colocated``, the emulator) run compute and kernels
+  as timed inside the calibration's Horovod ranks (else: bare processes sharing the cores), in
+  lock-step: collectives start every rank's phase together (``bench train``'s ``local`` ranks
+  run free, so it is predicted with the free-running step); otherwise a rank has a core to
+  itself.
 * Whole run: ``warmup_frac`` of the steps at the warmup step time (Horovod's fp32 allreduce),
   the rest at the compressed step time.
 """
@@ -146,6 +146,8 @@ def constants(cal: dict) -> dict:
             out[f"{model}_adam_ms@{n}ranks"] = m["adam_s"] * 1e3
             if "fp16_allreduce_s" in m:
                 out[f"{model}_fp16_allreduce_ms@{n}ranks"] = m["fp16_allreduce_s"] * 1e3
+        for name, kern in runs.get("unlimited", {}).get("kernel_s_per_elem", {}).items():
+            out[f"kernel_{name}_ns_per_elem@{n}ranks"] = kern * 1e9
     for k, c in cal["compute"].items():
         for name, kern in c["kernel_s_per_elem"].items():
             out[f"kernel_{name}_ns_per_elem@{k}procs"] = kern * 1e9
@@ -296,21 +298,29 @@ class Model:
             adam = 0.0
         return compute, min(adam, compute)
 
-    def model_figures(self, name: str, cl: Cluster) -> dict:
-        """A calibrated bench model's compute (params, step_s, fwd_bwd_s, adam_s): colocated,
-        as timed inside the ranks of the calibration's Horovod job with the nearest world size
-        where it has them (Horovod's background thread and the other ranks share the cores as
-        in `bench train`), else as bare processes sharing the cores; not colocated, one bare
-        process with a core to itself."""
+    def _compute_figures(self, key: str, cl: Cluster) -> dict:
+        """The calibration's ``key`` (``"models"``: the bench models' compute;
+        ``"kernel_s_per_elem"``: the 1-bit kernels) for the ranks of ``cl``: colocated, as
+        timed inside the ranks of the calibration's Horovod job with the nearest world size
+        where it has them (Horovod's background thread and the other ranks share the cores,
+        every rank in the same phase, as in `bench train`; kernels from version 6), else as
+        bare processes sharing the cores; not colocated, one bare process with a core to
+        itself."""
         if cl.colocated:
             k = str(self._collectives_n(cl.n, cl))
-            ranks = self.cal["collectives"][k].get("unlimited", {}).get("models", {})
-            if name in ranks:
-                return ranks[name]
-        return self.cal["compute"][self._procs(cl)]["models"][name]
+            ranks = self.cal["collectives"][k].get("unlimited", {}).get(key)
+            if ranks:
+                return ranks
+        return self.cal["compute"][self._procs(cl)][key]
+
+    def model_figures(self, name: str, cl: Cluster) -> dict:
+        """A calibrated bench model's compute (params, step_s, fwd_bwd_s, adam_s)."""
+        ranks = self._compute_figures("models", cl)
+        return ranks[name] if name in ranks else \
+            self.cal["compute"][self._procs(cl)]["models"][name]
 
     def kernel(self, name: str, elems: float, job: Job, cl: Cluster) -> float:
-        rates = self.cal["compute"][self._procs(cl)]["kernel_s_per_elem"]
+        rates = self._compute_figures("kernel_s_per_elem", cl)
         if name not in rates:
             raise ValueError(f"the calibration has no {name!r} pass (version "
                              f"{self.cal.get('version')}, made before the hierarchical "

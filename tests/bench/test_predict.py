@@ -216,6 +216,27 @@ def test_colocated_compute_prefers_the_figures_timed_inside_the_ranks():
     assert pm.constants(cal)["mlp_fwd_bwd_ms@4ranks"] == pytest.approx(25)
 
 
+def test_colocated_kernels_prefer_the_rates_timed_inside_the_ranks():
+    """Version 6 times the kernels inside the calibration's Horovod ranks, in lock-step; a
+    colocated prediction at that world size uses them, a version-5 file the bare processes'."""
+    cal = fake_calibration()
+    in_ranks = {name: 4 * rate for name, rate in
+                cal["compute"]["2"]["kernel_s_per_elem"].items()}
+    cal["collectives"]["2"]["unlimited"]["kernel_s_per_elem"] = in_ranks
+    job = pm.Job(params=1_000_000, model="mlp")
+    model = pm.Model(cal)
+    two = model.predict("onebit", job, pm.Cluster(nodes=2, colocated=True))
+    assert two.phases["compress"] == pytest.approx(4e-9 * 1_000_000), two.phases
+    assert two.phases["decode_update"] == pytest.approx(4e-9 * 1_000_000), two.phases
+    # 4 ranks: that job timed none (a version-5 file): the bare processes' 4-process rates
+    four = model.predict("onebit", job, pm.Cluster(nodes=4, colocated=True))
+    assert four.phases["compress"] == pytest.approx(1e-9 * 1_000_000), four.phases
+    # not colocated: a core to itself, the one-process rates
+    alone = model.predict("onebit", job, pm.Cluster(nodes=2))
+    assert alone.phases["compress"] == pytest.approx(1e-9 * 1_000_000), alone.phases
+    assert pm.constants(cal)["kernel_compress_momentum_ns_per_elem@2ranks"] == pytest.approx(4)
+
+
 def test_fp16_of_a_calibrated_model_uses_its_own_gradients_cost():
     """Horovod's fp16 allreduce costs what it cost on the model's own gradient (float16
     subnormals are slow to convert and sum), not the random normal buffer's cost."""
@@ -342,8 +363,8 @@ def test_check_pairs_predictions_with_a_train_report():
 
 
 def test_small_prediction_against_measurement_on_loopback():
-    """Calibrate a small MLP (in bare processes and inside the Horovod ranks, which a colocated
-    prediction uses) and the collectives at np=2 on loopback, then pair the predictions with
+    """Calibrate a small MLP and the kernels (in bare processes and inside the Horovod ranks,
+    which a colocated prediction uses) and the collectives at np=2 on loopback, then pair the predictions with
     bench train's measured steps there: every pair is made, finite and positive. How close they
     are is a timing, measured by benchmarks/predict_check.py, not asserted here (steps of a few
     ms on a shared 2-core machine swing with whatever else runs)."""
@@ -354,10 +375,14 @@ def test_small_prediction_against_measurement_on_loopback():
     compute = cal_mod.measure_compute(procs=(2,), models=small, kernel_numel=1 << 18, repeats=3,
                                       seconds=0.5)
     coll = run_job("hvd_onebit.bench.calibrate:collectives_worker", np=2,
-                   kwargs={"numel": 1 << 20, "repeats": 5, "tiny_repeats": 9, "models": small},
+                   kwargs={"numel": 1 << 20, "repeats": 5, "tiny_repeats": 9, "models": small,
+                           "kernel_numel": 1 << 18},
                    timeout=120, env=MALLOC_REUSE_ENV).results[0]
     assert set(coll["models"]["mlp"]) == {"params", "step_s", "fwd_bwd_s", "adam_s",
                                           "fp16_allreduce_s"}
+    # every kernel the bare processes time is timed inside the ranks too
+    assert set(coll["kernel_s_per_elem"]) == set(compute["2"]["kernel_s_per_elem"]), coll
+    assert min(coll["kernel_s_per_elem"].values()) > 0, coll["kernel_s_per_elem"]
     # the fp16 allreduce of the model's own gradient costs at least a tiny allreduce
     assert coll["models"]["mlp"]["fp16_allreduce_s"] > coll["median_s"]["allreduce_tiny"], coll
     cal = {"version": cal_mod.CALIBRATION_VERSION, "cores": 2, "link": None, "link_bps": None,
