@@ -19,7 +19,9 @@ The model (README.md, "Predicting the speed-up at scale", says the same in prose
   (for Horovod's fp16 allreduce of a calibrated bench model: on that model's own gradient, as
   float16 subnormals make its cost depend on the values);
   ``kappa``: the share of the shorter of host and wire time that the longer one does not hide
-  (the ring pipelines its chunks), from the large fp32 allreduce on a shaped link.
+  (the ring pipelines its chunks), from the large fp32 allreduce on a shaped link; Horovod's
+  fp16 allreduce has its own, from the fp16 allreduce there (``Compression.fp16`` casts the
+  whole buffer before and after the ring, outside its pipeline).
 * Ring allreduce: ``2 (n-1)/n B`` per rank, ``2 (n-1)`` latency steps; alltoall and allgather of
   rows of ``r`` bytes: ``(n-1) r`` per rank (alltoall: one latency, its messages go at once;
   ring allgather: ``n-1``). With ``L`` ranks per node the node's link carries ``L (n-L) r`` in the
@@ -93,6 +95,9 @@ OPS = {"allreduce_fp32": "allreduce", "allreduce_fp16": "allreduce", "alltoall":
 # the op kinds whose per-op cost is calibrated (tiny ops): Horovod's, then torch.distributed's
 KINDS = ("allreduce", "alltoall", "allgather", "torch_alltoall", "torch_allgather")
 TRANSPORTS = ("torch", "horovod")
+# the ops whose overlap of host and wire (kappa) is measured on the shaped link, and the name
+# of the constant; every other op takes the fp32 ring's
+KAPPA_OPS = {"allreduce_fp32": "kappa", "allreduce_fp16": "kappa_allreduce_fp16"}
 
 
 def _bytes_per_rank(op: str, n: int, numel: int, row: int) -> int:
@@ -129,16 +134,19 @@ def constants(cal: dict) -> dict:
             host = max(0.0, unl[op] - unl[f"{kind}_tiny"])
             out[f"host_{op}_s_per_byte@{n}"] = host / nbytes
         # kappa: the share of the shorter of host and wire time that the longer does not hide,
-        # from the large fp32 allreduce on the shaped link (1: no overlap; none measured: 1)
-        kappa = 1.0
-        if shaped is not None:
-            alpha = unl["allreduce_tiny"]
-            nbytes = _bytes_per_rank("allreduce_fp32", int(n), numel, row)
-            host = out[f"host_allreduce_fp32_s_per_byte@{n}"] * nbytes
-            wire = nbytes * 8 / (link_bps * TCP_EFFICIENCY)
-            if min(host, wire) > 0:
-                kappa = (shaped["allreduce_fp32"] - alpha - max(host, wire)) / min(host, wire)
-        out[f"kappa@{n}"] = min(1.0, max(0.0, kappa))
+        # from the large allreduce on the shaped link (1: no overlap; none measured: 1). The
+        # fp32 ring pipelines its reduction with the wire; Compression.fp16 casts the whole
+        # buffer before and after the allreduce, outside that pipeline: its own figure.
+        for op, key in KAPPA_OPS.items():
+            kappa = 1.0
+            if shaped is not None and op in shaped:
+                alpha = unl["allreduce_tiny"]
+                nbytes = _bytes_per_rank(op, int(n), numel, row)
+                host = out[f"host_{op}_s_per_byte@{n}"] * nbytes
+                wire = nbytes * 8 / (link_bps * TCP_EFFICIENCY)
+                if min(host, wire) > 0:
+                    kappa = (shaped[op] - alpha - max(host, wire)) / min(host, wire)
+            out[f"{key}@{n}"] = min(1.0, max(0.0, kappa))
     for n, runs in coll.items():
         for model, m in runs.get("unlimited", {}).get("models", {}).items():
             out[f"{model}_step_ms@{n}ranks"] = m["step_s"] * 1e3
@@ -263,9 +271,11 @@ class Model:
         return min(measured, key=lambda k: (abs(k - n), -k)) if cl.colocated else measured[0]
 
     def _host(self, op: str, n: int, cl: Cluster) -> tuple[float, float]:
-        """(seconds per byte, kappa) of the host for ``op`` among ``n`` ranks."""
+        """(seconds per byte, kappa) of the host for ``op`` among ``n`` ranks: kappa of the op
+        itself where the calibration measured it on a shaped link, else the fp32 ring's."""
         key = self._collectives_n(n, cl)
-        return self.c[f"host_{op}_s_per_byte@{key}"], self.c[f"kappa@{key}"]
+        kappa = self.c.get(f"{KAPPA_OPS.get(op, 'kappa')}@{key}", self.c[f"kappa@{key}"])
+        return self.c[f"host_{op}_s_per_byte@{key}"], kappa
 
     def alpha(self, kind: str, n: int) -> float:
         if n <= 1:

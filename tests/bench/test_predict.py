@@ -263,6 +263,35 @@ def test_fp16_of_a_calibrated_model_uses_its_own_gradients_cost():
         (alpha + 5e-9 * nbytes) * 1e3)
 
 
+def test_fp16_allreduce_has_its_own_overlap_of_host_and_wire():
+    """Compression.fp16 casts the whole buffer before and after the allreduce, outside the
+    ring's pipeline: its share of host time not hidden behind the wire (kappa) is measured on
+    the shaped link for the fp16 allreduce itself, and the fp32 ring keeps its own."""
+    cal = fake_calibration(overlap=0.5)
+    n, alpha = 4, 2e-3
+    fp16_bytes = pm._bytes_per_rank("allreduce_fp16", n, NUMEL, ROW)
+    host = 1e-9 * fp16_bytes
+    wire = fp16_bytes * 8 / (10**9 * pm.TCP_EFFICIENCY)
+    # the fp16 allreduce on the shaped link hid none of its host time (kappa 1)
+    cal["collectives"]["4"]["1gbit"]["median_s"]["allreduce_fp16"] = alpha + wire + host
+    c = pm.constants(cal)
+    assert c["kappa_allreduce_fp16@4"] == pytest.approx(1.0), c
+    assert c["kappa@4"] == pytest.approx(0.5) and c["kappa_allreduce_fp16@2"] == pytest.approx(0.5)
+    model = pm.Model(cal)
+    cl = pm.Cluster(nodes=4, inter_bps=10**9, colocated=True)
+    params = 1_000_000
+    b16 = ring_allreduce_bytes(2 * params, n)
+    fp16 = model.predict("horovod_fp16", pm.Job(params=params, compute_s=0.03), cl)
+    w16 = b16 * 8 / (1e9 * pm.TCP_EFFICIENCY)
+    assert fp16.phases["allreduce_fp16"] == pytest.approx(
+        alpha + max(w16, 1e-9 * b16) + 1.0 * min(w16, 1e-9 * b16)), fp16.phases
+    fp32 = model.predict("horovod_fp32", pm.Job(params=params, compute_s=0.03), cl)
+    b32 = ring_allreduce_bytes(4 * params, n)
+    w32 = b32 * 8 / (1e9 * pm.TCP_EFFICIENCY)
+    assert fp32.phases["allreduce_fp32"] == pytest.approx(
+        alpha + max(w32, 1e-9 * b32) + 0.5 * min(w32, 1e-9 * b32)), fp32.phases
+
+
 def test_a_version_2_calibration_predicts_on_horovods_transport_only():
     cal = fake_calibration()
     cal["version"] = 2
