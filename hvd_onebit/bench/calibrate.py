@@ -304,10 +304,10 @@ def ranks_compute(models: dict, seconds: float = 1.0) -> dict:
 
 def ranks_kernels(numel: int = KERNEL_NUMEL, seconds: float = 1.0) -> dict:
     """Runs in every rank of a Horovod job: each 1-bit kernel's time per element on buffers of
-    ``numel`` floats, in lock-step as a compressed step runs
-    them (:func:`_rank_timer`): every rank streams its buffers at once, next to Horovod's
-    background thread. Bare processes timed together did not stand for this: two of them
-    often ran at one process's speed, which the ranks of a step do not."""
+    ``numel`` floats, in lock-step as a compressed step runs them (:func:`_rank_timer`): every
+    rank streams its buffers at once, next to Horovod's background thread. Bare processes
+    timed together did not stand for this: two of them often ran at one process's speed,
+    which the ranks of a step do not."""
     timed, _ = _rank_timer(seconds)
     out = {}
     for name, call in _kernel_calls(numel).items():
