@@ -486,7 +486,7 @@ def load(path) -> dict:
         raise CalibrationMissing(
             f"no calibration file at {p}: run `hvd-onebit bench calibrate --out {p}` on the "
             "machine whose constants you want (it needs root for the emulated cluster, "
-            "about 2-3 minutes), or pass --calibration PATH")
+            "about 3 minutes), or pass --calibration PATH")
     cal = json.loads(p.read_text())
     if cal.get("version") not in READABLE_VERSIONS:
         raise ValueError(f"{p} is calibration version {cal.get('version')}, this model reads "
