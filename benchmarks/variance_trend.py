@@ -40,14 +40,13 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 def digits_setup(args):
     """(model, optimizer, loss_fn(step) -> loss tensor, lr_fn(step) or None) for train_digits.py."""
-    from train_digits import SmallCNN, load_data
+    import train_digits
 
-    x, y, _, _ = load_data(args.seed, 0.2)
-    torch.manual_seed(args.seed)
-    model = SmallCNN(16)
-    optimizer = torch.optim.Adam(model.parameters(), lr=2e-3)
-    gen = torch.Generator().manual_seed(args.seed)
-    batch = 32 * args.ranks
+    cfg = train_digits.parse_args(["--seed", str(args.seed)])
+    x, y, _, _ = train_digits.load_data(cfg.seed, cfg.val_frac)
+    model, optimizer = train_digits.build_model_and_adam(cfg)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    batch = cfg.batch_size * args.ranks
 
     def loss_fn(step: int):
         ix = torch.randint(len(x), (batch,), generator=gen)
@@ -63,14 +62,7 @@ def lm_setup(args):
     cfg = train_lm.parse_args(["--steps", str(args.steps), "--seed", str(args.seed)])
     data = train_lm.load_text()
     train = data[:-int(len(data) * cfg.val_frac)]
-    torch.manual_seed(cfg.seed)
-    model = train_lm.GPT(context=cfg.context, d_model=cfg.d_model, n_layer=cfg.n_layer,
-                         n_head=cfg.n_head)
-    decay = [q for q in model.parameters() if q.dim() >= 2]
-    no_decay = [q for q in model.parameters() if q.dim() < 2]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                                   {"params": no_decay, "weight_decay": 0.0}],
-                                  lr=cfg.lr, betas=(0.9, 0.99))  # as train_lm.py builds it
+    model, optimizer = train_lm.build_model_and_adamw(cfg)
     gen = torch.Generator().manual_seed(cfg.seed)
     batch = cfg.batch_size * args.ranks
 

@@ -76,7 +76,7 @@ def evaluate(model, x, y):
     return float(stats[0] / stats[2]), float(stats[1] / stats[2])
 
 
-def main(argv=None):
+def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--optimizer", choices=["adam", "onebit"], default="onebit")
     p.add_argument("--steps", type=int, default=300)
@@ -100,7 +100,18 @@ def main(argv=None):
     p.add_argument("--val-frac", type=float, default=0.2)
     p.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", "1")))
     p.add_argument("--json-out", default=None, help="write a JSON summary here (rank 0)")
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def build_model_and_adam(args):
+    """The model from ``args.seed`` and its local optimizer."""
+    torch.manual_seed(args.seed)
+    model = SmallCNN(args.width)
+    return model, torch.optim.Adam(model.parameters(), lr=args.lr)
+
+
+def main(argv=None):
+    args = parse_args(argv)
 
     hvd.init()
     torch.set_num_threads(args.threads)
@@ -113,9 +124,7 @@ def main(argv=None):
     data_seed = args.seed if args.data_seed is None else args.data_seed
     gen = torch.Generator().manual_seed(data_seed * 1000 + rank)
 
-    torch.manual_seed(args.seed)
-    model = SmallCNN(args.width)
-    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
+    model, optimizer = build_model_and_adam(args)
     freeze = freeze_options(args.warmup_frac, args.steps)
     # ---- the one line that differs ----------------------------------------------------------
     if args.optimizer == "adam":

@@ -181,6 +181,20 @@ def freeze_options(frac, steps: int) -> dict:
     return {"freeze_step": max(1, round(frac * steps))}
 
 
+def build_model_and_adamw(args):
+    """The model from ``args.seed`` and its local optimizer: AdamW, weight decay on the
+    matrices only."""
+    torch.manual_seed(args.seed)
+    model = GPT(context=args.context, d_model=args.d_model, n_layer=args.n_layer,
+                n_head=args.n_head)
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
+                                   {"params": no_decay, "weight_decay": 0.0}],
+                                  lr=args.lr, betas=(0.9, 0.99))
+    return model, optimizer
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--optimizer", choices=["adam", "onebit"], default="onebit")
@@ -236,15 +250,8 @@ def main(argv=None):
         keep = torch.linspace(0, len(val_windows) - 1, args.eval_batches * args.batch_size)
         val_windows = val_windows[keep.round().long()]
 
-    torch.manual_seed(args.seed)
-    model = GPT(context=args.context, d_model=args.d_model, n_layer=args.n_layer,
-                n_head=args.n_head)
+    model, optimizer = build_model_and_adamw(args)
     n_params = sum(p.numel() for p in model.parameters())
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
-                                   {"params": no_decay, "weight_decay": 0.0}],
-                                  lr=args.lr, betas=(0.9, 0.99))
 
     freeze = freeze_options(args.warmup_frac, args.steps)
     # ---- the one line that differs ----------------------------------------------------------
