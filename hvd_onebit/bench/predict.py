@@ -138,8 +138,11 @@ def constants(cal: dict) -> dict:
         # fp32 ring pipelines its reduction with the wire; Compression.fp16 casts the whole
         # buffer before and after the allreduce, outside that pipeline: its own figure.
         for op, key in KAPPA_OPS.items():
+            measured = shaped is not None and op in shaped
+            if not measured and op != "allreduce_fp32":
+                continue  # Model._host takes the fp32 ring's
             kappa = 1.0
-            if shaped is not None and op in shaped:
+            if measured:
                 alpha = unl["allreduce_tiny"]
                 nbytes = _bytes_per_rank(op, int(n), numel, row)
                 host = out[f"host_{op}_s_per_byte@{n}"] * nbytes

@@ -290,6 +290,14 @@ def test_fp16_allreduce_has_its_own_overlap_of_host_and_wire():
     w32 = b32 * 8 / (1e9 * pm.TCP_EFFICIENCY)
     assert fp32.phases["allreduce_fp32"] == pytest.approx(
         alpha + max(w32, 1e-9 * b32) + 0.5 * min(w32, 1e-9 * b32)), fp32.phases
+    # a calibration whose shaped links did not time the fp16 allreduce: fp16 takes the ring's
+    for runs in cal["collectives"].values():
+        del runs["1gbit"]["median_s"]["allreduce_fp16"]
+    c = pm.constants(cal)
+    assert "kappa_allreduce_fp16@4" not in c, c
+    unmeasured = pm.Model(cal).predict("horovod_fp16", pm.Job(params=params, compute_s=0.03), cl)
+    assert unmeasured.phases["allreduce_fp16"] == pytest.approx(
+        alpha + max(w16, 1e-9 * b16) + 0.5 * min(w16, 1e-9 * b16)), unmeasured.phases
 
 
 def test_a_version_2_calibration_predicts_on_horovods_transport_only():
