@@ -313,6 +313,12 @@ def ranks_kernels(numel: int = KERNEL_NUMEL, seconds: float = 1.0) -> dict:
     for name, call in _kernel_calls(numel).items():
         call()
         out[name] = timed(call, True) / numel
+        # the same figure on every rank (the mean over ranks): every rank stops here together
+        if out[name] <= 0:
+            raise RuntimeError(
+                f"calibration: the {name} kernel on {numel} elements took no longer than an "
+                "empty Horovod barrier here, so its time is lost in the barrier's noise; time "
+                "the kernels on more elements")
     return out
 
 

@@ -401,10 +401,13 @@ def test_check_pairs_predictions_with_a_train_report():
 
 def test_small_prediction_against_measurement_on_loopback():
     """Calibrate a small MLP and the kernels (in bare processes and inside the Horovod ranks,
-    which a colocated prediction uses) and the collectives at np=2 on loopback, then pair the predictions with
-    bench train's measured steps there: every pair is made, finite and positive. How close they
-    are is a timing, measured by benchmarks/predict_check.py, not asserted here (steps of a few
-    ms on a shared 2-core machine swing with whatever else runs)."""
+    which a colocated prediction uses) and the collectives at np=2 on loopback, then pair the
+    predictions with bench train's measured steps there: every pair is made, finite and
+    positive. How close they are is a timing, measured by benchmarks/predict_check.py, not
+    asserted here (steps of a few ms on a shared 2-core machine swing with whatever else runs).
+    The kernels inside the ranks are timed on the calibration's own buffer size: their lock-step
+    time is a barrier-to-barrier time less an empty barrier's, and on a small buffer the fastest
+    kernels take less than that difference's noise."""
     from hvd_onebit.bench.train import MALLOC_REUSE_ENV
     from hvd_onebit.testing import run_job
 
@@ -412,9 +415,8 @@ def test_small_prediction_against_measurement_on_loopback():
     compute = cal_mod.measure_compute(procs=(2,), models=small, kernel_numel=1 << 18, repeats=3,
                                       seconds=0.5)
     coll = run_job("hvd_onebit.bench.calibrate:collectives_worker", np=2,
-                   kwargs={"numel": 1 << 20, "repeats": 5, "tiny_repeats": 9, "models": small,
-                           "kernel_numel": 1 << 18},
-                   timeout=120, env=MALLOC_REUSE_ENV).results[0]
+                   kwargs={"numel": 1 << 20, "repeats": 5, "tiny_repeats": 9, "models": small},
+                   timeout=180, env=MALLOC_REUSE_ENV).results[0]
     assert set(coll["models"]["mlp"]) == {"params", "step_s", "fwd_bwd_s", "adam_s",
                                           "fp16_allreduce_s"}
     # every kernel the bare processes time is timed inside the ranks too
