@@ -34,6 +34,7 @@ from .config import OneBitConfig, group_masks
 from .fusion import Bucket, fuse, param_offsets
 from .fused_adam import AdamUpdate, MomentumInput
 from .layout import ring_allreduce_bytes
+from . import step_bound
 from .transports import Transport, resolve_transport, sleep_until_done
 
 NOT_FROZEN = -1  # state["frozen_variance_step"] before the freeze
@@ -581,20 +582,24 @@ class CompressedStep:
             # in place (exp_avg is the bucket's view); the mask may live elsewhere, e.g. where
             # hvd.broadcast_optimizer_state unpickled it
             m.mul_(mask.to(device=m.device, dtype=m.dtype))
-            w, v, step, decay, sqrt_bc2, eps = self._update_terms(p, group)
-            AdamUpdate([w], [v], [p.numel()], [step], [decay], [sqrt_bc2], [eps]).apply(m)
+            w, v, step, decay, sqrt_bc2, eps, bound = self._update_terms(p, group)
+            AdamUpdate([w], [v], [p.numel()], [step], [decay], [sqrt_bc2], [eps],
+                       [bound]).apply(m)
 
     def _update_terms(self, p: torch.Tensor, group: dict) -> tuple:
-        """(weight, frozen variance, step, decay, sqrt_bc2, eps) of this step's
-        ``w = w * decay + step * m / (sqrt(v) / sqrt_bc2 + eps)`` (host numbers: no sync)."""
+        """(weight, frozen variance, step, decay, sqrt_bc2, eps, bound) of this step's
+        ``w = w * decay + clamp(step * m / (sqrt(v) / sqrt_bc2 + eps), -bound, bound)`` (host
+        numbers: no sync; ``bound = lr * B(t)``, :mod:`hvd_onebit.step_bound`)."""
         state = self.state[p]
         (beta1, beta2), lr, wd = group["betas"], group["lr"], group["weight_decay"]
-        bc1 = 1 - beta1 ** (self._host_step(p) + 1)
+        t = int(self._host_step(p)) + 1
+        bc1 = 1 - beta1 ** t
         decay = 1 - lr * wd if wd != 0 and self.decoupled(group) else 1.0
         frozen = state["frozen_variance_step"]
         bc2 = 1 - beta2 ** frozen if frozen > 0 else 1.0
+        bound = abs(lr) * step_bound.ratio_bound(self.config.step_bound, beta1, beta2, t)
         return (p.detach(), state["exp_avg_sq"], -lr / bc1, decay, math.sqrt(bc2),
-                float(group["eps"]))
+                float(group["eps"]), bound)
 
     def _plan_updates(self, param_groups: list[dict], owner: set
                       ) -> tuple[list[AdamUpdate], list[tuple]]:
@@ -620,7 +625,8 @@ class CompressedStep:
                 variances=[b.piece(i, x[1]) if x else None for i, x in enumerate(t)],
                 sizes=[seg.numel for seg in b.segments], steps=[x[2] if x else 0.0 for x in t],
                 decays=[x[3] if x else 1.0 for x in t], sqrt_bc2s=[x[4] if x else 1.0 for x in t],
-                eps=[x[5] if x else 0.0 for x in t]))
+                eps=[x[5] if x else 0.0 for x in t],
+                bounds=[x[6] if x else math.inf for x in t]))
         return updates, masked
 
 

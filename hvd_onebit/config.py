@@ -12,6 +12,7 @@ from typing import Any, Iterable, Optional, Union
 import torch
 
 from . import kernels
+from .step_bound import ADAM as ADAM_BOUND, validate as validate_step_bound
 from .transports import TRANSPORTS, check_transport
 
 COMPRESSORS = ("onebit", "none")
@@ -103,6 +104,8 @@ class OneBitConfig:
             on CUDA and fast elsewhere (see :meth:`spare_errors`).
         intra_node: "auto", "shared_memory" or "network": how the hierarchical stages inside a
             node travel (see :meth:`shared_memory_inside_nodes`).
+        step_bound: "adam", a positive number or None: the bound on each compression-phase
+            step (:mod:`hvd_onebit.step_bound`).
     """
 
     freeze_step: Union[int, str]
@@ -118,8 +121,10 @@ class OneBitConfig:
     overlap: bool = True
     memory: str = "auto"
     intra_node: str = "auto"
+    step_bound: Any = ADAM_BOUND
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "step_bound", validate_step_bound(self.step_bound))
         if self.freeze_step == AUTO:
             object.__setattr__(self, "auto_freeze", AutoFreeze.from_options(self.auto_freeze))
         elif not _is_int(self.freeze_step) or self.freeze_step < 1:

@@ -27,6 +27,7 @@ import torch
 
 from . import kernels
 from .layout import Layout
+from .step_bound import as_float32
 
 
 #: Elements per slice of :meth:`AdamUpdate.apply` (the torch reference): bounds its temporaries.
@@ -128,9 +129,10 @@ class AdamUpdate:
     For every parameter given (None entries are left to the caller), with ``v`` its frozen
     variance: ``denom = sqrt(v) / sqrt_bc2 + eps`` (``+inf`` where ``v == 0``), computed in the
     pass itself (fp32, in this order, sqrt and division correctly rounded); ``w = w * decay``
-    when ``decay != 1`` (AdamW's decoupled decay), then ``w = w + (step * m) / denom``
-    (``step = -lr / bias_correction1``), in the operation order of torch's ``w.mul_(decay)`` and
-    ``w.addcdiv_(m, denom, value=step)`` on CPU. An element whose denominator is ``+inf`` is held
+    when ``decay != 1`` (AdamW's decoupled decay), then
+    ``w = w + clamp((step * m) / denom, -bound, bound)`` (``step = -lr / bias_correction1``;
+    ``bound``: the step bound of :mod:`hvd_onebit.step_bound`, ``inf`` for none), in the operation
+    order of torch's ``w.mul_(decay)`` and ``w.addcdiv_(m, denom, value=step)`` on CPU. An element whose denominator is ``+inf`` is held
     fixed: the update adds +-0 and its momentum is set to +0 afterwards (how the optimizer keeps
     elements whose frozen variance is 0 out of training). An ``Epilogue`` of
     :mod:`hvd_onebit.collective`.
@@ -144,6 +146,8 @@ class AdamUpdate:
         steps, decays: per parameter.
         sqrt_bc2s: per parameter, ``sqrt(1 - beta2 ** frozen_step)`` (default 1.0).
         eps: per parameter, Adam's eps (default 0.0).
+        bounds: per parameter, the largest ``|(step * m) / denom|`` applied, >= 0 (default
+            ``inf``: unbounded); rounded to float32 here, so every kernel clamps at one number.
     """
 
     weights: list[Optional[torch.Tensor]]
@@ -153,23 +157,30 @@ class AdamUpdate:
     decays: list[float]
     sqrt_bc2s: Optional[Sequence[float]] = None
     eps: Optional[Sequence[float]] = None
+    bounds: Optional[Sequence[float]] = None
 
     def __post_init__(self):
         if self.sqrt_bc2s is None:
             self.sqrt_bc2s = [1.0] * len(self.sizes)
         if self.eps is None:
             self.eps = [0.0] * len(self.sizes)
+        if self.bounds is None:
+            self.bounds = [math.inf] * len(self.sizes)
+        else:
+            self.bounds = [as_float32(float(b)) for b in self.bounds]
+            if any(not b >= 0 for b in self.bounds):
+                raise ValueError(f"step bounds must be >= 0, got {self.bounds}")
 
     def native_ready(self) -> bool:
         """Whether the native kernel can update every tensor in place (fp32, contiguous, CPU)."""
         return kernels.native_ready([*self.weights, *self.variances])
 
     def native_args(self) -> tuple:
-        """(weights, variances, sizes, steps, decays, sqrt_bc2s, eps) as the native kernels take
-        them: the scalars as Python floats, one per parameter."""
+        """(weights, variances, sizes, steps, decays, sqrt_bc2s, eps, bounds) as the native
+        kernels take them: the scalars as Python floats, one per parameter."""
         return (self.weights, self.variances, self.sizes, [float(s) for s in self.steps],
                 [float(d) for d in self.decays], [float(b) for b in self.sqrt_bc2s],
-                [float(e) for e in self.eps])
+                [float(e) for e in self.eps], [float(b) for b in self.bounds])
 
     def denominator(self, i: int, lo: int = 0, hi: Optional[int] = None) -> torch.Tensor:
         """Elements ``[lo, hi)`` of parameter ``i``'s denominator, float32 (a fresh tensor): the
@@ -189,8 +200,8 @@ class AdamUpdate:
         low-precision weight) stay small whatever the parameter's size."""
         flat = m.reshape(-1)
         start = 0
-        for i, (w, size, step, decay) in enumerate(zip(self.weights, self.sizes, self.steps,
-                                                       self.decays)):
+        for i, (w, size, step, decay, bound) in enumerate(zip(self.weights, self.sizes, self.steps,
+                                                              self.decays, self.bounds)):
             if w is not None:
                 # in m's (row-major) order; a copy only for a non-contiguous (channels-last) weight
                 w_flat = w.reshape(-1)
@@ -205,7 +216,10 @@ class AdamUpdate:
                         target.mul_(decay)
                     # (step * m) / d, then the add: the CPU's addcdiv_ order. CUDA's addcdiv_
                     # computes w + step * (m / d) and contracts it into an FMA: other bits.
-                    target.add_(torch.mul(m_here, step).div_(d))
+                    q = torch.mul(m_here, step).div_(d)
+                    if bound != math.inf:  # clamp_ keeps a NaN step NaN, as the kernels do
+                        q.clamp_(-bound, bound)
+                    target.add_(q)
                     if target is not w_here:
                         w_here.copy_(target)
                     m_here.masked_fill_(d == math.inf, 0.0)
@@ -246,7 +260,7 @@ def decode_update(rows: torch.Tensor, out: torch.Tensor, layout: Layout, update:
         if (tk.ready([rows, out, *update.variances], rows.device)
                 and tk.ready(update.weights, rows.device, tk.LOW_PRECISION)):
             tk.decode(rows, out, layout, update.weights, update.variances, update.sizes,
-                      update.steps, update.decays, update.sqrt_bc2s, update.eps)
+                      update.steps, update.decays, update.sqrt_bc2s, update.eps, update.bounds)
             return
     kernels.decode(rows, out, layout, backend)
     update.apply(out)

@@ -213,7 +213,8 @@ class _OneBitMixin:
 
     def state_dict(self) -> dict:
         sd = super(self.__class__, self).state_dict()
-        sd["onebit"] = {"freeze_step": self.freeze_step, "skipped_steps": self.skipped_steps}
+        sd["onebit"] = {"freeze_step": self.freeze_step, "skipped_steps": self.skipped_steps,
+                        "step_bound": self.config.step_bound}
         if self._monitor is not None:
             sd["onebit"]["auto_freeze"] = self._monitor.state_dict()
         return sd
@@ -239,6 +240,7 @@ class _OneBitMixin:
         if meta is not None:
             self.skipped_steps = int(meta.get("skipped_steps", 0))
             saved = meta.get("freeze_step")
+            _warn_if_other_step_bound(meta, self.config.step_bound)
         if saved is not None and self._completed_steps >= int(saved):
             if mine is not None and int(saved) != mine:
                 warnings.warn(
@@ -757,6 +759,17 @@ def _all_finite(tensors: list[torch.Tensor]) -> bool:
     return bool(torch.isfinite(torch.stack(sums)).all())
 
 
+def _warn_if_other_step_bound(meta: dict, mine) -> None:
+    """A checkpoint written with another step bound (one from before the bound existed was
+    unbounded) loads as it is: the bound acts only on the step, so the momentum and the error
+    feedback mean the same under either; say so, since later steps will differ."""
+    theirs = meta.get("step_bound") if "step_bound" in meta else None
+    if theirs != mine:
+        warnings.warn(f"hvd_onebit: the checkpoint was written with step_bound={theirs!r}, this "
+                      f"optimizer has step_bound={mine!r}; its momentum and error feedback "
+                      "carry over unchanged (the bound acts only on each step)")
+
+
 def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                          named_parameters: Optional[Iterable[tuple[str, torch.Tensor]]] = None,
                          compression=Compression.none,
@@ -779,7 +792,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                          hierarchical: bool | str = False,
                          overlap: bool = True,
                          memory: str = "auto",
-                         intra_node: str = "auto"):
+                         intra_node: str = "auto",
+                         step_bound: str | float | None = "adam"):
     """Wrap a ``torch.optim.Adam`` or ``AdamW`` for 1-bit Adam over Horovod.
 
     The arguments up to ``process_set`` mean what they mean for ``hvd.DistributedOptimizer`` and
@@ -856,6 +870,14 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
             transport's own links, e.g. NCCL's NVLink on GPUs, or emulated links between ranks)
             or "auto" (default): shared memory where it can serve, else the network; a node
             whose ranks cannot share memory uses the network, with a warning.
+        step_bound: "adam" (default), a positive number, or None. In the compression phase
+            each element's step ``lr / bc1 * m / denom`` is clamped to ``lr * B``: with "adam",
+            B is the longest step Adam itself can take at that step count (1 at step 1, 7.27
+            in the limit for the default betas; :mod:`hvd_onebit.step_bound` derives it), so an
+            element whose gradient outgrows its frozen variance cannot run away; a number is a
+            fixed B; None takes the unbounded step of the paper (frozen-variance steps can then
+            diverge on CNNs with dropout, max-pool and ReLU). The momentum and the error
+            feedback are not clamped, only the step. ``compressor="none"`` is bounded alike.
 
     A param group may carry ``exp_avg_mask``: a tensor broadcastable to each of its parameters, or
     a list with one tensor (or None) per parameter. In the compression phase the averaged
@@ -879,7 +901,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                           bucket_size_mb=bucket_size_mb, check_every=check_every,
                           auto_freeze=auto_freeze, flush_on_commit=flush_on_commit,
                           hierarchical=hierarchical, overlap=overlap, memory=memory,
-                          intra_node=intra_node)
+                          intra_node=intra_node, step_bound=step_bound)
     if op == Adasum or op not in (Average, Sum):
         raise ValueError("hvd_onebit.DistributedOptimizer supports op=hvd.Average or hvd.Sum")
     if isinstance(backward_passes_per_step, bool) or not isinstance(backward_passes_per_step, int) \

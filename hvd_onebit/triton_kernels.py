@@ -38,6 +38,7 @@ native code's ``-ffp-contract=off``); float32 divisions are ``tl.div_rn`` (Trito
 """
 from __future__ import annotations
 
+import math
 import os
 import threading
 from typing import Optional, Sequence
@@ -238,7 +239,7 @@ def _decode_kernel(rows_ptr, words_ptr, m_ptr, numel, G, nblocks, block, T, row_
                    UPDATE: tl.constexpr, R: tl.constexpr, C: tl.constexpr):
     """m[p] = +-s for p < numel; with UPDATE, for segments with a weight:
     denom = sqrt(v) / sqrt_bc2 + eps (+inf where v == 0), w = w * decay (if flagged),
-    w = w + (step * m) / denom, and m = +0 where denom is +inf."""
+    w = w + clamp((step * m) / denom, -bound, bound), and m = +0 where denom is +inf."""
     pid = tl.program_id(0)
     t, gb, o, gb_ok, valid, p, p_lo, p_hi, j, b = _tile(pid, G, block, nblocks, T, R, C)
     valid = valid & (p < numel)
@@ -264,13 +265,17 @@ def _decode_kernel(rows_ptr, words_ptr, m_ptr, numel, G, nblocks, block, T, row_
                 v = tl.load(tl.load(tab_ptr + 2 * nsegs + 1 + seg).to(
                     tl.pointer_type(tl.float32)) + off, mask=here, other=1.0)
                 # the denominator from the frozen variance, correctly rounded sqrt and division
-                den = tl.div_rn(tl.sqrt_rn(v), tl.zeros_like(v) + tl.load(ftab_ptr + 4 * seg + 2))
-                den = den + tl.load(ftab_ptr + 4 * seg + 3)
+                den = tl.div_rn(tl.sqrt_rn(v), tl.zeros_like(v) + tl.load(ftab_ptr + 5 * seg + 2))
+                den = den + tl.load(ftab_ptr + 5 * seg + 3)
                 den = tl.where(v == 0.0, float("inf"), den)
                 w = _load_as_f32(w_addr, off, here, kind)
                 if tl.load(tab_ptr + 4 * nsegs + 1 + seg) != 0:
-                    w = w * tl.load(ftab_ptr + 4 * seg + 1)
-                w = w + tl.div_rn(tl.load(ftab_ptr + 4 * seg) * d, den)
+                    w = w * tl.load(ftab_ptr + 5 * seg + 1)
+                # the step bound: where/compare rather than min/max, so a NaN step stays NaN
+                bound = tl.load(ftab_ptr + 5 * seg + 4)
+                q = tl.div_rn(tl.load(ftab_ptr + 5 * seg) * d, den)
+                q = tl.where(q < -bound, -bound, tl.where(q > bound, bound, q))
+                w = w + q
                 _store_from_f32(w_addr, off, w, here, kind)
                 d = tl.where(here & (den == float("inf")), 0.0, d)
             seg += 1
@@ -416,7 +421,8 @@ def decode(rows: torch.Tensor, out: torch.Tensor, layout: Layout,
            variances: Optional[Sequence[Optional[torch.Tensor]]] = None,
            sizes: Optional[Sequence[int]] = None, steps: Optional[Sequence[float]] = None,
            decays: Optional[Sequence[float]] = None, sqrt_bc2s: Optional[Sequence[float]] = None,
-           epss: Optional[Sequence[float]] = None) -> None:
+           epss: Optional[Sequence[float]] = None,
+           bounds: Optional[Sequence[float]] = None) -> None:
     """out[:numel] = s * sign from the n rows; with ``weights`` (AdamUpdate's lists), Adam's
     update in the same pass (see :class:`hvd_onebit.fused_adam.AdamUpdate`)."""
     numel = out.numel()
@@ -432,8 +438,9 @@ def decode(rows: torch.Tensor, out: torch.Tensor, layout: Layout,
                       [_addr(v) if k else 0 for v, k in zip(variances, live)],
                       [_kind(w) if k else 0 for w, k in zip(weights, live)],
                       [int(float(dc) != 1.0) for dc in decays]], sizes, out.device)
-        ftab = torch.tensor([float(v) for row in zip(steps, decays, sqrt_bc2s, epss) for v in row],
-                            dtype=torch.float32).to(out.device, non_blocking=True)
+        bounds = [math.inf] * len(sizes) if bounds is None else bounds
+        ftab = torch.tensor([float(v) for row in zip(steps, decays, sqrt_bc2s, epss, bounds)
+                             for v in row], dtype=torch.float32).to(out.device, non_blocking=True)
         nsegs = len(sizes)
     else:
         tab, ftab, nsegs = out, out, 1

@@ -90,7 +90,8 @@ def update_case(sizes, L, dtypes=(torch.float32,)):
     """Inputs of a decode with Adam's update: random rows with scales in [0, 1), and per
     parameter (every third None) a weight of ``dtypes[i % len(dtypes)]``, a frozen variance with
     ~30% held elements (0, mask in ``held``), a step and a decay (every other one != 1); then
-    sqrt(bc2) and eps per parameter."""
+    sqrt(bc2), eps and a step bound per parameter (unbounded at i = 2, 6, ...; the others
+    clamp a few percent of their elements, in vector groups and scalar tails)."""
     g = torch.Generator().manual_seed(sum(sizes))
     rows = torch.randint(0, 255, (L.n * L.row_bytes,), dtype=torch.uint8, generator=g)
     kernels.row_scales(rows, L, L.n).copy_(torch.rand(L.n, L.nblocks, generator=g))
@@ -106,7 +107,8 @@ def update_case(sizes, L, dtypes=(torch.float32,)):
     decays = [1 - 1e-5 if i % 2 else 1.0 for i in range(len(sizes))]
     sqrt_bc2s = [math.sqrt(1 - 0.999 ** (10 * (i + 1))) for i in range(len(sizes))]
     eps = [1e-8 if i % 2 else 1e-6 for i in range(len(sizes))]
-    return rows, weights, variances, held, steps, decays, sqrt_bc2s, eps
+    bounds = [math.inf if i % 4 == 2 else 0.03 * (i + 1) for i in range(len(sizes))]
+    return rows, weights, variances, held, steps, decays, sqrt_bc2s, eps, bounds
 
 
 @pytest.mark.parametrize("sizes,n", [([5, 0, 13, 1000, 7], 4), ([64, 64], 3), ([1], 2),
@@ -120,12 +122,12 @@ def test_decode_fused_with_adam_update_equals_torch(sizes, n):
     groups and in the scalar tails alike."""
     numel = sum(sizes)
     L = Layout.build(numel, n, None)
-    rows, weights, variances, held, steps, decays, sqrt_bc2s, eps = update_case(sizes, L)
+    rows, weights, variances, held, steps, decays, sqrt_bc2s, eps, bounds = update_case(sizes, L)
     results = []
     for impl in ("torch", "avx2", "scalar", "hook"):
         w = [None if t is None else t.clone() for t in weights]
         m = torch.full((numel,), float("nan"))
-        update = AdamUpdate(w, variances, sizes, steps, decays, sqrt_bc2s, eps)
+        update = AdamUpdate(w, variances, sizes, steps, decays, sqrt_bc2s, eps, bounds)
         if impl == "torch":
             kernels.decode(rows, m, L, "torch")
             update.apply(m)
@@ -133,7 +135,7 @@ def test_decode_fused_with_adam_update_equals_torch(sizes, n):
             update.decode_into(rows, m, L, "native")
         else:
             _C.decode_update(rows, m, w, variances, sizes, steps, decays, sqrt_bc2s, eps,
-                             *L.as_args(), impl == "avx2")
+                             update.bounds, *L.as_args(), impl == "avx2")
         results.append((m.numpy().tobytes(), [None if t is None else t.numpy().tobytes() for t in w]))
     assert all(r == results[0] for r in results[1:])
     before = [None if t is None else t.numpy().tobytes() for t in weights]
@@ -157,14 +159,14 @@ def test_update_from_a_decoded_momentum_equals_torch(sizes, alias):
     momentum with held elements (zero variance) set to +0; ``src`` may be ``out``."""
     numel = sum(sizes)
     L = Layout.build(numel, 2, None)
-    _, weights, variances, held, steps, decays, sqrt_bc2s, eps = update_case(sizes, L)
+    _, weights, variances, held, steps, decays, sqrt_bc2s, eps, bounds = update_case(sizes, L)
     src = torch.randn(numel, generator=torch.Generator().manual_seed(7))
     results = {}
     for impl in ("torch", "avx2", "scalar", "hook"):
         w = [None if t is None else t.clone() for t in weights]
         m = src.clone() if alias else torch.full((numel,), float("nan"))
         given = m if alias else src.clone()
-        update = AdamUpdate(w, variances, sizes, steps, decays, sqrt_bc2s, eps)
+        update = AdamUpdate(w, variances, sizes, steps, decays, sqrt_bc2s, eps, bounds)
         if impl == "torch":
             m.copy_(given)
             update.apply(m)
@@ -172,7 +174,7 @@ def test_update_from_a_decoded_momentum_equals_torch(sizes, alias):
             update.copy_apply(given, m, "native")
         else:
             _C.update(given, m, w, variances, sizes, steps, decays, sqrt_bc2s, eps,
-                      impl == "avx2")
+                      update.bounds, impl == "avx2")
         results[impl] = (m.numpy().tobytes(),
                          [None if t is None else t.numpy().tobytes() for t in w])
     for impl in ("avx2", "scalar", "hook"):
@@ -265,3 +267,54 @@ def test_node_mean_compressed_in_one_pass_equals_materialised(rows, numel, n):
     send = torch.empty(L.n * L.row_bytes, dtype=torch.uint8)
     assert mean.compress(y_prev, prev_send, None, send, L, "native") is False, \
         "an inf in a row was not reported"
+
+
+@pytest.mark.parametrize("impl", ["torch", "avx2", "scalar"])
+def test_the_step_bound_clamps_the_step_and_nothing_else(impl):
+    """With a bound, every element's step ``w1 - w0`` is ``clamp((step*m)/denom, -b, b)``: the
+    elements whose unbounded step is longer move by exactly +-b (the same bits in every
+    twin), the others by their unbounded step, and the momentum is the decoded one, unclamped.
+    Without a bound (``inf``) the bits are those of an AdamUpdate given no bounds at all."""
+    sizes = [4099, 517]
+    numel = sum(sizes)
+    L = Layout.build(numel, 2, None)
+    g = torch.Generator().manual_seed(3)
+    src = torch.randn(numel, generator=g)
+    w0 = [torch.randn(s, generator=g) for s in sizes]
+    variances = [torch.rand(s, generator=g) * 1e-4 + 1e-9 for s in sizes]
+    steps, decays, sqrt_bc2s, eps = [-1e-3, -2e-3], [1.0, 1.0], [0.3, 0.5], [1e-8, 1e-8]
+    unbounded = [torch.mul(src[:sizes[0]], steps[0]) / AdamUpdate(
+        [w0[0]], [variances[0]], [sizes[0]], [steps[0]], [1.0], [0.3], [1e-8]).denominator(0)]
+    bound = float(unbounded[0].abs().median())  # half of parameter 0's elements are clamped
+
+    def run(bounds):
+        w, m = [x.clone() for x in w0], src.clone()
+        update = AdamUpdate(w, variances, sizes, steps, decays, sqrt_bc2s, eps, bounds)
+        if impl == "torch":
+            update.apply(m)
+        else:
+            _C.update(src, m, w, variances, sizes, steps, decays, sqrt_bc2s, eps,
+                      update.bounds, impl == "avx2")
+        return w, m
+
+    w, m = run([bound, math.inf])
+    b32 = float(torch.tensor(bound, dtype=torch.float32))
+    moved = w[0] - w0[0]
+    clamped = unbounded[0].abs() > b32
+    assert 0.4 < float(clamped.float().mean()) < 0.6, \
+        f"{float(clamped.float().mean()):.3f} of elements over the bound, expected about half"
+    top = (w0[0] + torch.where(unbounded[0] > 0, b32, -b32))[clamped]
+    assert torch.equal(w[0][clamped], top), \
+        f"{impl}: clamped elements moved by up to {float(moved[clamped].abs().max()):.3e}, bound {b32:.3e}"
+    assert torch.equal(w[0][~clamped], (w0[0] + unbounded[0])[~clamped]), \
+        f"{impl}: elements inside the bound did not take their unbounded step"
+    assert torch.equal(m, src), f"{impl}: the momentum was changed by the bound"
+    w_none, m_none = run(None)
+    assert torch.equal(w[1], w_none[1]) and torch.equal(m, m_none), \
+        f"{impl}: an infinite bound changed the bits of the unbounded update"
+
+
+def test_a_negative_or_nan_bound_is_refused():
+    for bad in (-1.0, float("nan")):
+        with pytest.raises(ValueError, match="step bounds must be >= 0"):
+            AdamUpdate([None], [None], [4], [0.0], [1.0], bounds=[bad])

@@ -143,14 +143,14 @@ def test_decode_with_adam_update(sizes, n):
     only decoded, held elements (denominator +inf) keep w*decay and get a +0 momentum."""
     numel = sum(sizes)
     L = Layout.build(numel, n, None)
-    rows, weights, variances, held, steps, decays, sqrt_bc2s, eps = update_case(
+    rows, weights, variances, held, steps, decays, sqrt_bc2s, eps, bounds = update_case(
         sizes, L, (torch.float32, torch.float32, torch.float16, torch.bfloat16))
     results = {}
     for impl in ("torch", "triton", "native"):
         w = [None if t is None else t.clone() for t in weights]
         m = torch.full((numel,), float("nan"))
-        decode_update(rows, m, L, AdamUpdate(w, variances, sizes, steps, decays, sqrt_bc2s, eps),
-                      impl)
+        decode_update(rows, m, L,
+                      AdamUpdate(w, variances, sizes, steps, decays, sqrt_bc2s, eps, bounds), impl)
         results[impl] = (m, w)
     ref_m, ref_w = results["torch"]
     for impl in ("triton", "native"):

@@ -404,13 +404,15 @@ void decode_scalar(const uint8_t* rows, float* out, int64_t numel, const Layout&
 // The optimizer's use of the averaged momentum d, fused into the decode pass so d is read once:
 // m[p] = d, and for parameters that take the update here (the others are left to the caller),
 //     denom = sqrt(v) / sqrt_bc2 + eps   (+inf where v == 0),
-//     w = w * decay (when decay != 1), then w = w + (step * d) / denom,
+//     w = w * decay (when decay != 1), then w = w + clamp((step * d) / denom, -bound, bound),
 // with v the frozen variance (exp_avg_sq), read here instead of a stored copy of the denominators
 // (a parameter-sized buffer saved). fp32 throughout, in this order (sqrt and / correctly
 // rounded), so the torch twin and the Triton kernel give the same bits. An infinite denominator
 // marks an element held fixed (its frozen variance is 0): the update adds +-0 and its momentum is
 // stored as +0, so held elements cost one compare here instead of a scatter over their indices
-// every step. Segments are the parameters laid end to end in m.
+// every step. The clamp is the step bound (hvd_onebit/step_bound.py): no element moves further
+// than Adam itself could in one step; bound = +inf leaves the step as it was. It is written so a
+// NaN step stays NaN, as torch.clamp keeps it. Segments are the parameters laid end to end in m.
 
 struct UpdateSegment {
   float* w;             // nullptr: decode only
@@ -418,7 +420,11 @@ struct UpdateSegment {
   int64_t start, end;
   float step, decay, sqrt_bc2, eps;
   bool apply_decay;
+  float bound;  // the largest |step * d / denom| taken; +inf: unbounded
 };
+
+// q clamped to [-bound, bound]; a NaN q stays NaN (both comparisons are false).
+inline float clamp1(float q, float bound) { return q < -bound ? -bound : (q > bound ? bound : q); }
 
 inline float denominator1(const UpdateSegment& s, float v) {
   return v == 0.0f ? std::numeric_limits<float>::infinity() : std::sqrt(v) / s.sqrt_bc2 + s.eps;
@@ -429,7 +435,7 @@ inline void update1(const UpdateSegment& s, int64_t p, float d, float* m) {
   const float denom = denominator1(s, s.v[p - s.start]);
   float w = s.w[p - s.start];
   if (s.apply_decay) w = w * s.decay;
-  s.w[p - s.start] = w + (s.step * d) / denom;
+  s.w[p - s.start] = w + clamp1((s.step * d) / denom, s.bound);
   m[p] = denom == std::numeric_limits<float>::infinity() ? 0.0f : d;
 }
 
@@ -449,7 +455,10 @@ __attribute__((target("avx2,fma"))) inline void update8_avx2(const UpdateSegment
   float* wp = s.w + (p - s.start);
   __m256 w = _mm256_loadu_ps(wp);
   if (s.apply_decay) w = _mm256_mul_ps(w, _mm256_set1_ps(s.decay));
-  const __m256 upd = _mm256_div_ps(_mm256_mul_ps(_mm256_set1_ps(s.step), d), denom);
+  __m256 upd = _mm256_div_ps(_mm256_mul_ps(_mm256_set1_ps(s.step), d), denom);
+  // clamp1, 8 at a time: max_ps/min_ps return their second operand when either is NaN, so a NaN
+  // step stays NaN as in the scalar code
+  upd = _mm256_min_ps(_mm256_set1_ps(s.bound), _mm256_max_ps(_mm256_set1_ps(-s.bound), upd));
   _mm256_storeu_ps(wp, _mm256_add_ps(w, upd));
 }
 #endif
@@ -779,7 +788,8 @@ void decode(const torch::Tensor& rows, torch::Tensor out, int64_t n, int64_t chu
 #if defined(HVD_ONEBIT_X86)
   if (allow_simd && cpu_has_avx2()) {
     // decode alone is decode_update over one segment that takes no update
-    const UpdateSegment none{nullptr, nullptr, 0, out.numel(), 0.0f, 1.0f, 1.0f, 0.0f, false};
+    const UpdateSegment none{nullptr, nullptr, 0, out.numel(), 0.0f, 1.0f, 1.0f, 0.0f, false,
+                             std::numeric_limits<float>::infinity()};
     decode_update_avx2(rows.data_ptr<uint8_t>(), out.data_ptr<float>(), out.numel(), L,
                        SegmentCursor<UpdateSegment>{&none, 1});
     return;
@@ -793,18 +803,22 @@ std::vector<UpdateSegment> update_segments(
     const torch::Tensor& m, const std::vector<c10::optional<torch::Tensor>>& weights,
     const std::vector<c10::optional<torch::Tensor>>& variances, const std::vector<int64_t>& sizes,
     const std::vector<double>& steps, const std::vector<double>& decays,
-    const std::vector<double>& sqrt_bc2s, const std::vector<double>& epss) {
+    const std::vector<double>& sqrt_bc2s, const std::vector<double>& epss,
+    const std::vector<double>& bounds) {
   const size_t k = sizes.size();
   TORCH_CHECK(weights.size() == k && variances.size() == k && steps.size() == k &&
-                  decays.size() == k && sqrt_bc2s.size() == k && epss.size() == k,
-              "one weight, variance, step, decay, sqrt_bc2 and eps per size");
+                  decays.size() == k && sqrt_bc2s.size() == k && epss.size() == k &&
+                  bounds.size() == k,
+              "one weight, variance, step, decay, sqrt_bc2, eps and bound per size");
   std::vector<UpdateSegment> segs;
   int64_t start = 0;
   for (size_t i = 0; i < k; ++i) {
     // Each scalar rounded to fp32 from double, as torch rounds a Python scalar.
     UpdateSegment seg{nullptr, nullptr, start, start + sizes[i], static_cast<float>(steps[i]),
                       static_cast<float>(decays[i]), static_cast<float>(sqrt_bc2s[i]),
-                      static_cast<float>(epss[i]), decays[i] != 1.0};
+                      static_cast<float>(epss[i]), decays[i] != 1.0,
+                      static_cast<float>(bounds[i])};
+    TORCH_CHECK(!(seg.bound < 0.0f), "bound ", i, " must be >= 0, got ", bounds[i]);
     if (weights[i].has_value() && weights[i]->defined()) {
       TORCH_CHECK(variances[i].has_value() && variances[i]->defined(), "weight ", i,
                   " has no variance");
@@ -827,14 +841,15 @@ void decode_update(const torch::Tensor& rows, torch::Tensor m,
                    const std::vector<c10::optional<torch::Tensor>>& variances,
                    const std::vector<int64_t>& sizes, const std::vector<double>& steps,
                    const std::vector<double>& decays, const std::vector<double>& sqrt_bc2s,
-                   const std::vector<double>& epss, int64_t n, int64_t chunk, int64_t block,
+                   const std::vector<double>& epss, const std::vector<double>& bounds, int64_t n,
+                   int64_t chunk, int64_t block,
                    int64_t row_bytes, bool allow_simd) {
   const Layout L = make_layout(n, chunk, block, row_bytes);
   check_cpu(rows, torch::kUInt8, "rows", n * row_bytes);
   check_cpu(m, torch::kFloat32, "momentum", 0);
   TORCH_CHECK(m.numel() <= n * chunk, "momentum has more elements than the layout holds");
   const std::vector<UpdateSegment> segs =
-      update_segments(m, weights, variances, sizes, steps, decays, sqrt_bc2s, epss);
+      update_segments(m, weights, variances, sizes, steps, decays, sqrt_bc2s, epss, bounds);
   if (m.numel() == 0) return;
   SegmentCursor<UpdateSegment> cursor{segs.data(), static_cast<int64_t>(segs.size())};
   pybind11::gil_scoped_release no_gil;
@@ -852,13 +867,14 @@ void update(const torch::Tensor& src, torch::Tensor m,
             const std::vector<c10::optional<torch::Tensor>>& variances,
             const std::vector<int64_t>& sizes, const std::vector<double>& steps,
             const std::vector<double>& decays, const std::vector<double>& sqrt_bc2s,
-            const std::vector<double>& epss, bool allow_simd) {
+            const std::vector<double>& epss, const std::vector<double>& bounds,
+            bool allow_simd) {
   check_cpu(m, torch::kFloat32, "momentum", 0);
   check_cpu(src, torch::kFloat32, "src", m.numel());
   TORCH_CHECK(src.numel() == m.numel(), "src has ", src.numel(), " elements, momentum ",
               m.numel());
   const std::vector<UpdateSegment> segs =
-      update_segments(m, weights, variances, sizes, steps, decays, sqrt_bc2s, epss);
+      update_segments(m, weights, variances, sizes, steps, decays, sqrt_bc2s, epss, bounds);
   if (m.numel() == 0) return;
   pybind11::gil_scoped_release no_gil;
 #if defined(HVD_ONEBIT_X86)
@@ -894,7 +910,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode", &decode, "out = s * sign for the n rows, first out.numel() elements.");
   m.def("decode_update", &decode_update,
         "decode into m and, for each weight given, denom = sqrt(v)/sqrt_bc2 + eps (inf where "
-        "v == 0), w = w*decay (if decay != 1) then w + (step*m)/denom, in the same pass.");
+        "v == 0), w = w*decay (if decay != 1) then w + clamp((step*m)/denom, -bound, bound), in "
+        "the same pass.");
   m.def("update", &update,
         "m = src (+0 where v == 0) and, for each weight given, decode_update's weight update "
         "with d = src; src may be m.");
