@@ -362,9 +362,13 @@ class CompressedStep:
         Elements whose frozen variance is exactly zero never saw a gradient in the warmup (a
         dead ReLU unit, an unused embedding row). Adam would divide their momentum by eps, and
         every element receives about its block's scale, so they would jump by
-        lr * scale / eps. They are held fixed instead, with a warning: their denominator is
-        +inf (see :class:`~hvd_onebit.fused_adam.AdamUpdate`), so the update leaves them alone
-        and zeroes their momentum.
+        lr * scale / eps. With ``zero_variance="hold"`` (default) they are held fixed, with a
+        warning: their denominator is +inf (see :class:`~hvd_onebit.fused_adam.AdamUpdate`), so
+        the update leaves them alone and zeroes their momentum. ``"eps"`` gives them Adam's own
+        denominator, eps (their variance becomes the smallest normal float32, whose root is
+        far below eps), so they take steps at the step bound; ``"floor"`` gives them the
+        smallest non-zero variance of their parameter, so they train like its least active
+        elements. Either rewrites ``exp_avg_sq`` once, alike on every rank.
         """
         todo = [p for p in params
                 if self.state[p].get("frozen_variance_step", NOT_FROZEN) == NOT_FROZEN]
@@ -383,12 +387,14 @@ class CompressedStep:
             state, step, unseen = self.state[p], values[2 * i], int(values[2 * i + 1])
             state["frozen_variance_step"] = int(step)
             self._remember_step(p, step)
-            if unseen:
+            if unseen and self.config.zero_variance == "hold":
                 warnings.warn(
                     f"hvd_onebit: {unseen} of {p.numel()} elements of parameter "
                     f"{self.names.get(p, '?')} received no gradient during the "
                     f"{state['frozen_variance_step']}-step warmup (variance 0); they are held "
                     "fixed in the compression phase")
+            elif unseen:
+                _fill_zero_variances(state["exp_avg_sq"], self.config.zero_variance)
 
     def _host_step(self, p: torch.Tensor) -> float:
         """Adam's step count of ``p`` as a host number. A step tensor on a GPU (fused or
@@ -628,6 +634,18 @@ class CompressedStep:
                 eps=[x[5] if x else 0.0 for x in t],
                 bounds=[x[6] if x else math.inf for x in t]))
         return updates, masked
+
+
+def _fill_zero_variances(v: torch.Tensor, mode: str) -> None:
+    """Give the zero entries of the frozen variance ``v`` (in place) a denominator to train
+    with: "eps", the smallest normal float32 (``sqrt(v) / sqrt_bc2 + eps`` is then eps); "floor",
+    the smallest non-zero entry of ``v`` (the same as "eps" where there is none)."""
+    zero = v == 0
+    tiny = torch.finfo(torch.float32).tiny
+    fill = tiny
+    if mode == "floor" and bool((~zero).any()):
+        fill = float(v[~zero].min())
+    v.masked_fill_(zero, fill)
 
 
 def _raise_if_any_failed(failure: str) -> None:

@@ -18,6 +18,7 @@ from .transports import TRANSPORTS, check_transport
 COMPRESSORS = ("onebit", "none")
 MEMORY_MODES = ("auto", "lean", "fast")
 INTRA_NODE_MODES = ("auto", "shared_memory", "network")
+ZERO_VARIANCE_MODES = ("hold", "eps", "floor")
 AUTO = "auto"  # freeze_step="auto": freeze once the variance has settled (hvd_onebit.auto_freeze)
 DEFAULT_BUCKET_MB = 64.0
 # Parameter dtypes the optimizer trains. float16 and bfloat16 parameters keep float32 optimizer
@@ -106,6 +107,8 @@ class OneBitConfig:
             node travel (see :meth:`shared_memory_inside_nodes`).
         step_bound: "adam", a positive number or None: the bound on each compression-phase
             step (:mod:`hvd_onebit.step_bound`).
+        zero_variance: "hold", "eps" or "floor": what elements whose variance is 0 at the
+            freeze do in the compression phase (see ``CompressedStep._freeze_variances``).
     """
 
     freeze_step: Union[int, str]
@@ -122,6 +125,7 @@ class OneBitConfig:
     memory: str = "auto"
     intra_node: str = "auto"
     step_bound: Any = ADAM_BOUND
+    zero_variance: str = "hold"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "step_bound", validate_step_bound(self.step_bound))
@@ -133,6 +137,9 @@ class OneBitConfig:
         elif self.auto_freeze is not None:
             raise ValueError("auto_freeze options apply only with freeze_step='auto', got "
                              f"freeze_step={self.freeze_step!r}")
+        if self.zero_variance not in ZERO_VARIANCE_MODES:
+            raise ValueError(f"zero_variance must be one of {ZERO_VARIANCE_MODES}, got "
+                             f"{self.zero_variance!r}")
         if self.memory not in MEMORY_MODES:
             raise ValueError(f"memory must be one of {MEMORY_MODES}, got {self.memory!r}")
         if not isinstance(self.overlap, bool):

@@ -793,7 +793,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                          overlap: bool = True,
                          memory: str = "auto",
                          intra_node: str = "auto",
-                         step_bound: str | float | None = "adam"):
+                         step_bound: str | float | None = "adam",
+                         zero_variance: str = "hold"):
     """Wrap a ``torch.optim.Adam`` or ``AdamW`` for 1-bit Adam over Horovod.
 
     The arguments up to ``process_set`` mean what they mean for ``hvd.DistributedOptimizer`` and
@@ -878,6 +879,11 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
             fixed B; None takes the unbounded step of the paper (frozen-variance steps can then
             diverge on CNNs with dropout, max-pool and ReLU). The momentum and the error
             feedback are not clamped, only the step. ``compressor="none"`` is bounded alike.
+        zero_variance: elements whose variance is exactly 0 at the freeze (no gradient in the
+            whole warmup: dead ReLU inputs, unused embedding rows): "hold" (default) keeps them
+            fixed for the rest of the run, with a warning; "eps" divides their momentum by
+            Adam's eps (steps at the step bound); "floor" gives them the smallest non-zero
+            variance of their parameter.
 
     A param group may carry ``exp_avg_mask``: a tensor broadcastable to each of its parameters, or
     a list with one tensor (or None) per parameter. In the compression phase the averaged
@@ -901,7 +907,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                           bucket_size_mb=bucket_size_mb, check_every=check_every,
                           auto_freeze=auto_freeze, flush_on_commit=flush_on_commit,
                           hierarchical=hierarchical, overlap=overlap, memory=memory,
-                          intra_node=intra_node, step_bound=step_bound)
+                          intra_node=intra_node, step_bound=step_bound,
+                          zero_variance=zero_variance)
     if op == Adasum or op not in (Average, Sum):
         raise ValueError("hvd_onebit.DistributedOptimizer supports op=hvd.Average or hvd.Sum")
     if isinstance(backward_passes_per_step, bool) or not isinstance(backward_passes_per_step, int) \

@@ -9,6 +9,14 @@ from __future__ import annotations
 import numpy as np
 
 
+def adam_bound(t: int, beta1: float = 0.9, beta2: float = 0.999) -> float:
+    """The largest |m_hat| / sqrt(v_hat) Adam can reach at step t: Cauchy-Schwarz on its two
+    running averages (ALGORITHM.md), the bound the compression phase clamps each step at."""
+    r = beta1 ** 2 / beta2
+    return ((1 - beta1) / (1 - beta1 ** t) * np.sqrt((1 - r ** t) / (1 - r))
+            * np.sqrt((1 - beta2 ** t) / (1 - beta2)))
+
+
 def _compress(y: np.ndarray, block: int):
     """y float32 [chunk] -> (scales float32 [nblocks], signs +-1 float32 [chunk], error float32)."""
     blocks = y.reshape(-1, block)

@@ -71,8 +71,9 @@ def horovod_job(**kwargs) -> dict:
 
 def reference(n: int, steps: int = 6) -> list[list[np.ndarray]]:
     """The same steps from ALGORITHM.md in NumPy: local momenta, the 1-bit allreduce reference of
-    each bucket, Adam's update with the frozen variance. Parameters after each step."""
-    from tests.onebit_reference import ReferenceOneBit
+    each bucket, Adam's update with the frozen variance, each step clamped at lr times Adam's own
+    bound. Parameters after each step."""
+    from tests.onebit_reference import ReferenceOneBit, adam_bound
 
     params, state = initial_state()
     w = [p.numpy().astype(np.float64) for p in params]
@@ -106,6 +107,7 @@ def reference(n: int, steps: int = 6) -> list[list[np.ndarray]]:
                 flat[a:a + piece.size] = piece
                 m[i] = flat.reshape(params[i].shape)
         for i in range(len(params)):
-            w[i] = w[i] - LR / bc1 * m[i] / (np.sqrt(v[i] / bc2) + EPS)
+            step = LR / bc1 * m[i] / (np.sqrt(v[i] / bc2) + EPS)
+            w[i] = w[i] - np.clip(step, -LR * adam_bound(t), LR * adam_bound(t))
         history.append([x.astype(np.float32) for x in w])
     return history

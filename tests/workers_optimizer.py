@@ -8,6 +8,7 @@ import torch
 import torch.nn as nn
 
 import hvd_onebit
+from tests.onebit_reference import adam_bound
 
 
 def make_model(seed=0, width=32):
@@ -73,19 +74,23 @@ def warmup_matches_horovod(steps=4, passes=1, fp16=False, adamw=False):
     return out[0] == out[1]
 
 
-def frozen_variance_reference(freeze_step=3, steps=8, weight_decay=0.0, adamw=False):
-    """compressor='none' vs a hand-written Adam-with-frozen-variance on averaged gradients."""
+def frozen_variance_reference(freeze_step=3, steps=8, weight_decay=0.0, adamw=False, bounded=True):
+    """compressor='none' vs a hand-written Adam-with-frozen-variance on averaged gradients, each
+    step clamped at lr times Adam's own bound (``bounded``) or not (step_bound=None). Returns the
+    largest difference, the smallest distance moved, and the fraction of element steps clamped."""
     cls = torch.optim.AdamW if adamw else torch.optim.Adam
     model = make_model()
     opt = hvd_onebit.DistributedOptimizer(cls(model.parameters(), lr=1e-2, weight_decay=weight_decay),
                                           named_parameters=model.named_parameters(),
-                                          freeze_step=freeze_step, compressor="none")
+                                          freeze_step=freeze_step, compressor="none",
+                                          step_bound="adam" if bounded else None)
     train(model, opt, steps)
 
     ref = make_model()
     ref_opt = cls(ref.parameters(), lr=1e-2, weight_decay=weight_decay)
     loss_fn = nn.MSELoss()
     beta1, beta2, eps, lr = 0.9, 0.999, 1e-8, 1e-2
+    clamped = total = 0
     for step in range(steps):
         ref_opt.zero_grad()
         x, y = batch(step, hvd.rank())
@@ -106,10 +111,16 @@ def frozen_variance_reference(freeze_step=3, steps=8, weight_decay=0.0, adamw=Fa
                 denom = (st["exp_avg_sq"].sqrt() / bc2 ** 0.5).add_(eps)
                 if adamw:
                     p.mul_(1 - lr * weight_decay)
-                p.addcdiv_(st["exp_avg"], denom, value=-lr / bc1)
+                upd = st["exp_avg"] * (-lr / bc1) / denom
+                if bounded:
+                    limit = lr * adam_bound(t)
+                    clamped += int((upd.abs() > limit).sum())
+                    upd = upd.clamp(-limit, limit)
+                total += upd.numel()
+                p.add_(upd)
     diffs = [float((a.detach() - b.detach()).abs().max()) for a, b in zip(model.parameters(), ref.parameters())]
     moved = [float((a.detach() - b.detach()).abs().max()) for a, b in zip(model.parameters(), make_model().parameters())]
-    return max(diffs), min(moved)
+    return max(diffs), min(moved), clamped / total
 
 
 def onebit_consistency(steps=30, freeze_step=5, passes=1, bucket_size_mb=64.0):
@@ -365,6 +376,7 @@ def suite():
         "warmup_identical_passes2_fp16_adamw": warmup_matches_horovod(passes=2, fp16=True, adamw=True),
         "frozen_adam": frozen_variance_reference(weight_decay=0.01),
         "frozen_adamw": frozen_variance_reference(weight_decay=0.01, adamw=True),
+        "frozen_adam_unbounded": frozen_variance_reference(weight_decay=0.01, bounded=False),
         "consistency": onebit_consistency(),
         "consistency_passes2_buckets": onebit_consistency(steps=12, passes=2, bucket_size_mb=0.002),
         "missing": missing_grads_and_requires_grad(),
