@@ -32,7 +32,7 @@ from .hierarchical import HierarchicalOneBitAllreduce, Topology
 from .shared_memory import SharedMemoryError
 from .config import OneBitConfig, group_masks
 from .fusion import Bucket, fuse, param_offsets
-from .fused_adam import AdamUpdate, MomentumInput
+from .fused_adam import AdamUpdate, MomentumInput, frozen_denominator
 from .layout import ring_allreduce_bytes
 from . import step_bound
 from .transports import Transport, resolve_transport, sleep_until_done
@@ -228,8 +228,14 @@ class CompressedStep:
 
     def error_feedback_state_dict(self) -> dict:
         """This rank's error-feedback buffers (rank-local: save one file per rank)."""
-        return {"world_size": self.world, "rank": self.rank,
+        return {"world_size": self.world, "rank": self.rank, "space": self._error_space,
                 "buckets": {k: c.state_dict() for k, c in self.saved_comms().items()}}
+
+    @property
+    def _error_space(self) -> str:
+        """What the error feedback is measured in: "preconditioned" (``m / denom``) or
+        "momentum" (a checkpoint without the entry was written before preconditioning)."""
+        return "preconditioned" if self.preconditioned else "momentum"
 
     def load_error_feedback_state_dict(self, state: dict) -> None:
         """Restore :meth:`error_feedback_state_dict` from the same rank of a same-size job; with
@@ -239,6 +245,17 @@ class CompressedStep:
                 f"hvd_onebit: error feedback saved by rank {state.get('rank')} of "
                 f"{state.get('world_size')} does not fit rank {self.rank} of "
                 f"{self.world}; it is reset to zero")
+            self._pending_error_feedback = None
+            for comm in self.comms.values():
+                comm.reset()
+            return
+        saved_space = state.get("space", "momentum")
+        if saved_space != self._error_space:
+            warnings.warn(
+                f"hvd_onebit: the saved error feedback is in units of the {saved_space} and this "
+                f"optimizer compresses the {self._error_space} (precondition="
+                f"{self.preconditioned}); it is reset to zero (error feedback restarts, the "
+                "momentum is kept)")
             self._pending_error_feedback = None
             for comm in self.comms.values():
                 comm.reset()
@@ -285,7 +302,8 @@ class CompressedStep:
         momentum stays identical on every rank (each adds the same e), so rank 0's
         ``state_dict()`` is then a complete checkpoint, for any world size. Entries the step
         would leave at zero stay zero: ``exp_avg_mask`` is applied, and elements held fixed
-        (frozen variance 0) keep a zero momentum.
+        (frozen variance 0) keep a zero momentum. Preconditioned, the errors are in units of
+        ``m / denom``: ``e * denom / beta1`` is added instead (0 where held).
 
         All or nothing: the new momenta are computed aside, and only if every value of every
         bucket is finite (checked on the allreduced values, the same on every rank) are they
@@ -295,6 +313,7 @@ class CompressedStep:
         if self.config.compressor != "onebit" or self.buckets is None or self.world == 1:
             return 0
         beta1s = {p: float(g["betas"][0]) for g in param_groups for p in g["params"]}
+        groups = {p: g for g in param_groups for p in g["params"]}
         if any(beta1s[p] == 0 for p in self.params):
             raise ValueError("flush_error_feedback needs beta1 > 0: with beta1 = 0 the momentum "
                              "does not carry into the next step, so the error cannot be folded")
@@ -304,9 +323,14 @@ class CompressedStep:
         new = []
         for b, e in zip(self.buckets, sums):
             m = b.momentum.clone()
-            for seg in b.segments:
+            for i, seg in enumerate(b.segments):
                 lo, hi = seg.offset, seg.offset + seg.numel
-                m[lo:hi].add_(e[lo:hi].div_(beta1s[seg.param]))
+                fold = e[lo:hi]
+                if self.preconditioned:  # back to the momentum's units; held elements get 0
+                    v, sqrt_bc2, eps = self._denominator_terms(seg.param, groups[seg.param])
+                    denom = frozen_denominator(b.piece(i, v).reshape(-1), sqrt_bc2, eps)
+                    fold = fold.mul_(denom).masked_fill_(denom == math.inf, 0.0)
+                m[lo:hi].add_(fold.div_(beta1s[seg.param]))
             new.append(m)
         bad = [b.index for b, m in zip(self.buckets, new) if not bool(torch.isfinite(m).all())]
         if bad:
@@ -447,28 +471,55 @@ class CompressedStep:
         bucket's parameters are read)."""
         b = self.buckets[self.next_to_start]
         start = time.perf_counter()
-        x = self._input(b, self._beta1s(param_groups), grads)
+        x = self._input(b, self._input_terms(param_groups), grads)
         self._early.append(self.comms[self._key(b)].allreduce_async(x, out=b.momentum))
         self.early_starts += 1
         self.breakdown["compress"] += time.perf_counter() - start
 
-    def _beta1s(self, param_groups: list[dict]) -> dict:
-        owner = set(self.params)
-        return {p: g["betas"][0] for g in param_groups for p in g["params"] if p in owner}
+    @property
+    def preconditioned(self) -> bool:
+        """Whether the 1-bit collectives carry the preconditioned momentum ``m / denom``
+        (``precondition=True`` with the 1-bit compressor)."""
+        return self.config.precondition and self.config.compressor == "onebit"
 
-    def _input(self, b: Bucket, beta1s: dict, grads: Mapping) -> object:
-        """Bucket ``b``'s allreduce input: its local momentum ``beta1 * m + (1 - beta1) * g``,
-        computed inside the compression pass where one beta1 serves the whole bucket."""
+    def _input_terms(self, param_groups: list[dict]) -> dict:
+        """Per bucketed parameter: (beta1, and when preconditioned its frozen variance,
+        sqrt(bc2) and eps; else None, None, None): what its allreduce input is made of."""
+        owner = set(self.params)
+        terms = {}
+        for g in param_groups:
+            for p in g["params"]:
+                if p in owner:
+                    terms[p] = (g["betas"][0],) + (self._denominator_terms(p, g)
+                                                   if self.preconditioned else (None,) * 3)
+        return terms
+
+    def _denominator_terms(self, p: torch.Tensor, group: dict) -> tuple:
+        """(frozen variance, sqrt(bc2), eps) of ``p``: its denominator, as the update has it."""
+        frozen = self.state[p]["frozen_variance_step"]
+        bc2 = 1 - group["betas"][1] ** frozen if frozen > 0 else 1.0
+        return self.state[p]["exp_avg_sq"], math.sqrt(bc2), float(group["eps"])
+
+    def _input(self, b: Bucket, terms: dict, grads: Mapping) -> object:
+        """Bucket ``b``'s allreduce input: its local momentum ``beta1 * m + (1 - beta1) * g``
+        (over its denominator when preconditioned), computed inside the compression pass where
+        one beta1 serves the whole bucket."""
         sizes = [seg.numel for seg in b.segments]
         pieces = [b.piece(i, grads[seg.param]) for i, seg in enumerate(b.segments)]
-        betas = {beta1s[p] for p in b.params}
+        seg_terms = [terms[seg.param] for seg in b.segments]
+        pre = {}
+        if self.preconditioned:
+            pre = dict(variances=[b.piece(i, t[1]) for i, t in enumerate(seg_terms)],
+                       sqrt_bc2s=[t[2] for t in seg_terms], eps=[t[3] for t in seg_terms])
+        betas = {t[0] for t in seg_terms}
         if len(betas) == 1:
-            return MomentumInput(b.momentum, pieces, sizes, betas.pop())
+            return MomentumInput(b.momentum, pieces, sizes, betas.pop(), **pre)
         # param groups with different beta1 share the bucket: one member at a time
         for i, seg in enumerate(b.segments):
-            MomentumInput(b.momentum_view(i), [pieces[i]], [sizes[i]],
-                          beta1s[seg.param]).materialize(out=b.work_view(i),
-                                                         backend=self.config.kernel_backend)
+            one = {k: [v[i]] for k, v in pre.items()}
+            MomentumInput(b.momentum_view(i), [pieces[i]], [sizes[i]], seg_terms[i][0],
+                          **one).materialize(out=b.work_view(i),
+                                             backend=self.config.kernel_backend)
         return b.work
 
     @property
@@ -520,8 +571,8 @@ class CompressedStep:
         if self.config.compressor == "onebit":
             nbytes = self._onebit_average(early, param_groups, owner, grads, stale)
         else:
-            beta1s = self._beta1s(param_groups)
-            inputs = [self._input(b, beta1s, grads) for b in self.buckets]
+            terms = self._input_terms(param_groups)
+            inputs = [self._input(b, terms, grads) for b in self.buckets]
             nbytes = self._exact_average(inputs, param_groups, owner)
         for p in owner:
             value = self._host_step(p)
@@ -534,14 +585,14 @@ class CompressedStep:
         comms = [self.comms[self._key(b)] for b in self.buckets]
         for h in early:
             h.stale = stale
-        beta1s = self._beta1s(param_groups)
+        terms = self._input_terms(param_groups)
 
         def start(position: int):
             b = self.buckets[position]
             begun = time.perf_counter()
             # Decoded straight into exp_avg: outputs are written only once every bucket on every
             # rank has succeeded, so a skipped step leaves the momentum untouched.
-            handle = comms[position].allreduce_async(self._input(b, beta1s, grads), out=b.momentum)
+            handle = comms[position].allreduce_async(self._input(b, terms, grads), out=b.momentum)
             self.breakdown["compress"] += time.perf_counter() - begun
             return handle
 
@@ -601,18 +652,17 @@ class CompressedStep:
         t = int(self._host_step(p)) + 1
         bc1 = 1 - beta1 ** t
         decay = 1 - lr * wd if wd != 0 and self.decoupled(group) else 1.0
-        frozen = state["frozen_variance_step"]
-        bc2 = 1 - beta2 ** frozen if frozen > 0 else 1.0
+        variance, sqrt_bc2, eps = self._denominator_terms(p, group)
         bound = abs(lr) * step_bound.ratio_bound(self.config.step_bound, beta1, beta2, t)
-        return (p.detach(), state["exp_avg_sq"], -lr / bc1, decay, math.sqrt(bc2),
-                float(group["eps"]), bound)
+        return p.detach(), variance, -lr / bc1, decay, sqrt_bc2, eps, bound
 
     def _plan_updates(self, param_groups: list[dict], owner: set
                       ) -> tuple[list[AdamUpdate], list[tuple]]:
         """Adam's update with the frozen variance, one :class:`AdamUpdate` per bucket, for the
         collective to apply in its decode pass once every rank has succeeded. Parameters with an
         ``exp_avg_mask`` are returned apart, as (group, param, mask): their momentum must be
-        masked first."""
+        masked first (preconditioned, the decode pass still turns their average back into a
+        momentum: it gets their variance and no weight)."""
         terms: dict = {}
         masked = []
         for group in param_groups:
@@ -621,18 +671,21 @@ class CompressedStep:
                     continue
                 if mask is not None:
                     masked.append((group, p, mask))
+                    if self.preconditioned:
+                        terms[p] = (None,) + self._update_terms(p, group)[1:]
                 else:
                     terms[p] = self._update_terms(p, group)
         updates = []
         for b in self.buckets:
             t = [terms.get(p) for p in b.params]
             updates.append(AdamUpdate(
-                weights=[b.piece(i, x[0]) if x else None for i, x in enumerate(t)],
+                weights=[b.piece(i, x[0]) if x and x[0] is not None else None
+                         for i, x in enumerate(t)],
                 variances=[b.piece(i, x[1]) if x else None for i, x in enumerate(t)],
                 sizes=[seg.numel for seg in b.segments], steps=[x[2] if x else 0.0 for x in t],
                 decays=[x[3] if x else 1.0 for x in t], sqrt_bc2s=[x[4] if x else 1.0 for x in t],
                 eps=[x[5] if x else 0.0 for x in t],
-                bounds=[x[6] if x else math.inf for x in t]))
+                bounds=[x[6] if x else math.inf for x in t], preconditioned=self.preconditioned))
         return updates, masked
 
 

@@ -109,6 +109,8 @@ class OneBitConfig:
             step (:mod:`hvd_onebit.step_bound`).
         zero_variance: "hold", "eps" or "floor": what elements whose variance is 0 at the
             freeze do in the compression phase (see ``CompressedStep._freeze_variances``).
+        precondition: the 1-bit collectives carry the momentum over its frozen denominator
+            (:class:`~hvd_onebit.fused_adam.MomentumInput`), or the momentum itself.
     """
 
     freeze_step: Union[int, str]
@@ -126,6 +128,7 @@ class OneBitConfig:
     intra_node: str = "auto"
     step_bound: Any = ADAM_BOUND
     zero_variance: str = "hold"
+    precondition: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "step_bound", validate_step_bound(self.step_bound))
@@ -140,6 +143,8 @@ class OneBitConfig:
         if self.zero_variance not in ZERO_VARIANCE_MODES:
             raise ValueError(f"zero_variance must be one of {ZERO_VARIANCE_MODES}, got "
                              f"{self.zero_variance!r}")
+        if not isinstance(self.precondition, bool):
+            raise ValueError(f"precondition must be True or False, got {self.precondition!r}")
         if self.memory not in MEMORY_MODES:
             raise ValueError(f"memory must be one of {MEMORY_MODES}, got {self.memory!r}")
         if not isinstance(self.overlap, bool):

@@ -34,6 +34,18 @@ from .step_bound import as_float32
 APPLY_SLICE = 1 << 20
 
 
+def frozen_denominator(v: torch.Tensor, sqrt_bc2: float, eps: float) -> torch.Tensor:
+    """Adam's denominator from a frozen variance ``v`` (float32, any shape): a fresh float32
+    tensor ``sqrt(v) / sqrt_bc2 + eps``, ``+inf`` where ``v == 0`` (an element held fixed). The
+    torch reference of what the fused kernels compute in their passes, correctly rounded on
+    every device: torch's float32 sqrt on CPU is MKL's (not always correctly rounded, unlike
+    the kernels'), a float64 root rounded to float32 is; the division is by a float32 tensor
+    (:func:`~hvd_onebit.kernels.exact_div`)."""
+    root = torch.sqrt(v.double()).float()
+    d = kernels.exact_div(root, float(sqrt_bc2)).add_(float(eps))
+    return d.masked_fill_(v == 0, math.inf)
+
+
 # ---- prologue: the momentum update, computed inside the worker compression ----------------------------
 
 @dataclass
@@ -45,18 +57,39 @@ class MomentumInput:
     give the same bits (two fp32 products and a sum, no FMA). An ``InputProducer`` of
     :mod:`hvd_onebit.collective`.
 
+    With ``variances`` the input is **preconditioned**: ``u = x / denom``, ``denom`` the frozen
+    variance's Adam denominator (:func:`frozen_denominator`; ``+inf`` where ``v == 0``, so held
+    elements give +-0). Every rank divides by the same bits, so averaging u is averaging x; one
+    scale per chunk then serves elements of any variance alike (in x, a small-variance
+    element would receive the chunk's large magnitude and step far), and the error feedback
+    works in the units the update uses. :class:`AdamUpdate` with ``preconditioned=True``
+    takes the average back (``m = u * denom``).
+
     Attributes:
         momentum: float32 [numel], contiguous: the fused exp_avg (read only).
         grads: one gradient per segment, float32, laid end to end in ``momentum``'s order;
             None reads as zeros (a parameter without a gradient on this rank).
         sizes: elements of each segment; they sum to numel.
         beta1: Adam's first-moment decay.
+        variances: None (x itself), or each segment's frozen ``exp_avg_sq`` (float32, its size).
+        sqrt_bc2s, eps: with ``variances``, per segment (as :class:`AdamUpdate`'s).
     """
 
     momentum: torch.Tensor
     grads: list[Optional[torch.Tensor]]
     sizes: list[int]
     beta1: float
+    variances: Optional[list[torch.Tensor]] = None
+    sqrt_bc2s: Optional[Sequence[float]] = None
+    eps: Optional[Sequence[float]] = None
+
+    def native_precondition_args(self) -> tuple:
+        """(variances, sqrt_bc2s, eps) as the native kernels take them: empty lists when the
+        input is not preconditioned."""
+        if self.variances is None:
+            return [], [], []
+        return (list(self.variances), [float(b) for b in self.sqrt_bc2s],
+                [float(e) for e in self.eps])
 
     @property
     def like(self) -> torch.Tensor:
@@ -65,7 +98,7 @@ class MomentumInput:
 
     def native_ready(self) -> bool:
         """Whether the native kernel can read every tensor in place (fp32, contiguous, CPU)."""
-        return kernels.native_ready([self.momentum, *self.grads])
+        return kernels.native_ready([self.momentum, *self.grads, *(self.variances or [])])
 
     def materialize(self, out: Optional[torch.Tensor] = None,
                     backend: str = "torch") -> torch.Tensor:
@@ -80,16 +113,24 @@ class MomentumInput:
             if out is None:
                 out = torch.empty_like(self.momentum)
             kernels.native_module().momentum_update(self.momentum, self.grads, self.sizes,
-                                                    float(self.beta1), out.view(-1), True)
+                                                    float(self.beta1),
+                                                    *self.native_precondition_args(),
+                                                    out.view(-1), True)
             return out
         out = torch.mul(self.momentum.reshape(-1).float(), self.beta1, out=out)
         start = 0
-        for g, size in zip(self.grads, self.sizes):
+        for i, (g, size) in enumerate(zip(self.grads, self.sizes)):
             seg = out[start:start + size]
             if g is None:
                 seg.add_(0.0)  # the kernel adds (1 - beta1) * 0; -0.0 becomes +0.0 as it does there
             else:
                 seg.add_(torch.mul(g.reshape(-1).float(), 1 - self.beta1))
+            if self.variances is not None:  # x / denom, in slices that bound the temporaries
+                v = self.variances[i].reshape(-1)
+                for lo in range(0, size, APPLY_SLICE):
+                    hi = min(size, lo + APPLY_SLICE)
+                    seg[lo:hi].div_(frozen_denominator(v[lo:hi], float(self.sqrt_bc2s[i]),
+                                                       float(self.eps[i])))
             start += size
         return out
 
@@ -107,9 +148,9 @@ def worker_compress_momentum(src: MomentumInput, y_prev: torch.Tensor, prev_send
     resolved = kernels.resolve_backend(backend, src.momentum.device)
     if resolved == "native" and src.native_ready():
         return kernels.native_module().worker_compress_momentum(
-            src.momentum, src.grads, src.sizes, float(src.beta1), y_prev, prev_send, y_out, send,
-            *layout.as_args(), True)
-    if resolved == "triton" and layout.padded > 0:
+            src.momentum, src.grads, src.sizes, float(src.beta1), *src.native_precondition_args(),
+            y_prev, prev_send, y_out, send, *layout.as_args(), True)
+    if resolved == "triton" and layout.padded > 0 and src.variances is None:
         tk = kernels.triton_module()
         if (tk.ready([src.momentum], src.momentum.device)
                 and tk.ready(src.grads, src.momentum.device, tk.LOW_PRECISION)):
@@ -148,6 +189,10 @@ class AdamUpdate:
         eps: per parameter, Adam's eps (default 0.0).
         bounds: per parameter, the largest ``|(step * m) / denom|`` applied, >= 0 (default
             ``inf``: unbounded); rounded to float32 here, so every kernel clamps at one number.
+        preconditioned: the momentum given is ``u = m / denom`` (a preconditioned
+            :class:`MomentumInput`'s average): ``m = u * denom`` is stored (+0 where held) and
+            the step is ``clamp(step * u, -bound, bound)`` (+0 where held). A parameter may
+            then have a variance and no weight: its momentum is converted, nothing updated.
     """
 
     weights: list[Optional[torch.Tensor]]
@@ -158,6 +203,7 @@ class AdamUpdate:
     sqrt_bc2s: Optional[Sequence[float]] = None
     eps: Optional[Sequence[float]] = None
     bounds: Optional[Sequence[float]] = None
+    preconditioned: bool = False
 
     def __post_init__(self):
         if self.sqrt_bc2s is None:
@@ -176,22 +222,18 @@ class AdamUpdate:
         return kernels.native_ready([*self.weights, *self.variances])
 
     def native_args(self) -> tuple:
-        """(weights, variances, sizes, steps, decays, sqrt_bc2s, eps, bounds) as the native
-        kernels take them: the scalars as Python floats, one per parameter."""
+        """(weights, variances, sizes, steps, decays, sqrt_bc2s, eps, bounds, preconditioned)
+        as the native kernels take them: the scalars as Python floats, one per parameter."""
         return (self.weights, self.variances, self.sizes, [float(s) for s in self.steps],
                 [float(d) for d in self.decays], [float(b) for b in self.sqrt_bc2s],
-                [float(e) for e in self.eps], [float(b) for b in self.bounds])
+                [float(e) for e in self.eps], [float(b) for b in self.bounds],
+                bool(self.preconditioned))
 
     def denominator(self, i: int, lo: int = 0, hi: Optional[int] = None) -> torch.Tensor:
-        """Elements ``[lo, hi)`` of parameter ``i``'s denominator, float32 (a fresh tensor): the
-        torch reference of what the fused kernels compute in their pass. Correctly rounded on
-        every device: torch's float32 sqrt on CPU is MKL's (not always correctly rounded, unlike
-        the kernels'), a float64 root rounded to float32 is; the division is by a float32 tensor
-        (:func:`~hvd_onebit.kernels.exact_div`)."""
-        v = self.variances[i].reshape(-1)[lo:hi]
-        root = torch.sqrt(v.double()).float()
-        d = kernels.exact_div(root, float(self.sqrt_bc2s[i])).add_(float(self.eps[i]))
-        return d.masked_fill_(v == 0, math.inf)
+        """Elements ``[lo, hi)`` of parameter ``i``'s denominator, float32 (a fresh tensor,
+        :func:`frozen_denominator`)."""
+        return frozen_denominator(self.variances[i].reshape(-1)[lo:hi], self.sqrt_bc2s[i],
+                                  self.eps[i])
 
     def apply(self, m: torch.Tensor) -> None:
         """The update with torch ops, ``m``: the decoded momentum [numel]. The torch reference
@@ -202,30 +244,44 @@ class AdamUpdate:
         start = 0
         for i, (w, size, step, decay, bound) in enumerate(zip(self.weights, self.sizes, self.steps,
                                                               self.decays, self.bounds)):
-            if w is not None:
+            if w is not None or (self.preconditioned and self.variances[i] is not None):
                 # in m's (row-major) order; a copy only for a non-contiguous (channels-last) weight
-                w_flat = w.reshape(-1)
+                w_flat = w.reshape(-1) if w is not None else None
                 for lo in range(0, size, APPLY_SLICE):
                     hi = min(size, lo + APPLY_SLICE)
-                    m_here = flat[start + lo:start + hi]
-                    d = self.denominator(i, lo, hi)
-                    # float16/bfloat16 weights: the update in float32, rounded once
-                    w_here = w_flat[lo:hi]
-                    target = w_here if w.dtype == m_here.dtype else w_here.float()
-                    if decay != 1.0:
-                        target.mul_(decay)
-                    # (step * m) / d, then the add: the CPU's addcdiv_ order. CUDA's addcdiv_
-                    # computes w + step * (m / d) and contracts it into an FMA: other bits.
-                    q = torch.mul(m_here, step).div_(d)
-                    if bound != math.inf:  # clamp_ keeps a NaN step NaN, as the kernels do
-                        q.clamp_(-bound, bound)
-                    target.add_(q)
-                    if target is not w_here:
-                        w_here.copy_(target)
-                    m_here.masked_fill_(d == math.inf, 0.0)
-                if not w.is_contiguous():
+                    self._apply_slice(flat[start + lo:start + hi], w, w_flat, i, lo, hi, step,
+                                      decay, bound)
+                if w is not None and not w.is_contiguous():
                     w.copy_(w_flat.view(w.shape))
             start += size
+
+    def _apply_slice(self, m_here: torch.Tensor, w: Optional[torch.Tensor],
+                     w_flat: Optional[torch.Tensor], i: int, lo: int, hi: int, step: float,
+                     decay: float, bound: float) -> None:
+        """:meth:`apply` on elements ``[lo, hi)`` of parameter ``i`` (``m_here``: theirs)."""
+        d = self.denominator(i, lo, hi)
+        held = d == math.inf
+        if self.preconditioned:  # m_here holds u: the step from u, then m = u * denom
+            q = torch.mul(m_here, step) if w is not None else None
+        else:  # (step * m) / d: the CPU's addcdiv_ order. CUDA's addcdiv_ computes
+            # w + step * (m / d) and contracts it into an FMA: other bits.
+            q = torch.mul(m_here, step).div_(d)
+        if q is not None:
+            if bound != math.inf:  # clamp_ keeps a NaN step NaN, as the kernels do
+                q.clamp_(-bound, bound)
+            if self.preconditioned:
+                q.masked_fill_(held, 0.0)
+            # float16/bfloat16 weights: the update in float32, rounded once
+            w_here = w_flat[lo:hi]
+            target = w_here if w.dtype == m_here.dtype else w_here.float()
+            if decay != 1.0:
+                target.mul_(decay)
+            target.add_(q)
+            if target is not w_here:
+                w_here.copy_(target)
+        if self.preconditioned:
+            m_here.mul_(d)
+        m_here.masked_fill_(held, 0.0)
 
     def copy_apply(self, src: torch.Tensor, out: torch.Tensor, backend: str = "auto") -> None:
         """``out.copy_(src)`` then :meth:`apply` to ``out``, in one pass where the native kernel
@@ -255,7 +311,8 @@ def decode_update(rows: torch.Tensor, out: torch.Tensor, layout: Layout, update:
         kernels.native_module().decode_update(rows, out, *update.native_args(),
                                               *layout.as_args(), True)
         return
-    if resolved == "triton" and layout.padded > 0 and out.dtype == torch.float32:
+    if (resolved == "triton" and layout.padded > 0 and out.dtype == torch.float32
+            and not update.preconditioned):
         tk = kernels.triton_module()
         if (tk.ready([rows, out, *update.variances], rows.device)
                 and tk.ready(update.weights, rows.device, tk.LOW_PRECISION)):

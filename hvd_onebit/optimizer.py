@@ -794,7 +794,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                          memory: str = "auto",
                          intra_node: str = "auto",
                          step_bound: str | float | None = "adam",
-                         zero_variance: str = "hold"):
+                         zero_variance: str = "hold",
+                         precondition: bool = True):
     """Wrap a ``torch.optim.Adam`` or ``AdamW`` for 1-bit Adam over Horovod.
 
     The arguments up to ``process_set`` mean what they mean for ``hvd.DistributedOptimizer`` and
@@ -884,6 +885,15 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
             fixed for the rest of the run, with a warning; "eps" divides their momentum by
             Adam's eps (steps at the step bound); "floor" gives them the smallest non-zero
             variance of their parameter.
+        precondition: True (default): the 1-bit allreduce carries each element's momentum over
+            its frozen denominator, ``m / (sqrt(v / bc2) + eps)``, the quantity the update
+            uses, instead of the momentum itself. The denominators are the same bits on every
+            rank, so the average is the same; but one scale per chunk of the sign compression
+            then fits elements of any variance alike (on the momentum itself, an element with a
+            small variance receives its chunk's large magnitude and divides it by its small
+            denominator), and the error feedback is kept in the update's units. The
+            compression pass reads the frozen variance once more; bytes on the wire do not
+            change. False: the paper's compression of the momentum, for comparison.
 
     A param group may carry ``exp_avg_mask``: a tensor broadcastable to each of its parameters, or
     a list with one tensor (or None) per parameter. In the compression phase the averaged
@@ -908,7 +918,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                           auto_freeze=auto_freeze, flush_on_commit=flush_on_commit,
                           hierarchical=hierarchical, overlap=overlap, memory=memory,
                           intra_node=intra_node, step_bound=step_bound,
-                          zero_variance=zero_variance)
+                          zero_variance=zero_variance, precondition=precondition)
     if op == Adasum or op not in (Average, Sum):
         raise ValueError("hvd_onebit.DistributedOptimizer supports op=hvd.Average or hvd.Sum")
     if isinstance(backward_passes_per_step, bool) or not isinstance(backward_passes_per_step, int) \

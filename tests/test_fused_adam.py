@@ -13,12 +13,23 @@ from hvd_onebit.transports import run_threads
 from tests.test_kernels import _previous_state
 
 
+def preconditioning(sizes, g):
+    """A frozen variance per segment (~20% zeros: held elements), sqrt(bc2) and eps: the
+    keyword arguments that precondition a MomentumInput."""
+    variances = [torch.rand(s, generator=g) * 1e-4 + 1e-9 for s in sizes]
+    for v in variances:
+        v[torch.rand(v.shape, generator=g) < 0.2] = 0.0
+    return dict(variances=variances, sqrt_bc2s=[0.1 + 0.05 * i for i in range(len(sizes))],
+                eps=[1e-8 if i % 2 else 1e-6 for i in range(len(sizes))])
+
+
+@pytest.mark.parametrize("precondition", [False, True], ids=["momentum", "preconditioned"])
 @pytest.mark.parametrize("sizes,n", [([5, 0, 13, 1000, 7], 4), ([64, 64], 3), ([1], 2),
                                      ([4099], 1), ([300_001, 3, 200_000], 4)])
-def test_momentum_input_compressed_in_one_pass_equals_materialised(sizes, n):
+def test_momentum_input_compressed_in_one_pass_equals_materialised(sizes, n, precondition):
     """beta1*m + (1-beta1)*g computed inside the compression (AVX2 and scalar, called directly
     and through the collective's hook) gives the same bits as torch computing x first, across gradient boundaries that split 8-element groups and
-    with missing gradients (zeros)."""
+    with missing gradients (zeros); preconditioned, x / denom (+-0 where the variance is 0)."""
     numel = sum(sizes)
     L = Layout.build(numel, n, None)
     g = torch.Generator().manual_seed(numel)
@@ -26,12 +37,18 @@ def test_momentum_input_compressed_in_one_pass_equals_materialised(sizes, n):
     m = torch.randn(numel, generator=g)
     m[:1] = -0.0  # a negative zero times beta1 plus (1-beta1)*0 is +0 in both paths
     grads = [None if i % 3 == 1 else torch.randn(s, generator=g) for i, s in enumerate(sizes)]
-    src = MomentumInput(m, grads, sizes, 0.9)
+    extra = preconditioning(sizes, g) if precondition else {}
+    src = MomentumInput(m, grads, sizes, 0.9, **extra)
     x = src.materialize()
     expect = x.clone()
     for i, (grad, start) in enumerate(zip(grads, [sum(sizes[:k]) for k in range(len(sizes))])):
-        if grad is not None:
-            expect[start:start + sizes[i]] = 0.9 * m[start:start + sizes[i]] + 0.1 * grad
+        here = slice(start, start + sizes[i])
+        expect[here] = 0.9 * m[here] + (0.1 * grad if grad is not None else 0.0)
+        if precondition:
+            v = extra["variances"][i]
+            denom = v.double().sqrt() / extra["sqrt_bc2s"][i] + extra["eps"][i]
+            expect[here] = torch.where(v == 0, 0.0, expect[here] / denom)
+            assert bool((x[here][v == 0] == 0).all()), "held elements were not sent as 0"
     torch.testing.assert_close(x, expect, rtol=1e-6, atol=1e-7)
     runs = []
     for impl in ("avx2", "scalar", "torch", "materialised", "hook"):
@@ -44,15 +61,19 @@ def test_momentum_input_compressed_in_one_pass_equals_materialised(sizes, n):
         elif impl == "torch":
             ok = worker_compress_momentum(src, y_prev, prev_send, y_out, send, L, "torch")
         else:
-            ok = _C.worker_compress_momentum(m, grads, sizes, 0.9, y_prev, prev_send, y_out, send,
-                                             *L.as_args(), impl == "avx2")
+            ok = _C.worker_compress_momentum(m, grads, sizes, 0.9, *src.native_precondition_args(),
+                                             y_prev, prev_send, y_out, send, *L.as_args(),
+                                             impl == "avx2")
         runs.append((ok, y_out.numpy().tobytes(), send.numpy().tobytes()))
-    assert all(r == runs[0] for r in runs[1:])
+    names = ("avx2", "scalar", "torch", "materialised", "hook")
+    for name, r in zip(names[1:], runs[1:]):
+        assert r == runs[0], f"{name}: bits differ from the AVX2 pass's"
     assert runs[0][0] is True
 
 
+@pytest.mark.parametrize("precondition", [False, True], ids=["momentum", "preconditioned"])
 @pytest.mark.parametrize("sizes", [[5, 0, 13, 1000, 7], [1], [300_001, 3, 1_100_000]])
-def test_momentum_input_written_out_natively_equals_torch(sizes):
+def test_momentum_input_written_out_natively_equals_torch(sizes, precondition):
     """``materialize(backend="native")`` (one native pass, AVX2 and scalar; streaming stores
     past 2**20 elements) writes the bits of the torch reference, across gradient boundaries
     inside 8-element groups and with missing gradients."""
@@ -61,17 +82,17 @@ def test_momentum_input_written_out_natively_equals_torch(sizes):
     m = torch.randn(numel, generator=g)
     m[:1] = -0.0
     grads = [None if i % 3 == 1 else torch.randn(s, generator=g) for i, s in enumerate(sizes)]
-    src = MomentumInput(m, grads, sizes, 0.9)
+    src = MomentumInput(m, grads, sizes, 0.9, **(preconditioning(sizes, g) if precondition else {}))
     expect = src.materialize().numpy().tobytes()
     for simd in (True, False):
         out = torch.full((numel,), float("nan"))
-        _C.momentum_update(m, grads, sizes, 0.9, out, simd)
+        _C.momentum_update(m, grads, sizes, 0.9, *src.native_precondition_args(), out, simd)
         assert out.numpy().tobytes() == expect, f"avx2={simd}: bits differ from torch's"
     out = torch.full((numel,), float("nan"))
     assert src.materialize(out=out, backend="native") is out
     assert out.numpy().tobytes() == expect, "materialize(backend='native') differs from torch's"
     with pytest.raises(RuntimeError, match="must not be the momentum"):
-        _C.momentum_update(m, grads, sizes, 0.9, m, True)
+        _C.momentum_update(m, grads, sizes, 0.9, [], [], [], m, True)
 
 
 def test_momentum_input_rejects_mismatched_gradients():
@@ -80,13 +101,17 @@ def test_momentum_input_rejects_mismatched_gradients():
             torch.empty(L.padded), torch.empty(L.n * L.row_bytes, dtype=torch.uint8))
     with pytest.raises(RuntimeError, match="gradient has 3 elements, needs 4"):
         _C.worker_compress_momentum(torch.zeros(10), [torch.zeros(3), torch.zeros(6)], [4, 6],
-                                    0.9, *args, *L.as_args(), True)
+                                    0.9, [], [], [], *args, *L.as_args(), True)
     with pytest.raises(RuntimeError, match="gradients hold 9 elements, momentum 10"):
-        _C.worker_compress_momentum(torch.zeros(10), [None, None], [4, 5], 0.9, *args,
-                                    *L.as_args(), True)
+        _C.worker_compress_momentum(torch.zeros(10), [None, None], [4, 5], 0.9, [], [], [],
+                                    *args, *L.as_args(), True)
+    with pytest.raises(RuntimeError, match="variance has 5 elements, needs 6"):
+        _C.worker_compress_momentum(torch.zeros(10), [None, None], [4, 6], 0.9,
+                                    [torch.ones(4), torch.ones(5)], [1.0, 1.0], [0.0, 0.0],
+                                    *args, *L.as_args(), True)
 
 
-def update_case(sizes, L, dtypes=(torch.float32,)):
+def update_case(sizes, L, dtypes=(torch.float32,), unweighted_variances=False):
     """Inputs of a decode with Adam's update: random rows with scales in [0, 1), and per
     parameter (every third None) a weight of ``dtypes[i % len(dtypes)]``, a frozen variance with
     ~30% held elements (0, mask in ``held``), a step and a decay (every other one != 1); then
@@ -97,8 +122,11 @@ def update_case(sizes, L, dtypes=(torch.float32,)):
     kernels.row_scales(rows, L, L.n).copy_(torch.rand(L.n, L.nblocks, generator=g))
     weights = [None if i % 3 == 1 else torch.randn(s, generator=g).to(dtypes[i % len(dtypes)])
                for i, s in enumerate(sizes)]
-    variances = [None if w is None else torch.rand(s, generator=g) * 1e-4 + 1e-9
-                 for w, s in zip(weights, sizes)]
+    # unweighted_variances: every other weightless parameter has a variance (a masked one,
+    # preconditioned: its momentum is converted back, nothing updated)
+    variances = [None if w is None and not (unweighted_variances and i % 6 == 1)
+                 else torch.rand(s, generator=g) * 1e-4 + 1e-9
+                 for i, (w, s) in enumerate(zip(weights, sizes))]
     held = [None if v is None else torch.rand(v.shape, generator=g) < 0.3 for v in variances]
     for v, h in zip(variances, held):
         if v is not None:
@@ -111,23 +139,27 @@ def update_case(sizes, L, dtypes=(torch.float32,)):
     return rows, weights, variances, held, steps, decays, sqrt_bc2s, eps, bounds
 
 
+@pytest.mark.parametrize("precond", [False, True], ids=["momentum", "preconditioned"])
 @pytest.mark.parametrize("sizes,n", [([5, 0, 13, 1000, 7], 4), ([64, 64], 3), ([1], 2),
                                      ([300_001, 3, 200_000], 4)])
-def test_decode_fused_with_adam_update_equals_torch(sizes, n):
+def test_decode_fused_with_adam_update_equals_torch(sizes, n, precond):
     """Decode + ``denom = sqrt(v)/sqrt_bc2 + eps``, ``w = w*decay + (step*m)/denom`` in one pass
     (AVX2 and scalar, called directly and through the collective's hook) gives the bits of
     torch's decode, the denominator, ``w.mul_(decay)`` and ``w.addcdiv_(m, denom, value=step)``;
     parameters given as None are only decoded. Elements with a zero variance (infinite
     denominator: held fixed) keep their weight (times decay) and get a zero momentum, in vector
-    groups and in the scalar tails alike."""
+    groups and in the scalar tails alike. Preconditioned, the rows carry u = m / denom: the
+    momentum stored is u * denom and the step clamp(step * u), a variance may come without
+    its weight (converted only)."""
     numel = sum(sizes)
     L = Layout.build(numel, n, None)
-    rows, weights, variances, held, steps, decays, sqrt_bc2s, eps, bounds = update_case(sizes, L)
+    rows, weights, variances, held, steps, decays, sqrt_bc2s, eps, bounds = update_case(
+        sizes, L, unweighted_variances=precond)
     results = []
     for impl in ("torch", "avx2", "scalar", "hook"):
         w = [None if t is None else t.clone() for t in weights]
         m = torch.full((numel,), float("nan"))
-        update = AdamUpdate(w, variances, sizes, steps, decays, sqrt_bc2s, eps, bounds)
+        update = AdamUpdate(w, variances, sizes, steps, decays, sqrt_bc2s, eps, bounds, precond)
         if impl == "torch":
             kernels.decode(rows, m, L, "torch")
             update.apply(m)
@@ -135,38 +167,44 @@ def test_decode_fused_with_adam_update_equals_torch(sizes, n):
             update.decode_into(rows, m, L, "native")
         else:
             _C.decode_update(rows, m, w, variances, sizes, steps, decays, sqrt_bc2s, eps,
-                             update.bounds, *L.as_args(), impl == "avx2")
+                             update.bounds, precond, *L.as_args(), impl == "avx2")
         results.append((m.numpy().tobytes(), [None if t is None else t.numpy().tobytes() for t in w]))
-    assert all(r == results[0] for r in results[1:])
+    for impl, r in zip(("avx2", "scalar", "hook"), results[1:]):
+        assert r[0] == results[0][0], f"{impl}: momentum differs from torch's"
+        assert r[1] == results[0][1], f"{impl}: weights differ from torch's"
     before = [None if t is None else t.numpy().tobytes() for t in weights]
     assert all(a != b for a, b in zip(results[0][1], before) if a is not None)
     m = torch.frombuffer(bytearray(results[1][0]), dtype=torch.float32)
     start = 0
     for i, (h, w0, decay) in enumerate(zip(held, weights, decays)):
         if h is not None and h.any():
-            assert torch.all(m[start:start + sizes[i]][h] == 0)
-            w1 = torch.frombuffer(bytearray(results[1][1][i]), dtype=torch.float32)
-            assert torch.equal(w1[h], w0[h] * decay if decay != 1 else w0[h])
+            assert torch.all(m[start:start + sizes[i]][h] == 0), f"param {i}: held momentum"
+            if w0 is not None:
+                w1 = torch.frombuffer(bytearray(results[1][1][i]), dtype=torch.float32)
+                assert torch.equal(w1[h], w0[h] * decay if decay != 1 else w0[h]), \
+                    f"param {i}: held elements moved"
         start += sizes[i]
 
 
+@pytest.mark.parametrize("precond", [False, True], ids=["momentum", "preconditioned"])
 @pytest.mark.parametrize("sizes", [[5, 0, 13, 1000, 7], [64, 64], [1], [300_001, 3, 200_000]])
 @pytest.mark.parametrize("alias", [False, True], ids=["src", "in-place"])
-def test_update_from_a_decoded_momentum_equals_torch(sizes, alias):
+def test_update_from_a_decoded_momentum_equals_torch(sizes, alias, precond):
     """Adam's update from a momentum that arrives decoded (the hierarchical collective's
     gathered mean): the native pass (AVX2 and scalar, and through ``copy_apply``) gives the bits
     of ``out.copy_(src)`` then the torch reference :meth:`AdamUpdate.apply`: weights, and the
     momentum with held elements (zero variance) set to +0; ``src`` may be ``out``."""
     numel = sum(sizes)
     L = Layout.build(numel, 2, None)
-    _, weights, variances, held, steps, decays, sqrt_bc2s, eps, bounds = update_case(sizes, L)
+    _, weights, variances, held, steps, decays, sqrt_bc2s, eps, bounds = update_case(
+        sizes, L, unweighted_variances=precond)
     src = torch.randn(numel, generator=torch.Generator().manual_seed(7))
     results = {}
     for impl in ("torch", "avx2", "scalar", "hook"):
         w = [None if t is None else t.clone() for t in weights]
         m = src.clone() if alias else torch.full((numel,), float("nan"))
         given = m if alias else src.clone()
-        update = AdamUpdate(w, variances, sizes, steps, decays, sqrt_bc2s, eps, bounds)
+        update = AdamUpdate(w, variances, sizes, steps, decays, sqrt_bc2s, eps, bounds, precond)
         if impl == "torch":
             m.copy_(given)
             update.apply(m)
@@ -174,7 +212,7 @@ def test_update_from_a_decoded_momentum_equals_torch(sizes, alias):
             update.copy_apply(given, m, "native")
         else:
             _C.update(given, m, w, variances, sizes, steps, decays, sqrt_bc2s, eps,
-                      update.bounds, impl == "avx2")
+                      update.bounds, precond, impl == "avx2")
         results[impl] = (m.numpy().tobytes(),
                          [None if t is None else t.numpy().tobytes() for t in w])
     for impl in ("avx2", "scalar", "hook"):
@@ -182,11 +220,16 @@ def test_update_from_a_decoded_momentum_equals_torch(sizes, alias):
         assert results[impl][1] == results["torch"][1], f"{impl}: weights differ from torch's"
     m = torch.frombuffer(bytearray(results["avx2"][0]), dtype=torch.float32)
     start = 0
-    for h, size in zip(held, sizes):
+    for i, (h, size) in enumerate(zip(held, sizes)):
         if h is not None:
-            assert torch.all(m[start:start + size][h] == 0), "held elements keep a momentum"
-            assert torch.equal(m[start:start + size][~h], src[start:start + size][~h]), \
-                "updated elements' momentum is not the source's"
+            here = slice(start, start + size)
+            assert torch.all(m[here][h] == 0), "held elements keep a momentum"
+            want = src[here]
+            if precond:
+                want = want * AdamUpdate(weights, variances, sizes, steps, decays, sqrt_bc2s,
+                                         eps).denominator(i)
+            assert torch.equal(m[here][~h], want[~h]), \
+                "updated elements' momentum is not the source's (times denom, preconditioned)"
         start += size
 
 
@@ -294,7 +337,7 @@ def test_the_step_bound_clamps_the_step_and_nothing_else(impl):
             update.apply(m)
         else:
             _C.update(src, m, w, variances, sizes, steps, decays, sqrt_bc2s, eps,
-                      update.bounds, impl == "avx2")
+                      update.bounds, False, impl == "avx2")
         return w, m
 
     w, m = run([bound, math.inf])

@@ -69,9 +69,10 @@ def horovod_job(**kwargs) -> dict:
     return run_engine(hvd.rank(), **kwargs)
 
 
-def reference(n: int, steps: int = 6) -> list[list[np.ndarray]]:
-    """The same steps from ALGORITHM.md in NumPy: local momenta, the 1-bit allreduce reference of
-    each bucket, Adam's update with the frozen variance, each step clamped at lr times Adam's own
+def reference(n: int, steps: int = 6, precondition: bool = True) -> list[list[np.ndarray]]:
+    """The same steps from ALGORITHM.md in NumPy: local momenta (over their frozen denominator,
+    ``precondition``), the 1-bit allreduce reference of each bucket, the momentum back from the
+    average, Adam's update with the frozen variance, each step clamped at lr times Adam's own
     bound. Parameters after each step."""
     from tests.onebit_reference import ReferenceOneBit, adam_bound
 
@@ -86,21 +87,23 @@ def reference(n: int, steps: int = 6) -> list[list[np.ndarray]]:
                [(0, 377, 823)]]
     refs = [ReferenceOneBit(sum(count for _, _, count in b), n) for b in buckets]
     bc2 = 1 - BETAS[1] ** WARM_STEPS
+    denoms = [(np.sqrt(x / bc2) + EPS).astype(np.float32) for x in v]
     history = []
     for step in range(steps):
         t = WARM_STEPS + step + 1
         bc1 = 1 - BETAS[0] ** t
         for b, ref in zip(buckets, refs):
+            scale = [denoms[i].reshape(-1)[a:a + k] if precondition else 1 for i, a, k in b]
             inputs = [np.concatenate([
                 (np.float32(BETAS[0]) * m[i].reshape(-1)[a:a + k] + np.float32(1 - BETAS[0])
-                 * gradient(step, r, params[i].shape).numpy().reshape(-1)[a:a + k])
-                for i, a, k in b])
+                 * gradient(step, r, params[i].shape).numpy().reshape(-1)[a:a + k]) / d
+                for (i, a, k), d in zip(b, scale)])
                 for r in range(n)]
             avg = ref.allreduce(inputs)
             new_m = {}
             at = 0
-            for i, a, k in b:
-                new_m[(i, a)] = avg[at:at + k]
+            for (i, a, k), d in zip(b, scale):
+                new_m[(i, a)] = avg[at:at + k] * d
                 at += k
             for (i, a), piece in new_m.items():
                 flat = m[i].reshape(-1).copy()

@@ -59,19 +59,30 @@ def _calls(L: Layout, b, backend: str) -> dict:
 
 def _fused_calls(L: Layout, b, backend: str) -> dict:
     """Adam's fused passes on ``b``: the momentum update inside the compression (gradients in
-    two segments) and the decode with the update (one weight, a tenth of it held)."""
+    two segments) and the decode with the update (one weight, a tenth of it held, a step bound),
+    each as the paper has it and preconditioned (the optimizer's default: the compression
+    divides by the denominators it computes from the variance, the decode multiplies back)."""
     numel, dev = L.numel, b.device
     m = torch.randn(numel, device=dev) * 0.1
     half = numel // 2
-    src = fused_adam.MomentumInput(m, [b.x[:half], b.x[half:]], [half, numel - half], 0.9)
     w, var = torch.randn(numel, device=dev), torch.rand(numel, device=dev) + 0.01
     var[::10] = 0.0  # held elements
-    update = fused_adam.AdamUpdate([w], [var], [numel], [-1e-4], [1 - 1e-5], [0.3], [1e-8])
+    grads, sizes = [b.x[:half], b.x[half:]], [half, numel - half]
+    src = fused_adam.MomentumInput(m, grads, sizes, 0.9)
+    pre = fused_adam.MomentumInput(m, grads, sizes, 0.9, variances=[var[:half], var[half:]],
+                                   sqrt_bc2s=[0.3, 0.3], eps=[1e-8, 1e-8])
+    terms = ([w], [var], [numel], [-1e-4], [1 - 1e-5], [0.3], [1e-8], [7e-4])
+    update = fused_adam.AdamUpdate(*terms)
+    update_pre = fused_adam.AdamUpdate(*terms, preconditioned=True)
     return {
         "momentum_compress": (lambda: fused_adam.worker_compress_momentum(
             src, b.y_prev, b.prev_send, b.y_next, b.send, L, backend), numel),
+        "momentum_compress_preconditioned": (lambda: fused_adam.worker_compress_momentum(
+            pre, b.y_prev, b.prev_send, b.y_next, b.send, L, backend), numel),
         "decode_update": (lambda: fused_adam.decode_update(b.send, b.out, L, update, backend),
                           numel),
+        "decode_update_preconditioned": (lambda: fused_adam.decode_update(
+            b.send, b.out, L, update_pre, backend), numel),
     }
 
 

@@ -108,7 +108,30 @@ struct SegmentCursor {
 struct GradSegment {
   const float* g;  // nullptr: no gradient, reads as zero
   int64_t start, end;  // [start, end) in the flat buffer
+  // Preconditioning (v not nullptr): the source is x / denom, denom computed from the frozen
+  // variance v as the update computes it (+inf where v == 0, so held elements give +-0).
+  const float* v;
+  float sqrt_bc2, eps;
 };
+
+// Adam's denominator from the frozen variance: sqrt(v) / sqrt_bc2 + eps, +inf where v == 0 (an
+// element held fixed). fp32, sqrt and division correctly rounded.
+inline float frozen_denominator(float v, float sqrt_bc2, float eps) {
+  return v == 0.0f ? std::numeric_limits<float>::infinity() : std::sqrt(v) / sqrt_bc2 + eps;
+}
+
+#if defined(HVD_ONEBIT_X86)
+__attribute__((target("avx2,fma"))) inline __m256 frozen_denominator8(const float* v,
+                                                                      float sqrt_bc2,
+                                                                      float eps) {
+  const __m256 var = _mm256_loadu_ps(v);
+  return _mm256_blendv_ps(
+      _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(var), _mm256_set1_ps(sqrt_bc2)),
+                    _mm256_set1_ps(eps)),
+      _mm256_set1_ps(std::numeric_limits<float>::infinity()),
+      _mm256_cmp_ps(var, _mm256_setzero_ps(), _CMP_EQ_OQ));
+}
+#endif
 
 struct MomentumX {
   const float* m;
@@ -119,25 +142,24 @@ struct MomentumX {
   float at(int64_t p) {
     const GradSegment& s = seg_for(p);
     const float g = s.g ? s.g[p - s.start] : 0.0f;
-    return beta1 * m[p] + one_minus_beta1 * g;
+    const float x = beta1 * m[p] + one_minus_beta1 * g;
+    return s.v ? x / frozen_denominator(s.v[p - s.start], s.sqrt_bc2, s.eps) : x;
   }
 #if defined(HVD_ONEBIT_X86)
   __attribute__((target("avx2,fma"))) __m256 load8(int64_t p) {
     const GradSegment& s = seg_for(p);
     __m256 g;
-    if (p + 8 <= s.end) {
-      g = s.g ? _mm256_loadu_ps(s.g + (p - s.start)) : _mm256_setzero_ps();
-    } else {  // the group straddles two gradients
+    if (p + 8 > s.end) {  // the group straddles two segments: element by element
       alignas(32) float t[8];
-      for (int k = 0; k < 8; ++k) {
-        const GradSegment& sk = seg_for(p + k);
-        t[k] = sk.g ? sk.g[p + k - sk.start] : 0.0f;
-      }
+      for (int k = 0; k < 8; ++k) t[k] = at(p + k);
       seg_for(p);
-      g = _mm256_load_ps(t);
+      return _mm256_load_ps(t);
     }
-    return _mm256_add_ps(_mm256_mul_ps(_mm256_set1_ps(beta1), _mm256_loadu_ps(m + p)),
-                         _mm256_mul_ps(_mm256_set1_ps(one_minus_beta1), g));
+    g = s.g ? _mm256_loadu_ps(s.g + (p - s.start)) : _mm256_setzero_ps();
+    const __m256 x = _mm256_add_ps(_mm256_mul_ps(_mm256_set1_ps(beta1), _mm256_loadu_ps(m + p)),
+                                   _mm256_mul_ps(_mm256_set1_ps(one_minus_beta1), g));
+    if (!s.v) return x;
+    return _mm256_div_ps(x, frozen_denominator8(s.v + (p - s.start), s.sqrt_bc2, s.eps));
   }
 #endif
 };
@@ -421,18 +443,30 @@ struct UpdateSegment {
   float step, decay, sqrt_bc2, eps;
   bool apply_decay;
   float bound;  // the largest |step * d / denom| taken; +inf: unbounded
+  // d is the preconditioned momentum u = m / denom: m = u * denom is stored and the step is
+  // clamp(step * u); a segment may then have a variance and no weight (decoded into m only).
+  bool precond;
 };
 
 // q clamped to [-bound, bound]; a NaN q stays NaN (both comparisons are false).
 inline float clamp1(float q, float bound) { return q < -bound ? -bound : (q > bound ? bound : q); }
 
 inline float denominator1(const UpdateSegment& s, float v) {
-  return v == 0.0f ? std::numeric_limits<float>::infinity() : std::sqrt(v) / s.sqrt_bc2 + s.eps;
+  return frozen_denominator(v, s.sqrt_bc2, s.eps);
 }
 
 // Element p of a segment with an update: d is the decoded momentum, written to m[p] (or +0).
 inline void update1(const UpdateSegment& s, int64_t p, float d, float* m) {
   const float denom = denominator1(s, s.v[p - s.start]);
+  if (s.precond) {
+    const bool held = denom == std::numeric_limits<float>::infinity();
+    m[p] = held ? 0.0f : d * denom;
+    if (!s.w) return;
+    float w = s.w[p - s.start];
+    if (s.apply_decay) w = w * s.decay;
+    s.w[p - s.start] = w + (held ? 0.0f : clamp1(s.step * d, s.bound));
+    return;
+  }
   float w = s.w[p - s.start];
   if (s.apply_decay) w = w * s.decay;
   s.w[p - s.start] = w + clamp1((s.step * d) / denom, s.bound);
@@ -445,11 +479,19 @@ __attribute__((target("avx2,fma"))) inline void update8_avx2(const UpdateSegment
                                                              __m256 d, float* m, bool stream) {
   const __m256 inf = _mm256_set1_ps(std::numeric_limits<float>::infinity());
   // denominator1, 8 at a time: sqrt and div are correctly rounded, as the scalar's
-  const __m256 var = _mm256_loadu_ps(s.v + (p - s.start));
-  const __m256 denom = _mm256_blendv_ps(
-      _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(var), _mm256_set1_ps(s.sqrt_bc2)),
-                    _mm256_set1_ps(s.eps)),
-      inf, _mm256_cmp_ps(var, _mm256_setzero_ps(), _CMP_EQ_OQ));
+  const __m256 denom = frozen_denominator8(s.v + (p - s.start), s.sqrt_bc2, s.eps);
+  if (s.precond) {
+    const __m256 held = _mm256_cmp_ps(denom, inf, _CMP_EQ_OQ);
+    store8(m + p, _mm256_andnot_ps(held, _mm256_mul_ps(d, denom)), stream);
+    if (!s.w) return;
+    float* wp = s.w + (p - s.start);
+    __m256 w = _mm256_loadu_ps(wp);
+    if (s.apply_decay) w = _mm256_mul_ps(w, _mm256_set1_ps(s.decay));
+    __m256 q = _mm256_mul_ps(_mm256_set1_ps(s.step), d);
+    q = _mm256_min_ps(_mm256_set1_ps(s.bound), _mm256_max_ps(_mm256_set1_ps(-s.bound), q));
+    _mm256_storeu_ps(wp, _mm256_add_ps(w, _mm256_andnot_ps(held, q)));
+    return;
+  }
   // held elements (denominator +inf) store a +0 momentum
   store8(m + p, _mm256_andnot_ps(_mm256_cmp_ps(denom, inf, _CMP_EQ_OQ), d), stream);
   float* wp = s.w + (p - s.start);
@@ -468,7 +510,7 @@ void decode_update_scalar(const uint8_t* rows, float* m, int64_t numel, const La
   decode_scalar(rows, m, numel, L);
   for (int64_t p = 0; p < numel; ++p) {
     const UpdateSegment& s = segs.at(p);
-    if (s.w) update1(s, p, m[p], m);
+    if (s.v) update1(s, p, m[p], m);
   }
 }
 
@@ -494,7 +536,7 @@ __attribute__((target("avx2,fma"))) void decode_update_avx2(const uint8_t* rows,
         const UpdateSegment& s = segs.at(p);
         // Full groups inside this segment: vector decode and update.
         int64_t seg_stop = s.end < stop ? s.end : stop;
-        if (s.w) {
+        if (s.v) {
           for (; p + 8 <= seg_stop && (p - base) % 8 == 0; p += 8) {
             const __m256i v = _mm256_and_si256(_mm256_set1_epi32(bp[(p - base) / 8]), sel);
             update8_avx2(s, p,
@@ -514,7 +556,7 @@ __attribute__((target("avx2,fma"))) void decode_update_avx2(const uint8_t* rows,
         for (; p < seg_stop && (p + 8 > seg_stop || (p - base) % 8 != 0); ++p) {
           const int64_t k = p - base;
           const float d = ((bp[k / 8] >> (k % 8)) & 1) ? scales[b] : -scales[b];
-          if (s.w) {
+          if (s.v) {
             update1(s, p, d, m);
           } else {
             m[p] = d;
@@ -535,7 +577,7 @@ __attribute__((target("avx2,fma"))) void decode_update_avx2(const uint8_t* rows,
 void update_scalar(const float* src, float* m, const std::vector<UpdateSegment>& segs) {
   for (const UpdateSegment& s : segs) {
     for (int64_t p = s.start; p < s.end; ++p) {
-      if (s.w) {
+      if (s.v) {
         update1(s, p, src[p], m);
       } else {
         m[p] = src[p];
@@ -550,7 +592,7 @@ __attribute__((target("avx2,fma"))) void update_avx2(const float* src, float* m,
   const bool stream = numel >= kStreamMinFloats && src != m;
   for (const UpdateSegment& s : segs) {
     int64_t p = s.start;
-    if (s.w) {
+    if (s.v) {
       for (; p + 8 <= s.end; p += 8) update8_avx2(s, p, _mm256_loadu_ps(src + p), m, stream);
       for (; p < s.end; ++p) update1(s, p, src[p], m);
     } else {
@@ -633,11 +675,19 @@ bool worker_compress_mean(const std::vector<torch::Tensor>& rows, const torch::T
 }
 
 // The gradient segments of a momentum update (checked against m's size); never empty.
+// With variances (one per gradient, each with its sqrt_bc2 and eps), the source is preconditioned.
 std::vector<GradSegment> grad_segments(const torch::Tensor& m,
                                        const std::vector<c10::optional<torch::Tensor>>& grads,
-                                       const std::vector<int64_t>& sizes) {
+                                       const std::vector<int64_t>& sizes,
+                                       const std::vector<c10::optional<torch::Tensor>>& variances,
+                                       const std::vector<double>& sqrt_bc2s,
+                                       const std::vector<double>& epss) {
   check_cpu(m, torch::kFloat32, "momentum", 0);
   TORCH_CHECK(grads.size() == sizes.size(), "one size per gradient");
+  const bool precondition = !variances.empty();
+  TORCH_CHECK(!precondition || (variances.size() == sizes.size() &&
+                                sqrt_bc2s.size() == sizes.size() && epss.size() == sizes.size()),
+              "preconditioning needs one variance, sqrt_bc2 and eps per gradient");
   std::vector<GradSegment> segs;
   int64_t start = 0;
   for (size_t i = 0; i < grads.size(); ++i) {
@@ -648,11 +698,22 @@ std::vector<GradSegment> grad_segments(const torch::Tensor& m,
                   " elements, expected ", sizes[i]);
       g = grads[i]->data_ptr<float>();
     }
-    segs.push_back(GradSegment{g, start, start + sizes[i]});
+    GradSegment seg{g, start, start + sizes[i], nullptr, 1.0f, 0.0f};
+    if (precondition) {
+      TORCH_CHECK(variances[i].has_value() && variances[i]->defined(), "gradient ", i,
+                  " has no variance to precondition with");
+      check_cpu(*variances[i], torch::kFloat32, "variance", sizes[i]);
+      TORCH_CHECK(variances[i]->numel() == sizes[i], "variance ", i, " has ",
+                  variances[i]->numel(), " elements, expected ", sizes[i]);
+      seg.v = variances[i]->data_ptr<float>();
+      seg.sqrt_bc2 = static_cast<float>(sqrt_bc2s[i]);
+      seg.eps = static_cast<float>(epss[i]);
+    }
+    segs.push_back(seg);
     start += sizes[i];
   }
   TORCH_CHECK(start == m.numel(), "gradients hold ", start, " elements, momentum ", m.numel());
-  if (segs.empty()) segs.push_back(GradSegment{nullptr, 0, 0});
+  if (segs.empty()) segs.push_back(GradSegment{nullptr, 0, 0, nullptr, 1.0f, 0.0f});
   return segs;
 }
 
@@ -666,12 +727,16 @@ MomentumX momentum_source(const torch::Tensor& m, const std::vector<GradSegment>
 
 bool worker_compress_momentum(const torch::Tensor& m, const std::vector<c10::optional<torch::Tensor>>& grads,
                               const std::vector<int64_t>& sizes, double beta1,
+                              const std::vector<c10::optional<torch::Tensor>>& variances,
+                              const std::vector<double>& sqrt_bc2s,
+                              const std::vector<double>& epss,
                               const torch::Tensor& y_prev, const torch::Tensor& prev_send,
                               const c10::optional<torch::Tensor>& y_out, torch::Tensor send,
                               int64_t n, int64_t chunk,
                               int64_t block, int64_t row_bytes, bool allow_simd) {
   TORCH_CHECK(m.numel() <= n * chunk, "momentum has more elements than the layout holds");
-  const std::vector<GradSegment> segs = grad_segments(m, grads, sizes);
+  const std::vector<GradSegment> segs =
+      grad_segments(m, grads, sizes, variances, sqrt_bc2s, epss);
   return run_worker_compress(momentum_source(m, segs, beta1), m.numel(), y_prev, prev_send,
                              y_out, send, n, chunk, block, row_bytes, allow_simd);
 }
@@ -692,9 +757,12 @@ __attribute__((target("avx2,fma"))) int64_t momentum_update_avx2(MomentumX x, in
 // out = beta1 * m + (1 - beta1) * g: the worker compression's momentum source written out, for a
 // collective that sends the momentum in full precision first (the hierarchical one's node stage).
 void momentum_update(const torch::Tensor& m, const std::vector<c10::optional<torch::Tensor>>& grads,
-                     const std::vector<int64_t>& sizes, double beta1, torch::Tensor out,
-                     bool allow_simd) {
-  const std::vector<GradSegment> segs = grad_segments(m, grads, sizes);
+                     const std::vector<int64_t>& sizes, double beta1,
+                     const std::vector<c10::optional<torch::Tensor>>& variances,
+                     const std::vector<double>& sqrt_bc2s, const std::vector<double>& epss,
+                     torch::Tensor out, bool allow_simd) {
+  const std::vector<GradSegment> segs =
+      grad_segments(m, grads, sizes, variances, sqrt_bc2s, epss);
   check_cpu(out, torch::kFloat32, "out", m.numel());
   TORCH_CHECK(out.data_ptr() != m.data_ptr() || m.numel() == 0, "out must not be the momentum");
   MomentumX x = momentum_source(m, segs, beta1);
@@ -789,7 +857,7 @@ void decode(const torch::Tensor& rows, torch::Tensor out, int64_t n, int64_t chu
   if (allow_simd && cpu_has_avx2()) {
     // decode alone is decode_update over one segment that takes no update
     const UpdateSegment none{nullptr, nullptr, 0, out.numel(), 0.0f, 1.0f, 1.0f, 0.0f, false,
-                             std::numeric_limits<float>::infinity()};
+                             std::numeric_limits<float>::infinity(), false};
     decode_update_avx2(rows.data_ptr<uint8_t>(), out.data_ptr<float>(), out.numel(), L,
                        SegmentCursor<UpdateSegment>{&none, 1});
     return;
@@ -804,7 +872,7 @@ std::vector<UpdateSegment> update_segments(
     const std::vector<c10::optional<torch::Tensor>>& variances, const std::vector<int64_t>& sizes,
     const std::vector<double>& steps, const std::vector<double>& decays,
     const std::vector<double>& sqrt_bc2s, const std::vector<double>& epss,
-    const std::vector<double>& bounds) {
+    const std::vector<double>& bounds, bool precond) {
   const size_t k = sizes.size();
   TORCH_CHECK(weights.size() == k && variances.size() == k && steps.size() == k &&
                   decays.size() == k && sqrt_bc2s.size() == k && epss.size() == k &&
@@ -817,17 +885,24 @@ std::vector<UpdateSegment> update_segments(
     UpdateSegment seg{nullptr, nullptr, start, start + sizes[i], static_cast<float>(steps[i]),
                       static_cast<float>(decays[i]), static_cast<float>(sqrt_bc2s[i]),
                       static_cast<float>(epss[i]), decays[i] != 1.0,
-                      static_cast<float>(bounds[i])};
+                      static_cast<float>(bounds[i]), precond};
     TORCH_CHECK(!(seg.bound < 0.0f), "bound ", i, " must be >= 0, got ", bounds[i]);
-    if (weights[i].has_value() && weights[i]->defined()) {
-      TORCH_CHECK(variances[i].has_value() && variances[i]->defined(), "weight ", i,
-                  " has no variance");
-      check_cpu(*weights[i], torch::kFloat32, "weight", sizes[i]);
+    const bool has_w = weights[i].has_value() && weights[i]->defined();
+    const bool has_v = variances[i].has_value() && variances[i]->defined();
+    TORCH_CHECK(!has_w || has_v, "weight ", i, " has no variance");
+    TORCH_CHECK(precond || has_w || !has_v, "variance ", i,
+                " without a weight is only read when preconditioned");
+    if (has_v) {
       check_cpu(*variances[i], torch::kFloat32, "variance", sizes[i]);
-      TORCH_CHECK(weights[i]->numel() == sizes[i] && variances[i]->numel() == sizes[i], "weight ",
-                  i, " and its variance must have ", sizes[i], " elements");
-      seg.w = weights[i]->data_ptr<float>();
+      TORCH_CHECK(variances[i]->numel() == sizes[i], "variance ", i, " must have ", sizes[i],
+                  " elements");
       seg.v = variances[i]->data_ptr<float>();
+    }
+    if (has_w) {
+      check_cpu(*weights[i], torch::kFloat32, "weight", sizes[i]);
+      TORCH_CHECK(weights[i]->numel() == sizes[i], "weight ", i, " must have ", sizes[i],
+                  " elements");
+      seg.w = weights[i]->data_ptr<float>();
     }
     segs.push_back(seg);
     start += sizes[i];
@@ -841,15 +916,16 @@ void decode_update(const torch::Tensor& rows, torch::Tensor m,
                    const std::vector<c10::optional<torch::Tensor>>& variances,
                    const std::vector<int64_t>& sizes, const std::vector<double>& steps,
                    const std::vector<double>& decays, const std::vector<double>& sqrt_bc2s,
-                   const std::vector<double>& epss, const std::vector<double>& bounds, int64_t n,
-                   int64_t chunk, int64_t block,
+                   const std::vector<double>& epss, const std::vector<double>& bounds,
+                   bool precond, int64_t n, int64_t chunk, int64_t block,
                    int64_t row_bytes, bool allow_simd) {
   const Layout L = make_layout(n, chunk, block, row_bytes);
   check_cpu(rows, torch::kUInt8, "rows", n * row_bytes);
   check_cpu(m, torch::kFloat32, "momentum", 0);
   TORCH_CHECK(m.numel() <= n * chunk, "momentum has more elements than the layout holds");
   const std::vector<UpdateSegment> segs =
-      update_segments(m, weights, variances, sizes, steps, decays, sqrt_bc2s, epss, bounds);
+      update_segments(m, weights, variances, sizes, steps, decays, sqrt_bc2s, epss, bounds,
+                      precond);
   if (m.numel() == 0) return;
   SegmentCursor<UpdateSegment> cursor{segs.data(), static_cast<int64_t>(segs.size())};
   pybind11::gil_scoped_release no_gil;
@@ -867,14 +943,15 @@ void update(const torch::Tensor& src, torch::Tensor m,
             const std::vector<c10::optional<torch::Tensor>>& variances,
             const std::vector<int64_t>& sizes, const std::vector<double>& steps,
             const std::vector<double>& decays, const std::vector<double>& sqrt_bc2s,
-            const std::vector<double>& epss, const std::vector<double>& bounds,
+            const std::vector<double>& epss, const std::vector<double>& bounds, bool precond,
             bool allow_simd) {
   check_cpu(m, torch::kFloat32, "momentum", 0);
   check_cpu(src, torch::kFloat32, "src", m.numel());
   TORCH_CHECK(src.numel() == m.numel(), "src has ", src.numel(), " elements, momentum ",
               m.numel());
   const std::vector<UpdateSegment> segs =
-      update_segments(m, weights, variances, sizes, steps, decays, sqrt_bc2s, epss, bounds);
+      update_segments(m, weights, variances, sizes, steps, decays, sqrt_bc2s, epss, bounds,
+                      precond);
   if (m.numel() == 0) return;
   pybind11::gil_scoped_release no_gil;
 #if defined(HVD_ONEBIT_X86)
@@ -896,7 +973,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         " into send rows. Returns False if any block's sum of squares is not finite.");
   m.def("worker_compress_momentum", &worker_compress_momentum,
         "worker_compress of x = beta1 * m + (1 - beta1) * g, computed in the same pass; g is the "
-        "list of gradient tensors (None = zeros) of the given sizes, end to end.");
+        "list of gradient tensors (None = zeros) of the given sizes, end to end. With variances "
+        "(one per gradient, and sqrt_bc2s and epss), x / (sqrt(v)/sqrt_bc2 + eps) instead "
+        "(+-0 where v == 0); empty lists: not preconditioned.");
   m.def("worker_compress_mean", &worker_compress_mean,
         "worker_compress of x = (rows[0] + rows[1] + ...) / len(rows), summed in order in fp32, "
         "computed in the same pass.");
@@ -911,7 +990,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_update", &decode_update,
         "decode into m and, for each weight given, denom = sqrt(v)/sqrt_bc2 + eps (inf where "
         "v == 0), w = w*decay (if decay != 1) then w + clamp((step*m)/denom, -bound, bound), in "
-        "the same pass.");
+        "the same pass. precond: the rows carry u = m/denom; m = u*denom (+0 where held) and "
+        "w + clamp(step*u) (+0 where held); a variance may come without its weight.");
   m.def("update", &update,
         "m = src (+0 where v == 0) and, for each weight given, decode_update's weight update "
         "with d = src; src may be m.");
