@@ -150,13 +150,13 @@ def worker_compress_momentum(src: MomentumInput, y_prev: torch.Tensor, prev_send
         return kernels.native_module().worker_compress_momentum(
             src.momentum, src.grads, src.sizes, float(src.beta1), *src.native_precondition_args(),
             y_prev, prev_send, y_out, send, *layout.as_args(), True)
-    if resolved == "triton" and layout.padded > 0 and src.variances is None:
+    if resolved == "triton" and layout.padded > 0:
         tk = kernels.triton_module()
-        if (tk.ready([src.momentum], src.momentum.device)
+        if (tk.ready([src.momentum, *(src.variances or [])], src.momentum.device)
                 and tk.ready(src.grads, src.momentum.device, tk.LOW_PRECISION)):
             return tk.worker_compress_momentum(src.momentum, src.grads, src.sizes,
                                                float(src.beta1), y_prev, prev_send, y_out, send,
-                                               layout)
+                                               layout, src.variances, src.sqrt_bc2s, src.eps)
     return kernels.worker_compress(src.materialize(), y_prev, prev_send, y_out, send, layout,
                                    backend)
 
@@ -311,13 +311,15 @@ def decode_update(rows: torch.Tensor, out: torch.Tensor, layout: Layout, update:
         kernels.native_module().decode_update(rows, out, *update.native_args(),
                                               *layout.as_args(), True)
         return
-    if (resolved == "triton" and layout.padded > 0 and out.dtype == torch.float32
-            and not update.preconditioned):
+    if resolved == "triton" and layout.padded > 0 and out.dtype == torch.float32:
         tk = kernels.triton_module()
-        if (tk.ready([rows, out, *update.variances], rows.device)
+        # the rows are uint8: checked apart, or the float32 check would refuse every call
+        if (tk.ready([rows], rows.device, (torch.uint8,))
+                and tk.ready([out, *update.variances], rows.device)
                 and tk.ready(update.weights, rows.device, tk.LOW_PRECISION)):
             tk.decode(rows, out, layout, update.weights, update.variances, update.sizes,
-                      update.steps, update.decays, update.sqrt_bc2s, update.eps, update.bounds)
+                      update.steps, update.decays, update.sqrt_bc2s, update.eps, update.bounds,
+                      update.preconditioned)
             return
     kernels.decode(rows, out, layout, backend)
     update.apply(out)

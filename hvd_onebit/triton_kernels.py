@@ -93,6 +93,15 @@ def _store_from_f32(addr, off, v, mask, kind):
 
 
 @triton.jit
+def _frozen_denominator(v, sqrt_bc2, eps):
+    """Adam's denominator from the frozen variance ``v`` (float32): ``sqrt(v) / sqrt_bc2 + eps``,
+    ``+inf`` where ``v == 0`` (a held element); sqrt and division correctly rounded, as the native
+    code's and :func:`hvd_onebit.fused_adam.frozen_denominator`."""
+    den = tl.div_rn(tl.sqrt_rn(v), tl.zeros_like(v) + sqrt_bc2) + eps
+    return tl.where(v == 0.0, float("inf"), den)
+
+
+@triton.jit
 def _first_segment(starts, nsegs, p_lo):
     """The last segment whose start is <= p_lo (starts: int64, non-decreasing)."""
     lo = tl.full([], 0, tl.int32)
@@ -127,12 +136,15 @@ def _tile(pid, G, block, nblocks, T, R: tl.constexpr, C: tl.constexpr):
 # ---- compression: y = x + e, sign bits, partial sums of squares -----------------------------------
 
 @triton.jit
-def _compress_kernel(src_ptr, src_words_ptr, tab_ptr, nsegs, beta1, one_minus_beta1, nrecv,
-                     numel, y_prev_ptr, prev_ptr, prev_words_ptr, y_out_ptr, send_ptr,
+def _compress_kernel(src_ptr, src_words_ptr, tab_ptr, ftab_ptr, nsegs, beta1, one_minus_beta1,
+                     nrecv, numel, y_prev_ptr, prev_ptr, prev_words_ptr, y_out_ptr, send_ptr,
                      partial_ptr, G, nblocks, block, T, row_bytes, row_words, hb,
-                     SRC: tl.constexpr, WRITE_Y: tl.constexpr, R: tl.constexpr, C: tl.constexpr):
+                     SRC: tl.constexpr, PRECOND: tl.constexpr, WRITE_Y: tl.constexpr,
+                     R: tl.constexpr, C: tl.constexpr):
     """SRC 0: x = src (float32 [numel]); SRC 1: x = beta1 * src + (1 - beta1) * g, g from the
-    segment table; SRC 2: x = (rank-ordered fp32 sum of the ``nrecv`` rows at src) / nrecv.
+    segment table, and with PRECOND x = x / denom, denom = sqrt(v) / sqrt_bc2 + eps (+inf where
+    v == 0: held elements give +-0), v, sqrt_bc2 and eps per segment from the tables;
+    SRC 2: x = (rank-ordered fp32 sum of the ``nrecv`` rows at src) / nrecv.
     WRITE_Y: store y (y_out may be y_prev: each element is loaded before it is stored)."""
     pid = tl.program_id(0)
     t, gb, o, gb_ok, valid, p, p_lo, p_hi, j, b = _tile(pid, G, block, nblocks, T, R, C)
@@ -147,6 +159,7 @@ def _compress_kernel(src_ptr, src_words_ptr, tab_ptr, nsegs, beta1, one_minus_be
         real = valid & (p < numel)
         m = tl.load(src_ptr + p, mask=real, other=0.0)
         g = tl.zeros([R, C], tl.float32)
+        den = tl.full([R, C], 1.0, tl.float32)  # PRECOND: replaced on every real element
         starts = tab_ptr
         s = _first_segment(starts, nsegs, p_lo)
         more = s < nsegs
@@ -157,9 +170,16 @@ def _compress_kernel(src_ptr, src_words_ptr, tab_ptr, nsegs, beta1, one_minus_be
             gv = _load_as_f32(tl.load(tab_ptr + nsegs + 1 + s), p - st, here,
                               tl.load(tab_ptr + 2 * nsegs + 1 + s))
             g = tl.where(here, gv, g)
+            if PRECOND:  # an empty segment's address is 0: its load is masked out entirely
+                v = tl.load(tl.load(tab_ptr + 3 * nsegs + 1 + s).to(tl.pointer_type(tl.float32))
+                            + (p - st), mask=here, other=1.0)
+                den = tl.where(here, _frozen_denominator(v, tl.load(ftab_ptr + 2 * s),
+                                                         tl.load(ftab_ptr + 2 * s + 1)), den)
             s += 1
             more = (s < nsegs) & (en < p_hi)
         x = tl.where(real, beta1 * m + one_minus_beta1 * g, 0.0)
+        if PRECOND:
+            x = tl.where(real, tl.div_rn(x, den), 0.0)
     else:
         acc = tl.zeros([R, C], tl.float32)
         for i in range(nrecv):  # rank order, fp32: the order of the native kernel
@@ -236,10 +256,13 @@ def _status_kernel(flags_ptr, nflags, ok_ptr, words_ptr, bytes_ptr, nrows, row_w
 @triton.jit
 def _decode_kernel(rows_ptr, words_ptr, m_ptr, numel, G, nblocks, block, T, row_bytes,
                    row_words, hb, tab_ptr, ftab_ptr, nsegs,
-                   UPDATE: tl.constexpr, R: tl.constexpr, C: tl.constexpr):
-    """m[p] = +-s for p < numel; with UPDATE, for segments with a weight:
-    denom = sqrt(v) / sqrt_bc2 + eps (+inf where v == 0), w = w * decay (if flagged),
-    w = w + clamp((step * m) / denom, -bound, bound), and m = +0 where denom is +inf."""
+                   UPDATE: tl.constexpr, PRECOND: tl.constexpr, R: tl.constexpr, C: tl.constexpr):
+    """m[p] = d = +-s for p < numel; with UPDATE, for segments with a variance v:
+    denom = sqrt(v) / sqrt_bc2 + eps (+inf where v == 0: held), and
+    - not PRECOND (every such segment has a weight): w = w * decay (if flagged),
+      w = w + clamp((step * d) / denom, -bound, bound), m = held ? +0 : d;
+    - PRECOND (d is u = m / denom): m = held ? +0 : d * denom and, if the segment has a weight,
+      w = w * decay (if flagged), w = w + (held ? +0 : clamp(step * d, -bound, bound))."""
     pid = tl.program_id(0)
     t, gb, o, gb_ok, valid, p, p_lo, p_hi, j, b = _tile(pid, G, block, nblocks, T, R, C)
     valid = valid & (p < numel)
@@ -257,27 +280,39 @@ def _decode_kernel(rows_ptr, words_ptr, m_ptr, numel, G, nblocks, block, T, row_
         while more:
             st = tl.load(starts + seg)
             en = tl.load(starts + seg + 1)
-            kind = tl.load(tab_ptr + 3 * nsegs + 1 + seg)
-            if kind != 0:
+            v_addr = tl.load(tab_ptr + 2 * nsegs + 1 + seg)
+            if v_addr != 0:
                 here = valid & (p >= st) & (p < en)
                 off = p - st
+                kind = tl.load(tab_ptr + 3 * nsegs + 1 + seg)  # the weight's; 0: none
                 w_addr = tl.load(tab_ptr + nsegs + 1 + seg)
-                v = tl.load(tl.load(tab_ptr + 2 * nsegs + 1 + seg).to(
-                    tl.pointer_type(tl.float32)) + off, mask=here, other=1.0)
-                # the denominator from the frozen variance, correctly rounded sqrt and division
-                den = tl.div_rn(tl.sqrt_rn(v), tl.zeros_like(v) + tl.load(ftab_ptr + 5 * seg + 2))
-                den = den + tl.load(ftab_ptr + 5 * seg + 3)
-                den = tl.where(v == 0.0, float("inf"), den)
-                w = _load_as_f32(w_addr, off, here, kind)
-                if tl.load(tab_ptr + 4 * nsegs + 1 + seg) != 0:
-                    w = w * tl.load(ftab_ptr + 5 * seg + 1)
+                v = tl.load(v_addr.to(tl.pointer_type(tl.float32)) + off, mask=here, other=1.0)
+                den = _frozen_denominator(v, tl.load(ftab_ptr + 5 * seg + 2),
+                                          tl.load(ftab_ptr + 5 * seg + 3))
+                held = den == float("inf")
                 # the step bound: where/compare rather than min/max, so a NaN step stays NaN
                 bound = tl.load(ftab_ptr + 5 * seg + 4)
-                q = tl.div_rn(tl.load(ftab_ptr + 5 * seg) * d, den)
-                q = tl.where(q < -bound, -bound, tl.where(q > bound, bound, q))
-                w = w + q
-                _store_from_f32(w_addr, off, w, here, kind)
-                d = tl.where(here & (den == float("inf")), 0.0, d)
+                if PRECOND:
+                    if kind != 0:
+                        w = _load_as_f32(w_addr, off, here, kind)
+                        if tl.load(tab_ptr + 4 * nsegs + 1 + seg) != 0:
+                            w = w * tl.load(ftab_ptr + 5 * seg + 1)
+                        q = tl.load(ftab_ptr + 5 * seg) * d
+                        q = tl.where(q < -bound, -bound, tl.where(q > bound, bound, q))
+                        w = w + tl.where(held, 0.0, q)  # +0: a held weight only decays
+                        _store_from_f32(w_addr, off, w, here, kind)
+                    # m = u * denom, once the step has read u; +0 where held (d * inf is
+                    # +-inf or NaN there)
+                    d = tl.where(here, tl.where(held, 0.0, d * den), d)
+                else:
+                    w = _load_as_f32(w_addr, off, here, kind)
+                    if tl.load(tab_ptr + 4 * nsegs + 1 + seg) != 0:
+                        w = w * tl.load(ftab_ptr + 5 * seg + 1)
+                    q = tl.div_rn(tl.load(ftab_ptr + 5 * seg) * d, den)
+                    q = tl.where(q < -bound, -bound, tl.where(q > bound, bound, q))
+                    w = w + q
+                    _store_from_f32(w_addr, off, w, here, kind)
+                    d = tl.where(here & held, 0.0, d)
             seg += 1
             more = (seg < nsegs) & (en < p_hi)
     tl.store(m_ptr + p, d, mask=valid)
@@ -360,8 +395,10 @@ def _table(columns: Sequence[Sequence[int]], sizes: Sequence[int], device) -> to
 
 
 def _compress(src_mode: int, src, src_words, tab, nsegs: int, beta1: float, nrecv: int,
-              numel: int, y_prev, prev, y_out, send, nrows: int, chunk: int, layout: Layout
-              ) -> DeviceFlag:
+              numel: int, y_prev, prev, y_out, send, nrows: int, chunk: int, layout: Layout,
+              ftab=None) -> DeviceFlag:
+    """One compression (SRC = ``src_mode``); ``ftab``: SRC 1's float table (sqrt_bc2, eps per
+    segment), None when not preconditioned."""
     block, nblocks = layout.block, layout.nblocks
     G = nrows * nblocks
     R, C, T = _geometry(block)
@@ -375,12 +412,15 @@ def _compress(src_mode: int, src, src_words, tab, nsegs: int, beta1: float, nrec
     ok = torch.empty(1, dtype=torch.int32, device=dev)
     words = _words(send)
     rw = layout.row_bytes // 4
+    precond = ftab is not None
+    if not precond:
+        ftab = y_prev  # not read (PRECOND=False): any float32 pointer will do
     with _on_device(y_out):
         _compress_kernel[(triton.cdiv(G, R) * T,)](
-            src, src_words, tab, nsegs, float(beta1), float(1.0 - beta1), nrecv, numel,
+            src, src_words, tab, ftab, nsegs, float(beta1), float(1.0 - beta1), nrecv, numel,
             y_prev, prev, _words(prev), y_out, send, partial, G, nblocks, block, T,
-            layout.row_bytes, rw, layout.header_bytes, SRC=src_mode, WRITE_Y=write_y, R=R, C=C,
-            num_warps=_WARPS, **_LAUNCH)
+            layout.row_bytes, rw, layout.header_bytes, SRC=src_mode, PRECOND=precond,
+            WRITE_Y=write_y, R=R, C=C, num_warps=_WARPS, **_LAUNCH)
         _finalize_kernel[(nfin,)](partial, words, flags, G, T, nblocks, block, rw, FB=_FB,
                                   TT=min(_TT, triton.next_power_of_2(T)), **_LAUNCH)
         used = layout.header_bytes + chunk // 8
@@ -400,12 +440,28 @@ def worker_compress(x: torch.Tensor, y_prev: torch.Tensor, prev_send: torch.Tens
 def worker_compress_momentum(momentum: torch.Tensor, grads: Sequence[Optional[torch.Tensor]],
                              sizes: Sequence[int], beta1: float, y_prev: torch.Tensor,
                              prev_send: torch.Tensor, y_out: Optional[torch.Tensor],
-                             send: torch.Tensor, layout: Layout) -> DeviceFlag:
+                             send: torch.Tensor, layout: Layout,
+                             variances: Optional[Sequence[torch.Tensor]] = None,
+                             sqrt_bc2s: Optional[Sequence[float]] = None,
+                             epss: Optional[Sequence[float]] = None) -> DeviceFlag:
     """Worker compression of ``x = beta1 * momentum + (1 - beta1) * g`` computed in the same
-    pass, ``g`` the gradients laid end to end (None reads as zeros); see :func:`ready`."""
-    tab = _table([[_addr(g) for g in grads], [_kind(g) for g in grads]], sizes, momentum.device)
+    pass, ``g`` the gradients laid end to end (None reads as zeros); with ``variances`` (one
+    float32 per segment, with its ``sqrt_bc2s`` and ``epss``: a preconditioned
+    :class:`~hvd_onebit.fused_adam.MomentumInput`), of ``u = x / denom``,
+    ``denom = sqrt(v) / sqrt_bc2 + eps`` (+inf where ``v == 0``); see :func:`ready`."""
+    columns = [[_addr(g) for g in grads], [_kind(g) for g in grads]]
+    ftab = None
+    if variances is not None:
+        if len(variances) != len(sizes) or any(
+                v is None or v.numel() != s for v, s in zip(variances, sizes)):
+            raise ValueError("preconditioning needs one variance of its segment's size per "
+                             "gradient")
+        columns.append([_addr(v) for v in variances])
+        ftab = torch.tensor([float(v) for row in zip(sqrt_bc2s, epss) for v in row],
+                            dtype=torch.float32).to(momentum.device, non_blocking=True)
+    tab = _table(columns, sizes, momentum.device)
     return _compress(1, momentum, momentum, tab, len(sizes), beta1, 1, momentum.numel(), y_prev,
-                     prev_send, y_out, send, layout.n, layout.chunk, layout)
+                     prev_send, y_out, send, layout.n, layout.chunk, layout, ftab)
 
 
 def server_compress(recv: torch.Tensor, z_prev: torch.Tensor, prev_row: torch.Tensor,
@@ -422,9 +478,12 @@ def decode(rows: torch.Tensor, out: torch.Tensor, layout: Layout,
            sizes: Optional[Sequence[int]] = None, steps: Optional[Sequence[float]] = None,
            decays: Optional[Sequence[float]] = None, sqrt_bc2s: Optional[Sequence[float]] = None,
            epss: Optional[Sequence[float]] = None,
-           bounds: Optional[Sequence[float]] = None) -> None:
+           bounds: Optional[Sequence[float]] = None, preconditioned: bool = False) -> None:
     """out[:numel] = s * sign from the n rows; with ``weights`` (AdamUpdate's lists), Adam's
-    update in the same pass (see :class:`hvd_onebit.fused_adam.AdamUpdate`)."""
+    update in the same pass (see :class:`hvd_onebit.fused_adam.AdamUpdate`). ``preconditioned``:
+    the rows carry ``u = m / denom``; ``m = u * denom`` is stored (+0 where held), the step is
+    ``clamp(step * u, -bound, bound)`` (+0 where held), and a variance without its weight
+    converts its momentum only."""
     numel = out.numel()
     if numel == 0:
         return
@@ -434,8 +493,13 @@ def decode(rows: torch.Tensor, out: torch.Tensor, layout: Layout,
     update = weights is not None
     if update:
         live = [w is not None and w.numel() > 0 for w in weights]
+        if any(k and v is None for v, k in zip(variances, live)):
+            raise ValueError("every weight given needs its variance")
+        # the segments the kernel visits are those with a variance address: with a weight, or
+        # preconditioned also without one (its momentum converted); unread variances are left out
+        read_v = [(k or preconditioned) and v is not None for v, k in zip(variances, live)]
         tab = _table([[_addr(w) if k else 0 for w, k in zip(weights, live)],
-                      [_addr(v) if k else 0 for v, k in zip(variances, live)],
+                      [_addr(v) if r else 0 for v, r in zip(variances, read_v)],
                       [_kind(w) if k else 0 for w, k in zip(weights, live)],
                       [int(float(dc) != 1.0) for dc in decays]], sizes, out.device)
         bounds = [math.inf] * len(sizes) if bounds is None else bounds
@@ -447,8 +511,8 @@ def decode(rows: torch.Tensor, out: torch.Tensor, layout: Layout,
     with _on_device(out):
         _decode_kernel[(triton.cdiv(G, R) * T,)](
             rows, _words(rows), out, numel, G, nblocks, block, T, layout.row_bytes,
-            layout.row_bytes // 4, layout.header_bytes, tab, ftab, nsegs, UPDATE=update, R=R,
-            C=C, num_warps=_WARPS, **_LAUNCH)
+            layout.row_bytes // 4, layout.header_bytes, tab, ftab, nsegs, UPDATE=update,
+            PRECOND=update and bool(preconditioned), R=R, C=C, num_warps=_WARPS, **_LAUNCH)
 
 
 def ready(tensors: Sequence[Optional[torch.Tensor]], device: torch.device,

@@ -33,7 +33,7 @@ from hvd_onebit.fused_adam import (AdamUpdate, MomentumInput, decode_update,  # 
 from hvd_onebit.layout import Layout  # noqa: E402
 from hvd_onebit.transports import run_threads  # noqa: E402
 from tests.onebit_reference import ReferenceOneBit  # noqa: E402
-from tests.test_fused_adam import update_case  # noqa: E402
+from tests.test_fused_adam import preconditioning, update_case  # noqa: E402
 from tests.test_kernels import _error_feedback_case, _previous_state  # noqa: E402
 from tests.workers_collective import rank_input  # noqa: E402
 
@@ -42,6 +42,22 @@ assert tk.INTERPRETED
 
 def _bytes(t):
     return None if t is None else t.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def _counted(monkeypatch, name):
+    """The calls of ``tk.<name>``, each as its number of positional arguments: the fused_adam
+    hooks fall back to the torch twin where Triton cannot run (a plain ``tk.decode(rows, out,
+    layout)`` then torch's update), so a bit-for-bit match alone would not show that the fused
+    Triton kernel ran."""
+    calls = []
+    kernel = getattr(tk, name)
+
+    def counted(*args, **kwargs):
+        calls.append(len(args))
+        return kernel(*args, **kwargs)
+
+    monkeypatch.setattr(tk, name, counted)
+    return calls
 
 
 # sizes not a multiple of 8, n = 1..4, one block per chunk and several (block 24: not a power
@@ -110,11 +126,13 @@ SEGMENTS = [([5, 0, 13, 1000, 7], 4), ([64, 64], 3), ([1], 2), ([4099], 1),
             ([3001, 3, 2000, 9000, 11], 2)]
 
 
+@pytest.mark.parametrize("precondition", [False, True], ids=["momentum", "preconditioned"])
 @pytest.mark.parametrize("sizes,n", SEGMENTS)
-def test_momentum_update_inside_the_compression(sizes, n):
+def test_momentum_update_inside_the_compression(sizes, n, precondition, monkeypatch):
     """beta1*m + (1-beta1)*g computed in the compression pass across gradient boundaries that
     split 8-element groups and tiles, with missing (None) and float16/bfloat16 gradients: the
-    torch twin's bits (materialise, then compress), and native's where it can run."""
+    torch twin's bits (materialise, then compress), and native's where it can run.
+    Preconditioned, x / denom (+-0 where the variance is 0), denom per segment."""
     numel = sum(sizes)
     L = Layout.build(numel, n, None)
     g = torch.Generator().manual_seed(numel)
@@ -124,46 +142,63 @@ def test_momentum_update_inside_the_compression(sizes, n):
     grads = [None if i % 3 == 1 else torch.randn(s, generator=g) for i, s in enumerate(sizes)]
     low = [None if gr is None else gr.to([torch.float32, torch.float16, torch.bfloat16][i % 3])
            for i, gr in enumerate(grads)]
-    for grad_list in (grads, low):
-        src = MomentumInput(m, grad_list, sizes, 0.9)
-        runs = []
+    extra = preconditioning(sizes, g) if precondition else {}
+    calls = _counted(monkeypatch, "worker_compress_momentum")
+    for label, grad_list in (("float32", grads), ("low precision", low)):
+        src = MomentumInput(m, grad_list, sizes, 0.9, **extra)
+        runs = {}
         for impl in ("torch", "triton", "native"):
             y_out = torch.full((L.padded,), 9.0)
             send = torch.full((L.n * L.row_bytes,), 0xEE, dtype=torch.uint8)
             ok = worker_compress_momentum(src, y_prev, prev_send, y_out, send, L, impl)
-            runs.append((bool(ok), _bytes(y_out), _bytes(send)))
-        assert runs[0][0] is True
-        assert runs[1] == runs[0] and runs[2] == runs[0]
+            runs[impl] = (bool(ok), _bytes(y_out), _bytes(send))
+        assert len(calls) == (2 if label == "low precision" else 1), "Triton's kernel did not run"
+        assert runs["torch"][0] is True
+        for impl in ("triton", "native"):
+            for k, what in enumerate(("status", "y", "rows")):
+                assert runs[impl][k] == runs["torch"][k], \
+                    f"{impl}, {label} gradients: {what} differs from torch's"
 
 
+@pytest.mark.parametrize("precond", [False, True], ids=["momentum", "preconditioned"])
 @pytest.mark.parametrize("sizes,n", SEGMENTS)
-def test_decode_with_adam_update(sizes, n):
-    """Decode + w = w*decay + (step*m)/denom in one pass: the torch twin's bits, float32,
+def test_decode_with_adam_update(sizes, n, precond, monkeypatch):
+    """Decode + w = w*decay + clamp((step*m)/denom) in one pass: the torch twin's bits, float32,
     float16 and bfloat16 weights (updated in float32, rounded once), parameters given as None
-    only decoded, held elements (denominator +inf) keep w*decay and get a +0 momentum."""
+    only decoded, held elements (denominator +inf) keep w*decay and get a +0 momentum.
+    Preconditioned, the rows carry u = m/denom: m = u*denom is stored and the step is
+    clamp(step*u); a variance may come without its weight (its momentum converted only)."""
     numel = sum(sizes)
     L = Layout.build(numel, n, None)
     rows, weights, variances, held, steps, decays, sqrt_bc2s, eps, bounds = update_case(
-        sizes, L, (torch.float32, torch.float32, torch.float16, torch.bfloat16))
+        sizes, L, (torch.float32, torch.float32, torch.float16, torch.bfloat16),
+        unweighted_variances=precond)
+    calls = _counted(monkeypatch, "decode")
     results = {}
     for impl in ("torch", "triton", "native"):
         w = [None if t is None else t.clone() for t in weights]
         m = torch.full((numel,), float("nan"))
-        decode_update(rows, m, L,
-                      AdamUpdate(w, variances, sizes, steps, decays, sqrt_bc2s, eps, bounds), impl)
+        decode_update(rows, m, L, AdamUpdate(w, variances, sizes, steps, decays, sqrt_bc2s, eps,
+                                             bounds, preconditioned=precond), impl)
         results[impl] = (m, w)
+    assert len(calls) == 1 and calls[0] > 3, f"Triton's fused update did not run: {calls}"
     ref_m, ref_w = results["torch"]
     for impl in ("triton", "native"):
         m, w = results[impl]
-        assert _bytes(m) == _bytes(ref_m), impl
-        assert [_bytes(t) for t in w] == [_bytes(t) for t in ref_w], impl
+        assert _bytes(m) == _bytes(ref_m), f"{impl}: momentum differs from torch's"
+        for i, (t, ref) in enumerate(zip(w, ref_w)):
+            assert _bytes(t) == _bytes(ref), \
+                f"{impl}: weight {i} ({None if ref is None else ref.dtype}) differs from torch's"
     start = 0
     for i, (h, w0) in enumerate(zip(held, weights)):
         if h is not None and h.any():
             seg = ref_m[start:start + sizes[i]]
-            assert torch.all(seg[h] == 0) and not torch.signbit(seg[h]).any()
-            expect = w0.float()[h] * decays[i] if decays[i] != 1.0 else w0.float()[h]
-            assert torch.equal(ref_w[i][h], expect.to(w0.dtype))
+            assert torch.all(seg[h] == 0) and not torch.signbit(seg[h]).any(), \
+                f"parameter {i}: a held element's momentum is not +0"
+            if w0 is not None:
+                expect = w0.float()[h] * decays[i] if decays[i] != 1.0 else w0.float()[h]
+                assert torch.equal(ref_w[i][h], expect.to(w0.dtype)), \
+                    f"parameter {i}: a held weight moved"
         start += sizes[i]
 
 
@@ -198,22 +233,35 @@ def test_backend_resolution_with_triton():
     assert kernels.resolve_backend("auto", torch.device("cuda")) == "triton"
 
 
-def test_the_cuda_bench_calls_run_on_triton():
-    """bench kernel --device cuda's kernel calls (run here on CPU tensors): each runs and the
-    fused ones give the torch twins' bits."""
+def test_the_cuda_bench_calls_run_on_triton(monkeypatch):
+    """bench kernel --device cuda's kernel calls (run here on CPU tensors): each runs, the
+    fused ones (plain and preconditioned) on Triton's fused kernels, and every call leaves the
+    torch twins' bits."""
     from hvd_onebit.bench import kernel as bench
+    fused = {"worker_compress_momentum": _counted(monkeypatch, "worker_compress_momentum"),
+             "decode": _counted(monkeypatch, "decode")}
     outputs = {}
     for backend in ("torch", "triton"):
         L, b = bench._buffers(4099, 3)
         torch.manual_seed(0)
         calls = {**bench._calls(L, b, backend), **bench._fused_calls(L, b, backend)}
         assert set(calls) == {"compress", "server", "decode", "momentum_compress",
-                              "decode_update"}
-        for fn, count in calls.values():
+                              "momentum_compress_preconditioned", "decode_update",
+                              "decode_update_preconditioned"}
+        # what each call writes (the others may still hold torch.empty's garbage)
+        written = {"compress": (b.y_next, b.send), "server": (b.server_z_out, b.row),
+                   "decode": (b.out,)}
+        for name, (fn, count) in calls.items():
             fn()
-            assert count >= 4099
-        outputs[backend] = [_bytes(t) for t in (b.y_next, b.send, b.out, b.server_z_out)]
-    assert outputs["triton"] == outputs["torch"]
+            assert count >= 4099, name
+            outputs[backend, name] = [_bytes(t) for t in written.get(
+                name, (b.y_next, b.send) if name.startswith("momentum") else (b.out,))]
+    # the decode alone calls tk.decode(rows, out, layout); the fused ones pass the update
+    assert len(fused["worker_compress_momentum"]) == 2 and \
+        sorted(fused["decode"]) == [3, 12, 12], f"not every fused call ran on Triton: {fused}"
+    for name in calls:
+        assert outputs["triton", name] == outputs["torch", name], \
+            f"{name}: bits differ from torch's"
 
 
 @pytest.mark.parametrize("numel,n,block", [(4099, 3, None), (20_001, 4, 4096)])
