@@ -1,0 +1,98 @@
+"""The zoo's grid: which runs make up a zoo, and how one run (a cell) is named.
+
+A cell is one training run: a family, a learning-rate rule, a seed, and either plain Horovod
+Adam (the reference) or hvd_onebit at one freeze setting under one scheme. A scheme is a dict
+of extra keyword arguments for :func:`hvd_onebit.DistributedOptimizer`, so comparing the
+compression phase's variants needs no code here.
+"""
+from __future__ import annotations
+
+from typing import Any, Iterable, Optional, Union
+
+from .models import FAMILIES, family
+
+SCHEMES: dict[str, dict[str, Any]] = {
+    # this round's defaults: the preconditioned momentum compressed, each step clamped at
+    # Adam's own bound
+    "bounded": {"step_bound": "adam", "precondition": True},
+    # the scheme before this round: the momentum itself compressed, the paper's unbounded step
+    "unbounded": {"step_bound": None, "precondition": False},
+    # each mechanism alone, to choose between them
+    "bound_only": {"step_bound": "adam", "precondition": False},
+    "precondition_only": {"step_bound": None, "precondition": True},
+    "default": {},                       # whatever the installed hvd_onebit does by default
+    # what elements with a zero variance at the freeze cost (issue 25, Required 3): trained
+    # with Adam's eps as their denominator, or with their parameter's smallest variance
+    "bounded_eps": {"step_bound": "adam", "precondition": True, "zero_variance": "eps"},
+    "bounded_floor": {"step_bound": "adam", "precondition": True, "zero_variance": "floor"},
+}
+DEFAULT_SCHEMES = ("bounded", "unbounded")
+# Freeze settings: a fraction of the run's steps, or "auto" (bounded so it always compresses).
+FREEZES: dict[str, Union[float, str]] = {"10%": 0.1, "20%": 0.2, "50%": 0.5, "auto": "auto"}
+# Learning-rate rules: Horovod's convention (scale by the number of ranks) and the base rate.
+LR_RULES = ("scaled", "base")
+ADAM = "adam"
+CELL_KEYS = ("family", "lr_rule", "seed", "method", "scheme", "freeze", "steps", "batch")
+
+
+def freeze_options(freeze: str, steps: int) -> dict[str, Any]:
+    """hvd_onebit.DistributedOptimizer's freeze arguments for a freeze setting of a run of
+    ``steps``. "auto" waits at least ``max(10, steps // 10)`` steps and at most half the run,
+    so a short run always reaches the compression phase."""
+    value = FREEZES[freeze]
+    if value == "auto":
+        return {"freeze_step": "auto",
+                "auto_freeze": {"min_steps": max(10, steps // 10), "max_steps": steps // 2}}
+    return {"freeze_step": max(1, round(value * steps))}
+
+
+def learning_rate(base_lr: float, rule: str, world: int) -> float:
+    """The learning rate of ``rule``: ``base_lr * world`` (Horovod's) or ``base_lr``."""
+    if rule not in LR_RULES:
+        raise ValueError(f"unknown lr rule {rule!r}; choose from {', '.join(LR_RULES)}")
+    return base_lr * world if rule == "scaled" else base_lr
+
+
+def cell_key(cell: dict) -> tuple:
+    """What identifies a cell (a finished record or a planned one)."""
+    return tuple(cell.get(k) for k in CELL_KEYS)
+
+
+def reference_key(cell: dict) -> tuple:
+    """The Adam cell a cell is compared with: same family, lr rule, seed, steps and batch."""
+    return (cell["family"], cell["lr_rule"], cell["seed"], cell["steps"], cell["batch"])
+
+
+def plan_family(name: str, seeds: Iterable[int], schemes: Iterable[str],
+                freezes: Iterable[str] = tuple(FREEZES), lr_rules: Iterable[str] = LR_RULES,
+                steps: Optional[int] = None, batch: Optional[int] = None,
+                adam: bool = True) -> list[dict]:
+    """The cells of one family, in the order a job runs them: per (lr rule, seed), Adam first,
+    then every scheme at every freeze setting."""
+    fam = family(name)
+    steps = steps or fam.steps
+    batch = batch or fam.batch
+    schemes, freezes = list(schemes), list(freezes)
+    for s in schemes:
+        if s not in SCHEMES:
+            raise ValueError(f"unknown scheme {s!r}; choose from {', '.join(SCHEMES)}")
+    for f in freezes:
+        if f not in FREEZES:
+            raise ValueError(f"unknown freeze setting {f!r}; choose from {', '.join(FREEZES)}")
+    cells = []
+    for rule in lr_rules:
+        learning_rate(fam.base_lr, rule, 1)  # validates the rule
+        for seed in seeds:
+            common = {"family": name, "lr_rule": rule, "seed": int(seed), "steps": steps,
+                      "batch": batch}
+            if adam:
+                cells.append({**common, "method": ADAM, "scheme": None, "freeze": None})
+            for scheme in schemes:
+                for freeze in freezes:
+                    cells.append({**common, "method": "onebit", "scheme": scheme,
+                                  "freeze": freeze, "options": dict(SCHEMES[scheme])})
+    return cells
+
+
+def all_families() -> list[str]:
+    return list(FAMILIES)

@@ -1,0 +1,225 @@
+"""The zoo's rank worker: runs a list of cells inside one Horovod job, one after another.
+
+Started on every rank by :func:`hvd_onebit.testing.run_job` (``zoo_worker``). Each cell gets a
+fresh model and optimizer; rank 0 appends one JSON line per finished cell to the results file,
+so the cells done before a crash or a timeout survive it.
+
+What makes Adam and 1-bit Adam comparable cell by cell, so that they differ in the compression
+phase only (a 1-bit run's warmup is bit-identical to the Adam run's first steps; the test checks
+it):
+
+* the model is initialised from the seed and broadcast from rank 0 (Horovod's recipe);
+* the optimizer state is not broadcast: a fresh optimizer's state is zeros on every rank, and
+  ``hvd.broadcast_optimizer_state`` on a fresh torch Adam creates it by taking a step with zero
+  gradients, which starts plain Adam one bias-correction step ahead of hvd_onebit's (whose
+  state exists from construction); examples/train_lm.py does the same for the same reason;
+* the batches come from a generator seeded from (seed, rank), and the global generator, which
+  draws dropout masks, is reseeded from (seed, rank) just before training; nothing the
+  optimizers do draws random numbers;
+* the gradients travel as one grouped allreduce per step (``groups=1``, for Adam and for
+  hvd_onebit's warmup alike): Horovod's default fusion packs whichever gradients are ready in a
+  cycle, so the reduction order, hence the last bits, would change from run to run, and chaos
+  would turn them into ~1% of final loss; grouped, a rerun gives the same bits. It is also
+  2-3x cheaper per step here than one allreduce per tensor.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Optional
+
+import horovod.torch as hvd
+import torch
+
+import hvd_onebit
+from hvd_onebit.step_bound import clamped_fraction
+
+from .grid import ADAM, freeze_options, learning_rate
+from .models import Task, family, parameter_count
+
+EVALS_PER_RUN = 10  # held-out evaluations per run (every steps // 10 steps, and the last step)
+TAIL_EVALS = 3      # the "tail" loss: mean of the last few evaluations (less noisy than the last)
+
+
+def _finite(x: Optional[float]) -> bool:
+    return x is not None and math.isfinite(x)
+
+
+def _json_number(x: Optional[float]) -> Optional[float]:
+    # JSON has no NaN or infinity: a non-finite figure is written as null (and flagged).
+    return float(x) if _finite(x) else None
+
+
+@torch.no_grad()
+def held_out_loss(task: Task, saw_nonfinite: bool) -> tuple[float, bool]:
+    """The mean held-out loss over every rank's share, and whether any rank saw a non-finite
+    training loss since the last call (one allreduce carries both, so every rank decides alike
+    whether the run has diverged).
+
+    BatchNorm's running statistics are the one state each rank keeps for itself (the optimizer
+    averages gradients, not buffers): they are averaged over the ranks for the evaluation and
+    restored afterwards, so training is exactly what a Horovod user's is."""
+    model = task.model
+    buffers = [b for b in model.buffers() if b.is_floating_point()]
+    saved = [b.clone() for b in buffers]
+    if buffers:  # one grouped allreduce, not one negotiation per buffer
+        for b, mean in zip(buffers, hvd.grouped_allreduce(buffers, op=hvd.Average,
+                                                          name="zoo.buffers")):
+            b.copy_(mean)
+    model.eval()
+    total, count = 0.0, 0
+    for batch in task.held_out(hvd.rank(), hvd.size()):
+        s, n = task.sums(model, batch)
+        total, count = total + s, count + n
+    model.train()
+    for b, s in zip(buffers, saved):
+        b.copy_(s)
+    # A non-finite local sum must not poison the count: carry it as a flag.
+    bad = float(saw_nonfinite or not math.isfinite(total))
+    sums = hvd.allreduce(torch.tensor([total if math.isfinite(total) else 0.0, count, bad],
+                                      dtype=torch.float64), op=hvd.Sum, name="zoo.held_out")
+    nonfinite = bool(sums[2] > 0)
+    return (math.nan if nonfinite else float(sums[0] / sums[1])), nonfinite
+
+
+def zero_variance_fraction(optimizer) -> float:
+    """The share of all parameter elements whose variance is exactly 0 (read at the freeze:
+    the elements that got no gradient in the whole warmup, which ``zero_variance="hold"``
+    keeps fixed for the rest of the run)."""
+    zero = total = 0
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            v = optimizer.state[p]["exp_avg_sq"]
+            zero += int((v == 0).sum())
+            total += v.numel()
+    return zero / total if total else 0.0
+
+
+def _held(zero_fraction: Optional[float], options: dict) -> Optional[float]:
+    # zero_variance="hold" (the default) keeps the zero-variance elements fixed; "eps" and
+    # "floor" train them.
+    if zero_fraction is None:
+        return None
+    return zero_fraction if options.get("zero_variance", "hold") == "hold" else 0.0
+
+
+def _distributed(task: Task, cell: dict) -> Any:
+    named = task.model.named_parameters()
+    if cell["method"] == ADAM:
+        return hvd.DistributedOptimizer(task.optimizer, named_parameters=named, groups=1)
+    return hvd_onebit.DistributedOptimizer(task.optimizer, named_parameters=named, groups=1,
+                                           **freeze_options(cell["freeze"], cell["steps"]),
+                                           **cell.get("options", {}))
+
+
+def run_cell(cell: dict) -> dict:
+    """Train one cell; the record of what happened (every rank returns the same figures)."""
+    fam = family(cell["family"])
+    rank, world = hvd.rank(), hvd.size()
+    steps, seed = cell["steps"], cell["seed"]
+    lr = learning_rate(fam.base_lr, cell["lr_rule"], world)
+    onebit = cell["method"] != ADAM
+    # The bound clamped_fraction measures against: the scheme's, or the library's default
+    # ("adam") when the scheme leaves it out. An unbounded scheme has none to measure.
+    bound = cell.get("options", {}).get("step_bound", "adam") if onebit else None
+    start, cpu_start = time.perf_counter(), time.process_time()
+
+    task = fam.build(seed, lr, cell["batch"])
+    optimizer = _distributed(task, cell)
+    hvd.broadcast_parameters(task.model.state_dict(), root_rank=0)
+    torch.manual_seed(seed * 1000 + rank)  # dropout masks: the same for Adam and 1-bit
+    draw = task.sampler(seed, rank, world)
+
+    initial, _ = held_out_loss(task, False)
+    curve = [(0, initial)]
+    eval_every = max(1, steps // EVALS_PER_RUN)
+    nonfinite_local: Optional[int] = None  # first step with a non-finite loss on this rank
+    diverged_at: Optional[int] = None
+    clamped: list[float] = []
+    zero_fraction: Optional[float] = None
+    compressed_steps = 0
+    taken = 0
+    for step in range(steps):
+        compressing = onebit and optimizer.phase == "compression"
+        if compressing and zero_fraction is None:
+            # The variance is final here, and not yet rewritten: zero_variance="eps" or
+            # "floor" fill its zeros during this step's first compressed pass.
+            zero_fraction = zero_variance_fraction(optimizer)
+        batch = draw()
+        loss = task.loss(task.model, batch)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        taken = step + 1
+        if nonfinite_local is None and not math.isfinite(loss.item()):
+            nonfinite_local = step
+        if compressing:
+            compressed_steps += 1
+            if bound is not None:
+                c = clamped_fraction(optimizer.param_groups, optimizer.state, bound)
+                if c is not None:
+                    clamped.append(c)
+        if taken % eval_every == 0 or taken == steps:
+            value, nonfinite = held_out_loss(task, nonfinite_local is not None)
+            curve.append((taken, value))
+            if nonfinite or not math.isfinite(value):
+                diverged_at = taken  # every rank stops here: the flag came through an allreduce
+                break
+
+    final = curve[-1][1]
+    tail = [v for _, v in curve[-TAIL_EVALS:]]
+    tail_loss = sum(tail) / len(tail) if all(_finite(v) for v in tail) else math.nan
+    diverged = diverged_at is not None or not _finite(final) or final > initial
+    record = {**cell, "lr": lr, "world": world, "params": parameter_count(task.model),
+              "initial_loss": _json_number(initial), "final_loss": _json_number(final),
+              "tail_loss": _json_number(tail_loss), "diverged": diverged,
+              "nonfinite_at": diverged_at, "steps_taken": taken,
+              "curve": [(s, _json_number(v)) for s, v in curve],
+              "seconds": time.perf_counter() - start,
+              # every rank's CPU time: what the run would take on idle cores, whatever else the
+              # machine runs (the ranks' wall time is about this over the number of cores)
+              "cpu_seconds": float(hvd.allreduce(torch.tensor(time.process_time() - cpu_start,
+                                                              dtype=torch.float64),
+                                                 op=hvd.Sum, name="zoo.cpu_seconds"))}
+    if onebit:
+        telemetry = optimizer.telemetry()
+        record.update({
+            "freeze_step": optimizer.freeze_step, "compressed_steps": compressed_steps,
+            "skipped_steps": telemetry["skipped_steps"],
+            "clamped_fraction": sum(clamped) / len(clamped) if clamped else None,
+            "clamped_max": max(clamped) if clamped else None,
+            "zero_variance_fraction": zero_fraction,
+            "held_fraction": _held(zero_fraction, cell.get("options", {})), "bound": bound})
+        if optimizer.freeze_decision is not None:
+            record["freeze_reason"] = optimizer.freeze_decision.get("reason")
+    return record
+
+
+def zoo_worker(cells: list[dict], results: str, threads: int = 1) -> list[dict]:
+    """Run ``cells`` in order on this rank; rank 0 appends each record to ``results`` (JSON
+    lines) as soon as it is done. Returns the records (rank 0; the other ranks return [])."""
+    from ..train import _sleeping_horovod_waits
+
+    torch.set_num_threads(threads)
+    # hvd.DistributedOptimizer waits for its allreduces spinning on sched_yield; 4 ranks on 2
+    # cores then take CPU from the ranks still computing. Make it sleep, as hvd_onebit's own
+    # waits do (timing only: the results are the same).
+    _sleeping_horovod_waits(True)
+    # A held element warns once per run; 54 runs x 4 ranks of the same warning say nothing the
+    # record's held_fraction does not.
+    warnings.filterwarnings("ignore", message=".*held fixed.*")
+    records = []
+    path = Path(results)
+    for cell in cells:
+        record = run_cell(cell)
+        if hvd.rank() == 0:
+            with open(path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+            records.append(record)
+    return records
