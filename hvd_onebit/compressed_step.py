@@ -484,14 +484,22 @@ class CompressedStep:
 
     def _input_terms(self, param_groups: list[dict]) -> dict:
         """Per bucketed parameter: (beta1, and when preconditioned its frozen variance,
-        sqrt(bc2) and eps; else None, None, None): what its allreduce input is made of."""
+        sqrt(bc2), eps and the bound on ``|m| / denom``; else four Nones): what its allreduce
+        input is made of. The bound is Adam's on ``|m_hat| / sqrt(v_hat)`` at the step taken,
+        times bc1 (``m`` is not bias-corrected): the momentum is kept where Adam's could be."""
         owner = set(self.params)
         terms = {}
         for g in param_groups:
             for p in g["params"]:
-                if p in owner:
-                    terms[p] = (g["betas"][0],) + (self._denominator_terms(p, g)
-                                                   if self.preconditioned else (None,) * 3)
+                if p not in owner:
+                    continue
+                if not self.preconditioned:
+                    terms[p] = (g["betas"][0], None, None, None, None)
+                    continue
+                (beta1, beta2), t = g["betas"], int(self._host_step(p)) + 1
+                bound = (1 - beta1 ** t) * step_bound.ratio_bound(self.config.step_bound,
+                                                                  beta1, beta2, t)
+                terms[p] = (beta1,) + self._denominator_terms(p, g) + (bound,)
         return terms
 
     def _denominator_terms(self, p: torch.Tensor, group: dict) -> tuple:
@@ -510,7 +518,8 @@ class CompressedStep:
         pre = {}
         if self.preconditioned:
             pre = dict(variances=[b.piece(i, t[1]) for i, t in enumerate(seg_terms)],
-                       sqrt_bc2s=[t[2] for t in seg_terms], eps=[t[3] for t in seg_terms])
+                       sqrt_bc2s=[t[2] for t in seg_terms], eps=[t[3] for t in seg_terms],
+                       bounds=[t[4] for t in seg_terms])
         betas = {t[0] for t in seg_terms}
         if len(betas) == 1:
             return MomentumInput(b.momentum, pieces, sizes, betas.pop(), **pre)

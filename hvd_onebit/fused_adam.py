@@ -57,9 +57,14 @@ class MomentumInput:
     give the same bits (two fp32 products and a sum, no FMA). An ``InputProducer`` of
     :mod:`hvd_onebit.collective`.
 
-    With ``variances`` the input is **preconditioned**: ``u = x / denom``, ``denom`` the frozen
-    variance's Adam denominator (:func:`frozen_denominator`; ``+inf`` where ``v == 0``, so held
-    elements give +-0). Every rank divides by the same bits, so averaging u is averaging x; one
+    With ``variances`` the input is **preconditioned**: ``u = clamp(x / denom, -bound, bound)``,
+    ``denom`` the frozen variance's Adam denominator (:func:`frozen_denominator`; ``+inf`` where
+    ``v == 0``, so held elements give +-0; an infinite ``u`` is left infinite, so a non-finite
+    input is still reported and the step skipped). The clamp (``bound = B(t) * bc1``, Adam's own bound
+    on ``|m| / sqrt(v)`` at step t, :mod:`hvd_onebit.step_bound`) keeps each rank's momentum
+    where Adam's could be given the frozen variance: without it, the few elements whose
+    gradient outgrew their frozen variance set the chunk's scale (a root mean square), and every
+    element of the chunk would receive it. Every rank divides by the same bits, so averaging u is averaging x; one
     scale per chunk then serves elements of any variance alike (in x, a small-variance
     element would receive the chunk's large magnitude and step far), and the error feedback
     works in the units the update uses. :class:`AdamUpdate` with ``preconditioned=True``
@@ -73,6 +78,8 @@ class MomentumInput:
         beta1: Adam's first-moment decay.
         variances: None (x itself), or each segment's frozen ``exp_avg_sq`` (float32, its size).
         sqrt_bc2s, eps: with ``variances``, per segment (as :class:`AdamUpdate`'s).
+        bounds: with ``variances``, per segment, the largest ``|u|`` sent (default ``inf``);
+            rounded to float32 here, so every kernel clamps at one number.
     """
 
     momentum: torch.Tensor
@@ -82,14 +89,22 @@ class MomentumInput:
     variances: Optional[list[torch.Tensor]] = None
     sqrt_bc2s: Optional[Sequence[float]] = None
     eps: Optional[Sequence[float]] = None
+    bounds: Optional[Sequence[float]] = None
+
+    def __post_init__(self):
+        if self.variances is not None:
+            self.bounds = ([math.inf] * len(self.sizes) if self.bounds is None
+                           else [as_float32(float(b)) for b in self.bounds])
+            if any(not b >= 0 for b in self.bounds):
+                raise ValueError(f"input bounds must be >= 0, got {self.bounds}")
 
     def native_precondition_args(self) -> tuple:
-        """(variances, sqrt_bc2s, eps) as the native kernels take them: empty lists when the
-        input is not preconditioned."""
+        """(variances, sqrt_bc2s, eps, bounds) as the native kernels take them: empty lists when
+        the input is not preconditioned."""
         if self.variances is None:
-            return [], [], []
+            return [], [], [], []
         return (list(self.variances), [float(b) for b in self.sqrt_bc2s],
-                [float(e) for e in self.eps])
+                [float(e) for e in self.eps], [float(b) for b in self.bounds])
 
     @property
     def like(self) -> torch.Tensor:
@@ -129,8 +144,13 @@ class MomentumInput:
                 v = self.variances[i].reshape(-1)
                 for lo in range(0, size, APPLY_SLICE):
                     hi = min(size, lo + APPLY_SLICE)
-                    seg[lo:hi].div_(frozen_denominator(v[lo:hi], float(self.sqrt_bc2s[i]),
-                                                       float(self.eps[i])))
+                    piece = seg[lo:hi].div_(frozen_denominator(v[lo:hi], float(self.sqrt_bc2s[i]),
+                                                               float(self.eps[i])))
+                    if self.bounds[i] != math.inf:  # clamp_ keeps a NaN, as the kernels do;
+                        # an infinite u stays infinite, so the input is reported not finite
+                        up, down = piece == math.inf, piece == -math.inf
+                        piece.clamp_(-self.bounds[i], self.bounds[i])
+                        piece.masked_fill_(up, math.inf).masked_fill_(down, -math.inf)
             start += size
         return out
 
@@ -156,7 +176,8 @@ def worker_compress_momentum(src: MomentumInput, y_prev: torch.Tensor, prev_send
                 and tk.ready(src.grads, src.momentum.device, tk.LOW_PRECISION)):
             return tk.worker_compress_momentum(src.momentum, src.grads, src.sizes,
                                                float(src.beta1), y_prev, prev_send, y_out, send,
-                                               layout, src.variances, src.sqrt_bc2s, src.eps)
+                                               layout, src.variances, src.sqrt_bc2s, src.eps,
+                                               src.bounds)
     return kernels.worker_compress(src.materialize(), y_prev, prev_send, y_out, send, layout,
                                    backend)
 

@@ -103,3 +103,32 @@ def clamped_fraction(param_groups: list[dict], state: Mapping[torch.Tensor, dict
             hit += int((ratio[live] >= ratio_bound(step_bound, beta1, beta2, t)).sum())
             total += int(live.sum())
     return hit / total if total else None
+
+
+def input_clamped_fraction(param_groups: list[dict], state: Mapping[torch.Tensor, dict],
+                           step_bound: StepBound = ADAM) -> Optional[float]:
+    """The fraction of this rank's trained (not held) elements whose preconditioned momentum
+    ``|beta1 * m + (1 - beta1) * g| / denom`` will meet the input bound ``bc1 * B(t)`` in the
+    coming compressed step: call it after backward, before ``step()`` (it reads ``p.grad``; a
+    diagnostic in float64, not the kernel's arithmetic). None before the freeze or unbounded."""
+    if step_bound is None:
+        return None
+    hit = total = 0
+    for group in param_groups:
+        (beta1, beta2), eps = group["betas"], float(group["eps"])
+        for p in group["params"]:
+            s = state.get(p, {})
+            frozen = s.get("frozen_variance_step", -1)
+            if frozen is None or frozen < 1 or "exp_avg" not in s:
+                continue
+            t = int(float(s["step"])) + 1
+            v = s["exp_avg_sq"].detach().double().reshape(-1)
+            x = beta1 * s["exp_avg"].detach().double().reshape(-1)
+            if p.grad is not None:
+                x = x + (1 - beta1) * p.grad.detach().double().reshape(-1)
+            live = v > 0
+            u = x.abs() / (v.sqrt() / math.sqrt(1 - beta2 ** frozen) + eps)
+            limit = (1 - beta1 ** t) * ratio_bound(step_bound, beta1, beta2, t)
+            hit += int((u[live] >= limit).sum())
+            total += int(live.sum())
+    return hit / total if total else None

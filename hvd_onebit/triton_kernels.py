@@ -142,8 +142,9 @@ def _compress_kernel(src_ptr, src_words_ptr, tab_ptr, ftab_ptr, nsegs, beta1, on
                      SRC: tl.constexpr, PRECOND: tl.constexpr, WRITE_Y: tl.constexpr,
                      R: tl.constexpr, C: tl.constexpr):
     """SRC 0: x = src (float32 [numel]); SRC 1: x = beta1 * src + (1 - beta1) * g, g from the
-    segment table, and with PRECOND x = x / denom, denom = sqrt(v) / sqrt_bc2 + eps (+inf where
-    v == 0: held elements give +-0), v, sqrt_bc2 and eps per segment from the tables;
+    segment table, and with PRECOND x = clamp(x / denom, -bound, bound), denom = sqrt(v) /
+    sqrt_bc2 + eps (+inf where v == 0: held elements give +-0), v, sqrt_bc2, eps and bound per
+    segment from the tables;
     SRC 2: x = (rank-ordered fp32 sum of the ``nrecv`` rows at src) / nrecv.
     WRITE_Y: store y (y_out may be y_prev: each element is loaded before it is stored)."""
     pid = tl.program_id(0)
@@ -160,6 +161,7 @@ def _compress_kernel(src_ptr, src_words_ptr, tab_ptr, ftab_ptr, nsegs, beta1, on
         m = tl.load(src_ptr + p, mask=real, other=0.0)
         g = tl.zeros([R, C], tl.float32)
         den = tl.full([R, C], 1.0, tl.float32)  # PRECOND: replaced on every real element
+        bnd = tl.full([R, C], float("inf"), tl.float32)
         starts = tab_ptr
         s = _first_segment(starts, nsegs, p_lo)
         more = s < nsegs
@@ -173,13 +175,17 @@ def _compress_kernel(src_ptr, src_words_ptr, tab_ptr, ftab_ptr, nsegs, beta1, on
             if PRECOND:  # an empty segment's address is 0: its load is masked out entirely
                 v = tl.load(tl.load(tab_ptr + 3 * nsegs + 1 + s).to(tl.pointer_type(tl.float32))
                             + (p - st), mask=here, other=1.0)
-                den = tl.where(here, _frozen_denominator(v, tl.load(ftab_ptr + 2 * s),
-                                                         tl.load(ftab_ptr + 2 * s + 1)), den)
+                den = tl.where(here, _frozen_denominator(v, tl.load(ftab_ptr + 3 * s),
+                                                         tl.load(ftab_ptr + 3 * s + 1)), den)
+                bnd = tl.where(here, tl.load(ftab_ptr + 3 * s + 2), bnd)
             s += 1
             more = (s < nsegs) & (en < p_hi)
         x = tl.where(real, beta1 * m + one_minus_beta1 * g, 0.0)
-        if PRECOND:
+        if PRECOND:  # compare and where, so a NaN stays NaN (as the native clamp keeps it)
             x = tl.where(real, tl.div_rn(x, den), 0.0)
+            # an infinite u stays infinite: the input is then reported as not finite
+            x = tl.where((x < -bnd) & (x != float("-inf")), -bnd,
+                         tl.where((x > bnd) & (x != float("inf")), bnd, x))
     else:
         acc = tl.zeros([R, C], tl.float32)
         for i in range(nrecv):  # rank order, fp32: the order of the native kernel
@@ -443,11 +449,12 @@ def worker_compress_momentum(momentum: torch.Tensor, grads: Sequence[Optional[to
                              send: torch.Tensor, layout: Layout,
                              variances: Optional[Sequence[torch.Tensor]] = None,
                              sqrt_bc2s: Optional[Sequence[float]] = None,
-                             epss: Optional[Sequence[float]] = None) -> DeviceFlag:
+                             epss: Optional[Sequence[float]] = None,
+                             bounds: Optional[Sequence[float]] = None) -> DeviceFlag:
     """Worker compression of ``x = beta1 * momentum + (1 - beta1) * g`` computed in the same
     pass, ``g`` the gradients laid end to end (None reads as zeros); with ``variances`` (one
-    float32 per segment, with its ``sqrt_bc2s`` and ``epss``: a preconditioned
-    :class:`~hvd_onebit.fused_adam.MomentumInput`), of ``u = x / denom``,
+    float32 per segment, with its ``sqrt_bc2s``, ``epss`` and ``bounds``: a preconditioned
+    :class:`~hvd_onebit.fused_adam.MomentumInput`), of ``u = clamp(x / denom, -bound, bound)``,
     ``denom = sqrt(v) / sqrt_bc2 + eps`` (+inf where ``v == 0``); see :func:`ready`."""
     columns = [[_addr(g) for g in grads], [_kind(g) for g in grads]]
     ftab = None
@@ -457,7 +464,8 @@ def worker_compress_momentum(momentum: torch.Tensor, grads: Sequence[Optional[to
             raise ValueError("preconditioning needs one variance of its segment's size per "
                              "gradient")
         columns.append([_addr(v) for v in variances])
-        ftab = torch.tensor([float(v) for row in zip(sqrt_bc2s, epss) for v in row],
+        bounds = [math.inf] * len(sizes) if bounds is None else bounds
+        ftab = torch.tensor([float(v) for row in zip(sqrt_bc2s, epss, bounds) for v in row],
                             dtype=torch.float32).to(momentum.device, non_blocking=True)
     tab = _table(columns, sizes, momentum.device)
     return _compress(1, momentum, momentum, tab, len(sizes), beta1, 1, momentum.numel(), y_prev,

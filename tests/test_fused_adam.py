@@ -14,13 +14,15 @@ from tests.test_kernels import _previous_state
 
 
 def preconditioning(sizes, g):
-    """A frozen variance per segment (~20% zeros: held elements), sqrt(bc2) and eps: the
-    keyword arguments that precondition a MomentumInput."""
+    """A frozen variance per segment (~20% zeros: held elements), sqrt(bc2), eps and a bound on
+    |u| (every third unbounded; the others clamp part of their elements): the keyword arguments
+    that precondition a MomentumInput."""
     variances = [torch.rand(s, generator=g) * 1e-4 + 1e-9 for s in sizes]
     for v in variances:
         v[torch.rand(v.shape, generator=g) < 0.2] = 0.0
     return dict(variances=variances, sqrt_bc2s=[0.1 + 0.05 * i for i in range(len(sizes))],
-                eps=[1e-8 if i % 2 else 1e-6 for i in range(len(sizes))])
+                eps=[1e-8 if i % 2 else 1e-6 for i in range(len(sizes))],
+                bounds=[math.inf if i % 3 == 2 else 15.0 for i in range(len(sizes))])
 
 
 @pytest.mark.parametrize("precondition", [False, True], ids=["momentum", "preconditioned"])
@@ -47,8 +49,12 @@ def test_momentum_input_compressed_in_one_pass_equals_materialised(sizes, n, pre
         if precondition:
             v = extra["variances"][i]
             denom = v.double().sqrt() / extra["sqrt_bc2s"][i] + extra["eps"][i]
-            expect[here] = torch.where(v == 0, 0.0, expect[here] / denom)
+            expect[here] = torch.where(v == 0, 0.0, expect[here] / denom).clamp(
+                -extra["bounds"][i], extra["bounds"][i])
             assert bool((x[here][v == 0] == 0).all()), "held elements were not sent as 0"
+            if extra["bounds"][i] != math.inf and sizes[i] > 100:
+                at_bound = float((x[here].abs() == extra["bounds"][i]).float().mean())
+                assert 0.05 < at_bound < 0.95, f"segment {i}: {at_bound:.2f} at the bound"
     torch.testing.assert_close(x, expect, rtol=1e-6, atol=1e-7)
     runs = []
     for impl in ("avx2", "scalar", "torch", "materialised", "hook"):
@@ -92,7 +98,7 @@ def test_momentum_input_written_out_natively_equals_torch(sizes, precondition):
     assert src.materialize(out=out, backend="native") is out
     assert out.numpy().tobytes() == expect, "materialize(backend='native') differs from torch's"
     with pytest.raises(RuntimeError, match="must not be the momentum"):
-        _C.momentum_update(m, grads, sizes, 0.9, [], [], [], m, True)
+        _C.momentum_update(m, grads, sizes, 0.9, [], [], [], [], m, True)
 
 
 def test_momentum_input_rejects_mismatched_gradients():
@@ -101,13 +107,13 @@ def test_momentum_input_rejects_mismatched_gradients():
             torch.empty(L.padded), torch.empty(L.n * L.row_bytes, dtype=torch.uint8))
     with pytest.raises(RuntimeError, match="gradient has 3 elements, needs 4"):
         _C.worker_compress_momentum(torch.zeros(10), [torch.zeros(3), torch.zeros(6)], [4, 6],
-                                    0.9, [], [], [], *args, *L.as_args(), True)
+                                    0.9, [], [], [], [], *args, *L.as_args(), True)
     with pytest.raises(RuntimeError, match="gradients hold 9 elements, momentum 10"):
-        _C.worker_compress_momentum(torch.zeros(10), [None, None], [4, 5], 0.9, [], [], [],
+        _C.worker_compress_momentum(torch.zeros(10), [None, None], [4, 5], 0.9, [], [], [], [],
                                     *args, *L.as_args(), True)
     with pytest.raises(RuntimeError, match="variance has 5 elements, needs 6"):
         _C.worker_compress_momentum(torch.zeros(10), [None, None], [4, 6], 0.9,
-                                    [torch.ones(4), torch.ones(5)], [1.0, 1.0], [0.0, 0.0],
+                                    [torch.ones(4), torch.ones(5)], [1.0, 1.0], [0.0, 0.0], [1.0, 1.0],
                                     *args, *L.as_args(), True)
 
 

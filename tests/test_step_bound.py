@@ -137,12 +137,7 @@ def test_elements_with_zero_variance_are_held_or_trained_as_asked(mode):
     limit = 1e-2 * sum(adam_ratio_bound(0.9, 0.999, t) for t in (5, 6, 7))
     assert float(moved.max()) <= limit + 1e-6, \
         f"{mode}: an element moved {float(moved.max()):.4f}, more than {limit:.4f}"
-    if mode == "eps":  # divided by eps, every such step meets the bound, in either direction
-        b = [1e-2 * adam_ratio_bound(0.9, 0.999, t) for t in (5, 6, 7)]
-        nets = torch.tensor([abs(b[0] + s1 * b[1] + s2 * b[2]) for s1 in (1, -1) for s2 in (1, -1)])
-        gap = (moved[:10, None] - nets[None, :]).abs().min(dim=1).values
-        assert float(gap.max()) < 1e-6, \
-            f"eps: zero-variance elements moved {moved[:10]}, not sums of the bounds {b}"
+
 
 
 def test_without_a_bound_the_same_steps_run_away():

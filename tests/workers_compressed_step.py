@@ -70,8 +70,8 @@ def horovod_job(**kwargs) -> dict:
 
 
 def reference(n: int, steps: int = 6, precondition: bool = True) -> list[list[np.ndarray]]:
-    """The same steps from ALGORITHM.md in NumPy: local momenta (over their frozen denominator,
-    ``precondition``), the 1-bit allreduce reference of each bucket, the momentum back from the
+    """The same steps from ALGORITHM.md in NumPy: local momenta (over their frozen denominator
+    and clamped at bc1 times Adam's bound, ``precondition``), the 1-bit allreduce reference of each bucket, the momentum back from the
     average, Adam's update with the frozen variance, each step clamped at lr times Adam's own
     bound. Parameters after each step."""
     from tests.onebit_reference import ReferenceOneBit, adam_bound
@@ -99,6 +99,8 @@ def reference(n: int, steps: int = 6, precondition: bool = True) -> list[list[np
                  * gradient(step, r, params[i].shape).numpy().reshape(-1)[a:a + k]) / d
                 for (i, a, k), d in zip(b, scale)])
                 for r in range(n)]
+            if precondition:  # each rank's u kept where Adam's own momentum could be
+                inputs = [np.clip(x, -bc1 * adam_bound(t), bc1 * adam_bound(t)) for x in inputs]
             avg = ref.allreduce(inputs)
             new_m = {}
             at = 0

@@ -108,11 +108,17 @@ struct SegmentCursor {
 struct GradSegment {
   const float* g;  // nullptr: no gradient, reads as zero
   int64_t start, end;  // [start, end) in the flat buffer
-  // Preconditioning (v not nullptr): the source is x / denom, denom computed from the frozen
-  // variance v as the update computes it (+inf where v == 0, so held elements give +-0).
+  // Preconditioning (v not nullptr): the source is clamp(x / denom, -bound, bound), denom
+  // computed from the frozen variance v as the update computes it (+inf where v == 0, so held
+  // elements give +-0). The clamp keeps the momentum where Adam's own could be (|m| <= B sqrt(v)):
+  // a few elements whose gradient outgrew their frozen variance would otherwise set the chunk's
+  // scale, and every element of the chunk would step by it.
   const float* v;
-  float sqrt_bc2, eps;
+  float sqrt_bc2, eps, bound;
 };
+
+// q clamped to [-bound, bound]; a NaN q stays NaN (both comparisons are false).
+inline float clamp_to(float q, float bound) { return q < -bound ? -bound : (q > bound ? bound : q); }
 
 // Adam's denominator from the frozen variance: sqrt(v) / sqrt_bc2 + eps, +inf where v == 0 (an
 // element held fixed). fp32, sqrt and division correctly rounded.
@@ -143,7 +149,10 @@ struct MomentumX {
     const GradSegment& s = seg_for(p);
     const float g = s.g ? s.g[p - s.start] : 0.0f;
     const float x = beta1 * m[p] + one_minus_beta1 * g;
-    return s.v ? x / frozen_denominator(s.v[p - s.start], s.sqrt_bc2, s.eps) : x;
+    if (!s.v) return x;
+    const float u = x / frozen_denominator(s.v[p - s.start], s.sqrt_bc2, s.eps);
+    // an infinite u passes unclamped: the compression then reports the input as not finite
+    return std::isinf(u) ? u : clamp_to(u, s.bound);
   }
 #if defined(HVD_ONEBIT_X86)
   __attribute__((target("avx2,fma"))) __m256 load8(int64_t p) {
@@ -159,7 +168,15 @@ struct MomentumX {
     const __m256 x = _mm256_add_ps(_mm256_mul_ps(_mm256_set1_ps(beta1), _mm256_loadu_ps(m + p)),
                                    _mm256_mul_ps(_mm256_set1_ps(one_minus_beta1), g));
     if (!s.v) return x;
-    return _mm256_div_ps(x, frozen_denominator8(s.v + (p - s.start), s.sqrt_bc2, s.eps));
+    const __m256 u = _mm256_div_ps(x, frozen_denominator8(s.v + (p - s.start), s.sqrt_bc2, s.eps));
+    // clamp_to, 8 at a time (the second operand is returned for NaN: a NaN stays NaN), and an
+    // infinite u kept as it is, as in at()
+    const __m256 clamped =
+        _mm256_min_ps(_mm256_set1_ps(s.bound), _mm256_max_ps(_mm256_set1_ps(-s.bound), u));
+    const __m256 abs_u = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), u);
+    return _mm256_blendv_ps(clamped, u,
+                            _mm256_cmp_ps(abs_u, _mm256_set1_ps(std::numeric_limits<float>::infinity()),
+                                          _CMP_EQ_OQ));
   }
 #endif
 };
@@ -448,8 +465,6 @@ struct UpdateSegment {
   bool precond;
 };
 
-// q clamped to [-bound, bound]; a NaN q stays NaN (both comparisons are false).
-inline float clamp1(float q, float bound) { return q < -bound ? -bound : (q > bound ? bound : q); }
 
 inline float denominator1(const UpdateSegment& s, float v) {
   return frozen_denominator(v, s.sqrt_bc2, s.eps);
@@ -464,12 +479,12 @@ inline void update1(const UpdateSegment& s, int64_t p, float d, float* m) {
     if (!s.w) return;
     float w = s.w[p - s.start];
     if (s.apply_decay) w = w * s.decay;
-    s.w[p - s.start] = w + (held ? 0.0f : clamp1(s.step * d, s.bound));
+    s.w[p - s.start] = w + (held ? 0.0f : clamp_to(s.step * d, s.bound));
     return;
   }
   float w = s.w[p - s.start];
   if (s.apply_decay) w = w * s.decay;
-  s.w[p - s.start] = w + clamp1((s.step * d) / denom, s.bound);
+  s.w[p - s.start] = w + clamp_to((s.step * d) / denom, s.bound);
   m[p] = denom == std::numeric_limits<float>::infinity() ? 0.0f : d;
 }
 
@@ -681,13 +696,15 @@ std::vector<GradSegment> grad_segments(const torch::Tensor& m,
                                        const std::vector<int64_t>& sizes,
                                        const std::vector<c10::optional<torch::Tensor>>& variances,
                                        const std::vector<double>& sqrt_bc2s,
-                                       const std::vector<double>& epss) {
+                                       const std::vector<double>& epss,
+                                       const std::vector<double>& bounds) {
   check_cpu(m, torch::kFloat32, "momentum", 0);
   TORCH_CHECK(grads.size() == sizes.size(), "one size per gradient");
   const bool precondition = !variances.empty();
   TORCH_CHECK(!precondition || (variances.size() == sizes.size() &&
-                                sqrt_bc2s.size() == sizes.size() && epss.size() == sizes.size()),
-              "preconditioning needs one variance, sqrt_bc2 and eps per gradient");
+                                sqrt_bc2s.size() == sizes.size() && epss.size() == sizes.size() &&
+                                bounds.size() == sizes.size()),
+              "preconditioning needs one variance, sqrt_bc2, eps and bound per gradient");
   std::vector<GradSegment> segs;
   int64_t start = 0;
   for (size_t i = 0; i < grads.size(); ++i) {
@@ -698,7 +715,8 @@ std::vector<GradSegment> grad_segments(const torch::Tensor& m,
                   " elements, expected ", sizes[i]);
       g = grads[i]->data_ptr<float>();
     }
-    GradSegment seg{g, start, start + sizes[i], nullptr, 1.0f, 0.0f};
+    GradSegment seg{g, start, start + sizes[i], nullptr, 1.0f, 0.0f,
+                    std::numeric_limits<float>::infinity()};
     if (precondition) {
       TORCH_CHECK(variances[i].has_value() && variances[i]->defined(), "gradient ", i,
                   " has no variance to precondition with");
@@ -708,12 +726,16 @@ std::vector<GradSegment> grad_segments(const torch::Tensor& m,
       seg.v = variances[i]->data_ptr<float>();
       seg.sqrt_bc2 = static_cast<float>(sqrt_bc2s[i]);
       seg.eps = static_cast<float>(epss[i]);
+      seg.bound = static_cast<float>(bounds[i]);
+      TORCH_CHECK(!(seg.bound < 0.0f), "bound ", i, " must be >= 0, got ", bounds[i]);
     }
     segs.push_back(seg);
     start += sizes[i];
   }
   TORCH_CHECK(start == m.numel(), "gradients hold ", start, " elements, momentum ", m.numel());
-  if (segs.empty()) segs.push_back(GradSegment{nullptr, 0, 0, nullptr, 1.0f, 0.0f});
+  if (segs.empty())
+    segs.push_back(GradSegment{nullptr, 0, 0, nullptr, 1.0f, 0.0f,
+                               std::numeric_limits<float>::infinity()});
   return segs;
 }
 
@@ -730,13 +752,14 @@ bool worker_compress_momentum(const torch::Tensor& m, const std::vector<c10::opt
                               const std::vector<c10::optional<torch::Tensor>>& variances,
                               const std::vector<double>& sqrt_bc2s,
                               const std::vector<double>& epss,
+                              const std::vector<double>& bounds,
                               const torch::Tensor& y_prev, const torch::Tensor& prev_send,
                               const c10::optional<torch::Tensor>& y_out, torch::Tensor send,
                               int64_t n, int64_t chunk,
                               int64_t block, int64_t row_bytes, bool allow_simd) {
   TORCH_CHECK(m.numel() <= n * chunk, "momentum has more elements than the layout holds");
   const std::vector<GradSegment> segs =
-      grad_segments(m, grads, sizes, variances, sqrt_bc2s, epss);
+      grad_segments(m, grads, sizes, variances, sqrt_bc2s, epss, bounds);
   return run_worker_compress(momentum_source(m, segs, beta1), m.numel(), y_prev, prev_send,
                              y_out, send, n, chunk, block, row_bytes, allow_simd);
 }
@@ -760,9 +783,9 @@ void momentum_update(const torch::Tensor& m, const std::vector<c10::optional<tor
                      const std::vector<int64_t>& sizes, double beta1,
                      const std::vector<c10::optional<torch::Tensor>>& variances,
                      const std::vector<double>& sqrt_bc2s, const std::vector<double>& epss,
-                     torch::Tensor out, bool allow_simd) {
+                     const std::vector<double>& bounds, torch::Tensor out, bool allow_simd) {
   const std::vector<GradSegment> segs =
-      grad_segments(m, grads, sizes, variances, sqrt_bc2s, epss);
+      grad_segments(m, grads, sizes, variances, sqrt_bc2s, epss, bounds);
   check_cpu(out, torch::kFloat32, "out", m.numel());
   TORCH_CHECK(out.data_ptr() != m.data_ptr() || m.numel() == 0, "out must not be the momentum");
   MomentumX x = momentum_source(m, segs, beta1);
@@ -974,8 +997,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("worker_compress_momentum", &worker_compress_momentum,
         "worker_compress of x = beta1 * m + (1 - beta1) * g, computed in the same pass; g is the "
         "list of gradient tensors (None = zeros) of the given sizes, end to end. With variances "
-        "(one per gradient, and sqrt_bc2s and epss), x / (sqrt(v)/sqrt_bc2 + eps) instead "
-        "(+-0 where v == 0); empty lists: not preconditioned.");
+        "(one per gradient, and sqrt_bc2s, epss and bounds), clamp(x / (sqrt(v)/sqrt_bc2 + "
+        "eps), -bound, bound) instead (+-0 where v == 0); empty lists: not preconditioned.");
   m.def("worker_compress_mean", &worker_compress_mean,
         "worker_compress of x = (rows[0] + rows[1] + ...) / len(rows), summed in order in fp32, "
         "computed in the same pass.");

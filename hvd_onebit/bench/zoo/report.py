@@ -102,6 +102,7 @@ def family_summary(rows: list[dict]) -> dict:
         judged = [r["ratio"] for r in mine if r["adam_converged"]]
         out[fam] = {
             "clamped_fraction_mean": _mean(r.get("clamped_fraction") for r in mine),
+            "input_clamped_fraction_mean": _mean(r.get("input_clamped_fraction") for r in mine),
             "clamped_fraction_max": max((r["clamped_max"] for r in mine
                                          if r.get("clamped_max") is not None), default=None),
             "held_fraction_mean": _mean(r.get("held_fraction") for r in mine),
@@ -209,9 +210,11 @@ def print_report(summary: dict, rows: list[dict]) -> None:
     print()
     frows = [{"scheme": s, "family": f, **v} for s, fams in summary["families"].items()
              for f, v in fams.items()]
-    print("per family: steps that met the bound (mean, max over steps), elements held for a zero "
-          "variance, where auto froze")
+    print("per family: elements whose momentum met the input bound (preconditioned) and whose "
+          "step met the step bound (mean, max over steps), elements held for a zero variance, "
+          "where auto froze")
     print_table(frows, [("scheme", "scheme", ""), ("family", "family", ""),
+                        ("input clamped", "input_clamped_fraction_mean", ".2%"),
                         ("clamped mean", "clamped_fraction_mean", ".2%"),
                         ("clamped max", "clamped_fraction_max", ".2%"),
                         ("held", "held_fraction_mean", ".2%"),

@@ -36,7 +36,7 @@ import horovod.torch as hvd
 import torch
 
 import hvd_onebit
-from hvd_onebit.step_bound import clamped_fraction
+from hvd_onebit.step_bound import clamped_fraction, input_clamped_fraction
 
 from .grid import ADAM, freeze_options, learning_rate
 from .models import Task, family, parameter_count
@@ -140,6 +140,7 @@ def run_cell(cell: dict) -> dict:
     nonfinite_local: Optional[int] = None  # first step with a non-finite loss on this rank
     diverged_at: Optional[int] = None
     clamped: list[float] = []
+    input_clamped: list[float] = []
     zero_fraction: Optional[float] = None
     compressed_steps = 0
     taken = 0
@@ -153,6 +154,12 @@ def run_cell(cell: dict) -> dict:
         loss = task.loss(task.model, batch)
         optimizer.zero_grad()
         loss.backward()
+        if compressing and bound is not None and cell.get("options", {}).get("precondition",
+                                                                            True):
+            # the input bound (preconditioned only), from this rank's momentum and gradient
+            c = input_clamped_fraction(optimizer.param_groups, optimizer.state, bound)
+            if c is not None:
+                input_clamped.append(c)
         optimizer.step()
         taken = step + 1
         if nonfinite_local is None and not math.isfinite(loss.item()):
@@ -192,6 +199,8 @@ def run_cell(cell: dict) -> dict:
             "skipped_steps": telemetry["skipped_steps"],
             "clamped_fraction": sum(clamped) / len(clamped) if clamped else None,
             "clamped_max": max(clamped) if clamped else None,
+            "input_clamped_fraction": (sum(input_clamped) / len(input_clamped)
+                                       if input_clamped else None),
             "zero_variance_fraction": zero_fraction,
             "held_fraction": _held(zero_fraction, cell.get("options", {})), "bound": bound})
         if optimizer.freeze_decision is not None:
