@@ -30,6 +30,7 @@ left as they are, so averaging stays exact and the error feedback keeps what the
 from __future__ import annotations
 
 import math
+import struct
 from typing import Mapping, Optional, Union
 
 import torch
@@ -72,8 +73,14 @@ def ratio_bound(step_bound: StepBound, beta1: float, beta2: float, step: int) ->
 
 
 def as_float32(x: float) -> float:
-    """``x`` rounded to the nearest float32 (every twin then clamps at the same number)."""
-    return float(torch.tensor(x, dtype=torch.float32)) if math.isfinite(x) else x
+    """``x`` rounded to the nearest float32 (every twin then clamps at the same number); on the
+    host, without a tensor (a step rounds one per parameter). Beyond float32's range: inf."""
+    if not math.isfinite(x):
+        return x
+    try:
+        return struct.unpack("f", struct.pack("f", x))[0]
+    except OverflowError:
+        return math.copysign(math.inf, x)
 
 
 def clamped_fraction(param_groups: list[dict], state: Mapping[torch.Tensor, dict],

@@ -74,12 +74,16 @@ def test_auto_checkpoint_after_the_decision_stays_frozen_there(auto_full, auto_d
 # ---- flush_error_feedback: the engine on virtual ranks ----------------------------------------------
 
 def expected_fold(ranks: list[dict]) -> list[torch.Tensor]:
-    """m + (mean_i e_w^i + concat_j e_s^j) / beta1, per bucket, from every rank's state before."""
+    """m + (mean_i e_w^i + concat_j e_s^j) / beta1, per bucket, from every rank's state before;
+    errors of the preconditioned momentum times their denominators first (0 where held)."""
     out = []
+    denoms = ranks[0]["before"].get("denominators")
     for k, numel in enumerate(ranks[0]["numel"]):
         e = torch.stack([r["before"]["worker_errors"][k] for r in ranks]).mean(0)
-        e = e + torch.cat([r["before"]["server_errors"][k] for r in ranks])
-        out.append(ranks[0]["before"]["momenta"][k] + e[:numel] / BETAS[0])
+        e = (e + torch.cat([r["before"]["server_errors"][k] for r in ranks]))[:numel]
+        if denoms is not None:
+            e = torch.where(denoms[k] == float("inf"), 0.0, e * denoms[k])
+        out.append(ranks[0]["before"]["momenta"][k] + e / BETAS[0])
     return out
 
 
@@ -193,7 +197,10 @@ def test_flushed_checkpoint_resumes_on_any_world_size_closer_than_a_reset(tmp_pa
         # sends them further; the held-out loss of one short run is a noisier witness of it
         dists[np_] = {kind: sum(float((a - b).norm() ** 2) for a, b in zip(
             resumed[0][kind]["tensors"], full[0]["tensors"])) ** 0.5 for kind in ("flush", "reset")}
-        assert dists[np_]["flush"] < 0.5 * dists[np_]["reset"], \
+        # (not a half: the fold can take an element's momentum past the input bound of the
+        # preconditioned compression, which clips it at the next step, where the uninterrupted
+        # run would have delivered the error unclipped)
+        assert dists[np_]["flush"] < 0.6 * dists[np_]["reset"], \
             f"{np_} ranks: parameters end {dists[np_]['flush']:.3g} from the uninterrupted run " \
             f"after a flush, {dists[np_]['reset']:.3g} after a reset"
     assert gaps[4]["flush"] < gaps[4]["reset"], \

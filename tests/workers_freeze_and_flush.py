@@ -96,12 +96,34 @@ def _buckets(opt):
     return engine, comms
 
 
+def _denominators(engine, group: dict) -> Optional[list]:
+    """Each bucket's frozen denominators, in its element order, when the engine compresses the
+    preconditioned momentum (the units its errors are in); None otherwise."""
+    if not engine.preconditioned:
+        return None
+    import math
+
+    from hvd_onebit.fused_adam import frozen_denominator
+
+    out = []
+    for b in engine.buckets:
+        d = torch.empty(b.numel)
+        for i, seg in enumerate(b.segments):
+            st = engine.state[seg.param]
+            sqrt_bc2 = math.sqrt(1 - group["betas"][1] ** st["frozen_variance_step"])
+            d[seg.offset:seg.offset + seg.numel] = frozen_denominator(
+                b.piece(i, st["exp_avg_sq"]).reshape(-1), sqrt_bc2, group["eps"])
+        out.append(d)
+    return out
+
+
 def _snapshot(opt) -> dict:
     engine, comms = _buckets(opt)
     return {"momenta": [b.momentum.clone() for b in engine.buckets],
             "worker_errors": [c.worker_error for c in comms],
             "server_errors": [c.server_error for c in comms],
-            "chunks": [c.layout.chunk for c in comms]}
+            "chunks": [c.layout.chunk for c in comms],
+            "denominators": _denominators(engine, opt.param_groups[0])}
 
 
 def _flush_opt(freeze_step=3, flush_on_commit=False):
@@ -253,7 +275,8 @@ def flush_engine(transport, steps=3, bad_rank=None):
     before = {"momenta": [b.momentum.clone() for b in engine.buckets],
               "worker_errors": [c.worker_error for c in comms],
               "server_errors": [c.server_error for c in comms],
-              "chunks": [c.layout.chunk for c in comms]}
+              "chunks": [c.layout.chunk for c in comms],
+              "denominators": _denominators(engine, groups[0])}
     try:
         nbytes = engine.flush_error_feedback(groups)
         error = None

@@ -330,7 +330,7 @@ def convergence(steps=300, freeze_step=60, lr=3e-3, noise=0.1):
     return losses
 
 
-def half_precision_and_mixed_betas(steps=10, freeze_step=3, compressor="onebit"):
+def half_precision_and_mixed_betas(steps=20, freeze_step=3, compressor="onebit"):
     """Paths beside the fused fp32 one: float16 parameters (float32 state, the torch
     materialisation of the momentum and the torch update), and param groups with different
     beta1 sharing a bucket (the momentum built per member into the work buffer)."""
