@@ -1,6 +1,7 @@
 """Horovod's recipes on Horovod's own MNIST network (2 ranks, 40 steps, freeze at 10): mixed
-precision and clipping train like Horovod's Adam with the step bound, the unbounded step loses
-the loss scale, and a checkpoint from before the bound resumes with its error feedback."""
+precision and clipping train like Horovod's Adam with this round's defaults (bounded,
+preconditioned), the unbounded step loses the loss scale, and a checkpoint from before this
+round resumes."""
 import pytest
 
 from hvd_onebit.testing import run_ranks
@@ -34,10 +35,11 @@ def test_horovods_recipes_train_like_horovod_adam_with_the_bound(results, how):
             f"amp: the loss scale fell to {min(ours['scales'])} (an overflowed step)"
 
 
-def test_without_the_bound_the_loss_scale_falls(results):
-    """What the bound prevents, on the same steps: the unbounded compression phase overflows
-    float16 and GradScaler halves its scale (issue 25: down to 2.6e-23 over a longer run)."""
-    bounded, unbounded = scenario(results, "bounded_amp"), scenario(results, "unbounded_amp")
+def test_with_the_scheme_before_this_round_the_loss_scale_falls(results):
+    """What this round's defaults prevent, on the same steps: the unbounded compression of the
+    momentum itself overflows float16 and GradScaler halves its scale (issue 25: down to
+    2.6e-23 over a longer run)."""
+    bounded, unbounded = scenario(results, "bounded_amp"), scenario(results, "old_scheme_amp")
     assert min(unbounded["scales"]) < min(bounded["scales"]), \
         f"unbounded scale {min(unbounded['scales'])}, bounded {min(bounded['scales'])}"
 
@@ -48,11 +50,17 @@ def test_grad_scaler_through_step_alone(results):
     assert min(r["scales"]) == INITIAL_SCALE, f"the loss scale fell to {min(r['scales'])}"
 
 
-def test_a_checkpoint_from_before_the_bound_resumes_with_its_error_feedback(results):
+def test_a_checkpoint_from_before_this_round_resumes_with_its_error_feedback_reset(results):
+    """Written unbounded, with the momentum compressed as such: the momentum loads bit for
+    bit, the error feedback (in the momentum's units, not the preconditioned ones) is reset,
+    and both changes are named in warnings."""
     r = scenario(results, "resume")
     assert any("step_bound=None" in w and "carry over unchanged" in w
                for w in r["load_warnings"]), f"no warning naming the bound: {r['load_warnings']}"
+    assert any("units of the momentum" in w and "reset to zero" in w
+               for w in r["load_warnings"]), f"no warning of the reset: {r['load_warnings']}"
     assert r["phase_after_load"] == "compression"
     assert r["momenta_equal"], "the momentum did not come back bit for bit"
-    assert r["errors_restored"], "the error feedback was not restored bit for bit"
+    assert r["errors_saved_nonzero"], "the checkpoint held no error feedback to reset"
+    assert not r["errors_after_load_nonzero"], "error feedback in the old units was kept"
     assert r["steps"] == 24 and r["finite"], f"resumed run: {r['steps']} steps, finite={r['finite']}"
