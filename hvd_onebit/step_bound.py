@@ -83,6 +83,31 @@ def as_float32(x: float) -> float:
         return math.copysign(math.inf, x)
 
 
+def _frozen_parameters(param_groups: list[dict], state: Mapping[torch.Tensor, dict]):
+    """(parameter, beta1, beta2, its state, its float64 frozen denominator, its trained-element
+    mask) for every parameter past its freeze: what both diagnostics below read."""
+    for group in param_groups:
+        (beta1, beta2), eps = group["betas"], float(group["eps"])
+        for p in group["params"]:
+            s = state.get(p, {})
+            frozen = s.get("frozen_variance_step", -1)
+            if frozen is None or frozen < 1 or "exp_avg" not in s:
+                continue
+            v = s["exp_avg_sq"].detach().double().reshape(-1)
+            yield p, beta1, beta2, s, v.sqrt() / math.sqrt(1 - beta2 ** frozen) + eps, v > 0
+
+
+def _fraction_at(pairs, step_bound: StepBound) -> Optional[float]:
+    """Over (ratios, limit, trained mask) triples: the share of trained elements at the limit."""
+    if step_bound is None:
+        return None
+    hit = total = 0
+    for ratio, limit, live in pairs:
+        hit += int((ratio[live] >= limit).sum())
+        total += int(live.sum())
+    return hit / total if total else None
+
+
 def clamped_fraction(param_groups: list[dict], state: Mapping[torch.Tensor, dict],
                      step_bound: StepBound = ADAM) -> Optional[float]:
     """The fraction of trained (not held) elements whose last compressed step met the bound.
@@ -91,25 +116,13 @@ def clamped_fraction(param_groups: list[dict], state: Mapping[torch.Tensor, dict
     and ``step`` its count, so ``|m| / bc1 / denom >= B(step)`` is where the clamp engaged (the
     same test the fused pass applies, in float64 here: a diagnostic, not the update). None
     before the freeze or without a bound."""
-    if step_bound is None:
-        return None
-    hit = total = 0
-    for group in param_groups:
-        (beta1, beta2), eps = group["betas"], float(group["eps"])
-        for p in group["params"]:
-            s = state.get(p, {})
-            frozen = s.get("frozen_variance_step", -1)
-            if frozen is None or frozen < 1 or "exp_avg" not in s:
-                continue
+    def pairs():
+        for p, beta1, beta2, s, denom, live in _frozen_parameters(param_groups, state):
             t = int(float(s["step"]))
-            v = s["exp_avg_sq"].detach().double().reshape(-1)
             m = s["exp_avg"].detach().double().reshape(-1)
-            denom = v.sqrt() / math.sqrt(1 - beta2 ** frozen) + eps
-            live = v > 0
-            ratio = m.abs() / (1 - beta1 ** t) / denom
-            hit += int((ratio[live] >= ratio_bound(step_bound, beta1, beta2, t)).sum())
-            total += int(live.sum())
-    return hit / total if total else None
+            yield (m.abs() / (1 - beta1 ** t) / denom,
+                   ratio_bound(step_bound, beta1, beta2, t), live)
+    return _fraction_at(pairs(), step_bound)
 
 
 def input_clamped_fraction(param_groups: list[dict], state: Mapping[torch.Tensor, dict],
@@ -118,24 +131,12 @@ def input_clamped_fraction(param_groups: list[dict], state: Mapping[torch.Tensor
     ``|beta1 * m + (1 - beta1) * g| / denom`` will meet the input bound ``bc1 * B(t)`` in the
     coming compressed step: call it after backward, before ``step()`` (it reads ``p.grad``; a
     diagnostic in float64, not the kernel's arithmetic). None before the freeze or unbounded."""
-    if step_bound is None:
-        return None
-    hit = total = 0
-    for group in param_groups:
-        (beta1, beta2), eps = group["betas"], float(group["eps"])
-        for p in group["params"]:
-            s = state.get(p, {})
-            frozen = s.get("frozen_variance_step", -1)
-            if frozen is None or frozen < 1 or "exp_avg" not in s:
-                continue
+    def pairs():
+        for p, beta1, beta2, s, denom, live in _frozen_parameters(param_groups, state):
             t = int(float(s["step"])) + 1
-            v = s["exp_avg_sq"].detach().double().reshape(-1)
             x = beta1 * s["exp_avg"].detach().double().reshape(-1)
             if p.grad is not None:
                 x = x + (1 - beta1) * p.grad.detach().double().reshape(-1)
-            live = v > 0
-            u = x.abs() / (v.sqrt() / math.sqrt(1 - beta2 ** frozen) + eps)
-            limit = (1 - beta1 ** t) * ratio_bound(step_bound, beta1, beta2, t)
-            hit += int((u[live] >= limit).sum())
-            total += int(live.sum())
-    return hit / total if total else None
+            yield (x.abs() / denom,
+                   (1 - beta1 ** t) * ratio_bound(step_bound, beta1, beta2, t), live)
+    return _fraction_at(pairs(), step_bound)
