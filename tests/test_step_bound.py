@@ -148,3 +148,22 @@ def test_without_a_bound_the_same_steps_run_away():
     start, end, _ = run_threads(2, lambda t: _engine_steps(t, "eps", None), timeout=60)[0]
     moved = float((end - start).abs()[:10].min())
     assert moved > 1e3, f"unbounded eps-divided steps moved only {moved}"
+
+
+def test_input_clamped_fraction_counts_this_ranks_momenta_past_the_input_bound():
+    """Before a compressed step: |beta1 * m + (1 - beta1) * g| / denom against bc1 * B(t + 1),
+    held elements left out."""
+    from hvd_onebit.step_bound import input_clamped_fraction
+
+    p = torch.zeros(4)
+    t, frozen = 9, 5
+    denom = 1e-2 / math.sqrt(1 - 0.999 ** frozen)
+    limit = (1 - 0.9 ** (t + 1)) * adam_ratio_bound(0.9, 0.999, t + 1)
+    # with a zero momentum, x = 0.1 * g: gradients 3x, 0.5x and 20x the limit (in x / denom)
+    p.grad = torch.tensor([3.0, 0.5, -20.0, 5.0]) * limit * denom / 0.1
+    state = {p: {"step": torch.tensor(float(t)), "exp_avg": torch.zeros(4),
+                 "exp_avg_sq": torch.tensor([1e-4, 1e-4, 1e-4, 0.0]),
+                 "frozen_variance_step": frozen}}
+    groups = [{"params": [p], "betas": (0.9, 0.999), "eps": 0.0}]
+    assert input_clamped_fraction(groups, state) == pytest.approx(2 / 3)
+    assert input_clamped_fraction(groups, state, None) is None
