@@ -241,28 +241,29 @@ class CompressedStep:
         """Restore :meth:`error_feedback_state_dict` from the same rank of a same-size job; with
         another world size, rank or layout it is dropped with a warning (errors restart at 0)."""
         if state.get("world_size") != self.world or state.get("rank") != self.rank:
-            warnings.warn(
+            self._reset_error_feedback(
                 f"hvd_onebit: error feedback saved by rank {state.get('rank')} of "
                 f"{state.get('world_size')} does not fit rank {self.rank} of "
                 f"{self.world}; it is reset to zero")
-            self._pending_error_feedback = None
-            for comm in self.comms.values():
-                comm.reset()
             return
         saved_space = state.get("space", "momentum")
         if saved_space != self._error_space:
-            warnings.warn(
+            self._reset_error_feedback(
                 f"hvd_onebit: the saved error feedback is in units of the {saved_space} and this "
                 f"optimizer compresses the {self._error_space} (precondition="
                 f"{self.preconditioned}); it is reset to zero (error feedback restarts, the "
                 "momentum is kept)")
-            self._pending_error_feedback = None
-            for comm in self.comms.values():
-                comm.reset()
             return
         self._pending_error_feedback = state
         if self.buckets is not None:
             self._apply_pending_error_feedback()
+
+    def _reset_error_feedback(self, why: str) -> None:
+        """Drop a saved error feedback that cannot apply (``why``, warned) and zero the live one."""
+        warnings.warn(why)
+        self._pending_error_feedback = None
+        for comm in self.comms.values():
+            comm.reset()
 
     def _apply_pending_error_feedback(self) -> None:
         state, self._pending_error_feedback = self._pending_error_feedback, None
