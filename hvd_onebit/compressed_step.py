@@ -84,6 +84,7 @@ class CompressedStep:
         self._generation = 0  # bumped by reset(): the collectives' key
         self._topology: Topology | bool | None = None  # None: not decided yet; False: flat
         self._early: list = []  # handles of the buckets started before step(), in start order
+        self._early_terms: Optional[dict] = None  # their _input_terms, computed once per step
         self.breakdown: dict[str, float] = dict.fromkeys(BREAKDOWN, 0.0)  # this step's seconds
         self.restarts = 0  # steps started again because an early start's input went stale
         self.early_starts = 0  # buckets started before step(), over the run
@@ -213,6 +214,7 @@ class CompressedStep:
         self._momentum_views = {}
         self._topology = None
         self._early = []
+        self._early_terms = None
         self._generation += 1
 
     def _key(self, b: Bucket) -> tuple:
@@ -472,7 +474,9 @@ class CompressedStep:
         bucket's parameters are read)."""
         b = self.buckets[self.next_to_start]
         start = time.perf_counter()
-        x = self._input(b, self._input_terms(param_groups), grads)
+        if self._early_terms is None:  # once per step, not once per bucket
+            self._early_terms = self._input_terms(param_groups)
+        x = self._input(b, self._early_terms, grads)
         self._early.append(self.comms[self._key(b)].allreduce_async(x, out=b.momentum))
         self.early_starts += 1
         self.breakdown["compress"] += time.perf_counter() - start
@@ -552,6 +556,7 @@ class CompressedStep:
     def begin_step(self) -> None:
         """A new step: no bucket started, the time breakdown at zero."""
         self._early = []
+        self._early_terms = None
         self.breakdown = dict.fromkeys(BREAKDOWN, 0.0)
 
     # ---- the step -------------------------------------------------------------------------------
