@@ -569,7 +569,8 @@ def bench_memory_command(ranks: int, layers: int, width: int, warmup: int, compr
               help="Compression-phase schemes (extra DistributedOptimizer options, "
                    "hvd_onebit/bench/zoo/grid.py): bounded (this round's: preconditioned "
                    "and bounded), unbounded (before it: neither), bound_only, "
-                   "precondition_only, bounded_eps / bounded_floor (zero_variance), default "
+                   "precondition_only, bounded_eps / bounded_floor (zero_variance), frozen_exact "
+                   "(frozen variance, exact momentum: what freezing alone costs), default "
                    "(the installed defaults).")
 @click.option("--seeds", default=3, show_default=True, type=click.IntRange(1),
               help="Seeds per family and learning rate (0, 1, ...).")

@@ -20,6 +20,9 @@ SCHEMES: dict[str, dict[str, Any]] = {
     # each mechanism alone, to choose between them
     "bound_only": {"step_bound": "adam", "precondition": False},
     "precondition_only": {"step_bound": None, "precondition": True},
+    # frozen-variance Adam with the exact average of the momentum (no compression), bounded as
+    # "bounded" is: what a cell loses to freezing the variance alone, apart from the 1-bit scale
+    "frozen_exact": {"step_bound": "adam", "precondition": True, "compressor": "none"},
     "default": {},                       # whatever the installed hvd_onebit does by default
     # what elements with a zero variance at the freeze cost (issue 25, Required 3): trained
     # with Adam's eps as their denominator, or with their parameter's smallest variance
