@@ -635,6 +635,7 @@ class CompressedStep:
         handles = [hvd.allreduce_async_(b.work, op=Average, name=f"hvd_onebit.exact{b.index}",
                                         process_set=self.process_set) for b in self.buckets]
         for h in handles:
+            sleep_until_done(h)  # Horovod's own wait spins, taking CPU from ranks that compute
             hvd.synchronize(h)
         for b in self.buckets:  # the same averaged values on every rank: the same decision
             if not bool(torch.isfinite(b.work).all()):
