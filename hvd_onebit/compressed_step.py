@@ -44,6 +44,12 @@ NOT_FROZEN = -1  # state["frozen_variance_step"] before the freeze
 BREAKDOWN = ("compress", "wait", "server", "decode")
 
 
+def process_set_size(process_set: Optional[hvd.ProcessSet]) -> int:
+    """Ranks in ``process_set`` now (elastic jobs change it); 1 on a rank outside it."""
+    if process_set is None or not process_set.included():
+        return 1
+    return process_set.size()
+
 class CompressedStep:
     """The compression phase over an Adam optimizer's parameters and state.
 
@@ -96,7 +102,7 @@ class CompressedStep:
         """Ranks taking part now (elastic jobs change it)."""
         if not isinstance(self.transport, str):
             return self.transport.size
-        return self.process_set.size() if self.process_set.included() else 1
+        return process_set_size(self.process_set)
 
     @property
     def rank(self) -> int:

@@ -81,36 +81,96 @@ class AutoFreeze:
 
 @dataclass(frozen=True)
 class OneBitConfig:
-    """The compression-phase options (see :func:`hvd_onebit.DistributedOptimizer` for meanings).
+    """The 1-bit options of :func:`hvd_onebit.DistributedOptimizer`: their meanings and
+    trade-offs. Validated here, once, at construction.
 
     Attributes:
-        freeze_step: warmup length in optimizer steps, >= 1, or "auto".
-        auto_freeze: with freeze_step="auto", its options: None (the defaults), a dict of some
-            of :class:`AutoFreeze`'s fields, or an AutoFreeze; stored as
-            an AutoFreeze (None with an int freeze_step).
-        compressor: "onebit" or "none".
-        block_size: elements per scale (a positive multiple of 8), or None for one per chunk.
-        transport: "auto", "horovod", "mpi" or "torch".
-        kernel_backend: "auto", "native" or "torch".
-        bucket_size_mb: MiB of float32 momentum per fused bucket, > 0.
-        check_every: steps between cross-rank parameter checks, 0 for never.
-        flush_on_commit: elastic jobs: fold the error feedback into the momentum at every
-            commit (:meth:`flush_error_feedback`), so a committed state loses none.
-        hierarchical: True, False or "auto": the 1-bit stage among nodes, full precision inside
-            them (:mod:`hvd_onebit.hierarchical`); "auto" when there are several nodes of several
-            ranks each.
-        overlap: start each bucket's exchange from the gradient hooks, during backward.
-        memory: "lean", "fast" or "auto": one error buffer per collective and its passes
-            repeated at the commit, or a spare one of each and no pass repeated; "auto" is lean
-            on CUDA and fast elsewhere (see :meth:`spare_errors`).
-        intra_node: "auto", "shared_memory" or "network": how the hierarchical stages inside a
-            node travel (see :meth:`shared_memory_inside_nodes`).
-        step_bound: "adam", a positive number or None: the bound on each compression-phase
-            step (:mod:`hvd_onebit.step_bound`).
-        zero_variance: "hold", "eps" or "floor": what elements whose variance is 0 at the
-            freeze do in the compression phase (see ``CompressedStep._freeze_variances``).
-        precondition: the 1-bit collectives carry the momentum over its frozen denominator
-            (:class:`~hvd_onebit.fused_adam.MomentumInput`), or the momentum itself.
+        freeze_step: warmup length in optimizer steps (positive int). The variance is frozen
+            after this many steps. Guidance: 15-25% of the total steps. Or "auto": freeze once
+            the variance has settled (:mod:`hvd_onebit.auto_freeze`); ``opt.freeze_step`` is
+            None until then, then the step chosen (``opt.freeze_decision`` says why).
+        auto_freeze: with ``freeze_step="auto"``, a dict of some of ``window`` (10),
+            ``tolerance`` (0.1), ``patience`` (2), ``min_steps`` (50), ``max_steps`` (10000):
+            every ``window`` steps the relative L1 change of the bias-corrected variance over
+            the last ``window`` steps is measured; the warmup ends at the first check, at or
+            after ``min_steps``, where it was below ``tolerance`` at ``patience`` checks in a
+            row, and after ``max_steps`` at the latest.
+        compressor: "onebit" (default) or "none", which averages the momentum in full precision
+            in the compression phase: Adam with a frozen variance, for comparisons.
+        block_size: elements per scale in the 1-bit allreduce, a positive multiple of 8
+            (None: one per chunk).
+        transport: how the compression phase's two stages travel: "torch" (torch.distributed,
+            Gloo on CPU or NCCL on CUDA, set up over Horovod's ranks when the optimizer is
+            built: no negotiation round, so each stage costs about one round trip less than
+            through Horovod; with ``hierarchical``, one subgroup per node and per local rank;
+            not for elastic jobs or process sets), "horovod"
+            (Horovod's alltoall and allgather, negotiated with rank 0 by its background thread;
+            whatever Horovod runs on), "mpi" (mpi4py; MPI jobs, CPU tensors), or "auto"
+            (default): "torch" where it can serve, else "horovod". ``opt.transport`` says which.
+        kernel_backend: "auto", "native" (C++, CPU) or "torch".
+        bucket_size_mb: momentum fused per OneBitAllreduce, in MiB of fp32 (default 64). Each
+            bucket costs two collectives per step; several let compression of one bucket
+            overlap the transfer of the previous.
+        check_every: every K steps, compare a checksum of the parameters across ranks and raise
+            on every rank if they diverged (0, the default: never). One small allgather.
+        flush_on_commit: in Horovod elastic jobs, call :meth:`flush_error_feedback` at every
+            ``state.commit()``, so the committed state holds every rank's error feedback (one
+            full-precision allreduce of the momentum per commit in the compression phase).
+        hierarchical: True, False (default) or "auto" (on with several nodes of several ranks
+            each). The momentum is reduce-scattered in full precision inside each node, the
+            1-bit two-stage allreduce runs among the ranks with the same local rank, and an
+            allgather inside the node completes it: between nodes each node sends 1/L of the
+            1-bit rows flat 1-bit would (L ranks per node). Error feedback belongs to the
+            rank's role in the topology; a checkpoint's is reset, with a warning, when the
+            topology changes.
+        overlap: in the compression phase, start each bucket's exchange from the gradient
+            hooks, as soon as backward has produced all its gradients (on the last of
+            ``backward_passes_per_step`` passes), so that its compression and stage 1 run while
+            backward goes on; step() finishes the rest. Buckets start in one order on every
+            rank, planned from the last parameter (the first gradients backward produces). The
+            result is bit-identical to ``overlap=False``, which starts every bucket in step().
+            With a GradScaler the hooks unscale as ``GradScaler.unscale_`` does. If the
+            gradients change between backward and step() (clipping), that step starts its
+            buckets again (all ranks together) and this rank stops starting them early, with a
+            warning. The flat 1-bit collective only
+            (``compressor="none"`` and ``hierarchical`` start in step()).
+
+        memory: "auto" (default), "lean" or "fast". Each bucket's collective keeps a worker
+            error (1x the bucket's float32 bytes) and a server error (1/n of it). "lean": one of
+            each; the compression passes before the stages write only the rows, and the commit
+            runs them again to store the new errors in place (one more pass per step), so the
+            compression phase adds about 1 + 1/n + 1/16 of the parameters' float32 bytes beyond
+            Adam's own. "fast": a spare of each, written by the passes and adopted at the
+            commit: one pass less per step, 1x the parameters more. "auto": lean on CUDA (GPU
+            memory is short, its passes run at memory speed), fast elsewhere.
+        intra_node: how the hierarchical collective's full-precision stages travel inside a
+            node: "shared_memory" (a segment in ``/dev/shm`` the node's ranks map: no copies
+            through the kernel; CPU parameters with transport "torch"), "network" (the
+            transport's own links, e.g. NCCL's NVLink on GPUs, or emulated links between ranks)
+            or "auto" (default): shared memory where it can serve, else the network; a node
+            whose ranks cannot share memory uses the network, with a warning.
+        step_bound: "adam" (default), a positive number, or None. In the compression phase
+            each element's step ``lr / bc1 * m / denom`` is clamped to ``lr * B``: with "adam",
+            B is the longest step Adam itself can take at that step count (1 at step 1, 7.27
+            in the limit for the default betas; :mod:`hvd_onebit.step_bound` derives it), so an
+            element whose gradient outgrows its frozen variance cannot run away; a number is a
+            fixed B; None takes the unbounded step of the paper (frozen-variance steps can then
+            diverge on CNNs with dropout, max-pool and ReLU). The momentum and the error
+            feedback are not clamped, only the step. ``compressor="none"`` is bounded alike.
+        zero_variance: elements whose variance is exactly 0 at the freeze (no gradient in the
+            whole warmup: dead ReLU inputs, unused embedding rows): "hold" (default) keeps them
+            fixed for the rest of the run, with a warning; "eps" divides their momentum by
+            Adam's eps (steps at the step bound); "floor" gives them the smallest non-zero
+            variance of their parameter.
+        precondition: True (default): the 1-bit allreduce carries each element's momentum over
+            its frozen denominator, ``m / (sqrt(v / bc2) + eps)``, the quantity the update
+            uses, instead of the momentum itself. The denominators are the same bits on every
+            rank, so the average is the same; but one scale per chunk of the sign compression
+            then fits elements of any variance alike (on the momentum itself, an element with a
+            small variance receives its chunk's large magnitude and divides it by its small
+            denominator), and the error feedback is kept in the update's units. The
+            compression pass reads the frozen variance once more; bytes on the wire do not
+            change. False: the paper's compression of the momentum, for comparison.
     """
 
     freeze_step: Union[int, str]
@@ -227,6 +287,24 @@ class OneBitConfig:
             kernels.resolve_backend(self.kernel_backend, params[0].device)
             if self.compressor == "onebit":
                 check_transport(self.transport, process_set, params[0].device)
+
+
+def check_wrapped(optimizer: torch.optim.Optimizer, op_supported: bool,
+                  backward_passes_per_step: Any) -> None:
+    """Raise if DistributedOptimizer cannot wrap ``optimizer`` with these Horovod arguments
+    (``op_supported``: the op is hvd.Average or hvd.Sum)."""
+    if not isinstance(optimizer, torch.optim.Adam):
+        raise TypeError("hvd_onebit.DistributedOptimizer wraps torch.optim.Adam or "
+                        f"torch.optim.AdamW; got {type(optimizer).__module__}."
+                        f"{type(optimizer).__name__}")
+    if any(g.get("amsgrad") for g in optimizer.param_groups):
+        raise ValueError("amsgrad=True is not supported: 1-bit Adam freezes the variance, "
+                         "which amsgrad's running maximum would contradict")
+    if not op_supported:
+        raise ValueError("hvd_onebit.DistributedOptimizer supports op=hvd.Average or hvd.Sum")
+    if not _is_int(backward_passes_per_step) or backward_passes_per_step <= 0:
+        raise ValueError("backward_passes_per_step must be a positive int, got "
+                         f"{backward_passes_per_step!r}")
 
 
 def group_masks(group: dict) -> list[Optional[torch.Tensor]]:

@@ -1,0 +1,41 @@
+"""What is decided once, when the optimizer is built: the checks against the job, and the
+transport the compression phase's two stages travel on."""
+from __future__ import annotations
+
+import os
+import warnings
+
+import horovod.torch as hvd
+import torch
+
+from ..config import OneBitConfig
+from ..consistency import check_same_parameters
+from ..transports import TorchRendezvousError, init_torch_distributed, resolve_transport
+
+
+def check_job(param_groups: list[dict], names: dict, process_set: hvd.ProcessSet,
+              world: int) -> None:
+    """Raise on every rank if the ranks' parameters differ (one small allgather). Elastic
+    workers join running jobs, so a collective there could not be matched: skipped."""
+    if world > 1 and os.environ.get("HOROVOD_ELASTIC") != "1":
+        check_same_parameters(param_groups, names, process_set)
+
+
+def connect(config: OneBitConfig, process_set: hvd.ProcessSet, device: torch.device,
+            world: int) -> str:
+    """The transport of the compression phase ("auto" decided from what every rank sees
+    alike), set up now on every rank together: a network that cannot carry torch.distributed
+    fails at construction, not at the freeze, and "auto" then stays with Horovod (the failure
+    is agreed, so every rank does)."""
+    transport = resolve_transport(config.transport, process_set, device, config.hierarchical)
+    if transport == "torch" and config.compressor == "onebit" and world > 1:
+        try:
+            init_torch_distributed(device)
+        except TorchRendezvousError as exc:
+            if config.transport != "auto":
+                raise
+            warnings.warn(f"hvd_onebit: transport='auto' uses Horovod: {exc}")
+            transport = "horovod"
+    if config.hierarchical is not False and config.intra_node == "shared_memory":
+        config.shared_memory_inside_nodes(transport, device)  # raises where it cannot
+    return transport
