@@ -219,7 +219,7 @@ def check_compressed_step(device: str, width: int = 2048, layers: int = 4) -> di
 
     import torch
     from hvd_onebit.bench.memory import held_bytes
-    from hvd_onebit.compressed_step import NOT_FROZEN, CompressedStep
+    from hvd_onebit.engine import NOT_FROZEN, CompressedStep
     from hvd_onebit.config import OneBitConfig
     from hvd_onebit.transports import run_threads
 

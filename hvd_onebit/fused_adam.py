@@ -10,8 +10,8 @@ along in the collective's passes:
   applies Adam's update, its denominators computed from the frozen variance in the same pass
   (:func:`decode_update`): no parameter-sized copy of them is kept.
 
-:class:`~hvd_onebit.collective.OneBitAllreduce` knows neither: it takes them through its generic
-hooks (``InputProducer`` and ``Epilogue`` in :mod:`hvd_onebit.collective`). Each fused kernel
+:class:`~hvd_onebit.comm.flat.OneBitAllreduce` knows neither: it takes them through its generic
+hooks (``InputProducer`` and ``Epilogue`` in :mod:`hvd_onebit.comm.protocol`). Each fused kernel
 (native C++ on CPU, Triton on CUDA) has a torch reference beside it
 (:meth:`MomentumInput.materialize`, :meth:`AdamUpdate.apply`) giving the same bits on every
 device: separate fp32 ``mul``, ``div`` and ``add``, no FMA, as the native code is built with
@@ -55,7 +55,7 @@ class MomentumInput:
     The native worker compression computes x inside its own pass (the momentum update costs no
     pass over memory of its own); elsewhere :meth:`materialize` computes it with torch ops that
     give the same bits (two fp32 products and a sum, no FMA). An ``InputProducer`` of
-    :mod:`hvd_onebit.collective`.
+    :mod:`hvd_onebit.comm.protocol`.
 
     With ``variances`` the input is **preconditioned**: ``u = clamp(x / denom, -bound, bound)``,
     ``denom`` the frozen variance's Adam denominator (:func:`frozen_denominator`; ``+inf`` where
@@ -197,7 +197,7 @@ class AdamUpdate:
     order of torch's ``w.mul_(decay)`` and ``w.addcdiv_(m, denom, value=step)`` on CPU. An element whose denominator is ``+inf`` is held
     fixed: the update adds +-0 and its momentum is set to +0 afterwards (how the optimizer keeps
     elements whose frozen variance is 0 out of training). An ``Epilogue`` of
-    :mod:`hvd_onebit.collective`.
+    :mod:`hvd_onebit.comm.protocol`.
 
     Attributes:
         weights: each parameter's data, laid end to end in ``m``'s order (None = not here);

@@ -20,7 +20,7 @@ from horovod.torch.mpi_ops import Adasum, Average, Sum
 from horovod.torch.optimizer import _DistributedOptimizer
 
 from . import elastic
-from .compressed_step import CompressedStep, process_set_size
+from .engine import CompressedStep, process_set_size
 from .config import DEFAULT_BUCKET_MB, OneBitConfig, check_wrapped, validate_masks
 from .consistency import check_parameters_identical
 from .horovod_view import HorovodView
@@ -159,7 +159,7 @@ class OneBitFace:
         so that rank 0's ``state_dict()`` alone resumes on any world size; a no-op in the
         warmup, on one rank and with ``compressor="none"``. Every rank calls it at the same
         point. Returns the bytes this rank sent; raises NonFiniteInputError on every rank,
-        changing nothing (:meth:`~hvd_onebit.compressed_step.CompressedStep.flush_error_feedback`)."""
+        changing nothing (:meth:`~hvd_onebit.engine.CompressedStep.flush_error_feedback`)."""
         if not self._compressing() or self.config.compressor != "onebit":
             return 0
         self._engine.ensure_ready(self._view.active_parameters())  # applies loaded errors

@@ -19,7 +19,7 @@ from typing import Callable, Optional
 
 import torch
 
-from .compressed_step import CompressedStep
+from .engine import CompressedStep
 from .config import OneBitConfig
 from .horovod_view import HorovodView
 

@@ -30,7 +30,7 @@ TRANSPORTS = ("auto", "horovod", "mpi", "torch")
 
 @runtime_checkable
 class Transport(Protocol):
-    """What :class:`~hvd_onebit.collective.OneBitAllreduce` needs from a transport.
+    """What :class:`~hvd_onebit.comm.flat.OneBitAllreduce` needs from a transport.
 
     Ops are matched across ranks by ``name`` and, for a name used again, by the order of the
     calls, as Horovod matches them; a rank may start several ops before waiting on any. Callers

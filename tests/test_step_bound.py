@@ -90,7 +90,7 @@ def _engine_steps(rank_transport, zero_variance: str, step_bound="adam", steps: 
     """Three compressed steps of one parameter whose first 10 variances are 0, on a virtual
     rank: the parameter before and after, and the variance the engine trained with. (Warnings
     are recorded by the caller: catch_warnings is process-wide, not per thread.)"""
-    from hvd_onebit.compressed_step import NOT_FROZEN, CompressedStep
+    from hvd_onebit.engine import NOT_FROZEN, CompressedStep
 
     g = torch.Generator().manual_seed(0)
     p = torch.randn(100, generator=g)

@@ -115,7 +115,7 @@ def _kernel_calls(numel: int) -> dict:
     import torch
 
     from .. import fused_adam, kernels
-    from ..hierarchical import NodeMean
+    from ..comm.hierarchical import NodeMean
     from ..layout import Layout
 
     L = Layout.build(numel, 4)

@@ -262,12 +262,12 @@ def _baseline_transients(model: torch.nn.Module, x: torch.Tensor, dev: torch.dev
 
 def inprocess_run(n: int, layers: int, width: int, steps: int,
                   bucket_size_mb: Optional[float] = None, memory: str = "lean") -> dict:
-    """The compression engine (:class:`~hvd_onebit.compressed_step.CompressedStep`) on n virtual
+    """The compression engine (:class:`~hvd_onebit.engine.CompressedStep`) on n virtual
     ranks (threads, in-process transport), from a warmed-up Adam state: the compression phase's
     memory per rank over ``steps`` steps after a first one. CPU only."""
     import threading
 
-    from ..compressed_step import NOT_FROZEN, CompressedStep
+    from ..engine import NOT_FROZEN, CompressedStep
     from ..config import OneBitConfig
     from ..transports import run_threads
 

@@ -2,7 +2,7 @@
 
 The variance is frozen; each rank's gradient goes, as Adam would take it in (L2 decay,
 ``maximize``, Horovod's averaging op applied), into the compressed step
-(:class:`~hvd_onebit.compressed_step.CompressedStep`), which averages the momentum in 1 bit and
+(:class:`~hvd_onebit.engine.CompressedStep`), which averages the momentum in 1 bit and
 applies Adam's update. A step whose inputs some rank found non-finite is skipped by every rank,
 with nothing changed anywhere.
 """
@@ -15,8 +15,8 @@ from typing import Callable, Mapping, Optional
 import torch
 from horovod.torch.mpi_ops import Sum
 
-from ..collective import NonFiniteInputError
-from ..compressed_step import CompressedStep
+from ..comm.protocol import NonFiniteInputError
+from ..engine import CompressedStep
 from ..horovod_view import HorovodView
 from ..low_precision import is_low_precision
 from ..overlap import Overlap

@@ -14,7 +14,7 @@ from typing import Callable, Optional
 import torch
 from horovod.torch.compression import Compression
 
-from ..compressed_step import CompressedStep
+from ..engine import CompressedStep
 from ..horovod_view import HorovodView
 from ..layout import ring_allreduce_bytes
 from ..low_precision import adam_step_float32, is_low_precision

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..compressed_step import NOT_FROZEN
+from ..engine import NOT_FROZEN
 from ..low_precision import state_dtype
 
 

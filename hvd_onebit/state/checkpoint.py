@@ -2,7 +2,7 @@
 
 ``state_dict()`` holds what every rank shares (step count, freeze step, momentum, frozen
 variance, the auto-freeze record); the error feedback is rank-local and has its own state dict
-(:meth:`hvd_onebit.compressed_step.CompressedStep.error_feedback_state_dict`).
+(:meth:`hvd_onebit.engine.CompressedStep.error_feedback_state_dict`).
 """
 from __future__ import annotations
 

@@ -27,7 +27,7 @@ after stage 1, so every group goes on through stage 2 (a group that stopped woul
 others waiting in the same global alltoall), and a group that saw a bad value sends a row of NaNs
 in stage 3: every rank of every node (each group spans every node) then knows, and every rank
 decides the same. Nothing (outputs, error feedback) is written until stage 3 is in: it is driven
-by :func:`~hvd_onebit.collective.synchronize_all` like the flat collective. The stages send the
+by :func:`~hvd_onebit.comm.transaction.synchronize_all` like the flat collective. The stages send the
 buffers themselves, no status columns, so each costs no copy of its own.
 """
 from __future__ import annotations
@@ -35,108 +35,17 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Optional
 
-import horovod.torch as hvd
 import torch
 
-from . import kernels
-from .collective import (AllreduceHandle, Epilogue, InputProducer, OneBitAllreduce, Status,
-                         TransactionalCollective)
-from .shared_memory import SharedMemoryTransport
-from .transports import TorchTransport, sleep_until_done, torch_subgroups
-
-
-@dataclass(frozen=True)
-class Topology:
-    """Where this rank sits: node ``node`` of ``nodes``, local rank ``local`` of ``per_node``.
-
-    Attributes:
-        local_members: global ranks of this rank's node, by local rank.
-        cross_members: global ranks with this rank's local rank, by node.
-        grid: every rank's global rank, as ``grid[node][local]``.
-    """
-
-    rank: int
-    node: int
-    local: int
-    nodes: int
-    per_node: int
-    local_members: tuple[int, ...]
-    cross_members: tuple[int, ...]
-    grid: tuple[tuple[int, ...], ...]
-
-    @classmethod
-    def from_layout(cls, rank: int, layout: Sequence[Sequence[int]]) -> "Topology":
-        """From every rank's (node, local rank), in rank order (e.g. one allgather's result)."""
-        nodes = 1 + max(node for node, _ in layout)
-        per_node = 1 + max(local for _, local in layout)
-        grid = {(node, local): r for r, (node, local) in enumerate(layout)}
-        if len(grid) != len(layout) or len(layout) != nodes * per_node:
-            raise ValueError("hierarchical 1-bit needs every node to run the same number of ranks "
-                             f"(node, local rank) per rank: {[tuple(x) for x in layout]}")
-        node, local = layout[rank]
-        return cls(rank=rank, node=node, local=local, nodes=nodes, per_node=per_node,
-                   local_members=tuple(grid[(node, i)] for i in range(per_node)),
-                   cross_members=tuple(grid[(k, local)] for k in range(nodes)),
-                   grid=tuple(tuple(grid[(k, i)] for i in range(per_node))
-                              for k in range(nodes)))
-
-    @classmethod
-    def from_horovod(cls) -> "Topology":
-        """This job's topology from Horovod (cross rank = node, local rank); one allgather."""
-        mine = torch.tensor([[hvd.cross_rank(), hvd.local_rank()]], dtype=torch.int64)
-        layout = hvd.allgather(mine, name="hvd_onebit.topology").tolist()
-        return cls.from_layout(hvd.rank(), layout)
-
-    def signature(self) -> list[int]:
-        """[nodes, per_node, node, local]: what error feedback saved in this role belongs to."""
-        return [self.nodes, self.per_node, self.node, self.local]
-
-
-class SubsetTransport:
-    """A :class:`~hvd_onebit.transports.Transport` among ``members`` (global ranks, ascending),
-    over Horovod's global alltoall with splits: every rank of the job takes part in each op, and
-    sends rows only to the members of its own group (each group under the same op name).
-
-    Args:
-        members: the group's global ranks in ascending order; row j goes to ``members[j]``.
-        rank: this process's global rank (one of ``members``).
-        world: ranks in the job.
-    """
-
-    name = "horovod-subset"
-
-    def __init__(self, members: Sequence[int], rank: int, world: int):
-        if list(members) != sorted(members) or rank not in members:
-            raise ValueError(f"members must be ascending and hold rank {rank}: {list(members)}")
-        self.members = tuple(members)
-        self.size = len(members)
-        self.rank = self.members.index(rank)
-        self._splits = torch.zeros(world, dtype=torch.int32)
-        self._splits[list(members)] = 1
-
-    def alltoall_async(self, rows: torch.Tensor, name: str) -> Any:
-        """rows: [size, ...]; row j goes to members[j]. Received: [size, ...] in member order."""
-        return hvd.alltoall_async(rows, splits=self._splits, name=name)
-
-    def allgather_async(self, row: torch.Tensor, name: str) -> Any:
-        """row: [1, ...]; every member receives [size, ...] in member order."""
-        return self.alltoall_async(row.expand(self.size, *row.shape[1:]).contiguous(), name)
-
-    def wait(self, handle: Any) -> torch.Tensor:
-        sleep_until_done(handle)
-        out = hvd.synchronize(handle)
-        return out[0] if isinstance(out, tuple) else out
-
-    def allgather_ints(self, values: list[int], name: str) -> list[list[int]]:
-        return self.allgather_ints_wait(self.allgather_ints_async(values, name))
-
-    def allgather_ints_async(self, values: list[int], name: str) -> Any:
-        return self.allgather_async(torch.tensor([values], dtype=torch.int64), name)
-
-    def allgather_ints_wait(self, handle: Any) -> list[list[int]]:
-        return self.wait(handle).tolist()
+from .. import kernels
+from ..shared_memory import SharedMemoryTransport
+from ..transports import TorchTransport, torch_subgroups
+from .flat import AllreduceHandle, OneBitAllreduce
+from .protocol import Epilogue, InputProducer, Status
+from .topology import SubsetTransport, Topology
+from .transaction import TransactionalCollective
 
 
 @dataclass
@@ -210,7 +119,7 @@ class HierarchicalOneBitAllreduce(TransactionalCollective):
             of a node that cannot share memory.
 
     Same calling convention as the flat collective (``allreduce``, ``allreduce_async`` and
-    ``synchronize``, or :func:`~hvd_onebit.collective.synchronize_all`); the epilogue is applied
+    ``synchronize``, or :func:`~hvd_onebit.comm.transaction.synchronize_all`); the epilogue is applied
     after the last stage, as the gathered mean is copied out (``Epilogue.copy_apply``).
     """
 
@@ -309,7 +218,7 @@ class HierarchicalOneBitAllreduce(TransactionalCollective):
 
     # ---- the phases, driven by synchronize_all ------------------------------------------------------
 
-    def _wait_stage1(self, handle: HierarchicalHandle) -> Status:
+    def wait_stage1(self, handle: HierarchicalHandle) -> Status:
         """The node's reduce-scatter, then stage 1 of the 1-bit allreduce among the nodes.
         Returns nothing: what this group saw is only known to it yet, and is reported (to
         everyone alike) after stage 3."""
@@ -323,25 +232,25 @@ class HierarchicalOneBitAllreduce(TransactionalCollective):
             # their rows in the segment: a private copy then
             mean = mean.materialize(out=self._shard_in)
         handle.inner = self.inner.allreduce_async(mean, out=self._shard_out)
-        self.inner._claim(handle.inner)
-        handle.stage1 = self.inner._wait_stage1(handle.inner)
+        self.inner.claim(handle.inner)
+        handle.stage1 = self.inner.wait_stage1(handle.inner)
         return Status.none()
 
-    def _start_stage2(self, handle: HierarchicalHandle) -> None:
-        self.inner._start_stage2(handle.inner)
+    def start_stage2(self, handle: HierarchicalHandle) -> None:
+        self.inner.start_stage2(handle.inner)
         handle.stage2_started = True
 
-    def _wait_stage2(self, handle: HierarchicalHandle) -> Status:
+    def wait_stage2(self, handle: HierarchicalHandle) -> Status:
         """Stage 2 among the nodes, the decode of this rank's shard (nothing committed), and the
         intra-node allgather, whose rows carry each group's stage-2 status. No decision here
         reads the device: the statuses go into the row as NaNs, and out as flags."""
         if not handle.stage2_started:
             return Status.none()  # the group was abandoned after stage 1 (the same everywhere)
-        servers = self.inner._wait_stage2(handle.inner)
+        servers = self.inner.wait_stage2(handle.inner)
         if handle.inner.gathered is None:  # one node: the 1-bit stage is the identity
             row = handle.inner.local.view(1, self.shard)
         else:
-            row = self.inner._decode(handle.inner).view(1, self.shard)
+            row = self.inner.decode_only(handle.inner).view(1, self.shard)
         # A row of NaNs tells the node that this group saw a bad value (decoded shards are
         # always finite); the flag stays on the device.
         flags = [st.bad.reshape(-1) for st in (handle.stage1, servers) if st.ranks]
@@ -354,9 +263,9 @@ class HierarchicalOneBitAllreduce(TransactionalCollective):
         ranks = [r for i in range(self.topology.per_node) for r in self._ranks_of_group(i)]
         return Status(torch.isnan(handle.gathered[:, 0]).repeat_interleave(nodes), ranks)
 
-    def _commit(self, handle: HierarchicalHandle, epilogue: Optional[Epilogue]) -> None:
+    def commit(self, handle: HierarchicalHandle, epilogue: Optional[Epilogue]) -> None:
         """Adopt the 1-bit stage's error feedback, write the output, apply the epilogue."""
-        self.inner._commit(handle.inner, None)
+        self.inner.commit(handle.inner, None)
         mean = handle.gathered.reshape(-1)[:self.numel]
         if epilogue is not None and handle.out32.data_ptr() == handle.out.data_ptr():
             # the copy out and Adam's update in one pass (one native kernel on CPU)
@@ -375,17 +284,17 @@ class HierarchicalOneBitAllreduce(TransactionalCollective):
         self.calls += 1
         handle.gathered = None
 
-    def _drain(self, handle: HierarchicalHandle) -> None:
+    def drain(self, handle: HierarchicalHandle) -> None:
         for attr in ("stage0", "stage3"):
             pending = getattr(handle, attr)
             setattr(handle, attr, None)
             if pending is not None:
                 self.local.wait(pending)
         if handle.inner is not None:
-            self.inner._drain(handle.inner)
+            self.inner.drain(handle.inner)
 
-    def _release(self) -> None:
-        self.inner._release()
+    def release(self) -> None:
+        self.inner.release()
         self._in_flight = False
 
     def _ranks_of_group(self, local: int) -> list[int]:

@@ -1,4 +1,4 @@
-"""OneBitAllreduce: the error-compensated two-stage 1-bit allreduce.
+"""OneBitAllreduce: the error-compensated two-stage 1-bit allreduce among all ranks (flat).
 
 For n ranks and a buffer x of N elements (padded to n equal chunks, see :mod:`hvd_onebit.layout`):
 
@@ -35,7 +35,7 @@ is short: a CPU).
 Two hooks let a caller fuse its own work into the collective's passes over memory, so that work
 costs no pass of its own: an :class:`InputProducer` is an input the worker compression computes
 in its own pass, and an :class:`Epilogue` is applied to the output by the decode pass that
-writes it (only once every rank has succeeded).
+writes it (only once every rank has succeeded); both are in :mod:`hvd_onebit.comm.protocol`.
 """
 from __future__ import annotations
 
@@ -43,14 +43,17 @@ import itertools
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import Optional, Protocol, Sequence, runtime_checkable
+from typing import Optional
 
 import horovod.torch as hvd
 import torch
 
-from . import kernels
-from .layout import Layout
-from .transports import Transport, make_transport
+from .. import kernels
+from ..layout import Layout
+from ..transports import Transport, make_transport
+from .flat_error import FlatErrorFeedback
+from .protocol import STALE, Epilogue, InputProducer, Status
+from .transaction import TransactionalCollective
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _default_names = itertools.count()
@@ -58,111 +61,6 @@ _default_names = itertools.count()
 # ranks of an in-process world share this module, and each must count its own objects.
 _default_names_per_transport: "weakref.WeakKeyDictionary[Transport, itertools.count]" = \
     weakref.WeakKeyDictionary()
-
-
-@runtime_checkable
-class InputProducer(Protocol):
-    """An input that the worker compression can compute inside its own pass.
-
-    ``like`` is a tensor with the input's number of elements, dtype and device (the output is
-    made like it). :meth:`compress` is :func:`hvd_onebit.kernels.worker_compress` of the input,
-    computing it in the same pass where it can; :meth:`materialize` computes it alone, with the
-    same bits.
-    """
-
-    @property
-    def like(self) -> torch.Tensor: ...
-
-    def compress(self, y_prev: torch.Tensor, prev_send: torch.Tensor, y_out: torch.Tensor,
-                 send: torch.Tensor, layout: Layout, backend: str) -> bool:
-        """Like ``kernels.worker_compress(input, y_prev, prev_send, y_out, send, layout,
-        backend)``; returns False if the input held a non-finite value."""
-
-    def materialize(self, out: Optional[torch.Tensor] = None,
-                    backend: str = "torch") -> torch.Tensor:
-        """The input as float32 [numel], or written into ``out`` and returned as ``out``;
-        ``backend`` as for the kernels (every backend gives the same bits)."""
-
-
-@runtime_checkable
-class Epilogue(Protocol):
-    """Work on the output of a call, done only once the call has succeeded on every rank.
-
-    :meth:`decode_into` decodes and applies it in one pass where it can; :meth:`apply` applies
-    it to an output already decoded (used when the output is not float32); the two give the
-    same bits.
-    """
-
-    def decode_into(self, rows: torch.Tensor, out: torch.Tensor, layout: Layout,
-                    backend: str) -> None:
-        """Like ``kernels.decode(rows, out, layout, backend)`` followed by ``apply(out)``."""
-
-    def apply(self, out: torch.Tensor) -> None:
-        """Apply to ``out``, the decoded output [numel]."""
-
-    def copy_apply(self, src: torch.Tensor, out: torch.Tensor, backend: str) -> None:
-        """Like ``out.copy_(src)`` followed by ``apply(out)`` (``src``, ``out``: float32 [numel];
-        ``src`` may be ``out``)."""
-
-
-# Status words in a row (see hvd_onebit.layout): 0.0 for good rows, 1.0 when the sender saw a
-# non-finite value (the kernels write those two), STALE when the sender's input was started early
-# and changed before its step (see AllreduceHandle.stale).
-STALE = 2.0
-
-
-class StaleInputError(RuntimeError):
-    """A rank's input changed after its call was started early (e.g. gradients clipped or
-    unscaled between backward and step); raised on every rank, state unchanged, so that every
-    rank can start the calls again together."""
-
-    def __init__(self, ranks: list[int]):
-        self.ranks = ranks
-        super().__init__(f"OneBitAllreduce: the input of rank(s) {ranks} changed after its call "
-                         "was started; the call was abandoned on every rank")
-
-
-class NonFiniteInputError(FloatingPointError):
-    """A rank's input to OneBitAllreduce held inf or NaN; raised on every rank, state unchanged."""
-
-    def __init__(self, ranks: list[int], stage: str):
-        self.ranks = ranks
-        super().__init__(
-            f"OneBitAllreduce: non-finite values (inf/nan) {stage} on rank(s) {ranks}; "
-            "the call was abandoned on every rank and the error-feedback buffers are unchanged")
-
-
-@dataclass
-class Status:
-    """What one stage of one call says about each rank, left on the device: reading it is a
-    device-to-host sync, so a step reads every call's and stage's at once (:func:`read_statuses`).
-
-    Attributes:
-        bad: bool [k] (any shape with k elements) on the collective's device, or None (k = 0).
-        ranks: the rank each flag is about, k of them (a rank may appear more than once).
-    """
-
-    bad: Optional[torch.Tensor]
-    ranks: list[int]
-
-    @classmethod
-    def none(cls) -> "Status":
-        """Nothing to report."""
-        return cls(None, [])
-
-
-def read_statuses(stages: Sequence[Sequence[Status]]) -> list[list[int]]:
-    """Per stage, the sorted ranks any of its statuses flagged, with one device-to-host read for
-    all of them (none when no status holds a flag): the step's one host sync."""
-    live = [(i, st) for i, group in enumerate(stages) for st in group if st.ranks]
-    bad: list[set[int]] = [set() for _ in stages]
-    if live:
-        flags = torch.cat([st.bad.reshape(-1).to(torch.bool) for _, st in live]).tolist()
-        at = 0
-        for i, st in live:
-            bad[i].update(r for r, f in zip(st.ranks, flags[at:at + len(st.ranks)]) if f)
-            at += len(st.ranks)
-    return [sorted(b) for b in bad]
 
 
 @dataclass
@@ -179,41 +77,16 @@ class AllreduceHandle:
     local: Optional[torch.Tensor] = None  # no communication: the input, the output once committed
     local_bad: Optional[torch.Tensor] = None  # one rank: the input held inf/NaN (a device flag)
     source: object = None  # the input (tensor or producer), compressed again at the commit
-    decoded: bool = False  # stage 2's rows already decoded into out32 (see _decode)
+    decoded: bool = False  # stage 2's rows already decoded into out32 (see decode_only)
     # Set by the caller before synchronizing when the input it started from is out of date: the
     # server row then carries STALE, so every rank abandons the call (StaleInputError) together.
     stale: bool = False
-    stale_from: Optional[Status] = None  # which servers' rows said STALE (set by _wait_stage2)
+    stale_from: Optional[Status] = None  # which servers' rows said STALE (set by wait_stage2)
     started: float = field(default_factory=time.perf_counter)
     done: bool = False
 
 
-class TransactionalCollective:
-    """What a collective shares with every other one :func:`synchronize_all` drives: finishing one
-    call alone, and claiming a handle once. Subclasses implement the phases (``_wait_stage1``,
-    ``_start_stage2``, ``_wait_stage2``, ``_commit``, ``_drain``, ``_release``)."""
-
-    def synchronize(self, handle, epilogue: Optional[Epilogue] = None) -> torch.Tensor:
-        """Finish an allreduce: the remaining stages and the decode. Returns the output tensor.
-
-        ``epilogue`` is applied to the output once the call has succeeded on every rank, fused
-        into the decode pass where it can; a failed call applies nothing. Passing it here, not
-        at the start, lets the caller prepare it while stage 1 is on the wire.
-
-        Raises:
-            NonFiniteInputError: on every rank, if any rank's input (or a server's average) held
-                inf or NaN; the output, the error feedback and ``epilogue``'s tensors are
-                untouched.
-        """
-        return synchronize_all([(self, handle)], [epilogue])[0]
-
-    def _claim(self, handle) -> None:
-        if handle.done:
-            raise RuntimeError("this allreduce handle was already synchronized")
-        handle.done = True
-
-
-class OneBitAllreduce(TransactionalCollective):
+class OneBitAllreduce(FlatErrorFeedback, TransactionalCollective):
     """Mean over ranks of a fixed-size buffer, sent as 1-bit signs with two-sided error feedback.
 
     Args:
@@ -425,7 +298,7 @@ class OneBitAllreduce(TransactionalCollective):
 
     # ---- the phases of a call, driven by synchronize_all ------------------------------------------
 
-    def _wait_stage1(self, handle: AllreduceHandle) -> Status:
+    def wait_stage1(self, handle: AllreduceHandle) -> Status:
         """Wait for stage 1; return each rank's input status (the same on every rank: each row
         carries its sender's status), left on the device."""
         if handle.stage1 is None:
@@ -436,7 +309,7 @@ class OneBitAllreduce(TransactionalCollective):
         handle.recv = self.transport.wait(stage1).reshape(-1)
         return self._statuses(handle.recv)
 
-    def _start_stage2(self, handle: AllreduceHandle) -> None:
+    def start_stage2(self, handle: AllreduceHandle) -> None:
         """Server step (its rows only: nothing committed yet), then start stage 2. Run whatever
         stage 1 said, so that no decision waits for the device: a bad input makes a bad row."""
         if handle.recv is None:
@@ -449,7 +322,7 @@ class OneBitAllreduce(TransactionalCollective):
         handle.stage2 = self.transport.allgather_async(self._server_row.view(1, L.row_bytes),
                                                        name=f"{self.name}.allgather")
 
-    def _wait_stage2(self, handle: AllreduceHandle) -> Status:
+    def wait_stage2(self, handle: AllreduceHandle) -> Status:
         """Wait for stage 2; return each server's status (not finite: its average, or an input
         it averaged; the same everywhere), left on the device."""
         if handle.stage2 is None:
@@ -460,7 +333,7 @@ class OneBitAllreduce(TransactionalCollective):
         handle.stale_from = Status(status == STALE, list(range(self.layout.n)))
         return Status(status != 0, list(range(self.layout.n)))
 
-    def _drain(self, handle: AllreduceHandle) -> None:
+    def drain(self, handle: AllreduceHandle) -> None:
         """Wait out whatever of this call is still on the wire, ignoring its result: a call
         abandoned by its group leaves no collective in flight under its names."""
         for attr in ("stage1", "stage2"):
@@ -469,15 +342,15 @@ class OneBitAllreduce(TransactionalCollective):
             if pending is not None:
                 self.transport.wait(pending)
 
-    def _decode(self, handle: AllreduceHandle) -> torch.Tensor:
+    def decode_only(self, handle: AllreduceHandle) -> torch.Tensor:
         """Decode stage 2's rows into the float32 output without committing anything (for a
         caller that must hear from other collectives before it commits: see
-        :mod:`hvd_onebit.hierarchical`); :meth:`_commit` then skips its own decode."""
+        :mod:`hvd_onebit.hierarchical`); :meth:`commit` then skips its own decode."""
         kernels.decode(handle.gathered, handle.out32, self.layout, self.backend)
         handle.decoded = True
         return handle.out32
 
-    def _commit(self, handle: AllreduceHandle, epilogue: Optional[Epilogue]) -> None:
+    def commit(self, handle: AllreduceHandle, epilogue: Optional[Epilogue]) -> None:
         """Store the new error feedback (both passes again, y and z in place: the same bits as
         the rows sent), then decode (with ``epilogue`` fused where possible). In this order:
         the input (e.g. the momentum a producer reads) may be the output."""
@@ -511,7 +384,7 @@ class OneBitAllreduce(TransactionalCollective):
         self.last_seconds = time.perf_counter() - handle.started
         self.calls += 1
 
-    def _release(self) -> None:
+    def release(self) -> None:
         self._in_flight = False
 
     def _statuses(self, rows: torch.Tensor) -> Status:
@@ -519,123 +392,3 @@ class OneBitAllreduce(TransactionalCollective):
         calls' and stages': one device-to-host read per step)."""
         return Status(kernels.row_status(rows, self.layout, self.layout.n) != 0,
                       list(range(self.layout.n)))
-
-    # ---- error-feedback state ---------------------------------------------------------------------
-
-    @property
-    def worker_error(self) -> torch.Tensor:
-        """e_w: float32 [padded], this rank's worker error feedback (a fresh tensor)."""
-        return kernels.worker_error(self._worker_y, self._sent, self.layout)
-
-    @property
-    def server_error(self) -> torch.Tensor:
-        """e_s: float32 [chunk], this rank's server error for the chunk it serves (a fresh tensor)."""
-        return kernels.server_error(self._server_z, self._server_sent, self.layout)
-
-    def error_contribution(self) -> torch.Tensor:
-        """float32 [padded]: this rank's share of what error feedback has yet to deliver,
-        ``e_w / n`` plus its server error at its chunk's place; summed over the ranks it is
-        ``mean_i e_w^i + concat_j e_s^j`` (see ``CompressedStep.flush_error_feedback``)."""
-        e = self.worker_error.mul_(1.0 / self.size)
-        chunk = self.layout.chunk
-        e[self.rank * chunk:(self.rank + 1) * chunk].add_(self.server_error)
-        return e
-
-    def reset(self) -> None:
-        """Zero both error-feedback buffers (e.g. after the world size changed)."""
-        self._worker_y.zero_()
-        self._sent.zero_()
-        self._server_z.zero_()
-        self._server_sent.zero_()
-
-    def state_dict(self) -> dict:
-        """This rank's error feedback, with the layout it belongs to."""
-        return {"numel": self.layout.numel, "size": self.size, "rank": self.rank,
-                "block_size": self.block_size,
-                "worker_error": self.worker_error, "server_error": self.server_error}
-
-    def load_state_dict(self, state: dict) -> None:
-        """Restore error feedback saved by :meth:`state_dict` on the same rank and layout."""
-        expect = {"numel": self.layout.numel, "size": self.size, "rank": self.rank,
-                  "block_size": self.block_size}
-        got = {k: state.get(k) for k in expect}
-        if got != expect:
-            raise ValueError(f"error-feedback state was saved for {got}, this object is {expect}")
-        # Factored form of a given e: y = e with rows that decode to +0, so y - (+0) = e.
-        self._worker_y.copy_(state["worker_error"])
-        kernels.set_identity_rows(self._sent, self.layout, self.layout.n)
-        self._server_z.copy_(state["server_error"])
-        kernels.set_identity_rows(self._server_sent, self.layout, 1)
-
-
-def synchronize_all(calls: Sequence[tuple[OneBitAllreduce, AllreduceHandle]],
-                    epilogues: Optional[Sequence[Optional[Epilogue]]] = None,
-                    clock: Optional[dict] = None) -> list[torch.Tensor]:
-    """Finish several started allreduces as one transaction: every call commits, or none does.
-
-    A training step spans several buckets, each its own call; a step must never be half applied.
-    Stage 1 of every call is waited for before any output is written, and the statuses in the
-    rows (every rank's, in every row) tell every rank the same thing, so the decision to commit
-    or abandon is the same on every rank without another collective. Stage 2 of a call starts
-    as soon as its stage 1 is in, whatever it said (a bad input only makes bad server rows);
-    stage 2 can only fail if a server's average (or an input it averaged) was not finite, and is
-    agreed the same way. Every status stays on the device until all stages of all calls are
-    in, and is then read at once: one device-to-host sync per step, whatever the number of
-    calls. On failure nothing is written (outputs, error feedback, ``epilogues``' tensors),
-    every started collective has been waited out, and the calls are ready for the next step.
-
-    Args:
-        calls: (collective, handle) pairs, in the same order on every rank.
-        epilogues: per call, an optional :class:`Epilogue` applied to its output in the decode
-            pass, only once every call has succeeded.
-        clock: if given, seconds spent here are added to its "wait" (blocked on the
-            transport), "server" (server steps) and "decode" (decode and commit) entries.
-    Returns:
-        The outputs, in the order of ``calls``.
-    Raises:
-        NonFiniteInputError: on every rank, naming the ranks whose values were not finite.
-        StaleInputError: on every rank, when a rank marked its call ``stale`` (and no input
-            was non-finite); nothing was changed.
-    """
-    clock = clock if clock is not None else {}
-    tick = time.perf_counter
-
-    def timed(key: str, fn, *args):
-        start = tick()
-        try:
-            return fn(*args)
-        finally:
-            clock[key] = clock.get(key, 0.0) + tick() - start
-
-    epilogues = list(epilogues) if epilogues is not None else [None] * len(calls)
-    if len(epilogues) != len(calls):
-        raise ValueError(f"{len(epilogues)} epilogues for {len(calls)} calls")
-    for comm, handle in calls:
-        comm._claim(handle)
-    try:
-        inputs: list[Status] = []
-        for comm, handle in calls:
-            inputs.append(timed("wait", comm._wait_stage1, handle))
-            timed("server", comm._start_stage2, handle)
-        servers = [timed("wait", comm._wait_stage2, handle) for comm, handle in calls]
-        stale = [getattr(handle, "stale_from", None) or Status.none() for _, handle in calls]
-        bad_inputs, bad_servers, stale_ranks = read_statuses([inputs, servers, stale])
-        if bad_inputs:
-            raise NonFiniteInputError(bad_inputs, "in the input")
-        if stale_ranks:
-            raise StaleInputError(stale_ranks)
-        if bad_servers:
-            raise NonFiniteInputError(bad_servers, "in the server average")
-        for (comm, handle), epilogue in zip(calls, epilogues):
-            timed("decode", comm._commit, handle, epilogue)
-    except BaseException:
-        for comm, handle in calls:
-            try:
-                comm._drain(handle)
-            except Exception:  # the transport itself failed (a lost rank): nothing to wait for
-                pass
-        raise
-    finally:
-        for comm, _ in calls:
-            comm._release()
-    return [handle.out for _, handle in calls]
