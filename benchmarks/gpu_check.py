@@ -145,7 +145,7 @@ def check_bits(device: str) -> dict:
 def _virtual_ranks(device: str, backend: str, numel: int, calls: int = 3):
     import torch
     from hvd_onebit import OneBitAllreduce
-    from hvd_onebit.transports import run_threads
+    from hvd_onebit.transport.inprocess import run_threads
 
     def rank_fn(t):
         comm = OneBitAllreduce(numel, transport=t, device=device, backend=backend,
@@ -171,7 +171,7 @@ def _warm_ranks(numel: int, name: str):
     (kernels compiled, first-call buffers allocated), and a function running one more call."""
     import torch
     from hvd_onebit import OneBitAllreduce
-    from hvd_onebit.transports import run_threads
+    from hvd_onebit.transport.inprocess import run_threads
     comms = {}
 
     def setup(t):
@@ -221,7 +221,7 @@ def check_compressed_step(device: str, width: int = 2048, layers: int = 4) -> di
     from hvd_onebit.bench.memory import held_bytes
     from hvd_onebit.compressed_step import NOT_FROZEN, CompressedStep
     from hvd_onebit.config import OneBitConfig
-    from hvd_onebit.transports import run_threads
+    from hvd_onebit.transport.inprocess import run_threads
 
     cuda = device == "cuda"
     gate = threading.Barrier(2)
@@ -269,7 +269,7 @@ def check_compressed_step(device: str, width: int = 2048, layers: int = 4) -> di
         warnings.simplefilter("always")
         per_rank = run_threads(2, rank_fn, timeout=600)
     syncs = [w for w in caught if "synchroniz" in str(w.message)]
-    transport = [w for w in syncs if w.filename.endswith("transports.py")]
+    transport = [w for w in syncs if Path(w.filename).parent.name == "transport"]
     ours = [f"{Path(w.filename).name}:{w.lineno}" for w in syncs if w not in transport]
     param_bytes = per_rank[0]["param_bytes"]
     out = {"buckets": per_rank[0]["buckets"], "ranks": 2, "param_bytes": param_bytes,

@@ -50,7 +50,8 @@ import torch
 
 from . import kernels
 from .layout import Layout
-from .transports import Transport, make_transport
+from .transport.base import Transport
+from .transport.registry import make_transport
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _default_names = itertools.count()
@@ -227,9 +228,9 @@ class OneBitAllreduce(TransactionalCollective):
         transport: "horovod" (default; Gloo, MPI or NCCL), "mpi" (mpi4py on Horovod's MPI
             communicator; CPU tensors; needs a job launched with MPI), both over ``process_set``,
             or "torch" (torch.distributed: Gloo on CPU, NCCL on CUDA; the global process set);
-            or a :class:`~hvd_onebit.transports.Transport` object, which then gives the size and
+            or a :class:`~hvd_onebit.transport.base.Transport` object, which then gives the size and
             rank and ``process_set`` is not used (e.g.
-            :class:`~hvd_onebit.transports.InProcessTransport`: ranks as threads of one process).
+            :class:`~hvd_onebit.transport.inprocess.InProcessTransport`: ranks as threads of one process).
         backend: kernels: "auto" (native C++ on CPU, torch elsewhere), "native" or "torch".
         device: where the buffers live; inputs must be on it. Default CPU.
         name: prefix of the collective op names; must be identical on every rank and unique

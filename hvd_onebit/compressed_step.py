@@ -35,7 +35,9 @@ from .fusion import Bucket, fuse, param_offsets
 from .fused_adam import AdamUpdate, MomentumInput, frozen_denominator
 from .layout import ring_allreduce_bytes
 from . import step_bound
-from .transports import Transport, resolve_transport, sleep_until_done
+from .transport.base import Transport
+from .transport.horovod import sleep_until_done
+from .transport.registry import resolve_transport
 
 NOT_FROZEN = -1  # state["frozen_variance_step"] before the freeze
 # Where a compressed step's time goes, in seconds (CompressedStep.breakdown): the compression
@@ -54,7 +56,7 @@ class CompressedStep:
         decoupled: whether a param group's weight decay is AdamW's (decoupled) or Adam's (L2).
         process_set: the Horovod process set to reduce over (with ``transport`` a name).
         transport: "horovod" or "mpi" (over ``process_set``), or a
-            :class:`~hvd_onebit.transports.Transport` instance (e.g. the in-process one).
+            :class:`~hvd_onebit.transport.base.Transport` instance (e.g. the in-process one).
         names: parameter names for messages.
     """
 

@@ -13,7 +13,8 @@ import torch
 
 from . import kernels
 from .step_bound import ADAM as ADAM_BOUND, validate as validate_step_bound
-from .transports import TRANSPORTS, check_transport
+from .transport.registry import check_name as check_transport_name
+from .transport.registry import check_transport, either, supporting, supports
 
 COMPRESSORS = ("onebit", "none")
 MEMORY_MODES = ("auto", "lean", "fast")
@@ -154,23 +155,24 @@ class OneBitConfig:
         if not (isinstance(self.hierarchical, bool) or self.hierarchical == "auto"):
             raise ValueError(f"hierarchical must be True, False or 'auto', got "
                              f"{self.hierarchical!r}")
-        if self.hierarchical is not False and self.transport not in ("horovod", "torch", "auto"):
-            raise ValueError("hierarchical 1-bit runs on transport='horovod' or 'torch', got "
+        if self.hierarchical is not False and not supports(self.transport, "hierarchical"):
+            raise ValueError(f"hierarchical 1-bit runs on transport="
+                             f"{either(supporting('hierarchical'))}, got "
                              f"transport={self.transport!r}")
         if self.intra_node not in INTRA_NODE_MODES:
             raise ValueError(f"intra_node must be one of {INTRA_NODE_MODES}, got "
                              f"{self.intra_node!r}")
-        if self.intra_node == "shared_memory" and self.transport not in ("torch", "auto"):
-            raise ValueError("intra_node='shared_memory' runs beside transport='torch' (or "
-                             f"'auto'), got transport={self.transport!r}")
+        if self.intra_node == "shared_memory" and not supports(self.transport, "shared_memory"):
+            raise ValueError(f"intra_node='shared_memory' runs beside transport="
+                             f"{either(supporting('shared_memory'))} (or 'auto'), got "
+                             f"transport={self.transport!r}")
         if self.compressor not in COMPRESSORS:
             raise ValueError(f"compressor must be one of {COMPRESSORS}, got {self.compressor!r}")
         if self.block_size is not None and (not _is_int(self.block_size) or self.block_size <= 0
                                             or self.block_size % 8):
             raise ValueError(f"block_size must be None or a positive multiple of 8, got "
                              f"{self.block_size!r}")
-        if self.transport not in TRANSPORTS:
-            raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
+        check_transport_name(self.transport)
         if self.kernel_backend not in kernels.BACKENDS:
             raise ValueError(f"kernel_backend must be one of {kernels.BACKENDS}, got "
                              f"{self.kernel_backend!r}")
@@ -200,7 +202,7 @@ class OneBitConfig:
         on the torch transport ("auto" and "shared_memory"); "network" never. Raises if
         "shared_memory" was asked for where it cannot serve (the transport resolved to another
         one, or the parameters are not on the CPU)."""
-        possible = transport == "torch" and torch.device(device).type == "cpu"
+        possible = transport in supporting("shared_memory") and torch.device(device).type == "cpu"
         if self.intra_node == "shared_memory" and not possible:
             raise ValueError("intra_node='shared_memory' needs CPU parameters on transport "
                              f"'torch', this job has {torch.device(device)} on {transport!r}")

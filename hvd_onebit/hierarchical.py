@@ -44,7 +44,9 @@ from . import kernels
 from .collective import (AllreduceHandle, Epilogue, InputProducer, OneBitAllreduce, Status,
                          TransactionalCollective)
 from .shared_memory import SharedMemoryTransport
-from .transports import TorchTransport, sleep_until_done, torch_subgroups
+from .transport.horovod import sleep_until_done
+from .transport.registry import either, supporting
+from .transport.torch_distributed import TorchTransport, torch_subgroups
 
 
 @dataclass(frozen=True)
@@ -95,7 +97,7 @@ class Topology:
 
 
 class SubsetTransport:
-    """A :class:`~hvd_onebit.transports.Transport` among ``members`` (global ranks, ascending),
+    """A :class:`~hvd_onebit.transport.base.Transport` among ``members`` (global ranks, ascending),
     over Horovod's global alltoall with splits: every rank of the job takes part in each op, and
     sends rows only to the members of its own group (each group under the same op name).
 
@@ -228,9 +230,14 @@ class HierarchicalOneBitAllreduce(TransactionalCollective):
         world = topology.nodes * topology.per_node
         if intra not in ("network", "shared_memory"):
             raise ValueError(f"intra must be 'network' or 'shared_memory', got {intra!r}")
-        if intra == "shared_memory" and (transport != "torch" or self.device.type != "cpu"):
-            raise ValueError("intra='shared_memory' moves CPU buffers beside transport='torch', "
-                             f"got transport={transport!r} on {self.device}")
+        if intra == "shared_memory" and (transport not in supporting("shared_memory")
+                                         or self.device.type != "cpu"):
+            raise ValueError(f"intra='shared_memory' moves CPU buffers beside transport="
+                             f"{either(supporting('shared_memory'))}, got transport={transport!r} "
+                             f"on {self.device}")
+        if transport not in supporting("hierarchical"):
+            raise ValueError(f"the hierarchical collective runs on transport "
+                             f"{either(supporting('hierarchical'))}, got {transport!r}")
         self.intra = intra
         shared = intra == "shared_memory"
         L = topology.per_node
@@ -247,12 +254,9 @@ class HierarchicalOneBitAllreduce(TransactionalCollective):
                                                 name=f"{name}.node") if shared
                           else TorchTransport(device=device, members=tuple(topology.local_members)))
             self.cross = TorchTransport(device=device, members=tuple(topology.cross_members))
-        elif transport == "horovod":
+        else:  # "horovod", the other transport the registry runs hierarchical stages on
             self.local = SubsetTransport(topology.local_members, topology.rank, world)
             self.cross = SubsetTransport(topology.cross_members, topology.rank, world)
-        else:
-            raise ValueError(f"the hierarchical collective runs on transport 'horovod' or "
-                             f"'torch', got {transport!r}")
         self.inner = OneBitAllreduce(self.shard, block_size=block_size, transport=self.cross,
                                      backend=backend, device=self.device, name=f"{name}.cross",
                                      defer_check=defer_check, spare_errors=spare_errors)

@@ -52,8 +52,9 @@ from .consistency import check_parameters_identical, check_same_parameters
 from .layout import ring_allreduce_bytes
 from .low_precision import (WidenBfloat16, adam_step_float32, float32_state_in, is_low_precision,
                             state_dtype)
-from .transports import (TorchRendezvousError, init_torch_distributed, resolve_transport,
-                         sleep_until_done)
+from .transport.horovod import sleep_until_done
+from .transport.registry import resolve_transport
+from .transport.rendezvous import TorchRendezvousError, init_torch_distributed
 
 STEP_KEY = "onebit_step"  # param_groups[0] entry holding the optimizer step count
 FREEZE_KEY = "onebit_freeze_step"  # param_groups[0] entry: the freeze step, -1 while undecided

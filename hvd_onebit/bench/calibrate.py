@@ -18,7 +18,7 @@ Three groups, saved together as one JSON file (``hvd-onebit bench calibrate --ou
   allgathers, at ``--np`` ranks, first on unshaped links (the host's own cost per byte:
   reductions, copies, the TCP stack) then on shaped links of ``--link`` (the link's efficiency:
   payload bytes per second over the nominal rate). The same jobs time the 1-bit stages as
-  ``transport="torch"`` runs them (:class:`~hvd_onebit.transports.TorchTransport`:
+  ``transport="torch"`` runs them (:class:`~hvd_onebit.transport.torch_distributed.TorchTransport`:
   torch.distributed's Gloo alltoall and allgather, no Horovod negotiation), tiny and large,
   under ``torch_*`` keys; and the bench models' compute and the 1-bit kernels as the ranks of
   those jobs run them (next to Horovod's background thread, every rank in the same phase),
@@ -331,7 +331,7 @@ def collectives_worker(numel: int = 4 << 20, repeats: int = 7, tiny_repeats: int
     models' compute (:func:`ranks_compute`) and the kernels on ``kernel_numel`` elements
     (:func:`ranks_kernels`) as these ranks run them.
 
-    Every wait sleeps (:func:`~hvd_onebit.transports.sleep_until_done`), as the train benchmark's
+    Every wait sleeps (:func:`~hvd_onebit.transport.horovod.sleep_until_done`), as the train benchmark's
     do: ranks spinning in ``hvd.synchronize`` would take the cores of ranks sharing them. Gloo's
     own waits already block on a condition variable.
     """
@@ -361,7 +361,7 @@ def collectives_worker(numel: int = 4 << 20, repeats: int = 7, tiny_repeats: int
     if torch_ops:
         import torch.distributed as dist
 
-        from ..transports import TorchTransport
+        from ..transport.torch_distributed import TorchTransport
 
         tt = TorchTransport()  # torch.distributed's default group over Horovod's ranks (Gloo)
         torch_calls = {
@@ -395,7 +395,7 @@ def _wait(handle):
     """Sleep until a Horovod handle is done (as `bench train`'s ranks wait), then its result."""
     import horovod.torch as hvd
 
-    from ..transports import sleep_until_done
+    from ..transport.horovod import sleep_until_done
 
     sleep_until_done(handle)
     return hvd.synchronize(handle)

@@ -7,6 +7,7 @@ from typing import Optional
 
 import click
 
+from ..transport.registry import TRANSPORTS
 from .allreduce import DEFAULT_METHODS, METHODS, summarize
 from .report import machine_info, print_table
 from .train import MALLOC_REUSE_ENV
@@ -251,7 +252,7 @@ def bench_allreduce(nps, sizes, bandwidths, methods, repeats, controller, hosts,
               "(onebit_sync: overlap=False, the exchange starts in step(); onebit_hier: "
               "hierarchical=True, for --ranks-per-node > 1).")
 @click.option("--transport", default="auto", show_default=True,
-              type=click.Choice(["auto", "horovod", "torch", "mpi"]),
+              type=click.Choice(TRANSPORTS),
               help="1-bit Adam's transport for the compression phase.")
 @click.option("--bucket-size-mb", default=None, type=float,
               help="1-bit Adam's bucket_size_mb [default: the optimizer's].")
