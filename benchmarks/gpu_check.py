@@ -71,8 +71,8 @@ def _kernel_outputs(backend, device, L, x, y_prev, prev_send, z_prev, prev_row):
 
 def _fused_outputs(backend, device, L, sizes, m, grads, rows, weights, variances, steps, decays):
     import torch
-    from hvd_onebit.fused_adam import (AdamUpdate, MomentumInput, decode_update,
-                                       worker_compress_momentum)
+    from hvd_onebit.kernels.fused_adam import (AdamUpdate, MomentumInput, decode_update,
+                                               worker_compress_momentum)
     to = (lambda t: None if t is None else t.to(device, copy=True))  # updates are in place
     y_prev = torch.zeros(L.padded, device=device)
     prev = torch.zeros(L.n * L.row_bytes, dtype=torch.uint8, device=device)

@@ -228,9 +228,10 @@ class OneBitAllreduce(TransactionalCollective):
         transport: "horovod" (default; Gloo, MPI or NCCL), "mpi" (mpi4py on Horovod's MPI
             communicator; CPU tensors; needs a job launched with MPI), both over ``process_set``,
             or "torch" (torch.distributed: Gloo on CPU, NCCL on CUDA; the global process set);
-            or a :class:`~hvd_onebit.transport.base.Transport` object, which then gives the size and
-            rank and ``process_set`` is not used (e.g.
-            :class:`~hvd_onebit.transport.inprocess.InProcessTransport`: ranks as threads of one process).
+            or a :class:`~hvd_onebit.transport.base.Transport` object, which then gives the size
+            and rank and ``process_set`` is not used (e.g.
+            :class:`~hvd_onebit.transport.inprocess.InProcessTransport`: ranks as threads of
+            one process).
         backend: kernels: "auto" (native C++ on CPU, torch elsewhere), "native" or "torch".
         device: where the buffers live; inputs must be on it. Default CPU.
         name: prefix of the collective op names; must be identical on every rank and unique

@@ -8,7 +8,7 @@ reads Adam's state and param groups, and writes only through the step it commits
 nothing of Horovod's optimizer class, so it runs as well on the in-process transport (n ranks
 as threads) as inside ``horovodrun``.
 
-One step, per bucket (see :mod:`hvd_onebit.fused_adam`): the local momentum
+One step, per bucket (see :mod:`hvd_onebit.kernels.fused_adam`): the local momentum
 ``beta1 * m + (1 - beta1) * g`` is computed inside the worker compression; stage 1 of every
 bucket is started before any is finished; the update terms are prepared while stage 1 is on the
 wire; the decode of each averaged momentum applies Adam's update
@@ -32,7 +32,8 @@ from .hierarchical import HierarchicalOneBitAllreduce, Topology
 from .shared_memory import SharedMemoryError
 from .config import OneBitConfig, group_masks
 from .fusion import Bucket, fuse, param_offsets
-from .fused_adam import AdamUpdate, MomentumInput, frozen_denominator
+from .kernels.fused_adam import AdamUpdate, MomentumInput
+from .kernels.fused_reference import frozen_denominator
 from .layout import ring_allreduce_bytes
 from . import step_bound
 from .transport.base import Transport
@@ -392,8 +393,9 @@ class CompressedStep:
         dead ReLU unit, an unused embedding row). Adam would divide their momentum by eps, and
         every element receives about its block's scale, so they would jump by
         lr * scale / eps. With ``zero_variance="hold"`` (default) they are held fixed, with a
-        warning: their denominator is +inf (see :class:`~hvd_onebit.fused_adam.AdamUpdate`), so
-        the update leaves them alone and zeroes their momentum. ``"eps"`` gives them Adam's own
+        warning: their denominator is +inf (see
+        :class:`~hvd_onebit.kernels.fused_adam.AdamUpdate`), so the update leaves them alone
+        and zeroes their momentum. ``"eps"`` gives them Adam's own
         denominator, eps (their variance becomes the smallest normal float32, whose root is
         far below eps), so they take steps at the step bound; ``"floor"`` gives them the
         smallest non-zero variance of their parameter, so they train like its least active

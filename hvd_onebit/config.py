@@ -111,7 +111,7 @@ class OneBitConfig:
         zero_variance: "hold", "eps" or "floor": what elements whose variance is 0 at the
             freeze do in the compression phase (see ``CompressedStep._freeze_variances``).
         precondition: the 1-bit collectives carry the momentum over its frozen denominator
-            (:class:`~hvd_onebit.fused_adam.MomentumInput`), or the momentum itself.
+            (:class:`~hvd_onebit.kernels.fused_adam.MomentumInput`), or the momentum itself.
     """
 
     freeze_step: Union[int, str]

@@ -167,8 +167,8 @@ class NodeMean:
 
     def compress(self, y_prev: torch.Tensor, prev_send: torch.Tensor, y_out: torch.Tensor,
                  send: torch.Tensor, layout, backend: str = "auto") -> bool:
-        resolved = kernels.resolve_backend(backend, self.like.device)
-        if resolved == "native" and kernels.native_ready(self.rows):
+        if kernels.pick(backend, self.like.device,
+                        native=lambda: kernels.native_ready(self.rows)) == "native":
             return kernels.native_module().worker_compress_mean(
                 self.rows, y_prev, prev_send, y_out, send, *layout.as_args(), True)
         return kernels.worker_compress(self.materialize(out=self.like), y_prev, prev_send, y_out,

@@ -14,7 +14,7 @@ Two phases, decided by the number of optimizer steps taken so far (never by anyt
   frozen with ``v``, plus AdamW's decoupled decay. These are torch.optim.Adam's formulas, so the
   phase change is continuous. The phase is run by :class:`~hvd_onebit.compressed_step.CompressedStep`;
   on CPU it is two passes over the momentum: the local momentum is computed inside the compression
-  kernel and the decode of the average applies the update (:mod:`hvd_onebit.fused_adam`).
+  kernel and the decode of the average applies the update (:mod:`hvd_onebit.kernels.fused_adam`).
 
 The choice of ``freeze_step`` is the main knob: 15-25% of the total steps is the published guidance.
 Too short a warmup freezes a variance that has not settled and training can diverge; a longer one

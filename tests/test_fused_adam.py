@@ -7,7 +7,7 @@ import torch
 
 from hvd_onebit import OneBitAllreduce, _C, kernels
 from hvd_onebit.collective import Epilogue, InputProducer
-from hvd_onebit.fused_adam import AdamUpdate, MomentumInput, worker_compress_momentum
+from hvd_onebit.kernels.fused_adam import AdamUpdate, MomentumInput, worker_compress_momentum
 from hvd_onebit.layout import Layout
 from hvd_onebit.transport.inprocess import run_threads
 from tests.test_kernels import _previous_state

@@ -114,7 +114,8 @@ def _kernel_calls(numel: int) -> dict:
     float32 elements (4 chunks), by name; the buffers live as long as the calls."""
     import torch
 
-    from .. import fused_adam, kernels
+    from .. import kernels
+    from ..kernels import fused_adam
     from ..hierarchical import NodeMean
     from ..layout import Layout
 
