@@ -92,6 +92,7 @@ def check_bits(device: str) -> dict:
     """Per case, whether each device implementation gives the native CPU kernels' bits."""
     import torch
     from hvd_onebit import kernels
+    from hvd_onebit.dtypes import FLOAT_DTYPES
     from hvd_onebit.layout import Layout
     impls = [("triton", device)] + ([("torch", device)] if device != "cpu" else [])
     cases, ok = [], True
@@ -110,7 +111,7 @@ def check_bits(device: str) -> dict:
             entry[f"{backend}_{dev}"] = _kernel_outputs(backend, dev, *args) == ref
             ok &= entry[f"{backend}_{dev}"]
         cases.append(entry)
-    dtypes = [torch.float32, torch.float16, torch.bfloat16]
+    dtypes = list(FLOAT_DTYPES)
     for sizes, n in FUSED_CASES:
         numel = sum(sizes)
         L = Layout.build(numel, n)

@@ -49,11 +49,11 @@ import horovod.torch as hvd
 import torch
 
 from . import kernels
+from .dtypes import FLOAT_DTYPES
 from .layout import Layout
 from .transport.base import Transport
 from .transport.registry import make_transport
 
-SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _default_names = itertools.count()
 # Default names of objects built on a transport object are counted per transport: the virtual
 # ranks of an in-process world share this module, and each must count its own objects.
@@ -340,7 +340,7 @@ class OneBitAllreduce(TransactionalCollective):
         if tensor.numel() != self.layout.numel:
             raise ValueError(f"OneBitAllreduce {self.name!r} was built for {self.layout.numel} "
                              f"elements, got a tensor of {tensor.numel()} ({tuple(tensor.shape)})")
-        if tensor.dtype not in SUPPORTED_DTYPES:
+        if tensor.dtype not in FLOAT_DTYPES:
             raise TypeError(f"OneBitAllreduce takes float32, float16 or bfloat16, got {tensor.dtype}")
         if tensor.device != self.device and not (
                 tensor.device.type == self.device.type and self.device.index is None):

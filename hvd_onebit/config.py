@@ -12,6 +12,7 @@ from typing import Any, Iterable, Optional, Union
 import torch
 
 from . import kernels
+from .dtypes import FLOAT_DTYPES
 from .step_bound import ADAM as ADAM_BOUND, validate as validate_step_bound
 from .transport.registry import check_name as check_transport_name
 from .transport.registry import check_transport, either, supporting, supports
@@ -22,9 +23,6 @@ INTRA_NODE_MODES = ("auto", "shared_memory", "network")
 ZERO_VARIANCE_MODES = ("hold", "eps", "floor")
 AUTO = "auto"  # freeze_step="auto": freeze once the variance has settled (hvd_onebit.auto_freeze)
 DEFAULT_BUCKET_MB = 64.0
-# Parameter dtypes the optimizer trains. float16 and bfloat16 parameters keep float32 optimizer
-# state (see hvd_onebit.low_precision); the 1-bit kernels compute in float32.
-TRAINABLE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def _is_int(value) -> bool:
@@ -217,7 +215,7 @@ class OneBitConfig:
         """What can only be checked against the parameters and the job: dtypes, one device, a
         kernel backend that runs there, a transport this job can use. Raises on every rank."""
         params = list(params)
-        bad = sorted({str(p.dtype) for p in params if p.dtype not in TRAINABLE_DTYPES})
+        bad = sorted({str(p.dtype) for p in params if p.dtype not in FLOAT_DTYPES})
         if bad:
             raise TypeError(f"hvd_onebit.DistributedOptimizer trains float32, float16 and bfloat16 "
                             f"parameters; got {', '.join(bad)}")
