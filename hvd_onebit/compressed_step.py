@@ -30,7 +30,7 @@ from .collective import (NonFiniteInputError, OneBitAllreduce, StaleInputError,
                          synchronize_all)
 from .hierarchical import HierarchicalOneBitAllreduce, Topology
 from .shared_memory import SharedMemoryError
-from .config import OneBitConfig, group_masks
+from .config import OneBitConfig, check_one_device, group_masks
 from .fusion import Bucket, fuse, param_offsets
 from .kernels.fused_adam import AdamUpdate, MomentumInput
 from .kernels.fused_reference import frozen_denominator
@@ -122,10 +122,7 @@ class CompressedStep:
         """(Re)build the fused momentum buckets (``exp_avg`` becomes views into them) and their
         collectives. The optimizer calls it during the last warmup step's allreduce wait where
         it can, so the first compressed step does not pay for allocating and touching them."""
-        devices = {p.device for p in active}
-        if len(devices) > 1:
-            raise ValueError("hvd_onebit.DistributedOptimizer needs all parameters on one device, "
-                             f"found {sorted(str(d) for d in devices)}")
+        check_one_device(active)
         # Backward produces gradients roughly in the reverse of the parameters' order, so the
         # buckets are planned from the last parameter: the first bucket is the first one whose
         # gradients are all ready, and buckets start in order (see start_bucket).

@@ -219,14 +219,20 @@ class OneBitConfig:
         if bad:
             raise TypeError(f"hvd_onebit.DistributedOptimizer trains float32, float16 and bfloat16 "
                             f"parameters; got {', '.join(bad)}")
-        devices = sorted({str(p.device) for p in params})
-        if len(devices) > 1:
-            raise ValueError("hvd_onebit.DistributedOptimizer needs all parameters on one device, "
-                             f"found {devices}")
+        check_one_device(params)
         if params:
             kernels.resolve_backend(self.kernel_backend, params[0].device)
             if self.compressor == "onebit":
                 check_transport(self.transport, process_set, params[0].device)
+
+
+def check_one_device(params: Iterable[torch.Tensor]) -> None:
+    """Raise ValueError unless every parameter is on one device: the fused buckets, their
+    collectives and the kernels each live on one."""
+    devices = sorted({str(p.device) for p in params})
+    if len(devices) > 1:
+        raise ValueError("hvd_onebit.DistributedOptimizer needs all parameters on one device, "
+                         f"found {devices}")
 
 
 def group_masks(group: dict) -> list[Optional[torch.Tensor]]:
