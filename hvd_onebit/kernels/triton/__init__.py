@@ -2,7 +2,8 @@
 
 The same arithmetic and the same bits as the native kernels (``kernels/csrc/onebit_kernels.cpp``)
 and their torch twins (:mod:`hvd_onebit.kernels.reference`,
-:mod:`hvd_onebit.kernels.fused_reference`), one pass over memory per fused operation. Imported lazily (only once a "triton" backend is resolved), because
+:mod:`hvd_onebit.kernels.fused_reference`), one pass over memory per fused operation. Imported
+lazily (only once a "triton" backend is resolved), because
 ``TRITON_INTERPRET=1`` must be set before ``triton.jit`` runs: under Triton's interpreter the same
 kernels run on CPU tensors, which is how they are tested on machines without a GPU
 (:data:`INTERPRETED` says which mode this import got).

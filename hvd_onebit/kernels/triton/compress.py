@@ -14,8 +14,8 @@ import triton.language as tl
 
 from ...layout import Layout
 from .device import first_segment, frozen_denominator, load_as_f32, tile
-from .launch import (FB, LAUNCH, TT, WARPS, DeviceFlag, address, geometry, kind_code, on_device,
-                     segment_table, words)
+from .launch import (FB, LAUNCH, TT, WARPS, DeviceFlag, address, as_words, geometry, kind_code,
+                     on_device, segment_table)
 
 
 @triton.jit
@@ -156,7 +156,7 @@ def _compress(src_mode: int, src, src_words, tab, nsegs: int, beta1: float, nrec
     nfin = triton.cdiv(G, FB)
     flags = torch.empty(nfin, dtype=torch.int32, device=dev)
     ok = torch.empty(1, dtype=torch.int32, device=dev)
-    words = words(send)
+    words = as_words(send)
     rw = layout.row_bytes // 4
     precond = ftab is not None
     if not precond:
@@ -164,7 +164,7 @@ def _compress(src_mode: int, src, src_words, tab, nsegs: int, beta1: float, nrec
     with on_device(y_out):
         _compress_kernel[(triton.cdiv(G, R) * T,)](
             src, src_words, tab, ftab, nsegs, float(beta1), float(1.0 - beta1), nrecv, numel,
-            y_prev, prev, words(prev), y_out, send, partial, G, nblocks, block, T,
+            y_prev, prev, as_words(prev), y_out, send, partial, G, nblocks, block, T,
             layout.row_bytes, rw, layout.header_bytes, SRC=src_mode, PRECOND=precond,
             WRITE_Y=write_y, R=R, C=C, num_warps=WARPS, **LAUNCH)
         _finalize_kernel[(nfin,)](partial, words, flags, G, T, nblocks, block, rw, FB=FB,
@@ -194,7 +194,8 @@ def worker_compress_momentum(momentum: torch.Tensor, grads: Sequence[Optional[to
     """Worker compression of ``x = beta1 * momentum + (1 - beta1) * g`` computed in the same
     pass, ``g`` the gradients laid end to end (None reads as zeros); with ``variances`` (one
     float32 per segment, with its ``sqrt_bc2s``, ``epss`` and ``bounds``: a preconditioned
-    :class:`~hvd_onebit.kernels.fused_adam.MomentumInput`), of ``u = clamp(x / denom, -bound, bound)``,
+    :class:`~hvd_onebit.kernels.fused_adam.MomentumInput`), of
+    ``u = clamp(x / denom, -bound, bound)``,
     ``denom = sqrt(v) / sqrt_bc2 + eps`` (+inf where ``v == 0``); see
     :func:`hvd_onebit.kernels.backend.in_place`."""
     columns = [[address(g) for g in grads], [kind_code(g) for g in grads]]
@@ -217,5 +218,5 @@ def server_compress(recv: torch.Tensor, z_prev: torch.Tensor, prev_row: torch.Te
                     z_out: Optional[torch.Tensor], out_row: torch.Tensor, layout: Layout
                     ) -> DeviceFlag:
     """:func:`hvd_onebit.kernels.ops.server_compress`: the n rows averaged, compressed, one pass."""
-    return _compress(2, recv, words(recv), z_prev, 1, 0.0, layout.n, layout.chunk, z_prev,
+    return _compress(2, recv, as_words(recv), z_prev, 1, 0.0, layout.n, layout.chunk, z_prev,
                      prev_row, z_out, out_row, 1, layout.chunk, layout)

@@ -11,7 +11,7 @@ import triton.language as tl
 
 from ...layout import Layout
 from .device import first_segment, frozen_denominator, load_as_f32, store_from_f32, tile
-from .launch import LAUNCH, WARPS, address, geometry, kind_code, on_device, segment_table, words
+from .launch import LAUNCH, WARPS, address, as_words, geometry, kind_code, on_device, segment_table
 
 
 @triton.jit
@@ -87,7 +87,8 @@ def decode(rows: torch.Tensor, out: torch.Tensor, layout: Layout,
            epss: Optional[Sequence[float]] = None,
            bounds: Optional[Sequence[float]] = None, preconditioned: bool = False) -> None:
     """out[:numel] = s * sign from the n rows; with ``weights`` (AdamUpdate's lists), Adam's
-    update in the same pass (see :class:`hvd_onebit.kernels.fused_adam.AdamUpdate`). ``preconditioned``:
+    update in the same pass (see :class:`hvd_onebit.kernels.fused_adam.AdamUpdate`).
+    ``preconditioned``:
     the rows carry ``u = m / denom``; ``m = u * denom`` is stored (+0 where held), the step is
     ``clamp(step * u, -bound, bound)`` (+0 where held), and a variance without its weight
     converts its momentum only."""
@@ -117,6 +118,6 @@ def decode(rows: torch.Tensor, out: torch.Tensor, layout: Layout,
         tab, ftab, nsegs = out, out, 1
     with on_device(out):
         _decode_kernel[(triton.cdiv(G, R) * T,)](
-            rows, words(rows), out, numel, G, nblocks, block, T, layout.row_bytes,
+            rows, as_words(rows), out, numel, G, nblocks, block, T, layout.row_bytes,
             layout.row_bytes // 4, layout.header_bytes, tab, ftab, nsegs, UPDATE=update,
             PRECOND=update and bool(preconditioned), R=R, C=C, num_warps=WARPS, **LAUNCH)

@@ -74,7 +74,7 @@ class on_device:
             self._ctx.__exit__(*exc)
 
 
-def words(buf: torch.Tensor) -> torch.Tensor:
+def as_words(buf: torch.Tensor) -> torch.Tensor:
     """A row buffer (uint8, length a multiple of 4) as float32 words: status and scales."""
     return buf.view(torch.float32)
 
