@@ -12,8 +12,10 @@ from typing import Any, Iterable, Optional, Union
 import torch
 
 from . import kernels
+from .dtypes import FLOAT_DTYPES
 from .step_bound import ADAM as ADAM_BOUND, validate as validate_step_bound
-from .transports import TRANSPORTS, check_transport
+from .transport.registry import check_name as check_transport_name
+from .transport.registry import check_transport, either, supporting, supports
 
 COMPRESSORS = ("onebit", "none")
 MEMORY_MODES = ("auto", "lean", "fast")
@@ -21,9 +23,6 @@ INTRA_NODE_MODES = ("auto", "shared_memory", "network")
 ZERO_VARIANCE_MODES = ("hold", "eps", "floor")
 AUTO = "auto"  # freeze_step="auto": freeze once the variance has settled (hvd_onebit.auto_freeze)
 DEFAULT_BUCKET_MB = 64.0
-# Parameter dtypes the optimizer trains. float16 and bfloat16 parameters keep float32 optimizer
-# state (see hvd_onebit.low_precision); the 1-bit kernels compute in float32.
-TRAINABLE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def _is_int(value) -> bool:
@@ -214,23 +213,24 @@ class OneBitConfig:
         if not (isinstance(self.hierarchical, bool) or self.hierarchical == "auto"):
             raise ValueError(f"hierarchical must be True, False or 'auto', got "
                              f"{self.hierarchical!r}")
-        if self.hierarchical is not False and self.transport not in ("horovod", "torch", "auto"):
-            raise ValueError("hierarchical 1-bit runs on transport='horovod' or 'torch', got "
+        if self.hierarchical is not False and not supports(self.transport, "hierarchical"):
+            raise ValueError(f"hierarchical 1-bit runs on transport="
+                             f"{either(supporting('hierarchical'))}, got "
                              f"transport={self.transport!r}")
         if self.intra_node not in INTRA_NODE_MODES:
             raise ValueError(f"intra_node must be one of {INTRA_NODE_MODES}, got "
                              f"{self.intra_node!r}")
-        if self.intra_node == "shared_memory" and self.transport not in ("torch", "auto"):
-            raise ValueError("intra_node='shared_memory' runs beside transport='torch' (or "
-                             f"'auto'), got transport={self.transport!r}")
+        if self.intra_node == "shared_memory" and not supports(self.transport, "shared_memory"):
+            raise ValueError(f"intra_node='shared_memory' runs beside transport="
+                             f"{either(supporting('shared_memory'))} (or 'auto'), got "
+                             f"transport={self.transport!r}")
         if self.compressor not in COMPRESSORS:
             raise ValueError(f"compressor must be one of {COMPRESSORS}, got {self.compressor!r}")
         if self.block_size is not None and (not _is_int(self.block_size) or self.block_size <= 0
                                             or self.block_size % 8):
             raise ValueError(f"block_size must be None or a positive multiple of 8, got "
                              f"{self.block_size!r}")
-        if self.transport not in TRANSPORTS:
-            raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
+        check_transport_name(self.transport)
         if self.kernel_backend not in kernels.BACKENDS:
             raise ValueError(f"kernel_backend must be one of {kernels.BACKENDS}, got "
                              f"{self.kernel_backend!r}")
@@ -260,7 +260,7 @@ class OneBitConfig:
         on the torch transport ("auto" and "shared_memory"); "network" never. Raises if
         "shared_memory" was asked for where it cannot serve (the transport resolved to another
         one, or the parameters are not on the CPU)."""
-        possible = transport == "torch" and torch.device(device).type == "cpu"
+        possible = transport in supporting("shared_memory") and torch.device(device).type == "cpu"
         if self.intra_node == "shared_memory" and not possible:
             raise ValueError("intra_node='shared_memory' needs CPU parameters on transport "
                              f"'torch', this job has {torch.device(device)} on {transport!r}")
@@ -275,14 +275,11 @@ class OneBitConfig:
         """What can only be checked against the parameters and the job: dtypes, one device, a
         kernel backend that runs there, a transport this job can use. Raises on every rank."""
         params = list(params)
-        bad = sorted({str(p.dtype) for p in params if p.dtype not in TRAINABLE_DTYPES})
+        bad = sorted({str(p.dtype) for p in params if p.dtype not in FLOAT_DTYPES})
         if bad:
             raise TypeError(f"hvd_onebit.DistributedOptimizer trains float32, float16 and bfloat16 "
                             f"parameters; got {', '.join(bad)}")
-        devices = sorted({str(p.device) for p in params})
-        if len(devices) > 1:
-            raise ValueError("hvd_onebit.DistributedOptimizer needs all parameters on one device, "
-                             f"found {devices}")
+        check_one_device(params)
         if params:
             kernels.resolve_backend(self.kernel_backend, params[0].device)
             if self.compressor == "onebit":
@@ -305,6 +302,15 @@ def check_wrapped(optimizer: torch.optim.Optimizer, op_supported: bool,
     if not _is_int(backward_passes_per_step) or backward_passes_per_step <= 0:
         raise ValueError("backward_passes_per_step must be a positive int, got "
                          f"{backward_passes_per_step!r}")
+
+
+def check_one_device(params: Iterable[torch.Tensor]) -> None:
+    """Raise ValueError unless every parameter is on one device: the fused buckets, their
+    collectives and the kernels each live on one."""
+    devices = sorted({str(p.device) for p in params})
+    if len(devices) > 1:
+        raise ValueError("hvd_onebit.DistributedOptimizer needs all parameters on one device, "
+                         f"found {devices}")
 
 
 def group_masks(group: dict) -> list[Optional[torch.Tensor]]:

@@ -4,7 +4,7 @@ Two phases, decided by the number of optimizer steps taken (never by anything el
 **warmup**, exactly ``hvd.DistributedOptimizer`` around the wrapped Adam
 (:mod:`hvd_onebit.phases.warmup`), then the **compression** phase: the variance frozen, only the
 momentum travelling, in 1 bit with error feedback (:mod:`hvd_onebit.phases.compression`, the
-engine :mod:`hvd_onebit.compressed_step`). This module is the face Horovod users see: the
+engine :mod:`hvd_onebit.engine`). This module is the face Horovod users see: the
 factory, the class it builds (the wrapped Adam class, Horovod's ``_DistributedOptimizer``, then
 :class:`OneBitFace`), and short delegations to the modules that own each concern.
 """

@@ -7,7 +7,7 @@ order on every rank (ordered transports need it), planned from the last paramete
 
 A start is a speculation on the gradients staying as backward made them. What each start read
 is recorded (:class:`EarlyStarts`); ``step()`` compares (:meth:`Overlap.stale`), and a stale
-step starts every bucket again on every rank (see :class:`~hvd_onebit.compressed_step.
+step starts every bucket again on every rank (see :class:`~hvd_onebit.engine.
 CompressedStep`), after which this rank stops starting early. A GradScaler used in the last step
 is assumed in this one: the hooks unscale as ``GradScaler.unscale_`` does, because unscaling in
 place leaves no trace on the gradients' version counters.

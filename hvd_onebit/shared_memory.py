@@ -25,7 +25,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from .transports import TorchTransport
+from .transport.torch_distributed import TorchTransport
 
 #: Where the segments are created: a RAM-backed file system (``HVD_ONEBIT_SHM_DIR`` overrides).
 DEFAULT_SHM_DIR = "/dev/shm"
@@ -54,7 +54,7 @@ class SharedMemoryTransport:
 
     Args:
         members: the node's global ranks, ascending (a torch.distributed subgroup already made
-            with :func:`~hvd_onebit.transports.torch_subgroups`).
+            with :func:`~hvd_onebit.transport.torch_distributed.torch_subgroups`).
         shard: float32 elements per shard; each rank's input is ``len(members)`` shards.
         name: shown in errors.
 

@@ -4,7 +4,7 @@ import pytest
 
 from hvd_onebit.layout import Layout
 from hvd_onebit.testing import run_ranks
-from hvd_onebit.transports import run_threads
+from hvd_onebit.transport.inprocess import run_threads
 from tests.onebit_reference import ReferenceOneBit
 from tests.workers_collective import fixed_input_outputs, rank_input
 

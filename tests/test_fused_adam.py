@@ -1,4 +1,4 @@
-"""Adam's fused prologue and epilogue (hvd_onebit.fused_adam): the native kernels give the bits
+"""Adam's fused prologue and epilogue (hvd_onebit.kernels.fused_adam): the native kernels give the bits
 of their torch references (single process, no Horovod job)."""
 import math
 
@@ -7,9 +7,9 @@ import torch
 
 from hvd_onebit import OneBitAllreduce, _C, kernels
 from hvd_onebit.comm.protocol import Epilogue, InputProducer
-from hvd_onebit.fused_adam import AdamUpdate, MomentumInput, worker_compress_momentum
+from hvd_onebit.kernels.fused_adam import AdamUpdate, MomentumInput, worker_compress_momentum
 from hvd_onebit.layout import Layout
-from hvd_onebit.transports import run_threads
+from hvd_onebit.transport.inprocess import run_threads
 from tests.test_kernels import _previous_state
 
 

@@ -13,7 +13,7 @@ import pytest
 from hvd_onebit.comm.protocol import NonFiniteInputError
 from hvd_onebit.engine import CompressedStep
 from hvd_onebit.config import OneBitConfig
-from hvd_onebit.transports import run_threads
+from hvd_onebit.transport.inprocess import run_threads
 from tests.sync_counter import HostReads
 from tests.workers_compressed_step import BETAS, EPS, LR, gradient, initial_state
 

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from hvd_onebit import NonFiniteInputError, OneBitAllreduce, synchronize_all
-from hvd_onebit.transports import InProcessTransport, InProcessWorld, Transport, run_threads
+from hvd_onebit.transport.base import Transport
+from hvd_onebit.transport.inprocess import InProcessTransport, InProcessWorld, run_threads
 from tests.onebit_reference import ReferenceOneBit
 from tests.workers_collective import rank_input
 

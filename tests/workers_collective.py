@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from hvd_onebit import NonFiniteInputError, OneBitAllreduce
-from hvd_onebit.fused_adam import AdamUpdate
+from hvd_onebit.kernels.fused_adam import AdamUpdate
 
 
 def rank_input(seed: int, rank: int, numel: int) -> np.ndarray:

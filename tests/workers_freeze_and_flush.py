@@ -103,7 +103,7 @@ def _denominators(engine, group: dict) -> Optional[list]:
         return None
     import math
 
-    from hvd_onebit.fused_adam import frozen_denominator
+    from hvd_onebit.kernels.fused_reference import frozen_denominator
 
     out = []
     for b in engine.buckets:

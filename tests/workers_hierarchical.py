@@ -14,7 +14,7 @@ from tests.workers_collective import rank_input
 
 def _ready(transport: str) -> None:
     if transport == "torch":
-        from hvd_onebit.transports import init_torch_distributed
+        from hvd_onebit.transport.rendezvous import init_torch_distributed
 
         init_torch_distributed()
 

@@ -18,7 +18,7 @@ Three groups, saved together as one JSON file (``hvd-onebit bench calibrate --ou
   allgathers, at ``--np`` ranks, first on unshaped links (the host's own cost per byte:
   reductions, copies, the TCP stack) then on shaped links of ``--link`` (the link's efficiency:
   payload bytes per second over the nominal rate). The same jobs time the 1-bit stages as
-  ``transport="torch"`` runs them (:class:`~hvd_onebit.transports.TorchTransport`:
+  ``transport="torch"`` runs them (:class:`~hvd_onebit.transport.torch_distributed.TorchTransport`:
   torch.distributed's Gloo alltoall and allgather, no Horovod negotiation), tiny and large,
   under ``torch_*`` keys; and the bench models' compute and the 1-bit kernels as the ranks of
   those jobs run them (next to Horovod's background thread, every rank in the same phase),
@@ -114,8 +114,9 @@ def _kernel_calls(numel: int) -> dict:
     float32 elements (4 chunks), by name; the buffers live as long as the calls."""
     import torch
 
-    from .. import fused_adam, kernels
+    from .. import kernels
     from ..comm.hierarchical import NodeMean
+    from ..kernels import fused_adam
     from ..layout import Layout
 
     L = Layout.build(numel, 4)
@@ -141,7 +142,7 @@ def _kernel_calls(numel: int) -> dict:
         "server": lambda: kernels.server_compress(send, server_z, server_sent, server_z_out,
                                                   row, L, "native"),
         "decode_update": lambda: fused_adam.decode_update(send, work, L, update, "native"),
-        # the hierarchical collective's passes (hvd_onebit/hierarchical.py): Adam's momentum
+        # the hierarchical collective's passes (hvd_onebit/comm/hierarchical.py): Adam's momentum
         # update written out, the node mean of 2 rows inside the shard's compression (per
         # element of the shard; a float32 add per further row), the plain compress (one node)
         # and decode of a shard, the gathered mean copied out with Adam's update
@@ -331,7 +332,7 @@ def collectives_worker(numel: int = 4 << 20, repeats: int = 7, tiny_repeats: int
     models' compute (:func:`ranks_compute`) and the kernels on ``kernel_numel`` elements
     (:func:`ranks_kernels`) as these ranks run them.
 
-    Every wait sleeps (:func:`~hvd_onebit.transports.sleep_until_done`), as the train benchmark's
+    Every wait sleeps (:func:`~hvd_onebit.transport.horovod.sleep_until_done`), as the train benchmark's
     do: ranks spinning in ``hvd.synchronize`` would take the cores of ranks sharing them. Gloo's
     own waits already block on a condition variable.
     """
@@ -361,7 +362,7 @@ def collectives_worker(numel: int = 4 << 20, repeats: int = 7, tiny_repeats: int
     if torch_ops:
         import torch.distributed as dist
 
-        from ..transports import TorchTransport
+        from ..transport.torch_distributed import TorchTransport
 
         tt = TorchTransport()  # torch.distributed's default group over Horovod's ranks (Gloo)
         torch_calls = {
@@ -395,7 +396,7 @@ def _wait(handle):
     """Sleep until a Horovod handle is done (as `bench train`'s ranks wait), then its result."""
     import horovod.torch as hvd
 
-    from ..transports import sleep_until_done
+    from ..transport.horovod import sleep_until_done
 
     sleep_until_done(handle)
     return hvd.synchronize(handle)

@@ -7,6 +7,7 @@ from typing import Optional
 
 import click
 
+from ..transport.registry import TRANSPORTS
 from .allreduce import DEFAULT_METHODS, METHODS, summarize
 from .report import machine_info, print_table
 from .train import MALLOC_REUSE_ENV
@@ -251,7 +252,7 @@ def bench_allreduce(nps, sizes, bandwidths, methods, repeats, controller, hosts,
               "(onebit_sync: overlap=False, the exchange starts in step(); onebit_hier: "
               "hierarchical=True, for --ranks-per-node > 1).")
 @click.option("--transport", default="auto", show_default=True,
-              type=click.Choice(["auto", "horovod", "torch", "mpi"]),
+              type=click.Choice(TRANSPORTS),
               help="1-bit Adam's transport for the compression phase.")
 @click.option("--bucket-size-mb", default=None, type=float,
               help="1-bit Adam's bucket_size_mb [default: the optimizer's].")
@@ -424,7 +425,7 @@ def _rates(ctx, param, value):
 @click.option("--hierarchical-ops", default="global", show_default=True,
               type=click.Choice(["global", "group"]),
               help="With --transport horovod: global: each hierarchical stage is a Horovod "
-                   "alltoall of all ranks (with splits), as hvd_onebit/hierarchical.py runs "
+                   "alltoall of all ranks (with splits), as hvd_onebit/comm/hierarchical.py runs "
                    "them there; group: Horovod collectives of the node's ranks and of the ranks "
                    "with one local rank (process sets, which the library does not use).")
 @click.option("--intra-node", default="network", show_default=True,
@@ -451,7 +452,7 @@ def bench_predict(calibration, nps, ranks_per_node, bandwidths, intra_bandwidth,
                   colocated, kernel_speedup, host_speedup, per_peer_us, transport,
                   hierarchical_ops, intra_node, methods, check_dir, plot, as_json) -> None:
     """Predict step time per phase, whole-run speed-up and bytes per rank of Horovod fp32/fp16,
-    flat 1-bit and hierarchical 1-bit Adam (as hvd_onebit/hierarchical.py runs it) from the
+    flat 1-bit and hierarchical 1-bit Adam (as hvd_onebit/comm/hierarchical.py runs it) from the
     constants `bench calibrate` measured. README.md, "Predicting the speed-up at scale", has the
     model and its assumptions."""
     from pathlib import Path

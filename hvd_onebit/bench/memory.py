@@ -58,7 +58,7 @@ def reachable_storages(root: Any, skip_types: tuple = ()) -> dict[int, int]:
     """{storage address: bytes} of every tensor reachable from ``root`` through containers and
     the attributes of hvd_onebit's own objects (not through ``skip_types`` instances, modules,
     functions, or other libraries' objects)."""
-    from ..transports import Transport
+    from ..transport.base import Transport
 
     found: dict[int, int] = {}
     seen: set[int] = set()
@@ -269,7 +269,7 @@ def inprocess_run(n: int, layers: int, width: int, steps: int,
 
     from ..engine import NOT_FROZEN, CompressedStep
     from ..config import OneBitConfig
-    from ..transports import run_threads
+    from ..transport.inprocess import run_threads
 
     use_measuring_malloc()
     gate = threading.Barrier(n)

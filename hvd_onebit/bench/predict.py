@@ -29,7 +29,7 @@ The model (README.md, "Predicting the speed-up at scale", says the same in prose
 * Flat 1-bit's two stages are costed with the constants of the transport that runs them:
   torch.distributed's Gloo alltoall and allgather (``transport="torch"``, what ``"auto"``
   picks on CPU) or Horovod's.
-* Hierarchical 1-bit as ``hvd_onebit/hierarchical.py`` runs it (:meth:`Model._hierarchical`),
+* Hierarchical 1-bit as ``hvd_onebit/comm/hierarchical.py`` runs it (:meth:`Model._hierarchical`),
   on the same transport as flat 1-bit: with ``"torch"``, the two 1-bit stages of the shard
   ``|m|/L`` as torch.distributed collectives of the ``N`` ranks with the same local rank, and the
   full-precision scatter and gather inside the node through shared memory (``intra_node=
@@ -59,7 +59,7 @@ METHODS = ("horovod_fp32", "horovod_fp16", "onebit", "onebit_hierarchical")
 # (process sets, which the library does not use there); on torch's transport the stages are
 # group collectives already, and this method is onebit_hierarchical
 GROUP_METHOD = "onebit_hierarchical_group"
-HIERARCHICAL_NOTE = ("onebit_hierarchical models hvd_onebit/hierarchical.py on the flat 1-bit "
+HIERARCHICAL_NOTE = ("onebit_hierarchical models hvd_onebit/comm/hierarchical.py on the flat 1-bit "
                      "transport (torch: group collectives between nodes, intra_node inside them; "
                      "horovod: 4 global alltoalls with splits per bucket); checked on the "
                      "emulator at 2 nodes x 2 ranks only")
@@ -234,7 +234,7 @@ class Model:
     (Horovod's, with its negotiation per op). ``per_peer_s`` replaces the calibrated per-peer
     cost of every op (``b_op``), e.g. to see what a lower one would change.
     ``hierarchical_global_ops`` (Horovod's transport): every stage of the hierarchical
-    collective is one global Horovod alltoall with splits, as ``hvd_onebit/hierarchical.py``
+    collective is one global Horovod alltoall with splits, as ``hvd_onebit/comm/hierarchical.py``
     runs them there (each pays the per-op cost of all n ranks); False: Horovod collectives of
     their own groups (process sets), which the library does not use. ``intra_node``
     (torch's transport): the hierarchical stages inside a node through ``"shared_memory"`` (a
@@ -460,7 +460,7 @@ class Model:
         return a2a, ag, layout.wire_bytes
 
     def _hierarchical(self, P: int, fwd_bwd: float, job: Job, cl: Cluster) -> Prediction:
-        """Hierarchical 1-bit as ``hvd_onebit/hierarchical.py`` runs it, per bucket (``L`` ranks
+        """Hierarchical 1-bit as ``hvd_onebit/comm/hierarchical.py`` runs it, per bucket (``L`` ranks
         per node, ``N`` nodes, shard ``S = P/L``):
 
         materialize: Adam's momentum update written out (native, one pass of P);

@@ -29,7 +29,7 @@ of each step):
 
 Waiting: ``hvd.synchronize`` spins on ``sched_yield`` until an op finishes. When the ranks share
 cores (the emulator puts 4 ranks on this machine's cores), spinning waiters take CPU from ranks
-still computing. hvd_onebit's own waits sleep (see :func:`hvd_onebit.transports.sleep_until_done`);
+still computing. hvd_onebit's own waits sleep (see :func:`hvd_onebit.transport.horovod.sleep_until_done`);
 with ``wait="sleep"`` (default) the benchmark gives Horovod's optimizer the same sleeping wait, so
 the baselines are not slowed by a waiting strategy that a machine with a core per rank would not
 pay for. ``wait="spin"`` keeps Horovod's own.
@@ -92,7 +92,7 @@ def _sleeping_horovod_waits(enable: bool) -> None:
     import horovod.torch.mpi_ops as mpi_ops
     import horovod.torch.optimizer as horovod_optimizer
 
-    from ..transports import sleep_until_done
+    from ..transport.horovod import sleep_until_done
 
     def synchronize(handle):
         if not callable(handle):
@@ -130,7 +130,7 @@ def _make_step(method: str, model, steps: int, warmup_frac: float, powersgd_star
     elif method == "ddp_powersgd":
         from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
 
-        from ..transports import init_torch_distributed
+        from ..transport.rendezvous import init_torch_distributed
 
         init_torch_distributed()
         # One bucket for the whole model: PowerSGD's hook waits on a second allreduce inside a

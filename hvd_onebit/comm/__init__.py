@@ -4,5 +4,5 @@
 (:func:`synchronize_all`: several calls commit together or not at all), ``flat``
 (:class:`OneBitAllreduce`, with its error feedback in ``flat_error``), ``hierarchical`` (1-bit
 between nodes, full precision inside them) and ``topology`` (who shares a node). Below: the
-kernels (:mod:`hvd_onebit.kernels`) and the transports (:mod:`hvd_onebit.transports`).
+kernels (:mod:`hvd_onebit.kernels`) and the transports (:mod:`hvd_onebit.transport`).
 """

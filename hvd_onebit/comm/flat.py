@@ -49,13 +49,14 @@ import horovod.torch as hvd
 import torch
 
 from .. import kernels
+from ..dtypes import FLOAT_DTYPES
 from ..layout import Layout
-from ..transports import Transport, make_transport
+from ..transport.base import Transport
+from ..transport.registry import make_transport
 from .flat_error import FlatErrorFeedback
 from .protocol import STALE, Epilogue, InputProducer, Status
 from .transaction import TransactionalCollective
 
-SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _default_names = itertools.count()
 # Default names of objects built on a transport object are counted per transport: the virtual
 # ranks of an in-process world share this module, and each must count its own objects.
@@ -100,9 +101,10 @@ class OneBitAllreduce(FlatErrorFeedback, TransactionalCollective):
         transport: "horovod" (default; Gloo, MPI or NCCL), "mpi" (mpi4py on Horovod's MPI
             communicator; CPU tensors; needs a job launched with MPI), both over ``process_set``,
             or "torch" (torch.distributed: Gloo on CPU, NCCL on CUDA; the global process set);
-            or a :class:`~hvd_onebit.transports.Transport` object, which then gives the size and
-            rank and ``process_set`` is not used (e.g.
-            :class:`~hvd_onebit.transports.InProcessTransport`: ranks as threads of one process).
+            or a :class:`~hvd_onebit.transport.base.Transport` object, which then gives the size
+            and rank and ``process_set`` is not used (e.g.
+            :class:`~hvd_onebit.transport.inprocess.InProcessTransport`: ranks as threads of
+            one process).
         backend: kernels: "auto" (native C++ on CPU, torch elsewhere), "native" or "torch".
         device: where the buffers live; inputs must be on it. Default CPU.
         name: prefix of the collective op names; must be identical on every rank and unique
@@ -211,7 +213,7 @@ class OneBitAllreduce(FlatErrorFeedback, TransactionalCollective):
         if tensor.numel() != self.layout.numel:
             raise ValueError(f"OneBitAllreduce {self.name!r} was built for {self.layout.numel} "
                              f"elements, got a tensor of {tensor.numel()} ({tuple(tensor.shape)})")
-        if tensor.dtype not in SUPPORTED_DTYPES:
+        if tensor.dtype not in FLOAT_DTYPES:
             raise TypeError(f"OneBitAllreduce takes float32, float16 or bfloat16, got {tensor.dtype}")
         if tensor.device != self.device and not (
                 tensor.device.type == self.device.type and self.device.index is None):
@@ -345,7 +347,7 @@ class OneBitAllreduce(FlatErrorFeedback, TransactionalCollective):
     def decode_only(self, handle: AllreduceHandle) -> torch.Tensor:
         """Decode stage 2's rows into the float32 output without committing anything (for a
         caller that must hear from other collectives before it commits: see
-        :mod:`hvd_onebit.hierarchical`); :meth:`commit` then skips its own decode."""
+        :mod:`hvd_onebit.comm.hierarchical`); :meth:`commit` then skips its own decode."""
         kernels.decode(handle.gathered, handle.out32, self.layout, self.backend)
         handle.decoded = True
         return handle.out32

@@ -41,7 +41,8 @@ import torch
 
 from .. import kernels
 from ..shared_memory import SharedMemoryTransport
-from ..transports import TorchTransport, torch_subgroups
+from ..transport.registry import either, supporting
+from ..transport.torch_distributed import TorchTransport, torch_subgroups
 from .flat import AllreduceHandle, OneBitAllreduce
 from .protocol import Epilogue, InputProducer, Status
 from .topology import SubsetTransport, Topology
@@ -54,7 +55,7 @@ class NodeMean:
     len(rows)``, summed in row (local-rank) order in float32, then divided. The native worker
     compression computes it in its own pass (:func:`worker_compress_mean`), so the mean is never
     written out; :meth:`materialize` is the torch reference (the same bits). An
-    ``InputProducer`` of :mod:`hvd_onebit.collective`.
+    ``InputProducer`` of :mod:`hvd_onebit.comm.protocol`.
 
     Attributes:
         rows: one float32 [shard] per local rank, contiguous (read only).
@@ -74,8 +75,8 @@ class NodeMean:
 
     def compress(self, y_prev: torch.Tensor, prev_send: torch.Tensor, y_out: torch.Tensor,
                  send: torch.Tensor, layout, backend: str = "auto") -> bool:
-        resolved = kernels.resolve_backend(backend, self.like.device)
-        if resolved == "native" and kernels.native_ready(self.rows):
+        if kernels.pick(backend, self.like.device,
+                        native=lambda: kernels.native_ready(self.rows)) == "native":
             return kernels.native_module().worker_compress_mean(
                 self.rows, y_prev, prev_send, y_out, send, *layout.as_args(), True)
         return kernels.worker_compress(self.materialize(out=self.like), y_prev, prev_send, y_out,
@@ -137,9 +138,14 @@ class HierarchicalOneBitAllreduce(TransactionalCollective):
         world = topology.nodes * topology.per_node
         if intra not in ("network", "shared_memory"):
             raise ValueError(f"intra must be 'network' or 'shared_memory', got {intra!r}")
-        if intra == "shared_memory" and (transport != "torch" or self.device.type != "cpu"):
-            raise ValueError("intra='shared_memory' moves CPU buffers beside transport='torch', "
-                             f"got transport={transport!r} on {self.device}")
+        if intra == "shared_memory" and (transport not in supporting("shared_memory")
+                                         or self.device.type != "cpu"):
+            raise ValueError(f"intra='shared_memory' moves CPU buffers beside transport="
+                             f"{either(supporting('shared_memory'))}, got transport={transport!r} "
+                             f"on {self.device}")
+        if transport not in supporting("hierarchical"):
+            raise ValueError(f"the hierarchical collective runs on transport "
+                             f"{either(supporting('hierarchical'))}, got {transport!r}")
         self.intra = intra
         shared = intra == "shared_memory"
         L = topology.per_node
@@ -156,12 +162,9 @@ class HierarchicalOneBitAllreduce(TransactionalCollective):
                                                 name=f"{name}.node") if shared
                           else TorchTransport(device=device, members=tuple(topology.local_members)))
             self.cross = TorchTransport(device=device, members=tuple(topology.cross_members))
-        elif transport == "horovod":
+        else:  # "horovod", the other transport the registry runs hierarchical stages on
             self.local = SubsetTransport(topology.local_members, topology.rank, world)
             self.cross = SubsetTransport(topology.cross_members, topology.rank, world)
-        else:
-            raise ValueError(f"the hierarchical collective runs on transport 'horovod' or "
-                             f"'torch', got {transport!r}")
         self.inner = OneBitAllreduce(self.shard, block_size=block_size, transport=self.cross,
                                      backend=backend, device=self.device, name=f"{name}.cross",
                                      defer_check=defer_check, spare_errors=spare_errors)

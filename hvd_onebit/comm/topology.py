@@ -12,7 +12,7 @@ from typing import Any, Sequence
 import horovod.torch as hvd
 import torch
 
-from ..transports import sleep_until_done
+from ..transport.horovod import sleep_until_done
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,7 @@ class Topology:
 
 
 class SubsetTransport:
-    """A :class:`~hvd_onebit.transports.Transport` among ``members`` (global ranks, ascending),
+    """A :class:`~hvd_onebit.transport.base.Transport` among ``members`` (global ranks, ascending),
     over Horovod's global alltoall with splits: every rank of the job takes part in each op, and
     sends rows only to the members of its own group (each group under the same op name).
 

@@ -1,6 +1,6 @@
 """Adam's terms of one compressed step: what each bucket's allreduce input is made of, and
 the update its decode applies (host numbers, prepared while stage 1 is on the wire). The math
-lives in :mod:`hvd_onebit.fused_adam` and :mod:`hvd_onebit.step_bound`; this is the bookkeeping
+lives in :mod:`hvd_onebit.kernels.fused_adam` and :mod:`hvd_onebit.step_bound`; this is the bookkeeping
 that feeds it from the param groups and the state.
 """
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 
 from .. import step_bound
 from ..config import group_masks
-from ..fused_adam import AdamUpdate, MomentumInput
+from ..kernels.fused_adam import AdamUpdate, MomentumInput
 from .fusion import Bucket
 
 

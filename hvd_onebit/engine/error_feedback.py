@@ -17,9 +17,9 @@ from horovod.torch.mpi_ops import Sum
 from ..comm.flat import OneBitAllreduce
 from ..comm.protocol import NonFiniteInputError
 from ..config import group_masks
-from ..fused_adam import frozen_denominator
+from ..kernels.fused_reference import frozen_denominator
 from ..layout import ring_allreduce_bytes
-from ..transports import sleep_until_done
+from ..transport.horovod import sleep_until_done
 
 
 class ErrorFeedbackLifecycle:

@@ -8,7 +8,7 @@ reads Adam's state and param groups, and writes only through the step it commits
 nothing of Horovod's optimizer class, so it runs as well on the in-process transport (n ranks
 as threads) as inside ``horovodrun``.
 
-One step, per bucket (see :mod:`hvd_onebit.fused_adam`): the local momentum
+One step, per bucket (see :mod:`hvd_onebit.kernels.fused_adam`): the local momentum
 ``beta1 * m + (1 - beta1) * g`` is computed inside the worker compression; stage 1 of every
 bucket is started before any is finished; the update terms are prepared while stage 1 is on the
 wire; the decode of each averaged momentum applies Adam's update
@@ -30,11 +30,13 @@ from ..comm.hierarchical import HierarchicalOneBitAllreduce
 from ..comm.protocol import NonFiniteInputError, StaleInputError
 from ..comm.topology import Topology
 from ..comm.transaction import synchronize_all
-from ..config import OneBitConfig
-from ..fused_adam import MomentumInput
+from ..config import OneBitConfig, check_one_device
+from ..kernels.fused_adam import MomentumInput
 from ..layout import ring_allreduce_bytes
 from ..shared_memory import SharedMemoryError
-from ..transports import Transport, resolve_transport, sleep_until_done
+from ..transport.base import Transport
+from ..transport.horovod import sleep_until_done
+from ..transport.registry import resolve_transport
 from .fusion import Bucket, fuse, param_offsets
 from .adam_terms import AdamTerms
 from .error_feedback import ErrorFeedbackLifecycle
@@ -61,7 +63,7 @@ class CompressedStep(ErrorFeedbackLifecycle, FrozenVariance, AdamTerms):
         decoupled: whether a param group's weight decay is AdamW's (decoupled) or Adam's (L2).
         process_set: the Horovod process set to reduce over (with ``transport`` a name).
         transport: "horovod" or "mpi" (over ``process_set``), or a
-            :class:`~hvd_onebit.transports.Transport` instance (e.g. the in-process one).
+            :class:`~hvd_onebit.transport.base.Transport` instance (e.g. the in-process one).
         names: parameter names for messages.
     """
 
@@ -126,10 +128,7 @@ class CompressedStep(ErrorFeedbackLifecycle, FrozenVariance, AdamTerms):
         """(Re)build the fused momentum buckets (``exp_avg`` becomes views into them) and their
         collectives. The optimizer calls it during the last warmup step's allreduce wait where
         it can, so the first compressed step does not pay for allocating and touching them."""
-        devices = {p.device for p in active}
-        if len(devices) > 1:
-            raise ValueError("hvd_onebit.DistributedOptimizer needs all parameters on one device, "
-                             f"found {sorted(str(d) for d in devices)}")
+        check_one_device(active)
         # Backward produces gradients roughly in the reverse of the parameters' order, so the
         # buckets are planned from the last parameter: the first bucket is the first one whose
         # gradients are all ready, and buckets start in order (see start_bucket).

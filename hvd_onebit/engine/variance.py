@@ -24,7 +24,7 @@ class FrozenVariance:
         dead ReLU unit, an unused embedding row). Adam would divide their momentum by eps, and
         every element receives about its block's scale, so they would jump by
         lr * scale / eps. With ``zero_variance="hold"`` (default) they are held fixed, with a
-        warning: their denominator is +inf (see :class:`~hvd_onebit.fused_adam.AdamUpdate`), so
+        warning: their denominator is +inf (see :class:`~hvd_onebit.kernels.fused_adam.AdamUpdate`), so
         the update leaves them alone and zeroes their momentum. ``"eps"`` gives them Adam's own
         denominator, eps (their variance becomes the smallest normal float32, whose root is
         far below eps), so they take steps at the step bound; ``"floor"`` gives them the

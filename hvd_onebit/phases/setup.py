@@ -10,7 +10,8 @@ import torch
 
 from ..config import OneBitConfig
 from ..consistency import check_same_parameters
-from ..transports import TorchRendezvousError, init_torch_distributed, resolve_transport
+from ..transport.registry import resolve_transport
+from ..transport.rendezvous import TorchRendezvousError, init_torch_distributed
 
 
 def check_job(param_groups: list[dict], names: dict, process_set: hvd.ProcessSet,

@@ -20,7 +20,7 @@ from ..layout import ring_allreduce_bytes
 from ..low_precision import adam_step_float32, is_low_precision
 from ..state.schedule import Schedule
 from ..state.telemetry import Telemetry
-from ..transports import sleep_until_done
+from ..transport.horovod import sleep_until_done
 
 
 class Warmup:

@@ -110,7 +110,7 @@ def test_step_times_are_the_sum_of_their_terms():
 
 
 def test_hierarchical_follows_hierarchical_py_and_ranks_share_cores():
-    # Horovod's transport: global ops, hvd_onebit/hierarchical.py's way there
+    # Horovod's transport: global ops, hvd_onebit/comm/hierarchical.py's way there
     model = pm.Model(fake_calibration(), transport="horovod")
     job = pm.Job(params=8_000_000, compute_s=0.1, adam_s=0.01)
     cl = pm.Cluster(nodes=16, ranks_per_node=8, inter_bps=10**10, intra_bps=10**11)

@@ -5,8 +5,8 @@
 // Bit k of byte b holds the sign of element 8*b + k (1 for >= 0, sign(0) = +1), the order
 // _mm256_movemask_ps produces, so packing and unpacking are one instruction per 8 elements.
 //
-// The arithmetic is specified exactly so the pure-torch fallback (hvd_onebit/kernels.py) and these
-// kernels agree bit for bit: sums of squares accumulate in double, the scale is
+// The arithmetic is specified exactly so the pure-torch fallback (hvd_onebit/kernels/reference.py)
+// and these kernels agree bit for bit: sums of squares accumulate in double, the scale is
 // float(sqrt(sumsq / block)), the server average adds the ranks' decoded values in rank order in
 // fp32 and divides by n. Nothing here may be contracted into FMAs (built with -ffp-contract=off).
 //

@@ -12,10 +12,10 @@ along in the collective's passes:
 
 :class:`~hvd_onebit.comm.flat.OneBitAllreduce` knows neither: it takes them through its generic
 hooks (``InputProducer`` and ``Epilogue`` in :mod:`hvd_onebit.comm.protocol`). Each fused kernel
-(native C++ on CPU, Triton on CUDA) has a torch reference beside it
-(:meth:`MomentumInput.materialize`, :meth:`AdamUpdate.apply`) giving the same bits on every
-device: separate fp32 ``mul``, ``div`` and ``add``, no FMA, as the native code is built with
-``-ffp-contract=off`` and the Triton kernels are launched with ``enable_fp_fusion=False``.
+(native C++ on CPU, Triton on CUDA) has a torch reference in
+:mod:`~hvd_onebit.kernels.fused_reference` (:meth:`MomentumInput.materialize`,
+:meth:`AdamUpdate.apply`) giving the same bits on every device; which one runs is
+:func:`~hvd_onebit.kernels.backend.pick`'s choice.
 """
 from __future__ import annotations
 
@@ -25,25 +25,12 @@ from typing import Optional, Sequence
 
 import torch
 
-from . import kernels
-from .layout import Layout
-from .step_bound import as_float32
-
-
-#: Elements per slice of :meth:`AdamUpdate.apply` (the torch reference): bounds its temporaries.
-APPLY_SLICE = 1 << 20
-
-
-def frozen_denominator(v: torch.Tensor, sqrt_bc2: float, eps: float) -> torch.Tensor:
-    """Adam's denominator from a frozen variance ``v`` (float32, any shape): a fresh float32
-    tensor ``sqrt(v) / sqrt_bc2 + eps``, ``+inf`` where ``v == 0`` (an element held fixed). The
-    torch reference of what the fused kernels compute in their passes, correctly rounded on
-    every device: torch's float32 sqrt on CPU is MKL's (not always correctly rounded, unlike
-    the kernels'), a float64 root rounded to float32 is; the division is by a float32 tensor
-    (:func:`~hvd_onebit.kernels.exact_div`)."""
-    root = torch.sqrt(v.double()).float()
-    d = kernels.exact_div(root, float(sqrt_bc2)).add_(float(eps))
-    return d.masked_fill_(v == 0, math.inf)
+from ..dtypes import FLOAT_DTYPES
+from ..layout import Layout
+from ..step_bound import as_float32
+from . import ops
+from .backend import in_place, native_module, native_ready, pick, triton_module
+from .fused_reference import apply_update, frozen_denominator, materialize_momentum
 
 
 # ---- prologue: the momentum update, computed inside the worker compression ----------------------------
@@ -113,7 +100,7 @@ class MomentumInput:
 
     def native_ready(self) -> bool:
         """Whether the native kernel can read every tensor in place (fp32, contiguous, CPU)."""
-        return kernels.native_ready([self.momentum, *self.grads, *(self.variances or [])])
+        return native_ready([self.momentum, *self.grads, *(self.variances or [])])
 
     def materialize(self, out: Optional[torch.Tensor] = None,
                     backend: str = "torch") -> torch.Tensor:
@@ -123,36 +110,15 @@ class MomentumInput:
         every tensor can be read in place (the same bits)."""
         if out is not None and out.dtype != torch.float32:
             return out.copy_(self.materialize())
-        if (kernels.resolve_backend(backend, self.momentum.device) == "native"
-                and self.native_ready() and (out is None or kernels.native_ready([out]))):
+        if pick(backend, self.momentum.device, native=lambda: self.native_ready() and (
+                out is None or native_ready([out]))) == "native":
             if out is None:
                 out = torch.empty_like(self.momentum)
-            kernels.native_module().momentum_update(self.momentum, self.grads, self.sizes,
-                                                    float(self.beta1),
-                                                    *self.native_precondition_args(),
-                                                    out.view(-1), True)
+            native_module().momentum_update(self.momentum, self.grads, self.sizes,
+                                            float(self.beta1), *self.native_precondition_args(),
+                                            out.view(-1), True)
             return out
-        out = torch.mul(self.momentum.reshape(-1).float(), self.beta1, out=out)
-        start = 0
-        for i, (g, size) in enumerate(zip(self.grads, self.sizes)):
-            seg = out[start:start + size]
-            if g is None:
-                seg.add_(0.0)  # the kernel adds (1 - beta1) * 0; -0.0 becomes +0.0 as it does there
-            else:
-                seg.add_(torch.mul(g.reshape(-1).float(), 1 - self.beta1))
-            if self.variances is not None:  # x / denom, in slices that bound the temporaries
-                v = self.variances[i].reshape(-1)
-                for lo in range(0, size, APPLY_SLICE):
-                    hi = min(size, lo + APPLY_SLICE)
-                    piece = seg[lo:hi].div_(frozen_denominator(v[lo:hi], float(self.sqrt_bc2s[i]),
-                                                               float(self.eps[i])))
-                    if self.bounds[i] != math.inf:  # clamp_ keeps a NaN, as the kernels do;
-                        # an infinite u stays infinite, so the input is reported not finite
-                        up, down = piece == math.inf, piece == -math.inf
-                        piece.clamp_(-self.bounds[i], self.bounds[i])
-                        piece.masked_fill_(up, math.inf).masked_fill_(down, -math.inf)
-            start += size
-        return out
+        return materialize_momentum(self, out)
 
     def compress(self, y_prev: torch.Tensor, prev_send: torch.Tensor, y_out: torch.Tensor,
                  send: torch.Tensor, layout: Layout, backend: str = "auto") -> bool:
@@ -163,23 +129,24 @@ class MomentumInput:
 def worker_compress_momentum(src: MomentumInput, y_prev: torch.Tensor, prev_send: torch.Tensor,
                              y_out: torch.Tensor, send: torch.Tensor, layout: Layout,
                              backend: str = "auto") -> bool:
-    """:func:`~hvd_onebit.kernels.worker_compress` of ``x = src.materialize()``, with x computed
-    in the same pass where the native kernel can read every tensor in place."""
-    resolved = kernels.resolve_backend(backend, src.momentum.device)
-    if resolved == "native" and src.native_ready():
-        return kernels.native_module().worker_compress_momentum(
+    """:func:`~hvd_onebit.kernels.ops.worker_compress` of ``x = src.materialize()``, with x
+    computed in the same pass where the native or Triton kernel can read every tensor in
+    place."""
+    device = src.momentum.device
+    impl = pick(backend, device, native=src.native_ready, triton=lambda: (
+        layout.padded > 0 and in_place([src.momentum, *(src.variances or [])], device)
+        and in_place(src.grads, device, FLOAT_DTYPES)))
+    if impl == "native":
+        return native_module().worker_compress_momentum(
             src.momentum, src.grads, src.sizes, float(src.beta1), *src.native_precondition_args(),
             y_prev, prev_send, y_out, send, *layout.as_args(), True)
-    if resolved == "triton" and layout.padded > 0:
-        tk = kernels.triton_module()
-        if (tk.ready([src.momentum, *(src.variances or [])], src.momentum.device)
-                and tk.ready(src.grads, src.momentum.device, tk.LOW_PRECISION)):
-            return tk.worker_compress_momentum(src.momentum, src.grads, src.sizes,
-                                               float(src.beta1), y_prev, prev_send, y_out, send,
-                                               layout, src.variances, src.sqrt_bc2s, src.eps,
-                                               src.bounds)
-    return kernels.worker_compress(src.materialize(), y_prev, prev_send, y_out, send, layout,
-                                   backend)
+    if impl == "triton":
+        return triton_module().worker_compress_momentum(
+            src.momentum, src.grads, src.sizes, float(src.beta1), y_prev, prev_send, y_out, send,
+            layout, src.variances, src.sqrt_bc2s, src.eps, src.bounds)
+    # the torch twin of the prologue, then whichever compression runs on x
+    return ops.worker_compress(src.materialize(), y_prev, prev_send, y_out, send, layout,
+                               backend)
 
 
 # ---- epilogue: Adam's update, applied in the decode pass ----------------------------------------------
@@ -240,7 +207,7 @@ class AdamUpdate:
 
     def native_ready(self) -> bool:
         """Whether the native kernel can update every tensor in place (fp32, contiguous, CPU)."""
-        return kernels.native_ready([*self.weights, *self.variances])
+        return native_ready([*self.weights, *self.variances])
 
     def native_args(self) -> tuple:
         """(weights, variances, sizes, steps, decays, sqrt_bc2s, eps, bounds, preconditioned)
@@ -258,60 +225,18 @@ class AdamUpdate:
 
     def apply(self, m: torch.Tensor) -> None:
         """The update with torch ops, ``m``: the decoded momentum [numel]. The torch reference
-        of the fused epilogue. Works through each parameter in slices of ``APPLY_SLICE``
-        elements, so its temporaries (the denominator, the update, a float32 copy of a
-        low-precision weight) stay small whatever the parameter's size."""
-        flat = m.reshape(-1)
-        start = 0
-        for i, (w, size, step, decay, bound) in enumerate(zip(self.weights, self.sizes, self.steps,
-                                                              self.decays, self.bounds)):
-            if w is not None or (self.preconditioned and self.variances[i] is not None):
-                # in m's (row-major) order; a copy only for a non-contiguous (channels-last) weight
-                w_flat = w.reshape(-1) if w is not None else None
-                for lo in range(0, size, APPLY_SLICE):
-                    hi = min(size, lo + APPLY_SLICE)
-                    self._apply_slice(flat[start + lo:start + hi], w, w_flat, i, lo, hi, step,
-                                      decay, bound)
-                if w is not None and not w.is_contiguous():
-                    w.copy_(w_flat.view(w.shape))
-            start += size
-
-    def _apply_slice(self, m_here: torch.Tensor, w: Optional[torch.Tensor],
-                     w_flat: Optional[torch.Tensor], i: int, lo: int, hi: int, step: float,
-                     decay: float, bound: float) -> None:
-        """:meth:`apply` on elements ``[lo, hi)`` of parameter ``i`` (``m_here``: theirs)."""
-        d = self.denominator(i, lo, hi)
-        held = d == math.inf
-        if self.preconditioned:  # m_here holds u: the step from u, then m = u * denom
-            q = torch.mul(m_here, step) if w is not None else None
-        else:  # (step * m) / d: the CPU's addcdiv_ order. CUDA's addcdiv_ computes
-            # w + step * (m / d) and contracts it into an FMA: other bits.
-            q = torch.mul(m_here, step).div_(d)
-        if q is not None:
-            if bound != math.inf:  # clamp_ keeps a NaN step NaN, as the kernels do
-                q.clamp_(-bound, bound)
-            if self.preconditioned:
-                q.masked_fill_(held, 0.0)
-            # float16/bfloat16 weights: the update in float32, rounded once
-            w_here = w_flat[lo:hi]
-            target = w_here if w.dtype == m_here.dtype else w_here.float()
-            if decay != 1.0:
-                target.mul_(decay)
-            target.add_(q)
-            if target is not w_here:
-                w_here.copy_(target)
-        if self.preconditioned:
-            m_here.mul_(d)
-        m_here.masked_fill_(held, 0.0)
+        of the fused epilogue (:func:`~hvd_onebit.kernels.fused_reference.apply_update`), in
+        slices of ``APPLY_SLICE`` elements whatever the parameter's size."""
+        apply_update(self, m)
 
     def copy_apply(self, src: torch.Tensor, out: torch.Tensor, backend: str = "auto") -> None:
         """``out.copy_(src)`` then :meth:`apply` to ``out``, in one pass where the native kernel
         can (``src``, ``out``: float32 [numel]; ``src`` may be ``out``). The collective's hook for
         an output that arrives decoded (the hierarchical collective's gathered shards)."""
         src = src.reshape(-1)
-        if (kernels.resolve_backend(backend, out.device) == "native" and self.native_ready()
-                and kernels.native_ready([src, out]) and out.is_contiguous()):
-            kernels.native_module().update(src, out.view(-1), *self.native_args(), True)
+        if pick(backend, out.device, native=lambda: self.native_ready() and native_ready(
+                [src, out]) and out.is_contiguous()) == "native":
+            native_module().update(src, out.view(-1), *self.native_args(), True)
             return
         if src.data_ptr() != out.data_ptr():
             out.view(-1).copy_(src)
@@ -325,22 +250,22 @@ class AdamUpdate:
 
 def decode_update(rows: torch.Tensor, out: torch.Tensor, layout: Layout, update: AdamUpdate,
                   backend: str = "auto") -> None:
-    """:func:`~hvd_onebit.kernels.decode` into ``out`` (the momentum, float32 [numel]), then
+    """:func:`~hvd_onebit.kernels.ops.decode` into ``out`` (the momentum, float32 [numel]), then
     ``update`` in the same pass where the native kernel can."""
-    resolved = kernels.resolve_backend(backend, rows.device)
-    if resolved == "native" and update.native_ready() and out.dtype == torch.float32:
-        kernels.native_module().decode_update(rows, out, *update.native_args(),
-                                              *layout.as_args(), True)
-        return
-    if resolved == "triton" and layout.padded > 0 and out.dtype == torch.float32:
-        tk = kernels.triton_module()
+    device = rows.device
+    impl = pick(backend, device, native=lambda: (
+        update.native_ready() and out.dtype == torch.float32), triton=lambda: (
+        layout.padded > 0 and out.dtype == torch.float32
         # the rows are uint8: checked apart, or the float32 check would refuse every call
-        if (tk.ready([rows], rows.device, (torch.uint8,))
-                and tk.ready([out, *update.variances], rows.device)
-                and tk.ready(update.weights, rows.device, tk.LOW_PRECISION)):
-            tk.decode(rows, out, layout, update.weights, update.variances, update.sizes,
-                      update.steps, update.decays, update.sqrt_bc2s, update.eps, update.bounds,
-                      update.preconditioned)
-            return
-    kernels.decode(rows, out, layout, backend)
-    update.apply(out)
+        and in_place([rows], device, (torch.uint8,))
+        and in_place([out, *update.variances], device)
+        and in_place(update.weights, device, FLOAT_DTYPES)))
+    if impl == "native":
+        native_module().decode_update(rows, out, *update.native_args(), *layout.as_args(), True)
+    elif impl == "triton":
+        triton_module().decode(rows, out, layout, update.weights, update.variances, update.sizes,
+                               update.steps, update.decays, update.sqrt_bc2s, update.eps,
+                               update.bounds, update.preconditioned)
+    else:  # the decode that runs here, then the torch twin of the update
+        ops.decode(rows, out, layout, backend)
+        update.apply(out)
