@@ -355,7 +355,7 @@ def bench_calibrate(out, procs, nps, link, numel, repeats, queue_ms, as_json) ->
     """Measure the scale model's constants on this machine and save them (needs root: the
     collectives run on the emulated cluster). `bench predict` loads them."""
     from . import calibrate as cal_mod
-    from .predict import constants
+    from .predict.constants import constants
 
     cal = cal_mod.calibrate(procs=tuple(procs), nps=tuple(nps), link=link, numel=numel,
                             repeats=repeats, queue_ms=queue_ms,
@@ -457,7 +457,11 @@ def bench_predict(calibration, nps, ranks_per_node, bandwidths, intra_bandwidth,
     from pathlib import Path
 
     from . import calibrate as cal_mod
-    from . import predict as pm
+    from .predict.check import check_report
+    from .predict.job import Cluster, Job, parse_params
+    from .predict.model import HIERARCHICAL_NOTE, Model
+    from .predict.sweep import crossovers, sweep
+    from .predict.tables import print_check, print_prediction
 
     try:
         cal = cal_mod.load(calibration or cal_mod.DEFAULT_PATH)
@@ -467,32 +471,32 @@ def bench_predict(calibration, nps, ranks_per_node, bandwidths, intra_bandwidth,
         reports = [json.loads(p.read_text()) for p in sorted(Path(check_dir).glob("train_*.json"))]
         if not reports:
             raise click.ClickException(f"no train_*.json in {check_dir}")
-        result = pm.check_report(reports, cal)
+        result = check_report(reports, cal)
         if as_json:
             click.echo(json.dumps(result, indent=2))
         else:
-            pm.print_check(result)
+            print_check(result)
         return
     if params is None and bench_model is None:
         raise click.BadParameter("give --params (and --compute-ms) or --model")
     if compute_ms is None and bench_model is None:
         raise click.BadParameter("give --compute-ms, or --model to use a calibrated bench model")
-    n_params = (pm.parse_params(params) if params is not None else
+    n_params = (parse_params(params) if params is not None else
                 int(cal["compute"]["1"]["models"][bench_model]["params"]))
-    job = pm.Job(params=n_params, model=bench_model,
-                 compute_s=None if compute_ms is None else compute_ms / 1e3,
-                 adam_s=None if adam_ms is None else adam_ms / 1e3, warmup_frac=warmup_frac,
-                 kernel_speedup=kernel_speedup, host_speedup=host_speedup)
-    model = pm.Model(cal, None if per_peer_us is None else per_peer_us * 1e-6,
-                     hierarchical_global_ops=hierarchical_ops == "global", transport=transport,
-                     intra_node=intra_node)
+    job = Job(params=n_params, model=bench_model,
+              compute_s=None if compute_ms is None else compute_ms / 1e3,
+              adam_s=None if adam_ms is None else adam_ms / 1e3, warmup_frac=warmup_frac,
+              kernel_speedup=kernel_speedup, host_speedup=host_speedup)
+    model = Model(cal, None if per_peer_us is None else per_peer_us * 1e-6,
+                  hierarchical_global_ops=hierarchical_ops == "global", transport=transport,
+                  intra_node=intra_node)
     try:
-        rows = pm.sweep(model, job, nps, bandwidths, ranks_per_node, intra_bandwidth,
-                        latency_us * 1e-6, intra_latency_us * 1e-6, colocated, tuple(methods))
+        rows = sweep(model, job, nps, bandwidths, ranks_per_node, intra_bandwidth,
+                     latency_us * 1e-6, intra_latency_us * 1e-6, colocated, tuple(methods))
     except ValueError as exc:  # e.g. a version-2 calibration without torch.distributed ops
         raise click.ClickException(str(exc)) from exc
     report = {"benchmark": "predict", "calibration": cal.get("machine"),
-              "inputs": {"params": n_params, "compute_s": model.compute(job, pm.Cluster(
+              "inputs": {"params": n_params, "compute_s": model.compute(job, Cluster(
                   nodes=nps[0], colocated=colocated))[0], "warmup_frac": warmup_frac,
                   "ranks_per_node": ranks_per_node, "intra_bps": intra_bandwidth,
                   "latency_s": latency_us * 1e-6, "intra_latency_s": intra_latency_us * 1e-6,
@@ -500,23 +504,24 @@ def bench_predict(calibration, nps, ranks_per_node, bandwidths, intra_bandwidth,
                   "host_speedup": host_speedup, "per_peer_s": model.per_peer_s,
                   "transport": transport, "hierarchical_ops": hierarchical_ops,
                   "intra_node": intra_node},
-              "note": pm.HIERARCHICAL_NOTE, "rows": rows, "crossovers": pm.crossovers(rows)}
+              "note": HIERARCHICAL_NOTE, "rows": rows, "crossovers": crossovers(rows)}
     if plot:
         from ..cluster.bandwidth import format_bandwidth
+        from .predict.plots import plot_phases, plot_sweep
 
         title = (f"{n_params / 1e6:,.0f}M params, compute {report['inputs']['compute_s'] * 1e3:,.0f}"
                  f" ms/step, warmup {warmup_frac:.0%}, {ranks_per_node} ranks/node (predicted)")
         if len(rows) > 1:
-            pm.plot_sweep(rows, plot, title)
+            plot_sweep(rows, plot, title)
         else:
             bw = rows[0]["inter_bps"]
-            pm.plot_phases(rows[0]["methods"], plot, f"{title}\n{rows[0]['np']} ranks, "
-                           f"{format_bandwidth(int(bw)) if bw else 'unlimited'}")
+            plot_phases(rows[0]["methods"], plot, f"{title}\n{rows[0]['np']} ranks, "
+                        f"{format_bandwidth(int(bw)) if bw else 'unlimited'}")
         report["plot"] = plot
     if as_json:
         click.echo(json.dumps(report, indent=2))
     else:
-        pm.print_prediction(report)
+        print_prediction(report)
 
 
 @bench.command("memory")
