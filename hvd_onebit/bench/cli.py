@@ -354,13 +354,13 @@ def bench_train(np_, bandwidth, steps, warmup_frac, model, width, depth, vocab, 
 def bench_calibrate(out, procs, nps, link, numel, repeats, queue_ms, as_json) -> None:
     """Measure the scale model's constants on this machine and save them (needs root: the
     collectives run on the emulated cluster). `bench predict` loads them."""
-    from . import calibrate as cal_mod
+    from .calibrate.files import DEFAULT_PATH, save
+    from .calibrate.run import calibrate
     from .predict.constants import constants
 
-    cal = cal_mod.calibrate(procs=tuple(procs), nps=tuple(nps), link=link, numel=numel,
-                            repeats=repeats, queue_ms=queue_ms,
-                            progress=lambda s: click.echo(s, err=True))
-    path = cal_mod.save(cal, out or cal_mod.DEFAULT_PATH)
+    cal = calibrate(procs=tuple(procs), nps=tuple(nps), link=link, numel=numel,
+                    repeats=repeats, queue_ms=queue_ms, progress=lambda s: click.echo(s, err=True))
+    path = save(cal, out or DEFAULT_PATH)
     click.echo(f"saved {path} ({cal['seconds']:.0f} s)", err=True)
     if as_json:
         click.echo(json.dumps(cal, indent=2))
@@ -456,7 +456,7 @@ def bench_predict(calibration, nps, ranks_per_node, bandwidths, intra_bandwidth,
     model and its assumptions."""
     from pathlib import Path
 
-    from . import calibrate as cal_mod
+    from .calibrate.files import DEFAULT_PATH, load
     from .predict.check import check_report
     from .predict.job import Cluster, Job, parse_params
     from .predict.model import HIERARCHICAL_NOTE, Model
@@ -464,7 +464,7 @@ def bench_predict(calibration, nps, ranks_per_node, bandwidths, intra_bandwidth,
     from .predict.tables import print_check, print_prediction
 
     try:
-        cal = cal_mod.load(calibration or cal_mod.DEFAULT_PATH)
+        cal = load(calibration or DEFAULT_PATH)
     except (FileNotFoundError, ValueError) as exc:
         raise click.ClickException(str(exc)) from exc
     if check_dir:

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from hvd_onebit.bench import calibrate as cal_mod
+from hvd_onebit.bench.calibrate.compute import measure_compute
+from hvd_onebit.bench.calibrate.files import CALIBRATION_VERSION, CalibrationMissing, load, save
 from hvd_onebit.bench.predict.check import check_report
 from hvd_onebit.bench.predict.constants import (KINDS, OPS, TCP_EFFICIENCY, _bytes_per_rank,
                                                 constants)
@@ -54,7 +55,7 @@ def fake_calibration(alpha=(1e-3, 2e-3), host_per_byte=1e-9, link_bps=10**9, ove
             "update": 2.5e-9}
     compute = {str(k): {"models": {"mlp": {**model, "fwd_bwd_s": 0.010 * k / 2 if k > 2 else 0.010}},
                         "kernel_s_per_elem": kern} for k in (1, 2, 4)}
-    return {"version": cal_mod.CALIBRATION_VERSION, "cores": 2, "link": "1gbit",
+    return {"version": CALIBRATION_VERSION, "cores": 2, "link": "1gbit",
             "link_bps": link_bps, "compute": compute, "collectives": coll}
 
 
@@ -334,13 +335,13 @@ def test_crossovers_find_where_flat_stops_paying():
 
 def test_calibration_round_trip_and_clear_errors(tmp_path):
     cal = fake_calibration()
-    path = cal_mod.save(cal, tmp_path / "sub" / "cal.json")
-    assert cal_mod.load(path) == json.loads(json.dumps(cal))
-    with pytest.raises(cal_mod.CalibrationMissing, match="bench calibrate"):
-        cal_mod.load(tmp_path / "missing.json")
+    path = save(cal, tmp_path / "sub" / "cal.json")
+    assert load(path) == json.loads(json.dumps(cal))
+    with pytest.raises(CalibrationMissing, match="bench calibrate"):
+        load(tmp_path / "missing.json")
     (tmp_path / "old.json").write_text(json.dumps({**cal, "version": 0}))
     with pytest.raises(ValueError, match="version"):
-        cal_mod.load(tmp_path / "old.json")
+        load(tmp_path / "old.json")
     # the CLI: a clear error without a file; JSON and a plot with one
     proc = subprocess.run(CLI + ["predict", "--calibration", str(tmp_path / "missing.json"),
                                  "--model", "mlp"], capture_output=True, text=True, cwd=REPO)
@@ -418,9 +419,9 @@ def test_small_prediction_against_measurement_on_loopback():
     from hvd_onebit.testing import run_job
 
     small = {"mlp": {"model": "mlp", "width": 1024, "depth": 2, "batch": 4}}
-    compute = cal_mod.measure_compute(procs=(2,), models=small, kernel_numel=1 << 18, repeats=3,
-                                      seconds=0.5)
-    coll = run_job("hvd_onebit.bench.calibrate:collectives_worker", np=2,
+    compute = measure_compute(procs=(2,), models=small, kernel_numel=1 << 18, repeats=3,
+                              seconds=0.5)
+    coll = run_job("hvd_onebit.bench.calibrate.ranks:collectives_worker", np=2,
                    kwargs={"numel": 1 << 20, "repeats": 5, "tiny_repeats": 9, "models": small},
                    timeout=180, env=MALLOC_REUSE_ENV).results[0]
     assert set(coll["models"]["mlp"]) == {"params", "step_s", "fwd_bwd_s", "adam_s",
@@ -430,7 +431,7 @@ def test_small_prediction_against_measurement_on_loopback():
     assert min(coll["kernel_s_per_elem"].values()) > 0, coll["kernel_s_per_elem"]
     # the fp16 allreduce of the model's own gradient costs at least a tiny allreduce
     assert coll["models"]["mlp"]["fp16_allreduce_s"] > coll["median_s"]["allreduce_tiny"], coll
-    cal = {"version": cal_mod.CALIBRATION_VERSION, "cores": 2, "link": None, "link_bps": None,
+    cal = {"version": CALIBRATION_VERSION, "cores": 2, "link": None, "link_bps": None,
            "compute": compute, "collectives": {"2": {"unlimited": coll}}}
     proc = subprocess.run(CLI + ["train", "--np", "2", "--bandwidth", "local", "--model", "mlp",
                                  "--width", "1024", "--depth", "2", "--steps", "12",
