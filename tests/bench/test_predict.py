@@ -7,6 +7,7 @@ check is the benchmark `benchmarks/predict_check.py`.
 """
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from hvd_onebit.bench.calibrate.compute import measure_compute
-from hvd_onebit.bench.calibrate.files import CALIBRATION_VERSION, CalibrationMissing, load, save
+from hvd_onebit.bench.calibrate.files import (CALIBRATION_VERSION, SHIPPED_PATH, CalibrationMissing,
+                                             load, load_or_shipped, save)
 from hvd_onebit.bench.predict.check import check_report
 from hvd_onebit.bench.predict.constants import (KINDS, OPS, TCP_EFFICIENCY, _bytes_per_rank,
                                                 constants)
@@ -357,6 +359,50 @@ def test_calibration_round_trip_and_clear_errors(tmp_path):
     assert plot.stat().st_size > 0 and len(report["rows"]) == 6
     assert set(report["rows"][0]["methods"]) == set(METHODS)
     assert report["note"] == HIERARCHICAL_NOTE and report["inputs"]["transport"] == "torch"
+
+
+def test_predict_without_a_cached_calibration_uses_the_one_shipped_in_docs(tmp_path,
+                                                                         monkeypatch):
+    """`bench predict` with nothing in the cache (HOME an empty folder, so ~/.cache/hvd_onebit/
+    has no calibration.json) predicts from docs/predict_calibration.json and says so on stderr,
+    naming the file and `hvd-onebit bench calibrate`; a calibration in the cache comes first."""
+    shipped = REPO / "docs" / "predict_calibration.json"
+    assert SHIPPED_PATH == shipped, f"SHIPPED_PATH is {SHIPPED_PATH}, the docs file {shipped}"
+    args = ["predict", "--model", "mlp", "--np", "4,16", "--bandwidth", "1gbit", "--json"]
+    env = {**os.environ, "HOME": str(tmp_path)}
+    proc = subprocess.run(CLI + args, capture_output=True, text=True, cwd=REPO, env=env,
+                          timeout=300)
+    assert proc.returncode == 0, f"exit {proc.returncode} with an empty cache:\n{proc.stderr}"
+    assert str(shipped) in proc.stderr and "hvd-onebit bench calibrate" in proc.stderr, (
+        f"stderr does not name {shipped} and `hvd-onebit bench calibrate`:\n{proc.stderr}")
+    report = json.loads(proc.stdout)
+    # the docs figures: the same report as with --calibration docs/predict_calibration.json
+    docs = json.loads(shipped.read_text())
+    explicit = subprocess.run(CLI + args + ["--calibration", str(shipped)], capture_output=True,
+                              text=True, cwd=REPO, env=env, timeout=300)
+    assert explicit.returncode == 0, explicit.stderr
+    assert "no calibration at" not in explicit.stderr, (
+        f"a note with --calibration given:\n{explicit.stderr}")
+    assert report == json.loads(explicit.stdout), "the fallback's report differs from the docs'"
+    assert report["calibration"] == docs["machine"], (report["calibration"], docs["machine"])
+    mlp_params = docs["compute"]["1"]["models"]["mlp"]["params"]
+    assert report["inputs"]["params"] == mlp_params, (
+        f"{report['inputs']['params']} parameters, the docs' mlp has {mlp_params}")
+    assert not (tmp_path / ".cache").exists(), "predict wrote to the cache"
+
+    # in-process: the note, then the cache's own calibration first, silently
+    monkeypatch.setenv("HOME", str(tmp_path))
+    notes = []
+    assert load_or_shipped(None, note=notes.append) == docs, "not the docs calibration"
+    assert len(notes) == 1 and str(shipped) in notes[0], notes
+    cached = fake_calibration()
+    save(cached, tmp_path / ".cache" / "hvd_onebit" / "calibration.json")
+    notes.clear()
+    assert load_or_shipped(None, note=notes.append) == json.loads(json.dumps(cached)), (
+        "the cache's calibration was not preferred to the docs'")
+    assert notes == [], f"a note with a calibration in the cache: {notes}"
+    with pytest.raises(CalibrationMissing, match="bench calibrate"):
+        load_or_shipped(tmp_path / "missing.json")  # a path given is never replaced
 
 
 def test_check_pairs_predictions_with_a_train_report():

@@ -13,7 +13,8 @@ from .options import comma_list, rates
 @click.command("predict")
 @click.option("--calibration", default=None, type=click.Path(dir_okay=False),
               help="Constants from `bench calibrate` [default: "
-                   "~/.cache/hvd_onebit/calibration.json].")
+                   "~/.cache/hvd_onebit/calibration.json; without it, the one shipped in "
+                   "docs/predict_calibration.json, with a note].")
 @click.option("--np", "nps", default="4", show_default=True, callback=comma_list(int),
               help="Ranks, comma separated for a sweep (e.g. 8,16,...,1024).")
 @click.option("--ranks-per-node", default=1, show_default=True,
@@ -88,7 +89,7 @@ def bench_predict(calibration, nps, ranks_per_node, bandwidths, intra_bandwidth,
     model and its assumptions."""
     from pathlib import Path
 
-    from ..calibrate.files import DEFAULT_PATH, load
+    from ..calibrate.files import load_or_shipped
     from ..predict.check import check_report
     from ..predict.job import Cluster, Job, parse_params
     from ..predict.model import HIERARCHICAL_NOTE, Model
@@ -96,7 +97,7 @@ def bench_predict(calibration, nps, ranks_per_node, bandwidths, intra_bandwidth,
     from ..predict.tables import print_check, print_prediction
 
     try:
-        cal = load(calibration or DEFAULT_PATH)
+        cal = load_or_shipped(calibration, note=lambda s: click.echo(s, err=True))
     except (FileNotFoundError, ValueError) as exc:
         raise click.ClickException(str(exc)) from exc
     if check_dir:
