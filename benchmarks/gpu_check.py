@@ -343,7 +343,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.dry_run:  # before anything imports triton
         os.environ["TRITON_INTERPRET"] = "1"
-    from hvd_onebit.bench.cli import parse_count
+    from hvd_onebit.bench.cli.options import parse_count
     report = run(args.dry_run, [parse_count(v) for v in args.numel.split(",") if v.strip()])
     text = json.dumps(report, indent=2)
     print(text)
