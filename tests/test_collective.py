@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from hvd_onebit.layout import Layout
-from hvd_onebit.testing import run_ranks
+from hvd_onebit.cluster.jobs import run_ranks
 from hvd_onebit.transport.inprocess import run_threads
 from tests.onebit_reference import ReferenceOneBit
 from tests.workers_collective import fixed_input_outputs, rank_input

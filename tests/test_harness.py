@@ -8,7 +8,7 @@ import psutil
 import pytest
 
 from hvd_onebit import testing
-from hvd_onebit.testing import RankFailure, run_ranks
+from hvd_onebit.cluster.jobs import RankFailure, run_ranks
 
 pytestmark = pytest.mark.multirank
 

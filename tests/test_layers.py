@@ -9,15 +9,14 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "hvd_onebit"
 # Top to bottom. A module belongs to the first layer with a prefix of its dotted name (relative
 # to the package); it may import modules of its own layer and of the layers below it.
 LAYERS = [
-    ("tooling", ["cli", "bench", "cluster", "testing"]),
+    ("tooling", ["cli", "bench", "cluster"]),
     ("face", ["__init__", "optimizer", "elastic"]),
     ("phases", ["phases", "overlap"]),
     ("state", ["state", "auto_freeze"]),
     ("engine", ["engine"]),
     ("options", ["config"]),
     ("comm", ["comm"]),
-    ("kernels and transport", ["kernels", "fused_adam", "triton_kernels", "transport",
-                               "transports", "shared_memory"]),
+    ("kernels and transport", ["kernels", "transport", "shared_memory"]),
     ("base", ["layout", "step_bound", "low_precision", "consistency", "horovod_view", "dtypes",
               "_C"]),
 ]

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 import torch
 
-from hvd_onebit.testing import run_ranks
+from hvd_onebit.cluster.jobs import run_ranks
 
 pytestmark = pytest.mark.multirank
 

@@ -331,7 +331,7 @@ def bench_memory(ranks: int = 2, layers: int = 4, width: int = 1024, warmup: int
             raise ValueError("the in-process measurement runs on CPU")
         per_rank = [inprocess_run(ranks, layers, width, compressed, bucket_size_mb, memory)]
     else:
-        from ..testing import run_ranks
+        from ..cluster.jobs import run_ranks
 
         env = dict(MALLOC_MEASURE_ENV) if device == "cpu" else {}
         per_rank = run_ranks("hvd_onebit.bench.memory:rank_run", np=ranks, timeout=timeout,

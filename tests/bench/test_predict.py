@@ -462,7 +462,7 @@ def test_small_prediction_against_measurement_on_loopback():
     time is a barrier-to-barrier time less an empty barrier's, and on a small buffer the fastest
     kernels take less than that difference's noise."""
     from hvd_onebit.bench.train import MALLOC_REUSE_ENV
-    from hvd_onebit.testing import run_job
+    from hvd_onebit.cluster.jobs import run_job
 
     small = {"mlp": {"model": "mlp", "width": 1024, "depth": 2, "batch": 4}}
     compute = measure_compute(procs=(2,), models=small, kernel_numel=1 << 18, repeats=3,

@@ -18,7 +18,7 @@ def measure_collectives(nps=(2, 4), link: str = "1gbit", numel: int = 4 << 20, r
     with ``models`` the unlimited row also has the bench models' compute timed inside the
     ranks (:func:`.ranks.ranks_compute`)."""
     from ...cluster import EmulatedCluster
-    from ...testing import run_job
+    from ...cluster.jobs import run_job
     from ..train import MALLOC_REUSE_ENV
 
     out: dict = {}

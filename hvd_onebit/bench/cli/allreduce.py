@@ -38,7 +38,7 @@ def bench_allreduce(nps, sizes, bandwidths, methods, repeats, controller, hosts,
                     shared_dir, queue_ms, ranks_per_node, intra_bandwidth, timeout, plot,
                     as_json) -> None:
     """fp32 hvd.allreduce vs Compression.fp16 vs OneBitAllreduce: time per call and bytes."""
-    from ...testing import run_job
+    from ...cluster.jobs import run_job
 
     bad = [m for m in methods if m not in METHODS]
     if bad:

@@ -72,7 +72,7 @@ def bench_train(np_, bandwidth, steps, warmup_frac, model, width, depth, vocab, 
     1-bit Adam, per phase and over a whole run. Also reports what share of the Horovod fp32
     step is communication (the 'local' method runs the same step without any)."""
     from ..train import summarize as summarize_train
-    from ...testing import run_job
+    from ...cluster.jobs import run_job
 
     bad = [m for m in methods if m not in TRAIN_METHODS]
     if bad:

@@ -35,7 +35,7 @@ import psutil
 CONTROLLERS = ("gloo", "mpi")
 # The folder holding the hvd_onebit package the caller runs: the checkout in development (ranks
 # then import this very copy), site-packages when installed.
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]  # hvd_onebit/cluster/jobs.py -> the checkout
 _TOKEN_VAR = "HVD_ONEBIT_JOB_TOKEN"
 
 
@@ -205,7 +205,7 @@ def run_job(target: str, np: int = 2, controller: str = "gloo", kwargs: Optional
     roots = [r for r in [import_root(target.split(":")[0])] if r is not None]
     try:
         (workdir / "kwargs.pkl").write_bytes(pickle.dumps(kwargs or {}))
-        argv = [sys.executable, "-m", "hvd_onebit.testing", target, str(workdir)]
+        argv = [sys.executable, "-m", "hvd_onebit.cluster.jobs", target, str(workdir)]
         log_path = workdir / "output.log"
         start = time.monotonic()
         cluster_run = None
@@ -252,7 +252,7 @@ def _collect(workdir: Path, np: int, rc, timed_out: bool, timeout: float, target
 
 
 def _rank_main(target: str, workdir: str) -> int:
-    """Entry point inside each rank (``python -m hvd_onebit.testing target workdir``)."""
+    """Entry point inside each rank (``python -m hvd_onebit.cluster.jobs target workdir``)."""
     import importlib
 
     import horovod.torch as hvd
