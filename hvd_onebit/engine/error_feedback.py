@@ -10,16 +10,14 @@ from __future__ import annotations
 import math
 import warnings
 
-import horovod.torch as hvd
 import torch
-from horovod.torch.mpi_ops import Sum
 
 from ..comm.flat import OneBitAllreduce
 from ..comm.protocol import NonFiniteInputError
 from ..config import group_masks
 from ..kernels.fused_reference import frozen_denominator
 from ..layout import ring_allreduce_bytes
-from ..transport.horovod import sleep_until_done
+from ..transport.horovod import exact_allreduces
 
 
 class ErrorFeedbackLifecycle:
@@ -163,13 +161,8 @@ class ErrorFeedbackLifecycle:
         rank sent: Horovod's allreduce (a ring: each chunk is reduced once, then copied), or
         with a transport object an allgather summed in rank order."""
         if isinstance(self.transport, str):
-            handles = [hvd.allreduce_async(t, op=Sum, name=f"hvd_onebit.flush{i}",
-                                           process_set=self.process_set)
-                       for i, t in enumerate(tensors)]
-            for h in handles:
-                sleep_until_done(h)
-            return [hvd.synchronize(h) for h in handles], sum(
-                ring_allreduce_bytes(4 * t.numel(), self.world) for t in tensors)
+            sums = exact_allreduces(tensors, "hvd_onebit.flush", self.process_set)
+            return sums, sum(ring_allreduce_bytes(4 * t.numel(), self.world) for t in tensors)
         handles = [self.transport.allgather_async(t.view(1, -1), name=f"hvd_onebit.flush{i}")
                    for i, t in enumerate(tensors)]
         out = []

@@ -23,7 +23,6 @@ from typing import Callable, Mapping, Optional
 
 import horovod.torch as hvd
 import torch
-from horovod.torch.mpi_ops import Average
 
 from ..comm.flat import OneBitAllreduce
 from ..comm.hierarchical import HierarchicalOneBitAllreduce
@@ -35,7 +34,7 @@ from ..kernels.fused_adam import MomentumInput
 from ..layout import ring_allreduce_bytes
 from ..shared_memory import SharedMemoryError
 from ..transport.base import Transport
-from ..transport.horovod import sleep_until_done
+from ..transport.horovod import exact_allreduces
 from ..transport.registry import resolve_transport
 from .fusion import Bucket, fuse, param_offsets
 from .adam_terms import AdamTerms
@@ -359,11 +358,8 @@ class CompressedStep(ErrorFeedbackLifecycle, FrozenVariance, AdamTerms):
         for b, x in zip(self.buckets, inputs):
             if isinstance(x, MomentumInput):
                 x.materialize(out=b.work, backend=self.config.kernel_backend)
-        handles = [hvd.allreduce_async_(b.work, op=Average, name=f"hvd_onebit.exact{b.index}",
-                                        process_set=self.process_set) for b in self.buckets]
-        for h in handles:
-            sleep_until_done(h)  # Horovod's own wait spins, taking CPU from ranks that compute
-            hvd.synchronize(h)
+        exact_allreduces([b.work for b in self.buckets], "hvd_onebit.exact", self.process_set,
+                         average=True, in_place=True)
         for b in self.buckets:  # the same averaged values on every rank: the same decision
             if not bool(torch.isfinite(b.work).all()):
                 raise NonFiniteInputError([], "in the averaged momentum")

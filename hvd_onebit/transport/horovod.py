@@ -67,3 +67,17 @@ def sleep_until_done(handle: Any) -> None:
     while not hvd.poll(handle):
         time.sleep(delay)
         delay = min(2 * delay, _POLL_CAP_S)
+
+
+def exact_allreduces(tensors: list[torch.Tensor], name: str, process_set: hvd.ProcessSet,
+                     average: bool = False, in_place: bool = False) -> list[torch.Tensor]:
+    """Horovod's full-precision allreduce of each tensor (the sum, or with ``average`` the
+    mean), all started before any is waited for, each waited for by sleeping: the same bits on
+    every rank. ``in_place``: the results are written into ``tensors`` (returned)."""
+    op = hvd.Average if average else hvd.Sum
+    start = hvd.allreduce_async_ if in_place else hvd.allreduce_async
+    handles = [start(t, op=op, name=f"{name}{i}", process_set=process_set)
+               for i, t in enumerate(tensors)]
+    for h in handles:
+        sleep_until_done(h)
+    return [hvd.synchronize(h) for h in handles]
