@@ -16,7 +16,7 @@ LAYERS = [
     ("engine", ["engine"]),
     ("options", ["config"]),
     ("comm", ["comm"]),
-    ("kernels and transport", ["kernels", "transport", "shared_memory"]),
+    ("kernels and transport", ["kernels", "transport"]),
     ("base", ["layout", "step_bound", "low_precision", "consistency", "horovod_view", "dtypes",
               "_C"]),
 ]

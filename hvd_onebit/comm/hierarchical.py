@@ -18,7 +18,7 @@ global alltoall with splits, every rank sending only to the members of its own g
 (:class:`SubsetTransport`; Horovod registers process sets only at ``hvd.init`` or with dynamic
 process sets, which a user's script does not ask for). With CPU buffers and torch's transport, the
 two stages inside a node can instead go through memory the node's ranks share
-(``intra="shared_memory"``, :mod:`hvd_onebit.shared_memory`), as MPI does between ranks of a host.
+(``intra="shared_memory"``, :mod:`hvd_onebit.transport.shared_memory`), as MPI does between ranks of a host.
 
 All or nothing, on every rank, with no extra collective: a non-finite value anywhere in a node
 makes that shard's node mean non-finite, so the 1-bit stage of that shard's group sees it in its
@@ -40,7 +40,7 @@ from typing import Optional
 import torch
 
 from .. import kernels
-from ..shared_memory import SharedMemoryTransport
+from ..transport.shared_memory import SharedMemoryTransport
 from ..transport.registry import either, supporting
 from ..transport.torch_distributed import TorchTransport, torch_subgroups
 from .flat import AllreduceHandle, OneBitAllreduce
@@ -115,8 +115,8 @@ class HierarchicalOneBitAllreduce(TransactionalCollective):
         spare_errors: as for :class:`~hvd_onebit.OneBitAllreduce` (its 1-bit stage).
         intra: how the stages inside a node travel: "network" (the transport's) or
             "shared_memory" (CPU buffers with ``transport="torch"``: through a segment the node's
-            ranks share, :mod:`hvd_onebit.shared_memory`; same bits, no copies through the
-            kernel). Raises :class:`~hvd_onebit.shared_memory.SharedMemoryError` on every rank
+            ranks share, :mod:`hvd_onebit.transport.shared_memory`; same bits, no copies through the
+            kernel). Raises :class:`~hvd_onebit.transport.shared_memory.SharedMemoryError` on every rank
             of a node that cannot share memory.
 
     Same calling convention as the flat collective (``allreduce``, ``allreduce_async`` and

@@ -32,7 +32,7 @@ from ..comm.transaction import synchronize_all
 from ..config import OneBitConfig, check_one_device
 from ..kernels.fused_adam import MomentumInput
 from ..layout import ring_allreduce_bytes
-from ..shared_memory import SharedMemoryError
+from ..transport.shared_memory import SharedMemoryError
 from ..transport.base import Transport
 from ..transport.horovod import exact_allreduces
 from ..transport.registry import resolve_transport

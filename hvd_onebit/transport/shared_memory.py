@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import os
 import uuid
-from typing import Any, Optional, Sequence
+from typing import Any, Sequence
 
 import torch
 
-from .transport.torch_distributed import TorchTransport
+from .torch_distributed import TorchTransport
 
 #: Where the segments are created: a RAM-backed file system (``HVD_ONEBIT_SHM_DIR`` overrides).
 DEFAULT_SHM_DIR = "/dev/shm"
