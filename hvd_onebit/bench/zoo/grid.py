@@ -23,6 +23,9 @@ SCHEMES: dict[str, dict[str, Any]] = {
     # frozen-variance Adam with the exact average of the momentum (no compression), bounded as
     # "bounded" is: what a cell loses to freezing the variance alone, apart from the 1-bit scale
     "frozen_exact": {"step_bound": "adam", "precondition": True, "compressor": "none"},
+    # finer scales (one per 512 elements: +1/16 of the 1-bit bytes), to tell a cell's loss to
+    # the sign compression's scale granularity
+    "bounded_blocks512": {"step_bound": "adam", "precondition": True, "block_size": 512},
     "default": {},                       # whatever the installed hvd_onebit does by default
     # what elements with a zero variance at the freeze cost (issue 25, Required 3): trained
     # with Adam's eps as their denominator, or with their parameter's smallest variance
