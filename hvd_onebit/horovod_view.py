@@ -30,6 +30,11 @@ class HorovodView:
     def state(self) -> dict:
         return self._opt.state
 
+    @property
+    def optimizer_id(self) -> int:
+        """The key GradScaler files its record of this optimizer under."""
+        return id(self._opt)
+
     def parameters(self) -> list[torch.Tensor]:
         return [p for g in self._opt.param_groups for p in g["params"]]
 

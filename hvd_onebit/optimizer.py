@@ -20,19 +20,14 @@ from horovod.torch.mpi_ops import Adasum, Average, Sum
 from horovod.torch.optimizer import _DistributedOptimizer
 
 from . import elastic
-from .engine import CompressedStep, process_set_size
+from .engine import CompressedStep
 from .config import DEFAULT_BUCKET_MB, OneBitConfig, check_wrapped, validate_masks
-from .consistency import check_parameters_identical
 from .horovod_view import HorovodView
 from .low_precision import WidenBfloat16
 from .phases import setup
-from .phases.amp import amp_step
-from .phases.compression import CompressionPhase
-from .phases.warmup import Warmup, closure_loss
 from .state import checkpoint
 from .state.adam_state import init_adam_state
-from .state.schedule import COMPRESSION, Schedule
-from .state.telemetry import Telemetry
+from .state.schedule import COMPRESSION
 
 
 def _counter(name: str) -> property:
@@ -52,19 +47,9 @@ class OneBitFace:
                                        groups, sparse_as_dense, process_set)
         self.config = config
         self._view = HorovodView(self, type(self))
-        self._schedule = Schedule(self._view, config)
-        self._schedule.freeze_step = None if config.auto else config.freeze_step
-        self._telemetry = Telemetry()
-        init_adam_state(self.param_groups, self.state)
-        world = process_set_size(process_set)
-        setup.check_job(self.param_groups, self._parameter_names, process_set, world)
-        device = next((p.device for p in self._view.parameters()), torch.device("cpu"))
-        self.transport = setup.connect(config, process_set, device, world)
-        self._engine = CompressedStep(config, self.state, self._view.decoupled, process_set,
-                                      transport=self.transport, names=self._parameter_names)
-        self._warmup = Warmup(self._view, self._schedule, self._telemetry, self._engine)
-        self._compression_phase = CompressionPhase(self._view, self._schedule, self._telemetry,
-                                             self._engine, config)
+        parts = setup.build(self._view, config, process_set)
+        self._schedule, self._telemetry = parts.schedule, parts.telemetry
+        self._engine, self._phases, self.transport = parts.engine, parts.phases, parts.transport
 
     # ---- what a training script reads ------------------------------------------------------------
 
@@ -107,9 +92,6 @@ class OneBitFace:
         """Phase, step count and communication counters as a plain dict."""
         return self._telemetry.as_dict(self.phase, self.steps)
 
-    def _compressing(self) -> bool:
-        return self._engine.world > 1 and self._schedule.phase == COMPRESSION
-
     # ---- checkpoints and the error-feedback lifecycle ----------------------------------------------
 
     def state_dict(self) -> dict:
@@ -127,7 +109,7 @@ class OneBitFace:
         error feedback); the next compressed step rebuilds them. Every rank must call it at the
         same point (elastic resets do, through :mod:`hvd_onebit.elastic`)."""
         self._engine.reset()
-        self._compression_phase.overlap.end_step()
+        self._phases.compression.overlap.end_step()
 
     def restart_variance_monitor(self) -> None:
         """freeze_step="auto": forget the variance record (the next check starts a new one).
@@ -160,7 +142,7 @@ class OneBitFace:
         warmup, on one rank and with ``compressor="none"``. Every rank calls it at the same
         point. Returns the bytes this rank sent; raises NonFiniteInputError on every rank,
         changing nothing (:meth:`~hvd_onebit.engine.CompressedStep.flush_error_feedback`)."""
-        if not self._compressing() or self.config.compressor != "onebit":
+        if not self._phases.compressing() or self.config.compressor != "onebit":
             return 0
         self._engine.ensure_ready(self._view.active_parameters())  # applies loaded errors
         start = time.perf_counter()
@@ -172,23 +154,11 @@ class OneBitFace:
 
     def _make_hook(self, p):
         warmup_hook = _DistributedOptimizer._make_hook(self, p)
-
-        def hook(*ignore):
-            if not self._compressing():
-                return warmup_hook(*ignore)
-            # Compression phase: no gradient travels; on the step's last backward pass the
-            # gradient completes its bucket, which may start its exchange (hvd_onebit.overlap).
-            if self._view.count_backward_pass(p):
-                self._compression_phase.overlap.gradient_ready(p)
-
-        return hook
+        return lambda *args: self._phases.gradient_hook(p, warmup_hook, *args)
 
     def synchronize(self) -> None:
         """Warmup: wait for the gradient allreduces (as Horovod). Compression: nothing to wait for."""
-        if self._compressing():
-            self._synchronized = True
-            return
-        self._warmup.synchronize(self._make_hook)
+        self._phases.synchronize(self._make_hook)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self._handles or self._engine.started:
@@ -205,24 +175,8 @@ class OneBitFace:
     def step(self, closure: Optional[Callable[[], float]] = None, grad_scaler=None):
         """One optimizer step: Horovod + Adam in warmup, 1-bit momentum Adam afterwards.
         ``grad_scaler`` is passed by ``torch.amp.GradScaler.step()`` itself."""
-        if grad_scaler is not None:
-            loss = amp_step(grad_scaler, grad_scaler._per_optimizer_states[id(self)],
-                            lambda: grad_scaler.unscale_(self), self._compressing(),
-                            self._warmup, self._compression_phase, self._telemetry, closure,
-                            self._make_hook)
-        elif not self._compressing():
-            self._compression_phase.overlap.remember_scaler(None)
-            loss = self._warmup.step(closure, self._make_hook)
-        else:
-            loss = closure_loss(closure)
-            early = self._compression_phase.overlap.current
-            self._compression_phase.overlap.remember_scaler(None)
-            self._compression_phase.step(changed=early is not None and early.scaler is not None)
-            self._compression_phase.end_step()
-        every, world = self.config.check_every, self._engine.world
-        if every and world > 1 and self.steps % every == 0:
-            check_parameters_identical(self.param_groups, self.process_set, self.steps, every)
-        return loss
+        return self._phases.step(closure, grad_scaler,
+                                 lambda: grad_scaler.unscale_(self), self._make_hook)
 
 
 def DistributedOptimizer(optimizer: torch.optim.Optimizer,

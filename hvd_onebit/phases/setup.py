@@ -1,15 +1,22 @@
-"""What is decided once, when the optimizer is built: the checks against the job, and the
-transport the compression phase's two stages travel on."""
+"""What is decided once, when the optimizer is built: the checks against the job, the
+transport the compression phase's two stages travel on, and the parts the face delegates to."""
 from __future__ import annotations
 
 import os
 import warnings
+from dataclasses import dataclass
 
 import horovod.torch as hvd
 import torch
 
 from ..config import OneBitConfig
 from ..consistency import check_same_parameters
+from ..engine import CompressedStep, process_set_size
+from ..horovod_view import HorovodView
+from ..state.adam_state import init_adam_state
+from ..state.schedule import Schedule
+from ..state.telemetry import Telemetry
+from .driver import Phases
 from ..transport.registry import resolve_transport
 from ..transport.rendezvous import TorchRendezvousError, init_torch_distributed
 
@@ -40,3 +47,31 @@ def connect(config: OneBitConfig, process_set: hvd.ProcessSet, device: torch.dev
     if config.hierarchical is not False and config.intra_node == "shared_memory":
         config.shared_memory_inside_nodes(transport, device)  # raises where it cannot
     return transport
+
+
+@dataclass(frozen=True)
+class Parts:
+    """What one optimizer's face delegates to."""
+
+    schedule: Schedule
+    telemetry: Telemetry
+    engine: CompressedStep
+    phases: Phases
+    transport: str
+
+
+def build(view: HorovodView, config: OneBitConfig, process_set: hvd.ProcessSet) -> Parts:
+    """Adam's state, the checks against the job, the transport, the engine and the phases of
+    the optimizer ``view`` sees, in the order every rank runs their collectives."""
+    schedule = Schedule(view, config)
+    schedule.freeze_step = None if config.auto else config.freeze_step
+    telemetry = Telemetry()
+    init_adam_state(view.param_groups, view.state)
+    world = process_set_size(process_set)
+    check_job(view.param_groups, view.names, process_set, world)
+    device = next((p.device for p in view.parameters()), torch.device("cpu"))
+    transport = connect(config, process_set, device, world)
+    engine = CompressedStep(config, view.state, view.decoupled, process_set,
+                            transport=transport, names=view.names)
+    phases = Phases(view, config, schedule, telemetry, engine)
+    return Parts(schedule, telemetry, engine, phases, transport)
