@@ -47,7 +47,7 @@ def scenario(results: list[dict], name: str) -> list[Any]:
     for rank, per_rank in enumerate(results):
         if name not in per_rank:
             problems.append(f"rank {rank}: scenario {name!r} did not run "
-                            f"(ran: {sorted(per_rank)})")
+                            f"(ran: {list(per_rank)})")
             continue
         tb = failure(per_rank[name])
         if tb is not None:
