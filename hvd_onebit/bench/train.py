@@ -32,7 +32,7 @@ cores (the emulator puts 4 ranks on this machine's cores), spinning waiters take
 still computing. hvd_onebit's own waits sleep (see :func:`hvd_onebit.transport.horovod.sleep_until_done`);
 with ``wait="sleep"`` (default) the benchmark gives Horovod's optimizer the same sleeping wait, so
 the baselines are not slowed by a waiting strategy that a machine with a core per rank would not
-pay for. ``wait="spin"`` keeps Horovod's own.
+pay for. ``wait="spin"`` keeps Horovod's own (:mod:`.waits`).
 """
 from __future__ import annotations
 
@@ -42,6 +42,8 @@ from typing import Optional
 
 from ..layout import ring_allreduce_bytes
 from .allreduce import _iface_tx_bytes
+from .waits import WAITS
+from .waits import sleeping_horovod_waits as _sleeping_horovod_waits  # noqa: F401 (zoo)
 
 # glibc serves allocations above 32 MiB (and, after heap trims, smaller ones) with fresh mmap()s,
 # so a training step that allocates its gradients anew page-faults and zero-fills tens of MB each
@@ -53,7 +55,6 @@ METHODS = ("local", "horovod_fp32", "horovod_fp16", "ddp_powersgd", "onebit", "o
 ONEBIT_METHODS = ("onebit", "onebit_sync", "onebit_hier")
 DEFAULT_METHODS = ("local", "horovod_fp32", "horovod_fp16", "ddp_powersgd", "onebit")
 MODELS = ("mlp", "embedding")
-WAITS = ("sleep", "spin")
 IN_DIM = OUT_DIM = 256
 
 
@@ -85,21 +86,6 @@ def build_embedding_model(vocab: int, dim: int, width: int, out_dim: int = OUT_D
             return self.head(self.table(tokens))
 
     return EmbeddingBagModel()
-
-
-def _sleeping_horovod_waits(enable: bool) -> None:
-    """Make ``hvd.DistributedOptimizer`` wait by sleeping (True) or with its own spin (False)."""
-    import horovod.torch.mpi_ops as mpi_ops
-    import horovod.torch.optimizer as horovod_optimizer
-
-    from ..transport.horovod import sleep_until_done
-
-    def synchronize(handle):
-        if not callable(handle):
-            sleep_until_done(handle)
-        return mpi_ops.synchronize(handle)
-
-    horovod_optimizer.synchronize = synchronize if enable else mpi_ops.synchronize
 
 
 def _make_step(method: str, model, steps: int, warmup_frac: float, powersgd_start: int, lr: float,
