@@ -10,7 +10,7 @@ setup(
     ext_modules=[
         CppExtension(
             "hvd_onebit._C",
-            ["hvd_onebit/csrc/onebit_kernels.cpp"],
+            ["hvd_onebit/kernels/csrc/onebit_kernels.cpp"],
             extra_compile_args=["-O3", "-std=c++17", "-ffp-contract=off"],
         )
     ],

@@ -71,8 +71,8 @@ def _kernel_outputs(backend, device, L, x, y_prev, prev_send, z_prev, prev_row):
 
 def _fused_outputs(backend, device, L, sizes, m, grads, rows, weights, variances, steps, decays):
     import torch
-    from hvd_onebit.fused_adam import (AdamUpdate, MomentumInput, decode_update,
-                                       worker_compress_momentum)
+    from hvd_onebit.kernels.fused_adam import (AdamUpdate, MomentumInput, decode_update,
+                                               worker_compress_momentum)
     to = (lambda t: None if t is None else t.to(device, copy=True))  # updates are in place
     y_prev = torch.zeros(L.padded, device=device)
     prev = torch.zeros(L.n * L.row_bytes, dtype=torch.uint8, device=device)
@@ -92,6 +92,7 @@ def check_bits(device: str) -> dict:
     """Per case, whether each device implementation gives the native CPU kernels' bits."""
     import torch
     from hvd_onebit import kernels
+    from hvd_onebit.dtypes import FLOAT_DTYPES
     from hvd_onebit.layout import Layout
     impls = [("triton", device)] + ([("torch", device)] if device != "cpu" else [])
     cases, ok = [], True
@@ -110,7 +111,7 @@ def check_bits(device: str) -> dict:
             entry[f"{backend}_{dev}"] = _kernel_outputs(backend, dev, *args) == ref
             ok &= entry[f"{backend}_{dev}"]
         cases.append(entry)
-    dtypes = [torch.float32, torch.float16, torch.bfloat16]
+    dtypes = list(FLOAT_DTYPES)
     for sizes, n in FUSED_CASES:
         numel = sum(sizes)
         L = Layout.build(numel, n)
@@ -145,7 +146,7 @@ def check_bits(device: str) -> dict:
 def _virtual_ranks(device: str, backend: str, numel: int, calls: int = 3):
     import torch
     from hvd_onebit import OneBitAllreduce
-    from hvd_onebit.transports import run_threads
+    from hvd_onebit.transport.inprocess import run_threads
 
     def rank_fn(t):
         comm = OneBitAllreduce(numel, transport=t, device=device, backend=backend,
@@ -171,7 +172,7 @@ def _warm_ranks(numel: int, name: str):
     (kernels compiled, first-call buffers allocated), and a function running one more call."""
     import torch
     from hvd_onebit import OneBitAllreduce
-    from hvd_onebit.transports import run_threads
+    from hvd_onebit.transport.inprocess import run_threads
     comms = {}
 
     def setup(t):
@@ -219,9 +220,9 @@ def check_compressed_step(device: str, width: int = 2048, layers: int = 4) -> di
 
     import torch
     from hvd_onebit.bench.memory import held_bytes
-    from hvd_onebit.compressed_step import NOT_FROZEN, CompressedStep
+    from hvd_onebit.engine import NOT_FROZEN, CompressedStep
     from hvd_onebit.config import OneBitConfig
-    from hvd_onebit.transports import run_threads
+    from hvd_onebit.transport.inprocess import run_threads
 
     cuda = device == "cuda"
     gate = threading.Barrier(2)
@@ -269,7 +270,7 @@ def check_compressed_step(device: str, width: int = 2048, layers: int = 4) -> di
         warnings.simplefilter("always")
         per_rank = run_threads(2, rank_fn, timeout=600)
     syncs = [w for w in caught if "synchroniz" in str(w.message)]
-    transport = [w for w in syncs if w.filename.endswith("transports.py")]
+    transport = [w for w in syncs if Path(w.filename).parent.name == "transport"]
     ours = [f"{Path(w.filename).name}:{w.lineno}" for w in syncs if w not in transport]
     param_bytes = per_rank[0]["param_bytes"]
     out = {"buckets": per_rank[0]["buckets"], "ranks": 2, "param_bytes": param_bytes,
@@ -342,7 +343,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.dry_run:  # before anything imports triton
         os.environ["TRITON_INTERPRET"] = "1"
-    from hvd_onebit.bench.cli import parse_count
+    from hvd_onebit.bench.cli.options import parse_count
     report = run(args.dry_run, [parse_count(v) for v in args.numel.split(",") if v.strip()])
     text = json.dumps(report, indent=2)
     print(text)

@@ -32,8 +32,15 @@ depends on the seed and the world size, never on the optimizer. Validation uses 
 non-overlapping windows of the held-out text, split among the ranks and averaged with an
 allreduce, so the validation loss does not depend on the world size either.
 
-``--json-out PATH`` writes a summary (rank 0): the validation-loss curve, train loss, samples/s
-and bytes sent per step for each phase, the final validation loss, the world size and the config.
+Waiting: ``hvd.synchronize`` spins on ``sched_yield`` until an allreduce is done; when ranks share
+cores, the spinning ranks take CPU from those still computing. hvd_onebit's waits sleep. ``--wait
+sleep`` (default) gives Horovod's optimizer the same sleeping wait, so that Adam and 1-bit Adam
+wait alike and a comparison measures compression; ``--wait spin`` keeps Horovod's own wait (what
+plain Horovod does). It changes the time only, never the numbers; 1-bit Adam sleeps either way.
+
+``--json-out PATH`` writes a summary (rank 0): the validation-loss curve, train loss, samples/s,
+bytes sent and seconds blocked on communication per step for each phase, the final validation
+loss, the world size and the config.
 """
 from __future__ import annotations
 
@@ -49,6 +56,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import hvd_onebit
+from hvd_onebit.bench.waits import WAITS, WaitTimer, set_horovod_wait
 
 
 # ---------------------------------------------------------------------------------------------
@@ -225,6 +233,9 @@ def parse_args(argv=None):
     p.add_argument("--onebit-hierarchical", action="store_true",
                    help="1-bit Adam: hierarchical=True (full precision inside each node, 1-bit "
                         "between nodes)")
+    p.add_argument("--wait", choices=WAITS, default="sleep",
+                   help="how Horovod's optimizer waits for its allreduces: sleep (as hvd_onebit "
+                        "does) or spin (Horovod's own sched_yield loop); time only")
     p.add_argument("--json-out", default=None, help="write a JSON summary here (rank 0)")
     return p.parse_args(argv)
 
@@ -233,6 +244,8 @@ def main(argv=None):
     args = parse_args(argv)
     hvd.init()
     torch.set_num_threads(args.threads)
+    horovod_waits = WaitTimer()  # seconds hvd.DistributedOptimizer blocks on its allreduces
+    set_horovod_wait(args.wait, horovod_waits)
     rank, world = hvd.rank(), hvd.size()
     log = print if rank == 0 else (lambda *a, **k: None)
 
@@ -304,21 +317,26 @@ def main(argv=None):
         phase = phase_now()
         if phase == "compression" and phase_switch_step is None:
             phase_switch_step = step
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         x, y = get_batch(shard, args.batch_size, args.context, gen)
         _, loss = model(x, y)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-        dt = time.perf_counter() - t0
+        dt, cpu = time.perf_counter() - t0, time.process_time() - c0
+        waited = horovod_waits.take()
         if args.optimizer == "onebit":
-            sent = optimizer.telemetry()["last_step_bytes"]
+            telemetry = optimizer.telemetry()
+            sent, waited = telemetry["last_step_bytes"], telemetry["last_step_comm_seconds"]
         else:
             sent = adam_bytes
-        ph = phases.setdefault(phase, {"steps": 0, "seconds": 0.0, "bytes": 0, "first_step": step})
+        ph = phases.setdefault(phase, {"steps": 0, "seconds": 0.0, "bytes": 0, "comm_seconds": 0.0,
+                                       "cpu_seconds": 0.0, "first_step": step})
         ph["steps"] += 1
         ph["seconds"] += dt
         ph["bytes"] += sent
+        ph["comm_seconds"] += waited
+        ph["cpu_seconds"] += cpu
         recent_losses.append(loss.item())
         train_losses.append(recent_losses[-1])
         if not math.isfinite(recent_losses[-1]):
@@ -330,6 +348,10 @@ def main(argv=None):
     for name, ph in phases.items():
         ph["samples_per_sec"] = ph["steps"] * args.batch_size * world / max(ph["seconds"], 1e-9)
         ph["bytes_per_step"] = ph["bytes"] / ph["steps"]
+        ph["seconds_per_step"] = ph["seconds"] / ph["steps"]
+        ph["comm_seconds_per_step"] = ph["comm_seconds"] / ph["steps"]
+        ph["comm_share"] = ph["comm_seconds"] / max(ph["seconds"], 1e-9)
+        ph["cpu_seconds_per_step"] = ph["cpu_seconds"] / ph["steps"]
     summary = {
         "optimizer": args.optimizer,
         "world_size": world,
@@ -347,6 +369,12 @@ def main(argv=None):
                        "bytes on the wire)" if args.optimizer == "onebit" else
                        "adam: ring-allreduce estimate, 2*(n-1)/n * 4 bytes per parameter"),
         "telemetry": optimizer.telemetry() if args.optimizer == "onebit" else None,
+        "wait": args.wait,
+        "comm_note": ("comm_seconds: rank 0's seconds blocked on communication in each step ("
+                      "onebit: opt.telemetry()['last_step_comm_seconds']; adam: inside Horovod's "
+                      "per-handle synchronize); cpu_seconds: rank 0's process CPU time in its steps (all "
+                      "threads): a spinning wait burns CPU that ranks sharing a core need"),
+        "train_seconds": sum(ph["seconds"] for ph in phases.values()),
         "samples_per_sec": args.steps * args.batch_size * world
         / max(sum(ph["seconds"] for ph in phases.values()), 1e-9),
         "wall_seconds": wall,

@@ -14,10 +14,10 @@ import importlib
 __version__ = "0.1.0"
 
 _PUBLIC = {
-    "AllreduceHandle": ".collective",
-    "NonFiniteInputError": ".collective",
-    "OneBitAllreduce": ".collective",
-    "synchronize_all": ".collective",
+    "AllreduceHandle": ".comm.flat",
+    "NonFiniteInputError": ".comm.protocol",
+    "OneBitAllreduce": ".comm.flat",
+    "synchronize_all": ".comm.transaction",
     "Layout": ".layout",
     "DistributedOptimizer": ".optimizer",
 }

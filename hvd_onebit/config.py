@@ -12,8 +12,10 @@ from typing import Any, Iterable, Optional, Union
 import torch
 
 from . import kernels
+from .dtypes import FLOAT_DTYPES
 from .step_bound import ADAM as ADAM_BOUND, validate as validate_step_bound
-from .transports import TRANSPORTS, check_transport
+from .transport.registry import check_name as check_transport_name
+from .transport.registry import check_transport, either, supporting, supports
 
 COMPRESSORS = ("onebit", "none")
 MEMORY_MODES = ("auto", "lean", "fast")
@@ -21,9 +23,6 @@ INTRA_NODE_MODES = ("auto", "shared_memory", "network")
 ZERO_VARIANCE_MODES = ("hold", "eps", "floor")
 AUTO = "auto"  # freeze_step="auto": freeze once the variance has settled (hvd_onebit.auto_freeze)
 DEFAULT_BUCKET_MB = 64.0
-# Parameter dtypes the optimizer trains. float16 and bfloat16 parameters keep float32 optimizer
-# state (see hvd_onebit.low_precision); the 1-bit kernels compute in float32.
-TRAINABLE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def _is_int(value) -> bool:
@@ -81,36 +80,96 @@ class AutoFreeze:
 
 @dataclass(frozen=True)
 class OneBitConfig:
-    """The compression-phase options (see :func:`hvd_onebit.DistributedOptimizer` for meanings).
+    """The 1-bit options of :func:`hvd_onebit.DistributedOptimizer`: their meanings and
+    trade-offs. Validated here, once, at construction.
 
     Attributes:
-        freeze_step: warmup length in optimizer steps, >= 1, or "auto".
-        auto_freeze: with freeze_step="auto", its options: None (the defaults), a dict of some
-            of :class:`AutoFreeze`'s fields, or an AutoFreeze; stored as
-            an AutoFreeze (None with an int freeze_step).
-        compressor: "onebit" or "none".
-        block_size: elements per scale (a positive multiple of 8), or None for one per chunk.
-        transport: "auto", "horovod", "mpi" or "torch".
-        kernel_backend: "auto", "native" or "torch".
-        bucket_size_mb: MiB of float32 momentum per fused bucket, > 0.
-        check_every: steps between cross-rank parameter checks, 0 for never.
-        flush_on_commit: elastic jobs: fold the error feedback into the momentum at every
-            commit (:meth:`flush_error_feedback`), so a committed state loses none.
-        hierarchical: True, False or "auto": the 1-bit stage among nodes, full precision inside
-            them (:mod:`hvd_onebit.hierarchical`); "auto" when there are several nodes of several
-            ranks each.
-        overlap: start each bucket's exchange from the gradient hooks, during backward.
-        memory: "lean", "fast" or "auto": one error buffer per collective and its passes
-            repeated at the commit, or a spare one of each and no pass repeated; "auto" is lean
-            on CUDA and fast elsewhere (see :meth:`spare_errors`).
-        intra_node: "auto", "shared_memory" or "network": how the hierarchical stages inside a
-            node travel (see :meth:`shared_memory_inside_nodes`).
-        step_bound: "adam", a positive number or None: the bound on each compression-phase
-            step (:mod:`hvd_onebit.step_bound`).
-        zero_variance: "hold", "eps" or "floor": what elements whose variance is 0 at the
-            freeze do in the compression phase (see ``CompressedStep._freeze_variances``).
-        precondition: the 1-bit collectives carry the momentum over its frozen denominator
-            (:class:`~hvd_onebit.fused_adam.MomentumInput`), or the momentum itself.
+        freeze_step: warmup length in optimizer steps (positive int). The variance is frozen
+            after this many steps. Guidance: 15-25% of the total steps. Or "auto": freeze once
+            the variance has settled (:mod:`hvd_onebit.auto_freeze`); ``opt.freeze_step`` is
+            None until then, then the step chosen (``opt.freeze_decision`` says why).
+        auto_freeze: with ``freeze_step="auto"``, a dict of some of ``window`` (10),
+            ``tolerance`` (0.1), ``patience`` (2), ``min_steps`` (50), ``max_steps`` (10000):
+            every ``window`` steps the relative L1 change of the bias-corrected variance over
+            the last ``window`` steps is measured; the warmup ends at the first check, at or
+            after ``min_steps``, where it was below ``tolerance`` at ``patience`` checks in a
+            row, and after ``max_steps`` at the latest.
+        compressor: "onebit" (default) or "none", which averages the momentum in full precision
+            in the compression phase: Adam with a frozen variance, for comparisons.
+        block_size: elements per scale in the 1-bit allreduce, a positive multiple of 8
+            (None: one per chunk).
+        transport: how the compression phase's two stages travel: "torch" (torch.distributed,
+            Gloo on CPU or NCCL on CUDA, set up over Horovod's ranks when the optimizer is
+            built: no negotiation round, so each stage costs about one round trip less than
+            through Horovod; with ``hierarchical``, one subgroup per node and per local rank;
+            not for elastic jobs or process sets), "horovod"
+            (Horovod's alltoall and allgather, negotiated with rank 0 by its background thread;
+            whatever Horovod runs on), "mpi" (mpi4py; MPI jobs, CPU tensors), or "auto"
+            (default): "torch" where it can serve, else "horovod". ``opt.transport`` says which.
+        kernel_backend: "auto", "native" (C++, CPU) or "torch".
+        bucket_size_mb: momentum fused per OneBitAllreduce, in MiB of fp32 (default 64). Each
+            bucket costs two collectives per step; several let compression of one bucket
+            overlap the transfer of the previous.
+        check_every: every K steps, compare a checksum of the parameters across ranks and raise
+            on every rank if they diverged (0, the default: never). One small allgather.
+        flush_on_commit: in Horovod elastic jobs, call :meth:`flush_error_feedback` at every
+            ``state.commit()``, so the committed state holds every rank's error feedback (one
+            full-precision allreduce of the momentum per commit in the compression phase).
+        hierarchical: True, False (default) or "auto" (on with several nodes of several ranks
+            each). The momentum is reduce-scattered in full precision inside each node, the
+            1-bit two-stage allreduce runs among the ranks with the same local rank, and an
+            allgather inside the node completes it: between nodes each node sends 1/L of the
+            1-bit rows flat 1-bit would (L ranks per node). Error feedback belongs to the
+            rank's role in the topology; a checkpoint's is reset, with a warning, when the
+            topology changes.
+        overlap: in the compression phase, start each bucket's exchange from the gradient
+            hooks, as soon as backward has produced all its gradients (on the last of
+            ``backward_passes_per_step`` passes), so that its compression and stage 1 run while
+            backward goes on; step() finishes the rest. Buckets start in one order on every
+            rank, planned from the last parameter (the first gradients backward produces). The
+            result is bit-identical to ``overlap=False``, which starts every bucket in step().
+            With a GradScaler the hooks unscale as ``GradScaler.unscale_`` does. If the
+            gradients change between backward and step() (clipping), that step starts its
+            buckets again (all ranks together) and this rank stops starting them early, with a
+            warning. The flat 1-bit collective only
+            (``compressor="none"`` and ``hierarchical`` start in step()).
+
+        memory: "auto" (default), "lean" or "fast". Each bucket's collective keeps a worker
+            error (1x the bucket's float32 bytes) and a server error (1/n of it). "lean": one of
+            each; the compression passes before the stages write only the rows, and the commit
+            runs them again to store the new errors in place (one more pass per step), so the
+            compression phase adds about 1 + 1/n + 1/16 of the parameters' float32 bytes beyond
+            Adam's own. "fast": a spare of each, written by the passes and adopted at the
+            commit: one pass less per step, 1x the parameters more. "auto": lean on CUDA (GPU
+            memory is short, its passes run at memory speed), fast elsewhere.
+        intra_node: how the hierarchical collective's full-precision stages travel inside a
+            node: "shared_memory" (a segment in ``/dev/shm`` the node's ranks map: no copies
+            through the kernel; CPU parameters with transport "torch"), "network" (the
+            transport's own links, e.g. NCCL's NVLink on GPUs, or emulated links between ranks)
+            or "auto" (default): shared memory where it can serve, else the network; a node
+            whose ranks cannot share memory uses the network, with a warning.
+        step_bound: "adam" (default), a positive number, or None. In the compression phase
+            each element's step ``lr / bc1 * m / denom`` is clamped to ``lr * B``: with "adam",
+            B is the longest step Adam itself can take at that step count (1 at step 1, 7.27
+            in the limit for the default betas; :mod:`hvd_onebit.step_bound` derives it), so an
+            element whose gradient outgrows its frozen variance cannot run away; a number is a
+            fixed B; None takes the unbounded step of the paper (frozen-variance steps can then
+            diverge on CNNs with dropout, max-pool and ReLU). The momentum and the error
+            feedback are not clamped, only the step. ``compressor="none"`` is bounded alike.
+        zero_variance: elements whose variance is exactly 0 at the freeze (no gradient in the
+            whole warmup: dead ReLU inputs, unused embedding rows): "hold" (default) keeps them
+            fixed for the rest of the run, with a warning; "eps" divides their momentum by
+            Adam's eps (steps at the step bound); "floor" gives them the smallest non-zero
+            variance of their parameter.
+        precondition: True (default): the 1-bit allreduce carries each element's momentum over
+            its frozen denominator, ``m / (sqrt(v / bc2) + eps)``, the quantity the update
+            uses, instead of the momentum itself. The denominators are the same bits on every
+            rank, so the average is the same; but one scale per chunk of the sign compression
+            then fits elements of any variance alike (on the momentum itself, an element with a
+            small variance receives its chunk's large magnitude and divides it by its small
+            denominator), and the error feedback is kept in the update's units. The
+            compression pass reads the frozen variance once more; bytes on the wire do not
+            change. False: the paper's compression of the momentum, for comparison.
     """
 
     freeze_step: Union[int, str]
@@ -154,23 +213,24 @@ class OneBitConfig:
         if not (isinstance(self.hierarchical, bool) or self.hierarchical == "auto"):
             raise ValueError(f"hierarchical must be True, False or 'auto', got "
                              f"{self.hierarchical!r}")
-        if self.hierarchical is not False and self.transport not in ("horovod", "torch", "auto"):
-            raise ValueError("hierarchical 1-bit runs on transport='horovod' or 'torch', got "
+        if self.hierarchical is not False and not supports(self.transport, "hierarchical"):
+            raise ValueError(f"hierarchical 1-bit runs on transport="
+                             f"{either(supporting('hierarchical'))}, got "
                              f"transport={self.transport!r}")
         if self.intra_node not in INTRA_NODE_MODES:
             raise ValueError(f"intra_node must be one of {INTRA_NODE_MODES}, got "
                              f"{self.intra_node!r}")
-        if self.intra_node == "shared_memory" and self.transport not in ("torch", "auto"):
-            raise ValueError("intra_node='shared_memory' runs beside transport='torch' (or "
-                             f"'auto'), got transport={self.transport!r}")
+        if self.intra_node == "shared_memory" and not supports(self.transport, "shared_memory"):
+            raise ValueError(f"intra_node='shared_memory' runs beside transport="
+                             f"{either(supporting('shared_memory'))} (or 'auto'), got "
+                             f"transport={self.transport!r}")
         if self.compressor not in COMPRESSORS:
             raise ValueError(f"compressor must be one of {COMPRESSORS}, got {self.compressor!r}")
         if self.block_size is not None and (not _is_int(self.block_size) or self.block_size <= 0
                                             or self.block_size % 8):
             raise ValueError(f"block_size must be None or a positive multiple of 8, got "
                              f"{self.block_size!r}")
-        if self.transport not in TRANSPORTS:
-            raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
+        check_transport_name(self.transport)
         if self.kernel_backend not in kernels.BACKENDS:
             raise ValueError(f"kernel_backend must be one of {kernels.BACKENDS}, got "
                              f"{self.kernel_backend!r}")
@@ -200,7 +260,7 @@ class OneBitConfig:
         on the torch transport ("auto" and "shared_memory"); "network" never. Raises if
         "shared_memory" was asked for where it cannot serve (the transport resolved to another
         one, or the parameters are not on the CPU)."""
-        possible = transport == "torch" and torch.device(device).type == "cpu"
+        possible = transport in supporting("shared_memory") and torch.device(device).type == "cpu"
         if self.intra_node == "shared_memory" and not possible:
             raise ValueError("intra_node='shared_memory' needs CPU parameters on transport "
                              f"'torch', this job has {torch.device(device)} on {transport!r}")
@@ -215,18 +275,42 @@ class OneBitConfig:
         """What can only be checked against the parameters and the job: dtypes, one device, a
         kernel backend that runs there, a transport this job can use. Raises on every rank."""
         params = list(params)
-        bad = sorted({str(p.dtype) for p in params if p.dtype not in TRAINABLE_DTYPES})
+        bad = sorted({str(p.dtype) for p in params if p.dtype not in FLOAT_DTYPES})
         if bad:
             raise TypeError(f"hvd_onebit.DistributedOptimizer trains float32, float16 and bfloat16 "
                             f"parameters; got {', '.join(bad)}")
-        devices = sorted({str(p.device) for p in params})
-        if len(devices) > 1:
-            raise ValueError("hvd_onebit.DistributedOptimizer needs all parameters on one device, "
-                             f"found {devices}")
+        check_one_device(params)
         if params:
             kernels.resolve_backend(self.kernel_backend, params[0].device)
             if self.compressor == "onebit":
                 check_transport(self.transport, process_set, params[0].device)
+
+
+def check_wrapped(optimizer: torch.optim.Optimizer, op_supported: bool,
+                  backward_passes_per_step: Any) -> None:
+    """Raise if DistributedOptimizer cannot wrap ``optimizer`` with these Horovod arguments
+    (``op_supported``: the op is hvd.Average or hvd.Sum)."""
+    if not isinstance(optimizer, torch.optim.Adam):
+        raise TypeError("hvd_onebit.DistributedOptimizer wraps torch.optim.Adam or "
+                        f"torch.optim.AdamW; got {type(optimizer).__module__}."
+                        f"{type(optimizer).__name__}")
+    if any(g.get("amsgrad") for g in optimizer.param_groups):
+        raise ValueError("amsgrad=True is not supported: 1-bit Adam freezes the variance, "
+                         "which amsgrad's running maximum would contradict")
+    if not op_supported:
+        raise ValueError("hvd_onebit.DistributedOptimizer supports op=hvd.Average or hvd.Sum")
+    if not _is_int(backward_passes_per_step) or backward_passes_per_step <= 0:
+        raise ValueError("backward_passes_per_step must be a positive int, got "
+                         f"{backward_passes_per_step!r}")
+
+
+def check_one_device(params: Iterable[torch.Tensor]) -> None:
+    """Raise ValueError unless every parameter is on one device: the fused buckets, their
+    collectives and the kernels each live on one."""
+    devices = sorted({str(p.device) for p in params})
+    if len(devices) > 1:
+        raise ValueError("hvd_onebit.DistributedOptimizer needs all parameters on one device, "
+                         f"found {devices}")
 
 
 def group_masks(group: dict) -> list[Optional[torch.Tensor]]:

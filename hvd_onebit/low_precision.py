@@ -18,11 +18,11 @@ from typing import Any
 
 import torch
 
-LOW_PRECISION = (torch.float16, torch.bfloat16)
+from .dtypes import LOW_PRECISION_DTYPES
 
 
 def is_low_precision(p: torch.Tensor) -> bool:
-    return p.dtype in LOW_PRECISION
+    return p.dtype in LOW_PRECISION_DTYPES
 
 
 def state_dtype(p: torch.Tensor) -> torch.dtype:

@@ -119,7 +119,7 @@ log "Horovod $HOROVOD_VERSION OK: PyTorch, MPI and Gloo enabled"
 # --- 4. the project ---------------------------------------------------------------------------
 # Reinstall only when the native kernel sources changed since the last build.
 stamp="$VENV/.hvd_onebit-installed"
-src_hash="$(cat "$ROOT/setup.py" "$ROOT/setup.cfg" "$ROOT"/hvd_onebit/csrc/* 2>/dev/null | sha1sum | cut -d' ' -f1)"
+src_hash="$(cat "$ROOT/setup.py" "$ROOT/setup.cfg" "$ROOT"/hvd_onebit/kernels/csrc/* 2>/dev/null | sha1sum | cut -d' ' -f1)"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$src_hash" ] || ! "$PY" -c "import torch, hvd_onebit._C" 2>/dev/null; then
     log "installing hvd_onebit (editable) and compiling its native kernels"
     (cd "$ROOT" && pip_install --no-build-isolation --no-deps -e .)

@@ -1,11 +1,17 @@
-"""OneBitAllreduce on real multi-rank jobs, checked against the NumPy reference."""
+"""OneBitAllreduce on real multi-rank jobs, checked against the NumPy reference.
+
+One job per world size runs every scenario (tests.workers_collective:suite); each scenario's
+exception comes back as data, so only the tests of that scenario fail (tests/scenarios.py).
+"""
 import numpy as np
 import pytest
 
 from hvd_onebit.layout import Layout
-from hvd_onebit.testing import run_ranks
-from hvd_onebit.transports import run_threads
+from hvd_onebit.cluster.jobs import run_ranks
+from hvd_onebit.transport.inprocess import run_threads
+from tests.checks import assert_same_bits
 from tests.onebit_reference import ReferenceOneBit
+from tests.scenarios import scenario
 from tests.workers_collective import fixed_input_outputs, rank_input
 
 pytestmark = pytest.mark.multirank
@@ -28,40 +34,55 @@ def reference_outputs(n, numel, calls, block_size=None):
     return [ref.allreduce([rank_input(c, r, numel) for r in range(n)]) for c in range(calls)]
 
 
-def assert_identical_across_ranks(per_rank):
-    for other in per_rank[1:]:
-        for a, b in zip(per_rank[0], other):
-            assert a.tobytes() == b.tobytes()
+def assert_identical_across_ranks(per_rank, what):
+    """per_rank[r] is rank r's list of outputs (one per call): the same bytes on every rank."""
+    for rank, other in enumerate(per_rank[1:], start=1):
+        assert len(other) == len(per_rank[0]), \
+            f"{what}: rank {rank} made {len(other)} calls, rank 0 {len(per_rank[0])}"
+        for call, (a, b) in enumerate(zip(per_rank[0], other)):
+            assert_same_bits(b, a, f"{what}: rank {rank} vs rank 0, call {call}")
 
 
 def test_matches_reference_for_edge_sizes(world):
     n, results = world
+    per_size = scenario(results, "sizes")
     for numel in sizes_for(n):
-        per_rank = [r["sizes"][numel]["outputs"] for r in results]
-        assert_identical_across_ranks(per_rank)
+        per_rank = [r[numel]["outputs"] for r in per_size]
+        assert_identical_across_ranks(per_rank, f"n={n} numel={numel}")
         expected = reference_outputs(n, numel, calls=3)
-        for got, want in zip(per_rank[0], expected):
-            assert got.shape == (numel,)
+        assert len(per_rank[0]) == len(expected), \
+            f"n={n} numel={numel}: {len(per_rank[0])} outputs for {len(expected)} calls"
+        for call, (got, want) in enumerate(zip(per_rank[0], expected)):
+            assert got.shape == (numel,), f"n={n} call {call}: shape {got.shape}, not ({numel},)"
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6,
-                                       err_msg=f"n={n} numel={numel}")
+                                       err_msg=f"n={n} numel={numel} call {call} vs reference")
         if n == 1:
             for call, got in enumerate(per_rank[0]):  # one rank: exact, no compression
-                np.testing.assert_array_equal(got, rank_input(call, 0, numel))
+                np.testing.assert_array_equal(got, rank_input(call, 0, numel),
+                                              err_msg=f"n=1 numel={numel} call {call}: "
+                                                      "one rank must return its input exactly")
 
 
 def test_finer_blocks_match_reference(world):
     n, results = world
-    per_rank = [r["blocks"][5000]["outputs"] for r in results]
-    assert_identical_across_ranks(per_rank)
-    for got, want in zip(per_rank[0], reference_outputs(n, 5000, 2, block_size=64)):
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    per_rank = [r[5000]["outputs"] for r in scenario(results, "blocks")]
+    assert_identical_across_ranks(per_rank, f"n={n} block_size=64")
+    expected = reference_outputs(n, 5000, 2, block_size=64)
+    assert len(per_rank[0]) == len(expected), f"n={n}: {len(per_rank[0])} outputs for 2 calls"
+    for call, (got, want) in enumerate(zip(per_rank[0], expected)):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6,
+                                   err_msg=f"n={n} block_size=64 call {call} vs reference")
 
 
 def test_native_and_torch_kernels_give_the_same_bits(world):
     n, results = world
-    for r in results:
-        for a, b in zip(r["torch_backend"][4099]["outputs"], r["native_backend"][4099]["outputs"]):
-            assert a.tobytes() == b.tobytes()
+    torch_runs = scenario(results, "torch_backend")
+    native_runs = scenario(results, "native_backend")
+    for rank, (t, nat) in enumerate(zip(torch_runs, native_runs)):
+        t_out, n_out = t[4099]["outputs"], nat[4099]["outputs"]
+        assert len(t_out) == len(n_out) == 2, f"rank {rank}: {len(t_out)} and {len(n_out)} calls"
+        for call, (a, b) in enumerate(zip(t_out, n_out)):
+            assert_same_bits(b, a, f"n={n} rank {rank} call {call}: native vs torch backend")
 
 
 def test_inprocess_transport_gives_the_bits_of_the_horovod_job(world):
@@ -71,95 +92,136 @@ def test_inprocess_transport_gives_the_bits_of_the_horovod_job(world):
     n, results = world
     in_process = run_threads(n, lambda t: fixed_input_outputs(sizes_for(n), transport=t))
     compared = 0
-    for rank in range(n):
-        for key, per_size in in_process[rank].items():
-            for numel, got in per_size.items():
-                want = results[rank][key][numel]["outputs"]
-                assert len(got["outputs"]) == len(want)
-                for a, b in zip(got["outputs"], want):
-                    assert a.tobytes() == b.tobytes(), (n, rank, key, numel)
+    for key in in_process[0]:
+        horovod = scenario(results, key)
+        threads = scenario(in_process, key)
+        for rank in range(n):
+            for numel, got in threads[rank].items():
+                want = horovod[rank][numel]["outputs"]
+                assert len(got["outputs"]) == len(want), \
+                    f"{key} numel={numel} rank {rank}: {len(got['outputs'])} vs {len(want)} calls"
+                for call, (a, b) in enumerate(zip(got["outputs"], want)):
+                    assert_same_bits(a, b, f"n={n} rank {rank} {key} numel={numel} call {call}: "
+                                           "in-process vs Horovod")
                     compared += 1
-    assert compared == n * (3 * len(set(sizes_for(n))) + 2 * 3)
+    want_compared = n * (3 * len(set(sizes_for(n))) + 2 * 3)
+    assert compared == want_compared, f"compared {compared} outputs, expected {want_compared}"
 
 
 def test_wire_bytes_match_the_formula(world):
     n, results = world
+    rank0 = scenario(results, "sizes")[0]
     for numel in sizes_for(n):
-        info = results[0]["sizes"][numel]
+        info = rank0[numel]
         layout = Layout.build(numel, n)
         chunk = -(-numel // (8 * n)) * 8
         row = 4 + 4 + -(-(chunk // 8) // 4) * 4  # status + one scale + signs padded to 4 bytes
         expected = 0 if numel == 0 or n == 1 else 2 * (n - 1) * row
-        assert info["row_bytes"] == layout.row_bytes
-        assert info["wire_bytes"] == expected
+        assert info["row_bytes"] == layout.row_bytes, \
+            f"n={n} numel={numel}: row_bytes {info['row_bytes']}, layout says {layout.row_bytes}"
+        assert info["wire_bytes"] == expected, \
+            f"n={n} numel={numel}: {info['wire_bytes']} wire bytes, formula says {expected}"
     if n > 1:  # 1M floats: at least 30x below a bandwidth-optimal fp32 ring allreduce
         fp32_ring = 2 * (n - 1) / n * 4 * (1 << 20)
-        assert results[0]["sizes"][1 << 20]["wire_bytes"] * 30 <= fp32_ring
+        wire = rank0[1 << 20]["wire_bytes"]
+        assert wire * 30 <= fp32_ring, \
+            f"n={n}: {wire} wire bytes for 1M floats, only {fp32_ring / wire:.1f}x below fp32 ring"
 
 
 def test_error_feedback_makes_the_running_mean_converge(world):
     n, results = world
-    first, running = results[0]["ef"]
+    first, running = scenario(results, "ef")[0]
+    figures = f"n={n}: error of one call {first:.3g}, of the running mean {running:.3g}"
     if n == 1:
-        assert first == 0 and running < 1e-5  # exact per call; only float summation error
+        # exact per call; only float summation error
+        assert first == 0 and running < 1e-5, figures
     else:
-        assert first > 0.1  # one call is a coarse sign approximation
-        assert running < first / 20  # error feedback recovers what compression dropped
+        assert first > 0.1, f"{figures}; one call should be a coarse sign approximation (> 0.1)"
+        assert running < first / 20, \
+            f"{figures}; error feedback should bring the mean below first/20 = {first / 20:.3g}"
 
 
 def test_nonfinite_input_raises_everywhere_and_keeps_state(world):
     n, results = world
-    for rank, r in enumerate(results):
-        nf = r["nonfinite"]
-        assert nf["inf_raised"]
-        assert nf["untouched"]
-        assert nf["recovered_finite"]
+    for rank, nf in enumerate(scenario(results, "nonfinite")):
+        assert nf["inf_raised"] is not None, \
+            f"n={n} rank {rank}: an all-inf call raised no NonFiniteInputError"
+        for key, changed in nf["changed"].items():
+            assert changed == 0, (f"n={n} rank {rank}: the rejected call changed {changed} of "
+                                  f"{nf['sizes'][key]} elements of {key}")
+        assert nf["recovered_nonfinite"] == 0, \
+            f"n={n} rank {rank}: {nf['recovered_nonfinite']} non-finite outputs after recovering"
         if n > 1:
+            assert nf["raised"] is not None, f"n={n} rank {rank}: rank 1's NaN raised nothing here"
             message, ranks = nf["raised"]
-            assert ranks == [1] and "rank(s) [1]" in message and "unchanged" in message
+            assert ranks == [1] and "rank(s) [1]" in message and "unchanged" in message, \
+                f"n={n} rank {rank}: ranks {ranks}, message {message!r}"
         else:
-            assert nf["raised"] is None  # there is no rank 1; the all-inf call covers n = 1
+            # there is no rank 1; the all-inf call covers n = 1
+            assert nf["raised"] is None, f"n=1: raised {nf['raised']!r} without a bad rank"
 
 
 def test_async_dtypes_and_inplace(world):
     n, results = world
-    for r in results:
-        a = r["async"]
-        assert a["async_equal"] and a["inplace"] and a["update_fused"]
-        assert "in flight" in a["two_in_flight"]
+    per_rank = scenario(results, "async")
+    for rank, a in enumerate(per_rank):
+        where = f"n={n} rank {rank}"
+        assert_same_bits(a["async"], a["sync"], f"{where}: allreduce_async vs allreduce")
+        ip = a["inplace"]
+        assert ip["returned_ptr"] == ip["out_ptr"], \
+            f"{where}: allreduce(y, out=y) returned storage {ip['returned_ptr']:#x}, " \
+            f"not y's {ip['out_ptr']:#x}"
+        assert_same_bits(ip["out"], a["sync"], f"{where}: in-place output vs allreduce")
+        assert a["two_in_flight"] is not None and "in flight" in a["two_in_flight"], \
+            f"{where}: a second allreduce_async in flight gave {a['two_in_flight']!r}"
+        u = a["update_fused"]
+        assert_same_bits(u["w"], u["w_ref"], f"{where}: fused Adam epilogue weights vs "
+                                             "AdamUpdate.apply")
+        assert_same_bits(u["m"], u["m_ref"], f"{where}: fused epilogue momentum vs "
+                                             "AdamUpdate.apply")
+        held_m = np.count_nonzero(u["m"][::5])
+        assert held_m == 0, f"{where}: {held_m} held elements got a non-zero momentum"
+        assert_same_bits(u["w"][::5], u["w0"][::5], f"{where}: held weights moved")
+        unmoved = int((u["w"][1::5] == u["w0"][1::5]).sum())
+        assert unmoved == 0, f"{where}: {unmoved} of {u['w'][1::5].size} live weights did not move"
         for key in ("torch.float16", "torch.bfloat16"):
-            same_dtype, same_shape, _, _ = a[key]
-            assert same_dtype and same_shape
+            d = a[key]
+            assert (d["out_dtype"], d["out_shape"]) == (d["in_dtype"], d["in_shape"]), \
+                f"{where}: {d['in_dtype']} {d['in_shape']} in, {d['out_dtype']} " \
+                f"{d['out_shape']} out"
     if n > 1:
         for key in ("torch.float16", "torch.bfloat16"):
-            inputs = [r["async"][key][2] for r in results]
+            inputs = [a[key]["input"] for a in per_rank]
             ref = ReferenceOneBit(4099, n).allreduce(inputs)
-            got = results[0]["async"][key][3]
+            got = per_rank[0][key]["output"]
             tol = 1e-2 if "bfloat16" in key else 1e-3
-            np.testing.assert_allclose(got, ref, rtol=tol, atol=tol)
+            np.testing.assert_allclose(got, ref, rtol=tol, atol=tol,
+                                       err_msg=f"n={n} {key} output vs the reference")
 
 
 def test_ranks_disagreeing_on_numel_get_a_clear_error(world):
     n, results = world
-    for r in results:
-        if n == 1:
-            assert r["mismatch"] is None and r["mismatch_deferred"] is None
-        else:
-            for key in ("mismatch", "mismatch_deferred"):  # at construction, or the first call
-                assert "ranks disagree" in r[key] and "numel=100" in r[key]
+    for key in ("mismatch", "mismatch_deferred"):  # at construction, or the first call
+        for rank, message in enumerate(scenario(results, key)):
+            if n == 1:
+                assert message is None, f"n=1 {key}: one rank raised {message!r}"
+            else:
+                assert message is not None and "ranks disagree" in message \
+                    and "numel=100" in message, f"n={n} rank {rank} {key}: {message!r}"
 
 
 def test_mpi_transport_matches_horovod_transport():
     results = run_ranks("tests.workers_collective:transports_agree", np=4, controller="mpi",
                         timeout=300)
-    for r in results:
-        for a, b in zip(r["horovod"], r["mpi"]):
-            assert a.tobytes() == b.tobytes()
-    assert_identical_across_ranks([r["mpi"] for r in results])
+    for rank, r in enumerate(results):
+        assert len(r["horovod"]) == len(r["mpi"]) == 2, f"rank {rank}: calls {len(r['mpi'])}"
+        for call, (a, b) in enumerate(zip(r["horovod"], r["mpi"])):
+            assert_same_bits(b, a, f"rank {rank} call {call}: mpi vs horovod transport")
+    assert_identical_across_ranks([r["mpi"] for r in results], "mpi transport")
 
 
 def test_mpi_transport_needs_an_mpi_job():
     results = run_ranks("tests.workers_collective:mpi_transport_without_mpi", np=2,
                         controller="gloo", timeout=120)
-    for message in results:
-        assert message and "launched with MPI" in message
+    for rank, message in enumerate(results):
+        assert message and "launched with MPI" in message, f"rank {rank}: {message!r}"

@@ -4,8 +4,8 @@ engine inside a Horovod job."""
 import numpy as np
 import pytest
 
-from hvd_onebit.testing import run_ranks
-from hvd_onebit.transports import run_threads
+from hvd_onebit.cluster.jobs import run_ranks
+from hvd_onebit.transport.inprocess import run_threads
 from tests.workers_compressed_step import reference, run_engine
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from hvd_onebit.testing import job_environment, kill_job, launch_command
+from hvd_onebit.cluster.jobs import job_environment, kill_job, launch_command
 
 pytestmark = pytest.mark.multirank
 
@@ -77,6 +77,12 @@ def test_train_lm_summary_is_valid_and_finite(lm_runs):
         assert finite(s["final_val_loss"]) and s["final_val_loss"] < s["val_curve"][0]["val_loss"]
         assert s["total_bytes_per_rank"] > 0 and finite(s["samples_per_sec"])
         assert s["config"]["steps"] == 8
+        assert s["wait"] == "sleep"  # the default: Horovod's optimizer sleeps, as hvd_onebit's
+        for ph in s["phases"].values():  # seconds blocked on communication, CPU seconds
+            assert 0 <= ph["comm_seconds"] <= ph["seconds"] and ph["cpu_seconds"] >= 0
+            assert ph["comm_share"] == pytest.approx(ph["comm_seconds"] / ph["seconds"])
+            assert ph["seconds_per_step"] == pytest.approx(ph["seconds"] / ph["steps"])
+        assert s["train_seconds"] == pytest.approx(sum(p["seconds"] for p in s["phases"].values()))
         assert "done: final val loss" in stdout  # rank 0's progress lines
         assert "[1]<stdout>:step" not in stdout  # ... and only rank 0's
 
@@ -107,6 +113,27 @@ def test_train_lm_adam_and_onebit_share_init_and_data(lm_runs):
     assert a[0] == pytest.approx(o[0], rel=1e-4)
     assert adam["phases"]["full_precision"]["bytes_per_step"] == \
         onebit["phases"]["warmup"]["bytes_per_step"]
+
+
+def test_train_lm_adam_spin_wait_changes_the_time_not_the_numbers(lm_runs, tmp_path):
+    """--wait spin (Horovod's own wait) against the quick benchmark's Adam run (--wait sleep,
+    the default) with the same arguments: the same losses step by step."""
+    adam, _ = lm_runs["adam"]
+    c = adam["config"]
+    args = [f"--{k.replace('_', '-')}={c[k]}" for k in (
+        "steps", "batch_size", "lr", "lr_warmup_frac", "warmup_frac", "weight_decay", "seed",
+        "eval_every", "eval_batches", "val_frac", "context", "d_model", "n_layer", "n_head",
+        "threads")]
+    path = tmp_path / "adam_spin.json"
+    horovodrun("examples/train_lm.py", ["--optimizer", "adam", "--wait", "spin", *args,
+                                        "--json-out", str(path)])
+    spin = json.loads(path.read_text())
+    assert spin["wait"] == "spin" and spin["config"]["wait"] == "spin"
+    assert spin["train_loss_per_step_rank0"] == pytest.approx(adam["train_loss_per_step_rank0"],
+                                                              rel=1e-4)
+    assert spin["final_val_loss"] == pytest.approx(adam["final_val_loss"], rel=1e-4)
+    ph = spin["phases"]["full_precision"]
+    assert 0 <= ph["comm_seconds"] <= ph["seconds"]
 
 
 def test_train_digits_runs_with_onebit(tmp_path):

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from hvd_onebit.config import AutoFreeze, OneBitConfig
-from hvd_onebit.testing import run_ranks
-from hvd_onebit.transports import run_threads
+from hvd_onebit.cluster.jobs import run_ranks
+from hvd_onebit.transport.inprocess import run_threads
 from tests.workers_compressed_step import BETAS
 from tests.workers_freeze_and_flush import AUTO, flush_engine
 

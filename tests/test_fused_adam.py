@@ -1,4 +1,4 @@
-"""Adam's fused prologue and epilogue (hvd_onebit.fused_adam): the native kernels give the bits
+"""Adam's fused prologue and epilogue (hvd_onebit.kernels.fused_adam): the native kernels give the bits
 of their torch references (single process, no Horovod job)."""
 import math
 
@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from hvd_onebit import OneBitAllreduce, _C, kernels
-from hvd_onebit.collective import Epilogue, InputProducer
-from hvd_onebit.fused_adam import AdamUpdate, MomentumInput, worker_compress_momentum
+from hvd_onebit.comm.protocol import Epilogue, InputProducer
+from hvd_onebit.kernels.fused_adam import AdamUpdate, MomentumInput, worker_compress_momentum
 from hvd_onebit.layout import Layout
-from hvd_onebit.transports import run_threads
+from hvd_onebit.transport.inprocess import run_threads
 from tests.test_kernels import _previous_state
 
 
@@ -287,7 +287,7 @@ def test_node_mean_compressed_in_one_pass_equals_materialised(rows, numel, n):
     """The hierarchical collective's node mean, (r_0 + r_1 + ...) / k, computed inside the
     worker compression (AVX2, scalar, and through the producer's hook) gives the bits of torch
     summing in row order, dividing, then compressing; a non-finite row element is reported."""
-    from hvd_onebit.hierarchical import NodeMean
+    from hvd_onebit.comm.hierarchical import NodeMean
 
     L = Layout.build(numel, n, None)
     g = torch.Generator().manual_seed(numel + rows)

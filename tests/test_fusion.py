@@ -1,7 +1,7 @@
 """The bucket plan: ranges of one flat momentum buffer, cut inside large contiguous tensors."""
 import torch
 
-from hvd_onebit.fusion import fuse, plan_buckets
+from hvd_onebit.engine.fusion import fuse, plan_buckets
 
 
 def test_a_large_tensor_is_cut_across_buckets_and_small_ones_ride_along():

@@ -2,7 +2,7 @@
 
 On a GPU every read of a tensor's value by Python (``.tolist()``, ``bool()``, ``float()``, ...) is
 a device-to-host sync. The step's one read is its agreed success or skip: every bucket's status
-words, read together at the end (:func:`hvd_onebit.collective.read_statuses`). Counted here on
+words, read together at the end (:func:`hvd_onebit.comm.protocol.read_statuses`). Counted here on
 CPU tensors by wrapping those methods (:mod:`tests.sync_counter`); the GPU count, with
 ``torch.cuda.set_sync_debug_mode``, is in ``benchmarks/gpu_check.py``.
 """
@@ -10,10 +10,10 @@ import threading
 
 import pytest
 
-from hvd_onebit.collective import NonFiniteInputError
-from hvd_onebit.compressed_step import CompressedStep
+from hvd_onebit.comm.protocol import NonFiniteInputError
+from hvd_onebit.engine import CompressedStep
 from hvd_onebit.config import OneBitConfig
-from hvd_onebit.transports import run_threads
+from hvd_onebit.transport.inprocess import run_threads
 from tests.sync_counter import HostReads
 from tests.workers_compressed_step import BETAS, EPS, LR, gradient, initial_state
 

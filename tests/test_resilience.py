@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from hvd_onebit.testing import run_ranks
+from hvd_onebit.cluster.jobs import run_ranks
 
 pytestmark = pytest.mark.multirank
 W = "tests.workers_resilience:"

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hvd_onebit.testing import run_command, run_ranks
+from hvd_onebit.cluster.jobs import run_command, run_ranks
 
 pytestmark = pytest.mark.multirank
 

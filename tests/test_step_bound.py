@@ -90,7 +90,7 @@ def _engine_steps(rank_transport, zero_variance: str, step_bound="adam", steps: 
     """Three compressed steps of one parameter whose first 10 variances are 0, on a virtual
     rank: the parameter before and after, and the variance the engine trained with. (Warnings
     are recorded by the caller: catch_warnings is process-wide, not per thread.)"""
-    from hvd_onebit.compressed_step import NOT_FROZEN, CompressedStep
+    from hvd_onebit.engine import NOT_FROZEN, CompressedStep
 
     g = torch.Generator().manual_seed(0)
     p = torch.randn(100, generator=g)
@@ -114,7 +114,7 @@ def _engine_steps(rank_transport, zero_variance: str, step_bound="adam", steps: 
 
 @pytest.mark.parametrize("mode", ["hold", "eps", "floor"])
 def test_elements_with_zero_variance_are_held_or_trained_as_asked(mode):
-    from hvd_onebit.transports import run_threads
+    from hvd_onebit.transport.inprocess import run_threads
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -143,7 +143,7 @@ def test_elements_with_zero_variance_are_held_or_trained_as_asked(mode):
 def test_without_a_bound_the_same_steps_run_away():
     """The same three steps with step_bound=None and zero_variance="eps" move elements by
     lr * m / eps: the bound is what keeps them in check."""
-    from hvd_onebit.transports import run_threads
+    from hvd_onebit.transport.inprocess import run_threads
 
     start, end, _ = run_threads(2, lambda t: _engine_steps(t, "eps", None), timeout=60)[0]
     moved = float((end - start).abs()[:10].min())

@@ -15,7 +15,7 @@ import math
 import pytest
 
 from hvd_onebit.bench.zoo.grid import ADAM, plan_family
-from hvd_onebit.testing import run_ranks
+from hvd_onebit.cluster.jobs import run_ranks
 
 MAX_RATIO = 1.2
 STEPS = 60

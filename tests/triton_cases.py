@@ -27,11 +27,11 @@ if os.environ.get("TRITON_INTERPRET") != "1":
                 allow_module_level=True)
 
 from hvd_onebit import OneBitAllreduce, _C, kernels  # noqa: E402
-from hvd_onebit import triton_kernels as tk  # noqa: E402
-from hvd_onebit.fused_adam import (AdamUpdate, MomentumInput, decode_update,  # noqa: E402
+from hvd_onebit.kernels import triton as tk  # noqa: E402
+from hvd_onebit.kernels.fused_adam import (AdamUpdate, MomentumInput, decode_update,  # noqa: E402
                                    worker_compress_momentum)
 from hvd_onebit.layout import Layout  # noqa: E402
-from hvd_onebit.transports import run_threads  # noqa: E402
+from hvd_onebit.transport.inprocess import run_threads  # noqa: E402
 from tests.onebit_reference import ReferenceOneBit  # noqa: E402
 from tests.test_fused_adam import preconditioning, update_case  # noqa: E402
 from tests.test_kernels import _error_feedback_case, _previous_state  # noqa: E402

@@ -8,7 +8,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from hvd_onebit.compressed_step import NOT_FROZEN, CompressedStep
+from hvd_onebit.engine import NOT_FROZEN, CompressedStep
 from hvd_onebit.config import OneBitConfig
 
 SHAPES = [(40, 30), (30,), (30, 20), (20,), (20, 1), (1,)]  # several buckets at 0.004 MiB

@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 
 import hvd_onebit
-from hvd_onebit.compressed_step import CompressedStep
+from hvd_onebit.engine import CompressedStep
 from hvd_onebit.config import OneBitConfig
 from tests.workers_compressed_step import BETAS, EPS, LR, WARM_STEPS, gradient, initial_state
 from tests.workers_optimizer import batch, make_model, params_bytes, val_loss
@@ -103,7 +103,7 @@ def _denominators(engine, group: dict) -> Optional[list]:
         return None
     import math
 
-    from hvd_onebit.fused_adam import frozen_denominator
+    from hvd_onebit.kernels.fused_reference import frozen_denominator
 
     out = []
     for b in engine.buckets:

@@ -21,9 +21,10 @@ def raise_on_rank(bad_rank=1):
 
 
 def hang_on_rank(bad_rank=0):
-    """Rank ``bad_rank`` sleeps forever; records its pid so the test can check it was killed."""
+    """Rank ``bad_rank`` sleeps forever; every rank records its pid (in HANG_PID_FILE + ".rank<r>")
+    so the test can check all were killed."""
+    with open(f"{os.environ['HANG_PID_FILE']}.rank{hvd.rank()}", "w") as f:
+        f.write(str(os.getpid()))
     if hvd.rank() == bad_rank:
-        with open(os.environ["HANG_PID_FILE"], "w") as f:
-            f.write(str(os.getpid()))
         time.sleep(3600)
     return hvd.rank()

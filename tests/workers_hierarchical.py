@@ -5,14 +5,16 @@ import horovod.torch as hvd
 import numpy as np
 import torch
 
-from hvd_onebit.collective import NonFiniteInputError, synchronize_all
-from hvd_onebit.hierarchical import HierarchicalOneBitAllreduce, Topology
+from hvd_onebit.comm.hierarchical import HierarchicalOneBitAllreduce
+from hvd_onebit.comm.protocol import NonFiniteInputError
+from hvd_onebit.comm.topology import Topology
+from hvd_onebit.comm.transaction import synchronize_all
 from tests.workers_collective import rank_input
 
 
 def _ready(transport: str) -> None:
     if transport == "torch":
-        from hvd_onebit.transports import init_torch_distributed
+        from hvd_onebit.transport.rendezvous import init_torch_distributed
 
         init_torch_distributed()
 

@@ -108,7 +108,7 @@ def transport_choice() -> dict:
     """What transport="auto" resolves to, and transport="torch"'s refusal, per situation."""
     import os
 
-    from hvd_onebit.transports import check_transport, resolve_transport
+    from hvd_onebit.transport.registry import check_transport, resolve_transport
 
     ps, cpu = hvd.global_process_set, torch.device("cpu")
     out = {"plain": resolve_transport("auto", ps, cpu),

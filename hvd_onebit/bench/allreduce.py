@@ -39,7 +39,7 @@ def allreduce_worker(sizes: list[int], methods: tuple[str, ...] = DEFAULT_METHOD
     import horovod.torch as hvd
     import torch
 
-    from ..collective import OneBitAllreduce
+    from ..comm.flat import OneBitAllreduce
 
     n = hvd.size()
     rows = []

@@ -13,7 +13,8 @@ from types import SimpleNamespace
 
 import torch
 
-from .. import fused_adam, kernels
+from .. import kernels
+from ..kernels import fused_adam
 from ..layout import Layout
 
 TARGET_RATIO = 0.5  # issue #14: every kernel at >= half of torch.add's element rate

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
-from ..testing import job_environment, run_command
+from ..cluster.jobs import job_environment, run_command
 
 SCRIPT = Path("examples") / "train_lm.py"
 

@@ -58,7 +58,7 @@ def reachable_storages(root: Any, skip_types: tuple = ()) -> dict[int, int]:
     """{storage address: bytes} of every tensor reachable from ``root`` through containers and
     the attributes of hvd_onebit's own objects (not through ``skip_types`` instances, modules,
     functions, or other libraries' objects)."""
-    from ..transports import Transport
+    from ..transport.base import Transport
 
     found: dict[int, int] = {}
     seen: set[int] = set()
@@ -262,14 +262,14 @@ def _baseline_transients(model: torch.nn.Module, x: torch.Tensor, dev: torch.dev
 
 def inprocess_run(n: int, layers: int, width: int, steps: int,
                   bucket_size_mb: Optional[float] = None, memory: str = "lean") -> dict:
-    """The compression engine (:class:`~hvd_onebit.compressed_step.CompressedStep`) on n virtual
+    """The compression engine (:class:`~hvd_onebit.engine.CompressedStep`) on n virtual
     ranks (threads, in-process transport), from a warmed-up Adam state: the compression phase's
     memory per rank over ``steps`` steps after a first one. CPU only."""
     import threading
 
-    from ..compressed_step import NOT_FROZEN, CompressedStep
+    from ..engine import NOT_FROZEN, CompressedStep
     from ..config import OneBitConfig
-    from ..transports import run_threads
+    from ..transport.inprocess import run_threads
 
     use_measuring_malloc()
     gate = threading.Barrier(n)
@@ -331,7 +331,7 @@ def bench_memory(ranks: int = 2, layers: int = 4, width: int = 1024, warmup: int
             raise ValueError("the in-process measurement runs on CPU")
         per_rank = [inprocess_run(ranks, layers, width, compressed, bucket_size_mb, memory)]
     else:
-        from ..testing import run_ranks
+        from ..cluster.jobs import run_ranks
 
         env = dict(MALLOC_MEASURE_ENV) if device == "cpu" else {}
         per_rank = run_ranks("hvd_onebit.bench.memory:rank_run", np=ranks, timeout=timeout,

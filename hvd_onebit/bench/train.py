@@ -29,10 +29,10 @@ of each step):
 
 Waiting: ``hvd.synchronize`` spins on ``sched_yield`` until an op finishes. When the ranks share
 cores (the emulator puts 4 ranks on this machine's cores), spinning waiters take CPU from ranks
-still computing. hvd_onebit's own waits sleep (see :func:`hvd_onebit.transports.sleep_until_done`);
+still computing. hvd_onebit's own waits sleep (see :func:`hvd_onebit.transport.horovod.sleep_until_done`);
 with ``wait="sleep"`` (default) the benchmark gives Horovod's optimizer the same sleeping wait, so
 the baselines are not slowed by a waiting strategy that a machine with a core per rank would not
-pay for. ``wait="spin"`` keeps Horovod's own.
+pay for. ``wait="spin"`` keeps Horovod's own (:mod:`.waits`).
 """
 from __future__ import annotations
 
@@ -42,6 +42,8 @@ from typing import Optional
 
 from ..layout import ring_allreduce_bytes
 from .allreduce import _iface_tx_bytes
+from .waits import WAITS
+from .waits import sleeping_horovod_waits as _sleeping_horovod_waits  # noqa: F401 (zoo)
 
 # glibc serves allocations above 32 MiB (and, after heap trims, smaller ones) with fresh mmap()s,
 # so a training step that allocates its gradients anew page-faults and zero-fills tens of MB each
@@ -53,7 +55,6 @@ METHODS = ("local", "horovod_fp32", "horovod_fp16", "ddp_powersgd", "onebit", "o
 ONEBIT_METHODS = ("onebit", "onebit_sync", "onebit_hier")
 DEFAULT_METHODS = ("local", "horovod_fp32", "horovod_fp16", "ddp_powersgd", "onebit")
 MODELS = ("mlp", "embedding")
-WAITS = ("sleep", "spin")
 IN_DIM = OUT_DIM = 256
 
 
@@ -87,21 +88,6 @@ def build_embedding_model(vocab: int, dim: int, width: int, out_dim: int = OUT_D
     return EmbeddingBagModel()
 
 
-def _sleeping_horovod_waits(enable: bool) -> None:
-    """Make ``hvd.DistributedOptimizer`` wait by sleeping (True) or with its own spin (False)."""
-    import horovod.torch.mpi_ops as mpi_ops
-    import horovod.torch.optimizer as horovod_optimizer
-
-    from ..transports import sleep_until_done
-
-    def synchronize(handle):
-        if not callable(handle):
-            sleep_until_done(handle)
-        return mpi_ops.synchronize(handle)
-
-    horovod_optimizer.synchronize = synchronize if enable else mpi_ops.synchronize
-
-
 def _make_step(method: str, model, steps: int, warmup_frac: float, powersgd_start: int, lr: float,
                onebit_options: dict):
     """Returns (step_fn(x, y) -> backward seconds, optimizer or None, phase_fn())."""
@@ -130,7 +116,7 @@ def _make_step(method: str, model, steps: int, warmup_frac: float, powersgd_star
     elif method == "ddp_powersgd":
         from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
 
-        from ..transports import init_torch_distributed
+        from ..transport.rendezvous import init_torch_distributed
 
         init_torch_distributed()
         # One bucket for the whole model: PowerSGD's hook waits on a second allreduce inside a

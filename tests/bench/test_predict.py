@@ -7,14 +7,23 @@ check is the benchmark `benchmarks/predict_check.py`.
 """
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from hvd_onebit.bench import calibrate as cal_mod
-from hvd_onebit.bench import predict as pm
+from hvd_onebit.bench.calibrate.compute import measure_compute
+from hvd_onebit.bench.calibrate.files import (CALIBRATION_VERSION, SHIPPED_PATH, CalibrationMissing,
+                                             load, load_or_shipped, save)
+from hvd_onebit.bench.predict.check import check_report
+from hvd_onebit.bench.predict.constants import (KINDS, OPS, TCP_EFFICIENCY, _bytes_per_rank,
+                                                constants)
+from hvd_onebit.bench.predict.job import Cluster, Job, parse_params
+from hvd_onebit.bench.predict.model import GROUP_METHOD, HIERARCHICAL_NOTE, METHODS, Model
+from hvd_onebit.bench.predict.sweep import crossovers
+from hvd_onebit.bench.predict.tables import print_check
 from hvd_onebit.layout import Layout, ring_allreduce_bytes
 
 REPO = Path(__file__).resolve().parents[2]
@@ -30,13 +39,13 @@ def fake_calibration(alpha=(1e-3, 2e-3), host_per_byte=1e-9, link_bps=10**9, ove
     coll = {}
     for n, a, ta in zip((2, 4), alpha, torch_alpha):
         unl, shaped = {}, {}
-        for op in pm.KINDS:
+        for op in KINDS:
             unl[f"{op}_tiny"] = shaped[f"{op}_tiny"] = ta if op.startswith("torch_") else a
-        for op in pm.OPS:
+        for op in OPS:
             torch_op = op.startswith("torch_")
-            nbytes = pm._bytes_per_rank(op, n, NUMEL, ROW)
+            nbytes = _bytes_per_rank(op, n, NUMEL, ROW)
             host = (torch_host_per_byte if torch_op else host_per_byte) * nbytes
-            wire = nbytes * 8 / (link_bps * pm.TCP_EFFICIENCY)
+            wire = nbytes * 8 / (link_bps * TCP_EFFICIENCY)
             unl[op] = (ta if torch_op else a) + host
             shaped[op] = (ta if torch_op else a) + wire + (1 - overlap) * host
         coll[str(n)] = {"unlimited": {"np": n, "numel": NUMEL, "row_bytes": ROW, "median_s": unl},
@@ -48,12 +57,12 @@ def fake_calibration(alpha=(1e-3, 2e-3), host_per_byte=1e-9, link_bps=10**9, ove
             "update": 2.5e-9}
     compute = {str(k): {"models": {"mlp": {**model, "fwd_bwd_s": 0.010 * k / 2 if k > 2 else 0.010}},
                         "kernel_s_per_elem": kern} for k in (1, 2, 4)}
-    return {"version": cal_mod.CALIBRATION_VERSION, "cores": 2, "link": "1gbit",
+    return {"version": CALIBRATION_VERSION, "cores": 2, "link": "1gbit",
             "link_bps": link_bps, "compute": compute, "collectives": coll}
 
 
 def test_constants_recover_the_calibrated_terms():
-    c = pm.constants(fake_calibration())
+    c = constants(fake_calibration())
     # a line through (n-1, alpha): 1 ms at n=2, 2 ms at n=4
     assert c["alpha_allreduce_per_peer_s"] == pytest.approx(0.5e-3)
     assert c["alpha_allreduce_s"] == pytest.approx(0.5e-3)
@@ -68,12 +77,12 @@ def test_constants_recover_the_calibrated_terms():
 
 
 def test_step_times_are_the_sum_of_their_terms():
-    model = pm.Model(fake_calibration())
-    job = pm.Job(params=1_000_000, model="mlp", warmup_frac=0.2)
-    cl = pm.Cluster(nodes=4, inter_bps=10**9)
+    model = Model(fake_calibration())
+    job = Job(params=1_000_000, model="mlp", warmup_frac=0.2)
+    cl = Cluster(nodes=4, inter_bps=10**9)
     b = ring_allreduce_bytes(4 * job.params, 4)
     host = 1e-9 * b
-    wire = b * 8 / (1e9 * pm.TCP_EFFICIENCY)
+    wire = b * 8 / (1e9 * TCP_EFFICIENCY)
     fp32 = model.predict("horovod_fp32", job, cl)
     assert fp32.phases["compute"] == pytest.approx(0.012)
     assert fp32.phases["allreduce_fp32"] == pytest.approx(2e-3 + wire + 0.5 * host)
@@ -83,7 +92,7 @@ def test_step_times_are_the_sum_of_their_terms():
     onebit = model.predict("onebit", job, cl)
     layout = Layout.build(job.params, 4)
     sent = 3 * layout.row_bytes
-    wire = sent * 8 / (1e9 * pm.TCP_EFFICIENCY)
+    wire = sent * 8 / (1e9 * TCP_EFFICIENCY)
     assert onebit.bytes_per_rank == layout.wire_bytes
     assert onebit.phases["compute"] == pytest.approx(0.010)  # Adam's pass is replaced
     assert onebit.phases["alltoall"] == pytest.approx(0.3e-3 + wire + 0.5 * 2e-9 * sent)
@@ -91,14 +100,14 @@ def test_step_times_are_the_sum_of_their_terms():
     assert onebit.phases["compress"] == pytest.approx(1e-3)
     assert onebit.phases["server"] == pytest.approx(0.5e-3)
     # on Horovod's transport: its costs
-    hvd_onebit = pm.Model(fake_calibration(), transport="horovod").predict("onebit", job, cl)
+    hvd_onebit = Model(fake_calibration(), transport="horovod").predict("onebit", job, cl)
     stage = wire + 0.5 * 1e-9 * sent
     assert hvd_onebit.phases["alltoall"] == pytest.approx(2e-3 + stage)
     assert hvd_onebit.phases["allgather"] == pytest.approx(2e-3 + stage)
     assert hvd_onebit.step_s - onebit.step_s == pytest.approx(2 * (1.7e-3 - 0.5e-9 * sent))
 
     # link latency: 2 (n-1) steps in the ring, 1 in the alltoall, n-1 in the ring allgather
-    cl_lat = pm.Cluster(nodes=4, inter_bps=10**9, inter_latency_s=1e-4)
+    cl_lat = Cluster(nodes=4, inter_bps=10**9, inter_latency_s=1e-4)
     assert model.predict("horovod_fp32", job, cl_lat).step_s - fp32.step_s == pytest.approx(6e-4)
     assert model.predict("onebit", job, cl_lat).step_s - onebit.step_s == pytest.approx(4e-4)
 
@@ -106,14 +115,14 @@ def test_step_times_are_the_sum_of_their_terms():
     run = 0.2 * fp32.step_s + 0.8 * onebit.step_s
     assert rows["onebit"]["run_speedup_vs_fp32"] == pytest.approx(fp32.step_s / run)
     assert rows["onebit"]["warmup_step_s"] == pytest.approx(fp32.step_s)
-    assert pm.HIERARCHICAL_NOTE in rows["onebit_hierarchical"]["notes"]
+    assert HIERARCHICAL_NOTE in rows["onebit_hierarchical"]["notes"]
 
 
 def test_hierarchical_follows_hierarchical_py_and_ranks_share_cores():
-    # Horovod's transport: global ops, hvd_onebit/hierarchical.py's way there
-    model = pm.Model(fake_calibration(), transport="horovod")
-    job = pm.Job(params=8_000_000, compute_s=0.1, adam_s=0.01)
-    cl = pm.Cluster(nodes=16, ranks_per_node=8, inter_bps=10**10, intra_bps=10**11)
+    # Horovod's transport: global ops, hvd_onebit/comm/hierarchical.py's way there
+    model = Model(fake_calibration(), transport="horovod")
+    job = Job(params=8_000_000, compute_s=0.1, adam_s=0.01)
+    cl = Cluster(nodes=16, ranks_per_node=8, inter_bps=10**10, intra_bps=10**11)
     hier = model.predict("onebit_hierarchical", job, cl)
     P, S, n = 8_000_000, 1_000_000, 128
     # between nodes: the 1-bit two-stage allreduce of |m|/L among N = 16, for each of L ranks
@@ -125,12 +134,12 @@ def test_hierarchical_follows_hierarchical_py_and_ranks_share_cores():
     # four Horovod alltoalls (with splits) of all n ranks: alpha = 0.5 ms + 0.5 ms x (n-1)
     a = model.alpha("alltoall", n)
     assert a == pytest.approx(0.5e-3 + 0.5e-3 * 127)
-    intra_t = a + max(1e-9 * intra, intra * 8 / (1e11 * pm.TCP_EFFICIENCY)) + 0.5 * min(
-        1e-9 * intra, intra * 8 / (1e11 * pm.TCP_EFFICIENCY))
+    intra_t = a + max(1e-9 * intra, intra * 8 / (1e11 * TCP_EFFICIENCY)) + 0.5 * min(
+        1e-9 * intra, intra * 8 / (1e11 * TCP_EFFICIENCY))
     assert hier.phases["scatter"] == pytest.approx(intra_t)
     assert hier.phases["gather"] == pytest.approx(intra_t + 0.25e-9 * P)  # + the row copies
     sent = 15 * inter.row_bytes
-    wire = 8 * sent * 8 / (1e10 * pm.TCP_EFFICIENCY)  # the node's 8 ranks share its link
+    wire = 8 * sent * 8 / (1e10 * TCP_EFFICIENCY)  # the node's 8 ranks share its link
     assert hier.phases["alltoall"] == pytest.approx(a + wire + 0.5 * 1e-9 * sent)
     assert hier.phases["allgather"] == pytest.approx(hier.phases["alltoall"])
     # the native passes: momentum and commit over P; the node mean inside the shard's
@@ -148,16 +157,16 @@ def test_hierarchical_follows_hierarchical_py_and_ranks_share_cores():
     assert flat.inter_node_bytes_per_node > hier.inter_node_bytes_per_node
     assert fp32.inter_node_bytes_per_node > flat.inter_node_bytes_per_node
     # with collectives of their own groups each stage pays its group's per-op cost instead
-    grp = pm.Model(fake_calibration(), transport="horovod", hierarchical_global_ops=False)
+    grp = Model(fake_calibration(), transport="horovod", hierarchical_global_ops=False)
     saved = hier.step_s - grp.predict("onebit_hierarchical", job, cl).step_s
-    assert model.predict(pm.GROUP_METHOD, job, cl).step_s == pytest.approx(hier.step_s - saved)
+    assert model.predict(GROUP_METHOD, job, cl).step_s == pytest.approx(hier.step_s - saved)
     assert model.hierarchical_global_ops  # restored
     assert saved == pytest.approx(4 * a - 2 * model.alpha("alltoall", 8)
                                   - 2 * model.alpha("alltoall", 16))
     # colocated ranks compute at the speed calibrated with that many processes at once
-    jm = pm.Job(params=1_000_000, model="mlp")
-    alone = model.compute(jm, pm.Cluster(nodes=4))[0]
-    shared = model.compute(jm, pm.Cluster(nodes=4, colocated=True))[0]
+    jm = Job(params=1_000_000, model="mlp")
+    alone = model.compute(jm, Cluster(nodes=4))[0]
+    shared = model.compute(jm, Cluster(nodes=4, colocated=True))[0]
     assert alone == pytest.approx(0.012) and shared == pytest.approx(0.022)
 
 
@@ -165,16 +174,16 @@ def test_hierarchical_on_torch_groups_with_shared_memory_or_the_node_s_links():
     """transport='torch' (the library's default): the stages between nodes are torch.distributed
     collectives of the N ranks with one local rank; inside the node a barrier each through
     shared memory, or a torch alltoall / allgather of the node's ranks over its links."""
-    job = pm.Job(params=8_000_000, compute_s=0.1, adam_s=0.01)
-    cl = pm.Cluster(nodes=16, ranks_per_node=8, inter_bps=10**10, intra_bps=10**11)
-    shm = pm.Model(fake_calibration(), intra_node="shared_memory").predict(
+    job = Job(params=8_000_000, compute_s=0.1, adam_s=0.01)
+    cl = Cluster(nodes=16, ranks_per_node=8, inter_bps=10**10, intra_bps=10**11)
+    shm = Model(fake_calibration(), intra_node="shared_memory").predict(
         "onebit_hierarchical", job, cl)
-    net = pm.Model(fake_calibration()).predict("onebit_hierarchical", job, cl)
-    model = pm.Model(fake_calibration())
+    net = Model(fake_calibration()).predict("onebit_hierarchical", job, cl)
+    model = Model(fake_calibration())
     P, S = 8_000_000, 1_000_000
     inter = Layout.build(S, 16)
     sent = 15 * inter.row_bytes
-    wire = 8 * sent * 8 / (1e10 * pm.TCP_EFFICIENCY)
+    wire = 8 * sent * 8 / (1e10 * TCP_EFFICIENCY)
     # stage 1: one latency step; torch's per-op cost of 16 ranks (0.15 ms + 0.05 ms x 15)
     a16 = model.alpha("torch_alltoall", 16)
     assert a16 == pytest.approx(0.15e-3 + 0.05e-3 * 15)
@@ -188,8 +197,8 @@ def test_hierarchical_on_torch_groups_with_shared_memory_or_the_node_s_links():
     assert shm.bytes_per_rank == inter.wire_bytes, "shared memory sends nothing on a link"
     # the node's links: a torch alltoall of (L-1) float32 shards, the same for the gather
     intra = 7 * S * 4
-    t = model.alpha("torch_alltoall", 8) + max(2e-9 * intra, intra * 8 / (1e11 * pm.TCP_EFFICIENCY)) \
-        + 0.5 * min(2e-9 * intra, intra * 8 / (1e11 * pm.TCP_EFFICIENCY))
+    t = model.alpha("torch_alltoall", 8) + max(2e-9 * intra, intra * 8 / (1e11 * TCP_EFFICIENCY)) \
+        + 0.5 * min(2e-9 * intra, intra * 8 / (1e11 * TCP_EFFICIENCY))
     assert net.phases["scatter"] == pytest.approx(t)
     assert net.phases["gather"] == pytest.approx(t)
     assert net.bytes_per_rank == 2 * intra + inter.wire_bytes
@@ -198,22 +207,22 @@ def test_hierarchical_on_torch_groups_with_shared_memory_or_the_node_s_links():
         assert shm.phases[name] == pytest.approx(net.phases[name]), name
     assert shm.step_s < net.step_s
     with pytest.raises(ValueError, match="intra_node must be one of"):
-        pm.Model(fake_calibration(), intra_node="nvlink")
+        Model(fake_calibration(), intra_node="nvlink")
 
 
 def test_colocated_compute_prefers_the_figures_timed_inside_the_ranks():
     cal = fake_calibration()
     cal["collectives"]["4"]["unlimited"]["models"] = {
         "mlp": {"params": 1_000_000, "step_s": 0.03, "fwd_bwd_s": 0.025, "adam_s": 0.004}}
-    model = pm.Model(cal)
-    job = pm.Job(params=1_000_000, model="mlp")
-    assert model.compute(job, pm.Cluster(nodes=4, colocated=True)) == pytest.approx((0.029, 0.004))
-    assert model.compute(job, pm.Cluster(nodes=4, colocated=True), free_running=True)[0] == \
+    model = Model(cal)
+    job = Job(params=1_000_000, model="mlp")
+    assert model.compute(job, Cluster(nodes=4, colocated=True)) == pytest.approx((0.029, 0.004))
+    assert model.compute(job, Cluster(nodes=4, colocated=True), free_running=True)[0] == \
         pytest.approx(0.03)
     # np=2 is nearest the calibration's 2-rank job, which has none: the bare processes' figures
-    assert model.compute(job, pm.Cluster(nodes=2, colocated=True))[0] == pytest.approx(0.012)
-    assert model.compute(job, pm.Cluster(nodes=4))[0] == pytest.approx(0.012)  # a core each
-    assert pm.constants(cal)["mlp_fwd_bwd_ms@4ranks"] == pytest.approx(25)
+    assert model.compute(job, Cluster(nodes=2, colocated=True))[0] == pytest.approx(0.012)
+    assert model.compute(job, Cluster(nodes=4))[0] == pytest.approx(0.012)  # a core each
+    assert constants(cal)["mlp_fwd_bwd_ms@4ranks"] == pytest.approx(25)
 
 
 def test_colocated_kernels_prefer_the_rates_timed_inside_the_ranks():
@@ -223,18 +232,18 @@ def test_colocated_kernels_prefer_the_rates_timed_inside_the_ranks():
     in_ranks = {name: 4 * rate for name, rate in
                 cal["compute"]["2"]["kernel_s_per_elem"].items()}
     cal["collectives"]["2"]["unlimited"]["kernel_s_per_elem"] = in_ranks
-    job = pm.Job(params=1_000_000, model="mlp")
-    model = pm.Model(cal)
-    two = model.predict("onebit", job, pm.Cluster(nodes=2, colocated=True))
+    job = Job(params=1_000_000, model="mlp")
+    model = Model(cal)
+    two = model.predict("onebit", job, Cluster(nodes=2, colocated=True))
     assert two.phases["compress"] == pytest.approx(4e-9 * 1_000_000), two.phases
     assert two.phases["decode_update"] == pytest.approx(4e-9 * 1_000_000), two.phases
     # 4 ranks: that job timed none (a version-5 file): the bare processes' 4-process rates
-    four = model.predict("onebit", job, pm.Cluster(nodes=4, colocated=True))
+    four = model.predict("onebit", job, Cluster(nodes=4, colocated=True))
     assert four.phases["compress"] == pytest.approx(1e-9 * 1_000_000), four.phases
     # not colocated: a core to itself, the one-process rates
-    alone = model.predict("onebit", job, pm.Cluster(nodes=2))
+    alone = model.predict("onebit", job, Cluster(nodes=2))
     assert alone.phases["compress"] == pytest.approx(1e-9 * 1_000_000), alone.phases
-    assert pm.constants(cal)["kernel_compress_momentum_ns_per_elem@2ranks"] == pytest.approx(4)
+    assert constants(cal)["kernel_compress_momentum_ns_per_elem@2ranks"] == pytest.approx(4)
 
 
 def test_fp16_of_a_calibrated_model_uses_its_own_gradients_cost():
@@ -247,19 +256,19 @@ def test_fp16_of_a_calibrated_model_uses_its_own_gradients_cost():
     cal["collectives"]["4"]["unlimited"]["models"] = {
         "mlp": {"params": params, "step_s": 0.03, "fwd_bwd_s": 0.025, "adam_s": 0.004,
                 "fp16_allreduce_s": alpha + 5e-9 * nbytes}}  # 5x the random buffer's 1e-9
-    model = pm.Model(cal)
-    cl = pm.Cluster(nodes=4, inter_bps=None, colocated=True)  # unshaped: alpha + host
-    own = model.predict("horovod_fp16", pm.Job(params=params, model="mlp"), cl)
+    model = Model(cal)
+    cl = Cluster(nodes=4, inter_bps=None, colocated=True)  # unshaped: alpha + host
+    own = model.predict("horovod_fp16", Job(params=params, model="mlp"), cl)
     assert own.phases["allreduce_fp16"] == pytest.approx(alpha + 5e-9 * nbytes), own.phases
     # no model named (or a version-4 calibration without the figure): the random buffer's cost
-    generic = model.predict("horovod_fp16", pm.Job(params=params, compute_s=0.03), cl)
+    generic = model.predict("horovod_fp16", Job(params=params, compute_s=0.03), cl)
     assert generic.phases["allreduce_fp16"] == pytest.approx(alpha + 1e-9 * nbytes), \
         generic.phases
     # fp32 is not affected by the model's fp16 figure
-    fp32 = model.predict("horovod_fp32", pm.Job(params=params, model="mlp"), cl)
+    fp32 = model.predict("horovod_fp32", Job(params=params, model="mlp"), cl)
     assert fp32.phases["allreduce_fp32"] == pytest.approx(
         alpha + 1e-9 * ring_allreduce_bytes(4 * params, n)), fp32.phases
-    assert pm.constants(cal)["mlp_fp16_allreduce_ms@4ranks"] == pytest.approx(
+    assert constants(cal)["mlp_fp16_allreduce_ms@4ranks"] == pytest.approx(
         (alpha + 5e-9 * nbytes) * 1e3)
 
 
@@ -269,33 +278,33 @@ def test_fp16_allreduce_has_its_own_overlap_of_host_and_wire():
     the shaped link for the fp16 allreduce itself, and the fp32 ring keeps its own."""
     cal = fake_calibration(overlap=0.5)
     n, alpha = 4, 2e-3
-    fp16_bytes = pm._bytes_per_rank("allreduce_fp16", n, NUMEL, ROW)
+    fp16_bytes = _bytes_per_rank("allreduce_fp16", n, NUMEL, ROW)
     host = 1e-9 * fp16_bytes
-    wire = fp16_bytes * 8 / (10**9 * pm.TCP_EFFICIENCY)
+    wire = fp16_bytes * 8 / (10**9 * TCP_EFFICIENCY)
     # the fp16 allreduce on the shaped link hid none of its host time (kappa 1)
     cal["collectives"]["4"]["1gbit"]["median_s"]["allreduce_fp16"] = alpha + wire + host
-    c = pm.constants(cal)
+    c = constants(cal)
     assert c["kappa_allreduce_fp16@4"] == pytest.approx(1.0), c
     assert c["kappa@4"] == pytest.approx(0.5) and c["kappa_allreduce_fp16@2"] == pytest.approx(0.5)
-    model = pm.Model(cal)
-    cl = pm.Cluster(nodes=4, inter_bps=10**9, colocated=True)
+    model = Model(cal)
+    cl = Cluster(nodes=4, inter_bps=10**9, colocated=True)
     params = 1_000_000
     b16 = ring_allreduce_bytes(2 * params, n)
-    fp16 = model.predict("horovod_fp16", pm.Job(params=params, compute_s=0.03), cl)
-    w16 = b16 * 8 / (1e9 * pm.TCP_EFFICIENCY)
+    fp16 = model.predict("horovod_fp16", Job(params=params, compute_s=0.03), cl)
+    w16 = b16 * 8 / (1e9 * TCP_EFFICIENCY)
     assert fp16.phases["allreduce_fp16"] == pytest.approx(
         alpha + max(w16, 1e-9 * b16) + 1.0 * min(w16, 1e-9 * b16)), fp16.phases
-    fp32 = model.predict("horovod_fp32", pm.Job(params=params, compute_s=0.03), cl)
+    fp32 = model.predict("horovod_fp32", Job(params=params, compute_s=0.03), cl)
     b32 = ring_allreduce_bytes(4 * params, n)
-    w32 = b32 * 8 / (1e9 * pm.TCP_EFFICIENCY)
+    w32 = b32 * 8 / (1e9 * TCP_EFFICIENCY)
     assert fp32.phases["allreduce_fp32"] == pytest.approx(
         alpha + max(w32, 1e-9 * b32) + 0.5 * min(w32, 1e-9 * b32)), fp32.phases
     # a calibration whose shaped links did not time the fp16 allreduce: fp16 takes the ring's
     for runs in cal["collectives"].values():
         del runs["1gbit"]["median_s"]["allreduce_fp16"]
-    c = pm.constants(cal)
+    c = constants(cal)
     assert "kappa_allreduce_fp16@4" not in c, c
-    unmeasured = pm.Model(cal).predict("horovod_fp16", pm.Job(params=params, compute_s=0.03), cl)
+    unmeasured = Model(cal).predict("horovod_fp16", Job(params=params, compute_s=0.03), cl)
     assert unmeasured.phases["allreduce_fp16"] == pytest.approx(
         alpha + max(w16, 1e-9 * b16) + 0.5 * min(w16, 1e-9 * b16)), unmeasured.phases
 
@@ -307,11 +316,11 @@ def test_a_version_2_calibration_predicts_on_horovods_transport_only():
         for row in runs.values():
             row["median_s"] = {k: v for k, v in row["median_s"].items()
                                if not k.startswith("torch_")}
-    job = pm.Job(params=1_000_000, model="mlp")
-    cl = pm.Cluster(nodes=4)
-    assert pm.Model(cal, transport="horovod").predict("onebit", job, cl).step_s > 0
+    job = Job(params=1_000_000, model="mlp")
+    cl = Cluster(nodes=4)
+    assert Model(cal, transport="horovod").predict("onebit", job, cl).step_s > 0
     with pytest.raises(ValueError, match="--transport horovod"):
-        pm.Model(cal).predict("onebit", job, cl)
+        Model(cal).predict("onebit", job, cl)
 
 
 def test_crossovers_find_where_flat_stops_paying():
@@ -321,20 +330,20 @@ def test_crossovers_find_where_flat_stops_paying():
         for n, s, h in ((8, 0.9, 0.8), (16, 3.0, 2.0), (64, 1.5, 2.5), (512, 0.8, 2.0),
                         (1024, 0.5, 1.0))]
     # from n on for good: the dip at 8 (one node) is not a crossover
-    assert pm.crossovers(rows) == {"10000000000.0": {"flat_onebit_stops_paying_at": 512,
-                                                     "hierarchical_beats_flat_from": 64}}
-    assert pm.parse_params("350M") == 350_000_000 and pm.parse_params("9.4e6") == 9_400_000
+    assert crossovers(rows) == {"10000000000.0": {"flat_onebit_stops_paying_at": 512,
+                                                  "hierarchical_beats_flat_from": 64}}
+    assert parse_params("350M") == 350_000_000 and parse_params("9.4e6") == 9_400_000
 
 
 def test_calibration_round_trip_and_clear_errors(tmp_path):
     cal = fake_calibration()
-    path = cal_mod.save(cal, tmp_path / "sub" / "cal.json")
-    assert cal_mod.load(path) == json.loads(json.dumps(cal))
-    with pytest.raises(cal_mod.CalibrationMissing, match="bench calibrate"):
-        cal_mod.load(tmp_path / "missing.json")
+    path = save(cal, tmp_path / "sub" / "cal.json")
+    assert load(path) == json.loads(json.dumps(cal))
+    with pytest.raises(CalibrationMissing, match="bench calibrate"):
+        load(tmp_path / "missing.json")
     (tmp_path / "old.json").write_text(json.dumps({**cal, "version": 0}))
     with pytest.raises(ValueError, match="version"):
-        cal_mod.load(tmp_path / "old.json")
+        load(tmp_path / "old.json")
     # the CLI: a clear error without a file; JSON and a plot with one
     proc = subprocess.run(CLI + ["predict", "--calibration", str(tmp_path / "missing.json"),
                                  "--model", "mlp"], capture_output=True, text=True, cwd=REPO)
@@ -348,8 +357,52 @@ def test_calibration_round_trip_and_clear_errors(tmp_path):
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
     assert plot.stat().st_size > 0 and len(report["rows"]) == 6
-    assert set(report["rows"][0]["methods"]) == set(pm.METHODS)
-    assert report["note"] == pm.HIERARCHICAL_NOTE and report["inputs"]["transport"] == "torch"
+    assert set(report["rows"][0]["methods"]) == set(METHODS)
+    assert report["note"] == HIERARCHICAL_NOTE and report["inputs"]["transport"] == "torch"
+
+
+def test_predict_without_a_cached_calibration_uses_the_one_shipped_in_docs(tmp_path,
+                                                                         monkeypatch):
+    """`bench predict` with nothing in the cache (HOME an empty folder, so ~/.cache/hvd_onebit/
+    has no calibration.json) predicts from docs/predict_calibration.json and says so on stderr,
+    naming the file and `hvd-onebit bench calibrate`; a calibration in the cache comes first."""
+    shipped = REPO / "docs" / "predict_calibration.json"
+    assert SHIPPED_PATH == shipped, f"SHIPPED_PATH is {SHIPPED_PATH}, the docs file {shipped}"
+    args = ["predict", "--model", "mlp", "--np", "4,16", "--bandwidth", "1gbit", "--json"]
+    env = {**os.environ, "HOME": str(tmp_path)}
+    proc = subprocess.run(CLI + args, capture_output=True, text=True, cwd=REPO, env=env,
+                          timeout=300)
+    assert proc.returncode == 0, f"exit {proc.returncode} with an empty cache:\n{proc.stderr}"
+    assert str(shipped) in proc.stderr and "hvd-onebit bench calibrate" in proc.stderr, (
+        f"stderr does not name {shipped} and `hvd-onebit bench calibrate`:\n{proc.stderr}")
+    report = json.loads(proc.stdout)
+    # the docs figures: the same report as with --calibration docs/predict_calibration.json
+    docs = json.loads(shipped.read_text())
+    explicit = subprocess.run(CLI + args + ["--calibration", str(shipped)], capture_output=True,
+                              text=True, cwd=REPO, env=env, timeout=300)
+    assert explicit.returncode == 0, explicit.stderr
+    assert "no calibration at" not in explicit.stderr, (
+        f"a note with --calibration given:\n{explicit.stderr}")
+    assert report == json.loads(explicit.stdout), "the fallback's report differs from the docs'"
+    assert report["calibration"] == docs["machine"], (report["calibration"], docs["machine"])
+    mlp_params = docs["compute"]["1"]["models"]["mlp"]["params"]
+    assert report["inputs"]["params"] == mlp_params, (
+        f"{report['inputs']['params']} parameters, the docs' mlp has {mlp_params}")
+    assert not (tmp_path / ".cache").exists(), "predict wrote to the cache"
+
+    # in-process: the note, then the cache's own calibration first, silently
+    monkeypatch.setenv("HOME", str(tmp_path))
+    notes = []
+    assert load_or_shipped(None, note=notes.append) == docs, "not the docs calibration"
+    assert len(notes) == 1 and str(shipped) in notes[0], notes
+    cached = fake_calibration()
+    save(cached, tmp_path / ".cache" / "hvd_onebit" / "calibration.json")
+    notes.clear()
+    assert load_or_shipped(None, note=notes.append) == json.loads(json.dumps(cached)), (
+        "the cache's calibration was not preferred to the docs'")
+    assert notes == [], f"a note with a calibration in the cache: {notes}"
+    with pytest.raises(CalibrationMissing, match="bench calibrate"):
+        load_or_shipped(tmp_path / "missing.json")  # a path given is never replaced
 
 
 def test_check_pairs_predictions_with_a_train_report():
@@ -358,7 +411,7 @@ def test_check_pairs_predictions_with_a_train_report():
             {"method": "onebit", "np": 4, "params": 1_000_000, "warmup_step_s": 0.1,
              "compression_step_s": 0.05}]
     report = {"bandwidth": "1gbit", "config": {"model": "mlp", "warmup_frac": 0.2}, "rows": rows}
-    result = pm.check_report([report, report], cal)
+    result = check_report([report, report], cal)
     pairs = {(p["method"], p["phase"]): p for p in result["pairs"]}
     assert set(pairs) == {("local", "all"), ("onebit", "warmup"), ("onebit", "compression")}
     assert pairs[("local", "all")]["predicted_s"] == pytest.approx(0.011)  # the free-running step
@@ -372,8 +425,8 @@ def test_check_pairs_predictions_with_a_train_report():
     assert (result["compressed_met"], result["compressed_total"]) == (
         int(pairs[("onebit", "compression")]["within"]), 1), result
     # transport 'auto' ran torch.distributed: predicted with its constants
-    torch_step = pm.Model(cal).predict("onebit", pm.Job(params=1_000_000, model="mlp"),
-                                       pm.Cluster(nodes=4, inter_bps=10**9, colocated=True))
+    torch_step = Model(cal).predict("onebit", Job(params=1_000_000, model="mlp"),
+                                    Cluster(nodes=4, inter_bps=10**9, colocated=True))
     assert pairs[("onebit", "compression")]["predicted_s"] == pytest.approx(torch_step.step_s)
     assert pairs[("onebit", "compression")]["transport"] == "torch"
     assert pairs[("onebit", "compression")]["predicted_phases_s"] == torch_step.phases
@@ -384,11 +437,11 @@ def test_check_pairs_predictions_with_a_train_report():
                          "compression_breakdown_s": {"wait": 0.03, "decode": 0.01}}]
     hier_report = {"bandwidth": "1gbit", "ranks_per_node": 2, "rows": hier_rows,
                    "config": {"model": "mlp", "warmup_frac": 0.2, "transport": "horovod"}}
-    result = pm.check_report([hier_report], cal)
+    result = check_report([hier_report], cal)
     pairs = {(p["method"], p["phase"]): p for p in result["pairs"]}
-    cl = pm.Cluster(nodes=2, ranks_per_node=2, inter_bps=10**9, colocated=True)
-    job = pm.Job(params=1_000_000, model="mlp")
-    hvd_model = pm.Model(cal, transport="horovod")
+    cl = Cluster(nodes=2, ranks_per_node=2, inter_bps=10**9, colocated=True)
+    job = Job(params=1_000_000, model="mlp")
+    hvd_model = Model(cal, transport="horovod")
     assert pairs[("onebit_hier", "compression")]["predicted_s"] == pytest.approx(
         hvd_model.predict("onebit_hierarchical", job, cl).step_s)
     assert pairs[("onebit", "compression")]["predicted_s"] == pytest.approx(
@@ -409,12 +462,12 @@ def test_small_prediction_against_measurement_on_loopback():
     time is a barrier-to-barrier time less an empty barrier's, and on a small buffer the fastest
     kernels take less than that difference's noise."""
     from hvd_onebit.bench.train import MALLOC_REUSE_ENV
-    from hvd_onebit.testing import run_job
+    from hvd_onebit.cluster.jobs import run_job
 
     small = {"mlp": {"model": "mlp", "width": 1024, "depth": 2, "batch": 4}}
-    compute = cal_mod.measure_compute(procs=(2,), models=small, kernel_numel=1 << 18, repeats=3,
-                                      seconds=0.5)
-    coll = run_job("hvd_onebit.bench.calibrate:collectives_worker", np=2,
+    compute = measure_compute(procs=(2,), models=small, kernel_numel=1 << 18, repeats=3,
+                              seconds=0.5)
+    coll = run_job("hvd_onebit.bench.calibrate.ranks:collectives_worker", np=2,
                    kwargs={"numel": 1 << 20, "repeats": 5, "tiny_repeats": 9, "models": small},
                    timeout=180, env=MALLOC_REUSE_ENV).results[0]
     assert set(coll["models"]["mlp"]) == {"params", "step_s", "fwd_bwd_s", "adam_s",
@@ -424,15 +477,15 @@ def test_small_prediction_against_measurement_on_loopback():
     assert min(coll["kernel_s_per_elem"].values()) > 0, coll["kernel_s_per_elem"]
     # the fp16 allreduce of the model's own gradient costs at least a tiny allreduce
     assert coll["models"]["mlp"]["fp16_allreduce_s"] > coll["median_s"]["allreduce_tiny"], coll
-    cal = {"version": cal_mod.CALIBRATION_VERSION, "cores": 2, "link": None, "link_bps": None,
+    cal = {"version": CALIBRATION_VERSION, "cores": 2, "link": None, "link_bps": None,
            "compute": compute, "collectives": {"2": {"unlimited": coll}}}
     proc = subprocess.run(CLI + ["train", "--np", "2", "--bandwidth", "local", "--model", "mlp",
                                  "--width", "1024", "--depth", "2", "--steps", "12",
                                  "--methods", "local,horovod_fp32,onebit", "--json"],
                           capture_output=True, text=True, cwd=REPO, timeout=300)
     assert proc.returncode == 0, proc.stderr
-    result = pm.check_report([json.loads(proc.stdout)], cal)
-    pm.print_check(result, echo=print)
+    result = check_report([json.loads(proc.stdout)], cal)
+    print_check(result, echo=print)
     pairs = {(p["method"], p["phase"]): p for p in result["pairs"]}
     assert len(pairs) == 4 and all(math.isfinite(p["predicted_s"]) for p in pairs.values())
     for key in (("horovod_fp32", "all"), ("onebit", "compression")):

@@ -24,7 +24,7 @@ import pytest
 
 from hvd_onebit.cluster import (EmulatedCluster, EmulatorError, check_privileges, cleanup_stale,
                                 parse_bandwidth)
-from hvd_onebit.cluster.network import NETNS_ETC, STATE_DIR
+from hvd_onebit.cluster.network import IFACE, NETNS_ETC, STATE_DIR
 
 pytestmark = pytest.mark.multirank
 
@@ -115,6 +115,24 @@ def cluster_id_from(stderr: str) -> str:
     return m.group(1)
 
 
+def shaper(dev: str, netns: str | None = None) -> dict:
+    """The tbf qdisc on ``dev`` (inside ``netns``, or in the root namespace): its rate in bits/s,
+    the bytes it passed and how often it held a packet back for want of tokens (overlimits),
+    cumulative since the link was made."""
+    cmd = ["tc", "-s", "-j"] + (["-n", netns] if netns else []) + ["qdisc", "show", "dev", dev]
+    qdiscs = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True,
+                                       timeout=30).stdout)
+    tbf = [q for q in qdiscs if q["kind"] == "tbf"]
+    assert len(tbf) == 1, f"{netns or 'root'}/{dev}: qdiscs {qdiscs}"
+    return {"rate_bps": tbf[0]["options"]["rate"] * 8, "bytes": tbf[0]["bytes"],
+            "overlimits": tbf[0]["overlimits"]}
+
+
+def host_shapers(host) -> dict:
+    """Both tbf qdiscs of a host's link: "receive" on the bridge side, "send" in its namespace."""
+    return {"receive": shaper(host.host_veth), "send": shaper(IFACE, host.netns)}
+
+
 def last_json(output: str) -> dict:
     return json.loads([line for line in output.splitlines() if line.startswith("{")][-1])
 
@@ -137,26 +155,33 @@ def test_help_explains_every_option():
 
 @needs_netns
 def test_rate_is_enforced_and_bytes_are_counted():
-    """2 ranks allreduce 4 MB at 50mbit: each sends and receives ~4 MB, in about 0.64 s."""
+    """2 ranks allreduce 4 MB at 50mbit: each sends and receives ~4 MB, and all of it goes through
+    a tbf shaper at 50mbit on each end of its link that had to hold packets back. (How long it
+    takes is a benchmark's figure, not a test's: `hvd-onebit bench allreduce --bandwidth 50mbit`
+    prints the fp32 allreduce time per call on the same emulated links.)"""
     mbytes, rate = 4.0, "50mbit"
     with EmulatedCluster(np=2, bandwidth=rate) as cluster:
         cid = cluster.id
         result = cluster.run([sys.executable, ALLREDUCE, str(mbytes)], timeout=120)
         assert result.ok, [r.output for r in result.ranks]
         reports = [last_json(r.output) for r in result.ranks]
+        shapers = [host_shapers(h) for h in cluster.hosts]
         # A second command in the same cluster: fresh rendezvous, counters are per-run deltas.
         small = cluster.run([sys.executable, ALLREDUCE, "0.5"], timeout=120)
         assert small.ok, [r.output for r in small.ranks]
         totals = cluster.counters()
     assert leftovers(cid) == []
 
-    payload = mbytes * 1e6
-    wire_seconds = payload * 8 / parse_bandwidth(rate)  # 2-rank ring: each rank sends N, gets N
+    payload = mbytes * 1e6  # 2-rank ring: each rank sends N, gets N
     for rank, (r, rep) in enumerate(zip(result.ranks, reports)):
         assert (rep["rank"], rep["size"], rep["hostname"]) == (rank, 2, f"node{rank}")
         assert (rep["local_size"], rep["cross_size"]) == (1, 2)  # one host per rank
-        # Unshaped this takes ~0.02 s; shaped, the wire time plus overheads (loose for noise).
-        assert 0.8 * wire_seconds < rep["seconds"] < 8 * wire_seconds, rep
+        for direction, tbf in shapers[rank].items():
+            # the shaper runs at the requested rate, the payload went through it, and it was
+            # the bottleneck: it had to hold packets back (a 4 MB burst dwarfs its ~96 KiB bucket)
+            assert tbf["rate_bps"] == parse_bandwidth(rate), (rank, direction, tbf)
+            assert tbf["bytes"] > payload, (rank, direction, tbf)
+            assert tbf["overlimits"] > 0, (rank, direction, tbf)
         for direction in (r.tx_bytes, r.rx_bytes):
             assert payload < direction < 1.25 * payload + 500_000, r  # + headers and control
         assert r.exit_code == 0 and not r.killed
@@ -229,6 +254,7 @@ def test_traffic_inside_a_node_stays_off_the_shaped_links():
     mbytes = 4.0
     with EmulatedCluster(np=2, ranks_per_node=2, bandwidth="20mbit") as one_node:
         inside = one_node.run([sys.executable, ALLREDUCE, str(mbytes)], timeout=120)
+        inside_shapers = host_shapers(one_node.hosts[0])
     with EmulatedCluster(np=4, ranks_per_node=2, bandwidth="unlimited") as two_nodes:
         across = two_nodes.run([sys.executable, ALLREDUCE, str(mbytes)], timeout=120)
     assert inside.ok and across.ok, [r.output for r in inside.ranks + across.ranks]
@@ -239,7 +265,10 @@ def test_traffic_inside_a_node_stays_off_the_shaped_links():
     for r in inside.ranks:
         rep = last_json(r.output)
         assert (rep["local_size"], rep["cross_size"]) == (2, 1)
-        assert rep["seconds"] < payload * 8 / parse_bandwidth("20mbit") / 2, rep
+    # ...and the node's 20mbit shapers, both ways, passed (almost) none of it: nothing was slowed
+    for direction, tbf in inside_shapers.items():
+        assert tbf["rate_bps"] == parse_bandwidth("20mbit"), (direction, tbf)
+        assert tbf["bytes"] < 0.05 * payload, (direction, tbf)
     assert len(across.node_bytes) == 2
     for tx, rx in across.node_bytes:
         assert tx > 0.5 * payload and rx > 0.5 * payload, across.node_bytes
@@ -288,14 +317,13 @@ def test_cli_table_report():
 @needs_netns
 def test_a_crashing_rank_kills_the_others():
     token = uuid.uuid4().hex
-    start = time.monotonic()
     out = run_cli(["--np", "3", "--json", "-v", "--kill-grace", "1", "--",
                    "python", PROBE, "--fail-rank", "1", "--exit-code", "7", "--sleep", "600"],
                   token, timeout=90)
-    assert time.monotonic() - start < 60
     assert out.returncode == 7, out.stderr
     report = json.loads(out.stdout)
-    assert report["first_failed_rank"] == 1
+    # ended by the crash: the others were killed (SIGTERM, below), none ran to the end or timeout
+    assert report["first_failed_rank"] == 1 and not report["timed_out"], report
     codes = [(r["exit_code"], r["killed"]) for r in report["ranks"]]
     assert codes == [(128 + signal.SIGTERM, True), (7, False), (128 + signal.SIGTERM, True)]
     assert leftovers(cluster_id_from(out.stderr)) == []
@@ -339,7 +367,9 @@ def test_a_rank_killed_during_its_setup_reports_the_signal(tmp_path):
     report = json.loads(out.stdout)
     assert [(r["exit_code"], r["killed"]) for r in report["ranks"]] == [
         (7, False), (128 + signal.SIGTERM, True)]
-    assert report["wall_seconds"] < 15  # signalled as soon as it started, not at the deadline
+    # SIGTERM reached its command (143 above): not lost in the set-up and then SIGKILLed after
+    # the 20 s grace (137), and no timeout ended the job
+    assert not report["timed_out"], report
     assert leftovers(cluster_id_from(out.stderr)) == []
     assert wait_gone(token) == []
 
@@ -347,10 +377,9 @@ def test_a_rank_killed_during_its_setup_reports_the_signal(tmp_path):
 @needs_netns
 def test_timeout_kills_everything():
     token = uuid.uuid4().hex
-    start = time.monotonic()
     out = run_cli(["--np", "2", "--timeout", "3", "--kill-grace", "1", "-v", "--",
                    "python", PROBE, "--sleep", "600"], token, timeout=90)
-    assert time.monotonic() - start < 60
+    # 124 and TIMED OUT: the emulator's --timeout ended ranks that would sleep for 600 s
     assert out.returncode == 124, out.stderr
     assert "TIMED OUT" in out.stdout
     assert leftovers(cluster_id_from(out.stderr)) == []

@@ -1,0 +1,82 @@
+"""`hvd-onebit bench allreduce`: fp32, fp16 and 1-bit allreduces, time per call and bytes."""
+from __future__ import annotations
+
+import json
+
+import click
+
+from ..allreduce import DEFAULT_METHODS, METHODS, summarize
+from ..report import machine_info, print_table
+from .options import (cluster_for, comma_list, nodes_options, parse_count, queue_option,
+                      real_cluster_options)
+
+
+@click.command("allreduce")
+@click.option("--np", "nps", default="2,4", show_default=True, callback=comma_list(int),
+              help="World sizes to run, comma separated.")
+@click.option("--sizes", default="1M,4M,16M,64M", show_default=True, callback=comma_list(parse_count),
+              help="Buffer sizes in fp32 elements, comma separated.")
+@click.option("--bandwidth", "bandwidths", default="local", show_default=True,
+              callback=comma_list(str),
+              help="Comma-separated link rates for an emulated cluster (e.g. 100mbit,1gbit,"
+                   "10gbit,unlimited); 'local' runs plain horovodrun on loopback without "
+                   "emulation. Emulation needs root.")
+@click.option("--methods", default=",".join(DEFAULT_METHODS), show_default=True,
+              callback=comma_list(str), help=f"Which allreduces to time, from {', '.join(METHODS)}; "
+              "onebit_mpi is OneBitAllreduce over mpi4py and needs --controller mpi.")
+@click.option("--repeats", default=5, show_default=True, help="Timed calls per size and method.")
+@click.option("--controller", type=click.Choice(["gloo", "mpi"]), default="gloo",
+              show_default=True, help="Horovod controller for local and --hosts runs.")
+@real_cluster_options
+@queue_option
+@nodes_options
+@click.option("--timeout", default=1800.0, show_default=True, help="Seconds per job.")
+@click.option("--plot", default=None, type=click.Path(dir_okay=False),
+              help="Write a PNG of speed-up over fp32 against bandwidth.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+def bench_allreduce(nps, sizes, bandwidths, methods, repeats, controller, hosts,
+                    shared_dir, queue_ms, ranks_per_node, intra_bandwidth, timeout, plot,
+                    as_json) -> None:
+    """fp32 hvd.allreduce vs Compression.fp16 vs OneBitAllreduce: time per call and bytes."""
+    from ...cluster.jobs import run_job
+
+    bad = [m for m in methods if m not in METHODS]
+    if bad:
+        raise click.BadParameter(f"unknown methods {bad}; choose from {METHODS}")
+    if "onebit_mpi" in methods and (controller != "mpi" or any(b != "local" for b in bandwidths)):
+        raise click.BadParameter("onebit_mpi needs --controller mpi and --bandwidth local")
+    jobs = [(n, bw) for bw in bandwidths for n in nps]
+    rows = []
+    with click.progressbar(jobs, label="allreduce jobs", file=click.get_text_stream("stderr"),
+                           item_show_func=lambda j: j and f"np={j[0]} {j[1]}") as bar:
+        for n, bw in bar:
+            kwargs = {"sizes": sizes, "methods": tuple(methods), "repeats": repeats}
+            with cluster_for(n, None if hosts else bw, queue_ms, ranks_per_node,
+                              intra_bandwidth) as cluster:
+                job = run_job("hvd_onebit.bench.allreduce:allreduce_worker", np=n,
+                              controller=controller, kwargs=kwargs, timeout=timeout,
+                              cluster=cluster, hosts=hosts, shared_dir=shared_dir)
+            for r in job.results[0]:
+                r["bandwidth"] = "real" if hosts else bw
+                rows.append(r)
+    summarize(rows)
+    report = {"benchmark": "allreduce", "machine": machine_info(), "queue_ms": queue_ms,
+              "rows": rows}
+    if plot:
+        from ..allreduce import plot as plot_allreduce
+
+        plot_allreduce(rows, plot)
+        report["plot"] = plot
+    if as_json:
+        click.echo(json.dumps(report, indent=2))
+        return
+    for r in rows:
+        r["mb"] = r["bytes_per_rank"] / 1e6
+        r["ms"] = r["median_s"] * 1e3
+        m = r.get("measured_tx_bytes_per_call")
+        r["measured_mb"] = None if m is None else m / 1e6
+    print_table(rows, [("bandwidth", "bandwidth", ""), ("np", "np", "d"), ("elements", "numel", ",d"),
+                       ("method", "method", ""), ("median ms", "ms", ",.1f"),
+                       ("speed-up vs fp32", "speedup_vs_fp32", ".2f"),
+                       ("MB/rank", "mb", ",.2f"), ("measured MB/rank", "measured_mb", ",.2f"),
+                       ("bytes vs fp32", "bytes_ratio_vs_fp32", ".4f")])

@@ -1,0 +1,67 @@
+"""`hvd-onebit bench kernel`: the compression kernels' throughput against torch.add."""
+from __future__ import annotations
+
+import json
+
+import click
+
+from ..report import machine_info, print_table
+from .options import comma_list, parse_count
+
+
+@click.command("kernel")
+@click.option("--numel", default=None, callback=lambda c, p, v: v and comma_list(parse_count)(c, p, v),
+              help="Elements in the buffer (e.g. 1M, 16M); with --device cuda a list "
+                   "[default: 16M on cpu, 16M,64M,128M,256M on cuda].")
+@click.option("--ranks", default=4, show_default=True, help="Chunks in the layout (world size).")
+@click.option("--threads", default=1, show_default=True, help="torch threads.")
+@click.option("--repeats", default=9, show_default=True, help="Timed runs; the median is kept.")
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
+              help="cpu: native and torch kernels; cuda: the Triton (and torch) kernels.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+def bench_kernel(numel, ranks: int, threads: int, repeats: int, device: str,
+                 as_json: bool) -> None:
+    """Compression-kernel throughput as a ratio to torch.add(x, e, out=y) (target >= 0.5)."""
+    from ..kernel import bench_kernels, bench_kernels_cuda
+
+    if device == "cuda":
+        try:
+            result = bench_kernels_cuda(numel or [16 << 20, 64 << 20, 128 << 20, 256 << 20],
+                                        ranks=ranks, repeats=repeats)
+        except RuntimeError as exc:
+            raise click.ClickException(str(exc)) from exc
+        result["machine"] = machine_info()
+        if as_json:
+            click.echo(json.dumps(result, indent=2))
+            return
+        print_table([{"numel": e["numel"], "backend": backend, "kernel": k[:-len("_ratio_to_add")],
+                      "ratio": v} for e in result["sizes"] for backend, r in e["backends"].items()
+                     for k, v in r.items() if k.endswith("_ratio_to_add")],
+                    [("numel", "numel", ""), ("backend", "backend", ""), ("kernel", "kernel", ""),
+                     ("ratio to add", "ratio", ".2f")])
+        return
+    if numel and len(numel) > 1:
+        raise click.BadParameter("one size on cpu (a list only with --device cuda)",
+                                 param_hint="--numel")
+    numel = numel[0] if numel else 16 << 20
+    result = bench_kernels(numel=numel, ranks=ranks, threads=threads, repeats=repeats)
+    result["machine"] = machine_info()
+    if as_json:
+        click.echo(json.dumps(result, indent=2))
+        return
+    click.echo(f"{numel} fp32 elements, {ranks} chunks, {threads} thread(s); "
+               f"torch.add: {result['add_elems_per_s'] / 1e6:,.0f} M elements/s")
+    rows = []
+    for backend, b in result["backends"].items():
+        for k in ("compress", "server", "decode"):
+            rows.append({"backend": backend, "kernel": k,
+                         "melem_s": b[f"{k}_elems_per_s"] / 1e6, "ratio": b[f"{k}_ratio_to_add"]})
+    print_table(rows, [("backend", "backend", ""), ("kernel", "kernel", ""),
+                       ("M elem/s", "melem_s", ",.0f"), ("ratio to add", "ratio", ".2f")])
+    fused = result.get("fused_optimizer_passes")
+    if fused:
+        click.echo(f"optimizer passes (native): momentum+compress {fused['momentum_compress_ms']:.1f}"
+                   f" ms vs lerp then compress {fused['lerp_then_compress_ms']:.1f} ms "
+                   f"({fused['momentum_compress_speedup']:.2f}x); decode+update "
+                   f"{fused['decode_update_ms']:.1f} ms vs decode then addcdiv "
+                   f"{fused['decode_then_addcdiv_ms']:.1f} ms ({fused['decode_update_speedup']:.2f}x)")

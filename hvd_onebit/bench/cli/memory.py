@@ -1,0 +1,51 @@
+"""`hvd-onebit bench memory`: memory beyond Adam's own per phase."""
+from __future__ import annotations
+
+import json
+from typing import Optional
+
+import click
+
+from ..report import print_table
+
+
+@click.command("memory")
+@click.option("--ranks", default=2, show_default=True, help="World size (Horovod ranks, or "
+              "virtual ranks with --transport inprocess).")
+@click.option("--layers", default=4, show_default=True, help="Linear layers of the model.")
+@click.option("--width", default=1024, show_default=True, help="Each layer is width x width.")
+@click.option("--warmup", default=3, show_default=True, help="Adam steps before the freeze.")
+@click.option("--compressed", default=3, show_default=True, help="1-bit steps measured.")
+@click.option("--transport", type=click.Choice(["horovod", "inprocess"]), default="horovod",
+              show_default=True, help="horovod: a job through both phases; inprocess: the "
+              "compression engine alone on virtual ranks (threads).")
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
+@click.option("--bucket-mb", type=float, default=None, help="Bucket size in MiB [default: the "
+              "optimizer's].")
+@click.option("--memory", "memory_mode", type=click.Choice(["lean", "fast", "auto"]),
+              default="lean", show_default=True,
+              help="The optimizer's memory option (lean: CUDA's default; fast: the CPU's).")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+def bench_memory_command(ranks: int, layers: int, width: int, warmup: int, compressed: int,
+                         transport: str, device: str, bucket_mb: Optional[float],
+                         memory_mode: str, as_json: bool) -> None:
+    """Memory beyond Adam's own per phase, as a ratio to the parameters' fp32 bytes
+    (compression-phase target: <= 1.25, peak included)."""
+    from ..memory import bench_memory
+
+    result = bench_memory(ranks=ranks, layers=layers, width=width, warmup=warmup,
+                          compressed=compressed, transport=transport, device=device,
+                          bucket_size_mb=bucket_mb, memory=memory_mode)
+    if as_json:
+        click.echo(json.dumps(result, indent=2))
+        return
+    print_table([{"phase": ph, "held": e["held_ratio"], "peak": e["peak_ratio"],
+                  "held_mb": e["held_bytes"]["total"] / 2**20,
+                  "transient_mb": e["step_transient_bytes"] / 2**20}
+                 for ph, e in result["phases"].items()],
+                [("phase", "phase", ""), ("held x params", "held", ".3f"),
+                 ("peak x params", "peak", ".3f"), ("held MiB", "held_mb", ".1f"),
+                 ("step transient MiB", "transient_mb", ".1f")])
+    click.echo(f"{result['ranks']} ranks ({transport}, {device}), "
+               f"{result['param_bytes'] / 2**20:.1f} MiB of fp32 parameters, "
+               f"{result['buckets']} bucket(s); peak: {result['peak_method']}")

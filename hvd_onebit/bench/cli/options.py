@@ -1,0 +1,86 @@
+"""What several `hvd-onebit bench` commands share: parsing of counts and comma-separated
+lists, the options for real clusters, emulated nodes and link queues, and the emulated cluster
+a command runs its jobs on."""
+from __future__ import annotations
+
+import contextlib
+from typing import Optional
+
+import click
+
+SIZE_SUFFIX = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+
+
+def parse_count(text: str) -> int:
+    """'16M' -> 16777216 elements; plain integers pass through."""
+    t = text.strip().lower()
+    if t and t[-1] in SIZE_SUFFIX:
+        return int(float(t[:-1]) * SIZE_SUFFIX[t[-1]])
+    return int(t)
+
+
+def comma_list(kind):
+    """A click callback: the comma-separated value as a list of ``kind`` (e.g. int)."""
+    def convert(ctx, param, value):
+        try:
+            return [kind(v) for v in value.split(",") if v.strip()]
+        except ValueError as exc:
+            raise click.BadParameter(str(exc)) from exc
+    return convert
+
+
+def real_cluster_options(command):
+    """--hosts and --shared-dir: run through horovodrun on real machines instead of emulating."""
+    command = click.option("--shared-dir", default=None,
+                           help="A folder every host sees at the same path, for --hosts.")(command)
+    return click.option("--hosts", default=None,
+                        help="Run on a real cluster through horovodrun, e.g. h1:4,h2:4 (no "
+                             "emulation); needs --shared-dir.")(command)
+
+
+@contextlib.contextmanager
+def cluster_for(np_: int, bandwidth: Optional[str], queue_ms: float = 2.0,
+                 ranks_per_node: int = 1, intra_bandwidth: Optional[str] = None):
+    """An emulated cluster at ``bandwidth`` (nodes of ``ranks_per_node`` ranks), or nothing
+    (plain local launch) for 'local'/None."""
+    if bandwidth in (None, "", "none", "local"):
+        if ranks_per_node != 1:
+            raise click.UsageError("--ranks-per-node needs an emulated --bandwidth")
+        yield None
+        return
+    from ...cluster import EmulatedCluster
+
+    if np_ % ranks_per_node:
+        raise click.UsageError(f"--np {np_} is not a multiple of --ranks-per-node "
+                               f"{ranks_per_node}")
+    with EmulatedCluster(np=np_, bandwidth=bandwidth, queue_ms=queue_ms,
+                         ranks_per_node=ranks_per_node,
+                         intra_bandwidth=intra_bandwidth) as cluster:
+        yield cluster
+
+
+def nodes_options(command):
+    command = click.option(
+        "--intra-bandwidth", default="unlimited", show_default=True,
+        help="With --ranks-per-node: the rate inside a node (its loopback), standing in for "
+             "NVLink or PCIe.")(command)
+    return click.option(
+        "--ranks-per-node", default=1, show_default=True, type=click.IntRange(1, 64),
+        help="Emulated nodes of this many ranks: their traffic to each other stays on the node, "
+             "only traffic between nodes crosses the shaped links (NP / this = nodes).")(command)
+
+
+def queue_option(command):
+    return click.option("--queue-ms", type=click.FloatRange(min=0), default=2.0, show_default=True,
+                        help="Emulated links' queue depth beyond one burst, in ms of line "
+                             "rate, never below 256 KiB (a switch port's buffer); shallow "
+                             "queues drop packets under incast.")(command)
+
+
+def rates(ctx, param, value):
+    from ...cluster.bandwidth import parse_bandwidth
+
+    try:
+        return [parse_bandwidth(v) for v in value.split(",") if v.strip()]
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from exc

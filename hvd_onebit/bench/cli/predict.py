@@ -1,0 +1,157 @@
+"""`hvd-onebit bench predict`: the scale model's predictions from a calibration, a sweep, or
+`--check` against `bench train` runs."""
+from __future__ import annotations
+
+import json
+
+import click
+
+from ..train import MODELS as TRAIN_MODELS
+from .options import comma_list, rates
+
+
+@click.command("predict")
+@click.option("--calibration", default=None, type=click.Path(dir_okay=False),
+              help="Constants from `bench calibrate` [default: "
+                   "~/.cache/hvd_onebit/calibration.json; without it, the one shipped in "
+                   "docs/predict_calibration.json, with a note].")
+@click.option("--np", "nps", default="4", show_default=True, callback=comma_list(int),
+              help="Ranks, comma separated for a sweep (e.g. 8,16,...,1024).")
+@click.option("--ranks-per-node", default=1, show_default=True,
+              help="Ranks per node (they share the node's link); 1: a link per rank.")
+@click.option("--bandwidth", "bandwidths", default="1gbit", show_default=True, callback=rates,
+              help="Link rate between nodes (each node's link), comma separated for a sweep.")
+@click.option("--intra-bandwidth", default="unlimited", show_default=True,
+              callback=lambda c, p, v: rates(c, p, v)[0], help="Each rank's link inside a node.")
+@click.option("--latency-us", default=0.0, show_default=True,
+              help="One-way link latency between nodes, microseconds.")
+@click.option("--intra-latency-us", default=0.0, show_default=True,
+              help="One-way latency inside a node, microseconds.")
+@click.option("--params", default=None, help="Parameters (e.g. 350M, 9.4e6); default: the "
+              "--model's.")
+@click.option("--model", "bench_model", default=None, type=click.Choice(TRAIN_MODELS),
+              help="Take compute time (and parameters) from the calibration's measurement of "
+                   "`bench train --model ...`'s step (the `local` method).")
+@click.option("--compute-ms", default=None, type=float,
+              help="Compute per step: forward + backward + Adam (e.g. `bench train`'s local step).")
+@click.option("--adam-ms", default=None, type=float,
+              help="Adam's part of --compute-ms, which the compressed step replaces by its "
+                   "kernels [default: 0, no credit; with --model alone: calibrated].")
+@click.option("--warmup-frac", default=0.15, show_default=True,
+              help="Share of the steps in 1-bit Adam's full-precision warmup.")
+@click.option("--colocated", is_flag=True,
+              help="All ranks share this machine's cores (as on the emulated cluster): compute "
+                   "and kernels at the speeds calibrated with that many processes at once.")
+@click.option("--kernel-speedup", default=1.0, show_default=True,
+              help="Divide the calibrated kernel and Adam times per element (a faster device).")
+@click.option("--host-speedup", default=1.0, show_default=True,
+              help="Divide the calibrated host cost per byte of collectives (copies, reductions,"
+                   " TCP); 'inf' drops it (NIC offload).")
+@click.option("--per-peer-us", default=None, type=float,
+              help="Replace the calibrated per-peer cost of every collective (microseconds).")
+@click.option("--transport", default="torch", show_default=True,
+              type=click.Choice(["torch", "horovod"]),
+              help="What carries 1-bit Adam's stages: torch.distributed (Gloo; what "
+                   "transport='auto' picks on CPU; hierarchical: collectives of each group) or "
+                   "Horovod's alltoall/allgather.")
+@click.option("--hierarchical-ops", default="global", show_default=True,
+              type=click.Choice(["global", "group"]),
+              help="With --transport horovod: global: each hierarchical stage is a Horovod "
+                   "alltoall of all ranks (with splits), as hvd_onebit/comm/hierarchical.py runs "
+                   "them there; group: Horovod collectives of the node's ranks and of the ranks "
+                   "with one local rank (process sets, which the library does not use).")
+@click.option("--intra-node", default="network", show_default=True,
+              type=click.Choice(["network", "shared_memory"]),
+              help="With --transport torch: the hierarchical stages inside a node over the "
+                   "node's links (--intra-bandwidth: NVLink, PCIe) or through shared memory (a "
+                   "barrier each: CPU ranks, intra_node='auto' on CPU).")
+@click.option("--methods", default="horovod_fp32,horovod_fp16,onebit,onebit_hierarchical",
+              show_default=True, callback=comma_list(click.Choice(
+                  ["horovod_fp32", "horovod_fp16", "onebit", "onebit_hierarchical",
+                   "onebit_hierarchical_group"])),
+              help="Methods to predict (onebit_hierarchical_group: with --transport horovod, "
+                   "the hierarchical scheme with its stages as Horovod collectives of their own "
+                   "groups, which the library does not use; with --transport torch, the same as "
+                   "onebit_hierarchical).")
+@click.option("--check", "check_dir", default=None, type=click.Path(exists=True, file_okay=False),
+              help="Instead: compare predictions with every `bench train --json` output "
+                   "(train_*.json) in this folder and print each pair.")
+@click.option("--plot", default=None, type=click.Path(dir_okay=False),
+              help="PNG: speed-up against ranks for a sweep, else each method's phases.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+def bench_predict(calibration, nps, ranks_per_node, bandwidths, intra_bandwidth, latency_us,
+                  intra_latency_us, params, bench_model, compute_ms, adam_ms, warmup_frac,
+                  colocated, kernel_speedup, host_speedup, per_peer_us, transport,
+                  hierarchical_ops, intra_node, methods, check_dir, plot, as_json) -> None:
+    """Predict step time per phase, whole-run speed-up and bytes per rank of Horovod fp32/fp16,
+    flat 1-bit and hierarchical 1-bit Adam (as hvd_onebit/comm/hierarchical.py runs it) from the
+    constants `bench calibrate` measured. README.md, "Predicting the speed-up at scale", has the
+    model and its assumptions."""
+    from pathlib import Path
+
+    from ..calibrate.files import load_or_shipped
+    from ..predict.check import check_report
+    from ..predict.job import Cluster, Job, parse_params
+    from ..predict.model import HIERARCHICAL_NOTE, Model
+    from ..predict.sweep import crossovers, sweep
+    from ..predict.tables import print_check, print_prediction
+
+    try:
+        cal = load_or_shipped(calibration, note=lambda s: click.echo(s, err=True))
+    except (FileNotFoundError, ValueError) as exc:
+        raise click.ClickException(str(exc)) from exc
+    if check_dir:
+        reports = [json.loads(p.read_text()) for p in sorted(Path(check_dir).glob("train_*.json"))]
+        if not reports:
+            raise click.ClickException(f"no train_*.json in {check_dir}")
+        result = check_report(reports, cal)
+        if as_json:
+            click.echo(json.dumps(result, indent=2))
+        else:
+            print_check(result)
+        return
+    if params is None and bench_model is None:
+        raise click.BadParameter("give --params (and --compute-ms) or --model")
+    if compute_ms is None and bench_model is None:
+        raise click.BadParameter("give --compute-ms, or --model to use a calibrated bench model")
+    n_params = (parse_params(params) if params is not None else
+                int(cal["compute"]["1"]["models"][bench_model]["params"]))
+    job = Job(params=n_params, model=bench_model,
+              compute_s=None if compute_ms is None else compute_ms / 1e3,
+              adam_s=None if adam_ms is None else adam_ms / 1e3, warmup_frac=warmup_frac,
+              kernel_speedup=kernel_speedup, host_speedup=host_speedup)
+    model = Model(cal, None if per_peer_us is None else per_peer_us * 1e-6,
+                  hierarchical_global_ops=hierarchical_ops == "global", transport=transport,
+                  intra_node=intra_node)
+    try:
+        rows = sweep(model, job, nps, bandwidths, ranks_per_node, intra_bandwidth,
+                     latency_us * 1e-6, intra_latency_us * 1e-6, colocated, tuple(methods))
+    except ValueError as exc:  # e.g. a version-2 calibration without torch.distributed ops
+        raise click.ClickException(str(exc)) from exc
+    report = {"benchmark": "predict", "calibration": cal.get("machine"),
+              "inputs": {"params": n_params, "compute_s": model.compute(job, Cluster(
+                  nodes=nps[0], colocated=colocated))[0], "warmup_frac": warmup_frac,
+                  "ranks_per_node": ranks_per_node, "intra_bps": intra_bandwidth,
+                  "latency_s": latency_us * 1e-6, "intra_latency_s": intra_latency_us * 1e-6,
+                  "colocated": colocated, "kernel_speedup": kernel_speedup,
+                  "host_speedup": host_speedup, "per_peer_s": model.per_peer_s,
+                  "transport": transport, "hierarchical_ops": hierarchical_ops,
+                  "intra_node": intra_node},
+              "note": HIERARCHICAL_NOTE, "rows": rows, "crossovers": crossovers(rows)}
+    if plot:
+        from ...cluster.bandwidth import format_bandwidth
+        from ..predict.plots import plot_phases, plot_sweep
+
+        title = (f"{n_params / 1e6:,.0f}M params, compute {report['inputs']['compute_s'] * 1e3:,.0f}"
+                 f" ms/step, warmup {warmup_frac:.0%}, {ranks_per_node} ranks/node (predicted)")
+        if len(rows) > 1:
+            plot_sweep(rows, plot, title)
+        else:
+            bw = rows[0]["inter_bps"]
+            plot_phases(rows[0]["methods"], plot, f"{title}\n{rows[0]['np']} ranks, "
+                        f"{format_bandwidth(int(bw)) if bw else 'unlimited'}")
+        report["plot"] = plot
+    if as_json:
+        click.echo(json.dumps(report, indent=2))
+    else:
+        print_prediction(report)

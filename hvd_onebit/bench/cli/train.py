@@ -1,0 +1,133 @@
+"""`hvd-onebit bench train`: end-to-end training steps per method and phase, samples/s and
+bytes."""
+from __future__ import annotations
+
+import json
+
+import click
+
+from ..report import machine_info, print_table
+from ..train import MALLOC_REUSE_ENV
+from ..train import DEFAULT_METHODS as TRAIN_DEFAULT_METHODS
+from ..train import METHODS as TRAIN_METHODS
+from ..train import MODELS as TRAIN_MODELS
+from ..train import WAITS as TRAIN_WAITS
+from .options import cluster_for, comma_list, nodes_options, queue_option, real_cluster_options
+
+
+@click.command("train")
+@click.option("--np", "np_", default=4, show_default=True, help="Ranks.")
+@click.option("--bandwidth", default="1gbit", show_default=True,
+              help="Emulated link rate (e.g. 100mbit, 1gbit, 10gbit, unlimited); 'local' runs "
+                   "plain horovodrun on loopback. Emulation needs root.")
+@click.option("--steps", default=40, show_default=True, help="Optimizer steps per method.")
+@click.option("--warmup-frac", default=0.15, show_default=True,
+              help="1-bit Adam's warmup: freeze_step = warmup_frac * steps.")
+@click.option("--model", default="embedding", show_default=True, type=click.Choice(TRAIN_MODELS),
+              help="mlp: a wide MLP (width x depth). embedding: an embedding-bag table "
+                   "(vocab x embed-dim, dense gradient) with an MLP head of --width.")
+@click.option("--width", default=2048, show_default=True, help="MLP hidden width.")
+@click.option("--depth", default=3, show_default=True, help="MLP hidden layers.")
+@click.option("--vocab", default=32768, show_default=True, help="Embedding rows (--model embedding).")
+@click.option("--embed-dim", default=256, show_default=True,
+              help="Embedding width (--model embedding).")
+@click.option("--tokens", default=2048, show_default=True,
+              help="Token ids per sample (--model embedding).")
+@click.option("--batch", default=4, show_default=True, help="Samples per rank per step.")
+@click.option("--malloc", "malloc_mode", default="reuse", show_default=True,
+              type=click.Choice(["reuse", "system"]),
+              help="reuse: the ranks' glibc keeps freed memory for reuse, so the large gradient "
+                   "tensors every step allocates do not page-fault afresh (the same for every "
+                   "method); system: glibc's defaults.")
+@click.option("--wait", default="sleep", show_default=True, type=click.Choice(TRAIN_WAITS),
+              help="How Horovod's optimizer waits for its allreduces: sleep (as hvd_onebit "
+                   "does; fair when ranks share cores) or spin (Horovod's own sched_yield loop).")
+@click.option("--powersgd-start", default=10, show_default=True,
+              help="Plain-allreduce iterations before PowerSGD starts compressing.")
+@click.option("--methods", default=",".join(TRAIN_DEFAULT_METHODS), show_default=True,
+              callback=comma_list(str), help=f"Which methods to run, from {', '.join(TRAIN_METHODS)} "
+              "(onebit_sync: overlap=False, the exchange starts in step(); onebit_hier: "
+              "hierarchical=True, for --ranks-per-node > 1).")
+@click.option("--transport", default="auto", show_default=True,
+              type=click.Choice(["auto", "horovod", "torch", "mpi"]),
+              help="1-bit Adam's transport for the compression phase.")
+@click.option("--bucket-size-mb", default=None, type=float,
+              help="1-bit Adam's bucket_size_mb [default: the optimizer's].")
+@click.option("--intra-node", default="auto", show_default=True,
+              type=click.Choice(["auto", "shared_memory", "network"]),
+              help="1-bit Adam's intra_node (onebit_hier's stages inside a node); auto is "
+                   "network when --intra-bandwidth is set, so the emulated links carry them.")
+@real_cluster_options
+@queue_option
+@nodes_options
+@click.option("--timeout", default=3600.0, show_default=True, help="Seconds for the job.")
+@click.option("--plot", default=None, type=click.Path(dir_okay=False),
+              help="Write a PNG bar chart of samples/s per method and phase.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+def bench_train(np_, bandwidth, steps, warmup_frac, model, width, depth, vocab, embed_dim, tokens,
+                batch, malloc_mode, wait, powersgd_start, methods, transport, bucket_size_mb,
+                intra_node, hosts, shared_dir, queue_ms, ranks_per_node, intra_bandwidth, timeout,
+                plot, as_json) -> None:
+    """End-to-end samples/s and bytes per step: Horovod Adam (fp32, fp16), DDP + PowerSGD and
+    1-bit Adam, per phase and over a whole run. Also reports what share of the Horovod fp32
+    step is communication (the 'local' method runs the same step without any)."""
+    from ..train import summarize as summarize_train
+    from ...cluster.jobs import run_job
+
+    bad = [m for m in methods if m not in TRAIN_METHODS]
+    if bad:
+        raise click.BadParameter(f"unknown methods {bad}; choose from {TRAIN_METHODS}")
+    kwargs = {"methods": tuple(methods), "steps": steps, "warmup_frac": warmup_frac,
+              "model": model, "width": width, "depth": depth, "vocab": vocab,
+              "embed_dim": embed_dim, "tokens": tokens, "batch": batch, "wait": wait,
+              "powersgd_start": powersgd_start, "transport": transport,
+              "bucket_size_mb": bucket_size_mb,
+              "intra_node": ("network" if intra_node == "auto" and intra_bandwidth != "unlimited"
+                             else intra_node)}
+    click.echo(f"training {len(methods)} methods x {steps} steps on {np_} ranks "
+               f"({'real hosts' if hosts else bandwidth})...", err=True)
+    with cluster_for(np_, None if hosts else bandwidth, queue_ms, ranks_per_node,
+                      intra_bandwidth) as cluster:
+        job = run_job("hvd_onebit.bench.train:train_worker", np=np_, kwargs=kwargs,
+                      timeout=timeout, cluster=cluster, hosts=hosts, shared_dir=shared_dir,
+                      env=MALLOC_REUSE_ENV if malloc_mode == "reuse" else None)
+    rows = job.results[0]
+    summary = summarize_train(rows)
+    report = {"benchmark": "train", "machine": machine_info(),
+              "bandwidth": "real" if hosts else bandwidth, "queue_ms": queue_ms,
+              "ranks_per_node": ranks_per_node, "intra_bandwidth": intra_bandwidth,
+              "config": {**kwargs, "malloc": malloc_mode}, "rows": rows,
+              "summary": summary, "wall_seconds": job.wall_seconds}
+    if plot:
+        from ..train import plot as plot_train
+
+        plot_train(rows, plot, report["bandwidth"])
+        report["plot"] = plot
+    if as_json:
+        click.echo(json.dumps(report, indent=2))
+        return
+    table = []
+    for r in rows:
+        for phase in ("all", "warmup", "compression"):
+            if f"{phase}_step_s" not in r:
+                continue
+            measured = r.get(f"{phase}_measured_tx_bytes_per_step")
+            table.append({"method": r["method"], "phase": phase if phase != "all" else "-",
+                          "steps": r[f"{phase}_steps"], "ms": r[f"{phase}_step_s"] * 1e3,
+                          "sps": r[f"{phase}_samples_per_s"],
+                          "mb": None if measured is None else measured / 1e6,
+                          "run_s": r["run_seconds"]})
+    shape = (f"MLP {width}x{depth}" if model == "mlp" else
+             f"embedding bag {vocab}x{embed_dim} ({tokens} tokens/sample) + MLP head {width}")
+    click.echo(f"model: {shape}, {rows[0]['params']:,} parameters, {batch} samples/rank/step, "
+               f"{np_} ranks, {report['bandwidth']}, Horovod waits: {wait}, malloc: {malloc_mode}")
+    print_table(table, [("method", "method", ""), ("phase", "phase", ""), ("steps", "steps", "d"),
+                        ("median step ms", "ms", ",.1f"), ("samples/s", "sps", ",.1f"),
+                        ("measured MB/step/rank", "mb", ",.2f"), ("run s", "run_s", ",.2f")])
+    for r in rows:
+        parts = r.get("compression_breakdown_s")
+        if parts:
+            click.echo(f"{r['method']} compressed step, median ms: " + ", ".join(
+                f"{k} {v * 1e3:.1f}" for k, v in parts.items()))
+    for k, v in summary.items():
+        click.echo(f"{k}: {v:.3f}")

@@ -1,0 +1,78 @@
+"""`hvd-onebit bench zoo`: the convergence zoo, 1-bit Adam against Adam over model families."""
+from __future__ import annotations
+
+import json
+
+import click
+
+from .options import comma_list
+
+
+@click.command("zoo")
+@click.option("--families", default=None, callback=lambda c, p, v: v and comma_list(str)(c, p, v),
+              help="Comma-separated model families [default: all: mnist_cnn, dropout_cnn, "
+                   "resnet_bn, gru_lm, transformer_lm, embedding_bag, mlp].")
+@click.option("--schemes", default="bounded,unbounded", show_default=True, callback=comma_list(str),
+              help="Compression-phase schemes (extra DistributedOptimizer options, "
+                   "hvd_onebit/bench/zoo/grid.py): bounded (this round's: preconditioned "
+                   "and bounded), unbounded (before it: neither), bound_only, "
+                   "precondition_only, bounded_eps / bounded_floor (zero_variance), frozen_exact "
+                   "(frozen variance, exact momentum: what freezing alone costs), default "
+                   "(the installed defaults).")
+@click.option("--seeds", default=3, show_default=True, type=click.IntRange(1),
+              help="Seeds per family and learning rate (0, 1, ...).")
+@click.option("--freezes", default="10%,20%,50%,auto", show_default=True, callback=comma_list(str),
+              help="Freeze settings: fractions of the run among 10%, 20%, 50%, and auto.")
+@click.option("--lrs", default="scaled,base", show_default=True, callback=comma_list(str),
+              help="Learning-rate rules: scaled (Horovod's base_lr * size) and base.")
+@click.option("--steps", default=None, type=click.IntRange(10),
+              help="Steps per run for every family [default: each family's, 120-150].")
+@click.option("--batch", default=None, type=click.IntRange(1),
+              help="Samples per rank per step for every family [default: each family's].")
+@click.option("--np", "np_", default=4, show_default=True, help="Ranks.")
+@click.option("--out", "out_dir", default="results/zoo", show_default=True,
+              type=click.Path(file_okay=False),
+              help="Folder for cells.jsonl (one line per run), summary.json and heat_map.png.")
+@click.option("--timeout", default=1800.0, show_default=True,
+              help="Seconds per family's job (a family is one job of 54 runs by default).")
+@click.option("--resume", is_flag=True,
+              help="Keep the runs already in OUT/cells.jsonl and run only the missing ones.")
+@click.option("--report-only", is_flag=True, help="Only print and write the report of OUT.")
+@click.option("--metric", type=click.Choice(["final", "tail"]), default="final",
+              show_default=True, help="final: the last held-out loss; tail: the mean of the "
+              "last three evaluations (less noisy).")
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON instead of "
+              "tables.")
+def bench_zoo(families, schemes, seeds, freezes, lrs, steps, batch, np_, out_dir, timeout,
+              resume, report_only, metric, as_json) -> None:
+    """Convergence zoo: Horovod Adam vs 1-bit Adam on seven model families, two learning
+    rates, four freeze settings and several seeds, on NP ranks; every cell's final held-out
+    loss over Adam's on the same seed, divergences marked (table, summary.json, heat_map.png)."""
+    from pathlib import Path
+
+    from ..zoo.grid import all_families
+    from ..zoo.report import write_report
+
+    out = Path(out_dir)
+    if not report_only:
+        from ..zoo.runner import run_zoo
+
+        try:
+            result = run_zoo(families or all_families(), out, seeds=range(seeds),
+                             schemes=schemes, freezes=freezes, lr_rules=lrs, steps=steps,
+                             batch=batch, np=np_, timeout=timeout, resume=resume,
+                             progress=lambda s: click.echo(s, err=True))
+        except ValueError as exc:
+            raise click.UsageError(str(exc)) from exc
+        click.echo(f"[zoo] {result['seconds']:.0f}s; results in {result['results']}", err=True)
+        for name, why in result["failures"].items():
+            click.echo(f"[zoo] {name} failed:\n{why[-3000:]}", err=True)
+    try:
+        summary = write_report(out, metric, show=not as_json)
+    except FileNotFoundError as exc:
+        raise click.ClickException(str(exc)) from exc
+    if as_json:
+        from ..zoo.report import json_safe
+
+        click.echo(json.dumps(json_safe({k: v for k, v in summary.items() if k != "cells"}),
+                              indent=2))

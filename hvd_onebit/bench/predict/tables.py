@@ -1,0 +1,64 @@
+"""The tables `bench predict` prints: a prediction's rows per world size, bandwidth and method,
+and `--check`'s pairs of predicted and measured step times."""
+from __future__ import annotations
+
+
+def print_prediction(report: dict, echo=None) -> None:
+    """`bench predict`'s table: per world size, bandwidth and method."""
+    import click
+
+    from ..report import print_table
+
+    echo = echo or click.echo
+    table = []
+    for r in report["rows"]:
+        for m, p in r["methods"].items():
+            table.append({"np": r["np"], "bw": "unlimited" if not r["inter_bps"] else
+                          f"{r['inter_bps'] / 1e9:g} Gbit/s", "method": m,
+                          "ms": p["step_s"] * 1e3,
+                          "phases": " ".join(f"{k}={v * 1e3:,.1f}" for k, v in p["phases_s"].items()),
+                          "mb": p["bytes_per_rank"] / 1e6, "step_x": p["step_speedup_vs_fp32"],
+                          "run_x": p["run_speedup_vs_fp32"]})
+    inputs = report["inputs"]
+    echo(f"{inputs['params']:,} parameters, compute {inputs['compute_s'] * 1e3:,.1f} ms/step, "
+         f"warmup {inputs['warmup_frac']:.0%}; {report['note']}")
+    print_table(table, [("np", "np", "d"), ("link", "bw", ""), ("method", "method", ""),
+                        ("step ms", "ms", ",.1f"), ("MB/rank/step", "mb", ",.2f"),
+                        ("step x fp32", "step_x", ".2f"), ("run x fp32", "run_x", ".2f"),
+                        ("phases (ms)", "phases", "")])
+    for bw, c in report["crossovers"].items():
+        echo(f"link {bw} bit/s: flat 1-bit stops paying from n={c['flat_onebit_stops_paying_at']}"
+             f", hierarchical beats flat from n={c['hierarchical_beats_flat_from']}"
+             + (f", group hierarchical beats flat from n={c['hierarchical_group_beats_flat_from']}"
+                if "hierarchical_group_beats_flat_from" in c else ""))
+
+
+def print_check(result: dict, echo=None) -> None:
+    from ..report import print_table
+
+    rows = [{**p, "pred_ms": p["predicted_s"] * 1e3, "meas_ms": p["measured_s"] * 1e3,
+             "range": f"{p['measured_min_s'] * 1e3:,.1f}-{p['measured_max_s'] * 1e3:,.1f}",
+             "ok": ("yes" if p["within"] else "NO") + f" ({p['bound']:.0%})"}
+            for p in result["pairs"]]
+    print_table(rows, [("np", "np", "d"), ("L", "ranks_per_node", "d"),
+                       ("link", "bandwidth", ""), ("model", "model", ""),
+                       ("method", "method", ""), ("phase", "phase", ""),
+                       ("predicted ms", "pred_ms", ",.1f"), ("measured ms", "meas_ms", ",.1f"),
+                       ("measured range", "range", ""), ("runs", "runs", "d"),
+                       ("pred/meas", "ratio", ".2f"), ("within", "ok", "")])
+    import click
+
+    echo = echo or click.echo
+    echo(f"{result['met']} of {result['total']} pairs within their bound; the methods' step times "
+         f"(all but local, the compute input): {result['methods_met']} of "
+         f"{result['methods_total']}; compressed steps: {result['compressed_met']} of "
+         f"{result['compressed_total']}")
+    echo("compressed steps, ms: predicted phases | measured breakdown (median over runs; "
+         "'wait' is both stages' waits, and for onebit_hier the node mean and compress too)")
+    for p in result["pairs"]:
+        if p["phase"] != "compression" or not p["predicted_phases_s"]:
+            continue
+        pred = " ".join(f"{k}={v * 1e3:.1f}" for k, v in p["predicted_phases_s"].items())
+        meas = " ".join(f"{k}={v * 1e3:.1f}" for k, v in p["measured_breakdown_s"].items())
+        echo(f"np={p['np']} L={p['ranks_per_node']} {p['bandwidth']} {p['model']} {p['method']}"
+             f" ({p['transport']}): {pred} | {meas}")

@@ -1,0 +1,14 @@
+"""The float dtypes, named once: what is trained and reduced, and which of those are low precision.
+
+* :data:`FLOAT_DTYPES`: float32, float16 and bfloat16. The parameters the optimizer trains, the
+  inputs :class:`~hvd_onebit.OneBitAllreduce` takes, and the gradients and weights the fused
+  Triton passes read and write in place.
+* :data:`LOW_PRECISION_DTYPES`: float16 and bfloat16, the parameters whose Adam state is float32
+  (:mod:`hvd_onebit.low_precision`). The 1-bit kernels compute in float32 whatever the dtype.
+"""
+from __future__ import annotations
+
+import torch
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+LOW_PRECISION_DTYPES = (torch.float16, torch.bfloat16)

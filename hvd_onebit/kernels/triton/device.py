@@ -1,0 +1,81 @@
+"""The device helpers the Triton kernels share: loads and stores of any float dtype, Adam's
+denominator, the segment search and a program's tile (see :mod:`hvd_onebit.kernels.triton`)."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+#: Each float dtype's code in the segment tables, as :func:`load_as_f32` and
+#: :func:`store_from_f32` read it; 0: absent (reads as zero).
+KINDS = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3}
+
+
+@triton.jit
+def load_as_f32(addr, off, mask, kind):
+    """Elements ``off`` of the tensor at address ``addr`` of dtype ``kind`` (1 f32, 2 f16,
+    3 bf16, 0 absent: zeros), as float32."""
+    v = tl.zeros(off.shape, tl.float32)
+    if kind == 1:
+        v = tl.load(addr.to(tl.pointer_type(tl.float32)) + off, mask=mask, other=0.0)
+    elif kind == 2:
+        v = tl.load(addr.to(tl.pointer_type(tl.float16)) + off, mask=mask, other=0.0).to(tl.float32)
+    elif kind == 3:
+        u = tl.load(addr.to(tl.pointer_type(tl.uint16)) + off, mask=mask, other=0)
+        v = (u.to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+    return v
+
+
+@triton.jit
+def store_from_f32(addr, off, v, mask, kind):
+    """Store float32 ``v`` into a tensor of dtype ``kind``, rounded once to nearest even."""
+    if kind == 1:
+        tl.store(addr.to(tl.pointer_type(tl.float32)) + off, v, mask=mask)
+    elif kind == 2:
+        tl.store(addr.to(tl.pointer_type(tl.float16)) + off, v.to(tl.float16), mask=mask)
+    elif kind == 3:  # torch's float -> bfloat16: round to nearest even, NaN -> 0x7FC0
+        u = v.to(tl.uint32, bitcast=True)
+        r = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+        r = tl.where(v != v, 0x7FC0, r)
+        tl.store(addr.to(tl.pointer_type(tl.uint16)) + off, r.to(tl.uint16), mask=mask)
+
+
+@triton.jit
+def frozen_denominator(v, sqrt_bc2, eps):
+    """Adam's denominator from the frozen variance ``v`` (float32): ``sqrt(v) / sqrt_bc2 + eps``,
+    ``+inf`` where ``v == 0`` (a held element); sqrt and division correctly rounded, as the native
+    code's and :func:`hvd_onebit.kernels.fused_reference.frozen_denominator`."""
+    den = tl.div_rn(tl.sqrt_rn(v), tl.zeros_like(v) + sqrt_bc2) + eps
+    return tl.where(v == 0.0, float("inf"), den)
+
+
+@triton.jit
+def first_segment(starts, nsegs, p_lo):
+    """The last segment whose start is <= p_lo (starts: int64, non-decreasing)."""
+    lo = tl.full([], 0, tl.int32)
+    hi = tl.full([], 0, tl.int32) + nsegs - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        ok = tl.load(starts + mid) <= p_lo
+        lo = tl.where(ok, mid, lo)
+        hi = tl.where(ok, hi, mid - 1)
+    return lo
+
+
+@triton.jit
+def tile(pid, G, block, nblocks, T, R: tl.constexpr, C: tl.constexpr):
+    """The blocks and positions of program ``pid``: R blocks (gb, [R]) x C elements (o, [C])."""
+    t = pid % T
+    gb0 = (pid // T) * R
+    gb = gb0 + tl.arange(0, R)
+    o = t * C + tl.arange(0, C)
+    gb_ok = gb < G
+    valid = gb_ok[:, None] & (o < block)[None, :]
+    p = gb.to(tl.int64)[:, None] * block + o[None, :]
+    # the tile's first and one-past-last positions (scalars)
+    last = tl.minimum(gb0 + R, G) - 1
+    p_lo = gb0.to(tl.int64) * block + t * C
+    p_hi = last.to(tl.int64) * block + tl.minimum(t * C + C, block)
+    j = gb // nblocks
+    b = gb % nblocks
+    return t, gb, o, gb_ok, valid, p, p_lo, p_hi, j, b

@@ -1,0 +1,96 @@
+"""The host side the Triton kernels share: launch settings, tile geometry, the device made
+current (one launch sequence at a time under the interpreter), segment tables, and
+:class:`DeviceFlag` (a kernel's "all finite" left on the device)."""
+from __future__ import annotations
+
+import os
+import threading
+from typing import Optional, Sequence
+
+import torch
+import triton
+
+from .device import KINDS
+
+#: Whether these kernels were built for Triton's interpreter (CPU tensors) at import.
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+CMAX = 2048  # elements per program (a power of two)
+FB = 256  # rows (blocks) per finalize program
+TT = 256  # partials per finalize step
+WARPS = 8
+LAUNCH = {"enable_fp_fusion": False}
+
+
+class DeviceFlag:
+    """A kernel's "all finite" result, left on the device: truth-testing it reads it (a host
+    sync); code that learns the outcome from the rows' status words never pays for that."""
+
+    __slots__ = ("_t",)
+
+    def __init__(self, t: torch.Tensor):
+        self._t = t
+
+    def __bool__(self) -> bool:
+        return bool(self._t.item())
+
+    def __eq__(self, other) -> bool:
+        return bool(self) == other
+
+    __hash__ = None
+
+    def __repr__(self) -> str:
+        return f"DeviceFlag({bool(self)})"
+
+
+def geometry(block: int) -> tuple[int, int, int]:
+    """(R, C, T): blocks per program, elements per row of a tile, tiles per block."""
+    if block <= CMAX:
+        c = max(8, triton.next_power_of_2(block))
+        return CMAX // c, c, 1
+    return 1, CMAX, triton.cdiv(block, CMAX)
+
+
+_INTERPRETER_LOCK = threading.Lock()
+
+
+class on_device:
+    """The tensor's CUDA device made current for the launches (Triton launches on the current
+    device). Under the interpreter, one launch sequence at a time: it keeps global state (the
+    grid index, patched ``tl`` functions), and virtual ranks are threads."""
+
+    def __init__(self, t: torch.Tensor):
+        if t.device.type == "cuda":
+            self._ctx = torch.cuda.device(t.device)
+        else:
+            self._ctx = _INTERPRETER_LOCK if INTERPRETED else None
+
+    def __enter__(self):
+        if self._ctx is not None:
+            self._ctx.__enter__()
+
+    def __exit__(self, *exc):
+        if self._ctx is not None:
+            self._ctx.__exit__(*exc)
+
+
+def as_words(buf: torch.Tensor) -> torch.Tensor:
+    """A row buffer (uint8, length a multiple of 4) as float32 words: status and scales."""
+    return buf.view(torch.float32)
+
+
+def kind_code(t: Optional[torch.Tensor]) -> int:
+    return 0 if t is None or t.numel() == 0 else KINDS[t.dtype]
+
+
+def address(t: Optional[torch.Tensor]) -> int:
+    return 0 if t is None or t.numel() == 0 else t.data_ptr()
+
+
+def segment_table(columns: Sequence[Sequence[int]], sizes: Sequence[int], device) -> torch.Tensor:
+    """int64 [starts (nsegs+1), then each column (nsegs)], on ``device``."""
+    starts = [0]
+    for s in sizes:
+        starts.append(starts[-1] + int(s))
+    flat = starts + [v for col in columns for v in col]
+    return torch.tensor(flat, dtype=torch.int64).to(device, non_blocking=True)

@@ -1,0 +1,130 @@
+"""Starting buckets during backward (``overlap=True``): the compression phase's speculation.
+
+In the compression phase no gradient is communicated; on the step's last backward pass each
+gradient completes its bucket's momentum, and a bucket whose gradients are all final starts its
+compression and stage 1 from the gradient hook, while backward goes on. Buckets start in one
+order on every rank (ordered transports need it), planned from the last parameter.
+
+A start is a speculation on the gradients staying as backward made them. What each start read
+is recorded (:class:`EarlyStarts`); ``step()`` compares (:meth:`Overlap.stale`), and a stale
+step starts every bucket again on every rank (see :class:`~hvd_onebit.engine.
+CompressedStep`), after which this rank stops starting early. A GradScaler used in the last step
+is assumed in this one: the hooks unscale as ``GradScaler.unscale_`` does, because unscaling in
+place leaves no trace on the gradients' version counters.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Callable, Optional
+
+import torch
+
+from .engine import CompressedStep
+from .config import OneBitConfig
+from .horovod_view import HorovodView
+
+
+class EarlyStarts:
+    """One step's bookkeeping of the buckets started from gradient hooks."""
+
+    def __init__(self, groups: dict, engine: CompressedStep, scaler=None):
+        self.groups = groups  # parameter -> its param group
+        self.scaler = scaler  # the GradScaler the gradients are assumed scaled by, or None
+        # GradScaler.unscale_'s own factor
+        self.inv_scale = (None if scaler is None
+                          else scaler._scale.double().reciprocal().float())
+        self.position: dict = {}  # parameter -> the buckets holding a part of it
+        for i, b in enumerate(engine.buckets):
+            for p in b.params:
+                self.position.setdefault(p, []).append(i)
+        self.missing = [len(b.params) for b in engine.buckets]  # gradients not final yet
+        self.read: dict = {}  # parameter -> what its bucket's start read (inputs_of)
+        self.failed = False  # a start raised: the rest start in step()
+
+
+def inputs_of(p: torch.Tensor, group: dict) -> tuple:
+    """What p's part of its bucket's input is computed from: its gradient tensor (identity and
+    in-place version), its own version (Adam's L2 decay reads it) and the options."""
+    g = p.grad
+    return (g, None if g is None else g._version, p._version, group["betas"][0],
+            group["weight_decay"], bool(group.get("maximize")))
+
+
+class Overlap:
+    """The early starts of one optimizer, step after step."""
+
+    def __init__(self, view: HorovodView, config: OneBitConfig, engine: CompressedStep,
+                 local_grad: Callable):
+        self._view = view
+        self._enabled = config.overlap
+        self._engine = engine
+        self._local_grad = local_grad  # (p, group, inv_scale) -> the gradient the engine takes
+        self._decided = False  # whether this step's early starts were set up (or refused)
+        self.current: Optional[EarlyStarts] = None  # this step's, if buckets start early
+        self.off_reason: Optional[str] = None  # why this rank stopped starting buckets early
+        self._scaler_ref = None  # weakref to the GradScaler of the last step, if one was used
+
+    def remember_scaler(self, scaler) -> None:
+        """The GradScaler of this step (None: none), assumed by the next step's hooks."""
+        self._scaler_ref = None if scaler is None else weakref.ref(scaler)
+
+    def turn_off(self, reason: str) -> None:
+        self.off_reason = reason
+
+    def end_step(self) -> None:
+        """The step is over: the next one decides afresh."""
+        self._decided = False
+        self.current = None
+
+    def _set_up(self) -> Optional[EarlyStarts]:
+        """At the step's first ready gradient: whether buckets start early this time (overlap
+        on, and the buckets up to date: step() rebuilds them otherwise)."""
+        self._decided = True
+        engine, active = self._engine, self._view.active_parameters()
+        if not (self._enabled and self.off_reason is None and engine.up_to_date(active)):
+            return None
+        engine.ensure_ready(active)
+        if not engine.can_start_early:
+            return None
+        engine.begin_step()
+        groups = {p: g for g in self._view.param_groups for p in g["params"]}
+        scaler = self._scaler_ref() if self._scaler_ref is not None else None
+        if scaler is not None and scaler._scale is None:
+            scaler = None
+        self.current = EarlyStarts(groups, engine, scaler)
+        return self.current
+
+    def gradient_ready(self, p: torch.Tensor) -> None:
+        """p's gradient is final for this step: start every bucket, in order, whose gradients
+        are all final. What each start read is recorded, so step() can tell if it changed."""
+        early = self.current if self._decided else self._set_up()
+        if early is None or early.failed or p not in early.position:
+            return
+        engine = self._engine
+        for i in early.position[p]:
+            early.missing[i] -= 1
+        try:
+            while (engine.next_to_start < len(early.missing)
+                   and early.missing[engine.next_to_start] == 0):
+                params = engine.bucket_params(engine.next_to_start)
+                grads = {q: self._local_grad(q, early.groups[q], early.inv_scale)
+                         for q in params}
+                for q in params:
+                    early.read[q] = inputs_of(q, early.groups[q])
+                engine.start_bucket(self._view.param_groups, grads)
+        except Exception:
+            # e.g. a sparse gradient: step() computes the rest and raises the error itself, on
+            # every rank, after waiting out what started
+            early.failed = True
+
+    def stale(self) -> bool:
+        """Whether anything a bucket started early read has changed since (gradients clipped
+        or unscaled in place, replaced, options changed): then it is started again."""
+        early = self.current
+        if early is None:
+            return False
+        for q, then in early.read.items():
+            now = inputs_of(q, early.groups[q])
+            if now[0] is not then[0] or now[1:] != then[1:]:
+                return True
+        return False

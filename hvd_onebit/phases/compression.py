@@ -1,0 +1,133 @@
+"""The compression phase, as the optimizer drives it: local gradients into the engine.
+
+The variance is frozen; each rank's gradient goes, as Adam would take it in (L2 decay,
+``maximize``, Horovod's averaging op applied), into the compressed step
+(:class:`~hvd_onebit.engine.CompressedStep`), which averages the momentum in 1 bit and
+applies Adam's update. A step whose inputs some rank found non-finite is skipped by every rank,
+with nothing changed anywhere.
+"""
+from __future__ import annotations
+
+import time
+import warnings
+from typing import Callable, Mapping, Optional
+
+import torch
+from horovod.torch.mpi_ops import Sum
+
+from ..comm.protocol import NonFiniteInputError
+from ..engine import CompressedStep
+from ..horovod_view import HorovodView
+from ..low_precision import is_low_precision
+from ..overlap import Overlap
+from ..state.schedule import Schedule
+from ..state.telemetry import Telemetry
+from .warmup import sparse_gradient_error
+
+STALE_WARNING = (
+    "hvd_onebit: the gradients changed between backward and step() (e.g. clipped, or a "
+    "GradScaler used this step and not the last, or the reverse); the buckets started during "
+    "backward were started again, and from now on this rank starts them in step() (overlap "
+    "off). Leave the gradients as backward made them to keep the overlap, or pass overlap=False.")
+
+
+class CompressionPhase:
+    """One optimizer's compressed steps."""
+
+    def __init__(self, view: HorovodView, schedule: Schedule, telemetry: Telemetry,
+                 engine: CompressedStep, config):
+        self._view = view
+        self._schedule = schedule
+        self._telemetry = telemetry
+        self._engine = engine
+        self.overlap = Overlap(view, config, engine, self.local_grad)
+
+    def local_grad(self, p: torch.Tensor, group: dict,
+                   inv_scale: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+        """p's gradient as the compressed step takes it in; ``inv_scale``: the gradient is
+        still scaled by a GradScaler, unscale it first (the bits of GradScaler.unscale_: one
+        float32 product, rounded to the gradient's dtype)."""
+        g = p.grad
+        if g is None:
+            return None
+        if g.is_sparse:
+            if not self._view.sparse_as_dense:
+                raise sparse_gradient_error(self._view, p)
+            g = g.to_dense()
+        if inv_scale is not None:
+            g = torch.mul(g.float(), inv_scale).to(g.dtype)
+        if is_low_precision(p):  # the momentum is float32: so is the gradient it takes in
+            g = g.float()
+        if self._view.op == Sum:  # Horovod's Sum: the update sees the sum over ranks
+            g = g * self._engine.world
+        if group.get("maximize"):
+            g = -g
+        wd = group["weight_decay"]
+        if wd != 0 and not self._view.decoupled(group):
+            g = g.add(p.detach().to(g.dtype), alpha=wd)
+        return g
+
+    def step(self, changed: bool = False) -> bool:
+        """One compressed step, counted when taken. Returns False when it was skipped because
+        some rank had non-finite values. ``changed``: the gradients were changed since backward,
+        whether it shows or not (a GradScaler assumed or not assumed by the hooks)."""
+        engine, overlap = self._engine, self.overlap
+        early = overlap.current
+        if early is None:
+            engine.begin_step()
+        engine.ensure_ready(self._view.active_parameters())
+        stale = (changed and engine.started > 0) or overlap.stale()
+        if stale and overlap.off_reason is None:
+            overlap.turn_off("gradients changed between backward and step()")
+            warnings.warn(STALE_WARNING)
+        started = set() if stale or early is None else set(early.read)
+        groups = {p: g for g in self._view.param_groups for p in g["params"]}
+        grads = LocalGrads(self.local_grad, groups)
+        try:  # before anything more starts: a bad gradient raises here, on every rank
+            for p in engine.params:
+                if p not in started:
+                    grads[p]
+        except Exception:
+            engine.abandon_early()
+            raise
+        start = time.perf_counter()
+        telemetry = self._telemetry
+        try:
+            nbytes = engine.step(self._view.param_groups, grads, stale=stale)
+        except NonFiniteInputError as exc:
+            telemetry.skipped_steps += 1
+            telemetry.account(0, time.perf_counter() - start)
+            warnings.warn(f"hvd_onebit: step skipped on every rank: {exc}")
+            return False
+        finally:
+            telemetry.last_step_breakdown = dict(engine.breakdown)
+        telemetry.account(nbytes, time.perf_counter() - start)
+        self._schedule.count_step()
+        return True
+
+    def end_step(self) -> None:
+        """After a compressed step, taken or skipped: the next backward starts afresh."""
+        self._view.reset_backward_passes()
+        self._view.synchronized = False
+        self.overlap.end_step()
+
+
+class LocalGrads(Mapping):
+    """Each parameter's local gradient (:meth:`CompressionPhase.local_grad`), computed on first
+    access: a step started again after a stale early start reads the ones it did not need."""
+
+    def __init__(self, local_grad: Callable, groups: dict):
+        self._local_grad = local_grad
+        self._groups = groups
+        self._done: dict = {}
+
+    def __getitem__(self, p: torch.Tensor) -> Optional[torch.Tensor]:
+        if p not in self._done:
+            self._done[p] = self._local_grad(p, self._groups[p])
+        return self._done[p]
+
+    def __iter__(self):
+        return iter(self._groups)
+
+    def __len__(self) -> int:
+        return len(self._groups)

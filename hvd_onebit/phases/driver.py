@@ -1,0 +1,73 @@
+"""One optimizer step, dispatched to its phase: the warmup, the compression phase, or either
+under a GradScaler; and the hooks and synchronize() of each phase."""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+from ..config import OneBitConfig
+from ..consistency import check_parameters_identical
+from ..engine import CompressedStep
+from ..horovod_view import HorovodView
+from ..state.schedule import COMPRESSION, Schedule
+from ..state.telemetry import Telemetry
+from .amp import amp_step
+from .compression import CompressionPhase
+from .warmup import Warmup, closure_loss
+
+
+class Phases:
+    """The two phases of one optimizer and the choice between them, step by step."""
+
+    def __init__(self, view: HorovodView, config: OneBitConfig, schedule: Schedule,
+                 telemetry: Telemetry, engine: CompressedStep):
+        self._view = view
+        self._config = config
+        self._schedule = schedule
+        self._telemetry = telemetry
+        self._engine = engine
+        self.warmup = Warmup(view, schedule, telemetry, engine)
+        self.compression = CompressionPhase(view, schedule, telemetry, engine, config)
+
+    def compressing(self) -> bool:
+        """Whether this step is a compressed one (the compression phase, on several ranks)."""
+        return self._engine.world > 1 and self._schedule.phase == COMPRESSION
+
+    def gradient_hook(self, p, warmup_hook: Callable, *args) -> None:
+        """p's gradient accumulated: Horovod's allreduce in the warmup; in the compression phase
+        no gradient travels, and on the step's last backward pass the gradient completes its
+        bucket, which may start its exchange (:mod:`hvd_onebit.overlap`)."""
+        if not self.compressing():
+            warmup_hook(*args)
+        elif self._view.count_backward_pass(p):
+            self.compression.overlap.gradient_ready(p)
+
+    def synchronize(self, make_hook: Callable) -> None:
+        """Warmup: wait for the gradient allreduces. Compression: nothing to wait for."""
+        if self.compressing():
+            self._view.synchronized = True
+        else:
+            self.warmup.synchronize(make_hook)
+
+    def step(self, closure: Optional[Callable[[], float]], grad_scaler, unscale: Callable,
+             make_hook: Callable):
+        """One optimizer step; ``grad_scaler`` (passed by GradScaler.step()) or None, with
+        ``unscale`` its ``unscale_`` of this optimizer. Returns the closure's loss."""
+        overlap = self.compression.overlap
+        if grad_scaler is not None:
+            per_opt = grad_scaler._per_optimizer_states[self._view.optimizer_id]
+            loss = amp_step(grad_scaler, per_opt, unscale, self.compressing(), self.warmup,
+                            self.compression, self._telemetry, closure, make_hook)
+        elif not self.compressing():
+            overlap.remember_scaler(None)
+            loss = self.warmup.step(closure, make_hook)
+        else:
+            loss = closure_loss(closure)
+            early = overlap.current
+            overlap.remember_scaler(None)
+            self.compression.step(changed=early is not None and early.scaler is not None)
+            self.compression.end_step()
+        every, steps = self._config.check_every, self._schedule.steps
+        if every and self._engine.world > 1 and steps % every == 0:
+            check_parameters_identical(self._view.param_groups, self._view.process_set, steps,
+                                       every)
+        return loss

@@ -1,0 +1,77 @@
+"""What is decided once, when the optimizer is built: the checks against the job, the
+transport the compression phase's two stages travel on, and the parts the face delegates to."""
+from __future__ import annotations
+
+import os
+import warnings
+from dataclasses import dataclass
+
+import horovod.torch as hvd
+import torch
+
+from ..config import OneBitConfig
+from ..consistency import check_same_parameters
+from ..engine import CompressedStep, process_set_size
+from ..horovod_view import HorovodView
+from ..state.adam_state import init_adam_state
+from ..state.schedule import Schedule
+from ..state.telemetry import Telemetry
+from .driver import Phases
+from ..transport.registry import resolve_transport
+from ..transport.rendezvous import TorchRendezvousError, init_torch_distributed
+
+
+def check_job(param_groups: list[dict], names: dict, process_set: hvd.ProcessSet,
+              world: int) -> None:
+    """Raise on every rank if the ranks' parameters differ (one small allgather). Elastic
+    workers join running jobs, so a collective there could not be matched: skipped."""
+    if world > 1 and os.environ.get("HOROVOD_ELASTIC") != "1":
+        check_same_parameters(param_groups, names, process_set)
+
+
+def connect(config: OneBitConfig, process_set: hvd.ProcessSet, device: torch.device,
+            world: int) -> str:
+    """The transport of the compression phase ("auto" decided from what every rank sees
+    alike), set up now on every rank together: a network that cannot carry torch.distributed
+    fails at construction, not at the freeze, and "auto" then stays with Horovod (the failure
+    is agreed, so every rank does)."""
+    transport = resolve_transport(config.transport, process_set, device, config.hierarchical)
+    if transport == "torch" and config.compressor == "onebit" and world > 1:
+        try:
+            init_torch_distributed(device)
+        except TorchRendezvousError as exc:
+            if config.transport != "auto":
+                raise
+            warnings.warn(f"hvd_onebit: transport='auto' uses Horovod: {exc}")
+            transport = "horovod"
+    if config.hierarchical is not False and config.intra_node == "shared_memory":
+        config.shared_memory_inside_nodes(transport, device)  # raises where it cannot
+    return transport
+
+
+@dataclass(frozen=True)
+class Parts:
+    """What one optimizer's face delegates to."""
+
+    schedule: Schedule
+    telemetry: Telemetry
+    engine: CompressedStep
+    phases: Phases
+    transport: str
+
+
+def build(view: HorovodView, config: OneBitConfig, process_set: hvd.ProcessSet) -> Parts:
+    """Adam's state, the checks against the job, the transport, the engine and the phases of
+    the optimizer ``view`` sees, in the order every rank runs their collectives."""
+    schedule = Schedule(view, config)
+    schedule.freeze_step = None if config.auto else config.freeze_step
+    telemetry = Telemetry()
+    init_adam_state(view.param_groups, view.state)
+    world = process_set_size(process_set)
+    check_job(view.param_groups, view.names, process_set, world)
+    device = next((p.device for p in view.parameters()), torch.device("cpu"))
+    transport = connect(config, process_set, device, world)
+    engine = CompressedStep(config, view.state, view.decoupled, process_set,
+                            transport=transport, names=view.names)
+    phases = Phases(view, config, schedule, telemetry, engine)
+    return Parts(schedule, telemetry, engine, phases, transport)

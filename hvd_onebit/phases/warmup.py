@@ -1,0 +1,152 @@
+"""The warmup phase: exactly ``hvd.DistributedOptimizer`` around the wrapped Adam.
+
+Gradients are allreduced by Horovod in full precision as backward produces them (Horovod's own
+hooks), then Adam steps; its variance settles meanwhile. After the allreduce the gradients are
+the same on every rank (an inf anywhere makes the average inf everywhere), so a non-finite step
+is skipped by every rank alike without another collective.
+"""
+from __future__ import annotations
+
+import time
+import warnings
+from typing import Callable, Optional
+
+import torch
+from horovod.torch.compression import Compression
+
+from ..engine import CompressedStep
+from ..horovod_view import HorovodView
+from ..layout import ring_allreduce_bytes
+from ..low_precision import adam_step_float32, is_low_precision
+from ..state.schedule import Schedule
+from ..state.telemetry import Telemetry
+from ..transport.horovod import sleep_until_done
+
+
+class Warmup:
+    """Horovod's synchronize and step with the wrapped Adam, for one optimizer."""
+
+    def __init__(self, view: HorovodView, schedule: Schedule, telemetry: Telemetry,
+                 engine: CompressedStep):
+        self._view = view
+        self._schedule = schedule
+        self._telemetry = telemetry
+        self._engine = engine
+        self.wait_seconds = 0.0  # this step's seconds blocked on Horovod's allreduces
+
+    def synchronize(self, make_hook: Callable) -> None:
+        """Wait for the gradient allreduces; before the warmup's last step, fuse the buckets
+        of the compression phase while the allreduce is on the wire."""
+        start = time.perf_counter()
+        view = self._view
+        view.refresh_hooks(make_hook)
+        active = view.active_parameters()
+        if (self._schedule.last_warmup_step_next() and self._engine.world > 1
+                and not self._engine.up_to_date(active)):
+            self._engine.fuse(active)
+        # Sleep until the allreduces the backward hooks started are done, so that Horovod's own
+        # wait (a sched_yield spin) finds them finished instead of taking CPU from other ranks.
+        for handle, _ in list(view.handles.values()):
+            if handle is not None and not callable(handle):
+                sleep_until_done(handle)
+        view.synchronize()
+        if view.sparse_as_dense:
+            # Horovod hands the averaged gradient back sparse; Adam takes dense gradients only.
+            for p in view.requires_update:
+                if p.grad is not None and p.grad.is_sparse:
+                    p.grad = p.grad.to_dense()
+        self.wait_seconds += time.perf_counter() - start
+
+    def synchronize_for_step(self, make_hook: Callable) -> None:
+        """Horovod's step() prologue: wait for the gradient allreduces unless told not to."""
+        view = self._view
+        if view.should_synchronize:
+            if view.synchronized:
+                warnings.warn("optimizer.step() called without optimizer.skip_synchronize() "
+                              "context after optimizer.synchronize(). This can cause training "
+                              "slowdown. You may want to consider using "
+                              "optimizer.skip_synchronize() context if you use "
+                              "optimizer.synchronize() in your code.")
+            self.synchronize(make_hook)
+        view.synchronized = False
+
+    def step(self, closure: Optional[Callable[[], float]], make_hook: Callable):
+        """Horovod's step (synchronize, then the wrapped Adam), skipping non-finite gradients."""
+        self.wait_seconds = 0.0
+        self._telemetry.last_step_breakdown = {}
+        self.synchronize_for_step(make_hook)
+        grads = [p.grad for p in self._view.parameters() if p.grad is not None]
+        if not all_finite(grads):
+            self._telemetry.skipped_steps += 1
+            warnings.warn("hvd_onebit: step skipped on every rank: non-finite averaged gradients")
+            loss = None
+        else:
+            loss = self.adam_step(closure)
+        self.account()
+        return loss
+
+    def adam_step(self, closure: Optional[Callable[[], float]]):
+        """The wrapped Adam's step on the averaged gradients, counted; float16 and bfloat16
+        parameters step in float32 with their float32 state (:mod:`hvd_onebit.low_precision`)."""
+        loss = closure_loss(closure)
+        view = self._view
+        low = []
+        for group in view.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise sparse_gradient_error(view, p)
+                if is_low_precision(p):
+                    low.append((p, group))
+        stashed = [p.grad for p, _ in low]
+        for p, _ in low:
+            p.grad = None  # torch's Adam skips parameters without a gradient
+        try:
+            view.adam_step()
+        finally:
+            for (p, _), g in zip(low, stashed):
+                p.grad = g
+        for p, group in low:
+            adam_step_float32(p, view.state[p], group, view.decoupled(group))
+        self._schedule.count_step()
+        self._schedule.observe_variance()
+        return loss
+
+    def account(self) -> None:
+        self._telemetry.account(self.step_bytes(), self.wait_seconds)
+
+    def step_bytes(self) -> int:
+        """Bytes a bandwidth-optimal ring allreduce sends per rank for this step's gradients."""
+        elem = 2 if self._view.compression.inner is Compression.fp16 else None
+        # bfloat16 gradients travel as float32 (WidenBfloat16)
+        total = sum(p.numel() * (elem or (4 if p.dtype == torch.bfloat16 else p.element_size()))
+                    for p in self._view.requires_update)
+        return ring_allreduce_bytes(total, self._engine.world)
+
+
+def closure_loss(closure: Optional[Callable[[], float]]):
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
+def sparse_gradient_error(view: HorovodView, p: torch.Tensor) -> TypeError:
+    return TypeError(f"parameter {view.name_of(p)} has a sparse gradient; "
+                     "Adam needs dense gradients: pass sparse_as_dense=True")
+
+
+def all_finite(tensors: list[torch.Tensor]) -> bool:
+    """Whether no tensor holds inf or NaN: one vectorised read pass, no allocation per tensor.
+
+    The float32 (or float64) sum is inf/NaN when an element is; it can also overflow when the
+    values are near float32's limit, and such gradients are as good as non-finite anyway (the
+    step is skipped).
+    """
+    if not tensors:
+        return True
+    # Summed in float32 at least: a float16 sum overflows at 65504 where the values are finite.
+    sums = [(t.coalesce().values() if t.is_sparse else t).sum(
+        dtype=torch.float32 if is_low_precision(t) else None) for t in tensors]
+    return bool(torch.isfinite(torch.stack(sums)).all())

@@ -1,0 +1,76 @@
+"""The optimizer's checkpoint: torch's state_dict plus what 1-bit Adam adds under ``"onebit"``.
+
+``state_dict()`` holds what every rank shares (step count, freeze step, momentum, frozen
+variance, the auto-freeze record); the error feedback is rank-local and has its own state dict
+(:meth:`hvd_onebit.engine.CompressedStep.error_feedback_state_dict`).
+"""
+from __future__ import annotations
+
+import warnings
+
+from ..config import OneBitConfig
+from ..horovod_view import HorovodView
+from ..low_precision import float32_state_in
+from .adam_state import init_adam_state
+from .schedule import Schedule
+from .telemetry import Telemetry
+
+KEY = "onebit"  # the state_dict entry 1-bit Adam adds
+
+
+def state_dict(view: HorovodView, config: OneBitConfig, schedule: Schedule,
+               telemetry: Telemetry) -> dict:
+    sd = view.torch_state_dict()
+    sd[KEY] = {"freeze_step": schedule.freeze_step, "skipped_steps": telemetry.skipped_steps,
+               "step_bound": config.step_bound}
+    if schedule.monitor is not None:
+        sd[KEY]["auto_freeze"] = schedule.monitor.state_dict()
+    return sd
+
+
+def load_state_dict(view: HorovodView, config: OneBitConfig, schedule: Schedule,
+                    telemetry: Telemetry, state_dict: dict) -> None:
+    """Load a :func:`state_dict`. A checkpoint taken in the compression phase stays there: its
+    variance was frozen at its own ``freeze_step``, which wins over the optimizer's (with a
+    warning when they differ). A warmup checkpoint takes the optimizer's; with
+    ``freeze_step="auto"`` also the checkpoint's record of the variance, so the resumed run
+    decides at the same step as an uninterrupted one. The caller drops its collectives after."""
+    state_dict = dict(state_dict)
+    meta = state_dict.pop(KEY, None)
+    params = view.parameters()
+    wide = float32_state_in(state_dict, params)
+    view.load_torch_state_dict(state_dict)
+    # torch cast every state tensor to its parameter's dtype: put float32 state back.
+    ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+    for pid, p in zip(ids, params):
+        for key, value in wide.get(pid, {}).items():
+            view.state[p][key] = value.to(device=p.device, copy=True)
+    mine = None if config.auto else config.freeze_step
+    saved = None
+    if meta is not None:
+        telemetry.skipped_steps = int(meta.get("skipped_steps", 0))
+        saved = meta.get("freeze_step")
+        _warn_if_other_step_bound(meta, config.step_bound)
+    if saved is not None and schedule.steps >= int(saved):
+        if mine is not None and int(saved) != mine:
+            warnings.warn(
+                f"hvd_onebit: the checkpoint is in the compression phase (step "
+                f"{schedule.steps}, frozen at freeze_step={saved}); it keeps "
+                f"its frozen variance and freeze_step={saved}, not {mine}")
+        schedule.freeze_step = int(saved)
+    else:
+        schedule.freeze_step = mine
+    if schedule.monitor is not None:
+        schedule.monitor.load_state_dict((meta or {}).get("auto_freeze") or {})
+    init_adam_state(view.param_groups, view.state)
+
+
+def _warn_if_other_step_bound(meta: dict, mine) -> None:
+    """A checkpoint written with another step bound (one from before the bound existed was
+    unbounded) loads as it is: the bound acts only on the step, so the momentum and the error
+    feedback mean the same under either; say so, since later steps will differ."""
+    theirs = meta.get("step_bound") if "step_bound" in meta else None
+    if theirs != mine:
+        warnings.warn(f"hvd_onebit: the checkpoint was written with step_bound={theirs!r}, this "
+                      f"optimizer has step_bound={mine!r}; its momentum and error feedback "
+                      "carry over unchanged (the bound acts only on each step)")

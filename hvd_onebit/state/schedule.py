@@ -1,0 +1,76 @@
+"""Which phase a step is in: the step count, the freeze step, and ``freeze_step="auto"``.
+
+Both numbers are kept in param group 0, so that everything that moves optimizer state moves them
+too: ``state_dict``/``load_state_dict``, ``hvd.broadcast_optimizer_state`` (a joining elastic
+worker must know the phase before its first backward) and elastic commits. The phase is decided
+by the step count alone, never by anything else, so every rank is in the same phase.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from ..auto_freeze import VarianceMonitor
+from ..config import OneBitConfig
+from ..horovod_view import HorovodView
+
+STEP_KEY = "onebit_step"  # param_groups[0] entry holding the optimizer step count
+FREEZE_KEY = "onebit_freeze_step"  # param_groups[0] entry: the freeze step, -1 while undecided
+WARMUP, COMPRESSION = "warmup", "compression"
+
+
+class Schedule:
+    """Step count, freeze step and phase of one optimizer, and its freeze decision."""
+
+    def __init__(self, view: HorovodView, config: OneBitConfig):
+        self._view = view
+        self.monitor = VarianceMonitor(config.auto_freeze) if config.auto else None
+        view.param_groups[0].setdefault(STEP_KEY, 0)
+
+    @property
+    def steps(self) -> int:
+        """Optimizer steps taken (skipped steps not counted)."""
+        return int(self._view.param_groups[0].get(STEP_KEY, 0))
+
+    def count_step(self) -> None:
+        self._view.param_groups[0][STEP_KEY] = self.steps + 1
+
+    @property
+    def freeze_step(self) -> Optional[int]:
+        """The step count the variance freezes (or froze) at; None while "auto" is undecided."""
+        value = int(self._view.param_groups[0].get(FREEZE_KEY, -1))
+        return value if value >= 1 else None
+
+    @freeze_step.setter
+    def freeze_step(self, value: Optional[int]) -> None:
+        self._view.param_groups[0][FREEZE_KEY] = -1 if value is None else int(value)
+
+    @property
+    def phase(self) -> str:
+        freeze = self.freeze_step
+        return WARMUP if freeze is None or self.steps < freeze else COMPRESSION
+
+    def last_warmup_step_next(self) -> bool:
+        """Whether the coming step is the warmup's last (the buckets can be fused meanwhile)."""
+        return self.steps + 1 == self.freeze_step
+
+    # ---- freeze_step="auto" ------------------------------------------------------------------------
+
+    @property
+    def decision(self) -> Optional[dict]:
+        return self.monitor.decision if self.monitor is not None else None
+
+    def observe_variance(self) -> None:
+        """After a warmup step: with "auto", decide whether the variance has settled. The
+        variance is the same on every rank here, so is the decision."""
+        if self.monitor is None or self.freeze_step is not None:
+            return
+        state = self._view.state
+        variances = ((state[p]["exp_avg_sq"], int(state[p]["step"]), g["betas"][1])
+                     for g in self._view.param_groups for p in g["params"])
+        decided = self.monitor.observe(self.steps, variances)
+        if decided is not None:
+            self.freeze_step = decided
+
+    def restart_monitor(self) -> None:
+        if self.monitor is not None:
+            self.monitor.restart()

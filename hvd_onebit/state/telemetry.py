@@ -1,0 +1,36 @@
+"""What an optimizer tells training scripts and the CLI about its communication."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Telemetry:
+    """Counters of one optimizer (bytes and seconds are this rank's)."""
+
+    last_step_bytes: int = 0  # bytes sent in the last step (warmup: the ring allreduce estimate)
+    total_bytes: int = 0
+    last_step_comm_seconds: float = 0.0  # seconds blocked on communication in the last step
+    total_comm_seconds: float = 0.0
+    skipped_steps: int = 0  # steps skipped on every rank for non-finite values
+    # seconds of the last compressed step by part (CompressedStep.BREAKDOWN); {} in the warmup
+    last_step_breakdown: dict = field(default_factory=dict)
+
+    def account(self, nbytes: int, seconds: float) -> None:
+        """Record one step's communication."""
+        self.last_step_bytes = nbytes
+        self.total_bytes += nbytes
+        self.last_step_comm_seconds = seconds
+        self.total_comm_seconds += seconds
+
+    def add(self, nbytes: int, seconds: float) -> None:
+        """Count communication outside a step (an error-feedback flush) in the totals only."""
+        self.total_bytes += nbytes
+        self.total_comm_seconds += seconds
+
+    def as_dict(self, phase: str, steps: int) -> dict:
+        return {"phase": phase, "steps": steps, "skipped_steps": self.skipped_steps,
+                "last_step_bytes": self.last_step_bytes, "total_bytes": self.total_bytes,
+                "last_step_comm_seconds": self.last_step_comm_seconds,
+                "total_comm_seconds": self.total_comm_seconds,
+                "last_step_breakdown": dict(self.last_step_breakdown)}

@@ -1,0 +1,111 @@
+"""The package's layers, read from its imports with ``ast``: data flows one way, face -> phases
+-> state -> engine -> comm -> kernels / transport, and no module imports one above it. The
+sizes the house keeps are checked here too."""
+import ast
+import pathlib
+
+PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "hvd_onebit"
+
+# Top to bottom. A module belongs to the first layer with a prefix of its dotted name (relative
+# to the package); it may import modules of its own layer and of the layers below it.
+LAYERS = [
+    ("tooling", ["cli", "bench", "cluster"]),
+    ("face", ["__init__", "optimizer", "elastic"]),
+    ("phases", ["phases", "overlap"]),
+    ("state", ["state", "auto_freeze"]),
+    ("engine", ["engine"]),
+    ("options", ["config"]),
+    ("comm", ["comm"]),
+    ("kernels and transport", ["kernels", "transport"]),
+    ("base", ["layout", "step_bound", "low_precision", "consistency", "horovod_view", "dtypes",
+              "_C"]),
+]
+MAX_LINES = 400  # per library module (the C++ aside)
+FACE_MAX_LINES = 300
+
+
+def module_name(path: pathlib.Path) -> str:
+    rel = path.relative_to(PACKAGE).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__" and len(parts) > 1:
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def layer_of(name: str) -> int:
+    for level, (_, prefixes) in enumerate(LAYERS):
+        for prefix in prefixes:
+            if name == prefix or name.startswith(prefix + "."):
+                return level
+    raise AssertionError(f"module hvd_onebit.{name} belongs to no layer: add it to LAYERS")
+
+
+def imported_modules(path: pathlib.Path) -> list[tuple[int, str]]:
+    """(line, dotted name relative to the package) of every hvd_onebit module ``path``
+    imports, at any depth of the file (lazy imports inside functions count too)."""
+    name = module_name(path)
+    package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[:len(package) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+                if node.module is None:  # from . import x, y: modules of that package
+                    found += [(node.lineno, ".".join(base + [a.name])) for a in node.names]
+                    continue
+            elif node.module and node.module.startswith("hvd_onebit."):
+                target = node.module[len("hvd_onebit."):]
+            else:
+                continue
+            found.append((node.lineno, target))
+        elif isinstance(node, ast.Import):
+            found += [(node.lineno, a.name[len("hvd_onebit."):]) for a in node.names
+                      if a.name.startswith("hvd_onebit.")]
+    return [(line, t) for line, t in found if t]
+
+
+def library_modules() -> list[pathlib.Path]:
+    return sorted(p for p in PACKAGE.rglob("*.py"))
+
+
+def test_no_module_imports_one_above_it():
+    upward = []
+    for path in library_modules():
+        mine = layer_of(module_name(path))
+        for line, target in imported_modules(path):
+            theirs = layer_of(target)
+            if theirs < mine:
+                upward.append(f"hvd_onebit/{path.relative_to(PACKAGE)}:{line} "
+                              f"({LAYERS[mine][0]}) imports hvd_onebit.{target} "
+                              f"({LAYERS[theirs][0]})")
+    assert not upward, "imports running up the layers:\n" + "\n".join(upward)
+
+
+def test_every_module_has_a_layer():
+    unplaced = []
+    for path in library_modules():
+        try:
+            layer_of(module_name(path))
+        except AssertionError as exc:
+            unplaced.append(str(exc))
+    assert not unplaced, "\n".join(unplaced)
+
+
+def test_modules_stay_small_and_the_face_thin():
+    sizes = {str(p.relative_to(PACKAGE)): len(p.read_text().splitlines())
+             for p in library_modules()}
+    over = {k: v for k, v in sizes.items() if v > MAX_LINES}
+    assert not over, f"modules over {MAX_LINES} lines: {over}"
+    assert sizes["optimizer.py"] <= FACE_MAX_LINES, \
+        f"optimizer.py has {sizes['optimizer.py']} lines, the face keeps to {FACE_MAX_LINES}"
+
+
+def test_the_checker_reads_the_imports():
+    # The walk above would pass vacuously if it found no imports: check that it reads a
+    # module's relative imports, of its own package and of the one above.
+    found = dict((t, line) for line, t in imported_modules(PACKAGE / "comm" / "flat.py"))
+    assert "comm.protocol" in found and "layout" in found, \
+        f"imports read from comm/flat.py: {sorted(found)}"
+    assert layer_of("optimizer") < layer_of("phases.warmup") < layer_of("engine.step") \
+        < layer_of("comm.flat") < layer_of("layout"), "layer order"
