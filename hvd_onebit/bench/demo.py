@@ -35,7 +35,7 @@ DEFAULT_BANDWIDTH = "100mbit"
 
 RUNS = {  # tag: (train_lm.py --optimizer, its extra arguments, label)
     "adam": ("adam", ["--wait", "sleep"], "Horovod Adam"),
-    "adam_spin": ("adam", ["--wait", "spin"], "Horovod Adam, Horovod's spin wait"),
+    "adam_spin": ("adam", ["--wait", "spin"], "Horovod Adam, spin wait"),
     "onebit": ("onebit", [], "1-bit Adam"),
 }
 
@@ -143,9 +143,10 @@ def headline(b: dict, rows: dict[str, dict]) -> str:
                  f" waiting on communication, {b['compression_other_s']:+.0f} s the rest "
                  "(compute, optimizer step).")
     if "spin_wait_s" in b:
-        text += (f" Horovod's own spinning wait made Adam's steps {b['spin_wait_s']:+.0f} s "
-                 f"longer ({b['adam_spin_train_s']:.0f} s): CPU taken from ranks sharing a core, "
-                 "not communication.")
+        text += (f" With Horovod's own spinning wait Adam's steps took "
+                 f"{b['adam_spin_train_s']:.0f} s ({b['spin_wait_s']:+.0f} s against the sleeping "
+                 "wait): what spinning costs ranks that share cores, up to this machine's "
+                 "run-to-run noise.")
     return text
 
 
@@ -206,18 +207,18 @@ def main(np_: int, bandwidth: str, steps: int, spin_baseline: bool, out_dir: str
                 [("optimizer", "optimizer", ""),
                  ("warmup s/step", "warmup_s_per_step", ".3f"),
                  ("warmup samples/s", "warmup_sps", ",.0f"),
-                 ("warmup comm wait", "warmup_comm_share", ".0%"),
-                 ("compression s/step", "compression_s_per_step", ".3f"),
-                 ("compression samples/s", "compression_sps", ",.0f"),
-                 ("compression comm wait", "compression_comm_share", ".0%"),
+                 ("warmup comm", "warmup_comm_share", ".0%"),
+                 ("compr. s/step", "compression_s_per_step", ".3f"),
+                 ("compr. samples/s", "compression_sps", ",.0f"),
+                 ("compr. comm", "compression_comm_share", ".0%"),
                  ("MB/step warmup", "warmup_mb", ".3f"),
-                 ("MB/step compression", "compression_mb", ".4f"),
-                 ("measured MB/step (all traffic)", "measured_mb", ".3f"),
-                 ("final val loss", "val_loss", ".4f"),
+                 ("MB/step compr.", "compression_mb", ".4f"),
+                 ("link MB/step", "measured_mb", ".3f"),
+                 ("val loss", "val_loss", ".4f"),
                  ("steps s", "train_s", ",.0f"), ("run s", "wall_s", ",.0f")])
-    click.echo("(comm wait: share of the step rank 0 was blocked on communication, the wire "
-               "and waiting for slower ranks; steps s: the training steps; run s: with the "
-               "evaluations)")
+    click.echo("(comm: share of the step rank 0 was blocked on communication, the wire and "
+               "waiting for slower ranks; link MB/step: all traffic, measured on the links; "
+               "steps s: the training steps; run s: with the evaluations)")
     b = breakdown(rows)
     adam, onebit = summaries["adam"], summaries["onebit"]
     report = {"machine": info, "where": where, "steps": steps, "params": s["params"],
