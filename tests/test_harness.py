@@ -6,7 +6,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from hvd_onebit import testing
+from hvd_onebit.cluster import jobs as testing
 from hvd_onebit.cluster.jobs import RankFailure, run_ranks
 
 pytestmark = pytest.mark.multirank
