@@ -177,11 +177,14 @@ def test_rate_is_enforced_and_bytes_are_counted():
         assert (rep["rank"], rep["size"], rep["hostname"]) == (rank, 2, f"node{rank}")
         assert (rep["local_size"], rep["cross_size"]) == (1, 2)  # one host per rank
         for direction, tbf in shapers[rank].items():
-            # the shaper runs at the requested rate, the payload went through it, and it was
-            # the bottleneck: it had to hold packets back (a 4 MB burst dwarfs its ~96 KiB bucket)
+            # the shaper runs at the requested rate and the payload went through it
             assert tbf["rate_bps"] == parse_bandwidth(rate), (rank, direction, tbf)
             assert tbf["bytes"] > payload, (rank, direction, tbf)
-            assert tbf["overlimits"] > 0, (rank, direction, tbf)
+        # and the link was the bottleneck: this rank's stream passes its own send shaper, then
+        # its peer's receive shaper, and one of the two had to hold packets back (a 4 MB burst
+        # dwarfs a ~96 KiB bucket); which one depends on how the first paces the stream
+        held = (shapers[rank]["send"]["overlimits"], shapers[1 - rank]["receive"]["overlimits"])
+        assert sum(held) > 0, f"rank {rank}'s stream: overlimits (send, peer receive) {held}"
         for direction in (r.tx_bytes, r.rx_bytes):
             assert payload < direction < 1.25 * payload + 500_000, r  # + headers and control
         assert r.exit_code == 0 and not r.killed
