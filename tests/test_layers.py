@@ -18,6 +18,7 @@ LAYERS = [
     ("comm", ["comm"]),
     ("kernels and transport", ["kernels", "transport"]),
     ("base", ["layout", "step_bound", "low_precision", "consistency", "horovod_view", "dtypes",
+              "variance_refresh",
               "_C"]),
 ]
 MAX_LINES = 400  # per library module (the C++ aside)
