@@ -6,7 +6,7 @@ error on every rank before any collective, not hours later at the freeze.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, Iterable, Optional, Union
 
 import torch
@@ -16,6 +16,9 @@ from .dtypes import FLOAT_DTYPES
 from .step_bound import ADAM as ADAM_BOUND, validate as validate_step_bound
 from .transport.registry import check_name as check_transport_name
 from .transport.registry import check_transport, either, supporting, supports
+from .variance_refresh import RefreshSchedule
+
+REFRESH_ERROR_FEEDBACK = ("rescale", "fold")  # variance_refresh's "error_feedback" key
 
 COMPRESSORS = ("onebit", "none")
 MEMORY_MODES = ("auto", "lean", "fast")
@@ -170,6 +173,28 @@ class OneBitConfig:
             denominator), and the error feedback is kept in the update's units. The
             compression pass reads the frozen variance once more; bytes on the wire do not
             change. False: the paper's compression of the momentum, for comparison.
+        variance_refresh: None (default: the variance stays frozen, 1-bit Adam as the paper
+            has it), "doubling" (0/1 Adam's schedule: the variance updated at steps 0, 1, ...,
+            15, then every 2 steps for 16 updates, every 4, ...; 96 of the first 1,000 steps)
+            or a dict of some of ``first_interval`` (1), ``growth`` (2),
+            ``updates_per_interval`` (16), ``last_step`` (None: refresh forever) and
+            ``error_feedback`` (:class:`~hvd_onebit.variance_refresh.RefreshSchedule`). A step
+            of the compression phase on the schedule is a full-precision **refresh step**: the
+            gradients are allreduced by Horovod as in the warmup (from its hooks), a
+            non-finite average is skipped on every rank, and Adam's step updates ``m`` and
+            ``v`` from the exact average, with Adam's bias corrections per average (``bc2``
+            counts the variance's updates, kept in ``frozen_variance_step``) and the step
+            bound; the steps between stay 1-bit and use the refreshed variance. Elements held
+            for a zero variance train from the first refresh that sees their gradient. Every
+            rank decides from the step count alone (no collective); checkpoints carry it.
+            ``error_feedback``: "rescale" (default) multiplies each error, kept in units of
+            the old denominator (``precondition=True``), by old/new denominator (0 where either
+            is infinite): no bytes; "fold" folds every rank's errors into the momentum first
+            (:meth:`flush_error_feedback`: one more full-precision allreduce). No persistent
+            buffer is added (a refresh uses temporaries of one bucket). Each refresh sends what
+            a warmup step sends (about 32x a compressed step's bytes). With a refresh
+            schedule an early ``freeze_step`` (about 5% of the run, or "auto" with a short
+            ``auto_freeze={"min_steps": ...}``) is the recommended setting.
     """
 
     freeze_step: Union[int, str]
@@ -188,9 +213,12 @@ class OneBitConfig:
     step_bound: Any = ADAM_BOUND
     zero_variance: str = "hold"
     precondition: bool = True
+    variance_refresh: Any = None
+    refresh_error_feedback: str = field(default="rescale", init=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "step_bound", validate_step_bound(self.step_bound))
+        self._parse_variance_refresh()
         if self.freeze_step == AUTO:
             object.__setattr__(self, "auto_freeze", AutoFreeze.from_options(self.auto_freeze))
         elif not _is_int(self.freeze_step) or self.freeze_step < 1:
@@ -240,6 +268,23 @@ class OneBitConfig:
             raise ValueError(f"bucket_size_mb must be a positive number of MiB, got {size!r}")
         if not _is_int(self.check_every) or self.check_every < 0:
             raise ValueError(f"check_every must be a non-negative int, got {self.check_every!r}")
+
+    def _parse_variance_refresh(self) -> None:
+        option = self.variance_refresh
+        mode = "rescale"
+        if isinstance(option, dict) and "error_feedback" in option:
+            option = dict(option)
+            mode = option.pop("error_feedback")
+            if mode not in REFRESH_ERROR_FEEDBACK:
+                raise ValueError(f"variance_refresh error_feedback must be one of "
+                                 f"{REFRESH_ERROR_FEEDBACK}, got {mode!r}")
+        object.__setattr__(self, "variance_refresh", RefreshSchedule.from_option(option))
+        object.__setattr__(self, "refresh_error_feedback", mode)
+
+    @property
+    def refresh(self) -> Optional[RefreshSchedule]:
+        """The variance refresh schedule, or None (the variance stays frozen)."""
+        return self.variance_refresh
 
     @property
     def auto(self) -> bool:

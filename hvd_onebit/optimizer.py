@@ -86,6 +86,7 @@ class OneBitFace:
     last_step_comm_seconds = _counter("last_step_comm_seconds")
     total_comm_seconds = _counter("total_comm_seconds")
     skipped_steps = _counter("skipped_steps")
+    refreshes = _counter("refreshes")
     last_step_breakdown = _counter("last_step_breakdown")
 
     def telemetry(self) -> dict:
@@ -204,7 +205,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                          intra_node: str = "auto",
                          step_bound: str | float | None = "adam",
                          zero_variance: str = "hold",
-                         precondition: bool = True):
+                         precondition: bool = True,
+                         variance_refresh=None):
     """Wrap a ``torch.optim.Adam`` or ``AdamW`` for 1-bit Adam over Horovod.
 
     The arguments up to ``process_set`` mean what they mean for ``hvd.DistributedOptimizer`` and
@@ -221,7 +223,10 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     ``bucket_size_mb``, ``check_every``, ``flush_on_commit``, ``hierarchical``, ``overlap``,
     ``memory``, ``intra_node``, ``step_bound`` (each compression-phase step clamped at the
     longest step Adam could take), ``zero_variance`` and ``precondition`` (the 1-bit collectives
-    carry the momentum over its frozen denominator).
+    carry the momentum over its frozen denominator), ``variance_refresh`` (None, "doubling" or a
+    dict: full-precision refresh steps of the variance inside the compression phase, on 0/1
+    Adam's doubling schedule; with one, an early ``freeze_step`` (about 5% of the run, or
+    "auto" with a short ``auto_freeze={"min_steps": ...}``) is the recommended setting).
 
     A param group may carry ``exp_avg_mask``: a tensor broadcastable to each of its parameters,
     or a list with one tensor (or None) per parameter. In the compression phase the averaged
@@ -240,7 +245,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                           auto_freeze=auto_freeze, flush_on_commit=flush_on_commit,
                           hierarchical=hierarchical, overlap=overlap, memory=memory,
                           intra_node=intra_node, step_bound=step_bound,
-                          zero_variance=zero_variance, precondition=precondition)
+                          zero_variance=zero_variance, precondition=precondition,
+                          variance_refresh=variance_refresh)
     validate_masks(optimizer.param_groups)
     config.check_environment([p for g in optimizer.param_groups for p in g["params"]], process_set)
 
