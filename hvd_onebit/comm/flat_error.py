@@ -42,6 +42,26 @@ class FlatErrorFeedback:
         self._server_z.zero_()
         self._server_sent.zero_()
 
+    def scale_error_feedback(self, ratio: torch.Tensor) -> None:
+        """Multiply both errors elementwise by ``ratio`` (float32 [numel], one factor per
+        element of the buffer; the padding keeps its errors): how errors measured in one unit
+        per element are carried into another, e.g. at a variance refresh (``precondition=True``
+        compresses ``m / denom``: old denominator over new). The server error takes the factors
+        of the chunk this rank serves. Between calls only. Stored factored as
+        :meth:`load_state_dict` stores a given error (y = e, rows that decode to +0), in the
+        live buffers (with spare buffers, the ones the last commit adopted)."""
+        if self._in_flight:
+            raise RuntimeError("scale_error_feedback during a call")
+        L = self.layout
+        full = torch.ones(L.padded, dtype=torch.float32, device=self._worker_y.device)
+        full[:L.numel] = ratio.reshape(-1)
+        worker = self.worker_error.mul_(full)
+        server = self.server_error.mul_(full[self.rank * L.chunk:(self.rank + 1) * L.chunk])
+        self._worker_y.copy_(worker)
+        kernels.set_identity_rows(self._sent, L, L.n)
+        self._server_z.copy_(server)
+        kernels.set_identity_rows(self._server_sent, L, 1)
+
     def state_dict(self) -> dict:
         """This rank's error feedback, with the layout it belongs to."""
         return {"numel": self.layout.numel, "size": self.size, "rank": self.rank,

@@ -326,6 +326,16 @@ class HierarchicalOneBitAllreduce(TransactionalCollective):
     def reset(self) -> None:
         self.inner.reset()
 
+    def scale_error_feedback(self, ratio: torch.Tensor) -> None:
+        """Multiply the errors elementwise by ``ratio`` (float32 [numel], per element of the
+        buffer; see :meth:`OneBitAllreduce.scale_error_feedback`): the 1-bit stage's errors are
+        of this rank's shard of the node's mean, so they take that shard's factors (1 past the
+        buffer's end)."""
+        t = self.topology
+        full = torch.ones(t.per_node * self.shard, dtype=torch.float32, device=self.device)
+        full[:self.numel] = ratio.reshape(-1)
+        self.inner.scale_error_feedback(full[t.local * self.shard:(t.local + 1) * self.shard])
+
     def state_dict(self) -> dict:
         """The 1-bit stage's error feedback, with the topology role it belongs to."""
         return {**self.inner.state_dict(), "topology": self.topology.signature()}
