@@ -39,6 +39,7 @@ from ..transport.registry import resolve_transport
 from .fusion import Bucket, fuse, param_offsets
 from .adam_terms import AdamTerms
 from .error_feedback import ErrorFeedbackLifecycle
+from .refresh import VarianceRefresh
 from .variance import FrozenVariance
 
 # Where a compressed step's time goes, in seconds (CompressedStep.breakdown): the compression
@@ -52,7 +53,7 @@ def process_set_size(process_set: Optional[hvd.ProcessSet]) -> int:
         return 1
     return process_set.size()
 
-class CompressedStep(ErrorFeedbackLifecycle, FrozenVariance, AdamTerms):
+class CompressedStep(ErrorFeedbackLifecycle, FrozenVariance, AdamTerms, VarianceRefresh):
     """The compression phase over an Adam optimizer's parameters and state.
 
     Args:

@@ -22,7 +22,8 @@ def state_dict(view: HorovodView, config: OneBitConfig, schedule: Schedule,
                telemetry: Telemetry) -> dict:
     sd = view.torch_state_dict()
     sd[KEY] = {"freeze_step": schedule.freeze_step, "skipped_steps": telemetry.skipped_steps,
-               "step_bound": config.step_bound}
+               "step_bound": config.step_bound, "refreshes": telemetry.refreshes,
+               "last_refresh_step": telemetry.last_refresh_step}
     if schedule.monitor is not None:
         sd[KEY]["auto_freeze"] = schedule.monitor.state_dict()
     return sd
@@ -49,6 +50,8 @@ def load_state_dict(view: HorovodView, config: OneBitConfig, schedule: Schedule,
     saved = None
     if meta is not None:
         telemetry.skipped_steps = int(meta.get("skipped_steps", 0))
+        telemetry.refreshes = int(meta.get("refreshes", 0))
+        telemetry.last_refresh_step = meta.get("last_refresh_step")
         saved = meta.get("freeze_step")
         _warn_if_other_step_bound(meta, config.step_bound)
     if saved is not None and schedule.steps >= int(saved):

@@ -24,6 +24,7 @@ class Schedule:
     def __init__(self, view: HorovodView, config: OneBitConfig):
         self._view = view
         self.monitor = VarianceMonitor(config.auto_freeze) if config.auto else None
+        self._refresh = config.refresh
         view.param_groups[0].setdefault(STEP_KEY, 0)
 
     @property
@@ -52,6 +53,13 @@ class Schedule:
     def last_warmup_step_next(self) -> bool:
         """Whether the coming step is the warmup's last (the buckets can be fused meanwhile)."""
         return self.steps + 1 == self.freeze_step
+
+    def refresh_next(self) -> bool:
+        """Whether the coming step is a variance refresh step (``variance_refresh``): in the
+        compression phase and on the schedule, decided from the step count and the freeze step
+        alone, which every rank holds alike (param group 0), so every rank decides alike."""
+        return self._refresh is not None and self._refresh.is_refresh(self.steps,
+                                                                      self.freeze_step)
 
     # ---- freeze_step="auto" ------------------------------------------------------------------------
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 
 @dataclass
@@ -15,6 +16,13 @@ class Telemetry:
     skipped_steps: int = 0  # steps skipped on every rank for non-finite values
     # seconds of the last compressed step by part (CompressedStep.BREAKDOWN); {} in the warmup
     last_step_breakdown: dict = field(default_factory=dict)
+    refreshes: int = 0  # variance refresh steps taken (variance_refresh), over the run
+    last_refresh_step: Optional[int] = None  # the step count before the last of them
+
+    def count_refresh(self, steps: int) -> None:
+        """A refresh step was taken with ``steps`` steps behind it."""
+        self.refreshes += 1
+        self.last_refresh_step = steps
 
     def account(self, nbytes: int, seconds: float) -> None:
         """Record one step's communication."""
@@ -33,4 +41,5 @@ class Telemetry:
                 "last_step_bytes": self.last_step_bytes, "total_bytes": self.total_bytes,
                 "last_step_comm_seconds": self.last_step_comm_seconds,
                 "total_comm_seconds": self.total_comm_seconds,
-                "last_step_breakdown": dict(self.last_step_breakdown)}
+                "last_step_breakdown": dict(self.last_step_breakdown),
+                "refreshes": self.refreshes, "last_refresh_step": self.last_refresh_step}

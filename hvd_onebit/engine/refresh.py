@@ -1,0 +1,125 @@
+"""A variance refresh (``variance_refresh``): Adam's full-precision step inside the compression
+phase, over the fused buckets, with the error feedback carried into the new denominators.
+
+The caller (:mod:`hvd_onebit.phases.refresh`) has the gradients averaged exactly (Horovod's
+allreduce, as in the warmup) and checked finite; they are the same bits on every rank, so every
+rank takes the same step, and the momentum stays identical everywhere. Per parameter:
+
+    m = beta1 * m + (1 - beta1) * g        (in place: exp_avg stays a view into its bucket)
+    v = beta2 * v + (1 - beta2) * g^2      (in place)
+    t += 1,  n += 1                        (n: v's updates, kept in ``frozen_variance_step``)
+    w = w * decay + clamp(-lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^n) + eps), +-bound)
+
+Bias correction as Adam's, per running average: m is updated at every step, so its correction
+counts every step (t); v skips the compressed steps, so its correction counts v's own updates
+(the warmup's steps plus the refreshes, n), which is what the following compressed steps read
+(:meth:`~hvd_onebit.engine.adam_terms.AdamTerms._denominator_terms`) and what checkpoints carry.
+Using t for v would under-correct it and lengthen every later step. ``exp_avg_mask`` multiplies
+the new momentum before the update; the step bound is the compressed step's; an element with a
+zero variance after the refresh stays held (a +0 momentum, no update), one whose gradient gave
+it a variance trains from now on.
+
+Error feedback: with ``precondition=True`` the 1-bit collectives compress ``u = m / d`` and their
+errors are in units of the denominator d the variance had. ``"rescale"`` (default) multiplies
+each error element by ``d_old / d_new`` (:meth:`scale_error_feedback` of the collectives), so
+the momentum it stands for, ``e * d``, is unchanged; where either denominator is infinite (a held
+element) the error is 0. No bytes. ``"fold"`` folds every rank's errors into the momentum first
+(:meth:`~hvd_onebit.engine.error_feedback.ErrorFeedbackLifecycle.flush_error_feedback`, one more
+full-precision allreduce) and the errors restart from 0. Errors of the momentum itself
+(``precondition=False``) need neither. Memory: temporaries of one bucket at a time.
+"""
+from __future__ import annotations
+
+from typing import Mapping, Optional
+
+import torch
+
+from ..config import group_masks
+from ..kernels.fused_adam import AdamUpdate
+from ..kernels.fused_reference import frozen_denominator
+from .fusion import Bucket
+
+
+class VarianceRefresh:
+    """The refresh half of :class:`~hvd_onebit.engine.step.CompressedStep` (a mixin over its
+    buckets, collectives, state, config and Adam's terms)."""
+
+    def refresh(self, param_groups: list[dict],
+                grads: Mapping[torch.Tensor, Optional[torch.Tensor]],
+                error_feedback: str = "rescale") -> int:
+        """One refresh step of every bucketed parameter (see the module docstring); the
+        buckets must be ready (:meth:`ensure_ready`). ``grads``: each parameter's averaged
+        gradient as Adam takes it in (float32 for low-precision parameters; L2 decay,
+        ``maximize`` and Horovod's op applied), finite and the same on every rank; None reads
+        as zeros. Returns the bytes this rank sent here (a fold's; 0 otherwise).
+
+        Raises:
+            NonFiniteInputError: on every rank, from a fold that met a non-finite error;
+                nothing was changed.
+        """
+        nbytes = 0
+        if error_feedback == "fold":
+            nbytes = self.flush_error_feedback(param_groups)
+        groups = {p: g for g in param_groups for p in g["params"]}
+        owner = list(self.params)
+        mine = set(owner)
+        old = {p: self._denominator_terms(p, groups[p])[1] for p in owner}  # sqrt(bc2) before
+        for p in owner:
+            state = self.state[p]
+            state["frozen_variance_step"] = max(int(state["frozen_variance_step"]), 0) + 1
+        new = {p: self._denominator_terms(p, groups[p])[1] for p in owner}
+        rescale = error_feedback == "rescale" and self.preconditioned and bool(self.comms)
+        for b in self.buckets:
+            before = self._bucket_denominators(b, groups, old) if rescale else None
+            for i, seg in enumerate(b.segments):
+                p = seg.param
+                beta1, beta2 = groups[p]["betas"]
+                m = b.piece(i, self.state[p]["exp_avg"])
+                v = b.piece(i, self.state[p]["exp_avg_sq"])
+                g = b.piece(i, grads.get(p))
+                if g is None:
+                    m.mul_(beta1)
+                    v.mul_(beta2)
+                else:
+                    m.lerp_(g, 1 - beta1)
+                    v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+            if rescale:
+                after = self._bucket_denominators(b, groups, new)
+                held = torch.isinf(before) | torch.isinf(after)
+                ratio = before.div_(after).masked_fill_(held, 0.0)
+                self.comms[self._key(b)].scale_error_feedback(ratio)
+        for group in param_groups:
+            for p, mask in zip(group["params"], group_masks(group)):
+                if mask is not None and p in mine:
+                    m = self.state[p]["exp_avg"]
+                    m.mul_(mask.to(device=m.device, dtype=m.dtype))
+        terms = {p: self._update_terms(p, groups[p]) for p in owner}
+        for b in self.buckets:
+            self._refresh_update(b, terms).copy_apply(b.momentum, b.momentum,
+                                                      self.config.kernel_backend)
+        for p in owner:
+            value = self._host_step(p)
+            self.state[p]["step"] += 1
+            self._remember_step(p, value + 1)
+        return nbytes
+
+    def _bucket_denominators(self, b: Bucket, groups: dict, sqrt_bc2s: dict) -> torch.Tensor:
+        """float32 [b.numel]: the denominators of bucket ``b``'s elements from their variance
+        now, with each parameter's ``sqrt(bc2)`` from ``sqrt_bc2s`` (+inf where ``v == 0``)."""
+        d = torch.empty(b.numel, dtype=torch.float32, device=b.momentum.device)
+        for i, seg in enumerate(b.segments):
+            v = b.piece(i, self.state[seg.param]["exp_avg_sq"]).reshape(-1)
+            d[seg.offset:seg.offset + seg.numel] = frozen_denominator(
+                v, sqrt_bc2s[seg.param], float(groups[seg.param]["eps"]))
+        return d
+
+    def _refresh_update(self, b: Bucket, terms: dict) -> AdamUpdate:
+        """Adam's update of bucket ``b`` from its (new) momentum and variance: the compressed
+        step's :class:`AdamUpdate`, on the momentum itself (not preconditioned)."""
+        t = [terms[p] for p in b.params]
+        return AdamUpdate(weights=[b.piece(i, x[0]) for i, x in enumerate(t)],
+                          variances=[b.piece(i, x[1]) for i, x in enumerate(t)],
+                          sizes=[seg.numel for seg in b.segments], steps=[x[2] for x in t],
+                          decays=[x[3] for x in t], sqrt_bc2s=[x[4] for x in t],
+                          eps=[x[5] for x in t], bounds=[x[6] for x in t])
+
