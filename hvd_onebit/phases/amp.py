@@ -5,8 +5,8 @@ The optimizer sets ``_step_supports_amp_scaling``, so ``GradScaler.step()`` alwa
 step() and passes itself instead of skipping step() on the ranks that overflowed (which would
 leave the others waiting in a collective).
 
-Warmup: gradients are allreduced first, so the inf check sees the averaged gradients, identical
-on every rank. Compression: the check is local, the allreduce's status word makes the skip
+Warmup (and a variance refresh step, which travels as the warmup does): gradients are
+allreduced first, so the inf check sees the averaged gradients, identical on every rank. Compression: the check is local, the allreduce's status word makes the skip
 decision common, and a skipped step marks every rank's scaler as having seen an inf, so all
 scalers back off alike and their scales never drift apart.
 """
@@ -23,7 +23,9 @@ def amp_step(scaler, per_opt: dict, unscale: Callable[[], None], compressing: bo
              warmup: Warmup, compression: CompressionPhase, telemetry: Telemetry,
              closure: Optional[Callable[[], float]], make_hook: Callable):
     """One step under ``scaler``, the GradScaler that called step(); ``per_opt``: its record of
-    this optimizer; ``unscale``: ``scaler.unscale_`` of this optimizer. Returns the loss."""
+    this optimizer; ``unscale``: ``scaler.unscale_`` of this optimizer; ``warmup``: the
+    full-precision step (the warmup's, or a refresh step's ``RefreshPhase``, which offers the
+    same methods), taken when ``compressing`` is False. Returns the loss."""
     from torch.amp.grad_scaler import OptState
 
     compression.overlap.remember_scaler(scaler)

@@ -12,6 +12,7 @@ from ..state.schedule import COMPRESSION, Schedule
 from ..state.telemetry import Telemetry
 from .amp import amp_step
 from .compression import CompressionPhase
+from .refresh import RefreshPhase
 from .warmup import Warmup, closure_loss
 
 
@@ -27,23 +28,29 @@ class Phases:
         self._engine = engine
         self.warmup = Warmup(view, schedule, telemetry, engine)
         self.compression = CompressionPhase(view, schedule, telemetry, engine, config)
+        self.refresh = RefreshPhase(view, schedule, telemetry, engine, self.warmup, config)
 
     def compressing(self) -> bool:
         """Whether this step is a compressed one (the compression phase, on several ranks)."""
         return self._engine.world > 1 and self._schedule.phase == COMPRESSION
 
+    def refreshing(self) -> bool:
+        """Whether this step is a variance refresh step (:mod:`hvd_onebit.phases.refresh`): a
+        compressed one on the ``variance_refresh`` schedule, taken in full precision."""
+        return self.compressing() and self._schedule.refresh_next()
+
     def gradient_hook(self, p, warmup_hook: Callable, *args) -> None:
-        """p's gradient accumulated: Horovod's allreduce in the warmup; in the compression phase
-        no gradient travels, and on the step's last backward pass the gradient completes its
-        bucket, which may start its exchange (:mod:`hvd_onebit.overlap`)."""
-        if not self.compressing():
+        """p's gradient accumulated: Horovod's allreduce in the warmup and at refresh steps; in
+        the compression phase no gradient travels, and on the step's last backward pass the
+        gradient completes its bucket, which may start its exchange (:mod:`hvd_onebit.overlap`)."""
+        if not self.compressing() or self.refreshing():
             warmup_hook(*args)
         elif self._view.count_backward_pass(p):
             self.compression.overlap.gradient_ready(p)
 
     def synchronize(self, make_hook: Callable) -> None:
-        """Warmup: wait for the gradient allreduces. Compression: nothing to wait for."""
-        if self.compressing():
+        """Warmup and refresh steps: wait for the gradient allreduces. Compression: nothing."""
+        if self.compressing() and not self.refreshing():
             self._view.synchronized = True
         else:
             self.warmup.synchronize(make_hook)
@@ -52,11 +59,15 @@ class Phases:
              make_hook: Callable):
         """One optimizer step; ``grad_scaler`` (passed by GradScaler.step()) or None, with
         ``unscale`` its ``unscale_`` of this optimizer. Returns the closure's loss."""
-        overlap = self.compression.overlap
-        if grad_scaler is not None:
+        overlap, refresh = self.compression.overlap, self.refreshing()
+        if grad_scaler is not None:  # a refresh step goes as a warmup step, with the refresh
             per_opt = grad_scaler._per_optimizer_states[self._view.optimizer_id]
-            loss = amp_step(grad_scaler, per_opt, unscale, self.compressing(), self.warmup,
-                            self.compression, self._telemetry, closure, make_hook)
+            loss = amp_step(grad_scaler, per_opt, unscale, self.compressing() and not refresh,
+                            self.refresh if refresh else self.warmup, self.compression,
+                            self._telemetry, closure, make_hook)
+        elif refresh:
+            overlap.remember_scaler(None)
+            loss = self.refresh.step(closure, make_hook)
         elif not self.compressing():
             overlap.remember_scaler(None)
             loss = self.warmup.step(closure, make_hook)

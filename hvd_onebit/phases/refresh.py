@@ -1,0 +1,116 @@
+"""A variance refresh step (``variance_refresh``): a full-precision step inside the compression
+phase, as the optimizer drives it.
+
+Which steps: :meth:`~hvd_onebit.state.schedule.Schedule.refresh_next` (the step count and the
+freeze step, alike on every rank: no collective). The gradients travel exactly as in the
+warmup: Horovod's allreduce, started from Horovod's own backward hooks (the driver hands a
+refresh step's hooks to them, so overlap holds as in the warmup), then Horovod's synchronize.
+The averaged gradients are the same bits on every rank, so a non-finite one is skipped by every
+rank alike, nothing changed; otherwise the engine takes Adam's step from them with the variance
+updated (:meth:`~hvd_onebit.engine.CompressedStep.refresh`, which also carries the error feedback
+over). Under a GradScaler it is driven like a warmup step (:mod:`hvd_onebit.phases.amp`). Its
+bytes are counted as the warmup counts its own (the ring allreduce's), plus a fold's.
+"""
+from __future__ import annotations
+
+import logging
+import warnings
+from typing import Callable, Optional
+
+import torch
+
+from ..comm.protocol import NonFiniteInputError
+from ..config import OneBitConfig
+from ..engine import CompressedStep
+from ..horovod_view import HorovodView
+from ..low_precision import is_low_precision
+from ..state.schedule import Schedule
+from ..state.telemetry import Telemetry
+from .warmup import Warmup, all_finite, closure_loss, sparse_gradient_error
+
+logger = logging.getLogger("hvd_onebit")
+
+
+class RefreshPhase:
+    """One optimizer's refresh steps: the warmup's synchronize, the engine's refresh."""
+
+    def __init__(self, view: HorovodView, schedule: Schedule, telemetry: Telemetry,
+                 engine: CompressedStep, warmup: Warmup, config: OneBitConfig):
+        self._view = view
+        self._schedule = schedule
+        self._telemetry = telemetry
+        self._engine = engine
+        self._warmup = warmup
+        self._mode = config.refresh_error_feedback
+        self._extra_bytes = 0  # this step's bytes beyond the gradients' allreduce (a fold's)
+
+    @property
+    def wait_seconds(self) -> float:
+        return self._warmup.wait_seconds
+
+    @wait_seconds.setter
+    def wait_seconds(self, value: float) -> None:
+        self._warmup.wait_seconds = value
+
+    def synchronize_for_step(self, make_hook: Callable) -> None:
+        self._warmup.synchronize_for_step(make_hook)
+
+    def step(self, closure: Optional[Callable[[], float]], make_hook: Callable):
+        """Horovod's synchronize, then the refresh; non-finite averaged gradients skip the step
+        on every rank. Returns the closure's loss."""
+        self.wait_seconds = 0.0
+        self._extra_bytes = 0
+        self._telemetry.last_step_breakdown = {}
+        self.synchronize_for_step(make_hook)
+        grads = [p.grad for p in self._view.parameters() if p.grad is not None]
+        if not all_finite(grads):
+            self._telemetry.skipped_steps += 1
+            warnings.warn("hvd_onebit: refresh step skipped on every rank: non-finite averaged "
+                          "gradients")
+            loss = None
+        else:
+            loss = self.adam_step(closure)
+        self.account()
+        return loss
+
+    def adam_step(self, closure: Optional[Callable[[], float]]):
+        """The refresh on the averaged gradients (finite), counted and logged."""
+        loss = closure_loss(closure)
+        view, engine = self._view, self._engine
+        self._extra_bytes = 0
+        engine.ensure_ready(view.active_parameters())
+        groups = {p: g for g in view.param_groups for p in g["params"]}
+        grads = {p: self.averaged_grad(p, groups[p]) for p in engine.params}
+        steps = self._schedule.steps
+        try:
+            self._extra_bytes = engine.refresh(view.param_groups, grads, self._mode)
+        except NonFiniteInputError as exc:  # a fold's: the same on every rank, nothing changed
+            self._telemetry.skipped_steps += 1
+            warnings.warn(f"hvd_onebit: refresh step skipped on every rank: {exc}")
+            return None
+        self._schedule.count_step()
+        self._telemetry.count_refresh(steps)
+        logger.debug("hvd_onebit: variance refreshed at step %d (refresh %d)", steps + 1,
+                     self._telemetry.refreshes)
+        return loss
+
+    def account(self) -> None:
+        self._telemetry.account(self._warmup.step_bytes() + self._extra_bytes,
+                                self.wait_seconds)
+
+    def averaged_grad(self, p: torch.Tensor, group: dict) -> Optional[torch.Tensor]:
+        """p's averaged gradient as Adam takes it in (Horovod's op already applied by its
+        allreduce): float32 for low-precision parameters, ``maximize``, Adam's L2 decay."""
+        g = p.grad
+        if g is None:
+            return None
+        if g.is_sparse:
+            raise sparse_gradient_error(self._view, p)
+        if is_low_precision(p):
+            g = g.float()
+        if group.get("maximize"):
+            g = -g
+        wd = group["weight_decay"]
+        if wd != 0 and not self._view.decoupled(group):
+            g = g.add(p.detach().to(g.dtype), alpha=wd)
+        return g
