@@ -53,7 +53,9 @@ class FrozenVariance:
                     f"hvd_onebit: {unseen} of {p.numel()} elements of parameter "
                     f"{self.names.get(p, '?')} received no gradient during the "
                     f"{state['frozen_variance_step']}-step warmup (variance 0); they are held "
-                    "fixed in the compression phase")
+                    "fixed in the compression phase" + (
+                        "" if self.config.refresh is None else
+                        " until a variance refresh sees their gradient"))
             elif unseen:
                 _fill_zero_variances(state["exp_avg_sq"], self.config.zero_variance)
 
