@@ -24,14 +24,17 @@ SCENARIOS = {
 }
 
 
-def run_scenario(tmp_path, scenario):
+def run_scenario(tmp_path, scenario, refresh=None):
     np_, min_np, max_np, hosts = SCENARIOS[scenario]
     (tmp_path / "hosts.txt").write_text(hosts)
     discover = tmp_path / "discover.sh"
     discover.write_text(f"#!/bin/sh\ncat {tmp_path / 'hosts.txt'}\n")
     discover.chmod(discover.stat().st_mode | stat.S_IEXEC)
     token = f"elastic-{os.getpid()}-{scenario}"
-    env = job_environment(token, extra={"OUT_DIR": str(tmp_path), "SCENARIO": scenario})
+    extra = {"OUT_DIR": str(tmp_path), "SCENARIO": scenario}
+    if refresh is not None:
+        extra["VARIANCE_REFRESH"] = json.dumps(refresh)
+    env = job_environment(token, extra=extra)
     cmd = ["horovodrun", "-np", str(np_), "--min-np", str(min_np), "--max-np", str(max_np),
            "--gloo", "--host-discovery-script", str(discover), sys.executable, str(SCRIPT)]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -109,6 +112,25 @@ def test_worker_replaced_in_compression_phase(tmp_path):
 def test_job_grows_in_compression_phase(tmp_path):
     per_process, text = run_scenario(tmp_path, "grow")
     assert_one_worker_joined(per_process, text, after_step=GROW_STEP, size=3)
+
+
+def test_refresh_schedule_survives_a_worker_replaced(tmp_path):
+    """variance_refresh: every process, the new worker too, refreshes at the steps the schedule
+    gives from the step count alone (FREEZE of train_elastic.py: 6)."""
+    from hvd_onebit.variance_refresh import RefreshSchedule
+
+    option = {"first_interval": 1, "growth": 2, "updates_per_interval": 3}
+    per_process, text = run_scenario(tmp_path, "replace", refresh=option)
+    assert_one_worker_joined(per_process, text, after_step=KILL_STEP - 1, size=2)
+    want = RefreshSchedule(**option)
+    for pid, lines in per_process.items():
+        steps = [s for s in lines if "step" in s]
+        got = [s["step"] for s in steps if s["refreshed"]]
+        expected = [s["step"] for s in steps if want.is_refresh(s["step"], 6)]
+        assert got == expected and expected, \
+            f"process {pid}: refreshed at {got}, the schedule says {expected}"
+    assert any(s["refreshed"] and s["step"] > KILL_STEP for s in steps_of(per_process)), \
+        "no refresh after the worker was replaced"
 
 
 def test_sync_takes_the_state_from_a_rank_that_holds_it():

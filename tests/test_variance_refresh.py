@@ -221,3 +221,21 @@ def test_hierarchical_refreshes_rescale_the_shard_s_errors():
         assert moved < 1e-5 and left == 0.0, f"rank {rank}: e * d moved {moved}, left {left}"
     assert_identical(rs, "hierarchical")
 
+
+
+def test_hierarchical_scale_maps_the_ratio_to_this_rank_s_shard():
+    """2 nodes x 2 ranks, 7 elements in shards of 4: local rank 1 holds elements 4..7 (the last
+    is padding, factor 1). The collective is built without its transports; its inner 1-bit
+    stage is replaced by a recorder of what it is asked to scale (no Horovod involved)."""
+    import types
+
+    from hvd_onebit.comm.hierarchical import HierarchicalOneBitAllreduce
+    from hvd_onebit.comm.topology import Topology
+
+    comm = object.__new__(HierarchicalOneBitAllreduce)
+    comm.topology = Topology.from_layout(3, [(0, 0), (0, 1), (1, 0), (1, 1)])
+    comm.numel, comm.shard, comm.device = 7, 4, torch.device("cpu")
+    got = []
+    comm.inner = types.SimpleNamespace(scale_error_feedback=lambda r: got.append(r.tolist()))
+    comm.scale_error_feedback(torch.arange(1.0, 8.0))
+    assert got == [[5.0, 6.0, 7.0, 1.0]], f"local rank 1's factors: {got}"

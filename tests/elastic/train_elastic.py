@@ -12,6 +12,7 @@ address, so Horovod starts every worker locally). SCENARIO (environment):
   worker, which joins in the compression phase.
 
 Each process appends one JSON line per step to OUT_DIR/<pid>.jsonl, and one when it is done.
+VARIANCE_REFRESH (environment, JSON, optional): the optimizer's ``variance_refresh``.
 """
 import json
 import os
@@ -33,6 +34,7 @@ OUT = Path(os.environ["OUT_DIR"])
 SCENARIO = os.environ["SCENARIO"]
 TOTAL, FREEZE, KILL_STEP, GROW_STEP = 24, 6, 12, 10
 HOST = os.environ.get("HOROVOD_HOSTNAME")
+REFRESH = json.loads(os.environ.get("VARIANCE_REFRESH", "null"))
 
 warnings.simplefilter("ignore")
 hvd.init()
@@ -40,7 +42,7 @@ torch.manual_seed(0)
 model = make_model()
 opt = hvd_onebit.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-3),
                                       named_parameters=model.named_parameters(),
-                                      freeze_step=FREEZE)
+                                      freeze_step=FREEZE, variance_refresh=REFRESH)
 state = hvd.elastic.TorchState(model=model, optimizer=opt, batch=0)
 log = open(OUT / f"{os.getpid()}.jsonl", "a")
 
@@ -67,11 +69,13 @@ def train(state):
         opt.zero_grad()
         x, y = batch(step, hvd.rank())
         nn.functional.mse_loss(model(x), y).backward()
+        refreshes = opt.telemetry()["refreshes"]
         opt.step()
+        refreshed = opt.telemetry()["refreshes"] > refreshes
         state.batch += 1
         log.write(json.dumps({"step": step, "size": hvd.size(), "rank": hvd.rank(),
                               "phase": opt.phase, "hash": params_hash(model), "host": HOST,
-                              "opt_steps": opt.steps}) + "\n")
+                              "opt_steps": opt.steps, "refreshed": refreshed}) + "\n")
         log.flush()
         if SCENARIO == "grow" and step == GROW_STEP and hvd.rank() == 0:
             with open(OUT / "hosts.txt", "a") as hosts:
