@@ -1,0 +1,108 @@
+"""--variance-refresh through the examples, benchmarks/auto_freeze.py and `bench train`: the
+arguments each builds for hvd_onebit.DistributedOptimizer and the figures each derives. Nothing
+here trains or starts a rank, so none of it needs the optimizer to have the option yet: the
+option reaches the optimizer only when it is set."""
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from hvd_onebit.bench.train import METHODS, onebit_arguments, summarize
+
+REPO = Path(__file__).resolve().parent.parent
+for folder in ("examples", "benchmarks"):
+    if str(REPO / folder) not in sys.path:
+        sys.path.insert(0, str(REPO / folder))
+
+import auto_freeze  # noqa: E402  (benchmarks/)
+import train_digits  # noqa: E402  (examples/)
+import train_lm  # noqa: E402
+
+
+@pytest.mark.parametrize("example", [train_lm, train_digits])
+def test_examples_pass_variance_refresh_only_when_set(example):
+    plain = train_lm.onebit_options(example.parse_args(["--warmup-frac", "0.2"]))
+    assert "variance_refresh" not in plain, f"{example.__name__} passes it unset: {plain}"
+    args = example.parse_args(["--variance-refresh", "doubling", "--warmup-frac", "0.05",
+                               "--steps", "1000"])
+    got = train_lm.onebit_options(args)
+    assert got == {"freeze_step": 50, "variance_refresh": "doubling"}, \
+        f"{example.__name__}'s optimizer arguments: {got}"
+    args = example.parse_args(["--variance-refresh", '{"first_interval": 4}', "--warmup-frac",
+                               "auto", "--auto-freeze-min-steps", "20", "--steps", "300"])
+    got = train_lm.onebit_options(args)
+    assert got == {"freeze_step": "auto", "auto_freeze": {"min_steps": 20, "max_steps": 150},
+                   "variance_refresh": {"first_interval": 4}}, f"auto + a dict: {got}"
+    with pytest.raises(SystemExit):
+        example.parse_args(["--variance-refresh", '{"interval": 4}'])
+
+
+def test_the_example_summary_records_the_setting_and_the_steps_by_kind():
+    args = train_lm.parse_args(["--variance-refresh", "doubling", "--steps", "1000"])
+    got = train_lm.refresh_summary(args, SimpleNamespace(freeze_step=50))
+    assert got == {"variance_refresh": "doubling", "steps_by_kind": {
+        "run_steps": 1000, "freeze_step": 50, "refresh_steps": 63, "full_precision_steps": 113,
+        "compressed_steps": 887}}, f"summary of a doubling run frozen at 50: {got}"
+    adam = train_lm.parse_args(["--optimizer", "adam"])
+    assert train_lm.refresh_summary(adam, None) == {"variance_refresh": "none"}
+
+
+def test_auto_freeze_builds_the_refresh_runs():
+    args = SimpleNamespace(example="digits", variance_refresh="doubling", auto_min_steps=20)
+    assert auto_freeze.train_args_for("refresh_5pct", args, ["--seed", "3"]) == [
+        "--seed", "3", "--warmup-frac", "0.05", "--variance-refresh", "doubling"]
+    assert auto_freeze.train_args_for("refresh_auto", args, []) == [
+        "--warmup-frac", "auto", "--variance-refresh", "doubling", "--auto-freeze-min-steps", "20"]
+    assert auto_freeze.train_args_for("auto", args, []) == ["--warmup-frac", "auto"], \
+        "the plain auto run got refresh arguments"
+
+
+def test_auto_freeze_averages_each_seeds_ratio_and_bytes():
+    def seed(adam, auto, refresh, auto_bytes, refresh_bytes):
+        return {"runs": {"adam": {"final_val_loss": adam},
+                         "auto": {"ratio_to_adam": auto / adam, "freeze_fraction": 0.2,
+                                  "total_bytes_per_rank": auto_bytes},
+                         "refresh_auto": {"ratio_to_adam": refresh / adam, "freeze_fraction": 0.1,
+                                          "bytes_vs_auto": refresh_bytes / auto_bytes}}}
+    summary = auto_freeze.across_seeds({"0": seed(1.0, 1.06, 1.00, 100, 50),
+                                        "1": seed(2.0, 2.10, 2.02, 100, 70)})
+    r = summary["refresh_auto"]
+    assert r["ratio_to_adam"] == {"0": 1.0, "1": 1.01} and r["mean_ratio_to_adam"] == \
+        pytest.approx(1.005), f"refresh_auto across seeds: {r}"
+    assert r["mean_bytes_vs_auto"] == pytest.approx(0.6) and r["freeze_fraction"] == \
+        {"0": 0.1, "1": 0.1}, f"refresh_auto bytes / freeze across seeds: {r}"
+
+
+def test_bench_train_builds_onebit_refresh_like_the_other_onebit_methods():
+    assert "onebit_refresh" in METHODS
+    base = {"transport": "auto", "intra_node": "auto"}
+    fixed = onebit_arguments("onebit", 600, 0.15, base, "doubling", 0.05)
+    assert fixed == {**base, "freeze_step": 90}, f"onebit got {fixed}"
+    refresh = onebit_arguments("onebit_refresh", 600, 0.15, base, "doubling", 0.05)
+    assert refresh == {**base, "freeze_step": 30, "variance_refresh": "doubling"}, \
+        f"onebit_refresh got {refresh}"
+    assert "variance_refresh" not in onebit_arguments("onebit_refresh", 600, 0.15, base, None,
+                                                      0.05), "none passed to the optimizer"
+
+
+def test_bench_train_summary_compares_the_whole_runs():
+    rows = [{"method": "onebit", "run_seconds": 80.0, "run_bytes_per_rank": 1000.0,
+             "run_measured_tx_bytes": 1100.0, "compression_step_s": 0.07, "warmup_step_s": 0.5,
+             "freeze_step": 90, "steps": 600},
+            {"method": "onebit_refresh", "run_seconds": 50.0, "run_bytes_per_rank": 450.0,
+             "run_measured_tx_bytes": 550.0}]
+    got = summarize(rows)
+    assert got["onebit_refresh_run_speedup_vs_onebit"] == pytest.approx(1.6), got
+    assert got["onebit_refresh_bytes_vs_onebit"] == pytest.approx(0.45), got
+    assert got["onebit_refresh_measured_bytes_vs_onebit"] == pytest.approx(0.5), got
+
+
+def test_bench_train_rejects_a_bad_schedule_before_starting_ranks():
+    proc = subprocess.run([sys.executable, "-m", "hvd_onebit.cli", "bench", "train",
+                           "--bandwidth", "local", "--methods", "onebit,onebit_refresh",
+                           "--variance-refresh", '{"every": 2}'],
+                          capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert proc.returncode != 0 and "unknown option" in proc.stderr, proc.stderr[-2000:]
+    assert "training" not in proc.stderr, "ranks were started"
