@@ -106,3 +106,46 @@ def test_bench_train_rejects_a_bad_schedule_before_starting_ranks():
                           capture_output=True, text=True, cwd=REPO, timeout=120)
     assert proc.returncode != 0 and "unknown option" in proc.stderr, proc.stderr[-2000:]
     assert "training" not in proc.stderr, "ranks were started"
+
+
+import variance_refresh as refresh_benchmark  # noqa: E402  (benchmarks/)
+
+
+def test_the_targets_benchmark_builds_its_commands():
+    args = refresh_benchmark.parse_args(["--variance-refresh", '{"first_interval": 16}',
+                                         "--train-repeats", "3", "--out-dir", "/tmp/vr"])
+    cmds = refresh_benchmark.commands(args)
+    assert list(cmds) == ["digits", "lm", "train"] and len(cmds["train"]) == 3, cmds
+    digits = cmds["digits"][0]
+    assert digits[digits.index("--seeds") + 1] == "0,1,2,3,4,5", digits
+    assert digits[digits.index("--runs") + 1] == "adam,auto,refresh_5pct,refresh_auto", digits
+    assert digits[digits.index("--variance-refresh") + 1] == '{"first_interval": 16}', digits
+    lm = cmds["lm"][0]
+    assert lm[-3:] == ["--", "--steps", "1000"], f"the LM's steps go to the example: {lm}"
+    train = cmds["train"][0]
+    for flag, value in (("--steps", "600"), ("--model", "embedding"), ("--warmup-frac", "0.15"),
+                        ("--methods", "onebit,onebit_refresh"), ("--bandwidth", "1gbit"),
+                        ("--np", "4"), ("--refresh-freeze-frac", "0.05")):
+        assert train[train.index(flag) + 1] == value, f"bench train {flag}: {train}"
+    assert "--json" in train
+    with pytest.raises(SystemExit):
+        refresh_benchmark.parse_args(["--parts", "zoo"])
+    with pytest.raises(SystemExit):
+        refresh_benchmark.parse_args(["--variance-refresh", "weekly"])
+
+
+def test_the_targets_benchmark_reads_each_parts_figures():
+    train = refresh_benchmark.train_figures([
+        {"rows": [{"method": "onebit", "run_seconds": 84.0, "run_bytes_per_rank": 9e8},
+                  {"method": "onebit_refresh", "run_seconds": 56.0, "run_bytes_per_rank": 4e8}],
+         "summary": {}} for _ in range(3)])
+    assert train["median_run_speedup_vs_onebit"] == pytest.approx(1.5) and train["met"], train
+    lm = refresh_benchmark.lm_figures({"runs": {
+        "adam": {"final_val_loss": 2.0, "ratio_to_adam": 1.0},
+        "refresh_auto": {"final_val_loss": 2.01, "ratio_to_adam": 1.005, "bytes_vs_auto": 0.7}}})
+    assert lm["met"] == {"refresh_auto": False}, f"bytes 0.7 > 0.6 passed: {lm}"
+    digits = refresh_benchmark.digits_figures({"summary": {
+        "refresh_5pct": {"ratio_to_adam": {"0": 1.0, "1": 1.03}, "mean_ratio_to_adam": 1.015}}})
+    assert digits["met"] == {"refresh_5pct": False}, digits
+    text = 'progress\n{\n "a": {\n  "b": 1\n }\n}\n'
+    assert refresh_benchmark.last_json(text) == {"a": {"b": 1}}
