@@ -183,7 +183,8 @@ def run_all(args, names: list[str], extra: list[str], out_dir: Path, command: st
     if "auto" in done:
         auto = done["auto"]
         result["auto_freeze_decision"] = auto.pop("decision")
-        result["auto_in_10_30_percent"] = 0.1 <= auto["freeze_fraction"] <= 0.3
+        frac = auto["freeze_fraction"]  # None: it never froze (a run shorter than max_steps)
+        result["auto_in_10_30_percent"] = frac is not None and 0.1 <= frac <= 0.3
         if adam:
             result["auto_within_1_01_of_adam"] = auto["ratio_to_adam"] <= 1.01
     png = out_dir / f"{args.example}_auto_freeze.png"

@@ -149,3 +149,40 @@ def test_the_targets_benchmark_reads_each_parts_figures():
     assert digits["met"] == {"refresh_5pct": False}, digits
     text = 'progress\n{\n "a": {\n  "b": 1\n }\n}\n'
     assert refresh_benchmark.last_json(text) == {"a": {"b": 1}}
+
+
+def test_auto_freeze_run_all_reports_the_refresh_runs_against_auto(tmp_path, monkeypatch):
+    """run_all on canned summaries (no training): ratios to Adam, bytes vs auto, the targets."""
+    def summary(optimizer, loss, freeze, total, refresh="none", kinds=None):
+        return {"config": {"steps": 300}, "world_size": 4, "optimizer": optimizer,
+                "params": 1000, "final_val_loss": loss, "freeze_step": freeze,
+                "total_bytes_per_rank": total, "freeze_decision": {"step": freeze},
+                "val_curve": [{"step": 300, "val_loss": loss}], "variance_refresh": refresh,
+                "steps_by_kind": kinds}
+    canned = {"adam": summary("adam", 1.0, None, None),
+              "auto": summary("onebit", 1.06, 60, 1000),
+              "refresh_5pct": summary("onebit", 1.005, 15, 500, "doubling", {"run_steps": 300}),
+              "refresh_auto": summary("onebit", 1.02, None, 700, "doubling")}
+    seen = []
+
+    def fake_train_lm(optimizer, np, train_args, run_dir, timeout, script=None):
+        seen.append((run_dir.name, list(train_args)))
+        return SimpleNamespace(summary=canned[run_dir.name], wall_seconds=1.0)
+    monkeypatch.setattr(auto_freeze, "train_lm", fake_train_lm)
+    args = SimpleNamespace(example="digits", np=4, timeout=10, variance_refresh="doubling",
+                           auto_min_steps=20)
+    result = auto_freeze.run_all(args, list(canned), [], tmp_path, "cmd")
+    assert dict(seen)["refresh_auto"] == ["--warmup-frac", "auto", "--variance-refresh",
+                                          "doubling", "--auto-freeze-min-steps", "20"], seen
+    runs = result["runs"]
+    assert runs["refresh_5pct"]["bytes_vs_auto"] == pytest.approx(0.5), runs["refresh_5pct"]
+    assert runs["refresh_5pct"]["steps_by_kind"] == {"run_steps": 300}, runs["refresh_5pct"]
+    assert result["refresh_5pct_within_1_01_of_adam"] and \
+        result["refresh_5pct_bytes_within_0_6_of_auto"], result
+    assert not result["refresh_auto_within_1_01_of_adam"] and \
+        not result["refresh_auto_bytes_within_0_6_of_auto"], result
+    assert runs["refresh_auto"]["freeze_decision"] == {"step": None}, runs["refresh_auto"]
+    assert result["auto_in_10_30_percent"] is True, f"auto froze at 60 of 300 steps: {result}"
+    canned["auto"] = summary("onebit", 1.06, None, 1000)  # a run too short for auto to freeze
+    result = auto_freeze.run_all(args, ["adam", "auto"], [], tmp_path, "cmd")
+    assert result["auto_in_10_30_percent"] is False, f"auto never froze: {result}"
