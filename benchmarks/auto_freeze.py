@@ -14,6 +14,12 @@ and prints one JSON object:
     auto_freeze_decision                           the step, the figure that triggered it, history
     auto_in_10_30_percent, auto_within_1_01_of_adam  the two targets of issue #17
 
+``refresh_5pct`` and ``refresh_auto`` (not run by default) add ``variance_refresh`` (``--variance-refresh``,
+default doubling) to 1-bit Adam frozen at 5% of the steps, and at ``"auto"`` with a short
+``auto_freeze`` minimum (``--auto-min-steps``, default 20): the settings issue #27 recommends.
+They also report ``bytes_vs_auto`` (their bytes per rank / the ``auto`` run's) and
+``steps_by_kind`` (warmup, refresh and compressed steps, from the schedule and the freeze).
+
 ``adam_reordered`` (not run by default) is Horovod Adam again with only the order of the batches
 changed (the example's ``--data-seed``): its ratio to Adam is how far the final loss moves with
 the batch order alone, the scale against which the other ratios are read. ``--seeds 0,1,2``
@@ -28,6 +34,8 @@ Usage:
     python benchmarks/auto_freeze.py --example lm        # 4 ranks, train_lm.py's 1000 steps
     python benchmarks/auto_freeze.py --example digits    # 4 ranks, train_digits.py's 300 steps
     python benchmarks/auto_freeze.py --example digits --seeds 0,1,2,3,4 --runs adam,adam_reordered,auto
+    python benchmarks/auto_freeze.py --example digits --seeds 0,1,2,3,4,5 --runs adam,auto,refresh_5pct,refresh_auto
+    python benchmarks/auto_freeze.py --example lm --runs adam,auto,refresh_5pct,refresh_auto
     python benchmarks/auto_freeze.py --example lm --np 2 -- --steps 200   # args after -- go to the example
 """
 from __future__ import annotations
@@ -40,13 +48,18 @@ from typing import Optional
 
 from convergence import split_argv  # benchmarks/, next to this script
 from hvd_onebit.bench.lm import TrainingFailed, train_lm
+from hvd_onebit.bench.refresh import parse_variance_refresh
 from hvd_onebit.layout import ring_allreduce_bytes
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = {"lm": REPO / "examples" / "train_lm.py", "digits": REPO / "examples" / "train_digits.py"}
 RUNS = {"adam": ("adam", None), "auto": ("onebit", "auto"), "early_2pct": ("onebit", "0.02"),
-        "late_50pct": ("onebit", "0.5"), "adam_reordered": ("adam", None)}
+        "late_50pct": ("onebit", "0.5"), "adam_reordered": ("adam", None),
+        "refresh_5pct": ("onebit", "0.05"), "refresh_auto": ("onebit", "auto")}
+REFRESH_RUNS = ("refresh_5pct", "refresh_auto")  # with --variance-refresh
+AUTO_RUNS = ("auto", "refresh_auto")  # freeze_step="auto"
 DEFAULT_RUNS = ("adam", "auto", "early_2pct", "late_50pct")
+REFRESH_AUTO_MIN_STEPS = 20  # auto_freeze's min_steps for refresh_auto (its own default: 50)
 EXAMPLE_SEEDS = {"lm": 1337, "digits": 0}  # each example's --seed default
 REORDERED_DATA_SEED = 1000  # added to the run's seed: another batch order, same model and split
 
@@ -59,10 +72,14 @@ def summarize(name: str, summary: dict, wall: float) -> dict:
     else:
         total_bytes = summary["total_bytes_per_rank"]
     freeze = summary.get("freeze_step")
-    return {"final_val_loss": summary["final_val_loss"], "freeze_step": freeze,
-            "freeze_fraction": freeze / steps if freeze else None,
-            "total_bytes_per_rank": total_bytes, "wall_seconds": wall,
-            "val_curve": [(c["step"], c["val_loss"]) for c in summary["val_curve"]]}
+    out = {"final_val_loss": summary["final_val_loss"], "freeze_step": freeze,
+           "freeze_fraction": freeze / steps if freeze else None,
+           "total_bytes_per_rank": total_bytes, "wall_seconds": wall,
+           "val_curve": [(c["step"], c["val_loss"]) for c in summary["val_curve"]]}
+    if summary.get("variance_refresh", "none") != "none":
+        out["variance_refresh"] = summary["variance_refresh"]
+        out["steps_by_kind"] = summary.get("steps_by_kind")
+    return out
 
 
 def plot(runs: dict, path: Path, title: str) -> None:
@@ -109,17 +126,28 @@ def example_seed(example: str, extra: list[str]) -> int:
     return EXAMPLE_SEEDS[example] if seed is None else seed
 
 
+def train_args_for(name: str, args, extra: list[str]) -> list[str]:
+    """The example's arguments for run ``name`` (after ``extra``, the arguments after --)."""
+    _, frac = RUNS[name]
+    train_args = list(extra) + (["--warmup-frac", frac] if frac else [])
+    if name == "adam_reordered":
+        reordered = example_seed(args.example, extra) + REORDERED_DATA_SEED
+        train_args += ["--data-seed", str(reordered)]
+    if name in REFRESH_RUNS:
+        train_args += ["--variance-refresh", args.variance_refresh]
+    if name == "refresh_auto":
+        train_args += ["--auto-freeze-min-steps", str(args.auto_min_steps)]
+    return train_args
+
+
 def run_all(args, names: list[str], extra: list[str], out_dir: Path, command: str) -> dict:
     """Every run in ``names`` on the example with ``extra``; the result object described above."""
     runs = {}
     for name in names:
-        optimizer, frac = RUNS[name]
+        optimizer, _ = RUNS[name]
         run_dir = out_dir / name
         run_dir.mkdir(parents=True, exist_ok=True)
-        train_args = list(extra) + (["--warmup-frac", frac] if frac else [])
-        if name == "adam_reordered":
-            reordered = example_seed(args.example, extra) + REORDERED_DATA_SEED
-            train_args += ["--data-seed", str(reordered)]
+        train_args = train_args_for(name, args, extra)
         try:
             run = train_lm(optimizer, args.np, train_args, run_dir, args.timeout,
                            script=SCRIPTS[args.example])
@@ -132,19 +160,31 @@ def run_all(args, names: list[str], extra: list[str], out_dir: Path, command: st
                   flush=True)
             continue
         runs[name] = summarize(name, run.summary, run.wall_seconds)
-        if name == "auto":
+        if name in AUTO_RUNS:
             runs[name]["decision"] = run.summary.get("freeze_decision")
         print(f"[auto_freeze] {name}: final val {runs[name]['final_val_loss']:.4f}, freeze "
               f"{runs[name]['freeze_step']}, {run.wall_seconds:.0f}s", file=sys.stderr, flush=True)
     adam = runs.get("adam", {}).get("final_val_loss")
     done = {name: r for name, r in runs.items() if "failed" not in r}
-    for r in done.values():
+    auto_bytes = done.get("auto", {}).get("total_bytes_per_rank")
+    for name, r in done.items():
         r["ratio_to_adam"] = r["final_val_loss"] / adam if adam else None
+        if name in REFRESH_RUNS and auto_bytes:
+            r["bytes_vs_auto"] = r["total_bytes_per_rank"] / auto_bytes
+    if "refresh_auto" in done:
+        done["refresh_auto"]["freeze_decision"] = done["refresh_auto"].pop("decision")
     result = {"example": args.example, "np": args.np, "command": command, "runs": runs}
+    for name in REFRESH_RUNS:
+        r = done.get(name)
+        if r and r.get("ratio_to_adam") is not None:
+            result[f"{name}_within_1_01_of_adam"] = r["ratio_to_adam"] <= 1.01
+        if r and "bytes_vs_auto" in r:
+            result[f"{name}_bytes_within_0_6_of_auto"] = r["bytes_vs_auto"] <= 0.6
     if "auto" in done:
         auto = done["auto"]
         result["auto_freeze_decision"] = auto.pop("decision")
-        result["auto_in_10_30_percent"] = 0.1 <= auto["freeze_fraction"] <= 0.3
+        frac = auto["freeze_fraction"]  # None: it never froze (a run shorter than max_steps)
+        result["auto_in_10_30_percent"] = frac is not None and 0.1 <= frac <= 0.3
         if adam:
             result["auto_within_1_01_of_adam"] = auto["ratio_to_adam"] <= 1.01
     png = out_dir / f"{args.example}_auto_freeze.png"
@@ -166,12 +206,17 @@ def across_seeds(per_seed: dict) -> dict:
                 row["failed"][seed] = r["failed"]
             elif r.get("ratio_to_adam") is not None:
                 row["ratio_to_adam"][seed] = r["ratio_to_adam"]
-            if name == "auto" and "failed" not in r:
+            if name in AUTO_RUNS and "failed" not in r:
                 row.setdefault("freeze_fraction", {})[seed] = r["freeze_fraction"]
+            if "bytes_vs_auto" in r:
+                row.setdefault("bytes_vs_auto", {})[seed] = r["bytes_vs_auto"]
     for row in summary.values():
         ratios = list(row["ratio_to_adam"].values())
         row["mean_ratio_to_adam"] = sum(ratios) / len(ratios) if ratios else None
         row["range_ratio_to_adam"] = [min(ratios), max(ratios)] if ratios else None
+        if row.get("bytes_vs_auto"):
+            b = list(row["bytes_vs_auto"].values())
+            row["mean_bytes_vs_auto"] = sum(b) / len(b)
         if not row["failed"]:
             del row["failed"]
     return summary
@@ -188,7 +233,15 @@ def main(argv=None) -> dict:
                    help="comma-separated seeds: everything once per seed (--seed to the example)")
     p.add_argument("--out-dir", default=None, help="default results/auto_freeze_<example>")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per training run")
+    p.add_argument("--variance-refresh", default="doubling",
+                   help="the refresh runs' schedule: doubling or a JSON object of its fields")
+    p.add_argument("--auto-min-steps", type=int, default=REFRESH_AUTO_MIN_STEPS,
+                   help="refresh_auto's auto_freeze min_steps")
     args = p.parse_args(argv)
+    try:
+        parse_variance_refresh(args.variance_refresh)
+    except ValueError as exc:
+        p.error(str(exc))
     names = args.runs.split(",")
     unknown = [n for n in names if n not in RUNS]
     if unknown:

@@ -26,7 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import hvd_onebit
-from train_lm import freeze_options, warmup_frac
+from train_lm import add_onebit_arguments, onebit_options, refresh_summary, warmup_frac
 
 
 class SmallCNN(nn.Module):
@@ -99,6 +99,7 @@ def parse_args(argv=None):
     p.add_argument("--eval-every", type=int, default=50)
     p.add_argument("--val-frac", type=float, default=0.2)
     p.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", "1")))
+    add_onebit_arguments(p)
     p.add_argument("--json-out", default=None, help="write a JSON summary here (rank 0)")
     return p.parse_args(argv)
 
@@ -125,7 +126,7 @@ def main(argv=None):
     gen = torch.Generator().manual_seed(data_seed * 1000 + rank)
 
     model, optimizer = build_model_and_adam(args)
-    freeze = freeze_options(args.warmup_frac, args.steps)
+    freeze = onebit_options(args)
     # ---- the one line that differs ----------------------------------------------------------
     if args.optimizer == "adam":
         optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
@@ -169,6 +170,7 @@ def main(argv=None):
                "final_val_loss": curve[-1]["val_loss"], "final_val_acc": curve[-1]["val_acc"],
                "total_bytes_per_rank": total_bytes if args.optimizer == "onebit" else None,
                "telemetry": optimizer.telemetry() if args.optimizer == "onebit" else None,
+               **refresh_summary(args, optimizer),
                "wall_seconds": time.perf_counter() - start, "config": vars(args)}
     log(f"done: val accuracy {summary['final_val_acc']:.3f} in {summary['wall_seconds']:.0f}s")
     if rank == 0 and args.json_out:

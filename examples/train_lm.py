@@ -56,6 +56,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import hvd_onebit
+from hvd_onebit.bench.refresh import option_text, parse_variance_refresh, run_steps
 from hvd_onebit.bench.waits import WAITS, WaitTimer, set_horovod_wait
 
 
@@ -182,11 +183,52 @@ def warmup_frac(text: str):
     return text if text == "auto" else float(text)
 
 
-def freeze_options(frac, steps: int) -> dict:
-    """hvd_onebit.DistributedOptimizer's freeze arguments for --warmup-frac."""
+def variance_refresh(text: str):
+    """--variance-refresh: none, doubling or a JSON object of the schedule's fields."""
+    try:
+        return parse_variance_refresh(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+
+
+def freeze_options(frac, steps: int, min_steps=None) -> dict:
+    """hvd_onebit.DistributedOptimizer's freeze arguments for --warmup-frac (and, with "auto",
+    --auto-freeze-min-steps)."""
     if frac == "auto":
-        return {"freeze_step": "auto", "auto_freeze": {"max_steps": max(50, steps // 2)}}
+        auto = {"max_steps": max(50, steps // 2)}
+        if min_steps is not None:
+            auto.update(min_steps=min_steps, max_steps=max(auto["max_steps"], min_steps))
+        return {"freeze_step": "auto", "auto_freeze": auto}
     return {"freeze_step": max(1, round(frac * steps))}
+
+
+def onebit_options(args) -> dict:
+    """The freeze arguments, and variance_refresh only when it is set: without it the call is
+    the one hvd_onebit has always taken."""
+    options = freeze_options(args.warmup_frac, args.steps, args.auto_freeze_min_steps)
+    if args.variance_refresh is not None:
+        options["variance_refresh"] = args.variance_refresh
+    return options
+
+
+def refresh_summary(args, optimizer) -> dict:
+    """The summary's variance_refresh and the run's steps by kind (warmup, refreshes,
+    compressed), counted from the schedule and where the variance froze."""
+    out = {"variance_refresh": option_text(args.variance_refresh)}
+    freeze = optimizer.freeze_step if args.optimizer == "onebit" else None
+    if isinstance(freeze, int):
+        out["steps_by_kind"] = run_steps(args.steps, freeze, args.variance_refresh)
+    return out
+
+
+def add_onebit_arguments(p: argparse.ArgumentParser) -> None:
+    """The 1-bit options both examples take: --variance-refresh, --auto-freeze-min-steps."""
+    p.add_argument("--variance-refresh", type=variance_refresh, default=None,
+                   help="1-bit Adam's variance_refresh: none (default), doubling (0/1 Adam's "
+                        "schedule) or a JSON object of its fields, e.g. "
+                        "'{\"first_interval\": 16, \"updates_per_interval\": 4}'")
+    p.add_argument("--auto-freeze-min-steps", type=int, default=None,
+                   help="with --warmup-frac auto: auto_freeze's min_steps (default: its own, 50)")
 
 
 def build_model_and_adamw(args):
@@ -236,6 +278,7 @@ def parse_args(argv=None):
     p.add_argument("--wait", choices=WAITS, default="sleep",
                    help="how Horovod's optimizer waits for its allreduces: sleep (as hvd_onebit "
                         "does) or spin (Horovod's own sched_yield loop); time only")
+    add_onebit_arguments(p)
     p.add_argument("--json-out", default=None, help="write a JSON summary here (rank 0)")
     return p.parse_args(argv)
 
@@ -266,7 +309,7 @@ def main(argv=None):
     model, optimizer = build_model_and_adamw(args)
     n_params = sum(p.numel() for p in model.parameters())
 
-    freeze = freeze_options(args.warmup_frac, args.steps)
+    freeze = onebit_options(args)
     # ---- the one line that differs ----------------------------------------------------------
     if args.optimizer == "adam":
         optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
@@ -370,6 +413,7 @@ def main(argv=None):
                        "adam: ring-allreduce estimate, 2*(n-1)/n * 4 bytes per parameter"),
         "telemetry": optimizer.telemetry() if args.optimizer == "onebit" else None,
         "wait": args.wait,
+        **refresh_summary(args, optimizer),
         "comm_note": ("comm_seconds: rank 0's seconds blocked on communication in each step ("
                       "onebit: opt.telemetry()['last_step_comm_seconds']; adam: inside Horovod's "
                       "per-handle synchronize); cpu_seconds: rank 0's process CPU time in its steps (all "

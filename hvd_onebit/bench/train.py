@@ -13,6 +13,15 @@ one method after another inside one job, so they share the machine's state and n
 * ``onebit``: ``hvd_onebit.DistributedOptimizer`` with ``freeze_step = warmup_frac * steps``.
 * ``onebit_hier``: the same with ``hierarchical=True`` (full precision inside nodes, 1-bit
   between them); meant for clusters with several ranks per node (``--ranks-per-node``).
+* ``onebit_refresh``: 1-bit Adam with ``variance_refresh`` (default ``"doubling"``) and its own
+  early ``freeze_step = refresh_freeze_frac * steps`` (default 5%): a whole-run comparison with
+  ``onebit`` (at ``warmup_frac``). Its refresh steps (full precision inside the compression
+  phase, from the schedule) are their own phase, ``refresh``.
+
+Every row has the run's wall time (``run_seconds``) and bytes: ``run_measured_tx_bytes`` (rank
+0's link counter summed over the steps, on the emulator) and ``run_bytes_per_rank`` (1-bit:
+the ring-allreduce figure for each full-precision step plus the wire bytes of each compressed
+step; Horovod: the ring figure every step).
 
 The optimizer is ``torch.optim.Adam(fused=True)`` everywhere: the fastest Adam step on CPU, so
 the baseline is not slowed by optimizer arithmetic that 1-bit Adam happens to skip.
@@ -41,7 +50,9 @@ import time
 from typing import Optional
 
 from ..layout import ring_allreduce_bytes
+from ..variance_refresh import RefreshSchedule
 from .allreduce import _iface_tx_bytes
+from .refresh import freeze_step_for, option_text, run_steps
 from .waits import WAITS
 from .waits import sleeping_horovod_waits as _sleeping_horovod_waits  # noqa: F401 (zoo)
 
@@ -51,8 +62,8 @@ from .waits import sleeping_horovod_waits as _sleeping_horovod_waits  # noqa: F4
 # never trimmed keeps those pages mapped. (jemalloc or tcmalloc via LD_PRELOAD do the same job.)
 MALLOC_REUSE_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(2**40)}
 METHODS = ("local", "horovod_fp32", "horovod_fp16", "ddp_powersgd", "onebit", "onebit_sync",
-           "onebit_hier")
-ONEBIT_METHODS = ("onebit", "onebit_sync", "onebit_hier")
+           "onebit_hier", "onebit_refresh")
+ONEBIT_METHODS = ("onebit", "onebit_sync", "onebit_hier", "onebit_refresh")
 DEFAULT_METHODS = ("local", "horovod_fp32", "horovod_fp16", "ddp_powersgd", "onebit")
 MODELS = ("mlp", "embedding")
 IN_DIM = OUT_DIM = 256
@@ -88,8 +99,25 @@ def build_embedding_model(vocab: int, dim: int, width: int, out_dim: int = OUT_D
     return EmbeddingBagModel()
 
 
+def onebit_arguments(method: str, steps: int, warmup_frac: float, onebit_options: dict,
+                     variance_refresh=None, refresh_freeze_frac: float = 0.05) -> dict:
+    """``hvd_onebit.DistributedOptimizer``'s keyword arguments (beyond the optimizer and the
+    parameters) for a 1-bit method; ``variance_refresh`` only for ``onebit_refresh``, and only
+    when set."""
+    options = dict(onebit_options)
+    if method == "onebit_hier":
+        options["hierarchical"] = True
+    if method == "onebit_sync":
+        options["overlap"] = False
+    frac = refresh_freeze_frac if method == "onebit_refresh" else warmup_frac
+    options["freeze_step"] = freeze_step_for(frac, steps)
+    if method == "onebit_refresh" and variance_refresh is not None:
+        options["variance_refresh"] = variance_refresh
+    return options
+
+
 def _make_step(method: str, model, steps: int, warmup_frac: float, powersgd_start: int, lr: float,
-               onebit_options: dict):
+               onebit_options: dict, variance_refresh=None, refresh_freeze_frac: float = 0.05):
     """Returns (step_fn(x, y) -> backward seconds, optimizer or None, phase_fn())."""
     import horovod.torch as hvd
     import torch
@@ -99,20 +127,24 @@ def _make_step(method: str, model, steps: int, warmup_frac: float, powersgd_star
     loss_fn = torch.nn.MSELoss()
     base = torch.optim.Adam(model.parameters(), lr=lr, fused=True)
     opt, net, phase = base, model, (lambda: "n/a")
+    counter = {"it": 0}
     if method in ("horovod_fp32", "horovod_fp16"):
         comp = hvd.Compression.fp16 if method == "horovod_fp16" else hvd.Compression.none
         opt = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(),
                                        compression=comp)
     elif method in ONEBIT_METHODS:
-        options = dict(onebit_options)
-        if method == "onebit_hier":
-            options["hierarchical"] = True
-        if method == "onebit_sync":
-            options["overlap"] = False
+        options = onebit_arguments(method, steps, warmup_frac, onebit_options, variance_refresh,
+                                   refresh_freeze_frac)
         opt = hvd_onebit.DistributedOptimizer(base, named_parameters=model.named_parameters(),
-                                              freeze_step=max(1, round(warmup_frac * steps)),
                                               **options)
         phase = lambda: opt.phase  # noqa: E731
+        schedule = (RefreshSchedule.from_option(variance_refresh)
+                    if method == "onebit_refresh" else None)
+        if schedule is not None:
+            def phase():  # a refresh step: full precision inside the compression phase
+                p = opt.phase
+                return ("refresh" if p == "compression"
+                        and schedule.is_refresh(counter["it"], opt.freeze_step) else p)
     elif method == "ddp_powersgd":
         from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
 
@@ -127,7 +159,6 @@ def _make_step(method: str, model, steps: int, warmup_frac: float, powersgd_star
         state = powersgd.PowerSGDState(process_group=None, matrix_approximation_rank=1,
                                        start_powerSGD_iter=max(2, powersgd_start))
         net.register_comm_hook(state, powersgd.powerSGD_hook)
-        counter = {"it": 0}
 
         def phase():  # PowerSGD's own warm-up uses plain allreduce
             return "warmup" if counter["it"] < max(2, powersgd_start) else "compression"
@@ -141,8 +172,7 @@ def _make_step(method: str, model, steps: int, warmup_frac: float, powersgd_star
         loss.backward()
         backward = time.perf_counter() - start
         opt.step()
-        if method == "ddp_powersgd":
-            counter["it"] += 1
+        counter["it"] += 1
         return backward
 
     return step, opt, phase
@@ -153,12 +183,14 @@ def train_worker(methods=METHODS, steps: int = 40, warmup_frac: float = 0.15,
                  vocab: int = 32768, embed_dim: int = 256, tokens: int = 2048,
                  lr: float = 1e-4, powersgd_start: int = 10, wait: str = "sleep",
                  transport: str = "auto", bucket_size_mb: Optional[float] = None,
-                 intra_node: str = "auto") -> list[dict]:
+                 intra_node: str = "auto", variance_refresh=None,
+                 refresh_freeze_frac: float = 0.05) -> list[dict]:
     """Runs in every rank (after hvd.init()). Returns one row per method (rank 0's view).
 
     ``model="mlp"`` uses width/depth; ``model="embedding"`` uses vocab/embed_dim, ``tokens``
     token ids per sample, and ``width`` for its head. ``transport``, ``bucket_size_mb`` and
-    ``intra_node`` are 1-bit Adam's options (None: its default bucket size).
+    ``intra_node`` are 1-bit Adam's options (None: its default bucket size);
+    ``variance_refresh`` and ``refresh_freeze_frac`` are ``onebit_refresh``'s.
     """
     import horovod.torch as hvd
     import torch
@@ -177,7 +209,8 @@ def train_worker(methods=METHODS, steps: int = 40, warmup_frac: float = 0.15,
         options = {"transport": transport, "intra_node": intra_node}
         if bucket_size_mb is not None:
             options["bucket_size_mb"] = bucket_size_mb
-        step, opt, phase = _make_step(method, net, steps, warmup_frac, powersgd_start, lr, options)
+        step, opt, phase = _make_step(method, net, steps, warmup_frac, powersgd_start, lr, options,
+                                      variance_refresh, refresh_freeze_frac)
         g = torch.Generator().manual_seed(hvd.rank())
         if model == "mlp":
             inputs = [torch.randn(batch, IN_DIM, generator=g) for _ in range(4)]
@@ -185,6 +218,7 @@ def train_worker(methods=METHODS, steps: int = 40, warmup_frac: float = 0.15,
             inputs = [torch.randint(vocab, (batch, tokens), generator=g) for _ in range(4)]
         batches = [(x, torch.randn(batch, OUT_DIM, generator=g)) for x in inputs]
         times, phases, tx, parts = [], [], [], []
+        compressed_bytes = None
         hvd.allreduce(torch.zeros(1), name=f"bench.train.start.{method}")
         for i in range(steps):
             phases.append(phase())
@@ -197,6 +231,8 @@ def train_worker(methods=METHODS, steps: int = 40, warmup_frac: float = 0.15,
             parts.append({"backward": backward, **split})
             tx1 = _iface_tx_bytes()
             tx.append(None if tx0 is None else tx1 - tx0)
+            if phases[-1] == "compression":  # a compressed step's bytes (not a refresh's)
+                compressed_bytes = getattr(opt, "last_step_bytes", None)
         # Every rank's step times: [ranks, steps]. The ranks are chained by the step's
         # collectives, so a rank delayed in step i lengthens its own step i and the others'
         # step i+1 (they wait for it in the next collective). The max over ranks step by step
@@ -208,6 +244,7 @@ def train_worker(methods=METHODS, steps: int = 40, warmup_frac: float = 0.15,
         row = {"method": method, "model": model, "np": hvd.size(), "params": params,
                "batch_per_rank": batch, "steps": steps,
                "run_seconds": float(per_rank.sum(1).max()),
+               "run_measured_tx_bytes": (sum(tx) if tx and None not in tx else None),
                "step_seconds": times, "step_phases": phases}
         # The first step of each phase pays one-off set-up (buffers, hooks): steady state skips it.
         for ph in sorted(set(phases)):
@@ -226,11 +263,20 @@ def train_worker(methods=METHODS, steps: int = 40, warmup_frac: float = 0.15,
                                          for k in names}
         if method in ONEBIT_METHODS:
             row["freeze_step"] = opt.freeze_step
-            row["compression_bytes_per_step"] = opt.last_step_bytes
+            row["compression_bytes_per_step"] = (opt.last_step_bytes if compressed_bytes is None
+                                                 else compressed_bytes)
+            refresh = variance_refresh if method == "onebit_refresh" else None
+            kinds = run_steps(steps, opt.freeze_step, refresh)
+            row["variance_refresh"] = option_text(refresh)
+            row["steps_by_kind"] = kinds
+            row["run_bytes_per_rank"] = (
+                kinds["full_precision_steps"] * ring_allreduce_bytes(params * 4, hvd.size())
+                + kinds["compressed_steps"] * (row["compression_bytes_per_step"] or 0))
         elif method.startswith("horovod"):
             elem = 2 if method.endswith("fp16") else 4
             n = hvd.size()
             row["bytes_per_step"] = ring_allreduce_bytes(params * elem, n)
+            row["run_bytes_per_rank"] = steps * row["bytes_per_step"]
         rows.append(row)
         del opt, net, step
     return rows
@@ -270,6 +316,17 @@ def summarize(rows: list[dict]) -> dict:
             / ob["compression_measured_tx_bytes_per_step"]
             if hier.get("compression_measured_tx_bytes_per_step")
             and ob.get("compression_measured_tx_bytes_per_step") else None)
+    ref = by.get("onebit_refresh")
+    if ref and fp32:
+        out["onebit_refresh_run_speedup_vs_fp32"] = fp32["run_seconds"] / ref["run_seconds"]
+    if ref and ob:  # the whole-run comparison: the refresh setting against the fixed warmup
+        out["onebit_refresh_run_speedup_vs_onebit"] = ob["run_seconds"] / ref["run_seconds"]
+        if ob.get("run_bytes_per_rank"):
+            out["onebit_refresh_bytes_vs_onebit"] = (ref["run_bytes_per_rank"]
+                                                     / ob["run_bytes_per_rank"])
+        if ref.get("run_measured_tx_bytes") and ob.get("run_measured_tx_bytes"):
+            out["onebit_refresh_measured_bytes_vs_onebit"] = (ref["run_measured_tx_bytes"]
+                                                              / ob["run_measured_tx_bytes"])
     for name in ("horovod_fp16", "ddp_powersgd"):
         r = by.get(name)
         if fp32 and r:

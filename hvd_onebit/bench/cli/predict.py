@@ -39,6 +39,22 @@ from .options import comma_list, rates
                    "kernels [default: 0, no credit; with --model alone: calibrated].")
 @click.option("--warmup-frac", default=0.15, show_default=True,
               help="Share of the steps in 1-bit Adam's full-precision warmup.")
+@click.option("--run-steps", default=10000, show_default=True, type=click.IntRange(min=1),
+              help="Steps in the run, for the whole-run figures counted in steps: the fixed "
+                   "warmup (--warmup-frac) against the --variance-refresh setting.")
+@click.option("--variance-refresh", "variance_refresh", default="doubling", show_default=True,
+              help="The refresh setting each 1-bit row is also priced with: none, doubling "
+                   "(0/1 Adam's schedule) or a JSON object of RefreshSchedule's fields, e.g. "
+                   "'{\"first_interval\": 16, \"updates_per_interval\": 4}'.")
+@click.option("--refresh-freeze-frac", default=0.05, show_default=True,
+              type=click.FloatRange(0, 1),
+              help="freeze_step of the refresh setting, as a share of --run-steps (an early "
+                   "freeze is the recommended setting with a refresh schedule).")
+@click.option("--run-lengths", default=None, callback=lambda c, p, v: None if v is None else
+              comma_list(int)(c, p, v),
+              help="Instead: a table (or --json) of the whole-run speed-up over Horovod fp32 "
+                   "against run length (e.g. 1000,3000,10000,30000,100000) for 1-bit Adam at "
+                   "--warmup-frac and the refresh setting, at each --np and --bandwidth.")
 @click.option("--colocated", is_flag=True,
               help="All ranks share this machine's cores (as on the emulated cluster): compute "
                    "and kernels at the speeds calibrated with that many processes at once.")
@@ -81,7 +97,7 @@ from .options import comma_list, rates
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 def bench_predict(calibration, nps, ranks_per_node, bandwidths, intra_bandwidth, latency_us,
                   intra_latency_us, params, bench_model, compute_ms, adam_ms, warmup_frac,
-                  colocated, kernel_speedup, host_speedup, per_peer_us, transport,
+                  run_steps, variance_refresh, refresh_freeze_frac, run_lengths, colocated, kernel_speedup, host_speedup, per_peer_us, transport,
                   hierarchical_ops, intra_node, methods, check_dir, plot, as_json) -> None:
     """Predict step time per phase, whole-run speed-up and bytes per rank of Horovod fp32/fp16,
     flat 1-bit and hierarchical 1-bit Adam (as hvd_onebit/comm/hierarchical.py runs it) from the
@@ -93,9 +109,16 @@ def bench_predict(calibration, nps, ranks_per_node, bandwidths, intra_bandwidth,
     from ..predict.check import check_report
     from ..predict.job import Cluster, Job, parse_params
     from ..predict.model import HIERARCHICAL_NOTE, Model
+    from ..predict.runs import (RunSetting, add_run_figures, fp32_step_bytes, print_run_lengths,
+                                run_length_sweep, sweep_clusters)
+    from ..refresh import option_text, parse_variance_refresh
     from ..predict.sweep import crossovers, sweep
     from ..predict.tables import print_check, print_prediction
 
+    try:
+        refresh = parse_variance_refresh(variance_refresh)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--variance-refresh") from exc
     try:
         cal = load_or_shipped(calibration, note=lambda s: click.echo(s, err=True))
     except (FileNotFoundError, ValueError) as exc:
@@ -123,21 +146,43 @@ def bench_predict(calibration, nps, ranks_per_node, bandwidths, intra_bandwidth,
     model = Model(cal, None if per_peer_us is None else per_peer_us * 1e-6,
                   hierarchical_global_ops=hierarchical_ops == "global", transport=transport,
                   intra_node=intra_node)
+    setting = RunSetting(run_steps, warmup_frac, refresh, refresh_freeze_frac)
+    inputs = {"params": n_params, "compute_s": model.compute(job, Cluster(
+                  nodes=nps[0], colocated=colocated))[0], "warmup_frac": warmup_frac,
+              "run_steps": run_steps, "variance_refresh": option_text(refresh),
+              "refresh_freeze_frac": refresh_freeze_frac,
+              "ranks_per_node": ranks_per_node, "intra_bps": intra_bandwidth,
+              "latency_s": latency_us * 1e-6, "intra_latency_s": intra_latency_us * 1e-6,
+              "colocated": colocated, "kernel_speedup": kernel_speedup,
+              "host_speedup": host_speedup, "per_peer_s": model.per_peer_s,
+              "transport": transport, "hierarchical_ops": hierarchical_ops,
+              "intra_node": intra_node}
+    if run_lengths:
+        clusters = sweep_clusters(nps, bandwidths, ranks_per_node, intra_bandwidth,
+                                  latency_us * 1e-6, intra_latency_us * 1e-6, colocated)
+        ms = ("horovod_fp32",) + tuple(m for m in methods if m.startswith("onebit"))
+        try:
+            rows = run_length_sweep(model, job, clusters, run_lengths, setting, ms)
+        except ValueError as exc:
+            raise click.ClickException(str(exc)) from exc
+        del inputs["run_steps"]
+        report = {"benchmark": "predict_run_lengths", "calibration": cal.get("machine"),
+                  "inputs": {**inputs, "run_lengths": run_lengths}, "rows": rows}
+        if as_json:
+            click.echo(json.dumps(report, indent=2))
+        else:
+            print_run_lengths(report)
+        return
     try:
         rows = sweep(model, job, nps, bandwidths, ranks_per_node, intra_bandwidth,
                      latency_us * 1e-6, intra_latency_us * 1e-6, colocated, tuple(methods))
     except ValueError as exc:  # e.g. a version-2 calibration without torch.distributed ops
         raise click.ClickException(str(exc)) from exc
-    report = {"benchmark": "predict", "calibration": cal.get("machine"),
-              "inputs": {"params": n_params, "compute_s": model.compute(job, Cluster(
-                  nodes=nps[0], colocated=colocated))[0], "warmup_frac": warmup_frac,
-                  "ranks_per_node": ranks_per_node, "intra_bps": intra_bandwidth,
-                  "latency_s": latency_us * 1e-6, "intra_latency_s": intra_latency_us * 1e-6,
-                  "colocated": colocated, "kernel_speedup": kernel_speedup,
-                  "host_speedup": host_speedup, "per_peer_s": model.per_peer_s,
-                  "transport": transport, "hierarchical_ops": hierarchical_ops,
-                  "intra_node": intra_node},
-              "note": HIERARCHICAL_NOTE, "rows": rows, "crossovers": crossovers(rows)}
+    for r in rows:
+        cl = Cluster(nodes=r["nodes"], ranks_per_node=r["ranks_per_node"])
+        add_run_figures(r["methods"], setting, fp32_step_bytes(job, cl))
+    report = {"benchmark": "predict", "calibration": cal.get("machine"), "inputs": inputs,
+              "run_setting": setting.describe(), "note": HIERARCHICAL_NOTE, "rows": rows, "crossovers": crossovers(rows)}
     if plot:
         from ...cluster.bandwidth import format_bandwidth
         from ..predict.plots import plot_phases, plot_sweep

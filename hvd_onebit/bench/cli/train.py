@@ -23,6 +23,14 @@ from .options import cluster_for, comma_list, nodes_options, queue_option, real_
 @click.option("--steps", default=40, show_default=True, help="Optimizer steps per method.")
 @click.option("--warmup-frac", default=0.15, show_default=True,
               help="1-bit Adam's warmup: freeze_step = warmup_frac * steps.")
+@click.option("--variance-refresh", "variance_refresh", default="doubling", show_default=True,
+              help="onebit_refresh's variance_refresh: none, doubling or a JSON object of "
+                   "RefreshSchedule's fields (e.g. '{\"first_interval\": 16, "
+                   "\"updates_per_interval\": 4}').")
+@click.option("--refresh-freeze-frac", default=0.05, show_default=True,
+              type=click.FloatRange(0, 1),
+              help="onebit_refresh's warmup: freeze_step = refresh_freeze_frac * steps (an early "
+                   "freeze is the recommended setting with a refresh schedule).")
 @click.option("--model", default="embedding", show_default=True, type=click.Choice(TRAIN_MODELS),
               help="mlp: a wide MLP (width x depth). embedding: an embedding-bag table "
                    "(vocab x embed-dim, dense gradient) with an MLP head of --width.")
@@ -47,7 +55,8 @@ from .options import cluster_for, comma_list, nodes_options, queue_option, real_
 @click.option("--methods", default=",".join(TRAIN_DEFAULT_METHODS), show_default=True,
               callback=comma_list(str), help=f"Which methods to run, from {', '.join(TRAIN_METHODS)} "
               "(onebit_sync: overlap=False, the exchange starts in step(); onebit_hier: "
-              "hierarchical=True, for --ranks-per-node > 1).")
+              "hierarchical=True, for --ranks-per-node > 1; onebit_refresh: --variance-refresh "
+              "frozen at --refresh-freeze-frac, against onebit's whole run at --warmup-frac).")
 @click.option("--transport", default="auto", show_default=True,
               type=click.Choice(["auto", "horovod", "torch", "mpi"]),
               help="1-bit Adam's transport for the compression phase.")
@@ -64,20 +73,26 @@ from .options import cluster_for, comma_list, nodes_options, queue_option, real_
 @click.option("--plot", default=None, type=click.Path(dir_okay=False),
               help="Write a PNG bar chart of samples/s per method and phase.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
-def bench_train(np_, bandwidth, steps, warmup_frac, model, width, depth, vocab, embed_dim, tokens,
+def bench_train(np_, bandwidth, steps, warmup_frac, variance_refresh, refresh_freeze_frac, model, width, depth, vocab, embed_dim, tokens,
                 batch, malloc_mode, wait, powersgd_start, methods, transport, bucket_size_mb,
                 intra_node, hosts, shared_dir, queue_ms, ranks_per_node, intra_bandwidth, timeout,
                 plot, as_json) -> None:
     """End-to-end samples/s and bytes per step: Horovod Adam (fp32, fp16), DDP + PowerSGD and
     1-bit Adam, per phase and over a whole run. Also reports what share of the Horovod fp32
     step is communication (the 'local' method runs the same step without any)."""
+    from ..refresh import parse_variance_refresh
     from ..train import summarize as summarize_train
     from ...cluster.jobs import run_job
 
     bad = [m for m in methods if m not in TRAIN_METHODS]
     if bad:
         raise click.BadParameter(f"unknown methods {bad}; choose from {TRAIN_METHODS}")
+    try:
+        refresh = parse_variance_refresh(variance_refresh)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--variance-refresh") from exc
     kwargs = {"methods": tuple(methods), "steps": steps, "warmup_frac": warmup_frac,
+              "variance_refresh": refresh, "refresh_freeze_frac": refresh_freeze_frac,
               "model": model, "width": width, "depth": depth, "vocab": vocab,
               "embed_dim": embed_dim, "tokens": tokens, "batch": batch, "wait": wait,
               "powersgd_start": powersgd_start, "transport": transport,
@@ -108,7 +123,7 @@ def bench_train(np_, bandwidth, steps, warmup_frac, model, width, depth, vocab, 
         return
     table = []
     for r in rows:
-        for phase in ("all", "warmup", "compression"):
+        for phase in ("all", "warmup", "compression", "refresh"):
             if f"{phase}_step_s" not in r:
                 continue
             measured = r.get(f"{phase}_measured_tx_bytes_per_step")
@@ -116,14 +131,17 @@ def bench_train(np_, bandwidth, steps, warmup_frac, model, width, depth, vocab, 
                           "steps": r[f"{phase}_steps"], "ms": r[f"{phase}_step_s"] * 1e3,
                           "sps": r[f"{phase}_samples_per_s"],
                           "mb": None if measured is None else measured / 1e6,
-                          "run_s": r["run_seconds"]})
+                          "run_s": r["run_seconds"],
+                          "run_mb": (r["run_bytes_per_rank"] / 1e6 if "run_bytes_per_rank" in r
+                                     else None)})
     shape = (f"MLP {width}x{depth}" if model == "mlp" else
              f"embedding bag {vocab}x{embed_dim} ({tokens} tokens/sample) + MLP head {width}")
     click.echo(f"model: {shape}, {rows[0]['params']:,} parameters, {batch} samples/rank/step, "
                f"{np_} ranks, {report['bandwidth']}, Horovod waits: {wait}, malloc: {malloc_mode}")
     print_table(table, [("method", "method", ""), ("phase", "phase", ""), ("steps", "steps", "d"),
                         ("median step ms", "ms", ",.1f"), ("samples/s", "sps", ",.1f"),
-                        ("measured MB/step/rank", "mb", ",.2f"), ("run s", "run_s", ",.2f")])
+                        ("measured MB/step/rank", "mb", ",.2f"), ("run s", "run_s", ",.2f"),
+                        ("run MB/rank", "run_mb", ",.1f")])
     for r in rows:
         parts = r.get("compression_breakdown_s")
         if parts:

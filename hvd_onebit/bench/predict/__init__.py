@@ -10,6 +10,8 @@ The modules, one job each:
 * :mod:`.job`: what is predicted (the cluster, the job) and what a prediction holds;
 * :mod:`.model`: :class:`~.model.Model`, the step time per phase of each method;
 * :mod:`.sweep`: predictions over world sizes and bandwidths, and where the methods cross;
+* :mod:`.runs`: whole runs counted in steps, with a ``variance_refresh`` schedule against a
+  fixed warmup, and their sweep over run lengths;
 * :mod:`.check`: predictions paired with `bench train --json` measurements;
 * :mod:`.tables` and :mod:`.plots`: what `bench predict` prints and draws.
 
@@ -54,5 +56,7 @@ The model (README.md, "Predicting the speed-up at scale", says the same in prose
   run free, so it is predicted with the free-running step); otherwise a rank has a core to
   itself.
 * Whole run: ``warmup_frac`` of the steps at the warmup step time (Horovod's fp32 allreduce),
-  the rest at the compressed step time.
+  the rest at the compressed step time. Counted in steps (:mod:`.runs`): a run of ``S`` steps
+  frozen at ``F`` with ``R`` refreshes of a ``variance_refresh`` schedule takes ``F + R`` steps
+  at the fp32 step time (a refresh step is the warmup's step) and ``S - F - R`` compressed.
 """

@@ -8,12 +8,13 @@ def print_prediction(report: dict, echo=None) -> None:
     import click
 
     from ..report import print_table
+    from .runs import refresh_columns
 
     echo = echo or click.echo
     table = []
     for r in report["rows"]:
         for m, p in r["methods"].items():
-            table.append({"np": r["np"], "bw": "unlimited" if not r["inter_bps"] else
+            table.append({**(refresh_columns(p) or {}),"np": r["np"], "bw": "unlimited" if not r["inter_bps"] else
                           f"{r['inter_bps'] / 1e9:g} Gbit/s", "method": m,
                           "ms": p["step_s"] * 1e3,
                           "phases": " ".join(f"{k}={v * 1e3:,.1f}" for k, v in p["phases_s"].items()),
@@ -22,9 +23,15 @@ def print_prediction(report: dict, echo=None) -> None:
     inputs = report["inputs"]
     echo(f"{inputs['params']:,} parameters, compute {inputs['compute_s'] * 1e3:,.1f} ms/step, "
          f"warmup {inputs['warmup_frac']:.0%}; {report['note']}")
+    if "run_setting" in report:
+        echo(f"refresh columns: {report['run_setting']} (fp steps: warmup + refreshes, of the "
+             "run's; bytes: per rank over the run, refresh / fixed)")
     print_table(table, [("np", "np", "d"), ("link", "bw", ""), ("method", "method", ""),
                         ("step ms", "ms", ",.1f"), ("MB/rank/step", "mb", ",.2f"),
                         ("step x fp32", "step_x", ".2f"), ("run x fp32", "run_x", ".2f"),
+                        ("refresh: run x fp32", "run_ref_x", ".2f"),
+                        ("refresh: fp steps", "fp_steps", ""),
+                        ("refresh: bytes x fixed", "bytes_ratio", ".3f"),
                         ("phases (ms)", "phases", "")])
     for bw, c in report["crossovers"].items():
         echo(f"link {bw} bit/s: flat 1-bit stops paying from n={c['flat_onebit_stops_paying_at']}"

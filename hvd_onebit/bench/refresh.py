@@ -1,0 +1,68 @@
+"""``--variance-refresh`` as the benchmarks and examples take it, and a run's steps by kind.
+
+One parser for every command line that sets ``variance_refresh`` (`bench predict`, `bench
+train`, ``examples/train_*.py``, ``benchmarks/auto_freeze.py``): ``none``, ``doubling`` or a
+JSON dict of :class:`~hvd_onebit.variance_refresh.RefreshSchedule`'s fields, validated by the
+schedule itself, so a typo fails before any rank starts.
+
+A run of ``S`` steps frozen at ``F`` with ``R`` refresh steps (``schedule.count(S, F)``) takes
+``F + R`` full-precision steps (the warmup, then the refreshes: Horovod's fp32 allreduce and
+Adam's update) and ``S - F - R`` compressed steps. :func:`run_steps` counts them.
+"""
+from __future__ import annotations
+
+import json
+from typing import Optional, Union
+
+from ..variance_refresh import DOUBLING, RefreshSchedule
+
+NONE = "none"
+Option = Union[None, str, dict]
+
+
+def parse_variance_refresh(text: Optional[str]) -> Option:
+    """``"none"`` (or None, "") -> None; ``"doubling"`` -> "doubling"; a JSON object -> that
+    dict. Raises ValueError naming what is wrong (the schedule's own checks included)."""
+    if text is None:
+        return None
+    t = str(text).strip()
+    if t.lower() in ("", NONE):
+        return None
+    if t.lower() == DOUBLING:
+        return DOUBLING
+    if not t.startswith("{"):
+        raise ValueError(f"--variance-refresh must be {NONE}, {DOUBLING} or a JSON object of "
+                         f"RefreshSchedule's fields, got {text!r}")
+    try:
+        option = json.loads(t)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--variance-refresh: not valid JSON ({exc}): {text!r}") from exc
+    RefreshSchedule.from_option(option)  # raises on an unknown field or a bad value
+    return option
+
+
+def option_text(option: Option) -> str:
+    """The inverse of :func:`parse_variance_refresh` (for command lines and summaries)."""
+    if option is None:
+        return NONE
+    if isinstance(option, str):
+        return option
+    return json.dumps(option, sort_keys=True, separators=(",", ":"))
+
+
+def freeze_step_for(frac: float, steps: int) -> int:
+    """``freeze_step`` for a warmup fraction, as `bench train` and the examples round it."""
+    return max(1, round(frac * steps))
+
+
+def run_steps(run_steps: int, freeze_step: int, option: Option = None) -> dict:
+    """A run's steps by kind: ``freeze_step`` (F, the warmup's full-precision steps, at most
+    the run), ``refresh_steps`` (R), ``full_precision_steps`` (F + R) and
+    ``compressed_steps`` (S - F - R)."""
+    if run_steps < 1:
+        raise ValueError(f"run_steps must be >= 1, got {run_steps}")
+    F = min(max(0, int(freeze_step)), run_steps)
+    schedule = RefreshSchedule.from_option(option)
+    R = schedule.count(run_steps, F) if schedule is not None else 0
+    return {"run_steps": run_steps, "freeze_step": F, "refresh_steps": R,
+            "full_precision_steps": F + R, "compressed_steps": run_steps - F - R}
