@@ -14,9 +14,10 @@ and prints one JSON object:
     auto_freeze_decision                           the step, the figure that triggered it, history
     auto_in_10_30_percent, auto_within_1_01_of_adam  the two targets of issue #17
 
-``refresh_5pct`` and ``refresh_auto`` (not run by default) add ``variance_refresh`` (``--variance-refresh``,
-default doubling) to 1-bit Adam frozen at 5% of the steps, and at ``"auto"`` with a short
-``auto_freeze`` minimum (``--auto-min-steps``, default 20): the settings issue #27 recommends.
+``refresh_5pct``, ``refresh_3pct`` and ``refresh_auto`` (not run by default) add ``variance_refresh`` (``--variance-refresh``,
+default doubling) to 1-bit Adam frozen at 5% (or 3%) of the steps, and at ``"auto"`` with a
+short ``auto_freeze`` minimum (``--auto-min-steps``, default 20): early freezes, which a refresh
+schedule makes the recommended setting.
 They also report ``bytes_vs_auto`` (their bytes per rank / the ``auto`` run's) and
 ``steps_by_kind`` (warmup, refresh and compressed steps, from the schedule and the freeze).
 
@@ -55,8 +56,9 @@ REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = {"lm": REPO / "examples" / "train_lm.py", "digits": REPO / "examples" / "train_digits.py"}
 RUNS = {"adam": ("adam", None), "auto": ("onebit", "auto"), "early_2pct": ("onebit", "0.02"),
         "late_50pct": ("onebit", "0.5"), "adam_reordered": ("adam", None),
-        "refresh_5pct": ("onebit", "0.05"), "refresh_auto": ("onebit", "auto")}
-REFRESH_RUNS = ("refresh_5pct", "refresh_auto")  # with --variance-refresh
+        "refresh_5pct": ("onebit", "0.05"), "refresh_3pct": ("onebit", "0.03"),
+        "refresh_auto": ("onebit", "auto")}
+REFRESH_RUNS = ("refresh_5pct", "refresh_3pct", "refresh_auto")  # with --variance-refresh
 AUTO_RUNS = ("auto", "refresh_auto")  # freeze_step="auto"
 DEFAULT_RUNS = ("adam", "auto", "early_2pct", "late_50pct")
 REFRESH_AUTO_MIN_STEPS = 20  # auto_freeze's min_steps for refresh_auto (its own default: 50)

@@ -6,7 +6,7 @@ error on every rank before any collective, not hours later at the freeze.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Any, Iterable, Optional, Union
 
 import torch
@@ -18,7 +18,6 @@ from .transport.registry import check_name as check_transport_name
 from .transport.registry import check_transport, either, supporting, supports
 from .variance_refresh import RefreshSchedule
 
-REFRESH_ERROR_FEEDBACK = ("rescale", "fold")  # variance_refresh's "error_feedback" key
 
 COMPRESSORS = ("onebit", "none")
 MEMORY_MODES = ("auto", "lean", "fast")
@@ -177,20 +176,16 @@ class OneBitConfig:
             has it), "doubling" (0/1 Adam's schedule: the variance updated at steps 0, 1, ...,
             15, then every 2 steps for 16 updates, every 4, ...; 96 of the first 1,000 steps)
             or a dict of some of ``first_interval`` (1), ``growth`` (2),
-            ``updates_per_interval`` (16), ``last_step`` (None: refresh forever) and
-            ``error_feedback`` (:class:`~hvd_onebit.variance_refresh.RefreshSchedule`). A step
-            of the compression phase on the schedule is a full-precision **refresh step**: the
-            gradients are allreduced by Horovod as in the warmup (from its hooks), a
-            non-finite average is skipped on every rank, and Adam's step updates ``m`` and
-            ``v`` from the exact average, with Adam's bias corrections per average (``bc2``
-            counts the variance's updates, kept in ``frozen_variance_step``) and the step
-            bound; the steps between stay 1-bit and use the refreshed variance. Elements held
-            for a zero variance train from the first refresh that sees their gradient. Every
-            rank decides from the step count alone (no collective); checkpoints carry it.
-            ``error_feedback``: "rescale" (default) multiplies each error, kept in units of
-            the old denominator (``precondition=True``), by old/new denominator (0 where either
-            is infinite): no bytes; "fold" folds every rank's errors into the momentum first
-            (:meth:`flush_error_feedback`: one more full-precision allreduce). No persistent
+            ``updates_per_interval`` (16), ``last_step`` (None: refresh forever),
+            ``variance_update`` ("gap") and ``error_feedback`` ("rescale"), explained in
+            :class:`~hvd_onebit.variance_refresh.RefreshSchedule`. A step of the compression
+            phase on the schedule is a full-precision **refresh step**: the gradients are
+            allreduced by Horovod as in the warmup (from its hooks), a non-finite average is
+            skipped on every rank, and Adam's step updates ``m`` and ``v`` from the exact
+            average, with Adam's bias corrections and the step bound; the steps between stay
+            1-bit and use the refreshed variance. Elements held for a zero variance train from
+            the first refresh that sees their gradient. Every rank decides from the step count
+            alone (no collective); checkpoints carry it. No persistent
             buffer is added (a refresh uses temporaries of one bucket). Each refresh sends what
             a warmup step sends (about 32x a compressed step's bytes). With a refresh
             schedule an early ``freeze_step`` (about 5% of the run, or "auto" with a short
@@ -214,7 +209,6 @@ class OneBitConfig:
     zero_variance: str = "hold"
     precondition: bool = True
     variance_refresh: Any = None
-    refresh_error_feedback: str = field(default="rescale", init=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "step_bound", validate_step_bound(self.step_bound))
@@ -270,16 +264,8 @@ class OneBitConfig:
             raise ValueError(f"check_every must be a non-negative int, got {self.check_every!r}")
 
     def _parse_variance_refresh(self) -> None:
-        option = self.variance_refresh
-        mode = "rescale"
-        if isinstance(option, dict) and "error_feedback" in option:
-            option = dict(option)
-            mode = option.pop("error_feedback")
-            if mode not in REFRESH_ERROR_FEEDBACK:
-                raise ValueError(f"variance_refresh error_feedback must be one of "
-                                 f"{REFRESH_ERROR_FEEDBACK}, got {mode!r}")
-        object.__setattr__(self, "variance_refresh", RefreshSchedule.from_option(option))
-        object.__setattr__(self, "refresh_error_feedback", mode)
+        object.__setattr__(self, "variance_refresh",
+                           RefreshSchedule.from_option(self.variance_refresh))
 
     @property
     def refresh(self) -> Optional[RefreshSchedule]:

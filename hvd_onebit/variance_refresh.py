@@ -24,6 +24,8 @@ from dataclasses import dataclass, fields
 from typing import Iterator, Optional
 
 DOUBLING = "doubling"
+ERROR_FEEDBACK_MODES = ("rescale", "fold")  # how the error feedback crosses a refresh
+VARIANCE_UPDATES = ("gap", "single")  # how a refresh updates the variance
 
 
 def _is_int(value) -> bool:
@@ -41,6 +43,18 @@ class RefreshSchedule:
         updates_per_interval: updates at one gap before it grows (>= 1).
         last_step: no refresh at this step count or later: the variance then stays frozen for
             the rest of the run (None: refresh forever).
+        variance_update: "gap" (default): a refresh ``k`` steps after the variance's last update
+            weighs its squared gradient as Adam's running average would weigh ``k`` steps of it,
+            ``v = beta2^k * v + (1 - beta2^k) * g^2``, and the bias correction counts steps
+            (``1 - beta2^t``, Adam's): the refreshed variance estimates Adam's own, however far
+            apart the refreshes are. "single": one update of Adam's average per refresh,
+            ``v = beta2 * v + (1 - beta2) * g^2``, with the bias correction counting updates
+            (0/1 Adam's): sparse refreshes then move the variance slowly, and the warmup's
+            steps keep most of its weight.
+        error_feedback: with ``precondition=True`` the errors are in units of the old
+            denominator. "rescale" (default) multiplies each by old / new denominator (0 where
+            either is infinite): no bytes. "fold" folds every rank's errors into the momentum
+            first (one more full-precision allreduce) and they restart from 0.
     Trade-off: each refresh costs a full-precision allreduce (32x a compressed step's bytes);
     a faster ``growth`` or an earlier ``last_step`` saves bytes and lets the variance age.
     """
@@ -49,6 +63,8 @@ class RefreshSchedule:
     growth: float = 2
     updates_per_interval: int = 16
     last_step: Optional[int] = None
+    variance_update: str = "gap"
+    error_feedback: str = "rescale"
 
     def __post_init__(self) -> None:
         for name in ("first_interval", "updates_per_interval"):
@@ -61,6 +77,12 @@ class RefreshSchedule:
         if self.last_step is not None and (not _is_int(self.last_step) or self.last_step < 1):
             raise ValueError(f"variance_refresh last_step must be a positive int or None, got "
                              f"{self.last_step!r}")
+        if self.variance_update not in VARIANCE_UPDATES:
+            raise ValueError(f"variance_refresh variance_update must be one of "
+                             f"{VARIANCE_UPDATES}, got {self.variance_update!r}")
+        if self.error_feedback not in ERROR_FEEDBACK_MODES:
+            raise ValueError(f"variance_refresh error_feedback must be one of "
+                             f"{ERROR_FEEDBACK_MODES}, got {self.error_feedback!r}")
 
     @classmethod
     def from_option(cls, option) -> Optional["RefreshSchedule"]:

@@ -37,23 +37,27 @@ def test_option_is_validated_at_construction():
         OneBitConfig(freeze_step=3, variance_refresh={"growth": 0})
     with pytest.raises(ValueError, match="variance_refresh error_feedback"):
         OneBitConfig(freeze_step=3, variance_refresh={"error_feedback": "drop"})
+    with pytest.raises(ValueError, match="variance_refresh variance_update"):
+        OneBitConfig(freeze_step=3, variance_refresh={"variance_update": "often"})
     c = OneBitConfig(freeze_step=3, variance_refresh={"last_step": 9, "error_feedback": "fold"})
-    assert (c.refresh, c.refresh_error_feedback) == (RefreshSchedule(last_step=9), "fold"), \
-        f"parsed: {c.refresh} {c.refresh_error_feedback}"
+    assert c.refresh == RefreshSchedule(last_step=9, error_feedback="fold"), f"parsed: {c.refresh}"
     assert OneBitConfig(freeze_step=3).refresh is None
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("name", ["overlap", "no_overlap", "memory_lean", "fold", "gated"])
+@pytest.mark.parametrize("name", ["overlap", "no_overlap", "memory_lean", "fold", "gated",
+                                  "single"])
 def test_refreshes_come_on_the_schedule_alike_on_every_rank(results, name):
     rs = scenario(results, name)
     for rank, r in enumerate(rs):
         assert refreshed_at(r) == EXPECTED, \
             f"{name} rank {rank}: refreshed at {refreshed_at(r)}, schedule says {EXPECTED}"
         assert r["telemetry"]["last_refresh_step"] == EXPECTED[-1], r["telemetry"]
-        # v's updates: the warmup's steps and the refreshes; Adam's step count: every step
-        assert (r["n"], r["t"]) == (FREEZE + len(EXPECTED), STEPS), \
-            f"{name} rank {rank}: frozen_variance_step {r['n']}, step {r['t']}"
+        # the count bc2 uses: "gap", the step count of v's last update; "single", v's updates
+        # (the warmup's steps and the refreshes). Adam's step count: every step
+        n = FREEZE + len(EXPECTED) if name == "single" else EXPECTED[-1] + 1
+        assert (r["n"], r["t"]) == (n, STEPS), \
+            f"{name} rank {rank}: frozen_variance_step {r['n']} (want {n}), step {r['t']}"
     assert_identical(rs, name)
 
 
@@ -82,13 +86,17 @@ def test_a_refresh_step_counts_the_warmup_s_bytes(results):
 
 
 @pytest.mark.multirank
-def test_refresh_math_is_adam_s_with_bc2_from_the_variance_s_updates(results):
-    for rank, r in enumerate(scenario(results, "exact")):
+@pytest.mark.parametrize("name, other", [("exact", "single updates"),
+                                         ("exact_single", "bc2 from the step count")])
+def test_refresh_math_is_adam_s_with_its_bias_corrections(results, name, other):
+    """"gap" (default) against the by-hand update weighted by the steps since v's last update;
+    "single" against 0/1 Adam's by hand, bc2 from v's updates; each far from the other rule."""
+    for rank, r in enumerate(scenario(results, name)):
         worst = max(float(np.abs(a - b).max()) for a, b in zip(r["opt"], r["ref"]))
         wrong = max(float(np.abs(a - b).max()) for a, b in zip(r["opt"], r["wrong"]))
-        assert worst < 1e-5, f"rank {rank}: largest |diff| to 0/1 Adam by hand: {worst}"
+        assert worst < 1e-5, f"{name} rank {rank}: largest |diff| to the update by hand: {worst}"
         assert wrong > 100 * max(worst, 1e-7), \
-            f"rank {rank}: bc2 from the step count differs by only {wrong} (vs {worst})"
+            f"{name} rank {rank}: {other} differs by only {wrong} (vs {worst})"
 
 
 def _rescale_figures(probe: dict, rank: int) -> tuple:

@@ -123,30 +123,35 @@ def _checkpoint(model, opt) -> dict:
             "ef": ser(opt.error_feedback_state_dict())}
 
 
-def reference(steps: int = STEPS, bc2_counts_every_step: bool = False) -> list:
-    """0/1 Adam by hand on the exactly averaged gradients: m every step, v in the warmup and at
-    refreshes, bc1 from the step count, bc2 from v's updates (or, to show the test can tell,
-    from the step count); no step bound. The final parameters."""
+def reference(steps: int = STEPS, update: str = "gap", bc2_counts_every_step: bool = False
+              ) -> list:
+    """Adam with variance refreshes by hand on the exactly averaged gradients: m every step, v
+    in the warmup and at refreshes, bc1 from the step count; no step bound. ``update="gap"``: a
+    refresh k steps after v's last update weighs g^2 by 1 - beta2^k and bc2 counts steps;
+    "single" (0/1 Adam's): one update of weight 1 - beta2, bc2 counting v's updates (or, to
+    show the test can tell, ``bc2_counts_every_step``). The final parameters."""
     model = Gated()
     params = list(model.parameters())
     m = [torch.zeros_like(p) for p in params]
     v = [torch.zeros_like(p) for p in params]
-    schedule, n = RefreshSchedule.from_option(SCHEDULE), 0
+    schedule, n, last = RefreshSchedule.from_option(SCHEDULE), 0, 0
     (b1, b2) = BETAS
     for step in range(steps):
         model.zero_grad()
         x, y = batch(step, hvd.rank())
         nn.functional.mse_loss(model(x), y).backward()
         full = step < FREEZE or schedule.is_refresh(step, FREEZE)
-        n += full
         t = step + 1
-        bc1, bc2 = 1 - b1 ** t, 1 - b2 ** (t if bc2_counts_every_step else n)
+        a = (1 - b2 ** (t - last) if update == "gap" else 1 - b2) if full else 0.0
+        n, last = n + full, (t if full else last)
+        counted = last if update == "gap" or bc2_counts_every_step else n
+        bc1, bc2 = 1 - b1 ** t, 1 - b2 ** (t if bc2_counts_every_step else counted)
         with torch.no_grad():
             for i, p in enumerate(params):
-                g = hvd.allreduce(p.grad, name=f"ref.{step}.{i}.{bc2_counts_every_step}")
+                g = hvd.allreduce(p.grad, name=f"ref.{step}.{i}.{update}.{bc2_counts_every_step}")
                 m[i].mul_(b1).add_(g, alpha=1 - b1)
                 if full:
-                    v[i].mul_(b2).addcmul_(g, g, value=1 - b2)
+                    v[i].mul_(1 - a).addcmul_(g, g, value=a)
                 p.sub_(LR / bc1 * m[i] / (v[i].sqrt() / math.sqrt(bc2) + EPS))
     return [p.detach().clone() for p in params]
 
@@ -171,7 +176,13 @@ def suite() -> dict:
         "fold": lambda: run(variance_refresh={**SCHEDULE, "error_feedback": "fold"}, probe_at=6),
         "exact": lambda: {"opt": run(compressor="none", step_bound=None)["arrays"],
                           "ref": [p.numpy() for p in reference()],
-                          "wrong": [p.numpy() for p in reference(bc2_counts_every_step=True)]},
+                          "wrong": [p.numpy() for p in reference(update="single")]},
+        "exact_single": lambda: {
+            "opt": run(compressor="none", step_bound=None,
+                       variance_refresh={**SCHEDULE, "variance_update": "single"})["arrays"],
+            "ref": [p.numpy() for p in reference(update="single")],
+            "wrong": [p.numpy() for p in reference(update="single", bc2_counts_every_step=True)]},
+        "single": lambda: run(variance_refresh={**SCHEDULE, "variance_update": "single"}),
         "checkpointed": checkpointed,
         "resumed_before": lambda: resumed(6, full["run"]["saved"][6]),
         "resumed_after": lambda: resumed(7, full["run"]["saved"][7]),

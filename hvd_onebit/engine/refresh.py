@@ -6,15 +6,19 @@ allreduce, as in the warmup) and checked finite; they are the same bits on every
 rank takes the same step, and the momentum stays identical everywhere. Per parameter:
 
     m = beta1 * m + (1 - beta1) * g        (in place: exp_avg stays a view into its bucket)
-    v = beta2 * v + (1 - beta2) * g^2      (in place)
-    t += 1,  n += 1                        (n: v's updates, kept in ``frozen_variance_step``)
-    w = w * decay + clamp(-lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^n) + eps), +-bound)
+    v = (1 - a) * v + a * g^2              (in place)
+    t += 1
+    w = w * decay + clamp(-lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(bc2) + eps), +-bound)
 
 Bias correction as Adam's, per running average: m is updated at every step, so its correction
-counts every step (t); v skips the compressed steps, so its correction counts v's own updates
-(the warmup's steps plus the refreshes, n), which is what the following compressed steps read
-(:meth:`~hvd_onebit.engine.adam_terms.AdamTerms._denominator_terms`) and what checkpoints carry.
-Using t for v would under-correct it and lengthen every later step. ``exp_avg_mask`` multiplies
+counts every step (t). v skips the compressed steps. With ``variance_update="gap"`` (default) a
+refresh k steps after v's last update stands for those k steps, a = 1 - beta2^k, so v's weights
+still sum to 1 - beta2^t and bc2 = 1 - beta2^t, Adam's own: v estimates Adam's variance however
+far apart the refreshes are. With "single" (0/1 Adam's) a = 1 - beta2 and bc2 = 1 - beta2^n,
+n counting v's updates (the warmup's steps plus the refreshes). Either count is kept in
+``frozen_variance_step``, which the following compressed steps read
+(:meth:`~hvd_onebit.engine.adam_terms.AdamTerms._denominator_terms`) and checkpoints carry.
+Using t with single updates would under-correct v and lengthen every later step. ``exp_avg_mask`` multiplies
 the new momentum before the update; the step bound is the compressed step's; an element with a
 zero variance after the refresh stays held (a +0 momentum, no update), one whose gradient gave
 it a variance trains from now on.
@@ -64,25 +68,36 @@ class VarianceRefresh:
         owner = list(self.params)
         mine = set(owner)
         old = {p: self._denominator_terms(p, groups[p])[1] for p in owner}  # sqrt(bc2) before
+        # Per parameter, how much of the variance's running average the new g^2 takes: "gap"
+        # weighs it as the k steps since the last update (frozen_variance_step is then that
+        # update's step count, and bc2 counts steps); "single" as one update (it counts them).
+        weight = {}
         for p in owner:
-            state = self.state[p]
-            state["frozen_variance_step"] = max(int(state["frozen_variance_step"]), 0) + 1
+            state, beta2 = self.state[p], groups[p]["betas"][1]
+            last = max(int(state["frozen_variance_step"]), 0)
+            if self.config.refresh.variance_update == "gap":
+                t = int(self._host_step(p)) + 1
+                weight[p] = 1 - beta2 ** max(t - last, 1)
+                state["frozen_variance_step"] = t
+            else:
+                weight[p] = 1 - beta2
+                state["frozen_variance_step"] = last + 1
         new = {p: self._denominator_terms(p, groups[p])[1] for p in owner}
         rescale = error_feedback == "rescale" and self.preconditioned and bool(self.comms)
         for b in self.buckets:
             before = self._bucket_denominators(b, groups, old) if rescale else None
             for i, seg in enumerate(b.segments):
                 p = seg.param
-                beta1, beta2 = groups[p]["betas"]
+                beta1, w = groups[p]["betas"][0], weight[p]
                 m = b.piece(i, self.state[p]["exp_avg"])
                 v = b.piece(i, self.state[p]["exp_avg_sq"])
                 g = b.piece(i, grads.get(p))
                 if g is None:
                     m.mul_(beta1)
-                    v.mul_(beta2)
+                    v.mul_(1 - w)
                 else:
                     m.lerp_(g, 1 - beta1)
-                    v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+                    v.mul_(1 - w).addcmul_(g, g, value=w)
             if rescale:
                 after = self._bucket_denominators(b, groups, new)
                 held = torch.isinf(before) | torch.isinf(after)

@@ -41,7 +41,7 @@ class RefreshPhase:
         self._telemetry = telemetry
         self._engine = engine
         self._warmup = warmup
-        self._mode = config.refresh_error_feedback
+        self._mode = config.refresh.error_feedback if config.refresh is not None else None
         self._extra_bytes = 0  # this step's bytes beyond the gradients' allreduce (a fold's)
 
     @property
