@@ -84,3 +84,11 @@ def first_difference(a: list, b: list):
     if list(a) == list(b):
         return None
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def assert_equal_tensors(a, b, what: str) -> None:
+    """``torch.equal(a, b)`` (same shape, equal values: -0.0 equals 0.0, NaN equals nothing);
+    else say how they differ, in figures."""
+    import torch
+
+    assert torch.equal(a, b), f"{what}: {difference(a, b)}"
