@@ -58,3 +58,37 @@ def assert_same_on_every_rank(per_rank: list, what: str) -> None:
 def _short(value, limit=200) -> str:
     text = repr(value)
     return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _as_array(x) -> np.ndarray:
+    """A parameter as :func:`params_bytes` gives it (raw float32 bytes) or as an array/tensor."""
+    if isinstance(x, (bytes, bytearray)):
+        return np.frombuffer(x, dtype=np.float32 if len(x) % 4 == 0 else np.uint8)
+    return _array(x)
+
+
+def assert_same_params(got: list, want: list, what: str) -> None:
+    """Two lists of parameters (raw bytes, arrays or tensors) hold the same bits, one by one;
+    else name the parameters that differ and how (count, max |diff|, where)."""
+    assert len(got) == len(want), f"{what}: {len(got)} parameters vs {len(want)}"
+    bad = [f"parameter {i}: {difference(_as_array(a), _as_array(b))}"
+           for i, (a, b) in enumerate(zip(got, want))
+           if _as_array(a).tobytes() != _as_array(b).tobytes()
+           or _as_array(a).shape != _as_array(b).shape]
+    assert not bad, f"{what}: {len(bad)} of {len(got)} parameters differ: " + "; ".join(bad)
+
+
+def first_difference(a: list, b: list):
+    """The first index where two lists (hashes per step...) differ, or the shorter one's length
+    if one is a prefix of the other; None if they are equal."""
+    if list(a) == list(b):
+        return None
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def assert_equal_tensors(a, b, what: str) -> None:
+    """``torch.equal(a, b)`` (same shape, equal values: -0.0 equals 0.0, NaN equals nothing);
+    else say how they differ, in figures."""
+    import torch
+
+    assert torch.equal(a, b), f"{what}: {difference(a, b)}"

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from hvd_onebit.cluster.jobs import run_job
+from tests.checks import difference, first_difference
 from tests.onebit_reference import ReferenceHierarchical
 from tests.workers_collective import rank_input
 
@@ -43,7 +44,10 @@ def test_matches_the_reference_and_is_identical_on_every_rank(sizes, numel, tran
     for rank, r in enumerate(results):
         assert r["topology"] == [2, 2, rank // 2, rank % 2], r["topology"]
         assert r["errors"] == [None] * 3, r["errors"]
-        assert r["intra"] == ("shared_memory" if transport == "torch-shm" else "network")
+        want_intra = "shared_memory" if transport == "torch-shm" else "network"
+        assert r["intra"] == want_intra, \
+            f"numel={numel} {transport} rank {rank}: inside the node {r['intra']!r}, " \
+            f"expected {want_intra!r}"
         for call, (got, want) in enumerate(zip(r["outputs"], expected)):
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6,
                                        err_msg=f"numel={numel} rank {rank} call {call}")
@@ -58,15 +62,20 @@ def test_bytes_between_nodes_are_half_of_flat_1bit(sizes, transport):
         # 2 x 2: a rank's 1-bit rows of half the buffer go to one other node; flat 1-bit sends
         # rows of a quarter of it to two ranks of the other node, in both stages
         assert r["wire_bytes"] <= 0.55 * r["flat_wire_bytes_between_nodes"], \
-            (rank, r["wire_bytes"], r["flat_wire_bytes_between_nodes"])
-        assert r["intra_bytes"] == (0 if transport == "torch-shm" else 2 * 1 * (numel // 2) * 4)
+            f"{transport} rank {rank}: {r['wire_bytes']} bytes between nodes, flat 1-bit " \
+            f"{r['flat_wire_bytes_between_nodes']} (allowed up to 0.55 of it)"
+        want = 0 if transport == "torch-shm" else 2 * 1 * (numel // 2) * 4
+        assert r["intra_bytes"] == want, \
+            f"{transport} rank {rank}: {r['intra_bytes']} bytes inside the node, expected {want}"
 
 
 def test_finer_blocks_match_the_reference():
     numel = 5000
     results = run("outputs", numel=numel, block_size=64)
-    for got, want in zip(results[0]["outputs"], reference(numel, 3, block_size=64)):
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    for call, (got, want) in enumerate(zip(results[0]["outputs"],
+                                           reference(numel, 3, block_size=64))):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6,
+                                   err_msg=f"block_size=64 rank 0 call {call} vs the reference")
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
@@ -78,7 +87,8 @@ def test_a_nonfinite_input_on_one_rank_raises_everywhere_and_changes_nothing(tra
         # the inf (element 500) is in shard 0: the group of local rank 0 (ranks 0 and 2) saw it
         assert r["errors"][1] is not None and "[0, 2]" in r["errors"][1], \
             f"rank {rank}: {r['errors']}"
-        assert [e is None for e in r["errors"]] == [True, False, True, True], r["errors"]
+        assert [e is None for e in r["errors"]] == [True, False, True, True], \
+            f"rank {rank}: errors per call {r['errors']}, expected one at call 1 only"
         np.testing.assert_array_equal(r["worker_error"][1], r["worker_error"][0],
                                       err_msg=f"rank {rank}: error feedback changed")
         for call in (0, 2, 3):  # the skipped call is as if it had not been made
@@ -91,14 +101,26 @@ def test_several_calls_commit_all_or_nothing(transport):
     results = run("group_all_or_nothing", transport=transport)
     for rank, r in enumerate(results):
         calls = r["calls"]
-        assert [c["error"] is None for c in calls] == [True, False, True], calls
-        assert calls[1]["outputs_changed"] == [False, False], f"rank {rank}: {calls[1]}"
-        assert calls[1]["errors_changed"] == [False, False], f"rank {rank}: {calls[1]}"
+        assert [c["error"] is None for c in calls] == [True, False, True], \
+            f"{transport} rank {rank}: errors per call {[c['error'] for c in calls]}, " \
+            f"expected one at call 1 only"
+        assert calls[1]["outputs_changed"] == [0.0, 0.0], \
+            f"{transport} rank {rank}: the failed call 1 changed the outputs by max |diff| " \
+            f"{calls[1]['outputs_changed']}: {calls[1]}"
+        assert calls[1]["errors_changed"] == [0.0, 0.0], \
+            f"{transport} rank {rank}: the failed call 1 changed the error feedback by max " \
+            f"|diff| {calls[1]['errors_changed']}: {calls[1]}"
         # one host read of device values per transaction, committed or not
-        assert [c["host_reads"] for c in calls] == [1, 1, 1], [c["host_reads_where"] for c in calls]
-        assert calls[2]["outputs_changed"] == [True, True]
-        for a, b in zip(r["final"], results[0]["final"]):
-            assert a.tobytes() == b.tobytes()
+        assert [c["host_reads"] for c in calls] == [1, 1, 1], \
+            f"{transport} rank {rank}: host reads per call {[c['host_reads'] for c in calls]}, " \
+            f"expected 1 each, at {[c['host_reads_where'] for c in calls]}"
+        assert all(d > 0 for d in calls[2]["outputs_changed"]), \
+            f"{transport} rank {rank}: call 2 left an output unchanged (max |diff| per " \
+            f"collective {calls[2]['outputs_changed']})"
+        for k, (a, b) in enumerate(zip(r["final"], results[0]["final"])):
+            assert a.tobytes() == b.tobytes(), \
+                f"{transport}: rank {rank}'s final output {k} differs from rank 0's: " \
+                f"{difference(a, b)}"
 
 
 @pytest.fixture(scope="module")
@@ -111,18 +133,26 @@ def paths():
 def test_optimizer_trains_like_the_flat_path_with_identical_ranks(paths):
     for rank, r in enumerate(paths):
         hier, flat, auto = r[True], r[False], r["auto"]
-        assert hier["topology"] == [2, 2, rank // 2, rank % 2] and flat["topology"] is None
+        assert (hier["topology"], flat["topology"]) == ([2, 2, rank // 2, rank % 2], None), \
+            f"rank {rank}: topology {hier['topology']} hierarchical, {flat['topology']} flat, " \
+            f"expected {[2, 2, rank // 2, rank % 2]} and None"
         assert auto["topology"] == hier["topology"], "auto: 2 nodes x 2 ranks is hierarchical"
-        assert auto["hashes"] == hier["hashes"]
+        assert auto["hashes"] == hier["hashes"], \
+            f"rank {rank}: transport='auto' and the hierarchical run part at step " \
+            f"{first_difference(auto['hashes'], hier['hashes'])} (parameter hashes per step)"
         # transport="auto" is torch.distributed's subgroups, with the node's shared memory
         # inside a node; Horovod's transport and the network inside nodes give the same bits
-        assert hier["transport"] == "torch" and r["horovod"]["transport"] == "horovod"
+        assert (hier["transport"], r["horovod"]["transport"]) == ("torch", "horovod"), \
+            f"rank {rank}: transports {hier['transport']!r} (auto) and " \
+            f"{r['horovod']['transport']!r} (asked for horovod), expected 'torch' and 'horovod'"
         assert hier["intra"] == ["shared_memory"], hier["intra"]
-        assert r["network"]["intra"] == ["network"] and r["horovod"]["intra"] == ["network"]
+        assert (r["network"]["intra"], r["horovod"]["intra"]) == (["network"], ["network"]), \
+            f"rank {rank}: inside the node {r['network']['intra']} (network asked) and " \
+            f"{r['horovod']['intra']} (horovod), expected ['network'] for both"
         assert r["horovod"]["hashes"] == hier["hashes"], f"rank {rank}: the transports differ"
         assert r["network"]["hashes"] == hier["hashes"], \
             f"rank {rank}: shared memory and the network inside nodes differ"
-        assert hier["phase"] == "compression"
+        assert hier["phase"] == "compression", f"rank {rank}: ended in {hier['phase']!r}"
         assert hier["hashes"] == paths[0][True]["hashes"], f"rank {rank} differs from rank 0"
         # the same data and warmup: the loss follows the flat path's within tolerance
         for step, (a, b) in enumerate(zip(hier["losses"], flat["losses"])):
@@ -137,7 +167,9 @@ def test_error_feedback_belongs_to_the_rank_s_role(paths):
         assert hier["same_role_warnings"] == [] and hier["norm_after_same_role"] > 0, hier
         assert any("does not fit" in w and "reset to zero" in w
                    for w in hier["other_role_warnings"]), hier["other_role_warnings"]
-        assert hier["norm_after_other_role"] == 0.0
+        assert hier["norm_after_other_role"] == 0.0, \
+            f"rank {rank}: error feedback norm {hier['norm_after_other_role']} left after " \
+            f"loading another role's, expected 0.0"
 
 
 def test_nodes_that_cannot_share_memory_use_the_network_or_raise_as_asked():

@@ -196,7 +196,8 @@ def test_ranks_disagreeing_on_an_op_get_an_error_not_a_hang():
 
 def test_transport_objects_and_their_errors():
     world = InProcessWorld(2)
-    assert isinstance(InProcessTransport(world, 1), Transport)
+    assert isinstance(InProcessTransport(world, 1), Transport), \
+        f"InProcessTransport's bases: {InProcessTransport.__mro__}"
     with pytest.raises(ValueError, match="outside a world of 2"):
         InProcessTransport(world, 2)
     with pytest.raises(ValueError, match="at least one rank"):
@@ -204,7 +205,8 @@ def test_transport_objects_and_their_errors():
     with pytest.raises(TypeError, match="Transport object"):
         OneBitAllreduce(10, transport=object())
     single = OneBitAllreduce(10, transport=InProcessTransport(InProcessWorld(1), 0))
-    assert single.transport is None and single.size == 1 and single.process_set is None
+    got = (single.transport, single.size, single.process_set)
+    assert got == (None, 1, None), f"one rank: (transport, size, process_set) {got}"
 
 
 def test_mismatched_layouts_are_a_clear_error_on_every_rank():

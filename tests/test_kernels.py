@@ -7,6 +7,7 @@ import torch
 
 from hvd_onebit import _C, kernels
 from hvd_onebit.layout import Layout
+from tests.checks import assert_equal_tensors
 from tests.onebit_reference import _compress
 
 CASES = [(1, 2, None), (7, 3, None), (31, 4, None), (33, 4, None), (4099, 3, None),
@@ -16,10 +17,11 @@ CASES = [(1, 2, None), (7, 3, None), (31, 4, None), (33, 4, None), (4099, 3, Non
 def test_layout_pads_to_multiple_of_8n_and_aligns_rows():
     L = Layout.build(33, 4)
     assert (L.chunk, L.padded, L.block, L.nblocks) == (16, 64, 16, 1)
-    assert L.row_bytes % 4 == 0 and L.row_bytes == 4 + 4 + 4
+    assert L.row_bytes == 4 + 4 + 4, f"row_bytes {L.row_bytes}, expected 12 (a multiple of 4)"
     assert Layout.build(0, 4).wire_bytes == 0
     B = Layout.build(5000, 2, block_size=64)
-    assert B.chunk % 64 == 0 and B.nblocks == B.chunk // 64
+    assert B.chunk % 64 == 0 and B.nblocks == B.chunk // 64, \
+        f"block 64: chunk {B.chunk} (expected a multiple of 64), {B.nblocks} blocks"
     with pytest.raises(ValueError, match="multiple of 8"):
         Layout.build(10, 2, block_size=12)
     with pytest.raises(ValueError, match="numel"):
@@ -30,7 +32,7 @@ def test_pack_unpack_round_trip_and_bit_order():
     positive = torch.tensor([True, False, False, False, False, False, False, True] * 2)
     packed = kernels.pack_signs(positive)
     assert packed.tolist() == [0b10000001, 0b10000001]
-    assert torch.equal(kernels.unpack_signs(packed), positive)
+    assert_equal_tensors(kernels.unpack_signs(packed), positive, "unpack(pack(signs))")
 
 
 def _worker(impl, L, x, y_prev, prev_send):
@@ -131,7 +133,8 @@ def test_non_finite_input_is_reported_and_old_state_is_untouched(impl):
     x[500] = float("inf")
     ok, send, *_ = _run(impl, L, x, y_prev, prev_send, torch.zeros(L.chunk))
     assert ok is False
-    assert torch.equal(y_prev, saved[0]) and torch.equal(prev_send, saved[1])
+    assert_equal_tensors(y_prev, saved[0], f"{impl}: y_prev after a non-finite input")
+    assert_equal_tensors(prev_send, saved[1], f"{impl}: prev_send after a non-finite input")
     assert kernels.row_status(send, L, L.n).tolist() == [1.0, 1.0]
 
 
@@ -140,7 +143,9 @@ def test_zero_block_gives_zero_scale_not_nan():
     zeros_rows = torch.zeros(L.n * L.row_bytes, dtype=torch.uint8)
     ok, send, _, err, _, _, out = _run("avx2", L, torch.zeros(64), torch.zeros(L.padded),
                                        zeros_rows, torch.zeros(L.chunk))
-    assert ok and torch.equal(out, torch.zeros(64)) and torch.equal(err, torch.zeros(L.padded))
+    assert ok, f"an all-zero input reported as non-finite (ok={ok!r})"
+    assert_equal_tensors(out, torch.zeros(64), "decoded zero block")
+    assert_equal_tensors(err, torch.zeros(L.padded), "error of a zero block")
 
 
 def test_backend_selection_errors_are_clear():
@@ -199,7 +204,8 @@ def test_y_and_z_not_stored_or_updated_in_place_give_the_same_bits(numel, n, blo
     saved = (y_prev.clone(), z_prev.clone())
     runs = {impl: _compress_modes(impl, L, x, y_prev, prev_send, z_prev, prev_row)
             for impl in IMPLS}
-    assert torch.equal(y_prev, saved[0]) and torch.equal(z_prev, saved[1])
+    assert_equal_tensors(y_prev, saved[0], "y_prev after the compressions")
+    assert_equal_tensors(z_prev, saved[1], "z_prev after the compressions")
     for impl, modes in runs.items():
         for mode, got in modes.items():
             assert got == runs["torch"]["spare"], (impl, mode)

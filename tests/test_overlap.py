@@ -5,6 +5,7 @@ GradScaler; over Horovod's transport and torch.distributed's. 2 real ranks."""
 import pytest
 
 from hvd_onebit.cluster.jobs import run_ranks
+from tests.checks import first_difference
 
 pytestmark = pytest.mark.multirank
 
@@ -20,14 +21,17 @@ def results():
 def test_overlap_is_bit_identical_to_starting_in_step(results, case):
     for rank, r in enumerate(results):
         on, off = r[(case, True)], r[(case, False)]
-        assert on["error"] is None and off["error"] is None, (on["error"], off["error"])
+        assert on["error"] is None and off["error"] is None, \
+            f"rank {rank}, {case}: overlap=True raised {on['error']!r}, " \
+            f"overlap=False {off['error']!r}"
         assert on["buckets"] >= 4, f"rank {rank}: expected several buckets, got {on['buckets']}"
         assert on["hashes"] == off["hashes"], \
             f"rank {rank}, {case}: parameters differ from overlap=False at steps " \
             f"{[i for i, (a, b) in enumerate(zip(on['hashes'], off['hashes'])) if a != b]}"
         assert off["early_starts"] == 0, f"rank {rank}: overlap=False started buckets early"
-    assert results[0][(case, True)]["hashes"] == results[1][(case, True)]["hashes"], \
-        f"{case}: ranks differ"
+    a, b = (r[(case, True)]["hashes"] for r in results)
+    assert a == b, f"{case}: rank 1's parameters differ from rank 0's from step " \
+                   f"{first_difference(a, b)} on"
 
 
 def test_buckets_start_during_backward(results):
@@ -37,17 +41,23 @@ def test_buckets_start_during_backward(results):
         # can only start in step(), the buckets before it start in the hooks
         assert 0 < run["early_starts"] < 6 * run["buckets"], \
             f"rank {rank}: {run['early_starts']} early starts over 6 steps of {run['buckets']} buckets"
-        assert run["restarts"] == 0 and run["warnings"] == [], (run["restarts"], run["warnings"])
-        assert set(run["breakdown"]) == {"compress", "wait", "server", "decode"}, run["breakdown"]
-        assert run["breakdown"]["compress"] > 0 and run["breakdown"]["decode"] > 0, run["breakdown"]
+        assert run["restarts"] == 0 and run["warnings"] == [], \
+            f"rank {rank}: {run['restarts']} restarted steps (expected 0), warnings {run['warnings']}"
+        assert set(run["breakdown"]) == {"compress", "wait", "server", "decode"}, \
+            f"rank {rank}: the time breakdown's parts are {sorted(run['breakdown'])}"
+        assert run["breakdown"]["compress"] > 0 and run["breakdown"]["decode"] > 0, \
+            f"rank {rank}: compress and decode must have taken time: {run['breakdown']}"
 
 
 def test_a_grad_scaler_keeps_the_overlap(results):
     for rank, r in enumerate(results):
         run = r[("scaler", True)]
         # the hooks unscale as GradScaler.unscale_ does: nothing to start again
-        assert run["restarts"] == 0 and run["warnings"] == [], (run["restarts"], run["warnings"])
-        assert run["early_starts"] == r[("plain", True)]["early_starts"] > 0, run["early_starts"]
+        assert run["restarts"] == 0 and run["warnings"] == [], \
+            f"rank {rank}: {run['restarts']} restarted steps (expected 0), warnings {run['warnings']}"
+        plain = r[("plain", True)]["early_starts"]
+        assert run["early_starts"] == plain > 0, \
+            f"rank {rank}: {run['early_starts']} early starts with a GradScaler, {plain} without"
 
 
 @pytest.mark.parametrize("case", ["clip", "scaler_clip"])
@@ -63,10 +73,14 @@ def test_transports_give_the_same_bits(results):
     for rank, r in enumerate(results):
         auto, hvd_run = r[("plain", True)], r["horovod_transport"]
         assert auto["transport"] == "torch", f"rank {rank}: transport='auto' chose {auto['transport']}"
-        assert hvd_run["transport"] == "horovod"
+        assert hvd_run["transport"] == "horovod", \
+            f"rank {rank}: transport='horovod' ran on {hvd_run['transport']!r}"
         assert hvd_run["hashes"] == auto["hashes"], \
-            f"rank {rank}: transport='horovod' differs from transport='torch'"
-        assert hvd_run["early_starts"] == auto["early_starts"]
+            f"rank {rank}: transport='horovod' differs from transport='torch' from step " \
+            f"{first_difference(hvd_run['hashes'], auto['hashes'])} on"
+        assert hvd_run["early_starts"] == auto["early_starts"], \
+            f"rank {rank}: {hvd_run['early_starts']} early starts over Horovod, " \
+            f"{auto['early_starts']} over torch.distributed"
 
 
 def test_zero_grad_with_buckets_in_flight_is_refused(results):
@@ -89,7 +103,8 @@ def test_an_unreachable_rendezvous_falls_back_to_horovod_on_every_rank():
     results = run_ranks("tests.workers_overlap:rendezvous_fallback", np=2, timeout=120)
     for rank, r in enumerate(results):
         assert r["auto"] == "horovod", f"rank {rank}: transport='auto' chose {r['auto']}"
-        assert any("198.18.255.1:29999" in w for w in r["auto_warnings"]), r["auto_warnings"]
+        assert any("198.18.255.1:29999" in w for w in r["auto_warnings"]), \
+            f"rank {rank}: no warning naming the unreachable rendezvous: {r['auto_warnings']}"
         assert "TorchRendezvousError" in (r["torch_error"] or "") and \
             "rank(s) [" in r["torch_error"], f"rank {rank}: {r['torch_error']!r}"
-        assert r["steps"] == 1
+        assert r["steps"] == 1, f"rank {rank}: {r['steps']} steps after the fallback, expected 1"

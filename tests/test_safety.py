@@ -9,6 +9,8 @@ import pytest
 import torch
 
 from hvd_onebit.cluster.jobs import run_command, run_ranks
+from tests.checks import assert_same_on_every_rank, assert_same_params
+from tests.scenarios import scenario
 
 pytestmark = pytest.mark.multirank
 
@@ -29,9 +31,10 @@ def deviation(run, ref):
 @pytest.mark.parametrize("scaler", [False, True], ids=["plain", "grad_scaler"])
 @pytest.mark.parametrize("layer", [0, 1, 2], ids=["first_bucket", "middle_bucket", "last_bucket"])
 def test_nonfinite_value_in_one_bucket_skips_the_whole_step(results, layer, scaler):
-    ref = [r["nonfinite"][("reference", scaler)] for r in results]
-    for rank, r in enumerate(results):
-        run = r["nonfinite"][(layer, scaler)]
+    runs = scenario(results, "nonfinite")
+    ref = [r[("reference", scaler)] for r in runs]
+    for rank, r in enumerate(runs):
+        run = r[(layer, scaler)]
         assert run["error"] is None, f"rank {rank}: {run['error']}"
         # 0.01 MiB buckets (2621 elements): the three layers' 12480 cut into five
         assert run["buckets"] == 5, f"rank {rank}: expected five 0.01 MiB buckets, got {run['buckets']}"
@@ -40,52 +43,68 @@ def test_nonfinite_value_in_one_bucket_skips_the_whole_step(results, layer, scal
         assert run["changed_at_bad_step"] == {"params": [], "momenta": [], "steps": [],
                                               "errors": []}, \
             f"rank {rank}: the skipped step changed {run['changed_at_bad_step']}"
-        assert run["steps"] == 9 and run["finite"]
+        assert run["steps"] == 9 and run["nonfinite_params"] == {}, \
+            f"rank {rank}: {run['steps']} steps taken (expected 9 of 10, one skipped), " \
+            f"non-finite elements per parameter at the end {run['nonfinite_params']}"
         # A skipped step is as if step() had not been called: the rest of the run is bit-identical
         # to a run that left that step out.
         assert run["hashes"][-1] == ref[rank]["hashes"][-1], \
             f"rank {rank}: training after the skipped step differs from the run without it"
         if scaler:
             assert run["scales"][5:7] == [256.0, 128.0], f"rank {rank}: scales {run['scales']}"
-    assert results[0]["nonfinite"][(layer, scaler)]["hashes"] == \
-        results[1]["nonfinite"][(layer, scaler)]["hashes"]
+    assert_same_on_every_rank([r[(layer, scaler)]["hashes"] for r in runs],
+                              f"layer {layer}, scaler {scaler}: parameter hashes after each step")
 
 
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
 @pytest.mark.parametrize("size", ["small", "large"])
 def test_low_precision_parameters_train_like_float32(results, precision, size):
     bounds = {"fp16": (0.02, 0.03), "bf16": (0.1, 0.06)}  # (variance, parameters)
-    for rank, r in enumerate(results):
-        run, ref = r["low_precision"][f"{precision}_{size}"], r["low_precision"][f"fp32_{size}"]
-        assert run["phase"] == "compression" and run["steps"] == 8
+    runs = scenario(results, "low_precision")
+    for rank, r in enumerate(runs):
+        run, ref = r[f"{precision}_{size}"], r[f"fp32_{size}"]
+        assert (run["phase"], run["steps"]) == ("compression", 8), \
+            f"rank {rank}: {precision} {size} ended in {run['phase']!r} after {run['steps']} " \
+            f"steps, expected 'compression' after 8"
         assert run["skipped"] == 0, f"rank {rank}: {run['skipped']} steps skipped (a float16 " \
                                     "sum of finite gradients must not overflow)"
         assert run["held_warnings"] == [], f"rank {rank}: {run['held_warnings']}"
-        assert run["v_dtype"] == "torch.float32"
-        for v, v_ref in zip(run["v"], ref["v"]):
-            assert bool((v > 0).all()), f"rank {rank}: a zero variance at the freeze"
+        assert run["v_dtype"] == "torch.float32", \
+            f"rank {rank}: the variance is kept in {run['v_dtype']}, not torch.float32"
+        for i, (v, v_ref) in enumerate(zip(run["v"], ref["v"])):
+            assert bool((v > 0).all()), \
+                f"rank {rank}: {int((v <= 0).sum())} of {v.numel()} variance elements of " \
+                f"parameter {i} are not positive at the freeze (min {float(v.min())})"
             rel = float(((v - v_ref) / v_ref).abs().max())
-            assert rel < bounds[precision][0], f"rank {rank}: variance {rel:.3g} off float32's"
+            assert rel < bounds[precision][0], \
+                f"rank {rank}: parameter {i}'s variance {rel:.3g} off float32's " \
+                f"(bound {bounds[precision][0]})"
         dev = deviation(run, ref)
-        assert dev < bounds[precision][1], f"rank {rank}: parameters {dev:.3g} off float32's"
-    a, b = (r["low_precision"][f"{precision}_{size}"]["params"] for r in results)
-    assert all(torch.equal(x, y) for x, y in zip(a, b)), "ranks differ"
+        assert dev < bounds[precision][1], \
+            f"rank {rank}: parameters {dev:.3g} off float32's (bound {bounds[precision][1]})"
+    a, b = (r[f"{precision}_{size}"]["params"] for r in runs)
+    assert_same_params(b, a, f"{precision} {size}: rank 1 vs rank 0")
 
 
 def test_float16_with_exact_averaging_matches_the_float32_reference(results):
-    for r in results:
-        lp = r["low_precision"]
+    for rank, lp in enumerate(scenario(results, "low_precision")):
         dev = deviation(lp["fp16_small_none"], lp["fp32_small_none"])
-        assert dev < 0.01, f"compressor='none' in float16 is {dev:.3g} off float32"
+        assert dev < 0.01, f"rank {rank}: compressor='none' in float16 is {dev:.3g} off float32"
         # and 1-bit float16 strays from the exact float32 reference no further than 1-bit float32
-        assert deviation(lp["fp16_small"], lp["fp32_small_none"]) < \
-            deviation(lp["fp32_small"], lp["fp32_small_none"]) * 1.05
+        dev16 = deviation(lp["fp16_small"], lp["fp32_small_none"])
+        dev32 = deviation(lp["fp32_small"], lp["fp32_small_none"])
+        assert dev16 < dev32 * 1.05, \
+            f"rank {rank}: 1-bit float16 is {dev16:.4g} off the exact float32 run, 1-bit " \
+            f"float32 {dev32:.4g} (allowed up to {dev32 * 1.05:.4g})"
 
 
 def test_sparse_embedding_with_sparse_as_dense_trains_like_a_dense_one(results):
-    for rank, r in enumerate(results):
-        assert r["sparse"]["phases"] == ["warmup"] * 2 + ["compression"] * 6
-        for name, a, b in zip(("emb", "w", "b"), r["sparse"]["params"], r["dense"]["params"]):
+    for rank, (sparse, dense) in enumerate(zip(scenario(results, "sparse"),
+                                               scenario(results, "dense"))):
+        assert sparse["phases"] == ["warmup"] * 2 + ["compression"] * 6, \
+            f"rank {rank}: phase before each step {sparse['phases']}, expected 2 of warmup, " \
+            f"6 of compression"
+        for name, a, b in zip(("emb", "w", "b"), sparse["params"], dense["params"]):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7,
                                        msg=f"rank {rank}: {name} differs from the dense run")
 
@@ -111,15 +130,14 @@ def test_sparse_embedding_with_sparse_as_dense_trains_like_a_dense_one(results):
     ("passes", "backward_passes_per_step must be a positive int, got 0"),
 ])
 def test_bad_options_fail_at_construction_on_every_rank(results, case, expected):
-    for rank, r in enumerate(results):
-        got = r["errors"][case]
+    for rank, r in enumerate(scenario(results, "errors")):
+        got = r[case]
         assert got is not None and expected in got, f"rank {rank}, {case}: {got!r}"
 
 
 def test_exp_avg_mask_on_another_device_and_dtype_is_applied(results):
-    for rank, r in enumerate(results):
-        m = r["mask"]
-        assert m["phase"] == "compression"
+    for rank, m in enumerate(scenario(results, "mask")):
+        assert m["phase"] == "compression", f"rank {rank}: ended in {m['phase']!r}"
         assert not m["pad_row"].any(), f"rank {rank}: masked row moved: {m['pad_row']}"
         assert not m["pad_momentum"].any(), f"rank {rank}: masked momentum {m['pad_momentum']}"
         assert m["rows_moved"] == 9, f"rank {rank}: {m['rows_moved']} unmasked rows trained"
@@ -133,7 +151,9 @@ def test_mpi_transport_refuses_a_job_without_thread_multiple(tmp_path):
     assert code == 0, f"the job exited with {code}"
     for rank in range(2):
         r = json.loads((tmp_path / f"rank{rank}.json").read_text())
-        assert r["thread_level"] == r["serialized"], r
+        assert r["thread_level"] == r["serialized"], \
+            f"rank {rank}: MPI thread level {r['thread_level']}, expected MPI_THREAD_SERIALIZED " \
+            f"({r['serialized']}): {r}"
         assert r["error"] is not None and "needs MPI initialised with MPI_THREAD_MULTIPLE" in \
             r["error"] and "MPI_THREAD_SERIALIZED" in r["error"], f"rank {rank}: {r['error']!r}"
 

@@ -39,3 +39,24 @@ def test_differences_are_described_in_figures():
     with pytest.raises(AssertionError, match=r"hashes: rank 2 differs from rank 0 from index 1"):
         assert_same_on_every_rank([["x", "y"], ["x", "y"], ["x", "z"]], "hashes")
     assert_same_on_every_rank([1, 1, 1], "numbers")
+
+
+def test_parameter_lists_and_step_lists_say_where_they_part():
+    import torch
+
+    from tests.checks import assert_equal_tensors, assert_same_params, first_difference
+
+    a = [np.zeros(3, dtype=np.float32).tobytes(), np.ones(2, dtype=np.float32).tobytes()]
+    b = [a[0], np.array([1.0, 1.5], dtype=np.float32).tobytes()]
+    assert_same_params(a, list(a), "same")
+    with pytest.raises(AssertionError, match=r"run: 1 of 2 parameters differ: parameter 1: "
+                                             r"1 of 2 elements differ, max \|diff\| 0.5"):
+        assert_same_params(a, b, "run")
+    with pytest.raises(AssertionError, match="run: 1 parameters vs 2"):
+        assert_same_params(a[:1], b, "run")
+    assert first_difference(["x", "y"], ["x", "y"]) is None
+    assert first_difference(["x", "y", "z"], ["x", "q", "z"]) == 1
+    assert first_difference(["x"], ["x", "y"]) == 1
+    assert_equal_tensors(torch.tensor([0.0]), torch.tensor([-0.0]), "signed zeros are equal")
+    with pytest.raises(AssertionError, match=r"t: 1 of 2 elements differ, max \|diff\| 2"):
+        assert_equal_tensors(torch.tensor([1.0, 2.0]), torch.tensor([1.0, 4.0]), "t")

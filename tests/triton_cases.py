@@ -32,12 +32,13 @@ from hvd_onebit.kernels.fused_adam import (AdamUpdate, MomentumInput, decode_upd
                                    worker_compress_momentum)
 from hvd_onebit.layout import Layout  # noqa: E402
 from hvd_onebit.transport.inprocess import run_threads  # noqa: E402
+from tests.checks import assert_equal_tensors  # noqa: E402
 from tests.onebit_reference import ReferenceOneBit  # noqa: E402
 from tests.test_fused_adam import preconditioning, update_case  # noqa: E402
 from tests.test_kernels import _error_feedback_case, _previous_state  # noqa: E402
 from tests.workers_collective import rank_input  # noqa: E402
 
-assert tk.INTERPRETED
+assert tk.INTERPRETED, "the Triton kernels must run in the interpreter here (TRITON_INTERPRET)"
 
 
 def _bytes(t):
@@ -211,20 +212,24 @@ def test_non_finite_input_sets_every_status_and_leaves_the_old_state():
     x[1500] = float("nan")
     send = torch.empty(L.n * L.row_bytes, dtype=torch.uint8)
     ok = kernels.worker_compress(x, y_prev, prev_send, torch.empty(L.padded), send, L, "triton")
-    assert isinstance(ok, tk.DeviceFlag) and not ok and ok == False  # noqa: E712
+    equals_false = ok == False  # noqa: E712 - DeviceFlag's __eq__ is under test
+    assert isinstance(ok, tk.DeviceFlag) and not ok and equals_false, \
+        f"a NaN input gave {ok!r} ({type(ok).__name__}), expected a false DeviceFlag"
     assert kernels.row_status(send, L, L.n).tolist() == [1.0] * 3
-    assert torch.equal(y_prev, saved[0]) and torch.equal(prev_send, saved[1])
+    assert_equal_tensors(y_prev, saved[0], "y_prev after a non-finite input")
+    assert_equal_tensors(prev_send, saved[1], "prev_send after a non-finite input")
 
 
 def test_zero_input_gives_zero_scales_and_an_identity_error():
     L = Layout.build(64, 2)
     send = torch.empty(L.n * L.row_bytes, dtype=torch.uint8)
     y = torch.empty(L.padded)
-    assert kernels.worker_compress(torch.zeros(64), torch.zeros(L.padded),
-                                   torch.zeros(L.n * L.row_bytes, dtype=torch.uint8), y, send, L,
-                                   "triton")
-    assert torch.equal(kernels.row_scales(send, L, L.n), torch.zeros(L.n, 1))
-    assert torch.equal(kernels.worker_error(y, send, L), torch.zeros(L.padded))
+    ok = kernels.worker_compress(torch.zeros(64), torch.zeros(L.padded),
+                                 torch.zeros(L.n * L.row_bytes, dtype=torch.uint8), y, send, L,
+                                 "triton")
+    assert ok, f"an all-zero input reported as non-finite ({ok!r})"
+    assert_equal_tensors(kernels.row_scales(send, L, L.n), torch.zeros(L.n, 1), "row scales")
+    assert_equal_tensors(kernels.worker_error(y, send, L), torch.zeros(L.padded), "worker error")
 
 
 def test_backend_resolution_with_triton():

@@ -18,6 +18,18 @@ from hvd_onebit.config import OneBitConfig
 from tests.workers_compressed_step import BETAS, EPS, LR, WARM_STEPS, gradient, initial_state
 from tests.workers_optimizer import batch, make_model, params_bytes, val_loss
 
+
+def _changed(before: list, after: list) -> list:
+    """``[(index, max |diff|), ...]`` for the tensors of ``after`` that are not torch.equal to
+    those of ``before`` (inf where an element turned non-finite or a shape changed)."""
+    out = []
+    for i, (a, b) in enumerate(zip(before, after)):
+        if not torch.equal(a, b):
+            diff = float((a.double() - b.double()).abs().nan_to_num(nan=float("inf")).max()) \
+                if a.shape == b.shape and a.numel() else float("inf")
+            out.append((i, diff))
+    return out
+
 # Small enough for the toy model to decide after a few checks, by the tolerance, not max_steps.
 AUTO = dict(window=2, tolerance=0.15, patience=2, min_steps=4, max_steps=40)
 
@@ -146,10 +158,9 @@ def flush_in_warmup(steps=8, flush_at=2):
             if flush and step == flush_at:
                 before = [opt.state[p]["exp_avg"].clone() for p in model.parameters()]
                 nbytes = opt.flush_error_feedback()
-                unchanged = all(torch.equal(a, opt.state[p]["exp_avg"])
-                                for a, p in zip(before, model.parameters()))
+                changed = _changed(before, [opt.state[p]["exp_avg"] for p in model.parameters()])
         runs[flush] = {"params": params_bytes(model), "phase": opt.phase}
-    return {"bytes": nbytes, "momentum_unchanged": unchanged, "with": runs[True],
+    return {"bytes": nbytes, "momentum_changed": changed, "with": runs[True],
             "without": runs[False]}
 
 
@@ -166,7 +177,9 @@ def flush_in_compression(steps=7):
             "numel": [b.numel for b in opt.compressed_step.buckets],
             "ef_norms": [float(t.norm()) for b in ef["buckets"].values()
                          for t in (b["worker_error"], b["server_error"])],
-            "finite_after": all(bool(torch.isfinite(p).all()) for p in model.parameters())}
+            "nonfinite_after": {name: int((~torch.isfinite(p)).sum())
+                                for name, p in model.named_parameters()
+                                if not bool(torch.isfinite(p).all())}}
 
 
 def flush_nonfinite(steps=6, bad_rank=1):
@@ -183,9 +196,9 @@ def flush_nonfinite(steps=6, bad_rank=1):
     except FloatingPointError as exc:
         error = f"{type(exc).__name__}: {exc}"
     after = _snapshot(opt)
-    unchanged = {k: all(torch.equal(a, b) for a, b in zip(before[k], after[k]))
-                 for k in ("momenta", "worker_errors", "server_errors")}
-    return {"error": error, "unchanged": unchanged}
+    changed = {k: _changed(before[k], after[k])
+               for k in ("momenta", "worker_errors", "server_errors")}
+    return {"error": error, "changed": changed}
 
 
 def flush_on_commit(steps=6):
@@ -200,9 +213,9 @@ def flush_on_commit(steps=6):
     return {"norms_before": norms_before,
             "norms_after": sum(float(c.worker_error.norm() + c.server_error.norm())
                                for c in comms),
-            "saved_equals_live": all(
-                torch.equal(saved["state"][i]["exp_avg"], opt.state[p]["exp_avg"])
-                for i, p in enumerate(model.parameters()))}
+            "saved_differs_from_live": _changed(
+                [saved["state"][i]["exp_avg"] for i, _ in enumerate(model.parameters())],
+                [opt.state[p]["exp_avg"] for p in model.parameters()])}
 
 
 def flush_suite():

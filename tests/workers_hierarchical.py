@@ -64,6 +64,14 @@ def outputs_for_sizes(sizes, transports=("horovod",), **kwargs) -> dict:
             for numel in sizes}
 
 
+def _max_change(before: torch.Tensor, after: torch.Tensor) -> float:
+    """0.0 where torch.equal(before, after); else max |after - before|, inf where a value turned
+    non-finite (or stayed NaN)."""
+    if torch.equal(before, after):
+        return 0.0
+    return float((after.double() - before.double()).abs().nan_to_num(nan=float("inf")).max())
+
+
 def group_all_or_nothing(numel: int = 1000, transport: str = "horovod") -> dict:
     """Two hierarchical collectives in one transaction; rank 3 puts an inf into the second's
     input at call 1: neither commits anywhere (outputs and error feedback untouched). Also
@@ -92,8 +100,9 @@ def group_all_or_nothing(numel: int = 1000, transport: str = "horovod") -> dict:
         record.append({
             "error": error, "host_reads": sum(map(len, reads.calls.values())),
             "host_reads_where": [w for c in reads.calls.values() for w in c],
-            "outputs_changed": [not torch.equal(a, b) for a, b in zip(before[0], outs)],
-            "errors_changed": [not torch.equal(a, c.worker_error) for a, c in zip(before[1], comms)],
+            # max |after - before| per collective (inf where a NaN came or went): 0.0 = unchanged
+            "outputs_changed": [_max_change(a, b) for a, b in zip(before[0], outs)],
+            "errors_changed": [_max_change(a, c.worker_error) for a, c in zip(before[1], comms)],
         })
     return {"calls": record, "final": [o.numpy().copy() for o in outs]}
 

@@ -9,6 +9,7 @@ import torch
 import torch.nn as nn
 
 import hvd_onebit
+from tests.scenarios import run_scenarios
 from tests.workers_optimizer import batch, make_model, params_bytes
 
 
@@ -243,12 +244,13 @@ def zero_variance_elements(freeze_step=4, steps=12):
 
 
 def suite(ckpt_dir=None):
-    return {
-        "zero_variance": zero_variance_elements(),
-        "nonfinite": nonfinite_gradients(),
-        "scaler": grad_scaler(),
-        "scaler_horovod_recipe": grad_scaler(horovod_recipe=True),
-        "bad": bad_inputs(),
-        "guard": divergence_guard(),
-        "ef_other_world": error_feedback_from_other_world(),
-    }
+    """Every scenario in one job; one that raises is reported as data (tests/scenarios.py)."""
+    return run_scenarios({
+        "zero_variance": zero_variance_elements,
+        "nonfinite": nonfinite_gradients,
+        "scaler": grad_scaler,
+        "scaler_horovod_recipe": lambda: grad_scaler(horovod_recipe=True),
+        "bad": bad_inputs,
+        "guard": divergence_guard,
+        "ef_other_world": error_feedback_from_other_world,
+    }, rank=hvd.rank())

@@ -9,6 +9,7 @@ import torch
 import torch.nn as nn
 
 import hvd_onebit
+from tests.scenarios import run_scenarios
 from tests.workers_optimizer import params_hash
 
 
@@ -90,7 +91,9 @@ def nonfinite_in_one_bucket(layer: int, scaler: bool, bad_step: int = 6, steps: 
             out["hashes"].append(params_hash(model))
     out["buckets"] = len(opt.compressed_step.buckets or [])
     out["steps"] = opt.steps
-    out["finite"] = all(bool(torch.isfinite(p).all()) for p in model.parameters())
+    out["nonfinite_params"] = {name: int((~torch.isfinite(p)).sum())
+                               for name, p in model.named_parameters()
+                               if not bool(torch.isfinite(p).all())}
     return out
 
 
@@ -222,19 +225,25 @@ def mask_elsewhere(steps: int = 8, freeze_step: int = 3) -> dict:
             "rows_moved": int((emb.weight[1:].detach() != 0).any(1).sum())}
 
 
-def suite() -> dict:
-    out = {"nonfinite": {}}
+def _nonfinite_runs() -> dict:
+    out = {}
     for scaler in (False, True):
         for layer in (0, 1, 2):
-            out["nonfinite"][(layer, scaler)] = nonfinite_in_one_bucket(layer, scaler)
-        out["nonfinite"][("reference", scaler)] = nonfinite_in_one_bucket(0, scaler,
-                                                                          skip_instead=True)
-    out["low_precision"] = low_precision()
-    out["sparse"] = sparse_embedding(sparse=True)
-    out["dense"] = sparse_embedding(sparse=False)
-    out["errors"] = construction_errors()
-    out["mask"] = mask_elsewhere()
+            out[(layer, scaler)] = nonfinite_in_one_bucket(layer, scaler)
+        out[("reference", scaler)] = nonfinite_in_one_bucket(0, scaler, skip_instead=True)
     return out
+
+
+def suite() -> dict:
+    """Every scenario in one job; one that raises is reported as data (tests/scenarios.py)."""
+    return run_scenarios({
+        "nonfinite": _nonfinite_runs,
+        "low_precision": low_precision,
+        "sparse": lambda: sparse_embedding(sparse=True),
+        "dense": lambda: sparse_embedding(sparse=False),
+        "errors": construction_errors,
+        "mask": mask_elsewhere,
+    }, rank=hvd.rank())
 
 
 def mpi_transport_error() -> dict:

@@ -45,9 +45,12 @@ def test_a_timer_counts_every_wait(horovod_synchronize, wait):
     # and Horovod's synchronize returns at once for a handle it does not know.
     for _ in range(3):
         assert module.synchronize(lambda: None) is None
-    assert timer.calls == 3 and timer.seconds >= 0.0
+    assert timer.calls == 3 and timer.seconds >= 0.0, \
+        f"the timer counted {timer.calls} calls (expected 3) and {timer.seconds} s"
     seconds = timer.seconds
-    assert timer.take() == seconds and timer.seconds == 0.0
+    taken = timer.take()
+    assert (taken, timer.seconds) == (seconds, 0.0), \
+        f"take() gave {taken} s of {seconds} and left {timer.seconds} s, expected all and 0.0"
 
 
 def test_an_unknown_wait_is_refused(horovod_synchronize):
@@ -96,13 +99,16 @@ def test_rows_and_breakdown_say_where_the_time_went():
                                "compression": phase(80, 0.15, 0.02, 0.08, first_step=20)}, 25.0)}
     rows = {tag: demo._row(tag, s, steps) for tag, s in runs.items()}
     adam, onebit = rows["adam"], rows["onebit"]
-    assert adam["warmup_steps"] == 100 and adam["compression_steps"] == 0
-    assert adam["compression_sps"] is None and adam["warmup_s_per_step"] == 0.40
-    assert adam["warmup_comm_share"] == pytest.approx(0.5)
-    assert adam["train_s"] == pytest.approx(40.0) and adam["comm_s"] == pytest.approx(20.0)
+    got = {k: adam[k] for k in ("warmup_steps", "compression_steps", "compression_sps",
+                                "warmup_s_per_step", "warmup_comm_share", "train_s", "comm_s")}
+    assert got == {"warmup_steps": 100, "compression_steps": 0, "compression_sps": None,
+                   "warmup_s_per_step": 0.40, "warmup_comm_share": pytest.approx(0.5),
+                   "train_s": pytest.approx(40.0), "comm_s": pytest.approx(20.0)}, \
+        f"adam's row: {got}"
     assert onebit["train_s"] == pytest.approx(20 * 0.41 + 80 * 0.15)
     assert onebit["compression_mb"] == pytest.approx(0.08)
-    assert rows["adam_spin"]["wait"] == "spin" and adam["wait"] == "sleep"
+    got = (rows["adam_spin"]["wait"], adam["wait"])
+    assert got == ("spin", "sleep"), f"waits of adam_spin and adam {got}, expected spin and sleep"
 
     b = demo.breakdown(rows)
     assert b["speedup"] == pytest.approx(40.0 / 20.2)
