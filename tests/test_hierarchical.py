@@ -7,6 +7,7 @@ import pytest
 from hvd_onebit.cluster.jobs import run_job
 from tests.checks import difference, first_difference
 from tests.onebit_reference import ReferenceHierarchical
+from tests.scenarios import scenario
 from tests.workers_collective import rank_input
 
 pytestmark = pytest.mark.multirank
@@ -32,8 +33,14 @@ TRANSPORTS = ["horovod", "torch", "torch-shm"]
 
 
 @pytest.fixture(scope="module")
-def sizes():
-    return run("outputs_for_sizes", sizes=SIZES, transports=TRANSPORTS)
+def collective():
+    """One job runs every collective scenario below (:func:`collective_suite`)."""
+    return run("collective_suite", sizes=SIZES, transports=TRANSPORTS)
+
+
+@pytest.fixture(scope="module")
+def sizes(collective):
+    return scenario(collective, "sizes")
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
@@ -69,9 +76,9 @@ def test_bytes_between_nodes_are_half_of_flat_1bit(sizes, transport):
             f"{transport} rank {rank}: {r['intra_bytes']} bytes inside the node, expected {want}"
 
 
-def test_finer_blocks_match_the_reference():
+def test_finer_blocks_match_the_reference(collective):
     numel = 5000
-    results = run("outputs", numel=numel, block_size=64)
+    results = scenario(collective, "finer_blocks")
     for call, (got, want) in enumerate(zip(results[0]["outputs"],
                                            reference(numel, 3, block_size=64))):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6,
@@ -79,9 +86,10 @@ def test_finer_blocks_match_the_reference():
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
-def test_a_nonfinite_input_on_one_rank_raises_everywhere_and_changes_nothing(transport):
+def test_a_nonfinite_input_on_one_rank_raises_everywhere_and_changes_nothing(collective,
+                                                                           transport):
     numel = 1001
-    results = run("outputs", numel=numel, calls=4, bad_call=1, bad_rank=1, transport=transport)
+    results = scenario(collective, f"nonfinite[{transport}]")
     expected = reference(numel, 4, skip=(1,))
     for rank, r in enumerate(results):
         # the inf (element 500) is in shard 0: the group of local rank 0 (ranks 0 and 2) saw it
@@ -97,8 +105,8 @@ def test_a_nonfinite_input_on_one_rank_raises_everywhere_and_changes_nothing(tra
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
-def test_several_calls_commit_all_or_nothing(transport):
-    results = run("group_all_or_nothing", transport=transport)
+def test_several_calls_commit_all_or_nothing(collective, transport):
+    results = scenario(collective, f"all_or_nothing[{transport}]")
     for rank, r in enumerate(results):
         calls = r["calls"]
         assert [c["error"] is None for c in calls] == [True, False, True], \

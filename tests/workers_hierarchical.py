@@ -9,6 +9,7 @@ from hvd_onebit.comm.hierarchical import HierarchicalOneBitAllreduce
 from hvd_onebit.comm.protocol import NonFiniteInputError
 from hvd_onebit.comm.topology import Topology
 from hvd_onebit.comm.transaction import synchronize_all
+from tests.scenarios import run_scenarios
 from tests.workers_collective import rank_input
 
 
@@ -62,6 +63,20 @@ def _flat_wire_bytes(numel: int) -> int:
 def outputs_for_sizes(sizes, transports=("horovod",), **kwargs) -> dict:
     return {(numel, t): outputs(numel, transport=t, **kwargs) for t in transports
             for numel in sizes}
+
+
+def collective_suite(sizes, transports) -> dict:
+    """Every collective-level scenario of tests/test_hierarchical.py in one job (a launch of
+    four ranks costs more than the scenarios), each failing on its own: the outputs for
+    ``sizes`` per transport, finer blocks, and per transport a non-finite input and an
+    all-or-nothing group of calls."""
+    scenarios = {"sizes": lambda: outputs_for_sizes(sizes, transports),
+                 "finer_blocks": lambda: outputs(5000, block_size=64)}
+    for t in transports:
+        scenarios[f"nonfinite[{t}]"] = lambda t=t: outputs(1001, calls=4, bad_call=1,
+                                                           bad_rank=1, transport=t)
+        scenarios[f"all_or_nothing[{t}]"] = lambda t=t: group_all_or_nothing(transport=t)
+    return run_scenarios(scenarios, hvd.rank())
 
 
 def _max_change(before: torch.Tensor, after: torch.Tensor) -> float:
