@@ -54,8 +54,10 @@ class VarianceRefresh:
         """One refresh step of every bucketed parameter (see the module docstring); the
         buckets must be ready (:meth:`ensure_ready`). ``grads``: each parameter's averaged
         gradient as Adam takes it in (float32 for low-precision parameters; L2 decay,
-        ``maximize`` and Horovod's op applied), finite and the same on every rank; None reads
-        as zeros. Returns the bytes this rank sent here (a fold's; 0 otherwise).
+        ``maximize`` and Horovod's op applied), finite and the same on every rank; None (no
+        gradient on any rank): the momentum decays as in a compressed step, the variance and its
+        count stay as they are (as Adam's do for a parameter without a gradient). Returns the
+        bytes this rank sent here (a fold's; 0 otherwise).
 
         Raises:
             NonFiniteInputError: on every rank, from a fold that met a non-finite error;
@@ -73,6 +75,8 @@ class VarianceRefresh:
         # update's step count, and bc2 counts steps); "single" as one update (it counts them).
         weight = {}
         for p in owner:
+            if grads.get(p) is None:  # no gradient anywhere: v and its count stay, as Adam's do
+                continue
             state, beta2 = self.state[p], groups[p]["betas"][1]
             last = max(int(state["frozen_variance_step"]), 0)
             if self.config.refresh.variance_update == "gap":
@@ -88,13 +92,12 @@ class VarianceRefresh:
             before = self._bucket_denominators(b, groups, old) if rescale else None
             for i, seg in enumerate(b.segments):
                 p = seg.param
-                beta1, w = groups[p]["betas"][0], weight[p]
+                beta1, w = groups[p]["betas"][0], weight.get(p)
                 m = b.piece(i, self.state[p]["exp_avg"])
                 v = b.piece(i, self.state[p]["exp_avg_sq"])
                 g = b.piece(i, grads.get(p))
-                if g is None:
+                if g is None:  # the momentum decays as in a compressed step
                     m.mul_(beta1)
-                    v.mul_(1 - w)
                 else:
                     m.lerp_(g, 1 - beta1)
                     v.mul_(1 - w).addcmul_(g, g, value=w)
