@@ -85,7 +85,9 @@ def test_worker_lost_in_compression_phase(tmp_path):
     per_process, text = run_scenario(tmp_path, "lost")
     steps = steps_of(per_process)
     assert {s["size"] for s in steps if s["step"] <= KILL_STEP} == {3}
-    assert any(s["phase"] == "compression" and s["size"] == 3 for s in steps)
+    assert any(s["phase"] == "compression" and s["size"] == 3 for s in steps), \
+        f"no compressed step on 3 ranks before the loss; (step, size, phase): " \
+        f"{[(s['step'], s['size'], s['phase']) for s in steps]}"
     after = [s for s in steps if s["size"] == 2]
     assert after and all(s["phase"] == "compression" for s in after), after[:3]
     assert_identical_at_every_step(steps, text)

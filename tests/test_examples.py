@@ -50,6 +50,16 @@ def finite(x) -> bool:
     return isinstance(x, (int, float)) and math.isfinite(x)
 
 
+def differing_keys(a: dict, b: dict) -> list:
+    """The keys whose values differ between two dicts (or that only one has)."""
+    return sorted(k for k in set(a) | set(b) if a.get(k, KeyError) != b.get(k, KeyError))
+
+
+def not_finite(points: list[dict], *keys: str) -> list:
+    """The (step, key, value) of the curve points whose ``keys`` are not finite numbers."""
+    return [(p.get("step"), k, p[k]) for p in points for k in keys if not finite(p[k])]
+
+
 @pytest.fixture(scope="module")
 def quick_benchmark(tmp_path_factory):
     """benchmarks/convergence.py --quick: train_lm.py on 2 ranks, 8 steps, freeze_step 4, once with
@@ -70,49 +80,76 @@ def lm_runs(quick_benchmark):
 
 def test_train_lm_summary_is_valid_and_finite(lm_runs):
     for opt, (s, stdout) in lm_runs.items():
-        assert s["optimizer"] == opt and s["world_size"] == 2
-        assert [p["step"] for p in s["val_curve"]] == [0, 4, 8]
-        assert all(finite(p["val_loss"]) for p in s["val_curve"])
-        assert all(finite(p["train_loss"]) for p in s["train_curve"])
-        assert finite(s["final_val_loss"]) and s["final_val_loss"] < s["val_curve"][0]["val_loss"]
-        assert s["total_bytes_per_rank"] > 0 and finite(s["samples_per_sec"])
-        assert s["config"]["steps"] == 8
-        assert s["wait"] == "sleep"  # the default: Horovod's optimizer sleeps, as hvd_onebit's
-        for ph in s["phases"].values():  # seconds blocked on communication, CPU seconds
-            assert 0 <= ph["comm_seconds"] <= ph["seconds"] and ph["cpu_seconds"] >= 0
-            assert ph["comm_share"] == pytest.approx(ph["comm_seconds"] / ph["seconds"])
-            assert ph["seconds_per_step"] == pytest.approx(ph["seconds"] / ph["steps"])
-        assert s["train_seconds"] == pytest.approx(sum(p["seconds"] for p in s["phases"].values()))
-        assert "done: final val loss" in stdout  # rank 0's progress lines
-        assert "[1]<stdout>:step" not in stdout  # ... and only rank 0's
+        assert (s["optimizer"], s["world_size"]) == (opt, 2), \
+            f"{opt}: the summary says optimizer {s['optimizer']!r} on {s['world_size']} ranks"
+        steps = [p["step"] for p in s["val_curve"]]
+        assert steps == [0, 4, 8], f"{opt}: held-out evaluations at steps {steps}"
+        bad = not_finite(s["val_curve"], "val_loss")
+        assert not bad, f"{opt}: non-finite held-out losses (step, key, value) {bad}"
+        bad = not_finite(s["train_curve"], "train_loss")
+        assert not bad, f"{opt}: non-finite training losses (step, key, value) {bad}"
+        first = s["val_curve"][0]["val_loss"]
+        assert finite(s["final_val_loss"]) and s["final_val_loss"] < first, \
+            f"{opt}: final held-out loss {s['final_val_loss']}, at step 0 {first}"
+        assert s["total_bytes_per_rank"] > 0 and finite(s["samples_per_sec"]), \
+            f"{opt}: {s['total_bytes_per_rank']} bytes per rank, {s['samples_per_sec']} samples/s"
+        assert s["config"]["steps"] == 8, f"{opt}: config steps {s['config']['steps']}, not 8"
+        # the default: Horovod's optimizer sleeps, as hvd_onebit's
+        assert s["wait"] == "sleep", f"{opt}: wait {s['wait']!r} by default, expected 'sleep'"
+        for name, ph in s["phases"].items():  # seconds blocked on communication, CPU seconds
+            assert 0 <= ph["comm_seconds"] <= ph["seconds"] and ph["cpu_seconds"] >= 0, \
+                f"{opt} {name}: {ph['comm_seconds']} s on communication of {ph['seconds']} s, " \
+                f"{ph['cpu_seconds']} CPU s"
+            assert ph["comm_share"] == pytest.approx(ph["comm_seconds"] / ph["seconds"]), \
+                f"{opt} {name}: comm share {ph['comm_share']}, {ph['comm_seconds']} / {ph['seconds']} s"
+            assert ph["seconds_per_step"] == pytest.approx(ph["seconds"] / ph["steps"]), \
+                f"{opt} {name}: {ph['seconds_per_step']} s per step, {ph['seconds']} s / " \
+                f"{ph['steps']} steps"
+        total = sum(p["seconds"] for p in s["phases"].values())
+        assert s["train_seconds"] == pytest.approx(total), \
+            f"{opt}: train_seconds {s['train_seconds']}, the phases' sum {total}"
+        assert "done: final val loss" in stdout, \
+            f"{opt}: rank 0's progress lines are missing from the output:\n{stdout[-2000:]}"
+        assert "[1]<stdout>:step" not in stdout, \
+            f"{opt}: rank 1 printed progress lines too:\n{stdout[-2000:]}"
 
 
 def test_train_lm_onebit_switches_phase_at_freeze_step(lm_runs):
     s, _ = lm_runs["onebit"]
-    assert s["freeze_step"] == 4 and s["phase_switch_step"] == 4
+    assert (s["freeze_step"], s["phase_switch_step"]) == (4, 4), \
+        f"freeze_step {s['freeze_step']}, phase switched at {s['phase_switch_step']}, expected 4"
     warm, comp = s["phases"]["warmup"], s["phases"]["compression"]
-    assert (warm["steps"], warm["first_step"]) == (4, 0)
-    assert (comp["steps"], comp["first_step"]) == (4, 4)
-    assert comp["bytes_per_step"] < warm["bytes_per_step"] / 4  # 1-bit momentum vs fp32 grads
-    assert [p["phase"] for p in s["val_curve"]] == ["warmup", "compression", "compression"]
-    assert s["telemetry"]["steps"] == 8 and s["telemetry"]["skipped_steps"] == 0
-    assert s["total_bytes_per_rank"] == s["telemetry"]["total_bytes"]
+    assert (warm["steps"], warm["first_step"]) == (4, 0), f"warmup (steps, first step): {warm}"
+    assert (comp["steps"], comp["first_step"]) == (4, 4), f"compression (steps, first step): {comp}"
+    assert comp["bytes_per_step"] < warm["bytes_per_step"] / 4, \
+        f"{comp['bytes_per_step']} bytes per compressed step, {warm['bytes_per_step']} per " \
+        f"warmup step: not under a quarter (1-bit momentum vs fp32 gradients)"
+    phases = [p["phase"] for p in s["val_curve"]]
+    assert phases == ["warmup", "compression", "compression"], \
+        f"phase at each held-out evaluation {phases}"
+    t = s["telemetry"]
+    assert (t["steps"], t["skipped_steps"]) == (8, 0), \
+        f"telemetry: {t['steps']} steps, {t['skipped_steps']} skipped, expected 8 and 0"
+    assert s["total_bytes_per_rank"] == t["total_bytes"], \
+        f"the summary's {s['total_bytes_per_rank']} bytes per rank, telemetry's {t['total_bytes']}"
 
 
 def test_train_lm_adam_and_onebit_share_init_and_data(lm_runs):
     adam, _ = lm_runs["adam"]
     onebit, _ = lm_runs["onebit"]
-    assert adam["phase_switch_step"] is None and list(adam["phases"]) == ["full_precision"]
+    assert adam["phase_switch_step"] is None and list(adam["phases"]) == ["full_precision"], \
+        f"adam: phase switch at {adam['phase_switch_step']}, phases {list(adam['phases'])}"
     # Same seed, same initial model; same data order, same first batch. Not bit-identical: on the
     # Horovod path hvd.broadcast_optimizer_state creates AdamW's state with a zero-gradient step,
     # which applies the weight decay once (lr * wd = 2e-4) and offsets Adam's step count by one.
-    assert adam["val_curve"][0]["val_loss"] == pytest.approx(onebit["val_curve"][0]["val_loss"],
-                                                             rel=1e-4)
+    va, vo = adam["val_curve"][0]["val_loss"], onebit["val_curve"][0]["val_loss"]
+    assert va == pytest.approx(vo, rel=1e-4), f"held-out loss at step 0: adam {va}, onebit {vo}"
     a, o = adam["train_loss_per_step_rank0"], onebit["train_loss_per_step_rank0"]
-    assert len(a) == len(o) == 8
-    assert a[0] == pytest.approx(o[0], rel=1e-4)
-    assert adam["phases"]["full_precision"]["bytes_per_step"] == \
-        onebit["phases"]["warmup"]["bytes_per_step"]
+    assert len(a) == len(o) == 8, f"{len(a)} adam and {len(o)} onebit training losses, not 8"
+    assert a[0] == pytest.approx(o[0], rel=1e-4), f"first training loss: adam {a[0]}, onebit {o[0]}"
+    ba = adam["phases"]["full_precision"]["bytes_per_step"]
+    bo = onebit["phases"]["warmup"]["bytes_per_step"]
+    assert ba == bo, f"bytes per step: adam {ba}, onebit's warmup {bo}"
 
 
 def test_train_lm_adam_spin_wait_changes_the_time_not_the_numbers(lm_runs, tmp_path):
@@ -128,12 +165,17 @@ def test_train_lm_adam_spin_wait_changes_the_time_not_the_numbers(lm_runs, tmp_p
     horovodrun("examples/train_lm.py", ["--optimizer", "adam", "--wait", "spin", *args,
                                         "--json-out", str(path)])
     spin = json.loads(path.read_text())
-    assert spin["wait"] == "spin" and spin["config"]["wait"] == "spin"
+    assert (spin["wait"], spin["config"]["wait"]) == ("spin", "spin"), \
+        f"--wait spin ran with wait {spin['wait']!r} (config {spin['config']['wait']!r})"
     assert spin["train_loss_per_step_rank0"] == pytest.approx(adam["train_loss_per_step_rank0"],
-                                                              rel=1e-4)
-    assert spin["final_val_loss"] == pytest.approx(adam["final_val_loss"], rel=1e-4)
+                                                              rel=1e-4), \
+        f"training losses per step: spin {spin['train_loss_per_step_rank0']}, " \
+        f"sleep {adam['train_loss_per_step_rank0']}"
+    assert spin["final_val_loss"] == pytest.approx(adam["final_val_loss"], rel=1e-4), \
+        f"final held-out loss: spin {spin['final_val_loss']}, sleep {adam['final_val_loss']}"
     ph = spin["phases"]["full_precision"]
-    assert 0 <= ph["comm_seconds"] <= ph["seconds"]
+    assert 0 <= ph["comm_seconds"] <= ph["seconds"], \
+        f"spin: {ph['comm_seconds']} s on communication of {ph['seconds']} s"
 
 
 def test_train_digits_runs_with_onebit(tmp_path):
@@ -143,10 +185,16 @@ def test_train_digits_runs_with_onebit(tmp_path):
                ["--optimizer", "onebit", "--steps", "20", "--warmup-frac", "0.25",
                 "--eval-every", "10", "--batch-size", "16", "--json-out", str(path)])
     s = json.loads(path.read_text())
-    assert s["world_size"] == 2 and s["freeze_step"] == 5 and s["phase_switch_step"] == 5
-    assert all(finite(p["val_loss"]) and 0 <= p["val_acc"] <= 1 for p in s["val_curve"])
-    assert s["telemetry"]["phase"] == "compression" and s["telemetry"]["skipped_steps"] == 0
-    assert s["final_val_acc"] > 0.2  # better than chance (0.1) after 20 steps
+    got = (s["world_size"], s["freeze_step"], s["phase_switch_step"])
+    assert got == (2, 5, 5), f"(world size, freeze_step, phase switch step) {got}, expected (2, 5, 5)"
+    bad = [(p.get("step"), p["val_loss"], p["val_acc"]) for p in s["val_curve"]
+           if not (finite(p["val_loss"]) and 0 <= p["val_acc"] <= 1)]
+    assert not bad, f"held-out (step, loss, accuracy) not finite or out of [0, 1]: {bad}"
+    t = s["telemetry"]
+    assert (t["phase"], t["skipped_steps"]) == ("compression", 0), \
+        f"telemetry: phase {t['phase']!r}, {t['skipped_steps']} skipped steps"
+    assert s["final_val_acc"] > 0.2, \
+        f"final held-out accuracy {s['final_val_acc']}: not better than chance (0.1) after 20 steps"
 
 
 def test_convergence_benchmark_quick(quick_benchmark):
@@ -154,16 +202,25 @@ def test_convergence_benchmark_quick(quick_benchmark):
     for key in ("final_val_loss_adam", "final_val_loss_onebit", "ratio_onebit_over_adam",
                 "loss_threshold", "total_bytes_per_rank_adam", "total_bytes_per_rank_onebit",
                 "wall_seconds_adam", "wall_seconds_onebit", "wall_seconds_total"):
-        assert finite(result[key]), key
-    assert result["world_size"] == 2 and result["steps"] == 8 and result["freeze_step"] == 4
+        assert finite(result[key]), f"{key} is {result[key]!r}, not a finite number"
+    got = (result["world_size"], result["steps"], result["freeze_step"])
+    assert got == (2, 8, 4), f"(world size, steps, freeze_step) {got}, expected (2, 8, 4)"
     assert result["ratio_onebit_over_adam"] == pytest.approx(
-        result["final_val_loss_onebit"] / result["final_val_loss_adam"])
+        result["final_val_loss_onebit"] / result["final_val_loss_adam"]), \
+        f"ratio {result['ratio_onebit_over_adam']} for final losses " \
+        f"{result['final_val_loss_onebit']} / {result['final_val_loss_adam']}"
     # The threshold is chosen so that both runs reach it.
-    assert result["steps_to_threshold_adam"] is not None
-    assert result["steps_to_threshold_onebit"] is not None
-    assert result["total_bytes_per_rank_onebit"] < result["total_bytes_per_rank_adam"]
-    assert Path(result["plot"]).stat().st_size > 1000
-    assert json.loads((out / "summary.json").read_text()) == result
+    for opt in ("adam", "onebit"):
+        assert result[f"steps_to_threshold_{opt}"] is not None, \
+            f"{opt} never reached the loss threshold {result['loss_threshold']}"
+    assert result["total_bytes_per_rank_onebit"] < result["total_bytes_per_rank_adam"], \
+        f"bytes per rank: onebit {result['total_bytes_per_rank_onebit']}, " \
+        f"adam {result['total_bytes_per_rank_adam']}"
+    size = Path(result["plot"]).stat().st_size
+    assert size > 1000, f"the plot {result['plot']} is {size} bytes"
+    written = json.loads((out / "summary.json").read_text())
+    assert written == result, \
+        f"summary.json differs from the printed result in {differing_keys(written, result)}"
 
 
 def test_auto_freeze_benchmark_across_seeds_with_the_batch_order_alone_changed(tmp_path):
@@ -189,7 +246,9 @@ def test_auto_freeze_benchmark_across_seeds_with_the_batch_order_alone_changed(t
                       for s in ("0", "1")}, ratios
     mean = result["summary"]["adam_reordered"]["mean_ratio_to_adam"]
     assert mean == pytest.approx(sum(ratios.values()) / 2), mean
-    assert json.loads((tmp_path / "summary.json").read_text()) == result
+    written = json.loads((tmp_path / "summary.json").read_text())
+    assert written == result, \
+        f"summary.json differs from the printed result in {differing_keys(written, result)}"
 
 
 def test_variance_trend_reports_the_variance_and_the_recent_gradients(tmp_path):
@@ -204,7 +263,9 @@ def test_variance_trend_reports_the_variance_and_the_recent_gradients(tmp_path):
     assert [r["step"] for r in rows] == [20, 40, 60], rows
     assert rows[0]["variance_vs_first"] == 1.0 and "recent_over_variance" not in rows[0], rows[0]
     for r in rows[1:]:
-        assert r["variance_vs_first"] == pytest.approx(r["variance_sum"] / rows[0]["variance_sum"])
+        assert r["variance_vs_first"] == pytest.approx(r["variance_sum"] / rows[0]["variance_sum"]), \
+            f"step {r['step']}: variance_vs_first {r['variance_vs_first']}, variance " \
+            f"{r['variance_sum']} / first {rows[0]['variance_sum']}"
         assert 0 < r["recent_over_variance"] < 50 and 0 < r["change_10"] < 2, r
     assert summary["variance_drop_first_to_last"] == pytest.approx(
         rows[0]["variance_sum"] / rows[-1]["variance_sum"]), summary

@@ -16,6 +16,7 @@ import pytest
 
 from hvd_onebit.bench.zoo.grid import ADAM, plan_family
 from hvd_onebit.cluster.jobs import run_ranks
+from tests.checks import first_difference
 
 MAX_RATIO = 1.2
 STEPS = 60
@@ -31,8 +32,11 @@ def zoo_cells(tmp_path_factory):
     records = run_ranks("hvd_onebit.bench.zoo.worker:zoo_worker", np=4,
                         kwargs={"cells": cells, "results": str(results)}, timeout=240)[0]
     # what rank 0 wrote as it went is what it returned
-    assert [json.loads(line) for line in results.read_text().splitlines()] == \
-        json.loads(json.dumps(records))
+    written, returned = ([json.loads(line) for line in results.read_text().splitlines()],
+                         json.loads(json.dumps(records)))
+    assert written == returned, \
+        f"rank 0 wrote {len(written)} cells and returned {len(returned)}; they part at cell " \
+        f"{first_difference(written, returned)}"
     return {(r["family"], r["scheme"]): r for r in records}
 
 
@@ -50,12 +54,15 @@ def test_bounded_1bit_adam_converges_like_horovod_adam(zoo_cells, family):
             f"{_name(r)} diverged: held-out curve {r['curve']}"
         assert all(v is not None and math.isfinite(v) for _, v in r["curve"]), \
             f"{_name(r)}: non-finite held-out loss in {r['curve']}"
-    assert ours["compressed_steps"] == STEPS - ours["freeze_step"] > 0, ours
+    assert ours["compressed_steps"] == STEPS - ours["freeze_step"] > 0, \
+        f"{_name(ours)}: {ours['compressed_steps']} compressed steps, expected {STEPS} - " \
+        f"freeze_step {ours['freeze_step']} > 0: {ours}"
     ratio = ours["final_loss"] / adam["final_loss"]
     assert ratio <= MAX_RATIO, \
         (f"{_name(ours)}: final held-out loss {ours['final_loss']:.4f} is {ratio:.3f}x Horovod "
          f"Adam's {adam['final_loss']:.4f} (bound {MAX_RATIO})")
-    assert ours["clamped_fraction"] is not None and 0.0 <= ours["clamped_fraction"] < 1.0
+    assert ours["clamped_fraction"] is not None and 0.0 <= ours["clamped_fraction"] < 1.0, \
+        f"{_name(ours)}: clamped fraction {ours['clamped_fraction']}, expected in [0, 1)"
 
 
 @pytest.mark.multirank
@@ -64,7 +71,9 @@ def test_the_warmup_is_horovod_adam_bit_for_bit(zoo_cells):
     order, so every held-out evaluation before the freeze is the same number."""
     adam, ours = zoo_cells[("mnist_cnn", None)], zoo_cells[("mnist_cnn", "bounded")]
     before = [(s, v) for s, v in ours["curve"] if s <= ours["freeze_step"]]
-    assert len(before) >= 2, ours["curve"]
+    assert len(before) >= 2, \
+        f"{len(before)} held-out evaluations up to the freeze at {ours['freeze_step']}, " \
+        f"expected 2 or more: {ours['curve']}"
     assert before == adam["curve"][:len(before)], \
         f"warmup curve {before} differs from Horovod Adam's {adam['curve'][:len(before)]}"
 
@@ -77,7 +86,9 @@ def test_without_the_bound_horovods_mnist_net_diverges(zoo_cells):
     r = zoo_cells[("mnist_cnn", "unbounded")]
     assert r["diverged"] and r["nonfinite_at"] is not None, \
         f"{_name(r)} did not diverge: final held-out loss {r['final_loss']}, curve {r['curve']}"
-    assert r["nonfinite_at"] > r["freeze_step"], r
+    assert r["nonfinite_at"] > r["freeze_step"], \
+        f"{_name(r)}: non-finite at step {r['nonfinite_at']}, before the freeze at " \
+        f"{r['freeze_step']}: {r}"
 
 
 def _record(family, seed, method, loss, scheme=None, freeze=None, diverged=False, **extra):
@@ -101,12 +112,22 @@ def test_report_ratios_divergences_and_heat_map(tmp_path):
                                           + '{"torn line')
     summary = write_report(tmp_path, show=False)
     bounded, unbounded = summary["schemes"]["bounded"], summary["schemes"]["unbounded"]
-    assert bounded["divergences"] == 0 and bounded["median_ratio"] == pytest.approx(1.005)
-    assert bounded["max_ratio"] == pytest.approx(1.02) and bounded["over_1_05"] == 0
-    assert all(bounded["targets"].values()), bounded["targets"]
-    assert unbounded["divergences"] == 1 and unbounded["over_1_05"] == 2
-    assert not unbounded["targets"]["no_divergence"]
-    assert summary["families"]["bounded"]["mlp"]["clamped_fraction_mean"] == pytest.approx(0.2)
-    assert (tmp_path / "heat_map.png").stat().st_size > 0
-    assert json.loads((tmp_path / "summary.json").read_text())["schemes"]["unbounded"][
-        "max_ratio"] == "inf"
+    figures = ("divergences", "median_ratio", "max_ratio", "over_1_05")
+    got = {k: bounded[k] for k in figures}
+    assert got == {"divergences": 0, "median_ratio": pytest.approx(1.005),
+                   "max_ratio": pytest.approx(1.02), "over_1_05": 0}, \
+        f"bounded: {got}, expected 0 divergences, median ratio 1.005, max 1.02, none over 1.05"
+    missed = [t for t, met in bounded["targets"].items() if not met]
+    assert not missed, f"bounded: targets missed {missed}: {bounded['targets']}"
+    got = {k: unbounded[k] for k in ("divergences", "over_1_05")}
+    assert got == {"divergences": 1, "over_1_05": 2}, \
+        f"unbounded: {got}, expected 1 divergence and 2 cells over 1.05"
+    assert not unbounded["targets"]["no_divergence"], \
+        f"unbounded: the no_divergence target is met despite a divergence: {unbounded['targets']}"
+    mean = summary["families"]["bounded"]["mlp"]["clamped_fraction_mean"]
+    assert mean == pytest.approx(0.2), f"bounded mlp: clamped fraction mean {mean}, expected 0.2"
+    size = (tmp_path / "heat_map.png").stat().st_size
+    assert size > 0, f"heat_map.png is {size} bytes"
+    written = json.loads((tmp_path / "summary.json").read_text())["schemes"]["unbounded"]
+    assert written["max_ratio"] == "inf", \
+        f"summary.json: unbounded max_ratio {written['max_ratio']!r}, expected 'inf' (a diverged cell)"

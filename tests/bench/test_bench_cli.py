@@ -51,9 +51,11 @@ def test_bench_allreduce_loopback_json_and_plot(tmp_path):
     assert {r["method"] for r in rows} == {"fp32", "fp16", "onebit"}
     onebit = next(r for r in rows if r["method"] == "onebit")
     fp32 = next(r for r in rows if r["method"] == "fp32")
-    assert onebit["np"] == 2 and onebit["numel"] == 64 * 1024
+    assert (onebit["np"], onebit["numel"]) == (2, 64 * 1024), f"onebit row {onebit}"
     # the 1-bit allreduce sends 1/32 of the fp32 ring's bytes (plus a few scale bytes)
-    assert onebit["bytes_per_rank"] * 30 < fp32["bytes_per_rank"]
+    assert onebit["bytes_per_rank"] * 30 < fp32["bytes_per_rank"], \
+        f"onebit sends {onebit['bytes_per_rank']} bytes per rank, fp32 {fp32['bytes_per_rank']}: " \
+        f"not under 1/30 of it"
 
 
 @pytest.mark.parametrize("model", ["mlp", "embedding"])
@@ -67,18 +69,26 @@ def test_bench_train_loopback_reports_phases_and_speedups(tmp_path, model):
     rows = {r["method"]: r for r in report["rows"]}
     assert set(rows) == {"local", "horovod_fp32", "onebit"}
     ob = rows["onebit"]
-    assert ob["model"] == model and ob["freeze_step"] == 1  # round(0.15 * 8)
-    assert ob["warmup_steps"] == 1 and ob["compression_steps"] == 7
-    assert ob["compression_bytes_per_step"] * 20 < rows["horovod_fp32"]["bytes_per_step"]
+    # freeze_step: round(0.15 * 8)
+    got = {k: ob[k] for k in ("model", "freeze_step", "warmup_steps", "compression_steps")}
+    assert got == {"model": model, "freeze_step": 1, "warmup_steps": 1, "compression_steps": 7}, \
+        f"onebit row: {got}"
+    fp32_bytes = rows["horovod_fp32"]["bytes_per_step"]
+    assert ob["compression_bytes_per_step"] * 20 < fp32_bytes, \
+        f"{ob['compression_bytes_per_step']} bytes per compressed step, horovod_fp32 " \
+        f"{fp32_bytes}: not under 1/20 of it"
     # per-step times are means over ranks; the run is the slowest rank's own total
-    assert len(ob["step_seconds"]) == 8 and ob["step_phases"] == ["warmup"] + 7 * ["compression"]
-    assert ob["run_seconds"] >= sum(ob["step_seconds"]) - 1e-9
+    assert len(ob["step_seconds"]) == 8, f"{len(ob['step_seconds'])} step times, expected 8"
+    assert ob["step_phases"] == ["warmup"] + 7 * ["compression"], f"phases {ob['step_phases']}"
+    assert ob["run_seconds"] >= sum(ob["step_seconds"]) - 1e-9, \
+        f"the run took {ob['run_seconds']} s, less than its steps' {sum(ob['step_seconds'])} s"
     summary = report["summary"]
     for key in ("comm_fraction_of_fp32_step", "onebit_compression_step_speedup_vs_fp32",
                 "onebit_run_speedup_vs_fp32"):
-        assert summary[key] == summary[key]  # present and not NaN
-    assert report["config"]["wait"] == "sleep" and report["config"]["malloc"] == "reuse"
-    assert plot.stat().st_size > 0
+        assert summary[key] == summary[key], f"summary {key} is NaN: {summary}"  # present
+    got = (report["config"]["wait"], report["config"]["malloc"])
+    assert got == ("sleep", "reuse"), f"(wait, malloc) by default {got}, expected sleep and reuse"
+    assert plot.stat().st_size > 0, f"the plot {plot} is {plot.stat().st_size} bytes"
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="the emulator needs root")
@@ -87,8 +97,9 @@ def test_bench_train_on_the_emulator_counts_the_wire_bytes():
                  "--width", "64", "--depth", "1", "--methods", "horovod_fp32,onebit", "--wait", "spin",
                  "--malloc", "system")
     out = proc.stdout
-    assert "Horovod waits: spin, malloc: system" in out
-    assert "onebit" in out and "compression" in out and "measured MB/step/rank" in out
+    for text in ("Horovod waits: spin, malloc: system", "onebit", "compression",
+                 "measured MB/step/rank"):
+        assert text in out, f"{text!r} is not in the output:\n{out}"
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="the emulator needs root")
@@ -108,7 +119,8 @@ def test_bench_train_on_emulated_nodes_runs_the_hierarchical_method():
 def test_bench_train_rejects_an_unknown_method():
     proc = subprocess.run(CLI + ["bench", "train", "--methods", "local,sgd"], capture_output=True,
                           text=True, timeout=60, cwd=REPO)
-    assert proc.returncode != 0 and "unknown methods" in proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "unknown methods" in proc.stdout + proc.stderr, \
+        f"--methods local,sgd exited with {proc.returncode}: {proc.stdout + proc.stderr!r}"
 
 
 def test_bench_on_a_real_host_list_through_horovodrun(tmp_path):
@@ -117,9 +129,11 @@ def test_bench_on_a_real_host_list_through_horovodrun(tmp_path):
     report = json.loads(bench("allreduce", "--np", "2", "--sizes", "4096", "--repeats", "1",
                               "--json", *shared).stdout)
     assert {r["method"] for r in report["rows"]} == {"fp32", "fp16", "onebit"}
-    assert all(r["bandwidth"] == "real" and r["np"] == 2 for r in report["rows"])
+    bad = [r for r in report["rows"] if (r["bandwidth"], r["np"]) != ("real", 2)]
+    assert not bad, f"rows not on 2 real ranks: {bad}"
     report = json.loads(bench("train", "--np", "2", "--steps", "4", "--model", "mlp", "--width",
                               "32", "--depth", "1", "--methods", "horovod_fp32,onebit", "--json",
                               *shared).stdout)
     rows = {r["method"]: r for r in report["rows"]}
-    assert rows["onebit"]["compression_steps"] == 3 and report["bandwidth"] == "real"
+    got = (rows["onebit"]["compression_steps"], report["bandwidth"])
+    assert got == (3, "real"), f"(onebit compression steps, bandwidth) {got}, expected (3, 'real')"

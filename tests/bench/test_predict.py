@@ -160,14 +160,17 @@ def test_hierarchical_follows_hierarchical_py_and_ranks_share_cores():
     grp = Model(fake_calibration(), transport="horovod", hierarchical_global_ops=False)
     saved = hier.step_s - grp.predict("onebit_hierarchical", job, cl).step_s
     assert model.predict(GROUP_METHOD, job, cl).step_s == pytest.approx(hier.step_s - saved)
-    assert model.hierarchical_global_ops  # restored
+    assert model.hierarchical_global_ops, \
+        f"hierarchical_global_ops not restored after the grouped prediction: " \
+        f"{model.hierarchical_global_ops!r}"
     assert saved == pytest.approx(4 * a - 2 * model.alpha("alltoall", 8)
                                   - 2 * model.alpha("alltoall", 16))
     # colocated ranks compute at the speed calibrated with that many processes at once
     jm = Job(params=1_000_000, model="mlp")
     alone = model.compute(jm, Cluster(nodes=4))[0]
     shared = model.compute(jm, Cluster(nodes=4, colocated=True))[0]
-    assert alone == pytest.approx(0.012) and shared == pytest.approx(0.022)
+    assert (alone, shared) == (pytest.approx(0.012), pytest.approx(0.022)), \
+        f"compute seconds alone {alone}, colocated {shared}; expected 0.012 and 0.022"
 
 
 def test_hierarchical_on_torch_groups_with_shared_memory_or_the_node_s_links():
@@ -285,7 +288,9 @@ def test_fp16_allreduce_has_its_own_overlap_of_host_and_wire():
     cal["collectives"]["4"]["1gbit"]["median_s"]["allreduce_fp16"] = alpha + wire + host
     c = constants(cal)
     assert c["kappa_allreduce_fp16@4"] == pytest.approx(1.0), c
-    assert c["kappa@4"] == pytest.approx(0.5) and c["kappa_allreduce_fp16@2"] == pytest.approx(0.5)
+    assert c["kappa@4"] == pytest.approx(0.5), f"kappa@4 {c['kappa@4']}, expected 0.5: {c}"
+    assert c["kappa_allreduce_fp16@2"] == pytest.approx(0.5), \
+        f"kappa_allreduce_fp16@2 {c['kappa_allreduce_fp16@2']}, expected 0.5: {c}"
     model = Model(cal)
     cl = Cluster(nodes=4, inter_bps=10**9, colocated=True)
     params = 1_000_000
@@ -332,7 +337,8 @@ def test_crossovers_find_where_flat_stops_paying():
     # from n on for good: the dip at 8 (one node) is not a crossover
     assert crossovers(rows) == {"10000000000.0": {"flat_onebit_stops_paying_at": 512,
                                                   "hierarchical_beats_flat_from": 64}}
-    assert parse_params("350M") == 350_000_000 and parse_params("9.4e6") == 9_400_000
+    assert parse_params("350M") == 350_000_000, parse_params("350M")
+    assert parse_params("9.4e6") == 9_400_000, parse_params("9.4e6")
 
 
 def test_calibration_round_trip_and_clear_errors(tmp_path):
@@ -347,7 +353,9 @@ def test_calibration_round_trip_and_clear_errors(tmp_path):
     # the CLI: a clear error without a file; JSON and a plot with one
     proc = subprocess.run(CLI + ["predict", "--calibration", str(tmp_path / "missing.json"),
                                  "--model", "mlp"], capture_output=True, text=True, cwd=REPO)
-    assert proc.returncode != 0 and "bench calibrate" in proc.stderr
+    assert proc.returncode != 0 and "bench calibrate" in proc.stderr, \
+        f"predict without a calibration exited with {proc.returncode}, stderr {proc.stderr!r} " \
+        f"(expected a failure that names 'bench calibrate')"
     plot = tmp_path / "sweep.png"
     proc = subprocess.run(CLI + ["predict", "--calibration", str(path), "--params", "8M",
                                  "--compute-ms", "50", "--np", "8,64,512", "--ranks-per-node",
@@ -356,9 +364,11 @@ def test_calibration_round_trip_and_clear_errors(tmp_path):
                           capture_output=True, text=True, cwd=REPO)
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
-    assert plot.stat().st_size > 0 and len(report["rows"]) == 6
+    assert plot.stat().st_size > 0, f"the plot {plot} is {plot.stat().st_size} bytes"
+    assert len(report["rows"]) == 6, f"{len(report['rows'])} rows, expected 6: {report['rows']}"
     assert set(report["rows"][0]["methods"]) == set(METHODS)
-    assert report["note"] == HIERARCHICAL_NOTE and report["inputs"]["transport"] == "torch"
+    assert report["note"] == HIERARCHICAL_NOTE, f"note {report['note']!r}"
+    assert report["inputs"]["transport"] == "torch", f"inputs {report['inputs']}"
 
 
 def test_predict_without_a_cached_calibration_uses_the_one_shipped_in_docs(tmp_path,
@@ -415,8 +425,10 @@ def test_check_pairs_predictions_with_a_train_report():
     pairs = {(p["method"], p["phase"]): p for p in result["pairs"]}
     assert set(pairs) == {("local", "all"), ("onebit", "warmup"), ("onebit", "compression")}
     assert pairs[("local", "all")]["predicted_s"] == pytest.approx(0.011)  # the free-running step
-    assert not pairs[("local", "all")]["within"]  # 0.011 / 0.02 = 0.55
-    assert pairs[("onebit", "compression")]["bound"] == 0.15 and pairs[("local", "all")]["runs"] == 2
+    assert not pairs[("local", "all")]["within"], \
+        f"0.011 s predicted for 0.02 s measured (0.55) counted as within: {pairs[('local', 'all')]}"
+    assert pairs[("onebit", "compression")]["bound"] == 0.15, pairs[("onebit", "compression")]
+    assert pairs[("local", "all")]["runs"] == 2, pairs[("local", "all")]
     # the counts: every pair; the methods' (local is the compute input); the compressed steps'
     methods = [p for p in result["pairs"] if p["method"] != "local"]
     assert (result["met"], result["total"]) == (sum(p["within"] for p in result["pairs"]), 3)
@@ -487,7 +499,9 @@ def test_small_prediction_against_measurement_on_loopback():
     result = check_report([json.loads(proc.stdout)], cal)
     print_check(result, echo=print)
     pairs = {(p["method"], p["phase"]): p for p in result["pairs"]}
-    assert len(pairs) == 4 and all(math.isfinite(p["predicted_s"]) for p in pairs.values())
+    assert len(pairs) == 4, f"{len(pairs)} (method, phase) pairs, expected 4: {sorted(pairs)}"
+    bad = {k: p["predicted_s"] for k, p in pairs.items() if not math.isfinite(p["predicted_s"])}
+    assert not bad, f"non-finite predictions (seconds) for {bad}"
     for key in (("horovod_fp32", "all"), ("onebit", "compression")):
         assert math.isfinite(pairs[key]["ratio"]) and pairs[key]["ratio"] > 0, pairs[key]
         assert pairs[key]["measured_s"] > 0 and pairs[key]["predicted_s"] > 0, pairs[key]

@@ -187,7 +187,8 @@ def test_rate_is_enforced_and_bytes_are_counted():
         assert sum(held) > 0, f"rank {rank}'s stream: overlimits (send, peer receive) {held}"
         for direction in (r.tx_bytes, r.rx_bytes):
             assert payload < direction < 1.25 * payload + 500_000, r  # + headers and control
-        assert r.exit_code == 0 and not r.killed
+        assert r.exit_code == 0 and not r.killed, \
+            f"rank {rank}: exit code {r.exit_code}, killed {r.killed}"
     for rank, r in enumerate(small.ranks):
         assert 0.5e6 < r.tx_bytes < 1.5e6
         assert totals[rank][0] >= result.ranks[rank].tx_bytes + r.tx_bytes
@@ -282,7 +283,8 @@ def test_bad_node_arguments_are_clear_errors():
     with pytest.raises(ValueError, match="multiple of ranks_per_node"):
         EmulatedCluster(np=3, ranks_per_node=2)
     out = run_cli(["--nodes", "2", "--np", "3", "--", "true"], token="x", timeout=60)
-    assert out.returncode != 0 and "--np 3 is not --nodes 2 x --ranks-per-node 1" in out.stderr
+    assert out.returncode != 0 and "--np 3 is not --nodes 2 x --ranks-per-node 1" in out.stderr, \
+        f"--nodes 2 --np 3 exited with {out.returncode}: {out.stderr!r}"
     out = run_cli(["--ranks-per-node", "2", "--", "true"], token="x", timeout=60)
     assert out.returncode != 0 and "give --np, or --nodes" in out.stderr, out.stderr
 
@@ -294,11 +296,16 @@ def test_cli_normal_run_json_report_and_logs(tmp_path):
                    "--log-dir", str(tmp_path), "--", "python", ALLREDUCE, "1"], token)
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout)
-    assert report["np"] == 2 and report["bandwidth"] == "1gbit" and report["returncode"] == 0
-    assert report["wall_seconds"] > 0 and not report["timed_out"]
+    got = {k: report[k] for k in ("np", "bandwidth", "returncode", "timed_out")}
+    assert got == {"np": 2, "bandwidth": "1gbit", "returncode": 0, "timed_out": False}, \
+        f"the report says {got}"
+    assert report["wall_seconds"] > 0, f"the report's wall_seconds is {report['wall_seconds']}"
     for rank, r in enumerate(report["ranks"]):
-        assert r["exit_code"] == 0 and r["hostname"] == f"node{rank}"
-        assert 1e6 < r["tx_bytes"] < 2e6 and 1e6 < r["rx_bytes"] < 2e6
+        assert (r["exit_code"], r["hostname"]) == (0, f"node{rank}"), \
+            f"rank {rank}: exit code {r['exit_code']} on host {r['hostname']!r}"
+        assert 1e6 < r["tx_bytes"] < 2e6 and 1e6 < r["rx_bytes"] < 2e6, \
+            f"rank {rank}: {r['tx_bytes']} bytes sent, {r['rx_bytes']} received, expected " \
+            f"1-2 MB each way"
         log = Path(r["log_path"]).read_text()
         assert f'"rank": {rank}' in log
         assert f"[{rank}] " in out.stderr  # live output goes to stderr with --json
@@ -311,9 +318,12 @@ def test_cli_table_report():
     token = uuid.uuid4().hex
     out = run_cli(["-n", "2", "-b", "unlimited", "-v", "--", "python", PROBE], token)
     assert out.returncode == 0, out.stderr
-    assert re.search(r"^rank\s+host\s+address\s+exit\s+tx bytes\s+rx bytes", out.stdout, re.M)
-    assert re.search(r"^1\s+node1\s+198\.1[89]\.\d+\.3\s+0\s", out.stdout, re.M)
-    assert "bandwidth=unlimited" in out.stdout and "-> ok" in out.stdout
+    assert re.search(r"^rank\s+host\s+address\s+exit\s+tx bytes\s+rx bytes", out.stdout, re.M), \
+        f"no table header in the output:\n{out.stdout}"
+    assert re.search(r"^1\s+node1\s+198\.1[89]\.\d+\.3\s+0\s", out.stdout, re.M), \
+        f"no row for rank 1 on node1 (198.18/19.x.3, exit 0) in the table:\n{out.stdout}"
+    for text in ("bandwidth=unlimited", "-> ok"):
+        assert text in out.stdout, f"{text!r} is not in the output:\n{out.stdout}"
     assert leftovers(cluster_id_from(out.stderr)) == []
 
 
@@ -465,7 +475,8 @@ def test_without_cap_net_admin_it_is_a_clear_error():
                          capture_output=True, text=True, cwd=REPO, env=cli_env(token),
                          timeout=60)
     assert out.returncode == 1, out
-    assert "CAP_NET_ADMIN" in out.stderr and "Traceback" not in out.stderr
+    assert "CAP_NET_ADMIN" in out.stderr and "Traceback" not in out.stderr, \
+        f"expected a one-line error naming CAP_NET_ADMIN, no traceback; stderr:\n{out.stderr}"
 
 
 def test_not_started_and_bad_arguments_are_clear_errors():
@@ -477,4 +488,5 @@ def test_not_started_and_bad_arguments_are_clear_errors():
         EmulatedCluster(np=2).run(["true"])
     out = subprocess.run(CLI + ["--np", "2", "--bandwidth", "1gbps", "--", "true"],
                          capture_output=True, text=True, cwd=REPO, timeout=60)
-    assert out.returncode == 2 and "cannot parse bandwidth" in out.stderr
+    assert out.returncode == 2 and "cannot parse bandwidth" in out.stderr, \
+        f"--bandwidth 1gbps exited with {out.returncode} (expected 2): {out.stderr!r}"
