@@ -6,6 +6,7 @@ import torch
 from hvd_onebit.config import AutoFreeze, OneBitConfig
 from hvd_onebit.cluster.jobs import run_ranks
 from hvd_onebit.transport.inprocess import run_threads
+from tests.scenarios import scenario
 from tests.checks import assert_same_params, difference
 from tests.workers_compressed_step import BETAS
 from tests.workers_freeze_and_flush import AUTO, flush_engine
@@ -21,10 +22,16 @@ def auto_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def auto_full(auto_dir):
-    """The uninterrupted run, 2 ranks, with a checkpoint after every step."""
-    return run_ranks(W + "auto_freeze_run", np=2, timeout=300,
-                     kwargs={"ckpt_dir": str(auto_dir), "save_every": True})
+def auto_runs(auto_dir):
+    """One 2-rank job: the uninterrupted run with a checkpoint after every step, and the runs
+    resumed from before and after its decision (tests.workers_freeze_and_flush.auto_freeze_suite)."""
+    return run_ranks(W + "auto_freeze_suite", np=2, timeout=300,
+                     kwargs={"ckpt_dir": str(auto_dir)})
+
+
+@pytest.fixture(scope="module")
+def auto_full(auto_runs):
+    return scenario(auto_runs, "full")
 
 
 @pytest.mark.multirank
@@ -55,10 +62,9 @@ def test_auto_freeze_is_decided_at_the_same_step_on_every_rank_and_logged(auto_f
 
 
 @pytest.mark.multirank
-def test_auto_checkpoint_before_the_decision_decides_the_same(auto_full, auto_dir):
+def test_auto_checkpoint_before_the_decision_decides_the_same(auto_full, auto_runs):
     step = auto_full[0]["freeze_step"]
-    resumed = run_ranks(W + "auto_freeze_run", np=2, timeout=300,
-                        kwargs={"ckpt_dir": str(auto_dir), "resume_from": step - 1})
+    resumed = scenario(auto_runs, "before")
     for rank, r in enumerate(resumed):
         assert r["start"] == step - 1 and r["seen"][0] == ("warmup", None), \
             f"rank {rank}: resumed at step {r['start']} (expected {step - 1}), " \
@@ -70,10 +76,9 @@ def test_auto_checkpoint_before_the_decision_decides_the_same(auto_full, auto_di
 
 
 @pytest.mark.multirank
-def test_auto_checkpoint_after_the_decision_stays_frozen_there(auto_full, auto_dir):
+def test_auto_checkpoint_after_the_decision_stays_frozen_there(auto_full, auto_runs):
     step = auto_full[0]["freeze_step"]
-    resumed = run_ranks(W + "auto_freeze_run", np=2, timeout=300,
-                        kwargs={"ckpt_dir": str(auto_dir), "resume_from": step + 3})
+    resumed = scenario(auto_runs, "after")
     for rank, r in enumerate(resumed):
         assert r["seen"] == [("compression", step)] * (30 - step - 3), \
             f"rank {rank}: {r['seen']}"

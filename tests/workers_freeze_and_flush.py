@@ -15,6 +15,7 @@ import torch.nn as nn
 import hvd_onebit
 from hvd_onebit.engine import CompressedStep
 from hvd_onebit.config import OneBitConfig
+from tests.scenarios import run_scenarios
 from tests.workers_compressed_step import BETAS, EPS, LR, WARM_STEPS, gradient, initial_state
 from tests.workers_optimizer import batch, make_model, params_bytes, val_loss
 
@@ -96,6 +97,26 @@ def auto_freeze_run(ckpt_dir, total=30, resume_from: Optional[int] = None, save_
     return {"start": start, "seen": seen, "freeze_step": opt.freeze_step,
             "decision": opt.freeze_decision, "phase": opt.phase, "log": handler.messages,
             "params": params_bytes(model), "steps": opt.steps}
+
+
+def auto_freeze_suite(ckpt_dir, total=30) -> dict:
+    """One job for the auto-freeze tests: the uninterrupted run with a checkpoint after every
+    step, then, with a fresh model and optimizer each, resumed from the checkpoint one step
+    before its decision and from three steps after it. Each fails on its own (a failed full
+    run fails the resumed ones too: they need its decision)."""
+    full = {}
+
+    def uninterrupted():
+        full["run"] = auto_freeze_run(ckpt_dir, total, save_every=True)
+        return full["run"]
+
+    return run_scenarios({
+        "full": uninterrupted,
+        "before": lambda: auto_freeze_run(ckpt_dir, total,
+                                          resume_from=full["run"]["freeze_step"] - 1),
+        "after": lambda: auto_freeze_run(ckpt_dir, total,
+                                         resume_from=full["run"]["freeze_step"] + 3),
+    }, hvd.rank())
 
 
 # ---- flush_error_feedback ------------------------------------------------------------------------
