@@ -106,8 +106,18 @@ def assert_one_worker_joined(per_process, text, after_step: int, size: int) -> N
     assert_finished_together(per_process, size, text)
 
 
-def test_worker_replaced_in_compression_phase(tmp_path):
-    per_process, text = run_scenario(tmp_path, "replace")
+# The replaced-worker job runs with variance refreshes (at steps 7, 9, 13, 17 and 21: compressed
+# steps between them, the worker replaced after step 12): one elastic job serves both tests.
+REFRESH_OPTION = {"first_interval": 1, "growth": 2, "updates_per_interval": 3}
+
+
+@pytest.fixture(scope="module")
+def replaced(tmp_path_factory):
+    return run_scenario(tmp_path_factory.mktemp("replace"), "replace", refresh=REFRESH_OPTION)
+
+
+def test_worker_replaced_in_compression_phase(replaced):
+    per_process, text = replaced
     assert_one_worker_joined(per_process, text, after_step=KILL_STEP - 1, size=2)
 
 
@@ -116,15 +126,13 @@ def test_job_grows_in_compression_phase(tmp_path):
     assert_one_worker_joined(per_process, text, after_step=GROW_STEP, size=3)
 
 
-def test_refresh_schedule_survives_a_worker_replaced(tmp_path):
+def test_refresh_schedule_survives_a_worker_replaced(replaced):
     """variance_refresh: every process, the new worker too, refreshes at the steps the schedule
     gives from the step count alone (FREEZE of train_elastic.py: 6)."""
     from hvd_onebit.variance_refresh import RefreshSchedule
 
-    option = {"first_interval": 1, "growth": 2, "updates_per_interval": 3}
-    per_process, text = run_scenario(tmp_path, "replace", refresh=option)
-    assert_one_worker_joined(per_process, text, after_step=KILL_STEP - 1, size=2)
-    want = RefreshSchedule(**option)
+    per_process, text = replaced
+    want = RefreshSchedule(**REFRESH_OPTION)
     for pid, lines in per_process.items():
         steps = [s for s in lines if "step" in s]
         got = [s["step"] for s in steps if s["refreshed"]]
