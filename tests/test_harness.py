@@ -39,9 +39,9 @@ def test_a_hung_rank_is_killed_at_the_timeout(tmp_path):
     carries HANG_PID_FILE in its environment; the ranks that got going also wrote their pids.)"""
     pid_file = tmp_path / "hung.pid"
     with pytest.raises(RankFailure) as info:
-        run_ranks("tests.workers_harness:hang_on_rank", np=2, timeout=20,
+        run_ranks("tests.workers_harness:hang_on_rank", np=2, timeout=10,
                   env={"HANG_PID_FILE": str(pid_file)})
-    assert "timed out after 20s" in str(info.value), str(info.value)
+    assert "timed out after 10s" in str(info.value), str(info.value)
     left = {}
     for proc in psutil.process_iter(["pid", "name"]):
         try:
