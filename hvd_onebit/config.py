@@ -188,8 +188,8 @@ class OneBitConfig:
             alone (no collective); checkpoints carry it. No persistent
             buffer is added (a refresh uses temporaries of one bucket). Each refresh sends what
             a warmup step sends (about 32x a compressed step's bytes). With a refresh
-            schedule an early ``freeze_step`` (about 5% of the run, or "auto" with a short
-            ``auto_freeze={"min_steps": ...}``) is the recommended setting.
+            schedule an early ``freeze_step`` (3-5% of the run, measured with "doubling"; or
+            "auto" with a short ``auto_freeze={"min_steps": ...}``) is the recommended setting.
     """
 
     freeze_step: Union[int, str]

@@ -225,7 +225,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     longest step Adam could take), ``zero_variance`` and ``precondition`` (the 1-bit collectives
     carry the momentum over its frozen denominator), ``variance_refresh`` (None, "doubling" or a
     dict: full-precision refresh steps of the variance inside the compression phase, on 0/1
-    Adam's doubling schedule; with one, an early ``freeze_step`` (about 5% of the run, or
+    Adam's doubling schedule; with one, an early ``freeze_step`` (3-5% of the run, or
     "auto" with a short ``auto_freeze={"min_steps": ...}``) is the recommended setting).
 
     A param group may carry ``exp_avg_mask``: a tensor broadcastable to each of its parameters,
