@@ -53,10 +53,13 @@ class FlatErrorFeedback:
         if self._in_flight:
             raise RuntimeError("scale_error_feedback during a call")
         L = self.layout
-        full = torch.ones(L.padded, dtype=torch.float32, device=self._worker_y.device)
-        full[:L.numel] = ratio.reshape(-1)
-        worker = self.worker_error.mul_(full)
-        server = self.server_error.mul_(full[self.rank * L.chunk:(self.rank + 1) * L.chunk])
+        ratio = ratio.reshape(-1)
+        worker = self.worker_error  # fresh tensors; the padding past numel keeps its errors
+        worker[:L.numel].mul_(ratio)
+        server = self.server_error
+        lo, hi = self.rank * L.chunk, min((self.rank + 1) * L.chunk, L.numel)
+        if hi > lo:
+            server[:hi - lo].mul_(ratio[lo:hi])
         self._worker_y.copy_(worker)
         kernels.set_identity_rows(self._sent, L, L.n)
         self._server_z.copy_(server)

@@ -43,6 +43,8 @@ from ..kernels.fused_adam import AdamUpdate
 from ..kernels.fused_reference import frozen_denominator
 from .fusion import Bucket
 
+DENOMINATOR_SLICE = 1 << 18  # elements per slice of a refresh's denominators (temporaries)
+
 
 class VarianceRefresh:
     """The refresh half of :class:`~hvd_onebit.engine.step.CompressedStep` (a mixin over its
@@ -89,7 +91,7 @@ class VarianceRefresh:
         new = {p: self._denominator_terms(p, groups[p])[1] for p in owner}
         rescale = error_feedback == "rescale" and self.preconditioned and bool(self.comms)
         for b in self.buckets:
-            before = self._bucket_denominators(b, groups, old) if rescale else None
+            ratio = self._bucket_denominators(b, groups, old) if rescale else None
             for i, seg in enumerate(b.segments):
                 p = seg.param
                 beta1, w = groups[p]["betas"][0], weight.get(p)
@@ -101,11 +103,11 @@ class VarianceRefresh:
                 else:
                     m.lerp_(g, 1 - beta1)
                     v.mul_(1 - w).addcmul_(g, g, value=w)
-            if rescale:
-                after = self._bucket_denominators(b, groups, new)
-                held = torch.isinf(before) | torch.isinf(after)
-                ratio = before.div_(after).masked_fill_(held, 0.0)
+            if rescale:  # old / new denominator; 0 where either is inf (inf/x, x/inf, inf/inf)
+                self._bucket_denominators(b, groups, new, divide=ratio)
+                torch.nan_to_num_(ratio, nan=0.0, posinf=0.0, neginf=0.0)
                 self.comms[self._key(b)].scale_error_feedback(ratio)
+                del ratio
         for group in param_groups:
             for p, mask in zip(group["params"], group_masks(group)):
                 if mask is not None and p in mine:
@@ -121,15 +123,25 @@ class VarianceRefresh:
             self._remember_step(p, value + 1)
         return nbytes
 
-    def _bucket_denominators(self, b: Bucket, groups: dict, sqrt_bc2s: dict) -> torch.Tensor:
+    def _bucket_denominators(self, b: Bucket, groups: dict, sqrt_bc2s: dict,
+                             divide: Optional[torch.Tensor] = None) -> torch.Tensor:
         """float32 [b.numel]: the denominators of bucket ``b``'s elements from their variance
-        now, with each parameter's ``sqrt(bc2)`` from ``sqrt_bc2s`` (+inf where ``v == 0``)."""
-        d = torch.empty(b.numel, dtype=torch.float32, device=b.momentum.device)
+        now, with each parameter's ``sqrt(bc2)`` from ``sqrt_bc2s`` (+inf where ``v == 0``);
+        or, given ``divide``, that tensor divided by them in place. Computed in slices of
+        DENOMINATOR_SLICE elements, so the temporaries beyond the result stay small."""
+        out = divide if divide is not None else torch.empty(b.numel, dtype=torch.float32,
+                                                            device=b.momentum.device)
         for i, seg in enumerate(b.segments):
             v = b.piece(i, self.state[seg.param]["exp_avg_sq"]).reshape(-1)
-            d[seg.offset:seg.offset + seg.numel] = frozen_denominator(
-                v, sqrt_bc2s[seg.param], float(groups[seg.param]["eps"]))
-        return d
+            sqrt_bc2, eps = sqrt_bc2s[seg.param], float(groups[seg.param]["eps"])
+            for lo in range(0, seg.numel, DENOMINATOR_SLICE):
+                d = frozen_denominator(v[lo:lo + DENOMINATOR_SLICE], sqrt_bc2, eps)
+                target = out[seg.offset + lo:seg.offset + lo + d.numel()]
+                if divide is not None:
+                    target.div_(d)
+                else:
+                    target.copy_(d)
+        return out
 
     def _refresh_update(self, b: Bucket, terms: dict) -> AdamUpdate:
         """Adam's update of bucket ``b`` from its (new) momentum and variance: the compressed
