@@ -185,12 +185,15 @@ def _phase_entry(held: list[dict], before: list[int], transients: list[int],
 
 # ---- a Horovod job: DistributedOptimizer through both phases -------------------------------------
 
+PHASES = ("warmup", "compression", "refresh")  # "refresh": variance refresh steps (measured apart)
+
 def rank_run(layers: int, width: int, warmup: int, compressed: int, batch: int = 8,
              device: str = "cpu", bucket_size_mb: Optional[float] = None,
-             memory: str = "lean") -> dict:
+             memory: str = "lean", variance_refresh=None) -> dict:
     """Inside each rank of a Horovod job: ``warmup`` Adam steps, then ``compressed`` 1-bit
     steps of ``DistributedOptimizer(Adam)`` on ``layers`` linear layers of ``width``^2 weights;
-    the memory of each phase (see the module)."""
+    the memory of each phase (see the module). With ``variance_refresh``, the compression
+    phase's refresh steps are measured apart, as phase "refresh"."""
     import horovod.torch as hvd
 
     import hvd_onebit
@@ -203,24 +206,28 @@ def rank_run(layers: int, width: int, warmup: int, compressed: int, batch: int =
     model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)]).to(dev)
     params = list(model.parameters())
     extra = {} if bucket_size_mb is None else {"bucket_size_mb": bucket_size_mb}
+    if variance_refresh is not None:
+        extra["variance_refresh"] = variance_refresh
     opt = hvd_onebit.DistributedOptimizer(torch.optim.Adam(params, lr=1e-4),
                                           named_parameters=model.named_parameters(),
                                           freeze_step=warmup, memory=memory, **extra)
     x = torch.randn(batch, width, generator=torch.Generator().manual_seed(hvd.rank())).to(dev)
-    transients: dict[str, list[int]] = {"warmup": [], "compression": []}
-    held: dict[str, list[dict]] = {"warmup": [], "compression": []}
-    before: dict[str, list[int]] = {"warmup": [], "compression": []}
+    transients: dict[str, list[int]] = {"warmup": [], "compression": [], "refresh": []}
+    held: dict[str, list[dict]] = {"warmup": [], "compression": [], "refresh": []}
+    before: dict[str, list[int]] = {"warmup": [], "compression": [], "refresh": []}
     backward_transient, adam_transient = _baseline_transients(model, x, dev)
     last = 0
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for _ in range(warmup + compressed):
-            phase = opt.phase
+            phase, refreshes = opt.phase, opt.telemetry().get("refreshes", 0)
             loss = model(x).square().mean()
             opt.zero_grad(set_to_none=False)
             with StepPeak(dev) as peak:
                 loss.backward()
                 opt.step()
+            if opt.telemetry().get("refreshes", 0) > refreshes:
+                phase = "refresh"
             transients[phase].append(max(0, peak.bytes - backward_transient))
             before[phase].append(last)
             engine = opt.compressed_step
@@ -236,7 +243,7 @@ def rank_run(layers: int, width: int, warmup: int, compressed: int, batch: int =
             "buckets": len(engine.buckets or []), "adam_step_transient_bytes": adam_transient,
             "backward_transient_bytes": backward_transient,
             "phases": {ph: _phase_entry(held[ph], before[ph], transients[ph], param_bytes)
-                       for ph in ("warmup", "compression") if held[ph]}}
+                       for ph in PHASES if held[ph]}}
 
 
 def _baseline_transients(model: torch.nn.Module, x: torch.Tensor, dev: torch.device
@@ -322,11 +329,13 @@ def inprocess_run(n: int, layers: int, width: int, steps: int,
 def bench_memory(ranks: int = 2, layers: int = 4, width: int = 1024, warmup: int = 3,
                  compressed: int = 3, transport: str = "horovod", device: str = "cpu",
                  bucket_size_mb: Optional[float] = None, timeout: float = 600.0,
-                 memory: str = "lean") -> dict:
+                 memory: str = "lean", variance_refresh=None) -> dict:
     """Run the measurement; return the JSON report (every rank's phases, and the worst).
     ``memory``: the optimizer's option ("lean", the CUDA default, is what the target is about;
     "fast", the CPU default, keeps 1x the parameters more)."""
     if transport == "inprocess":
+        if variance_refresh is not None:
+            raise ValueError("variance refresh steps run through Horovod: use transport='horovod'")
         if device != "cpu":
             raise ValueError("the in-process measurement runs on CPU")
         per_rank = [inprocess_run(ranks, layers, width, compressed, bucket_size_mb, memory)]
@@ -337,9 +346,10 @@ def bench_memory(ranks: int = 2, layers: int = 4, width: int = 1024, warmup: int
         per_rank = run_ranks("hvd_onebit.bench.memory:rank_run", np=ranks, timeout=timeout,
                              env=env, kwargs=dict(layers=layers, width=width, warmup=warmup,
                                                   compressed=compressed, device=device,
-                                                  bucket_size_mb=bucket_size_mb, memory=memory))
+                                                  bucket_size_mb=bucket_size_mb, memory=memory,
+                                                  variance_refresh=variance_refresh))
     phases = {}
-    for ph in ("warmup", "compression"):
+    for ph in PHASES:
         entries = [r["phases"][ph] for r in per_rank if ph in r["phases"]]
         if entries:
             phases[ph] = max(entries, key=lambda e: e["peak_ratio"])

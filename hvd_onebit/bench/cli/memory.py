@@ -25,17 +25,26 @@ from ..report import print_table
 @click.option("--memory", "memory_mode", type=click.Choice(["lean", "fast", "auto"]),
               default="lean", show_default=True,
               help="The optimizer's memory option (lean: CUDA's default; fast: the CPU's).")
+@click.option("--variance-refresh", default="none", show_default=True,
+              help="The optimizer's variance_refresh (none, doubling or a JSON object); its "
+                   "refresh steps are measured apart, as phase 'refresh'.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 def bench_memory_command(ranks: int, layers: int, width: int, warmup: int, compressed: int,
                          transport: str, device: str, bucket_mb: Optional[float],
-                         memory_mode: str, as_json: bool) -> None:
+                         memory_mode: str, variance_refresh: str, as_json: bool) -> None:
     """Memory beyond Adam's own per phase, as a ratio to the parameters' fp32 bytes
     (compression-phase target: <= 1.25, peak included)."""
     from ..memory import bench_memory
+    from ..refresh import parse_variance_refresh
 
+    try:
+        refresh = parse_variance_refresh(variance_refresh)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--variance-refresh") from exc
     result = bench_memory(ranks=ranks, layers=layers, width=width, warmup=warmup,
                           compressed=compressed, transport=transport, device=device,
-                          bucket_size_mb=bucket_mb, memory=memory_mode)
+                          bucket_size_mb=bucket_mb, memory=memory_mode,
+                          variance_refresh=refresh)
     if as_json:
         click.echo(json.dumps(result, indent=2))
         return
