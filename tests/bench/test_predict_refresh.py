@@ -96,7 +96,8 @@ def test_the_refresh_pays_more_the_longer_the_run():
 
 
 def test_variance_refresh_option_parsing():
-    assert parse_variance_refresh("none") is None and parse_variance_refresh(None) is None
+    parsed = {text: parse_variance_refresh(text) for text in ("none", None, "")}
+    assert parsed == {"none": None, None: None, "": None}, f"no schedule should parse to None: {parsed}"
     assert parse_variance_refresh("doubling") == "doubling"
     assert parse_variance_refresh('{"first_interval": 8, "last_step": 5000}') == \
         {"first_interval": 8, "last_step": 5000}
