@@ -22,7 +22,7 @@ from ..low_precision import is_low_precision
 from ..overlap import Overlap
 from ..state.schedule import Schedule
 from ..state.telemetry import Telemetry
-from .warmup import sparse_gradient_error
+from .warmup import as_adam_takes_it, sparse_gradient_error
 
 STALE_WARNING = (
     "hvd_onebit: the gradients changed between backward and step() (e.g. clipped, or a "
@@ -60,12 +60,7 @@ class CompressionPhase:
             g = g.float()
         if self._view.op == Sum:  # Horovod's Sum: the update sees the sum over ranks
             g = g * self._engine.world
-        if group.get("maximize"):
-            g = -g
-        wd = group["weight_decay"]
-        if wd != 0 and not self._view.decoupled(group):
-            g = g.add(p.detach().to(g.dtype), alpha=wd)
-        return g
+        return as_adam_takes_it(self._view, p, group, g)
 
     def step(self, changed: bool = False) -> bool:
         """One compressed step, counted when taken. Returns False when it was skipped because

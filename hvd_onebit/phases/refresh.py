@@ -26,7 +26,7 @@ from ..horovod_view import HorovodView
 from ..low_precision import is_low_precision
 from ..state.schedule import Schedule
 from ..state.telemetry import Telemetry
-from .warmup import Warmup, all_finite, closure_loss, sparse_gradient_error
+from .warmup import Warmup, as_adam_takes_it, closure_loss, sparse_gradient_error
 
 logger = logging.getLogger("hvd_onebit")
 
@@ -58,20 +58,9 @@ class RefreshPhase:
     def step(self, closure: Optional[Callable[[], float]], make_hook: Callable):
         """Horovod's synchronize, then the refresh; non-finite averaged gradients skip the step
         on every rank. Returns the closure's loss."""
-        self.wait_seconds = 0.0
         self._extra_bytes = 0
-        self._telemetry.last_step_breakdown = {}
-        self.synchronize_for_step(make_hook)
-        grads = [p.grad for p in self._view.parameters() if p.grad is not None]
-        if not all_finite(grads):
-            self._telemetry.skipped_steps += 1
-            warnings.warn("hvd_onebit: refresh step skipped on every rank: non-finite averaged "
-                          "gradients")
-            loss = None
-        else:
-            loss = self.adam_step(closure)
-        self.account()
-        return loss
+        return self._warmup.full_precision_step(closure, make_hook, self.adam_step, self.account,
+                                                "refresh step")
 
     def adam_step(self, closure: Optional[Callable[[], float]]):
         """The refresh on the averaged gradients (finite), counted and logged."""
@@ -108,9 +97,4 @@ class RefreshPhase:
             raise sparse_gradient_error(self._view, p)
         if is_low_precision(p):
             g = g.float()
-        if group.get("maximize"):
-            g = -g
-        wd = group["weight_decay"]
-        if wd != 0 and not self._view.decoupled(group):
-            g = g.add(p.detach().to(g.dtype), alpha=wd)
-        return g
+        return as_adam_takes_it(self._view, p, group, g)

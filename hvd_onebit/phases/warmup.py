@@ -72,17 +72,25 @@ class Warmup:
 
     def step(self, closure: Optional[Callable[[], float]], make_hook: Callable):
         """Horovod's step (synchronize, then the wrapped Adam), skipping non-finite gradients."""
+        return self.full_precision_step(closure, make_hook, self.adam_step, self.account, "step")
+
+    def full_precision_step(self, closure: Optional[Callable[[], float]], make_hook: Callable,
+                            apply: Callable, account: Callable[[], None], what: str):
+        """A step whose gradients Horovod allreduced: synchronize, then ``apply(closure)``
+        unless an averaged gradient is non-finite (the same on every rank: every rank skips,
+        warning that the ``what`` was skipped), then ``account()``. Returns the loss."""
         self.wait_seconds = 0.0
         self._telemetry.last_step_breakdown = {}
         self.synchronize_for_step(make_hook)
         grads = [p.grad for p in self._view.parameters() if p.grad is not None]
         if not all_finite(grads):
             self._telemetry.skipped_steps += 1
-            warnings.warn("hvd_onebit: step skipped on every rank: non-finite averaged gradients")
+            warnings.warn(f"hvd_onebit: {what} skipped on every rank: non-finite averaged "
+                          "gradients")
             loss = None
         else:
-            loss = self.adam_step(closure)
-        self.account()
+            loss = apply(closure)
+        account()
         return loss
 
     def adam_step(self, closure: Optional[Callable[[], float]]):
@@ -123,6 +131,18 @@ class Warmup:
         total = sum(p.numel() * (elem or (4 if p.dtype == torch.bfloat16 else p.element_size()))
                     for p in self._view.requires_update)
         return ring_allreduce_bytes(total, self._engine.world)
+
+
+def as_adam_takes_it(view: HorovodView, p: torch.Tensor, group: dict,
+                     g: torch.Tensor) -> torch.Tensor:
+    """The gradient ``g`` of ``p`` as Adam takes it in: negated for ``maximize``, plus Adam's
+    L2 weight decay (not AdamW's decoupled one) in ``g``'s dtype."""
+    if group.get("maximize"):
+        g = -g
+    wd = group["weight_decay"]
+    if wd != 0 and not view.decoupled(group):
+        g = g.add(p.detach().to(g.dtype), alpha=wd)
+    return g
 
 
 def closure_loss(closure: Optional[Callable[[], float]]):
