@@ -13,18 +13,19 @@ from .. import kernels
 
 class FlatErrorFeedback:
     """Error-feedback state of :class:`~hvd_onebit.comm.flat.OneBitAllreduce` (a mixin over its
-    ``_worker_y``, ``_sent``, ``_server_z``, ``_server_sent``, ``layout``, ``size``, ``rank``
-    and ``block_size``)."""
+    ``_worker_y``, ``_sent``, ``_server_z``, ``_server_sent``, ``layout``, ``size``, ``rank``,
+    ``block_size`` and ``backend``)."""
 
     @property
     def worker_error(self) -> torch.Tensor:
         """e_w: float32 [padded], this rank's worker error feedback (a fresh tensor)."""
-        return kernels.worker_error(self._worker_y, self._sent, self.layout)
+        return kernels.worker_error(self._worker_y, self._sent, self.layout, self.backend)
 
     @property
     def server_error(self) -> torch.Tensor:
         """e_s: float32 [chunk], this rank's server error for the chunk it serves (a fresh tensor)."""
-        return kernels.server_error(self._server_z, self._server_sent, self.layout)
+        return kernels.server_error(self._server_z, self._server_sent, self.layout,
+                                    self.backend)
 
     def error_contribution(self) -> torch.Tensor:
         """float32 [padded]: this rank's share of what error feedback has yet to deliver,

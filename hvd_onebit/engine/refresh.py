@@ -38,12 +38,10 @@ from typing import Mapping, Optional
 
 import torch
 
+from .. import kernels
 from ..config import group_masks
 from ..kernels.fused_adam import AdamUpdate
-from ..kernels.fused_reference import frozen_denominator
 from .fusion import Bucket
-
-DENOMINATOR_SLICE = 1 << 18  # elements per slice of a refresh's denominators (temporaries)
 
 
 class VarianceRefresh:
@@ -105,7 +103,6 @@ class VarianceRefresh:
                     v.mul_(1 - w).addcmul_(g, g, value=w)
             if rescale:  # old / new denominator; 0 where either is inf (inf/x, x/inf, inf/inf)
                 self._bucket_denominators(b, groups, new, divide=ratio)
-                torch.nan_to_num_(ratio, nan=0.0, posinf=0.0, neginf=0.0)
                 self.comms[self._key(b)].scale_error_feedback(ratio)
                 del ratio
         for group in param_groups:
@@ -127,20 +124,20 @@ class VarianceRefresh:
                              divide: Optional[torch.Tensor] = None) -> torch.Tensor:
         """float32 [b.numel]: the denominators of bucket ``b``'s elements from their variance
         now, with each parameter's ``sqrt(bc2)`` from ``sqrt_bc2s`` (+inf where ``v == 0``);
-        or, given ``divide``, that tensor divided by them in place. Computed in slices of
-        DENOMINATOR_SLICE elements, so the temporaries beyond the result stay small."""
+        or, given ``divide``, that tensor divided by them in place, every non-finite quotient
+        (an infinite denominator on either side) set to 0 (:mod:`hvd_onebit.kernels.denominators`:
+        one pass per segment)."""
         out = divide if divide is not None else torch.empty(b.numel, dtype=torch.float32,
                                                             device=b.momentum.device)
+        backend = self.config.kernel_backend
         for i, seg in enumerate(b.segments):
             v = b.piece(i, self.state[seg.param]["exp_avg_sq"]).reshape(-1)
             sqrt_bc2, eps = sqrt_bc2s[seg.param], float(groups[seg.param]["eps"])
-            for lo in range(0, seg.numel, DENOMINATOR_SLICE):
-                d = frozen_denominator(v[lo:lo + DENOMINATOR_SLICE], sqrt_bc2, eps)
-                target = out[seg.offset + lo:seg.offset + lo + d.numel()]
-                if divide is not None:
-                    target.div_(d)
-                else:
-                    target.copy_(d)
+            target = out[seg.offset:seg.offset + seg.numel]
+            if divide is not None:
+                kernels.divide_by_denominators(target, v, sqrt_bc2, eps, backend)
+            else:
+                kernels.denominators(v, target, sqrt_bc2, eps, backend)
         return out
 
     def _refresh_update(self, b: Bucket, terms: dict) -> AdamUpdate:

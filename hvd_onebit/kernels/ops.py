@@ -9,7 +9,7 @@ import torch
 
 from ..layout import Layout
 from . import reference
-from .backend import in_place, native_module, pick, triton_module
+from .backend import in_place, native_module, native_ready, pick, triton_module
 
 
 def _triton_fits(layout: Layout, device: torch.device, tensors) -> bool:
@@ -91,3 +91,30 @@ def decode(rows: torch.Tensor, out: torch.Tensor, layout: Layout, backend: str =
         native_module().decode(rows, out, *layout.as_args(), True)
     else:
         reference.decode(rows, out, layout)
+
+
+def worker_error(y: torch.Tensor, rows: torch.Tensor, layout: Layout,
+                 backend: str = "auto") -> torch.Tensor:
+    """The worker error ``e = y - s * sign(y)`` as float32 [padded], a fresh tensor, from its
+    factored form: ``y`` float32 [padded], the n ``rows`` uint8 [n * row_bytes]."""
+    return _factored_error(y, rows, layout, layout.n, backend, reference.worker_error)
+
+
+def server_error(z: torch.Tensor, row: torch.Tensor, layout: Layout,
+                 backend: str = "auto") -> torch.Tensor:
+    """The server error ``e_s = z - s * sign(z)`` as float32 [chunk], a fresh tensor, from its
+    factored form: ``z`` float32 [chunk], the one ``row`` uint8 [row_bytes]."""
+    return _factored_error(z, row, layout, 1, backend, reference.server_error)
+
+
+def _factored_error(y: torch.Tensor, rows: torch.Tensor, layout: Layout, count: int,
+                    backend: str, twin) -> torch.Tensor:
+    """``y - decode(rows)`` over ``count`` rows: the native decode where it runs (the torch
+    twin unpacks every sign into a tensor of its own), then one subtraction; the same bits."""
+    if pick(backend, y.device, native=lambda: native_ready((y,)) and rows.is_contiguous()
+            and rows.device == y.device) != "native":
+        return twin(y, rows, layout)
+    e = torch.empty_like(y)
+    if e.numel():
+        native_module().decode(rows, e, count, layout.chunk, layout.block, layout.row_bytes, True)
+    return torch.sub(y, e, out=e)

@@ -986,6 +986,62 @@ void update(const torch::Tensor& src, torch::Tensor m,
   update_scalar(src.data_ptr<float>(), m.data_ptr<float>(), segs);
 }
 
+// ---- denominators (a variance refresh) -------------------------------------------------------
+// out = frozen_denominator(v) (divide false), or out = out / frozen_denominator(v) with every
+// non-finite quotient set to 0 (divide true): a refresh's factor from the old denominators (in
+// out) to the new ones, where an infinite one on either side (a held element) gives 0.
+
+inline float finite_or_zero(float q) { return std::isfinite(q) ? q : 0.0f; }
+
+void denominators_scalar(const float* v, float* out, int64_t numel, float sqrt_bc2, float eps,
+                         bool divide) {
+  for (int64_t p = 0; p < numel; ++p) {
+    const float d = frozen_denominator(v[p], sqrt_bc2, eps);
+    out[p] = divide ? finite_or_zero(out[p] / d) : d;
+  }
+}
+
+#if defined(HVD_ONEBIT_X86)
+__attribute__((target("avx2,fma"))) int64_t denominators_avx2(const float* v, float* out,
+                                                               int64_t numel, float sqrt_bc2,
+                                                               float eps, bool divide) {
+  const __m256 inf = _mm256_set1_ps(std::numeric_limits<float>::infinity());
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  int64_t p = 0;
+  for (; p + 8 <= numel; p += 8) {
+    const __m256 d = frozen_denominator8(v + p, sqrt_bc2, eps);
+    if (!divide) {
+      _mm256_storeu_ps(out + p, d);
+      continue;
+    }
+    const __m256 q = _mm256_div_ps(_mm256_loadu_ps(out + p), d);
+    // |q| < inf is false for inf and NaN alike: those lanes become +0
+    const __m256 finite = _mm256_cmp_ps(_mm256_andnot_ps(sign, q), inf, _CMP_LT_OQ);
+    _mm256_storeu_ps(out + p, _mm256_and_ps(q, finite));
+  }
+  return p;
+}
+#endif
+
+void denominators(const torch::Tensor& v, torch::Tensor out, double sqrt_bc2, double eps,
+                  bool divide, bool allow_simd) {
+  check_cpu(v, torch::kFloat32, "v", 0);
+  check_cpu(out, torch::kFloat32, "out", v.numel());
+  TORCH_CHECK(out.numel() == v.numel(), "out has ", out.numel(), " elements, v ", v.numel());
+  const int64_t numel = v.numel();
+  if (numel == 0) return;
+  // Each scalar rounded to fp32 from double, as torch rounds a Python scalar.
+  const float s = static_cast<float>(sqrt_bc2), e = static_cast<float>(eps);
+  const float* vp = v.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  pybind11::gil_scoped_release no_gil;
+  int64_t p = 0;
+#if defined(HVD_ONEBIT_X86)
+  if (allow_simd && cpu_has_avx2()) p = denominators_avx2(vp, op, numel, s, e, divide);
+#endif
+  denominators_scalar(vp + p, op + p, numel - p, s, e, divide);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -1018,5 +1074,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("update", &update,
         "m = src (+0 where v == 0) and, for each weight given, decode_update's weight update "
         "with d = src; src may be m.");
+  m.def("denominators", &denominators,
+        "out = sqrt(v)/sqrt_bc2 + eps (inf where v == 0); with divide, out = out / that, every "
+        "non-finite quotient set to +0 (a variance refresh's old / new denominator).");
   m.def("has_avx2", &cpu_has_avx2, "Whether the AVX2 code path is available on this CPU.");
 }
