@@ -66,3 +66,29 @@ def run_steps(run_steps: int, freeze_step: int, option: Option = None) -> dict:
     R = schedule.count(run_steps, F) if schedule is not None else 0
     return {"run_steps": run_steps, "freeze_step": F, "refresh_steps": R,
             "full_precision_steps": F + R, "compressed_steps": run_steps - F - R}
+
+
+def whole_run_ceilings(fixed: dict, refreshed: dict) -> dict:
+    """What bounds a refresh run's speed-up over a fixed-warmup run, from two ``bench train``
+    rows of one job (each with its ``steps_by_kind``, ``warmup_step_s``, ``compression_step_s``
+    and, for the refreshed one, ``refresh_step_s``): the speed-up it would reach if its refresh
+    steps cost what a warmup step costs (``..._at_warmup_cost``), and if it took no
+    full-precision step after its own warmup (``..._no_refreshes``) or none at all
+    (``..._any_schedule``: every step compressed, the ceiling of any schedule; over a fixed run
+    frozen at fraction w it is about ``w * r + (1 - w)``, r the ratio of a warmup step to a
+    compressed one). Empty when a figure is missing."""
+    try:
+        warm, comp = refreshed["warmup_step_s"], refreshed["compression_step_s"]
+        kinds, base = refreshed["steps_by_kind"], fixed["run_seconds"]
+        steps, freeze = kinds["run_steps"], kinds["freeze_step"]
+    except KeyError:
+        return {}
+    fp = kinds["full_precision_steps"]
+    return {
+        "warmup_over_compressed_step": warm / comp,
+        "refresh_over_warmup_step": (refreshed["refresh_step_s"] / warm
+                                     if refreshed.get("refresh_step_s") else None),
+        "onebit_refresh_speedup_at_warmup_cost": base / (fp * warm + (steps - fp) * comp),
+        "onebit_refresh_speedup_no_refreshes": base / (freeze * warm + (steps - freeze) * comp),
+        "onebit_refresh_speedup_any_schedule": base / (steps * comp),
+    }

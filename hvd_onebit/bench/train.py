@@ -52,7 +52,7 @@ from typing import Optional
 from ..layout import ring_allreduce_bytes
 from ..variance_refresh import RefreshSchedule
 from .allreduce import _iface_tx_bytes
-from .refresh import freeze_step_for, option_text, run_steps
+from .refresh import freeze_step_for, option_text, run_steps, whole_run_ceilings
 from .waits import WAITS
 from .waits import sleeping_horovod_waits as _sleeping_horovod_waits  # noqa: F401 (zoo)
 
@@ -327,6 +327,7 @@ def summarize(rows: list[dict]) -> dict:
         if ref.get("run_measured_tx_bytes") and ob.get("run_measured_tx_bytes"):
             out["onebit_refresh_measured_bytes_vs_onebit"] = (ref["run_measured_tx_bytes"]
                                                               / ob["run_measured_tx_bytes"])
+        out.update(whole_run_ceilings(ob, ref))
     for name in ("horovod_fp16", "ddp_powersgd"):
         r = by.get(name)
         if fp32 and r:

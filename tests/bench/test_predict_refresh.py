@@ -128,3 +128,23 @@ def test_predict_cli_prints_the_refresh_columns_and_the_run_length_sweep(tmp_pat
     proc = subprocess.run(base + ["--variance-refresh", '{"every": 3}'],
                           capture_output=True, text=True, cwd=REPO, timeout=120)
     assert proc.returncode != 0 and "unknown option" in proc.stderr, proc.stderr
+
+
+def test_bench_train_reports_what_bounds_the_refresh_runs_speed_up():
+    from hvd_onebit.bench.refresh import run_steps, whole_run_ceilings
+
+    steps = 600
+    fixed = {"run_seconds": 90 * 0.6 + 510 * 0.15, "steps_by_kind": run_steps(steps, 90)}
+    kinds = run_steps(steps, 18, "doubling")
+    refreshed = {"warmup_step_s": 0.6, "compression_step_s": 0.15, "refresh_step_s": 0.9,
+                 "steps_by_kind": kinds}
+    got = whole_run_ceilings(fixed, refreshed)
+    fp = kinds["full_precision_steps"]
+    expect = {"warmup_over_compressed_step": 4.0, "refresh_over_warmup_step": 1.5,
+              "onebit_refresh_speedup_at_warmup_cost":
+                  fixed["run_seconds"] / (fp * 0.6 + (steps - fp) * 0.15),
+              "onebit_refresh_speedup_no_refreshes":
+                  fixed["run_seconds"] / (18 * 0.6 + 582 * 0.15),
+              "onebit_refresh_speedup_any_schedule": (0.15 * 4 + 0.85)}
+    assert got == pytest.approx(expect), f"ceilings {got}, expected {expect}"
+    assert whole_run_ceilings(fixed, {"steps_by_kind": kinds}) == {}, "a missing figure"
