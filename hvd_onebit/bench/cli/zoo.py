@@ -17,8 +17,11 @@ from .options import comma_list
                    "hvd_onebit/bench/zoo/grid.py): bounded (this round's: preconditioned "
                    "and bounded), unbounded (before it: neither), bound_only, "
                    "precondition_only, bounded_eps / bounded_floor (zero_variance), frozen_exact "
-                   "(frozen variance, exact momentum: what freezing alone costs), default "
-                   "(the installed defaults).")
+                   "(frozen variance, exact momentum: what freezing alone costs), "
+                   "bounded_blocks512, bounded_refresh / bounded_refresh_doubling "
+                   "(variance_refresh) and refresh_exact / refresh_fold / refresh_single / "
+                   "refresh_blocks512 / refresh_unpreconditioned (one refresh mechanism "
+                   "changed each), default (the installed defaults).")
 @click.option("--seeds", default=3, show_default=True, type=click.IntRange(1),
               help="Seeds per family and learning rate (0, 1, ...).")
 @click.option("--freezes", default="10%,20%,50%,auto", show_default=True, callback=comma_list(str),
@@ -41,10 +44,13 @@ from .options import comma_list
 @click.option("--metric", type=click.Choice(["final", "tail"]), default="final",
               show_default=True, help="final: the last held-out loss; tail: the mean of the "
               "last three evaluations (less noisy).")
+@click.option("--against", default=None, metavar="SCHEME",
+              help="Also compare every other scheme with this one cell by cell (same family, "
+              "lr, seed and freeze): how many cells are worse, by how much.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON instead of "
               "tables.")
 def bench_zoo(families, schemes, seeds, freezes, lrs, steps, batch, np_, out_dir, timeout,
-              resume, report_only, metric, as_json) -> None:
+              resume, report_only, metric, against, as_json) -> None:
     """Convergence zoo: Horovod Adam vs 1-bit Adam on seven model families, two learning
     rates, four freeze settings and several seeds, on NP ranks; every cell's final held-out
     loss over Adam's on the same seed, divergences marked (table, summary.json, heat_map.png)."""
@@ -68,8 +74,8 @@ def bench_zoo(families, schemes, seeds, freezes, lrs, steps, batch, np_, out_dir
         for name, why in result["failures"].items():
             click.echo(f"[zoo] {name} failed:\n{why[-3000:]}", err=True)
     try:
-        summary = write_report(out, metric, show=not as_json)
-    except FileNotFoundError as exc:
+        summary = write_report(out, metric, show=not as_json, against=against)
+    except (FileNotFoundError, ValueError) as exc:
         raise click.ClickException(str(exc)) from exc
     if as_json:
         from ..zoo.report import json_safe

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Iterable, Optional
 
 from ..report import print_table
+from . import pairs
 from .grid import ADAM, FREEZES, LR_RULES, reference_key
 from .models import FAMILIES
 from .runner import RESULTS, read_cells
@@ -284,9 +285,11 @@ def heat_map(rows: list[dict], path: Path, metric: str = "final") -> None:
 
 
 def write_report(out_dir: Path, metric: str = "final", plot: bool = True,
-                 show: bool = True) -> dict:
+                 show: bool = True, against: Optional[str] = None) -> dict:
     """Read ``out_dir/cells.jsonl``; print the report; write ``summary.json`` and
-    ``heat_map.png`` beside it. Returns the summary."""
+    ``heat_map.png`` beside it. With ``against`` (a scheme), the summary's ``"against"`` holds
+    every other scheme's cells compared pair by pair with that scheme's (:mod:`.pairs`).
+    Returns the summary."""
     out_dir = Path(out_dir)
     records = read_cells(out_dir / RESULTS)
     if not records:
@@ -297,9 +300,14 @@ def write_report(out_dir: Path, metric: str = "final", plot: bool = True,
         png = out_dir / "heat_map.png"
         heat_map(rows, png, metric)
         summary["plot"] = str(png)
+    if against is not None:
+        summary["against"] = {"base": against, "schemes": pairs.against(rows, against)}
     (out_dir / "summary.json").write_text(json.dumps(json_safe(summary), indent=1))
     if show:
         print_report(summary, rows)
+        if against is not None:
+            print()
+            pairs.print_against(summary["against"]["schemes"], against)
         print(f"\nwrote {out_dir / 'summary.json'}" + (f" and {summary['plot']}"
                                                        if "plot" in summary else ""))
     return summary

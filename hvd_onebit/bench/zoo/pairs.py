@@ -1,0 +1,76 @@
+"""Schemes against a base scheme, cell by cell: the zoo's answer to "is this variant worse
+anywhere than the one it replaces?".
+
+Two cells pair when they share family, learning-rate rule, seed, freeze setting, steps and batch
+and differ only in the scheme. Per scheme the comparison gives how many of its cells have a
+higher ratio to Adam than the base scheme's cell (a divergence counts as an infinite ratio, as in
+:mod:`.report`), by how much at most, the median of the ratio of ratios, and the worst cells.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+from typing import Optional
+
+PAIR_KEYS = ("family", "lr_rule", "seed", "freeze", "steps", "batch")
+WORST_SHOWN = 8
+
+
+def _pair_key(row: dict) -> tuple:
+    return tuple(row.get(k) for k in PAIR_KEYS)
+
+
+def _cell(row: dict) -> str:
+    return f"{row['family']} {row['lr_rule']} seed {row['seed']} {row['freeze']}"
+
+
+def against(rows: list[dict], base: str) -> dict:
+    """Every other scheme of ``rows`` (:func:`.report.compare`'s) against ``base``, over the pairs
+    where both cells have a ratio (Adam converged). Per scheme: ``pairs``, ``worse`` (cells whose
+    ratio is above the base's), ``worse_by_over_1pct`` (above it by more than 1% of it),
+    ``max_excess`` (the largest ratio - base ratio; inf where only this one diverged),
+    ``median_ratio_of_ratios`` and ``worst`` (up to WORST_SHOWN cells, worst first).
+
+    Raises:
+        ValueError: ``base`` has no cells in ``rows``.
+    """
+    base_rows = {_pair_key(r): r for r in rows if r["scheme"] == base and r["ratio"] is not None}
+    if not base_rows:
+        raise ValueError(f"no cells of base scheme {base!r} to compare with")
+    out: dict[str, dict] = {}
+    for scheme in dict.fromkeys(r["scheme"] for r in rows):
+        if scheme == base:
+            continue
+        pairs = [(r, base_rows[_pair_key(r)]) for r in rows
+                 if r["scheme"] == scheme and r["ratio"] is not None and _pair_key(r) in base_rows]
+        excess = [(_excess(r["ratio"], b["ratio"]), r, b) for r, b in pairs]
+        quotients = [r["ratio"] / b["ratio"] for r, b in pairs
+                     if math.isfinite(r["ratio"]) and math.isfinite(b["ratio"])]
+        worse = sorted((e for e in excess if e[0] > 0), key=lambda e: -e[0])
+        out[scheme] = {
+            "pairs": len(pairs),
+            "worse": len(worse),
+            "worse_by_over_1pct": sum(r["ratio"] > 1.01 * b["ratio"] for _, r, b in worse),
+            "max_excess": worse[0][0] if worse else 0.0,
+            "median_ratio_of_ratios": statistics.median(quotients) if quotients else None,
+            "worst": [{"cell": _cell(r), "ratio": r["ratio"], "base_ratio": b["ratio"]}
+                      for _, r, b in worse[:WORST_SHOWN]],
+        }
+    return out
+
+
+def _excess(ratio: float, base_ratio: float) -> float:
+    if math.isinf(ratio) and math.isinf(base_ratio):
+        return 0.0  # both diverged: not worse
+    return ratio - base_ratio
+
+
+def print_against(result: dict, base: str, show: Optional[int] = None) -> None:
+    """The comparison as lines of text, one block per scheme."""
+    for scheme, s in result.items():
+        med = s["median_ratio_of_ratios"]
+        print(f"{scheme} against {base}: {s['worse']} of {s['pairs']} cells worse "
+              f"({s['worse_by_over_1pct']} by over 1%), largest excess {s['max_excess']:.4f}, "
+              f"median ratio of ratios " + ("-" if med is None else f"{med:.4f}"))
+        for w in s["worst"][:show]:
+            print(f"  {w['cell']}: {w['ratio']:.4f} vs {w['base_ratio']:.4f}")
