@@ -1,7 +1,8 @@
 """The three sign-compression kernels as callers see them: worker compress, server average and
-recompress, decode. Each asks :func:`~hvd_onebit.kernels.backend.pick` which implementation runs
-it (native C++, Triton or the torch twin of :mod:`~hvd_onebit.kernels.reference`) and calls it;
-every implementation gives the same bits.
+recompress, decode; and the two factored errors materialised. Each asks
+:func:`~hvd_onebit.kernels.backend.pick` which implementation runs it (native C++, Triton or the
+torch twin of :mod:`~hvd_onebit.kernels.reference`) and calls it; every implementation gives the
+same bits.
 """
 from __future__ import annotations
 

@@ -37,6 +37,20 @@ SCHEMES: dict[str, dict[str, Any]] = {
                         "variance_refresh": {"first_interval": 16, "updates_per_interval": 4}},
     "bounded_refresh_doubling": {"step_bound": "adam", "precondition": True,
                                  "variance_refresh": "doubling"},
+    # what a refresh run gains or loses, one mechanism at a time: the exact momentum average
+    # between refreshes (no compression), 512-element scales, the errors folded instead of
+    # rescaled, 0/1 Adam's single variance update, the momentum itself compressed (no
+    # preconditioning)
+    "refresh_exact": {"step_bound": "adam", "precondition": True, "compressor": "none",
+                      "variance_refresh": "doubling"},
+    "refresh_fold": {"step_bound": "adam", "precondition": True,
+                     "variance_refresh": {"error_feedback": "fold"}},
+    "refresh_single": {"step_bound": "adam", "precondition": True,
+                       "variance_refresh": {"variance_update": "single"}},
+    "refresh_blocks512": {"step_bound": "adam", "precondition": True, "block_size": 512,
+                          "variance_refresh": "doubling"},
+    "refresh_unpreconditioned": {"step_bound": "adam", "precondition": False,
+                                 "variance_refresh": "doubling"},
 }
 DEFAULT_SCHEMES = ("bounded", "unbounded")
 # Freeze settings: a fraction of the run's steps, or "auto" (bounded so it always compresses).
