@@ -70,6 +70,23 @@ def nodes_options(command):
              "only traffic between nodes crosses the shaped links (NP / this = nodes).")(command)
 
 
+def refresh_options(what: str, freeze_help: str):
+    """``--variance-refresh`` and ``--refresh-freeze-frac``, as every command with a refresh
+    setting spells them; ``what`` and ``freeze_help`` say what they set there."""
+    def decorate(command):
+        command = click.option(
+            "--refresh-freeze-frac", default=0.05, show_default=True,
+            type=click.FloatRange(0, 1),
+            help=freeze_help + " (an early freeze is the recommended setting with a refresh "
+                 "schedule).")(command)
+        return click.option(
+            "--variance-refresh", "variance_refresh", default="doubling", show_default=True,
+            help=what + ": none, doubling (0/1 Adam's schedule) or a JSON object of "
+                 "RefreshSchedule's fields, e.g. '{\"first_interval\": 16, "
+                 "\"updates_per_interval\": 4}'.")(command)
+    return decorate
+
+
 def queue_option(command):
     return click.option("--queue-ms", type=click.FloatRange(min=0), default=2.0, show_default=True,
                         help="Emulated links' queue depth beyond one burst, in ms of line "

@@ -7,7 +7,7 @@ import json
 import click
 
 from ..train import MODELS as TRAIN_MODELS
-from .options import comma_list, rates
+from .options import comma_list, rates, refresh_options
 
 
 @click.command("predict")
@@ -42,14 +42,8 @@ from .options import comma_list, rates
 @click.option("--run-steps", default=10000, show_default=True, type=click.IntRange(min=1),
               help="Steps in the run, for the whole-run figures counted in steps: the fixed "
                    "warmup (--warmup-frac) against the --variance-refresh setting.")
-@click.option("--variance-refresh", "variance_refresh", default="doubling", show_default=True,
-              help="The refresh setting each 1-bit row is also priced with: none, doubling "
-                   "(0/1 Adam's schedule) or a JSON object of RefreshSchedule's fields, e.g. "
-                   "'{\"first_interval\": 16, \"updates_per_interval\": 4}'.")
-@click.option("--refresh-freeze-frac", default=0.05, show_default=True,
-              type=click.FloatRange(0, 1),
-              help="freeze_step of the refresh setting, as a share of --run-steps (an early "
-                   "freeze is the recommended setting with a refresh schedule).")
+@refresh_options("The refresh setting each 1-bit row is also priced with",
+                 "freeze_step of the refresh setting, as a share of --run-steps")
 @click.option("--run-lengths", default=None, callback=lambda c, p, v: None if v is None else
               comma_list(int)(c, p, v),
               help="Instead: a table (or --json) of the whole-run speed-up over Horovod fp32 "

@@ -12,7 +12,8 @@ from ..train import DEFAULT_METHODS as TRAIN_DEFAULT_METHODS
 from ..train import METHODS as TRAIN_METHODS
 from ..train import MODELS as TRAIN_MODELS
 from ..train import WAITS as TRAIN_WAITS
-from .options import cluster_for, comma_list, nodes_options, queue_option, real_cluster_options
+from .options import (cluster_for, comma_list, nodes_options, queue_option, real_cluster_options,
+                      refresh_options)
 
 
 @click.command("train")
@@ -23,14 +24,8 @@ from .options import cluster_for, comma_list, nodes_options, queue_option, real_
 @click.option("--steps", default=40, show_default=True, help="Optimizer steps per method.")
 @click.option("--warmup-frac", default=0.15, show_default=True,
               help="1-bit Adam's warmup: freeze_step = warmup_frac * steps.")
-@click.option("--variance-refresh", "variance_refresh", default="doubling", show_default=True,
-              help="onebit_refresh's variance_refresh: none, doubling or a JSON object of "
-                   "RefreshSchedule's fields (e.g. '{\"first_interval\": 16, "
-                   "\"updates_per_interval\": 4}').")
-@click.option("--refresh-freeze-frac", default=0.05, show_default=True,
-              type=click.FloatRange(0, 1),
-              help="onebit_refresh's warmup: freeze_step = refresh_freeze_frac * steps (an early "
-                   "freeze is the recommended setting with a refresh schedule).")
+@refresh_options("onebit_refresh's variance_refresh",
+                 "onebit_refresh's warmup: freeze_step = refresh_freeze_frac * steps")
 @click.option("--model", default="embedding", show_default=True, type=click.Choice(TRAIN_MODELS),
               help="mlp: a wide MLP (width x depth). embedding: an embedding-bag table "
                    "(vocab x embed-dim, dense gradient) with an MLP head of --width.")
