@@ -17,15 +17,16 @@ def results():
 
 def test_checkpoint_resume_is_bit_identical_with_error_feedback(tmp_path):
     kw = {"ckpt_dir": str(tmp_path), "total": 30, "freeze_step": 8}
-    full = run_ranks(W + "checkpoint_run", np=2, kwargs=kw, timeout=300)
-    run_ranks(W + "checkpoint_run", np=2, kwargs={**kw, "stop_at": 20},
-              timeout=300)  # interrupted in the compression phase, in a new job
-    resumed = run_ranks(W + "checkpoint_run", np=2, timeout=300, kwargs={**kw, "resume": True})
-    reset = run_ranks(W + "checkpoint_run", np=2, timeout=300,
-                      kwargs={**kw, "resume": True, "error_feedback": False})
-    # built with a larger freeze_step: the checkpoint was frozen at 8 and stays so
-    later = run_ranks(W + "checkpoint_run", np=2, timeout=300,
-                      kwargs={**kw, "resume": True, "freeze_step": 25})
+    # one job runs the whole run and the run interrupted in the compression phase (saved at
+    # 20); a new job resumes from the files: with the error feedback, without it, and built
+    # with a larger freeze_step (the checkpoint was frozen at 8 and stays so)
+    saved = run_ranks(W + "checkpoint_runs", np=2, timeout=300,
+                      kwargs={"runs": [kw, {**kw, "stop_at": 20}]})
+    resumes = run_ranks(W + "checkpoint_runs", np=2, timeout=300, kwargs={"runs": [
+        {**kw, "resume": True}, {**kw, "resume": True, "error_feedback": False},
+        {**kw, "resume": True, "freeze_step": 25}]})
+    full = [r[0] for r in saved]
+    resumed, reset, later = ([r[i] for r in resumes] for i in range(3))
     for rank in range(2):
         assert (resumed[rank]["start"], resumed[rank]["steps"]) == (20, 30), \
             f"rank {rank}: resumed at step {resumed[rank]['start']} and ended at " \

@@ -58,6 +58,12 @@ def checkpoint_run(ckpt_dir, total=20, stop_at=None, freeze_step=5, resume=False
             "warnings": [str(w.message) for w in caught]}
 
 
+def checkpoint_runs(runs):
+    """:func:`checkpoint_run` once per kwargs in ``runs``, in order, in this one job (each run
+    builds its own model and optimizer): saves and resumes without a launch each."""
+    return [checkpoint_run(**kw) for kw in runs]
+
+
 def error_feedback_from_other_world(freeze_step=2, steps=5):
     """Error feedback saved by a job of another size is dropped with a warning, after the
     collectives exist and hold error feedback of their own: it must be reset to zero."""
