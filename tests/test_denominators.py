@@ -1,7 +1,5 @@
 """The variance refresh's kernels: denominators, their ratio, and the factored errors materialised
 natively, each against its torch twin, bit for bit."""
-import math
-
 import pytest
 import torch
 
@@ -84,4 +82,3 @@ def test_factored_errors_materialised_natively_match_the_twin(numel, n, block):
         assert_same_bits(native, twin, f"{name} error, {numel} elements over {n} ranks")
         scale = float(args[0].abs().max())
         assert float(native.abs().max()) < scale + 1e-6, f"{name} error exceeds |y| {scale}"
-    assert math.isfinite(float(kernels.worker_error(y, send, L).sum()))

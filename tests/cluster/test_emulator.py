@@ -401,10 +401,14 @@ def test_timeout_kills_everything():
 
 def _start_and_wait_ready(token: str, np_: int = 2) -> tuple[subprocess.Popen, str]:
     """Start a CLI job whose ranks sleep; return once every rank has printed 'ready'."""
+    # SIGINT at its default in the launcher, whatever this process inherited: a job started in
+    # the background (nohup, `cmd &`) ignores SIGINT, and so would the launcher's Python, which
+    # then never raises KeyboardInterrupt and the SIGINT test waits out its timeout
     proc = subprocess.Popen(CLI + ["--np", str(np_), "-v", "--kill-grace", "1", "--",
                                    "python", PROBE, "--sleep", "600"],
                             cwd=REPO, env=cli_env(token), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     ready, deadline = set(), time.monotonic() + 90
     while len(ready) < np_ and time.monotonic() < deadline:
         line = proc.stdout.readline()
