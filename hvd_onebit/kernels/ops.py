@@ -112,8 +112,8 @@ def _factored_error(y: torch.Tensor, rows: torch.Tensor, layout: Layout, count: 
                     backend: str, twin) -> torch.Tensor:
     """``y - decode(rows)`` over ``count`` rows: the native decode where it runs (the torch
     twin unpacks every sign into a tensor of its own), then one subtraction; the same bits."""
-    if pick(backend, y.device, native=lambda: native_ready((y,)) and rows.is_contiguous()
-            and rows.device == y.device) != "native":
+    if pick(backend, y.device, native=lambda: native_ready((y,))
+            and in_place((rows,), y.device, dtypes=None)) != "native":
         return twin(y, rows, layout)
     e = torch.empty_like(y)
     if e.numel():
