@@ -212,9 +212,9 @@ def rank_run(layers: int, width: int, warmup: int, compressed: int, batch: int =
                                           named_parameters=model.named_parameters(),
                                           freeze_step=warmup, memory=memory, **extra)
     x = torch.randn(batch, width, generator=torch.Generator().manual_seed(hvd.rank())).to(dev)
-    transients: dict[str, list[int]] = {"warmup": [], "compression": [], "refresh": []}
-    held: dict[str, list[dict]] = {"warmup": [], "compression": [], "refresh": []}
-    before: dict[str, list[int]] = {"warmup": [], "compression": [], "refresh": []}
+    transients: dict[str, list[int]] = {ph: [] for ph in PHASES}
+    held: dict[str, list[dict]] = {ph: [] for ph in PHASES}
+    before: dict[str, list[int]] = {ph: [] for ph in PHASES}
     backward_transient, adam_transient = _baseline_transients(model, x, dev)
     last = 0
     with warnings.catch_warnings():

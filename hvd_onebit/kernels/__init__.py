@@ -31,7 +31,8 @@ from .ops import decode, server_compress, server_error, worker_compress, worker_
 from .reference import exact_div
 from .rows import pack_signs, row_scales, row_status, set_identity_rows, unpack_signs
 
-__all__ = ["BACKENDS", "decode", "denominators", "divide_by_denominators", "exact_div",
-           "in_place", "native_available", "native_module", "native_ready", "pack_signs", "pick", "resolve_backend", "row_scales", "row_status",
-           "server_compress", "server_error", "set_identity_rows", "triton_available",
-           "triton_module", "unpack_signs", "worker_compress", "worker_error"]
+__all__ = ["BACKENDS", "decode", "denominators", "divide_by_denominators", "exact_div", "in_place",
+           "native_available", "native_module", "native_ready", "pack_signs", "pick",
+           "resolve_backend", "row_scales", "row_status", "server_compress", "server_error",
+           "set_identity_rows", "triton_available", "triton_module", "unpack_signs",
+           "worker_compress", "worker_error"]
