@@ -31,9 +31,9 @@ SCHEMES: dict[str, dict[str, Any]] = {
     # with Adam's eps as their denominator, or with their parameter's smallest variance
     "bounded_eps": {"step_bound": "adam", "precondition": True, "zero_variance": "eps"},
     "bounded_floor": {"step_bound": "adam", "precondition": True, "zero_variance": "floor"},
-    # the variance kept current (issue 27): "bounded" with refresh steps on 0/1 Adam's doubling
-    # schedule (the README's recommended one), and on a sparser one (16-step gaps growing after
-    # 4 refreshes); each cell against "bounded"'s
+    # the variance kept current (issue 27): "bounded" with refresh steps, on a sparse schedule
+    # (bounded_refresh: 16-step gaps growing after 4 refreshes) and on 0/1 Adam's doubling one
+    # (bounded_refresh_doubling, the README's recommended one); each cell against "bounded"'s
     "bounded_refresh": {"step_bound": "adam", "precondition": True,
                         "variance_refresh": {"first_interval": 16, "updates_per_interval": 4}},
     "bounded_refresh_doubling": {"step_bound": "adam", "precondition": True,
