@@ -177,8 +177,9 @@ class OneBitConfig:
             15, then every 2 steps for 16 updates, every 4, ...; 96 of the first 1,000 steps)
             or a dict of some of ``first_interval`` (1), ``growth`` (2),
             ``updates_per_interval`` (16), ``last_step`` (None: refresh forever),
-            ``variance_update`` ("gap") and ``error_feedback`` ("rescale"), explained in
-            :class:`~hvd_onebit.variance_refresh.RefreshSchedule`. A step of the compression
+            ``variance_update`` ("gap"), ``error_feedback`` ("rescale") and ``accept``
+            ("always"; "lowering": a parameter takes a refresh only where it lowers its mean
+            denominator), explained in :class:`~hvd_onebit.variance_refresh.RefreshSchedule`. A step of the compression
             phase on the schedule is a full-precision **refresh step**: the gradients are
             allreduced by Horovod as in the warmup (from its hooks), a non-finite average is
             skipped on every rank, and Adam's step updates ``m`` and ``v`` from the exact

@@ -26,6 +26,7 @@ from typing import Iterator, Optional
 DOUBLING = "doubling"
 ERROR_FEEDBACK_MODES = ("rescale", "fold")  # how the error feedback crosses a refresh
 VARIANCE_UPDATES = ("gap", "single")  # how a refresh updates the variance
+ACCEPTS = ("always", "lowering")  # which parameters take a refresh's variance update
 
 
 def _is_int(value) -> bool:
@@ -55,6 +56,12 @@ class RefreshSchedule:
             denominator. "rescale" (default) multiplies each by old / new denominator (0 where
             either is infinite): no bytes. "fold" folds every rank's errors into the momentum
             first (one more full-precision allreduce) and they restart from 0.
+        accept: "always": every refresh updates every parameter's variance (Adam's).
+            "lowering": a parameter takes the update only where it lowers its mean
+            denominator, so a refresh never shortens a parameter's steps on average: the
+            variance follows Adam's down where the gradients fade and stays frozen where they
+            grow (:mod:`hvd_onebit.engine.refresh_gate`). Costs one more read of the variance
+            and the gradient per refresh and one device-to-host transfer.
     Trade-off: each refresh costs a full-precision allreduce (32x a compressed step's bytes);
     a faster ``growth`` or an earlier ``last_step`` saves bytes and lets the variance age.
     """
@@ -65,6 +72,7 @@ class RefreshSchedule:
     last_step: Optional[int] = None
     variance_update: str = "gap"
     error_feedback: str = "rescale"
+    accept: str = "always"
 
     def __post_init__(self) -> None:
         for name in ("first_interval", "updates_per_interval"):
@@ -80,6 +88,9 @@ class RefreshSchedule:
         if self.variance_update not in VARIANCE_UPDATES:
             raise ValueError(f"variance_refresh variance_update must be one of "
                              f"{VARIANCE_UPDATES}, got {self.variance_update!r}")
+        if self.accept not in ACCEPTS:
+            raise ValueError(f"variance_refresh accept must be one of {ACCEPTS}, got "
+                             f"{self.accept!r}")
         if self.error_feedback not in ERROR_FEEDBACK_MODES:
             raise ValueError(f"variance_refresh error_feedback must be one of "
                              f"{ERROR_FEEDBACK_MODES}, got {self.error_feedback!r}")

@@ -99,6 +99,34 @@ def test_refresh_math_is_adam_s_with_its_bias_corrections(results, name, other):
             f"{name} rank {rank}: {other} differs by only {wrong} (vs {worst})"
 
 
+@pytest.mark.multirank
+def test_lowering_declines_exactly_the_updates_that_would_raise_the_mean_denominator(results):
+    """accept="lowering" with the exact momentum against the gate by hand: the same parameters,
+    the same declines; some updates declined and some taken, so it differs from Adam's."""
+    for rank, r in enumerate(scenario(results, "exact_lowering")):
+        worst = max(float(np.abs(a - b).max()) for a, b in zip(r["opt"], r["ref"]))
+        wrong = max(float(np.abs(a - b).max()) for a, b in zip(r["opt"], r["wrong"]))
+        assert worst < 1e-5, f"rank {rank}: largest |diff| to the gate by hand: {worst}"
+        assert r["declined"] == r["ref_declined"], \
+            f"rank {rank}: declined {r['declined']} updates, by hand {r['ref_declined']}"
+        assert 0 < r["declined"] < r["updates"], \
+            f"rank {rank}: declined {r['declined']} of {r['updates']} updates (want some, not all)"
+        assert wrong > 100 * max(worst, 1e-7), \
+            f"rank {rank}: always accepting differs by only {wrong} (vs {worst})"
+
+
+@pytest.mark.multirank
+def test_lowering_refreshes_on_the_schedule_alike_on_every_rank(results):
+    rs = scenario(results, "lowering")
+    for rank, r in enumerate(rs):
+        assert refreshed_at(r) == EXPECTED, \
+            f"rank {rank}: refreshed at {refreshed_at(r)}, schedule says {EXPECTED}"
+        assert r["telemetry"]["refresh_declined"] > 0, r["telemetry"]
+    assert rs[0]["telemetry"]["refresh_declined"] == rs[1]["telemetry"]["refresh_declined"], \
+        [r["telemetry"]["refresh_declined"] for r in rs]
+    assert_identical(rs, "lowering")
+
+
 def _rescale_figures(probe: dict, rank: int) -> tuple:
     """(largest relative change of e * d where both denominators are finite, largest |e| left
     where one is infinite, largest change of the padding's errors, count of infinite ones)."""

@@ -45,6 +45,7 @@ def test_refreshes_come_only_after_the_freeze_and_before_last_step():
     ({"interval": 4}, "unknown option"),
     ({"variance_update": "twice"}, "variance_update must be one of"),
     ({"error_feedback": "drop"}, "error_feedback must be one of"),
+    ({"accept": "lower"}, "accept must be one of"),
 ])
 def test_bad_options_name_what_is_wrong(option, error):
     with pytest.raises((ValueError, TypeError), match=error):
@@ -56,4 +57,5 @@ def test_none_means_no_refresh_and_a_dict_overrides_defaults():
     s = RefreshSchedule.from_option({"updates_per_interval": 8, "last_step": 5000})
     assert s.as_dict() == {"first_interval": 1, "growth": 2, "updates_per_interval": 8,
                            "last_step": 5000, "variance_update": "gap",
-                           "error_feedback": "rescale"}, f"schedule from a dict: {s.as_dict()}"
+                           "error_feedback": "rescale", "accept": "always"}, \
+        f"schedule from a dict: {s.as_dict()}"

@@ -123,37 +123,70 @@ def _checkpoint(model, opt) -> dict:
             "ef": ser(opt.error_feedback_state_dict())}
 
 
-def reference(steps: int = STEPS, update: str = "gap", bc2_counts_every_step: bool = False
-              ) -> list:
+def reference(steps: int = STEPS, update: str = "gap", bc2_counts_every_step: bool = False,
+              lowering: bool = False) -> dict:
     """Adam with variance refreshes by hand on the exactly averaged gradients: m every step, v
     in the warmup and at refreshes, bc1 from the step count; no step bound. ``update="gap"``: a
     refresh k steps after v's last update weighs g^2 by 1 - beta2^k and bc2 counts steps;
     "single" (0/1 Adam's): one update of weight 1 - beta2, bc2 counting v's updates (or, to
-    show the test can tell, ``bc2_counts_every_step``). The final parameters."""
+    show the test can tell, ``bc2_counts_every_step``). ``lowering``: a parameter keeps its v
+    and its count at a refresh that would raise its mean sqrt(v) / sqrt(bc2) over v > 0 (its
+    zero entries still take a * g^2). The final parameters, and how many updates were
+    declined."""
     model = Gated()
     params = list(model.parameters())
     m = [torch.zeros_like(p) for p in params]
     v = [torch.zeros_like(p) for p in params]
-    schedule, n, last = RefreshSchedule.from_option(SCHEDULE), 0, 0
-    (b1, b2) = BETAS
+    schedule = RefreshSchedule.from_option(SCHEDULE)
+    n, last = [0] * len(params), [0] * len(params)  # per parameter: v's updates, its last step
+    (b1, b2), declined = BETAS, 0
     for step in range(steps):
         model.zero_grad()
         x, y = batch(step, hvd.rank())
         nn.functional.mse_loss(model(x), y).backward()
-        full = step < FREEZE or schedule.is_refresh(step, FREEZE)
+        refresh = schedule.is_refresh(step, FREEZE)
+        full = step < FREEZE or refresh
         t = step + 1
-        a = (1 - b2 ** (t - last) if update == "gap" else 1 - b2) if full else 0.0
-        n, last = n + full, (t if full else last)
-        counted = last if update == "gap" or bc2_counts_every_step else n
-        bc1, bc2 = 1 - b1 ** t, 1 - b2 ** (t if bc2_counts_every_step else counted)
+        bc1 = 1 - b1 ** t
         with torch.no_grad():
             for i, p in enumerate(params):
-                g = hvd.allreduce(p.grad, name=f"ref.{step}.{i}.{update}.{bc2_counts_every_step}")
+                g = hvd.allreduce(p.grad, name=f"ref.{step}.{i}.{update}.{bc2_counts_every_step}"
+                                                f".{lowering}")
                 m[i].mul_(b1).add_(g, alpha=1 - b1)
                 if full:
-                    v[i].mul_(1 - a).addcmul_(g, g, value=a)
+                    a = 1 - b2 ** (t - last[i]) if update == "gap" else 1 - b2
+                    new = v[i] * (1 - a) + a * g * g
+                    before = (last[i], n[i])
+                    n[i], last[i] = n[i] + 1, t
+
+                    def root_mean(x, count):  # mean sqrt(v / bc2) over the trained elements
+                        return float(x[v[i] > 0].double().sqrt().sum()) / math.sqrt(
+                            1 - b2 ** count) if count else 0.0
+
+                    if lowering and refresh and root_mean(new, last[i]) > root_mean(
+                            v[i], before[0]):
+                        declined += 1
+                        last[i], n[i] = before
+                        new = torch.where(v[i] == 0, new, v[i])
+                    v[i] = new
+                counted = last[i] if update == "gap" or bc2_counts_every_step else n[i]
+                bc2 = 1 - b2 ** (t if bc2_counts_every_step else counted)
                 p.sub_(LR / bc1 * m[i] / (v[i].sqrt() / math.sqrt(bc2) + EPS))
-    return [p.detach().clone() for p in params]
+    return {"params": [p.detach().clone() for p in params], "declined": declined}
+
+
+def _arrays(ref: dict) -> list:
+    return [p.numpy() for p in ref["params"]]
+
+
+def _lowering() -> dict:
+    """accept="lowering" with the exact momentum against it by hand, and against Adam's."""
+    opt = run(compressor="none", step_bound=None,
+              variance_refresh={**SCHEDULE, "accept": "lowering"})
+    ref = reference(lowering=True)
+    return {"opt": opt["arrays"], "ref": _arrays(ref), "wrong": _arrays(reference()),
+            "declined": opt["telemetry"]["refresh_declined"], "ref_declined": ref["declined"],
+            "updates": len(list(opt["arrays"])) * opt["telemetry"]["refreshes"]}
 
 
 def resumed(at: int, saved: dict, **options) -> dict:
@@ -175,13 +208,15 @@ def suite() -> dict:
         "gated_frozen": lambda: run(gated=True, variance_refresh=None),
         "fold": lambda: run(variance_refresh={**SCHEDULE, "error_feedback": "fold"}, probe_at=6),
         "exact": lambda: {"opt": run(compressor="none", step_bound=None)["arrays"],
-                          "ref": [p.numpy() for p in reference()],
-                          "wrong": [p.numpy() for p in reference(update="single")]},
+                          "ref": _arrays(reference()),
+                          "wrong": _arrays(reference(update="single"))},
         "exact_single": lambda: {
             "opt": run(compressor="none", step_bound=None,
                        variance_refresh={**SCHEDULE, "variance_update": "single"})["arrays"],
-            "ref": [p.numpy() for p in reference(update="single")],
-            "wrong": [p.numpy() for p in reference(update="single", bc2_counts_every_step=True)]},
+            "ref": _arrays(reference(update="single")),
+            "wrong": _arrays(reference(update="single", bc2_counts_every_step=True))},
+        "exact_lowering": lambda: _lowering(),
+        "lowering": lambda: run(variance_refresh={**SCHEDULE, "accept": "lowering"}),
         "single": lambda: run(variance_refresh={**SCHEDULE, "variance_update": "single"}),
         "checkpointed": checkpointed,
         "resumed_before": lambda: resumed(6, full["run"]["saved"][6]),

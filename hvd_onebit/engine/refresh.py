@@ -23,6 +23,11 @@ the new momentum before the update; the step bound is the compressed step's; an 
 zero variance after the refresh stays held (a +0 momentum, no update), one whose gradient gave
 it a variance trains from now on.
 
+With ``accept="lowering"`` a parameter whose update would raise its mean denominator keeps its
+variance and its count (:mod:`~hvd_onebit.engine.refresh_gate`, decided before the
+moments change); only its held elements take their first variance. Its denominators, hence its errors,
+stay as they were.
+
 Error feedback: with ``precondition=True`` the 1-bit collectives compress ``u = m / d`` and their
 errors are in units of the denominator d the variance had. ``"rescale"`` (default) multiplies
 each error element by ``d_old / d_new`` (:meth:`scale_error_feedback` of the collectives), so
@@ -41,6 +46,7 @@ import torch
 from .. import kernels
 from ..config import group_masks
 from ..kernels.fused_adam import AdamUpdate
+from . import refresh_gate
 from .fusion import Bucket
 
 
@@ -73,11 +79,12 @@ class VarianceRefresh:
         # Per parameter, how much of the variance's running average the new g^2 takes: "gap"
         # weighs it as the k steps since the last update (frozen_variance_step is then that
         # update's step count, and bc2 counts steps); "single" as one update (it counts them).
-        weight = {}
+        weight, counts = {}, {}
         for p in owner:
             if grads.get(p) is None:  # no gradient anywhere: v and its count stay, as Adam's do
                 continue
             state, beta2 = self.state[p], groups[p]["betas"][1]
+            counts[p] = state["frozen_variance_step"]
             last = max(int(state["frozen_variance_step"]), 0)
             if self.config.refresh.variance_update == "gap":
                 t = int(self._host_step(p)) + 1
@@ -87,6 +94,13 @@ class VarianceRefresh:
                 weight[p] = 1 - beta2
                 state["frozen_variance_step"] = last + 1
         new = {p: self._denominator_terms(p, groups[p])[1] for p in owner}
+        held_only = set()  # parameters that decline the update: only held elements take it
+        if self.config.refresh.accept == refresh_gate.LOWERING:
+            held_only = self._declined(grads, weight, old, new)
+            for p in held_only:
+                self.state[p]["frozen_variance_step"] = counts[p]
+                new[p] = old[p]
+        self.last_refresh_declined = len(held_only)
         rescale = error_feedback == "rescale" and self.preconditioned and bool(self.comms)
         for b in self.buckets:
             ratio = self._bucket_denominators(b, groups, old) if rescale else None
@@ -100,7 +114,10 @@ class VarianceRefresh:
                     m.mul_(beta1)
                 else:
                     m.lerp_(g, 1 - beta1)
-                    v.mul_(1 - w).addcmul_(g, g, value=w)
+                    if p in held_only:
+                        refresh_gate.seed_held(v, g, w)
+                    else:
+                        v.mul_(1 - w).addcmul_(g, g, value=w)
             if rescale:  # old / new denominator; 0 where either is inf (inf/x, x/inf, inf/inf)
                 self._bucket_denominators(b, groups, new, divide=ratio)
                 self.comms[self._key(b)].scale_error_feedback(ratio)
@@ -119,6 +136,16 @@ class VarianceRefresh:
             self.state[p]["step"] += 1
             self._remember_step(p, value + 1)
         return nbytes
+
+    def _declined(self, grads: Mapping, weight: dict, old: dict, new: dict) -> set:
+        """The parameters whose update would raise their mean denominator
+        (:mod:`~hvd_onebit.engine.refresh_gate`), from the variance before the update."""
+        sums = {}
+        for p, pieces in refresh_gate.pieces_by_parameter(self.buckets, self.state,
+                                                          grads).items():
+            if p in weight:
+                sums[p] = sum(refresh_gate.root_sums(v, g, weight[p]) for v, g in pieces)
+        return set(refresh_gate.declined(sums, old, new))
 
     def _bucket_denominators(self, b: Bucket, groups: dict, sqrt_bc2s: dict,
                              divide: Optional[torch.Tensor] = None) -> torch.Tensor:

@@ -97,6 +97,7 @@ class CompressedStep(ErrorFeedbackLifecycle, FrozenVariance, AdamTerms, Variance
         self.breakdown: dict[str, float] = dict.fromkeys(BREAKDOWN, 0.0)  # this step's seconds
         self.restarts = 0  # steps started again because an early start's input went stale
         self.early_starts = 0  # buckets started before step(), over the run
+        self.last_refresh_declined = 0  # parameters the last refresh left their variance
 
     # ---- the world ---------------------------------------------------------------------------------
 

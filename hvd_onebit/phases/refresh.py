@@ -78,9 +78,10 @@ class RefreshPhase:
             warnings.warn(f"hvd_onebit: refresh step skipped on every rank: {exc}")
             return None
         self._schedule.count_step()
-        self._telemetry.count_refresh(steps)
-        logger.debug("hvd_onebit: variance refreshed at step %d (refresh %d)", steps + 1,
-                     self._telemetry.refreshes)
+        declined = engine.last_refresh_declined
+        self._telemetry.count_refresh(steps, declined)
+        logger.debug("hvd_onebit: variance refreshed at step %d (refresh %d; %d parameters "
+                     "kept their variance)", steps + 1, self._telemetry.refreshes, declined)
         return loss
 
     def account(self) -> None:

@@ -18,11 +18,15 @@ class Telemetry:
     last_step_breakdown: dict = field(default_factory=dict)
     refreshes: int = 0  # variance refresh steps taken (variance_refresh), over the run
     last_refresh_step: Optional[int] = None  # the step count before the last of them
+    # parameters' variance updates the refreshes declined (accept="lowering"), over the run
+    refresh_declined: int = 0
 
-    def count_refresh(self, steps: int) -> None:
-        """A refresh step was taken with ``steps`` steps behind it."""
+    def count_refresh(self, steps: int, declined: int = 0) -> None:
+        """A refresh step was taken with ``steps`` steps behind it; ``declined`` parameters
+        kept their variance."""
         self.refreshes += 1
         self.last_refresh_step = steps
+        self.refresh_declined += declined
 
     def account(self, nbytes: int, seconds: float) -> None:
         """Record one step's communication."""
@@ -42,4 +46,5 @@ class Telemetry:
                 "last_step_comm_seconds": self.last_step_comm_seconds,
                 "total_comm_seconds": self.total_comm_seconds,
                 "last_step_breakdown": dict(self.last_step_breakdown),
-                "refreshes": self.refreshes, "last_refresh_step": self.last_refresh_step}
+                "refreshes": self.refreshes, "last_refresh_step": self.last_refresh_step,
+                "refresh_declined": self.refresh_declined}

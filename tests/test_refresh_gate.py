@@ -1,0 +1,64 @@
+"""accept="lowering"'s decision (hvd_onebit/engine/refresh_gate.py), on tensors in one process:
+the sums it compares, its choice, and the held elements it still seeds."""
+
+import pytest
+import torch
+
+from hvd_onebit.engine import refresh_gate
+from hvd_onebit.engine.fusion import fuse
+
+
+def test_root_sums_are_over_the_trained_elements_whatever_the_chunk(monkeypatch):
+    gen = torch.Generator().manual_seed(0)
+    v = torch.rand(103, generator=gen)
+    v[::5] = 0  # held elements: in neither sum
+    g = torch.randn(103, generator=gen)
+    w = 0.01
+    live = v > 0
+    want = [float(v[live].double().sqrt().sum()),
+            float(((1 - w) * v + w * g * g)[live].double().sqrt().sum())]
+    for chunk in (7, 103, 1 << 20):
+        monkeypatch.setattr(refresh_gate, "CHUNK", chunk)
+        got = refresh_gate.root_sums(v.reshape(1, 103), g.reshape(1, 103), w).tolist()
+        assert got == pytest.approx(want, rel=1e-6), f"chunk {chunk}: {got}, want {want}"
+
+
+def test_a_parameter_declines_when_its_mean_denominator_would_rise():
+    a, b = torch.zeros(1), torch.zeros(2)
+    # a: the roots' sum falls 10 -> 9 while sqrt(bc2) grows 0.2 -> 0.21: the mean falls
+    # b: the sum grows 10 -> 11 while sqrt(bc2) grows 0.2 -> 0.21: 52.4 > 50, it rises
+    sums = {a: torch.tensor([10.0, 9.0], dtype=torch.float64),
+            b: torch.tensor([10.0, 11.0], dtype=torch.float64)}
+    old, new = {a: 0.2, b: 0.2}, {a: 0.21, b: 0.21}
+    got = refresh_gate.declined(sums, old, new)
+    assert len(got) == 1 and got[0] is b, f"declined {[id(p) for p in got]}, want only b"
+    assert refresh_gate.declined({}, {}, {}) == []
+
+
+def test_the_bias_correction_alone_can_lower_the_mean():
+    p = torch.zeros(1)
+    # the raw roots grow 10 -> 10.4 (4%), sqrt(bc2) grows 5%: the mean denominator falls
+    sums = {p: torch.tensor([10.0, 10.4], dtype=torch.float64)}
+    assert refresh_gate.declined(sums, {p: 0.2}, {p: 0.21}) == [], \
+        "a 4% larger sum under a 5% larger sqrt(bc2) lowers the mean and must be taken"
+
+
+def test_seed_held_gives_only_the_zero_entries_their_first_variance(monkeypatch):
+    monkeypatch.setattr(refresh_gate, "CHUNK", 3)
+    v = torch.tensor([0.0, 2.0, 0.0, 4.0, 0.0])
+    g = torch.tensor([1.0, 3.0, 2.0, 5.0, 0.0])
+    refresh_gate.seed_held(v, g, 0.5)
+    assert v.tolist() == [0.5, 2.0, 2.0, 4.0, 0.0], \
+        f"held entries take 0.5 * g^2, the rest keep theirs: {v.tolist()}"
+
+
+def test_pieces_by_parameter_follows_a_parameter_cut_across_buckets():
+    p, q = torch.zeros(40), torch.zeros(2)
+    _, buckets = fuse([p, q], [torch.zeros(40), torch.zeros(2)], bucket_numel=24)
+    assert len(buckets) == 2, f"planned {len(buckets)} buckets, want p cut across two"
+    state = {p: {"exp_avg_sq": torch.arange(40.0)}, q: {"exp_avg_sq": torch.ones(2)}}
+    got = refresh_gate.pieces_by_parameter(buckets, state, {p: torch.ones(40), q: None})
+    assert list(got) == [p], f"parameters with pieces: {len(got)} (q has no gradient)"
+    assert [v.tolist() for v, _ in got[p]] == [list(map(float, range(24))),
+                                               list(map(float, range(24, 40)))], \
+        f"p's pieces: {[v.numel() for v, _ in got[p]]} elements"
