@@ -44,6 +44,10 @@ SCHEMES: dict[str, dict[str, Any]] = {
     # preconditioning)
     "refresh_exact": {"step_bound": "adam", "precondition": True, "compressor": "none",
                       "variance_refresh": "doubling"},
+    # doubling refreshes that a parameter takes only where they lower its mean denominator
+    # (variance_refresh accept="lowering"): the variance follows Adam's down, stays frozen up
+    "refresh_lowering": {"step_bound": "adam", "precondition": True,
+                         "variance_refresh": {"accept": "lowering"}},
     "refresh_fold": {"step_bound": "adam", "precondition": True,
                      "variance_refresh": {"error_feedback": "fold"}},
     "refresh_single": {"step_bound": "adam", "precondition": True,
