@@ -26,7 +26,8 @@ from typing import Iterator, Optional
 DOUBLING = "doubling"
 ERROR_FEEDBACK_MODES = ("rescale", "fold")  # how the error feedback crosses a refresh
 VARIANCE_UPDATES = ("gap", "single")  # how a refresh updates the variance
-ACCEPTS = ("always", "lowering")  # which parameters take a refresh's variance update
+LOWERING = "lowering"  # accept: only updates that lower a parameter's mean denominator
+ACCEPTS = ("always", LOWERING)  # which parameters take a refresh's variance update
 
 
 def _is_int(value) -> bool:

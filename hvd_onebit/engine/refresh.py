@@ -18,15 +18,15 @@ far apart the refreshes are. With "single" (0/1 Adam's) a = 1 - beta2 and bc2 = 
 n counting v's updates (the warmup's steps plus the refreshes). Either count is kept in
 ``frozen_variance_step``, which the following compressed steps read
 (:meth:`~hvd_onebit.engine.adam_terms.AdamTerms._denominator_terms`) and checkpoints carry.
-Using t with single updates would under-correct v and lengthen every later step. ``exp_avg_mask`` multiplies
-the new momentum before the update; the step bound is the compressed step's; an element with a
+Using t with single updates would under-correct v and lengthen every later step.
+``exp_avg_mask`` multiplies the new momentum before the update; the step bound is the compressed step's; an element with a
 zero variance after the refresh stays held (a +0 momentum, no update), one whose gradient gave
 it a variance trains from now on.
 
 With ``accept="lowering"`` a parameter whose update would raise its mean denominator keeps its
-variance and its count (:mod:`~hvd_onebit.engine.refresh_gate`, decided before the
-moments change); only its held elements take their first variance. Its denominators, hence its errors,
-stay as they were.
+variance and its count (:mod:`~hvd_onebit.engine.refresh_gate`, decided before the moments
+change); only its held elements take their first variance. The denominators of its trained
+elements, hence their errors, stay as they were.
 
 Error feedback: with ``precondition=True`` the 1-bit collectives compress ``u = m / d`` and their
 errors are in units of the denominator d the variance had. ``"rescale"`` (default) multiplies
@@ -46,6 +46,7 @@ import torch
 from .. import kernels
 from ..config import group_masks
 from ..kernels.fused_adam import AdamUpdate
+from ..variance_refresh import LOWERING
 from . import refresh_gate
 from .fusion import Bucket
 
@@ -95,7 +96,7 @@ class VarianceRefresh:
                 state["frozen_variance_step"] = last + 1
         new = {p: self._denominator_terms(p, groups[p])[1] for p in owner}
         held_only = set()  # parameters that decline the update: only held elements take it
-        if self.config.refresh.accept == refresh_gate.LOWERING:
+        if self.config.refresh.accept == LOWERING:
             held_only = self._declined(grads, weight, old, new)
             for p in held_only:
                 self.state[p]["frozen_variance_step"] = counts[p]

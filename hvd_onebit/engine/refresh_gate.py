@@ -25,9 +25,6 @@ from typing import Iterable, Mapping
 
 import torch
 
-ALWAYS = "always"
-LOWERING = "lowering"
-ACCEPTS = (ALWAYS, LOWERING)
 CHUNK = 1 << 20  # elements per temporary: bounds the gate's memory whatever the bucket size
 
 
