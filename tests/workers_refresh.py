@@ -158,13 +158,9 @@ def reference(steps: int = STEPS, update: str = "gap", bc2_counts_every_step: bo
                     new = v[i] * (1 - a) + a * g * g
                     before = (last[i], n[i])
                     n[i], last[i] = n[i] + 1, t
-
-                    def root_mean(x, count):  # mean sqrt(v / bc2) over the trained elements
-                        return float(x[v[i] > 0].double().sqrt().sum()) / math.sqrt(
-                            1 - b2 ** count) if count else 0.0
-
-                    if lowering and refresh and root_mean(new, last[i]) > root_mean(
-                            v[i], before[0]):
+                    trained = v[i] > 0
+                    if lowering and refresh and _root_sum(new, trained, b2 ** t) > _root_sum(
+                            v[i], trained, b2 ** before[0]):
                         declined += 1
                         last[i], n[i] = before
                         new = torch.where(v[i] == 0, new, v[i])
@@ -173,6 +169,11 @@ def reference(steps: int = STEPS, update: str = "gap", bc2_counts_every_step: bo
                 bc2 = 1 - b2 ** (t if bc2_counts_every_step else counted)
                 p.sub_(LR / bc1 * m[i] / (v[i].sqrt() / math.sqrt(bc2) + EPS))
     return {"params": [p.detach().clone() for p in params], "declined": declined}
+
+
+def _root_sum(v: torch.Tensor, trained: torch.Tensor, beta2_power: float) -> float:
+    """The sum of sqrt(v / bc2) over the ``trained`` elements, bc2 = 1 - ``beta2_power``."""
+    return float(v[trained].double().sqrt().sum()) / math.sqrt(1 - beta2_power)
 
 
 def _arrays(ref: dict) -> list:

@@ -19,9 +19,9 @@ n counting v's updates (the warmup's steps plus the refreshes). Either count is 
 ``frozen_variance_step``, which the following compressed steps read
 (:meth:`~hvd_onebit.engine.adam_terms.AdamTerms._denominator_terms`) and checkpoints carry.
 Using t with single updates would under-correct v and lengthen every later step.
-``exp_avg_mask`` multiplies the new momentum before the update; the step bound is the compressed step's; an element with a
-zero variance after the refresh stays held (a +0 momentum, no update), one whose gradient gave
-it a variance trains from now on.
+``exp_avg_mask`` multiplies the new momentum before the update; the step bound is the compressed
+step's; an element with a zero variance after the refresh stays held (a +0 momentum, no
+update), one whose gradient gave it a variance trains from now on.
 
 With ``accept="lowering"`` a parameter whose update would raise its mean denominator keeps its
 variance and its count (:mod:`~hvd_onebit.engine.refresh_gate`, decided before the moments
@@ -141,11 +141,9 @@ class VarianceRefresh:
     def _declined(self, grads: Mapping, weight: dict, old: dict, new: dict) -> set:
         """The parameters whose update would raise their mean denominator
         (:mod:`~hvd_onebit.engine.refresh_gate`), from the variance before the update."""
-        sums = {}
-        for p, pieces in refresh_gate.pieces_by_parameter(self.buckets, self.state,
-                                                          grads).items():
-            if p in weight:
-                sums[p] = sum(refresh_gate.root_sums(v, g, weight[p]) for v, g in pieces)
+        pieces = refresh_gate.pieces_by_parameter(self.buckets, self.state, grads)
+        sums = {p: sum(refresh_gate.root_sums(v, g, weight[p]) for v, g in ps)
+                for p, ps in pieces.items()}
         return set(refresh_gate.declined(sums, old, new))
 
     def _bucket_denominators(self, b: Bucket, groups: dict, sqrt_bc2s: dict,

@@ -36,10 +36,9 @@ def root_sums(v: torch.Tensor, g: torch.Tensor, weight: float) -> torch.Tensor:
     out = torch.zeros(2, dtype=torch.float64, device=v.device)
     for lo in range(0, v.numel(), CHUNK):
         vc, gc = v[lo:lo + CHUNK], g[lo:lo + CHUNK]
-        live = vc > 0
         new = (vc * (1 - weight)).addcmul_(gc, gc, value=weight).sqrt_()
-        out[0] += vc.sqrt().masked_fill_(~live, 0).sum(dtype=torch.float64)
-        out[1] += new.masked_fill_(~live, 0).sum(dtype=torch.float64)
+        out[0] += vc.sqrt().sum(dtype=torch.float64)  # a held element's root is 0 already
+        out[1] += new.masked_fill_(vc == 0, 0).sum(dtype=torch.float64)
     return out
 
 
