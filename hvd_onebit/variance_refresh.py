@@ -27,7 +27,10 @@ DOUBLING = "doubling"
 ERROR_FEEDBACK_MODES = ("rescale", "fold")  # how the error feedback crosses a refresh
 VARIANCE_UPDATES = ("gap", "single")  # how a refresh updates the variance
 LOWERING = "lowering"  # accept: only updates that lower a parameter's mean denominator
-ACCEPTS = ("always", LOWERING)  # which parameters take a refresh's variance update
+# accept: only updates that move a parameter's mean denominator the way its last step's
+# overshoot (or not) asks for
+HYPERGRADIENT = "hypergradient"
+ACCEPTS = ("always", LOWERING, HYPERGRADIENT)  # which parameters take a refresh's variance update
 
 
 def _is_int(value) -> bool:
@@ -63,6 +66,13 @@ class RefreshSchedule:
             variance follows Adam's down where the gradients fade and stays frozen where they
             grow (:mod:`hvd_onebit.engine.refresh_gate`). Costs one more read of the variance
             and the gradient per refresh and one device-to-host transfer.
+            "hypergradient": as "lowering" unless the parameter's last step overshot: the new
+            averaged gradient against the step, ``sum(g * u) < -3 * sqrt(sum((g * u)^2))``
+            with ``u = m / d`` before the refresh (three standard errors from no alignment).
+            Then the opposite: it takes only an update that raises its mean denominator, so
+            its steps shorten towards Adam's. The sign of ``g . u`` is the loss's derivative
+            with respect to the parameter's step size (hypergradient descent, Baydin et al.,
+            2018). Costs what "lowering" costs, plus a read of the momentum.
     Trade-off: each refresh costs a full-precision allreduce (32x a compressed step's bytes);
     a faster ``growth`` or an earlier ``last_step`` saves bytes and lets the variance age.
     """

@@ -43,6 +43,43 @@ def test_the_bias_correction_alone_can_lower_the_mean():
         "a 4% larger sum under a 5% larger sqrt(bc2) lowers the mean and must be taken"
 
 
+def test_the_third_sum_is_the_gradient_along_the_last_step_whatever_the_chunk(monkeypatch):
+    gen = torch.Generator().manual_seed(1)
+    v = torch.rand(103, generator=gen)
+    v[::4] = 0  # held: no step taken, not in the sum
+    g, m = torch.randn(103, generator=gen), torch.randn(103, generator=gen)
+    sqrt_bc2, eps = 0.3, 1e-3
+    live = v > 0
+    d = v.double().sqrt() / sqrt_bc2 + eps
+    along = (g.double() * m.double() / d)[live]
+    want = [float(along.sum()), float(along.square().sum())]
+    for chunk in (5, 103, 1 << 20):
+        monkeypatch.setattr(refresh_gate, "CHUNK", chunk)
+        got = refresh_gate.root_sums(v, g, 0.01, m, sqrt_bc2=sqrt_bc2, eps=eps)
+        assert got.numel() == 4, f"with the momentum: {got.numel()} sums, want 4"
+        assert got[2:].tolist() == pytest.approx(want, rel=1e-5), \
+            f"chunk {chunk}: sum(g m / d), sum((g m / d)^2) = {got[2:].tolist()}, want {want}"
+        two = refresh_gate.root_sums(v, g, 0.01)
+        assert got[:2].tolist() == pytest.approx(two.tolist(), rel=1e-12), \
+            f"chunk {chunk}: the roots' sums {got[:2].tolist()} differ without m {two.tolist()}"
+
+
+def test_hypergradient_declines_a_fall_after_an_overshoot_and_a_rise_otherwise():
+    names = ("rise while descending", "fall after overshoot", "rise after overshoot",
+             "fall while descending", "fall, anti-aligned within the noise")
+    # [old roots, new roots, sum(g u), sum((g u)^2)]; sqrt(bc2) stays 1. An overshoot needs
+    # sum(g u) < -3 sqrt(sum((g u)^2)): -0.5 against 3 * 0.1 is one, -0.5 against 3 * 1 is not
+    rows = ([10.0, 11.0, 0.5, 0.01], [10.0, 9.0, -0.5, 0.01], [10.0, 11.0, -0.5, 0.01],
+            [10.0, 9.0, 0.5, 0.01], [10.0, 9.0, -0.5, 1.0])
+    params = [torch.zeros(1) for _ in names]
+    sums = {p: torch.tensor(r, dtype=torch.float64) for p, r in zip(params, rows)}
+    ones = {p: 1.0 for p in params}
+    got = {id(p) for p in refresh_gate.declined(sums, ones, ones)}
+    assert [n for p, n in zip(params, names) if id(p) in got] == [
+        "rise while descending", "fall after overshoot"], \
+        f"declined {[n for p, n in zip(params, names) if id(p) in got]}"
+
+
 def test_seed_held_gives_only_the_zero_entries_their_first_variance(monkeypatch):
     monkeypatch.setattr(refresh_gate, "CHUNK", 3)
     v = torch.tensor([0.0, 2.0, 0.0, 4.0, 0.0])

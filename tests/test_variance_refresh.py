@@ -127,6 +127,34 @@ def test_lowering_refreshes_on_the_schedule_alike_on_every_rank(results):
     assert_identical(rs, "lowering")
 
 
+@pytest.mark.multirank
+def test_hypergradient_declines_by_the_gradient_along_the_last_step(results):
+    """accept="hypergradient" with the exact momentum against the gate by hand: the same
+    parameters, the same declines, and a run that differs from both "lowering" and Adam's."""
+    for rank, r in enumerate(scenario(results, "exact_hypergradient")):
+        worst = max(float(np.abs(a - b).max()) for a, b in zip(r["opt"], r["ref"]))
+        assert worst < 1e-5, f"rank {rank}: largest |diff| to the gate by hand: {worst}"
+        assert r["declined"] == r["ref_declined"], \
+            f"rank {rank}: declined {r['declined']} updates, by hand {r['ref_declined']}"
+        assert 0 < r["declined"] < r["updates"], \
+            f"rank {rank}: declined {r['declined']} of {r['updates']} updates (want some, not all)"
+        for other in ("wrong", "lowering"):
+            apart = max(float(np.abs(a - b).max()) for a, b in zip(r["opt"], r[other]))
+            assert apart > 100 * max(worst, 1e-7), \
+                f"rank {rank}: the {other} run differs by only {apart} (vs {worst})"
+
+
+@pytest.mark.multirank
+def test_hypergradient_refreshes_on_the_schedule_alike_on_every_rank(results):
+    rs = scenario(results, "hypergradient")
+    for rank, r in enumerate(rs):
+        assert refreshed_at(r) == EXPECTED, \
+            f"rank {rank}: refreshed at {refreshed_at(r)}, schedule says {EXPECTED}"
+    assert rs[0]["telemetry"]["refresh_declined"] == rs[1]["telemetry"]["refresh_declined"], \
+        [r["telemetry"]["refresh_declined"] for r in rs]
+    assert_identical(rs, "hypergradient")
+
+
 def _rescale_figures(probe: dict, rank: int) -> tuple:
     """(largest relative change of e * d where both denominators are finite, largest |e| left
     where one is infinite, largest change of the padding's errors, count of infinite ones)."""

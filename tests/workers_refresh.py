@@ -124,15 +124,16 @@ def _checkpoint(model, opt) -> dict:
 
 
 def reference(steps: int = STEPS, update: str = "gap", bc2_counts_every_step: bool = False,
-              lowering: bool = False) -> dict:
+              gate: Optional[str] = None) -> dict:
     """Adam with variance refreshes by hand on the exactly averaged gradients: m every step, v
     in the warmup and at refreshes, bc1 from the step count; no step bound. ``update="gap"``: a
     refresh k steps after v's last update weighs g^2 by 1 - beta2^k and bc2 counts steps;
     "single" (0/1 Adam's): one update of weight 1 - beta2, bc2 counting v's updates (or, to
-    show the test can tell, ``bc2_counts_every_step``). ``lowering``: a parameter keeps its v
-    and its count at a refresh that would raise its mean sqrt(v) / sqrt(bc2) over v > 0 (its
-    zero entries still take a * g^2). The final parameters, and how many updates were
-    declined."""
+    show the test can tell, ``bc2_counts_every_step``). ``gate="lowering"``: a parameter keeps
+    its v and its count at a refresh that would raise its mean sqrt(v) / sqrt(bc2) over v > 0
+    (its zero entries still take a * g^2); "hypergradient": the same unless g . m / d over
+    v > 0 (m and d before the refresh) is below -3 times the root of its terms' squares' sum,
+    and then it declines a refresh that would lower that mean instead. The final parameters, and how many updates were declined."""
     model = Gated()
     params = list(model.parameters())
     m = [torch.zeros_like(p) for p in params]
@@ -151,7 +152,8 @@ def reference(steps: int = STEPS, update: str = "gap", bc2_counts_every_step: bo
         with torch.no_grad():
             for i, p in enumerate(params):
                 g = hvd.allreduce(p.grad, name=f"ref.{step}.{i}.{update}.{bc2_counts_every_step}"
-                                                f".{lowering}")
+                                                f".{gate}")
+                m_old = m[i].clone()
                 m[i].mul_(b1).add_(g, alpha=1 - b1)
                 if full:
                     a = 1 - b2 ** (t - last[i]) if update == "gap" else 1 - b2
@@ -159,8 +161,8 @@ def reference(steps: int = STEPS, update: str = "gap", bc2_counts_every_step: bo
                     before = (last[i], n[i])
                     n[i], last[i] = n[i] + 1, t
                     trained = v[i] > 0
-                    if lowering and refresh and _root_sum(new, trained, b2 ** t) > _root_sum(
-                            v[i], trained, b2 ** before[0]):
+                    if gate and refresh and _wrong_way(gate, new, v[i], trained, g, m_old,
+                                                       b2 ** t, b2 ** before[0]):
                         declined += 1
                         last[i], n[i] = before
                         new = torch.where(v[i] == 0, new, v[i])
@@ -169,6 +171,18 @@ def reference(steps: int = STEPS, update: str = "gap", bc2_counts_every_step: bo
                 bc2 = 1 - b2 ** (t if bc2_counts_every_step else counted)
                 p.sub_(LR / bc1 * m[i] / (v[i].sqrt() / math.sqrt(bc2) + EPS))
     return {"params": [p.detach().clone() for p in params], "declined": declined}
+
+
+def _wrong_way(gate: str, new: torch.Tensor, v: torch.Tensor, trained: torch.Tensor,
+               g: torch.Tensor, m: torch.Tensor, power_new: float, power_old: float) -> bool:
+    """Whether ``gate`` declines a refresh from ``v`` to ``new`` (bc2 = 1 - the powers of
+    beta2), given the gradient ``g`` and the momentum ``m`` before it."""
+    rises = _root_sum(new, trained, power_new) > _root_sum(v, trained, power_old)
+    d = v.sqrt() / math.sqrt(1 - power_old) + EPS
+    along = (g * m / d)[trained].double()
+    overshot = gate == "hypergradient" and float(along.sum()) < -3 * float(
+        along.square().sum().sqrt())
+    return rises != overshot
 
 
 def _root_sum(v: torch.Tensor, trained: torch.Tensor, beta2_power: float) -> float:
@@ -180,11 +194,11 @@ def _arrays(ref: dict) -> list:
     return [p.numpy() for p in ref["params"]]
 
 
-def _lowering() -> dict:
-    """accept="lowering" with the exact momentum against it by hand, and against Adam's."""
+def _gated(gate: str) -> dict:
+    """accept=``gate`` with the exact momentum against it by hand, and against Adam's."""
     opt = run(compressor="none", step_bound=None,
-              variance_refresh={**SCHEDULE, "accept": "lowering"})
-    ref = reference(lowering=True)
+              variance_refresh={**SCHEDULE, "accept": gate})
+    ref = reference(gate=gate)
     return {"opt": opt["arrays"], "ref": _arrays(ref), "wrong": _arrays(reference()),
             "declined": opt["telemetry"]["refresh_declined"], "ref_declined": ref["declined"],
             "updates": len(list(opt["arrays"])) * opt["telemetry"]["refreshes"]}
@@ -216,8 +230,11 @@ def suite() -> dict:
                        variance_refresh={**SCHEDULE, "variance_update": "single"})["arrays"],
             "ref": _arrays(reference(update="single")),
             "wrong": _arrays(reference(update="single", bc2_counts_every_step=True))},
-        "exact_lowering": lambda: _lowering(),
+        "exact_lowering": lambda: _gated("lowering"),
         "lowering": lambda: run(variance_refresh={**SCHEDULE, "accept": "lowering"}),
+        "exact_hypergradient": lambda: {**_gated("hypergradient"),
+                                        "lowering": _arrays(reference(gate="lowering"))},
+        "hypergradient": lambda: run(variance_refresh={**SCHEDULE, "accept": "hypergradient"}),
         "single": lambda: run(variance_refresh={**SCHEDULE, "variance_update": "single"}),
         "checkpointed": checkpointed,
         "resumed_before": lambda: resumed(6, full["run"]["saved"][6]),

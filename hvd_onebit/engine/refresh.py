@@ -25,8 +25,10 @@ update), one whose gradient gave it a variance trains from now on.
 
 With ``accept="lowering"`` a parameter whose update would raise its mean denominator keeps its
 variance and its count (:mod:`~hvd_onebit.engine.refresh_gate`, decided before the moments
-change); only its held elements take their first variance. The denominators of its trained
-elements, hence their errors, stay as they were.
+change); only its held elements take their first variance. ``accept="hypergradient"``
+declines the same way unless the parameter's last step overshot (the new gradient against the
+momentum's step direction), and then declines a fall instead. The denominators of a declining
+parameter's trained elements, hence their errors, stay as they were.
 
 Error feedback: with ``precondition=True`` the 1-bit collectives compress ``u = m / d`` and their
 errors are in units of the denominator d the variance had. ``"rescale"`` (default) multiplies
@@ -46,7 +48,7 @@ import torch
 from .. import kernels
 from ..config import group_masks
 from ..kernels.fused_adam import AdamUpdate
-from ..variance_refresh import LOWERING
+from ..variance_refresh import HYPERGRADIENT, LOWERING
 from . import refresh_gate
 from .fusion import Bucket
 
@@ -96,8 +98,8 @@ class VarianceRefresh:
                 state["frozen_variance_step"] = last + 1
         new = {p: self._denominator_terms(p, groups[p])[1] for p in owner}
         held_only = set()  # parameters that decline the update: only held elements take it
-        if self.config.refresh.accept == LOWERING:
-            held_only = self._declined(grads, weight, old, new)
+        if self.config.refresh.accept in (LOWERING, HYPERGRADIENT):
+            held_only = self._declined(grads, weight, old, new, groups)
             for p in held_only:
                 self.state[p]["frozen_variance_step"] = counts[p]
                 new[p] = old[p]
@@ -138,12 +140,18 @@ class VarianceRefresh:
             self._remember_step(p, value + 1)
         return nbytes
 
-    def _declined(self, grads: Mapping, weight: dict, old: dict, new: dict) -> set:
-        """The parameters whose update would raise their mean denominator
-        (:mod:`~hvd_onebit.engine.refresh_gate`), from the variance before the update."""
-        pieces = refresh_gate.pieces_by_parameter(self.buckets, self.state, grads)
-        sums = {p: sum(refresh_gate.root_sums(v, g, weight[p]) for v, g in ps)
-                for p, ps in pieces.items()}
+    def _declined(self, grads: Mapping, weight: dict, old: dict, new: dict,
+                  groups: dict) -> set:
+        """The parameters whose update would move their mean denominator the wrong way for
+        ``accept`` (:mod:`~hvd_onebit.engine.refresh_gate`), from the variance (and, for
+        "hypergradient", the momentum) before the update."""
+        along = self.config.refresh.accept == HYPERGRADIENT
+        pieces = refresh_gate.pieces_by_parameter(self.buckets, self.state, grads, along)
+        sums = {}
+        for p, ps in pieces.items():
+            extra = {"sqrt_bc2": old[p], "eps": float(groups[p]["eps"])} if along else {}
+            sums[p] = sum(refresh_gate.root_sums(piece[0], piece[1], weight[p], *piece[2:],
+                                                 **extra) for piece in ps)
         return set(refresh_gate.declined(sums, old, new))
 
     def _bucket_denominators(self, b: Bucket, groups: dict, sqrt_bc2s: dict,

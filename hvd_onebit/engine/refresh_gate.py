@@ -15,45 +15,74 @@ elements whose gradient is pure noise. Elements with a zero variance (held) take
 variance from the refresh even when their parameter declines it, so they still leave the held
 set at the first refresh that sees their gradient.
 
+``"hypergradient"`` reverses that choice for a parameter whose last step overshot: where the new
+gradient opposes the momentum's step ``u = m / d``, ``sum(g * u)`` below :data:`OVERSHOOT_Z`
+standard errors of no alignment, only an update that raises the mean denominator is taken.
+
 The sums are taken on the exactly averaged gradient and the variance, which are the same bits
 on every rank, so every rank decides alike without a collective; they are read back in one
 device-to-host transfer per refresh. Temporaries: :data:`CHUNK` elements at a time.
 """
 from __future__ import annotations
 
-from typing import Iterable, Mapping
+from typing import Iterable, Mapping, Optional
+
+import math
 
 import torch
 
 CHUNK = 1 << 20  # elements per temporary: bounds the gate's memory whatever the bucket size
+# "hypergradient": an overshoot counts only where sum(g * u) < -OVERSHOOT_Z * sqrt(sum((g * u)^2)),
+# i.e. the gradient's anti-alignment with the step is this many standard errors from none
+OVERSHOOT_Z = 3.0
 
 
-def root_sums(v: torch.Tensor, g: torch.Tensor, weight: float) -> torch.Tensor:
-    """float64 [2]: over the elements where ``v > 0``, ``sum(sqrt(v))`` and
-    ``sum(sqrt((1 - weight) * v + weight * g^2))``, the variance's roots before and after a
-    refresh of this ``weight`` (``v``, ``g``: one parameter's piece, same shape)."""
+def root_sums(v: torch.Tensor, g: torch.Tensor, weight: float,
+              m: Optional[torch.Tensor] = None, sqrt_bc2: float = 1.0,
+              eps: float = 0.0) -> torch.Tensor:
+    """float64 [2] (or [3] given ``m``): over the elements where ``v > 0``, ``sum(sqrt(v))``
+    and ``sum(sqrt((1 - weight) * v + weight * g^2))``, the variance's roots before and after a
+    refresh of this ``weight``, and ``sum(g * m / (sqrt(v) / sqrt_bc2 + eps))``, the new
+    gradient along the last step's direction (``v``, ``g``, ``m``: one parameter's piece, same
+    shape; ``sqrt_bc2``, ``eps``: its denominator's terms before the refresh)."""
     v, g = v.reshape(-1), g.reshape(-1)
-    out = torch.zeros(2, dtype=torch.float64, device=v.device)
+    out = torch.zeros(2 if m is None else 4, dtype=torch.float64, device=v.device)
     for lo in range(0, v.numel(), CHUNK):
         vc, gc = v[lo:lo + CHUNK], g[lo:lo + CHUNK]
+        held = vc == 0
+        root = vc.sqrt()
+        out[0] += root.sum(dtype=torch.float64)  # a held element's root is 0 already
+        if m is not None:  # held elements took no step: not in the sum
+            along = root.div_(sqrt_bc2).add_(eps).reciprocal_().mul_(gc)
+            along.mul_(m.reshape(-1)[lo:lo + CHUNK]).masked_fill_(held, 0)
+            out[2] += along.sum(dtype=torch.float64)
+            out[3] += along.square_().sum(dtype=torch.float64)
+        del root
         new = (vc * (1 - weight)).addcmul_(gc, gc, value=weight).sqrt_()
-        out[0] += vc.sqrt().sum(dtype=torch.float64)  # a held element's root is 0 already
-        out[1] += new.masked_fill_(vc == 0, 0).sum(dtype=torch.float64)
+        out[1] += new.masked_fill_(held, 0).sum(dtype=torch.float64)
     return out
 
 
 def declined(sums: Mapping[torch.Tensor, torch.Tensor],
              sqrt_bc2_old: Mapping[torch.Tensor, float],
              sqrt_bc2_new: Mapping[torch.Tensor, float]) -> list[torch.Tensor]:
-    """The parameters whose refresh would raise their mean denominator: ``sums[p]`` from
-    :func:`root_sums` (added over ``p``'s pieces), the bias corrections' roots before and after.
-    One read of every sum to the host."""
+    """The parameters whose refresh would move their mean denominator the wrong way:
+    ``sums[p]`` from :func:`root_sums` (added over ``p``'s pieces), the bias corrections' roots
+    before and after. With two sums ("lowering") every rise is wrong; with three
+    ("hypergradient") a rise is wrong where the gradient still descends along the last step
+    (the third sum > 0) and a fall is wrong where it does not. One read of every sum to the
+    host."""
     keys = list(sums)
     if not keys:
         return []
     values = torch.stack([sums[p] for p in keys]).tolist()
-    return [p for p, (old, new) in zip(keys, values)
-            if new / sqrt_bc2_new[p] > old / sqrt_bc2_old[p]]
+    out = []
+    for p, (old, new, *along) in zip(keys, values):
+        rises = new / sqrt_bc2_new[p] > old / sqrt_bc2_old[p]
+        overshot = bool(along) and along[0] < -OVERSHOOT_Z * math.sqrt(along[1])
+        if rises != overshot:
+            out.append(p)
+    return out
 
 
 def seed_held(v: torch.Tensor, g: torch.Tensor, weight: float) -> None:
@@ -64,13 +93,18 @@ def seed_held(v: torch.Tensor, g: torch.Tensor, weight: float) -> None:
         vc.addcmul_(gc * (vc == 0), gc, value=weight)
 
 
-def pieces_by_parameter(buckets: Iterable, state: Mapping, grads: Mapping) -> dict:
-    """Per parameter with a gradient: its (variance, gradient) pieces over the buckets."""
+def pieces_by_parameter(buckets: Iterable, state: Mapping, grads: Mapping,
+                        momentum: bool = False) -> dict:
+    """Per parameter with a gradient: its (variance, gradient) pieces over the buckets, or
+    (variance, gradient, momentum) given ``momentum``."""
     out: dict = {}
     for b in buckets:
         for i, seg in enumerate(b.segments):
             g = grads.get(seg.param)
             if g is not None:
-                out.setdefault(seg.param, []).append(
-                    (b.piece(i, state[seg.param]["exp_avg_sq"]), b.piece(i, g)))
+                st = state[seg.param]
+                piece = (b.piece(i, st["exp_avg_sq"]), b.piece(i, g))
+                if momentum:
+                    piece += (b.piece(i, st["exp_avg"]),)
+                out.setdefault(seg.param, []).append(piece)
     return out

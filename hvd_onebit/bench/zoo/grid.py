@@ -48,6 +48,10 @@ SCHEMES: dict[str, dict[str, Any]] = {
     # (variance_refresh accept="lowering"): the variance follows Adam's down, stays frozen up
     "refresh_lowering": {"step_bound": "adam", "precondition": True,
                          "variance_refresh": {"accept": "lowering"}},
+    # the same, except where a parameter's last step overshot (the new gradient against the
+    # momentum's step): there it takes only refreshes that shorten its steps
+    "refresh_hypergradient": {"step_bound": "adam", "precondition": True,
+                              "variance_refresh": {"accept": "hypergradient"}},
     "refresh_fold": {"step_bound": "adam", "precondition": True,
                      "variance_refresh": {"error_feedback": "fold"}},
     "refresh_single": {"step_bound": "adam", "precondition": True,
