@@ -179,7 +179,8 @@ class OneBitConfig:
             ``updates_per_interval`` (16), ``last_step`` (None: refresh forever),
             ``variance_update`` ("gap"), ``error_feedback`` ("rescale") and ``accept``
             ("always"; "lowering": a parameter takes a refresh only where it lowers its mean
-            denominator), explained in :class:`~hvd_onebit.variance_refresh.RefreshSchedule`.
+            denominator; "hypergradient": the same, reversed where its last step overshot),
+            explained in :class:`~hvd_onebit.variance_refresh.RefreshSchedule`.
             A step of the compression phase on the schedule is a full-precision **refresh
             step**: the gradients are allreduced by Horovod as in the warmup (from its hooks),
             a non-finite average is

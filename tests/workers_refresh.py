@@ -133,7 +133,8 @@ def reference(steps: int = STEPS, update: str = "gap", bc2_counts_every_step: bo
     its v and its count at a refresh that would raise its mean sqrt(v) / sqrt(bc2) over v > 0
     (its zero entries still take a * g^2); "hypergradient": the same unless g . m / d over
     v > 0 (m and d before the refresh) is below -3 times the root of its terms' squares' sum,
-    and then it declines a refresh that would lower that mean instead. The final parameters, and how many updates were declined."""
+    and then it declines a refresh that would lower that mean instead. The final parameters,
+    and how many updates were declined."""
     model = Gated()
     params = list(model.parameters())
     m = [torch.zeros_like(p) for p in params]

@@ -25,14 +25,13 @@ device-to-host transfer per refresh. Temporaries: :data:`CHUNK` elements at a ti
 """
 from __future__ import annotations
 
-from typing import Iterable, Mapping, Optional
-
 import math
+from typing import Iterable, Mapping, Optional
 
 import torch
 
 CHUNK = 1 << 20  # elements per temporary: bounds the gate's memory whatever the bucket size
-# "hypergradient": an overshoot counts only where sum(g * u) < -OVERSHOOT_Z * sqrt(sum((g * u)^2)),
+# "hypergradient": an overshoot counts only where sum(g u) < -OVERSHOOT_Z * sqrt(sum((g u)^2)),
 # i.e. the gradient's anti-alignment with the step is this many standard errors from none
 OVERSHOOT_Z = 3.0
 
@@ -40,11 +39,12 @@ OVERSHOOT_Z = 3.0
 def root_sums(v: torch.Tensor, g: torch.Tensor, weight: float,
               m: Optional[torch.Tensor] = None, sqrt_bc2: float = 1.0,
               eps: float = 0.0) -> torch.Tensor:
-    """float64 [2] (or [3] given ``m``): over the elements where ``v > 0``, ``sum(sqrt(v))``
+    """float64 [2] (or [4] given ``m``): over the elements where ``v > 0``, ``sum(sqrt(v))``
     and ``sum(sqrt((1 - weight) * v + weight * g^2))``, the variance's roots before and after a
-    refresh of this ``weight``, and ``sum(g * m / (sqrt(v) / sqrt_bc2 + eps))``, the new
-    gradient along the last step's direction (``v``, ``g``, ``m``: one parameter's piece, same
-    shape; ``sqrt_bc2``, ``eps``: its denominator's terms before the refresh)."""
+    refresh of this ``weight``; given ``m``, also ``sum(g * u)`` and ``sum((g * u)^2)`` with
+    ``u = m / (sqrt(v) / sqrt_bc2 + eps)``, the new gradient along the last step's direction
+    and its terms' squares (``v``, ``g``, ``m``: one parameter's piece, same shape;
+    ``sqrt_bc2``, ``eps``: its denominator's terms before the refresh)."""
     v, g = v.reshape(-1), g.reshape(-1)
     out = torch.zeros(2 if m is None else 4, dtype=torch.float64, device=v.device)
     for lo in range(0, v.numel(), CHUNK):
@@ -68,10 +68,10 @@ def declined(sums: Mapping[torch.Tensor, torch.Tensor],
              sqrt_bc2_new: Mapping[torch.Tensor, float]) -> list[torch.Tensor]:
     """The parameters whose refresh would move their mean denominator the wrong way:
     ``sums[p]`` from :func:`root_sums` (added over ``p``'s pieces), the bias corrections' roots
-    before and after. With two sums ("lowering") every rise is wrong; with three
-    ("hypergradient") a rise is wrong where the gradient still descends along the last step
-    (the third sum > 0) and a fall is wrong where it does not. One read of every sum to the
-    host."""
+    before and after. With two sums ("lowering") every rise is wrong; with four
+    ("hypergradient") a rise is wrong unless the last step overshot (``sum(g u)`` below
+    ``-OVERSHOOT_Z`` times the root of ``sum((g u)^2)``), and then a fall is wrong instead.
+    One read of every sum to the host."""
     keys = list(sums)
     if not keys:
         return []
