@@ -200,10 +200,19 @@ def test_held_elements_train_from_the_first_refresh_that_sees_their_gradient(res
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("name, at", [("resumed_before", 6), ("resumed_after", 7)])
-def test_checkpoints_around_a_refresh_resume_bit_identically(results, name, at):
-    full, resumed = scenario(results, "checkpointed"), scenario(results, name)
+@pytest.mark.parametrize("whole, name, at", [
+    ("checkpointed", "resumed_before", 6), ("checkpointed", "resumed_after", 7),
+    ("checkpointed_hypergradient", "resumed_hypergradient_before", 6),
+    ("checkpointed_hypergradient", "resumed_hypergradient_after", 7)])
+def test_checkpoints_around_a_refresh_resume_bit_identically(results, whole, name, at):
+    full, resumed = scenario(results, whole), scenario(results, name)
     for rank in range(2):
+        assert resumed[rank]["declined"] == full[rank]["declined"][at:], \
+            f"rank {rank}, resumed at {at}: declined counts {resumed[rank]['declined']}, " \
+            f"whole run {full[rank]['declined'][at:]}"
+        if whole != "checkpointed":  # the gate must decide after the resume for this to test it
+            assert full[rank]["declined"][-1] > full[rank]["declined"][at], \
+                f"rank {rank}: no update declined after step {at}: {full[rank]['declined']}"
         diff = [at + i for i, (a, b) in enumerate(zip(full[rank]["hashes"][at:],
                                                     resumed[rank]["hashes"])) if a != b]
         assert not diff, f"rank {rank}, resumed at {at}: differs at iterations {diff}"

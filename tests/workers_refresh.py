@@ -72,8 +72,8 @@ def run(steps: int = STEPS, start: int = 0, gated: bool = False, scaler: bool = 
         model.load_state_dict(torch.load(io.BytesIO(resume["model"])))
         opt.load_state_dict(torch.load(io.BytesIO(resume["opt"])))
         opt.load_error_feedback_state_dict(torch.load(io.BytesIO(resume["ef"])))
-    out = {"before": [], "hashes": [], "refreshes": [], "bytes": [], "saved": {}, "probe": None,
-           "flushed": None}
+    out = {"before": [], "hashes": [], "refreshes": [], "declined": [], "bytes": [], "saved": {},
+           "probe": None, "flushed": None}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for it in range(start, start + steps):
@@ -101,6 +101,7 @@ def run(steps: int = STEPS, start: int = 0, gated: bool = False, scaler: bool = 
                     float(e.abs().max()) for e in _errors(opt)["worker"])}
             out["hashes"].append(params_hash(model))
             out["refreshes"].append(opt.telemetry()["refreshes"])
+            out["declined"].append(opt.telemetry()["refresh_declined"])
             out["bytes"].append(opt.last_step_bytes)
     state = opt.state[model.extra]
     out.update(steps=opt.steps, telemetry=opt.telemetry(), params=params_bytes(model),
@@ -212,9 +213,11 @@ def resumed(at: int, saved: dict, **options) -> dict:
 def suite() -> dict:
     full = {}
 
-    def checkpointed():
-        full["run"] = run(save_at=(6, 7))
-        return full["run"]
+    def checkpointed(key: str, **options) -> dict:
+        full[key] = run(save_at=(6, 7), **options)
+        return full[key]
+
+    gate = {"variance_refresh": {**SCHEDULE, "accept": "hypergradient"}}
 
     scenarios = {
         "overlap": lambda: run(),
@@ -235,11 +238,14 @@ def suite() -> dict:
         "lowering": lambda: run(variance_refresh={**SCHEDULE, "accept": "lowering"}),
         "exact_hypergradient": lambda: {**_gated("hypergradient"),
                                         "lowering": _arrays(reference(gate="lowering"))},
-        "hypergradient": lambda: run(variance_refresh={**SCHEDULE, "accept": "hypergradient"}),
+        "hypergradient": lambda: run(**gate),
         "single": lambda: run(variance_refresh={**SCHEDULE, "variance_update": "single"}),
-        "checkpointed": checkpointed,
-        "resumed_before": lambda: resumed(6, full["run"]["saved"][6]),
-        "resumed_after": lambda: resumed(7, full["run"]["saved"][7]),
+        "checkpointed": lambda: checkpointed("always"),
+        "resumed_before": lambda: resumed(6, full["always"]["saved"][6]),
+        "resumed_after": lambda: resumed(7, full["always"]["saved"][7]),
+        "checkpointed_hypergradient": lambda: checkpointed("gate", **gate),
+        "resumed_hypergradient_before": lambda: resumed(6, full["gate"]["saved"][6], **gate),
+        "resumed_hypergradient_after": lambda: resumed(7, full["gate"]["saved"][7], **gate),
         "flush": lambda: run(flush_at=7),
         "inf": lambda: run(inf_at=6),
         "scaler_inf": lambda: run(scaler=True, inf_at=6),
