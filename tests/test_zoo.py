@@ -153,3 +153,33 @@ def test_a_scheme_against_a_base_scheme_cell_by_cell(tmp_path):
     assert cells == ["mlp scaled seed 1 20%"], f"worse cells {cells}"
     with pytest.raises(ValueError, match="no cells of base scheme 'nope'"):
         write_report(tmp_path, show=False, plot=False, against="nope")
+
+
+def test_against_over_seeds_counts_only_losses_consistent_across_seeds(tmp_path):
+    from hvd_onebit.bench.zoo.report import write_report
+
+    seeds = (0, 1, 2)
+    base = {"mlp": (1.0, 0.9, 1.1), "gru_lm": (1.0, 1.0, 1.0), "resnet_bn": (1.0, 1.0, 1.0)}
+    schemes = {  # per family, the three seeds' losses
+        "consistent": {"mlp": (1.03, 0.9315, 1.1275), "gru_lm": (1.0, 1.0, 1.0),
+                       "resnet_bn": (1.0, None, 1.0)},  # resnet_bn seed 1 diverges
+        "noisy": {"mlp": (1.06, 0.855, 1.111), "gru_lm": (1.005, 1.004, 1.006),
+                  "resnet_bn": (1.0, 1.0, 1.0)}}
+    records = [_record(f, s, ADAM, 1.0) for f in base for s in seeds]
+    records += [_record(f, s, "onebit", base[f][s], "bounded", "20%") for f in base for s in seeds]
+    records += [_record(f, s, "onebit", losses[f][s], name, "20%", diverged=losses[f][s] is None)
+                for name, losses in schemes.items() for f in base for s in seeds]
+    (tmp_path / "cells.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    got = write_report(tmp_path, show=False, plot=False, against="bounded")["against"]["schemes"]
+    consistent = got["consistent"]
+    groups = [(g["group"], g["geo_mean_ratio_of_ratios"]) for g in consistent["worst_groups"]]
+    assert groups == [("resnet_bn scaled 20%", math.inf),
+                      ("mlp scaled 20%", pytest.approx(1.030, abs=1e-3))], \
+        f"consistent: worse groups {groups}, want the diverged resnet_bn, then mlp (+3%, +3.5%, " \
+        f"+2.5% over its seeds)"
+    noisy = got["noisy"]
+    figures = (noisy["seed_groups"], noisy["groups_worse_beyond_seed_noise"], noisy["worse"])
+    assert figures == (3, 0, 5), \
+        f"noisy: (groups, worse beyond seed noise, worse cells) {figures}, want (3, 0, 5): mlp " \
+        f"+6%/-5%/+1% is within its seeds' noise and gru_lm's +0.5% is under 1%, though 5 " \
+        f"cells are worse one by one"

@@ -48,7 +48,8 @@ from .options import comma_list
               "last three evaluations (less noisy).")
 @click.option("--against", default=None, metavar="SCHEME",
               help="Also compare every other scheme with this one cell by cell (same family, "
-              "lr, seed and freeze): how many cells are worse, by how much.")
+              "lr, seed and freeze): how many cells are worse, by how much; and over seeds: how "
+              "many cells (all seeds together) are worse beyond the seeds' noise.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON instead of "
               "tables.")
 def bench_zoo(families, schemes, seeds, freezes, lrs, steps, batch, np_, out_dir, timeout,
