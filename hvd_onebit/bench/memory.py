@@ -216,18 +216,20 @@ def rank_run(layers: int, width: int, warmup: int, compressed: int, batch: int =
     held: dict[str, list[dict]] = {ph: [] for ph in PHASES}
     before: dict[str, list[int]] = {ph: [] for ph in PHASES}
     backward_transient, adam_transient = _baseline_transients(model, x, dev)
-    last = 0
+    last, refreshes = 0, 0
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for _ in range(warmup + compressed):
-            phase, refreshes = opt.phase, opt.telemetry().get("refreshes", 0)
+            phase = opt.phase
             loss = model(x).square().mean()
             opt.zero_grad(set_to_none=False)
             with StepPeak(dev) as peak:
                 loss.backward()
                 opt.step()
-            if opt.telemetry().get("refreshes", 0) > refreshes:
+            now = opt.telemetry().get("refreshes", 0)  # one read a step, after it
+            if now > refreshes:
                 phase = "refresh"
+            refreshes = now
             transients[phase].append(max(0, peak.bytes - backward_transient))
             before[phase].append(last)
             engine = opt.compressed_step

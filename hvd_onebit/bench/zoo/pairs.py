@@ -114,7 +114,8 @@ def print_against(result: dict, base: str, show: Optional[int] = None) -> None:
               f"median ratio of ratios " + ("-" if med is None else f"{med:.4f}"))
         for w in s["worst"][:show]:
             print(f"  {w['cell']}: {w['ratio']:.4f} vs {w['base_ratio']:.4f}")
-        print(f"  over seeds: {s['groups_worse_beyond_seed_noise']} of {s['seed_groups']} groups "
+        print(f"{scheme} against {base} over seeds: {s['groups_worse_beyond_seed_noise']} of "
+              f"{s['seed_groups']} groups "
               f"worse beyond seed noise (geometric mean > 1.01 and > {NOISE_SE:g} standard "
               f"errors)")
         for g in s["worst_groups"][:show]:
