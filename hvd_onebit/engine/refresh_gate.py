@@ -57,6 +57,7 @@ def root_sums(v: torch.Tensor, g: torch.Tensor, weight: float,
             along.mul_(m.reshape(-1)[lo:lo + CHUNK]).masked_fill_(held, 0)
             out[2] += along.sum(dtype=torch.float64)
             out[3] += along.square_().sum(dtype=torch.float64)
+            del along  # root's own storage: both names go, or it outlives the next temporary
         del root
         new = (vc * (1 - weight)).addcmul_(gc, gc, value=weight).sqrt_()
         out[1] += new.masked_fill_(held, 0).sum(dtype=torch.float64)
