@@ -82,3 +82,84 @@ def test_factored_errors_materialised_natively_match_the_twin(numel, n, block):
         assert_same_bits(native, twin, f"{name} error, {numel} elements over {n} ranks")
         scale = float(args[0].abs().max())
         assert float(native.abs().max()) < scale + 1e-6, f"{name} error exceeds |y| {scale}"
+
+
+def _moments(numel: int, seed: int):
+    """A momentum, a variance (see :func:`_variance`) and an averaged gradient with zeros."""
+    g = torch.Generator().manual_seed(seed)
+    grad = torch.randn(numel, generator=g) * 10.0 ** torch.randint(-6, 2, (numel,), generator=g)
+    grad[2::9] = 0.0
+    return torch.randn(numel, generator=g), _variance(numel, seed + 1), grad
+
+
+@pytest.mark.parametrize("numel", SIZES)
+@pytest.mark.parametrize("beta1,weight,held_only", [(0.9, 1 - 0.999 ** 3, False),
+                                                    (0.3, 0.5, False), (0.9, 0.001, True)])
+def test_refresh_moments_native_scalar_and_twin_give_the_same_bits(numel, beta1, weight,
+                                                                   held_only):
+    m0, v0, g = _moments(numel, numel)
+    # a declining parameter keeps its bias correction too: the same root before and after
+    args = (beta1, weight, 0.31, 0.31 if held_only else 0.47, 1e-8)
+    twin = [m0.clone(), v0.clone(), torch.empty(numel)]
+    kernels.refresh_moments(twin[0], twin[1], g, twin[2], *args, held_only, backend="torch")
+    for simd in (True, False):
+        got = [m0.clone(), v0.clone(), torch.empty(numel)]
+        _C.refresh_moments(got[0], got[1], g, got[2], *args, held_only, simd)
+        for name, a, b in zip(("m", "v", "ratio"), got, twin):
+            assert_same_bits(a, b, f"{name}, {numel} elements, simd={simd}, held_only={held_only}")
+        no_ratio = [m0.clone(), v0.clone()]
+        _C.refresh_moments(no_ratio[0], no_ratio[1], g, None, *args, held_only, simd)
+        assert_same_bits(no_ratio[1], twin[1], f"v without a ratio, {numel} elements")
+    m_err = float((twin[0].double() - (beta1 * m0.double() + (1 - beta1) * g.double())).abs()
+                  .max())
+    assert m_err < 1e-5 * float(m0.abs().max() + g.abs().max()), f"m off Adam's by {m_err:.3g}"
+    held = v0 == 0
+    expect = (weight * g.double().square()).where(held, v0.double()) if held_only else (
+        (1 - weight) * v0.double() + weight * g.double().square())
+    worst = float(((twin[1].double() - expect).abs() / expect.clamp_min(1e-30)).max())
+    assert worst < 1e-6, f"v off its update by a relative {worst:.3g} (held_only={held_only})"
+    either = held | (twin[1] == 0)
+    assert int((twin[2][either] != 0).sum()) == 0, "held elements before or after: ratio not 0"
+    if held_only:
+        kept = int((twin[1][~held] != v0[~held]).sum())
+        assert kept == 0, f"{kept} trained elements changed a variance their parameter declined"
+        ones = int((twin[2][~held] != 1).sum())
+        assert ones == 0, f"{ones} trained elements of a declining parameter have a ratio != 1"
+
+
+@pytest.mark.parametrize("numel,n,block", [(1000, 4, 64), (37, 3, 8), (4096, 2, 256)])
+def test_a_factored_error_rescaled_in_place_is_the_error_times_the_ratio(numel, n, block):
+    L = Layout.build(numel, n, block)
+    g = torch.Generator().manual_seed(numel)
+    y, send = torch.zeros(L.padded), torch.empty(L.n * L.row_bytes, dtype=torch.uint8)
+    kernels.worker_compress(torch.randn(numel, generator=g), torch.randn(L.padded, generator=g),
+                            torch.zeros(L.n * L.row_bytes, dtype=torch.uint8), y, send, L)
+    ratio = torch.rand(numel, generator=g) * 2
+    ratio[::6] = 0.0
+    e = kernels.worker_error(y, send, L, backend="torch")
+    expect = torch.cat([e[:numel] * ratio, e[numel:]])
+    args = (L.chunk, L.block, L.row_bytes)
+    for impl in ("simd", "scalar", "torch"):
+        got_y, got_rows = y.clone(), send.clone()
+        if impl == "torch":
+            kernels.rescale_error(got_y, got_rows, ratio, L, L.n, backend="torch")
+        else:
+            _C.rescale_error(got_y, got_rows, ratio, L.n, *args, impl == "simd")
+        kernels.set_identity_rows(got_rows, L, L.n)
+        got = kernels.worker_error(got_y, got_rows, L, backend="torch")
+        assert_same_bits(got, expect, f"worker error x ratio, {impl}, {numel} over {n} ranks")
+    z, row = y[:L.chunk].clone(), send[:L.row_bytes].clone()
+    e_s = kernels.server_error(z, row, L, backend="torch")
+    part = ratio[:min(L.chunk, numel) // 2]  # a server chunk's tail past the buffer keeps its e
+    expect_s = torch.cat([e_s[:part.numel()] * part, e_s[part.numel():]])
+    for impl in ("simd", "scalar", "torch"):
+        got_z, got_row = z.clone(), row.clone()
+        if impl == "torch":
+            kernels.rescale_error(got_z, got_row, part, L, 1, backend="torch")
+        else:
+            _C.rescale_error(got_z, got_row, part, 1, *args, impl == "simd")
+        kernels.set_identity_rows(got_row, L, 1)
+        assert_same_bits(kernels.server_error(got_z, got_row, L, backend="torch"), expect_s,
+                         f"server error x ratio, {impl}, chunk {L.chunk}")
+    with pytest.raises(ValueError, match=f"ratio has {L.padded + 1} elements"):
+        kernels.rescale_error(y, send, torch.ones(L.padded + 1), L, L.n)

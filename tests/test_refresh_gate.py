@@ -1,11 +1,14 @@
-"""accept="lowering"'s decision (hvd_onebit/engine/refresh_gate.py), on tensors in one process:
-the sums it compares, its choice, and the held elements it still seeds."""
+"""The refresh gates' decision (hvd_onebit/engine/refresh_gate.py), on tensors in one process:
+the sums it compares (hvd_onebit/kernels/gate_sums.py, native and twin) and its choice."""
 
 import pytest
 import torch
 
+from hvd_onebit import _C, kernels
 from hvd_onebit.engine import refresh_gate
 from hvd_onebit.engine.fusion import fuse
+from hvd_onebit.kernels import gate
+from tests.checks import assert_same_bits
 
 
 def test_root_sums_are_over_the_trained_elements_whatever_the_chunk(monkeypatch):
@@ -17,10 +20,30 @@ def test_root_sums_are_over_the_trained_elements_whatever_the_chunk(monkeypatch)
     live = v > 0
     want = [float(v[live].double().sqrt().sum()),
             float(((1 - w) * v + w * g * g)[live].double().sqrt().sum())]
-    for chunk in (7, 103, 1 << 20):
-        monkeypatch.setattr(refresh_gate, "CHUNK", chunk)
-        got = refresh_gate.root_sums(v.reshape(1, 103), g.reshape(1, 103), w).tolist()
-        assert got == pytest.approx(want, rel=1e-6), f"chunk {chunk}: {got}, want {want}"
+    for chunk, backend in ((7, "torch"), (103, "torch"), (1 << 20, "torch"), (0, "native")):
+        monkeypatch.setattr(gate, "CHUNK", chunk)
+        got = kernels.gate_sums(v.reshape(1, 103), g.reshape(1, 103), w,
+                                backend=backend).tolist()
+        assert got == pytest.approx(want, rel=1e-6), \
+            f"{backend}, chunk {chunk}: {got}, want {want}"
+
+
+@pytest.mark.parametrize("numel", (1, 7, 8, 13, 1000, (1 << 20) + 5))
+def test_native_gate_sums_are_the_twins_and_alike_on_every_cpu_path(numel):
+    gen = torch.Generator().manual_seed(numel)
+    v = torch.rand(numel, generator=gen).square_() * 10.0 ** torch.randint(-8, 3, (numel,),
+                                                                            generator=gen)
+    v[::6] = 0.0
+    g, m = torch.randn(numel, generator=gen), torch.randn(numel, generator=gen)
+    twin = kernels.gate_sums(v, g, 0.003, m, sqrt_bc2=0.2, eps=1e-8, backend="torch")
+    simd = _C.gate_sums(v, g, m, 0.003, 0.2, 1e-8, True)
+    scalar = _C.gate_sums(v, g, m, 0.003, 0.2, 1e-8, False)
+    # the bits every rank decides on: the same with and without AVX2
+    assert_same_bits(simd, scalar, f"gate sums, {numel} elements, SIMD against scalar")
+    assert simd.tolist() == pytest.approx(twin.tolist(), rel=1e-9, abs=1e-12), \
+        f"native {simd.tolist()} against torch's {twin.tolist()}"
+    two = _C.gate_sums(v, g, None, 0.003, 0.2, 1e-8, True)
+    assert_same_bits(two, simd[:2], "the roots' sums without m")
 
 
 def test_a_parameter_declines_when_its_mean_denominator_would_rise():
@@ -53,13 +76,14 @@ def test_the_third_sum_is_the_gradient_along_the_last_step_whatever_the_chunk(mo
     d = v.double().sqrt() / sqrt_bc2 + eps
     along = (g.double() * m.double() / d)[live]
     want = [float(along.sum()), float(along.square().sum())]
-    for chunk in (5, 103, 1 << 20):
-        monkeypatch.setattr(refresh_gate, "CHUNK", chunk)
-        got = refresh_gate.root_sums(v, g, 0.01, m, sqrt_bc2=sqrt_bc2, eps=eps)
+    for chunk, backend in ((5, "torch"), (103, "torch"), (1 << 20, "torch"), (0, "native")):
+        monkeypatch.setattr(gate, "CHUNK", chunk)
+        got = kernels.gate_sums(v, g, 0.01, m, sqrt_bc2=sqrt_bc2, eps=eps, backend=backend)
         assert got.numel() == 4, f"with the momentum: {got.numel()} sums, want 4"
         assert got[2:].tolist() == pytest.approx(want, rel=1e-5), \
-            f"chunk {chunk}: sum(g m / d), sum((g m / d)^2) = {got[2:].tolist()}, want {want}"
-        two = refresh_gate.root_sums(v, g, 0.01)
+            f"{backend}, chunk {chunk}: sum(g m / d), sum((g m / d)^2) = {got[2:].tolist()}, " \
+            f"want {want}"
+        two = kernels.gate_sums(v, g, 0.01, backend=backend)
         assert got[:2].tolist() == pytest.approx(two.tolist(), rel=1e-12), \
             f"chunk {chunk}: the roots' sums {got[:2].tolist()} differ without m {two.tolist()}"
 
@@ -78,15 +102,6 @@ def test_hypergradient_declines_a_fall_after_an_overshoot_and_a_rise_otherwise()
     assert [n for p, n in zip(params, names) if id(p) in got] == [
         "rise while descending", "fall after overshoot"], \
         f"declined {[n for p, n in zip(params, names) if id(p) in got]}"
-
-
-def test_seed_held_gives_only_the_zero_entries_their_first_variance(monkeypatch):
-    monkeypatch.setattr(refresh_gate, "CHUNK", 3)
-    v = torch.tensor([0.0, 2.0, 0.0, 4.0, 0.0])
-    g = torch.tensor([1.0, 3.0, 2.0, 5.0, 0.0])
-    refresh_gate.seed_held(v, g, 0.5)
-    assert v.tolist() == [0.5, 2.0, 2.0, 4.0, 0.0], \
-        f"held entries take 0.5 * g^2, the rest keep theirs: {v.tolist()}"
 
 
 def test_pieces_by_parameter_follows_a_parameter_cut_across_buckets():

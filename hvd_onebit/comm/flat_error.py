@@ -55,15 +55,14 @@ class FlatErrorFeedback:
             raise RuntimeError("scale_error_feedback during a call")
         L = self.layout
         ratio = ratio.reshape(-1)
-        worker = self.worker_error  # fresh tensors; the padding past numel keeps its errors
-        worker[:L.numel].mul_(ratio)
-        server = self.server_error
-        lo, hi = self.rank * L.chunk, min((self.rank + 1) * L.chunk, L.numel)
-        if hi > lo:
-            server[:hi - lo].mul_(ratio[lo:hi])
-        self._worker_y.copy_(worker)
+        if ratio.numel() != L.numel:
+            raise ValueError(f"ratio has {ratio.numel()} elements, the buffer {L.numel}")
+        # In place, one pass each (no materialised e); the padding past numel keeps its errors.
+        kernels.rescale_error(self._worker_y, self._sent, ratio, L, L.n, self.backend)
         kernels.set_identity_rows(self._sent, L, L.n)
-        self._server_z.copy_(server)
+        lo, hi = self.rank * L.chunk, min((self.rank + 1) * L.chunk, L.numel)
+        kernels.rescale_error(self._server_z, self._server_sent, ratio[lo:max(lo, hi)], L, 1,
+                              self.backend)
         kernels.set_identity_rows(self._server_sent, L, 1)
 
     def state_dict(self) -> dict:

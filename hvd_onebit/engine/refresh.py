@@ -105,24 +105,29 @@ class VarianceRefresh:
                 new[p] = old[p]
         self.last_refresh_declined = len(held_only)
         rescale = error_feedback == "rescale" and self.preconditioned and bool(self.comms)
+        backend = self.config.kernel_backend
         for b in self.buckets:
-            ratio = self._bucket_denominators(b, groups, old) if rescale else None
+            # old / new denominator; 0 where either is inf (inf/x, x/inf, inf/inf)
+            ratio = (torch.empty(b.numel, dtype=torch.float32, device=b.momentum.device)
+                     if rescale else None)
             for i, seg in enumerate(b.segments):
                 p = seg.param
                 beta1, w = groups[p]["betas"][0], weight.get(p)
                 m = b.piece(i, self.state[p]["exp_avg"])
                 v = b.piece(i, self.state[p]["exp_avg_sq"])
                 g = b.piece(i, grads.get(p))
-                if g is None:  # the momentum decays as in a compressed step
+                part = None if ratio is None else ratio[seg.offset:seg.offset + seg.numel]
+                eps = float(groups[p]["eps"])
+                if g is None:  # the momentum decays as in a compressed step; v stays
                     m.mul_(beta1)
-                else:
-                    m.lerp_(g, 1 - beta1)
-                    if p in held_only:
-                        refresh_gate.seed_held(v, g, w)
-                    else:
-                        v.mul_(1 - w).addcmul_(g, g, value=w)
-            if rescale:  # old / new denominator; 0 where either is inf (inf/x, x/inf, inf/inf)
-                self._bucket_denominators(b, groups, new, divide=ratio)
+                    if part is not None:
+                        flat_v = v.reshape(-1)
+                        kernels.denominators(flat_v, part, old[p], eps, backend)
+                        kernels.divide_by_denominators(part, flat_v, new[p], eps, backend)
+                else:  # both moments and the ratio in one pass
+                    kernels.refresh_moments(m, v, g, part, beta1, w, old[p], new[p], eps,
+                                            p in held_only, backend)
+            if rescale:
                 self.comms[self._key(b)].scale_error_feedback(ratio)
                 del ratio
         for group in param_groups:
@@ -150,29 +155,10 @@ class VarianceRefresh:
         sums = {}
         for p, ps in pieces.items():
             extra = {"sqrt_bc2": old[p], "eps": float(groups[p]["eps"])} if along else {}
-            sums[p] = sum(refresh_gate.root_sums(piece[0], piece[1], weight[p], *piece[2:],
-                                                 **extra) for piece in ps)
+            sums[p] = sum(kernels.gate_sums(piece[0], piece[1], weight[p], *piece[2:], **extra,
+                                            backend=self.config.kernel_backend)
+                          for piece in ps)
         return set(refresh_gate.declined(sums, old, new))
-
-    def _bucket_denominators(self, b: Bucket, groups: dict, sqrt_bc2s: dict,
-                             divide: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """float32 [b.numel]: the denominators of bucket ``b``'s elements from their variance
-        now, with each parameter's ``sqrt(bc2)`` from ``sqrt_bc2s`` (+inf where ``v == 0``);
-        or, given ``divide``, that tensor divided by them in place, every non-finite quotient
-        (an infinite denominator on either side) set to 0 (:mod:`hvd_onebit.kernels.denominators`:
-        one pass per segment)."""
-        out = divide if divide is not None else torch.empty(b.numel, dtype=torch.float32,
-                                                            device=b.momentum.device)
-        backend = self.config.kernel_backend
-        for i, seg in enumerate(b.segments):
-            v = b.piece(i, self.state[seg.param]["exp_avg_sq"]).reshape(-1)
-            sqrt_bc2, eps = sqrt_bc2s[seg.param], float(groups[seg.param]["eps"])
-            target = out[seg.offset:seg.offset + seg.numel]
-            if divide is not None:
-                kernels.divide_by_denominators(target, v, sqrt_bc2, eps, backend)
-            else:
-                kernels.denominators(v, target, sqrt_bc2, eps, backend)
-        return out
 
     def _refresh_update(self, b: Bucket, terms: dict) -> AdamUpdate:
         """Adam's update of bucket ``b`` from its (new) momentum and variance: the compressed

@@ -19,9 +19,10 @@ set at the first refresh that sees their gradient.
 gradient opposes the momentum's step ``u = m / d``, ``sum(g * u)`` below :data:`OVERSHOOT_Z`
 standard errors of no alignment, only an update that raises the mean denominator is taken.
 
-The sums are taken on the exactly averaged gradient and the variance, which are the same bits
-on every rank, so every rank decides alike without a collective; they are read back in one
-device-to-host transfer per refresh. Temporaries: :data:`CHUNK` elements at a time.
+The sums (:func:`~hvd_onebit.kernels.gate_sums`, one pass per piece) are taken on the exactly
+averaged gradient and the variance, which are the same bits on every rank, in an order that is
+the same on every rank, so every rank decides alike without a collective; they are read back in
+one device-to-host transfer per refresh.
 """
 from __future__ import annotations
 
@@ -30,46 +31,17 @@ from typing import Iterable, Mapping, Optional
 
 import torch
 
-CHUNK = 1 << 20  # elements per temporary: bounds the gate's memory whatever the bucket size
 # "hypergradient": an overshoot counts only where sum(g u) < -OVERSHOOT_Z * sqrt(sum((g u)^2)),
 # i.e. the gradient's anti-alignment with the step is this many standard errors from none
 OVERSHOOT_Z = 3.0
-
-
-def root_sums(v: torch.Tensor, g: torch.Tensor, weight: float,
-              m: Optional[torch.Tensor] = None, sqrt_bc2: float = 1.0,
-              eps: float = 0.0) -> torch.Tensor:
-    """float64 [2] (or [4] given ``m``): over the elements where ``v > 0``, ``sum(sqrt(v))``
-    and ``sum(sqrt((1 - weight) * v + weight * g^2))``, the variance's roots before and after a
-    refresh of this ``weight``; given ``m``, also ``sum(g * u)`` and ``sum((g * u)^2)`` with
-    ``u = m / (sqrt(v) / sqrt_bc2 + eps)``, the new gradient along the last step's direction
-    and its terms' squares (``v``, ``g``, ``m``: one parameter's piece, same shape;
-    ``sqrt_bc2``, ``eps``: its denominator's terms before the refresh)."""
-    v, g = v.reshape(-1), g.reshape(-1)
-    out = torch.zeros(2 if m is None else 4, dtype=torch.float64, device=v.device)
-    for lo in range(0, v.numel(), CHUNK):
-        vc, gc = v[lo:lo + CHUNK], g[lo:lo + CHUNK]
-        held = vc == 0
-        root = vc.sqrt()
-        out[0] += root.sum(dtype=torch.float64)  # a held element's root is 0 already
-        if m is not None:  # held elements took no step: not in the sum
-            along = root.div_(sqrt_bc2).add_(eps).reciprocal_().mul_(gc)
-            along.mul_(m.reshape(-1)[lo:lo + CHUNK]).masked_fill_(held, 0)
-            out[2] += along.sum(dtype=torch.float64)
-            out[3] += along.square_().sum(dtype=torch.float64)
-            del along  # root's own storage: both names go, or it outlives the next temporary
-        del root
-        new = (vc * (1 - weight)).addcmul_(gc, gc, value=weight).sqrt_()
-        out[1] += new.masked_fill_(held, 0).sum(dtype=torch.float64)
-    return out
 
 
 def declined(sums: Mapping[torch.Tensor, torch.Tensor],
              sqrt_bc2_old: Mapping[torch.Tensor, float],
              sqrt_bc2_new: Mapping[torch.Tensor, float]) -> list[torch.Tensor]:
     """The parameters whose refresh would move their mean denominator the wrong way:
-    ``sums[p]`` from :func:`root_sums` (added over ``p``'s pieces), the bias corrections' roots
-    before and after. With two sums ("lowering") every rise is wrong; with four
+    ``sums[p]`` from :func:`~hvd_onebit.kernels.gate_sums` (added over ``p``'s pieces), the
+    bias corrections' roots before and after. With two sums ("lowering") every rise is wrong; with four
     ("hypergradient") a rise is wrong unless the last step overshot (``sum(g u)`` below
     ``-OVERSHOOT_Z`` times the root of ``sum((g u)^2)``), and then a fall is wrong instead.
     One read of every sum to the host."""
@@ -84,14 +56,6 @@ def declined(sums: Mapping[torch.Tensor, torch.Tensor],
         if rises != overshot:
             out.append(p)
     return out
-
-
-def seed_held(v: torch.Tensor, g: torch.Tensor, weight: float) -> None:
-    """In place: the held elements of ``v`` (exactly 0) take ``weight * g^2``, the rest stay."""
-    v, g = v.reshape(-1), g.reshape(-1)
-    for lo in range(0, v.numel(), CHUNK):
-        vc, gc = v[lo:lo + CHUNK], g[lo:lo + CHUNK]
-        vc.addcmul_(gc * (vc == 0), gc, value=weight)
 
 
 def pieces_by_parameter(buckets: Iterable, state: Mapping, grads: Mapping,

@@ -1,11 +1,18 @@
-"""Adam's denominators from a variance, and a variance refresh's ratio of old to new ones.
+"""Adam's denominators from a variance, and a variance refresh's moments with its ratio of old
+to new denominators.
 
-A refresh (:mod:`hvd_onebit.engine.refresh`) carries the preconditioned error feedback from the
-old denominators into the new ones: one pass writes the old denominators, the variance is
-updated, a second pass divides them by the new ones. Native (C++) on CPU tensors, the torch twin
-elsewhere; both correctly rounded (fp32 sqrt and division), so the same bits.
+A refresh (:mod:`hvd_onebit.engine.refresh`) updates the momentum and the variance from the
+averaged gradient and carries the preconditioned error feedback from the old denominators into
+the new ones. :func:`refresh_moments` does it for one parameter's piece in one pass (the old
+denominator, both moments, the ratio); :func:`denominators` and :func:`divide_by_denominators`
+are its two ends, for a piece whose moments change otherwise. Native (C++) on CPU tensors, the
+torch twin elsewhere, with the same bits: the twin is the torch ops the native pass fuses
+(``lerp_``, ``mul_``, ``addcmul_``, whose CPU kernels round as one FMA each where the native
+pass does) and correctly rounded sqrt and division.
 """
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 
@@ -37,6 +44,56 @@ def divide_by_denominators(ratio: torch.Tensor, v: torch.Tensor, sqrt_bc2: float
     ``+0``: old denominators (from :func:`denominators`) over new ones, 0 where either is
     infinite. Arguments as :func:`denominators`'; returns ``ratio``."""
     return _run(v, ratio, sqrt_bc2, eps, True, backend)
+
+
+def refresh_moments(m: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                    ratio: Optional[torch.Tensor], beta1: float, weight: float,
+                    sqrt_bc2_old: float, sqrt_bc2_new: float, eps: float,
+                    held_only: bool = False, backend: str = "auto") -> None:
+    """One piece of a variance refresh, in place: ``ratio = d_old`` (when given), then
+    ``m = m.lerp(g, 1 - beta1)`` and ``v = (1 - weight) * v + weight * g^2`` (with
+    ``held_only``, a parameter that declines the update: only where ``v == 0``), then
+    ``ratio = d_old / d_new`` with every non-finite quotient ``+0`` (an element held before or
+    after), ``d = sqrt(v) / sqrt_bc2 + eps`` before and after.
+
+    Args:
+        m, v, g: float32 [numel] (any shape of numel elements): the momentum, the variance and
+            the averaged gradient of one parameter's piece.
+        ratio: float32 [numel], not overlapping the others, or None (no denominators).
+        beta1: Adam's first-moment decay.
+        weight: the new ``g^2``'s weight in the variance (``1 - beta2^k`` for a gap of k steps).
+        sqrt_bc2_old, sqrt_bc2_new: the variance's bias corrections' roots before and after.
+        eps: Adam's eps.
+    """
+    if not (m.numel() == v.numel() == g.numel()) or (ratio is not None
+                                                     and ratio.numel() != m.numel()):
+        raise ValueError(f"m, v, g and ratio must have as many elements: {m.numel()}, "
+                         f"{v.numel()}, {g.numel()}, {None if ratio is None else ratio.numel()}")
+    if pick(backend, v.device, native=lambda: native_ready((m, v, g, ratio))) == "native":
+        native_module().refresh_moments(m, v, g, ratio, float(beta1), float(weight),
+                                        float(sqrt_bc2_old), float(sqrt_bc2_new), float(eps),
+                                        bool(held_only), True)
+        return
+    _refresh_twin(m, v, g, ratio, beta1, weight, sqrt_bc2_old, sqrt_bc2_new, eps, held_only)
+
+
+def _refresh_twin(m: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                  ratio: Optional[torch.Tensor], beta1: float, weight: float,
+                  sqrt_bc2_old: float, sqrt_bc2_new: float, eps: float,
+                  held_only: bool) -> None:
+    """The torch reference of :func:`refresh_moments`: its passes one by one."""
+    if ratio is not None:
+        _twin(v, ratio, sqrt_bc2_old, eps, False)
+    m.lerp_(g, 1 - beta1)
+    if held_only:  # the held elements (exactly 0) take weight * g^2, the rest stay
+        flat_v, flat_g = v.reshape(-1), g.reshape(-1)
+        for lo in range(0, flat_v.numel(), TWIN_SLICE):
+            vc, gc = flat_v[lo:lo + TWIN_SLICE], flat_g[lo:lo + TWIN_SLICE]
+            vc.addcmul_(gc * (vc == 0), gc, value=weight)
+    else:
+        v.mul_(1 - weight).addcmul_(g, g, value=weight)
+    if ratio is not None:
+        _twin(v, ratio, sqrt_bc2_new, eps, True)
 
 
 def _run(v: torch.Tensor, out: torch.Tensor, sqrt_bc2: float, eps: float, divide: bool,

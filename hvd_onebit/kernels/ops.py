@@ -108,6 +108,33 @@ def server_error(z: torch.Tensor, row: torch.Tensor, layout: Layout,
     return _factored_error(z, row, layout, 1, backend, reference.server_error)
 
 
+def rescale_error(y: torch.Tensor, rows: torch.Tensor, ratio: torch.Tensor, layout: Layout,
+                  count: int, backend: str = "auto") -> None:
+    """A factored error scaled into new units, in place of ``y``: ``y = e * ratio`` over
+    ``ratio``'s elements and ``y = e`` past them, ``e = y - decode(rows)`` over ``count`` rows
+    (``layout.n`` for the worker error, 1 for the server's), in one pass without materialising
+    ``e``. The caller then makes the rows decode to +0
+    (:func:`~hvd_onebit.kernels.rows.set_identity_rows`), so y is the scaled error itself.
+
+    Args:
+        y: float32 [count * chunk], the factored error's y (or z).
+        rows: uint8 [count * row_bytes], the rows it sent.
+        ratio: float32 [k], k <= y.numel(): the factors of y's first k elements.
+    """
+    if ratio.numel() > y.numel():
+        raise ValueError(f"ratio has {ratio.numel()} elements, y {y.numel()}")
+    if pick(backend, y.device, native=lambda: native_ready((y, ratio))
+            and in_place((rows,), y.device, dtypes=None)) == "native":
+        if y.numel():
+            native_module().rescale_error(y, rows, ratio, count, layout.chunk, layout.block,
+                                          layout.row_bytes, True)
+        return
+    twin = reference.worker_error if count == layout.n else reference.server_error
+    e = twin(y, rows, layout)
+    e[:ratio.numel()].mul_(ratio)
+    y.copy_(e)
+
+
 def _factored_error(y: torch.Tensor, rows: torch.Tensor, layout: Layout, count: int,
                     backend: str, twin) -> torch.Tensor:
     """``y - decode(rows)`` over ``count`` rows: the native decode where it runs (the torch
