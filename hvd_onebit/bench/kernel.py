@@ -123,6 +123,7 @@ def bench_kernels(numel: int = 16 << 20, ranks: int = 4, threads: int = 1, repea
     if kernels.native_available():
         result["fused_optimizer_passes"] = _bench_fused(L, b.x, b.y_prev, b.prev_send, b.y_next,
                                                         b.send, repeats)
+        result["refresh_passes"] = _bench_refresh(L, b.x, b.y_prev, b.send, repeats, add)
     return result
 
 
@@ -213,3 +214,49 @@ def _bench_fused(L: Layout, g: torch.Tensor, y_prev, prev_send, y_next, send, re
     ms["momentum_compress_speedup"] = ms["lerp_then_compress_ms"] / ms["momentum_compress_ms"]
     ms["decode_update_speedup"] = ms["decode_then_addcdiv_ms"] / ms["decode_update_ms"]
     return ms
+
+
+def _bench_refresh(L: Layout, g: torch.Tensor, y_prev, send, repeats: int, add: float) -> dict:
+    """A variance refresh's passes (native) against the separate passes they replace, and each
+    as a ratio to torch.add's element rate ``add``:
+
+    * moments: ``refresh_moments`` (old denominators, ``m`` and ``v`` updated, old / new, one
+      pass) vs the native denominators, torch's ``lerp_``, ``mul_`` and ``addcmul_``, then the
+      native division.
+    * errors: ``rescale_error`` (``y = (y - decode) * ratio`` in place) vs the worker error
+      materialised (native decode, then a subtraction), multiplied and copied back.
+    * gate: ``gate_sums`` with the momentum (accept="hypergradient") vs its torch twin.
+    """
+    numel, eps = g.numel(), 1e-8
+    m, v, ratio = torch.randn(numel) * 0.1, torch.rand(numel) + 0.01, torch.empty(numel)
+    v[::10] = 0.0  # held elements
+    y = y_prev.clone()
+    scale = torch.full((numel,), 0.999)  # near 1: repeated calls keep y's magnitude
+
+    def separate_moments():
+        kernels.denominators(v, ratio, 0.3, eps, "native")
+        m.lerp_(g, 0.1)
+        v.mul_(1 - 1e-3).addcmul_(g, g, value=1e-3)
+        kernels.divide_by_denominators(ratio, v, 0.31, eps, "native")
+
+    def separate_errors():
+        e = kernels.worker_error(y, send, L, "native")
+        e[:numel].mul_(scale)
+        y.copy_(e)
+
+    calls = {
+        "moments": (lambda: kernels.refresh_moments(m, v, g, ratio, 0.9, 1e-3, 0.3, 0.31, eps,
+                                                    False, "native"), separate_moments),
+        "errors": (lambda: kernels.rescale_error(y, send, scale, L, L.n, "native"),
+                   separate_errors),
+        "gate": (lambda: kernels.gate_sums(v, g, 1e-3, m, 0.3, eps, "native"),
+                 lambda: kernels.gate_sums(v, g, 1e-3, m, 0.3, eps, "torch")),
+    }
+    out = {}
+    for name, (fused, separate) in calls.items():
+        fast, slow = _rate(fused, numel, repeats), _rate(separate, numel, max(1, repeats // 3))
+        out[f"{name}_ms"] = numel / fast * 1e3
+        out[f"{name}_separate_ms"] = numel / slow * 1e3
+        out[f"{name}_speedup"] = fast / slow
+        out[f"{name}_ratio_to_add"] = fast / add
+    return out

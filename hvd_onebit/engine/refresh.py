@@ -37,7 +37,12 @@ the momentum it stands for, ``e * d``, is unchanged; where either denominator is
 element) the error is 0. No bytes. ``"fold"`` folds every rank's errors into the momentum first
 (:meth:`~hvd_onebit.engine.error_feedback.ErrorFeedbackLifecycle.flush_error_feedback`, one more
 full-precision allreduce) and the errors restart from 0. Errors of the momentum itself
-(``precondition=False``) need neither. Memory: temporaries of one bucket at a time.
+(``precondition=False``) need neither.
+
+Passes: per piece of a bucket one native pass takes the old denominators, both moments and their
+ratio (:func:`~hvd_onebit.kernels.refresh_moments`); each collective then scales its factored
+errors in place (:func:`~hvd_onebit.kernels.rescale_error`); Adam's update is one more.
+Memory: one float32 buffer of a bucket at a time (the ratio).
 """
 from __future__ import annotations
 

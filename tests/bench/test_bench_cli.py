@@ -41,6 +41,11 @@ def test_bench_kernel_json():
     for key in ("momentum_compress_ms", "lerp_then_compress_ms", "decode_update_ms",
                 "decode_then_addcdiv_ms", "momentum_compress_speedup", "decode_update_speedup"):
         assert fused[key] > 0
+    refresh = report["refresh_passes"]
+    timed = {f"{k}{suffix}": refresh.get(f"{k}{suffix}") for k in ("moments", "errors", "gate")
+             for suffix in ("_ms", "_separate_ms", "_speedup", "_ratio_to_add")}
+    missing = sorted(k for k, v in timed.items() if not v or v <= 0)
+    assert not missing, f"refresh passes without a positive figure: {missing} in {refresh}"
 
 
 def test_bench_allreduce_loopback_json_and_plot(tmp_path):

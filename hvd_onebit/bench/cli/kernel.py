@@ -65,3 +65,9 @@ def bench_kernel(numel, ranks: int, threads: int, repeats: int, device: str,
                    f"({fused['momentum_compress_speedup']:.2f}x); decode+update "
                    f"{fused['decode_update_ms']:.1f} ms vs decode then addcdiv "
                    f"{fused['decode_then_addcdiv_ms']:.1f} ms ({fused['decode_update_speedup']:.2f}x)")
+    refresh = result.get("refresh_passes")
+    if refresh:
+        click.echo("a refresh's passes (native, fused vs separate): " + "; ".join(
+            f"{k} {refresh[k + '_ms']:.1f} ms vs {refresh[k + '_separate_ms']:.1f} ms "
+            f"({refresh[k + '_speedup']:.2f}x, {refresh[k + '_ratio_to_add']:.2f} of add)"
+            for k in ("moments", "errors", "gate")))
