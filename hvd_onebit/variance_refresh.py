@@ -67,8 +67,8 @@ class RefreshSchedule:
             grow (:mod:`hvd_onebit.engine.refresh_gate`). Costs one more read of the variance
             and the gradient per refresh and one device-to-host transfer.
             "hypergradient": as "lowering" unless the parameter's last step overshot: the new
-            averaged gradient against the step, ``sum(g * u) < -3 * sqrt(sum((g * u)^2))``
-            with ``u = m / d`` before the refresh (three standard errors from no alignment).
+            averaged gradient against the step, ``sum(g * u) < -5 * sqrt(sum((g * u)^2))``
+            with ``u = m / d`` before the refresh (five standard errors from no alignment).
             Then the opposite: it takes only an update that raises its mean denominator, so
             its steps shorten towards Adam's. The sign of ``g . u`` is the loss's derivative
             with respect to the parameter's step size (hypergradient descent, Baydin et al.,

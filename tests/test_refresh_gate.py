@@ -90,11 +90,15 @@ def test_the_third_sum_is_the_gradient_along_the_last_step_whatever_the_chunk(mo
 
 def test_hypergradient_declines_a_fall_after_an_overshoot_and_a_rise_otherwise():
     names = ("rise while descending", "fall after overshoot", "rise after overshoot",
-             "fall while descending", "fall, anti-aligned within the noise")
+             "fall while descending", "fall, anti-aligned within the noise",
+             "fall, anti-aligned by 4 standard errors")
     # [old roots, new roots, sum(g u), sum((g u)^2)]; sqrt(bc2) stays 1. An overshoot needs
-    # sum(g u) < -3 sqrt(sum((g u)^2)): -0.5 against 3 * 0.1 is one, -0.5 against 3 * 1 is not
-    rows = ([10.0, 11.0, 0.5, 0.01], [10.0, 9.0, -0.5, 0.01], [10.0, 11.0, -0.5, 0.01],
-            [10.0, 9.0, 0.5, 0.01], [10.0, 9.0, -0.5, 1.0])
+    # sum(g u) < -5 sqrt(sum((g u)^2)): -0.5 against 5 * 0.06 is one, -0.5 against 5 * 1 and
+    # -0.4 against 5 * 0.1 (4 standard errors) are not
+    z = refresh_gate.OVERSHOOT_Z
+    assert z == 5.0, f"the rows below are for Z = 5, not {z}"
+    rows = ([10.0, 11.0, 0.5, 0.004], [10.0, 9.0, -0.5, 0.004], [10.0, 11.0, -0.5, 0.004],
+            [10.0, 9.0, 0.5, 0.004], [10.0, 9.0, -0.5, 1.0], [10.0, 9.0, -0.4, 0.01])
     params = [torch.zeros(1) for _ in names]
     sums = {p: torch.tensor(r, dtype=torch.float64) for p, r in zip(params, rows)}
     ones = {p: 1.0 for p in params}

@@ -13,6 +13,7 @@ import torch
 import torch.nn as nn
 
 import hvd_onebit
+from hvd_onebit.engine import refresh_gate
 from hvd_onebit.variance_refresh import RefreshSchedule
 from tests.scenarios import run_scenarios
 from tests.workers_freeze_and_flush import AUTO, _buckets, _denominators
@@ -133,9 +134,9 @@ def reference(steps: int = STEPS, update: str = "gap", bc2_counts_every_step: bo
     show the test can tell, ``bc2_counts_every_step``). ``gate="lowering"``: a parameter keeps
     its v and its count at a refresh that would raise its mean sqrt(v) / sqrt(bc2) over v > 0
     (its zero entries still take a * g^2); "hypergradient": the same unless g . m / d over
-    v > 0 (m and d before the refresh) is below -3 times the root of its terms' squares' sum,
-    and then it declines a refresh that would lower that mean instead. The final parameters,
-    and how many updates were declined."""
+    v > 0 (m and d before the refresh) is below -OVERSHOOT_Z times the root of its terms'
+    squares' sum, and then it declines a refresh that would lower that mean instead. The final
+    parameters, and how many updates were declined."""
     model = Gated()
     params = list(model.parameters())
     m = [torch.zeros_like(p) for p in params]
@@ -182,7 +183,8 @@ def _wrong_way(gate: str, new: torch.Tensor, v: torch.Tensor, trained: torch.Ten
     rises = _root_sum(new, trained, power_new) > _root_sum(v, trained, power_old)
     d = v.sqrt() / math.sqrt(1 - power_old) + EPS
     along = (g * m / d)[trained].double()
-    overshot = gate == "hypergradient" and float(along.sum()) < -3 * float(
+    z = refresh_gate.OVERSHOOT_Z
+    overshot = gate == "hypergradient" and float(along.sum()) < -z * float(
         along.square().sum().sqrt())
     return rises != overshot
 

@@ -33,7 +33,7 @@ import torch
 
 # "hypergradient": an overshoot counts only where sum(g u) < -OVERSHOOT_Z * sqrt(sum((g u)^2)),
 # i.e. the gradient's anti-alignment with the step is this many standard errors from none
-OVERSHOOT_Z = 3.0
+OVERSHOOT_Z = 5.0
 
 
 def declined(sums: Mapping[torch.Tensor, torch.Tensor],
