@@ -127,15 +127,20 @@ inline float frozen_denominator(float v, float sqrt_bc2, float eps) {
 }
 
 #if defined(HVD_ONEBIT_X86)
-__attribute__((target("avx2,fma"))) inline __m256 frozen_denominator8(const float* v,
-                                                                      float sqrt_bc2,
-                                                                      float eps) {
-  const __m256 var = _mm256_loadu_ps(v);
+// frozen_denominator of 8 variances at once (in a register).
+__attribute__((target("avx2,fma"))) inline __m256 denominator8(__m256 var, float sqrt_bc2,
+                                                               float eps) {
   return _mm256_blendv_ps(
       _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(var), _mm256_set1_ps(sqrt_bc2)),
                     _mm256_set1_ps(eps)),
       _mm256_set1_ps(std::numeric_limits<float>::infinity()),
       _mm256_cmp_ps(var, _mm256_setzero_ps(), _CMP_EQ_OQ));
+}
+
+__attribute__((target("avx2,fma"))) inline __m256 frozen_denominator8(const float* v,
+                                                                      float sqrt_bc2,
+                                                                      float eps) {
+  return denominator8(_mm256_loadu_ps(v), sqrt_bc2, eps);
 }
 #endif
 
@@ -1077,15 +1082,6 @@ inline void refresh1(const RefreshPiece& r, int64_t p) {
 }
 
 #if defined(HVD_ONEBIT_X86)
-__attribute__((target("avx2,fma"))) inline __m256 denominator8(__m256 var, float sqrt_bc2,
-                                                               float eps) {
-  return _mm256_blendv_ps(
-      _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(var), _mm256_set1_ps(sqrt_bc2)),
-                    _mm256_set1_ps(eps)),
-      _mm256_set1_ps(std::numeric_limits<float>::infinity()),
-      _mm256_cmp_ps(var, _mm256_setzero_ps(), _CMP_EQ_OQ));
-}
-
 __attribute__((target("avx2,fma"))) int64_t refresh_avx2(const RefreshPiece& r, int64_t numel) {
   const bool small = std::fabs(r.lerp_w) < 0.5f;
   const __m256 coeff = _mm256_set1_ps(small ? r.lerp_w : r.lerp_w - 1.0f);
