@@ -27,7 +27,7 @@ one device-to-host transfer per refresh.
 from __future__ import annotations
 
 import math
-from typing import Iterable, Mapping, Optional
+from typing import Iterable, Mapping
 
 import torch
 

@@ -39,7 +39,7 @@ def gate_sums(v: torch.Tensor, g: torch.Tensor, weight: float,
                          f"{None if m is None else m.numel()}")
     if pick(backend, v.device, native=lambda: native_ready((v, g, m))) == "native":
         return native_module().gate_sums(v, g, m, float(weight), float(sqrt_bc2), float(eps),
-                                         True).to(v.device)
+                                         True)
     return _twin(v, g, weight, m, sqrt_bc2, eps)
 
 

@@ -998,6 +998,16 @@ void update(const torch::Tensor& src, torch::Tensor m,
 
 inline float finite_or_zero(float q) { return std::isfinite(q) ? q : 0.0f; }
 
+#if defined(HVD_ONEBIT_X86)
+// finite_or_zero, 8 at a time: |q| < inf is false for inf and NaN alike, and those lanes become +0
+__attribute__((target("avx2,fma"))) inline __m256 finite_or_zero8(__m256 q) {
+  const __m256 finite = _mm256_cmp_ps(_mm256_andnot_ps(_mm256_set1_ps(-0.0f), q),
+                                      _mm256_set1_ps(std::numeric_limits<float>::infinity()),
+                                      _CMP_LT_OQ);
+  return _mm256_and_ps(q, finite);
+}
+#endif
+
 void denominators_scalar(const float* v, float* out, int64_t numel, float sqrt_bc2, float eps,
                          bool divide) {
   for (int64_t p = 0; p < numel; ++p) {
@@ -1010,19 +1020,11 @@ void denominators_scalar(const float* v, float* out, int64_t numel, float sqrt_b
 __attribute__((target("avx2,fma"))) int64_t denominators_avx2(const float* v, float* out,
                                                                int64_t numel, float sqrt_bc2,
                                                                float eps, bool divide) {
-  const __m256 inf = _mm256_set1_ps(std::numeric_limits<float>::infinity());
-  const __m256 sign = _mm256_set1_ps(-0.0f);
   int64_t p = 0;
   for (; p + 8 <= numel; p += 8) {
     const __m256 d = frozen_denominator8(v + p, sqrt_bc2, eps);
-    if (!divide) {
-      _mm256_storeu_ps(out + p, d);
-      continue;
-    }
-    const __m256 q = _mm256_div_ps(_mm256_loadu_ps(out + p), d);
-    // |q| < inf is false for inf and NaN alike: those lanes become +0
-    const __m256 finite = _mm256_cmp_ps(_mm256_andnot_ps(sign, q), inf, _CMP_LT_OQ);
-    _mm256_storeu_ps(out + p, _mm256_and_ps(q, finite));
+    const __m256 q = divide ? finite_or_zero8(_mm256_div_ps(_mm256_loadu_ps(out + p), d)) : d;
+    _mm256_storeu_ps(out + p, q);
   }
   return p;
 }
@@ -1086,8 +1088,6 @@ __attribute__((target("avx2,fma"))) int64_t refresh_avx2(const RefreshPiece& r, 
   const bool small = std::fabs(r.lerp_w) < 0.5f;
   const __m256 coeff = _mm256_set1_ps(small ? r.lerp_w : r.lerp_w - 1.0f);
   const __m256 a = _mm256_set1_ps(r.a), keep = _mm256_set1_ps(r.keep);
-  const __m256 inf = _mm256_set1_ps(std::numeric_limits<float>::infinity());
-  const __m256 sign = _mm256_set1_ps(-0.0f);
   int64_t p = 0;
   for (; p + 8 <= numel; p += 8) {
     const __m256 v = _mm256_loadu_ps(r.v + p), g = _mm256_loadu_ps(r.g + p);
@@ -1101,10 +1101,9 @@ __attribute__((target("avx2,fma"))) int64_t refresh_avx2(const RefreshPiece& r, 
         : _mm256_fmadd_ps(ag, g, _mm256_mul_ps(v, keep));
     _mm256_storeu_ps(r.v + p, vn);
     if (!r.ratio) continue;
-    const __m256 q = _mm256_div_ps(denominator8(v, r.sqrt_bc2_old, r.eps),
-                                   denominator8(vn, r.sqrt_bc2_new, r.eps));
-    const __m256 finite = _mm256_cmp_ps(_mm256_andnot_ps(sign, q), inf, _CMP_LT_OQ);
-    _mm256_storeu_ps(r.ratio + p, _mm256_and_ps(q, finite));
+    _mm256_storeu_ps(r.ratio + p,
+                     finite_or_zero8(_mm256_div_ps(denominator8(v, r.sqrt_bc2_old, r.eps),
+                                                   denominator8(vn, r.sqrt_bc2_new, r.eps))));
   }
   return p;
 }
