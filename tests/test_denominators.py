@@ -63,6 +63,14 @@ def test_the_kernels_refuse_mismatched_tensors():
         kernels.denominators(torch.ones(4), torch.empty(3), 1.0, 1e-8)
     with pytest.raises(RuntimeError, match="v must be"):
         _C.denominators(torch.ones(4, dtype=torch.float64), torch.empty(4), 1.0, 1e-8, False, True)
+    with pytest.raises(ValueError, match="as many elements: 4, 4, 3, None"):
+        kernels.refresh_moments(torch.zeros(4), torch.ones(4), torch.ones(3), None, 0.9, 0.1,
+                                1.0, 1.0, 1e-8)
+    with pytest.raises(ValueError, match="as many elements: 4, 4, 4, 5"):
+        kernels.refresh_moments(torch.zeros(4), torch.ones(4), torch.ones(4), torch.empty(5),
+                                0.9, 0.1, 1.0, 1.0, 1e-8)
+    with pytest.raises(ValueError, match="as many elements: 4, 3, None"):
+        kernels.gate_sums(torch.ones(4), torch.ones(3), 0.1)
 
 
 @pytest.mark.parametrize("numel,n,block", [(1000, 4, 64), (37, 3, 8), (4096, 2, 256)])
