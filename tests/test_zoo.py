@@ -24,7 +24,8 @@ STEPS = 60
 
 @pytest.fixture(scope="module")
 def zoo_cells(tmp_path_factory):
-    cells = (plan_family("mnist_cnn", [0], ["bounded", "unbounded"], freezes=["20%"],
+    cells = (plan_family("mnist_cnn", [0], ["bounded", "unbounded", "null_lr_up_1ppm"],
+                         freezes=["20%"],
                          lr_rules=["scaled"], steps=STEPS)
              + plan_family("gru_lm", [0], ["bounded"], freezes=["20%"], lr_rules=["scaled"],
                            steps=STEPS))
@@ -89,6 +90,25 @@ def test_without_the_bound_horovods_mnist_net_diverges(zoo_cells):
     assert r["nonfinite_at"] > r["freeze_step"], \
         f"{_name(r)}: non-finite at step {r['nonfinite_at']}, before the freeze at " \
         f"{r['freeze_step']}: {r}"
+
+
+@pytest.mark.multirank
+def test_the_null_change_moves_the_compression_phase_alone(zoo_cells):
+    """The zoo's null change (the compression phase's lr times 1 + 1e-6) leaves the warmup's bits
+    alone and changes the compression phase's, so its cells against "bounded" measure how far a
+    change of trajectory alone moves a final loss."""
+    bounded = zoo_cells[("mnist_cnn", "bounded")]
+    null = zoo_cells[("mnist_cnn", "null_lr_up_1ppm")]
+    before = [(s, v) for s, v in null["curve"] if s <= null["freeze_step"]]
+    assert before == bounded["curve"][:len(before)], \
+        f"null change's warmup curve {before} differs from bounded's {bounded['curve']}"
+    after = [(a, b) for (s, a), (_, b) in zip(null["curve"], bounded["curve"])
+             if s > null["freeze_step"]]
+    assert after and all(a != b for a, b in after), \
+        f"null change's held-out losses after the freeze at {null['freeze_step']} are " \
+        f"bounded's in some evaluations (null, bounded): {after}"
+    assert abs(null["final_loss"] / bounded["final_loss"] - 1) < 0.2, \
+        f"null change ends at {null['final_loss']:.4f}, bounded at {bounded['final_loss']:.4f}"
 
 
 def _record(family, seed, method, loss, scheme=None, freeze=None, diverged=False, **extra):

@@ -61,6 +61,14 @@ SCHEMES: dict[str, dict[str, Any]] = {
     "refresh_unpreconditioned": {"step_bound": "adam", "precondition": False,
                                  "variance_refresh": "doubling"},
 }
+# Null changes, not schemes of the library's: "bounded" with the compression phase's learning
+# rate scaled by a factor too close to 1 to matter (the warmup is untouched, so the freeze sees
+# the same state). Against "bounded" (``--against bounded``), the cells a null change moves by
+# more than 1% are the zoo's cell-by-cell floor: what a change of trajectory gains or loses by
+# chaos alone, which a real scheme's count against the same base is to be read beside.
+COMPRESSION_LR_FACTORS: dict[str, float] = {"null_lr_up_1ppm": 1.0 + 1e-6,
+                                             "null_lr_down_1ppm": 1.0 - 1e-6}
+SCHEMES.update({name: dict(SCHEMES["bounded"]) for name in COMPRESSION_LR_FACTORS})
 DEFAULT_SCHEMES = ("bounded", "unbounded")
 # Freeze settings: a fraction of the run's steps, or "auto" (bounded so it always compresses).
 FREEZES: dict[str, Union[float, str]] = {"10%": 0.1, "20%": 0.2, "50%": 0.5, "auto": "auto"}
@@ -125,8 +133,15 @@ def plan_family(name: str, seeds: Iterable[int], schemes: Iterable[str],
             for scheme in schemes:
                 for freeze in freezes:
                     cells.append({**common, "method": "onebit", "scheme": scheme,
-                                  "freeze": freeze, "options": dict(SCHEMES[scheme])})
+                                  "freeze": freeze, "options": dict(SCHEMES[scheme]),
+                                  **_null_change(scheme)})
     return cells
+
+
+def _null_change(scheme: str) -> dict[str, float]:
+    """The worker's extra key for a null change (``COMPRESSION_LR_FACTORS``), else nothing."""
+    factor = COMPRESSION_LR_FACTORS.get(scheme)
+    return {} if factor is None else {"compression_lr_factor": factor}
 
 
 def all_families() -> list[str]:

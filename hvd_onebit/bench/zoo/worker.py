@@ -150,6 +150,9 @@ def run_cell(cell: dict) -> dict:
             # The variance is final here, and not yet rewritten: zero_variance="eps" or
             # "floor" fill its zeros during this step's first compressed pass.
             zero_fraction = zero_variance_fraction(optimizer)
+            if "compression_lr_factor" in cell:  # a null change (grid.COMPRESSION_LR_FACTORS)
+                for group in optimizer.param_groups:
+                    group["lr"] *= cell["compression_lr_factor"]
         batch = draw()
         loss = task.loss(task.model, batch)
         optimizer.zero_grad()
