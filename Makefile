@@ -14,11 +14,11 @@ test: setup
 	timeout --signal=INT --kill-after=60 75m $(PY) -m pytest -q $(PYTEST_ARGS)
 
 demo: setup
-	$(PY) -m hvd_onebit.bench.demo
+	$(PY) -m hvd_onebit_tools.bench.demo
 
 bench: setup
-	$(PY) -m hvd_onebit.cli bench kernel
-	$(PY) -m hvd_onebit.cli bench allreduce
+	$(PY) -m hvd_onebit_tools.cli bench kernel
+	$(PY) -m hvd_onebit_tools.cli bench allreduce
 
 clean:
 	rm -rf build *.egg-info hvd_onebit/*.so .pytest_cache

@@ -48,8 +48,8 @@ from pathlib import Path
 from typing import Optional
 
 from convergence import split_argv  # benchmarks/, next to this script
-from hvd_onebit.bench.lm import TrainingFailed, train_lm
-from hvd_onebit.bench.refresh import parse_variance_refresh
+from hvd_onebit_tools.bench.lm import TrainingFailed, train_lm
+from hvd_onebit_tools.bench.refresh import parse_variance_refresh
 from hvd_onebit.layout import ring_allreduce_bytes
 
 REPO = Path(__file__).resolve().parent.parent

@@ -46,7 +46,7 @@ import json
 import sys
 from pathlib import Path
 
-from hvd_onebit.bench.lm import plot_val_loss, train_lm
+from hvd_onebit_tools.bench.lm import plot_val_loss, train_lm
 
 REPO = Path(__file__).resolve().parent.parent
 TRAIN_LM = REPO / "examples" / "train_lm.py"

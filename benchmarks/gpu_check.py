@@ -219,7 +219,7 @@ def check_compressed_step(device: str, width: int = 2048, layers: int = 4) -> di
     import threading
 
     import torch
-    from hvd_onebit.bench.memory import held_bytes
+    from hvd_onebit_tools.bench.memory import held_bytes
     from hvd_onebit.engine import NOT_FROZEN, CompressedStep
     from hvd_onebit.config import OneBitConfig
     from hvd_onebit.transport.inprocess import run_threads
@@ -288,7 +288,7 @@ def check_compressed_step(device: str, width: int = 2048, layers: int = 4) -> di
 
 
 def check_ratios(numels) -> dict:
-    from hvd_onebit.bench.kernel import bench_kernels_cuda
+    from hvd_onebit_tools.bench.kernel import bench_kernels_cuda
     result = bench_kernels_cuda(numels)
     return {"ok": result["meets_target"].get("triton", False), **result}
 
@@ -343,7 +343,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.dry_run:  # before anything imports triton
         os.environ["TRITON_INTERPRET"] = "1"
-    from hvd_onebit.bench.cli.options import parse_count
+    from hvd_onebit_tools.bench.cli.options import parse_count
     report = run(args.dry_run, [parse_count(v) for v in args.numel.split(",") if v.strip()])
     text = json.dumps(report, indent=2)
     print(text)

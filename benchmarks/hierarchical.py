@@ -20,12 +20,12 @@ import json
 import subprocess
 import sys
 
-from hvd_onebit.bench.report import repeated_runs
+from hvd_onebit_tools.bench.report import repeated_runs
 
 
 def run_once(args, bandwidth: str) -> dict:
     methods = "onebit,onebit_hier" if args.no_fp32 else "horovod_fp32,onebit,onebit_hier"
-    cmd = [sys.executable, "-m", "hvd_onebit.cli", "bench", "train", "--json", "--np", "4",
+    cmd = [sys.executable, "-m", "hvd_onebit_tools.cli", "bench", "train", "--json", "--np", "4",
            "--ranks-per-node", "2", "--bandwidth", bandwidth, "--steps", str(args.steps),
            "--warmup-frac", str(args.warmup_frac), "--model", args.model, "--methods", methods,
            "--intra-node", args.intra_node]

@@ -1,10 +1,10 @@
 """The memory benchmark as a script: `python benchmarks/memory.py [options]` = `hvd-onebit bench memory --json [options]`.
 
-See `hvd-onebit bench memory --help` for the options; the logic lives in hvd_onebit/bench/.
+See `hvd-onebit bench memory --help` for the options; the logic lives in hvd_onebit_tools/bench/.
 """
 import sys
 
-from hvd_onebit.cli import main
+from hvd_onebit_tools.cli import main
 
 if __name__ == "__main__":
     main(["bench", "memory", "--json", *sys.argv[1:]])

@@ -22,7 +22,7 @@ import json
 import subprocess
 import sys
 
-from hvd_onebit.bench.report import repeated_runs
+from hvd_onebit_tools.bench.report import repeated_runs
 
 CONFIGS = ("embedding", "mlp", "buckets")
 
@@ -30,7 +30,7 @@ CONFIGS = ("embedding", "mlp", "buckets")
 def run_once(args, config: str) -> dict:
     model = "embedding" if config == "embedding" else "mlp"
     methods = "onebit,onebit_sync" if config == "buckets" else "local,horovod_fp32,onebit"
-    cmd = [sys.executable, "-m", "hvd_onebit.cli", "bench", "train", "--json", "--np", str(args.np),
+    cmd = [sys.executable, "-m", "hvd_onebit_tools.cli", "bench", "train", "--json", "--np", str(args.np),
            "--bandwidth", args.bandwidth, "--steps", str(args.steps), "--model", model,
            "--methods", methods]
     if config == "buckets":

@@ -35,7 +35,7 @@ HIER_METHODS = "local,horovod_fp32,onebit,onebit_hier"
 # steps per method: at 100 Mbit/s an fp32 step takes seconds, so fewer
 STEPS = {"100mbit": 6, "1gbit": 16, "10gbit": 16}
 WARMUP_FRAC = 0.25
-CLI = [sys.executable, "-m", "hvd_onebit.cli", "bench"]
+CLI = [sys.executable, "-m", "hvd_onebit_tools.cli", "bench"]
 
 
 @click.group()

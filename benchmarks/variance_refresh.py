@@ -33,7 +33,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from hvd_onebit.bench.refresh import parse_variance_refresh  # noqa: E402
+from hvd_onebit_tools.bench.refresh import parse_variance_refresh  # noqa: E402
 
 PARTS = ("digits", "lm", "train")
 REFRESH_RUNS = ("refresh_5pct", "refresh_auto")
@@ -83,7 +83,7 @@ def commands(args) -> dict:
         "lm": [[py, str(REPO / "benchmarks" / "auto_freeze.py"), "--example", "lm", "--np",
                 str(args.np), "--runs", AUTO_FREEZE_RUNS, *refresh, "--out-dir", str(out / "lm"),
                 "--", "--steps", str(args.lm_steps)]],
-        "train": [[py, "-m", "hvd_onebit.cli", "bench", "train", "--np", str(args.np),
+        "train": [[py, "-m", "hvd_onebit_tools.cli", "bench", "train", "--np", str(args.np),
                    "--bandwidth", args.bandwidth, "--model", "embedding", "--steps",
                    str(args.train_steps), "--methods", "onebit,onebit_refresh",
                    "--warmup-frac", "0.15", "--variance-refresh", args.variance_refresh,

@@ -2,11 +2,11 @@
 
 Horovod Adam against 1-bit Adam on seven model families (4 ranks; about 35 minutes on two cores
 for the whole zoo); see `hvd-onebit bench zoo --help` for the options and
-hvd_onebit/bench/zoo/ for the logic. The report alone: `python benchmarks/zoo.py --report-only`.
+hvd_onebit_tools/bench/zoo/ for the logic. The report alone: `python benchmarks/zoo.py --report-only`.
 """
 import sys
 
-from hvd_onebit.cli import main
+from hvd_onebit_tools.cli import main
 
 if __name__ == "__main__":
     main(["bench", "zoo", *sys.argv[1:]])

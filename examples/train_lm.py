@@ -56,8 +56,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import hvd_onebit
-from hvd_onebit.bench.refresh import option_text, parse_variance_refresh, run_steps
-from hvd_onebit.bench.waits import WAITS, WaitTimer, set_horovod_wait
+from hvd_onebit_tools.bench.refresh import option_text, parse_variance_refresh, run_steps
+from hvd_onebit_tools.bench.waits import WAITS, WaitTimer, set_horovod_wait
 
 
 # ---------------------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from hvd_onebit.layout import Layout
-from hvd_onebit.cluster.jobs import run_ranks
+from hvd_onebit_tools.cluster.jobs import run_ranks
 from hvd_onebit.transport.inprocess import run_threads
 from tests.checks import assert_same_bits
 from tests.onebit_reference import ReferenceOneBit

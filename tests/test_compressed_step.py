@@ -4,7 +4,7 @@ engine inside a Horovod job."""
 import numpy as np
 import pytest
 
-from hvd_onebit.cluster.jobs import run_ranks
+from hvd_onebit_tools.cluster.jobs import run_ranks
 from hvd_onebit.transport.inprocess import run_threads
 from tests.workers_compressed_step import reference, run_engine
 

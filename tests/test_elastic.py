@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from hvd_onebit.cluster.jobs import job_environment, kill_job
+from hvd_onebit_tools.cluster.jobs import job_environment, kill_job
 
 pytestmark = pytest.mark.multirank
 SCRIPT = Path(__file__).parent / "elastic" / "train_elastic.py"
@@ -146,7 +146,7 @@ def test_refresh_schedule_survives_a_worker_replaced(replaced):
 def test_sync_takes_the_state_from_a_rank_that_holds_it():
     """Whatever rank a fresh worker gets, even 0, the elastic sync restores from a rank with the
     committed state (the lowest rank among those with the most steps)."""
-    from hvd_onebit.cluster.jobs import run_ranks
+    from hvd_onebit_tools.cluster.jobs import run_ranks
 
     r0, r1 = run_ranks("tests.workers_elastic:sync_from_the_rank_that_holds_the_state", np=2,
                        timeout=120)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from hvd_onebit.cluster.jobs import job_environment, kill_job, launch_command
+from hvd_onebit_tools.cluster.jobs import job_environment, kill_job, launch_command
 
 pytestmark = pytest.mark.multirank
 

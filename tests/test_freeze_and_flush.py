@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from hvd_onebit.config import AutoFreeze, OneBitConfig
-from hvd_onebit.cluster.jobs import run_ranks
+from hvd_onebit_tools.cluster.jobs import run_ranks
 from hvd_onebit.transport.inprocess import run_threads
 from tests.scenarios import scenario
 from tests.checks import assert_same_params, difference

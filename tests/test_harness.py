@@ -6,8 +6,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from hvd_onebit.cluster import jobs as testing
-from hvd_onebit.cluster.jobs import RankFailure, run_ranks
+from hvd_onebit_tools.cluster import jobs as testing
+from hvd_onebit_tools.cluster.jobs import RankFailure, run_ranks
 
 pytestmark = pytest.mark.multirank
 

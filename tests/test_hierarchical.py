@@ -4,7 +4,7 @@ cluster; checked against the NumPy reference of the scheme."""
 import numpy as np
 import pytest
 
-from hvd_onebit.cluster.jobs import run_job
+from hvd_onebit_tools.cluster.jobs import run_job
 from tests.checks import difference, first_difference
 from tests.onebit_reference import ReferenceHierarchical
 from tests.scenarios import scenario

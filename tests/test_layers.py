@@ -1,15 +1,19 @@
 """The package's layers, read from its imports with ``ast``: data flows one way, face -> phases
 -> state -> engine -> comm -> kernels / transport, and no module imports one above it. The
-sizes the house keeps are checked here too."""
+tooling (``hvd_onebit_tools``) sits above the library: it imports the library, never the
+reverse, and the library imports none of the tooling's dependencies. The sizes the house keeps
+are checked here too."""
 import ast
 import pathlib
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "hvd_onebit"
+TOOLS = PACKAGE.parent / "hvd_onebit_tools"
+# What only the tooling may import: the library runs in a user's training environment.
+TOOLING_ONLY = ("hvd_onebit_tools", "click", "matplotlib")
 
 # Top to bottom. A module belongs to the first layer with a prefix of its dotted name (relative
 # to the package); it may import modules of its own layer and of the layers below it.
 LAYERS = [
-    ("tooling", ["cli", "bench", "cluster"]),
     ("face", ["__init__", "optimizer", "elastic"]),
     ("phases", ["phases", "overlap"]),
     ("state", ["state", "auto_freeze"]),
@@ -110,3 +114,30 @@ def test_the_checker_reads_the_imports():
         f"imports read from comm/flat.py: {sorted(found)}"
     assert layer_of("optimizer") < layer_of("phases.warmup") < layer_of("engine.step") \
         < layer_of("comm.flat") < layer_of("layout"), "layer order"
+
+
+def top_level_imports(path: pathlib.Path) -> list[tuple[int, str]]:
+    """(line, top-level name) of every absolute import in ``path``, at any depth."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            found.append((node.lineno, node.module.split(".")[0]))
+        elif isinstance(node, ast.Import):
+            found += [(node.lineno, a.name.split(".")[0]) for a in node.names]
+    return found
+
+
+def test_the_library_imports_no_tooling():
+    offending = [f"hvd_onebit/{path.relative_to(PACKAGE)}:{line} imports {name}"
+                 for path in library_modules()
+                 for line, name in top_level_imports(path) if name in TOOLING_ONLY]
+    assert not offending, "the library imports tooling:\n" + "\n".join(offending)
+
+
+def test_the_tooling_imports_the_library_by_name():
+    # The tooling is its own package: a relative import cannot reach the library from it, and
+    # it reads the library as any user would, as hvd_onebit.
+    tools = sorted(TOOLS.rglob("*.py"))
+    assert len(tools) > 20, f"found {len(tools)} tooling modules under {TOOLS}"
+    used = {name for path in tools for _, name in top_level_imports(path)}
+    assert "hvd_onebit" in used and "click" in used, f"tooling imports: {sorted(used)}"

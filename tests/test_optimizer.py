@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from hvd_onebit.cluster.jobs import run_ranks
+from hvd_onebit_tools.cluster.jobs import run_ranks
 from tests.checks import assert_same_bits, assert_same_on_every_rank, difference
 from tests.scenarios import scenario
 

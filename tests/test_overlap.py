@@ -4,7 +4,7 @@ parameter without gradients, param groups with different beta1, gradient clippin
 GradScaler; over Horovod's transport and torch.distributed's. 2 real ranks."""
 import pytest
 
-from hvd_onebit.cluster.jobs import run_ranks
+from hvd_onebit_tools.cluster.jobs import run_ranks
 from tests.checks import first_difference
 
 pytestmark = pytest.mark.multirank

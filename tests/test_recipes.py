@@ -4,7 +4,7 @@ preconditioned), the unbounded step loses the loss scale, and a checkpoint from 
 round resumes."""
 import pytest
 
-from hvd_onebit.cluster.jobs import run_ranks
+from hvd_onebit_tools.cluster.jobs import run_ranks
 
 pytestmark = pytest.mark.multirank
 

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from hvd_onebit.bench.train import METHODS, onebit_arguments, summarize
+from hvd_onebit_tools.bench.train import METHODS, onebit_arguments, summarize
 
 REPO = Path(__file__).resolve().parent.parent
 for folder in ("examples", "benchmarks"):
@@ -100,7 +100,7 @@ def test_bench_train_summary_compares_the_whole_runs():
 
 
 def test_bench_train_rejects_a_bad_schedule_before_starting_ranks():
-    proc = subprocess.run([sys.executable, "-m", "hvd_onebit.cli", "bench", "train",
+    proc = subprocess.run([sys.executable, "-m", "hvd_onebit_tools.cli", "bench", "train",
                            "--bandwidth", "local", "--methods", "onebit,onebit_refresh",
                            "--variance-refresh", '{"every": 2}'],
                           capture_output=True, text=True, cwd=REPO, timeout=120)

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from hvd_onebit.cluster.jobs import run_ranks
+from hvd_onebit_tools.cluster.jobs import run_ranks
 from tests.checks import assert_same_params
 from tests.scenarios import scenario
 

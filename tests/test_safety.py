@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hvd_onebit.cluster.jobs import run_command, run_ranks
+from hvd_onebit_tools.cluster.jobs import run_command, run_ranks
 from tests.checks import assert_same_on_every_rank, assert_same_params
 from tests.scenarios import scenario
 

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from hvd_onebit.cluster.jobs import run_job, run_ranks
+from hvd_onebit_tools.cluster.jobs import run_job, run_ranks
 from hvd_onebit.config import OneBitConfig
 from hvd_onebit.layout import ring_allreduce_bytes
 from hvd_onebit.variance_refresh import RefreshSchedule

@@ -14,8 +14,8 @@ import math
 
 import pytest
 
-from hvd_onebit.bench.zoo.grid import ADAM, plan_family
-from hvd_onebit.cluster.jobs import run_ranks
+from hvd_onebit_tools.bench.zoo.grid import ADAM, plan_family
+from hvd_onebit_tools.cluster.jobs import run_ranks
 from tests.checks import first_difference
 
 MAX_RATIO = 1.2
@@ -30,7 +30,7 @@ def zoo_cells(tmp_path_factory):
              + plan_family("gru_lm", [0], ["bounded"], freezes=["20%"], lr_rules=["scaled"],
                            steps=STEPS))
     results = tmp_path_factory.mktemp("zoo") / "cells.jsonl"
-    records = run_ranks("hvd_onebit.bench.zoo.worker:zoo_worker", np=4,
+    records = run_ranks("hvd_onebit_tools.bench.zoo.worker:zoo_worker", np=4,
                         kwargs={"cells": cells, "results": str(results)}, timeout=240)[0]
     # what rank 0 wrote as it went is what it returned
     written, returned = ([json.loads(line) for line in results.read_text().splitlines()],
@@ -119,7 +119,7 @@ def _record(family, seed, method, loss, scheme=None, freeze=None, diverged=False
 
 
 def test_report_ratios_divergences_and_heat_map(tmp_path):
-    from hvd_onebit.bench.zoo.report import write_report
+    from hvd_onebit_tools.bench.zoo.report import write_report
 
     records = [_record("mlp", s, ADAM, 1.0) for s in (0, 1)] + [
         _record("mlp", 0, "onebit", 1.02, "bounded", "20%", freeze_step=20,
@@ -154,7 +154,7 @@ def test_report_ratios_divergences_and_heat_map(tmp_path):
 
 
 def test_a_scheme_against_a_base_scheme_cell_by_cell(tmp_path):
-    from hvd_onebit.bench.zoo.report import write_report
+    from hvd_onebit_tools.bench.zoo.report import write_report
 
     records = [_record("mlp", s, ADAM, 1.0) for s in (0, 1, 2)] + [
         _record("mlp", 0, "onebit", 1.02, "bounded", "20%"),
@@ -176,7 +176,7 @@ def test_a_scheme_against_a_base_scheme_cell_by_cell(tmp_path):
 
 
 def test_against_over_seeds_counts_only_losses_consistent_across_seeds(tmp_path):
-    from hvd_onebit.bench.zoo.report import write_report
+    from hvd_onebit_tools.bench.zoo.report import write_report
 
     seeds = (0, 1, 2)
     base = {"mlp": (1.0, 0.9, 1.1), "gru_lm": (1.0, 1.0, 1.0), "resnet_bn": (1.0, 1.0, 1.0)}

@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 
 import hvd_onebit
-from hvd_onebit.bench.zoo.data import mnist_like_digits
-from hvd_onebit.bench.zoo.models import HorovodMnistNet
+from hvd_onebit_tools.bench.zoo.data import mnist_like_digits
+from hvd_onebit_tools.bench.zoo.models import HorovodMnistNet
 
 BATCH = 32
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-CLI = [sys.executable, "-m", "hvd_onebit.cli"]
+CLI = [sys.executable, "-m", "hvd_onebit_tools.cli"]
 
 
 def bench(*args, timeout=600):

@@ -1,4 +1,4 @@
-"""`make demo`'s parts that need no cluster: how Horovod's optimizer waits (hvd_onebit.bench.waits),
+"""`make demo`'s parts that need no cluster: how Horovod's optimizer waits (hvd_onebit_tools.bench.waits),
 train_lm.py's --wait, and the demo's table rows and speed-up breakdown from train_lm summaries."""
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from hvd_onebit.bench import demo
-from hvd_onebit.bench.waits import WAITS, WaitTimer, set_horovod_wait, sleeping_horovod_waits
+from hvd_onebit_tools.bench import demo
+from hvd_onebit_tools.bench.waits import WAITS, WaitTimer, set_horovod_wait, sleeping_horovod_waits
 
 REPO = Path(__file__).resolve().parents[2]
 

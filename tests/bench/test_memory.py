@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from hvd_onebit.bench.memory import bench_memory, held_bytes, reachable_storages
+from hvd_onebit_tools.bench.memory import bench_memory, held_bytes, reachable_storages
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -41,7 +41,7 @@ def test_fast_memory_keeps_one_more_error_buffer():
 def test_a_horovod_job_reports_both_phases_as_json():
     """Two ranks through the freeze: the held memory is the floor 1 + 1/2 + rows (not the
     target, out of reach at two ranks), the same on both ranks."""
-    proc = subprocess.run([sys.executable, "-m", "hvd_onebit.cli", "bench", "memory", "--ranks",
+    proc = subprocess.run([sys.executable, "-m", "hvd_onebit_tools.cli", "bench", "memory", "--ranks",
                            "2", "--layers", "2", "--width", "512", "--warmup", "2",
                            "--compressed", "2", "--json"], capture_output=True, text=True,
                           timeout=300, cwd=REPO)

@@ -14,20 +14,20 @@ from pathlib import Path
 
 import pytest
 
-from hvd_onebit.bench.calibrate.compute import measure_compute
-from hvd_onebit.bench.calibrate.files import (CALIBRATION_VERSION, SHIPPED_PATH, CalibrationMissing,
+from hvd_onebit_tools.bench.calibrate.compute import measure_compute
+from hvd_onebit_tools.bench.calibrate.files import (CALIBRATION_VERSION, SHIPPED_PATH, CalibrationMissing,
                                              load, load_or_shipped, save)
-from hvd_onebit.bench.predict.check import check_report
-from hvd_onebit.bench.predict.constants import (KINDS, OPS, TCP_EFFICIENCY, _bytes_per_rank,
+from hvd_onebit_tools.bench.predict.check import check_report
+from hvd_onebit_tools.bench.predict.constants import (KINDS, OPS, TCP_EFFICIENCY, _bytes_per_rank,
                                                 constants)
-from hvd_onebit.bench.predict.job import Cluster, Job, parse_params
-from hvd_onebit.bench.predict.model import GROUP_METHOD, HIERARCHICAL_NOTE, METHODS, Model
-from hvd_onebit.bench.predict.sweep import crossovers
-from hvd_onebit.bench.predict.tables import print_check
+from hvd_onebit_tools.bench.predict.job import Cluster, Job, parse_params
+from hvd_onebit_tools.bench.predict.model import GROUP_METHOD, HIERARCHICAL_NOTE, METHODS, Model
+from hvd_onebit_tools.bench.predict.sweep import crossovers
+from hvd_onebit_tools.bench.predict.tables import print_check
 from hvd_onebit.layout import Layout, ring_allreduce_bytes
 
 REPO = Path(__file__).resolve().parents[2]
-CLI = [sys.executable, "-m", "hvd_onebit.cli", "bench"]
+CLI = [sys.executable, "-m", "hvd_onebit_tools.cli", "bench"]
 NUMEL, ROW = 1 << 20, 1 << 16
 
 
@@ -473,13 +473,13 @@ def test_small_prediction_against_measurement_on_loopback():
     The kernels inside the ranks are timed on the calibration's own buffer size: their lock-step
     time is a barrier-to-barrier time less an empty barrier's, and on a small buffer the fastest
     kernels take less than that difference's noise."""
-    from hvd_onebit.bench.train import MALLOC_REUSE_ENV
-    from hvd_onebit.cluster.jobs import run_job
+    from hvd_onebit_tools.bench.train import MALLOC_REUSE_ENV
+    from hvd_onebit_tools.cluster.jobs import run_job
 
     small = {"mlp": {"model": "mlp", "width": 1024, "depth": 2, "batch": 4}}
     compute = measure_compute(procs=(2,), models=small, kernel_numel=1 << 18, repeats=3,
                               seconds=0.5)
-    coll = run_job("hvd_onebit.bench.calibrate.ranks:collectives_worker", np=2,
+    coll = run_job("hvd_onebit_tools.bench.calibrate.ranks:collectives_worker", np=2,
                    kwargs={"numel": 1 << 20, "repeats": 5, "tiny_repeats": 9, "models": small},
                    timeout=180, env=MALLOC_REUSE_ENV).results[0]
     assert set(coll["models"]["mlp"]) == {"params", "step_s", "fwd_bwd_s", "adam_s",

@@ -6,12 +6,12 @@ import subprocess
 
 import pytest
 
-from hvd_onebit.bench.calibrate.files import save
-from hvd_onebit.bench.predict.job import Cluster, Job
-from hvd_onebit.bench.predict.model import Model
-from hvd_onebit.bench.predict.runs import (RunSetting, add_run_figures, fp32_step_bytes,
+from hvd_onebit_tools.bench.calibrate.files import save
+from hvd_onebit_tools.bench.predict.job import Cluster, Job
+from hvd_onebit_tools.bench.predict.model import Model
+from hvd_onebit_tools.bench.predict.runs import (RunSetting, add_run_figures, fp32_step_bytes,
                                            run_length_sweep, whole_run)
-from hvd_onebit.bench.refresh import (freeze_step_for, option_text, parse_variance_refresh,
+from hvd_onebit_tools.bench.refresh import (freeze_step_for, option_text, parse_variance_refresh,
                                       run_steps)
 from hvd_onebit.layout import ring_allreduce_bytes
 from hvd_onebit.variance_refresh import RefreshSchedule
@@ -131,7 +131,7 @@ def test_predict_cli_prints_the_refresh_columns_and_the_run_length_sweep(tmp_pat
 
 
 def test_bench_train_reports_what_bounds_the_refresh_runs_speed_up():
-    from hvd_onebit.bench.refresh import run_steps, whole_run_ceilings
+    from hvd_onebit_tools.bench.refresh import run_steps, whole_run_ceilings
 
     steps = 600
     fixed = {"run_seconds": 90 * 0.6 + 510 * 0.15, "steps_by_kind": run_steps(steps, 90)}

@@ -1,7 +1,7 @@
 """Link rates and the tbf token bucket: pure functions, no root needed."""
 import pytest
 
-from hvd_onebit.cluster import format_bandwidth, parse_bandwidth, tbf_params
+from hvd_onebit_tools.cluster import format_bandwidth, parse_bandwidth, tbf_params
 
 
 @pytest.mark.parametrize("text, bps", [

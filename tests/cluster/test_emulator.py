@@ -22,9 +22,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from hvd_onebit.cluster import (EmulatedCluster, EmulatorError, check_privileges, cleanup_stale,
+from hvd_onebit_tools.cluster import (EmulatedCluster, EmulatorError, check_privileges, cleanup_stale,
                                 parse_bandwidth)
-from hvd_onebit.cluster.network import IFACE, NETNS_ETC, STATE_DIR
+from hvd_onebit_tools.cluster.network import IFACE, NETNS_ETC, STATE_DIR
 
 pytestmark = pytest.mark.multirank
 
@@ -32,7 +32,7 @@ REPO = Path(__file__).resolve().parents[2]
 SCRIPTS = Path(__file__).resolve().parent / "emulator_scripts"
 ALLREDUCE = str(SCRIPTS / "allreduce.py")
 PROBE = str(SCRIPTS / "rank_probe.py")
-CLI = [sys.executable, "-m", "hvd_onebit.cli", "cluster", "run"]
+CLI = [sys.executable, "-m", "hvd_onebit_tools.cli", "cluster", "run"]
 TOKEN_VAR = "HOB_TEST_TOKEN"
 
 

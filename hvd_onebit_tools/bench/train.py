@@ -49,8 +49,8 @@ import statistics
 import time
 from typing import Optional
 
-from ..layout import ring_allreduce_bytes
-from ..variance_refresh import RefreshSchedule
+from hvd_onebit.layout import ring_allreduce_bytes
+from hvd_onebit.variance_refresh import RefreshSchedule
 from .allreduce import _iface_tx_bytes
 from .refresh import freeze_step_for, option_text, run_steps, whole_run_ceilings
 from .waits import WAITS
@@ -148,7 +148,7 @@ def _make_step(method: str, model, steps: int, warmup_frac: float, powersgd_star
     elif method == "ddp_powersgd":
         from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
 
-        from ..transport.rendezvous import init_torch_distributed
+        from hvd_onebit.transport.rendezvous import init_torch_distributed
 
         init_torch_distributed()
         # One bucket for the whole model: PowerSGD's hook waits on a second allreduce inside a

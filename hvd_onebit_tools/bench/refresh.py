@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from typing import Optional, Union
 
-from ..variance_refresh import DOUBLING, RefreshSchedule
+from hvd_onebit.variance_refresh import DOUBLING, RefreshSchedule
 
 NONE = "none"
 Option = Union[None, str, dict]

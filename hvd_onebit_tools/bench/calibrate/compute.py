@@ -73,7 +73,7 @@ def measure_compute(procs=(1, 2, 4), models: Optional[dict] = None,
     """Per ``k`` in ``procs``: the medians over the k processes of each timed quantity."""
     import multiprocessing as mp
 
-    from ... import kernels
+    from hvd_onebit import kernels
     from ..train import MALLOC_REUSE_ENV
 
     if not kernels.native_available():

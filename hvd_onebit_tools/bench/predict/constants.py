@@ -4,7 +4,7 @@ byte and the overlap ``kappa`` of host and wire, and the bench models' and kerne
 figures, flat, for printing and for :class:`~.model.Model`."""
 from __future__ import annotations
 
-from ...layout import ring_allreduce_bytes
+from hvd_onebit.layout import ring_allreduce_bytes
 
 TCP_EFFICIENCY = 1448 / 1514  # TCP payload per Ethernet frame at a 1500-byte MTU
 OPS = {"allreduce_fp32": "allreduce", "allreduce_fp16": "allreduce", "alltoall": "alltoall",
@@ -42,7 +42,7 @@ def _bytes_per_rank(op: str, n: int, numel: int, row: int) -> int:
 
 
 def constants(cal: dict) -> dict:
-    """The model's constants from a calibration (see :mod:`hvd_onebit.bench.predict`), flat, for
+    """The model's constants from a calibration (see :mod:`hvd_onebit_tools.bench.predict`), flat, for
     printing and for :class:`~.model.Model`. Per world size measured: host cost per byte and
     overlap per op."""
     coll = cal["collectives"]

@@ -1,6 +1,6 @@
 """A calibrated scale model of a training step: Horovod fp32 / fp16 Adam, flat 1-bit Adam and
 hierarchical 1-bit Adam at any number of ranks, from constants measured on one machine
-(:mod:`hvd_onebit.bench.calibrate`).
+(:mod:`hvd_onebit_tools.bench.calibrate`).
 
 
 The modules, one job each:

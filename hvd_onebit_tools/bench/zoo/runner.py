@@ -2,7 +2,7 @@
 
 :func:`run_zoo` plans every family's cells (``grid.py``), skips those already in the results
 file when resuming, and runs each family as one ``np``-rank job through
-:func:`hvd_onebit.cluster.jobs.run_job` (with its timeout: a hung job is killed whole). A family whose
+:func:`hvd_onebit_tools.cluster.jobs.run_job` (with its timeout: a hung job is killed whole). A family whose
 job fails is reported and the others still run; the cells it finished before failing are kept.
 While a job runs, a thread prints each new cell to ``progress`` as rank 0 writes it.
 """
@@ -18,7 +18,7 @@ from typing import Callable, Iterable, Optional
 from ...cluster.jobs import RankFailure, run_job
 from .grid import ADAM, cell_key, plan_family
 
-WORKER = "hvd_onebit.bench.zoo.worker:zoo_worker"
+WORKER = "hvd_onebit_tools.bench.zoo.worker:zoo_worker"
 RESULTS = "cells.jsonl"
 
 

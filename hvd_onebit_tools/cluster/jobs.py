@@ -35,7 +35,7 @@ import psutil
 CONTROLLERS = ("gloo", "mpi")
 # The folder holding the hvd_onebit package the caller runs: the checkout in development (ranks
 # then import this very copy), site-packages when installed.
-REPO_ROOT = Path(__file__).resolve().parents[2]  # hvd_onebit/cluster/jobs.py -> the checkout
+REPO_ROOT = Path(__file__).resolve().parents[2]  # hvd_onebit_tools/cluster/jobs.py -> the checkout
 _TOKEN_VAR = "HVD_ONEBIT_JOB_TOKEN"
 
 
@@ -194,7 +194,7 @@ def run_job(target: str, np: int = 2, controller: str = "gloo", kwargs: Optional
     """:func:`run_ranks` with a choice of where the ranks run.
 
     Args:
-        cluster: a started :class:`hvd_onebit.cluster.EmulatedCluster` to run on (gloo only).
+        cluster: a started :class:`hvd_onebit_tools.cluster.EmulatedCluster` to run on (gloo only).
         hosts: "h1:4,h2:4": a real cluster through horovodrun; the ranks exchange results through
             files, so ``shared_dir`` must then be a folder every host sees at the same path.
         shared_dir: where the job's scratch folder is made (default: the system temp folder).
@@ -205,7 +205,7 @@ def run_job(target: str, np: int = 2, controller: str = "gloo", kwargs: Optional
     roots = [r for r in [import_root(target.split(":")[0])] if r is not None]
     try:
         (workdir / "kwargs.pkl").write_bytes(pickle.dumps(kwargs or {}))
-        argv = [sys.executable, "-m", "hvd_onebit.cluster.jobs", target, str(workdir)]
+        argv = [sys.executable, "-m", "hvd_onebit_tools.cluster.jobs", target, str(workdir)]
         log_path = workdir / "output.log"
         start = time.monotonic()
         cluster_run = None
@@ -252,7 +252,7 @@ def _collect(workdir: Path, np: int, rc, timed_out: bool, timeout: float, target
 
 
 def _rank_main(target: str, workdir: str) -> int:
-    """Entry point inside each rank (``python -m hvd_onebit.cluster.jobs target workdir``)."""
+    """Entry point inside each rank (``python -m hvd_onebit_tools.cluster.jobs target workdir``)."""
     import importlib
 
     import horovod.torch as hvd

@@ -135,7 +135,7 @@ def collectives_worker(numel: int = 4 << 20, repeats: int = 7, tiny_repeats: int
     if torch_ops:
         import torch.distributed as dist
 
-        from ...transport.torch_distributed import TorchTransport
+        from hvd_onebit.transport.torch_distributed import TorchTransport
 
         tt = TorchTransport()  # torch.distributed's default group over Horovod's ranks (Gloo)
         torch_calls = {
@@ -169,7 +169,7 @@ def _wait(handle):
     """Sleep until a Horovod handle is done (as `bench train`'s ranks wait), then its result."""
     import horovod.torch as hvd
 
-    from ...transport.horovod import sleep_until_done
+    from hvd_onebit.transport.horovod import sleep_until_done
 
     sleep_until_done(handle)
     return hvd.synchronize(handle)

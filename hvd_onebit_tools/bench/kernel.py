@@ -13,9 +13,9 @@ from types import SimpleNamespace
 
 import torch
 
-from .. import kernels
-from ..kernels import fused_adam
-from ..layout import Layout
+from hvd_onebit import kernels
+from hvd_onebit.kernels import fused_adam
+from hvd_onebit.layout import Layout
 
 TARGET_RATIO = 0.5  # issue #14: every kernel at >= half of torch.add's element rate
 

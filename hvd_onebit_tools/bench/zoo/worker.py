@@ -1,6 +1,6 @@
 """The zoo's rank worker: runs a list of cells inside one Horovod job, one after another.
 
-Started on every rank by :func:`hvd_onebit.cluster.jobs.run_job` (``zoo_worker``). Each cell gets a
+Started on every rank by :func:`hvd_onebit_tools.cluster.jobs.run_job` (``zoo_worker``). Each cell gets a
 fresh model and optimizer; rank 0 appends one JSON line per finished cell to the results file,
 so the cells done before a crash or a timeout survive it.
 

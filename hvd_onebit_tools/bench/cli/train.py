@@ -98,7 +98,7 @@ def bench_train(np_, bandwidth, steps, warmup_frac, variance_refresh, refresh_fr
                f"({'real hosts' if hosts else bandwidth})...", err=True)
     with cluster_for(np_, None if hosts else bandwidth, queue_ms, ranks_per_node,
                       intra_bandwidth) as cluster:
-        job = run_job("hvd_onebit.bench.train:train_worker", np=np_, kwargs=kwargs,
+        job = run_job("hvd_onebit_tools.bench.train:train_worker", np=np_, kwargs=kwargs,
                       timeout=timeout, cluster=cluster, hosts=hosts, shared_dir=shared_dir,
                       env=MALLOC_REUSE_ENV if malloc_mode == "reuse" else None)
     rows = job.results[0]

@@ -4,7 +4,7 @@ Adam at a fixed warmup, over a run of ``S`` steps (`bench predict --run-steps`,
 
 A refresh step is a full-precision step inside the compression phase (Horovod's fp32 allreduce,
 then Adam's update from the exact average), priced as the warmup step is: the Horovod fp32
-step. So a run frozen at ``F`` with ``R`` refreshes (:func:`hvd_onebit.bench.refresh.run_steps`)
+step. So a run frozen at ``F`` with ``R`` refreshes (:func:`hvd_onebit_tools.bench.refresh.run_steps`)
 takes::
 
     run_s = (F + R) * t_fp32 + (S - F - R) * t_compressed
@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from ...layout import ring_allreduce_bytes
+from hvd_onebit.layout import ring_allreduce_bytes
 from ..refresh import Option, freeze_step_for, option_text, run_steps
 from .job import Cluster, Job
 from .model import Model

@@ -1,12 +1,12 @@
 """The scale model itself: :class:`Model`, each method's step time per phase and bytes per rank
 for a job on a cluster, from a calibration's constants (:mod:`.constants`). The terms and their
-assumptions are in :mod:`hvd_onebit.bench.predict`'s docstring."""
+assumptions are in :mod:`hvd_onebit_tools.bench.predict`'s docstring."""
 from __future__ import annotations
 
 import math
 from typing import Optional
 
-from ...layout import Layout, ring_allreduce_bytes
+from hvd_onebit.layout import Layout, ring_allreduce_bytes
 from .constants import KAPPA_OPS, TCP_EFFICIENCY, TRANSPORTS, constants
 from .job import Cluster, Job, Prediction
 

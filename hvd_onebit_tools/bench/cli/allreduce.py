@@ -53,7 +53,7 @@ def bench_allreduce(nps, sizes, bandwidths, methods, repeats, controller, hosts,
             kwargs = {"sizes": sizes, "methods": tuple(methods), "repeats": repeats}
             with cluster_for(n, None if hosts else bw, queue_ms, ranks_per_node,
                               intra_bandwidth) as cluster:
-                job = run_job("hvd_onebit.bench.allreduce:allreduce_worker", np=n,
+                job = run_job("hvd_onebit_tools.bench.allreduce:allreduce_worker", np=n,
                               controller=controller, kwargs=kwargs, timeout=timeout,
                               cluster=cluster, hosts=hosts, shared_dir=shared_dir)
             for r in job.results[0]:

@@ -28,7 +28,7 @@ def measure_collectives(nps=(2, 4), link: str = "1gbit", numel: int = 4 << 20, r
             if bw == "unlimited" and models:
                 kwargs["models"] = models
             with EmulatedCluster(np=n, bandwidth=bw, queue_ms=queue_ms) as cluster:
-                job = run_job("hvd_onebit.bench.calibrate.ranks:collectives_worker", np=n,
+                job = run_job("hvd_onebit_tools.bench.calibrate.ranks:collectives_worker", np=n,
                               kwargs=kwargs, timeout=timeout, cluster=cluster,
                               env=MALLOC_REUSE_ENV)
             out.setdefault(str(n), {})[bw] = job.results[0]

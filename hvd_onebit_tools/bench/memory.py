@@ -58,7 +58,7 @@ def reachable_storages(root: Any, skip_types: tuple = ()) -> dict[int, int]:
     """{storage address: bytes} of every tensor reachable from ``root`` through containers and
     the attributes of hvd_onebit's own objects (not through ``skip_types`` instances, modules,
     functions, or other libraries' objects)."""
-    from ..transport.base import Transport
+    from hvd_onebit.transport.base import Transport
 
     found: dict[int, int] = {}
     seen: set[int] = set()
@@ -276,9 +276,9 @@ def inprocess_run(n: int, layers: int, width: int, steps: int,
     memory per rank over ``steps`` steps after a first one. CPU only."""
     import threading
 
-    from ..engine import NOT_FROZEN, CompressedStep
-    from ..config import OneBitConfig
-    from ..transport.inprocess import run_threads
+    from hvd_onebit.engine import NOT_FROZEN, CompressedStep
+    from hvd_onebit.config import OneBitConfig
+    from hvd_onebit.transport.inprocess import run_threads
 
     use_measuring_malloc()
     gate = threading.Barrier(n)
@@ -345,7 +345,7 @@ def bench_memory(ranks: int = 2, layers: int = 4, width: int = 1024, warmup: int
         from ..cluster.jobs import run_ranks
 
         env = dict(MALLOC_MEASURE_ENV) if device == "cpu" else {}
-        per_rank = run_ranks("hvd_onebit.bench.memory:rank_run", np=ranks, timeout=timeout,
+        per_rank = run_ranks("hvd_onebit_tools.bench.memory:rank_run", np=ranks, timeout=timeout,
                              env=env, kwargs=dict(layers=layers, width=width, warmup=warmup,
                                                   compressed=compressed, device=device,
                                                   bucket_size_mb=bucket_size_mb, memory=memory,

@@ -1,4 +1,4 @@
-"""Measure the constants of the scale model (:mod:`hvd_onebit.bench.predict`) on this machine.
+"""Measure the constants of the scale model (:mod:`hvd_onebit_tools.bench.predict`) on this machine.
 
 Three groups, saved together as one JSON file (``hvd-onebit bench calibrate --out FILE``):
 

@@ -41,7 +41,7 @@ def set_horovod_wait(wait: str, timer: Optional[WaitTimer] = None) -> None:
     import horovod.torch.mpi_ops as mpi_ops
     import horovod.torch.optimizer as horovod_optimizer
 
-    from ..transport.horovod import sleep_until_done
+    from hvd_onebit.transport.horovod import sleep_until_done
 
     if wait not in WAITS:
         raise ValueError(f"wait must be one of {WAITS}, got {wait!r}")

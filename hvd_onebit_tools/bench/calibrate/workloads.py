@@ -52,10 +52,10 @@ def kernel_calls(numel: int) -> dict:
     float32 elements (4 chunks), by name; the buffers live as long as the calls."""
     import torch
 
-    from ... import kernels
-    from ...comm.hierarchical import NodeMean
-    from ...kernels import fused_adam
-    from ...layout import Layout
+    from hvd_onebit import kernels
+    from hvd_onebit.comm.hierarchical import NodeMean
+    from hvd_onebit.kernels import fused_adam
+    from hvd_onebit.layout import Layout
 
     L = Layout.build(numel, 4)
     g = torch.Generator().manual_seed(0)

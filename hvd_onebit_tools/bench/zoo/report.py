@@ -17,7 +17,7 @@ median ratio <= 1.01, every cell <= 1.05), and per family the mean fraction of e
 step met the bound (how often it engages), the fraction held for a zero variance and where
 ``"auto"`` froze.
 
-    python -m hvd_onebit.bench.zoo.report results/zoo      # table, summary.json, heat map
+    python -m hvd_onebit_tools.bench.zoo.report results/zoo      # table, summary.json, heat map
 """
 from __future__ import annotations
 

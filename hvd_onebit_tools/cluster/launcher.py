@@ -1,7 +1,7 @@
 """Running a command on every host of the emulated cluster, as the ranks of one Horovod job.
 
-:class:`EmulatedCluster` builds the :class:`~hvd_onebit.cluster.network.Network` and Horovod's
-rendezvous (:mod:`~hvd_onebit.cluster.rendezvous`), then :meth:`EmulatedCluster.run` starts the
+:class:`EmulatedCluster` builds the :class:`~hvd_onebit_tools.cluster.network.Network` and Horovod's
+rendezvous (:mod:`~hvd_onebit_tools.cluster.rendezvous`), then :meth:`EmulatedCluster.run` starts the
 command once per rank, each rank in its host's network namespace and in its own UTS namespace
 (``hostname`` is ``node<host>``) and PID namespace (when a rank ends, or is killed, nothing it
 started can survive it). A host is one rank by default; with ``ranks_per_node=L`` it is a node of
@@ -10,7 +10,7 @@ between nodes crosses the shaped links. If one rank fails the others are killed,
 
 Everything created is torn down by :meth:`EmulatedCluster.close` (also on errors, a crashed rank,
 ``KeyboardInterrupt`` and, in the CLI, SIGTERM); a cluster whose owner was SIGKILLed is removed by
-the next one (or by :func:`~hvd_onebit.cluster.network.cleanup_stale`).
+the next one (or by :func:`~hvd_onebit_tools.cluster.network.cleanup_stale`).
 
 Example::
 
@@ -62,7 +62,7 @@ class EmulatedCluster:
         memory, in :attr:`RankResult.output`).
     :param verbose: print the setup commands' progress to stderr.
     :param queue_ms: switch queue depth beyond one burst, in ms of line rate (see
-        :func:`~hvd_onebit.cluster.bandwidth.tbf_params`).
+        :func:`~hvd_onebit_tools.cluster.bandwidth.tbf_params`).
 
     Use as a context manager, or call :meth:`start` and (always) :meth:`close`.
     """

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from ..layout import ring_allreduce_bytes
+from hvd_onebit.layout import ring_allreduce_bytes
 
 METHODS = ("fp32", "fp16", "onebit", "onebit_mpi")  # onebit_mpi: mpi4py transport (MPI jobs)
 DEFAULT_METHODS = ("fp32", "fp16", "onebit")
@@ -39,7 +39,7 @@ def allreduce_worker(sizes: list[int], methods: tuple[str, ...] = DEFAULT_METHOD
     import horovod.torch as hvd
     import torch
 
-    from ..comm.flat import OneBitAllreduce
+    from hvd_onebit.comm.flat import OneBitAllreduce
 
     n = hvd.size()
     rows = []
