@@ -19,24 +19,21 @@ hooks (``InputProducer`` and ``Epilogue`` in :mod:`hvd_onebit.comm.protocol`). E
 """
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 
 from ..dtypes import FLOAT_DTYPES
 from ..layout import Layout
-from ..step_bound import as_float32
 from . import ops
 from .backend import in_place, native_module, native_ready, pick, triton_module
 from .fused_reference import apply_update, frozen_denominator, materialize_momentum
+from .fused_terms import MomentumTerms, UpdateTerms
 
 
 # ---- prologue: the momentum update, computed inside the worker compression ----------------------------
 
-@dataclass
-class MomentumInput:
+class MomentumInput(MomentumTerms):
     """An allreduce input given as Adam's momentum update, ``x = beta1 * m + (1 - beta1) * g``.
 
     The native worker compression computes x inside its own pass (the momentum update costs no
@@ -68,35 +65,6 @@ class MomentumInput:
         bounds: with ``variances``, per segment, the largest ``|u|`` sent (default ``inf``);
             rounded to float32 here, so every kernel clamps at one number.
     """
-
-    momentum: torch.Tensor
-    grads: list[Optional[torch.Tensor]]
-    sizes: list[int]
-    beta1: float
-    variances: Optional[list[torch.Tensor]] = None
-    sqrt_bc2s: Optional[Sequence[float]] = None
-    eps: Optional[Sequence[float]] = None
-    bounds: Optional[Sequence[float]] = None
-
-    def __post_init__(self):
-        if self.variances is not None:
-            self.bounds = ([math.inf] * len(self.sizes) if self.bounds is None
-                           else [as_float32(float(b)) for b in self.bounds])
-            if any(not b >= 0 for b in self.bounds):
-                raise ValueError(f"input bounds must be >= 0, got {self.bounds}")
-
-    def native_precondition_args(self) -> tuple:
-        """(variances, sqrt_bc2s, eps, bounds) as the native kernels take them: empty lists when
-        the input is not preconditioned."""
-        if self.variances is None:
-            return [], [], [], []
-        return (list(self.variances), [float(b) for b in self.sqrt_bc2s],
-                [float(e) for e in self.eps], [float(b) for b in self.bounds])
-
-    @property
-    def like(self) -> torch.Tensor:
-        """A tensor of x's size, dtype and device (the momentum): the output is shaped like it."""
-        return self.momentum
 
     def native_ready(self) -> bool:
         """Whether the native kernel can read every tensor in place (fp32, contiguous, CPU)."""
@@ -151,8 +119,7 @@ def worker_compress_momentum(src: MomentumInput, y_prev: torch.Tensor, prev_send
 
 # ---- epilogue: Adam's update, applied in the decode pass ----------------------------------------------
 
-@dataclass
-class AdamUpdate:
+class AdamUpdate(UpdateTerms):
     """Adam's use of the averaged momentum ``m``, to fuse into the decode pass that writes it.
 
     For every parameter given (None entries are left to the caller), with ``v`` its frozen
@@ -183,39 +150,9 @@ class AdamUpdate:
             then have a variance and no weight: its momentum is converted, nothing updated.
     """
 
-    weights: list[Optional[torch.Tensor]]
-    variances: list[Optional[torch.Tensor]]
-    sizes: list[int]
-    steps: list[float]
-    decays: list[float]
-    sqrt_bc2s: Optional[Sequence[float]] = None
-    eps: Optional[Sequence[float]] = None
-    bounds: Optional[Sequence[float]] = None
-    preconditioned: bool = False
-
-    def __post_init__(self):
-        if self.sqrt_bc2s is None:
-            self.sqrt_bc2s = [1.0] * len(self.sizes)
-        if self.eps is None:
-            self.eps = [0.0] * len(self.sizes)
-        if self.bounds is None:
-            self.bounds = [math.inf] * len(self.sizes)
-        else:
-            self.bounds = [as_float32(float(b)) for b in self.bounds]
-            if any(not b >= 0 for b in self.bounds):
-                raise ValueError(f"step bounds must be >= 0, got {self.bounds}")
-
     def native_ready(self) -> bool:
         """Whether the native kernel can update every tensor in place (fp32, contiguous, CPU)."""
         return native_ready([*self.weights, *self.variances])
-
-    def native_args(self) -> tuple:
-        """(weights, variances, sizes, steps, decays, sqrt_bc2s, eps, bounds, preconditioned)
-        as the native kernels take them: the scalars as Python floats, one per parameter."""
-        return (self.weights, self.variances, self.sizes, [float(s) for s in self.steps],
-                [float(d) for d in self.decays], [float(b) for b in self.sqrt_bc2s],
-                [float(e) for e in self.eps], [float(b) for b in self.bounds],
-                bool(self.preconditioned))
 
     def denominator(self, i: int, lo: int = 0, hi: Optional[int] = None) -> torch.Tensor:
         """Elements ``[lo, hi)`` of parameter ``i``'s denominator, float32 (a fresh tensor,

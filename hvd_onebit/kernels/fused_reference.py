@@ -8,14 +8,12 @@ code is built with ``-ffp-contract=off`` and the Triton kernels are launched wit
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import torch
 
+from .fused_terms import MomentumTerms, UpdateTerms
 from .reference import exact_div
-
-if TYPE_CHECKING:
-    from .fused_adam import AdamUpdate, MomentumInput
 
 #: Elements per slice of :func:`apply_update` (and of the prologue's division): bounds its temporaries.
 APPLY_SLICE = 1 << 20
@@ -33,7 +31,7 @@ def frozen_denominator(v: torch.Tensor, sqrt_bc2: float, eps: float) -> torch.Te
     return d.masked_fill_(v == 0, math.inf)
 
 
-def materialize_momentum(src: "MomentumInput", out: Optional[torch.Tensor] = None) -> torch.Tensor:
+def materialize_momentum(src: MomentumTerms, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """:meth:`MomentumInput.materialize <hvd_onebit.kernels.fused_adam.MomentumInput.materialize>`
     with torch ops: ``x`` (or ``u``, preconditioned) as float32 [numel], written into ``out``
     (float32) when given. The torch reference of the fused prologue."""
@@ -60,7 +58,7 @@ def materialize_momentum(src: "MomentumInput", out: Optional[torch.Tensor] = Non
     return out
 
 
-def apply_update(update: "AdamUpdate", m: torch.Tensor) -> None:
+def apply_update(update: UpdateTerms, m: torch.Tensor) -> None:
     """:meth:`AdamUpdate.apply <hvd_onebit.kernels.fused_adam.AdamUpdate.apply>`: ``update``
     with torch ops, ``m``: the decoded momentum [numel]. The torch reference of the fused
     epilogue. Works through each parameter in slices of ``APPLY_SLICE``
@@ -82,11 +80,12 @@ def apply_update(update: "AdamUpdate", m: torch.Tensor) -> None:
                 w.copy_(w_flat.view(w.shape))
         start += size
 
-def _apply_slice(update: "AdamUpdate", m_here: torch.Tensor, w: Optional[torch.Tensor],
+def _apply_slice(update: UpdateTerms, m_here: torch.Tensor, w: Optional[torch.Tensor],
                  w_flat: Optional[torch.Tensor], i: int, lo: int, hi: int, step: float,
                  decay: float, bound: float) -> None:
     """:func:`apply_update` on elements ``[lo, hi)`` of parameter ``i`` (``m_here``: theirs)."""
-    d = update.denominator(i, lo, hi)
+    d = frozen_denominator(update.variances[i].reshape(-1)[lo:hi], update.sqrt_bc2s[i],
+                           update.eps[i])
     held = d == math.inf
     if update.preconditioned:  # m_here holds u: the step from u, then m = u * denom
         q = torch.mul(m_here, step) if w is not None else None
