@@ -22,6 +22,7 @@ import torch
 from .engine import CompressedStep
 from .config import OneBitConfig
 from .horovod_view import HorovodView
+from .param_groups import groups_by_param
 
 
 class EarlyStarts:
@@ -87,7 +88,7 @@ class Overlap:
         if not engine.can_start_early:
             return None
         engine.begin_step()
-        groups = {p: g for g in self._view.param_groups for p in g["params"]}
+        groups = groups_by_param(self._view.param_groups)
         scaler = self._scaler_ref() if self._scaler_ref is not None else None
         if scaler is not None and scaler._scale is None:
             scaler = None

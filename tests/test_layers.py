@@ -22,7 +22,7 @@ LAYERS = [
     ("comm", ["comm"]),
     ("kernels and transport", ["kernels", "transport"]),
     ("base", ["layout", "step_bound", "low_precision", "consistency", "horovod_view", "dtypes",
-              "variance_refresh",
+              "variance_refresh", "param_groups",
               "_C"]),
 ]
 MAX_LINES = 400  # per library module (the C++ aside)

@@ -125,7 +125,7 @@ DATA_RANKS = 4  # checkpoints of a 4-rank job, resumed at 2 and 4 ranks on the s
 
 def _buckets(opt):
     engine = opt.compressed_step
-    comms = [engine.comms[engine._key(b)] for b in engine.buckets]
+    comms = [engine.collectives.of(b) for b in engine.buckets]
     return engine, comms
 
 
@@ -209,7 +209,7 @@ def flush_nonfinite(steps=6, bad_rank=1):
     _train(model, opt, range(steps))
     _, comms = _buckets(opt)
     if hvd.rank() == bad_rank:
-        comms[-1]._worker_y[0] = float("inf")  # its factored form: e_w = y - s*sign(y)
+        comms[-1].errors.worker_y[0] = float("inf")  # its factored form: e_w = y - s*sign(y)
     before = _snapshot(opt)
     try:
         opt.flush_error_feedback()
@@ -303,9 +303,9 @@ def flush_engine(transport, steps=3, bad_rank=None):
         for step in range(steps):
             engine.ensure_ready(params)
             engine.step(groups, {p: gradient(step, transport.rank, p.shape) for p in params})
-    comms = [engine.comms[engine._key(b)] for b in engine.buckets]
+    comms = [engine.collectives.of(b) for b in engine.buckets]
     if bad_rank == transport.rank:
-        comms[-1]._server_z[0] = float("nan")  # a real element of the last rank's chunk
+        comms[-1].errors.server_z[0] = float("nan")  # a real element of the last rank's chunk
     before = {"momenta": [b.momentum.clone() for b in engine.buckets],
               "worker_errors": [c.worker_error for c in comms],
               "server_errors": [c.server_error for c in comms],

@@ -45,14 +45,13 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Optional
 
-import horovod.torch as hvd
 import torch
 
 from .. import kernels
 from ..dtypes import FLOAT_DTYPES
 from ..layout import Layout
 from ..transport.base import Transport
-from ..transport.registry import make_transport
+from ..transport.registry import job_transport
 from .flat_error import FlatErrorFeedback
 from .protocol import STALE, Epilogue, InputProducer, Status
 from .transaction import TransactionalCollective
@@ -87,24 +86,23 @@ class AllreduceHandle:
     done: bool = False
 
 
-class OneBitAllreduce(FlatErrorFeedback, TransactionalCollective):
+class OneBitAllreduce(TransactionalCollective):
     """Mean over ranks of a fixed-size buffer, sent as 1-bit signs with two-sided error feedback.
 
     Args:
         numel: elements per call (N); every rank must pass the same value (checked here, with
             one small allgather, so a mismatch is a clear error on every rank, not a hang).
-        process_set: Horovod process set to reduce over (with a ``transport`` name).
+        process_set: Horovod process set to reduce over (with a ``transport`` name; None:
+            the global one).
         block_size: elements per scale, a multiple of 8. ``None`` (default): one scale per chunk
             (N/n elements). Smaller blocks cost 4 bytes each on the wire and track the
             magnitude of the data more closely; below a few hundred elements the scales start
             to weigh on the 32x saving.
         transport: "horovod" (default; Gloo, MPI or NCCL), "mpi" (mpi4py on Horovod's MPI
             communicator; CPU tensors; needs a job launched with MPI), both over ``process_set``,
-            or "torch" (torch.distributed: Gloo on CPU, NCCL on CUDA; the global process set);
-            or a :class:`~hvd_onebit.transport.base.Transport` object, which then gives the size
-            and rank and ``process_set`` is not used (e.g.
-            :class:`~hvd_onebit.transport.inprocess.InProcessTransport`: ranks as threads of
-            one process).
+            or "torch" (torch.distributed: Gloo on CPU, NCCL on CUDA; the global process set),
+            resolved once to that transport's object; or a Transport object, which gives the
+            size and rank (e.g. ``InProcessTransport``: ranks as threads of one process).
         backend: kernels: "auto" (native C++ on CPU, torch elsewhere), "native" or "torch".
         device: where the buffers live; inputs must be on it. Default CPU.
         name: prefix of the collective op names; must be identical on every rank and unique
@@ -122,58 +120,33 @@ class OneBitAllreduce(FlatErrorFeedback, TransactionalCollective):
     output has the input's dtype and shape. With one rank the output equals the input exactly.
     """
 
-    def __init__(self, numel: int, process_set: hvd.ProcessSet = hvd.global_process_set, *,
-                 block_size: Optional[int] = None, transport: str | Transport = "horovod",
-                 backend: str = "auto", device: torch.device | str = "cpu",
-                 name: Optional[str] = None, defer_check: bool = False,
-                 spare_errors: bool = False):
+    def __init__(self, numel: int, process_set=None, *, block_size: Optional[int] = None,
+                 transport: str | Transport = "horovod", backend: str = "auto",
+                 device: torch.device | str = "cpu", name: Optional[str] = None,
+                 defer_check: bool = False, spare_errors: bool = False):
         if not isinstance(numel, int) or isinstance(numel, bool) or numel < 0:
             raise ValueError(f"numel must be a non-negative int, got {numel!r}")
         self.spare_errors = bool(spare_errors)
-        if isinstance(transport, str):
-            self.process_set = process_set
-            self.size = process_set.size()
-            self.rank = process_set.rank()
-            names = _default_names
-        elif isinstance(transport, Transport):
-            self.process_set = None
-            self.size = transport.size
-            self.rank = transport.rank
-            names = _default_names_per_transport.setdefault(transport, itertools.count())
-        else:
-            raise TypeError("transport must be a transport's name or a Transport object, got "
-                            f"{type(transport).__name__}")
         self.device = torch.device(device)
+        named = transport is None or isinstance(transport, str)  # over process_set's ranks
+        self.process_set, stages = None, transport
+        if named:
+            job = job_transport(transport, process_set)
+            self.process_set, stages = job.process_set, job.stages(self.device)
+        if not isinstance(stages, Transport):
+            raise TypeError("transport must be a transport's name or a Transport object, got "
+                            f"{type(stages).__name__}")
+        self.size, self.rank = stages.size, stages.rank
+        names = (_default_names if named
+                 else _default_names_per_transport.setdefault(stages, itertools.count()))
         self.layout = Layout.build(numel, self.size, block_size)
         self.block_size = block_size
         self.name = name if name is not None else f"hvd_onebit.{next(names)}"
         self.backend = kernels.resolve_backend(backend, self.device)
-        if self.size == 1:
-            self.transport = None
-        elif isinstance(transport, str):
-            self.transport = make_transport(transport, process_set, self.device)
-        else:
-            self.transport = transport
-
-        L = self.layout
-        f32 = dict(dtype=torch.float32, device=self.device)
-        u8 = dict(dtype=torch.uint8, device=self.device)
-        # The worker error, factored as the last call's y and sent rows (e = y - s * sign(y));
-        # zero y and zero scales mean e = 0. One y, updated in place at the commit (see the
-        # module's docstring); the rows are small and kept twice (the last sent, the next).
-        # Every buffer is written here (zeros, not empty): the pages are touched now, not in the
-        # first call, which would otherwise page-fault ~4 bytes per element.
-        self._worker_y = torch.zeros(L.padded, **f32)
-        self._worker_y_next = torch.zeros(L.padded, **f32) if self.spare_errors else None
-        self._sent = torch.zeros(L.n * L.row_bytes, **u8)
-        self._send = torch.zeros(L.n * L.row_bytes, **u8)
-        # The server error, factored the same way: the last call's z and the row it sent.
-        self._server_z = torch.zeros(L.chunk, **f32)
-        self._server_z_next = torch.zeros(L.chunk, **f32) if self.spare_errors else None
-        self._server_sent = torch.zeros(L.row_bytes, **u8)
-        self._server_row = torch.zeros(L.row_bytes, **u8)
+        self.transport = stages if self.size > 1 else None
+        self.errors = FlatErrorFeedback(self.layout, self.size, self.rank, block_size,
+                                        self.backend, self.device, self.spare_errors)
         self._in_flight = False
-
         self.wire_bytes = 0  # bytes this rank sent in the last call, both stages
         self.total_wire_bytes = 0
         self.last_seconds = 0.0  # wall time of the last call, start to output
@@ -184,8 +157,6 @@ class OneBitAllreduce(FlatErrorFeedback, TransactionalCollective):
                 self._layout_signature(), name=f"{self.name}.check")
             if not defer_check:
                 self._finish_layout_check()
-
-    # ---- validation -----------------------------------------------------------------------------
 
     def _layout_signature(self) -> list[int]:
         device_code = {"cpu": 0, "cuda": 1}.get(self.device.type, 2)
@@ -280,9 +251,9 @@ class OneBitAllreduce(FlatErrorFeedback, TransactionalCollective):
         L = self.layout
         handle.source = src if src is not None else x32
         # the rows only (y is stored at the commit), or y beside the committed one
-        self._compress(handle.source, y_out=self._worker_y_next)
+        self._compress(handle.source, y_out=self.errors.worker_y_next)
         # Sent even when this rank's input was bad: the status word tells every peer.
-        handle.stage1 = self.transport.alltoall_async(self._send.view(L.n, L.row_bytes),
+        handle.stage1 = self.transport.alltoall_async(self.errors.send.view(L.n, L.row_bytes),
                                                       name=f"{self.name}.alltoall")
         self._in_flight = True
         return handle
@@ -291,12 +262,10 @@ class OneBitAllreduce(FlatErrorFeedback, TransactionalCollective):
         """The worker compression of ``source`` (a tensor or an InputProducer) into ``_send``,
         from the committed error (``_worker_y``, ``_sent``); y into ``y_out`` (None: not
         stored)."""
-        L = self.layout
-        if isinstance(source, torch.Tensor):
-            kernels.worker_compress(source, self._worker_y, self._sent, y_out, self._send, L,
-                                    self.backend)
-        else:
-            source.compress(self._worker_y, self._sent, y_out, self._send, L, self.backend)
+        e = self.errors
+        compress = (source.compress if not isinstance(source, torch.Tensor) else
+                    lambda *args: kernels.worker_compress(source, *args))
+        compress(e.worker_y, e.sent, y_out, e.send, self.layout, self.backend)
 
     # ---- the phases of a call, driven by synchronize_all ------------------------------------------
 
@@ -317,11 +286,12 @@ class OneBitAllreduce(FlatErrorFeedback, TransactionalCollective):
         if handle.recv is None:
             return
         L = self.layout
-        kernels.server_compress(handle.recv, self._server_z, self._server_sent,
-                                self._server_z_next, self._server_row, L, self.backend)
+        e = self.errors
+        kernels.server_compress(handle.recv, e.server_z, e.server_sent, e.server_z_next,
+                                e.server_row, L, self.backend)
         if handle.stale:
-            kernels.row_status(self._server_row, L, 1).fill_(STALE)
-        handle.stage2 = self.transport.allgather_async(self._server_row.view(1, L.row_bytes),
+            kernels.row_status(e.server_row, L, 1).fill_(STALE)
+        handle.stage2 = self.transport.allgather_async(e.server_row.view(1, L.row_bytes),
                                                        name=f"{self.name}.allgather")
 
     def wait_stage2(self, handle: AllreduceHandle) -> Status:
@@ -360,14 +330,13 @@ class OneBitAllreduce(FlatErrorFeedback, TransactionalCollective):
         applied = False
         if handle.gathered is not None:
             if self.spare_errors:
-                self._worker_y, self._worker_y_next = self._worker_y_next, self._worker_y
-                self._server_z, self._server_z_next = self._server_z_next, self._server_z
+                self.errors.adopt_spares()
             else:
-                self._compress(handle.source, y_out=self._worker_y)
-                kernels.server_compress(handle.recv, self._server_z, self._server_sent,
-                                        self._server_z, self._server_row, L, self.backend)
-            self._sent, self._send = self._send, self._sent
-            self._server_sent, self._server_row = self._server_row, self._server_sent
+                self._compress(handle.source, y_out=self.errors.worker_y)
+                e = self.errors
+                kernels.server_compress(handle.recv, e.server_z, e.server_sent, e.server_z,
+                                        e.server_row, L, self.backend)
+            self.errors.adopt_rows()
             applied = (epilogue is not None and not handle.decoded
                        and handle.out32.data_ptr() == handle.out.data_ptr())
             if applied:
@@ -394,3 +363,37 @@ class OneBitAllreduce(FlatErrorFeedback, TransactionalCollective):
         calls' and stages': one device-to-host read per step)."""
         return Status(kernels.row_status(rows, self.layout, self.layout.n) != 0,
                       list(range(self.layout.n)))
+
+    # ---- its error feedback, kept by ``self.errors`` ----------------------------------------------
+
+    @property
+    def worker_error(self) -> torch.Tensor:
+        """e_w: float32 [padded], this rank's worker error feedback (a fresh tensor)."""
+        return self.errors.worker_error
+
+    @property
+    def server_error(self) -> torch.Tensor:
+        """e_s: float32 [chunk], the server error of this rank's chunk (a fresh tensor)."""
+        return self.errors.server_error
+
+    def error_contribution(self) -> torch.Tensor:
+        return self.errors.contribution()
+
+    def reset(self) -> None:
+        """Zero both error-feedback buffers (e.g. after the world size changed)."""
+        self.errors.reset()
+
+    def scale_error_feedback(self, ratio: torch.Tensor) -> None:
+        """Multiply both errors elementwise by ``ratio`` (float32 [numel]), e.g. old denominator
+        over new at a variance refresh (:meth:`FlatErrorFeedback.scale`). Between calls only."""
+        if self._in_flight:
+            raise RuntimeError("scale_error_feedback during a call")
+        self.errors.scale(ratio)
+
+    def state_dict(self) -> dict:
+        """This rank's error feedback, with the layout it belongs to."""
+        return self.errors.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict` saved on the same rank and layout."""
+        self.errors.load_state_dict(state)

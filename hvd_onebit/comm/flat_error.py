@@ -1,4 +1,5 @@
-"""The flat collective's error feedback as state: read, folded, zeroed, saved and restored.
+"""The flat collective's error feedback as an object: its buffers, read, folded, zeroed, scaled,
+saved and restored.
 
 The two errors are kept factored (the last y and the rows sent, the last z and the row sent;
 see :mod:`hvd_onebit.comm.flat`): ``e = y - decode(rows)`` is computed when asked for, never
@@ -9,25 +10,65 @@ from __future__ import annotations
 import torch
 
 from .. import kernels
+from ..layout import Layout
 
 
 class FlatErrorFeedback:
-    """Error-feedback state of :class:`~hvd_onebit.comm.flat.OneBitAllreduce` (a mixin over its
-    ``_worker_y``, ``_sent``, ``_server_z``, ``_server_sent``, ``layout``, ``size``, ``rank``,
-    ``block_size`` and ``backend``)."""
+    """The worker and server error feedback of one :class:`~hvd_onebit.comm.flat.OneBitAllreduce`.
+
+    Args:
+        layout: the collective's layout (chunks, blocks, rows).
+        size, rank: the ranks taking part and this one.
+        block_size: as the collective was given it (saved with the errors).
+        backend: the resolved kernel backend.
+        device: where the buffers live.
+        spare: keep a second y and z, written by the passes and adopted at the commit.
+
+    Every buffer is written here (zeros, not empty): the pages are touched now, not in the
+    first call, which would otherwise page-fault ~4 bytes per element.
+    """
+
+    def __init__(self, layout: Layout, size: int, rank: int, block_size, backend: str,
+                 device: torch.device, spare: bool):
+        self.layout, self.size, self.rank = layout, size, rank
+        self.block_size, self.backend = block_size, backend
+        L = layout
+        f32 = dict(dtype=torch.float32, device=device)
+        u8 = dict(dtype=torch.uint8, device=device)
+        # The worker error, factored as the last call's y and sent rows (e = y - s * sign(y));
+        # zero y and zero scales mean e = 0. The rows are small and kept twice (the last sent,
+        # the next).
+        self.worker_y = torch.zeros(L.padded, **f32)
+        self.worker_y_next = torch.zeros(L.padded, **f32) if spare else None
+        self.sent = torch.zeros(L.n * L.row_bytes, **u8)
+        self.send = torch.zeros(L.n * L.row_bytes, **u8)
+        # The server error, factored the same way: the last call's z and the row it sent.
+        self.server_z = torch.zeros(L.chunk, **f32)
+        self.server_z_next = torch.zeros(L.chunk, **f32) if spare else None
+        self.server_sent = torch.zeros(L.row_bytes, **u8)
+        self.server_row = torch.zeros(L.row_bytes, **u8)
+
+    def adopt_spares(self) -> None:
+        """The commit with spare buffers: the y and z the passes wrote become the errors."""
+        self.worker_y, self.worker_y_next = self.worker_y_next, self.worker_y
+        self.server_z, self.server_z_next = self.server_z_next, self.server_z
+
+    def adopt_rows(self) -> None:
+        """The commit: the rows just sent become the errors' rows."""
+        self.sent, self.send = self.send, self.sent
+        self.server_sent, self.server_row = self.server_row, self.server_sent
 
     @property
     def worker_error(self) -> torch.Tensor:
         """e_w: float32 [padded], this rank's worker error feedback (a fresh tensor)."""
-        return kernels.worker_error(self._worker_y, self._sent, self.layout, self.backend)
+        return kernels.worker_error(self.worker_y, self.sent, self.layout, self.backend)
 
     @property
     def server_error(self) -> torch.Tensor:
         """e_s: float32 [chunk], this rank's server error for the chunk it serves (a fresh tensor)."""
-        return kernels.server_error(self._server_z, self._server_sent, self.layout,
-                                    self.backend)
+        return kernels.server_error(self.server_z, self.server_sent, self.layout, self.backend)
 
-    def error_contribution(self) -> torch.Tensor:
+    def contribution(self) -> torch.Tensor:
         """float32 [padded]: this rank's share of what error feedback has yet to deliver,
         ``e_w / n`` plus its server error at its chunk's place; summed over the ranks it is
         ``mean_i e_w^i + concat_j e_s^j`` (see ``CompressedStep.flush_error_feedback``)."""
@@ -37,50 +78,46 @@ class FlatErrorFeedback:
         return e
 
     def reset(self) -> None:
-        """Zero both error-feedback buffers (e.g. after the world size changed)."""
-        self._worker_y.zero_()
-        self._sent.zero_()
-        self._server_z.zero_()
-        self._server_sent.zero_()
+        """Zero both errors."""
+        self.worker_y.zero_()
+        self.sent.zero_()
+        self.server_z.zero_()
+        self.server_sent.zero_()
 
-    def scale_error_feedback(self, ratio: torch.Tensor) -> None:
-        """Multiply both errors elementwise by ``ratio`` (float32 [numel], one factor per
-        element of the buffer; the padding keeps its errors): how errors measured in one unit
-        per element are carried into another, e.g. at a variance refresh (``precondition=True``
-        compresses ``m / denom``: old denominator over new). The server error takes the factors
-        of the chunk this rank serves. Between calls only. Stored factored as
-        :meth:`load_state_dict` stores a given error (y = e, rows that decode to +0), in the
-        live buffers (with spare buffers, the ones the last commit adopted)."""
-        if self._in_flight:
-            raise RuntimeError("scale_error_feedback during a call")
+    def scale(self, ratio: torch.Tensor) -> None:
+        """Multiply both errors elementwise by ``ratio`` (float32 [numel]; the padding keeps its
+        errors); the server error takes the factors of the chunk this rank serves. Stored
+        factored as :meth:`load_state_dict` stores a given error (y = e, rows that decode to
+        +0), in the live buffers."""
         L = self.layout
         ratio = ratio.reshape(-1)
         if ratio.numel() != L.numel:
             raise ValueError(f"ratio has {ratio.numel()} elements, the buffer {L.numel}")
         # In place, one pass each (no materialised e); the padding past numel keeps its errors.
-        kernels.rescale_error(self._worker_y, self._sent, ratio, L, L.n, self.backend)
-        kernels.set_identity_rows(self._sent, L, L.n)
+        kernels.rescale_error(self.worker_y, self.sent, ratio, L, L.n, self.backend)
+        kernels.set_identity_rows(self.sent, L, L.n)
         lo, hi = self.rank * L.chunk, min((self.rank + 1) * L.chunk, L.numel)
-        kernels.rescale_error(self._server_z, self._server_sent, ratio[lo:max(lo, hi)], L, 1,
+        kernels.rescale_error(self.server_z, self.server_sent, ratio[lo:max(lo, hi)], L, 1,
                               self.backend)
-        kernels.set_identity_rows(self._server_sent, L, 1)
+        kernels.set_identity_rows(self.server_sent, L, 1)
+
+    def _signature(self) -> dict:
+        return {"numel": self.layout.numel, "size": self.size, "rank": self.rank,
+                "block_size": self.block_size}
 
     def state_dict(self) -> dict:
-        """This rank's error feedback, with the layout it belongs to."""
-        return {"numel": self.layout.numel, "size": self.size, "rank": self.rank,
-                "block_size": self.block_size,
-                "worker_error": self.worker_error, "server_error": self.server_error}
+        """Both errors, with the layout they belong to."""
+        return {**self._signature(), "worker_error": self.worker_error,
+                "server_error": self.server_error}
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore error feedback saved by :meth:`state_dict` on the same rank and layout."""
-        expect = {"numel": self.layout.numel, "size": self.size, "rank": self.rank,
-                  "block_size": self.block_size}
+        """Restore :meth:`state_dict` saved on the same rank and layout."""
+        expect = self._signature()
         got = {k: state.get(k) for k in expect}
         if got != expect:
             raise ValueError(f"error-feedback state was saved for {got}, this object is {expect}")
         # Factored form of a given e: y = e with rows that decode to +0, so y - (+0) = e.
-        self._worker_y.copy_(state["worker_error"])
-        kernels.set_identity_rows(self._sent, self.layout, self.layout.n)
-        self._server_z.copy_(state["server_error"])
-        kernels.set_identity_rows(self._server_sent, self.layout, 1)
-
+        self.worker_y.copy_(state["worker_error"])
+        kernels.set_identity_rows(self.sent, self.layout, self.layout.n)
+        self.server_z.copy_(state["server_error"])
+        kernels.set_identity_rows(self.server_sent, self.layout, 1)

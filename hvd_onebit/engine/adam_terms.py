@@ -5,8 +5,10 @@ that feeds it from the param groups and the state.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
-from typing import Mapping
+from dataclasses import dataclass
+from typing import Callable, Iterable, Mapping, Optional
 
 import torch
 
@@ -14,44 +16,102 @@ from .. import step_bound
 from ..config import group_masks
 from ..kernels.fused_adam import AdamUpdate, MomentumInput
 from .fusion import Bucket
+from .variance import FrozenVariance
+
+
+@dataclass(frozen=True, eq=False)
+class Denominator:
+    """A parameter's Adam denominator ``sqrt(v) / sqrt_bc2 + eps``, as the fused passes take it
+    (they compute it in their own pass: ``+inf`` where ``v == 0``)."""
+
+    variance: torch.Tensor  # exp_avg_sq, frozen between refreshes
+    sqrt_bc2: float
+    eps: float
+
+
+@dataclass(frozen=True, eq=False)
+class InputTerms:
+    """What a parameter's allreduce input is made of: ``beta1 * m + (1 - beta1) * g``, and when
+    preconditioned, over its denominator and clamped at ``bound`` (Adam's bound on
+    ``|m_hat| / sqrt(v_hat)`` at the step taken, times bc1: ``m`` is not bias-corrected)."""
+
+    beta1: float
+    denominator: Optional[Denominator] = None
+    bound: Optional[float] = None
+
+
+@dataclass(frozen=True, eq=False)
+class ParamUpdate:
+    """This step's ``w = w * decay + clamp(step * m / denom, -bound, bound)`` of one parameter
+    (host numbers: no sync; ``bound = lr * B(t)``, :mod:`hvd_onebit.step_bound`). No weight:
+    the decode converts the momentum and updates nothing."""
+
+    weight: Optional[torch.Tensor]
+    denominator: Denominator
+    step: float
+    decay: float
+    bound: float
+
+
+def masked_params(param_groups: list[dict], owner: Iterable[torch.Tensor]) -> list[tuple]:
+    """(group, param, mask) of every parameter of ``owner`` with an ``exp_avg_mask``."""
+    owner = set(owner)
+    return [(group, p, mask) for group in param_groups
+            for p, mask in zip(group["params"], group_masks(group))
+            if mask is not None and p in owner]
+
+
+def mask_momentum(state: Mapping, p: torch.Tensor, mask: torch.Tensor) -> None:
+    """``exp_avg *= mask``, in place (exp_avg is the bucket's view); the mask may live
+    elsewhere, e.g. where hvd.broadcast_optimizer_state unpickled it."""
+    m = state[p]["exp_avg"]
+    m.mul_(mask.to(device=m.device, dtype=m.dtype))
 
 
 class AdamTerms:
-    """The Adam-terms half of :class:`~hvd_onebit.engine.step.CompressedStep` (a mixin)."""
+    """Adam's terms read from the param groups and the state, for the fused passes.
 
-    @property
-    def preconditioned(self) -> bool:
-        """Whether the 1-bit collectives carry the preconditioned momentum ``m / denom``
-        (``precondition=True`` with the 1-bit compressor)."""
-        return self.config.precondition and self.config.compressor == "onebit"
+    Args:
+        state: Adam's per-parameter state.
+        variance: the frozen variance (the host step counts).
+        decoupled: whether a param group's weight decay is AdamW's.
+        bound: the ``step_bound`` option.
+        preconditioned: whether the collectives carry ``m / denom``.
+        backend: the kernel backend.
+    """
 
-    def _input_terms(self, param_groups: list[dict]) -> dict:
-        """Per bucketed parameter: (beta1, and when preconditioned its frozen variance,
-        sqrt(bc2), eps and the bound on ``|m| / denom``; else four Nones): what its allreduce
-        input is made of. The bound is Adam's on ``|m_hat| / sqrt(v_hat)`` at the step taken,
-        times bc1 (``m`` is not bias-corrected): the momentum is kept where Adam's could be."""
-        owner = set(self.params)
+    def __init__(self, state: Mapping, variance: FrozenVariance,
+                 decoupled: Callable[[dict], bool], bound, preconditioned: bool, backend: str):
+        self.state = state
+        self.variance = variance
+        self.decoupled = decoupled
+        self.bound = bound
+        self.preconditioned = preconditioned
+        self.backend = backend
+
+    def denominator(self, p: torch.Tensor, group: dict) -> Denominator:
+        """``p``'s denominator, as the update has it."""
+        frozen = self.state[p]["frozen_variance_step"]
+        bc2 = 1 - group["betas"][1] ** frozen if frozen > 0 else 1.0
+        return Denominator(self.state[p]["exp_avg_sq"], math.sqrt(bc2), float(group["eps"]))
+
+    def inputs(self, param_groups: list[dict], owner: set) -> dict[torch.Tensor, InputTerms]:
+        """Per parameter of ``owner``: what its allreduce input is made of."""
         terms = {}
         for g in param_groups:
             for p in g["params"]:
                 if p not in owner:
                     continue
                 if not self.preconditioned:
-                    terms[p] = (g["betas"][0], None, None, None, None)
+                    terms[p] = InputTerms(g["betas"][0])
                     continue
-                (beta1, beta2), t = g["betas"], int(self._host_step(p)) + 1
-                bound = (1 - beta1 ** t) * step_bound.ratio_bound(self.config.step_bound,
-                                                                  beta1, beta2, t)
-                terms[p] = (beta1,) + self._denominator_terms(p, g) + (bound,)
+                (beta1, beta2), t = g["betas"], int(self.variance.host_step(p)) + 1
+                bound = (1 - beta1 ** t) * step_bound.ratio_bound(self.bound, beta1, beta2, t)
+                terms[p] = InputTerms(beta1, self.denominator(p, g), bound)
         return terms
 
-    def _denominator_terms(self, p: torch.Tensor, group: dict) -> tuple:
-        """(frozen variance, sqrt(bc2), eps) of ``p``: its denominator, as the update has it."""
-        frozen = self.state[p]["frozen_variance_step"]
-        bc2 = 1 - group["betas"][1] ** frozen if frozen > 0 else 1.0
-        return self.state[p]["exp_avg_sq"], math.sqrt(bc2), float(group["eps"])
-
-    def _input(self, b: Bucket, terms: dict, grads: Mapping) -> object:
+    def momentum_input(self, b: Bucket, terms: Mapping[torch.Tensor, InputTerms],
+                       grads: Mapping) -> object:
         """Bucket ``b``'s allreduce input: its local momentum ``beta1 * m + (1 - beta1) * g``
         (over its denominator when preconditioned), computed inside the compression pass where
         one beta1 serves the whole bucket."""
@@ -60,52 +120,38 @@ class AdamTerms:
         seg_terms = [terms[seg.param] for seg in b.segments]
         pre = {}
         if self.preconditioned:
-            pre = dict(variances=[b.piece(i, t[1]) for i, t in enumerate(seg_terms)],
-                       sqrt_bc2s=[t[2] for t in seg_terms], eps=[t[3] for t in seg_terms],
-                       bounds=[t[4] for t in seg_terms])
-        betas = {t[0] for t in seg_terms}
+            pre = dict(variances=[b.piece(i, t.denominator.variance)
+                                  for i, t in enumerate(seg_terms)],
+                       sqrt_bc2s=[t.denominator.sqrt_bc2 for t in seg_terms],
+                       eps=[t.denominator.eps for t in seg_terms],
+                       bounds=[t.bound for t in seg_terms])
+        betas = {t.beta1 for t in seg_terms}
         if len(betas) == 1:
             return MomentumInput(b.momentum, pieces, sizes, betas.pop(), **pre)
         # param groups with different beta1 share the bucket: one member at a time
         for i, seg in enumerate(b.segments):
             one = {k: [v[i]] for k, v in pre.items()}
-            MomentumInput(b.momentum_view(i), [pieces[i]], [sizes[i]], seg_terms[i][0],
-                          **one).materialize(out=b.work_view(i),
-                                             backend=self.config.kernel_backend)
+            MomentumInput(b.momentum_view(i), [pieces[i]], [sizes[i]], seg_terms[i].beta1,
+                          **one).materialize(out=b.work_view(i), backend=self.backend)
         return b.work
 
-    def _apply_masked(self, masked: list[tuple]) -> None:
-        """Parameters with an exp_avg_mask: mask the averaged momentum, then the same update.
-        (Held elements, whose denominator is inf, got no update and a zero momentum already.)"""
-        for group, p, mask in masked:
-            m = self.state[p]["exp_avg"]
-            # in place (exp_avg is the bucket's view); the mask may live elsewhere, e.g. where
-            # hvd.broadcast_optimizer_state unpickled it
-            m.mul_(mask.to(device=m.device, dtype=m.dtype))
-            w, v, step, decay, sqrt_bc2, eps, bound = self._update_terms(p, group)
-            AdamUpdate([w], [v], [p.numel()], [step], [decay], [sqrt_bc2], [eps],
-                       [bound]).apply(m)
-
-    def _update_terms(self, p: torch.Tensor, group: dict) -> tuple:
-        """(weight, frozen variance, step, decay, sqrt_bc2, eps, bound) of this step's
-        ``w = w * decay + clamp(step * m / (sqrt(v) / sqrt_bc2 + eps), -bound, bound)`` (host
-        numbers: no sync; ``bound = lr * B(t)``, :mod:`hvd_onebit.step_bound`)."""
+    def update(self, p: torch.Tensor, group: dict) -> ParamUpdate:
+        """``p``'s update at this step."""
         (beta1, beta2), lr, wd = group["betas"], group["lr"], group["weight_decay"]
-        t = int(self._host_step(p)) + 1
+        t = int(self.variance.host_step(p)) + 1
         bc1 = 1 - beta1 ** t
         decay = 1 - lr * wd if wd != 0 and self.decoupled(group) else 1.0
-        variance, sqrt_bc2, eps = self._denominator_terms(p, group)
-        bound = abs(lr) * step_bound.ratio_bound(self.config.step_bound, beta1, beta2, t)
-        return p.detach(), variance, -lr / bc1, decay, sqrt_bc2, eps, bound
+        bound = abs(lr) * step_bound.ratio_bound(self.bound, beta1, beta2, t)
+        return ParamUpdate(p.detach(), self.denominator(p, group), -lr / bc1, decay, bound)
 
-    def _plan_updates(self, param_groups: list[dict], owner: set
-                      ) -> tuple[list[AdamUpdate], list[tuple]]:
+    def plan(self, param_groups: list[dict], buckets: list[Bucket], owner: set
+             ) -> tuple[list[AdamUpdate], list[tuple]]:
         """Adam's update with the frozen variance, one :class:`AdamUpdate` per bucket, for the
         collective to apply in its decode pass once every rank has succeeded. Parameters with an
         ``exp_avg_mask`` are returned apart, as (group, param, mask): their momentum must be
         masked first (preconditioned, the decode pass still turns their average back into a
         momentum: it gets their variance and no weight)."""
-        terms: dict = {}
+        updates: dict = {}
         masked = []
         for group in param_groups:
             for p, mask in zip(group["params"], group_masks(group)):
@@ -114,18 +160,36 @@ class AdamTerms:
                 if mask is not None:
                     masked.append((group, p, mask))
                     if self.preconditioned:
-                        terms[p] = (None,) + self._update_terms(p, group)[1:]
+                        updates[p] = dataclasses.replace(self.update(p, group), weight=None)
                 else:
-                    terms[p] = self._update_terms(p, group)
-        updates = []
-        for b in self.buckets:
-            t = [terms.get(p) for p in b.params]
-            updates.append(AdamUpdate(
-                weights=[b.piece(i, x[0]) if x and x[0] is not None else None
-                         for i, x in enumerate(t)],
-                variances=[b.piece(i, x[1]) if x else None for i, x in enumerate(t)],
-                sizes=[seg.numel for seg in b.segments], steps=[x[2] if x else 0.0 for x in t],
-                decays=[x[3] if x else 1.0 for x in t], sqrt_bc2s=[x[4] if x else 1.0 for x in t],
-                eps=[x[5] if x else 0.0 for x in t],
-                bounds=[x[6] if x else math.inf for x in t], preconditioned=self.preconditioned))
-        return updates, masked
+                    updates[p] = self.update(p, group)
+        return [bucket_update(b, updates, self.preconditioned) for b in buckets], masked
+
+    def apply_masked(self, masked: list[tuple]) -> None:
+        """Parameters with an exp_avg_mask: mask the averaged momentum, then the same update.
+        (Held elements, whose denominator is inf, got no update and a zero momentum already.)"""
+        for group, p, mask in masked:
+            mask_momentum(self.state, p, mask)
+            bucket_update(None, {p: self.update(p, group)}).apply(self.state[p]["exp_avg"])
+
+
+def bucket_update(b: Optional[Bucket], updates: Mapping[torch.Tensor, ParamUpdate],
+                  preconditioned: bool = False) -> AdamUpdate:
+    """The :class:`AdamUpdate` of bucket ``b`` from its parameters' updates (one missing: left
+    alone); ``b`` None: the one parameter of ``updates``, whole."""
+    if b is None:
+        (p, u), = updates.items()
+        params, sizes, piece = [p], [p.numel()], lambda i, t: t
+    else:
+        params, sizes, piece = b.params, [seg.numel for seg in b.segments], b.piece
+    t = [updates.get(p) for p in params]
+    return AdamUpdate(
+        weights=[piece(i, x.weight) if x is not None and x.weight is not None else None
+                 for i, x in enumerate(t)],
+        variances=[piece(i, x.denominator.variance) if x is not None else None
+                   for i, x in enumerate(t)],
+        sizes=sizes, steps=[x.step if x is not None else 0.0 for x in t],
+        decays=[x.decay if x is not None else 1.0 for x in t],
+        sqrt_bc2s=[x.denominator.sqrt_bc2 if x is not None else 1.0 for x in t],
+        eps=[x.denominator.eps if x is not None else 0.0 for x in t],
+        bounds=[x.bound if x is not None else math.inf for x in t], preconditioned=preconditioned)

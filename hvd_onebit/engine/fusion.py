@@ -18,6 +18,8 @@ from typing import Optional
 
 import torch
 
+from ..config import check_one_device
+
 
 @dataclass(frozen=True)
 class Segment:
@@ -151,3 +153,47 @@ def param_offsets(params: list[torch.Tensor]) -> list[int]:
         offsets.append(at)
         at += p.numel()
     return offsets
+
+
+class FusedBuckets:
+    """The bucketed parameters' momenta fused (:func:`fuse`), each ``exp_avg`` a view into the
+    flat buffer, kept while they fit the trainable set.
+
+    Args:
+        state: Adam's per-parameter state (``exp_avg`` is replaced by its view).
+        bucket_numel: elements per bucket (:func:`plan_buckets`).
+    """
+
+    def __init__(self, state, bucket_numel: int):
+        self.state = state
+        self.bucket_numel = bucket_numel
+        self.buckets: Optional[list[Bucket]] = None
+        self.params: list[torch.Tensor] = []  # in the order given to fuse()
+        self._views: dict[torch.Tensor, torch.Tensor] = {}  # exp_avg in the flat buffer
+
+    def fits(self, active: list[torch.Tensor]) -> bool:
+        """Whether the buckets hold exactly ``active`` and every ``exp_avg`` is still a view."""
+        return self.buckets is not None and len(active) == len(self.params) and all(
+            a is b for a, b in zip(active, self.params)) and all(
+            self.state[p]["exp_avg"].data_ptr() == view.data_ptr()
+            for p, view in self._views.items())
+
+    def fuse(self, active: list[torch.Tensor]) -> None:
+        """(Re)build the buckets of ``active``; their ``exp_avg`` become views into them."""
+        check_one_device(active)
+        # Backward produces gradients roughly in the reverse of the parameters' order, so the
+        # buckets are planned from the last parameter: the first bucket is the first one whose
+        # gradients are all ready, and buckets start in order.
+        order = active[::-1]
+        flat, self.buckets = fuse(order, [self.state[p]["exp_avg"] for p in order],
+                                  self.bucket_numel)
+        self.params = list(active)
+        self._views = {p: flat[off:off + p.numel()].view_as(p)
+                       for p, off in zip(order, param_offsets(order))}
+        for p, view in self._views.items():
+            self.state[p]["exp_avg"] = view
+
+    def clear(self) -> None:
+        self.buckets = None
+        self.params = []
+        self._views = {}

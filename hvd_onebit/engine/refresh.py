@@ -17,7 +17,7 @@ still sum to 1 - beta2^t and bc2 = 1 - beta2^t, Adam's own: v estimates Adam's v
 far apart the refreshes are. With "single" (0/1 Adam's) a = 1 - beta2 and bc2 = 1 - beta2^n,
 n counting v's updates (the warmup's steps plus the refreshes). Either count is kept in
 ``frozen_variance_step``, which the following compressed steps read
-(:meth:`~hvd_onebit.engine.adam_terms.AdamTerms._denominator_terms`) and checkpoints carry.
+(:meth:`~hvd_onebit.engine.adam_terms.AdamTerms.denominator`) and checkpoints carry.
 Using t with single updates would under-correct v and lengthen every later step.
 ``exp_avg_mask`` multiplies the new momentum before the update; the step bound is the compressed
 step's; an element with a zero variance after the refresh stays held (a +0 momentum, no
@@ -35,7 +35,7 @@ errors are in units of the denominator d the variance had. ``"rescale"`` (defaul
 each error element by ``d_old / d_new`` (:meth:`scale_error_feedback` of the collectives), so
 the momentum it stands for, ``e * d``, is unchanged; where either denominator is infinite (a held
 element) the error is 0. No bytes. ``"fold"`` folds every rank's errors into the momentum first
-(:meth:`~hvd_onebit.engine.error_feedback.ErrorFeedbackLifecycle.flush_error_feedback`, one more
+(:meth:`~hvd_onebit.engine.error_feedback.ErrorFeedback.flush`, one more
 full-precision allreduce) and the errors restart from 0. Errors of the momentum itself
 (``precondition=False``) need neither.
 
@@ -51,27 +51,50 @@ from typing import Mapping, Optional
 import torch
 
 from .. import kernels
-from ..config import group_masks
-from ..kernels.fused_adam import AdamUpdate
-from ..variance_refresh import HYPERGRADIENT, LOWERING
+from ..param_groups import groups_by_param
+from ..variance_refresh import HYPERGRADIENT, LOWERING, RefreshSchedule
 from . import refresh_gate
-from .fusion import Bucket
+from .adam_terms import AdamTerms, bucket_update, mask_momentum, masked_params
+from .collectives import Collectives
+from .error_feedback import ErrorFeedback
+from .fusion import FusedBuckets
+from .variance import FrozenVariance
 
 
 class VarianceRefresh:
-    """The refresh half of :class:`~hvd_onebit.engine.step.CompressedStep` (a mixin over its
-    buckets, collectives, state, config and Adam's terms)."""
+    """A refresh step over the buckets (see the module docstring).
 
-    def refresh(self, param_groups: list[dict],
-                grads: Mapping[torch.Tensor, Optional[torch.Tensor]],
-                error_feedback: str = "rescale") -> int:
-        """One refresh step of every bucketed parameter (see the module docstring); the
-        buckets must be ready (:meth:`ensure_ready`). ``grads``: each parameter's averaged
-        gradient as Adam takes it in (float32 for low-precision parameters; L2 decay,
-        ``maximize`` and Horovod's op applied), finite and the same on every rank; None (no
-        gradient on any rank): the momentum decays as in a compressed step, the variance and its
-        count stay as they are (as Adam's do for a parameter without a gradient). Returns the
-        bytes this rank sent here (a fold's; 0 otherwise).
+    Args:
+        options: the ``variance_refresh`` options (``variance_update``, ``accept``).
+        backend: the kernel backend.
+        fused: the buckets.
+        collectives: their collectives (the errors rescaled).
+        variance: the frozen variance (its counts and host step counts).
+        terms: Adam's terms (denominators, the update).
+        error_feedback: folded first with ``error_feedback="fold"``.
+    """
+
+    def __init__(self, options: Optional[RefreshSchedule], backend: str, fused: FusedBuckets,
+                 collectives: Collectives, variance: FrozenVariance, terms: AdamTerms,
+                 error_feedback: ErrorFeedback):
+        self.options = options
+        self.backend = backend
+        self.fused = fused
+        self.collectives = collectives
+        self.variance = variance
+        self.terms = terms
+        self.error_feedback = error_feedback
+        self.state = variance.state
+        self.last_declined = 0  # parameters the last refresh left their variance
+
+    def run(self, param_groups: list[dict], grads: Mapping[torch.Tensor, Optional[torch.Tensor]],
+            error_feedback: str = "rescale") -> int:
+        """One refresh step of every bucketed parameter; the buckets must be ready. ``grads``:
+        each parameter's averaged gradient as Adam takes it in (float32 for low-precision
+        parameters; L2 decay, ``maximize`` and Horovod's op applied), finite and the same on
+        every rank; None (no gradient on any rank): the momentum decays as in a compressed
+        step, the variance and its count stay as they are (as Adam's do for a parameter
+        without a gradient). Returns the bytes this rank sent here (a fold's; 0 otherwise).
 
         Raises:
             NonFiniteInputError: on every rank, from a fold that met a non-finite error;
@@ -79,11 +102,10 @@ class VarianceRefresh:
         """
         nbytes = 0
         if error_feedback == "fold":
-            nbytes = self.flush_error_feedback(param_groups)
-        groups = {p: g for g in param_groups for p in g["params"]}
-        owner = list(self.params)
-        mine = set(owner)
-        old = {p: self._denominator_terms(p, groups[p])[1] for p in owner}  # sqrt(bc2) before
+            nbytes = self.error_feedback.flush(param_groups)
+        groups = groups_by_param(param_groups)
+        owner = list(self.fused.params)
+        old = {p: self.terms.denominator(p, groups[p]).sqrt_bc2 for p in owner}  # before
         # Per parameter, how much of the variance's running average the new g^2 takes: "gap"
         # weighs it as the k steps since the last update (frozen_variance_step is then that
         # update's step count, and bc2 counts steps); "single" as one update (it counts them).
@@ -94,84 +116,72 @@ class VarianceRefresh:
             state, beta2 = self.state[p], groups[p]["betas"][1]
             counts[p] = state["frozen_variance_step"]
             last = max(int(state["frozen_variance_step"]), 0)
-            if self.config.refresh.variance_update == "gap":
-                t = int(self._host_step(p)) + 1
+            if self.options.variance_update == "gap":
+                t = int(self.variance.host_step(p)) + 1
                 weight[p] = 1 - beta2 ** max(t - last, 1)
                 state["frozen_variance_step"] = t
             else:
                 weight[p] = 1 - beta2
                 state["frozen_variance_step"] = last + 1
-        new = {p: self._denominator_terms(p, groups[p])[1] for p in owner}
+        new = {p: self.terms.denominator(p, groups[p]).sqrt_bc2 for p in owner}
         held_only = set()  # parameters that decline the update: only held elements take it
-        if self.config.refresh.accept in (LOWERING, HYPERGRADIENT):
+        if self.options.accept in (LOWERING, HYPERGRADIENT):
             held_only = self._declined(grads, weight, old, new, groups)
             for p in held_only:
                 self.state[p]["frozen_variance_step"] = counts[p]
                 new[p] = old[p]
-        self.last_refresh_declined = len(held_only)
-        rescale = error_feedback == "rescale" and self.preconditioned and bool(self.comms)
-        backend = self.config.kernel_backend
-        for b in self.buckets:
-            # old / new denominator; 0 where either is inf (inf/x, x/inf, inf/inf)
-            ratio = (torch.empty(b.numel, dtype=torch.float32, device=b.momentum.device)
-                     if rescale else None)
-            for i, seg in enumerate(b.segments):
-                p = seg.param
-                beta1, w = groups[p]["betas"][0], weight.get(p)
-                m = b.piece(i, self.state[p]["exp_avg"])
-                v = b.piece(i, self.state[p]["exp_avg_sq"])
-                g = b.piece(i, grads.get(p))
-                part = None if ratio is None else ratio[seg.offset:seg.offset + seg.numel]
-                eps = float(groups[p]["eps"])
-                if g is None:  # the momentum decays as in a compressed step; v stays
-                    m.mul_(beta1)
-                    if part is not None:
-                        flat_v = v.reshape(-1)
-                        kernels.denominators(flat_v, part, old[p], eps, backend)
-                        kernels.divide_by_denominators(part, flat_v, new[p], eps, backend)
-                else:  # both moments and the ratio in one pass
-                    kernels.refresh_moments(m, v, g, part, beta1, w, old[p], new[p], eps,
-                                            p in held_only, backend)
-            if rescale:
-                self.comms[self._key(b)].scale_error_feedback(ratio)
-                del ratio
-        for group in param_groups:
-            for p, mask in zip(group["params"], group_masks(group)):
-                if mask is not None and p in mine:
-                    m = self.state[p]["exp_avg"]
-                    m.mul_(mask.to(device=m.device, dtype=m.dtype))
-        terms = {p: self._update_terms(p, groups[p]) for p in owner}
-        for b in self.buckets:
-            self._refresh_update(b, terms).copy_apply(b.momentum, b.momentum,
-                                                      self.config.kernel_backend)
-        for p in owner:
-            value = self._host_step(p)
-            self.state[p]["step"] += 1
-            self._remember_step(p, value + 1)
+        self.last_declined = len(held_only)
+        rescale = (error_feedback == "rescale" and self.terms.preconditioned
+                   and bool(self.collectives.comms))
+        for b in self.fused.buckets:
+            self._moments(b, groups, grads, weight, old, new, held_only, rescale)
+        for _, p, mask in masked_params(param_groups, owner):
+            mask_momentum(self.state, p, mask)
+        updates = {p: self.terms.update(p, groups[p]) for p in owner}
+        for b in self.fused.buckets:
+            bucket_update(b, updates).copy_apply(b.momentum, b.momentum, self.backend)
+        self.variance.count_step(owner)
         return nbytes
+
+    def _moments(self, b, groups: dict, grads: Mapping, weight: dict, old: dict, new: dict,
+                 held_only: set, rescale: bool) -> None:
+        """Bucket ``b``'s momentum and variance updated, and with ``rescale`` its collective's
+        errors carried from the old denominators into the new."""
+        backend = self.backend
+        # old / new denominator; 0 where either is inf (inf/x, x/inf, inf/inf)
+        ratio = (torch.empty(b.numel, dtype=torch.float32, device=b.momentum.device)
+                 if rescale else None)
+        for i, seg in enumerate(b.segments):
+            p = seg.param
+            beta1, w = groups[p]["betas"][0], weight.get(p)
+            m = b.piece(i, self.state[p]["exp_avg"])
+            v = b.piece(i, self.state[p]["exp_avg_sq"])
+            g = b.piece(i, grads.get(p))
+            part = None if ratio is None else ratio[seg.offset:seg.offset + seg.numel]
+            eps = float(groups[p]["eps"])
+            if g is None:  # the momentum decays as in a compressed step; v stays
+                m.mul_(beta1)
+                if part is not None:
+                    flat_v = v.reshape(-1)
+                    kernels.denominators(flat_v, part, old[p], eps, backend)
+                    kernels.divide_by_denominators(part, flat_v, new[p], eps, backend)
+            else:  # both moments and the ratio in one pass
+                kernels.refresh_moments(m, v, g, part, beta1, w, old[p], new[p], eps,
+                                        p in held_only, backend)
+        if rescale:
+            self.collectives.of(b).scale_error_feedback(ratio)
 
     def _declined(self, grads: Mapping, weight: dict, old: dict, new: dict,
                   groups: dict) -> set:
         """The parameters whose update would move their mean denominator the wrong way for
         ``accept`` (:mod:`~hvd_onebit.engine.refresh_gate`), from the variance (and, for
         "hypergradient", the momentum) before the update."""
-        along = self.config.refresh.accept == HYPERGRADIENT
-        pieces = refresh_gate.pieces_by_parameter(self.buckets, self.state, grads, along)
+        along = self.options.accept == HYPERGRADIENT
+        pieces = refresh_gate.pieces_by_parameter(self.fused.buckets, self.state, grads, along)
         sums = {}
         for p, ps in pieces.items():
             extra = {"sqrt_bc2": old[p], "eps": float(groups[p]["eps"])} if along else {}
             sums[p] = sum(kernels.gate_sums(piece[0], piece[1], weight[p], *piece[2:], **extra,
-                                            backend=self.config.kernel_backend)
+                                            backend=self.backend)
                           for piece in ps)
         return set(refresh_gate.declined(sums, old, new))
-
-    def _refresh_update(self, b: Bucket, terms: dict) -> AdamUpdate:
-        """Adam's update of bucket ``b`` from its (new) momentum and variance: the compressed
-        step's :class:`AdamUpdate`, on the momentum itself (not preconditioned)."""
-        t = [terms[p] for p in b.params]
-        return AdamUpdate(weights=[b.piece(i, x[0]) for i, x in enumerate(t)],
-                          variances=[b.piece(i, x[1]) for i, x in enumerate(t)],
-                          sizes=[seg.numel for seg in b.segments], steps=[x[2] for x in t],
-                          decays=[x[3] for x in t], sqrt_bc2s=[x[4] for x in t],
-                          eps=[x[5] for x in t], bounds=[x[6] for x in t])
-

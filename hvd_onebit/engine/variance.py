@@ -4,6 +4,7 @@ host copies of the step counts that keep the step free of device syncs.
 from __future__ import annotations
 
 import warnings
+from typing import Iterable, Mapping
 
 import torch
 
@@ -12,13 +13,42 @@ NOT_FROZEN = -1  # state["frozen_variance_step"] before the freeze
 
 
 class FrozenVariance:
-    """The frozen-variance half of :class:`~hvd_onebit.engine.step.CompressedStep` (a mixin)."""
+    """Adam's variance as the compression phase holds it, and each parameter's step count.
 
-    def _freeze_variances(self, params: list[torch.Tensor]) -> None:
+    Args:
+        state: Adam's per-parameter state, read and written in place.
+        zero_variance: what a frozen variance of exactly 0 becomes: "hold", "eps" or "floor".
+        refreshing: whether variance refreshes run (said in the "hold" warning).
+        names: parameter names for messages.
+    """
+
+    def __init__(self, state: Mapping[torch.Tensor, dict], zero_variance: str, refreshing: bool,
+                 names: Mapping[torch.Tensor, str]):
+        self.state = state
+        self.zero_variance = zero_variance
+        self.refreshing = refreshing
+        self.names = names
+        # Each parameter's step count on the host, keyed by the step tensor and its version:
+        # reading a device tensor's value every step would be a host sync per parameter.
+        self._host_steps: dict[torch.Tensor, tuple] = {}
+        self._scanned_for: object = None  # the bucket layout the last freeze() scanned
+
+    def clear(self) -> None:
+        """Forget the host step counts and the scanned layout (they are read again)."""
+        self._host_steps.clear()
+        self._scanned_for = None
+
+    def freeze_once(self, params: list[torch.Tensor], layout: object) -> None:
+        """:meth:`freeze` ``params`` once per bucket ``layout`` (a new one scans again)."""
+        if self._scanned_for is not layout:
+            self.freeze(params)
+            self._scanned_for = layout
+
+    def freeze(self, params: list[torch.Tensor]) -> None:
         """Record the step count each parameter's variance was frozen at (once per parameter),
         reading every such step count and zero-variance count in one device-to-host read (a
         read per parameter would be a sync each on a GPU); the step counts also prime
-        :meth:`_host_step`.
+        :meth:`host_step`.
 
         Elements whose frozen variance is exactly zero never saw a gradient in the warmup (a
         dead ReLU unit, an unused embedding row). Adam would divide their momentum by eps, and
@@ -48,22 +78,22 @@ class FrozenVariance:
             state, step, unseen = self.state[p], values[2 * i], int(values[2 * i + 1])
             state["frozen_variance_step"] = int(step)
             self._remember_step(p, step)
-            if unseen and self.config.zero_variance == "hold":
+            if unseen and self.zero_variance == "hold":
                 warnings.warn(
                     f"hvd_onebit: {unseen} of {p.numel()} elements of parameter "
                     f"{self.names.get(p, '?')} received no gradient during the "
                     f"{state['frozen_variance_step']}-step warmup (variance 0); they are held "
                     "fixed in the compression phase" + (
-                        "" if self.config.refresh is None else
-                        " until a variance refresh sees their gradient"))
+                        " until a variance refresh sees their gradient" if self.refreshing
+                        else ""))
             elif unseen:
-                _fill_zero_variances(state["exp_avg_sq"], self.config.zero_variance)
+                _fill_zero_variances(state["exp_avg_sq"], self.zero_variance)
 
-    def _host_step(self, p: torch.Tensor) -> float:
+    def host_step(self, p: torch.Tensor) -> float:
         """Adam's step count of ``p`` as a host number. A step tensor on a GPU (fused or
         capturable Adam) would cost a device-to-host sync per parameter and step to read, so the
-        value is read once and then followed on the host: :meth:`step` increments both. A
-        replaced or externally changed tensor (a loaded state dict) is read again."""
+        value is read once and then followed on the host: :meth:`count_step` increments both.
+        A replaced or externally changed tensor (a loaded state dict) is read again."""
         t = self.state[p]["step"]
         if not isinstance(t, torch.Tensor):
             return float(t)
@@ -73,6 +103,13 @@ class FrozenVariance:
         value = float(t)
         self._remember_step(p, value)
         return value
+
+    def count_step(self, params: Iterable[torch.Tensor]) -> None:
+        """One more step for each of ``params``: Adam's step count and its host copy."""
+        for p in params:
+            value = self.host_step(p)
+            self.state[p]["step"] += 1
+            self._remember_step(p, value + 1)
 
     def _remember_step(self, p: torch.Tensor, value: float) -> None:
         """Record ``value`` as the host copy of ``p``'s step tensor as it is now (nothing for a
@@ -92,5 +129,3 @@ def _fill_zero_variances(v: torch.Tensor, mode: str) -> None:
     if mode == "floor" and bool((~zero).any()):
         fill = float(v[~zero].min())
     v.masked_fill_(zero, fill)
-
-

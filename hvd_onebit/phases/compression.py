@@ -20,6 +20,7 @@ from ..engine import CompressedStep
 from ..horovod_view import HorovodView
 from ..low_precision import is_low_precision
 from ..overlap import Overlap
+from ..param_groups import groups_by_param
 from ..state.schedule import Schedule
 from ..state.telemetry import Telemetry
 from .warmup import as_adam_takes_it, sparse_gradient_error
@@ -76,7 +77,7 @@ class CompressionPhase:
             overlap.turn_off("gradients changed between backward and step()")
             warnings.warn(STALE_WARNING)
         started = set() if stale or early is None else set(early.read)
-        groups = {p: g for g in self._view.param_groups for p in g["params"]}
+        groups = groups_by_param(self._view.param_groups)
         grads = LocalGrads(self.local_grad, groups)
         try:  # before anything more starts: a bad gradient raises here, on every rank
             for p in engine.params:

@@ -24,6 +24,7 @@ from ..config import OneBitConfig
 from ..engine import CompressedStep
 from ..horovod_view import HorovodView
 from ..low_precision import is_low_precision
+from ..param_groups import groups_by_param
 from ..state.schedule import Schedule
 from ..state.telemetry import Telemetry
 from .warmup import Warmup, as_adam_takes_it, closure_loss, sparse_gradient_error
@@ -68,7 +69,7 @@ class RefreshPhase:
         view, engine = self._view, self._engine
         self._extra_bytes = 0
         engine.ensure_ready(view.active_parameters())
-        groups = {p: g for g in view.param_groups for p in g["params"]}
+        groups = groups_by_param(view.param_groups)
         grads = {p: self.averaged_grad(p, groups[p]) for p in engine.params}
         steps = self._schedule.steps
         try:
@@ -78,7 +79,7 @@ class RefreshPhase:
             warnings.warn(f"hvd_onebit: refresh step skipped on every rank: {exc}")
             return None
         self._schedule.count_step()
-        declined = engine.last_refresh_declined
+        declined = engine.refresh_declined
         self._telemetry.count_refresh(steps, declined)
         logger.debug("hvd_onebit: variance refreshed at step %d (refresh %d; %d parameters "
                      "kept their variance)", steps + 1, self._telemetry.refreshes, declined)

@@ -17,6 +17,7 @@ from ..state.adam_state import init_adam_state
 from ..state.schedule import Schedule
 from ..state.telemetry import Telemetry
 from .driver import Phases
+from ..transport.horovod import HorovodJob
 from ..transport.registry import resolve_transport
 from ..transport.rendezvous import TorchRendezvousError, init_torch_distributed
 
@@ -30,11 +31,11 @@ def check_job(param_groups: list[dict], names: dict, process_set: hvd.ProcessSet
 
 
 def connect(config: OneBitConfig, process_set: hvd.ProcessSet, device: torch.device,
-            world: int) -> str:
+            world: int) -> HorovodJob:
     """The transport of the compression phase ("auto" decided from what every rank sees
     alike), set up now on every rank together: a network that cannot carry torch.distributed
     fails at construction, not at the freeze, and "auto" then stays with Horovod (the failure
-    is agreed, so every rank does)."""
+    is agreed, so every rank does). The engine gets it as an object, its name is ``opt.transport``."""
     transport = resolve_transport(config.transport, process_set, device, config.hierarchical)
     if transport == "torch" and config.compressor == "onebit" and world > 1:
         try:
@@ -46,7 +47,7 @@ def connect(config: OneBitConfig, process_set: hvd.ProcessSet, device: torch.dev
             transport = "horovod"
     if config.hierarchical is not False and config.intra_node == "shared_memory":
         config.shared_memory_inside_nodes(transport, device)  # raises where it cannot
-    return transport
+    return HorovodJob(transport, process_set)
 
 
 @dataclass(frozen=True)
@@ -74,4 +75,4 @@ def build(view: HorovodView, config: OneBitConfig, process_set: hvd.ProcessSet) 
     engine = CompressedStep(config, view.state, view.decoupled, process_set,
                             transport=transport, names=view.names)
     phases = Phases(view, config, schedule, telemetry, engine)
-    return Parts(schedule, telemetry, engine, phases, transport)
+    return Parts(schedule, telemetry, engine, phases, transport.name)

@@ -1,4 +1,5 @@
-"""The Horovod transport (the default) and the sleeping wait on a Horovod handle."""
+"""The Horovod transport (the default), the sleeping wait on a Horovod handle, and
+:class:`HorovodJob`: the compression phase's transport in a Horovod job."""
 from __future__ import annotations
 
 import time
@@ -6,6 +7,9 @@ from typing import Any
 
 import horovod.torch as hvd
 import torch
+
+from ..layout import ring_allreduce_bytes
+from .base import JobTransport, process_set_size
 
 
 class HorovodTransport:
@@ -81,3 +85,95 @@ def exact_allreduces(tensors: list[torch.Tensor], name: str, process_set: hvd.Pr
     for h in handles:
         sleep_until_done(h)
     return [hvd.synchronize(h) for h in handles]
+
+
+class HorovodJob(JobTransport):
+    """The compression phase's transport in a Horovod job: the 1-bit stages on the transport
+    named ``kind`` over ``process_set`` (built per collective: "torch" carries the device's
+    Gloo or NCCL), full-precision sums and means through Horovod's allreduce, the
+    node layout from Horovod's local and cross ranks.
+
+    Args:
+        kind: "horovod", "mpi", "torch" or "auto" (decided per device, as
+            :func:`~hvd_onebit.transport.registry.resolve_transport` does).
+        process_set: the Horovod process set the phase reduces over.
+    """
+
+    exact_average = True
+
+    def __init__(self, kind: str, process_set: hvd.ProcessSet = hvd.global_process_set):
+        self.name = kind
+        self.process_set = process_set
+
+    @property
+    def size(self) -> int:
+        return process_set_size(self.process_set)
+
+    @property
+    def rank(self) -> int:
+        return self.process_set.rank()
+
+    def stages(self, device: torch.device):
+        """The stage transport on ``device``, built now for one collective with the process
+        set's ranks as they are (an elastic job changes them); none for one rank."""
+        from .registry import make_transport
+
+        if self.process_set.size() > 1:
+            return make_transport(self.name, self.process_set, torch.device(device))
+        return Alone()
+
+    def kind(self, device: torch.device) -> str:
+        from .registry import resolve_transport
+
+        return resolve_transport(self.name, self.process_set, device)
+
+    def exact_sum(self, tensors: list[torch.Tensor], name: str
+                  ) -> tuple[list[torch.Tensor], int]:
+        """Horovod's allreduce (a ring: each chunk is reduced once, then copied)."""
+        sums = exact_allreduces(tensors, name, self.process_set)
+        return sums, sum(ring_allreduce_bytes(4 * t.numel(), self.size) for t in tensors)
+
+    def exact_mean_(self, tensors: list[torch.Tensor], name: str) -> int:
+        exact_allreduces(tensors, name, self.process_set, average=True, in_place=True)
+        return sum(ring_allreduce_bytes(t.numel() * t.element_size(), self.size)
+                   for t in tensors)
+
+    def node_places(self) -> tuple[int, list[list[int]]]:
+        """This rank's global rank, and (cross rank = node, local rank) of every rank; one
+        allgather."""
+        mine = torch.tensor([[hvd.cross_rank(), hvd.local_rank()]], dtype=torch.int64)
+        return hvd.rank(), hvd.allgather(mine, name="hvd_onebit.topology").tolist()
+
+    def gather_failures(self, failure: str) -> list[str]:
+        """One allgather on torch.distributed's default group (set up with the torch
+        transport, the only one the node's shared memory runs beside)."""
+        import torch.distributed as dist
+
+        failures: list = [None] * dist.get_world_size()
+        dist.all_gather_object(failures, failure)
+        return failures
+
+
+class Alone:
+    """The stages of a process set of one rank: a collective there sends nothing."""
+
+    name = "alone"
+    size = 1
+    rank = 0
+
+    def alltoall_async(self, rows: torch.Tensor, name: str) -> Any:
+        raise RuntimeError("one rank sends nothing")
+
+    allgather_async = alltoall_async
+
+    def wait(self, handle: Any) -> torch.Tensor:
+        raise RuntimeError("one rank sends nothing")
+
+    def allgather_ints(self, values: list[int], name: str) -> list[list[int]]:
+        return [list(values)]
+
+    def allgather_ints_async(self, values: list[int], name: str) -> Any:
+        return [list(values)]
+
+    def allgather_ints_wait(self, handle: Any) -> list[list[int]]:
+        return handle

@@ -4,7 +4,7 @@ Every place that takes a transport's name (:class:`~hvd_onebit.config.OneBitConf
 optimizer, :class:`~hvd_onebit.OneBitAllreduce`, the hierarchical collective, the bench CLI) asks
 here: :data:`TRANSPORTS` and :func:`check_name` for the name, :func:`supports` for what a
 transport can carry, :func:`check_transport` for whether it can run in this job,
-:func:`make_transport` to build it. Importing this module imports no Horovod: each transport's
+:func:`make_transport` to build it, :func:`job_transport` for the compression phase's. Importing this module imports no Horovod: each transport's
 module is imported when that transport is checked or built.
 """
 from __future__ import annotations
@@ -129,3 +129,24 @@ def make_transport(kind: str, process_set, device="cpu"):
     kind = resolve_transport(kind, process_set, device)
     check_name(kind)
     return KINDS[kind].build(process_set, device)
+
+
+def job_transport(transport, process_set=None):
+    """The compression phase's transport, resolved once: a
+    :class:`~hvd_onebit.transport.base.JobTransport` as it is; a name (or None, "auto") as
+    :class:`~hvd_onebit.transport.horovod.HorovodJob` over ``process_set`` (None: Horovod's
+    global process set); any other :class:`~hvd_onebit.transport.base.Transport` object by
+    itself (e.g. the in-process one)."""
+    from .base import JobTransport
+
+    if isinstance(transport, JobTransport):
+        return transport
+    if transport is None or isinstance(transport, str):
+        from .horovod import HorovodJob
+
+        if process_set is None:
+            import horovod.torch as hvd
+            process_set = hvd.global_process_set
+        return HorovodJob(AUTO if transport is None else transport, process_set)
+    return JobTransport(transport)
+
