@@ -40,9 +40,7 @@ from typing import Optional
 import torch
 
 from .. import kernels
-from ..transport.shared_memory import SharedMemoryTransport
 from ..transport.registry import either, supporting
-from ..transport.torch_distributed import TorchTransport, torch_subgroups
 from .flat import AllreduceHandle, OneBitAllreduce
 from .protocol import Epilogue, InputProducer, Status
 from .topology import SubsetTransport, Topology
@@ -150,7 +148,10 @@ class HierarchicalOneBitAllreduce(TransactionalCollective):
         shared = intra == "shared_memory"
         L = topology.per_node
         self.shard = max(1, math.ceil(numel / L))
-        if transport == "torch":
+        if transport == "torch":  # imported here: a job on Horovod's transport needs neither
+            from ..transport.shared_memory import SharedMemoryTransport
+            from ..transport.torch_distributed import TorchTransport, torch_subgroups
+
             nodes = [tuple(row) for row in topology.grid]
             columns = [tuple(row[i] for row in topology.grid) for i in range(topology.per_node)]
             # rows are exchanged in member order, which must be the ranks' order (as torch's

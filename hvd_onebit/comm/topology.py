@@ -9,10 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-import horovod.torch as hvd
 import torch
-
-from ..transport.horovod import sleep_until_done
 
 
 @dataclass(frozen=True)
@@ -53,6 +50,8 @@ class Topology:
     @classmethod
     def from_horovod(cls) -> "Topology":
         """This job's topology from Horovod (cross rank = node, local rank); one allgather."""
+        import horovod.torch as hvd
+
         mine = torch.tensor([[hvd.cross_rank(), hvd.local_rank()]], dtype=torch.int64)
         layout = hvd.allgather(mine, name="hvd_onebit.topology").tolist()
         return cls.from_layout(hvd.rank(), layout)
@@ -83,18 +82,22 @@ class SubsetTransport:
         self.rank = self.members.index(rank)
         self._splits = torch.zeros(world, dtype=torch.int32)
         self._splits[list(members)] = 1
+        # imported here, not with the module: only a job on Horovod's transport builds these
+        import horovod.torch as hvd
+        from ..transport.horovod import sleep_until_done
+        self._hvd, self._sleep_until_done = hvd, sleep_until_done
 
     def alltoall_async(self, rows: torch.Tensor, name: str) -> Any:
         """rows: [size, ...]; row j goes to members[j]. Received: [size, ...] in member order."""
-        return hvd.alltoall_async(rows, splits=self._splits, name=name)
+        return self._hvd.alltoall_async(rows, splits=self._splits, name=name)
 
     def allgather_async(self, row: torch.Tensor, name: str) -> Any:
         """row: [1, ...]; every member receives [size, ...] in member order."""
         return self.alltoall_async(row.expand(self.size, *row.shape[1:]).contiguous(), name)
 
     def wait(self, handle: Any) -> torch.Tensor:
-        sleep_until_done(handle)
-        out = hvd.synchronize(handle)
+        self._sleep_until_done(handle)
+        out = self._hvd.synchronize(handle)
         return out[0] if isinstance(out, tuple) else out
 
     def allgather_ints(self, values: list[int], name: str) -> list[list[int]]:

@@ -12,7 +12,6 @@ from ..comm.flat import OneBitAllreduce
 from ..comm.hierarchical import HierarchicalOneBitAllreduce
 from ..comm.topology import Topology
 from ..transport.base import JobTransport
-from ..transport.shared_memory import SharedMemoryError
 from .fusion import Bucket
 
 
@@ -92,6 +91,8 @@ class Collectives:
         kind = self.transport.kind(device)
         name = f"hvd_onebit.hier{b.index}"
         if self.shared_memory(kind, device):
+            from ..transport.shared_memory import SharedMemoryError
+
             comm, failure = None, ""
             try:
                 comm = HierarchicalOneBitAllreduce(b.numel, topology, name=name, transport=kind,
@@ -110,6 +111,8 @@ class Collectives:
 
     def _raise_if_any_failed(self, failure: str) -> None:
         """Raise SharedMemoryError on every rank if any rank's ``failure`` is not empty."""
+        from ..transport.shared_memory import SharedMemoryError
+
         failed = {rank: f for rank, f in enumerate(self.transport.gather_failures(failure))
                   if f}
         if failed:

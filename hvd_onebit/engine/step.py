@@ -1,21 +1,12 @@
-"""CompressedStep: 1-bit Adam's compression phase as an engine of its own.
-
-It owns everything the phase adds to Adam, as parts handed to one another: the fused momentum
-buckets (each parameter's ``exp_avg`` becomes a view into one, :class:`FusedBuckets`), one
-:class:`~hvd_onebit.OneBitAllreduce` per bucket (:class:`Collectives`) with its rank-local error
-feedback (:class:`ErrorFeedback`), the frozen variance (:class:`FrozenVariance`), Adam's terms
-(:class:`AdamTerms`), the step's exchange and its all-or-nothing commit across buckets
-(:class:`Averaging`) and the variance refresh (:class:`VarianceRefresh`). It reads Adam's state
-and param groups, and writes only through the step it commits; it knows nothing of Horovod's
-optimizer class, so it runs as well on the in-process transport (n ranks as threads) as inside
-``horovodrun``.
-
-One step, per bucket (see :mod:`hvd_onebit.kernels.fused_adam`): the local momentum
-``beta1 * m + (1 - beta1) * g`` is computed inside the worker compression; stage 1 of every
-bucket is started before any is finished; the update terms are prepared while stage 1 is on the
-wire; the decode of each averaged momentum applies Adam's update
-``w = w * decay - lr / bc1 * m / (sqrt(v) / sqrt(bc2) + eps)``, only once every bucket on every
-rank has succeeded (:func:`~hvd_onebit.comm.transaction.synchronize_all`).
+"""CompressedStep: 1-bit Adam's compression phase as an engine, the orchestration of its parts,
+each with its own state and handed what it needs: :class:`FusedBuckets` (each ``exp_avg`` a view
+into one flat buffer), :class:`Collectives` (a 1-bit collective per bucket), :class:`ErrorFeedback`
+(their errors saved, restored, flushed), :class:`FrozenVariance`, :class:`AdamTerms` (what the
+fused passes are fed), :class:`Averaging` (a step's exchange: every bucket's stage 1 started
+before any finishes, Adam's update fused into the decode, committed on every rank or on none,
+:func:`~hvd_onebit.comm.transaction.synchronize_all`) and :class:`VarianceRefresh`. It knows
+nothing of Horovod's optimizer class: it runs as well on the in-process transport (n ranks as
+threads) as inside ``horovodrun``.
 """
 from __future__ import annotations
 
@@ -39,16 +30,14 @@ class CompressedStep:
     """The compression phase over an Adam optimizer's parameters and state.
 
     Args:
-        config: the validated 1-bit options (read here, once, into the parts).
+        config: the validated 1-bit options, read here once into the parts.
         state: Adam's per-parameter state (``exp_avg``, ``exp_avg_sq``, ``step``,
             ``frozen_variance_step``), read and written in place.
         decoupled: whether a param group's weight decay is AdamW's (decoupled) or Adam's (L2).
-        process_set: the Horovod process set to reduce over, with ``transport`` a name (None:
-            the global one).
-        transport: a :class:`~hvd_onebit.transport.base.JobTransport` (what
-            :func:`hvd_onebit.phases.setup.connect` builds), a transport's name over
-            ``process_set``, or any Transport object (e.g. the in-process one); None:
-            ``config.transport``.
+        process_set: the Horovod process set of a transport given by name (None: the global one).
+        transport: a :class:`~hvd_onebit.transport.base.JobTransport` (``phases.setup.connect``
+            builds one), a transport's name, or a Transport object (e.g. the in-process one);
+            None: ``config.transport``.
         names: parameter names for messages.
     """
 
@@ -79,24 +68,20 @@ class CompressedStep:
                                          self.variance, self.terms, self.error_feedback)
         self.averaging = Averaging(self.fused, self.collectives, self.terms, self.transport)
 
-    # ---- what the phases, the bench and the tests read ---------------------------------------------
-
     world = property(lambda self: self.transport.size, doc="Ranks taking part now.")
     rank = property(lambda self: self.transport.rank)
     buckets = property(lambda self: self.fused.buckets)
-    params = property(lambda self: self.fused.params, doc="The bucketed parameters.")
+    params = property(lambda self: self.fused.params, doc="The bucketed parameters, in order.")
     comms = property(lambda self: self.collectives.comms)
-    preconditioned = property(lambda self: self.terms.preconditioned,
-                              doc="Whether the collectives carry ``m / denom``.")
+    preconditioned = property(lambda self: self.terms.preconditioned)
     breakdown = property(lambda self: self.averaging.breakdown, doc="This step's seconds.")
     restarts = property(lambda self: self.averaging.restarts)
     early_starts = property(lambda self: self.averaging.early_starts)
-    started = property(lambda self: len(self.averaging.early),
-                       doc="Buckets started for the coming step and not finished yet.")
-    next_to_start = property(lambda self: len(self.averaging.early), doc=(
-        "The position of the next bucket to start (one order on every rank)."))
-    refresh_declined = property(lambda self: self.refresher.last_declined, doc=(
-        "Parameters the last refresh left their variance."))
+    # buckets started for the coming step: also the position of the next one to start (buckets
+    # start in one order on every rank)
+    started = next_to_start = property(lambda self: len(self.averaging.early))
+    refresh_declined = property(lambda self: self.refresher.last_declined,
+                                doc="Parameters the last refresh left their variance.")
 
     def topology(self):
         """The nodes' layout when the 1-bit stage is hierarchical, else None."""
@@ -105,16 +90,13 @@ class CompressedStep:
     def saved_comms(self) -> dict:
         return self.collectives.saved()
 
-    # ---- buckets and collectives -------------------------------------------------------------------
-
     def up_to_date(self, active: list[torch.Tensor]) -> bool:
         """Whether the buckets and collectives fit the trainable set ``active`` and the world."""
         return self.fused.fits(active) and self.collectives.covers(self.fused.buckets)
 
     def fuse(self, active: list[torch.Tensor]) -> None:
-        """(Re)build the fused momentum buckets and their collectives. The optimizer calls it
-        during the last warmup step's allreduce wait where it can, so the first compressed step
-        does not pay for allocating and touching them."""
+        """(Re)build the buckets and their collectives (the optimizer calls it during the last
+        warmup allreduce's wait, so the first compressed step does not allocate them)."""
         self.fused.fuse(active)
         self.collectives.fit(self.fused.buckets)
         self.error_feedback.apply_pending()
@@ -133,23 +115,18 @@ class CompressedStep:
         self.variance.clear()
         self.averaging.drop()
 
-    # ---- starting buckets early --------------------------------------------------------------------
-
     @property
     def can_start_early(self) -> bool:
-        """Whether buckets may be started before :meth:`step` (from gradient hooks): the flat
-        1-bit collective over several ranks."""
+        """Whether buckets may start before :meth:`step`, from gradient hooks: the flat 1-bit
+        collective over several ranks."""
         return (self.collectives.onebit and self.world > 1 and self.buckets is not None
                 and self.topology() is None)
 
     def bucket_params(self, position: int) -> list[torch.Tensor]:
-        """The parameters of the bucket at ``position`` in start order."""
         return self.buckets[position].params
 
-    def start_bucket(self, param_groups: list[dict],
-                     grads: Mapping[torch.Tensor, Optional[torch.Tensor]]) -> None:
-        """Start the next bucket's exchange now; :meth:`step` finishes it. ``grads`` as for
-        :meth:`step` (only this bucket's parameters are read)."""
+    def start_bucket(self, param_groups: list[dict], grads: Mapping) -> None:
+        """Start the next bucket's exchange now (``grads`` as for :meth:`step`)."""
         self.averaging.start_next(param_groups, grads)
 
     def abandon_early(self) -> None:
@@ -160,8 +137,6 @@ class CompressedStep:
         """A new step: no bucket started, the time breakdown at zero."""
         self.averaging.begin()
 
-    # ---- the step, the refresh, the error feedback ----------------------------------------------------
-
     def step(self, param_groups: list[dict], grads: Mapping[torch.Tensor, Optional[torch.Tensor]],
              stale: bool = False) -> int:
         """One compressed step of every bucketed parameter; returns the bytes this rank sent.
@@ -169,11 +144,10 @@ class CompressedStep:
         Args:
             param_groups: Adam's param groups (lr, betas, eps, weight_decay, exp_avg_mask).
             grads: each bucketed parameter's local gradient (float32 for low-precision
-                parameters; Adam's L2 decay, ``maximize`` and the averaging op already applied),
-                or None where this rank computed none. Read only for buckets not yet started,
-                or all of them when the step starts again.
-            stale: the inputs of the buckets started early are out of date on this rank. Every
-                rank then abandons them together and starts every bucket again from ``grads``.
+                parameters; Adam's L2 decay, ``maximize`` and the averaging op applied), or None
+                where this rank computed none; read for the buckets not started early.
+            stale: the buckets started early read inputs now out of date on this rank: every
+                rank abandons them together and starts every bucket again from ``grads``.
         Raises:
             NonFiniteInputError: on every rank when any rank's momentum (or a server's average)
                 was not finite; then nothing was changed anywhere.
@@ -186,10 +160,9 @@ class CompressedStep:
         self.variance.count_step(owner)
         return nbytes
 
-    def refresh(self, param_groups: list[dict],
-                grads: Mapping[torch.Tensor, Optional[torch.Tensor]],
+    def refresh(self, param_groups: list[dict], grads: Mapping,
                 error_feedback: str = "rescale") -> int:
-        """A variance refresh step (:class:`VarianceRefresh`); the bytes this rank sent."""
+        """A variance refresh step (:meth:`VarianceRefresh.run`); the bytes this rank sent."""
         return self.refresher.run(param_groups, grads, error_feedback)
 
     def flush_error_feedback(self, param_groups: list[dict]) -> int:
@@ -197,9 +170,7 @@ class CompressedStep:
         return self.error_feedback.flush(param_groups)
 
     def error_feedback_state_dict(self) -> dict:
-        """This rank's error-feedback buffers (rank-local: save one file per rank)."""
         return self.error_feedback.state_dict()
 
     def load_error_feedback_state_dict(self, state: dict) -> None:
-        """Restore :meth:`error_feedback_state_dict` (dropped with a warning where it does not fit)."""
         self.error_feedback.load_state_dict(state)
