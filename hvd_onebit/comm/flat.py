@@ -364,7 +364,7 @@ class OneBitAllreduce(TransactionalCollective):
         return Status(kernels.row_status(rows, self.layout, self.layout.n) != 0,
                       list(range(self.layout.n)))
 
-    # ---- its error feedback, kept by ``self.errors`` ----------------------------------------------
+    # ---- its error feedback, kept by ``self.errors`` ---------------------------------------------
 
     @property
     def worker_error(self) -> torch.Tensor:

@@ -170,25 +170,24 @@ class AdamTerms:
         (Held elements, whose denominator is inf, got no update and a zero momentum already.)"""
         for group, p, mask in masked:
             mask_momentum(self.state, p, mask)
-            bucket_update(None, {p: self.update(p, group)}).apply(self.state[p]["exp_avg"])
+            u = self.update(p, group)
+            d = u.denominator
+            AdamUpdate([u.weight], [d.variance], [p.numel()], [u.step], [u.decay], [d.sqrt_bc2],
+                       [d.eps], [u.bound]).apply(self.state[p]["exp_avg"])
 
 
-def bucket_update(b: Optional[Bucket], updates: Mapping[torch.Tensor, ParamUpdate],
+def bucket_update(b: Bucket, updates: Mapping[torch.Tensor, ParamUpdate],
                   preconditioned: bool = False) -> AdamUpdate:
-    """The :class:`AdamUpdate` of bucket ``b`` from its parameters' updates (one missing: left
-    alone); ``b`` None: the one parameter of ``updates``, whole."""
-    if b is None:
-        (p, u), = updates.items()
-        params, sizes, piece = [p], [p.numel()], lambda i, t: t
-    else:
-        params, sizes, piece = b.params, [seg.numel for seg in b.segments], b.piece
-    t = [updates.get(p) for p in params]
+    """The :class:`AdamUpdate` of bucket ``b`` from its parameters' updates (a parameter
+    without one is left alone)."""
+    t = [updates.get(p) for p in b.params]
     return AdamUpdate(
-        weights=[piece(i, x.weight) if x is not None and x.weight is not None else None
+        weights=[b.piece(i, x.weight) if x is not None and x.weight is not None else None
                  for i, x in enumerate(t)],
-        variances=[piece(i, x.denominator.variance) if x is not None else None
+        variances=[b.piece(i, x.denominator.variance) if x is not None else None
                    for i, x in enumerate(t)],
-        sizes=sizes, steps=[x.step if x is not None else 0.0 for x in t],
+        sizes=[seg.numel for seg in b.segments],
+        steps=[x.step if x is not None else 0.0 for x in t],
         decays=[x.decay if x is not None else 1.0 for x in t],
         sqrt_bc2s=[x.denominator.sqrt_bc2 if x is not None else 1.0 for x in t],
         eps=[x.denominator.eps if x is not None else 0.0 for x in t],

@@ -35,7 +35,8 @@ def connect(config: OneBitConfig, process_set: hvd.ProcessSet, device: torch.dev
     """The transport of the compression phase ("auto" decided from what every rank sees
     alike), set up now on every rank together: a network that cannot carry torch.distributed
     fails at construction, not at the freeze, and "auto" then stays with Horovod (the failure
-    is agreed, so every rank does). The engine gets it as an object, its name is ``opt.transport``."""
+    is agreed, so every rank does). The engine gets it as an object; its name is
+    ``opt.transport``."""
     transport = resolve_transport(config.transport, process_set, device, config.hierarchical)
     if transport == "torch" and config.compressor == "onebit" and world > 1:
         try:

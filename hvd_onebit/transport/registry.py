@@ -4,8 +4,9 @@ Every place that takes a transport's name (:class:`~hvd_onebit.config.OneBitConf
 optimizer, :class:`~hvd_onebit.OneBitAllreduce`, the hierarchical collective, the bench CLI) asks
 here: :data:`TRANSPORTS` and :func:`check_name` for the name, :func:`supports` for what a
 transport can carry, :func:`check_transport` for whether it can run in this job,
-:func:`make_transport` to build it, :func:`job_transport` for the compression phase's. Importing this module imports no Horovod: each transport's
-module is imported when that transport is checked or built.
+:func:`make_transport` to build it, :func:`job_transport` for the compression phase's.
+Importing this module imports no Horovod: each transport's module is imported when that
+transport is checked or built.
 """
 from __future__ import annotations
 

@@ -233,12 +233,11 @@ def rank_run(layers: int, width: int, warmup: int, compressed: int, batch: int =
             transients[phase].append(max(0, peak.bytes - backward_transient))
             before[phase].append(last)
             engine = opt.compressed_step
+            # the collectives first: the engine's parts reach them too
             held[phase].append(held_bytes({"optimizer_state": opt.state,
-                                      "engine": {k: v for k, v in vars(engine).items()
-                                                 if k != "comms"},
-                                      "collectives": engine.comms,
-                                      "auto_freeze": getattr(opt, "_monitor", None)},
-                                     params, opt.state))
+                                           "collectives": engine.comms, "engine": vars(engine),
+                                           "auto_freeze": getattr(opt, "_monitor", None)},
+                                          params, opt.state))
             last = held[phase][-1]["total"]
     param_bytes = 4 * sum(p.numel() for p in params)
     return {"rank": hvd.rank(), "param_bytes": param_bytes,
@@ -302,8 +301,8 @@ def inprocess_run(n: int, layers: int, width: int, steps: int,
             p.grad = grads[p]
         engine.ensure_ready(params)
         engine.step(groups, grads)  # not measured: one-time allocations of the first step
-        before = held_bytes({"engine": {k: v for k, v in vars(engine).items() if k != "comms"},
-                             "collectives": engine.comms}, params, state)["total"]
+        before = held_bytes({"collectives": engine.comms, "engine": vars(engine)}, params,
+                            state)["total"]
         for step in range(steps):
             gate.wait()
             peak = StepPeak(torch.device("cpu"))
@@ -315,8 +314,8 @@ def inprocess_run(n: int, layers: int, width: int, steps: int,
             if t.rank == 0:
                 peak.__exit__(None, None, None)
                 peaks.append(peak.bytes // n)
-        held = [held_bytes({"engine": {k: v for k, v in vars(engine).items() if k != "comms"},
-                            "collectives": engine.comms}, params, state)]
+        held = [held_bytes({"collectives": engine.comms, "engine": vars(engine)}, params,
+                           state)]
         return {"rank": t.rank, "held": held, "before": before,
                 "param_bytes": 4 * sum(p.numel() for p in params), "buckets": len(engine.buckets)}
 
