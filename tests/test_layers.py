@@ -141,3 +141,21 @@ def test_the_tooling_imports_the_library_by_name():
     assert len(tools) > 20, f"found {len(tools)} tooling modules under {TOOLS}"
     used = {name for path in tools for _, name in top_level_imports(path)}
     assert "hvd_onebit" in used and "click" in used, f"tooling imports: {sorted(used)}"
+
+
+def test_the_engine_and_the_collectives_import_without_horovod():
+    # A face that runs them under torchrun has no Horovod: importing them must not need it.
+    import subprocess
+    import sys
+
+    blocker = (
+        "import sys\n"
+        "class NoHorovod:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] == 'horovod':\n"
+        "            raise ImportError(f'{name} imported')\n"
+        "sys.meta_path.insert(0, NoHorovod())\n"
+        "import hvd_onebit.engine, hvd_onebit.comm.flat, hvd_onebit.comm.hierarchical\n")
+    run = subprocess.run([sys.executable, "-c", blocker], cwd=PACKAGE.parent,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, f"importing engine/ and comm/ needs Horovod:\n{run.stderr}"
