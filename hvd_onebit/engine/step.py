@@ -1,12 +1,8 @@
-"""CompressedStep: 1-bit Adam's compression phase as an engine, the orchestration of its parts,
-each with its own state and handed what it needs: :class:`FusedBuckets` (each ``exp_avg`` a view
-into one flat buffer), :class:`Collectives` (a 1-bit collective per bucket), :class:`ErrorFeedback`
-(their errors saved, restored, flushed), :class:`FrozenVariance`, :class:`AdamTerms` (what the
-fused passes are fed), :class:`Averaging` (a step's exchange: every bucket's stage 1 started
-before any finishes, Adam's update fused into the decode, committed on every rank or on none,
-:func:`~hvd_onebit.comm.transaction.synchronize_all`) and :class:`VarianceRefresh`. It knows
-nothing of Horovod's optimizer class: it runs as well on the in-process transport (n ranks as
-threads) as inside ``horovodrun``.
+"""CompressedStep: 1-bit Adam's compression phase, the orchestration of its parts (each with its
+own state, handed what it needs): :class:`FusedBuckets`, :class:`Collectives`,
+:class:`ErrorFeedback`, :class:`FrozenVariance`, :class:`AdamTerms`, :class:`Averaging` (a step
+as one transaction over every bucket) and :class:`VarianceRefresh`. Without Horovod's optimizer
+class, it runs as well on the in-process transport (ranks as threads) as in ``horovodrun``.
 """
 from __future__ import annotations
 
@@ -77,8 +73,7 @@ class CompressedStep:
     breakdown = property(lambda self: self.averaging.breakdown, doc="This step's seconds.")
     restarts = property(lambda self: self.averaging.restarts)
     early_starts = property(lambda self: self.averaging.early_starts)
-    # buckets started for the coming step: also the position of the next one to start (buckets
-    # start in one order on every rank)
+    # buckets started for the coming step, the position of the next (one order on every rank)
     started = next_to_start = property(lambda self: len(self.averaging.early))
     refresh_declined = property(lambda self: self.refresher.last_declined,
                                 doc="Parameters the last refresh left their variance.")
@@ -95,8 +90,7 @@ class CompressedStep:
         return self.fused.fits(active) and self.collectives.covers(self.fused.buckets)
 
     def fuse(self, active: list[torch.Tensor]) -> None:
-        """(Re)build the buckets and their collectives (the optimizer calls it during the last
-        warmup allreduce's wait, so the first compressed step does not allocate them)."""
+        """(Re)build the buckets and their collectives (during the last warmup allreduce)."""
         self.fused.fuse(active)
         self.collectives.fit(self.fused.buckets)
         self.error_feedback.apply_pending()
