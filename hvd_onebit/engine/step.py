@@ -30,6 +30,7 @@ from ..comm.protocol import NonFiniteInputError, StaleInputError
 from ..comm.topology import Topology
 from ..comm.transaction import synchronize_all
 from ..config import OneBitConfig, check_one_device
+from ..job import shared_memory_inside_nodes, spare_errors
 from ..kernels.fused_adam import MomentumInput
 from ..layout import ring_allreduce_bytes
 from ..transport.shared_memory import SharedMemoryError
@@ -154,12 +155,12 @@ class CompressedStep(ErrorFeedbackLifecycle, FrozenVariance, AdamTerms, Variance
         """The 1-bit collective of bucket ``b``: hierarchical (nodes) or flat."""
         common = dict(block_size=self.config.block_size, backend=self.config.kernel_backend,
                       device=b.momentum.device, defer_check=True,
-                      spare_errors=self.config.spare_errors(b.momentum.device))
+                      spare_errors=spare_errors(self.config.memory, b.momentum.device))
         topology = self.topology()
         if topology is not None:
             transport = resolve_transport(self.transport, self.process_set, b.momentum.device)
             name = f"hvd_onebit.hier{b.index}"
-            if self.config.shared_memory_inside_nodes(transport, b.momentum.device):
+            if shared_memory_inside_nodes(self.config.intra_node, transport, b.momentum.device):
                 comm, failure = None, ""
                 try:
                     comm = HierarchicalOneBitAllreduce(b.numel, topology, name=name,
