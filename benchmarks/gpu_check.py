@@ -237,7 +237,7 @@ def check_compressed_step(device: str, width: int = 2048, layers: int = 4) -> di
                      "exp_avg_sq": (torch.rand(p.shape, generator=g) * 1e-6 + 1e-9).to(device),
                      "frozen_variance_step": NOT_FROZEN} for p in params}
         # a bucket per weight matrix: several buckets, each bias packed behind its weight
-        config = OneBitConfig(freeze_step=10, bucket_size_mb=(width * width + width) * 4 / 2**20)
+        config = OneBitConfig.from_options(freeze_step=10, bucket_size_mb=(width * width + width) * 4 / 2**20)
         engine = CompressedStep(config, state, decoupled=lambda group: False, transport=t)
         groups = [{"params": params, "lr": 1e-4, "betas": (0.9, 0.999), "eps": 1e-8,
                    "weight_decay": 0.0}]

@@ -26,6 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import hvd_onebit
+from hvd_onebit import Experimental
 from train_lm import add_onebit_arguments, onebit_options, refresh_summary, warmup_frac
 
 
@@ -132,8 +133,8 @@ def main(argv=None):
         optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
     else:
         optimizer = hvd_onebit.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
-                                                    block_size=args.block_size,
-                                                    compressor=args.compressor, **freeze)
+                                                    block_size=args.block_size, **freeze,
+                                                    experimental=Experimental(compressor=args.compressor))
     # -----------------------------------------------------------------------------------------
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)

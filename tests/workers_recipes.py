@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import hvd_onebit
+from hvd_onebit import Experimental
 from hvd_onebit_tools.bench.zoo.data import mnist_like_digits
 from hvd_onebit_tools.bench.zoo.models import HorovodMnistNet
 
@@ -96,7 +97,8 @@ def resume_unbounded_checkpoint(steps: int = 24, freeze_step: int = 10, at: int 
     split = _data()
     model = HorovodMnistNet()
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    opt = _optimizer(model, "onebit", freeze_step, step_bound=None, precondition=False)
+    opt = _optimizer(model, "onebit", freeze_step,
+                     experimental=Experimental(step_bound=None, precondition=False))
     out: dict = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

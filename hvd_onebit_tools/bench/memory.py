@@ -292,7 +292,7 @@ def inprocess_run(n: int, layers: int, width: int, steps: int,
                      "exp_avg_sq": torch.rand(p.shape, generator=g) * 1e-6 + 1e-9,
                      "frozen_variance_step": NOT_FROZEN} for p in params}
         extra = {} if bucket_size_mb is None else {"bucket_size_mb": bucket_size_mb}
-        engine = CompressedStep(OneBitConfig(freeze_step=10, memory=memory, **extra), state,
+        engine = CompressedStep(OneBitConfig.from_options(freeze_step=10, memory=memory, **extra), state,
                                 decoupled=lambda group: False, transport=t)
         groups = [{"params": params, "lr": 1e-4, "betas": (0.9, 0.999), "eps": 1e-8,
                    "weight_decay": 0.0}]
