@@ -26,7 +26,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import hvd_onebit
-from hvd_onebit import Experimental
 from train_lm import add_onebit_arguments, onebit_options, refresh_summary, warmup_frac
 
 
@@ -127,14 +126,13 @@ def main(argv=None):
     gen = torch.Generator().manual_seed(data_seed * 1000 + rank)
 
     model, optimizer = build_model_and_adam(args)
-    freeze = onebit_options(args)
+    freeze = onebit_options(args, compressor=args.compressor)
     # ---- the one line that differs ----------------------------------------------------------
     if args.optimizer == "adam":
         optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
     else:
         optimizer = hvd_onebit.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
-                                                    block_size=args.block_size, **freeze,
-                                                    experimental=Experimental(compressor=args.compressor))
+                                                    block_size=args.block_size, **freeze)
     # -----------------------------------------------------------------------------------------
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)

@@ -1,5 +1,5 @@
 """freeze_step="auto" (the warmup ends when Adam's variance has settled) and
-flush_error_feedback (every rank's error feedback folded into the momentum), issue #17."""
+flush_error_feedback (every rank's error feedback folded into the momentum)."""
 import pytest
 import torch
 

@@ -1,4 +1,4 @@
-"""Worker functions for variance_refresh (issue #27): full-precision refresh steps of the
+"""Worker functions for variance_refresh: full-precision refresh steps of the
 variance inside the compression phase. They return data; tests/test_variance_refresh.py asserts."""
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import copy
 import io
 import math
 import warnings
+from dataclasses import replace
 from typing import Optional
 
 import horovod.torch as hvd
@@ -49,8 +50,12 @@ def _errors(opt) -> dict:
 
 
 def _opt(model, **options):
-    options = {"freeze_step": FREEZE, "variance_refresh": SCHEDULE, "bucket_size_mb": 0.002,
+    """The optimizer of these scenarios: refreshes on SCHEDULE unless ``options`` say otherwise."""
+    options = {"freeze_step": FREEZE, "variance_refresh": "doubling", "bucket_size_mb": 0.002,
                **options}
+    knobs = options.get("experimental") or Experimental()
+    if options["variance_refresh"] is not None and knobs.refresh_schedule is None:
+        options["experimental"] = replace(knobs, refresh_schedule=SCHEDULE)
     return hvd_onebit.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=LR,
                                                             betas=BETAS, eps=EPS),
                                            named_parameters=model.named_parameters(),
@@ -220,7 +225,7 @@ def suite() -> dict:
         full[key] = run(save_at=(6, 7), **options)
         return full[key]
 
-    gate = {"variance_refresh": {**SCHEDULE, "accept": "hypergradient"}}
+    gate = {"experimental": Experimental(refresh_schedule={**SCHEDULE, "accept": "hypergradient"})}
 
     scenarios = {
         "overlap": lambda: run(),
