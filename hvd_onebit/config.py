@@ -202,7 +202,8 @@ class OneBitConfig:
                      experimental: Optional[Experimental] = None,
                      **moved) -> "OneBitConfig":
         """Parse DistributedOptimizer's options (same names, same defaults). A knob that moved
-        into :class:`Experimental`, passed as a keyword, raises a TypeError saying how to pass it."""
+        into :class:`Experimental`, passed as a keyword, raises a TypeError saying how to pass
+        it now."""
         refuse_moved(moved)
         if experimental is None:
             experimental = Experimental()

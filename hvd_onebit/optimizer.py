@@ -28,6 +28,7 @@ from .phases import setup
 from .state import checkpoint
 from .state.adam_state import init_adam_state
 from .state.schedule import COMPRESSION
+from .state.telemetry import COUNTERS
 
 
 def _counter(name: str) -> property:
@@ -80,14 +81,6 @@ class OneBitFace:
     def compressed_step(self) -> CompressedStep:
         """The compression-phase engine: buckets, 1-bit collectives, error feedback."""
         return self._engine
-
-    last_step_bytes = _counter("last_step_bytes")
-    total_bytes = _counter("total_bytes")
-    last_step_comm_seconds = _counter("last_step_comm_seconds")
-    total_comm_seconds = _counter("total_comm_seconds")
-    skipped_steps = _counter("skipped_steps")
-    refreshes = _counter("refreshes")
-    last_step_breakdown = _counter("last_step_breakdown")
 
     def telemetry(self) -> dict:
         """Phase, step count and communication counters as a plain dict."""
@@ -178,6 +171,10 @@ class OneBitFace:
         ``grad_scaler`` is passed by ``torch.amp.GradScaler.step()`` itself."""
         return self._phases.step(closure, grad_scaler,
                                  lambda: grad_scaler.unscale_(self), self._make_hook)
+
+
+for _name in COUNTERS:  # the counters, each also an attribute: last_step_bytes, total_bytes, ...
+    setattr(OneBitFace, _name, _counter(_name))
 
 
 def DistributedOptimizer(optimizer: torch.optim.Optimizer,
