@@ -12,7 +12,7 @@ and prints one JSON object:
     runs.<name>.failed                             instead, why the run failed (e.g. the example
                                                    stops at a non-finite loss: a divergence)
     auto_freeze_decision                           the step, the figure that triggered it, history
-    auto_in_10_30_percent, auto_within_1_01_of_adam  the two targets of issue #17
+    auto_in_10_30_percent, auto_within_1_01_of_adam  the automatic freeze's two targets
 
 ``refresh_5pct``, ``refresh_3pct`` and ``refresh_auto`` (not run by default) add ``variance_refresh`` (``--variance-refresh``,
 default doubling) to 1-bit Adam frozen at 5% (or 3%) of the steps, and at ``"auto"`` with a

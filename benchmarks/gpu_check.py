@@ -10,7 +10,7 @@ Checks (each in its own try/except; a failure is reported in the JSON, the other
   update inside the compression; the decode with Adam's update, float32/float16/bfloat16
   weights, held elements), n = 1..4, sizes not a multiple of 8, finer blocks.
 * ``ratios``: ``hvd-onebit bench kernel --device cuda``: each kernel's element rate as a ratio
-  to torch.add on the device (issue #14's target: >= 0.5 from 16M to 256M elements).
+  to torch.add on the device (the target: >= 0.5 from 16M to 256M elements).
 * ``virtual_ranks``: 2 ranks as threads on one device through the in-process transport,
   ``OneBitAllreduce(..., device=..., backend="triton")``: ranks identical, and the bits of the
   same calls with the native kernels on CPU.
@@ -20,7 +20,7 @@ Checks (each in its own try/except; a failure is reported in the JSON, the other
   ``torch.cuda.set_sync_debug_mode("warn")``.
 * ``compressed_step``: the optimizer's compression engine (``CompressedStep``) on 2 virtual
   ranks with several buckets and step counts on the device (as fused or capturable Adam keeps
-  them): the syncs of one steady step (issue #14's target: at most 1 outside the in-process
+  them): the syncs of one steady step (the target: at most 1 outside the in-process
   transport, whose own stream waits are counted apart), what it holds beyond Adam's own and its
   peak (``torch.cuda.max_memory_allocated``) as ratios to the parameters' fp32 bytes. On CPU
   (``--dry-run``) it runs without the sync count.
@@ -237,7 +237,7 @@ def check_compressed_step(device: str, width: int = 2048, layers: int = 4) -> di
                      "exp_avg_sq": (torch.rand(p.shape, generator=g) * 1e-6 + 1e-9).to(device),
                      "frozen_variance_step": NOT_FROZEN} for p in params}
         # a bucket per weight matrix: several buckets, each bias packed behind its weight
-        config = OneBitConfig(freeze_step=10, bucket_size_mb=(width * width + width) * 4 / 2**20)
+        config = OneBitConfig.from_options(freeze_step=10, bucket_size_mb=(width * width + width) * 4 / 2**20)
         engine = CompressedStep(config, state, decoupled=lambda group: False, transport=t)
         groups = [{"params": params, "lr": 1e-4, "betas": (0.9, 0.999), "eps": 1e-8,
                    "weight_decay": 0.0}]

@@ -1,4 +1,4 @@
-"""The compressed step against its targets, each configuration run several times: issue #15's figures.
+"""The compressed step against its targets, each configuration run several times.
 
 Runs ``hvd-onebit bench train --json`` ``--repeats`` times (default 3) for each configuration and
 prints one JSON object with every run's figures and their median:

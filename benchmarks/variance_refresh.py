@@ -1,4 +1,4 @@
-"""Issue #27's measurable targets for ``variance_refresh``, end to end, as one JSON object.
+"""The measurable targets of ``variance_refresh``, end to end, as one JSON object.
 
 Runs, as subprocesses (each part's own output under OUT_DIR):
 

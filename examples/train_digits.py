@@ -126,14 +126,13 @@ def main(argv=None):
     gen = torch.Generator().manual_seed(data_seed * 1000 + rank)
 
     model, optimizer = build_model_and_adam(args)
-    freeze = onebit_options(args)
+    freeze = onebit_options(args, compressor=args.compressor)
     # ---- the one line that differs ----------------------------------------------------------
     if args.optimizer == "adam":
         optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
     else:
         optimizer = hvd_onebit.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
-                                                    block_size=args.block_size,
-                                                    compressor=args.compressor, **freeze)
+                                                    block_size=args.block_size, **freeze)
     # -----------------------------------------------------------------------------------------
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)

@@ -56,7 +56,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import hvd_onebit
-from hvd_onebit_tools.bench.refresh import option_text, parse_variance_refresh, run_steps
+from hvd_onebit_tools.bench.refresh import (option_text, optimizer_options,
+                                             parse_variance_refresh, run_steps)
 from hvd_onebit_tools.bench.waits import WAITS, WaitTimer, set_horovod_wait
 
 
@@ -202,13 +203,12 @@ def freeze_options(frac, steps: int, min_steps=None) -> dict:
     return {"freeze_step": max(1, round(frac * steps))}
 
 
-def onebit_options(args) -> dict:
+def onebit_options(args, **knobs) -> dict:
     """The freeze arguments, and variance_refresh only when it is set: without it the call is
-    the one hvd_onebit has always taken."""
+    the one hvd_onebit has always taken. The automatic freeze's settings, a schedule given as a
+    dict and ``knobs`` (e.g. ``compressor``) go into one ``experimental=Experimental(...)``."""
     options = freeze_options(args.warmup_frac, args.steps, args.auto_freeze_min_steps)
-    if args.variance_refresh is not None:
-        options["variance_refresh"] = args.variance_refresh
-    return options
+    return optimizer_options(args.variance_refresh, **options, **knobs)
 
 
 def refresh_summary(args, optimizer) -> dict:

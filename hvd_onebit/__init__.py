@@ -20,6 +20,7 @@ _PUBLIC = {
     "synchronize_all": ".comm.transaction",
     "Layout": ".layout",
     "DistributedOptimizer": ".optimizer",
+    "Experimental": ".config",
 }
 __all__ = sorted(_PUBLIC) + ["__version__"]
 

@@ -21,13 +21,14 @@ from horovod.torch.optimizer import _DistributedOptimizer
 
 from . import elastic
 from .engine import CompressedStep
-from .config import DEFAULT_BUCKET_MB, OneBitConfig, check_wrapped, validate_masks
+from .config import DEFAULT_BUCKET_MB, Experimental, OneBitConfig, check_wrapped
 from .horovod_view import HorovodView
 from .low_precision import WidenBfloat16
 from .phases import setup
 from .state import checkpoint
 from .state.adam_state import init_adam_state
 from .state.schedule import COMPRESSION
+from .state.telemetry import COUNTERS
 
 
 def _counter(name: str) -> property:
@@ -80,14 +81,6 @@ class OneBitFace:
     def compressed_step(self) -> CompressedStep:
         """The compression-phase engine: buckets, 1-bit collectives, error feedback."""
         return self._engine
-
-    last_step_bytes = _counter("last_step_bytes")
-    total_bytes = _counter("total_bytes")
-    last_step_comm_seconds = _counter("last_step_comm_seconds")
-    total_comm_seconds = _counter("total_comm_seconds")
-    skipped_steps = _counter("skipped_steps")
-    refreshes = _counter("refreshes")
-    last_step_breakdown = _counter("last_step_breakdown")
 
     def telemetry(self) -> dict:
         """Phase, step count and communication counters as a plain dict."""
@@ -180,6 +173,10 @@ class OneBitFace:
                                  lambda: grad_scaler.unscale_(self), self._make_hook)
 
 
+for _name in COUNTERS:  # the counters, each also an attribute: last_step_bytes, total_bytes, ...
+    setattr(OneBitFace, _name, _counter(_name))
+
+
 def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                          named_parameters: Optional[Iterable[tuple[str, torch.Tensor]]] = None,
                          compression=Compression.none,
@@ -191,46 +188,61 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                          process_set: hvd.ProcessSet = hvd.global_process_set,
                          *,
                          freeze_step: int | str,
-                         auto_freeze: Optional[dict] = None,
-                         compressor: str = "onebit",
-                         block_size: Optional[int] = None,
-                         transport: str = "auto",
-                         kernel_backend: str = "auto",
-                         bucket_size_mb: float = DEFAULT_BUCKET_MB,
-                         check_every: int = 0,
-                         flush_on_commit: bool = False,
+                         variance_refresh: Optional[str] = None,
                          hierarchical: bool | str = False,
+                         bucket_size_mb: float = DEFAULT_BUCKET_MB,
+                         transport: str = "auto",
                          overlap: bool = True,
                          memory: str = "auto",
-                         intra_node: str = "auto",
-                         step_bound: str | float | None = "adam",
-                         zero_variance: str = "hold",
-                         precondition: bool = True,
-                         variance_refresh=None):
+                         flush_on_commit: bool = False,
+                         block_size: Optional[int] = None,
+                         check_every: int = 0,
+                         kernel_backend: str = "auto",
+                         experimental: Optional[Experimental] = None,
+                         **moved):
     """Wrap a ``torch.optim.Adam`` or ``AdamW`` for 1-bit Adam over Horovod.
 
-    The arguments up to ``process_set`` mean what they mean for ``hvd.DistributedOptimizer`` and
-    govern the warmup; ``compression``, ``groups`` and ``gradient_predivide_factor`` only affect
-    the warmup's gradient allreduce. ``optimizer``: a ``torch.optim.Adam`` or ``AdamW`` (amsgrad
-    off) over float32, float16 or bfloat16 parameters on one device; its lr, betas, eps and
-    weight_decay are read from the param groups at every step, so LR schedulers and per-group
-    settings work in both phases.
+    ``optimizer``: a ``torch.optim.Adam`` or ``AdamW`` (amsgrad off) over float32, float16 or
+    bfloat16 parameters on one device; its lr, betas, eps and weight_decay are read from the
+    param groups at every step, so LR schedulers and per-group settings work in both phases.
+    The arguments up to ``process_set`` mean what they mean for ``hvd.DistributedOptimizer``
+    and govern the warmup (``op``: ``hvd.Average`` or ``hvd.Sum``). A param group may carry
+    ``exp_avg_mask``: a tensor broadcastable to each of its parameters, or a list with one
+    tensor (or None) per parameter; the averaged momentum is multiplied by it in the
+    compression phase, so masked entries (e.g. padding rows) stay zero.
 
-    The keyword-only arguments are the 1-bit options, each explained with its trade-offs in
-    :class:`~hvd_onebit.config.OneBitConfig`: ``freeze_step`` (warmup steps, or "auto"; 15-25%
-    of the run is the guidance), ``auto_freeze``, ``compressor`` ("onebit" or "none"),
-    ``block_size``, ``transport`` ("auto", "torch", "horovod", "mpi"), ``kernel_backend``,
-    ``bucket_size_mb``, ``check_every``, ``flush_on_commit``, ``hierarchical``, ``overlap``,
-    ``memory``, ``intra_node``, ``step_bound`` (each compression-phase step clamped at the
-    longest step Adam could take), ``zero_variance`` and ``precondition`` (the 1-bit collectives
-    carry the momentum over its frozen denominator), ``variance_refresh`` (None, "doubling" or a
-    dict: full-precision refresh steps of the variance inside the compression phase, on 0/1
-    Adam's doubling schedule; with one, an early ``freeze_step`` (3-5% of the run, or
-    "auto" with a short ``auto_freeze={"min_steps": ...}``) is the recommended setting).
+    Three options matter: ``freeze_step``, ``variance_refresh``, and ``hierarchical`` on
+    multi-node jobs. Leave the others at their defaults unless a measurement says otherwise.
 
-    A param group may carry ``exp_avg_mask``: a tensor broadcastable to each of its parameters,
-    or a list with one tensor (or None) per parameter. In the compression phase the averaged
-    momentum is multiplied by it in place, so masked entries (e.g. padding rows) stay zero.
+    Args:
+        freeze_step (int or "auto"): warmup steps before the variance freezes; 15-25% of the
+            run, 3-5% with ``variance_refresh``; "auto": once the variance has settled.
+        variance_refresh (str, optional): "doubling": full-precision refresh steps of the
+            variance on 0/1 Adam's doubling schedule (default: None, the variance stays frozen)
+        hierarchical (bool or "auto", optional): full precision inside each node, 1 bit
+            between nodes; "auto": on with several nodes of several ranks (default: False)
+        bucket_size_mb (float, optional): momentum per 1-bit allreduce, in MiB of fp32
+            (default: 64)
+        transport (str, optional): how the 1-bit stages travel: "auto", "torch", "horovod",
+            "mpi"; ``opt.transport`` says which "auto" chose (default: "auto")
+        overlap (bool, optional): start buckets from the gradient hooks, bit-identical to
+            starting them in step() (default: True)
+        memory (str, optional): "auto", "lean" (one error buffer per collective) or "fast"
+            (a spare of each, one pass less per step); "auto": lean on CUDA (default: "auto")
+        flush_on_commit (bool, optional): fold the error feedback into the momentum at every
+            Horovod elastic ``state.commit()`` (default: False)
+        block_size (int, optional): elements per scale of the 1-bit compression, a multiple
+            of 8 (default: None, one scale per chunk)
+        check_every (int, optional): every K steps raise on every rank if the parameters
+            differ between ranks (default: 0, never)
+        kernel_backend (str, optional): "auto", "native", "triton" or "torch" (default: "auto")
+        experimental (Experimental, optional): research knobs, for measurement and comparison
+            only (:class:`~hvd_onebit.config.Experimental`) (default: None, their defaults)
+
+    ``compressor``, ``precondition``, ``step_bound``, ``zero_variance``, ``intra_node`` and
+    ``auto_freeze`` are :class:`~hvd_onebit.config.Experimental`'s now: passed here as
+    keywords they raise a TypeError saying so. Every option is checked here, on every rank,
+    before any collective.
 
     Returns:
         An optimizer of the wrapped class with Horovod's ``synchronize()`` and
@@ -239,16 +251,12 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
         ``last_step_bytes``, ``total_bytes``, ``last_step_comm_seconds``, ``total_comm_seconds``.
     """
     check_wrapped(optimizer, op in (Average, Sum) and op != Adasum, backward_passes_per_step)
-    config = OneBitConfig(freeze_step=freeze_step, compressor=compressor, block_size=block_size,
-                          transport=transport, kernel_backend=kernel_backend,
-                          bucket_size_mb=bucket_size_mb, check_every=check_every,
-                          auto_freeze=auto_freeze, flush_on_commit=flush_on_commit,
-                          hierarchical=hierarchical, overlap=overlap, memory=memory,
-                          intra_node=intra_node, step_bound=step_bound,
-                          zero_variance=zero_variance, precondition=precondition,
-                          variance_refresh=variance_refresh)
-    validate_masks(optimizer.param_groups)
-    config.check_environment([p for g in optimizer.param_groups for p in g["params"]], process_set)
+    config = OneBitConfig.from_options(
+        freeze_step, variance_refresh=variance_refresh, hierarchical=hierarchical,
+        bucket_size_mb=bucket_size_mb, transport=transport, overlap=overlap, memory=memory,
+        flush_on_commit=flush_on_commit, block_size=block_size, check_every=check_every,
+        kernel_backend=kernel_backend, experimental=experimental, **moved)
+    setup.check(config, optimizer.param_groups, process_set)
 
     attrs = dict(_DistributedOptimizer.__dict__)
     attrs.update({k: v for k, v in OneBitFace.__dict__.items()

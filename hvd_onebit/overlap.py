@@ -23,6 +23,7 @@ from .engine import CompressedStep
 from .config import OneBitConfig
 from .horovod_view import HorovodView
 from .param_groups import groups_by_param
+from .phases.amp import has_scale, inverse_scale
 
 
 class EarlyStarts:
@@ -32,8 +33,7 @@ class EarlyStarts:
         self.groups = groups  # parameter -> its param group
         self.scaler = scaler  # the GradScaler the gradients are assumed scaled by, or None
         # GradScaler.unscale_'s own factor
-        self.inv_scale = (None if scaler is None
-                          else scaler._scale.double().reciprocal().float())
+        self.inv_scale = None if scaler is None else inverse_scale(scaler)
         self.position: dict = {}  # parameter -> the buckets holding a part of it
         for i, b in enumerate(engine.buckets):
             for p in b.params:
@@ -90,7 +90,7 @@ class Overlap:
         engine.begin_step()
         groups = groups_by_param(self._view.param_groups)
         scaler = self._scaler_ref() if self._scaler_ref is not None else None
-        if scaler is not None and scaler._scale is None:
+        if scaler is not None and not has_scale(scaler):
             scaler = None
         self.current = EarlyStarts(groups, engine, scaler)
         return self.current

@@ -35,6 +35,8 @@ from typing import Mapping, Optional, Union
 
 import torch
 
+from .values import is_number
+
 ADAM = "adam"
 StepBound = Union[str, float, None]
 
@@ -56,8 +58,7 @@ def validate(step_bound: StepBound) -> StepBound:
     """``step_bound`` as given, or a ValueError naming what is wrong."""
     if step_bound is None or step_bound == ADAM:
         return step_bound
-    if isinstance(step_bound, bool) or not isinstance(step_bound, (int, float)) \
-            or not math.isfinite(step_bound) or step_bound <= 0:
+    if not is_number(step_bound) or step_bound <= 0:
         raise ValueError(f"step_bound must be 'adam', None or a positive finite number, got "
                          f"{step_bound!r}")
     return float(step_bound)

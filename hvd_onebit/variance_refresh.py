@@ -19,9 +19,10 @@ resumed run continues the same schedule.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, fields
 from typing import Iterator, Optional
+
+from .values import check_positive_int, is_int, is_number
 
 DOUBLING = "doubling"
 ERROR_FEEDBACK_MODES = ("rescale", "fold")  # how the error feedback crosses a refresh
@@ -31,10 +32,6 @@ LOWERING = "lowering"  # accept: only updates that lower a parameter's mean deno
 # overshoot (or not) asks for
 HYPERGRADIENT = "hypergradient"
 ACCEPTS = ("always", LOWERING, HYPERGRADIENT)  # which parameters take a refresh's variance update
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)
@@ -87,13 +84,11 @@ class RefreshSchedule:
 
     def __post_init__(self) -> None:
         for name in ("first_interval", "updates_per_interval"):
-            value = getattr(self, name)
-            if not _is_int(value) or value < 1:
-                raise ValueError(f"variance_refresh {name} must be a positive int, got {value!r}")
+            check_positive_int(f"variance_refresh {name}", getattr(self, name))
         g = self.growth
-        if isinstance(g, bool) or not isinstance(g, (int, float)) or not math.isfinite(g) or g < 1:
+        if not is_number(g) or g < 1:
             raise ValueError(f"variance_refresh growth must be a number >= 1, got {g!r}")
-        if self.last_step is not None and (not _is_int(self.last_step) or self.last_step < 1):
+        if self.last_step is not None and (not is_int(self.last_step) or self.last_step < 1):
             raise ValueError(f"variance_refresh last_step must be a positive int or None, got "
                              f"{self.last_step!r}")
         if self.variance_update not in VARIANCE_UPDATES:

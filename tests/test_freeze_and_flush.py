@@ -1,11 +1,12 @@
 """freeze_step="auto" (the warmup ends when Adam's variance has settled) and
-flush_error_feedback (every rank's error feedback folded into the momentum), issue #17."""
+flush_error_feedback (every rank's error feedback folded into the momentum)."""
 import pytest
 import torch
 
 from hvd_onebit.config import AutoFreeze, OneBitConfig
 from hvd_onebit_tools.cluster.jobs import run_ranks
 from hvd_onebit.transport.inprocess import run_threads
+from hvd_onebit import Experimental
 from tests.scenarios import scenario
 from tests.checks import assert_same_params, difference
 from tests.workers_compressed_step import BETAS
@@ -259,13 +260,15 @@ def test_flushed_checkpoint_resumes_on_any_world_size_closer_than_a_reset(tmp_pa
 ])
 def test_bad_auto_freeze_options_fail_at_construction(options, expected):
     with pytest.raises((ValueError, TypeError)) as info:
-        OneBitConfig(freeze_step="auto", auto_freeze=options)
+        OneBitConfig.from_options(freeze_step="auto",
+                                  experimental=Experimental(auto_freeze=options))
     assert expected in str(info.value), f"expected {expected!r} in the error, got {info.value!s}"
 
 
 def test_auto_freeze_options_need_freeze_step_auto():
     with pytest.raises(ValueError, match="apply only with freeze_step='auto'"):
-        OneBitConfig(freeze_step=10, auto_freeze={"window": 5})
+        OneBitConfig.from_options(freeze_step=10,
+                                  experimental=Experimental(auto_freeze={"window": 5}))
     with pytest.raises(ValueError, match="positive int \\(warmup steps\\) or 'auto', got 'AUTO'"):
-        OneBitConfig(freeze_step="AUTO")
-    assert OneBitConfig(freeze_step="auto").auto_freeze == AutoFreeze()
+        OneBitConfig.from_options(freeze_step="AUTO")
+    assert OneBitConfig.from_options(freeze_step="auto").auto_freeze == AutoFreeze()

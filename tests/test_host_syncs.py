@@ -20,7 +20,7 @@ from tests.workers_compressed_step import BETAS, EPS, LR, gradient, initial_stat
 
 def _engine_steps(t, reads: HostReads, steps: int, bad_step: int = -1) -> dict:
     params, state = initial_state()
-    engine = CompressedStep(OneBitConfig(freeze_step=4, bucket_size_mb=0.001), state,
+    engine = CompressedStep(OneBitConfig.from_options(freeze_step=4, bucket_size_mb=0.001), state,
                             decoupled=lambda group: False, transport=t)
     groups = [{"params": params, "lr": LR, "betas": BETAS, "eps": EPS, "weight_decay": 0.0}]
     me = threading.get_ident()

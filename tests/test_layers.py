@@ -1,6 +1,6 @@
 """The package's layers, read from its imports with ``ast``: data flows one way, face -> phases
--> state -> engine -> comm -> kernels / transport, and no module imports one above it. The
-tooling (``hvd_onebit_tools``) sits above the library: it imports the library, never the
+-> state -> engine -> the options against the job -> comm -> kernels / transport -> the options
+(config.py) -> base, and no module imports one above it. The tooling (``hvd_onebit_tools``) sits above the library: it imports the library, never the
 reverse, and the library imports none of the tooling's dependencies. The sizes the house keeps
 are checked here too."""
 import ast
@@ -18,11 +18,12 @@ LAYERS = [
     ("phases", ["phases", "overlap"]),
     ("state", ["state", "auto_freeze"]),
     ("engine", ["engine"]),
-    ("options", ["config"]),
+    ("the options against the job", ["job"]),
     ("comm", ["comm"]),
     ("kernels and transport", ["kernels", "transport"]),
+    ("options", ["config"]),
     ("base", ["layout", "step_bound", "low_precision", "consistency", "horovod_view", "dtypes",
-              "variance_refresh", "param_groups",
+              "variance_refresh", "param_groups", "values",
               "_C"]),
 ]
 MAX_LINES = 400  # per library module (the C++ aside)
@@ -87,6 +88,20 @@ def test_no_module_imports_one_above_it():
     assert not upward, "imports running up the layers:\n" + "\n".join(upward)
 
 
+def test_the_options_are_a_leaf():
+    # config.py is read by every layer above it; it imports the standard library, torch and
+    # the base layer, nothing that needs a job, a transport or the kernels.
+    path = PACKAGE / "config.py"
+    library = [t for _, t in imported_modules(path)]
+    base = len(LAYERS) - 1
+    assert all(layer_of(t) == base for t in library), \
+        f"config.py imports hvd_onebit modules above the base layer: {library}"
+    others = sorted({name for _, name in top_level_imports(path)} - {"hvd_onebit"})
+    import sys
+    assert all(n in sys.stdlib_module_names or n == "torch" for n in others), \
+        f"config.py imports beyond the standard library and torch: {others}"
+
+
 def test_every_module_has_a_layer():
     unplaced = []
     for path in library_modules():
@@ -113,7 +128,8 @@ def test_the_checker_reads_the_imports():
     assert "comm.protocol" in found and "layout" in found, \
         f"imports read from comm/flat.py: {sorted(found)}"
     assert layer_of("optimizer") < layer_of("phases.warmup") < layer_of("engine.step") \
-        < layer_of("comm.flat") < layer_of("layout"), "layer order"
+        < layer_of("job") < layer_of("comm.flat") < layer_of("config") < layer_of("layout"), \
+        "layer order"
 
 
 def top_level_imports(path: pathlib.Path) -> list[tuple[int, str]]:

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from hvd_onebit import Experimental
 from hvd_onebit_tools.bench.train import METHODS, onebit_arguments, summarize
 
 REPO = Path(__file__).resolve().parent.parent
@@ -33,8 +34,10 @@ def test_examples_pass_variance_refresh_only_when_set(example):
     args = example.parse_args(["--variance-refresh", '{"first_interval": 4}', "--warmup-frac",
                                "auto", "--auto-freeze-min-steps", "20", "--steps", "300"])
     got = train_lm.onebit_options(args)
-    assert got == {"freeze_step": "auto", "auto_freeze": {"min_steps": 20, "max_steps": 150},
-                   "variance_refresh": {"first_interval": 4}}, f"auto + a dict: {got}"
+    assert got == {"freeze_step": "auto", "variance_refresh": "doubling",
+                   "experimental": Experimental(auto_freeze={"min_steps": 20, "max_steps": 150},
+                                                refresh_schedule={"first_interval": 4})}, \
+        f"auto + a dict: {got}"
     with pytest.raises(SystemExit):
         example.parse_args(["--variance-refresh", '{"interval": 4}'])
 
@@ -78,10 +81,11 @@ def test_auto_freeze_averages_each_seeds_ratio_and_bytes():
 def test_bench_train_builds_onebit_refresh_like_the_other_onebit_methods():
     assert "onebit_refresh" in METHODS
     base = {"transport": "auto", "intra_node": "auto"}
+    moved = {"transport": "auto", "experimental": Experimental(intra_node="auto")}
     fixed = onebit_arguments("onebit", 600, 0.15, base, "doubling", 0.05)
-    assert fixed == {**base, "freeze_step": 90}, f"onebit got {fixed}"
+    assert fixed == {**moved, "freeze_step": 90}, f"onebit got {fixed}"
     refresh = onebit_arguments("onebit_refresh", 600, 0.15, base, "doubling", 0.05)
-    assert refresh == {**base, "freeze_step": 30, "variance_refresh": "doubling"}, \
+    assert refresh == {**moved, "freeze_step": 30, "variance_refresh": "doubling"}, \
         f"onebit_refresh got {refresh}"
     assert "variance_refresh" not in onebit_arguments("onebit_refresh", 600, 0.15, base, None,
                                                       0.05), "none passed to the optimizer"

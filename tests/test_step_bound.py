@@ -8,6 +8,7 @@ import torch
 
 from hvd_onebit.config import OneBitConfig
 from hvd_onebit.step_bound import adam_ratio_bound, clamped_fraction, ratio_bound
+from hvd_onebit import Experimental
 
 
 def adam_ratios(grads: torch.Tensor, betas=(0.9, 0.999)) -> list[float]:
@@ -58,13 +59,15 @@ def test_the_bound_starts_at_a_sign_step_and_rises_to_its_limit():
 @pytest.mark.parametrize("bad", [0, -1.0, float("inf"), float("nan"), True, "Adam", [1.0]])
 def test_a_bad_step_bound_is_refused_at_construction(bad):
     with pytest.raises(ValueError, match="step_bound must be 'adam', None or a positive"):
-        OneBitConfig(freeze_step=3, step_bound=bad)
+        OneBitConfig.from_options(freeze_step=3, experimental=Experimental(step_bound=bad))
 
 
 def test_the_default_is_adams_bound_and_none_or_a_number_are_kept():
-    assert OneBitConfig(freeze_step=3).step_bound == "adam"
-    assert OneBitConfig(freeze_step=3, step_bound=None).step_bound is None
-    assert OneBitConfig(freeze_step=3, step_bound=3).step_bound == 3.0
+    assert OneBitConfig.from_options(freeze_step=3).step_bound == "adam"
+    assert OneBitConfig.from_options(freeze_step=3,
+                                     experimental=Experimental(step_bound=None)).step_bound is None
+    assert OneBitConfig.from_options(freeze_step=3,
+                                     experimental=Experimental(step_bound=3)).step_bound == 3.0
 
 
 def test_clamped_fraction_counts_the_elements_at_the_bound():
@@ -98,7 +101,8 @@ def _engine_steps(rank_transport, zero_variance: str, step_bound="adam", steps: 
     v[:10] = 0.0
     state = {p: {"step": torch.tensor(4.0), "exp_avg": torch.zeros(100), "exp_avg_sq": v,
                  "frozen_variance_step": NOT_FROZEN}}
-    config = OneBitConfig(freeze_step=4, zero_variance=zero_variance, step_bound=step_bound)
+    config = OneBitConfig.from_options(freeze_step=4,
+                                       experimental=Experimental(zero_variance=zero_variance, step_bound=step_bound))
     engine = CompressedStep(config, state, decoupled=lambda group: False,
                             transport=rank_transport)
     groups = [{"params": [p], "lr": 1e-2, "betas": (0.9, 0.999), "eps": 1e-8,

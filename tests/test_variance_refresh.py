@@ -1,4 +1,4 @@
-"""variance_refresh (issue #27): full-precision refresh steps of the variance inside the
+"""variance_refresh: full-precision refresh steps of the variance inside the
 compression phase, on 2 real ranks (one job for every scenario, tests/workers_refresh.py)."""
 import numpy as np
 import pytest
@@ -8,6 +8,7 @@ from hvd_onebit_tools.cluster.jobs import run_job, run_ranks
 from hvd_onebit.config import OneBitConfig
 from hvd_onebit.layout import ring_allreduce_bytes
 from hvd_onebit.variance_refresh import RefreshSchedule
+from hvd_onebit import Experimental
 from tests.scenarios import scenario
 from tests.workers_refresh import FREEZE, SCHEDULE, STEPS
 
@@ -34,14 +35,22 @@ def assert_identical(rs, name):
 
 def test_option_is_validated_at_construction():
     with pytest.raises(ValueError, match="variance_refresh growth"):
-        OneBitConfig(freeze_step=3, variance_refresh={"growth": 0})
+        OneBitConfig.from_options(freeze_step=3,
+                                  variance_refresh="doubling",
+                                  experimental=Experimental(refresh_schedule={"growth": 0}))
     with pytest.raises(ValueError, match="variance_refresh error_feedback"):
-        OneBitConfig(freeze_step=3, variance_refresh={"error_feedback": "drop"})
+        OneBitConfig.from_options(freeze_step=3,
+                                  variance_refresh="doubling",
+                                  experimental=Experimental(refresh_schedule={"error_feedback": "drop"}))
     with pytest.raises(ValueError, match="variance_refresh variance_update"):
-        OneBitConfig(freeze_step=3, variance_refresh={"variance_update": "often"})
-    c = OneBitConfig(freeze_step=3, variance_refresh={"last_step": 9, "error_feedback": "fold"})
+        OneBitConfig.from_options(freeze_step=3,
+                                  variance_refresh="doubling",
+                                  experimental=Experimental(refresh_schedule={"variance_update": "often"}))
+    c = OneBitConfig.from_options(freeze_step=3,
+                                  variance_refresh="doubling",
+                                  experimental=Experimental(refresh_schedule={"last_step": 9, "error_feedback": "fold"}))
     assert c.refresh == RefreshSchedule(last_step=9, error_feedback="fold"), f"parsed: {c.refresh}"
-    assert OneBitConfig(freeze_step=3).refresh is None
+    assert OneBitConfig.from_options(freeze_step=3).refresh is None
 
 
 @pytest.mark.multirank

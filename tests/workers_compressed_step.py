@@ -38,7 +38,7 @@ def run_engine(rank: int, transport=None, steps: int = 6, bad: Optional[tuple] =
     """``steps`` compressed steps; ``bad`` = (step, rank, parameter index) puts an inf into that
     gradient. Returns per step whether it was skipped, and the parameters/momenta after each."""
     params, state = initial_state()
-    config = OneBitConfig(freeze_step=WARM_STEPS, bucket_size_mb=0.004, block_size=block_size,
+    config = OneBitConfig.from_options(freeze_step=WARM_STEPS, bucket_size_mb=0.004, block_size=block_size,
                           memory=memory)
     engine = CompressedStep(config, state, decoupled=lambda group: False, transport=transport)
     groups = [{"params": params, "lr": LR, "betas": BETAS, "eps": EPS, "weight_decay": 0.0}]

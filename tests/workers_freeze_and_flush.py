@@ -1,4 +1,4 @@
-"""Worker functions for freeze_step="auto" and flush_error_feedback (issue #17). They return data;
+"""Worker functions for freeze_step="auto" and flush_error_feedback. They return data;
 the tests assert."""
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import torch.nn as nn
 import hvd_onebit
 from hvd_onebit.engine import CompressedStep
 from hvd_onebit.config import OneBitConfig
+from hvd_onebit import Experimental
 from tests.scenarios import run_scenarios
 from tests.workers_compressed_step import BETAS, EPS, LR, WARM_STEPS, gradient, initial_state
 from tests.workers_optimizer import batch, make_model, params_bytes, val_loss
@@ -81,7 +82,8 @@ def auto_freeze_run(ckpt_dir, total=30, resume_from: Optional[int] = None, save_
     model = make_model()
     opt = hvd_onebit.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2),
                                           named_parameters=model.named_parameters(),
-                                          freeze_step="auto", auto_freeze=AUTO)
+                                          freeze_step="auto",
+                                          experimental=Experimental(auto_freeze=AUTO))
     ckpt = Path(ckpt_dir)
     if resume_from is not None:
         _load(opt, model, ckpt / f"step{resume_from}")
@@ -295,7 +297,7 @@ def flush_engine(transport, steps=3, bad_rank=None):
     """CompressedStep on virtual ranks: a few steps, then a flush. Returns each rank's errors and
     momenta before, its momenta and errors after, or the error every rank raised."""
     params, state = initial_state()
-    config = OneBitConfig(freeze_step=WARM_STEPS, bucket_size_mb=0.004)
+    config = OneBitConfig.from_options(freeze_step=WARM_STEPS, bucket_size_mb=0.004)
     engine = CompressedStep(config, state, decoupled=lambda group: False, transport=transport)
     groups = [{"params": params, "lr": LR, "betas": BETAS, "eps": EPS, "weight_decay": 0.0}]
     with warnings.catch_warnings():

@@ -9,6 +9,7 @@ from hvd_onebit.comm.hierarchical import HierarchicalOneBitAllreduce
 from hvd_onebit.comm.protocol import NonFiniteInputError
 from hvd_onebit.comm.topology import Topology
 from hvd_onebit.comm.transaction import synchronize_all
+from hvd_onebit import Experimental
 from tests.scenarios import run_scenarios
 from tests.workers_collective import rank_input
 
@@ -136,7 +137,8 @@ def optimizer_run(hierarchical, steps: int = 16, freeze_step: int = 4,
     opt = hvd_onebit.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2),
                                           named_parameters=model.named_parameters(),
                                           freeze_step=freeze_step, hierarchical=hierarchical,
-                                          transport=transport, intra_node=intra_node)
+                                          transport=transport,
+                                          experimental=Experimental(intra_node=intra_node))
     hashes, losses = [], []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

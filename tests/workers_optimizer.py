@@ -8,6 +8,7 @@ import torch
 import torch.nn as nn
 
 import hvd_onebit
+from hvd_onebit import Experimental
 from tests.onebit_reference import adam_bound
 from tests.scenarios import run_scenarios
 
@@ -88,8 +89,8 @@ def frozen_variance_reference(freeze_step=3, steps=8, weight_decay=0.0, adamw=Fa
     model = make_model()
     opt = hvd_onebit.DistributedOptimizer(cls(model.parameters(), lr=1e-2, weight_decay=weight_decay),
                                           named_parameters=model.named_parameters(),
-                                          freeze_step=freeze_step, compressor="none",
-                                          step_bound="adam" if bounded else None)
+                                          freeze_step=freeze_step,
+                                          experimental=Experimental(compressor="none", step_bound="adam" if bounded else None))
     train(model, opt, steps)
 
     ref = make_model()
@@ -164,7 +165,7 @@ def missing_grads_and_requires_grad(steps=12, freeze_step=4, compressor="onebit"
     named = [(f"p{i}", p) for i, p in enumerate(params)]
     opt = hvd_onebit.DistributedOptimizer(torch.optim.Adam(params, lr=1e-2),
                                           named_parameters=named, freeze_step=freeze_step,
-                                          compressor=compressor)
+                                          experimental=Experimental(compressor=compressor))
     hashes = []
     for step in range(steps):
         if step == 7:
@@ -347,7 +348,8 @@ def half_precision_and_mixed_betas(steps=20, freeze_step=3, compressor="onebit")
     start = [p.detach().clone() for p in fp16.parameters()]
     opt = hvd_onebit.DistributedOptimizer(torch.optim.Adam(fp16.parameters(), lr=1e-2, eps=1e-4),
                                           named_parameters=fp16.named_parameters(),
-                                          freeze_step=freeze_step, compressor=compressor)
+                                          freeze_step=freeze_step,
+                                          experimental=Experimental(compressor=compressor))
     loss_fn = nn.MSELoss()
     for step in range(steps):
         x, y = batch(step, hvd.rank())
@@ -366,7 +368,8 @@ def half_precision_and_mixed_betas(steps=20, freeze_step=3, compressor="onebit")
               {"params": layers[2:], "betas": (0.8, 0.999)}]
     opt = hvd_onebit.DistributedOptimizer(torch.optim.Adam(groups, lr=1e-2),
                                           named_parameters=model.named_parameters(),
-                                          freeze_step=freeze_step, compressor=compressor)
+                                          freeze_step=freeze_step,
+                                          experimental=Experimental(compressor=compressor))
     out["betas_start"] = [p.detach().clone() for p in model.parameters()]
     hashes = []
     train(model, opt, steps, hashes=hashes)

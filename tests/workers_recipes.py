@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import hvd_onebit
+from hvd_onebit import Experimental
 from hvd_onebit_tools.bench.zoo.data import mnist_like_digits
 from hvd_onebit_tools.bench.zoo.models import HorovodMnistNet
 
@@ -87,7 +88,7 @@ def recipe(kind: str, how: str, steps: int = 40, freeze_step: int = 10, **option
 
 
 def resume_unbounded_checkpoint(steps: int = 24, freeze_step: int = 10, at: int = 14) -> dict:
-    """Train with the scheme of before this round (``step_bound=None, precondition=False``) into
+    """Train with the paper's scheme (``step_bound=None, precondition=False``) into
     the compression phase; at step ``at`` save the state and error feedback as that code wrote
     them (no "step_bound" and no error "space" entry), load them into a fresh optimizer with
     the defaults, and train on. Returns the load's warnings, whether the momentum came back bit
@@ -96,7 +97,8 @@ def resume_unbounded_checkpoint(steps: int = 24, freeze_step: int = 10, at: int 
     split = _data()
     model = HorovodMnistNet()
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    opt = _optimizer(model, "onebit", freeze_step, step_bound=None, precondition=False)
+    opt = _optimizer(model, "onebit", freeze_step,
+                     experimental=Experimental(step_bound=None, precondition=False))
     out: dict = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -171,8 +173,9 @@ def suite() -> dict:
     for how in ("amp", "clip"):
         out[f"adam_{how}"] = _scenario(recipe, "adam", how)
         out[f"bounded_{how}"] = _scenario(recipe, "onebit", how)
-        out[f"old_scheme_{how}"] = _scenario(recipe, "onebit", how, step_bound=None,
-                                             precondition=False)
+        out[f"unbounded_momentum_{how}"] = _scenario(
+            recipe, "onebit", how,
+            experimental=Experimental(step_bound=None, precondition=False))
     out["bounded_scaler_step"] = _scenario(recipe, "onebit", "scaler_step")
     out["resume"] = _scenario(resume_unbounded_checkpoint)
     return out

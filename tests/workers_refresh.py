@@ -1,4 +1,4 @@
-"""Worker functions for variance_refresh (issue #27): full-precision refresh steps of the
+"""Worker functions for variance_refresh: full-precision refresh steps of the
 variance inside the compression phase. They return data; tests/test_variance_refresh.py asserts."""
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import copy
 import io
 import math
 import warnings
+from dataclasses import replace
 from typing import Optional
 
 import horovod.torch as hvd
@@ -15,6 +16,7 @@ import torch.nn as nn
 import hvd_onebit
 from hvd_onebit.engine import refresh_gate
 from hvd_onebit.variance_refresh import RefreshSchedule
+from hvd_onebit import Experimental
 from tests.scenarios import run_scenarios
 from tests.workers_freeze_and_flush import AUTO, _buckets, _denominators
 from tests.workers_optimizer import batch, make_model, params_hash
@@ -48,8 +50,12 @@ def _errors(opt) -> dict:
 
 
 def _opt(model, **options):
-    options = {"freeze_step": FREEZE, "variance_refresh": SCHEDULE, "bucket_size_mb": 0.002,
+    """The optimizer of these scenarios: refreshes on SCHEDULE unless ``options`` say otherwise."""
+    options = {"freeze_step": FREEZE, "variance_refresh": "doubling", "bucket_size_mb": 0.002,
                **options}
+    knobs = options.get("experimental") or Experimental()
+    if options["variance_refresh"] is not None and knobs.refresh_schedule is None:
+        options["experimental"] = replace(knobs, refresh_schedule=SCHEDULE)
     return hvd_onebit.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=LR,
                                                             betas=BETAS, eps=EPS),
                                            named_parameters=model.named_parameters(),
@@ -200,8 +206,8 @@ def _arrays(ref: dict) -> list:
 
 def _gated(gate: str) -> dict:
     """accept=``gate`` with the exact momentum against it by hand, and against Adam's."""
-    opt = run(compressor="none", step_bound=None,
-              variance_refresh={**SCHEDULE, "accept": gate})
+    opt = run(variance_refresh="doubling",
+              experimental=Experimental(compressor="none", step_bound=None, refresh_schedule={**SCHEDULE, "accept": gate}))
     ref = reference(gate=gate)
     return {"opt": opt["arrays"], "ref": _arrays(ref), "wrong": _arrays(reference()),
             "declined": opt["telemetry"]["refresh_declined"], "ref_declined": ref["declined"],
@@ -219,7 +225,7 @@ def suite() -> dict:
         full[key] = run(save_at=(6, 7), **options)
         return full[key]
 
-    gate = {"variance_refresh": {**SCHEDULE, "accept": "hypergradient"}}
+    gate = {"experimental": Experimental(refresh_schedule={**SCHEDULE, "accept": "hypergradient"})}
 
     scenarios = {
         "overlap": lambda: run(),
@@ -227,21 +233,25 @@ def suite() -> dict:
         "memory_lean": lambda: run(memory="lean", probe_at=6),
         "gated": lambda: run(gated=True, probe_at=4),
         "gated_frozen": lambda: run(gated=True, variance_refresh=None),
-        "fold": lambda: run(variance_refresh={**SCHEDULE, "error_feedback": "fold"}, probe_at=6),
-        "exact": lambda: {"opt": run(compressor="none", step_bound=None)["arrays"],
+        "fold": lambda: run(probe_at=6,
+                            variance_refresh="doubling",
+                            experimental=Experimental(refresh_schedule={**SCHEDULE, "error_feedback": "fold"})),
+        "exact": lambda: {"opt": run(experimental=Experimental(compressor="none", step_bound=None))["arrays"],
                           "ref": _arrays(reference()),
                           "wrong": _arrays(reference(update="single"))},
         "exact_single": lambda: {
-            "opt": run(compressor="none", step_bound=None,
-                       variance_refresh={**SCHEDULE, "variance_update": "single"})["arrays"],
+            "opt": run(variance_refresh="doubling",
+                       experimental=Experimental(compressor="none", step_bound=None, refresh_schedule={**SCHEDULE, "variance_update": "single"}))["arrays"],
             "ref": _arrays(reference(update="single")),
             "wrong": _arrays(reference(update="single", bc2_counts_every_step=True))},
         "exact_lowering": lambda: _gated("lowering"),
-        "lowering": lambda: run(variance_refresh={**SCHEDULE, "accept": "lowering"}),
+        "lowering": lambda: run(variance_refresh="doubling",
+                                experimental=Experimental(refresh_schedule={**SCHEDULE, "accept": "lowering"})),
         "exact_hypergradient": lambda: {**_gated("hypergradient"),
                                         "lowering": _arrays(reference(gate="lowering"))},
         "hypergradient": lambda: run(**gate),
-        "single": lambda: run(variance_refresh={**SCHEDULE, "variance_update": "single"}),
+        "single": lambda: run(variance_refresh="doubling",
+                              experimental=Experimental(refresh_schedule={**SCHEDULE, "variance_update": "single"})),
         "checkpointed": lambda: checkpointed("always"),
         "resumed_before": lambda: resumed(6, full["always"]["saved"][6]),
         "resumed_after": lambda: resumed(7, full["always"]["saved"][7]),
@@ -252,7 +262,8 @@ def suite() -> dict:
         "inf": lambda: run(inf_at=6),
         "scaler_inf": lambda: run(scaler=True, inf_at=6),
         "fp16": lambda: run(compression=hvd.Compression.fp16),
-        "auto": lambda: run(steps=20, freeze_step="auto", auto_freeze=AUTO),
+        "auto": lambda: run(steps=20, freeze_step="auto",
+                            experimental=Experimental(auto_freeze=AUTO)),
     }
     out = run_scenarios(scenarios, hvd.rank())
     for r in out.values():  # the serialized checkpoints stay here

@@ -9,6 +9,7 @@ import torch
 import torch.nn as nn
 
 import hvd_onebit
+from hvd_onebit import Experimental
 from tests.scenarios import run_scenarios
 from tests.workers_optimizer import params_hash
 
@@ -106,7 +107,8 @@ def _controlled_gradient_run(dtype: torch.dtype, grad_scale: float, compressor: 
     start = [p.detach().float().clone() for p in lin.parameters()]
     opt = hvd_onebit.DistributedOptimizer(torch.optim.Adam(lin.parameters(), lr=lr, eps=1e-4),
                                           named_parameters=lin.named_parameters(),
-                                          freeze_step=freeze_step, compressor=compressor)
+                                          freeze_step=freeze_step,
+                                          experimental=Experimental(compressor=compressor))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for step in range(steps):
@@ -179,14 +181,14 @@ def construction_errors() -> dict:
         "bucket_zero": lambda: make(bucket_size_mb=0),
         "bucket_nan": lambda: make(bucket_size_mb=float("nan")),
         "bucket_str": lambda: make(bucket_size_mb="64"),
-        "compressor": lambda: make(compressor="twobit"),
+        "compressor": lambda: make(experimental=Experimental(compressor="twobit")),
         "float64": lambda: make(params=list(nn.Linear(4, 4).double().parameters())),
         "complex": lambda: make(params=[nn.Parameter(torch.zeros(4, dtype=torch.complex64))]),
         "mpi_transport_under_gloo": lambda: make(transport="mpi"),
         "check_every": lambda: make(check_every=-1),
-        "intra_node": lambda: make(intra_node="nvlink"),
+        "intra_node": lambda: make(experimental=Experimental(intra_node="nvlink")),
         "intra_node_horovod": lambda: make(hierarchical=True, transport="horovod",
-                                           intra_node="shared_memory"),
+                                           experimental=Experimental(intra_node="shared_memory")),
         "passes": lambda: make(backward_passes_per_step=0),
     }
     errors = {}

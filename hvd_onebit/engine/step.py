@@ -11,6 +11,7 @@ from typing import Callable, Mapping, Optional
 import torch
 
 from ..config import OneBitConfig
+from ..job import shared_memory_inside_nodes, spare_errors
 from ..transport.base import JobTransport, Transport
 from ..transport.registry import job_transport
 from .adam_terms import AdamTerms
@@ -57,7 +58,9 @@ class CompressedStep:
         self.collectives = Collectives(
             self.transport, onebit=onebit, block_size=config.block_size, backend=backend,
             hierarchical=config.hierarchical, intra_node=config.intra_node,
-            spare_errors=config.spare_errors, shared_memory=config.shared_memory_inside_nodes)
+            spare_errors=lambda device: spare_errors(config.memory, device),
+            shared_memory=lambda transport, device: shared_memory_inside_nodes(
+                config.intra_node, transport, device))
         self.error_feedback = ErrorFeedback(state, self.fused, self.collectives, self.terms,
                                             self.transport)
         self.refresher = VarianceRefresh(config.refresh, backend, self.fused, self.collectives,

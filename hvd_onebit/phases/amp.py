@@ -1,54 +1,64 @@
 """``torch.amp.GradScaler`` through ``step()``: every rank unscales, agrees on overflow, and
-skips (or not) together.
+skips (or not) together; and the one place GradScaler's internals are read.
 
 The optimizer sets ``_step_supports_amp_scaling``, so ``GradScaler.step()`` always calls its
 step() and passes itself instead of skipping step() on the ranks that overflowed (which would
-leave the others waiting in a collective).
+leave the others waiting in a collective). Around the step the scaler is a prologue and an
+epilogue (:class:`ScalerView`):
 
-Warmup (and a variance refresh step, which travels as the warmup does): gradients are
-allreduced first, so the inf check sees the averaged gradients, identical on every rank. Compression: the check is local, the allreduce's status word makes the skip
-decision common, and a skipped step marks every rank's scaler as having seen an inf, so all
-scalers back off alike and their scales never drift apart.
+* a full-precision step (the warmup's, a variance refresh step's): gradients are allreduced
+  first, so the prologue's unscale and inf check see the averaged gradients, identical on every
+  rank; the step is skipped where the scaler found an inf;
+* a compressed step: the prologue unscales (the check is local), the allreduce's status word
+  makes the skip decision common, and the epilogue marks a skipped step as an inf on every
+  rank's scaler, so all scalers back off alike and their scales never drift apart.
+
+GradScaler keeps no public API for what this needs (its record of an optimizer, its found-inf
+flags, its scale): :class:`ScalerView` and :func:`inverse_scale` read them, nothing else does.
 """
 from __future__ import annotations
 
 from typing import Callable, Optional
 
-from ..state.telemetry import Telemetry
-from .compression import CompressionPhase
-from .warmup import Warmup, closure_loss
+import torch
 
 
-def amp_step(scaler, per_opt: dict, unscale: Callable[[], None], compressing: bool,
-             warmup: Warmup, compression: CompressionPhase, telemetry: Telemetry,
-             closure: Optional[Callable[[], float]], make_hook: Callable):
-    """One step under ``scaler``, the GradScaler that called step(); ``per_opt``: its record of
-    this optimizer; ``unscale``: ``scaler.unscale_`` of this optimizer; ``warmup``: the
-    full-precision step (the warmup's, or a refresh step's ``RefreshPhase``, which offers the
-    same methods), taken when ``compressing`` is False. Returns the loss."""
-    from torch.amp.grad_scaler import OptState
+class ScalerView:
+    """What one step needs of the GradScaler that called it, for one optimizer."""
 
-    compression.overlap.remember_scaler(scaler)
-    if not compressing:
-        warmup.wait_seconds = 0.0
-        warmup.synchronize_for_step(make_hook)
-        if per_opt["stage"] is OptState.READY:
-            unscale()
-        if sum(float(t) for t in per_opt["found_inf_per_device"].values()):
-            telemetry.skipped_steps += 1
-            loss = None
-        else:
-            loss = warmup.adam_step(closure)
-        warmup.account()
-        return loss
-    if per_opt["stage"] is OptState.READY:
-        unscale()
-    loss = closure_loss(closure)
-    # Unscaling in place leaves no trace on the gradients' version counters: what the hooks
-    # assumed about the scaler is checked instead.
-    early = compression.overlap.current
-    if not compression.step(changed=early is not None and early.scaler is not scaler):
-        for flag in per_opt["found_inf_per_device"].values():
+    def __init__(self, scaler, optimizer_id: int, unscale: Callable[[], None]):
+        self.scaler = scaler
+        self._record = scaler._per_optimizer_states[optimizer_id]  # GradScaler's, of this optimizer
+        self._unscale = unscale  # scaler.unscale_(optimizer)
+
+    def unscale(self) -> None:
+        """The prologue: unscale the gradients unless the script did (``scaler.unscale_``)."""
+        from torch.amp.grad_scaler import OptState
+
+        if self._record["stage"] is OptState.READY:
+            self._unscale()
+
+    def found_inf(self) -> bool:
+        """Whether unscaling found an inf or NaN (on any device of this optimizer)."""
+        return bool(sum(float(t) for t in self._record["found_inf_per_device"].values()))
+
+    def skipped(self) -> None:
+        """The epilogue of a skipped step: the scaler sees an inf, so it backs off as every
+        other rank's does."""
+        for flag in self._record["found_inf_per_device"].values():
             flag.fill_(1.0)
-    compression.end_step()
-    return loss
+
+
+def has_scale(scaler) -> bool:
+    """Whether ``scaler`` has scaled a loss yet (before that it has no scale to undo)."""
+    return scaler._scale is not None
+
+
+def inverse_scale(scaler) -> torch.Tensor:
+    """The factor ``GradScaler.unscale_`` multiplies the gradients by, computed as it does."""
+    return scaler._scale.double().reciprocal().float()
+
+
+def view_of(scaler, optimizer_id: int, unscale: Callable[[], None]) -> Optional[ScalerView]:
+    """A :class:`ScalerView` of ``scaler``, or None without one."""
+    return None if scaler is None else ScalerView(scaler, optimizer_id, unscale)

@@ -1,5 +1,7 @@
-"""One optimizer step, dispatched to its phase: the warmup, the compression phase, or either
-under a GradScaler; and the hooks and synchronize() of each phase."""
+"""One optimizer step, dispatched to its kind: a full-precision step (the warmup's or a variance
+refresh step, :mod:`hvd_onebit.phases.full_precision`) or a compressed one, each with a
+GradScaler's prologue and epilogue around it when one is given (:mod:`hvd_onebit.phases.amp`);
+and the hooks and synchronize() of each phase."""
 from __future__ import annotations
 
 from typing import Callable, Optional
@@ -10,8 +12,9 @@ from ..engine import CompressedStep
 from ..horovod_view import HorovodView
 from ..state.schedule import COMPRESSION, Schedule
 from ..state.telemetry import Telemetry
-from .amp import amp_step
+from .amp import ScalerView, view_of
 from .compression import CompressionPhase
+from .full_precision import take
 from .refresh import RefreshPhase
 from .warmup import Warmup, closure_loss
 
@@ -59,26 +62,35 @@ class Phases:
              make_hook: Callable):
         """One optimizer step; ``grad_scaler`` (passed by GradScaler.step()) or None, with
         ``unscale`` its ``unscale_`` of this optimizer. Returns the closure's loss."""
-        overlap, refresh = self.compression.overlap, self.refreshing()
-        if grad_scaler is not None:  # a refresh step goes as a warmup step, with the refresh
-            per_opt = grad_scaler._per_optimizer_states[self._view.optimizer_id]
-            loss = amp_step(grad_scaler, per_opt, unscale, self.compressing() and not refresh,
-                            self.refresh if refresh else self.warmup, self.compression,
-                            self._telemetry, closure, make_hook)
-        elif refresh:
-            overlap.remember_scaler(None)
-            loss = self.refresh.step(closure, make_hook)
-        elif not self.compressing():
-            overlap.remember_scaler(None)
-            loss = self.warmup.step(closure, make_hook)
+        scaler = view_of(grad_scaler, self._view.optimizer_id, unscale)
+        if not self.compressing() or self.refreshing():
+            self.compression.overlap.remember_scaler(grad_scaler)
+            kind = self.refresh if self.compressing() else self.warmup
+            loss = take(kind, self.warmup, self._telemetry, closure, make_hook, scaler)
         else:
-            loss = closure_loss(closure)
-            early = overlap.current
-            overlap.remember_scaler(None)
-            self.compression.step(changed=early is not None and early.scaler is not None)
-            self.compression.end_step()
+            loss = self._compressed_step(closure, grad_scaler, scaler)
         every, steps = self._config.check_every, self._schedule.steps
         if every and self._engine.world > 1 and steps % every == 0:
             check_parameters_identical(self._view.param_groups, self._view.process_set, steps,
                                        every)
+        return loss
+
+    def _compressed_step(self, closure: Optional[Callable[[], float]], grad_scaler,
+                         scaler: Optional[ScalerView]):
+        """A compressed step, with the scaler's prologue (unscale) and epilogue (a skipped
+        step is an inf to every rank's scaler). The hooks of the next step assume this step's
+        scaler; whether this step's hooks assumed the right one is checked."""
+        overlap = self.compression.overlap
+        if scaler is not None:
+            overlap.remember_scaler(grad_scaler)
+            scaler.unscale()
+        loss = closure_loss(closure)
+        early = overlap.current
+        overlap.remember_scaler(grad_scaler)
+        # Unscaling in place leaves no trace on the gradients' version counters: what the
+        # hooks assumed about the scaler is checked instead.
+        taken = self.compression.step(changed=early is not None and early.scaler is not grad_scaler)
+        if not taken and scaler is not None:
+            scaler.skipped()
+        self.compression.end_step()
         return loss

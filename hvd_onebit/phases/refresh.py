@@ -8,8 +8,9 @@ refresh step's hooks to them, so overlap holds as in the warmup), then Horovod's
 The averaged gradients are the same bits on every rank, so a non-finite one is skipped by every
 rank alike, nothing changed; otherwise the engine takes Adam's step from them with the variance
 updated (:meth:`~hvd_onebit.engine.CompressedStep.refresh`, which also carries the error feedback
-over). Under a GradScaler it is driven like a warmup step (:mod:`hvd_onebit.phases.amp`). Its
-bytes are counted as the warmup counts its own (the ring allreduce's), plus a fold's.
+over). It is one kind of full-precision step, driven as the warmup's is, with or without a
+GradScaler (:mod:`hvd_onebit.phases.full_precision`). Its bytes are counted as the warmup counts
+its own (the ring allreduce's), plus a fold's.
 """
 from __future__ import annotations
 
@@ -33,37 +34,27 @@ logger = logging.getLogger("hvd_onebit")
 
 
 class RefreshPhase:
-    """One optimizer's refresh steps: the warmup's synchronize, the engine's refresh."""
+    """One optimizer's refresh steps: the engine's refresh on the gradients the warmup's
+    allreduce averaged (``allreduce``: its wait and its bytes)."""
 
     def __init__(self, view: HorovodView, schedule: Schedule, telemetry: Telemetry,
-                 engine: CompressedStep, warmup: Warmup, config: OneBitConfig):
+                 engine: CompressedStep, allreduce: Warmup, config: OneBitConfig):
         self._view = view
         self._schedule = schedule
         self._telemetry = telemetry
         self._engine = engine
-        self._warmup = warmup
+        self._allreduce = allreduce
         self._mode = config.refresh.error_feedback if config.refresh is not None else None
         self._extra_bytes = 0  # this step's bytes beyond the gradients' allreduce (a fold's)
 
-    @property
-    def wait_seconds(self) -> float:
-        return self._warmup.wait_seconds
+    # ---- a FullPrecisionStep (hvd_onebit.phases.full_precision) ------------------------------
 
-    @wait_seconds.setter
-    def wait_seconds(self, value: float) -> None:
-        self._warmup.wait_seconds = value
+    what = "refresh step"
 
-    def synchronize_for_step(self, make_hook: Callable) -> None:
-        self._warmup.synchronize_for_step(make_hook)
-
-    def step(self, closure: Optional[Callable[[], float]], make_hook: Callable):
-        """Horovod's synchronize, then the refresh; non-finite averaged gradients skip the step
-        on every rank. Returns the closure's loss."""
+    def begin(self) -> None:
         self._extra_bytes = 0
-        return self._warmup.full_precision_step(closure, make_hook, self.adam_step, self.account,
-                                                "refresh step")
 
-    def adam_step(self, closure: Optional[Callable[[], float]]):
+    def apply(self, closure: Optional[Callable[[], float]]):
         """The refresh on the averaged gradients (finite), counted and logged."""
         loss = closure_loss(closure)
         view, engine = self._view, self._engine
@@ -86,8 +77,8 @@ class RefreshPhase:
         return loss
 
     def account(self) -> None:
-        self._telemetry.account(self._warmup.step_bytes() + self._extra_bytes,
-                                self.wait_seconds)
+        self._telemetry.account(self._allreduce.step_bytes() + self._extra_bytes,
+                                self._allreduce.wait_seconds)
 
     def averaged_grad(self, p: torch.Tensor, group: dict) -> Optional[torch.Tensor]:
         """p's averaged gradient as Adam takes it in (Horovod's op already applied by its

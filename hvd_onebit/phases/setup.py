@@ -9,10 +9,11 @@ from dataclasses import dataclass
 import horovod.torch as hvd
 import torch
 
-from ..config import OneBitConfig
+from ..config import OneBitConfig, validate_masks
 from ..consistency import check_same_parameters
 from ..engine import CompressedStep, process_set_size
 from ..horovod_view import HorovodView
+from ..job import check_environment, shared_memory_inside_nodes
 from ..state.adam_state import init_adam_state
 from ..state.schedule import Schedule
 from ..state.telemetry import Telemetry
@@ -20,6 +21,13 @@ from .driver import Phases
 from ..transport.horovod import HorovodJob
 from ..transport.registry import resolve_transport
 from ..transport.rendezvous import TorchRendezvousError, init_torch_distributed
+
+
+def check(config: OneBitConfig, param_groups: list[dict], process_set: hvd.ProcessSet) -> None:
+    """Before anything is built: the param groups' masks and the options against the parameters
+    and the job (:func:`hvd_onebit.job.check_environment`); raises alike on every rank."""
+    validate_masks(param_groups)
+    check_environment(config, [p for g in param_groups for p in g["params"]], process_set)
 
 
 def check_job(param_groups: list[dict], names: dict, process_set: hvd.ProcessSet,
@@ -47,7 +55,7 @@ def connect(config: OneBitConfig, process_set: hvd.ProcessSet, device: torch.dev
             warnings.warn(f"hvd_onebit: transport='auto' uses Horovod: {exc}")
             transport = "horovod"
     if config.hierarchical is not False and config.intra_node == "shared_memory":
-        config.shared_memory_inside_nodes(transport, device)  # raises where it cannot
+        shared_memory_inside_nodes(config.intra_node, transport, device)  # raises if it cannot
     return HorovodJob(transport, process_set)
 
 

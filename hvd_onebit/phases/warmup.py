@@ -1,9 +1,9 @@
 """The warmup phase: exactly ``hvd.DistributedOptimizer`` around the wrapped Adam.
 
 Gradients are allreduced by Horovod in full precision as backward produces them (Horovod's own
-hooks), then Adam steps; its variance settles meanwhile. After the allreduce the gradients are
-the same on every rank (an inf anywhere makes the average inf everywhere), so a non-finite step
-is skipped by every rank alike without another collective.
+hooks), then Adam steps; its variance settles meanwhile. :class:`Warmup` also waits for the
+allreduce of a variance refresh step's gradients; :mod:`hvd_onebit.phases.full_precision`
+drives both kinds of step.
 """
 from __future__ import annotations
 
@@ -24,7 +24,8 @@ from ..transport.horovod import sleep_until_done
 
 
 class Warmup:
-    """Horovod's synchronize and step with the wrapped Adam, for one optimizer."""
+    """Horovod's synchronize and step with the wrapped Adam, for one optimizer: the gradients'
+    allreduce of every full-precision step, and the warmup's own kind of it."""
 
     def __init__(self, view: HorovodView, schedule: Schedule, telemetry: Telemetry,
                  engine: CompressedStep):
@@ -70,30 +71,18 @@ class Warmup:
             self.synchronize(make_hook)
         view.synchronized = False
 
-    def step(self, closure: Optional[Callable[[], float]], make_hook: Callable):
-        """Horovod's step (synchronize, then the wrapped Adam), skipping non-finite gradients."""
-        return self.full_precision_step(closure, make_hook, self.adam_step, self.account, "step")
+    def averaged_gradients(self) -> list[torch.Tensor]:
+        """The gradients after the allreduce: the same bits on every rank."""
+        return [p.grad for p in self._view.parameters() if p.grad is not None]
 
-    def full_precision_step(self, closure: Optional[Callable[[], float]], make_hook: Callable,
-                            apply: Callable, account: Callable[[], None], what: str):
-        """A step whose gradients Horovod allreduced: synchronize, then ``apply(closure)``
-        unless an averaged gradient is non-finite (the same on every rank: every rank skips,
-        warning that the ``what`` was skipped), then ``account()``. Returns the loss."""
-        self.wait_seconds = 0.0
-        self._telemetry.last_step_breakdown = {}
-        self.synchronize_for_step(make_hook)
-        grads = [p.grad for p in self._view.parameters() if p.grad is not None]
-        if not all_finite(grads):
-            self._telemetry.skipped_steps += 1
-            warnings.warn(f"hvd_onebit: {what} skipped on every rank: non-finite averaged "
-                          "gradients")
-            loss = None
-        else:
-            loss = apply(closure)
-        account()
-        return loss
+    # ---- the warmup's step, a FullPrecisionStep (hvd_onebit.phases.full_precision) -----------
 
-    def adam_step(self, closure: Optional[Callable[[], float]]):
+    what = "step"
+
+    def begin(self) -> None:
+        pass
+
+    def apply(self, closure: Optional[Callable[[], float]]):
         """The wrapped Adam's step on the averaged gradients, counted; float16 and bfloat16
         parameters step in float32 with their float32 state (:mod:`hvd_onebit.low_precision`)."""
         loss = closure_loss(closure)

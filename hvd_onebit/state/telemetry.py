@@ -1,7 +1,7 @@
 """What an optimizer tells training scripts and the CLI about its communication."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Optional
 
 
@@ -41,10 +41,8 @@ class Telemetry:
         self.total_comm_seconds += seconds
 
     def as_dict(self, phase: str, steps: int) -> dict:
-        return {"phase": phase, "steps": steps, "skipped_steps": self.skipped_steps,
-                "last_step_bytes": self.last_step_bytes, "total_bytes": self.total_bytes,
-                "last_step_comm_seconds": self.last_step_comm_seconds,
-                "total_comm_seconds": self.total_comm_seconds,
-                "last_step_breakdown": dict(self.last_step_breakdown),
-                "refreshes": self.refreshes, "last_refresh_step": self.last_refresh_step,
-                "refresh_declined": self.refresh_declined}
+        """``telemetry()``: the phase, the step count and every counter."""
+        return {"phase": phase, "steps": steps, **asdict(self)}
+
+
+COUNTERS = tuple(f.name for f in fields(Telemetry))  # each one an attribute of the optimizer too

@@ -17,7 +17,7 @@ from hvd_onebit import kernels
 from hvd_onebit.kernels import fused_adam
 from hvd_onebit.layout import Layout
 
-TARGET_RATIO = 0.5  # issue #14: every kernel at >= half of torch.add's element rate
+TARGET_RATIO = 0.5  # the kernels' target: every one at >= half of torch.add's element rate
 
 
 def _rate(fn, numel: int, repeats: int) -> float:

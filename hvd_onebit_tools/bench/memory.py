@@ -40,6 +40,8 @@ from typing import Any, Optional
 
 import torch
 
+from .refresh import optimizer_options
+
 ADAM_KEYS = ("exp_avg", "exp_avg_sq", "step")
 
 #: glibc: every allocation above 128 KiB is its own mmap, given back when freed (see the module).
@@ -205,9 +207,8 @@ def rank_run(layers: int, width: int, warmup: int, compressed: int, batch: int =
         dev = torch.device("cuda", torch.cuda.current_device())
     model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)]).to(dev)
     params = list(model.parameters())
-    extra = {} if bucket_size_mb is None else {"bucket_size_mb": bucket_size_mb}
-    if variance_refresh is not None:
-        extra["variance_refresh"] = variance_refresh
+    extra = optimizer_options(variance_refresh, **({} if bucket_size_mb is None
+                                                   else {"bucket_size_mb": bucket_size_mb}))
     opt = hvd_onebit.DistributedOptimizer(torch.optim.Adam(params, lr=1e-4),
                                           named_parameters=model.named_parameters(),
                                           freeze_step=warmup, memory=memory, **extra)
@@ -291,7 +292,7 @@ def inprocess_run(n: int, layers: int, width: int, steps: int,
                      "exp_avg_sq": torch.rand(p.shape, generator=g) * 1e-6 + 1e-9,
                      "frozen_variance_step": NOT_FROZEN} for p in params}
         extra = {} if bucket_size_mb is None else {"bucket_size_mb": bucket_size_mb}
-        engine = CompressedStep(OneBitConfig(freeze_step=10, memory=memory, **extra), state,
+        engine = CompressedStep(OneBitConfig.from_options(freeze_step=10, memory=memory, **extra), state,
                                 decoupled=lambda group: False, transport=t)
         groups = [{"params": params, "lr": 1e-4, "betas": (0.9, 0.999), "eps": 1e-8,
                    "weight_decay": 0.0}]

@@ -92,3 +92,23 @@ def whole_run_ceilings(fixed: dict, refreshed: dict) -> dict:
         "onebit_refresh_speedup_no_refreshes": base / (freeze * warm + (steps - freeze) * comp),
         "onebit_refresh_speedup_any_schedule": base / (steps * comp),
     }
+
+
+def optimizer_options(variance_refresh: Option = None, **options) -> dict:
+    """``hvd_onebit.DistributedOptimizer``'s keyword arguments from options as the command lines
+    hold them, flat: the research knobs (``compressor``, ``precondition``, ``step_bound``,
+    ``zero_variance``, ``intra_node``, ``auto_freeze``) gathered into one
+    ``experimental=Experimental(...)``, and a schedule's dict (``--variance-refresh '{...}'``)
+    passed as ``variance_refresh="doubling"`` refined by ``Experimental(refresh_schedule=...)``."""
+    from hvd_onebit import Experimental
+    from hvd_onebit.config import MOVED
+
+    knobs = {k: options.pop(k) for k in MOVED if k in options}
+    if isinstance(variance_refresh, (dict, RefreshSchedule)):
+        knobs["refresh_schedule"] = variance_refresh
+        variance_refresh = DOUBLING
+    if variance_refresh is not None:
+        options["variance_refresh"] = variance_refresh
+    if knobs:
+        options["experimental"] = Experimental(**knobs)
+    return options

@@ -52,7 +52,8 @@ from typing import Optional
 from hvd_onebit.layout import ring_allreduce_bytes
 from hvd_onebit.variance_refresh import RefreshSchedule
 from .allreduce import _iface_tx_bytes
-from .refresh import freeze_step_for, option_text, run_steps, whole_run_ceilings
+from .refresh import (freeze_step_for, option_text, optimizer_options, run_steps,
+                      whole_run_ceilings)
 from .waits import WAITS
 from .waits import sleeping_horovod_waits as _sleeping_horovod_waits  # noqa: F401 (zoo)
 
@@ -105,15 +106,14 @@ def onebit_arguments(method: str, steps: int, warmup_frac: float, onebit_options
     parameters) for a 1-bit method; ``variance_refresh`` only for ``onebit_refresh``, and only
     when set."""
     options = dict(onebit_options)
+    refresh = variance_refresh if method == "onebit_refresh" else None
     if method == "onebit_hier":
         options["hierarchical"] = True
     if method == "onebit_sync":
         options["overlap"] = False
     frac = refresh_freeze_frac if method == "onebit_refresh" else warmup_frac
     options["freeze_step"] = freeze_step_for(frac, steps)
-    if method == "onebit_refresh" and variance_refresh is not None:
-        options["variance_refresh"] = variance_refresh
-    return options
+    return optimizer_options(refresh, **options)
 
 
 def _make_step(method: str, model, steps: int, warmup_frac: float, powersgd_start: int, lr: float,

@@ -28,6 +28,7 @@ import torch.nn as nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import hvd_onebit  # noqa: E402
+from hvd_onebit_tools.bench.refresh import optimizer_options  # noqa: E402
 from tests.workers_optimizer import batch, make_model, params_hash  # noqa: E402
 
 OUT = Path(os.environ["OUT_DIR"])
@@ -42,7 +43,7 @@ torch.manual_seed(0)
 model = make_model()
 opt = hvd_onebit.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-3),
                                       named_parameters=model.named_parameters(),
-                                      freeze_step=FREEZE, variance_refresh=REFRESH)
+                                      freeze_step=FREEZE, **optimizer_options(REFRESH))
 state = hvd.elastic.TorchState(model=model, optimizer=opt, batch=0)
 log = open(OUT / f"{os.getpid()}.jsonl", "a")
 

@@ -1,4 +1,4 @@
-"""The convergence zoo (issue 25): Horovod Adam against 1-bit Adam on model families nobody
+"""The convergence zoo: Horovod Adam against 1-bit Adam on model families nobody
 tuned for, 4 ranks, every cell's final held-out loss over Adam's on the same seed.
 
 ``hvd-onebit bench zoo`` (or ``python benchmarks/zoo.py``) runs it; the modules, one job each:

@@ -40,7 +40,7 @@ def mnist_like_digits(seed: int, n_train: int = 4096, n_held: int = 512,
     * "clean": as MNIST, a black background (exact zeros before normalisation, so units that see
       only background get no gradient, and ReLU units die or fire intermittently), shifted by
       up to 2 pixels, with random contrast and stroke texture. The zoo's mnist_cnn uses it: it
-      is the style on which the unbounded frozen-variance step diverges (issue 25).
+      is the style on which the unbounded frozen-variance step diverges.
 
     The held-out examples are drawn from digit images no training example comes from (the 1,797
     source images are split 80/20 by the seed), so the held-out loss measures generalisation.

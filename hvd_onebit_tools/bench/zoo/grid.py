@@ -2,64 +2,69 @@
 
 A cell is one training run: a family, a learning-rate rule, a seed, and either plain Horovod
 Adam (the reference) or hvd_onebit at one freeze setting under one scheme. A scheme is a dict
-of extra keyword arguments for :func:`hvd_onebit.DistributedOptimizer`, so comparing the
-compression phase's variants needs no code here.
+of extra keyword arguments for :func:`hvd_onebit.DistributedOptimizer` (its research knobs in
+one :class:`hvd_onebit.Experimental`), so comparing the compression phase's variants needs no
+code here. A finished cell's record holds its options flat (:func:`options_record`), as JSON.
 """
 from __future__ import annotations
 
+from dataclasses import fields, replace
 from typing import Any, Iterable, Optional, Union
+
+from hvd_onebit import Experimental
 
 from .models import FAMILIES, family
 
+BOUNDED = Experimental(step_bound="adam", precondition=True)
 SCHEMES: dict[str, dict[str, Any]] = {
-    # this round's defaults: the preconditioned momentum compressed, each step clamped at
-    # Adam's own bound
-    "bounded": {"step_bound": "adam", "precondition": True},
-    # the scheme before this round: the momentum itself compressed, the paper's unbounded step
-    "unbounded": {"step_bound": None, "precondition": False},
+    # the library's defaults, spelled out: the preconditioned momentum compressed, each step
+    # clamped at Adam's own bound
+    "bounded": {"experimental": BOUNDED},
+    # the paper's scheme: the momentum itself compressed, the unbounded frozen-variance step
+    "unbounded": {"experimental": Experimental(step_bound=None, precondition=False)},
     # each mechanism alone, to choose between them
-    "bound_only": {"step_bound": "adam", "precondition": False},
-    "precondition_only": {"step_bound": None, "precondition": True},
+    "bound_only": {"experimental": Experimental(step_bound="adam", precondition=False)},
+    "precondition_only": {"experimental": Experimental(step_bound=None, precondition=True)},
     # frozen-variance Adam with the exact average of the momentum (no compression), bounded as
     # "bounded" is: what a cell loses to freezing the variance alone, apart from the 1-bit scale
-    "frozen_exact": {"step_bound": "adam", "precondition": True, "compressor": "none"},
+    "frozen_exact": {"experimental": replace(BOUNDED, compressor="none")},
     # finer scales (one per 512 elements: +1/16 of the 1-bit bytes), to tell a cell's loss to
     # the sign compression's scale granularity
-    "bounded_blocks512": {"step_bound": "adam", "precondition": True, "block_size": 512},
+    "bounded_blocks512": {"experimental": BOUNDED, "block_size": 512},
     "default": {},                       # whatever the installed hvd_onebit does by default
-    # what elements with a zero variance at the freeze cost (issue 25, Required 3): trained
-    # with Adam's eps as their denominator, or with their parameter's smallest variance
-    "bounded_eps": {"step_bound": "adam", "precondition": True, "zero_variance": "eps"},
-    "bounded_floor": {"step_bound": "adam", "precondition": True, "zero_variance": "floor"},
-    # the variance kept current (issue 27): "bounded" with refresh steps, on a sparse schedule
+    # what elements with a zero variance at the freeze cost: trained with Adam's eps as their
+    # denominator, or with their parameter's smallest variance
+    "bounded_eps": {"experimental": replace(BOUNDED, zero_variance="eps")},
+    "bounded_floor": {"experimental": replace(BOUNDED, zero_variance="floor")},
+    # the variance kept current: "bounded" with refresh steps, on a sparse schedule
     # (bounded_refresh: 16-step gaps growing after 4 refreshes) and on 0/1 Adam's doubling one
     # (bounded_refresh_doubling, the README's recommended one); each cell against "bounded"'s
-    "bounded_refresh": {"step_bound": "adam", "precondition": True,
-                        "variance_refresh": {"first_interval": 16, "updates_per_interval": 4}},
-    "bounded_refresh_doubling": {"step_bound": "adam", "precondition": True,
-                                 "variance_refresh": "doubling"},
+    "bounded_refresh": {"variance_refresh": "doubling", "experimental": replace(
+        BOUNDED, refresh_schedule={"first_interval": 16, "updates_per_interval": 4})},
+    "bounded_refresh_doubling": {"variance_refresh": "doubling", "experimental": BOUNDED},
     # what a refresh run gains or loses, one mechanism at a time: the exact momentum average
     # between refreshes (no compression), 512-element scales, the errors folded instead of
     # rescaled, 0/1 Adam's single variance update, the momentum itself compressed (no
     # preconditioning)
-    "refresh_exact": {"step_bound": "adam", "precondition": True, "compressor": "none",
-                      "variance_refresh": "doubling"},
+    "refresh_exact": {"variance_refresh": "doubling",
+                      "experimental": replace(BOUNDED, compressor="none")},
     # doubling refreshes that a parameter takes only where they lower its mean denominator
-    # (variance_refresh accept="lowering"): the variance follows Adam's down, stays frozen up
-    "refresh_lowering": {"step_bound": "adam", "precondition": True,
-                         "variance_refresh": {"accept": "lowering"}},
+    # (the schedule's accept="lowering"): the variance follows Adam's down, stays frozen up
+    "refresh_lowering": {"variance_refresh": "doubling", "experimental": replace(
+        BOUNDED, refresh_schedule={"accept": "lowering"})},
     # the same, except where a parameter's last step overshot (the new gradient against the
     # momentum's step): there it takes only refreshes that shorten its steps
-    "refresh_hypergradient": {"step_bound": "adam", "precondition": True,
-                              "variance_refresh": {"accept": "hypergradient"}},
-    "refresh_fold": {"step_bound": "adam", "precondition": True,
-                     "variance_refresh": {"error_feedback": "fold"}},
-    "refresh_single": {"step_bound": "adam", "precondition": True,
-                       "variance_refresh": {"variance_update": "single"}},
-    "refresh_blocks512": {"step_bound": "adam", "precondition": True, "block_size": 512,
-                          "variance_refresh": "doubling"},
-    "refresh_unpreconditioned": {"step_bound": "adam", "precondition": False,
-                                 "variance_refresh": "doubling"},
+    "refresh_hypergradient": {"variance_refresh": "doubling", "experimental": replace(
+        BOUNDED, refresh_schedule={"accept": "hypergradient"})},
+    "refresh_fold": {"variance_refresh": "doubling", "experimental": replace(
+        BOUNDED, refresh_schedule={"error_feedback": "fold"})},
+    "refresh_single": {"variance_refresh": "doubling", "experimental": replace(
+        BOUNDED, refresh_schedule={"variance_update": "single"})},
+    "refresh_blocks512": {"variance_refresh": "doubling", "experimental": BOUNDED,
+                          "block_size": 512},
+    "refresh_unpreconditioned": {"variance_refresh": "doubling",
+                                 "experimental": Experimental(step_bound="adam",
+                                                              precondition=False)},
 }
 # Null changes, not schemes of the library's: "bounded" with the compression phase's learning
 # rate scaled by a factor too close to 1 to matter (the warmup is untouched, so the freeze sees
@@ -87,6 +92,32 @@ def freeze_options(freeze: str, steps: int) -> dict[str, Any]:
         return {"freeze_step": "auto",
                 "auto_freeze": {"min_steps": max(10, steps // 10), "max_steps": steps // 2}}
     return {"freeze_step": max(1, round(value * steps))}
+
+
+def optimizer_options(cell: dict) -> dict:
+    """hvd_onebit.DistributedOptimizer's options for a 1-bit cell: its scheme's and its freeze
+    setting's, the automatic freeze's settings joining the scheme's Experimental."""
+    options = {**freeze_options(cell["freeze"], cell["steps"]), **cell.get("options", {})}
+    auto = options.pop("auto_freeze", None)
+    if auto is not None:
+        options["experimental"] = replace(experimental(cell), auto_freeze=auto)
+    return options
+
+
+def experimental(cell: dict) -> Experimental:
+    """The research knobs a cell runs with (the library's defaults where its scheme sets none)."""
+    return cell.get("options", {}).get("experimental") or Experimental()
+
+
+def options_record(options: dict) -> dict:
+    """A scheme's options as a record holds them (JSON): the Experimental knobs that differ from
+    their defaults beside the other options, flat."""
+    record = {k: v for k, v in options.items() if k != "experimental"}
+    knobs = options.get("experimental")
+    if knobs is not None:
+        record.update({f.name: getattr(knobs, f.name) for f in fields(knobs)
+                       if getattr(knobs, f.name) != f.default})
+    return record
 
 
 def learning_rate(base_lr: float, rule: str, world: int) -> float:

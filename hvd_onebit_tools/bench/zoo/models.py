@@ -123,7 +123,7 @@ def lm_task(model: nn.Module, optimizer: torch.optim.Optimizer, train: torch.Ten
 
 class HorovodMnistNet(nn.Module):
     """The ``Net`` of Horovod's examples/pytorch/pytorch_mnist.py, layer for layer (21,840
-    parameters): ReLU, max-pool and dropout, the combination issue 25 found diverging."""
+    parameters): ReLU, max-pool and dropout, the combination on which the unbounded step diverges."""
 
     def __init__(self):
         super().__init__()

@@ -12,7 +12,7 @@ with the Adam cell of the same family, learning-rate rule, seed, steps and batch
 * cells whose Adam run itself diverged are listed but left out of the summaries (the targets
   are about cells where Adam converges).
 
-Per scheme the summary gives the issue's three targets (no divergence where Adam converges,
+Per scheme the summary gives the zoo's three targets (no divergence where Adam converges,
 median ratio <= 1.01, every cell <= 1.05), and per family the mean fraction of elements whose
 step met the bound (how often it engages), the fraction held for a zero variance and where
 ``"auto"`` froze.

@@ -40,9 +40,8 @@ def check_options(cells: Iterable[dict]) -> None:
     installed hvd_onebit.DistributedOptimizer does not take (every rank would raise it)."""
     import hvd_onebit
 
-    params = inspect.signature(hvd_onebit.DistributedOptimizer).parameters
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        return
+    params = {name for name, p in inspect.signature(hvd_onebit.DistributedOptimizer)
+              .parameters.items() if p.kind is not inspect.Parameter.VAR_KEYWORD}
     for cell in cells:
         missing = [k for k in cell.get("options", {}) if k not in params]
         if missing:

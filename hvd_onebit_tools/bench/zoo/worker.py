@@ -38,7 +38,7 @@ import torch
 import hvd_onebit
 from hvd_onebit.step_bound import clamped_fraction, input_clamped_fraction
 
-from .grid import ADAM, freeze_options, learning_rate
+from .grid import ADAM, experimental, learning_rate, optimizer_options, options_record
 from .models import Task, family, parameter_count
 
 EVALS_PER_RUN = 10  # held-out evaluations per run (every steps // 10 steps, and the last step)
@@ -99,12 +99,12 @@ def zero_variance_fraction(optimizer) -> float:
     return zero / total if total else 0.0
 
 
-def _held(zero_fraction: Optional[float], options: dict) -> Optional[float]:
+def _held(zero_fraction: Optional[float], cell: dict) -> Optional[float]:
     # zero_variance="hold" (the default) keeps the zero-variance elements fixed; "eps" and
     # "floor" train them.
     if zero_fraction is None:
         return None
-    return zero_fraction if options.get("zero_variance", "hold") == "hold" else 0.0
+    return zero_fraction if experimental(cell).zero_variance == "hold" else 0.0
 
 
 def _distributed(task: Task, cell: dict) -> Any:
@@ -112,8 +112,7 @@ def _distributed(task: Task, cell: dict) -> Any:
     if cell["method"] == ADAM:
         return hvd.DistributedOptimizer(task.optimizer, named_parameters=named, groups=1)
     return hvd_onebit.DistributedOptimizer(task.optimizer, named_parameters=named, groups=1,
-                                           **freeze_options(cell["freeze"], cell["steps"]),
-                                           **cell.get("options", {}))
+                                           **optimizer_options(cell))
 
 
 def run_cell(cell: dict) -> dict:
@@ -125,7 +124,7 @@ def run_cell(cell: dict) -> dict:
     onebit = cell["method"] != ADAM
     # The bound clamped_fraction measures against: the scheme's, or the library's default
     # ("adam") when the scheme leaves it out. An unbounded scheme has none to measure.
-    bound = cell.get("options", {}).get("step_bound", "adam") if onebit else None
+    bound = experimental(cell).step_bound if onebit else None
     start, cpu_start = time.perf_counter(), time.process_time()
 
     task = fam.build(seed, lr, cell["batch"])
@@ -157,8 +156,7 @@ def run_cell(cell: dict) -> dict:
         loss = task.loss(task.model, batch)
         optimizer.zero_grad()
         loss.backward()
-        if compressing and bound is not None and cell.get("options", {}).get("precondition",
-                                                                            True):
+        if compressing and bound is not None and experimental(cell).precondition:
             # the input bound (preconditioned only), from this rank's momentum and gradient
             c = input_clamped_fraction(optimizer.param_groups, optimizer.state, bound)
             if c is not None:
@@ -195,6 +193,8 @@ def run_cell(cell: dict) -> dict:
               "cpu_seconds": float(hvd.allreduce(torch.tensor(time.process_time() - cpu_start,
                                                               dtype=torch.float64),
                                                  op=hvd.Sum, name="zoo.cpu_seconds"))}
+    if "options" in cell:  # JSON: the Experimental knobs flat
+        record["options"] = options_record(cell["options"])
     if onebit:
         telemetry = optimizer.telemetry()
         record.update({
@@ -205,7 +205,7 @@ def run_cell(cell: dict) -> dict:
             "input_clamped_fraction": (sum(input_clamped) / len(input_clamped)
                                        if input_clamped else None),
             "zero_variance_fraction": zero_fraction,
-            "held_fraction": _held(zero_fraction, cell.get("options", {})), "bound": bound})
+            "held_fraction": _held(zero_fraction, cell), "bound": bound})
         if optimizer.freeze_decision is not None:
             record["freeze_reason"] = optimizer.freeze_decision.get("reason")
     return record

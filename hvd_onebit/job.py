@@ -1,0 +1,75 @@
+"""What the options mean in this job: the checks that need the parameters, the transports and
+the kernels, and the decisions that follow from the device and the transport.
+
+:class:`~hvd_onebit.config.OneBitConfig` holds the options alone; this module reads them
+against the job, once, where the optimizer is built (:mod:`hvd_onebit.phases.setup`), and the
+engine asks it what its collectives keep (:func:`spare_errors`,
+:func:`shared_memory_inside_nodes`). Every rank decides alike, from what every rank sees alike.
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+
+from . import kernels
+from .config import OneBitConfig, check_one_device
+from .dtypes import FLOAT_DTYPES
+from .transport.registry import check_name as check_transport_name
+from .transport.registry import check_transport, either, supporting, supports
+
+
+def check_options(config: OneBitConfig) -> None:
+    """The options that name a transport or a kernel backend, and their combinations: raises a
+    ValueError naming the option and the value, on every rank, before any collective."""
+    check_transport_name(config.transport)
+    if config.kernel_backend not in kernels.BACKENDS:
+        raise ValueError(f"kernel_backend must be one of {kernels.BACKENDS}, got "
+                         f"{config.kernel_backend!r}")
+    if config.hierarchical is not False and not supports(config.transport, "hierarchical"):
+        raise ValueError(f"hierarchical 1-bit runs on transport="
+                         f"{either(supporting('hierarchical'))}, got "
+                         f"transport={config.transport!r}")
+    if config.intra_node == "shared_memory" and not supports(config.transport, "shared_memory"):
+        raise ValueError(f"intra_node='shared_memory' runs beside transport="
+                         f"{either(supporting('shared_memory'))} (or 'auto'), got "
+                         f"transport={config.transport!r}")
+
+
+def check_environment(config: OneBitConfig, params: Iterable[torch.Tensor],
+                      process_set) -> None:
+    """What can only be checked against the parameters and the job: dtypes, one device, a
+    kernel backend that runs there, a transport this job can use. Raises on every rank."""
+    check_options(config)
+    params = list(params)
+    bad = sorted({str(p.dtype) for p in params if p.dtype not in FLOAT_DTYPES})
+    if bad:
+        raise TypeError(f"hvd_onebit.DistributedOptimizer trains float32, float16 and bfloat16 "
+                        f"parameters; got {', '.join(bad)}")
+    check_one_device(params)
+    if params:
+        kernels.resolve_backend(config.kernel_backend, params[0].device)
+        if config.compressor == "onebit":
+            check_transport(config.transport, process_set, params[0].device)
+
+
+def spare_errors(memory: str, device: torch.device) -> bool:
+    """Whether the collectives keep spare error buffers on ``device`` (``memory="fast"``):
+    "auto" keeps them off CUDA, where memory is plentiful and the repeated passes would cost
+    compute time the CPU is short of; on a GPU the passes run at memory speed and the memory
+    is what is short."""
+    if memory == "auto":
+        return torch.device(device).type != "cuda"
+    return memory == "fast"
+
+
+def shared_memory_inside_nodes(intra_node: str, transport: str, device: torch.device) -> bool:
+    """Whether the hierarchical stages inside a node go through shared memory: CPU buffers on
+    the torch transport ("auto" and "shared_memory"); "network" never. Raises if
+    "shared_memory" was asked for where it cannot serve (the transport resolved to another
+    one, or the parameters are not on the CPU)."""
+    possible = transport in supporting("shared_memory") and torch.device(device).type == "cpu"
+    if intra_node == "shared_memory" and not possible:
+        raise ValueError("intra_node='shared_memory' needs CPU parameters on transport "
+                         f"'torch', this job has {torch.device(device)} on {transport!r}")
+    return possible and intra_node != "network"

@@ -1,0 +1,32 @@
+"""Checks of option values, shared by every module that validates options: one meaning of "an
+int" and of "a positive number" everywhere, and messages that name the option and the value."""
+from __future__ import annotations
+
+import math
+
+
+def is_int(value) -> bool:
+    """An int that is not a bool (``True`` is an int to Python, never a count to a user)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value) -> bool:
+    """A finite int or float that is not a bool."""
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and math.isfinite(value))
+
+
+def check_positive_int(name: str, value, minimum: int = 1) -> None:
+    """Raise ValueError naming ``name`` unless ``value`` is an int >= ``minimum`` (1: positive,
+    0: non-negative)."""
+    if not is_int(value) or value < minimum:
+        what = "a positive int" if minimum == 1 else f"an int >= {minimum}"
+        if minimum == 0:
+            what = "a non-negative int"
+        raise ValueError(f"{name} must be {what}, got {value!r}")
+
+
+def check_positive_number(name: str, value, what: str = "a positive number") -> None:
+    """Raise ValueError naming ``name`` unless ``value`` is a finite number > 0."""
+    if not is_number(value) or value <= 0:
+        raise ValueError(f"{name} must be {what}, got {value!r}")

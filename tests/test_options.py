@@ -1,0 +1,151 @@
+"""DistributedOptimizer's options: twelve keywords of its own, the research knobs in one
+Experimental object, parsed once into OneBitConfig with the same defaults and the same resolved
+values the flat keywords had."""
+import dataclasses
+import inspect
+
+import pytest
+import torch
+
+import hvd_onebit
+from hvd_onebit import Experimental
+from hvd_onebit.config import AutoFreeze, OneBitConfig
+from hvd_onebit.variance_refresh import RefreshSchedule
+
+KEYWORDS = ["freeze_step", "variance_refresh", "hierarchical", "bucket_size_mb", "transport",
+            "overlap", "memory", "flush_on_commit", "block_size", "check_every",
+            "kernel_backend", "experimental"]
+
+# What OneBitConfig(freeze_step=10) held before the options moved, field by field.
+DEFAULTS = {"freeze_step": 10, "compressor": "onebit", "block_size": None, "transport": "auto",
+            "kernel_backend": "auto", "bucket_size_mb": 64.0, "check_every": 0,
+            "auto_freeze": None, "flush_on_commit": False, "hierarchical": False,
+            "overlap": True, "memory": "auto", "intra_node": "auto", "step_bound": "adam",
+            "zero_variance": "hold", "precondition": True, "refresh": None}
+
+# Each moved knob: the old keyword's value, and what the config resolved it to then.
+MOVED = [
+    ("compressor", "none", {"compressor": "none"}),
+    ("precondition", False, {"precondition": False}),
+    ("step_bound", None, {"step_bound": None}),
+    ("step_bound", 3, {"step_bound": 3.0}),
+    ("zero_variance", "eps", {"zero_variance": "eps"}),
+    ("intra_node", "network", {"intra_node": "network"}),
+]
+
+
+def _fields(config: OneBitConfig) -> dict:
+    return {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+
+
+def test_the_optimizer_takes_twelve_options_of_its_own():
+    params = inspect.signature(hvd_onebit.DistributedOptimizer).parameters
+    own = [n for n, p in params.items() if p.kind is inspect.Parameter.KEYWORD_ONLY]
+    assert own == KEYWORDS, f"DistributedOptimizer's keyword-only options: {own}"
+    parsed = inspect.signature(OneBitConfig.from_options).parameters
+    for name in KEYWORDS[1:]:
+        assert params[name].default == parsed[name].default, \
+            f"{name}: DistributedOptimizer's default {params[name].default!r}, " \
+            f"OneBitConfig.from_options' {parsed[name].default!r}"
+
+
+def test_no_options_give_the_defaults_field_by_field():
+    got = _fields(OneBitConfig.from_options(10))
+    assert got == DEFAULTS, f"differs from the defaults: " \
+        f"{ {k: (got[k], DEFAULTS.get(k)) for k in got if got[k] != DEFAULTS.get(k)} }"
+    auto = OneBitConfig.from_options("auto")
+    assert auto.auto_freeze == AutoFreeze(window=10, tolerance=0.1, patience=2, min_steps=50,
+                                          max_steps=10000), f"auto: {auto.auto_freeze}"
+    doubling = OneBitConfig.from_options(10, variance_refresh="doubling").refresh
+    assert doubling == RefreshSchedule(first_interval=1, growth=2, updates_per_interval=16,
+                                       last_step=None, variance_update="gap",
+                                       error_feedback="rescale", accept="always"), doubling
+
+
+@pytest.mark.parametrize("name,value,resolved", MOVED)
+def test_each_moved_knob_resolves_as_its_keyword_did(name, value, resolved):
+    got = _fields(OneBitConfig.from_options(10, experimental=Experimental(**{name: value})))
+    assert got == {**DEFAULTS, **resolved}, f"Experimental({name}={value!r}) gave {got}"
+    assert type(got[name]) is type(resolved[name]), f"{name}: {type(got[name])}"
+
+
+def test_auto_freeze_and_a_schedule_resolve_as_their_dicts_did():
+    c = OneBitConfig.from_options("auto", experimental=Experimental(auto_freeze={"min_steps": 5}))
+    assert c.auto_freeze == AutoFreeze(min_steps=5), c.auto_freeze
+    c = OneBitConfig.from_options(10, variance_refresh="doubling", experimental=Experimental(
+        refresh_schedule={"accept": "lowering", "last_step": 90}))
+    assert c.refresh == RefreshSchedule(accept="lowering", last_step=90), c.refresh
+    schedule = RefreshSchedule(first_interval=4)
+    c = OneBitConfig.from_options(10, variance_refresh="doubling",
+                                  experimental=Experimental(refresh_schedule=schedule))
+    assert c.refresh is schedule
+
+
+@pytest.mark.parametrize("name,value", [(n, v) for n, v, _ in MOVED]
+                         + [("auto_freeze", {"min_steps": 5})])
+def test_a_moved_knob_passed_the_old_way_says_how_to_pass_it(name, value):
+    params = [torch.nn.Parameter(torch.zeros(3))]
+    with pytest.raises(TypeError) as err:
+        hvd_onebit.DistributedOptimizer(torch.optim.Adam(params), freeze_step=3,
+                                        **{name: value})
+    assert f"experimental=Experimental({name}={value!r})" in str(err.value), str(err.value)
+
+
+def test_an_unknown_keyword_is_named():
+    with pytest.raises(TypeError, match="unexpected keyword argument 'freeze_steps'"):
+        OneBitConfig.from_options(3, freeze_steps=4)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'growth'"):
+        Experimental(growth=3)
+
+
+def test_variance_refresh_takes_a_preset_and_experimental_refines_it():
+    with pytest.raises(ValueError, match=r"variance_refresh takes None or 'doubling'.*"
+                                         r"refresh_schedule=\{'accept': 'lowering'\}"):
+        OneBitConfig.from_options(3, variance_refresh={"accept": "lowering"})
+    with pytest.raises(ValueError, match="variance_refresh must be None or 'doubling', got "
+                                         "'weekly'"):
+        OneBitConfig.from_options(3, variance_refresh="weekly")
+    with pytest.raises(ValueError, match="refresh_schedule refines variance_refresh='doubling'"):
+        OneBitConfig.from_options(3, experimental=Experimental(refresh_schedule={"growth": 4}))
+    with pytest.raises(ValueError, match="auto_freeze applies only with freeze_step='auto'"):
+        OneBitConfig.from_options(3, experimental=Experimental(auto_freeze={"window": 5}))
+
+
+@pytest.mark.parametrize("knobs,message", [
+    ({"compressor": "twobit"}, "compressor must be one of"),
+    ({"precondition": 1}, "precondition must be True or False, got 1"),
+    ({"step_bound": -1}, "step_bound must be 'adam', None or a positive finite number, got -1"),
+    ({"zero_variance": "zero"}, "zero_variance must be one of"),
+    ({"intra_node": "nvlink"}, "intra_node must be one of"),
+    ({"auto_freeze": {"window": 0}}, "auto_freeze window must be a positive int, got 0"),
+    ({"refresh_schedule": {"growth": 0}}, "variance_refresh growth must be a number >= 1"),
+])
+def test_experimental_names_the_knob_and_the_bad_value(knobs, message):
+    with pytest.raises(ValueError, match=message):
+        Experimental(**knobs)
+
+
+@pytest.mark.parametrize("options,message", [
+    ({"bucket_size_mb": 0}, "bucket_size_mb must be a positive number of MiB, got 0"),
+    ({"check_every": -1}, "check_every must be a non-negative int, got -1"),
+    ({"block_size": 12}, "block_size must be None or a positive multiple of 8, got 12"),
+    ({"memory": "tiny"}, "memory must be one of"),
+    ({"hierarchical": "yes"}, "hierarchical must be True, False or 'auto', got 'yes'"),
+    ({"overlap": 1}, "overlap must be True or False, got 1"),
+    ({"experimental": {"precondition": False}}, "experimental must be an hvd_onebit"),
+])
+def test_the_options_name_the_option_and_the_bad_value(options, message):
+    with pytest.raises((ValueError, TypeError), match=message):
+        OneBitConfig.from_options(3, **options)
+
+
+@pytest.mark.parametrize("options,message", [
+    ({"transport": "carrier_pigeon"}, "carrier_pigeon"),
+    ({"kernel_backend": "asm"}, "kernel_backend must be one of"),
+    ({"hierarchical": True, "transport": "mpi"}, "hierarchical 1-bit runs on transport="),
+])
+def test_the_options_against_the_job_are_checked_when_the_optimizer_is_built(options, message):
+    params = [torch.nn.Parameter(torch.zeros(3))]
+    OneBitConfig.from_options(3, **options)  # the config alone does not know the job
+    with pytest.raises(ValueError, match=message):
+        hvd_onebit.DistributedOptimizer(torch.optim.Adam(params), freeze_step=3, **options)
