@@ -212,8 +212,8 @@ class OneBitConfig:
                             f"{type(experimental).__name__}")
         auto = freeze_step == AUTO
         if not auto and experimental.auto_freeze is not None:
-            raise ValueError("Experimental auto_freeze applies only with freeze_step='auto', got "
-                             f"freeze_step={freeze_step!r}")
+            raise ValueError("Experimental auto_freeze options apply only with "
+                             f"freeze_step='auto', got freeze_step={freeze_step!r}")
         return cls(freeze_step=freeze_step, compressor=experimental.compressor,
                    block_size=block_size, transport=transport, kernel_backend=kernel_backend,
                    bucket_size_mb=(float(bucket_size_mb) if _is_size(bucket_size_mb)

@@ -107,7 +107,8 @@ def test_variance_refresh_takes_a_preset_and_experimental_refines_it():
         OneBitConfig.from_options(3, variance_refresh="weekly")
     with pytest.raises(ValueError, match="refresh_schedule refines variance_refresh='doubling'"):
         OneBitConfig.from_options(3, experimental=Experimental(refresh_schedule={"growth": 4}))
-    with pytest.raises(ValueError, match="auto_freeze applies only with freeze_step='auto'"):
+    with pytest.raises(ValueError,
+                       match="auto_freeze options apply only with freeze_step='auto'"):
         OneBitConfig.from_options(3, experimental=Experimental(auto_freeze={"window": 5}))
 
 
