@@ -21,6 +21,17 @@
 // compression a single pass over the data (read x and y_prev, write y and the bits), the same
 // memory traffic as torch.add(x, e, out=y); an eagerly stored e would need a second pass after
 // the scale is known. The arithmetic is unchanged: e is computed with the same fp32 subtraction.
+#if defined(__x86_64__) || defined(_M_X64)
+// Included first, before torch's headers include it: GCC 12's AVX-512 intrinsics start from an
+// undefined vector and warn (maybe-uninitialized, GCC bug 105593) wherever they are inlined.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#include <immintrin.h>
+#pragma GCC diagnostic pop
+#define HVD_ONEBIT_X86 1
+#define HVD_AVX512 __attribute__((target("avx2,fma,avx512f,avx512dq,avx512bw,avx512vl")))
+#endif
+
 #include <torch/extension.h>
 
 #include <atomic>
@@ -29,13 +40,6 @@
 #include <cstring>
 #include <limits>
 #include <vector>
-
-#if defined(__x86_64__) || defined(_M_X64)
-#include <immintrin.h>
-#define HVD_ONEBIT_X86 1
-#define HVD_AVX2 __attribute__((target("avx2,fma")))
-#define HVD_AVX512 __attribute__((target("avx2,fma,avx512f,avx512dq,avx512bw,avx512vl")))
-#endif
 
 namespace {
 
