@@ -174,7 +174,7 @@ __attribute__((target("avx2,fma"))) inline __m256 frozen_denominator8(const floa
   return denominator8(_mm256_loadu_ps(v), sqrt_bc2, eps);
 }
 
-// frozen_denominator of 16 variances, and whether each is held (v == 0: +inf).
+// frozen_denominator of 16 variances at once (+inf where v == 0: held).
 HVD_AVX512 inline __m512 frozen_denominator16(const float* v, float sqrt_bc2, float eps) {
   const __m512 var = _mm512_loadu_ps(v);
   return _mm512_mask_blend_ps(
