@@ -10,7 +10,7 @@ from hvd_onebit.comm.protocol import Epilogue, InputProducer
 from hvd_onebit.kernels.fused_adam import AdamUpdate, MomentumInput, worker_compress_momentum
 from hvd_onebit.layout import Layout
 from hvd_onebit.transport.inprocess import run_threads
-from tests.test_kernels import _previous_state
+from tests.test_kernels import _previous_state, vector_width  # noqa: F401 (a fixture)
 
 
 def preconditioning(sizes, g):
@@ -25,6 +25,7 @@ def preconditioning(sizes, g):
                 bounds=[math.inf if i % 3 == 2 else 15.0 for i in range(len(sizes))])
 
 
+@pytest.mark.usefixtures("vector_width")
 @pytest.mark.parametrize("precondition", [False, True], ids=["momentum", "preconditioned"])
 @pytest.mark.parametrize("sizes,n", [([5, 0, 13, 1000, 7], 4), ([64, 64], 3), ([1], 2),
                                      ([4099], 1), ([300_001, 3, 200_000], 4)])
@@ -77,6 +78,7 @@ def test_momentum_input_compressed_in_one_pass_equals_materialised(sizes, n, pre
     assert runs[0][0] is True
 
 
+@pytest.mark.usefixtures("vector_width")
 @pytest.mark.parametrize("precondition", [False, True], ids=["momentum", "preconditioned"])
 @pytest.mark.parametrize("sizes", [[5, 0, 13, 1000, 7], [1], [300_001, 3, 1_100_000]])
 def test_momentum_input_written_out_natively_equals_torch(sizes, precondition):
@@ -145,6 +147,7 @@ def update_case(sizes, L, dtypes=(torch.float32,), unweighted_variances=False):
     return rows, weights, variances, held, steps, decays, sqrt_bc2s, eps, bounds
 
 
+@pytest.mark.usefixtures("vector_width")
 @pytest.mark.parametrize("precond", [False, True], ids=["momentum", "preconditioned"])
 @pytest.mark.parametrize("sizes,n", [([5, 0, 13, 1000, 7], 4), ([64, 64], 3), ([1], 2),
                                      ([300_001, 3, 200_000], 4)])
@@ -193,6 +196,7 @@ def test_decode_fused_with_adam_update_equals_torch(sizes, n, precond):
         start += sizes[i]
 
 
+@pytest.mark.usefixtures("vector_width")
 @pytest.mark.parametrize("precond", [False, True], ids=["momentum", "preconditioned"])
 @pytest.mark.parametrize("sizes", [[5, 0, 13, 1000, 7], [64, 64], [1], [300_001, 3, 200_000]])
 @pytest.mark.parametrize("alias", [False, True], ids=["src", "in-place"])
@@ -240,6 +244,82 @@ def test_update_from_a_decoded_momentum_equals_torch(sizes, alias, precond):
         start += size
 
 
+EDGE_SIZES = [1, 7, 9, 15, 16, 17, 0, 31, 33, 47, 64, 100, 5]  # ends off every 8-, 16-lane edge
+
+
+def edge_variances(sizes, g):
+    """Frozen variances with held elements (0) scattered, in a whole 16-element run and at a
+    segment's first and last elements."""
+    variances = [torch.rand(s, generator=g) * 1e-4 + 1e-9 for s in sizes]
+    for v in variances:
+        v[torch.rand(v.shape, generator=g) < 0.25] = 0.0
+        v[:1] = 0.0
+        v[-1:] = 0.0
+        if v.numel() >= 48:
+            v[16:32] = 0.0
+    return variances
+
+
+@pytest.mark.usefixtures("vector_width")
+@pytest.mark.parametrize("non_finite", [False, True], ids=["finite", "non-finite"])
+@pytest.mark.parametrize("n", [1, 3])
+def test_preconditioned_passes_at_the_vector_edges_equal_torch(n, non_finite):
+    """The default step's two native passes (preconditioned momentum + compress, preconditioned
+    decode + update) on segments ending off every 8- and 16-element edge, with held elements
+    (zero variances) scattered and in whole groups, and non-finite gradients (+-inf, NaN) or
+    scales: the bits of the torch twins, the status words included. A NaN scale's sign (in a
+    row whose status already says not finite) is left out: the vector code's accumulators meet
+    the NaN and the infinities in another order than the scalar code and torch."""
+    sizes = EDGE_SIZES
+    numel = sum(sizes)
+    L = Layout.build(numel, n, None)
+    g = torch.Generator().manual_seed(numel + n)
+    y_prev, prev_send = _previous_state(L, g)
+    m = torch.randn(numel, generator=g) * 0.1
+    grads = [None if i % 5 == 3 else torch.randn(s, generator=g) for i, s in enumerate(sizes)]
+    if non_finite:
+        grads[1][3], grads[4][15], grads[-2][50] = float("inf"), float("-inf"), float("nan")
+    variances = edge_variances(sizes, g)
+    src = MomentumInput(m, grads, sizes, 0.9, variances=variances,
+                        sqrt_bc2s=[0.3] * len(sizes), eps=[1e-8] * len(sizes),
+                        bounds=[math.inf if i % 4 == 2 else 2.0 for i in range(len(sizes))])
+    runs = {}
+    for impl in ("torch", "native", "scalar"):
+        y_out = torch.full((L.padded,), 123.0)
+        send = torch.full((L.n * L.row_bytes,), 0xAB, dtype=torch.uint8)
+        if impl == "scalar":
+            ok = _C.worker_compress_momentum(m, grads, sizes, 0.9, *src.native_precondition_args(),
+                                             y_prev, prev_send, y_out, send, *L.as_args(), False)
+        else:
+            ok = worker_compress_momentum(src, y_prev, prev_send, y_out, send, L, impl)
+        scales = kernels.row_scales(send, L, L.n)
+        scales[scales.isnan()] = float("nan")
+        runs[impl] = (ok, y_out.numpy().tobytes(), send.numpy().tobytes())
+    for impl in ("native", "scalar"):
+        assert runs[impl] == runs["torch"], f"compress, {impl}: bits differ from torch's"
+    assert runs["torch"][0] is (not non_finite), \
+        f"compress reported finite={runs['torch'][0]} for non_finite={non_finite}"
+
+    rows, weights, _, _, steps, decays, sqrt_bc2s, eps, bounds = update_case(sizes, L)
+    if non_finite:
+        kernels.row_scales(rows, L, L.n)[0, 0] = float("inf")
+    results = {}
+    for impl in ("torch", "native", "scalar"):
+        w = [None if t is None else t.clone() for t in weights]
+        out = torch.full((numel,), float("nan"))
+        update = AdamUpdate(w, variances, sizes, steps, decays, sqrt_bc2s, eps, bounds, True)
+        if impl == "torch":
+            kernels.decode(rows, out, L, "torch")
+            update.apply(out)
+        else:
+            _C.decode_update(rows, out, w, variances, sizes, steps, decays, sqrt_bc2s, eps,
+                             update.bounds, True, *L.as_args(), impl == "native")
+        results[impl] = [out.numpy().tobytes()] + [None if t is None else t.numpy().tobytes()
+                                                    for t in w]
+    for impl in ("native", "scalar"):
+        assert results[impl] == results["torch"], f"decode + update, {impl}: bits differ"
+
+
 @pytest.mark.parametrize("n", [1, 3])
 @pytest.mark.parametrize("backend", ["native", "torch"])
 def test_through_the_collective_hooks_equal_the_unfused_steps(n, backend):
@@ -284,6 +364,7 @@ def test_the_adam_types_are_the_collective_hooks():
     assert isinstance(update, Epilogue), f"AdamUpdate's bases: {type(update).__mro__}"
 
 
+@pytest.mark.usefixtures("vector_width")
 @pytest.mark.parametrize("rows,numel,n", [(2, 1001, 2), (3, 8, 1), (1, 77, 3), (2, 300_007, 2)])
 def test_node_mean_compressed_in_one_pass_equals_materialised(rows, numel, n):
     """The hierarchical collective's node mean, (r_0 + r_1 + ...) / k, computed inside the

@@ -14,6 +14,17 @@ CASES = [(1, 2, None), (7, 3, None), (31, 4, None), (33, 4, None), (4099, 3, Non
          (1_000_003, 4, None), (5000, 2, 64), (100, 1, None)]
 
 
+@pytest.fixture(params=["avx512", "avx2"])
+def vector_width(request):
+    """The native kernels' vector paths in turn: AVX-512 where the CPU has it (what "avx2"
+    tests call then), and AVX2 with it forbidden; both must give the scalar code's bits."""
+    if request.param == "avx512" and not _C.has_avx512():
+        pytest.skip("this CPU has no AVX-512")
+    allowed = _C.set_avx512(request.param == "avx512")
+    yield request.param
+    _C.set_avx512(allowed)
+
+
 def test_layout_pads_to_multiple_of_8n_and_aligns_rows():
     L = Layout.build(33, 4)
     assert (L.chunk, L.padded, L.block, L.nblocks) == (16, 64, 16, 1)
@@ -87,6 +98,7 @@ def _error_feedback_case(numel, n, block):
 IMPLS = ("torch", "avx2", "scalar")
 
 
+@pytest.mark.usefixtures("vector_width")
 @pytest.mark.parametrize("numel,n,block", CASES)
 def test_native_scalar_and_torch_kernels_give_identical_bits(numel, n, block):
     L = Layout.build(numel, n, block)
@@ -194,6 +206,7 @@ def _compress_modes(impl, L, x, y_prev, prev_send, z_prev, prev_row):
     return modes
 
 
+@pytest.mark.usefixtures("vector_width")
 @pytest.mark.parametrize("numel,n,block", [(4099, 3, None), (5000, 2, 64),
                                            ((1 << 21) + 5, 2, None)])
 def test_y_and_z_not_stored_or_updated_in_place_give_the_same_bits(numel, n, block):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from dataclasses import asdict, dataclass
 from types import SimpleNamespace
 
 import torch
@@ -17,7 +18,43 @@ from hvd_onebit import kernels
 from hvd_onebit.kernels import fused_adam
 from hvd_onebit.layout import Layout
 
-TARGET_RATIO = 0.5  # the kernels' target: every one at >= half of torch.add's element rate
+TARGET_RATIO = 0.5  # every kernel at >= half of torch.add's element rate
+
+
+@dataclass(frozen=True)
+class Streams:
+    """What a pass moves per element it counts: fp32 streams read and written, and streams of
+    packed sign bits (1/8 byte per element, read or written)."""
+
+    reads: float
+    writes: float
+    bits: float = 0.0
+
+    @property
+    def bytes_per_element(self) -> float:
+        return 4.0 * (self.reads + self.writes) + self.bits / 8.0
+
+
+def pass_streams(ranks: int) -> dict[str, Streams]:
+    """Every timed pass's streams as the benchmark calls it (write-allocate reads not counted).
+
+    The server step counts n elements per element of its chunk (one per received row), so its
+    chunk-sized streams (z read and written, its previous and new signs) count 1/n each.
+    """
+    n = float(ranks)
+    return {
+        "add": Streams(2, 1),                      # x, e -> y
+        "compress": Streams(2, 1, 2),              # x, y_prev -> y; previous signs -> signs
+        "server": Streams(1 / n, 1 / n, 1 + 2 / n),  # n rows' signs, z_prev -> z, signs
+        "decode": Streams(0, 1, 1),                # signs -> out
+        "momentum_compress": Streams(3, 1, 2),     # m, g, y_prev -> y
+        "momentum_compress_preconditioned": Streams(4, 1, 2),  # m, g, v, y_prev -> y
+        "decode_update": Streams(2, 2, 1),         # signs, v, w -> m, w
+        "decode_update_preconditioned": Streams(2, 2, 1),
+        "moments": Streams(3, 3),                  # m, v, g -> m, v, ratio
+        "errors": Streams(2, 1, 1),                # y, ratio, signs -> y
+        "gate": Streams(3, 0),                     # v, g, m -> four sums
+    }
 
 
 def _rate(fn, numel: int, repeats: int) -> float:
@@ -102,8 +139,11 @@ def bench_kernels(numel: int = 16 << 20, ranks: int = 4, threads: int = 1, repea
     """
     torch.set_num_threads(threads)
     L, b = _buffers(numel, ranks)
+    streams = pass_streams(ranks)
     add = _rate(lambda: torch.add(b.x, b.y_prev[:numel], out=b.y), numel, repeats)
     result = {"numel": numel, "ranks": ranks, "threads": threads, "add_elems_per_s": add,
+              "add_bytes_per_s": add * streams["add"].bytes_per_element,
+              "streams": {k: asdict(v) for k, v in streams.items()},
               "native_available": kernels.native_available(), "backends": {}}
     for backend in backends:
         if backend == "native" and not kernels.native_available():
@@ -115,6 +155,7 @@ def bench_kernels(numel: int = 16 << 20, ranks: int = 4, threads: int = 1, repea
         result["backends"][backend] = {
             **{f"{k}_elems_per_s": v for k, v in rates.items()},
             **{f"{k}_ratio_to_add": v / add for k, v in rates.items()},
+            **{f"{k}_bytes_per_s": v * streams[k].bytes_per_element for k, v in rates.items()},
         }
     result["target_ratio"] = TARGET_RATIO
     result["meets_target"] = {
@@ -123,7 +164,8 @@ def bench_kernels(numel: int = 16 << 20, ranks: int = 4, threads: int = 1, repea
     if kernels.native_available():
         result["fused_optimizer_passes"] = _bench_fused(L, b.x, b.y_prev, b.prev_send, b.y_next,
                                                         b.send, repeats)
-        result["refresh_passes"] = _bench_refresh(L, b.x, b.y_prev, b.send, repeats, add)
+        result["refresh_passes"] = _bench_refresh(L, b.x, b.y_prev, b.send, repeats, add,
+                                                  streams)
     return result
 
 
@@ -156,12 +198,15 @@ def bench_kernels_cuda(numels=(16 << 20, 64 << 20, 256 << 20), ranks: int = 4, r
                            "torch.cuda.is_available() is False here")
     if "triton" in backends and not kernels.triton_available():
         raise RuntimeError("the triton backend needs the triton package (pip install triton)")
+    streams = pass_streams(ranks)
     result = {"device": "cuda", "device_name": torch.cuda.get_device_name(), "ranks": ranks,
-              "target_ratio": TARGET_RATIO, "sizes": []}
+              "target_ratio": TARGET_RATIO, "streams": {k: asdict(v) for k, v in streams.items()},
+              "sizes": []}
     for numel in numels:
         L, b = _buffers(numel, ranks, "cuda")
         add = _rate_cuda(lambda: torch.add(b.x, b.y_prev[:numel], out=b.y), numel, repeats)
-        entry = {"numel": numel, "add_elems_per_s": add, "backends": {}}
+        entry = {"numel": numel, "add_elems_per_s": add,
+                 "add_bytes_per_s": add * streams["add"].bytes_per_element, "backends": {}}
         for backend in backends:
             calls = {**_calls(L, b, backend), **_fused_calls(L, b, backend)}
             reps = repeats if backend == "triton" else max(2, repeats // 3)
@@ -169,6 +214,8 @@ def bench_kernels_cuda(numels=(16 << 20, 64 << 20, 256 << 20), ranks: int = 4, r
             entry["backends"][backend] = {
                 **{f"{k}_elems_per_s": v for k, v in rates.items()},
                 **{f"{k}_ratio_to_add": v / add for k, v in rates.items()},
+                **{f"{k}_bytes_per_s": v * streams[k].bytes_per_element
+                   for k, v in rates.items()},
             }
         result["sizes"].append(entry)
         del b
@@ -216,9 +263,10 @@ def _bench_fused(L: Layout, g: torch.Tensor, y_prev, prev_send, y_next, send, re
     return ms
 
 
-def _bench_refresh(L: Layout, g: torch.Tensor, y_prev, send, repeats: int, add: float) -> dict:
-    """A variance refresh's passes (native) against the separate passes they replace, and each
-    as a ratio to torch.add's element rate ``add``:
+def _bench_refresh(L: Layout, g: torch.Tensor, y_prev, send, repeats: int, add: float,
+                   streams: dict) -> dict:
+    """A variance refresh's passes (native) against the separate passes they replace, each as a
+    ratio to torch.add's element rate ``add`` and in bytes per second (``streams``):
 
     * moments: ``refresh_moments`` (old denominators, ``m`` and ``v`` updated, old / new, one
       pass) vs the native denominators, torch's ``lerp_``, ``mul_`` and ``addcmul_``, then the
@@ -259,4 +307,5 @@ def _bench_refresh(L: Layout, g: torch.Tensor, y_prev, send, repeats: int, add: 
         out[f"{name}_separate_ms"] = numel / slow * 1e3
         out[f"{name}_speedup"] = fast / slow
         out[f"{name}_ratio_to_add"] = fast / add
+        out[f"{name}_bytes_per_s"] = fast * streams[name].bytes_per_element
     return out

@@ -37,6 +37,16 @@ def test_bench_kernel_json():
     report = json.loads(bench("kernel", "--numel", "64K", "--repeats", "2", "--json").stdout)
     for kernel in ("compress", "server", "decode"):
         assert report["backends"]["native"][f"{kernel}_ratio_to_add"] > 0
+    # each pass's bytes per second: its element rate times the bytes its streams move
+    streams = report["streams"]
+    per_element = {k: 4 * (s["reads"] + s["writes"]) + s["bits"] / 8 for k, s in streams.items()}
+    native = report["backends"]["native"]
+    for kernel in ("compress", "momentum_compress_preconditioned", "decode_update_preconditioned"):
+        want = native[f"{kernel}_elems_per_s"] * per_element[kernel]
+        assert native[f"{kernel}_bytes_per_s"] == pytest.approx(want), \
+            f"{kernel}: {native[f'{kernel}_bytes_per_s']} B/s, streams give {want}"
+    assert report["add_bytes_per_s"] == pytest.approx(report["add_elems_per_s"] * 12), \
+        f"torch.add moves 12 bytes per element: {report['add_bytes_per_s']} B/s"
     fused = report["fused_optimizer_passes"]
     for key in ("momentum_compress_ms", "lerp_then_compress_ms", "decode_update_ms",
                 "decode_then_addcdiv_ms", "momentum_compress_speedup", "decode_update_speedup"):
@@ -46,6 +56,16 @@ def test_bench_kernel_json():
              for suffix in ("_ms", "_separate_ms", "_speedup", "_ratio_to_add")}
     missing = sorted(k for k, v in timed.items() if not v or v <= 0)
     assert not missing, f"refresh passes without a positive figure: {missing} in {refresh}"
+    for k in ("moments", "errors", "gate"):
+        assert refresh[f"{k}_bytes_per_s"] == pytest.approx(
+            report["add_elems_per_s"] * refresh[f"{k}_ratio_to_add"] * per_element[k]), k
+
+
+def test_bench_kernel_table_lists_every_pass_with_its_bytes_per_second():
+    out = bench("kernel", "--numel", "64K", "--repeats", "2").stdout
+    assert "GB/s" in out, out
+    for kernel in ("momentum_compress_preconditioned", "decode_update_preconditioned"):
+        assert any(line.split()[:2] == ["native", kernel] for line in out.splitlines()), out
 
 
 def test_bench_allreduce_loopback_json_and_plot(tmp_path):

@@ -21,18 +21,25 @@
 // compression a single pass over the data (read x and y_prev, write y and the bits), the same
 // memory traffic as torch.add(x, e, out=y); an eagerly stored e would need a second pass after
 // the scale is known. The arithmetic is unchanged: e is computed with the same fp32 subtraction.
+#if defined(__x86_64__) || defined(_M_X64)
+// Included first, before torch's headers include it: GCC 12's AVX-512 intrinsics start from an
+// undefined vector and warn (maybe-uninitialized, GCC bug 105593) wherever they are inlined.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#include <immintrin.h>
+#pragma GCC diagnostic pop
+#define HVD_ONEBIT_X86 1
+#define HVD_AVX512 __attribute__((target("avx2,fma,avx512f,avx512dq,avx512bw,avx512vl")))
+#endif
+
 #include <torch/extension.h>
 
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
 #include <vector>
-
-#if defined(__x86_64__) || defined(_M_X64)
-#include <immintrin.h>
-#define HVD_ONEBIT_X86 1
-#endif
 
 namespace {
 
@@ -72,6 +79,29 @@ bool cpu_has_avx2() {
 #endif
 }
 
+// The 16-wide paths of the passes whose arithmetic would otherwise bound them (the worker
+// compression, the decode with Adam's update): AVX-512 division and root are correctly rounded
+// like the 8-wide ones, and on CPUs whose divider takes a 512-bit vector at the rate of a 256-bit
+// one they halve its time per element. Same bits as the AVX2 and scalar code; set_avx512(false)
+// falls back to AVX2 (the tests run both).
+bool cpu_has_avx512() {
+#if defined(HVD_ONEBIT_X86)
+  static const bool has = cpu_has_avx2() && __builtin_cpu_supports("avx512f") &&
+                          __builtin_cpu_supports("avx512dq") &&
+                          __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
+  return has;
+#else
+  return false;
+#endif
+}
+
+std::atomic<bool> avx512_allowed{true};
+
+bool use_avx512() { return cpu_has_avx512() && avx512_allowed.load(std::memory_order_relaxed); }
+
+// Allows or forbids the AVX-512 paths; returns whether they were allowed.
+bool set_avx512(bool allowed) { return avx512_allowed.exchange(allowed); }
+
 // ---- worker inputs -----------------------------------------------------------------------------
 // The worker kernels read their input x through a source, so the optimizer's momentum update can
 // be computed inside the compression pass instead of in a pass of its own:
@@ -88,6 +118,7 @@ struct PlainX {
   float at(int64_t p) { return x[p]; }
 #if defined(HVD_ONEBIT_X86)
   __attribute__((target("avx2,fma"))) __m256 load8(int64_t p) { return _mm256_loadu_ps(x + p); }
+  HVD_AVX512 __m512 load16(int64_t p) { return _mm512_loadu_ps(x + p); }
 #endif
 };
 
@@ -142,6 +173,32 @@ __attribute__((target("avx2,fma"))) inline __m256 frozen_denominator8(const floa
                                                                       float eps) {
   return denominator8(_mm256_loadu_ps(v), sqrt_bc2, eps);
 }
+
+// frozen_denominator of 16 variances at once (+inf where v == 0: held).
+HVD_AVX512 inline __m512 frozen_denominator16(const float* v, float sqrt_bc2, float eps) {
+  const __m512 var = _mm512_loadu_ps(v);
+  return _mm512_mask_blend_ps(
+      _mm512_cmp_ps_mask(var, _mm512_setzero_ps(), _CMP_EQ_OQ),
+      _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(var), _mm512_set1_ps(sqrt_bc2)),
+                    _mm512_set1_ps(eps)),
+      _mm512_set1_ps(std::numeric_limits<float>::infinity()));
+}
+
+// Two groups of 8 as one 16-lane vector (lo in lanes 0-7).
+HVD_AVX512 inline __m512 join16(__m256 lo, __m256 hi) {
+  return _mm512_insertf32x8(_mm512_castps256_ps512(lo), hi, 1);
+}
+
+// The lanes of v that are +-inf.
+HVD_AVX512 inline __mmask16 infinite16(__m512 v) { return _mm512_fpclass_ps_mask(v, 0x18); }
+
+// clamp_to of 16 values, an infinite one kept as it is (a NaN stays NaN: max and min return
+// their second operand then, as the 8-wide code relies on).
+HVD_AVX512 inline __m512 clamp16_keep_inf(__m512 u, float bound) {
+  const __m512 clamped =
+      _mm512_min_ps(_mm512_set1_ps(bound), _mm512_max_ps(_mm512_set1_ps(-bound), u));
+  return _mm512_mask_blend_ps(infinite16(u), clamped, u);
+}
 #endif
 
 struct MomentumX {
@@ -183,6 +240,22 @@ struct MomentumX {
                             _mm256_cmp_ps(abs_u, _mm256_set1_ps(std::numeric_limits<float>::infinity()),
                                           _CMP_EQ_OQ));
   }
+
+  // load8 of p and p + 8 in one 16-lane vector: the same operations on twice the lanes.
+  HVD_AVX512 __m512 load16(int64_t p) {
+    const GradSegment& s = seg_for(p);
+    if (p + 16 > s.end) {  // crosses a segment's end
+      const __m256 lo = load8(p), hi = load8(p + 8);
+      return join16(lo, hi);
+    }
+    const int64_t off = p - s.start;
+    const __m512 g = s.g ? _mm512_loadu_ps(s.g + off) : _mm512_setzero_ps();
+    const __m512 x = _mm512_add_ps(_mm512_mul_ps(_mm512_set1_ps(beta1), _mm512_loadu_ps(m + p)),
+                                   _mm512_mul_ps(_mm512_set1_ps(one_minus_beta1), g));
+    if (!s.v) return x;
+    return clamp16_keep_inf(_mm512_div_ps(x, frozen_denominator16(s.v + off, s.sqrt_bc2, s.eps)),
+                            s.bound);
+  }
 #endif
 };
 
@@ -202,6 +275,11 @@ struct MeanX {
     __m256 acc = _mm256_loadu_ps(rows[0] + p);
     for (size_t k = 1; k < rows.size(); ++k) acc = _mm256_add_ps(acc, _mm256_loadu_ps(rows[k] + p));
     return _mm256_div_ps(acc, _mm256_set1_ps(divisor));
+  }
+  HVD_AVX512 __m512 load16(int64_t p) {
+    __m512 acc = _mm512_loadu_ps(rows[0] + p);
+    for (size_t k = 1; k < rows.size(); ++k) acc = _mm512_add_ps(acc, _mm512_loadu_ps(rows[k] + p));
+    return _mm512_div_ps(acc, _mm512_set1_ps(divisor));
   }
 #endif
 };
@@ -349,6 +427,86 @@ __attribute__((target("avx2,fma"))) void worker_compress_avx2(
     }
   }
   if (stream) _mm_sfence();  // streaming stores are weakly ordered: publish them
+}
+
+HVD_AVX512 inline void store16(float* dst, __m512 v, bool stream) {
+  const uintptr_t at = reinterpret_cast<uintptr_t>(dst);
+  if (stream && (at & 63) == 0) {
+    _mm512_stream_ps(dst, v);
+  } else if (stream && (at & 31) == 0) {
+    _mm256_stream_ps(dst, _mm512_castps512_ps256(v));
+    _mm256_stream_ps(dst + 8, _mm512_extractf32x8_ps(v, 1));
+  } else {
+    _mm512_storeu_ps(dst, v);
+  }
+}
+
+// 16 sign bits (two bytes) as a lane mask, bit k for lane k.
+HVD_AVX512 inline __mmask16 load_bits16(const uint8_t* bits) {
+  uint16_t b;
+  std::memcpy(&b, bits, 2);
+  return static_cast<__mmask16>(b);
+}
+
+// worker_compress_avx2 with its pairs of groups in one 16-lane vector. The squares add into the
+// same two accumulators in the same order: lanes 0-3 of `acc` are acc0, which takes y[0:4]^2
+// then y[4:8]^2 of each pair, and lanes 4-7 are acc1, which takes y[8:12]^2 then y[12:16]^2.
+template <class XSource>
+HVD_AVX512 void worker_compress_avx512(XSource x, int64_t numel, const float* y_prev,
+                                       const uint8_t* prev_send, float* y_out, uint8_t* send,
+                                       const Layout& L, bool* finite) {
+  alignas(32) float tmp[8];
+  const int64_t nb = L.nblocks();
+  const int64_t hb = L.header_bytes();
+  const int64_t full_end_all = (numel / 8) * 8;
+  const bool stream = L.n * L.chunk >= kStreamMinFloats && y_out != y_prev;
+  // y[0:4], y[8:12] in the low half, y[4:8], y[12:16] in the high half
+  const __m512i pairs = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15);
+  for (int64_t j = 0; j < L.n; ++j) {
+    uint8_t* row = send + j * L.row_bytes;
+    const uint8_t* prow = prev_send + j * L.row_bytes;
+    for (int64_t b = 0; b < nb; ++b) {
+      const int64_t base = j * L.chunk + b * L.block;
+      const int64_t end = base + L.block;
+      int64_t full_end = full_end_all < end ? full_end_all : end;
+      if (full_end < base) full_end = base;
+      const float prev_s = reinterpret_cast<const float*>(prow)[1 + b];
+      const __m512 pos16 = _mm512_set1_ps(prev_s), neg16 = _mm512_set1_ps(-prev_s);
+      const uint8_t* prev_bits = prow + hb + b * L.block / 8;
+      uint8_t* bits = row + hb + b * L.block / 8;
+      __m512d acc = _mm512_setzero_pd();
+      int64_t p = base;
+      for (; p + 16 <= full_end; p += 16) {
+        const __m512 e = _mm512_sub_ps(
+            _mm512_loadu_ps(y_prev + p), _mm512_mask_blend_ps(load_bits16(prev_bits), neg16, pos16));
+        const __m512 y = _mm512_add_ps(x.load16(p), e);
+        if (y_out) store16(y_out + p, y, stream);
+        const __m512 yp = _mm512_permutexvar_ps(pairs, y);
+        const __m512d lo = _mm512_cvtps_pd(_mm512_castps512_ps256(yp));
+        const __m512d hi = _mm512_cvtps_pd(_mm512_extractf32x8_ps(yp, 1));
+        acc = _mm512_add_pd(acc, _mm512_mul_pd(lo, lo));
+        acc = _mm512_add_pd(acc, _mm512_mul_pd(hi, hi));
+        const uint16_t sign = _mm512_cmp_ps_mask(y, _mm512_setzero_ps(), _CMP_GE_OQ);
+        std::memcpy(bits, &sign, 2);
+        bits += 2;
+        prev_bits += 2;
+      }
+      __m256d acc0 = _mm512_castpd512_pd256(acc), acc1 = _mm512_extractf64x4_pd(acc, 1);
+      const __m256 prev_pos = _mm256_set1_ps(prev_s), prev_neg = _mm256_set1_ps(-prev_s);
+      for (; p < full_end; p += 8)
+        *bits++ = worker_group_avx2(x.load8(p), y_prev + p, *prev_bits++, prev_pos,
+                                    prev_neg, offset_or_null(y_out, p), &acc0, stream);
+      for (; p < end; p += 8) {  // groups touching the padding: x is zero past numel
+        for (int k = 0; k < 8; ++k) tmp[k] = p + k < numel ? x.at(p + k) : 0.0f;
+        *bits++ = worker_group_avx2(_mm256_load_ps(tmp), y_prev + p, *prev_bits++, prev_pos,
+                                    prev_neg, offset_or_null(y_out, p), &acc0, stream);
+      }
+      const double ss = hsum_pd(_mm256_add_pd(acc0, acc1));
+      if (!std::isfinite(ss)) *finite = false;
+      row_scales(row)[b] = static_cast<float>(std::sqrt(ss / static_cast<double>(L.block)));
+    }
+  }
+  if (stream) _mm_sfence();
 }
 #endif
 
@@ -523,6 +681,33 @@ __attribute__((target("avx2,fma"))) inline void update8_avx2(const UpdateSegment
   upd = _mm256_min_ps(_mm256_set1_ps(s.bound), _mm256_max_ps(_mm256_set1_ps(-s.bound), upd));
   _mm256_storeu_ps(wp, _mm256_add_ps(w, upd));
 }
+
+// update8_avx2 of the 16 elements at p, all inside segment s (which has a variance).
+HVD_AVX512 inline void update16_avx512(const UpdateSegment& s, int64_t p, __m512 d, float* m,
+                                       bool stream) {
+  const __m512 denom = frozen_denominator16(s.v + (p - s.start), s.sqrt_bc2, s.eps);
+  // not held: the denominator is not +inf (held lanes store +0 and add +0, as andnot gives)
+  const __mmask16 live = _mm512_cmp_ps_mask(
+      denom, _mm512_set1_ps(std::numeric_limits<float>::infinity()), _CMP_NEQ_UQ);
+  if (s.precond) {
+    store16(m + p, _mm512_maskz_mul_ps(live, d, denom), stream);
+    if (!s.w) return;
+    float* wp = s.w + (p - s.start);
+    __m512 w = _mm512_loadu_ps(wp);
+    if (s.apply_decay) w = _mm512_mul_ps(w, _mm512_set1_ps(s.decay));
+    __m512 q = _mm512_mul_ps(_mm512_set1_ps(s.step), d);
+    q = _mm512_min_ps(_mm512_set1_ps(s.bound), _mm512_max_ps(_mm512_set1_ps(-s.bound), q));
+    _mm512_storeu_ps(wp, _mm512_add_ps(w, _mm512_maskz_mov_ps(live, q)));
+    return;
+  }
+  store16(m + p, _mm512_maskz_mov_ps(live, d), stream);
+  float* wp = s.w + (p - s.start);
+  __m512 w = _mm512_loadu_ps(wp);
+  if (s.apply_decay) w = _mm512_mul_ps(w, _mm512_set1_ps(s.decay));
+  __m512 upd = _mm512_div_ps(_mm512_mul_ps(_mm512_set1_ps(s.step), d), denom);
+  upd = _mm512_min_ps(_mm512_set1_ps(s.bound), _mm512_max_ps(_mm512_set1_ps(-s.bound), upd));
+  _mm512_storeu_ps(wp, _mm512_add_ps(w, upd));
+}
 #endif
 
 void decode_update_scalar(const uint8_t* rows, float* m, int64_t numel, const Layout& L,
@@ -589,6 +774,70 @@ __attribute__((target("avx2,fma"))) void decode_update_avx2(const uint8_t* rows,
 }
 #endif
 
+#if defined(HVD_ONEBIT_X86)
+// decode_update_avx2 with 16 elements (two sign bytes) at a time where they lie in one segment.
+HVD_AVX512 void decode_update_avx512(const uint8_t* rows, float* m, int64_t numel,
+                                     const Layout& L, SegmentCursor<UpdateSegment> segs) {
+  const int64_t nb = L.nblocks();
+  const bool stream = numel >= kStreamMinFloats;
+  const __m256i sel = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+  for (int64_t j = 0; j < L.n; ++j) {
+    const uint8_t* row = rows + j * L.row_bytes;
+    const float* scales = reinterpret_cast<const float*>(row) + 1;
+    const uint8_t* bits = row + L.header_bytes();
+    for (int64_t b = 0; b < nb; ++b) {
+      const int64_t base = j * L.chunk + b * L.block;
+      int64_t stop = base + L.block;
+      if (stop > numel) stop = numel;
+      const __m256 pos_s = _mm256_set1_ps(scales[b]), neg_s = _mm256_set1_ps(-scales[b]);
+      const __m512 pos16 = _mm512_set1_ps(scales[b]), neg16 = _mm512_set1_ps(-scales[b]);
+      const uint8_t* bp = bits + b * L.block / 8;
+      int64_t p = base;
+      while (p < stop) {
+        const UpdateSegment& s = segs.at(p);
+        int64_t seg_stop = s.end < stop ? s.end : stop;
+        if ((p - base) % 8 == 0) {
+          if (s.v) {
+            for (; p + 16 <= seg_stop; p += 16)
+              update16_avx512(s, p,
+                              _mm512_mask_blend_ps(load_bits16(bp + (p - base) / 8), neg16, pos16),
+                              m, stream);
+          } else {
+            for (; p + 16 <= seg_stop; p += 16)
+              store16(m + p,
+                      _mm512_mask_blend_ps(load_bits16(bp + (p - base) / 8), neg16, pos16),
+                      stream);
+          }
+        }
+        // A last whole group of 8, as decode_update_avx2 does it.
+        if (p + 8 <= seg_stop && (p - base) % 8 == 0) {
+          const __m256i v = _mm256_and_si256(_mm256_set1_epi32(bp[(p - base) / 8]), sel);
+          const __m256 d =
+              _mm256_blendv_ps(neg_s, pos_s, _mm256_castsi256_ps(_mm256_cmpeq_epi32(v, sel)));
+          if (s.v) {
+            update8_avx2(s, p, d, m, stream);
+          } else {
+            store8(m + p, d, stream);
+          }
+          p += 8;
+        }
+        // Elements one at a time up to the segment's end or the next whole group.
+        for (; p < seg_stop && (p + 8 > seg_stop || (p - base) % 8 != 0); ++p) {
+          const int64_t k = p - base;
+          const float d = ((bp[k / 8] >> (k % 8)) & 1) ? scales[b] : -scales[b];
+          if (s.v) {
+            update1(s, p, d, m);
+          } else {
+            m[p] = d;
+          }
+        }
+      }
+    }
+  }
+  if (stream) _mm_sfence();
+}
+#endif
+
 // ---- Adam's update from a momentum already decoded ------------------------------------------------
 // The same update as decode_update, for a collective whose averaged momentum arrives decoded (the
 // hierarchical collective gathers float32 shards): m[p] = src[p] (+0 where held) and the weight
@@ -617,6 +866,23 @@ __attribute__((target("avx2,fma"))) void update_avx2(const float* src, float* m,
       for (; p < s.end; ++p) update1(s, p, src[p], m);
     } else {
       for (; p + 8 <= s.end; p += 8) store8(m + p, _mm256_loadu_ps(src + p), stream);
+      for (; p < s.end; ++p) m[p] = src[p];
+    }
+  }
+  if (stream) _mm_sfence();
+}
+
+HVD_AVX512 void update_avx512(const float* src, float* m, int64_t numel,
+                              const std::vector<UpdateSegment>& segs) {
+  const bool stream = numel >= kStreamMinFloats && src != m;
+  for (const UpdateSegment& s : segs) {
+    int64_t p = s.start;
+    if (s.v) {
+      for (; p + 16 <= s.end; p += 16) update16_avx512(s, p, _mm512_loadu_ps(src + p), m, stream);
+      for (; p + 8 <= s.end; p += 8) update8_avx2(s, p, _mm256_loadu_ps(src + p), m, stream);
+      for (; p < s.end; ++p) update1(s, p, src[p], m);
+    } else {
+      for (; p + 16 <= s.end; p += 16) store16(m + p, _mm512_loadu_ps(src + p), stream);
       for (; p < s.end; ++p) m[p] = src[p];
     }
   }
@@ -780,6 +1046,15 @@ __attribute__((target("avx2,fma"))) int64_t momentum_update_avx2(MomentumX x, in
   if (stream) _mm_sfence();
   return p;
 }
+
+HVD_AVX512 int64_t momentum_update_avx512(MomentumX x, int64_t numel, float* o) {
+  const bool stream = numel >= kStreamMinFloats;
+  int64_t p = 0;
+  for (; p + 16 <= numel; p += 16) store16(o + p, x.load16(p), stream);
+  for (; p + 8 <= numel; p += 8) store8(o + p, x.load8(p), stream);
+  if (stream) _mm_sfence();
+  return p;
+}
 #endif
 
 // out = beta1 * m + (1 - beta1) * g: the worker compression's momentum source written out, for a
@@ -799,7 +1074,11 @@ void momentum_update(const torch::Tensor& m, const std::vector<c10::optional<tor
   pybind11::gil_scoped_release no_gil;
   int64_t p = 0;
 #if defined(HVD_ONEBIT_X86)
-  if (allow_simd && cpu_has_avx2()) p = momentum_update_avx2(x, numel, o);
+  if (allow_simd && use_avx512()) {
+    p = momentum_update_avx512(x, numel, o);
+  } else if (allow_simd && cpu_has_avx2()) {
+    p = momentum_update_avx2(x, numel, o);
+  }
 #endif
   for (; p < numel; ++p) o[p] = x.at(p);
 }
@@ -820,7 +1099,10 @@ bool run_worker_compress(XSource x, int64_t numel, const torch::Tensor& y_prev,
   {
     pybind11::gil_scoped_release no_gil;
 #if defined(HVD_ONEBIT_X86)
-    if (allow_simd && cpu_has_avx2())
+    if (allow_simd && use_avx512())
+      worker_compress_avx512(x, numel, y_prev.data_ptr<float>(), prev_send.data_ptr<uint8_t>(),
+                             y_out_p, send.data_ptr<uint8_t>(), L, &finite);
+    else if (allow_simd && cpu_has_avx2())
       worker_compress_avx2(x, numel, y_prev.data_ptr<float>(), prev_send.data_ptr<uint8_t>(),
                            y_out_p, send.data_ptr<uint8_t>(), L, &finite);
     else
@@ -886,8 +1168,14 @@ void decode(const torch::Tensor& rows, torch::Tensor out, int64_t n, int64_t chu
     // decode alone is decode_update over one segment that takes no update
     const UpdateSegment none{nullptr, nullptr, 0, out.numel(), 0.0f, 1.0f, 1.0f, 0.0f, false,
                              std::numeric_limits<float>::infinity(), false};
-    decode_update_avx2(rows.data_ptr<uint8_t>(), out.data_ptr<float>(), out.numel(), L,
-                       SegmentCursor<UpdateSegment>{&none, 1});
+    const SegmentCursor<UpdateSegment> cursor{&none, 1};
+    if (use_avx512()) {
+      decode_update_avx512(rows.data_ptr<uint8_t>(), out.data_ptr<float>(), out.numel(), L,
+                           cursor);
+    } else {
+      decode_update_avx2(rows.data_ptr<uint8_t>(), out.data_ptr<float>(), out.numel(), L,
+                         cursor);
+    }
     return;
   }
 #endif
@@ -958,6 +1246,10 @@ void decode_update(const torch::Tensor& rows, torch::Tensor m,
   SegmentCursor<UpdateSegment> cursor{segs.data(), static_cast<int64_t>(segs.size())};
   pybind11::gil_scoped_release no_gil;
 #if defined(HVD_ONEBIT_X86)
+  if (allow_simd && use_avx512()) {
+    decode_update_avx512(rows.data_ptr<uint8_t>(), m.data_ptr<float>(), m.numel(), L, cursor);
+    return;
+  }
   if (allow_simd && cpu_has_avx2()) {
     decode_update_avx2(rows.data_ptr<uint8_t>(), m.data_ptr<float>(), m.numel(), L, cursor);
     return;
@@ -983,6 +1275,10 @@ void update(const torch::Tensor& src, torch::Tensor m,
   if (m.numel() == 0) return;
   pybind11::gil_scoped_release no_gil;
 #if defined(HVD_ONEBIT_X86)
+  if (allow_simd && use_avx512()) {
+    update_avx512(src.data_ptr<float>(), m.data_ptr<float>(), m.numel(), segs);
+    return;
+  }
   if (allow_simd && cpu_has_avx2()) {
     update_avx2(src.data_ptr<float>(), m.data_ptr<float>(), m.numel(), segs);
     return;
@@ -1362,4 +1658,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "and given m sum(g*u), sum((g*u)^2) over v > 0, u = m / (sqrt(v)/sqrt_bc2 + eps); "
         "eight float64 lanes added in a fixed order (SIMD and scalar alike).");
   m.def("has_avx2", &cpu_has_avx2, "Whether the AVX2 code path is available on this CPU.");
+  m.def("has_avx512", &cpu_has_avx512,
+        "Whether the AVX-512 paths (worker compression, decode and update) run on this CPU.");
+  m.def("set_avx512", &set_avx512,
+        "Allow (True, the default) or forbid the AVX-512 paths where the CPU has them (forbidden: "
+        "AVX2, the same bits); returns whether they were allowed.");
 }

@@ -35,10 +35,11 @@ def bench_kernel(numel, ranks: int, threads: int, repeats: int, device: str,
             click.echo(json.dumps(result, indent=2))
             return
         print_table([{"numel": e["numel"], "backend": backend, "kernel": k[:-len("_ratio_to_add")],
-                      "ratio": v} for e in result["sizes"] for backend, r in e["backends"].items()
+                      "ratio": v, "gb_s": r[k[:-len("_ratio_to_add")] + "_bytes_per_s"] / 1e9}
+                     for e in result["sizes"] for backend, r in e["backends"].items()
                      for k, v in r.items() if k.endswith("_ratio_to_add")],
                     [("numel", "numel", ""), ("backend", "backend", ""), ("kernel", "kernel", ""),
-                     ("ratio to add", "ratio", ".2f")])
+                     ("ratio to add", "ratio", ".2f"), ("GB/s", "gb_s", ".1f")])
         return
     if numel and len(numel) > 1:
         raise click.BadParameter("one size on cpu (a list only with --device cuda)",
@@ -50,14 +51,17 @@ def bench_kernel(numel, ranks: int, threads: int, repeats: int, device: str,
         click.echo(json.dumps(result, indent=2))
         return
     click.echo(f"{numel} fp32 elements, {ranks} chunks, {threads} thread(s); "
-               f"torch.add: {result['add_elems_per_s'] / 1e6:,.0f} M elements/s")
+               f"torch.add: {result['add_elems_per_s'] / 1e6:,.0f} M elements/s, "
+               f"{result['add_bytes_per_s'] / 1e9:.1f} GB/s")
     rows = []
     for backend, b in result["backends"].items():
-        for k in ("compress", "server", "decode"):
+        for k in (k[:-len("_ratio_to_add")] for k in b if k.endswith("_ratio_to_add")):
             rows.append({"backend": backend, "kernel": k,
-                         "melem_s": b[f"{k}_elems_per_s"] / 1e6, "ratio": b[f"{k}_ratio_to_add"]})
+                         "melem_s": b[f"{k}_elems_per_s"] / 1e6, "ratio": b[f"{k}_ratio_to_add"],
+                         "gb_s": b[f"{k}_bytes_per_s"] / 1e9})
     print_table(rows, [("backend", "backend", ""), ("kernel", "kernel", ""),
-                       ("M elem/s", "melem_s", ",.0f"), ("ratio to add", "ratio", ".2f")])
+                       ("M elem/s", "melem_s", ",.0f"), ("ratio to add", "ratio", ".2f"),
+                       ("GB/s", "gb_s", ".1f")])
     fused = result.get("fused_optimizer_passes")
     if fused:
         click.echo(f"optimizer passes (native): momentum+compress {fused['momentum_compress_ms']:.1f}"
@@ -69,5 +73,6 @@ def bench_kernel(numel, ranks: int, threads: int, repeats: int, device: str,
     if refresh:
         click.echo("a refresh's passes (native, fused vs separate): " + "; ".join(
             f"{k} {refresh[k + '_ms']:.1f} ms vs {refresh[k + '_separate_ms']:.1f} ms "
-            f"({refresh[k + '_speedup']:.2f}x, {refresh[k + '_ratio_to_add']:.2f} of add)"
+            f"({refresh[k + '_speedup']:.2f}x, {refresh[k + '_ratio_to_add']:.2f} of add, "
+            f"{refresh[k + '_bytes_per_s'] / 1e9:.1f} GB/s)"
             for k in ("moments", "errors", "gate")))
