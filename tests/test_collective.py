@@ -1,6 +1,6 @@
 """OneBitAllreduce on real multi-rank jobs, checked against the NumPy reference.
 
-One job per world size runs every scenario (tests.workers_collective:suite); each scenario's
+Every scenario of a world size runs in that size's shared job (tests/worlds.py); each scenario's
 exception comes back as data, so only the tests of that scenario fail (tests/scenarios.py).
 """
 import numpy as np
@@ -13,6 +13,7 @@ from tests.checks import assert_same_bits
 from tests.onebit_reference import ReferenceOneBit
 from tests.scenarios import scenario
 from tests.workers_collective import fixed_input_outputs, rank_input
+from tests.worlds import shared_suite
 
 pytestmark = pytest.mark.multirank
 
@@ -21,12 +22,9 @@ def sizes_for(n):
     return [0, 1, 7, 8 * n - 1, 8 * n + 1, 1 << 20]
 
 
-@pytest.fixture(scope="module", params=[1, 2, 3, 4])
-def world(request):
-    n = request.param
-    results = run_ranks("tests.workers_collective:suite", np=n,
-                        kwargs={"sizes": sizes_for(n)}, timeout=300)
-    return n, results
+world = shared_suite("tests.workers_collective:suite", np=[1, 2, 3, 4], timeout=300,
+                     kwargs={n: {"sizes": sizes_for(n)} for n in (1, 2, 3, 4)})
+without_mpi = shared_suite("tests.workers_collective:mpi_transport_without_mpi", np=2, timeout=120)
 
 
 def reference_outputs(n, numel, calls, block_size=None):
@@ -220,8 +218,7 @@ def test_mpi_transport_matches_horovod_transport():
     assert_identical_across_ranks([r["mpi"] for r in results], "mpi transport")
 
 
-def test_mpi_transport_needs_an_mpi_job():
-    results = run_ranks("tests.workers_collective:mpi_transport_without_mpi", np=2,
-                        controller="gloo", timeout=120)
+def test_mpi_transport_needs_an_mpi_job(without_mpi):
+    results = without_mpi
     for rank, message in enumerate(results):
         assert message and "launched with MPI" in message, f"rank {rank}: {message!r}"

@@ -10,23 +10,16 @@ from tests.scenarios import scenario
 from tests.checks import assert_same_params, difference
 from tests.workers_compressed_step import BETAS
 from tests.workers_freeze_and_flush import AUTO, flush_engine
+from tests.worlds import SCRATCH, shared_suite
 
 W = "tests.workers_freeze_and_flush:"
 
 
 # ---- freeze_step="auto" -------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def auto_dir(tmp_path_factory):
-    return tmp_path_factory.mktemp("auto")
-
-
-@pytest.fixture(scope="module")
-def auto_runs(auto_dir):
-    """One 2-rank job: the uninterrupted run with a checkpoint after every step, and the runs
-    resumed from before and after its decision (tests.workers_freeze_and_flush.auto_freeze_suite)."""
-    return run_ranks(W + "auto_freeze_suite", np=2, timeout=300,
-                     kwargs={"ckpt_dir": str(auto_dir)})
+# On 2 ranks: the uninterrupted run with a checkpoint after every step, and the runs resumed from
+# before and after its decision (tests.workers_freeze_and_flush.auto_freeze_suite).
+auto_runs = shared_suite(W + "auto_freeze_suite", np=2, timeout=300, kwargs={"ckpt_dir": SCRATCH})
 
 
 @pytest.fixture(scope="module")
@@ -158,9 +151,7 @@ def test_flush_with_a_nonfinite_error_changes_nothing_anywhere(n):
 
 # ---- flush_error_feedback in Horovod jobs ------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def flush_results():
-    return run_ranks(W + "flush_suite", np=2, timeout=300)
+flush_results = shared_suite(W + "flush_suite", np=2, timeout=300)
 
 
 @pytest.mark.multirank

@@ -6,15 +6,14 @@ import pytest
 
 from hvd_onebit_tools.cluster.jobs import run_ranks
 from tests.checks import first_difference
+from tests.worlds import shared_suite
 
 pytestmark = pytest.mark.multirank
 
 CASES = ["plain", "passes2", "clip", "scaler", "scaler_clip"]
 
 
-@pytest.fixture(scope="module")
-def results():
-    return run_ranks("tests.workers_overlap:suite", np=2, timeout=400)
+results = shared_suite("tests.workers_overlap:suite", np=2, timeout=400)
 
 
 @pytest.mark.parametrize("case", CASES)

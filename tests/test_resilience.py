@@ -5,14 +5,13 @@ import torch
 from hvd_onebit_tools.cluster.jobs import run_ranks
 from tests.checks import assert_same_params
 from tests.scenarios import scenario
+from tests.worlds import shared_suite
 
 pytestmark = pytest.mark.multirank
 W = "tests.workers_resilience:"
 
 
-@pytest.fixture(scope="module")
-def results():
-    return run_ranks(W + "suite", np=2, timeout=400)
+results = shared_suite(W + "suite", np=2, timeout=400)
 
 
 def test_checkpoint_resume_is_bit_identical_with_error_feedback(tmp_path):

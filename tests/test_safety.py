@@ -11,13 +11,12 @@ import torch
 from hvd_onebit_tools.cluster.jobs import run_command, run_ranks
 from tests.checks import assert_same_on_every_rank, assert_same_params
 from tests.scenarios import scenario
+from tests.worlds import shared_suite
 
 pytestmark = pytest.mark.multirank
 
 
-@pytest.fixture(scope="module")
-def results():
-    return run_ranks("tests.workers_safety:suite", np=2, timeout=400)
+results = shared_suite("tests.workers_safety:suite", np=2, timeout=400)
 
 
 def deviation(run, ref):
