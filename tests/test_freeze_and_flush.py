@@ -1,16 +1,15 @@
 """freeze_step="auto" (the warmup ends when Adam's variance has settled) and
-flush_error_feedback (every rank's error feedback folded into the momentum), issue #17."""
+flush_error_feedback (every rank's error feedback folded into the momentum)."""
 import pytest
 import torch
 
 from hvd_onebit.config import AutoFreeze, OneBitConfig
-from hvd_onebit_tools.cluster.jobs import run_ranks
 from hvd_onebit.transport.inprocess import run_threads
 from tests.scenarios import scenario
 from tests.checks import assert_same_params, difference
 from tests.workers_compressed_step import BETAS
 from tests.workers_freeze_and_flush import AUTO, flush_engine
-from tests.worlds import SCRATCH, shared_suite
+from tests.worlds import Scratch, shared_suite
 
 W = "tests.workers_freeze_and_flush:"
 
@@ -19,7 +18,7 @@ W = "tests.workers_freeze_and_flush:"
 
 # On 2 ranks: the uninterrupted run with a checkpoint after every step, and the runs resumed from
 # before and after its decision (tests.workers_freeze_and_flush.auto_freeze_suite).
-auto_runs = shared_suite(W + "auto_freeze_suite", np=2, timeout=300, kwargs={"ckpt_dir": SCRATCH})
+auto_runs = shared_suite(W + "auto_freeze_suite", np=2, timeout=300, kwargs={"ckpt_dir": Scratch("auto_freeze")})
 
 
 @pytest.fixture(scope="module")
@@ -199,10 +198,19 @@ def test_elastic_commit_flushes_with_flush_on_commit(flush_results):
             f"max |diff|) {c['saved_differs_from_live']}"
 
 
+# Saved by 4 ranks; resumed by new processes (the next stage's jobs) on 4 ranks and on 2.
+FLUSH_CKPT = {"ckpt_dir": Scratch("flush_checkpoint")}
+flush_saved = shared_suite(W + "flush_checkpoint_save", np=4, kwargs=FLUSH_CKPT, timeout=300)
+flush_resumed_4 = shared_suite(W + "flush_checkpoint_resume", np=4, kwargs=FLUSH_CKPT, stage=1,
+                               timeout=300)
+flush_resumed_2 = shared_suite(W + "flush_checkpoint_resume", np=2, kwargs=FLUSH_CKPT, stage=1,
+                               timeout=300)
+
+
 @pytest.mark.multirank
-def test_flushed_checkpoint_resumes_on_any_world_size_closer_than_a_reset(tmp_path):
-    kw = {"ckpt_dir": str(tmp_path)}
-    full = run_ranks(W + "flush_checkpoint_save", np=4, kwargs=kw, timeout=300)
+def test_flushed_checkpoint_resumes_on_any_world_size_closer_than_a_reset(
+        flush_saved, flush_resumed_4, flush_resumed_2):
+    full = flush_saved
     for rank, r in enumerate(full):
         differ = [f"parameter {i}: {difference(a, b)}"
                   for i, (a, b) in enumerate(zip(r["flushed_momentum"], full[0]["flushed_momentum"]))
@@ -210,8 +218,7 @@ def test_flushed_checkpoint_resumes_on_any_world_size_closer_than_a_reset(tmp_pa
         assert not differ, f"rank {rank}: the momentum differs from rank 0's after the flush: {differ}"
     reference = full[0]["val_loss"]
     gaps, dists = {}, {}
-    for np_ in (4, 2):
-        resumed = run_ranks(W + "flush_checkpoint_resume", np=np_, kwargs=kw, timeout=300)
+    for np_, resumed in ((4, flush_resumed_4), (2, flush_resumed_2)):
         for rank, r in enumerate(resumed):
             for kind in ("flush", "reset"):
                 assert (r[kind]["steps"], r[kind]["phase"]) == (16, "compression"), \

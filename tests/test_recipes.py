@@ -1,7 +1,7 @@
 """Horovod's recipes on Horovod's own MNIST network (2 ranks, 40 steps, freeze at 10): mixed
-precision and clipping train like Horovod's Adam with this round's defaults (bounded,
-preconditioned), the unbounded step loses the loss scale, and a checkpoint from before this
-round resumes."""
+precision and clipping train like Horovod's Adam with the defaults (bounded, preconditioned),
+the unbounded step loses the loss scale, and a checkpoint written by the unbounded scheme
+resumes."""
 import pytest
 
 from tests.worlds import shared_suite
@@ -37,10 +37,10 @@ def test_horovods_recipes_train_like_horovod_adam_with_the_bound(results, how):
             f"amp: the loss scale fell to {min(ours['scales'])} (an overflowed step)"
 
 
-def test_with_the_scheme_before_this_round_the_loss_scale_falls(results):
-    """What this round's defaults prevent, on the same steps: the unbounded compression of the
-    momentum itself overflows float16 and GradScaler halves its scale (issue 25: down to
-    2.6e-23 over a longer run)."""
+def test_with_the_unbounded_scheme_the_loss_scale_falls(results):
+    """What the defaults prevent, on the same steps: the unbounded compression of the momentum
+    itself overflows float16 and GradScaler halves its scale (further still over a longer
+    run)."""
     bounded, unbounded = scenario(results, "bounded_amp"), scenario(results, "old_scheme_amp")
     assert min(unbounded["scales"]) < min(bounded["scales"]), \
         f"unbounded scale {min(unbounded['scales'])}, bounded {min(bounded['scales'])}"
@@ -52,7 +52,7 @@ def test_grad_scaler_through_step_alone(results):
     assert min(r["scales"]) == INITIAL_SCALE, f"the loss scale fell to {min(r['scales'])}"
 
 
-def test_a_checkpoint_from_before_this_round_resumes_with_its_error_feedback_reset(results):
+def test_an_unbounded_scheme_checkpoint_resumes_with_its_error_feedback_reset(results):
     """Written unbounded, with the momentum compressed as such: the momentum loads bit for
     bit, the error feedback (in the momentum's units, not the preconditioned ones) is reset,
     and both changes are named in warnings."""

@@ -1,4 +1,4 @@
-"""variance_refresh (issue #27): full-precision refresh steps of the variance inside the
+"""variance_refresh: full-precision refresh steps of the variance inside the
 compression phase, on 2 real ranks (one job for every scenario, tests/workers_refresh.py)."""
 import numpy as np
 import pytest

@@ -1,4 +1,4 @@
-"""Worker functions for freeze_step="auto" and flush_error_feedback (issue #17). They return data;
+"""Worker functions for freeze_step="auto" and flush_error_feedback. They return data;
 the tests assert."""
 from __future__ import annotations
 

@@ -87,7 +87,7 @@ def recipe(kind: str, how: str, steps: int = 40, freeze_step: int = 10, **option
 
 
 def resume_unbounded_checkpoint(steps: int = 24, freeze_step: int = 10, at: int = 14) -> dict:
-    """Train with the scheme of before this round (``step_bound=None, precondition=False``) into
+    """Train with the earlier, unbounded scheme (``step_bound=None, precondition=False``) into
     the compression phase; at step ``at`` save the state and error feedback as that code wrote
     them (no "step_bound" and no error "space" entry), load them into a fresh optimizer with
     the defaults, and train on. Returns the load's warnings, whether the momentum came back bit

@@ -1,4 +1,4 @@
-"""Worker functions for variance_refresh (issue #27): full-precision refresh steps of the
+"""Worker functions for variance_refresh: full-precision refresh steps of the
 variance inside the compression phase. They return data; tests/test_variance_refresh.py asserts."""
 from __future__ import annotations
 

@@ -31,12 +31,11 @@ import importlib
 import sys
 import traceback
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
 import pytest
 
-#: A kwargs value replaced, at launch, by a fresh folder of the session's temporary directory.
-SCRATCH = "<scratch folder>"
 #: The ranks' environment unless a suite asks for another: tensor fusion off. With fusion, which
 #: gradients share a fused buffer depends on timing, and with more than two ranks that changes the
 #: ring's summation order and so the last bits of hvd.DistributedOptimizer's own results from run
@@ -54,15 +53,51 @@ class World:
         np: the number of ranks.
         controller: "gloo" (horovodrun --gloo) or "mpi" (mpirun).
         env: environment variables of the ranks, as sorted (name, value) pairs.
+        hosts: "h1:2,h2:2": horovodrun over these hosts (names of this machine stand for
+            nodes); None: this machine as one host.
+        stage: worlds of a stage are launched only after every selected world of the stages
+            before it: a suite of stage 1 reads what suites of stage 0 wrote (a checkpoint
+            resumed by new processes).
     """
 
     np: int
     controller: str = "gloo"
     env: tuple[tuple[str, str], ...] = ()
+    hosts: Optional[str] = None
+    stage: int = 0
 
     def describe(self) -> str:
         env = " ".join(f"{k}={v}" for k, v in self.env)
-        return f"{self.np} rank(s), {self.controller}" + (f", {env}" if env else "")
+        return (f"{self.np} rank(s), {self.controller}, stage {self.stage}"
+                + (f", hosts {self.hosts}" if self.hosts else "") + (f", {env}" if env else ""))
+
+
+@dataclass(frozen=True)
+class Scratch:
+    """A folder for suites to share, named: a kwargs value (at any depth) that the launch
+    replaces by the folder's path (or by the path of ``file`` in it), the same folder for every
+    suite of the session that names it. Its test finds it with :func:`scratch_path`."""
+
+    name: str
+    file: str = ""
+
+
+def scratch_path(factory: pytest.TempPathFactory, scratch: Scratch) -> Path:
+    """The folder (or file) ``scratch`` stands for in this session; the folder is made if
+    missing."""
+    path = factory.getbasetemp() / "worlds" / scratch.name
+    path.mkdir(parents=True, exist_ok=True)
+    return path / scratch.file if scratch.file else path
+
+
+def _with_paths(value: Any, factory: pytest.TempPathFactory) -> Any:
+    if isinstance(value, Scratch):
+        return str(scratch_path(factory, value))
+    if isinstance(value, dict):
+        return {k: _with_paths(v, factory) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_with_paths(v, factory) for v in value)
+    return value
 
 
 @dataclass(frozen=True)
@@ -74,7 +109,7 @@ class Suite:
             parametrized by rank count, "tests.test_optimizer:world[2]").
         target: "module:function" called in every rank; returns that rank's data.
         world: the job it runs in.
-        kwargs: keyword arguments of ``target`` (values :data:`SCRATCH` become folders).
+        kwargs: keyword arguments of ``target`` (:class:`Scratch` values become folders).
         timeout: seconds the suite may take, launch included (as it would alone).
         module: the test module that declared it.
         fixture: the name of its fixture in that module.
@@ -122,23 +157,23 @@ def _selected(suite: Suite, items: Sequence[pytest.Item]) -> bool:
 def _launch(world: World, request: pytest.FixtureRequest, suites_only=None) -> dict:
     """Run ``world``'s job for every selected suite declared for it (or only the suites keyed
     ``suites_only``); return ``{"results": per rank}`` or ``{"error": message}``."""
-    from hvd_onebit_tools.cluster.jobs import RankFailure, run_ranks
+    from hvd_onebit_tools.cluster.jobs import RankFailure, run_job
 
     _declare_pending()
-    suites = [s for s in _REGISTRY.suites
-              if s.world == world and _selected(s, request.session.items)]
+    selected = [s for s in _REGISTRY.suites if _selected(s, request.session.items)]
+    for earlier in dict.fromkeys(s.world for s in selected if s.world.stage < world.stage):
+        if earlier not in _REGISTRY.jobs:
+            _REGISTRY.jobs[earlier] = _launch(earlier, request)
+    suites = [s for s in selected if s.world == world]
     if suites_only is not None:
         suites = [s for s in _REGISTRY.suites if s.key in suites_only]
     factory = request.getfixturevalue("tmp_path_factory")
-    calls = []
-    for s in suites:
-        kwargs = {k: (str(factory.mktemp(s.fixture)) if v == SCRATCH else v) for k, v in s.kwargs}
-        calls.append((s.key, s.target, kwargs))
+    calls = [(s.key, s.target, _with_paths(dict(s.kwargs), factory)) for s in suites]
     try:
-        return {"keys": [s.key for s in suites], "results": run_ranks(
+        return {"keys": [s.key for s in suites], "results": run_job(
             "tests.worlds:run_suites", np=world.np, controller=world.controller,
             kwargs={"calls": calls}, timeout=sum(s.timeout for s in suites),
-            env=dict(world.env) or None)}
+            env=dict(world.env) or None, hosts=world.hosts).results}
     except RankFailure as exc:
         return {"keys": [s.key for s in suites],
                 "error": f"the shared job of {world.describe()} for {[s.key for s in suites]} "
@@ -164,7 +199,8 @@ def _results(suite: Suite, request: pytest.FixtureRequest) -> list:
 
 def shared_suite(target: str, np: int | Sequence[int] = 2, *, timeout: float,
                  kwargs: Optional[Mapping[str, Any]] = None, controller: str = "gloo",
-                 env: Optional[Mapping[str, str]] = None, name: Optional[str] = None):
+                 env: Optional[Mapping[str, str]] = None, hosts: Optional[str] = None,
+                 stage: int = 0, name: Optional[str] = None):
     """A module-scoped fixture giving ``target``'s result on every rank of a shared job.
 
     Args:
@@ -173,10 +209,13 @@ def shared_suite(target: str, np: int | Sequence[int] = 2, *, timeout: float,
             ``(n, results)``, as a module's ``world`` fixture does.
         timeout: seconds the suite may take on its own; a world's job gets the sum of its suites'.
         kwargs: keyword arguments of ``target``, or ``{n: kwargs}`` when ``np`` has several
-            counts; a value :data:`SCRATCH` becomes a fresh folder.
+            counts; a :class:`Scratch` value becomes its folder's path.
         controller: "gloo" or "mpi": part of the world.
         env: environment variables of the ranks (default :data:`DEFAULT_ENV`): part of the
             world, so suites with another environment run in another job.
+        hosts: part of the world: horovodrun over these hosts ("127.0.0.1:2,127.1:2").
+        stage: part of the world: 1 for a suite that needs what suites of stage 0 left in a
+            :class:`Scratch` folder (its job starts after theirs).
         name: the fixture's name in the declaring module (default: the name it is assigned to,
             read from the module after import; pass it when the fixture is not a module global).
     """
@@ -192,7 +231,8 @@ def shared_suite(target: str, np: int | Sequence[int] = 2, *, timeout: float,
         for s in _REGISTRY.suites:
             if s.key == key:
                 return s
-        suite = Suite(key, target, World(n, controller, world_env), tuple(sorted(args.items())),
+        suite = Suite(key, target, World(n, controller, world_env, hosts, stage),
+                      tuple(sorted(args.items())),
                       timeout, module, fixture, n if parametrized else None)
         _REGISTRY.suites.append(suite)
         return suite
