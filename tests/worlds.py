@@ -8,8 +8,8 @@ itself; it declares it::
 
 ``results`` is then a module-scoped fixture whose value is the suite's return value on every
 rank, in rank order (as :func:`hvd_onebit_tools.cluster.jobs.run_ranks` would give it). The
-first fixture of a session that needs a world (a rank count, a controller and an environment:
-:class:`World`) launches that world's job once, for every suite declared for it by the test
+first fixture of a session that needs a world (a rank count, a controller, an environment, hosts
+and a stage: :class:`World`) launches that world's job once, for every suite declared for it by the test
 modules that have a selected test using their fixture (``pytest tests/test_safety.py`` runs only
 safety's suite); the other fixtures of that world take their results from it.
 
@@ -21,9 +21,11 @@ job until its timeout, the sum of its suites' own timeouts; every process of the
 killed, and every test of that world fails with the job's error.
 
 Suites share their ranks' process: one that changes process-wide state (environment variables,
-torch.distributed's default group, torch's default dtype) must restore it, as a scenario does.
-A suite that needs a fresh process or another environment declares its own :class:`World`
-(``env=``, ``controller=``) and so gets a job of its own.
+torch's default dtype) must restore it, as a scenario does. torch.distributed's group, once a
+suite has set it up, serves the suites after it; a suite that needs it not set up runs first
+(``order=-1``). A suite that needs another environment, launcher or hosts declares another
+:class:`World` (``env=``, ``controller=``, ``hosts=``) and so runs in another job; one that needs
+processes of its own launches them itself (``hvd_onebit_tools.cluster.jobs.run_ranks``).
 """
 from __future__ import annotations
 
@@ -114,6 +116,7 @@ class Suite:
         module: the test module that declared it.
         fixture: the name of its fixture in that module.
         param: the fixture's parameter selecting this suite (None when not parametrized).
+        order: the suites of a job run by ``order``, then as declared (modules in import order).
     """
 
     key: str
@@ -124,6 +127,7 @@ class Suite:
     module: str
     fixture: str
     param: Any = None
+    order: int = 0
 
 
 @dataclass
@@ -167,6 +171,7 @@ def _launch(world: World, request: pytest.FixtureRequest, suites_only=None) -> d
     suites = [s for s in selected if s.world == world]
     if suites_only is not None:
         suites = [s for s in _REGISTRY.suites if s.key in suites_only]
+    suites.sort(key=lambda s: s.order)  # stable: as declared within an order
     factory = request.getfixturevalue("tmp_path_factory")
     calls = [(s.key, s.target, _with_paths(dict(s.kwargs), factory)) for s in suites]
     try:
@@ -200,7 +205,7 @@ def _results(suite: Suite, request: pytest.FixtureRequest) -> list:
 def shared_suite(target: str, np: int | Sequence[int] = 2, *, timeout: float,
                  kwargs: Optional[Mapping[str, Any]] = None, controller: str = "gloo",
                  env: Optional[Mapping[str, str]] = None, hosts: Optional[str] = None,
-                 stage: int = 0, name: Optional[str] = None):
+                 stage: int = 0, order: int = 0, name: Optional[str] = None):
     """A module-scoped fixture giving ``target``'s result on every rank of a shared job.
 
     Args:
@@ -216,6 +221,8 @@ def shared_suite(target: str, np: int | Sequence[int] = 2, *, timeout: float,
         hosts: part of the world: horovodrun over these hosts ("127.0.0.1:2,127.1:2").
         stage: part of the world: 1 for a suite that needs what suites of stage 0 left in a
             :class:`Scratch` folder (its job starts after theirs).
+        order: where the suite runs in its job: before the suites of a higher order (-1: first,
+            e.g. before any suite sets up torch.distributed in the ranks' process).
         name: the fixture's name in the declaring module (default: the name it is assigned to,
             read from the module after import; pass it when the fixture is not a module global).
     """
@@ -233,7 +240,7 @@ def shared_suite(target: str, np: int | Sequence[int] = 2, *, timeout: float,
                 return s
         suite = Suite(key, target, World(n, controller, world_env, hosts, stage),
                       tuple(sorted(args.items())),
-                      timeout, module, fixture, n if parametrized else None)
+                      timeout, module, fixture, n if parametrized else None, order)
         _REGISTRY.suites.append(suite)
         return suite
 
