@@ -7,7 +7,6 @@ import numpy as np
 import pytest
 
 from hvd_onebit.layout import Layout
-from hvd_onebit_tools.cluster.jobs import run_ranks
 from hvd_onebit.transport.inprocess import run_threads
 from tests.checks import assert_same_bits
 from tests.onebit_reference import ReferenceOneBit
@@ -25,6 +24,8 @@ def sizes_for(n):
 world = shared_suite("tests.workers_collective:suite", np=[1, 2, 3, 4], timeout=300,
                      kwargs={n: {"sizes": sizes_for(n)} for n in (1, 2, 3, 4)})
 without_mpi = shared_suite("tests.workers_collective:mpi_transport_without_mpi", np=2, timeout=120)
+transports_agree = shared_suite("tests.workers_collective:transports_agree", np=4, controller="mpi",
+                                timeout=300)
 
 
 def reference_outputs(n, numel, calls, block_size=None):
@@ -208,9 +209,8 @@ def test_ranks_disagreeing_on_numel_get_a_clear_error(world):
                     and "numel=100" in message, f"n={n} rank {rank} {key}: {message!r}"
 
 
-def test_mpi_transport_matches_horovod_transport():
-    results = run_ranks("tests.workers_collective:transports_agree", np=4, controller="mpi",
-                        timeout=300)
+def test_mpi_transport_matches_horovod_transport(transports_agree):
+    results = transports_agree
     for rank, r in enumerate(results):
         assert len(r["horovod"]) == len(r["mpi"]) == 2, f"rank {rank}: calls {len(r['mpi'])}"
         for call, (a, b) in enumerate(zip(r["horovod"], r["mpi"])):

@@ -137,7 +137,7 @@ class _Registry:
 
     suites: list[Suite] = field(default_factory=list)
     jobs: dict[World, dict] = field(default_factory=dict)
-    #: suites of imported modules not yet declared: (the fixture's suite_for, its counts)
+    #: suites of imported modules not yet declared: (the fixture's suite_for, its parameters)
     pending: list = field(default_factory=list)
 
 
@@ -203,7 +203,8 @@ def _results(suite: Suite, request: pytest.FixtureRequest) -> list:
 
 
 def shared_suite(target: str, np: int | Sequence[int] = 2, *, timeout: float,
-                 kwargs: Optional[Mapping[str, Any]] = None, controller: str = "gloo",
+                 kwargs: Optional[Mapping[str, Any]] = None,
+                 controller: str | Sequence[str] = "gloo",
                  env: Optional[Mapping[str, str]] = None, hosts: Optional[str] = None,
                  stage: int = 0, order: int = 0, name: Optional[str] = None):
     """A module-scoped fixture giving ``target``'s result on every rank of a shared job.
@@ -215,7 +216,9 @@ def shared_suite(target: str, np: int | Sequence[int] = 2, *, timeout: float,
         timeout: seconds the suite may take on its own; a world's job gets the sum of its suites'.
         kwargs: keyword arguments of ``target``, or ``{n: kwargs}`` when ``np`` has several
             counts; a :class:`Scratch` value becomes its folder's path.
-        controller: "gloo" or "mpi": part of the world.
+        controller: "gloo" or "mpi": part of the world; or both: the fixture is then
+            parametrized by ``(controller, n)`` for each controller and count (ids "n-controller")
+            and gives ``((controller, n), results)``.
         env: environment variables of the ranks (default :data:`DEFAULT_ENV`): part of the
             world, so suites with another environment run in another job.
         hosts: part of the world: horovodrun over these hosts ("127.0.0.1:2,127.1:2").
@@ -228,29 +231,34 @@ def shared_suite(target: str, np: int | Sequence[int] = 2, *, timeout: float,
     """
     module = sys._getframe(1).f_globals["__name__"]
     counts = [np] if isinstance(np, int) else list(np)
-    parametrized = not isinstance(np, int)
+    by_controller = not isinstance(controller, str)
+    controllers = list(controller) if by_controller else [controller]
+    # the fixture's parameters: a count, or (controller, count); None: not parametrized
+    params = ([(c, n) for c in controllers for n in counts] if by_controller
+              else counts if not isinstance(np, int) else [None])
     world_env = tuple(sorted((DEFAULT_ENV if env is None else env).items()))
 
-    def suite_for(n: int) -> Suite:
+    def suite_for(param) -> Suite:
         fixture = name or _fixture_name(module, fixture_fn)
-        args = (kwargs or {}).get(n, {}) if parametrized else (kwargs or {})
-        key = f"{module}:{fixture}" + (f"[{n}]" if parametrized else "")
+        c, n = param if by_controller else (controllers[0], counts[0] if param is None else param)
+        args = (kwargs or {}).get(param, {}) if param is not None else (kwargs or {})
+        key = f"{module}:{fixture}" + ("" if param is None else f"[{param}]")
         for s in _REGISTRY.suites:
             if s.key == key:
                 return s
-        suite = Suite(key, target, World(n, controller, world_env, hosts, stage),
-                      tuple(sorted(args.items())),
-                      timeout, module, fixture, n if parametrized else None, order)
+        suite = Suite(key, target, World(n, c, world_env, hosts, stage),
+                      tuple(sorted(args.items())), timeout, module, fixture, param, order)
         _REGISTRY.suites.append(suite)
         return suite
 
-    @pytest.fixture(scope="module", params=counts if parametrized else None)
+    @pytest.fixture(scope="module", params=None if params == [None] else params,
+                    ids=(lambda p: f"{p[1]}-{p[0]}") if by_controller else None)
     def fixture_fn(request):
-        n = request.param if parametrized else counts[0]
-        per_rank = _results(suite_for(n), request)
-        return (n, per_rank) if parametrized else per_rank
+        param = getattr(request, "param", None)
+        per_rank = _results(suite_for(param), request)
+        return per_rank if param is None else (param, per_rank)
 
-    _REGISTRY.pending.append((suite_for, counts))
+    _REGISTRY.pending.append((suite_for, params))
     return fixture_fn
 
 
@@ -265,9 +273,9 @@ def _declare_pending() -> None:
     """Declare the suites of every imported test module. Collection imports every module before
     the first test runs, so the first job launched knows every suite of its world."""
     while _REGISTRY.pending:
-        suite_for, counts = _REGISTRY.pending.pop(0)
-        for n in counts:
-            suite_for(n)
+        suite_for, params = _REGISTRY.pending.pop(0)
+        for param in params:
+            suite_for(param)
 
 
 # ---------------------------------------------------------------------------------- worker side
