@@ -160,7 +160,8 @@ def _selected(suite: Suite, items: Sequence[pytest.Item]) -> bool:
 
 def _launch(world: World, request: pytest.FixtureRequest, suites_only=None) -> dict:
     """Run ``world``'s job for every selected suite declared for it (or only the suites keyed
-    ``suites_only``); return ``{"results": per rank}`` or ``{"error": message}``."""
+    ``suites_only``), after the jobs of the earlier stages; return ``{"keys": the suites run,
+    "results": per rank}`` or ``{"keys": ..., "error": message}``."""
     from hvd_onebit_tools.cluster.jobs import RankFailure, run_job
 
     _declare_pending()
@@ -172,6 +173,8 @@ def _launch(world: World, request: pytest.FixtureRequest, suites_only=None) -> d
     if suites_only is not None:
         suites = [s for s in _REGISTRY.suites if s.key in suites_only]
     suites.sort(key=lambda s: s.order)  # stable: as declared within an order
+    if not suites:  # none selected (a fixture asked for outside pytest's selection): no job
+        return {"keys": [], "results": [{} for _ in range(world.np)]}
     factory = request.getfixturevalue("tmp_path_factory")
     calls = [(s.key, s.target, _with_paths(dict(s.kwargs), factory)) for s in suites]
     try:
