@@ -3,8 +3,8 @@
 Every process this pytest process starts (``subprocess.Popen``, ``os.posix_spawn``,
 ``os.system``, ``os.fork``) is seen through an audit hook (:func:`sys.addaudithook`), sorted by
 what it launches, and one line at the end of the session says how many of each kind ran:
-``launches: 31 (horovodrun 9, mpirun 4, cli 3, other python 12, other 3)``. Launches made by
-the launched processes themselves (a launcher's ranks) are not this process's and are not counted.
+``launches: 31 (horovodrun 9, mpirun 4, cli 3, other python 12, other 3 [ip 2, tc 1])``.
+Launches made by the launched processes themselves (a launcher's ranks) are not counted.
 
 This file uses only the standard library and pytest's own hooks, so the same file dropped into
 another tree's tests/ counts that tree's launches.
@@ -18,6 +18,8 @@ import sys
 
 KINDS = ("horovodrun", "mpirun", "torchrun", "cli", "other python", "fork", "other")
 _launches: collections.Counter = collections.Counter()
+# the programs behind the "other" launches (ip, tc, ...), by name
+_others: collections.Counter = collections.Counter()
 
 
 def _argv(args) -> list[str]:
@@ -38,9 +40,9 @@ def _is_python(program: str) -> bool:
     return name.startswith("python") or program == sys.executable
 
 
-def classify(argv: list[str]) -> str:
-    """Which of :data:`KINDS` the command line ``argv`` launches (a shell's ``-c`` line is
-    looked into, as are ``env``, ``timeout`` and ``nice`` prefixes)."""
+def _unwrapped(argv: list[str]) -> list[str]:
+    """The command line ``argv`` runs: a shell's ``-c`` line, and past ``env``, ``timeout``,
+    ``nice`` prefixes."""
     argv = list(argv)
     while argv:
         name = os.path.basename(argv[0])
@@ -54,6 +56,13 @@ def classify(argv: list[str]) -> str:
             argv = rest
         else:
             break
+    return argv
+
+
+def classify(argv: list[str]) -> str:
+    """Which of :data:`KINDS` the command line ``argv`` launches (a shell's ``-c`` line is
+    looked into, as are ``env``, ``timeout`` and ``nice`` prefixes)."""
+    argv = _unwrapped(argv)
     if not argv:
         return "other"
     name = os.path.basename(argv[0])
@@ -92,17 +101,25 @@ def _audit(event: str, args: tuple) -> None:
     else:
         return
     try:
-        _launches[classify(line)] += 1
+        kind = classify(line)
+        if kind == "other":
+            program = _unwrapped(line)
+            _others[os.path.basename(program[0]) if program else "?"] += 1
     except Exception:  # noqa: BLE001 - counting must never break a launch
-        _launches["other"] += 1
+        kind = "other"
+    _launches[kind] += 1
 
 
 sys.addaudithook(_audit)
 
 
 def launch_summary() -> str:
-    """``launches: N (kind n, ...)`` for the launches seen so far, kinds in :data:`KINDS` order."""
+    """``launches: N (kind n, ...)`` for the launches seen so far, kinds in :data:`KINDS` order;
+    the "other" launches' most frequent programs follow theirs in brackets."""
     parts = [f"{kind} {_launches[kind]}" for kind in KINDS if _launches[kind]]
+    if _others:
+        top = ", ".join(f"{name} {n}" for name, n in _others.most_common(4))
+        parts[-1] += f" [{top}{', ...' if len(_others) > 4 else ''}]"
     total = sum(_launches.values())
     return f"launches: {total}" + (f" ({', '.join(parts)})" if parts else "")
 

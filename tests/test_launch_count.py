@@ -1,4 +1,4 @@
-"""tests/conftest.py's count of the processes the session launches: what each launch is counted as."""
+"""tests/conftest.py's count of the processes the session launches: what each is counted as."""
 import subprocess
 import sys
 
@@ -28,6 +28,7 @@ def test_each_process_started_is_counted_once():
     before = dict(conftest._launches)
     subprocess.run(["true"], check=True)
     subprocess.run([sys.executable, "-c", "pass"], check=True)
-    added = {k: v - before.get(k, 0) for k, v in conftest._launches.items() if v != before.get(k, 0)}
+    added = {k: v - before.get(k, 0) for k, v in conftest._launches.items()
+             if v != before.get(k, 0)}
     assert added == {"other": 1, "other python": 1}, f"launches counted: {added}"
     assert conftest.launch_summary().startswith("launches: "), conftest.launch_summary()

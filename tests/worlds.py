@@ -7,11 +7,11 @@ itself; it declares it::
     results = shared_suite("tests.workers_safety:suite", np=2, timeout=400)
 
 ``results`` is then a module-scoped fixture whose value is the suite's return value on every
-rank, in rank order (as :func:`hvd_onebit_tools.cluster.jobs.run_ranks` would give it). The
-first fixture of a session that needs a world (a rank count, a controller, an environment, hosts
-and a stage: :class:`World`) launches that world's job once, for every suite declared for it by the test
-modules that have a selected test using their fixture (``pytest tests/test_safety.py`` runs only
-safety's suite); the other fixtures of that world take their results from it.
+rank, in rank order (as :func:`hvd_onebit_tools.cluster.jobs.run_ranks` gives it). The first
+fixture of a session that needs a world (a rank count, a controller, an environment, hosts and a
+stage: :class:`World`) launches that world's job once, for every suite declared for it by the
+test modules that have a selected test using their fixture (``pytest tests/test_safety.py`` runs
+only safety's suites); the other fixtures of that world take their results from it.
 
 In the job, :func:`run_suites` calls the suites one after the other in every rank; a suite that
 raises comes back as its traceback, so only the tests of that suite fail (and inside a suite,
