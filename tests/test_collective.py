@@ -1,18 +1,18 @@
 """OneBitAllreduce on real multi-rank jobs, checked against the NumPy reference.
 
-One job per world size runs every scenario (tests.workers_collective:suite); each scenario's
+Every scenario of a world size runs in that size's shared job (tests/worlds.py); each scenario's
 exception comes back as data, so only the tests of that scenario fail (tests/scenarios.py).
 """
 import numpy as np
 import pytest
 
 from hvd_onebit.layout import Layout
-from hvd_onebit_tools.cluster.jobs import run_ranks
 from hvd_onebit.transport.inprocess import run_threads
 from tests.checks import assert_same_bits
 from tests.onebit_reference import ReferenceOneBit
 from tests.scenarios import scenario
 from tests.workers_collective import fixed_input_outputs, rank_input
+from tests.worlds import shared_suite
 
 pytestmark = pytest.mark.multirank
 
@@ -21,12 +21,11 @@ def sizes_for(n):
     return [0, 1, 7, 8 * n - 1, 8 * n + 1, 1 << 20]
 
 
-@pytest.fixture(scope="module", params=[1, 2, 3, 4])
-def world(request):
-    n = request.param
-    results = run_ranks("tests.workers_collective:suite", np=n,
-                        kwargs={"sizes": sizes_for(n)}, timeout=300)
-    return n, results
+world = shared_suite("tests.workers_collective:suite", np=[1, 2, 3, 4], timeout=300,
+                     kwargs={n: {"sizes": sizes_for(n)} for n in (1, 2, 3, 4)})
+without_mpi = shared_suite("tests.workers_collective:mpi_transport_without_mpi", np=2, timeout=120)
+transports_agree = shared_suite("tests.workers_collective:transports_agree", np=4, controller="mpi",
+                                timeout=300)
 
 
 def reference_outputs(n, numel, calls, block_size=None):
@@ -210,9 +209,8 @@ def test_ranks_disagreeing_on_numel_get_a_clear_error(world):
                     and "numel=100" in message, f"n={n} rank {rank} {key}: {message!r}"
 
 
-def test_mpi_transport_matches_horovod_transport():
-    results = run_ranks("tests.workers_collective:transports_agree", np=4, controller="mpi",
-                        timeout=300)
+def test_mpi_transport_matches_horovod_transport(transports_agree):
+    results = transports_agree
     for rank, r in enumerate(results):
         assert len(r["horovod"]) == len(r["mpi"]) == 2, f"rank {rank}: calls {len(r['mpi'])}"
         for call, (a, b) in enumerate(zip(r["horovod"], r["mpi"])):
@@ -220,8 +218,7 @@ def test_mpi_transport_matches_horovod_transport():
     assert_identical_across_ranks([r["mpi"] for r in results], "mpi transport")
 
 
-def test_mpi_transport_needs_an_mpi_job():
-    results = run_ranks("tests.workers_collective:mpi_transport_without_mpi", np=2,
-                        controller="gloo", timeout=120)
+def test_mpi_transport_needs_an_mpi_job(without_mpi):
+    results = without_mpi
     for rank, message in enumerate(results):
         assert message and "launched with MPI" in message, f"rank {rank}: {message!r}"

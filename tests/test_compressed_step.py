@@ -4,9 +4,9 @@ engine inside a Horovod job."""
 import numpy as np
 import pytest
 
-from hvd_onebit_tools.cluster.jobs import run_ranks
 from hvd_onebit.transport.inprocess import run_threads
 from tests.workers_compressed_step import reference, run_engine
+from tests.worlds import shared_suite
 
 
 def run_inprocess(n, **kwargs):
@@ -65,10 +65,12 @@ def test_a_nonfinite_gradient_changes_nothing_anywhere(n, param, memory):
         assert a.tobytes() == b.tobytes()
 
 
+horovod_job = shared_suite("tests.workers_compressed_step:horovod_job", np=[2, 4], timeout=200)
+
+
 @pytest.mark.multirank
-@pytest.mark.parametrize("n", [2, 4])
-def test_inprocess_engine_gives_the_bits_of_a_horovod_job(n):
-    job = run_ranks("tests.workers_compressed_step:horovod_job", np=n, timeout=200)
+def test_inprocess_engine_gives_the_bits_of_a_horovod_job(horovod_job):
+    n, job = horovod_job
     threads = run_inprocess(n)
     for rank in range(n):
         for step, (a_step, b_step) in enumerate(zip(job[rank]["params"], threads[rank]["params"])):

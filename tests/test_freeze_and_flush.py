@@ -4,30 +4,22 @@ import pytest
 import torch
 
 from hvd_onebit.config import AutoFreeze, OneBitConfig
-from hvd_onebit_tools.cluster.jobs import run_ranks
 from hvd_onebit.transport.inprocess import run_threads
 from hvd_onebit import Experimental
 from tests.scenarios import scenario
 from tests.checks import assert_same_params, difference
 from tests.workers_compressed_step import BETAS
 from tests.workers_freeze_and_flush import AUTO, flush_engine
+from tests.worlds import Scratch, shared_suite
 
 W = "tests.workers_freeze_and_flush:"
 
 
 # ---- freeze_step="auto" -------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def auto_dir(tmp_path_factory):
-    return tmp_path_factory.mktemp("auto")
-
-
-@pytest.fixture(scope="module")
-def auto_runs(auto_dir):
-    """One 2-rank job: the uninterrupted run with a checkpoint after every step, and the runs
-    resumed from before and after its decision (tests.workers_freeze_and_flush.auto_freeze_suite)."""
-    return run_ranks(W + "auto_freeze_suite", np=2, timeout=300,
-                     kwargs={"ckpt_dir": str(auto_dir)})
+# On 2 ranks: the uninterrupted run with a checkpoint after every step, and the runs resumed from
+# before and after its decision (tests.workers_freeze_and_flush.auto_freeze_suite).
+auto_runs = shared_suite(W + "auto_freeze_suite", np=2, timeout=300, kwargs={"ckpt_dir": Scratch("auto_freeze")})
 
 
 @pytest.fixture(scope="module")
@@ -159,9 +151,7 @@ def test_flush_with_a_nonfinite_error_changes_nothing_anywhere(n):
 
 # ---- flush_error_feedback in Horovod jobs ------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def flush_results():
-    return run_ranks(W + "flush_suite", np=2, timeout=300)
+flush_results = shared_suite(W + "flush_suite", np=2, timeout=300)
 
 
 @pytest.mark.multirank
@@ -209,10 +199,19 @@ def test_elastic_commit_flushes_with_flush_on_commit(flush_results):
             f"max |diff|) {c['saved_differs_from_live']}"
 
 
+# Saved by 4 ranks; resumed by new processes (the next stage's jobs) on 4 ranks and on 2.
+FLUSH_CKPT = {"ckpt_dir": Scratch("flush_checkpoint")}
+flush_saved = shared_suite(W + "flush_checkpoint_save", np=4, kwargs=FLUSH_CKPT, timeout=300)
+flush_resumed_4 = shared_suite(W + "flush_checkpoint_resume", np=4, kwargs=FLUSH_CKPT, stage=1,
+                               timeout=300)
+flush_resumed_2 = shared_suite(W + "flush_checkpoint_resume", np=2, kwargs=FLUSH_CKPT, stage=1,
+                               timeout=300)
+
+
 @pytest.mark.multirank
-def test_flushed_checkpoint_resumes_on_any_world_size_closer_than_a_reset(tmp_path):
-    kw = {"ckpt_dir": str(tmp_path)}
-    full = run_ranks(W + "flush_checkpoint_save", np=4, kwargs=kw, timeout=300)
+def test_flushed_checkpoint_resumes_on_any_world_size_closer_than_a_reset(
+        flush_saved, flush_resumed_4, flush_resumed_2):
+    full = flush_saved
     for rank, r in enumerate(full):
         differ = [f"parameter {i}: {difference(a, b)}"
                   for i, (a, b) in enumerate(zip(r["flushed_momentum"], full[0]["flushed_momentum"]))
@@ -220,8 +219,7 @@ def test_flushed_checkpoint_resumes_on_any_world_size_closer_than_a_reset(tmp_pa
         assert not differ, f"rank {rank}: the momentum differs from rank 0's after the flush: {differ}"
     reference = full[0]["val_loss"]
     gaps, dists = {}, {}
-    for np_ in (4, 2):
-        resumed = run_ranks(W + "flush_checkpoint_resume", np=np_, kwargs=kw, timeout=300)
+    for np_, resumed in ((4, flush_resumed_4), (2, flush_resumed_2)):
         for rank, r in enumerate(resumed):
             for kind in ("flush", "reset"):
                 assert (r[kind]["steps"], r[kind]["phase"]) == (16, "compression"), \

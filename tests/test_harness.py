@@ -8,15 +8,18 @@ import pytest
 
 from hvd_onebit_tools.cluster import jobs as testing
 from hvd_onebit_tools.cluster.jobs import RankFailure, run_ranks
+from tests.worlds import shared_suite
 
 pytestmark = pytest.mark.multirank
 
 
-@pytest.mark.parametrize("controller", ["gloo", "mpi"])
-@pytest.mark.parametrize("np_", [2, 4])
-def test_results_come_back_in_rank_order(controller, np_):
-    results = run_ranks("tests.workers_harness:allreduce_rank", np=np_, controller=controller,
-                        timeout=120)
+# in the shared jobs (tests/worlds.py), which come back through the same run_job
+allreduce_rank = shared_suite("tests.workers_harness:allreduce_rank", np=[2, 4],
+                              controller=["gloo", "mpi"], timeout=120)
+
+
+def test_results_come_back_in_rank_order(allreduce_rank):
+    (controller, np_), results = allreduce_rank
     total = float(sum(range(np_)))
     assert results == [(r, np_, total) for r in range(np_)]
 

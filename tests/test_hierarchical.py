@@ -4,19 +4,20 @@ cluster; checked against the NumPy reference of the scheme."""
 import numpy as np
 import pytest
 
-from hvd_onebit_tools.cluster.jobs import run_job
 from tests.checks import difference, first_difference
 from tests.onebit_reference import ReferenceHierarchical
 from tests.scenarios import scenario
 from tests.workers_collective import rank_input
+from tests.worlds import DEFAULT_ENV, shared_suite
 
 pytestmark = pytest.mark.multirank
 HOSTS = "127.0.0.1:2,127.1:2"
 
 
-def run(target, env=None, **kwargs):
-    return run_job(f"tests.workers_hierarchical:{target}", np=4, hosts=HOSTS, kwargs=kwargs,
-                   timeout=240, env=env).results
+def on_two_nodes(target, env=None, **kwargs):
+    """A shared suite of tests.workers_hierarchical on 2 "nodes" x 2 ranks (a module fixture)."""
+    return shared_suite(f"tests.workers_hierarchical:{target}", np=4, hosts=HOSTS, kwargs=kwargs,
+                        timeout=240, env=env)
 
 
 def reference(numel, calls, block_size=None, skip=()):
@@ -32,10 +33,8 @@ SIZES = [1, 7, 1001, 1 << 16]
 TRANSPORTS = ["horovod", "torch", "torch-shm"]
 
 
-@pytest.fixture(scope="module")
-def collective():
-    """One job runs every collective scenario below (:func:`collective_suite`)."""
-    return run("collective_suite", sizes=SIZES, transports=TRANSPORTS)
+# every collective scenario below (:func:`collective_suite`)
+collective = on_two_nodes("collective_suite", sizes=SIZES, transports=TRANSPORTS)
 
 
 @pytest.fixture(scope="module")
@@ -131,11 +130,13 @@ def test_several_calls_commit_all_or_nothing(collective, transport):
                 f"{difference(a, b)}"
 
 
-@pytest.fixture(scope="module")
-def paths():
-    # Tensor fusion off: with it, Horovod's own warmup allreduce is not bit-reproducible run to
-    # run on more than two ranks (see tests/test_optimizer.py), and the paths are compared bitwise
-    return run("optimizer_paths", env={"HOROVOD_FUSION_THRESHOLD": "0"})
+# Tensor fusion off (tests.worlds.DEFAULT_ENV): with it, Horovod's own warmup allreduce is not
+# bit-reproducible run to run on more than two ranks, and the paths are compared bitwise
+paths = on_two_nodes("optimizer_paths")
+# where the nodes cannot share memory: intra_node="auto" takes the network, "shared_memory" raises
+NO_SHM = {**DEFAULT_ENV, "HVD_ONEBIT_SHM_DIR": "/nonexistent/hvd_onebit"}
+no_shm_auto = on_two_nodes("without_shared_memory", env=NO_SHM, intra_node="auto")
+no_shm_asked = on_two_nodes("without_shared_memory", env=NO_SHM, intra_node="shared_memory")
 
 
 def test_optimizer_trains_like_the_flat_path_with_identical_ranks(paths):
@@ -180,15 +181,15 @@ def test_error_feedback_belongs_to_the_rank_s_role(paths):
             f"loading another role's, expected 0.0"
 
 
-def test_nodes_that_cannot_share_memory_use_the_network_or_raise_as_asked():
-    env = {"HOROVOD_FUSION_THRESHOLD": "0", "HVD_ONEBIT_SHM_DIR": "/nonexistent/hvd_onebit"}
-    auto = run("without_shared_memory", env=env, intra_node="auto")
+def test_nodes_that_cannot_share_memory_use_the_network_or_raise_as_asked(no_shm_auto,
+                                                                          no_shm_asked):
+    auto = no_shm_auto
     for rank, r in enumerate(auto):
         assert r.get("error") is None and r["intra"] == ["network"], f"rank {rank}: {r}"
         assert any("use the network" in w and "/nonexistent/hvd_onebit" in w
                    for w in r["warnings"]), f"rank {rank}: {r['warnings']}"
         assert r["hashes"][-1] == auto[0]["hashes"][-1], f"rank {rank} differs from rank 0"
-    asked = run("without_shared_memory", env=env, intra_node="shared_memory")
+    asked = no_shm_asked
     for rank, r in enumerate(asked):
         assert r["error"].startswith("SharedMemoryError") and "rank(s) [0, 1, 2, 3]" in \
             r["error"], f"rank {rank}: {r['error']}"

@@ -1,28 +1,23 @@
 """hvd_onebit.DistributedOptimizer on real 1, 2 and 4-rank jobs.
 
-One job per world size runs every scenario (tests.workers_optimizer:suite); each scenario's
+Every scenario of a world size runs in that size's shared job (tests/worlds.py); each scenario's
 exception comes back as data, so only the tests of that scenario fail (tests/scenarios.py).
 """
 import numpy as np
 import pytest
 import torch
 
-from hvd_onebit_tools.cluster.jobs import run_ranks
 from tests.checks import assert_same_bits, assert_same_on_every_rank, difference
 from tests.scenarios import scenario
+from tests.worlds import shared_suite
 
 pytestmark = pytest.mark.multirank
 
 
-@pytest.fixture(scope="module", params=[1, 2, 4])
-def world(request):
-    n = request.param
-    # Tensor fusion off: with fusion, which gradients share a fused buffer depends on timing, and
-    # with more than two ranks that changes the ring's summation order and so the last bits of
-    # hvd.DistributedOptimizer's own results from run to run. Unfused, Horovod is deterministic,
-    # which the bit-identity test needs.
-    return n, run_ranks("tests.workers_optimizer:suite", np=n, timeout=400,
-                        env={"HOROVOD_FUSION_THRESHOLD": "0"})
+# Tensor fusion is off in the shared jobs (tests.worlds.DEFAULT_ENV): the bit-identity test
+# against hvd.DistributedOptimizer needs Horovod's own results to be deterministic.
+world = shared_suite("tests.workers_optimizer:suite", np=[1, 2, 4], timeout=400)
+convergence = shared_suite("tests.workers_optimizer:convergence_suite", np=4, timeout=400)
 
 
 def assert_trains_like_exact_averaging(onebit_loss, exact_loss, start_loss, what):
@@ -219,9 +214,9 @@ def test_single_rank_is_plain_adam(world):
     assert single["total_bytes"] == 0, f"one rank sent {single['total_bytes']} bytes"
 
 
-def test_onebit_adam_converges_like_adam():
+def test_onebit_adam_converges_like_adam(convergence):
     """4 ranks, 300 steps of a teacher-student regression: final held-out loss within 2%."""
-    results = run_ranks("tests.workers_optimizer:convergence_suite", np=4, timeout=400)
+    results = convergence
     for case in ("noisy", "clean"):
         per_rank = scenario(results, case)
         assert_same_on_every_rank(per_rank, f"{case}: final losses")

@@ -4,17 +4,17 @@ parameter without gradients, param groups with different beta1, gradient clippin
 GradScaler; over Horovod's transport and torch.distributed's. 2 real ranks."""
 import pytest
 
-from hvd_onebit_tools.cluster.jobs import run_ranks
 from tests.checks import first_difference
+from tests.worlds import shared_suite
 
 pytestmark = pytest.mark.multirank
 
 CASES = ["plain", "passes2", "clip", "scaler", "scaler_clip"]
 
 
-@pytest.fixture(scope="module")
-def results():
-    return run_ranks("tests.workers_overlap:suite", np=2, timeout=400)
+results = shared_suite("tests.workers_overlap:suite", np=2, timeout=400)
+# first in its job: the rendezvous is tried only where torch.distributed is not set up yet
+fallback = shared_suite("tests.workers_overlap:rendezvous_fallback", np=2, timeout=120, order=-1)
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -99,8 +99,8 @@ def test_auto_transport_is_torch_distributed_where_it_can_serve(results):
             f"rank {rank}: transport='torch' in an elastic job: {choice['elastic_torch_error']!r}"
 
 
-def test_an_unreachable_rendezvous_falls_back_to_horovod_on_every_rank():
-    results = run_ranks("tests.workers_overlap:rendezvous_fallback", np=2, timeout=120)
+def test_an_unreachable_rendezvous_falls_back_to_horovod_on_every_rank(fallback):
+    results = fallback
     for rank, r in enumerate(results):
         assert r["auto"] == "horovod", f"rank {rank}: transport='auto' chose {r['auto']}"
         assert any("198.18.255.1:29999" in w for w in r["auto_warnings"]), \

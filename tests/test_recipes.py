@@ -4,16 +4,18 @@ preconditioned), the unbounded step loses the loss scale, and a checkpoint writt
 bound resumes."""
 import pytest
 
-from hvd_onebit_tools.cluster.jobs import run_ranks
+from tests.worlds import shared_suite
 
 pytestmark = pytest.mark.multirank
 
 INITIAL_SCALE = 65536.0  # GradScaler's default
 
 
+ranks = shared_suite("tests.workers_recipes:suite", np=2, timeout=400)
+
+
 @pytest.fixture(scope="module")
-def results():
-    ranks = run_ranks("tests.workers_recipes:suite", np=2, timeout=400)
+def results(ranks):
     return ranks[0]
 
 

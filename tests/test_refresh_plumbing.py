@@ -2,7 +2,6 @@
 arguments each builds for hvd_onebit.DistributedOptimizer and the figures each derives. Nothing
 here trains or starts a rank, so none of it needs the optimizer to have the option yet: the
 option reaches the optimizer only when it is set."""
-import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -11,6 +10,7 @@ import pytest
 
 from hvd_onebit import Experimental
 from hvd_onebit_tools.bench.train import METHODS, onebit_arguments, summarize
+from tests.cli import hvd_onebit
 
 REPO = Path(__file__).resolve().parent.parent
 for folder in ("examples", "benchmarks"):
@@ -104,11 +104,9 @@ def test_bench_train_summary_compares_the_whole_runs():
 
 
 def test_bench_train_rejects_a_bad_schedule_before_starting_ranks():
-    proc = subprocess.run([sys.executable, "-m", "hvd_onebit_tools.cli", "bench", "train",
-                           "--bandwidth", "local", "--methods", "onebit,onebit_refresh",
-                           "--variance-refresh", '{"every": 2}'],
-                          capture_output=True, text=True, cwd=REPO, timeout=120)
-    assert proc.returncode != 0 and "unknown option" in proc.stderr, proc.stderr[-2000:]
+    proc = hvd_onebit(["bench", "train", "--bandwidth", "local", "--methods",
+                       "onebit,onebit_refresh", "--variance-refresh", '{"every": 2}'])
+    assert proc.exit_code != 0 and "unknown option" in proc.stderr, proc.stderr[-2000:]
     assert "training" not in proc.stderr, "ranks were started"
 
 

@@ -2,29 +2,36 @@
 import pytest
 import torch
 
-from hvd_onebit_tools.cluster.jobs import run_ranks
 from tests.checks import assert_same_params
 from tests.scenarios import scenario
+from tests.worlds import Scratch, shared_suite
 
 pytestmark = pytest.mark.multirank
 W = "tests.workers_resilience:"
 
 
-@pytest.fixture(scope="module")
-def results():
-    return run_ranks(W + "suite", np=2, timeout=400)
+results = shared_suite(W + "suite", np=2, timeout=400)
 
 
-def test_checkpoint_resume_is_bit_identical_with_error_feedback(tmp_path):
-    kw = {"ckpt_dir": str(tmp_path), "total": 30, "freeze_step": 8}
-    # one job runs the whole run and the run interrupted in the compression phase (saved at
-    # 20); a new job resumes from the files: with the error feedback, without it, and built
-    # with a larger freeze_step (the checkpoint was frozen at 8 and stays so)
-    saved = run_ranks(W + "checkpoint_runs", np=2, timeout=300,
-                      kwargs={"runs": [kw, {**kw, "stop_at": 20}]})
-    resumes = run_ranks(W + "checkpoint_runs", np=2, timeout=300, kwargs={"runs": [
-        {**kw, "resume": True}, {**kw, "resume": True, "error_feedback": False},
-        {**kw, "resume": True, "freeze_step": 25}]})
+# One job runs the whole run and the run interrupted in the compression phase (saved at 20);
+# new processes (a job of the next stage) resume from the files: with the error feedback,
+# without it, and built with a larger freeze_step (the checkpoint was frozen at 8 and stays so).
+KW = {"ckpt_dir": Scratch("resilience_compression"), "total": 30, "freeze_step": 8}
+saved = shared_suite(W + "checkpoint_runs", np=2, timeout=300,
+                     kwargs={"runs": [KW, {**KW, "stop_at": 20}]})
+resumes = shared_suite(W + "checkpoint_runs", np=2, stage=1, timeout=300, kwargs={"runs": [
+    {**KW, "resume": True}, {**KW, "resume": True, "error_feedback": False},
+    {**KW, "resume": True, "freeze_step": 25}]})
+# Saved in the warmup at step 3; resumed by new processes with freeze_step=8.
+WARMUP_CKPT = Scratch("resilience_warmup")
+warmup_saved = shared_suite(W + "checkpoint_run", np=2, timeout=300,
+                            kwargs={"ckpt_dir": WARMUP_CKPT, "stop_at": 3, "freeze_step": 5})
+warmup_resumed = shared_suite(W + "checkpoint_run", np=2, stage=1, timeout=300,
+                              kwargs={"ckpt_dir": WARMUP_CKPT, "resume": True, "freeze_step": 8,
+                                      "total": 12})
+
+
+def test_checkpoint_resume_is_bit_identical_with_error_feedback(saved, resumes):
     full = [r[0] for r in saved]
     resumed, reset, later = ([r[i] for r in resumes] for i in range(3))
     for rank in range(2):
@@ -55,12 +62,8 @@ def test_checkpoint_resume_is_bit_identical_with_error_feedback(tmp_path):
             f"feedback, {full[rank]['val_loss']:.6g} uninterrupted (allowed 2% apart)"
 
 
-def test_warmup_checkpoint_resumes_with_a_new_freeze_step(tmp_path):
-    run_ranks(W + "checkpoint_run", np=2, timeout=300,
-              kwargs={"ckpt_dir": str(tmp_path), "stop_at": 3, "freeze_step": 5})
-    resumed = run_ranks(W + "checkpoint_run", np=2, timeout=300,
-                        kwargs={"ckpt_dir": str(tmp_path), "resume": True, "freeze_step": 8,
-                                "total": 12})
+def test_warmup_checkpoint_resumes_with_a_new_freeze_step(warmup_saved, warmup_resumed):
+    resumed = warmup_resumed
     for rank, r in enumerate(resumed):
         assert r["start"] == 3, f"rank {rank}: resumed at step {r['start']}, expected 3"
         assert r["phases"] == ["warmup"] * 5 + ["compression"] * 4, \

@@ -8,16 +8,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from hvd_onebit_tools.cluster.jobs import run_command, run_ranks
+from hvd_onebit_tools.cluster.jobs import run_command
 from tests.checks import assert_same_on_every_rank, assert_same_params
 from tests.scenarios import scenario
+from tests.worlds import shared_suite
 
 pytestmark = pytest.mark.multirank
 
 
-@pytest.fixture(scope="module")
-def results():
-    return run_ranks("tests.workers_safety:suite", np=2, timeout=400)
+results = shared_suite("tests.workers_safety:suite", np=2, timeout=400)
+thread_multiple = shared_suite("tests.workers_safety:mpi_transport_error", np=2, controller="mpi",
+                               timeout=120)
 
 
 def deviation(run, ref):
@@ -158,7 +159,6 @@ def test_mpi_transport_refuses_a_job_without_thread_multiple(tmp_path):
             r["error"] and "MPI_THREAD_SERIALIZED" in r["error"], f"rank {rank}: {r['error']!r}"
 
 
-def test_mpi_transport_accepts_a_job_with_thread_multiple():
-    for rank, r in enumerate(run_ranks("tests.workers_safety:mpi_transport_error", np=2,
-                                       controller="mpi", timeout=120)):
+def test_mpi_transport_accepts_a_job_with_thread_multiple(thread_multiple):
+    for rank, r in enumerate(thread_multiple):
         assert r["thread_level"] == r["multiple"] and r["error"] is None, f"rank {rank}: {r}"

@@ -4,21 +4,20 @@ import numpy as np
 import pytest
 import torch
 
-from hvd_onebit_tools.cluster.jobs import run_job, run_ranks
+from hvd_onebit_tools.cluster.jobs import run_job
 from hvd_onebit.config import OneBitConfig
 from hvd_onebit.layout import ring_allreduce_bytes
 from hvd_onebit.variance_refresh import RefreshSchedule
 from hvd_onebit import Experimental
 from tests.scenarios import scenario
 from tests.workers_refresh import FREEZE, SCHEDULE, STEPS
+from tests.worlds import shared_suite
 
 W = "tests.workers_refresh:"
 EXPECTED = [s for s in range(STEPS) if RefreshSchedule(**SCHEDULE).is_refresh(s, FREEZE)]
 
 
-@pytest.fixture(scope="module")
-def results():
-    return run_ranks(W + "suite", np=2, timeout=500)
+results = shared_suite(W + "suite", np=2, timeout=500)
 
 
 def refreshed_at(r: dict) -> list:

@@ -1,4 +1,4 @@
-"""The convergence zoo's fixed subset (issue 25), in a real 4-rank job: Horovod's MNIST Net at
+"""The convergence zoo's fixed subset, in a real 4-rank job: Horovod's MNIST Net at
 Horovod's learning rate (1e-3 x 4) frozen at 20%, and the GRU LM, each against Horovod Adam on
 the same seed; plus the report on made-up records (single process).
 
@@ -15,23 +15,27 @@ import math
 import pytest
 
 from hvd_onebit_tools.bench.zoo.grid import ADAM, plan_family
-from hvd_onebit_tools.cluster.jobs import run_ranks
 from tests.checks import first_difference
+from tests.worlds import Scratch, scratch_path, shared_suite
 
 MAX_RATIO = 1.2
 STEPS = 60
 
 
+CELLS = (plan_family("mnist_cnn", [0], ["bounded", "unbounded", "null_lr_up_1ppm"],
+                     freezes=["20%"],
+                     lr_rules=["scaled"], steps=STEPS)
+         + plan_family("gru_lm", [0], ["bounded"], freezes=["20%"], lr_rules=["scaled"],
+                       steps=STEPS))
+RESULTS = Scratch("zoo", "cells.jsonl")
+zoo_ranks = shared_suite("hvd_onebit_tools.bench.zoo.worker:zoo_worker", np=4, timeout=240,
+                         kwargs={"cells": CELLS, "results": RESULTS})
+
+
 @pytest.fixture(scope="module")
-def zoo_cells(tmp_path_factory):
-    cells = (plan_family("mnist_cnn", [0], ["bounded", "unbounded", "null_lr_up_1ppm"],
-                         freezes=["20%"],
-                         lr_rules=["scaled"], steps=STEPS)
-             + plan_family("gru_lm", [0], ["bounded"], freezes=["20%"], lr_rules=["scaled"],
-                           steps=STEPS))
-    results = tmp_path_factory.mktemp("zoo") / "cells.jsonl"
-    records = run_ranks("hvd_onebit_tools.bench.zoo.worker:zoo_worker", np=4,
-                        kwargs={"cells": cells, "results": str(results)}, timeout=240)[0]
+def zoo_cells(zoo_ranks, tmp_path_factory):
+    results = scratch_path(tmp_path_factory, RESULTS)
+    records = zoo_ranks[0]
     # what rank 0 wrote as it went is what it returned
     written, returned = ([json.loads(line) for line in results.read_text().splitlines()],
                          json.loads(json.dumps(records)))
@@ -82,7 +86,7 @@ def test_the_warmup_is_horovod_adam_bit_for_bit(zoo_cells):
 @pytest.mark.multirank
 def test_without_the_bound_horovods_mnist_net_diverges(zoo_cells):
     """The same cell with step_bound=None (the paper's unbounded frozen-variance step): the loss
-    goes non-finite soon after the freeze (issue 25's NaN), so the bound is what the test above
+    goes non-finite soon after the freeze, so the bound is what the test above
     measures."""
     r = zoo_cells[("mnist_cnn", "unbounded")]
     assert r["diverged"] and r["nonfinite_at"] is not None, \

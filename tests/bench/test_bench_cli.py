@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.cli import hvd_onebit
+
 REPO = Path(__file__).resolve().parents[2]
 CLI = [sys.executable, "-m", "hvd_onebit_tools.cli"]
 
@@ -25,10 +27,14 @@ def bench(*args, timeout=600):
 
 
 def test_bench_help_lists_every_command():
-    out = bench("--help").stdout
+    result = hvd_onebit(["bench", "--help"])
+    assert result.exit_code == 0, result.output
+    out = result.stdout
     for command in ("kernel", "allreduce", "train", "memory"):
         assert command in out
-    train_help = bench("train", "--help").stdout
+    result = hvd_onebit(["bench", "train", "--help"])
+    assert result.exit_code == 0, result.output
+    train_help = result.stdout
     for option in ("--model", "--wait", "--malloc", "--warmup-frac", "--hosts", "--queue-ms"):
         assert option in train_help
 
@@ -142,10 +148,9 @@ def test_bench_train_on_emulated_nodes_runs_the_hierarchical_method():
 
 
 def test_bench_train_rejects_an_unknown_method():
-    proc = subprocess.run(CLI + ["bench", "train", "--methods", "local,sgd"], capture_output=True,
-                          text=True, timeout=60, cwd=REPO)
-    assert proc.returncode != 0 and "unknown methods" in proc.stdout + proc.stderr, \
-        f"--methods local,sgd exited with {proc.returncode}: {proc.stdout + proc.stderr!r}"
+    result = hvd_onebit(["bench", "train", "--methods", "local,sgd"])
+    assert result.exit_code != 0 and "unknown methods" in result.output, \
+        f"--methods local,sgd exited with {result.exit_code}: {result.output!r}"
 
 
 def test_bench_on_a_real_host_list_through_horovodrun(tmp_path):

@@ -7,7 +7,6 @@ check is the benchmark `benchmarks/predict_check.py`.
 """
 import json
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -25,6 +24,7 @@ from hvd_onebit_tools.bench.predict.model import GROUP_METHOD, HIERARCHICAL_NOTE
 from hvd_onebit_tools.bench.predict.sweep import crossovers
 from hvd_onebit_tools.bench.predict.tables import print_check
 from hvd_onebit.layout import Layout, ring_allreduce_bytes
+from tests.cli import hvd_onebit
 
 REPO = Path(__file__).resolve().parents[2]
 CLI = [sys.executable, "-m", "hvd_onebit_tools.cli", "bench"]
@@ -351,18 +351,17 @@ def test_calibration_round_trip_and_clear_errors(tmp_path):
     with pytest.raises(ValueError, match="version"):
         load(tmp_path / "old.json")
     # the CLI: a clear error without a file; JSON and a plot with one
-    proc = subprocess.run(CLI + ["predict", "--calibration", str(tmp_path / "missing.json"),
-                                 "--model", "mlp"], capture_output=True, text=True, cwd=REPO)
-    assert proc.returncode != 0 and "bench calibrate" in proc.stderr, \
-        f"predict without a calibration exited with {proc.returncode}, stderr {proc.stderr!r} " \
+    proc = hvd_onebit(["bench", "predict", "--calibration", str(tmp_path / "missing.json"),
+                       "--model", "mlp"])
+    assert proc.exit_code != 0 and "bench calibrate" in proc.stderr, \
+        f"predict without a calibration exited with {proc.exit_code}, stderr {proc.stderr!r} " \
         f"(expected a failure that names 'bench calibrate')"
     plot = tmp_path / "sweep.png"
-    proc = subprocess.run(CLI + ["predict", "--calibration", str(path), "--params", "8M",
-                                 "--compute-ms", "50", "--np", "8,64,512", "--ranks-per-node",
-                                 "8", "--bandwidth", "10gbit,100gbit", "--latency-us", "5",
-                                 "--plot", str(plot), "--json"],
-                          capture_output=True, text=True, cwd=REPO)
-    assert proc.returncode == 0, proc.stderr
+    proc = hvd_onebit(["bench", "predict", "--calibration", str(path), "--params", "8M",
+                       "--compute-ms", "50", "--np", "8,64,512", "--ranks-per-node", "8",
+                       "--bandwidth", "10gbit,100gbit", "--latency-us", "5", "--plot", str(plot),
+                       "--json"])
+    assert proc.exit_code == 0, proc.stderr
     report = json.loads(proc.stdout)
     assert plot.stat().st_size > 0, f"the plot {plot} is {plot.stat().st_size} bytes"
     assert len(report["rows"]) == 6, f"{len(report['rows'])} rows, expected 6: {report['rows']}"
@@ -378,19 +377,17 @@ def test_predict_without_a_cached_calibration_uses_the_one_shipped_in_docs(tmp_p
     naming the file and `hvd-onebit bench calibrate`; a calibration in the cache comes first."""
     shipped = REPO / "docs" / "predict_calibration.json"
     assert SHIPPED_PATH == shipped, f"SHIPPED_PATH is {SHIPPED_PATH}, the docs file {shipped}"
-    args = ["predict", "--model", "mlp", "--np", "4,16", "--bandwidth", "1gbit", "--json"]
-    env = {**os.environ, "HOME": str(tmp_path)}
-    proc = subprocess.run(CLI + args, capture_output=True, text=True, cwd=REPO, env=env,
-                          timeout=300)
-    assert proc.returncode == 0, f"exit {proc.returncode} with an empty cache:\n{proc.stderr}"
+    args = ["bench", "predict", "--model", "mlp", "--np", "4,16", "--bandwidth", "1gbit", "--json"]
+    env = {"HOME": str(tmp_path)}
+    proc = hvd_onebit(args, env=env)
+    assert proc.exit_code == 0, f"exit {proc.exit_code} with an empty cache:\n{proc.stderr}"
     assert str(shipped) in proc.stderr and "hvd-onebit bench calibrate" in proc.stderr, (
         f"stderr does not name {shipped} and `hvd-onebit bench calibrate`:\n{proc.stderr}")
     report = json.loads(proc.stdout)
     # the docs figures: the same report as with --calibration docs/predict_calibration.json
     docs = json.loads(shipped.read_text())
-    explicit = subprocess.run(CLI + args + ["--calibration", str(shipped)], capture_output=True,
-                              text=True, cwd=REPO, env=env, timeout=300)
-    assert explicit.returncode == 0, explicit.stderr
+    explicit = hvd_onebit(args + ["--calibration", str(shipped)], env=env)
+    assert explicit.exit_code == 0, explicit.stderr
     assert "no calibration at" not in explicit.stderr, (
         f"a note with --calibration given:\n{explicit.stderr}")
     assert report == json.loads(explicit.stdout), "the fallback's report differs from the docs'"

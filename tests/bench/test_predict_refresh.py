@@ -2,7 +2,6 @@
 refreshes, compressed), the whole-run formula, the run-length sweep and the command line. The
 arithmetic runs on test_predict's hand-made calibration; nothing here trains."""
 import json
-import subprocess
 
 import pytest
 
@@ -15,7 +14,8 @@ from hvd_onebit_tools.bench.refresh import (freeze_step_for, option_text, parse_
                                       run_steps)
 from hvd_onebit.layout import ring_allreduce_bytes
 from hvd_onebit.variance_refresh import RefreshSchedule
-from tests.bench.test_predict import CLI, REPO, fake_calibration
+from tests.bench.test_predict import fake_calibration
+from tests.cli import hvd_onebit
 
 
 def test_a_run_counts_its_warmup_refreshes_and_compressed_steps():
@@ -111,23 +111,21 @@ def test_variance_refresh_option_parsing():
 
 def test_predict_cli_prints_the_refresh_columns_and_the_run_length_sweep(tmp_path):
     path = save(fake_calibration(), tmp_path / "cal.json")
-    base = CLI + ["predict", "--calibration", str(path), "--model", "mlp", "--bandwidth", "1gbit"]
-    proc = subprocess.run(base + ["--np", "4", "--run-steps", "1000", "--methods",
-                                  "horovod_fp32,onebit", "--json"],
-                          capture_output=True, text=True, cwd=REPO, timeout=120)
-    assert proc.returncode == 0, proc.stderr
+    base = ["bench", "predict", "--calibration", str(path), "--model", "mlp", "--bandwidth",
+            "1gbit"]
+    proc = hvd_onebit(base + ["--np", "4", "--run-steps", "1000", "--methods",
+                              "horovod_fp32,onebit", "--json"])
+    assert proc.exit_code == 0, proc.stderr
     report = json.loads(proc.stdout)
     ob = report["rows"][0]["methods"]["onebit"]
     assert ob["run_refresh"]["full_precision_steps"] == 113, ob["run_refresh"]
     assert report["inputs"]["variance_refresh"] == "doubling"
-    proc = subprocess.run(base + ["--np", "2,4", "--run-lengths", "1000,10000", "--methods",
-                                  "horovod_fp32,onebit"],
-                          capture_output=True, text=True, cwd=REPO, timeout=120)
-    assert proc.returncode == 0, proc.stderr
+    proc = hvd_onebit(base + ["--np", "2,4", "--run-lengths", "1000,10000", "--methods",
+                              "horovod_fp32,onebit"])
+    assert proc.exit_code == 0, proc.stderr
     assert "refresh: run x fp32" in proc.stdout and "113 (50 + 63)" in proc.stdout, proc.stdout
-    proc = subprocess.run(base + ["--variance-refresh", '{"every": 3}'],
-                          capture_output=True, text=True, cwd=REPO, timeout=120)
-    assert proc.returncode != 0 and "unknown option" in proc.stderr, proc.stderr
+    proc = hvd_onebit(base + ["--variance-refresh", '{"every": 3}'])
+    assert proc.exit_code != 0 and "unknown option" in proc.stderr, proc.stderr
 
 
 def test_bench_train_reports_what_bounds_the_refresh_runs_speed_up():

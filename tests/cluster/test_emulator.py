@@ -25,6 +25,7 @@ import pytest
 from hvd_onebit_tools.cluster import (EmulatedCluster, EmulatorError, check_privileges, cleanup_stale,
                                 parse_bandwidth)
 from hvd_onebit_tools.cluster.network import IFACE, NETNS_ETC, STATE_DIR
+from tests.cli import hvd_onebit
 
 pytestmark = pytest.mark.multirank
 
@@ -141,9 +142,8 @@ def last_json(output: str) -> dict:
 
 
 def test_help_explains_every_option():
-    out = subprocess.run(CLI + ["--help"], capture_output=True, text=True, cwd=REPO,
-                         timeout=60)
-    assert out.returncode == 0, out.stderr
+    out = hvd_onebit(["cluster", "run", "--help"])
+    assert out.exit_code == 0, out.stderr
     for option in ("--np", "--bandwidth", "--queue-ms", "--timeout", "--json", "--log-dir", "--quiet", "--env",
                    "--kill-grace", "--verbose", "--nodes", "--ranks-per-node", "--intra-bandwidth",
                    "unlimited", "124", "130", "143"):
