@@ -240,8 +240,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
             only (:class:`~hvd_onebit.config.Experimental`) (default: None, their defaults)
 
     ``compressor``, ``precondition``, ``step_bound``, ``zero_variance``, ``intra_node`` and
-    ``auto_freeze`` are :class:`~hvd_onebit.config.Experimental`'s now: passed here as
-    keywords they raise a TypeError saying so. Every option is checked here, on every rank,
+    ``auto_freeze`` belong to :class:`~hvd_onebit.config.Experimental`: passed here as
+    keywords they raise a TypeError that says so. Every option is checked here, on every rank,
     before any collective.
 
     Returns:
