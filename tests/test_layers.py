@@ -159,6 +159,24 @@ def test_the_tooling_imports_the_library_by_name():
     assert "hvd_onebit" in used and "click" in used, f"tooling imports: {sorted(used)}"
 
 
+def test_the_benchmarks_are_entry_points():
+    # benchmarks/ holds scripts only: each one a few lines that call into the tooling, which is
+    # where its logic and its tests live.
+    scripts = sorted((PACKAGE.parent / "benchmarks").glob("*.py"))
+    assert len(scripts) >= 5, f"found {len(scripts)} scripts in benchmarks/"
+    fat = {}
+    for path in scripts:
+        tree = ast.parse(path.read_text())
+        defs = [node.name for node in ast.walk(tree)
+                if isinstance(node, (ast.FunctionDef, ast.ClassDef))]
+        imported = {name.split(".")[0] for _, name in top_level_imports(path)} - {"sys"}
+        lines = len(path.read_text().splitlines())
+        if defs or imported != {"hvd_onebit_tools"} or lines > 15:
+            fat[path.name] = f"{lines} lines, defines {defs}, imports {sorted(imported)}"
+    assert not fat, "benchmarks/ should only hold entry points into hvd_onebit_tools:\n" + \
+        "\n".join(f"{name}: {why}" for name, why in fat.items())
+
+
 def test_the_engine_and_the_collectives_import_without_horovod():
     # A face that runs them under torchrun has no Horovod: importing them must not need it.
     import subprocess

@@ -9,15 +9,15 @@ from types import SimpleNamespace
 import pytest
 
 from hvd_onebit import Experimental
+from hvd_onebit_tools.bench.studies import auto_freeze
+from hvd_onebit_tools.bench.studies import variance_refresh as refresh_benchmark
 from hvd_onebit_tools.bench.train import METHODS, onebit_arguments, summarize
 from tests.cli import hvd_onebit
 
 REPO = Path(__file__).resolve().parent.parent
-for folder in ("examples", "benchmarks"):
-    if str(REPO / folder) not in sys.path:
-        sys.path.insert(0, str(REPO / folder))
+if str(REPO / "examples") not in sys.path:
+    sys.path.insert(0, str(REPO / "examples"))
 
-import auto_freeze  # noqa: E402  (benchmarks/)
 import train_digits  # noqa: E402  (examples/)
 import train_lm  # noqa: E402
 
@@ -108,9 +108,6 @@ def test_bench_train_rejects_a_bad_schedule_before_starting_ranks():
                        "onebit,onebit_refresh", "--variance-refresh", '{"every": 2}'])
     assert proc.exit_code != 0 and "unknown option" in proc.stderr, proc.stderr[-2000:]
     assert "training" not in proc.stderr, "ranks were started"
-
-
-import variance_refresh as refresh_benchmark  # noqa: E402  (benchmarks/)
 
 
 def test_the_targets_benchmark_builds_its_commands():

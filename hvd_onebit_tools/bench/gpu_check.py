@@ -1,0 +1,355 @@
+"""One-go check of hvd_onebit on a CUDA machine; prints one JSON object.
+
+    python benchmarks/gpu_check.py [--numel 16M,64M,256M] [--out result.json]
+    python benchmarks/gpu_check.py --dry-run      # no GPU: CPU tensors, Triton's interpreter
+
+Checks (each in its own try/except; a failure is reported in the JSON, the others still run):
+
+* ``bits``: the triton kernels and the torch twins on the device give the bits of the native
+  CPU kernels on copies of the same data (worker compress, server step, decode; the momentum
+  update inside the compression; the decode with Adam's update, float32/float16/bfloat16
+  weights, held elements), n = 1..4, sizes not a multiple of 8, finer blocks.
+* ``ratios``: ``hvd-onebit bench kernel --device cuda``: each kernel's element rate as a ratio
+  to torch.add on the device (the target: >= 0.5 from 16M to 256M elements).
+* ``virtual_ranks``: 2 ranks as threads on one device through the in-process transport,
+  ``OneBitAllreduce(..., device=..., backend="triton")``: ranks identical, and the bits of the
+  same calls with the native kernels on CPU.
+* ``memory``: peak CUDA memory above the baseline during one call (both virtual ranks) against
+  the parameters' bytes.
+* ``host_syncs``: device-to-host syncs in one call, counted with
+  ``torch.cuda.set_sync_debug_mode("warn")``.
+* ``compressed_step``: the optimizer's compression engine (``CompressedStep``) on 2 virtual
+  ranks with several buckets and step counts on the device (as fused or capturable Adam keeps
+  them): the syncs of one steady step (the target: at most 1 outside the in-process
+  transport, whose own stream waits are counted apart), what it holds beyond Adam's own and its
+  peak (``torch.cuda.max_memory_allocated``) as ratios to the parameters' fp32 bytes. On CPU
+  (``--dry-run``) it runs without the sync count.
+
+``--dry-run`` runs the checks that need no GPU on CPU tensors under Triton's interpreter (small
+sizes); the CUDA-only ones are reported as skipped. The script must not import triton before it
+has settled ``TRITON_INTERPRET``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+import warnings
+from pathlib import Path
+
+
+BIT_CASES = [(7, 3, None), (33, 4, None), (100, 1, None), (4099, 2, None), (5001, 3, 24),
+             (20_001, 4, 4096)]
+FUSED_CASES = [([5, 0, 13, 1000, 7], 4), ([3001, 3, 2000, 9000, 11], 2)]
+
+
+def _bytes(t):
+    return None if t is None else t.detach().contiguous().cpu().view(-1).view(
+        __import__("torch").uint8).numpy().tobytes()
+
+
+def _kernel_outputs(backend, device, L, x, y_prev, prev_send, z_prev, prev_row):
+    """worker compress, server step on the rows sent, decode: every output as bytes."""
+    import torch
+    from hvd_onebit import kernels
+    dev = [t.to(device, copy=True) for t in (x, y_prev, prev_send, z_prev, prev_row)]
+    x, y_prev, prev_send, z_prev, prev_row = dev
+    send = torch.full((L.n * L.row_bytes,), 0xAB, dtype=torch.uint8, device=device)
+    y_out = torch.full((L.padded,), 123.0, device=device)
+    z_out = torch.full((L.chunk,), 5.0, device=device)
+    row = torch.full((L.row_bytes,), 0xCD, dtype=torch.uint8, device=device)
+    out = torch.full((L.numel,), 7.0, device=device)
+    ok = kernels.worker_compress(x, y_prev, prev_send, y_out, send, L, backend)
+    ok_s = kernels.server_compress(send, z_prev, prev_row, z_out, row, L, backend)
+    kernels.decode(send, out, L, backend)
+    return [bool(ok), bool(ok_s)] + [_bytes(t) for t in (y_out, send, z_out, row, out)]
+
+
+def _fused_outputs(backend, device, L, sizes, m, grads, rows, weights, variances, steps, decays):
+    import torch
+    from hvd_onebit.kernels.fused_adam import (AdamUpdate, MomentumInput, decode_update,
+                                               worker_compress_momentum)
+    to = (lambda t: None if t is None else t.to(device, copy=True))  # updates are in place
+    y_prev = torch.zeros(L.padded, device=device)
+    prev = torch.zeros(L.n * L.row_bytes, dtype=torch.uint8, device=device)
+    y_out = torch.empty(L.padded, device=device)
+    send = torch.empty(L.n * L.row_bytes, dtype=torch.uint8, device=device)
+    src = MomentumInput(to(m), [to(g) for g in grads], sizes, 0.9)
+    worker_compress_momentum(src, y_prev, prev, y_out, send, L, backend)
+    w = [to(t) for t in weights]
+    out = torch.full((L.numel,), float("nan"), device=device)
+    update = AdamUpdate(w, [to(v) for v in variances], sizes, steps, decays,
+                        [0.3] * len(sizes), [1e-8] * len(sizes))
+    decode_update(to(rows), out, L, update, backend)
+    return [_bytes(y_out), _bytes(send), _bytes(out)] + [_bytes(t) for t in w]
+
+
+def check_bits(device: str) -> dict:
+    """Per case, whether each device implementation gives the native CPU kernels' bits."""
+    import torch
+    from hvd_onebit import kernels
+    from hvd_onebit.dtypes import FLOAT_DTYPES
+    from hvd_onebit.layout import Layout
+    impls = [("triton", device)] + ([("torch", device)] if device != "cpu" else [])
+    cases, ok = [], True
+    for numel, n, block in BIT_CASES:
+        L = Layout.build(numel, n, block)
+        g = torch.Generator().manual_seed(numel)
+        x = torch.randn(numel, generator=g)
+        y_prev = torch.randn(L.padded, generator=g)
+        prev_send = torch.randint(0, 255, (L.n * L.row_bytes,), dtype=torch.uint8, generator=g)
+        kernels.row_scales(prev_send, L, L.n).copy_(torch.rand(L.n, L.nblocks, generator=g))
+        args = (L, x, y_prev, prev_send, torch.randn(L.chunk, generator=g),
+                prev_send[:L.row_bytes].clone())
+        ref = _kernel_outputs("native", "cpu", *args)
+        entry = {"numel": numel, "n": n, "block": block}
+        for backend, dev in impls:
+            entry[f"{backend}_{dev}"] = _kernel_outputs(backend, dev, *args) == ref
+            ok &= entry[f"{backend}_{dev}"]
+        cases.append(entry)
+    dtypes = list(FLOAT_DTYPES)
+    for sizes, n in FUSED_CASES:
+        numel = sum(sizes)
+        L = Layout.build(numel, n)
+        g = torch.Generator().manual_seed(numel)
+        m = torch.randn(numel, generator=g)
+        grads = [None if i % 3 == 1 else torch.randn(s, generator=g) for i, s in enumerate(sizes)]
+        rows = torch.randint(0, 255, (L.n * L.row_bytes,), dtype=torch.uint8, generator=g)
+        kernels.row_scales(rows, L, L.n).copy_(torch.rand(L.n, L.nblocks, generator=g))
+        weights = [None if i % 3 == 1 else torch.randn(s, generator=g) for i, s in enumerate(sizes)]
+        variances = [None if w is None else torch.rand(s, generator=g) + 0.01
+                     for w, s in zip(weights, sizes)]
+        for v in variances:
+            if v is not None:
+                v[::7] = 0.0  # held elements
+        steps = [-1e-3 * (i + 1) for i in range(len(sizes))]
+        decays = [1 - 1e-5 if i % 2 else 1.0 for i in range(len(sizes))]
+        fp32 = (L, sizes, m, grads, rows, weights, variances, steps, decays)
+        low_w = [None if w is None else w.to(dtypes[i % 3]) for i, w in enumerate(weights)]
+        low = (L, sizes, m, grads, rows, low_w, variances, steps, decays)
+        ref32 = _fused_outputs("native", "cpu", *fp32)
+        ref_low = _fused_outputs("torch", "cpu", *low)  # native takes float32 only
+        entry = {"fused_sizes": sizes, "n": n}
+        for backend, dev in impls:
+            entry[f"{backend}_{dev}"] = _fused_outputs(backend, dev, *fp32) == ref32
+            entry[f"{backend}_{dev}_f16_bf16_weights"] = _fused_outputs(backend, dev, *low) == ref_low
+            ok &= entry[f"{backend}_{dev}"] and entry[f"{backend}_{dev}_f16_bf16_weights"]
+        cases.append(entry)
+    return {"ok": bool(ok), "reference": "native kernels on CPU (torch twin for f16/bf16)",
+            "cases": cases}
+
+
+def _virtual_ranks(device: str, backend: str, numel: int, calls: int = 3):
+    import torch
+    from hvd_onebit import OneBitAllreduce
+    from hvd_onebit.transport.inprocess import run_threads
+
+    def rank_fn(t):
+        comm = OneBitAllreduce(numel, transport=t, device=device, backend=backend,
+                               name=f"gpu_check.{backend}")
+        g = torch.Generator().manual_seed(100 + t.rank)
+        outs = []
+        for _ in range(calls):
+            outs.append(_bytes(comm.allreduce(torch.randn(numel, generator=g).to(device))))
+        return outs
+
+    return run_threads(2, rank_fn)
+
+
+def check_virtual_ranks(device: str, numel: int) -> dict:
+    per_rank = _virtual_ranks(device, "triton", numel)
+    native = _virtual_ranks("cpu", "native", numel)
+    return {"ok": per_rank[0] == per_rank[1] and per_rank == native, "numel": numel,
+            "ranks_identical": per_rank[0] == per_rank[1], "equal_to_native_cpu": per_rank == native}
+
+
+def _warm_ranks(numel: int, name: str):
+    """2 virtual ranks on the CUDA device, each with a collective that has made one call
+    (kernels compiled, first-call buffers allocated), and a function running one more call."""
+    import torch
+    from hvd_onebit import OneBitAllreduce
+    from hvd_onebit.transport.inprocess import run_threads
+    comms = {}
+
+    def setup(t):
+        comms[t.rank] = (OneBitAllreduce(numel, transport=t, device="cuda", backend="triton",
+                                         name=name), torch.randn(numel, device="cuda"))
+        comms[t.rank][0].allreduce(comms[t.rank][1])
+
+    run_threads(2, setup)
+    torch.cuda.synchronize()
+    return lambda: run_threads(2, lambda t: comms[t.rank][0].allreduce(comms[t.rank][1]) is None)
+
+
+def check_memory(numel: int) -> dict:
+    import torch
+    call = _warm_ranks(numel, "gpu_check.mem")
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    call()
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base
+    param_bytes = numel * 4
+    return {"ok": True, "numel": numel, "param_bytes": param_bytes, "ranks": 2,
+            "peak_above_baseline_bytes": extra,
+            "per_rank_over_param_bytes": extra / 2 / param_bytes}
+
+
+def check_host_syncs(numel: int) -> dict:
+    import torch
+    call = _warm_ranks(numel, "gpu_check.sync")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            call()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = [str(w.message).splitlines()[0] for w in caught if "synchroniz" in str(w.message)]
+    return {"ok": True, "numel": numel, "ranks": 2, "host_syncs_per_rank": len(syncs) / 2,
+            "examples": sorted(set(syncs))[:5]}
+
+
+def check_compressed_step(device: str, width: int = 2048, layers: int = 4) -> dict:
+    """See the module's docstring: CompressedStep's syncs and memory in one steady step."""
+    import threading
+
+    import torch
+    from hvd_onebit_tools.bench.memory import held_bytes
+    from hvd_onebit.engine import NOT_FROZEN, CompressedStep
+    from hvd_onebit.config import OneBitConfig
+    from hvd_onebit.transport.inprocess import run_threads
+
+    cuda = device == "cuda"
+    gate = threading.Barrier(2)
+    peak = {}
+
+    def rank_fn(t):
+        g = torch.Generator().manual_seed(0)
+        shapes = [s for _ in range(layers) for s in ((width, width), (width,))]
+        params = [torch.randn(s, generator=g).to(device) for s in shapes]
+        state = {p: {"step": torch.tensor(10.0, device=device),
+                     "exp_avg": (torch.randn(p.shape, generator=g) * 1e-3).to(device),
+                     "exp_avg_sq": (torch.rand(p.shape, generator=g) * 1e-6 + 1e-9).to(device),
+                     "frozen_variance_step": NOT_FROZEN} for p in params}
+        # a bucket per weight matrix: several buckets, each bias packed behind its weight
+        config = OneBitConfig.from_options(freeze_step=10, bucket_size_mb=(width * width + width) * 4 / 2**20)
+        engine = CompressedStep(config, state, decoupled=lambda group: False, transport=t)
+        groups = [{"params": params, "lr": 1e-4, "betas": (0.9, 0.999), "eps": 1e-8,
+                   "weight_decay": 0.0}]
+        gen = torch.Generator().manual_seed(1 + t.rank)
+        grads = {p: (torch.randn(p.shape, generator=gen) * 1e-3).to(device) for p in params}
+        for _ in range(2):  # kernels compiled, first-step reads (step counts) done
+            engine.ensure_ready(params)
+            engine.step(groups, grads)
+        held = held_bytes({"engine": {k: v for k, v in vars(engine).items() if k != "comms"},
+                           "collectives": engine.comms}, params, state)
+        engine.ensure_ready(params)
+        gate.wait()
+        if t.rank == 0 and cuda:
+            torch.cuda.synchronize()
+            peak["base"] = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            torch.cuda.set_sync_debug_mode("warn")
+        gate.wait()
+        engine.step(groups, grads)
+        gate.wait()
+        if t.rank == 0 and cuda:
+            torch.cuda.set_sync_debug_mode("default")
+            torch.cuda.synchronize()
+            peak["bytes"] = torch.cuda.max_memory_allocated() - peak["base"]
+        return {"buckets": len(engine.buckets), "held": held["total"],
+                "param_bytes": 4 * sum(p.numel() for p in params),
+                "params": _bytes(torch.cat([p.reshape(-1) for p in params]))}
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        per_rank = run_threads(2, rank_fn, timeout=600)
+    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    transport = [w for w in syncs if Path(w.filename).parent.name == "transport"]
+    ours = [f"{Path(w.filename).name}:{w.lineno}" for w in syncs if w not in transport]
+    param_bytes = per_rank[0]["param_bytes"]
+    out = {"buckets": per_rank[0]["buckets"], "ranks": 2, "param_bytes": param_bytes,
+           "ranks_identical": per_rank[0]["params"] == per_rank[1]["params"],
+           "held_over_param_bytes": max(r["held"] for r in per_rank) / param_bytes}
+    if cuda:
+        out.update({"host_syncs_per_rank": len(ours) / 2,
+                    "transport_syncs_per_rank": len(transport) / 2,
+                    "sync_sites": sorted(set(ours)),
+                    "peak_over_param_bytes": (max(r["held"] for r in per_rank)
+                                              + peak["bytes"] / 2) / param_bytes})
+    out["ok"] = bool(out["ranks_identical"] and out["buckets"] > 1
+                     and (not cuda or out["host_syncs_per_rank"] <= 1))
+    return out
+
+
+def check_ratios(numels) -> dict:
+    from hvd_onebit_tools.bench.kernel import bench_kernels_cuda
+    result = bench_kernels_cuda(numels)
+    return {"ok": result["meets_target"].get("triton", False), **result}
+
+
+def _guarded(name, fn, *args) -> dict:
+    start = time.perf_counter()
+    try:
+        out = fn(*args)
+    except Exception as exc:  # noqa: BLE001 - every check reports, none stops the others
+        out = {"ok": False, "error": f"{type(exc).__name__}: {exc}",
+               "traceback": traceback.format_exc()[-3000:]}
+    out["seconds"] = round(time.perf_counter() - start, 2)
+    return out
+
+
+def run(dry_run: bool, numels) -> dict:
+    device = "cpu" if dry_run else "cuda"
+    import torch
+    from hvd_onebit import kernels
+    report = {"device": device, "dry_run": dry_run, "torch": torch.__version__,
+              "cuda_available": torch.cuda.is_available(),
+              "triton_installed": kernels.triton_available(), "checks": {}}
+    if not dry_run and not torch.cuda.is_available():
+        report["error"] = "no CUDA device (torch.cuda.is_available() is False); try --dry-run"
+        return report
+    if not dry_run:
+        report["device_name"] = torch.cuda.get_device_name()
+    checks = report["checks"]
+    checks["bits"] = _guarded("bits", check_bits, device)
+    checks["virtual_ranks"] = _guarded("virtual_ranks", check_virtual_ranks, device,
+                                       4099 if dry_run else 1 << 20)
+    checks["compressed_step"] = _guarded("compressed_step", check_compressed_step, device,
+                                         *((64, 3) if dry_run else ()))
+    if dry_run:
+        for name in ("ratios", "memory", "host_syncs"):
+            checks[name] = {"ok": None, "skipped": "needs CUDA"}
+    else:
+        checks["memory"] = _guarded("memory", check_memory, 16 << 20)
+        checks["host_syncs"] = _guarded("host_syncs", check_host_syncs, 16 << 20)
+        checks["ratios"] = _guarded("ratios", check_ratios, numels)
+    report["ok"] = all(c.get("ok") is not False for c in checks.values())
+    return report
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dry-run", action="store_true",
+                    help="no GPU: CPU tensors under Triton's interpreter, small sizes")
+    ap.add_argument("--numel", default="16M,64M,128M,256M",
+                    help="sizes for the kernel ratios (CUDA only)")
+    ap.add_argument("--out", default=None, help="also write the JSON to this file")
+    args = ap.parse_args(argv)
+    if args.dry_run:  # before anything imports triton
+        os.environ["TRITON_INTERPRET"] = "1"
+    from hvd_onebit_tools.bench.cli.options import parse_count
+    report = run(args.dry_run, [parse_count(v) for v in args.numel.split(",") if v.strip()])
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    return 0 if report.get("ok") else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
