@@ -3,6 +3,7 @@ torch.distributed) collectives, and the bench models' compute and the 1-bit kern
 ranks of a job run them, next to Horovod's background thread, in lock-step."""
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from typing import Optional
@@ -11,25 +12,27 @@ from .workloads import KERNEL_NUMEL, bench_model, kernel_calls
 
 
 def _rank_timer(seconds: float):
-    """In every rank of a Horovod job: ``timed(fn, lockstep)``, the median time of calls of
-    ``fn`` made for ``seconds``, the mean over ranks (as `bench train` takes a step's time).
-    Free-running: the call alone. Lock-step: every call after a Horovod barrier, as a step's
-    collectives line ranks up, until the last rank is done (the next collective waits for
-    it), less an empty barrier's own time."""
+    """In every rank of a Horovod job: ``timed(fn, lockstep, calls=1)``, the median time of one
+    call of ``fn`` over calls made for ``seconds``, the mean over ranks (as `bench train` takes
+    a step's time). Free-running: the call alone. Lock-step: ``calls`` calls after a Horovod
+    barrier, as a step's collectives line ranks up, until the last rank is done (the next
+    collective waits for it), less an empty barrier's own time, divided by ``calls``. Also
+    returns ``barrier`` and ``empty``, the empty barrier's own time."""
     import horovod.torch as hvd
     import torch
 
     def barrier():
         _wait(hvd.allreduce_async(torch.zeros(1), name="cal.compute.barrier"))
 
-    def timed(fn, lockstep: bool, empty: float = 0.0) -> float:
+    def timed(fn, lockstep: bool, empty: float = 0.0, calls: int = 1) -> float:
         times: list[float] = []
         end = time.perf_counter() + seconds
         while True:
             if lockstep:
                 barrier()
             start = time.perf_counter()
-            fn()
+            for _ in range(calls):
+                fn()
             if lockstep:
                 barrier()
             times.append(time.perf_counter() - start)
@@ -38,12 +41,12 @@ def _rank_timer(seconds: float):
                 if float(hvd.allreduce(torch.tensor([more]), op=hvd.Max,
                                        name="cal.compute.more")) == 0:
                     break
-        med = statistics.median(times) - (empty if lockstep else 0.0)
+        med = (statistics.median(times) - (empty if lockstep else 0.0)) / calls
         return float(hvd.allreduce(torch.tensor([med], dtype=torch.float64), op=hvd.Average,
                                    name="cal.compute.mean"))
 
     empty = timed(lambda: None, True)
-    return lambda fn, lockstep: timed(fn, lockstep, empty), barrier
+    return lambda fn, lockstep, calls=1: timed(fn, lockstep, empty, calls), barrier, empty
 
 
 def ranks_compute(models: dict, seconds: float = 1.0) -> dict:
@@ -59,7 +62,7 @@ def ranks_compute(models: dict, seconds: float = 1.0) -> dict:
     import horovod.torch as hvd
     import torch
 
-    timed, barrier = _rank_timer(seconds)
+    timed, barrier, _ = _rank_timer(seconds)
     out = {}
     for name, cfg in models.items():
         net, opt, fwd_bwd, step = bench_model(cfg, data_seed=hvd.rank())
@@ -76,23 +79,39 @@ def ranks_compute(models: dict, seconds: float = 1.0) -> dict:
     return out
 
 
-def ranks_kernels(numel: int = KERNEL_NUMEL, seconds: float = 1.0) -> dict:
+def ranks_kernels(numel: int = KERNEL_NUMEL, seconds: float = 1.0,
+                  clear_of_barrier: float = 8.0, max_calls: int = 64) -> dict:
     """Runs in every rank of a Horovod job: each 1-bit kernel's time per element on buffers of
     ``numel`` floats, in lock-step as a compressed step runs them (:func:`_rank_timer`): every
     rank streams its buffers at once, next to Horovod's background thread. Bare processes
     timed together did not stand for this: two of them often ran at one process's speed,
-    which the ranks of a step do not."""
-    timed, _ = _rank_timer(seconds)
+    which the ranks of a step do not.
+
+    A fast kernel on a fast machine can take less than the empty barrier's jitter, so each
+    kernel runs as many times between two barriers as it takes for the calls to last
+    ``clear_of_barrier`` times an empty barrier (the fastest rank's free-running call sets the
+    count, the same on every rank), at most ``max_calls``."""
+    import horovod.torch as hvd
+    import torch
+
+    timed, _, empty = _rank_timer(seconds)
     out = {}
     for name, call in kernel_calls(numel).items():
         call()
-        out[name] = timed(call, True) / numel
+        start = time.perf_counter()
+        call()
+        one = float(hvd.allreduce(torch.tensor([time.perf_counter() - start],
+                                               dtype=torch.float64),
+                                  op=hvd.Min, name=f"cal.kernel.{name}.one"))
+        calls = int(min(max_calls, max(1, math.ceil(clear_of_barrier * empty / max(one, 1e-9)))))
+        out[name] = timed(call, True, calls) / numel
         # the same figure on every rank (the mean over ranks): every rank stops here together
         if out[name] <= 0:
             raise RuntimeError(
-                f"calibration: the {name} kernel on {numel} elements took no longer than an "
-                "empty Horovod barrier here, so its time is lost in the barrier's noise; time "
-                "the kernels on more elements")
+                f"calibration: the {name} kernel on {numel} elements, {calls} calls between "
+                f"two barriers, took no longer than an empty Horovod barrier ({empty * 1e3:.3f} "
+                "ms) here, so its time is lost in the barrier's noise; time the kernels on more "
+                "elements")
     return out
 
 
