@@ -57,6 +57,11 @@ class HorovodView:
         return self._opt.op
 
     @property
+    def sums_gradients(self) -> bool:
+        """op=hvd.Sum: the update sees the sum over ranks."""
+        return self._opt.op == hvd.Sum
+
+    @property
     def sparse_as_dense(self) -> bool:
         return self._opt.sparse_as_dense
 

@@ -42,6 +42,14 @@ def check_environment(config: OneBitConfig, params: Iterable[torch.Tensor],
     kernel backend that runs there, a transport this job can use. Raises on every rank."""
     check_options(config)
     params = list(params)
+    check_parameters(config, params)
+    if params and config.compressor == "onebit":
+        check_transport(config.transport, process_set, params[0].device)
+
+
+def check_parameters(config: OneBitConfig, params: list[torch.Tensor]) -> None:
+    """The parameters against the options, whatever the job: float dtypes, one device, a
+    kernel backend that runs there. Raises on every rank."""
     bad = sorted({str(p.dtype) for p in params if p.dtype not in FLOAT_DTYPES})
     if bad:
         raise TypeError(f"hvd_onebit.DistributedOptimizer trains float32, float16 and bfloat16 "
@@ -49,8 +57,6 @@ def check_environment(config: OneBitConfig, params: Iterable[torch.Tensor],
     check_one_device(params)
     if params:
         kernels.resolve_backend(config.kernel_backend, params[0].device)
-        if config.compressor == "onebit":
-            check_transport(config.transport, process_set, params[0].device)
 
 
 def spare_errors(memory: str, device: torch.device) -> bool:

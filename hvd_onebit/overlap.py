@@ -21,7 +21,7 @@ import torch
 
 from .engine import CompressedStep
 from .config import OneBitConfig
-from .horovod_view import HorovodView
+from .optimizer_view import OptimizerView
 from .param_groups import groups_by_param
 from .phases.amp import has_scale, inverse_scale
 
@@ -54,7 +54,7 @@ def inputs_of(p: torch.Tensor, group: dict) -> tuple:
 class Overlap:
     """The early starts of one optimizer, step after step."""
 
-    def __init__(self, view: HorovodView, config: OneBitConfig, engine: CompressedStep,
+    def __init__(self, view: OptimizerView, config: OneBitConfig, engine: CompressedStep,
                  local_grad: Callable):
         self._view = view
         self._enabled = config.overlap

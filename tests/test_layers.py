@@ -14,7 +14,7 @@ TOOLING_ONLY = ("hvd_onebit_tools", "click", "matplotlib")
 # Top to bottom. A module belongs to the first layer with a prefix of its dotted name (relative
 # to the package); it may import modules of its own layer and of the layers below it.
 LAYERS = [
-    ("face", ["__init__", "optimizer", "elastic"]),
+    ("face", ["__init__", "optimizer", "elastic", "ddp"]),
     ("phases", ["phases", "overlap"]),
     ("state", ["state", "auto_freeze"]),
     ("engine", ["engine"]),
@@ -23,7 +23,7 @@ LAYERS = [
     ("kernels and transport", ["kernels", "transport"]),
     ("options", ["config"]),
     ("base", ["layout", "step_bound", "low_precision", "consistency", "horovod_view", "dtypes",
-              "variance_refresh", "param_groups", "values",
+              "variance_refresh", "param_groups", "values", "optimizer_view",
               "_C"]),
 ]
 MAX_LINES = 400  # per library module (the C++ aside)

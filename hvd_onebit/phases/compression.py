@@ -13,17 +13,16 @@ import warnings
 from typing import Callable, Mapping, Optional
 
 import torch
-from horovod.torch.mpi_ops import Sum
 
 from ..comm.protocol import NonFiniteInputError
 from ..engine import CompressedStep
-from ..horovod_view import HorovodView
 from ..low_precision import is_low_precision
+from ..optimizer_view import OptimizerView
 from ..overlap import Overlap
 from ..param_groups import groups_by_param
 from ..state.schedule import Schedule
 from ..state.telemetry import Telemetry
-from .warmup import as_adam_takes_it, sparse_gradient_error
+from .gradients import as_adam_takes_it, sparse_gradient_error
 
 STALE_WARNING = (
     "hvd_onebit: the gradients changed between backward and step() (e.g. clipped, or a "
@@ -35,7 +34,7 @@ STALE_WARNING = (
 class CompressionPhase:
     """One optimizer's compressed steps."""
 
-    def __init__(self, view: HorovodView, schedule: Schedule, telemetry: Telemetry,
+    def __init__(self, view: OptimizerView, schedule: Schedule, telemetry: Telemetry,
                  engine: CompressedStep, config):
         self._view = view
         self._schedule = schedule
@@ -59,7 +58,7 @@ class CompressionPhase:
             g = torch.mul(g.float(), inv_scale).to(g.dtype)
         if is_low_precision(p):  # the momentum is float32: so is the gradient it takes in
             g = g.float()
-        if self._view.op == Sum:  # Horovod's Sum: the update sees the sum over ranks
+        if self._view.sums_gradients:  # Horovod's Sum: the update sees the sum over ranks
             g = g * self._engine.world
         return as_adam_takes_it(self._view, p, group, g)
 

@@ -1,35 +1,41 @@
 """One optimizer step, dispatched to its kind: a full-precision step (the warmup's or a variance
 refresh step, :mod:`hvd_onebit.phases.full_precision`) or a compressed one, each with a
 GradScaler's prologue and epilogue around it when one is given (:mod:`hvd_onebit.phases.amp`);
-and the hooks and synchronize() of each phase."""
+and the hooks and synchronize() of each phase. The face hands it its framework's allreduce of
+full-precision steps (Horovod's :class:`~hvd_onebit.phases.warmup.Warmup`, or DDP's) and its
+cross-rank check of the parameters."""
 from __future__ import annotations
 
 from typing import Callable, Optional
 
 from ..config import OneBitConfig
-from ..consistency import check_parameters_identical
 from ..engine import CompressedStep
-from ..horovod_view import HorovodView
+from ..optimizer_view import OptimizerView
 from ..state.schedule import COMPRESSION, Schedule
 from ..state.telemetry import Telemetry
 from .amp import ScalerView, view_of
 from .compression import CompressionPhase
-from .full_precision import take
+from .full_precision import GradientAllreduce, FullPrecisionStep, take
+from .gradients import closure_loss
 from .refresh import RefreshPhase
-from .warmup import Warmup, closure_loss
 
 
 class Phases:
     """The two phases of one optimizer and the choice between them, step by step."""
 
-    def __init__(self, view: HorovodView, config: OneBitConfig, schedule: Schedule,
-                 telemetry: Telemetry, engine: CompressedStep):
+    def __init__(self, view: OptimizerView, config: OneBitConfig, schedule: Schedule,
+                 telemetry: Telemetry, engine: CompressedStep, warmup: GradientAllreduce,
+                 check_identical: Callable[[int], None]):
+        """``warmup``: the allreduce of full-precision steps, and the warmup's own kind of step
+        (a :class:`~hvd_onebit.phases.full_precision.FullPrecisionStep`);
+        ``check_identical(steps)``: raise on every rank if the parameters differ (check_every)."""
         self._view = view
         self._config = config
         self._schedule = schedule
         self._telemetry = telemetry
         self._engine = engine
-        self.warmup = Warmup(view, schedule, telemetry, engine)
+        self.warmup: FullPrecisionStep | GradientAllreduce = warmup
+        self._check_identical = check_identical
         self.compression = CompressionPhase(view, schedule, telemetry, engine, config)
         self.refresh = RefreshPhase(view, schedule, telemetry, engine, self.warmup, config)
 
@@ -71,8 +77,7 @@ class Phases:
             loss = self._compressed_step(closure, grad_scaler, scaler)
         every, steps = self._config.check_every, self._schedule.steps
         if every and self._engine.world > 1 and steps % every == 0:
-            check_parameters_identical(self._view.param_groups, self._view.process_set, steps,
-                                       every)
+            self._check_identical(steps)
         return loss
 
     def _compressed_step(self, closure: Optional[Callable[[], float]], grad_scaler,

@@ -1,9 +1,10 @@
-"""A full-precision step: the gradients allreduced by Horovod, then an update from their exact
-average. The warmup's step (:class:`~hvd_onebit.phases.warmup.Warmup`) and a variance refresh
-step (:class:`~hvd_onebit.phases.refresh.RefreshPhase`) are the two kinds; :func:`take` drives
+"""A full-precision step: the gradients allreduced (by Horovod, or by DDP's reducer), then an
+update from their exact average. The warmup's step (:class:`~hvd_onebit.phases.warmup.Warmup`,
+:class:`~hvd_onebit.ddp.warmup.DDPWarmup`) and a variance refresh step
+(:class:`~hvd_onebit.phases.refresh.RefreshPhase`) are the two kinds; :func:`take` drives
 either, with or without a GradScaler.
 
-After Horovod's allreduce the gradients are the same bits on every rank (an inf anywhere makes
+After the allreduce the gradients are the same bits on every rank (an inf anywhere makes
 the average inf everywhere), so a step whose averaged gradients are not finite is skipped by
 every rank alike without another collective.
 """
@@ -14,7 +15,22 @@ from typing import Callable, Optional, Protocol
 
 from ..state.telemetry import Telemetry
 from .amp import ScalerView
-from .warmup import Warmup, all_finite
+from .gradients import all_finite
+
+
+class GradientAllreduce(Protocol):
+    """The allreduce of a full-precision step's gradients, as a face's framework runs it."""
+
+    wait_seconds: float  # this step's seconds blocked on it
+
+    def synchronize_for_step(self, make_hook: Callable) -> None:
+        """Before the step: wait for the allreduces (unless the script already did)."""
+
+    def averaged_gradients(self) -> list:
+        """The gradients after the allreduce: the same bits on every rank."""
+
+    def step_bytes(self) -> int:
+        """Bytes this rank sent for this step's gradients."""
 
 
 class FullPrecisionStep(Protocol):
@@ -32,7 +48,7 @@ class FullPrecisionStep(Protocol):
         """Record this step's communication, taken or skipped."""
 
 
-def take(kind: FullPrecisionStep, allreduce: Warmup, telemetry: Telemetry,
+def take(kind: FullPrecisionStep, allreduce: GradientAllreduce, telemetry: Telemetry,
          closure: Optional[Callable[[], float]], make_hook: Callable,
          scaler: Optional[ScalerView]):
     """One step of ``kind``: Horovod's synchronize (``allreduce``), the scaler's prologue, then

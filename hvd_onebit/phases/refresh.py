@@ -23,12 +23,13 @@ import torch
 from ..comm.protocol import NonFiniteInputError
 from ..config import OneBitConfig
 from ..engine import CompressedStep
-from ..horovod_view import HorovodView
 from ..low_precision import is_low_precision
+from ..optimizer_view import OptimizerView
 from ..param_groups import groups_by_param
 from ..state.schedule import Schedule
 from ..state.telemetry import Telemetry
-from .warmup import Warmup, as_adam_takes_it, closure_loss, sparse_gradient_error
+from .full_precision import GradientAllreduce
+from .gradients import as_adam_takes_it, closure_loss, sparse_gradient_error
 
 logger = logging.getLogger("hvd_onebit")
 
@@ -37,8 +38,8 @@ class RefreshPhase:
     """One optimizer's refresh steps: the engine's refresh on the gradients the warmup's
     allreduce averaged (``allreduce``: its wait and its bytes)."""
 
-    def __init__(self, view: HorovodView, schedule: Schedule, telemetry: Telemetry,
-                 engine: CompressedStep, allreduce: Warmup, config: OneBitConfig):
+    def __init__(self, view: OptimizerView, schedule: Schedule, telemetry: Telemetry,
+                 engine: CompressedStep, allreduce: GradientAllreduce, config: OneBitConfig):
         self._view = view
         self._schedule = schedule
         self._telemetry = telemetry

@@ -10,7 +10,7 @@ import horovod.torch as hvd
 import torch
 
 from ..config import OneBitConfig, validate_masks
-from ..consistency import check_same_parameters
+from ..consistency import check_parameters_identical, check_same_parameters
 from ..engine import CompressedStep, process_set_size
 from ..horovod_view import HorovodView
 from ..job import check_environment, shared_memory_inside_nodes
@@ -18,6 +18,7 @@ from ..state.adam_state import init_adam_state
 from ..state.schedule import Schedule
 from ..state.telemetry import Telemetry
 from .driver import Phases
+from .warmup import Warmup
 from ..transport.horovod import HorovodJob
 from ..transport.registry import resolve_transport
 from ..transport.rendezvous import TorchRendezvousError, init_torch_distributed
@@ -83,5 +84,8 @@ def build(view: HorovodView, config: OneBitConfig, process_set: hvd.ProcessSet) 
     transport = connect(config, process_set, device, world)
     engine = CompressedStep(config, view.state, view.decoupled, process_set,
                             transport=transport, names=view.names)
-    phases = Phases(view, config, schedule, telemetry, engine)
+    warmup = Warmup(view, schedule, telemetry, engine)
+    phases = Phases(view, config, schedule, telemetry, engine, warmup,
+                    lambda steps: check_parameters_identical(view.param_groups, process_set,
+                                                             steps, config.check_every))
     return Parts(schedule, telemetry, engine, phases, transport.name)

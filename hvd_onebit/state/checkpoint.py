@@ -9,8 +9,8 @@ from __future__ import annotations
 import warnings
 
 from ..config import OneBitConfig
-from ..horovod_view import HorovodView
 from ..low_precision import float32_state_in
+from ..optimizer_view import OptimizerView
 from .adam_state import init_adam_state
 from .schedule import Schedule
 from .telemetry import Telemetry
@@ -18,7 +18,7 @@ from .telemetry import Telemetry
 KEY = "onebit"  # the state_dict entry 1-bit Adam adds
 
 
-def state_dict(view: HorovodView, config: OneBitConfig, schedule: Schedule,
+def state_dict(view: OptimizerView, config: OneBitConfig, schedule: Schedule,
                telemetry: Telemetry) -> dict:
     sd = view.torch_state_dict()
     sd[KEY] = {"freeze_step": schedule.freeze_step, "skipped_steps": telemetry.skipped_steps,
@@ -30,7 +30,7 @@ def state_dict(view: HorovodView, config: OneBitConfig, schedule: Schedule,
     return sd
 
 
-def load_state_dict(view: HorovodView, config: OneBitConfig, schedule: Schedule,
+def load_state_dict(view: OptimizerView, config: OneBitConfig, schedule: Schedule,
                     telemetry: Telemetry, state_dict: dict) -> None:
     """Load a :func:`state_dict`. A checkpoint taken in the compression phase stays there: its
     variance was frozen at its own ``freeze_step``, which wins over the optimizer's (with a

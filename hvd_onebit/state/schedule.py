@@ -11,7 +11,7 @@ from typing import Optional
 
 from ..auto_freeze import VarianceMonitor
 from ..config import OneBitConfig
-from ..horovod_view import HorovodView
+from ..optimizer_view import OptimizerView
 
 STEP_KEY = "onebit_step"  # param_groups[0] entry holding the optimizer step count
 FREEZE_KEY = "onebit_freeze_step"  # param_groups[0] entry: the freeze step, -1 while undecided
@@ -21,7 +21,7 @@ WARMUP, COMPRESSION = "warmup", "compression"
 class Schedule:
     """Step count, freeze step and phase of one optimizer, and its freeze decision."""
 
-    def __init__(self, view: HorovodView, config: OneBitConfig):
+    def __init__(self, view: OptimizerView, config: OneBitConfig):
         self._view = view
         self.monitor = VarianceMonitor(config.auto_freeze) if config.auto else None
         self._refresh = config.refresh

@@ -44,7 +44,8 @@ class JobTransport:
     """A :class:`Transport` with what the compression phase needs of the job beyond the two
     stages: this base serves any transport object (e.g. the in-process one) by itself;
     :class:`~hvd_onebit.transport.horovod.HorovodJob` adds Horovod's full-precision allreduce
-    and the node layout.
+    and the node layout; :class:`~hvd_onebit.transport.torch_job.TorchJob` serves a torchrun
+    job on a torch.distributed group.
 
     Args:
         stages: the transport the 1-bit stages travel on.

@@ -2,18 +2,17 @@
 
 No negotiation round (unlike Horovod's): one collective costs about one network round trip plus
 its bytes, and it needs nothing but the ranks' TCP reachability, which a Horovod job already has.
-Its default group is set up by :func:`~hvd_onebit.transport.rendezvous.init_torch_distributed`;
-the hierarchical collective's groups come from :func:`torch_subgroups`.
+In a Horovod job its default group is set up by
+:func:`~hvd_onebit.transport.rendezvous.init_torch_distributed`; the hierarchical collective's
+groups come from :func:`torch_subgroups`. Under torchrun (the DDP face) it runs on a group the
+caller gives, with no Horovod at all: Horovod is imported only where a Horovod job is checked.
 """
 from __future__ import annotations
 
 import os
 from typing import Any, Optional
 
-import horovod.torch as hvd
 import torch
-
-from .rendezvous import init_torch_distributed
 
 
 class _TorchWork:
@@ -28,27 +27,36 @@ class TorchTransport:
     Ops go straight to the process group, with no negotiation round in Horovod's background
     thread: one collective costs about one network round trip plus its bytes. They are matched
     by the order of the calls (every caller here starts them in the same order on every rank).
-    The process group is torch.distributed's default group, initialised on first use with the
-    ranks of Horovod's global process set (:func:`init_torch_distributed`), or the one the
-    script initialised itself if its ranks agree with Horovod's.
+    In a Horovod job the process group is torch.distributed's default group, initialised on first
+    use with the ranks of Horovod's global process set (:func:`init_torch_distributed`), or the
+    one the script initialised itself if its ranks agree with Horovod's.
 
     Args:
-        process_set: must be Horovod's global process set.
+        process_set: must be Horovod's global process set (None: that one).
         device: where the tensors live: CPU needs a Gloo group, CUDA an NCCL one.
         members: a subgroup's global ranks, ascending (its group from :func:`torch_subgroups`);
             None: every rank.
+        group: a torch.distributed process group to run on as it is, without Horovod (the
+            DDP face's); ``process_set`` and ``members`` are then not read.
     """
 
     name = "torch"
 
-    def __init__(self, process_set: hvd.ProcessSet = hvd.global_process_set,
-                 device: torch.device | str = "cpu", members: Optional[tuple[int, ...]] = None):
+    def __init__(self, process_set=None, device: torch.device | str = "cpu",
+                 members: Optional[tuple[int, ...]] = None, group=None):
         import torch.distributed as dist
+
+        self._dist = dist
+        self.device = torch.device(device)
+        if group is not None:
+            self.group = group
+            self.size = dist.get_world_size(group)
+            self.rank = dist.get_rank(group)
+            return
+        from .rendezvous import init_torch_distributed
 
         check_torch_transport(process_set, torch.device(device))
         init_torch_distributed(torch.device(device))
-        self._dist = dist
-        self.device = torch.device(device)
         if members is None:
             self.group = None
             self.size = dist.get_world_size()
@@ -105,10 +113,14 @@ def torch_subgroups(groups: list[tuple[int, ...]]) -> None:
             _SUBGROUPS[tuple(members)] = dist.new_group(list(members))
 
 
-def check_torch_transport(process_set: hvd.ProcessSet, device: torch.device) -> None:
+def check_torch_transport(process_set, device: torch.device) -> None:
     """Raise (the same error on every rank, without a collective) if transport='torch' cannot
-    serve this job."""
+    serve this Horovod job (``process_set`` None: Horovod's global one)."""
+    import horovod.torch as hvd
     import torch.distributed as dist
+
+    if process_set is None:
+        process_set = hvd.global_process_set
 
     if not dist.is_available():
         raise RuntimeError("transport='torch' needs torch.distributed, which this torch build "

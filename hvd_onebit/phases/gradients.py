@@ -1,0 +1,81 @@
+"""What every face's phases do with gradients and Adam's own step, framework-free: the gradient
+as Adam takes it in, the finiteness check of a full-precision step, the closure, and the
+wrapped Adam's step on averaged gradients (float32 for low-precision parameters)."""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+from ..low_precision import adam_step_float32, is_low_precision
+from ..optimizer_view import OptimizerView
+from ..state.schedule import Schedule
+
+
+def as_adam_takes_it(view: OptimizerView, p: torch.Tensor, group: dict,
+                     g: torch.Tensor) -> torch.Tensor:
+    """The gradient ``g`` of ``p`` as Adam takes it in: negated for ``maximize``, plus Adam's
+    L2 weight decay (not AdamW's decoupled one) in ``g``'s dtype."""
+    if group.get("maximize"):
+        g = -g
+    wd = group["weight_decay"]
+    if wd != 0 and not view.decoupled(group):
+        g = g.add(p.detach().to(g.dtype), alpha=wd)
+    return g
+
+
+def closure_loss(closure: Optional[Callable[[], float]]):
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
+def sparse_gradient_error(view: OptimizerView, p: torch.Tensor) -> TypeError:
+    return TypeError(f"parameter {view.name_of(p)} has a sparse gradient; "
+                     "Adam needs dense gradients: pass sparse_as_dense=True")
+
+
+def all_finite(tensors: list[torch.Tensor]) -> bool:
+    """Whether no tensor holds inf or NaN: one vectorised read pass, no allocation per tensor.
+
+    The float32 (or float64) sum is inf/NaN when an element is; it can also overflow when the
+    values are near float32's limit, and such gradients are as good as non-finite anyway (the
+    step is skipped).
+    """
+    if not tensors:
+        return True
+    # Summed in float32 at least: a float16 sum overflows at 65504 where the values are finite.
+    sums = [(t.coalesce().values() if t.is_sparse else t).sum(
+        dtype=torch.float32 if is_low_precision(t) else None) for t in tensors]
+    return bool(torch.isfinite(torch.stack(sums)).all())
+
+
+def adam_step(view: OptimizerView, schedule: Schedule,
+              closure: Optional[Callable[[], float]]):
+    """The wrapped Adam's step on the averaged gradients, counted; float16 and bfloat16
+    parameters step in float32 with their float32 state (:mod:`hvd_onebit.low_precision`).
+    Returns the closure's loss."""
+    loss = closure_loss(closure)
+    low = []
+    for group in view.param_groups:
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            if p.grad.is_sparse:
+                raise sparse_gradient_error(view, p)
+            if is_low_precision(p):
+                low.append((p, group))
+    stashed = [p.grad for p, _ in low]
+    for p, _ in low:
+        p.grad = None  # torch's Adam skips parameters without a gradient
+    try:
+        view.adam_step()
+    finally:
+        for (p, _), g in zip(low, stashed):
+            p.grad = g
+    for p, group in low:
+        adam_step_float32(p, view.state[p], group, view.decoupled(group))
+    schedule.count_step()
+    schedule.observe_variance()
+    return loss
