@@ -10,7 +10,6 @@ factory, the class it builds (the wrapped Adam class, Horovod's ``_DistributedOp
 """
 from __future__ import annotations
 
-import time
 from typing import Callable, Iterable, Optional
 
 import horovod.torch as hvd
@@ -20,24 +19,16 @@ from horovod.torch.mpi_ops import Adasum, Average, Sum
 from horovod.torch.optimizer import _DistributedOptimizer
 
 from . import elastic
-from .engine import CompressedStep
 from .config import DEFAULT_BUCKET_MB, Experimental, OneBitConfig, check_wrapped
+from .face import face_attributes
 from .horovod_view import HorovodView
 from .low_precision import WidenBfloat16
 from .phases import setup
-from .state import checkpoint
-from .state.adam_state import init_adam_state
-from .state.schedule import COMPRESSION
-from .state.telemetry import COUNTERS
-
-
-def _counter(name: str) -> property:
-    return property(lambda self: getattr(self._telemetry, name),
-                    doc=f"This rank's {name.replace('_', ' ')} (see telemetry()).")
 
 
 class OneBitFace:
-    """Methods layered over Horovod's ``_DistributedOptimizer`` and the wrapped Adam class."""
+    """Methods layered over Horovod's ``_DistributedOptimizer`` and the wrapped Adam class,
+    beside :class:`~hvd_onebit.face.SharedFace`'s."""
 
     def __init__(self, params, named_parameters, compression, backward_passes_per_step, op,
                  gradient_predivide_factor, groups, sparse_as_dense, process_set,
@@ -51,98 +42,6 @@ class OneBitFace:
         parts = setup.build(self._view, config, process_set)
         self._schedule, self._telemetry = parts.schedule, parts.telemetry
         self._engine, self._phases, self.transport = parts.engine, parts.phases, parts.transport
-
-    # ---- what a training script reads ------------------------------------------------------------
-
-    @property
-    def phase(self) -> str:
-        """"warmup" until ``freeze_step`` steps have been taken, then "compression"."""
-        return self._schedule.phase
-
-    @property
-    def steps(self) -> int:
-        """Optimizer steps taken (skipped steps not counted)."""
-        return self._schedule.steps
-
-    @property
-    def freeze_step(self) -> Optional[int]:
-        """The step count the variance freezes (or froze) at; None while ``freeze_step="auto"``
-        has not decided."""
-        return self._schedule.freeze_step
-
-    @property
-    def freeze_decision(self) -> Optional[dict]:
-        """``freeze_step="auto"``: how the step was chosen (``freeze_step``, ``reason``, the
-        ``change`` that triggered it and the ``history`` of (step, change) checks); None before
-        the decision and with a fixed ``freeze_step``."""
-        return self._schedule.decision
-
-    @property
-    def compressed_step(self) -> CompressedStep:
-        """The compression-phase engine: buckets, 1-bit collectives, error feedback."""
-        return self._engine
-
-    def telemetry(self) -> dict:
-        """Phase, step count and communication counters as a plain dict."""
-        return self._telemetry.as_dict(self.phase, self.steps)
-
-    # ---- checkpoints and the error-feedback lifecycle ----------------------------------------------
-
-    def state_dict(self) -> dict:
-        return checkpoint.state_dict(self._view, self.config, self._schedule, self._telemetry)
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        """Load a :meth:`state_dict` (see :func:`hvd_onebit.state.checkpoint.load_state_dict`:
-        a compression-phase checkpoint keeps its own freeze step)."""
-        checkpoint.load_state_dict(self._view, self.config, self._schedule, self._telemetry,
-                                   state_dict)
-        self.reset_collectives()  # exp_avg tensors were replaced: re-fuse at the next step
-
-    def reset_collectives(self) -> None:
-        """Drop the fused buckets, the frozen denominators and every 1-bit collective (with its
-        error feedback); the next compressed step rebuilds them. Every rank must call it at the
-        same point (elastic resets do, through :mod:`hvd_onebit.elastic`)."""
-        self._engine.reset()
-        self._phases.compression.overlap.end_step()
-
-    def restart_variance_monitor(self) -> None:
-        """freeze_step="auto": forget the variance record (the next check starts a new one).
-        Every rank must call it at the same point; elastic syncs do."""
-        self._schedule.restart_monitor()
-
-    def add_param_group(self, param_group: dict) -> None:
-        constructed = "config" in self.__dict__
-        if constructed and self.phase == COMPRESSION:
-            raise ValueError(
-                f"cannot add parameters after the variance was frozen (step {self.steps} >= "
-                f"freeze_step {self.freeze_step}): Adam's variance for them was never "
-                "estimated. Add them during the warmup.")
-        super(self.__class__, self).add_param_group(param_group)
-        if constructed:  # new parameters need Adam state
-            init_adam_state(self.param_groups, self.state)
-
-    def error_feedback_state_dict(self) -> dict:
-        """This rank's error-feedback buffers (rank-local: save one file per rank)."""
-        return self._engine.error_feedback_state_dict()
-
-    def load_error_feedback_state_dict(self, state: dict) -> None:
-        """Restore :meth:`error_feedback_state_dict` from the same rank of a same-size job; with
-        another world size, rank or layout they are dropped with a warning."""
-        self._engine.load_error_feedback_state_dict(state)
-
-    def flush_error_feedback(self) -> int:
-        """Fold every rank's error feedback into the momentum (one full-precision allreduce),
-        so that rank 0's ``state_dict()`` alone resumes on any world size; a no-op in the
-        warmup, on one rank and with ``compressor="none"``. Every rank calls it at the same
-        point. Returns the bytes this rank sent; raises NonFiniteInputError on every rank,
-        changing nothing (:meth:`~hvd_onebit.engine.CompressedStep.flush_error_feedback`)."""
-        if not self._phases.compressing() or self.config.compressor != "onebit":
-            return 0
-        self._engine.ensure_ready(self._view.active_parameters())  # applies loaded errors
-        start = time.perf_counter()
-        nbytes = self._engine.flush_error_feedback(self.param_groups)
-        self._telemetry.add(nbytes, time.perf_counter() - start)
-        return nbytes
 
     # ---- Horovod's hooks, synchronize and zero_grad -------------------------------------------------
 
@@ -171,10 +70,6 @@ class OneBitFace:
         ``grad_scaler`` is passed by ``torch.amp.GradScaler.step()`` itself."""
         return self._phases.step(closure, grad_scaler,
                                  lambda: grad_scaler.unscale_(self), self._make_hook)
-
-
-for _name in COUNTERS:  # the counters, each also an attribute: last_step_bytes, total_bytes, ...
-    setattr(OneBitFace, _name, _counter(_name))
 
 
 def DistributedOptimizer(optimizer: torch.optim.Optimizer,
@@ -259,8 +154,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     setup.check(config, optimizer.param_groups, process_set)
 
     attrs = dict(_DistributedOptimizer.__dict__)
-    attrs.update({k: v for k, v in OneBitFace.__dict__.items()
-                  if k not in ("__dict__", "__weakref__")})
+    attrs.update(face_attributes(OneBitFace))
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,), attrs)
     opt = cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step,
               op, gradient_predivide_factor, groups, sparse_as_dense, process_set, config)

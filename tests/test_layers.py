@@ -14,7 +14,7 @@ TOOLING_ONLY = ("hvd_onebit_tools", "click", "matplotlib")
 # Top to bottom. A module belongs to the first layer with a prefix of its dotted name (relative
 # to the package); it may import modules of its own layer and of the layers below it.
 LAYERS = [
-    ("face", ["__init__", "optimizer", "elastic", "ddp"]),
+    ("face", ["__init__", "optimizer", "elastic", "face", "ddp"]),
     ("phases", ["phases", "overlap"]),
     ("state", ["state", "auto_freeze"]),
     ("engine", ["engine"]),

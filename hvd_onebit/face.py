@@ -1,0 +1,133 @@
+"""What both faces offer alike, over the parts they delegate to (the schedule, the telemetry,
+the engine, the phases, the view of the optimizer, the config): the phase and step count, the
+telemetry and its counters, checkpoints and the error feedback's lifecycle.
+
+Each face builds its optimizer class from the wrapped Adam class and a dict of methods;
+:func:`face_attributes` gives a face class's methods together with :class:`SharedFace`'s, so the
+faces hold only what their framework makes different.
+"""
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+from .engine import CompressedStep
+from .state import checkpoint
+from .state.adam_state import init_adam_state
+from .state.schedule import COMPRESSION
+from .state.telemetry import COUNTERS
+
+
+def _counter(name: str) -> property:
+    return property(lambda self: getattr(self._telemetry, name),
+                    doc=f"This rank's {name.replace('_', ' ')} (see telemetry()).")
+
+
+class SharedFace:
+    """Methods of both faces; an instance holds ``_schedule``, ``_telemetry``, ``_engine``,
+    ``_phases``, ``_view`` and ``config``."""
+
+    # ---- what a training script reads ------------------------------------------------------------
+
+    @property
+    def phase(self) -> str:
+        """"warmup" until ``freeze_step`` steps have been taken, then "compression"."""
+        return self._schedule.phase
+
+    @property
+    def steps(self) -> int:
+        """Optimizer steps taken (skipped steps not counted)."""
+        return self._schedule.steps
+
+    @property
+    def freeze_step(self) -> Optional[int]:
+        """The step count the variance freezes (or froze) at; None while ``freeze_step="auto"``
+        has not decided."""
+        return self._schedule.freeze_step
+
+    @property
+    def freeze_decision(self) -> Optional[dict]:
+        """``freeze_step="auto"``: how the step was chosen (``freeze_step``, ``reason``, the
+        ``change`` that triggered it and the ``history`` of (step, change) checks); None before
+        the decision and with a fixed ``freeze_step``."""
+        return self._schedule.decision
+
+    @property
+    def compressed_step(self) -> CompressedStep:
+        """The compression-phase engine: buckets, 1-bit collectives, error feedback."""
+        return self._engine
+
+    def telemetry(self) -> dict:
+        """Phase, step count and communication counters as a plain dict."""
+        return self._telemetry.as_dict(self.phase, self.steps)
+
+    # ---- checkpoints and the error-feedback lifecycle ----------------------------------------------
+
+    def state_dict(self) -> dict:
+        return checkpoint.state_dict(self._view, self.config, self._schedule, self._telemetry)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load a :meth:`state_dict` (see :func:`hvd_onebit.state.checkpoint.load_state_dict`:
+        a compression-phase checkpoint keeps its own freeze step)."""
+        checkpoint.load_state_dict(self._view, self.config, self._schedule, self._telemetry,
+                                   state_dict)
+        self.reset_collectives()  # exp_avg tensors were replaced: re-fuse at the next step
+
+    def reset_collectives(self) -> None:
+        """Drop the fused buckets, the frozen denominators and every 1-bit collective (with its
+        error feedback); the next compressed step rebuilds them. Every rank must call it at the
+        same point (elastic resets do, through :mod:`hvd_onebit.elastic`)."""
+        self._engine.reset()
+        self._phases.compression.overlap.end_step()
+
+    def restart_variance_monitor(self) -> None:
+        """freeze_step="auto": forget the variance record (the next check starts a new one).
+        Every rank must call it at the same point; elastic syncs do."""
+        self._schedule.restart_monitor()
+
+    def add_param_group(self, param_group: dict) -> None:
+        constructed = "config" in self.__dict__
+        if constructed and self.phase == COMPRESSION:
+            raise ValueError(
+                f"cannot add parameters after the variance was frozen (step {self.steps} >= "
+                f"freeze_step {self.freeze_step}): Adam's variance for them was never "
+                "estimated. Add them during the warmup.")
+        super(self.__class__, self).add_param_group(param_group)
+        if constructed:  # new parameters need Adam state
+            init_adam_state(self.param_groups, self.state)
+
+    def error_feedback_state_dict(self) -> dict:
+        """This rank's error-feedback buffers (rank-local: save one file per rank)."""
+        return self._engine.error_feedback_state_dict()
+
+    def load_error_feedback_state_dict(self, state: dict) -> None:
+        """Restore :meth:`error_feedback_state_dict` from the same rank of a same-size job; with
+        another world size, rank or layout they are dropped with a warning."""
+        self._engine.load_error_feedback_state_dict(state)
+
+    def flush_error_feedback(self) -> int:
+        """Fold every rank's error feedback into the momentum (one full-precision allreduce),
+        so that rank 0's ``state_dict()`` alone resumes on any world size; a no-op in the
+        warmup, on one rank and with ``compressor="none"``. Every rank calls it at the same
+        point. Returns the bytes this rank sent; raises NonFiniteInputError on every rank,
+        changing nothing (:meth:`~hvd_onebit.engine.CompressedStep.flush_error_feedback`)."""
+        if not self._phases.compressing() or self.config.compressor != "onebit":
+            return 0
+        self._engine.ensure_ready(self._view.active_parameters())  # applies loaded errors
+        start = time.perf_counter()
+        nbytes = self._engine.flush_error_feedback(self.param_groups)
+        self._telemetry.add(nbytes, time.perf_counter() - start)
+        return nbytes
+
+
+for _name in COUNTERS:  # the counters, each also an attribute: last_step_bytes, total_bytes, ...
+    setattr(SharedFace, _name, _counter(_name))
+
+
+def face_attributes(face: type) -> dict:
+    """The attributes of a built optimizer class: :class:`SharedFace`'s, then ``face``'s own."""
+    attrs = {}
+    for cls in (SharedFace, face):
+        attrs.update({k: v for k, v in cls.__dict__.items()
+                      if k not in ("__dict__", "__weakref__")})
+    return attrs
