@@ -53,7 +53,8 @@ class World:
 
     Attributes:
         np: the number of ranks.
-        controller: "gloo" (horovodrun --gloo) or "mpi" (mpirun).
+        controller: "gloo" (horovodrun --gloo), "mpi" (mpirun) or "torchrun" (torchrun's ranks
+            with a Gloo group and no Horovod: :mod:`tests.torchrun_jobs`).
         env: environment variables of the ranks, as sorted (name, value) pairs.
         hosts: "h1:2,h2:2": horovodrun over these hosts (names of this machine stand for
             nodes); None: this machine as one host.
@@ -177,11 +178,17 @@ def _launch(world: World, request: pytest.FixtureRequest, suites_only=None) -> d
         return {"keys": [], "results": [{} for _ in range(world.np)]}
     factory = request.getfixturevalue("tmp_path_factory")
     calls = [(s.key, s.target, _with_paths(dict(s.kwargs), factory)) for s in suites]
+    timeout, env = sum(s.timeout for s in suites), dict(world.env) or None
     try:
-        return {"keys": [s.key for s in suites], "results": run_job(
-            "tests.worlds:run_suites", np=world.np, controller=world.controller,
-            kwargs={"calls": calls}, timeout=sum(s.timeout for s in suites),
-            env=dict(world.env) or None, hosts=world.hosts).results}
+        if world.controller == "torchrun":
+            from tests.torchrun_jobs import run_torchrun_job
+
+            job = run_torchrun_job("tests.worlds:run_suites", np=world.np,
+                                   kwargs={"calls": calls}, timeout=timeout, env=env)
+        else:
+            job = run_job("tests.worlds:run_suites", np=world.np, controller=world.controller,
+                          kwargs={"calls": calls}, timeout=timeout, env=env, hosts=world.hosts)
+        return {"keys": [s.key for s in suites], "results": job.results}
     except RankFailure as exc:
         return {"keys": [s.key for s in suites],
                 "error": f"the shared job of {world.describe()} for {[s.key for s in suites]} "
@@ -219,7 +226,7 @@ def shared_suite(target: str, np: int | Sequence[int] = 2, *, timeout: float,
         timeout: seconds the suite may take on its own; a world's job gets the sum of its suites'.
         kwargs: keyword arguments of ``target``, or ``{n: kwargs}`` when ``np`` has several
             counts; a :class:`Scratch` value becomes its folder's path.
-        controller: "gloo" or "mpi": part of the world; or both: the fixture is then
+        controller: "gloo", "mpi" or "torchrun": part of the world; or several: the fixture is then
             parametrized by ``(controller, n)`` for each controller and count (ids "n-controller")
             and gives ``((controller, n), results)``.
         env: environment variables of the ranks (default :data:`DEFAULT_ENV`): part of the

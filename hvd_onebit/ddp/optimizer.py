@@ -1,0 +1,99 @@
+"""hvd_onebit.ddp.DistributedOptimizer: 1-bit Adam for a DDP model under torchrun.
+
+Two phases, decided by the number of optimizer steps taken, as in the Horovod face: the
+**warmup**, DDP's own allreduce of the gradients and the wrapped Adam's step (bit-identical to
+DDP + that Adam), then the **compression** phase: DDP's hook hands each bucket back without
+communicating, and step() averages Adam's momentum in 1 bit with error feedback through the
+engine (:mod:`hvd_onebit.engine`) on torch.distributed (Gloo for CPU tensors, NCCL for CUDA).
+This module is the face: the factory, the class it builds (the wrapped Adam class, then
+:class:`DDPFace` beside :class:`~hvd_onebit.face.SharedFace`), and short delegations.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+from ..config import DEFAULT_BUCKET_MB, Experimental, OneBitConfig, check_wrapped
+from ..face import face_attributes
+from . import setup
+from .view import DDPView
+
+
+class DDPFace:
+    """Methods layered over the wrapped Adam class, beside :class:`~hvd_onebit.face.SharedFace`'s."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, model, config: OneBitConfig, group):
+        torch.optim.Optimizer.__init__(self, optimizer.param_groups, optimizer.defaults)
+        self.config = config
+        self._view = DDPView(self, type(self), setup.model_names(model))
+        parts = setup.build(self._view, config, group, model)
+        self._schedule, self._telemetry = parts.schedule, parts.telemetry
+        self._engine, self._phases, self._hook = parts.engine, parts.phases, parts.hook
+        self.transport = "torch"
+
+    # GradScaler then hands this optimizer the skip decision (hvd_onebit.phases.amp).
+    _step_supports_amp_scaling = True
+
+    def step(self, closure: Optional[Callable[[], float]] = None, grad_scaler=None):
+        """One optimizer step: Adam on DDP's averaged gradients in the warmup, 1-bit momentum
+        Adam on the local gradients afterwards. ``grad_scaler`` is passed by
+        ``torch.amp.GradScaler.step()`` itself."""
+        return self._phases.step(closure, grad_scaler,
+                                 lambda: grad_scaler.unscale_(self), None)
+
+
+def DistributedOptimizer(optimizer: torch.optim.Optimizer, model, *,
+                         freeze_step: int | str,
+                         variance_refresh: Optional[str] = None,
+                         bucket_size_mb: float = DEFAULT_BUCKET_MB,
+                         memory: str = "auto",
+                         block_size: Optional[int] = None,
+                         check_every: int = 0,
+                         kernel_backend: str = "auto",
+                         experimental: Optional[Experimental] = None,
+                         process_group=None,
+                         **moved):
+    """Wrap a ``torch.optim.Adam`` or ``AdamW`` of a DDP model for 1-bit Adam.
+
+    ``optimizer``: a ``torch.optim.Adam`` or ``AdamW`` (amsgrad off) built from the DDP model's
+    parameters (float32, float16 or bfloat16, on one device); lr, betas, eps and weight_decay are
+    read from the param groups at every step, so LR schedulers and per-group settings work in
+    both phases. ``model``: the ``DistributedDataParallel`` module. The optimizer registers its
+    own communication hook on it; DDP allows one, so a model that has one already is refused.
+    The options mean what they mean for :func:`hvd_onebit.DistributedOptimizer`.
+
+    Args:
+        freeze_step (int or "auto"): warmup steps before the variance freezes; 15-25% of the
+            run, 3-5% with ``variance_refresh``; "auto": once the variance has settled.
+        variance_refresh (str, optional): "doubling": full-precision refresh steps of the
+            variance on 0/1 Adam's doubling schedule (default: None, the variance stays frozen)
+        bucket_size_mb (float, optional): momentum per 1-bit allreduce, in MiB of fp32
+            (default: 64)
+        memory (str, optional): "auto", "lean" or "fast" (default: "auto")
+        block_size (int, optional): elements per scale of the 1-bit compression, a multiple
+            of 8 (default: None, one scale per chunk)
+        check_every (int, optional): every K steps raise on every rank if the parameters
+            differ between ranks (default: 0, never)
+        kernel_backend (str, optional): "auto", "native", "triton" or "torch" (default: "auto")
+        experimental (Experimental, optional): research knobs (default: None, their defaults)
+        process_group (optional): the torch.distributed group the momentum travels on, with
+            the ranks DDP averages over (default: None, the DDP model's own group)
+
+    Every option is checked here, on every rank, before anything is registered on the model.
+
+    Returns:
+        An optimizer of the wrapped class, plus ``phase``, ``steps``, ``freeze_step``,
+        ``freeze_decision``, ``flush_error_feedback()``, ``reset_collectives()``,
+        ``telemetry()`` and the counters ``last_step_bytes``, ``total_bytes``,
+        ``last_step_comm_seconds``, ``total_comm_seconds``.
+    """
+    check_wrapped(optimizer, True, 1)
+    config = OneBitConfig.from_options(
+        freeze_step, variance_refresh=variance_refresh, bucket_size_mb=bucket_size_mb,
+        transport="torch", overlap=False, memory=memory, block_size=block_size,
+        check_every=check_every, kernel_backend=kernel_backend, experimental=experimental,
+        **moved)
+    group = setup.check(model, optimizer.param_groups, process_group, config)
+    cls = type(optimizer.__class__.__name__, (optimizer.__class__,), face_attributes(DDPFace))
+    return cls(optimizer, model, config, group)

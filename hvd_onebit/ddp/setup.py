@@ -1,0 +1,100 @@
+"""What the DDP face decides once, when the optimizer is built: the checks against the model
+and the job (each a clear error on every rank, before anything is registered), then the parts
+the face delegates to and its hook on the model."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from ..config import OneBitConfig, validate_masks
+from ..consistency import parameter_bit_sums, raise_if_diverged
+from ..engine import CompressedStep
+from ..job import check_options, check_parameters
+from ..phases.driver import Phases
+from ..state.adam_state import init_adam_state
+from ..state.schedule import Schedule
+from ..state.telemetry import Telemetry
+from ..transport.torch_job import TorchJob
+from .hook import CommHook, check_unhooked
+from .view import DDPView
+from .warmup import DDPWarmup
+
+
+def model_names(model) -> dict:
+    """Each parameter DDP averages, by its name in the wrapped module: the ones that require a
+    gradient and that DDP was not told to ignore."""
+    ignored = set(getattr(model, "parameters_to_ignore", ()))
+    return {p: name for name, p in model.module.named_parameters()
+            if p.requires_grad and name not in ignored}
+
+
+def check(model, param_groups: list[dict], process_group, config: OneBitConfig):
+    """The model, the optimizer's parameters, the group and the options; returns the process
+    group the 1-bit collective runs on. Raises alike on every rank, before any collective."""
+    if not isinstance(model, DistributedDataParallel):
+        raise TypeError("hvd_onebit.ddp.DistributedOptimizer takes the DDP model "
+                        "(torch.nn.parallel.DistributedDataParallel) as its second argument, got "
+                        f"{type(model).__module__}.{type(model).__name__}: wrap it first, "
+                        "model = DDP(model)")
+    check_unhooked(model)
+    names = model_names(model)
+    strangers = [(gi, tuple(p.shape)) for gi, g in enumerate(param_groups) for p in g["params"]
+                 if p.requires_grad and p not in names]
+    if strangers:
+        raise ValueError(
+            f"hvd_onebit.ddp.DistributedOptimizer: {len(strangers)} of the optimizer's parameters "
+            f"are not parameters the DDP model averages (param group, shape: "
+            f"{strangers[:4]}{' ...' if len(strangers) > 4 else ''}); build the optimizer from "
+            "model.parameters() of the DDP model you pass")
+    group = model.process_group if process_group is None else process_group
+    if dist.get_world_size(group) != dist.get_world_size(model.process_group):
+        raise ValueError(f"process_group has {dist.get_world_size(group)} ranks, the DDP model "
+                         f"averages over {dist.get_world_size(model.process_group)}: they must "
+                         "be the same ranks")
+    validate_masks(param_groups)
+    check_options(config)
+    check_parameters(config, [p for g in param_groups for p in g["params"]])
+    return group
+
+
+def check_identical(param_groups: list[dict], group, steps: int, every: int) -> None:
+    """Raise on every rank if the parameters differ between ranks (one small allgather)."""
+    mine = parameter_bit_sums(param_groups)
+    device = next((p.device for g in param_groups for p in g["params"]), torch.device("cpu"))
+    mine = mine.to(device)
+    everyone = torch.empty((dist.get_world_size(group), mine.shape[1]), dtype=mine.dtype,
+                           device=device)
+    dist.all_gather_into_tensor(everyone, mine, group=group)
+    raise_if_diverged(everyone.cpu(), steps, every)
+
+
+@dataclass(frozen=True)
+class Parts:
+    """What one DDP-face optimizer delegates to."""
+
+    schedule: Schedule
+    telemetry: Telemetry
+    engine: CompressedStep
+    phases: Phases
+    hook: CommHook
+
+
+def build(view: DDPView, config: OneBitConfig, group, model) -> Parts:
+    """Adam's state, the engine on ``group``, the phases, and the hook registered on ``model``
+    (last: a refusal leaves the model as it was)."""
+    schedule = Schedule(view, config)
+    schedule.freeze_step = None if config.auto else config.freeze_step
+    telemetry = Telemetry()
+    init_adam_state(view.param_groups, view.state)
+    engine = CompressedStep(config, view.state, view.decoupled, transport=TorchJob(group),
+                            names=view.names)
+    warmup = DDPWarmup(view, schedule, telemetry, dist.get_world_size(group))
+    phases = Phases(view, config, schedule, telemetry, engine, warmup,
+                    lambda steps: check_identical(view.param_groups, group, steps,
+                                                  config.check_every))
+    hook = CommHook(group, lambda: not phases.compressing() or phases.refreshing())
+    hook.register(model)
+    return Parts(schedule, telemetry, engine, phases, hook)

@@ -1,0 +1,54 @@
+"""The DDP face's full-precision steps: DDP's reducer averaged the gradients during backward
+(through :class:`~hvd_onebit.ddp.hook.CommHook`, as DDP's own allreduce), so the step is the
+wrapped Adam's on them, as DDP + Adam takes it."""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+from ..layout import ring_allreduce_bytes
+from ..phases.gradients import adam_step
+from ..state.schedule import Schedule
+from ..state.telemetry import Telemetry
+from .view import DDPView
+
+
+class DDPWarmup:
+    """The allreduce of a full-precision step (already done by DDP when step() runs) and the
+    warmup's own kind of step (a :class:`~hvd_onebit.phases.full_precision.FullPrecisionStep`).
+
+    Args:
+        world: the ranks DDP averages over.
+    """
+
+    what = "step"
+
+    def __init__(self, view: DDPView, schedule: Schedule, telemetry: Telemetry, world: int):
+        self._view = view
+        self._schedule = schedule
+        self._telemetry = telemetry
+        self._world = world
+        # DDP waits for its allreduces inside backward: step() never blocks on them
+        self.wait_seconds = 0.0
+
+    def synchronize_for_step(self, make_hook: Optional[Callable]) -> None:
+        """Nothing to wait for: DDP's reducer finished its allreduces when backward returned."""
+        self._view.synchronized = False
+
+    def averaged_gradients(self) -> list[torch.Tensor]:
+        return [p.grad for p in self._view.parameters() if p.grad is not None]
+
+    def step_bytes(self) -> int:
+        """Bytes a bandwidth-optimal ring allreduce sends per rank for the gradients."""
+        total = sum(p.numel() * p.element_size() for p in self._view.active_parameters())
+        return ring_allreduce_bytes(total, self._world)
+
+    def begin(self) -> None:
+        pass
+
+    def apply(self, closure: Optional[Callable[[], float]]):
+        return adam_step(self._view, self._schedule, closure)
+
+    def account(self) -> None:
+        self._telemetry.account(self.step_bytes(), self.wait_seconds)

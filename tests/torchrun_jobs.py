@@ -1,0 +1,98 @@
+"""Jobs under torchrun (``python -m torch.distributed.run``), the DDP face's launcher: the test
+side starts one and collects each rank's result; the rank side (``python -m
+tests.torchrun_jobs TARGET WORKDIR``, what torchrun starts on every rank) sets up Gloo and calls
+the target. Horovod is blocked in the ranks, so whatever runs there runs without it.
+
+A rank's result comes back pickled through the job's folder, as in
+:mod:`hvd_onebit_tools.cluster.jobs`, whose process clean-up (every process carrying the job's
+token is killed) and failure report (:class:`RankFailure`) this reuses.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+import uuid
+from pathlib import Path
+from typing import Any, Optional
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def torchrun_command(np: int, argv: list[str]) -> list[str]:
+    """The command line that starts ``argv`` (a script and its arguments, or ``-m module
+    ...``) on ``np`` local ranks, as a user starts a DDP job on one machine."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc_per_node={np}"] + argv
+
+
+def run_torchrun_job(target: str, np: int = 2, kwargs: Optional[dict] = None,
+                     timeout: float = 180.0, env: Optional[dict] = None):
+    """Run ``target`` ("module:function", called as ``function(**kwargs)`` once Gloo is set up)
+    on ``np`` ranks under torchrun; a :class:`~hvd_onebit_tools.cluster.jobs.JobResult` with the
+    results in rank order. Raises RankFailure when a rank raised, died or ran past ``timeout``."""
+    from hvd_onebit_tools.cluster.jobs import JobResult, _collect, job_environment, kill_job
+
+    workdir = Path(tempfile.mkdtemp(prefix="hvd_onebit_torchrun_"))
+    try:
+        (workdir / "kwargs.pkl").write_bytes(pickle.dumps(kwargs or {}))
+        token = uuid.uuid4().hex
+        start = time.monotonic()
+        with open(workdir / "output.log", "wb") as log:
+            proc = subprocess.Popen(
+                torchrun_command(np, ["-m", "tests.torchrun_jobs", target, str(workdir)]),
+                stdout=log, stderr=subprocess.STDOUT, cwd=str(REPO), start_new_session=True,
+                env=job_environment(token, extra=env, import_roots=[REPO]))
+            try:
+                rc = proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                rc = None
+            finally:
+                kill_job(proc, token)
+        results = _collect(workdir, np, rc, rc is None, timeout, target, "torchrun")
+        return JobResult(results=results, wall_seconds=time.monotonic() - start)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def block_horovod() -> None:
+    """Make ``import horovod`` fail in this process, as where Horovod is not installed."""
+    for name in [n for n in sys.modules if n == "horovod" or n.startswith("horovod.")]:
+        del sys.modules[name]
+    sys.modules["horovod"] = None  # type: ignore[assignment]
+
+
+def _rank_main(target: str, workdir: str) -> int:
+    block_horovod()
+    import importlib
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    out = Path(workdir)
+    try:
+        module_name, func_name = target.split(":")
+        func = getattr(importlib.import_module(module_name), func_name)
+        result: Any = func(**pickle.loads((out / "kwargs.pkl").read_bytes()))
+        tmp = out / f"rank{rank}.pkl.tmp"
+        tmp.write_bytes(pickle.dumps(result))
+        tmp.rename(out / f"rank{rank}.pkl")
+        dist.destroy_process_group()
+        return 0
+    except BaseException:  # noqa: BLE001 - every failure must reach the parent test
+        (out / f"rank{rank}.err").write_text(traceback.format_exc())
+        sys.stderr.write(f"[rank {rank}] " + traceback.format_exc())
+        sys.stderr.flush()
+        os._exit(1)  # a rank stuck in a collective's shutdown would turn a failure into a hang
+
+
+if __name__ == "__main__":
+    sys.exit(_rank_main(sys.argv[1], sys.argv[2]))

@@ -1,0 +1,321 @@
+"""The DDP face under torchrun: one suite of scenarios per world (Gloo, CPU, Horovod blocked).
+Each scenario returns data (mismatches with their figures, recorded gradients and parameters,
+error messages); the tests in tests/test_ddp.py assert on it."""
+from __future__ import annotations
+
+import contextlib
+import copy
+import warnings
+from functools import partial
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import hvd_onebit.ddp
+from tests.scenarios import run_scenarios
+
+BUCKET_MB = 0.0005  # the model's momentum spans two buckets
+LRS = (1e-2, 5e-3)  # two param groups
+FREEZE = 3
+# DDP's options and the steps' shapes each scenario runs with: (DDP keywords, the steps'
+# pattern); "micro": backward passes per step (all but the last under no_sync), "extra": which
+# (step, rank) use a branch the others leave without a gradient.
+VARIANTS = {
+    "plain": ({}, {}),
+    "no_sync": ({}, {"micro": 2}),
+    "unused": ({"find_unused_parameters": True}, {"extra": lambda step, rank: (step + rank) % 3 == 0}),
+    "static_graph": ({"static_graph": True}, {}),
+    "bucket_view": ({"gradient_as_bucket_view": True}, {}),
+}
+
+
+class Net(torch.nn.Module):
+    """Two layers; ``extra``: a third one that forward uses only when told to."""
+
+    def __init__(self, extra: bool = False):
+        super().__init__()
+        self.inner = torch.nn.Linear(6, 16)
+        self.out = torch.nn.Linear(16, 4)
+        self.extra = torch.nn.Linear(16, 4) if extra else None
+
+    def forward(self, x, extra: bool = False):
+        h = torch.tanh(self.inner(x))
+        y = self.out(h)
+        return y + self.extra(h) if extra and self.extra is not None else y
+
+
+def make_model(seed: int = 0, **ddp_options) -> DDP:
+    torch.manual_seed(seed)
+    return DDP(Net(extra=ddp_options.get("find_unused_parameters", False)), **ddp_options)
+
+
+def adam(model: DDP) -> torch.optim.Adam:
+    m = model.module
+    return torch.optim.Adam([{"params": list(m.inner.parameters()), "lr": LRS[0]},
+                             {"params": [p for n, p in m.named_parameters()
+                                         if not n.startswith("inner.")], "lr": LRS[1]}])
+
+
+def onebit(model: DDP, freeze_step: int = FREEZE, **options):
+    return hvd_onebit.ddp.DistributedOptimizer(adam(model), model, freeze_step=freeze_step,
+                                               bucket_size_mb=BUCKET_MB, **options)
+
+
+def batch(step: int, rank: int, micro: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1009 * step + 97 * rank + 13 * micro)
+    return torch.randn(8, 6, generator=g), torch.randn(8, 4, generator=g)
+
+
+def train_step(model: DDP, opt, step: int, pattern: Optional[dict] = None, scaler=None,
+               poison: bool = False) -> float:
+    """One optimizer step: ``micro`` backward passes (all but the last under no_sync), the
+    loss made inf on this rank with ``poison``; returns the last pass's loss."""
+    pattern = pattern or {}
+    rank = dist.get_rank()
+    micro = pattern.get("micro", 1)
+    extra = pattern.get("extra", lambda step, rank: False)(step, rank)
+    opt.zero_grad()
+    for k in range(micro):
+        with model.no_sync() if k < micro - 1 else contextlib.nullcontext():
+            x, y = batch(step, rank, k)
+            loss = torch.nn.functional.mse_loss(model(x, extra=extra), y)
+            if poison:
+                loss = loss * float("inf")
+            (loss if scaler is None else scaler.scale(loss)).backward()
+    if scaler is None:
+        opt.step()
+    else:
+        scaler.step(opt)
+        scaler.update()
+    return float(loss)
+
+
+def params_of(model: DDP) -> list[np.ndarray]:
+    return [p.detach().clone().numpy() for p in model.module.parameters()]
+
+
+def differences(a: list[np.ndarray], b: list[np.ndarray], what: str) -> list[str]:
+    """Where two lists of arrays differ in any bit: the index, how many elements, the largest
+    |difference|."""
+    out = []
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x.tobytes() != y.tobytes():
+            out.append(f"{what} param {i}: {int((x != y).sum())} of {x.size} elements differ, "
+                       f"max |diff| {float(np.abs(x - y).max()):.3g}")
+    return out
+
+
+# ---- scenarios -----------------------------------------------------------------------------------
+
+def warmup_is_ddp_adam(variant: str, steps: int = 4) -> list[str]:
+    """DDP + Adam against DDP + the face (freeze far away) over the same steps: the bits that
+    differ, per step (none expected)."""
+    options, pattern = VARIANTS[variant]
+    ref_model, face_model = make_model(**options), make_model(**options)
+    ref_opt, face_opt = adam(ref_model), onebit(face_model, freeze_step=1000)
+    found = []
+    for step in range(steps):
+        train_step(ref_model, ref_opt, step, pattern)
+        train_step(face_model, face_opt, step, pattern)
+        found += differences(params_of(ref_model), params_of(face_model), f"step {step}")
+    if face_opt.steps != steps or face_opt.phase != "warmup":
+        found.append(f"face at {face_opt.steps} steps in {face_opt.phase}")
+    return found
+
+
+def state_of(opt, model: DDP) -> list[dict]:
+    """Adam's state per parameter (model order), as numpy."""
+    out = []
+    for p in model.module.parameters():
+        st = opt.state[p]
+        out.append({"exp_avg": st["exp_avg"].clone().numpy(),
+                    "exp_avg_sq": st["exp_avg_sq"].clone().numpy(), "step": float(st["step"])})
+    return out
+
+
+def compression_record(variant: str, steps: int = 4, **options) -> dict:
+    """FREEZE warmup steps, then ``steps`` compressed ones: the state at the freeze, each
+    compressed step's local gradients (None: no gradient) and the parameters after it."""
+    ddp_options, pattern = VARIANTS[variant]
+    model = make_model(**ddp_options)
+    opt = onebit(model, **options)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a parameter without a warmup gradient is held
+        for step in range(FREEZE):
+            train_step(model, opt, step, pattern)
+        record = {"params0": params_of(model), "state": state_of(opt, model), "grads": [],
+                  "params": [], "phases": []}
+        original_step = opt.step
+
+        def step_recording(*args, **kwargs):  # the local gradients the step takes
+            record["grads"].append([None if p.grad is None else p.grad.clone().numpy()
+                                    for p in model.module.parameters()])
+            return original_step(*args, **kwargs)
+
+        opt.step = step_recording
+        for step in range(FREEZE, FREEZE + steps):
+            train_step(model, opt, step, pattern)
+            record["params"].append(params_of(model))
+            record["phases"].append(opt.phase)
+    telemetry = opt.telemetry()
+    record.update(steps=opt.steps, buckets=len(opt.compressed_step.buckets),
+                  local_buckets=opt._hook.local_buckets, total_bytes=telemetry["total_bytes"],
+                  last_step_bytes=telemetry["last_step_bytes"])
+    return record
+
+
+def replay(rank: int, transport, record: dict, world: int) -> list[list[np.ndarray]]:
+    """The engine alone, fed the state and the gradients ``record`` holds for ``rank`` (every
+    rank's record in ``world``), on the in-process transport: the parameters after each step."""
+    from hvd_onebit.config import OneBitConfig
+    from hvd_onebit.engine import NOT_FROZEN, CompressedStep
+
+    mine = record[rank]
+    params = [torch.from_numpy(value).clone() for value in mine["params0"]]
+    state = {p: {"step": torch.tensor(st["step"]), "exp_avg": torch.from_numpy(st["exp_avg"]).clone(),
+                 "exp_avg_sq": torch.from_numpy(st["exp_avg_sq"]).clone(),
+                 "frozen_variance_step": NOT_FROZEN}
+             for p, st in zip(params, mine["state"])}
+    groups = [{"params": params[:2], "lr": LRS[0], "betas": (0.9, 0.999), "eps": 1e-8,
+               "weight_decay": 0.0},
+              {"params": params[2:], "lr": LRS[1], "betas": (0.9, 0.999), "eps": 1e-8,
+               "weight_decay": 0.0}]
+    config = OneBitConfig.from_options(FREEZE, bucket_size_mb=BUCKET_MB, transport="torch",
+                                       overlap=False)
+    engine = CompressedStep(config, state, lambda group: False, transport=transport)
+    out = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for grads in mine["grads"]:
+            engine.begin_step()
+            engine.ensure_ready(params)
+            engine.step(groups, {p: None if g is None else torch.from_numpy(g)
+                                 for p, g in zip(params, grads)})
+            out.append([p.clone().numpy() for p in params])
+    return out
+
+
+def checkpoint_resumes(before: int = 2, after: int = 3) -> dict:
+    """A compression-phase checkpoint (optimizer, error feedback, model) resumed by a new model
+    and optimizer: the bits that differ from the uninterrupted run (none expected), and from a
+    resume without the error feedback (some expected)."""
+    model = make_model()
+    opt = onebit(model)
+    for step in range(FREEZE + before):
+        train_step(model, opt, step)
+    saved = copy.deepcopy({"opt": opt.state_dict(), "ef": opt.error_feedback_state_dict(),
+                           "model": model.module.state_dict()})
+    for step in range(FREEZE + before, FREEZE + before + after):
+        train_step(model, opt, step)
+    want = params_of(model)
+
+    def resumed(with_errors: bool) -> list[np.ndarray]:
+        new = make_model(seed=1)
+        new.module.load_state_dict(saved["model"])
+        new_opt = onebit(new)
+        new_opt.load_state_dict(copy.deepcopy(saved["opt"]))
+        if with_errors:
+            new_opt.load_error_feedback_state_dict(copy.deepcopy(saved["ef"]))
+        for step in range(FREEZE + before, FREEZE + before + after):
+            train_step(new, new_opt, step)
+        return params_of(new)
+
+    return {"differ": differences(want, resumed(True), "resumed"),
+            "differ_without_errors": differences(want, resumed(False), "no error feedback"),
+            "phase": opt.phase}
+
+
+def flushed_checkpoint(path: str, save: bool, steps: int = 3) -> dict:
+    """``save``: FREEZE + ``steps`` steps, the error feedback flushed, rank 0's checkpoint
+    written to ``path``. Otherwise: that checkpoint resumed on this world, ``steps`` more."""
+    if save:
+        model = make_model()
+        opt = onebit(model)
+        for step in range(FREEZE + steps):
+            train_step(model, opt, step)
+        flushed = opt.flush_error_feedback()
+        if dist.get_rank() == 0:
+            torch.save({"opt": opt.state_dict(), "model": model.module.state_dict()}, path)
+        dist.barrier()
+        return {"flushed_bytes": flushed, "steps": opt.steps, "phase": opt.phase,
+                "params": params_of(model)}
+    saved = torch.load(path, weights_only=False)
+    model = make_model(seed=1)
+    model.module.load_state_dict(saved["model"])
+    opt = onebit(model)
+    opt.load_state_dict(saved["opt"])
+    loaded = {"steps": opt.steps, "phase": opt.phase, "params_loaded": params_of(model)}
+    losses = [train_step(model, opt, step) for step in range(FREEZE + steps, FREEZE + 2 * steps)]
+    return {**loaded, "losses": losses, "params": params_of(model), "steps_after": opt.steps,
+            "phase_after": opt.phase}
+
+
+def refusals() -> dict:
+    """The errors of what the face refuses (each raised alike on every rank)."""
+    out = {}
+
+    def refused(build) -> str:
+        try:
+            build()
+        except (TypeError, ValueError) as exc:
+            return f"{type(exc).__name__}: {exc}"
+        return "accepted"
+
+    torch.manual_seed(0)
+    plain = Net()
+    out["not_ddp"] = refused(lambda: hvd_onebit.ddp.DistributedOptimizer(
+        torch.optim.Adam(plain.parameters()), plain, freeze_step=FREEZE))
+    model = make_model()
+    out["other_params"] = refused(lambda: hvd_onebit.ddp.DistributedOptimizer(
+        torch.optim.Adam(Net().parameters()), model, freeze_step=FREEZE))
+    hooked = make_model()
+
+    def noop(state, bucket):
+        fut = torch.futures.Future()
+        fut.set_result(bucket.buffer())
+        return fut
+
+    hooked.register_comm_hook(None, noop)
+    out["hooked"] = refused(lambda: onebit(hooked))
+    # the refusals left the model as it was: it takes the face afterwards
+    opt = onebit(model)
+    train_step(model, opt, 0)
+    out["after"] = opt.steps
+    return out
+
+
+def grad_scaler_skips(iterations: int = 8, poisoned: tuple = (1, 5)) -> list[dict]:
+    """A GradScaler through scaler.step(opt); at each iteration in ``poisoned`` the last rank's
+    loss is inf (iteration 1 in the warmup, 5 in the compression phase): per iteration the
+    step count, phase, scale, skipped steps and a digest of the parameters."""
+    model = make_model()
+    opt = onebit(model)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8, growth_interval=1000)
+    last = dist.get_world_size() - 1
+    out = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for it in range(iterations):
+            train_step(model, opt, it, scaler=scaler,
+                       poison=it in poisoned and dist.get_rank() == last)
+            out.append({"steps": opt.steps, "phase": opt.phase, "scale": scaler.get_scale(),
+                        "skipped": opt.telemetry()["skipped_steps"],
+                        "params": b"".join(p.tobytes() for p in params_of(model))})
+    return out
+
+
+def suite(scratch: str, stage: str) -> dict:
+    """Every scenario of one world; ``stage`` "save" (the first world) writes the flushed
+    checkpoint into ``scratch``, "load" (a later world, another size) resumes it."""
+    rank = dist.get_rank()
+    path = f"{scratch}/flushed.pt"
+    scenarios = {f"warmup_{v}": partial(warmup_is_ddp_adam, v) for v in VARIANTS}
+    scenarios.update({f"compression_{v}": partial(compression_record, v) for v in VARIANTS})
+    scenarios["compression_check_every"] = partial(compression_record, "plain", check_every=1)
+    scenarios.update(checkpoint=checkpoint_resumes, refusals=refusals,
+                     grad_scaler=grad_scaler_skips,
+                     flushed=partial(flushed_checkpoint, path, stage == "save"))
+    return run_scenarios(scenarios, rank)
