@@ -1,7 +1,8 @@
 """Jobs under torchrun (``python -m torch.distributed.run``), the DDP face's launcher: the test
 side starts one and collects each rank's result; the rank side (``python -m
 tests.torchrun_jobs TARGET WORKDIR``, what torchrun starts on every rank) sets up Gloo and calls
-the target. Horovod is blocked in the ranks, so whatever runs there runs without it.
+the target; ``python -m tests.torchrun_jobs --script SCRIPT ARGS`` runs a user's script in
+each rank instead. Horovod is blocked in the ranks, so whatever runs there runs without it.
 
 A rank's result comes back pickled through the job's folder, as in
 :mod:`hvd_onebit_tools.cluster.jobs`, whose process clean-up (every process carrying the job's
@@ -94,5 +95,18 @@ def _rank_main(target: str, workdir: str) -> int:
         os._exit(1)  # a rank stuck in a collective's shutdown would turn a failure into a hang
 
 
+def _script_main(script: str, args: list[str]) -> None:
+    """Run ``script`` as ``python script args`` would, with Horovod blocked."""
+    import runpy
+
+    block_horovod()
+    sys.argv = [script, *args]
+    sys.path.insert(0, str(Path(script).resolve().parent))
+    runpy.run_path(script, run_name="__main__")
+
+
 if __name__ == "__main__":
-    sys.exit(_rank_main(sys.argv[1], sys.argv[2]))
+    if sys.argv[1] == "--script":  # python -m tests.torchrun_jobs --script SCRIPT ARGS...
+        _script_main(sys.argv[2], sys.argv[3:])
+    else:
+        sys.exit(_rank_main(sys.argv[1], sys.argv[2]))

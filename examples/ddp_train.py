@@ -1,0 +1,79 @@
+"""1-bit Adam in a plain DDP script under torchrun (CPU, Gloo; no Horovod needed).
+
+    torchrun --nproc_per_node 2 examples/ddp_train.py --optimizer onebit
+
+A small classifier learns labels a fixed random "teacher" network gives to random inputs (made
+from a seed, so nothing is downloaded). ``--optimizer`` changes only the line that wraps Adam:
+``adam`` is DDP + Adam, ``onebit`` wraps the same Adam with ``hvd_onebit.ddp``. Rank 0 prints a
+JSON summary at the end.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import hvd_onebit.ddp
+
+
+def teacher_data(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``n`` random inputs (from ``seed``) and the teacher's labels; one teacher for every set."""
+    g = torch.Generator().manual_seed(0)
+    teacher = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+    with torch.no_grad():
+        for p in teacher.parameters():
+            p.copy_(torch.randn(p.shape, generator=g))
+        x = torch.randn(n, 16, generator=torch.Generator().manual_seed(seed))
+        return x, teacher(x).argmax(dim=1)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--optimizer", choices=("adam", "onebit"), default="onebit")
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--freeze-frac", type=float, default=0.2)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    args = parser.parse_args()
+
+    dist.init_process_group("gloo")  # torchrun sets the rank, the world size and the address
+    rank, size = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)  # the same initial model everywhere (DDP broadcasts rank 0's anyway)
+    model = DDP(torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(),
+                                    torch.nn.Linear(64, 4)))
+    opt = torch.optim.Adam(model.parameters(), lr=args.lr)
+    if args.optimizer == "onebit":
+        opt = hvd_onebit.ddp.DistributedOptimizer(
+            opt, model, freeze_step=max(1, int(args.freeze_frac * args.steps)))
+
+    x, y = teacher_data(4096, seed=1)
+    x_val, y_val = teacher_data(1024, seed=2)
+    shard = torch.arange(rank, len(x), size)  # each rank its own part of the data
+    g = torch.Generator().manual_seed(100 + rank)
+    for _ in range(args.steps):
+        idx = shard[torch.randint(len(shard), (args.batch,), generator=g)]
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x[idx]), y[idx])
+        loss.backward()
+        opt.step()
+
+    with torch.no_grad():
+        val = F.cross_entropy(model(x_val), y_val).item()
+        accuracy = (model(x_val).argmax(dim=1) == y_val).float().mean().item()
+    summary = {"optimizer": args.optimizer, "ranks": size, "steps": args.steps,
+               "train_loss": loss.item(), "val_loss": val, "val_accuracy": accuracy}
+    if args.optimizer == "onebit":
+        summary.update(phase=opt.phase, telemetry={k: v for k, v in opt.telemetry().items()
+                                                   if k in ("steps", "total_bytes",
+                                                            "last_step_bytes", "skipped_steps")})
+    if rank == 0:
+        print(json.dumps(summary, indent=1))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

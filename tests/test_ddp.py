@@ -1,0 +1,158 @@
+"""The DDP face (``hvd_onebit.ddp``) under real torchrun (Gloo, CPU, Horovod blocked in the
+ranks), at 2 and 4 ranks: one launch per world runs every scenario (tests/workers_ddp.py), a
+third runs the example script. The compressed steps are checked bit for bit against the engine
+alone, fed the same state and the same local gradients on the in-process transport."""
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+import uuid
+
+import numpy as np
+import pytest
+
+from hvd_onebit.transport.inprocess import run_threads
+from tests.scenarios import scenario
+from tests.torchrun_jobs import REPO, torchrun_command
+from tests.workers_ddp import FREEZE, VARIANTS, differences, replay
+from tests.worlds import Scratch, shared_suite
+
+COMPRESSED = 4  # compressed steps of each compression scenario
+
+world2 = shared_suite("tests.workers_ddp:suite", np=2, controller="torchrun", timeout=400,
+                      kwargs={"scratch": Scratch("ddp_flushed"), "stage": "save"})
+world4 = shared_suite("tests.workers_ddp:suite", np=4, controller="torchrun", timeout=600,
+                      stage=1, kwargs={"scratch": Scratch("ddp_flushed"), "stage": "load"})
+
+
+@pytest.fixture(scope="module", params=[2, 4])
+def world(request, world2, world4):
+    return request.param, {2: world2, 4: world4}[request.param]
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_warmup_is_bit_identical_to_ddp_and_the_same_adam(world, variant):
+    n, results = world
+    for rank, found in enumerate(scenario(results, f"warmup_{variant}")):
+        assert found == [], f"n={n} rank {rank} ({variant}): DDP + Adam and the face differ"
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("name", [f"compression_{v}" for v in VARIANTS]
+                         + ["compression_check_every"])
+def test_compressed_steps_are_the_engines_on_the_same_gradients(world, name):
+    n, results = world
+    records = scenario(results, name)
+    threads = run_threads(n, lambda t: replay(t.rank, t, records, n), timeout=120)
+    for rank, (record, engine) in enumerate(zip(records, threads)):
+        assert record["steps"] == FREEZE + COMPRESSED
+        assert record["phases"] == ["compression"] * COMPRESSED
+        assert record["buckets"] > 1, f"n={n}: the momentum spans {record['buckets']} bucket(s)"
+        # DDP's hook handed every bucket of every compressed step back without communicating
+        assert record["local_buckets"] == COMPRESSED
+        for step, (face, alone) in enumerate(zip(record["params"], engine)):
+            assert differences(face, alone, f"step {step}") == [], \
+                f"n={n} rank {rank} ({name}): the face and the engine alone differ"
+            assert differences(face, records[0]["params"][step], f"step {step}") == [], \
+                f"n={n}: rank {rank} differs from rank 0 ({name})"
+
+
+@pytest.mark.multirank
+def test_a_compression_phase_checkpoint_resumes_bit_identically(world):
+    n, results = world
+    for rank, r in enumerate(scenario(results, "checkpoint")):
+        assert r["phase"] == "compression"
+        assert r["differ"] == [], f"n={n} rank {rank}: the resumed run differs"
+        # the error feedback is part of it: resumed without it, the run takes other steps
+        assert r["differ_without_errors"] != [], \
+            f"n={n} rank {rank}: the error feedback made no difference to the resumed run"
+
+
+@pytest.mark.multirank
+def test_a_flushed_checkpoint_resumes_on_another_number_of_ranks(world2, world4):
+    saved = scenario(world2, "flushed")
+    resumed = scenario(world4, "flushed")
+    assert saved[0]["phase"] == "compression" and saved[0]["flushed_bytes"] > 0, saved[0]
+    for rank, r in enumerate(resumed):
+        assert (r["steps"], r["phase"]) == (saved[0]["steps"], "compression")
+        assert differences(r["params_loaded"], saved[0]["params"], "loaded") == []
+        assert all(math.isfinite(x) for x in r["losses"]), f"rank {rank}: losses {r['losses']}"
+        assert (r["steps_after"], r["phase_after"]) == (saved[0]["steps"] + 3, "compression")
+        assert differences(r["params"], resumed[0]["params"], "after") == [], \
+            f"4 ranks: rank {rank} differs from rank 0 after resuming"
+        assert differences(r["params"], r["params_loaded"], "moved") != [], \
+            f"rank {rank}: the resumed steps changed nothing"
+
+
+@pytest.mark.multirank
+def test_refusals_are_clear_on_every_rank(world):
+    n, results = world
+    for rank, r in enumerate(scenario(results, "refusals")):
+        assert r["not_ddp"].startswith("TypeError") and "DistributedDataParallel" in r["not_ddp"], \
+            f"n={n} rank {rank}: {r['not_ddp']}"
+        assert r["other_params"].startswith("ValueError") and \
+            "not parameters the DDP model averages" in r["other_params"], \
+            f"n={n} rank {rank}: {r['other_params']}"
+        assert r["hooked"].startswith("ValueError") and "already has one" in r["hooked"], \
+            f"n={n} rank {rank}: {r['hooked']}"
+        assert r["after"] == 1, f"n={n} rank {rank}: the model took no face after the refusals"
+
+
+@pytest.mark.multirank
+def test_a_nonfinite_value_on_one_rank_skips_the_step_on_every_rank(world):
+    n, results = world
+    runs = scenario(results, "grad_scaler")
+    for rank, run in enumerate(runs):
+        assert run == runs[0], f"n={n}: rank {rank}'s steps, scales or parameters differ"
+    rows = runs[0]
+    steps = [r["steps"] for r in rows]
+    assert steps == [1, 1, 2, 3, 4, 4, 5, 6], steps
+    assert (rows[1]["phase"], rows[5]["phase"]) == ("warmup", "compression")
+    assert [r["skipped"] for r in rows] == [0, 1, 1, 1, 1, 2, 2, 2]
+    scales = [r["scale"] for r in rows]
+    assert scales == [256.0, 128.0, 128.0, 128.0, 128.0, 64.0, 64.0, 64.0], scales
+    for it in (1, 5):  # the skipped steps left the parameters as they were
+        assert rows[it]["params"] == rows[it - 1]["params"], f"iteration {it} moved parameters"
+
+
+def test_importing_the_ddp_face_never_imports_horovod():
+    code = ("import sys\n"
+            "sys.modules['horovod'] = None\n"
+            "import hvd_onebit, hvd_onebit.ddp\n"
+            "loaded = sorted(m for m in sys.modules if m.startswith('horovod') and sys.modules[m])\n"
+            "print('horovod modules:', loaded)\n"
+            "try:\n"
+            "    hvd_onebit.DistributedOptimizer\n"
+            "except ImportError as exc:\n"
+            "    print('horovod face refused:', isinstance(exc, ImportError))\n")
+    run = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "horovod modules: []" in run.stdout, run.stdout
+    # the Horovod face is still the package's, imported on first use (and needs Horovod)
+    assert "horovod face refused: True" in run.stdout, run.stdout
+
+
+@pytest.mark.multirank
+def test_the_example_trains_under_torchrun_without_horovod():
+    from hvd_onebit_tools.cluster.jobs import job_environment, kill_job
+
+    token = uuid.uuid4().hex
+    cmd = torchrun_command(2, ["-m", "tests.torchrun_jobs", "--script",
+                               str(REPO / "examples" / "ddp_train.py"), "--steps", "40"])
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=REPO,
+                            env=job_environment(token, import_roots=[REPO]),
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        kill_job(proc, token)
+    text = out.decode(errors="replace")
+    assert proc.returncode == 0, text[-4000:]
+    summary, _ = json.JSONDecoder().raw_decode(text[text.index("{\n"):])
+    assert (summary["ranks"], summary["steps"], summary["phase"]) == (2, 40, "compression")
+    assert summary["telemetry"]["steps"] == 40
+    assert np.isfinite(summary["val_loss"]) and summary["val_loss"] < math.log(4), summary
