@@ -61,6 +61,20 @@ def test_compressed_steps_are_the_engines_on_the_same_gradients(world, name):
 
 
 @pytest.mark.multirank
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_low_precision_parameters_train_with_float32_state(world, dtype):
+    n, results = world
+    runs = scenario(results, f"low_precision_{dtype}")
+    for rank, r in enumerate(runs):
+        assert (r["dtypes"], r["state_dtypes"]) == ([f"torch.{dtype}"], ["torch.float32"])
+        assert (r["steps"], r["phase"]) == (FREEZE + 3, "compression")
+        finite = [bool(np.isfinite(p).all()) for p in r["params"]]
+        assert all(finite), f"n={n} rank {rank}: finite parameters {finite}"
+        assert differences(r["params"], runs[0]["params"], dtype) == [], \
+            f"n={n}: rank {rank} differs from rank 0"
+
+
+@pytest.mark.multirank
 def test_a_compression_phase_checkpoint_resumes_bit_identically(world):
     n, results = world
     for rank, r in enumerate(scenario(results, "checkpoint")):

@@ -22,13 +22,15 @@ LRS = (1e-2, 5e-3)  # two param groups
 FREEZE = 3
 # DDP's options and the steps' shapes each scenario runs with: (DDP keywords, the steps'
 # pattern); "micro": backward passes per step (all but the last under no_sync), "extra": which
-# (step, rank) use a branch the others leave without a gradient.
+# (step, rank) use a branch the others leave without a gradient; "clip": the gradients' norm is
+# clipped to this before step() (in the compression phase each rank clips its own).
 VARIANTS = {
     "plain": ({}, {}),
     "no_sync": ({}, {"micro": 2}),
     "unused": ({"find_unused_parameters": True}, {"extra": lambda step, rank: (step + rank) % 3 == 0}),
     "static_graph": ({"static_graph": True}, {}),
     "bucket_view": ({"gradient_as_bucket_view": True}, {}),
+    "clip": ({}, {"clip": 0.05}),
 }
 
 
@@ -85,6 +87,8 @@ def train_step(model: DDP, opt, step: int, pattern: Optional[dict] = None, scale
             if poison:
                 loss = loss * float("inf")
             (loss if scaler is None else scaler.scale(loss)).backward()
+    if "clip" in pattern:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), pattern["clip"])
     if scaler is None:
         opt.step()
     else:
@@ -307,6 +311,26 @@ def grad_scaler_skips(iterations: int = 8, poisoned: tuple = (1, 5)) -> list[dic
     return out
 
 
+def low_precision(dtype: str, steps: int = 3) -> dict:
+    """float16 / bfloat16 parameters through both phases: float32 Adam state, finite
+    parameters, the same on every rank."""
+    model = make_model()
+    model.module.to(getattr(torch, dtype))
+    opt = onebit(model)
+    rank = dist.get_rank()
+    for step in range(FREEZE + steps):
+        opt.zero_grad()
+        x, y = batch(step, rank)
+        loss = torch.nn.functional.mse_loss(model(x.to(getattr(torch, dtype))).float(), y)
+        loss.backward()
+        opt.step()
+    state_dtypes = sorted({str(opt.state[p][k].dtype) for p in model.module.parameters()
+                           for k in ("exp_avg", "exp_avg_sq")})
+    return {"params": [p.detach().float().numpy() for p in model.module.parameters()],
+            "dtypes": sorted({str(p.dtype) for p in model.module.parameters()}),
+            "state_dtypes": state_dtypes, "steps": opt.steps, "phase": opt.phase}
+
+
 def suite(scratch: str, stage: str) -> dict:
     """Every scenario of one world; ``stage`` "save" (the first world) writes the flushed
     checkpoint into ``scratch``, "load" (a later world, another size) resumes it."""
@@ -315,6 +339,8 @@ def suite(scratch: str, stage: str) -> dict:
     scenarios = {f"warmup_{v}": partial(warmup_is_ddp_adam, v) for v in VARIANTS}
     scenarios.update({f"compression_{v}": partial(compression_record, v) for v in VARIANTS})
     scenarios["compression_check_every"] = partial(compression_record, "plain", check_every=1)
+    scenarios.update({f"low_precision_{d}": partial(low_precision, d)
+                      for d in ("float16", "bfloat16")})
     scenarios.update(checkpoint=checkpoint_resumes, refusals=refusals,
                      grad_scaler=grad_scaler_skips,
                      flushed=partial(flushed_checkpoint, path, stage == "save"))

@@ -81,6 +81,18 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model, *,
             the ranks DDP averages over (default: None, the DDP model's own group)
 
     Every option is checked here, on every rank, before anything is registered on the model.
+    ``model.no_sync()``, ``find_unused_parameters``, ``static_graph``,
+    ``gradient_as_bucket_view``, several param groups, float16/bfloat16 parameters (float32
+    Adam state) and ``torch.amp.GradScaler`` (``scaler.step(opt)``: a non-finite value on one
+    rank skips the step on every rank) work as with DDP + Adam. The momentum's exchange starts
+    in step(), after backward (DDP's buckets are not the engine's).
+
+    Clipping: in the warmup the gradients are DDP's averages, so a clip acts as with DDP + Adam.
+    In the compression phase no gradient is averaged: ``p.grad`` is this rank's own, and a clip
+    bounds what each rank adds to its momentum before the 1-bit average (the update itself is
+    bounded by Adam's own bound, ``Experimental(step_bound="adam")``). The recipe is the same
+    line in both phases: ``torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)``
+    before ``opt.step()`` (after ``scaler.unscale_(opt)`` with a GradScaler).
 
     Returns:
         An optimizer of the wrapped class, plus ``phase``, ``steps``, ``freeze_step``,
