@@ -49,9 +49,10 @@ class Net(torch.nn.Module):
         return y + self.extra(h) if extra and self.extra is not None else y
 
 
-def make_model(seed: int = 0, **ddp_options) -> DDP:
+def make_model(seed: int = 0, dtype: torch.dtype = torch.float32, **ddp_options) -> DDP:
     torch.manual_seed(seed)
-    return DDP(Net(extra=ddp_options.get("find_unused_parameters", False)), **ddp_options)
+    net = Net(extra=ddp_options.get("find_unused_parameters", False)).to(dtype)
+    return DDP(net, **ddp_options)
 
 
 def adam(model: DDP) -> torch.optim.Adam:
@@ -314,8 +315,7 @@ def grad_scaler_skips(iterations: int = 8, poisoned: tuple = (1, 5)) -> list[dic
 def low_precision(dtype: str, steps: int = 3) -> dict:
     """float16 / bfloat16 parameters through both phases: float32 Adam state, finite
     parameters, the same on every rank."""
-    model = make_model()
-    model.module.to(getattr(torch, dtype))
+    model = make_model(dtype=getattr(torch, dtype))
     opt = onebit(model)
     rank = dist.get_rank()
     for step in range(FREEZE + steps):
