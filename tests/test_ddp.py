@@ -1,7 +1,8 @@
 """The DDP face (``hvd_onebit.ddp``) under real torchrun (Gloo, CPU, Horovod blocked in the
 ranks), at 2 and 4 ranks: one launch per world runs every scenario (tests/workers_ddp.py), a
-third runs the example script. The compressed steps are checked bit for bit against the engine
-alone, fed the same state and the same local gradients on the in-process transport."""
+third runs the example script. The compressed steps, their buckets started from DDP's hook, are
+checked bit for bit against the engine alone started in step(), fed the same state and the same
+local gradients on the in-process transport."""
 from __future__ import annotations
 
 import json
@@ -53,6 +54,13 @@ def test_compressed_steps_are_the_engines_on_the_same_gradients(world, name):
         assert record["buckets"] > 1, f"n={n}: the momentum spans {record['buckets']} bucket(s)"
         # DDP's hook handed every bucket of every compressed step back without communicating
         assert record["local_buckets"] == COMPRESSED
+        # the buckets started from DDP's hook (all of them, but with find_unused_parameters,
+        # and for a clip: it changes the gradients after backward, so they start again)
+        started = {"compression_unused": 0, "compression_clip": record["buckets"]}.get(
+            name, record["buckets"] * COMPRESSED)
+        restarts = 1 if name == "compression_clip" else 0
+        assert (record["early_starts"], record["restarts"]) == (started, restarts), \
+            f"n={n} rank {rank} ({name}): early starts and restarts"
         for step, (face, alone) in enumerate(zip(record["params"], engine)):
             assert differences(face, alone, f"step {step}") == [], \
                 f"n={n} rank {rank} ({name}): the face and the engine alone differ"

@@ -167,7 +167,9 @@ def compression_record(variant: str, steps: int = 4, **options) -> dict:
             record["phases"].append(opt.phase)
     telemetry = opt.telemetry()
     record.update(steps=opt.steps, buckets=len(opt.compressed_step.buckets),
-                  local_buckets=opt._hook.local_buckets, total_bytes=telemetry["total_bytes"],
+                  local_buckets=opt._hook.local_buckets,
+                  early_starts=opt.compressed_step.early_starts,
+                  restarts=opt.compressed_step.restarts, total_bytes=telemetry["total_bytes"],
                   last_step_bytes=telemetry["last_step_bytes"])
     return record
 

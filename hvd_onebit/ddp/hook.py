@@ -1,12 +1,20 @@
 """The DDP face's communication hook: DDP's own allreduce while gradients are averaged (the
 warmup, variance refresh steps), the local gradient without communicating in the compression
-phase, where the momentum travels in 1 bit from step() instead."""
+phase, where the momentum travels in 1 bit instead: its buckets start from here as DDP's buckets
+become ready (:mod:`hvd_onebit.overlap`), the rest in step().
+
+DDP copies each bucket's result back into ``p.grad`` when backward ends: the values the starts
+read, with a new version. A callback queued behind DDP's own end-of-backward callback tells the
+overlap so (:meth:`~hvd_onebit.overlap.Overlap.settle`); any change after that (a clip, an
+unscale that is not the assumed one) is still seen, and the buckets start again in step()."""
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+from ..overlap import Overlap
 
 ALREADY_HOOKED = (
     "hvd_onebit.ddp.DistributedOptimizer registers its own communication hook on the DDP model, "
@@ -27,11 +35,15 @@ class CommHook:
         group: the process group DDP averages over.
         averaging: whether the coming step takes averaged gradients (decided from the step count,
             alike on every rank, so every rank's hook does the same).
+        overlap: the :class:`~hvd_onebit.overlap.Overlap` told of each local bucket's parameters
+            (their gradients are final) and, once DDP has written the last local bucket back into
+            the gradients, to settle; None: every bucket starts in step().
     """
 
-    def __init__(self, group, averaging: Callable[[], bool]):
+    def __init__(self, group, averaging: Callable[[], bool], overlap: Optional[Overlap]):
         self.group = group
         self._averaging = averaging
+        self._overlap = overlap
         self.local_buckets = 0  # DDP buckets handed back without communicating, over the run
 
     def register(self, model) -> None:
@@ -50,6 +62,14 @@ class CommHook:
         if self._averaging():
             return allreduce_hook(self.group, bucket)
         self.local_buckets += 1
+        if self._overlap is not None:
+            for p in bucket.parameters():
+                self._overlap.gradient_ready(p)
+            if bucket.is_last():
+                # DDP queues its end of backward right after this hook returns; a callback
+                # queued now runs before it, and the one it queues runs after it.
+                queue = torch.autograd.Variable._execution_engine.queue_callback
+                queue(lambda: queue(self._overlap.settle))
         done: torch.futures.Future = torch.futures.Future()
         done.set_result(bucket.buffer())
         return done

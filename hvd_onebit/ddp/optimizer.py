@@ -37,7 +37,8 @@ class DDPFace:
 
     def step(self, closure: Optional[Callable[[], float]] = None, grad_scaler=None):
         """One optimizer step: Adam on DDP's averaged gradients in the warmup, 1-bit momentum
-        Adam on the local gradients afterwards. ``grad_scaler`` is passed by
+        Adam on the local gradients afterwards (the buckets not started from DDP's hook start
+        here). ``grad_scaler`` is passed by
         ``torch.amp.GradScaler.step()`` itself."""
         return self._phases.step(closure, grad_scaler,
                                  lambda: grad_scaler.unscale_(self), None)
@@ -47,6 +48,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model, *,
                          freeze_step: int | str,
                          variance_refresh: Optional[str] = None,
                          bucket_size_mb: float = DEFAULT_BUCKET_MB,
+                         overlap: bool = True,
                          memory: str = "auto",
                          block_size: Optional[int] = None,
                          check_every: int = 0,
@@ -70,6 +72,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model, *,
             variance on 0/1 Adam's doubling schedule (default: None, the variance stays frozen)
         bucket_size_mb (float, optional): momentum per 1-bit allreduce, in MiB of fp32
             (default: 64)
+        overlap (bool, optional): start buckets from DDP's hook as its buckets become ready,
+            bit-identical to starting them in step(); off with ``find_unused_parameters``
+            (default: True)
         memory (str, optional): "auto", "lean" or "fast" (default: "auto")
         block_size (int, optional): elements per scale of the 1-bit compression, a multiple
             of 8 (default: None, one scale per chunk)
@@ -84,8 +89,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model, *,
     ``model.no_sync()``, ``find_unused_parameters``, ``static_graph``,
     ``gradient_as_bucket_view``, several param groups, float16/bfloat16 parameters (float32
     Adam state) and ``torch.amp.GradScaler`` (``scaler.step(opt)``: a non-finite value on one
-    rank skips the step on every rank) work as with DDP + Adam. The momentum's exchange starts
-    in step(), after backward (DDP's buckets are not the engine's).
+    rank skips the step on every rank) work as with DDP + Adam.
 
     Clipping: in the warmup the gradients are DDP's averages, so a clip acts as with DDP + Adam.
     In the compression phase no gradient is averaged: ``p.grad`` is this rank's own, and a clip
@@ -103,7 +107,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model, *,
     check_wrapped(optimizer, True, 1)
     config = OneBitConfig.from_options(
         freeze_step, variance_refresh=variance_refresh, bucket_size_mb=bucket_size_mb,
-        transport="torch", overlap=False, memory=memory, block_size=block_size,
+        transport="torch", overlap=overlap and not setup.finds_unused(model), memory=memory, block_size=block_size,
         check_every=check_every, kernel_backend=kernel_backend, experimental=experimental,
         **moved)
     group = setup.check(model, optimizer.param_groups, process_group, config)

@@ -23,6 +23,13 @@ from .view import DDPView
 from .warmup import DDPWarmup
 
 
+def finds_unused(model) -> bool:
+    """Whether DDP looks for unused parameters in every backward (``find_unused_parameters``):
+    then it allreduces which parameters were used right after the last bucket's hook, on the
+    group the 1-bit stages run on, and the buckets start in step(), after it."""
+    return bool(getattr(model, "find_unused_parameters", False))
+
+
 def model_names(model) -> dict:
     """Each parameter DDP averages, by its name in the wrapped module: the ones that require a
     gradient and that DDP was not told to ignore."""
@@ -91,10 +98,11 @@ def build(view: DDPView, config: OneBitConfig, group, model) -> Parts:
     init_adam_state(view.param_groups, view.state)
     engine = CompressedStep(config, view.state, view.decoupled, transport=TorchJob(group),
                             names=view.names)
-    warmup = DDPWarmup(view, schedule, telemetry, dist.get_world_size(group))
+    warmup = DDPWarmup(view, schedule, telemetry, engine)
     phases = Phases(view, config, schedule, telemetry, engine, warmup,
                     lambda steps: check_identical(view.param_groups, group, steps,
                                                   config.check_every))
-    hook = CommHook(group, lambda: not phases.compressing() or phases.refreshing())
+    hook = CommHook(group, lambda: not phases.compressing() or phases.refreshing(),
+                    phases.compression.overlap if config.overlap else None)
     hook.register(model)
     return Parts(schedule, telemetry, engine, phases, hook)

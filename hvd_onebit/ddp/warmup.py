@@ -7,6 +7,7 @@ from typing import Callable, Optional
 
 import torch
 
+from ..engine import CompressedStep
 from ..layout import ring_allreduce_bytes
 from ..phases.gradients import adam_step
 from ..state.schedule import Schedule
@@ -19,22 +20,29 @@ class DDPWarmup:
     warmup's own kind of step (a :class:`~hvd_onebit.phases.full_precision.FullPrecisionStep`).
 
     Args:
-        world: the ranks DDP averages over.
+        engine: the compression phase's (its buckets are fused before the warmup's last step).
     """
 
     what = "step"
 
-    def __init__(self, view: DDPView, schedule: Schedule, telemetry: Telemetry, world: int):
+    def __init__(self, view: DDPView, schedule: Schedule, telemetry: Telemetry,
+                 engine: CompressedStep):
         self._view = view
         self._schedule = schedule
         self._telemetry = telemetry
-        self._world = world
+        self._engine = engine
         # DDP waits for its allreduces inside backward: step() never blocks on them
         self.wait_seconds = 0.0
 
     def synchronize_for_step(self, make_hook: Optional[Callable]) -> None:
-        """Nothing to wait for: DDP's reducer finished its allreduces when backward returned."""
+        """Nothing to wait for: DDP's reducer finished its allreduces when backward returned.
+        Before the warmup's last step the compression phase's buckets are fused, so that the
+        first compressed step's buckets can start from DDP's hook."""
         self._view.synchronized = False
+        active, engine = self._view.active_parameters(), self._engine
+        if (self._schedule.last_warmup_step_next() and engine.world > 1
+                and not engine.up_to_date(active)):
+            engine.fuse(active)
 
     def averaged_gradients(self) -> list[torch.Tensor]:
         return [p.grad for p in self._view.parameters() if p.grad is not None]
@@ -42,7 +50,7 @@ class DDPWarmup:
     def step_bytes(self) -> int:
         """Bytes a bandwidth-optimal ring allreduce sends per rank for the gradients."""
         total = sum(p.numel() * p.element_size() for p in self._view.active_parameters())
-        return ring_allreduce_bytes(total, self._world)
+        return ring_allreduce_bytes(total, self._engine.world)
 
     def begin(self) -> None:
         pass
