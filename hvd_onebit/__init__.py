@@ -4,8 +4,12 @@
 ``hvd.DistributedOptimizer``: full-precision Horovod allreduce during a warmup, then Adam's variance
 is frozen and only the momentum travels, as 1-bit signs through :class:`OneBitAllreduce`.
 
+``hvd_onebit.ddp.DistributedOptimizer`` is the same 1-bit Adam for a DDP model under torchrun;
+importing it never imports Horovod.
+
 The public names are imported on first use, so that tools which only need the emulator or the CLI
-(``hvd-onebit --help``) do not pay for importing Horovod and torch.
+(``hvd-onebit --help``) do not pay for importing Horovod and torch, and the DDP face runs where
+Horovod is not installed.
 """
 from __future__ import annotations
 

@@ -83,6 +83,19 @@ def test_low_precision_parameters_train_with_float32_state(world, dtype):
 
 
 @pytest.mark.multirank
+def test_variance_refresh_steps_take_ddps_averaged_gradients(world):
+    n, results = world
+    runs = scenario(results, "refresh")
+    for rank, r in enumerate(runs):
+        assert (r["steps"], r["phase"]) == (FREEZE + 6, "compression")
+        # every compressed step is a refresh (DDP's allreduce) or a 1-bit one (a local bucket)
+        assert r["refreshes"] > 0 and r["local_buckets"] > 0, r
+        assert r["refreshes"] + r["local_buckets"] == 6, r
+        assert differences(r["params"], runs[0]["params"], "refresh") == [], \
+            f"n={n}: rank {rank} differs from rank 0"
+
+
+@pytest.mark.multirank
 def test_a_compression_phase_checkpoint_resumes_bit_identically(world):
     n, results = world
     for rank, r in enumerate(scenario(results, "checkpoint")):

@@ -333,6 +333,21 @@ def low_precision(dtype: str, steps: int = 3) -> dict:
             "state_dtypes": state_dtypes, "steps": opt.steps, "phase": opt.phase}
 
 
+def variance_refresh(steps: int = 6) -> dict:
+    """variance_refresh="doubling" (refreshes every other step here): the refresh steps take
+    DDP's averaged gradients, the others travel in 1 bit."""
+    from hvd_onebit.config import Experimental
+
+    model = make_model()
+    opt = onebit(model, variance_refresh="doubling",
+                 experimental=Experimental(refresh_schedule={"first_interval": 2}))
+    for step in range(FREEZE + steps):
+        train_step(model, opt, step)
+    telemetry = opt.telemetry()
+    return {"params": params_of(model), "steps": opt.steps, "refreshes": telemetry["refreshes"],
+            "local_buckets": opt._hook.local_buckets, "phase": opt.phase}
+
+
 def suite(scratch: str, stage: str) -> dict:
     """Every scenario of one world; ``stage`` "save" (the first world) writes the flushed
     checkpoint into ``scratch``, "load" (a later world, another size) resumes it."""
@@ -343,7 +358,7 @@ def suite(scratch: str, stage: str) -> dict:
     scenarios["compression_check_every"] = partial(compression_record, "plain", check_every=1)
     scenarios.update({f"low_precision_{d}": partial(low_precision, d)
                       for d in ("float16", "bfloat16")})
-    scenarios.update(checkpoint=checkpoint_resumes, refusals=refusals,
+    scenarios.update(checkpoint=checkpoint_resumes, refresh=variance_refresh, refusals=refusals,
                      grad_scaler=grad_scaler_skips,
                      flushed=partial(flushed_checkpoint, path, stage == "save"))
     return run_scenarios(scenarios, rank)
