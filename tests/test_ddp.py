@@ -34,7 +34,7 @@ def world(request, world2, world4):
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("variant", list(VARIANTS) + ["grad_scaler"])
 def test_warmup_is_bit_identical_to_ddp_and_the_same_adam(world, variant):
     n, results = world
     for rank, found in enumerate(scenario(results, f"warmup_{variant}")):

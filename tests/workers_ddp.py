@@ -115,17 +115,21 @@ def differences(a: list[np.ndarray], b: list[np.ndarray], what: str) -> list[str
 
 # ---- scenarios -----------------------------------------------------------------------------------
 
-def warmup_is_ddp_adam(variant: str, steps: int = 4) -> list[str]:
-    """DDP + Adam against DDP + the face (freeze far away) over the same steps: the bits that
-    differ, per step (none expected)."""
+def warmup_is_ddp_adam(variant: str, steps: int = 4, scaled: bool = False) -> list[str]:
+    """DDP + Adam against DDP + the face (freeze far away) over the same steps, each with its
+    own GradScaler with ``scaled``: the bits that differ, per step (none expected)."""
     options, pattern = VARIANTS[variant]
     ref_model, face_model = make_model(**options), make_model(**options)
     ref_opt, face_opt = adam(ref_model), onebit(face_model, freeze_step=1000)
+    scalers = [torch.amp.GradScaler("cpu", init_scale=2.0 ** 8) if scaled else None
+               for _ in range(2)]
     found = []
     for step in range(steps):
-        train_step(ref_model, ref_opt, step, pattern)
-        train_step(face_model, face_opt, step, pattern)
+        train_step(ref_model, ref_opt, step, pattern, scaler=scalers[0])
+        train_step(face_model, face_opt, step, pattern, scaler=scalers[1])
         found += differences(params_of(ref_model), params_of(face_model), f"step {step}")
+        if scaled and scalers[0].get_scale() != scalers[1].get_scale():
+            found.append(f"step {step}: scales {[s.get_scale() for s in scalers]}")
     if face_opt.steps != steps or face_opt.phase != "warmup":
         found.append(f"face at {face_opt.steps} steps in {face_opt.phase}")
     return found
@@ -354,6 +358,7 @@ def suite(scratch: str, stage: str) -> dict:
     rank = dist.get_rank()
     path = f"{scratch}/flushed.pt"
     scenarios = {f"warmup_{v}": partial(warmup_is_ddp_adam, v) for v in VARIANTS}
+    scenarios["warmup_grad_scaler"] = partial(warmup_is_ddp_adam, "plain", scaled=True)
     scenarios.update({f"compression_{v}": partial(compression_record, v) for v in VARIANTS})
     scenarios["compression_check_every"] = partial(compression_record, "plain", check_every=1)
     scenarios.update({f"low_precision_{d}": partial(low_precision, d)
