@@ -20,7 +20,7 @@ from ..layout import ring_allreduce_bytes
 from ..state.schedule import Schedule
 from ..state.telemetry import Telemetry
 from ..transport.horovod import sleep_until_done
-from .gradients import adam_step, sparse_gradient_error
+from .gradients import adam_step
 
 
 class Warmup:
