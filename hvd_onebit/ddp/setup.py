@@ -25,8 +25,9 @@ from .warmup import DDPWarmup
 
 def finds_unused(model) -> bool:
     """Whether DDP looks for unused parameters in every backward (``find_unused_parameters``):
-    then it allreduces which parameters were used right after the last bucket's hook, on the
-    group the 1-bit stages run on, and the buckets start in step(), after it."""
+    then DDP allreduces which parameters were used at the end of backward, on the group the
+    1-bit stages run on, a parameter may have a gradient on some ranks only, and the buckets
+    start in step(), after backward (with overlap on, such jobs were seen to hang)."""
     return bool(getattr(model, "find_unused_parameters", False))
 
 
