@@ -1,4 +1,4 @@
-"""The DDP face's communication hook: DDP's own allreduce while gradients are averaged (the
+"""The DDP face's communication hook: DDP's own averaging while gradients are averaged (the
 warmup, variance refresh steps), the local gradient without communicating in the compression
 phase, where the momentum travels in 1 bit instead: its buckets start from here as DDP's buckets
 become ready (:mod:`hvd_onebit.overlap`), the rest in step().
@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 import torch
-from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+import torch.distributed as dist
 
 from ..overlap import Overlap
 
@@ -56,11 +56,19 @@ class CommHook:
                 raise ValueError(ALREADY_HOOKED) from exc
             raise
 
+    def _average(self, buffer: torch.Tensor) -> torch.futures.Future:
+        """DDP's own averaging, bit for bit: each gradient times 1/n, as DDP's reducer scales
+        them into the bucket when no hook is registered (torch's ``allreduce_hook`` divides by
+        n instead, which rounds otherwise where 1/n is inexact), then the allreduce's sum."""
+        buffer.mul_(1.0 / dist.get_world_size(self.group))
+        work = dist.all_reduce(buffer, group=self.group, async_op=True)
+        return work.get_future().then(lambda fut: fut.value()[0])
+
     def communicate(self, state, bucket):
         """DDP's hook (``state`` is unused: this object holds its own). No annotations: DDP
         checks them against its own types."""
         if self._averaging():
-            return allreduce_hook(self.group, bucket)
+            return self._average(bucket.buffer())
         self.local_buckets += 1
         if self._overlap is not None:
             for p in bucket.parameters():
