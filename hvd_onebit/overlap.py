@@ -119,10 +119,10 @@ class Overlap:
             early.failed = True
 
     def settle(self) -> None:
-        """Take the gradients' versions as they are now, for the gradients that are still the
-        tensors the starts read: for a framework that writes back, after the hooks, the very
-        values the starts read (DDP copies each bucket's result into ``p.grad``). Call it only
-        where nothing else can have changed them since (the end of backward)."""
+        """Take the gradients' versions as they are at this call, for the gradients that are
+        still the tensors the starts read: for a framework that writes back, after the hooks,
+        the very values the starts read (DDP copies each bucket's result into ``p.grad``). Call
+        it only where nothing else can have changed them since (the end of backward)."""
         early = self.current
         if early is None:
             return

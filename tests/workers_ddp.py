@@ -210,7 +210,7 @@ def replay(rank: int, transport, record: dict, world: int) -> list[list[np.ndarr
 
 
 def checkpoint_resumes(before: int = 2, after: int = 3) -> dict:
-    """A compression-phase checkpoint (optimizer, error feedback, model) resumed by a new model
+    """A compression-phase checkpoint (optimizer, error feedback, model) resumed by a fresh model
     and optimizer: the bits that differ from the uninterrupted run (none expected), and from a
     resume without the error feedback (some expected)."""
     model = make_model()
@@ -224,15 +224,15 @@ def checkpoint_resumes(before: int = 2, after: int = 3) -> dict:
     want = params_of(model)
 
     def resumed(with_errors: bool) -> list[np.ndarray]:
-        new = make_model(seed=1)
-        new.module.load_state_dict(saved["model"])
-        new_opt = onebit(new)
-        new_opt.load_state_dict(copy.deepcopy(saved["opt"]))
+        fresh = make_model(seed=1)
+        fresh.module.load_state_dict(saved["model"])
+        fresh_opt = onebit(fresh)
+        fresh_opt.load_state_dict(copy.deepcopy(saved["opt"]))
         if with_errors:
-            new_opt.load_error_feedback_state_dict(copy.deepcopy(saved["ef"]))
+            fresh_opt.load_error_feedback_state_dict(copy.deepcopy(saved["ef"]))
         for step in range(FREEZE + before, FREEZE + before + after):
-            train_step(new, new_opt, step)
-        return params_of(new)
+            train_step(fresh, fresh_opt, step)
+        return params_of(fresh)
 
     return {"differ": differences(want, resumed(True), "resumed"),
             "differ_without_errors": differences(want, resumed(False), "no error feedback"),

@@ -4,7 +4,7 @@ phase, where the momentum travels in 1 bit instead: its buckets start from here 
 become ready (:mod:`hvd_onebit.overlap`), the rest in step().
 
 DDP copies each bucket's result back into ``p.grad`` when backward ends: the values the starts
-read, with a new version. A callback queued behind DDP's own end-of-backward callback tells the
+read, with another version. A callback queued behind DDP's own end-of-backward callback tells the
 overlap so (:meth:`~hvd_onebit.overlap.Overlap.settle`); any change after that (a clip, an
 unscale that is not the assumed one) is still seen, and the buckets start again in step()."""
 from __future__ import annotations
@@ -75,7 +75,7 @@ class CommHook:
                 self._overlap.gradient_ready(p)
             if bucket.is_last():
                 # DDP queues its end of backward right after this hook returns; a callback
-                # queued now runs before it, and the one it queues runs after it.
+                # queued from here runs before it, and the one it queues runs after it.
                 queue = torch.autograd.Variable._execution_engine.queue_callback
                 queue(lambda: queue(self._overlap.settle))
         done: torch.futures.Future = torch.futures.Future()

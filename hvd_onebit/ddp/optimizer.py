@@ -10,6 +10,7 @@ This module is the face: the factory, the class it builds (the wrapped Adam clas
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable, Optional
 
 import torch
@@ -21,7 +22,8 @@ from .view import DDPView
 
 
 class DDPFace:
-    """Methods layered over the wrapped Adam class, beside :class:`~hvd_onebit.face.SharedFace`'s."""
+    """Methods layered over the wrapped Adam class, beside
+    :class:`~hvd_onebit.face.SharedFace`'s."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, model, config: OneBitConfig, group):
         torch.optim.Optimizer.__init__(self, optimizer.param_groups, optimizer.defaults)
@@ -107,9 +109,11 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model, *,
     check_wrapped(optimizer, True, 1)
     config = OneBitConfig.from_options(
         freeze_step, variance_refresh=variance_refresh, bucket_size_mb=bucket_size_mb,
-        transport="torch", overlap=overlap and not setup.finds_unused(model), memory=memory, block_size=block_size,
+        transport="torch", overlap=overlap, memory=memory, block_size=block_size,
         check_every=check_every, kernel_backend=kernel_backend, experimental=experimental,
         **moved)
+    if setup.finds_unused(model):
+        config = dataclasses.replace(config, overlap=False)
     group = setup.check(model, optimizer.param_groups, process_group, config)
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,), face_attributes(DDPFace))
     return cls(optimizer, model, config, group)
