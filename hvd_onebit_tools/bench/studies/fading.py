@@ -225,7 +225,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--batch", type=int, default=32, help="points per rank per step")
     ap.add_argument("--freeze", type=float, default=0.1, help="freeze step, a share of --steps")
-    ap.add_argument("--samples", type=int, default=1024)
+    ap.add_argument("--samples", type=int, default=2048)
     ap.add_argument("--classes", type=int, default=10)
     ap.add_argument("--width", type=int, default=256)
     ap.add_argument("--lr", type=float, default=3e-3)
