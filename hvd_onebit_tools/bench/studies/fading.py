@@ -27,6 +27,7 @@ import json
 import math
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -199,9 +200,39 @@ def summarise(records: list[dict]) -> dict:
                 "rising": sum(p["mean_denominator_ratio"] > 1 for p in decisions),
                 "roots_grew": sum(p["roots_ratio"] > 1 for p in decisions),
                 "median_mean_denominator_ratio": ratios[len(ratios) // 2],
-                "overshot": sum(bool(p.get("overshot")) for p in decisions)})
+                "overshot": sum(bool(p.get("overshot")) for p in decisions),
+                "by_third": by_third(gate, r["curve"][-1][0])})
         out[r["setting"]] = entry
     return out
+
+
+def by_third(gate: list[dict], steps: int) -> list[dict]:
+    """The gate's refreshes in each third of the run: how many parameter updates, how many
+    declined, the median ratio of mean denominators new / old and of the roots' sums."""
+    out = []
+    for k in range(3):
+        lo, hi = k * steps // 3, (k + 1) * steps // 3
+        ps = [p for g in gate if lo <= g["step"] < hi for p in g["parameters"]]
+        if not ps:
+            continue
+        ratios = sorted(p["mean_denominator_ratio"] for p in ps)
+        roots = sorted(p["roots_ratio"] for p in ps)
+        out.append({"steps": [lo, hi], "parameter_updates": len(ps),
+                    "declined": sum(p["declined"] for p in ps),
+                    "median_mean_denominator_ratio": ratios[len(ratios) // 2],
+                    "median_roots_ratio": roots[len(roots) // 2]})
+    return out
+
+
+def rounded(x, digits: int = 6):
+    """``x`` with every float to ``digits`` significant digits (a smaller file, same story)."""
+    if isinstance(x, float):
+        return float(f"{x:.{digits}g}")
+    if isinstance(x, dict):
+        return {k: rounded(v, digits) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [rounded(v, digits) for v in x]
+    return x
 
 
 def provenance(argv: list[str]) -> dict:
@@ -250,8 +281,14 @@ def main(argv: Optional[list[str]] = None) -> None:
         result["seeds"][str(seed)] = {"summary": summarise(records), "runs": records}
         print(json.dumps({"seed": seed, "summary": result["seeds"][str(seed)]["summary"]}),
               file=sys.stderr, flush=True)
+    per_seed = [v["summary"] for v in result["seeds"].values()]
+    result["over_adam"] = {name: {"per_seed": [x[name]["over_adam"] for x in per_seed],
+                                  "worst": max(x[name]["over_adam"] for x in per_seed),
+                                  "median": statistics.median(x[name]["over_adam"]
+                                                              for x in per_seed)}
+                           for name in settings}
     result["provenance"]["load_after"] = os.getloadavg()
-    text = json.dumps(result, indent=1)
+    text = json.dumps(rounded(result), separators=(",", ":"))
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(text + "\n")
