@@ -42,6 +42,27 @@ def test_denominators_native_scalar_and_twin_give_the_same_bits(numel):
     assert worst < 3e-7, f"denominators off Adam's by a relative {worst:.3g}"
 
 
+def test_the_bias_correction_factor_is_the_float32_reciprocal_of_the_float32_root():
+    # every twin multiplies the root by inverse_root_bc2(sqrt_bc2): the native code computes
+    # 1.0f / float(sqrt_bc2), the host rounds a float64 quotient; both must be one number
+    import math
+
+    import numpy as np
+
+    from hvd_onebit.kernels.fused_reference import inverse_root_bc2
+
+    roots = [math.sqrt(1 - 0.999 ** t) for t in range(1, 20000, 7)]
+    roots += [math.sqrt(1 - 0.98 ** t) for t in range(1, 3000, 3)] + [1.0, 0.3141, 1e-3]
+    wrong = [r for r in roots if inverse_root_bc2(r) != float(np.float32(1) / np.float32(r))]
+    assert not wrong, f"{len(wrong)} of {len(roots)} factors differ, first at {wrong[0]!r}"
+    # and the native pass multiplies the float32 root by that factor (v = 2, eps = 0)
+    root = np.sqrt(np.float32(2.0))
+    for r in roots[::5]:
+        out = float(_native(torch.full((1,), 2.0), torch.empty(1), r, 0.0, False, False))
+        want = float(root * np.float32(inverse_root_bc2(r)))
+        assert out == want, f"native denominator {out!r} at sqrt_bc2 {r!r}, {want!r} expected"
+
+
 @pytest.mark.parametrize("numel", SIZES)
 def test_the_ratio_of_old_to_new_denominators_is_zero_where_either_is_infinite(numel):
     old_v, new_v = _variance(numel, 1), _variance(numel, 2)

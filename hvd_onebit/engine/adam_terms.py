@@ -21,8 +21,8 @@ from .variance import FrozenVariance
 
 @dataclass(frozen=True, eq=False)
 class Denominator:
-    """A parameter's Adam denominator ``sqrt(v) / sqrt_bc2 + eps``, as the fused passes take it
-    (they compute it in their own pass: ``+inf`` where ``v == 0``)."""
+    """A parameter's Adam denominator ``sqrt(v) * (1 / sqrt_bc2) + eps``, as the fused passes
+    take it (they compute it in their own pass: ``+inf`` where ``v == 0``)."""
 
     variance: torch.Tensor  # exp_avg_sq, frozen between refreshes
     sqrt_bc2: float

@@ -8,7 +8,8 @@ denominator, both moments, the ratio); :func:`denominators` and :func:`divide_by
 are its two ends, for a piece whose moments change otherwise. Native (C++) on CPU tensors, the
 torch twin elsewhere, with the same bits: the twin is the torch ops the native pass fuses
 (``lerp_``, ``mul_``, ``addcmul_``, whose CPU kernels round as one FMA each where the native
-pass does) and correctly rounded sqrt and division.
+pass does), a correctly rounded root and division, and one float32 ``1 / sqrt_bc2`` per
+piece.
 """
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ TWIN_SLICE = 1 << 18
 
 def denominators(v: torch.Tensor, out: torch.Tensor, sqrt_bc2: float, eps: float,
                  backend: str = "auto") -> torch.Tensor:
-    """``out = sqrt(v) / sqrt_bc2 + eps``, ``+inf`` where ``v == 0`` (an element held fixed).
+    """``out = sqrt(v) * (1 / sqrt_bc2) + eps``, ``+inf`` where ``v == 0`` (an element held
+    fixed; ``1 / sqrt_bc2``: :func:`~hvd_onebit.kernels.fused_reference.inverse_root_bc2`).
 
     Args:
         v: float32 [numel], contiguous: the variance (exp_avg_sq).
@@ -40,8 +42,8 @@ def denominators(v: torch.Tensor, out: torch.Tensor, sqrt_bc2: float, eps: float
 
 def divide_by_denominators(ratio: torch.Tensor, v: torch.Tensor, sqrt_bc2: float, eps: float,
                            backend: str = "auto") -> torch.Tensor:
-    """``ratio = ratio / (sqrt(v) / sqrt_bc2 + eps)`` in place, every non-finite quotient set to
-    ``+0``: old denominators (from :func:`denominators`) over new ones, 0 where either is
+    """``ratio = ratio / (sqrt(v) * (1 / sqrt_bc2) + eps)`` in place, every non-finite quotient
+    set to ``+0``: old denominators (from :func:`denominators`) over new ones, 0 where either is
     infinite. Arguments as :func:`denominators`'; returns ``ratio``."""
     return _run(v, ratio, sqrt_bc2, eps, True, backend)
 
@@ -54,7 +56,7 @@ def refresh_moments(m: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
     ``m = m.lerp(g, 1 - beta1)`` and ``v = (1 - weight) * v + weight * g^2`` (with
     ``held_only``, a parameter that declines the update: only where ``v == 0``), then
     ``ratio = d_old / d_new`` with every non-finite quotient ``+0`` (an element held before or
-    after), ``d = sqrt(v) / sqrt_bc2 + eps`` before and after.
+    after), ``d = sqrt(v) * (1 / sqrt_bc2) + eps`` before and after.
 
     Args:
         m, v, g: float32 [numel] (any shape of numel elements): the momentum, the variance and

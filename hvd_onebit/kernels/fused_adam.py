@@ -123,8 +123,9 @@ class AdamUpdate(UpdateTerms):
     """Adam's use of the averaged momentum ``m``, to fuse into the decode pass that writes it.
 
     For every parameter given (None entries are left to the caller), with ``v`` its frozen
-    variance: ``denom = sqrt(v) / sqrt_bc2 + eps`` (``+inf`` where ``v == 0``), computed in the
-    pass itself (fp32, in this order, sqrt and division correctly rounded); ``w = w * decay``
+    variance: ``denom = sqrt(v) * (1 / sqrt_bc2) + eps`` (``+inf`` where ``v == 0``), computed in
+    the pass itself (fp32, in this order, the root correctly rounded, ``1 / sqrt_bc2`` once per
+    parameter: :func:`~hvd_onebit.kernels.fused_reference.inverse_root_bc2`); ``w = w * decay``
     when ``decay != 1`` (AdamW's decoupled decay), then
     ``w = w + clamp((step * m) / denom, -bound, bound)`` (``step = -lr / bias_correction1``;
     ``bound``: the step bound of :mod:`hvd_onebit.step_bound`, ``inf`` for none), in the operation

@@ -12,22 +12,30 @@ from typing import Optional
 
 import torch
 
+from ..step_bound import as_float32
 from .fused_terms import MomentumTerms, UpdateTerms
-from .reference import exact_div
 
 #: Elements per slice of :func:`apply_update` (and of the prologue's division): bounds its temporaries.
 APPLY_SLICE = 1 << 20
 
 
+def inverse_root_bc2(sqrt_bc2: float) -> float:
+    """``1 / sqrt_bc2`` as every kernel takes it: ``sqrt_bc2`` rounded to float32, then the
+    float32 quotient, correctly rounded (a float64 quotient of two float32 numbers rounds to the
+    float32 one). Computed once per parameter, so the passes over the elements multiply the
+    root by it instead of dividing."""
+    return as_float32(1.0 / as_float32(float(sqrt_bc2)))
+
+
 def frozen_denominator(v: torch.Tensor, sqrt_bc2: float, eps: float) -> torch.Tensor:
     """Adam's denominator from a frozen variance ``v`` (float32, any shape): a fresh float32
-    tensor ``sqrt(v) / sqrt_bc2 + eps``, ``+inf`` where ``v == 0`` (an element held fixed). The
-    torch reference of what the fused kernels compute in their passes, correctly rounded on
-    every device: torch's float32 sqrt on CPU is MKL's (not always correctly rounded, unlike
-    the kernels'), a float64 root rounded to float32 is; the division is by a float32 tensor
-    (:func:`~hvd_onebit.kernels.reference.exact_div`)."""
+    tensor ``sqrt(v) * inverse_root_bc2(sqrt_bc2) + eps``, ``+inf`` where ``v == 0`` (an element
+    held fixed). The torch reference of what the fused kernels compute in their passes, the
+    same bits on every device: torch's float32 sqrt on CPU is MKL's (not always correctly
+    rounded, unlike the kernels'), a float64 root rounded to float32 is; the factor is a
+    float32 number, so a product by it is one float32 rounding everywhere."""
     root = torch.sqrt(v.double()).float()
-    d = exact_div(root, float(sqrt_bc2)).add_(float(eps))
+    d = root.mul_(inverse_root_bc2(sqrt_bc2)).add_(float(eps))
     return d.masked_fill_(v == 0, math.inf)
 
 

@@ -145,41 +145,46 @@ struct GradSegment {
   // a few elements whose gradient outgrew their frozen variance would otherwise set the chunk's
   // scale, and every element of the chunk would step by it.
   const float* v;
-  float sqrt_bc2, eps, bound;
+  float inv_root_bc2, eps, bound;  // inv_root_bc2: 1 / sqrt_bc2 (inverse_root_bc2)
 };
 
 // q clamped to [-bound, bound]; a NaN q stays NaN (both comparisons are false).
 inline float clamp_to(float q, float bound) { return q < -bound ? -bound : (q > bound ? bound : q); }
 
-// Adam's denominator from the frozen variance: sqrt(v) / sqrt_bc2 + eps, +inf where v == 0 (an
-// element held fixed). fp32, sqrt and division correctly rounded.
-inline float frozen_denominator(float v, float sqrt_bc2, float eps) {
-  return v == 0.0f ? std::numeric_limits<float>::infinity() : std::sqrt(v) / sqrt_bc2 + eps;
+// 1 / sqrt_bc2 in fp32 (sqrt_bc2 rounded to fp32 first, the division correctly rounded): the
+// factor every denominator's root is multiplied by, computed once per parameter, so the passes
+// over the elements take a root and a product where a second division stood.
+inline float inverse_root_bc2(double sqrt_bc2) { return 1.0f / static_cast<float>(sqrt_bc2); }
+
+// Adam's denominator from the frozen variance: sqrt(v) * inv_root_bc2 + eps, +inf where v == 0
+// (an element held fixed). fp32, the root correctly rounded.
+inline float frozen_denominator(float v, float inv_root_bc2, float eps) {
+  return v == 0.0f ? std::numeric_limits<float>::infinity() : std::sqrt(v) * inv_root_bc2 + eps;
 }
 
 #if defined(HVD_ONEBIT_X86)
 // frozen_denominator of 8 variances at once (in a register).
-__attribute__((target("avx2,fma"))) inline __m256 denominator8(__m256 var, float sqrt_bc2,
+__attribute__((target("avx2,fma"))) inline __m256 denominator8(__m256 var, float inv_root_bc2,
                                                                float eps) {
   return _mm256_blendv_ps(
-      _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(var), _mm256_set1_ps(sqrt_bc2)),
+      _mm256_add_ps(_mm256_mul_ps(_mm256_sqrt_ps(var), _mm256_set1_ps(inv_root_bc2)),
                     _mm256_set1_ps(eps)),
       _mm256_set1_ps(std::numeric_limits<float>::infinity()),
       _mm256_cmp_ps(var, _mm256_setzero_ps(), _CMP_EQ_OQ));
 }
 
 __attribute__((target("avx2,fma"))) inline __m256 frozen_denominator8(const float* v,
-                                                                      float sqrt_bc2,
+                                                                      float inv_root_bc2,
                                                                       float eps) {
-  return denominator8(_mm256_loadu_ps(v), sqrt_bc2, eps);
+  return denominator8(_mm256_loadu_ps(v), inv_root_bc2, eps);
 }
 
 // frozen_denominator of 16 variances at once (+inf where v == 0: held).
-HVD_AVX512 inline __m512 frozen_denominator16(const float* v, float sqrt_bc2, float eps) {
+HVD_AVX512 inline __m512 frozen_denominator16(const float* v, float inv_root_bc2, float eps) {
   const __m512 var = _mm512_loadu_ps(v);
   return _mm512_mask_blend_ps(
       _mm512_cmp_ps_mask(var, _mm512_setzero_ps(), _CMP_EQ_OQ),
-      _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(var), _mm512_set1_ps(sqrt_bc2)),
+      _mm512_add_ps(_mm512_mul_ps(_mm512_sqrt_ps(var), _mm512_set1_ps(inv_root_bc2)),
                     _mm512_set1_ps(eps)),
       _mm512_set1_ps(std::numeric_limits<float>::infinity()));
 }
@@ -212,7 +217,7 @@ struct MomentumX {
     const float g = s.g ? s.g[p - s.start] : 0.0f;
     const float x = beta1 * m[p] + one_minus_beta1 * g;
     if (!s.v) return x;
-    const float u = x / frozen_denominator(s.v[p - s.start], s.sqrt_bc2, s.eps);
+    const float u = x / frozen_denominator(s.v[p - s.start], s.inv_root_bc2, s.eps);
     // an infinite u passes unclamped: the compression then reports the input as not finite
     return std::isinf(u) ? u : clamp_to(u, s.bound);
   }
@@ -230,7 +235,7 @@ struct MomentumX {
     const __m256 x = _mm256_add_ps(_mm256_mul_ps(_mm256_set1_ps(beta1), _mm256_loadu_ps(m + p)),
                                    _mm256_mul_ps(_mm256_set1_ps(one_minus_beta1), g));
     if (!s.v) return x;
-    const __m256 u = _mm256_div_ps(x, frozen_denominator8(s.v + (p - s.start), s.sqrt_bc2, s.eps));
+    const __m256 u = _mm256_div_ps(x, frozen_denominator8(s.v + (p - s.start), s.inv_root_bc2, s.eps));
     // clamp_to, 8 at a time (the second operand is returned for NaN: a NaN stays NaN), and an
     // infinite u kept as it is, as in at()
     const __m256 clamped =
@@ -253,7 +258,7 @@ struct MomentumX {
     const __m512 x = _mm512_add_ps(_mm512_mul_ps(_mm512_set1_ps(beta1), _mm512_loadu_ps(m + p)),
                                    _mm512_mul_ps(_mm512_set1_ps(one_minus_beta1), g));
     if (!s.v) return x;
-    return clamp16_keep_inf(_mm512_div_ps(x, frozen_denominator16(s.v + off, s.sqrt_bc2, s.eps)),
+    return clamp16_keep_inf(_mm512_div_ps(x, frozen_denominator16(s.v + off, s.inv_root_bc2, s.eps)),
                             s.bound);
   }
 #endif
@@ -605,14 +610,14 @@ void decode_scalar(const uint8_t* rows, float* out, int64_t numel, const Layout&
 // ---- decode fused with Adam's update ------------------------------------------------------------
 // The optimizer's use of the averaged momentum d, fused into the decode pass so d is read once:
 // m[p] = d, and for parameters that take the update here (the others are left to the caller),
-//     denom = sqrt(v) / sqrt_bc2 + eps   (+inf where v == 0),
+//     denom = sqrt(v) * (1 / sqrt_bc2) + eps   (+inf where v == 0),
 //     w = w * decay (when decay != 1), then w = w + clamp((step * d) / denom, -bound, bound),
 // with v the frozen variance (exp_avg_sq), read here instead of a stored copy of the denominators
 // (a parameter-sized buffer saved). fp32 throughout, in this order (sqrt and / correctly
-// rounded), so the torch twin and the Triton kernel give the same bits. An infinite denominator
-// marks an element held fixed (its frozen variance is 0): the update adds +-0 and its momentum is
-// stored as +0, so held elements cost one compare here instead of a scatter over their indices
-// every step. The clamp is the step bound (hvd_onebit/step_bound.py): no element moves further
+// rounded, 1 / sqrt_bc2 once per parameter), so the torch twin and the Triton kernel give the
+// same bits. An infinite denominator marks an element held fixed (its frozen variance is 0):
+// the update adds +-0 and its momentum is stored as +0, so held elements cost one compare here
+// instead of a scatter over their indices every step. The clamp is the step bound (hvd_onebit/step_bound.py): no element moves further
 // than Adam itself could in one step; bound = +inf leaves the step as it was. It is written so a
 // NaN step stays NaN, as torch.clamp keeps it. Segments are the parameters laid end to end in m.
 
@@ -620,7 +625,7 @@ struct UpdateSegment {
   float* w;             // nullptr: decode only
   const float* v;       // the frozen variance
   int64_t start, end;
-  float step, decay, sqrt_bc2, eps;
+  float step, decay, inv_root_bc2, eps;
   bool apply_decay;
   float bound;  // the largest |step * d / denom| taken; +inf: unbounded
   // d is the preconditioned momentum u = m / denom: m = u * denom is stored and the step is
@@ -630,7 +635,7 @@ struct UpdateSegment {
 
 
 inline float denominator1(const UpdateSegment& s, float v) {
-  return frozen_denominator(v, s.sqrt_bc2, s.eps);
+  return frozen_denominator(v, s.inv_root_bc2, s.eps);
 }
 
 // Element p of a segment with an update: d is the decoded momentum, written to m[p] (or +0).
@@ -656,8 +661,8 @@ inline void update1(const UpdateSegment& s, int64_t p, float d, float* m) {
 __attribute__((target("avx2,fma"))) inline void update8_avx2(const UpdateSegment& s, int64_t p,
                                                              __m256 d, float* m, bool stream) {
   const __m256 inf = _mm256_set1_ps(std::numeric_limits<float>::infinity());
-  // denominator1, 8 at a time: sqrt and div are correctly rounded, as the scalar's
-  const __m256 denom = frozen_denominator8(s.v + (p - s.start), s.sqrt_bc2, s.eps);
+  // denominator1, 8 at a time: the root is correctly rounded, as the scalar's
+  const __m256 denom = frozen_denominator8(s.v + (p - s.start), s.inv_root_bc2, s.eps);
   if (s.precond) {
     const __m256 held = _mm256_cmp_ps(denom, inf, _CMP_EQ_OQ);
     store8(m + p, _mm256_andnot_ps(held, _mm256_mul_ps(d, denom)), stream);
@@ -685,7 +690,7 @@ __attribute__((target("avx2,fma"))) inline void update8_avx2(const UpdateSegment
 // update8_avx2 of the 16 elements at p, all inside segment s (which has a variance).
 HVD_AVX512 inline void update16_avx512(const UpdateSegment& s, int64_t p, __m512 d, float* m,
                                        bool stream) {
-  const __m512 denom = frozen_denominator16(s.v + (p - s.start), s.sqrt_bc2, s.eps);
+  const __m512 denom = frozen_denominator16(s.v + (p - s.start), s.inv_root_bc2, s.eps);
   // not held: the denominator is not +inf (held lanes store +0 and add +0, as andnot gives)
   const __mmask16 live = _mm512_cmp_ps_mask(
       denom, _mm512_set1_ps(std::numeric_limits<float>::infinity()), _CMP_NEQ_UQ);
@@ -995,7 +1000,7 @@ std::vector<GradSegment> grad_segments(const torch::Tensor& m,
       TORCH_CHECK(variances[i]->numel() == sizes[i], "variance ", i, " has ",
                   variances[i]->numel(), " elements, expected ", sizes[i]);
       seg.v = variances[i]->data_ptr<float>();
-      seg.sqrt_bc2 = static_cast<float>(sqrt_bc2s[i]);
+      seg.inv_root_bc2 = inverse_root_bc2(sqrt_bc2s[i]);
       seg.eps = static_cast<float>(epss[i]);
       seg.bound = static_cast<float>(bounds[i]);
       TORCH_CHECK(!(seg.bound < 0.0f), "bound ", i, " must be >= 0, got ", bounds[i]);
@@ -1199,7 +1204,7 @@ std::vector<UpdateSegment> update_segments(
   for (size_t i = 0; i < k; ++i) {
     // Each scalar rounded to fp32 from double, as torch rounds a Python scalar.
     UpdateSegment seg{nullptr, nullptr, start, start + sizes[i], static_cast<float>(steps[i]),
-                      static_cast<float>(decays[i]), static_cast<float>(sqrt_bc2s[i]),
+                      static_cast<float>(decays[i]), inverse_root_bc2(sqrt_bc2s[i]),
                       static_cast<float>(epss[i]), decays[i] != 1.0,
                       static_cast<float>(bounds[i]), precond};
     TORCH_CHECK(!(seg.bound < 0.0f), "bound ", i, " must be >= 0, got ", bounds[i]);
@@ -1304,21 +1309,22 @@ __attribute__((target("avx2,fma"))) inline __m256 finite_or_zero8(__m256 q) {
 }
 #endif
 
-void denominators_scalar(const float* v, float* out, int64_t numel, float sqrt_bc2, float eps,
-                         bool divide) {
+void denominators_scalar(const float* v, float* out, int64_t numel, float inv_root_bc2,
+                         float eps, bool divide) {
   for (int64_t p = 0; p < numel; ++p) {
-    const float d = frozen_denominator(v[p], sqrt_bc2, eps);
+    const float d = frozen_denominator(v[p], inv_root_bc2, eps);
     out[p] = divide ? finite_or_zero(out[p] / d) : d;
   }
 }
 
 #if defined(HVD_ONEBIT_X86)
 __attribute__((target("avx2,fma"))) int64_t denominators_avx2(const float* v, float* out,
-                                                               int64_t numel, float sqrt_bc2,
-                                                               float eps, bool divide) {
+                                                               int64_t numel,
+                                                               float inv_root_bc2, float eps,
+                                                               bool divide) {
   int64_t p = 0;
   for (; p + 8 <= numel; p += 8) {
-    const __m256 d = frozen_denominator8(v + p, sqrt_bc2, eps);
+    const __m256 d = frozen_denominator8(v + p, inv_root_bc2, eps);
     const __m256 q = divide ? finite_or_zero8(_mm256_div_ps(_mm256_loadu_ps(out + p), d)) : d;
     _mm256_storeu_ps(out + p, q);
   }
@@ -1334,7 +1340,7 @@ void denominators(const torch::Tensor& v, torch::Tensor out, double sqrt_bc2, do
   const int64_t numel = v.numel();
   if (numel == 0) return;
   // Each scalar rounded to fp32 from double, as torch rounds a Python scalar.
-  const float s = static_cast<float>(sqrt_bc2), e = static_cast<float>(eps);
+  const float s = inverse_root_bc2(sqrt_bc2), e = static_cast<float>(eps);
   const float* vp = v.data_ptr<float>();
   float* op = out.data_ptr<float>();
   pybind11::gil_scoped_release no_gil;
@@ -1361,7 +1367,7 @@ struct RefreshPiece {
   const float* g;
   float* ratio;  // nullptr: no denominators
   float lerp_w, a, keep;  // 1 - beta1, the variance's weight a and 1 - a, each rounded to fp32
-  float sqrt_bc2_old, sqrt_bc2_new, eps;
+  float inv_root_bc2_old, inv_root_bc2_new, eps;  // 1 / sqrt_bc2 before and after
   bool held_only;
 };
 
@@ -1371,12 +1377,12 @@ inline float lerp1(float m, float g, float w) {
 
 inline void refresh1(const RefreshPiece& r, int64_t p) {
   const float v = r.v[p], g = r.g[p];
-  const float d0 = r.ratio ? frozen_denominator(v, r.sqrt_bc2_old, r.eps) : 0.0f;
+  const float d0 = r.ratio ? frozen_denominator(v, r.inv_root_bc2_old, r.eps) : 0.0f;
   r.m[p] = lerp1(r.m[p], g, r.lerp_w);
   const float vn = r.held_only ? (v == 0.0f ? std::fma(r.a * g, g, v) : v)
                                : std::fma(r.a * g, g, v * r.keep);
   r.v[p] = vn;
-  if (r.ratio) r.ratio[p] = finite_or_zero(d0 / frozen_denominator(vn, r.sqrt_bc2_new, r.eps));
+  if (r.ratio) r.ratio[p] = finite_or_zero(d0 / frozen_denominator(vn, r.inv_root_bc2_new, r.eps));
 }
 
 #if defined(HVD_ONEBIT_X86)
@@ -1398,8 +1404,8 @@ __attribute__((target("avx2,fma"))) int64_t refresh_avx2(const RefreshPiece& r, 
     _mm256_storeu_ps(r.v + p, vn);
     if (!r.ratio) continue;
     _mm256_storeu_ps(r.ratio + p,
-                     finite_or_zero8(_mm256_div_ps(denominator8(v, r.sqrt_bc2_old, r.eps),
-                                                   denominator8(vn, r.sqrt_bc2_new, r.eps))));
+                     finite_or_zero8(_mm256_div_ps(denominator8(v, r.inv_root_bc2_old, r.eps),
+                                                   denominator8(vn, r.inv_root_bc2_new, r.eps))));
   }
   return p;
 }
@@ -1426,8 +1432,8 @@ void refresh_moments(torch::Tensor m, torch::Tensor v, const torch::Tensor& g,
   // 1 - beta1 computed in double first, as the Python expressions torch was given.
   const RefreshPiece r{m.data_ptr<float>(), v.data_ptr<float>(), g.data_ptr<float>(), out,
                        static_cast<float>(1.0 - beta1), static_cast<float>(weight),
-                       static_cast<float>(1.0 - weight), static_cast<float>(sqrt_bc2_old),
-                       static_cast<float>(sqrt_bc2_new), static_cast<float>(eps), held_only};
+                       static_cast<float>(1.0 - weight), inverse_root_bc2(sqrt_bc2_old),
+                       inverse_root_bc2(sqrt_bc2_new), static_cast<float>(eps), held_only};
   pybind11::gil_scoped_release no_gil;
   int64_t p = 0;
 #if defined(HVD_ONEBIT_X86)
@@ -1622,7 +1628,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("worker_compress_momentum", &worker_compress_momentum,
         "worker_compress of x = beta1 * m + (1 - beta1) * g, computed in the same pass; g is the "
         "list of gradient tensors (None = zeros) of the given sizes, end to end. With variances "
-        "(one per gradient, and sqrt_bc2s, epss and bounds), clamp(x / (sqrt(v)/sqrt_bc2 + "
+        "(one per gradient, and sqrt_bc2s, epss and bounds), clamp(x / (sqrt(v)*(1/sqrt_bc2) + "
         "eps), -bound, bound) instead (+-0 where v == 0); empty lists: not preconditioned.");
   m.def("worker_compress_mean", &worker_compress_mean,
         "worker_compress of x = (rows[0] + rows[1] + ...) / len(rows), summed in order in fp32, "
@@ -1636,7 +1642,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "compress z into out_row. Returns False if z is not finite.");
   m.def("decode", &decode, "out = s * sign for the n rows, first out.numel() elements.");
   m.def("decode_update", &decode_update,
-        "decode into m and, for each weight given, denom = sqrt(v)/sqrt_bc2 + eps (inf where "
+        "decode into m and, for each weight given, denom = sqrt(v)*(1/sqrt_bc2) + eps (inf where "
         "v == 0), w = w*decay (if decay != 1) then w + clamp((step*m)/denom, -bound, bound), in "
         "the same pass. precond: the rows carry u = m/denom; m = u*denom (+0 where held) and "
         "w + clamp(step*u) (+0 where held); a variance may come without its weight.");
@@ -1644,7 +1650,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "m = src (+0 where v == 0) and, for each weight given, decode_update's weight update "
         "with d = src; src may be m.");
   m.def("denominators", &denominators,
-        "out = sqrt(v)/sqrt_bc2 + eps (inf where v == 0); with divide, out = out / that, every "
+        "out = sqrt(v)*(1/sqrt_bc2) + eps (inf where v == 0); with divide, out = out / that, every "
         "non-finite quotient set to +0 (a variance refresh's old / new denominator).");
   m.def("refresh_moments", &refresh_moments,
         "A variance refresh of one piece in one pass: ratio = old denominator (when given), "

@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from ...layout import Layout
+from ..fused_reference import inverse_root_bc2
 from .device import first_segment, frozen_denominator, load_as_f32, tile
 from .launch import (FB, LAUNCH, TT, WARPS, DeviceFlag, address, as_words, geometry, kind_code,
                      on_device, segment_table)
@@ -25,9 +26,9 @@ def _compress_kernel(src_ptr, src_words_ptr, tab_ptr, ftab_ptr, nsegs, beta1, on
                      SRC: tl.constexpr, PRECOND: tl.constexpr, WRITE_Y: tl.constexpr,
                      R: tl.constexpr, C: tl.constexpr):
     """SRC 0: x = src (float32 [numel]); SRC 1: x = beta1 * src + (1 - beta1) * g, g from the
-    segment table, and with PRECOND x = clamp(x / denom, -bound, bound), denom = sqrt(v) /
-    sqrt_bc2 + eps (+inf where v == 0: held elements give +-0), v, sqrt_bc2, eps and bound per
-    segment from the tables;
+    segment table, and with PRECOND x = clamp(x / denom, -bound, bound), denom = sqrt(v) *
+    (1 / sqrt_bc2) + eps (+inf where v == 0: held elements give +-0), v, 1 / sqrt_bc2, eps and
+    bound per segment from the tables;
     SRC 2: x = (rank-ordered fp32 sum of the ``nrecv`` rows at src) / nrecv.
     WRITE_Y: store y (y_out may be y_prev: each element is loaded before it is stored)."""
     pid = tl.program_id(0)
@@ -196,7 +197,7 @@ def worker_compress_momentum(momentum: torch.Tensor, grads: Sequence[Optional[to
     float32 per segment, with its ``sqrt_bc2s``, ``epss`` and ``bounds``: a preconditioned
     :class:`~hvd_onebit.kernels.fused_adam.MomentumInput`), of
     ``u = clamp(x / denom, -bound, bound)``,
-    ``denom = sqrt(v) / sqrt_bc2 + eps`` (+inf where ``v == 0``); see
+    ``denom = sqrt(v) * (1 / sqrt_bc2) + eps`` (+inf where ``v == 0``); see
     :func:`hvd_onebit.kernels.backend.in_place`."""
     columns = [[address(g) for g in grads], [kind_code(g) for g in grads]]
     ftab = None
@@ -207,7 +208,8 @@ def worker_compress_momentum(momentum: torch.Tensor, grads: Sequence[Optional[to
                              "gradient")
         columns.append([address(v) for v in variances])
         bounds = [math.inf] * len(sizes) if bounds is None else bounds
-        ftab = torch.tensor([float(v) for row in zip(sqrt_bc2s, epss, bounds) for v in row],
+        inverses = [inverse_root_bc2(s) for s in sqrt_bc2s]
+        ftab = torch.tensor([float(v) for row in zip(inverses, epss, bounds) for v in row],
                             dtype=torch.float32).to(momentum.device, non_blocking=True)
     tab = segment_table(columns, sizes, momentum.device)
     return _compress(1, momentum, momentum, tab, len(sizes), beta1, 1, momentum.numel(), y_prev,

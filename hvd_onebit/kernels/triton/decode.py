@@ -10,6 +10,7 @@ import triton
 import triton.language as tl
 
 from ...layout import Layout
+from ..fused_reference import inverse_root_bc2
 from .device import first_segment, frozen_denominator, load_as_f32, store_from_f32, tile
 from .launch import LAUNCH, WARPS, address, as_words, geometry, kind_code, on_device, segment_table
 
@@ -19,7 +20,7 @@ def _decode_kernel(rows_ptr, words_ptr, m_ptr, numel, G, nblocks, block, T, row_
                    row_words, hb, tab_ptr, ftab_ptr, nsegs,
                    UPDATE: tl.constexpr, PRECOND: tl.constexpr, R: tl.constexpr, C: tl.constexpr):
     """m[p] = d = +-s for p < numel; with UPDATE, for segments with a variance v:
-    denom = sqrt(v) / sqrt_bc2 + eps (+inf where v == 0: held), and
+    denom = sqrt(v) * (1 / sqrt_bc2) + eps (+inf where v == 0: held), and
     - not PRECOND (every such segment has a weight): w = w * decay (if flagged),
       w = w + clamp((step * d) / denom, -bound, bound), m = held ? +0 : d;
     - PRECOND (d is u = m / denom): m = held ? +0 : d * denom and, if the segment has a weight,
@@ -111,7 +112,8 @@ def decode(rows: torch.Tensor, out: torch.Tensor, layout: Layout,
                       [kind_code(w) if k else 0 for w, k in zip(weights, live)],
                       [int(float(dc) != 1.0) for dc in decays]], sizes, out.device)
         bounds = [math.inf] * len(sizes) if bounds is None else bounds
-        ftab = torch.tensor([float(v) for row in zip(steps, decays, sqrt_bc2s, epss, bounds)
+        inverses = [inverse_root_bc2(s) for s in sqrt_bc2s]
+        ftab = torch.tensor([float(v) for row in zip(steps, decays, inverses, epss, bounds)
                              for v in row], dtype=torch.float32).to(out.device, non_blocking=True)
         nsegs = len(sizes)
     else:

@@ -41,11 +41,13 @@ def store_from_f32(addr, off, v, mask, kind):
 
 
 @triton.jit
-def frozen_denominator(v, sqrt_bc2, eps):
-    """Adam's denominator from the frozen variance ``v`` (float32): ``sqrt(v) / sqrt_bc2 + eps``,
-    ``+inf`` where ``v == 0`` (a held element); sqrt and division correctly rounded, as the native
-    code's and :func:`hvd_onebit.kernels.fused_reference.frozen_denominator`."""
-    den = tl.div_rn(tl.sqrt_rn(v), tl.zeros_like(v) + sqrt_bc2) + eps
+def frozen_denominator(v, inv_root_bc2, eps):
+    """Adam's denominator from the frozen variance ``v`` (float32):
+    ``sqrt(v) * inv_root_bc2 + eps`` (``inv_root_bc2``: the host's
+    :func:`hvd_onebit.kernels.fused_reference.inverse_root_bc2`), ``+inf`` where ``v == 0`` (a
+    held element); the root correctly rounded, no FMA, as the native code's and
+    :func:`hvd_onebit.kernels.fused_reference.frozen_denominator`."""
+    den = tl.sqrt_rn(v) * inv_root_bc2 + eps
     return tl.where(v == 0.0, float("inf"), den)
 
 
