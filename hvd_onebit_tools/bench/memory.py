@@ -1,4 +1,4 @@
-"""`hvd-onebit bench memory`: what 1-bit Adam holds beyond Adam's own memory, per phase.
+"""`hvd-onebit bench dev memory`: what 1-bit Adam holds beyond Adam's own memory, per phase.
 
 Adam's own: the parameters, their gradients, ``exp_avg``, ``exp_avg_sq`` and ``step``. Everything
 else the optimizer, its compression engine and its collectives hold is *extra*, reported in bytes

@@ -1,11 +1,11 @@
-"""`hvd-onebit bench zoo`: the convergence zoo, 1-bit Adam against Adam over model families."""
+"""`hvd-onebit bench dev zoo`: the convergence zoo, 1-bit Adam against Adam over model families."""
 from __future__ import annotations
 
 import json
 
 import click
 
-from .options import comma_list
+from .options import comma_list, np_option
 
 
 @click.command("zoo")
@@ -34,7 +34,7 @@ from .options import comma_list
               help="Steps per run for every family [default: each family's, 120-150].")
 @click.option("--batch", default=None, type=click.IntRange(1),
               help="Samples per rank per step for every family [default: each family's].")
-@click.option("--np", "np_", default=4, show_default=True, help="Ranks.")
+@np_option(4, "Ranks.")
 @click.option("--out", "out_dir", default="results/zoo", show_default=True,
               type=click.Path(file_okay=False),
               help="Folder for cells.jsonl (one line per run), summary.json and heat_map.png.")
