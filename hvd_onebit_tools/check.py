@@ -125,7 +125,10 @@ def check_mpi_thread_level(timeout: float = 60.0) -> Finding:
                        "transport='mpi' only: pip install mpi4py)")
     code = ("import mpi4py; mpi4py.rc.thread_level = 'multiple'; from mpi4py import MPI; "
             "print(MPI.Query_thread() == MPI.THREAD_MULTIPLE, MPI.Query_thread())")
-    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    # A child of a rank must not join the rank's MPI job: without the launcher's variables it
+    # initialises MPI alone (a singleton).
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "PMI_"))}
+    env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
     try:
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                              timeout=timeout, env=env)

@@ -118,6 +118,13 @@ def settings() -> str:
     return table(["setting", "default", "guidance (DistributedOptimizer's docstring)"], rows)
 
 
+def freeze_guidance() -> str:
+    """The docstring's guidance for ``freeze_step``, as the tuning page shows it."""
+    from hvd_onebit import DistributedOptimizer
+
+    return arg_doc(inspect.getdoc(DistributedOptimizer) or "", "freeze_step")
+
+
 def arg_doc(doc: str, name: str) -> str:
     """One entry of a Google-style Args section, joined into one line, its type dropped."""
     match = re.search(rf"^(\s*){name} \([^)]*\): (.*?)(?=^\1\S|\Z)", doc, re.M | re.S)

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from hvd_onebit import kernels
@@ -90,3 +91,43 @@ def test_help_lists_check_and_the_cluster():
     out = hvd_onebit(["--help"])
     assert out.exit_code == 0, out.output
     assert "check" in out.output and "cluster" in out.output, out.output
+
+
+def test_without_iproute2_the_cluster_stays_in_help_with_the_reason():
+    bin_dir = os.path.dirname(sys.executable)
+    out = subprocess.run([sys.executable, "-m", "hvd_onebit_tools.cli", "--help"],
+                         capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, PATH=bin_dir))
+    assert out.returncode == 0, out.stderr
+    line = [line for line in out.stdout.splitlines() if line.strip().startswith("cluster")]
+    assert len(line) == 1 and "unavailable" in line[0] and "iproute2" in out.stdout, out.stdout
+    run = subprocess.run([sys.executable, "-m", "hvd_onebit_tools.cli", "cluster", "run",
+                          "--np", "2", "--", "true"], capture_output=True, text=True,
+                         timeout=300, env=dict(os.environ, PATH=bin_dir))
+    assert run.returncode == 2 and "ip and tc not found" in run.stderr, run.stderr
+
+
+def test_np_outside_a_job_says_how_to_launch_it():
+    out = hvd_onebit(["check", "--np", "4", "--params", "10M", "--compute-ms", "50"])
+    assert out.exit_code == 2, out.output
+    assert "horovodrun -np 4 hvd-onebit check --np 4 --params 10M --compute-ms 50" in out.output
+
+
+@pytest.mark.multirank
+def test_np_under_horovodrun_probes_the_link_and_prices_the_step():
+    bin_dir = os.path.dirname(sys.executable)
+    out = subprocess.run([os.path.join(bin_dir, "horovodrun"), "-np", "2", "-H", "localhost:2",
+                          "--gloo", sys.executable, "-m", "hvd_onebit_tools.cli", "check", "--np",
+                          "2", "--params", "10M", "--compute-ms", "50"],
+                         capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, PATH=bin_dir + os.pathsep + os.environ["PATH"]))
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = [line.split(":", 1)[1] for line in out.stdout.splitlines()
+             if line.startswith("[0]<stdout>:")]
+    assert not any(line.startswith("[1]<stdout>:ready") for line in out.stdout.splitlines()), \
+        f"rank 1 printed a report too:\n{out.stdout}"
+    link = [line for line in lines if line.startswith("link: 2 ranks")]
+    assert len(link) == 1 and "Gbit/s bus rate" in link[0], lines
+    step = [line for line in lines if line.startswith("predicted step (10M parameters, 50 ms")]
+    assert len(step) == 1 and "Horovod fp32" in step[0] and "1-bit Adam" in step[0], lines
+    assert any(line.startswith("freeze point: ") for line in lines), lines

@@ -170,3 +170,19 @@ def test_bench_on_a_real_host_list_through_horovodrun(tmp_path):
     rows = {r["method"]: r for r in report["rows"]}
     got = (rows["onebit"]["compression_steps"], report["bandwidth"])
     assert got == (3, "real"), f"(onebit compression steps, bandwidth) {got}, expected (3, 'real')"
+
+
+def test_np_is_one_parser_everywhere_a_count_or_a_list_where_the_command_sweeps():
+    one_world = hvd_onebit(["bench", "dev", "kernel", "--np", "2,4"])
+    assert one_world.exit_code == 2 and "give one rank count" in one_world.output, \
+        one_world.output
+    for command in (["bench", "predict"], ["bench", "train"], ["bench", "dev", "memory"]):
+        bad = hvd_onebit([*command, "--np", "0"])
+        assert bad.exit_code == 2 and "rank counts are positive integers" in bad.output, \
+            f"{command}: {bad.output}"
+        word = hvd_onebit([*command, "--np", "four"])
+        assert word.exit_code == 2 and "not a rank count" in word.output, \
+            f"{command}: {word.output}"
+    for command in ("train", "allreduce", "calibrate", "predict"):
+        help_text = hvd_onebit(["bench", command, "--help"]).stdout
+        assert "--np" in help_text and "--bandwidth" in help_text, f"bench {command} --help"
