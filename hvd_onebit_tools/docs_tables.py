@@ -103,6 +103,47 @@ def zoo(folder: str = "zoo") -> str:
     return "\n\n".join([table(header, rows + [totals]), note])
 
 
+def zoo_figure(folder: str = "zoo", scheme: str = "bounded") -> Path:
+    """One readable zoo figure: the defaults against Adam in every family (rows) and lr rule x
+    freeze (columns), each cell the median over seeds of the final-loss ratio."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    d = _load(f"{folder}/summary.json")
+    cells = [c for c in d["cells"] if c["scheme"] == scheme]
+    families = sorted({c["family"] for c in cells})
+    columns = sorted({(c["lr_rule"], c["freeze"]) for c in cells})
+    grid = np.full((len(families), len(columns)), np.nan)
+    for i, fam in enumerate(families):
+        for j, col in enumerate(columns):
+            ratios = [c["ratio"] for c in cells if c["family"] == fam
+                      and (c["lr_rule"], c["freeze"]) == col and c["ratio"] is not None]
+            if ratios:
+                grid[i, j] = float(np.median(ratios))
+    fig, ax = plt.subplots(figsize=(1.1 * len(columns) + 3, 0.45 * len(families) + 1.6))
+    span = max(0.05, float(np.nanmax(np.abs(np.log(grid)))))
+    im = ax.imshow(np.log(grid), cmap="RdBu_r", vmin=-span, vmax=span, aspect="auto")
+    ax.set_xticks(range(len(columns)), [f"{lr} lr\nfreeze {fr}" for lr, fr in columns],
+                  fontsize=8)
+    ax.set_yticks(range(len(families)), families, fontsize=8)
+    for i in range(len(families)):
+        for j in range(len(columns)):
+            if not np.isnan(grid[i, j]):
+                ax.text(j, i, f"{grid[i, j]:.2f}", ha="center", va="center", fontsize=7)
+    ax.set_title("1-bit Adam (defaults) over Adam, final loss, median over seeds "
+                 "(below 1: better than Adam)", fontsize=9)
+    fig.colorbar(im, ax=ax, label="log ratio")
+    fig.tight_layout()
+    OUT.mkdir(exist_ok=True)
+    path = OUT / f"{folder}_{scheme}.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def settings() -> str:
     """The settings that matter: each option's default from the signature and its guidance
     from the docstring's Args."""
@@ -156,7 +197,7 @@ def generate() -> Dict[str, str]:
 
 def write(parts: Dict[str, str]) -> List[Path]:
     OUT.mkdir(exist_ok=True)
-    paths = []
+    paths = [zoo_figure("zoo"), zoo_figure("zoo_long")]
     for name, text in parts.items():
         path = OUT / f"{name}.md"
         if not path.exists() or path.read_text() != text + "\n":
