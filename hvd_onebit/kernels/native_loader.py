@@ -42,15 +42,30 @@ def _installed():
     return importlib.import_module("hvd_onebit._C")
 
 
+NAME = "hvd_onebit_native"
+
+
+def _built_before() -> bool:
+    """Whether torch's extension cache already holds a build (then no compile message)."""
+    try:
+        from torch.utils.cpp_extension import _get_build_directory
+
+        folder = _get_build_directory(NAME, verbose=False)
+        return any(f.endswith(".so") for f in os.listdir(folder))
+    except Exception:  # noqa: BLE001 - a private helper of torch's: any failure means "unknown"
+        return False
+
+
 def _compile():
     from torch.utils.cpp_extension import load
 
     if not SOURCE.is_file():
         raise FileNotFoundError(f"the kernel source {SOURCE} is not installed")
-    print(f"[hvd_onebit] compiling the native kernels against torch once ({SOURCE.name}); later "
-          f"runs reuse the build", file=sys.stderr, flush=True)
-    return load(name="hvd_onebit_native", sources=[str(SOURCE)],
-                extra_cflags=["-O3", "-ffp-contract=off"], verbose=False)
+    if not _built_before():
+        print(f"[hvd_onebit] compiling the native kernels against torch once ({SOURCE.name}); "
+              f"later runs reuse the build", file=sys.stderr, flush=True)
+    return load(name=NAME, sources=[str(SOURCE)], extra_cflags=["-O3", "-ffp-contract=off"],
+                verbose=False)
 
 
 @functools.lru_cache(maxsize=None)
