@@ -183,6 +183,7 @@ def test_np_is_one_parser_everywhere_a_count_or_a_list_where_the_command_sweeps(
         word = hvd_onebit([*command, "--np", "four"])
         assert word.exit_code == 2 and "not a rank count" in word.output, \
             f"{command}: {word.output}"
-    for command in ("train", "allreduce", "calibrate", "predict"):
-        help_text = hvd_onebit(["bench", command, "--help"]).stdout
+    for command in (["train"], ["allreduce"], ["calibrate"], ["predict"], ["dev", "zoo"],
+                    ["dev", "memory"]):
+        help_text = hvd_onebit(["bench", *command, "--help"]).stdout
         assert "--np" in help_text and "--bandwidth" in help_text, f"bench {command} --help"
