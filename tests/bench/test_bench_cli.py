@@ -176,7 +176,8 @@ def test_np_is_one_parser_everywhere_a_count_or_a_list_where_the_command_sweeps(
     one_world = hvd_onebit(["bench", "dev", "kernel", "--np", "2,4"])
     assert one_world.exit_code == 2 and "give one rank count" in one_world.output, \
         one_world.output
-    for command in (["bench", "predict"], ["bench", "train"], ["bench", "dev", "memory"]):
+    for command in (["bench", "predict"], ["bench", "train"], ["bench", "dev", "memory"],
+                    ["cluster", "run"]):
         bad = hvd_onebit([*command, "--np", "0"])
         assert bad.exit_code == 2 and "rank counts are positive integers" in bad.output, \
             f"{command}: {bad.output}"
