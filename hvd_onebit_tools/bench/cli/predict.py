@@ -94,7 +94,7 @@ def bench_predict(calibration, nps, ranks_per_node, bandwidths, intra_bandwidth,
                   hierarchical_ops, intra_node, methods, check_dir, plot, as_json) -> None:
     """Predict step time per phase, whole-run speed-up and bytes per rank of Horovod fp32/fp16,
     flat 1-bit and hierarchical 1-bit Adam (as hvd_onebit/comm/hierarchical.py runs it) from the
-    constants `bench calibrate` measured. README.md, "Predicting the speed-up at scale", has the
+    constants `bench calibrate` measured. docs/predicting.md has the
     model and its assumptions."""
     from pathlib import Path
 
