@@ -3,7 +3,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: setup test demo bench clean
+.PHONY: setup test demo bench docs install-check clean
 
 setup:
 	@bash launch/setup.sh
@@ -17,8 +17,18 @@ demo: setup
 	$(PY) -m hvd_onebit_tools.bench.demo
 
 bench: setup
-	$(PY) -m hvd_onebit_tools.cli bench kernel
+	$(PY) -m hvd_onebit_tools.cli bench dev kernel
 	$(PY) -m hvd_onebit_tools.cli bench allreduce
 
+# The documentation site (docs/), warnings as errors; tests/test_docs.py builds it too.
+docs: setup
+	$(PY) -m hvd_onebit_tools.docs_tables
+	$(PY) -m sphinx -W --keep-going -q -b html docs docs/_build/html
+
+# pip install from an sdist into a second venv holding torch and Horovod, then an example there
+# (several minutes: it installs torch; prints one JSON line).
+install-check: setup
+	bash launch/install_check.sh
+
 clean:
-	rm -rf build *.egg-info hvd_onebit/*.so .pytest_cache
+	rm -rf build *.egg-info hvd_onebit/*.so .pytest_cache docs/_build

@@ -1,10 +1,10 @@
-"""The kernel benchmark as a script: `python benchmarks/kernel.py [options]` = `hvd-onebit bench kernel --json [options]`.
+"""The kernel benchmark as a script: `python benchmarks/kernel.py [options]` = `hvd-onebit bench dev kernel --json [options]`.
 
-See `hvd-onebit bench kernel --help` for the options; the logic lives in hvd_onebit_tools/bench/.
+See `hvd-onebit bench dev kernel --help` for the options; the logic lives in hvd_onebit_tools/bench/.
 """
 import sys
 
 from hvd_onebit_tools.cli import main
 
 if __name__ == "__main__":
-    main(["bench", "kernel", "--json", *sys.argv[1:]])
+    main(["bench", "dev", "kernel", "--json", *sys.argv[1:]])

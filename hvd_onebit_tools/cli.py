@@ -1,5 +1,8 @@
-"""`hvd-onebit`: benchmarks of 1-bit Adam and a bandwidth-limited cluster on one machine."""
+"""`hvd-onebit`: check an environment, benchmark 1-bit Adam, and emulate a bandwidth-limited
+cluster on one machine."""
 from __future__ import annotations
+
+import shutil
 
 import click
 
@@ -7,21 +10,79 @@ import click
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="hvd_onebit")
 def main() -> None:
-    """1-bit Adam for Horovod: benchmarks and an emulated slow-network cluster.
+    """1-bit Adam for Horovod: environment check, benchmarks and an emulated slow network.
 
     \b
-    hvd-onebit bench ...        kernel, allreduce and end-to-end training benchmarks
+    hvd-onebit check            what this environment will use, each part OK or the fix
+    hvd-onebit bench ...        train, allreduce, calibrate and predict (developers: bench dev)
     hvd-onebit cluster run ...  run a command on N ranks joined by a rate-limited network
     """
+
+
+@main.command("check")
+@click.option("--np", "np_", type=click.IntRange(min=2), default=None,
+              help="Under horovodrun with this many ranks: also probe the link between them with "
+                   "a short allreduce and predict 1-bit Adam's step there (needs --params and "
+                   "--compute-ms).")
+@click.option("--params", default=None, help="Parameters of your model for the prediction "
+              "(e.g. 350M).")
+@click.option("--compute-ms", default=None, type=click.FloatRange(min=0, min_open=True),
+              help="Your step's compute (forward, backward, Adam) for the prediction.")
+@click.option("--calibration", default=None, type=click.Path(dir_okay=False),
+              help="The scale model's constants (`bench calibrate`) [default: the cached or "
+                   "the shipped ones].")
+def check(np_, params, compute_ms, calibration) -> None:
+    """Print torch and its device, Horovod's controllers (or torch.distributed), the native
+    kernels, triton, /dev/shm and MPI's thread level, each OK or the fix; exit status 1 when a
+    job cannot run here. With --np (under horovodrun): the link and the predicted speed-up."""
+    from .check import FIX, findings, report
+
+    link_lines = []
+    if np_ is not None:
+        from .check_probe import launched, predict, probe
+
+        if params is None or compute_ms is None:
+            raise click.UsageError("--np needs --params and --compute-ms for the prediction")
+        if not launched():
+            raise click.UsageError(f"--np probes a running job: horovodrun -np {np_} "
+                                   f"hvd-onebit check --np {np_} --params {params} "
+                                   f"--compute-ms {compute_ms:g}")
+        link = probe(np_)
+        import horovod.torch as hvd
+
+        if hvd.rank() != 0:
+            return
+        link_lines = predict(link, params, compute_ms, calibration)
+    found = findings()
+    click.echo(report(found))
+    for line in link_lines:
+        click.echo(line)
+    if any(f.required and f.status == FIX for f in found):
+        raise SystemExit(1)
+
+
+def _cluster_unavailable(reason: str) -> click.Command:
+    @click.command("cluster", context_settings={"ignore_unknown_options": True},
+                   help=f"Unavailable here: {reason}.", short_help=f"(unavailable: {reason})")
+    @click.argument("args", nargs=-1, type=click.UNPROCESSED)
+    def cluster(args) -> None:
+        raise click.UsageError(f"the emulated cluster is unavailable here: {reason}")
+    return cluster
 
 
 def _register() -> None:
     from .bench.cli import bench
 
     main.add_command(bench)
+    missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
+    if missing:
+        main.add_command(_cluster_unavailable(f"{' and '.join(missing)} not found (install "
+                                              f"iproute2)"))
+        return
     try:
         from .cluster.cli import cluster
-    except ImportError:  # the emulator is optional on machines without iproute2
+    except ImportError as exc:
+        main.add_command(_cluster_unavailable(f"it does not import ({exc})"))
         return
     main.add_command(cluster)
 

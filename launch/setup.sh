@@ -3,7 +3,8 @@
 #
 #   1. Debian packages: openmpi-bin, libopenmpi-dev, iproute2, g++, cmake (only those missing).
 #   2. .venv with the CPU build of torch 2.13.0 and the Python dependencies (scikit-learn only
-#      for the digits example's bundled data set), and triton 3.9.0: the CUDA kernels, tested
+#      for the digits example's bundled data set; sphinx, myst-parser and sphinx-click for
+#      `make docs`), and triton 3.9.0: the CUDA kernels, tested
 #      here under Triton's interpreter on CPU tensors (a ~285 MB wheel, about 40 s to install).
 #   3. Horovod 0.28.1 built from its PyPI sdist with PyTorch, Gloo and MPI. The sdist needs two
 #      fixes to build against torch >= 2.1 with a recent cmake:
@@ -13,7 +14,8 @@
 #          torch's headers need C++17.
 #      The wheel is cached in ~/.cache/hvd_onebit/ so a second set-up reuses it (seconds, not
 #      minutes). The build is checked with `horovodrun --check-build`.
-#   4. `pip install -e .` of the project, which also compiles the native sign-compression kernels.
+#   4. `pip install --no-build-isolation -e .` of the project, which also compiles the native
+#      sign-compression kernels against the venv's torch (with torch's own C++ standard).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -60,8 +62,9 @@ if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.__version__.startswith('$T
 fi
 # Pin torch in every later install so no resolver step can swap it for a CUDA build.
 TORCH_PIN="torch==$("$PY" -c 'import torch; print(torch.__version__)')"
-deps=(numpy mpi4py click pytest matplotlib scikit-learn cloudpickle psutil pyyaml packaging setuptools wheel)
-if ! "$PY" -c "import numpy, mpi4py, click, pytest, matplotlib, sklearn, cloudpickle, psutil, yaml, packaging, setuptools, wheel" 2>/dev/null; then
+deps=(numpy mpi4py click pytest matplotlib scikit-learn cloudpickle psutil pyyaml packaging setuptools wheel
+      sphinx myst-parser sphinx-click)
+if ! "$PY" -c "import numpy, mpi4py, click, pytest, matplotlib, sklearn, cloudpickle, psutil, yaml, packaging, setuptools, wheel, sphinx, myst_parser, sphinx_click" 2>/dev/null; then
     log "installing Python dependencies"
     pip_install "$TORCH_PIN" "${deps[@]}"
 fi

@@ -239,7 +239,7 @@ def test_backend_resolution_with_triton():
 
 
 def test_the_cuda_bench_calls_run_on_triton(monkeypatch):
-    """bench kernel --device cuda's kernel calls (run here on CPU tensors): each runs, the
+    """bench dev kernel --device cuda's kernel calls (run here on CPU tensors): each runs, the
     fused ones (plain and preconditioned) on Triton's fused kernels, and every call leaves the
     torch twins' bits."""
     from hvd_onebit_tools.bench import kernel as bench

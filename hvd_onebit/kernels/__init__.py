@@ -7,7 +7,7 @@ Three implementations with the same arguments and the same bits:
   where the CPU has it), CPU tensors only. This is what makes 1-bit Adam pay off on CPU:
   torch-eager sign compression takes several passes over memory per element where the fused
   kernel takes one, so it runs far below memory speed and would eat the bandwidth it saves
-  (``hvd-onebit bench kernel`` compares the two).
+  (``hvd-onebit bench dev kernel`` compares the two).
 * ``triton``: the same fused passes for CUDA tensors (:mod:`.triton`, imported only when picked);
   CPU tensors too under Triton's interpreter (``TRITON_INTERPRET=1``), for tests.
 * ``torch``: plain tensor ops (:mod:`.reference`, :mod:`.fused_reference`), for any device and as

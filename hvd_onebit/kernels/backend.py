@@ -19,10 +19,7 @@ from typing import Callable, Optional, Sequence, Union
 
 import torch
 
-try:  # The extension is built by `make setup` (pip install -e .); torch fallback without it.
-    from .. import _C as _native
-except ImportError:  # pragma: no cover - exercised only on machines without a compiler
-    _native = None
+from .native_loader import load_native, warn_fallback_once
 
 BACKENDS = ("auto", "native", "torch", "triton")
 
@@ -33,14 +30,15 @@ _CPU = torch.device("cpu")
 
 
 def native_available() -> bool:
-    """Whether the fused C++ kernels were built."""
-    return _native is not None
+    """Whether the fused C++ kernels are there (built at install, or compiled at first use: see
+    :mod:`.native_loader`)."""
+    return load_native().module is not None
 
 
 def native_module():
-    """The compiled extension ``hvd_onebit._C`` (None when not built), for the kernels that call
-    it once :func:`pick` chose "native"."""
-    return _native
+    """The compiled native kernels (None when there are none), for the kernels that call them
+    once :func:`pick` chose "native"."""
+    return load_native().module
 
 
 def triton_available() -> bool:
@@ -77,16 +75,20 @@ def native_ready(tensors) -> bool:
 
 def resolve_backend(backend: str, device: torch.device) -> str:
     """Pick "native", "triton" or "torch" for tensors on ``device``; raise on an impossible
-    request. "auto": native on CPU (when built), triton on CUDA (when installed), else torch."""
+    request. "auto": native on CPU (when built; else torch, with a warning once per process),
+    triton on CUDA (when installed), else torch."""
     if backend not in BACKENDS:
         raise ValueError(f"kernel backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
         if device.type == "cpu":
-            return "native" if _native is not None else "torch"
+            if native_available():
+                return "native"
+            warn_fallback_once()
+            return "torch"
         return "triton" if device.type == "cuda" and triton_available() else "torch"
     if backend == "native":
-        if _native is None:
-            raise RuntimeError("the native kernels (hvd_onebit._C) are not built; run `make setup`")
+        if not native_available():
+            raise RuntimeError(f"the native kernels are not available: {load_native().reason}")
         if device.type != "cpu":
             raise ValueError(f"the native kernels run on CPU tensors only, got device {device}")
     if backend == "triton":

@@ -1,4 +1,5 @@
-"""Benchmarks of 1-bit Adam: ``hvd-onebit bench kernel | allreduce | train`` and ``make demo``.
+"""Benchmarks of 1-bit Adam: ``hvd-onebit bench train | allreduce | calibrate | predict``,
+``hvd-onebit bench dev kernel | memory | zoo`` and ``make demo``.
 
 * :mod:`.cli`: the ``bench`` commands (tables by default, JSON with ``--json``);
 * :mod:`.kernel`, :mod:`.allreduce`, :mod:`.train`: the measurements, each returning plain dicts

@@ -9,7 +9,7 @@ Checks (each in its own try/except; a failure is reported in the JSON, the other
   CPU kernels on copies of the same data (worker compress, server step, decode; the momentum
   update inside the compression; the decode with Adam's update, float32/float16/bfloat16
   weights, held elements), n = 1..4, sizes not a multiple of 8, finer blocks.
-* ``ratios``: ``hvd-onebit bench kernel --device cuda``: each kernel's element rate as a ratio
+* ``ratios``: ``hvd-onebit bench dev kernel --device cuda``: each kernel's element rate as a ratio
   to torch.add on the device (the target: >= 0.5 from 16M to 256M elements).
 * ``virtual_ranks``: 2 ranks as threads on one device through the in-process transport,
   ``OneBitAllreduce(..., device=..., backend="triton")``: ranks identical, and the bits of the

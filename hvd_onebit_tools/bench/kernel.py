@@ -194,7 +194,7 @@ def bench_kernels_cuda(numels=(16 << 20, 64 << 20, 256 << 20), ranks: int = 4, r
     Raises RuntimeError without a CUDA device, or without triton when "triton" is asked for.
     """
     if not torch.cuda.is_available():
-        raise RuntimeError("bench kernel --device cuda needs a CUDA device; "
+        raise RuntimeError("bench dev kernel --device cuda needs a CUDA device; "
                            "torch.cuda.is_available() is False here")
     if "triton" in backends and not kernels.triton_available():
         raise RuntimeError("the triton backend needs the triton package (pip install triton)")

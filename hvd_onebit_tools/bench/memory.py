@@ -1,4 +1,4 @@
-"""`hvd-onebit bench memory`: what 1-bit Adam holds beyond Adam's own memory, per phase.
+"""`hvd-onebit bench dev memory`: what 1-bit Adam holds beyond Adam's own memory, per phase.
 
 Adam's own: the parameters, their gradients, ``exp_avg``, ``exp_avg_sq`` and ``step``. Everything
 else the optimizer, its compression engine and its collectives hold is *extra*, reported in bytes
@@ -331,8 +331,9 @@ def inprocess_run(n: int, layers: int, width: int, steps: int,
 def bench_memory(ranks: int = 2, layers: int = 4, width: int = 1024, warmup: int = 3,
                  compressed: int = 3, transport: str = "horovod", device: str = "cpu",
                  bucket_size_mb: Optional[float] = None, timeout: float = 600.0,
-                 memory: str = "lean", variance_refresh=None) -> dict:
+                 memory: str = "lean", variance_refresh=None, cluster=None) -> dict:
     """Run the measurement; return the JSON report (every rank's phases, and the worst).
+    ``cluster``: a started emulated cluster the Horovod job runs on (None: loopback).
     ``memory``: the optimizer's option ("lean", the CUDA default, is what the target is about;
     "fast", the CPU default, keeps 1x the parameters more)."""
     if transport == "inprocess":
@@ -342,14 +343,15 @@ def bench_memory(ranks: int = 2, layers: int = 4, width: int = 1024, warmup: int
             raise ValueError("the in-process measurement runs on CPU")
         per_rank = [inprocess_run(ranks, layers, width, compressed, bucket_size_mb, memory)]
     else:
-        from ..cluster.jobs import run_ranks
+        from ..cluster.jobs import run_job
 
         env = dict(MALLOC_MEASURE_ENV) if device == "cpu" else {}
-        per_rank = run_ranks("hvd_onebit_tools.bench.memory:rank_run", np=ranks, timeout=timeout,
-                             env=env, kwargs=dict(layers=layers, width=width, warmup=warmup,
-                                                  compressed=compressed, device=device,
-                                                  bucket_size_mb=bucket_size_mb, memory=memory,
-                                                  variance_refresh=variance_refresh))
+        per_rank = run_job("hvd_onebit_tools.bench.memory:rank_run", np=ranks, timeout=timeout,
+                           env=env, cluster=cluster,
+                           kwargs=dict(layers=layers, width=width, warmup=warmup,
+                                       compressed=compressed, device=device,
+                                       bucket_size_mb=bucket_size_mb, memory=memory,
+                                       variance_refresh=variance_refresh)).results
     phases = {}
     for ph in PHASES:
         entries = [r["phases"][ph] for r in per_rank if ph in r["phases"]]

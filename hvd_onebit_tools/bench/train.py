@@ -11,7 +11,7 @@ one method after another inside one job, so they share the machine's state and n
   PowerSGD communication hook (rank-1 approximation, error feedback, warm start), which starts
   compressing after ``powersgd_start`` vanilla-allreduce iterations.
 * ``onebit``: ``hvd_onebit.DistributedOptimizer`` with ``freeze_step = warmup_frac * steps``.
-* ``onebit_hier``: the same with ``hierarchical=True`` (full precision inside nodes, 1-bit
+* ``onebit_hierarchical``: the same with ``hierarchical=True`` (full precision inside nodes, 1-bit
   between them); meant for clusters with several ranks per node (``--ranks-per-node``).
 * ``onebit_refresh``: 1-bit Adam with ``variance_refresh`` (default ``"doubling"``) and its own
   early ``freeze_step = refresh_freeze_frac * steps`` (default 5%): a whole-run comparison with
@@ -59,12 +59,12 @@ from .waits import sleeping_horovod_waits as _sleeping_horovod_waits  # noqa: F4
 
 # glibc serves allocations above 32 MiB (and, after heap trims, smaller ones) with fresh mmap()s,
 # so a training step that allocates its gradients anew page-faults and zero-fills tens of MB each
-# step (README.md, Benchmarks, has what it cost here). Serving everything from a heap that is
+# step (CHANGELOG.md, Benchmarks, has what it cost here). Serving everything from a heap that is
 # never trimmed keeps those pages mapped. (jemalloc or tcmalloc via LD_PRELOAD do the same job.)
 MALLOC_REUSE_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(2**40)}
 METHODS = ("local", "horovod_fp32", "horovod_fp16", "ddp_powersgd", "onebit", "onebit_sync",
-           "onebit_hier", "onebit_refresh")
-ONEBIT_METHODS = ("onebit", "onebit_sync", "onebit_hier", "onebit_refresh")
+           "onebit_hierarchical", "onebit_refresh")
+ONEBIT_METHODS = ("onebit", "onebit_sync", "onebit_hierarchical", "onebit_refresh")
 DEFAULT_METHODS = ("local", "horovod_fp32", "horovod_fp16", "ddp_powersgd", "onebit")
 MODELS = ("mlp", "embedding")
 IN_DIM = OUT_DIM = 256
@@ -107,7 +107,7 @@ def onebit_arguments(method: str, steps: int, warmup_frac: float, onebit_options
     when set."""
     options = dict(onebit_options)
     refresh = variance_refresh if method == "onebit_refresh" else None
-    if method == "onebit_hier":
+    if method == "onebit_hierarchical":
         options["hierarchical"] = True
     if method == "onebit_sync":
         options["overlap"] = False
@@ -303,7 +303,7 @@ def summarize(rows: list[dict]) -> dict:
     sync = by.get("onebit_sync")
     if ob and sync:
         out["onebit_overlap_step_vs_sync"] = ob["compression_step_s"] / sync["compression_step_s"]
-    hier = by.get("onebit_hier")
+    hier = by.get("onebit_hierarchical")
     if hier and fp32:
         out["onebit_hier_compression_step_speedup_vs_fp32"] = (fp32["all_step_s"]
                                                                / hier["compression_step_s"])

@@ -35,6 +35,19 @@ def _bandwidth(ctx, param, value: str) -> Optional[int]:
         raise click.BadParameter(str(e)) from None
 
 
+def _np(value) -> Optional[int]:
+    """--np through the one parser every command uses; one count, at most MAX_RANKS."""
+    if value is None:
+        return None
+    from ..bench.cli.options import parse_np
+
+    nps = parse_np(value)
+    if len(nps) != 1 or nps[0] > MAX_RANKS:
+        raise click.BadParameter(f"{value!r}: one rank count from 1 to {MAX_RANKS}",
+                                 param_hint="--np")
+    return nps[0]
+
+
 def _env_pairs(ctx, param, values) -> dict[str, str]:
     env = {}
     for item in values:
@@ -57,7 +70,7 @@ def cluster() -> None:
 
 @cluster.command("run", context_settings={"ignore_unknown_options": True,
                                           "allow_interspersed_args": False})
-@click.option("--np", "-n", "np_", type=click.IntRange(1, MAX_RANKS), default=None,
+@click.option("--np", "-n", "np_", callback=lambda c, p, v: _np(v), default=None,
               help="Number of ranks; each is its own emulated host (node0, node1, ...) with one "
                    "Horovod slot, so local_size is 1 and cross_size is NP. With --nodes, "
                    "optional (NODES x RANKS_PER_NODE).")

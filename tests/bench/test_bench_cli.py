@@ -30,8 +30,11 @@ def test_bench_help_lists_every_command():
     result = hvd_onebit(["bench", "--help"])
     assert result.exit_code == 0, result.output
     out = result.stdout
-    for command in ("kernel", "allreduce", "train", "memory"):
-        assert command in out
+    for command in ("allreduce", "train", "calibrate", "predict", "dev"):
+        assert command in out, out
+    result = hvd_onebit(["bench", "dev", "--help"])
+    for command in ("kernel", "memory", "zoo"):
+        assert command in result.stdout, result.output
     result = hvd_onebit(["bench", "train", "--help"])
     assert result.exit_code == 0, result.output
     train_help = result.stdout
@@ -40,7 +43,7 @@ def test_bench_help_lists_every_command():
 
 
 def test_bench_kernel_json():
-    report = json.loads(bench("kernel", "--numel", "64K", "--repeats", "2", "--json").stdout)
+    report = json.loads(bench("dev", "kernel", "--numel", "64K", "--repeats", "2", "--json").stdout)
     for kernel in ("compress", "server", "decode"):
         assert report["backends"]["native"][f"{kernel}_ratio_to_add"] > 0
     # each pass's bytes per second: its element rate times the bytes its streams move
@@ -68,7 +71,7 @@ def test_bench_kernel_json():
 
 
 def test_bench_kernel_table_lists_every_pass_with_its_bytes_per_second():
-    out = bench("kernel", "--numel", "64K", "--repeats", "2").stdout
+    out = bench("dev", "kernel", "--numel", "64K", "--repeats", "2").stdout
     assert "GB/s" in out, out
     for kernel in ("momentum_compress_preconditioned", "decode_update_preconditioned"):
         assert any(line.split()[:2] == ["native", kernel] for line in out.splitlines()), out
@@ -137,11 +140,11 @@ def test_bench_train_on_the_emulator_counts_the_wire_bytes():
 def test_bench_train_on_emulated_nodes_runs_the_hierarchical_method():
     proc = bench("train", "--np", "4", "--ranks-per-node", "2", "--bandwidth", "1gbit",
                  "--steps", "6", "--model", "mlp", "--width", "64", "--depth", "1",
-                 "--methods", "onebit,onebit_hier", "--json")
+                 "--methods", "onebit,onebit_hierarchical", "--json")
     report = json.loads(proc.stdout)
     assert report["ranks_per_node"] == 2
     rows = {r["method"]: r for r in report["rows"]}
-    assert set(rows) == {"onebit", "onebit_hier"}
+    assert set(rows) == {"onebit", "onebit_hierarchical"}
     for r in rows.values():
         assert r["compression_step_s"] > 0 and r["compression_measured_tx_bytes_per_step"] > 0, r
     assert "onebit_hier_compression_step_speedup_vs_onebit" in report["summary"]
@@ -167,3 +170,21 @@ def test_bench_on_a_real_host_list_through_horovodrun(tmp_path):
     rows = {r["method"]: r for r in report["rows"]}
     got = (rows["onebit"]["compression_steps"], report["bandwidth"])
     assert got == (3, "real"), f"(onebit compression steps, bandwidth) {got}, expected (3, 'real')"
+
+
+def test_np_is_one_parser_everywhere_a_count_or_a_list_where_the_command_sweeps():
+    one_world = hvd_onebit(["bench", "dev", "kernel", "--np", "2,4"])
+    assert one_world.exit_code == 2 and "give one rank count" in one_world.output, \
+        one_world.output
+    for command in (["bench", "predict"], ["bench", "train"], ["bench", "dev", "memory"],
+                    ["cluster", "run"]):
+        bad = hvd_onebit([*command, "--np", "0"])
+        assert bad.exit_code == 2 and "rank counts are positive integers" in bad.output, \
+            f"{command}: {bad.output}"
+        word = hvd_onebit([*command, "--np", "four"])
+        assert word.exit_code == 2 and "not a rank count" in word.output, \
+            f"{command}: {word.output}"
+    for command in (["train"], ["allreduce"], ["calibrate"], ["predict"], ["dev", "zoo"],
+                    ["dev", "memory"]):
+        help_text = hvd_onebit(["bench", *command, "--help"]).stdout
+        assert "--np" in help_text and "--bandwidth" in help_text, f"bench {command} --help"

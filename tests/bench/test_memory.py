@@ -1,4 +1,4 @@
-"""`hvd-onebit bench memory`, run for real: the compression phase's memory beyond Adam's own.
+"""`hvd-onebit bench dev memory`, run for real: the compression phase's memory beyond Adam's own.
 
 What the optimizer holds is counted exactly (tensor storages reachable from it, Adam's own left
 out), so it is asserted; the transient of a step is measured from the resident set and only
@@ -41,8 +41,8 @@ def test_fast_memory_keeps_one_more_error_buffer():
 def test_a_horovod_job_reports_both_phases_as_json():
     """Two ranks through the freeze: the held memory is the floor 1 + 1/2 + rows (not the
     target, out of reach at two ranks), the same on both ranks."""
-    proc = subprocess.run([sys.executable, "-m", "hvd_onebit_tools.cli", "bench", "memory", "--ranks",
-                           "2", "--layers", "2", "--width", "512", "--warmup", "2",
+    proc = subprocess.run([sys.executable, "-m", "hvd_onebit_tools.cli", "bench", "dev", "memory",
+                           "--np", "2", "--layers", "2", "--width", "512", "--warmup", "2",
                            "--compressed", "2", "--json"], capture_output=True, text=True,
                           timeout=300, cwd=REPO)
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -440,8 +440,8 @@ def test_check_pairs_predictions_with_a_train_report():
     assert pairs[("onebit", "compression")]["transport"] == "torch"
     assert pairs[("onebit", "compression")]["predicted_phases_s"] == torch_step.phases
 
-    # bench train --np 4 --ranks-per-node 2 --transport horovod, with onebit_hier
-    hier_rows = rows + [{"method": "onebit_hier", "np": 4, "params": 1_000_000,
+    # bench train --np 4 --ranks-per-node 2 --transport horovod, with onebit_hierarchical
+    hier_rows = rows + [{"method": "onebit_hierarchical", "np": 4, "params": 1_000_000,
                          "warmup_step_s": 0.1, "compression_step_s": 0.06,
                          "compression_breakdown_s": {"wait": 0.03, "decode": 0.01}}]
     hier_report = {"bandwidth": "1gbit", "ranks_per_node": 2, "rows": hier_rows,
@@ -451,13 +451,13 @@ def test_check_pairs_predictions_with_a_train_report():
     cl = Cluster(nodes=2, ranks_per_node=2, inter_bps=10**9, colocated=True)
     job = Job(params=1_000_000, model="mlp")
     hvd_model = Model(cal, transport="horovod")
-    assert pairs[("onebit_hier", "compression")]["predicted_s"] == pytest.approx(
+    assert pairs[("onebit_hierarchical", "compression")]["predicted_s"] == pytest.approx(
         hvd_model.predict("onebit_hierarchical", job, cl).step_s)
     assert pairs[("onebit", "compression")]["predicted_s"] == pytest.approx(
         hvd_model.predict("onebit", job, cl).step_s)
-    assert pairs[("onebit_hier", "compression")]["measured_breakdown_s"] == {"wait": 0.03,
+    assert pairs[("onebit_hierarchical", "compression")]["measured_breakdown_s"] == {"wait": 0.03,
                                                                            "decode": 0.01}
-    assert pairs[("onebit_hier", "compression")]["bound"] == 0.25
+    assert pairs[("onebit_hierarchical", "compression")]["bound"] == 0.25
     assert {p["ranks_per_node"] for p in result["pairs"]} == {2}
 
 

@@ -14,7 +14,7 @@ CALIBRATION_VERSION = 6
 # version 5: no kernels timed inside the Horovod ranks (the bare processes' figures serve)
 READABLE_VERSIONS = (2, 3, 4, 5, 6)
 DEFAULT_PATH = Path("~/.cache/hvd_onebit/calibration.json")
-# measured on the machine README.md's figures come from; in a source checkout only
+# measured on the machine the documented figures come from; in a source checkout only
 SHIPPED_PATH = Path(__file__).resolve().parents[3] / "docs" / "predict_calibration.json"
 
 
@@ -63,7 +63,7 @@ def load_or_shipped(path=None, note: Optional[Callable[[str], None]] = None) -> 
         machine = cal.get("machine", {})
         note(f"note: no calibration at {cached}; using the one shipped with hvd_onebit, "
              f"{SHIPPED_PATH} ({cal['cores']} cores, {machine.get('date', 'undated')}: the "
-             "machine README.md's figures come from). Measure this machine's with `hvd-onebit "
+             "machine the documented figures come from). Measure this machine's with `hvd-onebit "
              f"bench calibrate` (root, about 3 minutes; it saves to {cached}), or pass "
              "--calibration PATH.")
     return cal

@@ -1,7 +1,9 @@
 """`hvd-onebit bench`: the benchmark commands (tables by default, JSON with --json), one module
 per command (:mod:`.kernel`, :mod:`.allreduce`, :mod:`.train`, :mod:`.calibrate`,
 :mod:`.predict`, :mod:`.memory`, :mod:`.zoo`), the options they share in :mod:`.options`.
-Importing this imports no Horovod: the commands import what they run when they run."""
+A user's commands sit on ``bench``; the developer's (kernel throughput, memory, the convergence
+zoo) on ``bench dev``. Importing this imports no Horovod: the commands import what they run when
+they run."""
 from __future__ import annotations
 
 import click
@@ -14,7 +16,13 @@ def bench() -> None:
     """Benchmarks; every command prints a table, or JSON with --json."""
 
 
-for command in (kernel.bench_kernel, allreduce.bench_allreduce, train.bench_train,
-                calibrate.bench_calibrate, predict.bench_predict, memory.bench_memory_command,
-                zoo.bench_zoo):
+@bench.group()
+def dev() -> None:
+    """Developer benchmarks: kernel throughput, memory per phase, the convergence zoo."""
+
+
+for command in (train.bench_train, allreduce.bench_allreduce, calibrate.bench_calibrate,
+                predict.bench_predict):
     bench.add_command(command)
+for command in (kernel.bench_kernel, memory.bench_memory_command, zoo.bench_zoo):
+    dev.add_command(command)

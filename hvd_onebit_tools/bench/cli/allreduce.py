@@ -7,13 +7,12 @@ import click
 
 from ..allreduce import DEFAULT_METHODS, METHODS, summarize
 from ..report import machine_info, print_table
-from .options import (cluster_for, comma_list, nodes_options, parse_count, queue_option,
-                      real_cluster_options)
+from .options import (cluster_for, comma_list, nodes_options, np_option, parse_count,
+                      queue_option, real_cluster_options)
 
 
 @click.command("allreduce")
-@click.option("--np", "nps", default="2,4", show_default=True, callback=comma_list(int),
-              help="World sizes to run, comma separated.")
+@np_option("2,4", "World sizes to run.", sweep=True)
 @click.option("--sizes", default="1M,4M,16M,64M", show_default=True, callback=comma_list(parse_count),
               help="Buffer sizes in fp32 elements, comma separated.")
 @click.option("--bandwidth", "bandwidths", default="local", show_default=True,

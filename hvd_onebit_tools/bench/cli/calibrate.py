@@ -5,7 +5,7 @@ import json
 
 import click
 
-from .options import comma_list, parse_count, queue_option
+from .options import comma_list, np_option, parse_count, queue_option
 
 
 @click.command("calibrate")
@@ -14,9 +14,8 @@ from .options import comma_list, parse_count, queue_option
                    "~/.cache/hvd_onebit/calibration.json].")
 @click.option("--procs", default="1,2,4", show_default=True, callback=comma_list(int),
               help="Processes timing compute and kernels at once (ranks sharing the cores).")
-@click.option("--np", "nps", default="2,4", show_default=True, callback=comma_list(int),
-              help="Ranks of the emulated collectives jobs.")
-@click.option("--link", default="1gbit", show_default=True,
+@np_option("2,4", "Ranks of the emulated collectives jobs.", sweep=True)
+@click.option("--bandwidth", "link", default="1gbit", show_default=True,
               help="Shaped link rate at which the links' efficiency is measured.")
 @click.option("--numel", default="4M", show_default=True,
               callback=lambda c, p, v: parse_count(v),

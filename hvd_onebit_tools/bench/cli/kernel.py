@@ -1,4 +1,4 @@
-"""`hvd-onebit bench kernel`: the compression kernels' throughput against torch.add."""
+"""`hvd-onebit bench dev kernel`: the compression kernels' throughput against torch.add."""
 from __future__ import annotations
 
 import json
@@ -6,20 +6,20 @@ import json
 import click
 
 from ..report import machine_info, print_table
-from .options import comma_list, parse_count
+from .options import comma_list, np_option, parse_count
 
 
 @click.command("kernel")
 @click.option("--numel", default=None, callback=lambda c, p, v: v and comma_list(parse_count)(c, p, v),
               help="Elements in the buffer (e.g. 1M, 16M); with --device cuda a list "
                    "[default: 16M on cpu, 16M,64M,128M,256M on cuda].")
-@click.option("--ranks", default=4, show_default=True, help="Chunks in the layout (world size).")
+@np_option(4, "World size: chunks in the layout (no ranks are launched).")
 @click.option("--threads", default=1, show_default=True, help="torch threads.")
 @click.option("--repeats", default=9, show_default=True, help="Timed runs; the median is kept.")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
               help="cpu: native and torch kernels; cuda: the Triton (and torch) kernels.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
-def bench_kernel(numel, ranks: int, threads: int, repeats: int, device: str,
+def bench_kernel(numel, np_: int, threads: int, repeats: int, device: str,
                  as_json: bool) -> None:
     """Compression-kernel throughput as a ratio to torch.add(x, e, out=y) (target >= 0.5)."""
     from ..kernel import bench_kernels, bench_kernels_cuda
@@ -27,7 +27,7 @@ def bench_kernel(numel, ranks: int, threads: int, repeats: int, device: str,
     if device == "cuda":
         try:
             result = bench_kernels_cuda(numel or [16 << 20, 64 << 20, 128 << 20, 256 << 20],
-                                        ranks=ranks, repeats=repeats)
+                                        ranks=np_, repeats=repeats)
         except RuntimeError as exc:
             raise click.ClickException(str(exc)) from exc
         result["machine"] = machine_info()
@@ -45,12 +45,12 @@ def bench_kernel(numel, ranks: int, threads: int, repeats: int, device: str,
         raise click.BadParameter("one size on cpu (a list only with --device cuda)",
                                  param_hint="--numel")
     numel = numel[0] if numel else 16 << 20
-    result = bench_kernels(numel=numel, ranks=ranks, threads=threads, repeats=repeats)
+    result = bench_kernels(numel=numel, ranks=np_, threads=threads, repeats=repeats)
     result["machine"] = machine_info()
     if as_json:
         click.echo(json.dumps(result, indent=2))
         return
-    click.echo(f"{numel} fp32 elements, {ranks} chunks, {threads} thread(s); "
+    click.echo(f"{numel} fp32 elements, {np_} chunks, {threads} thread(s); "
                f"torch.add: {result['add_elems_per_s'] / 1e6:,.0f} M elements/s, "
                f"{result['add_bytes_per_s'] / 1e9:.1f} GB/s")
     rows = []

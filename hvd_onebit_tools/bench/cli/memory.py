@@ -1,4 +1,4 @@
-"""`hvd-onebit bench memory`: memory beyond Adam's own per phase."""
+"""`hvd-onebit bench dev memory`: memory beyond Adam's own per phase."""
 from __future__ import annotations
 
 import json
@@ -7,20 +7,24 @@ from typing import Optional
 import click
 
 from ..report import print_table
+from .options import cluster_for, np_option
 
 
 @click.command("memory")
-@click.option("--ranks", default=2, show_default=True, help="World size (Horovod ranks, or "
-              "virtual ranks with --transport inprocess).")
+@np_option(2, "World size (Horovod ranks, or virtual ranks with --world inprocess).")
+@click.option("--bandwidth", default="local", show_default=True,
+              help="Emulated link rate of every rank (e.g. 1gbit; root needed) for --world "
+                   "horovod; 'local' runs plain horovodrun on loopback.")
 @click.option("--layers", default=4, show_default=True, help="Linear layers of the model.")
 @click.option("--width", default=1024, show_default=True, help="Each layer is width x width.")
 @click.option("--warmup", default=3, show_default=True, help="Adam steps before the freeze.")
 @click.option("--compressed", default=3, show_default=True, help="1-bit steps measured.")
-@click.option("--transport", type=click.Choice(["horovod", "inprocess"]), default="horovod",
+@click.option("--world", "transport", type=click.Choice(["horovod", "inprocess"]),
+              default="horovod",
               show_default=True, help="horovod: a job through both phases; inprocess: the "
               "compression engine alone on virtual ranks (threads).")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
-@click.option("--bucket-mb", type=float, default=None, help="Bucket size in MiB [default: the "
+@click.option("--bucket-size-mb", "bucket_mb", type=float, default=None, help="Bucket size in MiB [default: the "
               "optimizer's].")
 @click.option("--memory", "memory_mode", type=click.Choice(["lean", "fast", "auto"]),
               default="lean", show_default=True,
@@ -29,7 +33,7 @@ from ..report import print_table
               help="The optimizer's variance_refresh (none, doubling or a JSON object); its "
                    "refresh steps are measured apart, as phase 'refresh'.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
-def bench_memory_command(ranks: int, layers: int, width: int, warmup: int, compressed: int,
+def bench_memory_command(np_: int, bandwidth: str, layers: int, width: int, warmup: int, compressed: int,
                          transport: str, device: str, bucket_mb: Optional[float],
                          memory_mode: str, variance_refresh: str, as_json: bool) -> None:
     """Memory beyond Adam's own per phase, as a ratio to the parameters' fp32 bytes
@@ -41,10 +45,13 @@ def bench_memory_command(ranks: int, layers: int, width: int, warmup: int, compr
         refresh = parse_variance_refresh(variance_refresh)
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--variance-refresh") from exc
-    result = bench_memory(ranks=ranks, layers=layers, width=width, warmup=warmup,
-                          compressed=compressed, transport=transport, device=device,
-                          bucket_size_mb=bucket_mb, memory=memory_mode,
-                          variance_refresh=refresh)
+    if transport == "inprocess" and bandwidth not in ("local", "none", ""):
+        raise click.UsageError("--bandwidth emulates links between processes: --world horovod")
+    with cluster_for(np_, bandwidth) as cluster:
+        result = bench_memory(ranks=np_, layers=layers, width=width, warmup=warmup,
+                              compressed=compressed, transport=transport, device=device,
+                              bucket_size_mb=bucket_mb, memory=memory_mode,
+                              variance_refresh=refresh, cluster=cluster)
     if as_json:
         click.echo(json.dumps(result, indent=2))
         return

@@ -29,6 +29,35 @@ def comma_list(kind):
     return convert
 
 
+def parse_np(text) -> list:
+    """``--np``'s one parser: a rank count or a comma-separated list of them (e.g. 4 or 2,4,8)."""
+    try:
+        nps = [int(v) for v in str(text).split(",") if v.strip()]
+    except ValueError:
+        raise click.BadParameter(f"{text!r} is not a rank count or a comma-separated list of "
+                                 "them (e.g. 4 or 2,4,8)", param_hint="--np") from None
+    if not nps or min(nps) < 1:
+        raise click.BadParameter(f"{text!r}: rank counts are positive integers",
+                                 param_hint="--np")
+    return nps
+
+
+def np_option(default, help: str, sweep: bool = False):
+    """``--np`` as every command spells it, parsed by :func:`parse_np`. ``sweep``: the command
+    runs every count given (a list); otherwise it takes one, and a list is refused."""
+    def convert(ctx, param, value):
+        nps = parse_np(value)
+        if sweep:
+            return nps
+        if len(nps) != 1:
+            raise click.BadParameter(f"{value!r}: this command runs one world, give one rank "
+                                     "count", param_hint="--np")
+        return nps[0]
+    return click.option("--np", "nps" if sweep else "np_", default=str(default),
+                        show_default=True, callback=convert,
+                        help=help + (" A comma-separated list runs each." if sweep else ""))
+
+
 def real_cluster_options(command):
     """--hosts and --shared-dir: run through horovodrun on real machines instead of emulating."""
     command = click.option("--shared-dir", default=None,

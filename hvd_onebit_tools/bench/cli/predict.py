@@ -7,7 +7,7 @@ import json
 import click
 
 from ..train import MODELS as TRAIN_MODELS
-from .options import comma_list, rates, refresh_options
+from .options import comma_list, np_option, rates, refresh_options
 
 
 @click.command("predict")
@@ -15,8 +15,7 @@ from .options import comma_list, rates, refresh_options
               help="Constants from `bench calibrate` [default: "
                    "~/.cache/hvd_onebit/calibration.json; without it, the one shipped in "
                    "docs/predict_calibration.json, with a note].")
-@click.option("--np", "nps", default="4", show_default=True, callback=comma_list(int),
-              help="Ranks, comma separated for a sweep (e.g. 8,16,...,1024).")
+@np_option(4, "Ranks (e.g. 8,16,...,1024 for a sweep).", sweep=True)
 @click.option("--ranks-per-node", default=1, show_default=True,
               help="Ranks per node (they share the node's link); 1: a link per rank.")
 @click.option("--bandwidth", "bandwidths", default="1gbit", show_default=True, callback=rates,
@@ -95,7 +94,7 @@ def bench_predict(calibration, nps, ranks_per_node, bandwidths, intra_bandwidth,
                   hierarchical_ops, intra_node, methods, check_dir, plot, as_json) -> None:
     """Predict step time per phase, whole-run speed-up and bytes per rank of Horovod fp32/fp16,
     flat 1-bit and hierarchical 1-bit Adam (as hvd_onebit/comm/hierarchical.py runs it) from the
-    constants `bench calibrate` measured. README.md, "Predicting the speed-up at scale", has the
+    constants `bench calibrate` measured. docs/predicting.md has the
     model and its assumptions."""
     from pathlib import Path
 

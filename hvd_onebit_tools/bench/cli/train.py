@@ -6,18 +6,20 @@ import json
 
 import click
 
+from hvd_onebit.transport.registry import TRANSPORTS
+
 from ..report import machine_info, print_table
 from ..train import MALLOC_REUSE_ENV
 from ..train import DEFAULT_METHODS as TRAIN_DEFAULT_METHODS
 from ..train import METHODS as TRAIN_METHODS
 from ..train import MODELS as TRAIN_MODELS
 from ..train import WAITS as TRAIN_WAITS
-from .options import (cluster_for, comma_list, nodes_options, queue_option, real_cluster_options,
-                      refresh_options)
+from .options import (cluster_for, comma_list, nodes_options, np_option, queue_option,
+                      real_cluster_options, refresh_options)
 
 
 @click.command("train")
-@click.option("--np", "np_", default=4, show_default=True, help="Ranks.")
+@np_option(4, "Ranks.")
 @click.option("--bandwidth", default="1gbit", show_default=True,
               help="Emulated link rate (e.g. 100mbit, 1gbit, 10gbit, unlimited); 'local' runs "
                    "plain horovodrun on loopback. Emulation needs root.")
@@ -49,17 +51,17 @@ from .options import (cluster_for, comma_list, nodes_options, queue_option, real
               help="Plain-allreduce iterations before PowerSGD starts compressing.")
 @click.option("--methods", default=",".join(TRAIN_DEFAULT_METHODS), show_default=True,
               callback=comma_list(str), help=f"Which methods to run, from {', '.join(TRAIN_METHODS)} "
-              "(onebit_sync: overlap=False, the exchange starts in step(); onebit_hier: "
+              "(onebit_sync: overlap=False, the exchange starts in step(); onebit_hierarchical: "
               "hierarchical=True, for --ranks-per-node > 1; onebit_refresh: --variance-refresh "
               "frozen at --refresh-freeze-frac, against onebit's whole run at --warmup-frac).")
 @click.option("--transport", default="auto", show_default=True,
-              type=click.Choice(["auto", "horovod", "torch", "mpi"]),
+              type=click.Choice(TRANSPORTS),
               help="1-bit Adam's transport for the compression phase.")
 @click.option("--bucket-size-mb", default=None, type=float,
               help="1-bit Adam's bucket_size_mb [default: the optimizer's].")
 @click.option("--intra-node", default="auto", show_default=True,
               type=click.Choice(["auto", "shared_memory", "network"]),
-              help="1-bit Adam's intra_node (onebit_hier's stages inside a node); auto is "
+              help="1-bit Adam's intra_node (onebit_hierarchical's stages inside a node); auto is "
                    "network when --intra-bandwidth is set, so the emulated links carry them.")
 @real_cluster_options
 @queue_option

@@ -1,11 +1,11 @@
-"""`hvd-onebit bench zoo`: the convergence zoo, 1-bit Adam against Adam over model families."""
+"""`hvd-onebit bench dev zoo`: the convergence zoo, 1-bit Adam against Adam over model families."""
 from __future__ import annotations
 
 import json
 
 import click
 
-from .options import comma_list
+from .options import cluster_for, comma_list, np_option
 
 
 @click.command("zoo")
@@ -34,7 +34,10 @@ from .options import comma_list
               help="Steps per run for every family [default: each family's, 120-150].")
 @click.option("--batch", default=None, type=click.IntRange(1),
               help="Samples per rank per step for every family [default: each family's].")
-@click.option("--np", "np_", default=4, show_default=True, help="Ranks.")
+@np_option(4, "Ranks.")
+@click.option("--bandwidth", default="local", show_default=True,
+              help="Emulated link rate of every rank (e.g. 1gbit; root needed); 'local' runs "
+                   "plain horovodrun on loopback. Convergence does not depend on it.")
 @click.option("--out", "out_dir", default="results/zoo", show_default=True,
               type=click.Path(file_okay=False),
               help="Folder for cells.jsonl (one line per run), summary.json and heat_map.png.")
@@ -52,7 +55,8 @@ from .options import comma_list
               "many cells (all seeds together) are worse beyond the seeds' noise.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON instead of "
               "tables.")
-def bench_zoo(families, schemes, seeds, freezes, lrs, steps, batch, np_, out_dir, timeout,
+def bench_zoo(families, schemes, seeds, freezes, lrs, steps, batch, np_, bandwidth, out_dir,
+              timeout,
               resume, report_only, metric, against, as_json) -> None:
     """Convergence zoo: Horovod Adam vs 1-bit Adam on seven model families, two learning
     rates, four freeze settings and several seeds, on NP ranks; every cell's final held-out
@@ -67,10 +71,11 @@ def bench_zoo(families, schemes, seeds, freezes, lrs, steps, batch, np_, out_dir
         from ..zoo.runner import run_zoo
 
         try:
-            result = run_zoo(families or all_families(), out, seeds=range(seeds),
-                             schemes=schemes, freezes=freezes, lr_rules=lrs, steps=steps,
-                             batch=batch, np=np_, timeout=timeout, resume=resume,
-                             progress=lambda s: click.echo(s, err=True))
+            with cluster_for(np_, bandwidth) as cluster:
+                result = run_zoo(families or all_families(), out, seeds=range(seeds),
+                                 schemes=schemes, freezes=freezes, lr_rules=lrs, steps=steps,
+                                 batch=batch, np=np_, timeout=timeout, resume=resume,
+                                 progress=lambda s: click.echo(s, err=True), cluster=cluster)
         except ValueError as exc:
             raise click.UsageError(str(exc)) from exc
         click.echo(f"[zoo] {result['seconds']:.0f}s; results in {result['results']}", err=True)

@@ -15,7 +15,7 @@ The modules, one job each:
 * :mod:`.check`: predictions paired with `bench train --json` measurements;
 * :mod:`.tables` and :mod:`.plots`: what `bench predict` prints and draws.
 
-The model (README.md, "Predicting the speed-up at scale", says the same in prose):
+The model (docs/predicting.md says the same in prose):
 
 * A step is its phases, one after another (no overlap of compute and communication):
   ``compute`` (forward + backward + the optimizer's own pass), then the method's collectives and

@@ -8,9 +8,9 @@ from .model import Model
 
 # (method, phase of bench train's row) -> the predicted quantity
 CHECK_PAIRS = (("local", "all"), ("horovod_fp32", "all"), ("horovod_fp16", "all"),
-               ("onebit", "warmup"), ("onebit", "compression"), ("onebit_hier", "warmup"),
-               ("onebit_hier", "compression"))
-PREDICTED_AS = {"onebit": "onebit", "onebit_hier": "onebit_hierarchical"}
+               ("onebit", "warmup"), ("onebit", "compression"), ("onebit_hierarchical", "warmup"),
+               ("onebit_hierarchical", "compression"))
+PREDICTED_AS = {"onebit": "onebit", "onebit_hierarchical": "onebit_hierarchical"}
 
 
 def bound_for(method: str, phase: str, bandwidth: str) -> float:

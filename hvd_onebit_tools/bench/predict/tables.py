@@ -61,7 +61,7 @@ def print_check(result: dict, echo=None) -> None:
          f"{result['methods_total']}; compressed steps: {result['compressed_met']} of "
          f"{result['compressed_total']}")
     echo("compressed steps, ms: predicted phases | measured breakdown (median over runs; "
-         "'wait' is both stages' waits, and for onebit_hier the node mean and compress too)")
+         "'wait' is both stages' waits, and for onebit_hierarchical the node mean and compress too)")
     for p in result["pairs"]:
         if p["phase"] != "compression" or not p["predicted_phases_s"]:
             continue

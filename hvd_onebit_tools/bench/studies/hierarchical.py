@@ -2,7 +2,7 @@
 
 Runs ``hvd-onebit bench train --json --np 4 --ranks-per-node 2`` (2 nodes of 2 ranks; the
 bandwidth between nodes, the nodes' own loopback and shared memory inside them) ``--repeats``
-times (default 3) per bandwidth, with ``--methods horovod_fp32,onebit,onebit_hier`` (Horovod fp32
+times (default 3) per bandwidth, with ``--methods horovod_fp32,onebit,onebit_hierarchical`` (Horovod fp32
 beside them on the same topology; ``--no-fp32`` leaves it out, it takes ~5 s a
 step at 100 Mbit/s) and prints one JSON object: per run the compressed steps, the hierarchical /
 flat speed and bytes between nodes (each node's link counter, per compressed step), the
@@ -23,7 +23,7 @@ from hvd_onebit_tools.bench.report import repeated_runs
 
 
 def run_once(args, bandwidth: str) -> dict:
-    methods = "onebit,onebit_hier" if args.no_fp32 else "horovod_fp32,onebit,onebit_hier"
+    methods = "onebit,onebit_hierarchical" if args.no_fp32 else "horovod_fp32,onebit,onebit_hierarchical"
     cmd = [sys.executable, "-m", "hvd_onebit_tools.cli", "bench", "train", "--json", "--np", "4",
            "--ranks-per-node", "2", "--bandwidth", bandwidth, "--steps", str(args.steps),
            "--warmup-frac", str(args.warmup_frac), "--model", args.model, "--methods", methods,
@@ -31,7 +31,7 @@ def run_once(args, bandwidth: str) -> dict:
     report = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
     rows = {r["method"]: r for r in report["rows"]}
     s = report["summary"]
-    flat, hier = rows["onebit"], rows["onebit_hier"]
+    flat, hier = rows["onebit"], rows["onebit_hierarchical"]
     fig = {"flat_step_ms": flat["compression_step_s"] * 1e3,
            "hier_step_ms": hier["compression_step_s"] * 1e3,
            "hier_vs_flat_speed": s["onebit_hier_compression_step_speedup_vs_onebit"],

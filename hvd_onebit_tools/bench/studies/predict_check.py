@@ -7,7 +7,7 @@
 for np in {2, 4} x bandwidth in {100mbit, 1gbit, 10gbit} x model in {embedding, mlp} (flat
 1-bit on the default transport, 'auto': torch.distributed), and the hierarchical check:
 ``--np 4 --ranks-per-node 2`` (2 emulated nodes of 2 ranks) at ``--hier-bandwidths`` with
-``onebit_hier``, ``--repeats`` times (one whole sweep after another, so slow spells of a
+``onebit_hierarchical``, ``--repeats`` times (one whole sweep after another, so slow spells of a
 shared machine spread over all configurations), then calibrates again (unless
 ``--no-calibrate-after``); every JSON lands in ``--out``.
 ``compare`` predicts each configuration with `hvd-onebit bench predict` from the first
@@ -31,7 +31,7 @@ BANDWIDTHS = ("100mbit", "1gbit", "10gbit")
 MODELS = ("embedding", "mlp")
 METHODS = "local,horovod_fp32,horovod_fp16,onebit"
 HIER_BANDWIDTHS = ("1gbit", "100mbit")
-HIER_METHODS = "local,horovod_fp32,onebit,onebit_hier"
+HIER_METHODS = "local,horovod_fp32,onebit,onebit_hierarchical"
 # steps per method: at 100 Mbit/s an fp32 step takes seconds, so fewer
 STEPS = {"100mbit": 6, "1gbit": 16, "10gbit": 16}
 WARMUP_FRAC = 0.25
@@ -50,7 +50,7 @@ def main() -> None:
 @click.option("--bandwidths", default=",".join(BANDWIDTHS), show_default=True)
 @click.option("--models", default=",".join(MODELS), show_default=True)
 @click.option("--hier-bandwidths", default=",".join(HIER_BANDWIDTHS), show_default=True,
-              help="Rates of the 2 nodes x 2 ranks runs with onebit_hier ('' for none).")
+              help="Rates of the 2 nodes x 2 ranks runs with onebit_hierarchical ('' for none).")
 @click.option("--hier-models", default=",".join(MODELS), show_default=True)
 @click.option("--steps-factor", default=1.0, show_default=True,
               help="Scale every run's steps (a reduced check on a short quiet spell).")

@@ -1,7 +1,7 @@
 """The convergence zoo: Horovod Adam against 1-bit Adam on model families nobody
 tuned for, 4 ranks, every cell's final held-out loss over Adam's on the same seed.
 
-``hvd-onebit bench zoo`` (or ``python benchmarks/zoo.py``) runs it; the modules, one job each:
+``hvd-onebit bench dev zoo`` (or ``python benchmarks/zoo.py``) runs it; the modules, one job each:
 
 * ``data.py``: the data sets, made from a seed (no downloads);
 * ``models.py``: the families (network, data, loss, batch sampler, held-out loss);

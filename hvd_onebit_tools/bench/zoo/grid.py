@@ -38,7 +38,8 @@ SCHEMES: dict[str, dict[str, Any]] = {
     "bounded_floor": {"experimental": replace(BOUNDED, zero_variance="floor")},
     # the variance kept current: "bounded" with refresh steps, on a sparse schedule
     # (bounded_refresh: 16-step gaps growing after 4 refreshes) and on 0/1 Adam's doubling one
-    # (bounded_refresh_doubling, the README's recommended one); each cell against "bounded"'s
+    # (bounded_refresh_doubling: variance_refresh="doubling", the tuning page's setting for
+    # long runs); each cell against "bounded"'s
     "bounded_refresh": {"variance_refresh": "doubling", "experimental": replace(
         BOUNDED, refresh_schedule={"first_interval": 16, "updates_per_interval": 4})},
     "bounded_refresh_doubling": {"variance_refresh": "doubling", "experimental": BOUNDED},

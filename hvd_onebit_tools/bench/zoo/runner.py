@@ -117,11 +117,12 @@ def run_zoo(families: Iterable[str], out_dir: Path, seeds: Iterable[int], scheme
             freezes: Optional[Iterable[str]] = None, lr_rules: Optional[Iterable[str]] = None,
             steps: Optional[int] = None, batch: Optional[int] = None, np: int = 4,
             timeout: float = 1200.0, resume: bool = False,
-            progress: Callable[[str], None] = print) -> dict:
+            progress: Callable[[str], None] = print, cluster=None) -> dict:
     """Run the zoo; return ``{"results": path, "failures": {family: message}, "seconds": s}``.
 
     Without ``resume`` the results file is started afresh; with it, cells already in it are
-    not run again (an interrupted zoo goes on where it stopped)."""
+    not run again (an interrupted zoo goes on where it stopped). ``cluster``: a started
+    :class:`hvd_onebit_tools.cluster.EmulatedCluster` the jobs run on (None: loopback)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = (out_dir / RESULTS).resolve()
@@ -145,7 +146,7 @@ def run_zoo(families: Iterable[str], out_dir: Path, seeds: Iterable[int], scheme
         t0 = time.monotonic()
         try:
             run_job(WORKER, np=np, kwargs={"cells": cells, "results": str(path)},
-                    timeout=timeout)
+                    timeout=timeout, cluster=cluster)
         except RankFailure as exc:
             failures[name] = str(exc)
             progress(f"[zoo] {name}: job failed after {time.monotonic() - t0:.0f}s: "

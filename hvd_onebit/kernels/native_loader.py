@@ -1,0 +1,105 @@
+"""Where the native kernels come from: the extension ``hvd_onebit._C`` built at install, or a
+build against the installed torch at first use, or none (the torch twins run instead).
+
+``pip install --no-build-isolation .`` compiles ``hvd_onebit._C`` against the environment's torch
+(``make setup`` does). A plain ``pip install .`` builds no extension (its isolated build
+environment holds no torch to compile against); the first job that asks for the native kernels
+then compiles ``kernels/csrc/onebit_kernels.cpp`` once with :func:`torch.utils.cpp_extension.load`
+(the compiler flags, C++ standard included, are the installed torch's own) into torch's extension
+cache, which later runs reuse.
+
+``HVD_ONEBIT_NATIVE=0`` turns both off (the torch twins run, for a test or a broken compiler);
+``HVD_ONEBIT_NATIVE=prebuilt`` uses only the installed extension (no compile at first use).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import os
+import sys
+import warnings
+from pathlib import Path
+from typing import Optional
+
+SOURCE = Path(__file__).resolve().parent / "csrc" / "onebit_kernels.cpp"
+ENV = "HVD_ONEBIT_NATIVE"
+FIX = ("install a C++ compiler (g++) and reinstall with `pip install --no-build-isolation .` "
+       "beside the torch you run, or let the first run compile them (HVD_ONEBIT_NATIVE unset)")
+
+
+@dataclasses.dataclass(frozen=True)
+class NativeKernels:
+    """The outcome of loading: the module (None when there is none), where it came from
+    ("installed", "compiled at first use" or "none") and, when none, why."""
+
+    module: Optional[object]
+    origin: str
+    reason: str = ""
+
+
+def _installed():
+    return importlib.import_module("hvd_onebit._C")
+
+
+NAME = "hvd_onebit_native"
+
+
+def _built_before() -> bool:
+    """Whether torch's extension cache already holds a build (then no compile message)."""
+    try:
+        from torch.utils.cpp_extension import _get_build_directory
+
+        folder = _get_build_directory(NAME, verbose=False)
+        return any(f.endswith(".so") for f in os.listdir(folder))
+    except Exception:  # noqa: BLE001 - a private helper of torch's: any failure means "unknown"
+        return False
+
+
+def _compile():
+    from torch.utils.cpp_extension import load
+
+    if not SOURCE.is_file():
+        raise FileNotFoundError(f"the kernel source {SOURCE} is not installed")
+    if not _built_before():
+        print(f"[hvd_onebit] compiling the native kernels against torch once ({SOURCE.name}); "
+              f"later runs reuse the build", file=sys.stderr, flush=True)
+    return load(name=NAME, sources=[str(SOURCE)], extra_cflags=["-O3", "-ffp-contract=off"],
+                verbose=False)
+
+
+@functools.lru_cache(maxsize=None)
+def load_native() -> NativeKernels:
+    """The native kernels of this process, loaded once (see the module docstring)."""
+    mode = os.environ.get(ENV, "1").strip().lower()
+    if mode in ("0", "off", "false", "no"):
+        return NativeKernels(None, "none", f"{ENV}={os.environ[ENV]} turns them off")
+    try:
+        return NativeKernels(_installed(), "installed")
+    except ImportError as exc:
+        installed_error = f"hvd_onebit._C does not import ({exc})"
+    if mode == "prebuilt":
+        return NativeKernels(None, "none", installed_error)
+    try:
+        return NativeKernels(_compile(), "compiled at first use")
+    except Exception as exc:  # noqa: BLE001 - any compiler or loader failure means: no native
+        first_line = str(exc).strip().splitlines()[:1] or [type(exc).__name__]
+        return NativeKernels(None, "none",
+                             f"{installed_error}, and compiling them failed: {first_line[0]}")
+
+
+_warned = []
+
+
+def warn_fallback_once() -> None:
+    """Warn once per process that CPU kernels run as the torch twins, with the slowdown and fix."""
+    if _warned:
+        return
+    _warned.append(True)
+    native = load_native()
+    warnings.warn(
+        "hvd_onebit: the native CPU kernels are not available, so sign compression runs as the "
+        "torch twins, an order of magnitude slower (`hvd-onebit bench dev kernel` measures both), "
+        f"which can cost more than 1-bit Adam saves. Why: {native.reason}. Fix: {FIX}. "
+        "`hvd-onebit check` reports the kernels this environment uses.",
+        RuntimeWarning, stacklevel=3)

@@ -1,0 +1,105 @@
+"""`hvd-onebit check --np N`, run on every rank of a job (``horovodrun -np N hvd-onebit check
+--np N``): a short allreduce probe measures the link between the ranks, and rank 0 prices 1-bit
+Adam on it with the scale model (:mod:`hvd_onebit_tools.bench.predict`) for the given
+parameters and compute per step."""
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from typing import List, Optional
+
+PROBE_ELEMENTS = 4 << 20  # float32 elements per probe allreduce: large enough to be bandwidth-bound
+PROBE_REPEATS = 5
+LAUNCHED = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
+
+
+@dataclasses.dataclass(frozen=True)
+class LinkProbe:
+    """What the probe measured: ranks, the median time of an fp32 allreduce of ``elements``, and
+    the bus rate it implies (a ring allreduce moves ``2 (n-1)/n`` of the buffer per rank)."""
+
+    ranks: int
+    elements: int
+    seconds: float
+
+    @property
+    def bus_bps(self) -> float:
+        moved = 2 * (self.ranks - 1) / self.ranks * 4 * self.elements
+        return 8 * moved / self.seconds
+
+
+def launched() -> bool:
+    return any(k in os.environ for k in LAUNCHED)
+
+
+def probe(np_: int, elements: int = PROBE_ELEMENTS, repeats: int = PROBE_REPEATS) -> LinkProbe:
+    """Every rank: a warm-up allreduce, then the median of ``repeats`` timed ones."""
+    import horovod.torch as hvd
+    import torch
+
+    hvd.init()
+    if hvd.size() != np_:
+        raise RuntimeError(f"--np {np_} but this job has {hvd.size()} ranks")
+    x = torch.ones(elements)
+    hvd.allreduce(x, name="hvd_onebit_check.warmup")
+    times = []
+    for i in range(repeats):
+        t0 = time.perf_counter()
+        hvd.allreduce(x, name=f"hvd_onebit_check.{i}")
+        times.append(time.perf_counter() - t0)
+    return LinkProbe(hvd.size(), elements, sorted(times)[len(times) // 2])
+
+
+def model_rate(model, link: LinkProbe) -> Optional[float]:
+    """The link rate (bit/s) at which the scale model's fp32 allreduce of the probe's buffer
+    takes the probed time: the probe's time less the hosts' own costs, as the model prices them.
+    None when even an unlimited link is slower in the model (the hosts, not the link, bound it)."""
+    from .bench.predict.job import Job
+    from .bench.predict.sweep import sweep
+
+    job = Job(params=link.elements, compute_s=0.0, adam_s=0.0, warmup_frac=0.0)
+
+    def seconds(bps: float) -> float:
+        return sweep(model, job, [link.ranks], [bps],
+                     methods=("horovod_fp32",))[0]["methods"]["horovod_fp32"]["step_s"]
+
+    low, high = 1e6, 1e13
+    if seconds(high) >= link.seconds:
+        return None
+    if seconds(low) <= link.seconds:
+        return low
+    for _ in range(60):  # bisection in log space: the model's time falls as the rate rises
+        mid = (low * high) ** 0.5
+        low, high = (mid, high) if seconds(mid) > link.seconds else (low, mid)
+    return high
+
+
+def predict(link: LinkProbe, params: str, compute_ms: float,
+            calibration: Optional[str] = None) -> List[str]:
+    """The scale model's fp32 and 1-bit steps at the probed rate, as lines to print."""
+    from .bench.calibrate.files import load_or_shipped
+    from .bench.predict.job import Job, parse_params
+    from .bench.predict.model import Model
+    from .bench.predict.sweep import sweep
+    from .docs_tables import freeze_guidance
+
+    cal = load_or_shipped(calibration, note=lambda s: None)
+    model = Model(cal, None)
+    rate = model_rate(model, link)
+    job = Job(params=parse_params(params), model=None, compute_s=compute_ms / 1e3, adam_s=None,
+              warmup_frac=0.0, kernel_speedup=1.0, host_speedup=1.0)
+    row = sweep(model, job, [link.ranks], [rate or 1e13],
+                methods=("horovod_fp32", "onebit"))[0]["methods"]
+    fp32, onebit = row["horovod_fp32"], row["onebit"]
+    speedup = onebit["step_speedup_vs_fp32"]
+    verdict = ("1-bit Adam should help here" if speedup > 1.1 else
+               "little to gain here: the link is not the bottleneck")
+    modelled = ("faster than the calibrated hosts: the link is not what bounds it" if rate is None
+                else f"the scale model's link rate for it: {rate / 1e9:.2f} Gbit/s")
+    return [f"link: {link.ranks} ranks, fp32 allreduce of {4 * link.elements / 2**20:.0f} MiB in "
+            f"{link.seconds * 1e3:.1f} ms, {link.bus_bps / 1e9:.2f} Gbit/s bus rate; {modelled}",
+            f"predicted step ({params} parameters, {compute_ms:g} ms compute): Horovod fp32 "
+            f"{fp32['step_s'] * 1e3:.1f} ms, 1-bit Adam {onebit['step_s'] * 1e3:.1f} ms "
+            f"({speedup:.2f}x): {verdict}",
+            f"freeze point: {freeze_guidance()}"]

@@ -1,0 +1,229 @@
+"""The documentation's generated parts: every results table from a committed JSON that a
+benchmark printed, and the settings that matter from the code itself (defaults from
+``DistributedOptimizer``'s signature, guidance from its docstring), so no figure or default is
+copied by hand.
+
+``python -m hvd_onebit_tools.docs_tables`` writes ``docs/_generated/*.md`` (the Sphinx site
+includes them; ``docs/conf.py`` also runs this at every build) and refreshes the README's block
+between the ``generated:`` markers. ``--check`` exits 1 when the README's block is stale.
+"""
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Callable, Dict, List, Sequence
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+OUT = DOCS / "_generated"
+README = ROOT / "README.md"
+SETTINGS = ("freeze_step", "variance_refresh", "hierarchical")
+ZOO_SCHEMES = {"bounded": "1-bit Adam (defaults)",
+               "bounded_refresh_doubling": "with variance_refresh=\"doubling\""}
+
+
+def _load(name: str) -> dict:
+    return json.loads((DOCS / name).read_text())
+
+
+def table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def provenance(source: str, data: dict) -> str:
+    """Where a table's figures come from: the file, its command, and the machine, commit and
+    date where the JSON records them."""
+    parts = [f"From `docs/{source}`, printed by `{data.get('command', 'its benchmark')}`"]
+    for key in ("machine", "commit", "date", "versions"):
+        if key in data:
+            value = data[key]
+            parts.append(f"{key}: {json.dumps(value) if isinstance(value, dict) else value}")
+    missing = [k for k in ("machine", "commit", "date") if k not in data]
+    if missing:
+        parts.append(f"the JSON does not record its {', '.join(missing)}")
+    return "; ".join(parts) + "."
+
+
+def headline() -> str:
+    """Adam against 1-bit Adam on the language-model example (docs/convergence.json)."""
+    d = _load("convergence.json")
+    rows = [["Adam (Horovod allreduce)", f"{d['final_val_loss_adam']:.4f}",
+             f"{d['total_bytes_per_rank_adam'] / 1e6:,.0f}", f"{d['samples_per_sec_adam']:.0f}"],
+            [f"1-bit Adam (freeze_step {d['freeze_step']})",
+             f"{d['final_val_loss_onebit']:.4f}", f"{d['total_bytes_per_rank_onebit'] / 1e6:,.0f}",
+             f"{d['samples_per_sec_onebit_compression']:.0f} (compression phase)"]]
+    where = (f"`examples/train_lm.py`, {d['world_size']} CPU ranks, {d['steps']} steps, "
+             f"{d['params']:,} parameters.")
+    return "\n\n".join([where, table(["optimizer", "final validation loss",
+                                      "MB sent per rank", "samples/s"], rows),
+                        provenance("convergence.json", d)])
+
+
+def freeze_runs(example: str) -> str:
+    name = f"auto_freeze_{example}.json"
+    d = _load(name)
+    rows = []
+    for run, r in d["runs"].items():
+        freeze = "-" if r["freeze_step"] is None else f"{r['freeze_step']}"
+        rows.append([run, freeze, f"{r['final_val_loss']:.4f}", f"{r['ratio_to_adam']:.3f}",
+                     f"{r['total_bytes_per_rank'] / 1e6:,.0f}"])
+    return "\n\n".join([table(["run", "freeze step", "final validation loss", "ratio to Adam",
+                               "MB sent per rank"], rows), provenance(name, d)])
+
+
+def zoo(folder: str = "zoo") -> str:
+    """Every family: the defaults and the refresh against Adam, median and worst cell."""
+    d = _load(f"{folder}/summary.json")
+    families = sorted({f for s in ZOO_SCHEMES if s in d["families"] for f in d["families"][s]})
+    header = ["family"] + [f"{label}: median / worst ratio to Adam"
+                           for s, label in ZOO_SCHEMES.items() if s in d["families"]]
+    rows = []
+    for fam in families:
+        row = [fam]
+        for s in ZOO_SCHEMES:
+            if s in d["families"]:
+                f = d["families"][s].get(fam)
+                row.append("-" if f is None else
+                           f"{f['median_ratio']:.3f} / {f['max_ratio']:.3f}"
+                           + (f", {f['divergences']} diverged" if f["divergences"] else ""))
+        rows.append(row)
+    totals = ["every cell"] + [
+        f"{d['schemes'][s]['median_ratio']:.3f} / {d['schemes'][s]['max_ratio']:.3f}, "
+        f"{d['schemes'][s]['divergences']} diverged of {d['schemes'][s]['cells']}"
+        for s in ZOO_SCHEMES if s in d["schemes"]]
+    note = (f"Final {d['metric']} loss over Adam's in each cell (family, lr rule, freeze, seed; "
+            f"{d['runs']} runs in the file). From `docs/{folder}/summary.json`, printed by "
+            f"`hvd-onebit bench dev zoo`.")
+    return "\n\n".join([table(header, rows + [totals]), note])
+
+
+def zoo_figure(folder: str = "zoo", scheme: str = "bounded") -> Path:
+    """One readable zoo figure: the defaults against Adam in every family (rows) and lr rule x
+    freeze (columns), each cell the median over seeds of the final-loss ratio."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    d = _load(f"{folder}/summary.json")
+    cells = [c for c in d["cells"] if c["scheme"] == scheme]
+    families = sorted({c["family"] for c in cells})
+    columns = sorted({(c["lr_rule"], c["freeze"]) for c in cells})
+    grid = np.full((len(families), len(columns)), np.nan)
+    for i, fam in enumerate(families):
+        for j, col in enumerate(columns):
+            ratios = [c["ratio"] for c in cells if c["family"] == fam
+                      and (c["lr_rule"], c["freeze"]) == col and c["ratio"] is not None]
+            if ratios:
+                grid[i, j] = float(np.median(ratios))
+    fig, ax = plt.subplots(figsize=(1.1 * len(columns) + 3, 0.45 * len(families) + 1.6))
+    span = max(0.05, float(np.nanmax(np.abs(np.log(grid)))))
+    im = ax.imshow(np.log(grid), cmap="RdBu_r", vmin=-span, vmax=span, aspect="auto")
+    ax.set_xticks(range(len(columns)), [f"{lr} lr\nfreeze {fr}" for lr, fr in columns],
+                  fontsize=8)
+    ax.set_yticks(range(len(families)), families, fontsize=8)
+    for i in range(len(families)):
+        for j in range(len(columns)):
+            if not np.isnan(grid[i, j]):
+                ax.text(j, i, f"{grid[i, j]:.2f}", ha="center", va="center", fontsize=7)
+    ax.set_title("1-bit Adam (defaults) over Adam, final loss, median over seeds "
+                 "(below 1: better than Adam)", fontsize=9)
+    fig.colorbar(im, ax=ax, label="log ratio")
+    fig.tight_layout()
+    OUT.mkdir(exist_ok=True)
+    path = OUT / f"{folder}_{scheme}.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def settings() -> str:
+    """The settings that matter: each option's default from the signature and its guidance
+    from the docstring's Args."""
+    from hvd_onebit import DistributedOptimizer
+
+    signature = inspect.signature(DistributedOptimizer)
+    doc = inspect.getdoc(DistributedOptimizer) or ""
+    rows = []
+    for name in SETTINGS:
+        default = signature.parameters[name].default
+        default = "required" if default is inspect.Parameter.empty else f"`{default!r}`"
+        rows.append([f"`{name}`", default, arg_doc(doc, name)])
+    return table(["setting", "default", "guidance (DistributedOptimizer's docstring)"], rows)
+
+
+def freeze_guidance() -> str:
+    """The docstring's guidance for ``freeze_step``, as the tuning page shows it."""
+    from hvd_onebit import DistributedOptimizer
+
+    return arg_doc(inspect.getdoc(DistributedOptimizer) or "", "freeze_step")
+
+
+def arg_doc(doc: str, name: str) -> str:
+    """One entry of a Google-style Args section, joined into one line, its type dropped."""
+    match = re.search(rf"^(\s*){name} \([^)]*\): (.*?)(?=^\1\S|\Z)", doc, re.M | re.S)
+    if not match:
+        raise ValueError(f"DistributedOptimizer's docstring documents no argument {name!r}")
+    return " ".join(match.group(2).split()).replace("|", "\\|")
+
+
+PARTS: Dict[str, Callable[[], str]] = {
+    "headline": headline, "settings": settings, "freeze_lm": lambda: freeze_runs("lm"),
+    "freeze_digits": lambda: freeze_runs("digits"), "zoo": zoo,
+    "zoo_long": lambda: zoo("zoo_long")}
+README_PARTS = ("settings", "headline")
+
+
+def readme_with(text: str, parts: Dict[str, str]) -> str:
+    for name in README_PARTS:
+        start, end = f"<!-- generated:{name} -->", f"<!-- /generated:{name} -->"
+        pattern = re.compile(re.escape(start) + ".*?" + re.escape(end), re.S)
+        if not pattern.search(text):
+            raise ValueError(f"README.md has no {start} ... {end} block")
+        text = pattern.sub(lambda _: f"{start}\n{parts[name]}\n{end}", text)
+    return text
+
+
+def generate() -> Dict[str, str]:
+    return {name: make() for name, make in PARTS.items()}
+
+
+def write(parts: Dict[str, str]) -> List[Path]:
+    OUT.mkdir(exist_ok=True)
+    paths = [zoo_figure("zoo"), zoo_figure("zoo_long")]
+    for name, text in parts.items():
+        path = OUT / f"{name}.md"
+        if not path.exists() or path.read_text() != text + "\n":
+            path.write_text(text + "\n")
+        paths.append(path)
+    return paths
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--check", action="store_true", help="exit 1 if README's blocks are stale")
+    args = p.parse_args(argv)
+    parts = generate()
+    current = README.read_text()
+    fresh = readme_with(current, parts)
+    if args.check:
+        if fresh != current:
+            print("README.md's generated blocks are stale: run python -m "
+                  "hvd_onebit_tools.docs_tables", file=sys.stderr)
+            return 1
+        return 0
+    write(parts)
+    if fresh != current:
+        README.write_text(fresh)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,14 @@
+"""The `hvd-onebit` console script: the CLI needs the tools extra (click); say so when it is
+missing instead of a traceback."""
+from __future__ import annotations
+
+import importlib.util
+import sys
+
+
+def main() -> None:
+    if importlib.util.find_spec("click") is None:
+        sys.exit("hvd-onebit needs the tools extra: pip install 'hvd_onebit[tools]' (click)")
+    from .cli import main as cli_main
+
+    cli_main()

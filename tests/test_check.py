@@ -1,0 +1,133 @@
+"""`hvd-onebit check` and the native kernels' loader: what a user sees about their environment.
+
+The fallback runs in a child interpreter with ``HVD_ONEBIT_NATIVE=0``: the loader decides once
+per process, and this process has the native kernels."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from hvd_onebit import kernels
+from hvd_onebit.kernels.native_loader import load_native
+from hvd_onebit_tools.check import FIX, OK, findings, report
+
+from .cli import hvd_onebit
+
+FALLBACK = """
+import json, warnings, torch
+from hvd_onebit import kernels
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    picked = [kernels.resolve_backend("auto", torch.device("cpu")) for _ in range(3)]
+print(json.dumps({"picked": picked, "warnings": [str(w.message) for w in caught],
+                  "categories": [w.category.__name__ for w in caught]}))
+"""
+
+
+def _child(code: str, **env) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=dict(os.environ, **env), timeout=300)
+
+
+def test_the_native_kernels_load_here_and_auto_picks_them_on_cpu():
+    native = load_native()
+    assert native.module is not None, f"no native kernels in the test environment: {native}"
+    assert kernels.resolve_backend("auto", torch.device("cpu")) == "native"
+
+
+def test_without_native_kernels_auto_falls_back_to_torch_and_warns_once_naming_the_fix():
+    out = _child(FALLBACK, HVD_ONEBIT_NATIVE="0")
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["picked"] == ["torch"] * 3
+    assert got["categories"] == ["RuntimeWarning"], got
+    message = got["warnings"][0]
+    for words in ("torch twins", "slower", "HVD_ONEBIT_NATIVE=0", "--no-build-isolation",
+                  "hvd-onebit check"):
+        assert words in message, f"{words!r} missing from the warning: {message}"
+
+
+def test_asking_for_native_kernels_that_are_off_names_why():
+    code = ("import torch\nfrom hvd_onebit import kernels\n"
+            "try:\n    kernels.resolve_backend('native', torch.device('cpu'))\n"
+            "except RuntimeError as e:\n    print(e)\n")
+    out = _child(code, HVD_ONEBIT_NATIVE="0")
+    assert "native kernels are not available: HVD_ONEBIT_NATIVE=0" in out.stdout, out
+
+
+def test_check_reports_every_part_and_ready_here():
+    found = findings()
+    parts = [f.part for f in found]
+    assert parts == ["torch", "horovod", "native kernels", "triton", "/dev/shm",
+                     "MPI thread level"]
+    by_part = {f.part: f for f in found}
+    assert by_part["torch"].found.startswith(torch.__version__), by_part["torch"]
+    assert by_part["horovod"].status == OK and "gloo" in by_part["horovod"].found, by_part
+    assert by_part["native kernels"].status == OK, by_part["native kernels"]
+    assert by_part["MPI thread level"].status == OK, by_part["MPI thread level"]
+    text = report(found)
+    assert text.splitlines()[-1] == "ready", text
+    assert all(f.fix for f in found if f.status == FIX), f"a FIX without its fix: {found}"
+
+
+def test_check_command_prints_the_report_and_a_fix_where_kernels_are_off():
+    out = subprocess.run([sys.executable, "-m", "hvd_onebit_tools.cli", "check"],
+                         capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, HVD_ONEBIT_NATIVE="0"))
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    native = [i for i, line in enumerate(lines) if line.startswith("native kernels")]
+    assert len(native) == 1 and " FIX " in lines[native[0]], out.stdout
+    assert "fix: install a C++ compiler" in lines[native[0] + 1], out.stdout
+    assert lines[-1] == "ready", out.stdout
+
+
+def test_help_lists_check_and_the_cluster():
+    out = hvd_onebit(["--help"])
+    assert out.exit_code == 0, out.output
+    assert "check" in out.output and "cluster" in out.output, out.output
+
+
+def test_without_iproute2_the_cluster_stays_in_help_with_the_reason():
+    bin_dir = os.path.dirname(sys.executable)
+    out = subprocess.run([sys.executable, "-m", "hvd_onebit_tools.cli", "--help"],
+                         capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, PATH=bin_dir))
+    assert out.returncode == 0, out.stderr
+    line = [line for line in out.stdout.splitlines() if line.strip().startswith("cluster")]
+    assert len(line) == 1 and "unavailable" in line[0] and "iproute2" in out.stdout, out.stdout
+    run = subprocess.run([sys.executable, "-m", "hvd_onebit_tools.cli", "cluster", "run",
+                          "--np", "2", "--", "true"], capture_output=True, text=True,
+                         timeout=300, env=dict(os.environ, PATH=bin_dir))
+    assert run.returncode == 2 and "ip and tc not found" in run.stderr, run.stderr
+
+
+def test_np_outside_a_job_says_how_to_launch_it():
+    out = hvd_onebit(["check", "--np", "4", "--params", "10M", "--compute-ms", "50"])
+    assert out.exit_code == 2, out.output
+    assert "horovodrun -np 4 hvd-onebit check --np 4 --params 10M --compute-ms 50" in out.output
+
+
+@pytest.mark.multirank
+def test_np_under_horovodrun_probes_the_link_and_prices_the_step():
+    bin_dir = os.path.dirname(sys.executable)
+    out = subprocess.run([os.path.join(bin_dir, "horovodrun"), "-np", "2", "-H", "localhost:2",
+                          "--gloo", sys.executable, "-m", "hvd_onebit_tools.cli", "check", "--np",
+                          "2", "--params", "10M", "--compute-ms", "50"],
+                         capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, PATH=bin_dir + os.pathsep + os.environ["PATH"]))
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = [line.split(":", 1)[1] for line in out.stdout.splitlines()
+             if line.startswith("[0]<stdout>:")]
+    assert not any(line.startswith("[1]<stdout>:ready") for line in out.stdout.splitlines()), \
+        f"rank 1 printed a report too:\n{out.stdout}"
+    link = [line for line in lines if line.startswith("link: 2 ranks")]
+    assert len(link) == 1 and "Gbit/s bus rate" in link[0], lines
+    step = [line for line in lines if line.startswith("predicted step (10M parameters, 50 ms")]
+    assert len(step) == 1 and "Horovod fp32" in step[0] and "1-bit Adam" in step[0], lines
+    assert any(line.startswith("freeze point: ") for line in lines), lines

@@ -1,0 +1,56 @@
+"""The documentation cannot rot: the Sphinx site builds with warnings as errors (the API from the
+docstrings, the CLI from click, the results from the committed JSON), and the README's generated
+blocks match the code and the JSON they come from."""
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from hvd_onebit_tools import docs_tables
+
+REPO = Path(__file__).resolve().parents[1]
+PAGES = ("install", "usage", "tuning", "checkpoints", "hierarchical", "troubleshooting",
+         "how-it-works", "predicting", "gpu", "results", "limitations", "api", "cli")
+
+
+def test_the_site_builds_without_a_warning(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "sphinx", "-W", "--keep-going", "-q", "-b",
+                          "html", str(REPO / "docs"), str(tmp_path)], capture_output=True,
+                         text=True, timeout=600, cwd=REPO)
+    assert out.returncode == 0, out.stdout + out.stderr
+    missing = [p for p in PAGES if not (tmp_path / f"{p}.html").is_file()]
+    assert not missing, f"pages not built: {missing}"
+    api = (tmp_path / "api.html").read_text()
+    for name in ("freeze_step", "variance_refresh", "hierarchical", "Experimental"):
+        assert name in api, f"the API page does not document {name}"
+    cli = (tmp_path / "cli.html").read_text()
+    for command in ("check", "bench-train", "bench-predict", "bench-dev-kernel", "cluster"):
+        assert f'id="hvd-onebit-{command}"' in cli, f"the CLI page has no hvd-onebit {command}"
+
+
+def test_the_readme_blocks_are_generated_from_the_code_and_the_json():
+    readme = (REPO / "README.md").read_text()
+    assert docs_tables.readme_with(readme, docs_tables.generate()) == readme, \
+        "README.md's generated blocks are stale: run python -m hvd_onebit_tools.docs_tables"
+
+
+def test_the_settings_table_takes_each_default_from_the_signature():
+    import inspect
+
+    from hvd_onebit import DistributedOptimizer
+
+    settings = docs_tables.settings()
+    for name in docs_tables.SETTINGS:
+        default = inspect.signature(DistributedOptimizer).parameters[name].default
+        shown = "required" if default is inspect.Parameter.empty else f"`{default!r}`"
+        row = [line for line in settings.splitlines() if line.startswith(f"| `{name}` |")]
+        assert len(row) == 1 and f"| {shown} |" in row[0], f"{name}: {row} lacks {shown}"
+
+
+def test_the_readme_is_short_and_undated():
+    lines = (REPO / "README.md").read_text().splitlines()
+    assert len(lines) <= 200, f"README.md has {len(lines)} lines"
+    dated = [line for line in lines if re.search(r"\b20\d\d-\d\d-\d\d\b", line)]
+    assert not dated, f"dated lines in README.md: {dated}"
