@@ -113,7 +113,7 @@ class SharedFace:
         changing nothing (:meth:`~hvd_onebit.engine.CompressedStep.flush_error_feedback`)."""
         if not self._phases.compressing() or self.config.compressor != "onebit":
             return 0
-        self._engine.ensure_ready(self._view.active_parameters())  # applies loaded errors
+        self._engine.ensure_ready(self._view.adam.active_parameters())  # applies loaded errors
         start = time.perf_counter()
         nbytes = self._engine.flush_error_feedback(self.param_groups)
         self._telemetry.add(nbytes, time.perf_counter() - start)

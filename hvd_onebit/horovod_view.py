@@ -12,39 +12,17 @@ import horovod.torch as hvd
 import torch
 from horovod.torch.optimizer import _DistributedOptimizer
 
+from .optimizer_view import WrappedAdam
+
 
 class HorovodView:
-    """Param groups, state and Horovod's machinery of one optimizer, read through."""
+    """The wrapped Adam (``adam``) and Horovod's machinery of one optimizer, read through."""
 
     def __init__(self, optimizer, optimizer_class: type):
         self._opt = optimizer
-        self._cls = optimizer_class  # the built class: super() of it is the wrapped Adam
-
-    # ---- the optimizer's containers (current after every load) ----------------------------------
-
-    @property
-    def param_groups(self) -> list[dict]:
-        return self._opt.param_groups
-
-    @property
-    def state(self) -> dict:
-        return self._opt.state
-
-    @property
-    def optimizer_id(self) -> int:
-        """The key GradScaler files its record of this optimizer under."""
-        return id(self._opt)
-
-    def parameters(self) -> list[torch.Tensor]:
-        return [p for g in self._opt.param_groups for p in g["params"]]
-
-    def active_parameters(self) -> list[torch.Tensor]:
-        """The parameters that take gradients now (requires_grad may change during a run)."""
-        return [p for p in self.parameters() if p.requires_grad]
-
-    def decoupled(self, group: dict) -> bool:
-        """Whether ``group`` decays weights as AdamW does (decoupled) rather than through L2."""
-        return bool(group.get("decoupled_weight_decay", isinstance(self._opt, torch.optim.AdamW)))
+        self.adam = WrappedAdam(  # Horovod's load also forgets its pending handles
+            optimizer, optimizer_class,
+            lambda state_dict: _DistributedOptimizer.load_state_dict(optimizer, state_dict))
 
     # ---- Horovod's options and bookkeeping --------------------------------------------------------
 
@@ -112,30 +90,11 @@ class HorovodView:
         delay[p] -= 1
         return delay[p] == 0
 
-    # ---- Horovod's and Adam's actions ---------------------------------------------------------------
+    # ---- Horovod's actions ---------------------------------------------------------------
 
     def synchronize(self) -> None:
         """Horovod's synchronize: wait for the gradient allreduces the hooks started."""
         _DistributedOptimizer.synchronize(self._opt)
-
-    def adam_step(self) -> None:
-        """The wrapped Adam's own step on the gradients as they are."""
-        super(self._cls, self._opt).step()
-
-    def torch_state_dict(self) -> dict:
-        """The wrapped Adam's own state_dict (torch's)."""
-        return super(self._cls, self._opt).state_dict()
-
-    def load_torch_state_dict(self, state_dict: dict) -> None:
-        """torch's load_state_dict, keeping the identity of the state container (torch
-        replaces it; the engine and the phases hold it)."""
-        kept = self._opt.state
-        _DistributedOptimizer.load_state_dict(self._opt, state_dict)
-        loaded = self._opt.state
-        if loaded is not kept:
-            kept.clear()
-            kept.update(loaded)
-            self._opt.state = kept
 
     def refresh_hooks(self, make_hook) -> None:
         """Follow requires_grad changes: hook newly trainable parameters (``make_hook(p)``),
@@ -144,7 +103,7 @@ class HorovodView:
         if not (opt.process_set.included() and hvd.size() > 1):
             return
         hooked = {id(p) for p in opt._requires_update}
-        for p in self.parameters():
+        for p in self.adam.parameters():
             if p.requires_grad and id(p) not in hooked:
                 grad_acc = p.expand_as(p).grad_fn.next_functions[0][0]
                 grad_acc.register_hook(make_hook(p))

@@ -6,24 +6,77 @@ framework, so a module typed against it runs under either.
 """
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Callable, Optional, Protocol
 
 import torch
 
 
-class OptimizerView(Protocol):
-    """The optimizer's containers, read through (current after every load), and the few
-    actions of the face's framework the phases need."""
+class WrappedAdam:
+    """The containers and the own actions of the Adam a face wraps, read through: torch's
+    ``load_state_dict`` replaces the containers, so each read is current after every load.
+    Both faces' views hold one as ``adam``.
+
+    Args:
+        optimizer: the built optimizer (its class derives from the wrapped Adam class).
+        optimizer_class: that built class (super() of it is the wrapped Adam).
+        load_state_dict: the load the face's framework runs (default: the wrapped Adam's own).
+    """
+
+    def __init__(self, optimizer, optimizer_class: type,
+                 load_state_dict: Optional[Callable[[dict], None]] = None):
+        self._opt = optimizer
+        self._cls = optimizer_class
+        self._load = load_state_dict or super(optimizer_class, optimizer).load_state_dict
 
     @property
-    def param_groups(self) -> list[dict]: ...
+    def param_groups(self) -> list[dict]:
+        return self._opt.param_groups
 
     @property
-    def state(self) -> dict: ...
+    def state(self) -> dict:
+        return self._opt.state
 
     @property
     def optimizer_id(self) -> int:
         """The key GradScaler files its record of this optimizer under."""
+        return id(self._opt)
+
+    def parameters(self) -> list[torch.Tensor]:
+        return [p for g in self._opt.param_groups for p in g["params"]]
+
+    def active_parameters(self) -> list[torch.Tensor]:
+        """The parameters that take gradients now (requires_grad may change during a run)."""
+        return [p for p in self.parameters() if p.requires_grad]
+
+    def decoupled(self, group: dict) -> bool:
+        """Whether ``group`` decays weights as AdamW does (decoupled) rather than through L2."""
+        return bool(group.get("decoupled_weight_decay", isinstance(self._opt, torch.optim.AdamW)))
+
+    def adam_step(self) -> None:
+        """The wrapped Adam's own step on the gradients as they are."""
+        super(self._cls, self._opt).step()
+
+    def torch_state_dict(self) -> dict:
+        """The wrapped Adam's own state_dict (torch's)."""
+        return super(self._cls, self._opt).state_dict()
+
+    def load_torch_state_dict(self, state_dict: dict) -> None:
+        """The framework's load_state_dict, keeping the identity of the state container (torch
+        replaces it; the engine and the phases hold it)."""
+        kept = self._opt.state
+        self._load(state_dict)
+        loaded = self._opt.state
+        if loaded is not kept:
+            kept.clear()
+            kept.update(loaded)
+            self._opt.state = kept
+
+
+class OptimizerView(Protocol):
+    """The wrapped Adam (:class:`WrappedAdam`) and the few things of the face's framework the
+    phases need."""
+
+    adam: WrappedAdam
 
     @property
     def sparse_as_dense(self) -> bool:
@@ -38,19 +91,6 @@ class OptimizerView(Protocol):
 
     synchronized: bool  # the script called synchronize() before step() (Horovod's flag)
 
-    def parameters(self) -> list[torch.Tensor]: ...
-
-    def active_parameters(self) -> list[torch.Tensor]: ...
-
-    def decoupled(self, group: dict) -> bool: ...
-
     def name_of(self, p: torch.Tensor) -> str: ...
 
     def reset_backward_passes(self) -> None: ...
-
-    def adam_step(self) -> None:
-        """The wrapped Adam's own step on the gradients as they are."""
-
-    def torch_state_dict(self) -> dict: ...
-
-    def load_torch_state_dict(self, state_dict: dict) -> None: ...

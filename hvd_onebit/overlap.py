@@ -81,14 +81,14 @@ class Overlap:
         """At the step's first ready gradient: whether buckets start early this time (overlap
         on, and the buckets up to date: step() rebuilds them otherwise)."""
         self._decided = True
-        engine, active = self._engine, self._view.active_parameters()
+        engine, active = self._engine, self._view.adam.active_parameters()
         if not (self._enabled and self.off_reason is None and engine.up_to_date(active)):
             return None
         engine.ensure_ready(active)
         if not engine.can_start_early:
             return None
         engine.begin_step()
-        groups = groups_by_param(self._view.param_groups)
+        groups = groups_by_param(self._view.adam.param_groups)
         scaler = self._scaler_ref() if self._scaler_ref is not None else None
         if scaler is not None and not has_scale(scaler):
             scaler = None
@@ -112,7 +112,7 @@ class Overlap:
                          for q in params}
                 for q in params:
                     early.read[q] = inputs_of(q, early.groups[q])
-                engine.start_bucket(self._view.param_groups, grads)
+                engine.start_bucket(self._view.adam.param_groups, grads)
         except Exception:
             # e.g. a sparse gradient: step() computes the rest and raises the error itself, on
             # every rank, after waiting out what started

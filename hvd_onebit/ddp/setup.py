@@ -98,12 +98,12 @@ def build(view: DDPView, config: OneBitConfig, group, model) -> Parts:
     schedule = Schedule(view, config)
     schedule.freeze_step = None if config.auto else config.freeze_step
     telemetry = Telemetry()
-    init_adam_state(view.param_groups, view.state)
-    engine = CompressedStep(config, view.state, view.decoupled, transport=TorchJob(group),
+    init_adam_state(view.adam.param_groups, view.adam.state)
+    engine = CompressedStep(config, view.adam.state, view.adam.decoupled, transport=TorchJob(group),
                             names=view.names)
     warmup = DDPWarmup(view, schedule, telemetry, engine)
     phases = Phases(view, config, schedule, telemetry, engine, warmup,
-                    lambda steps: check_identical(view.param_groups, group, steps,
+                    lambda steps: check_identical(view.adam.param_groups, group, steps,
                                                   config.check_every))
     hook = CommHook(group, lambda: not phases.compressing() or phases.refreshing(),
                     phases.compression.overlap if config.overlap else None)

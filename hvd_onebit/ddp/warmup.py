@@ -39,17 +39,17 @@ class DDPWarmup:
         Before the warmup's last step the compression phase's buckets are fused, so that the
         first compressed step's buckets can start from DDP's hook."""
         self._view.synchronized = False
-        active, engine = self._view.active_parameters(), self._engine
+        active, engine = self._view.adam.active_parameters(), self._engine
         if (self._schedule.last_warmup_step_next() and engine.world > 1
                 and not engine.up_to_date(active)):
             engine.fuse(active)
 
     def averaged_gradients(self) -> list[torch.Tensor]:
-        return [p.grad for p in self._view.parameters() if p.grad is not None]
+        return [p.grad for p in self._view.adam.parameters() if p.grad is not None]
 
     def step_bytes(self) -> int:
         """Bytes a bandwidth-optimal ring allreduce sends per rank for the gradients."""
-        total = sum(p.numel() * p.element_size() for p in self._view.active_parameters())
+        total = sum(p.numel() * p.element_size() for p in self._view.adam.active_parameters())
         return ring_allreduce_bytes(total, self._engine.world)
 
     def begin(self) -> None:

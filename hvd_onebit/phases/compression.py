@@ -70,13 +70,13 @@ class CompressionPhase:
         early = overlap.current
         if early is None:
             engine.begin_step()
-        engine.ensure_ready(self._view.active_parameters())
+        engine.ensure_ready(self._view.adam.active_parameters())
         stale = (changed and engine.started > 0) or overlap.stale()
         if stale and overlap.off_reason is None:
             overlap.turn_off("gradients changed between backward and step()")
             warnings.warn(STALE_WARNING)
         started = set() if stale or early is None else set(early.read)
-        groups = groups_by_param(self._view.param_groups)
+        groups = groups_by_param(self._view.adam.param_groups)
         grads = LocalGrads(self.local_grad, groups)
         try:  # before anything more starts: a bad gradient raises here, on every rank
             for p in engine.params:
@@ -88,7 +88,7 @@ class CompressionPhase:
         start = time.perf_counter()
         telemetry = self._telemetry
         try:
-            nbytes = engine.step(self._view.param_groups, grads, stale=stale)
+            nbytes = engine.step(self._view.adam.param_groups, grads, stale=stale)
         except NonFiniteInputError as exc:
             telemetry.skipped_steps += 1
             telemetry.account(0, time.perf_counter() - start)

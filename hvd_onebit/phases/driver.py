@@ -68,7 +68,7 @@ class Phases:
              make_hook: Callable):
         """One optimizer step; ``grad_scaler`` (passed by GradScaler.step()) or None, with
         ``unscale`` its ``unscale_`` of this optimizer. Returns the closure's loss."""
-        scaler = view_of(grad_scaler, self._view.optimizer_id, unscale)
+        scaler = view_of(grad_scaler, self._view.adam.optimizer_id, unscale)
         if not self.compressing() or self.refreshing():
             self.compression.overlap.remember_scaler(grad_scaler)
             kind = self.refresh if self.compressing() else self.warmup

@@ -19,7 +19,7 @@ def as_adam_takes_it(view: OptimizerView, p: torch.Tensor, group: dict,
     if group.get("maximize"):
         g = -g
     wd = group["weight_decay"]
-    if wd != 0 and not view.decoupled(group):
+    if wd != 0 and not view.adam.decoupled(group):
         g = g.add(p.detach().to(g.dtype), alpha=wd)
     return g
 
@@ -58,7 +58,7 @@ def adam_step(view: OptimizerView, schedule: Schedule,
     Returns the closure's loss."""
     loss = closure_loss(closure)
     low = []
-    for group in view.param_groups:
+    for group in view.adam.param_groups:
         for p in group["params"]:
             if p.grad is None:
                 continue
@@ -70,12 +70,12 @@ def adam_step(view: OptimizerView, schedule: Schedule,
     for p, _ in low:
         p.grad = None  # torch's Adam skips parameters without a gradient
     try:
-        view.adam_step()
+        view.adam.adam_step()
     finally:
         for (p, _), g in zip(low, stashed):
             p.grad = g
     for p, group in low:
-        adam_step_float32(p, view.state[p], group, view.decoupled(group))
+        adam_step_float32(p, view.adam.state[p], group, view.adam.decoupled(group))
     schedule.count_step()
     schedule.observe_variance()
     return loss

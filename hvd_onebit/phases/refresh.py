@@ -60,12 +60,12 @@ class RefreshPhase:
         loss = closure_loss(closure)
         view, engine = self._view, self._engine
         self._extra_bytes = 0
-        engine.ensure_ready(view.active_parameters())
-        groups = groups_by_param(view.param_groups)
+        engine.ensure_ready(view.adam.active_parameters())
+        groups = groups_by_param(view.adam.param_groups)
         grads = {p: self.averaged_grad(p, groups[p]) for p in engine.params}
         steps = self._schedule.steps
         try:
-            self._extra_bytes = engine.refresh(view.param_groups, grads, self._mode)
+            self._extra_bytes = engine.refresh(view.adam.param_groups, grads, self._mode)
         except NonFiniteInputError as exc:  # a fold's: the same on every rank, nothing changed
             self._telemetry.skipped_steps += 1
             warnings.warn(f"hvd_onebit: refresh step skipped on every rank: {exc}")

@@ -77,15 +77,15 @@ def build(view: HorovodView, config: OneBitConfig, process_set: hvd.ProcessSet) 
     schedule = Schedule(view, config)
     schedule.freeze_step = None if config.auto else config.freeze_step
     telemetry = Telemetry()
-    init_adam_state(view.param_groups, view.state)
+    init_adam_state(view.adam.param_groups, view.adam.state)
     world = process_set_size(process_set)
-    check_job(view.param_groups, view.names, process_set, world)
-    device = next((p.device for p in view.parameters()), torch.device("cpu"))
+    check_job(view.adam.param_groups, view.names, process_set, world)
+    device = next((p.device for p in view.adam.parameters()), torch.device("cpu"))
     transport = connect(config, process_set, device, world)
-    engine = CompressedStep(config, view.state, view.decoupled, process_set,
+    engine = CompressedStep(config, view.adam.state, view.adam.decoupled, process_set,
                             transport=transport, names=view.names)
     warmup = Warmup(view, schedule, telemetry, engine)
     phases = Phases(view, config, schedule, telemetry, engine, warmup,
-                    lambda steps: check_parameters_identical(view.param_groups, process_set,
+                    lambda steps: check_parameters_identical(view.adam.param_groups, process_set,
                                                              steps, config.check_every))
     return Parts(schedule, telemetry, engine, phases, transport.name)

@@ -41,7 +41,7 @@ class Warmup:
         start = time.perf_counter()
         view = self._view
         view.refresh_hooks(make_hook)
-        active = view.active_parameters()
+        active = view.adam.active_parameters()
         if (self._schedule.last_warmup_step_next() and self._engine.world > 1
                 and not self._engine.up_to_date(active)):
             self._engine.fuse(active)
@@ -73,7 +73,7 @@ class Warmup:
 
     def averaged_gradients(self) -> list[torch.Tensor]:
         """The gradients after the allreduce: the same bits on every rank."""
-        return [p.grad for p in self._view.parameters() if p.grad is not None]
+        return [p.grad for p in self._view.adam.parameters() if p.grad is not None]
 
     # ---- the warmup's step, a FullPrecisionStep (hvd_onebit.phases.full_precision) -----------
 

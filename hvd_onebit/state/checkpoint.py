@@ -20,7 +20,7 @@ KEY = "onebit"  # the state_dict entry 1-bit Adam adds
 
 def state_dict(view: OptimizerView, config: OneBitConfig, schedule: Schedule,
                telemetry: Telemetry) -> dict:
-    sd = view.torch_state_dict()
+    sd = view.adam.torch_state_dict()
     sd[KEY] = {"freeze_step": schedule.freeze_step, "skipped_steps": telemetry.skipped_steps,
                "step_bound": config.step_bound, "refreshes": telemetry.refreshes,
                "last_refresh_step": telemetry.last_refresh_step,
@@ -39,14 +39,14 @@ def load_state_dict(view: OptimizerView, config: OneBitConfig, schedule: Schedul
     decides at the same step as an uninterrupted one. The caller drops its collectives after."""
     state_dict = dict(state_dict)
     meta = state_dict.pop(KEY, None)
-    params = view.parameters()
+    params = view.adam.parameters()
     wide = float32_state_in(state_dict, params)
-    view.load_torch_state_dict(state_dict)
+    view.adam.load_torch_state_dict(state_dict)
     # torch cast every state tensor to its parameter's dtype: put float32 state back.
     ids = [i for g in state_dict["param_groups"] for i in g["params"]]
     for pid, p in zip(ids, params):
         for key, value in wide.get(pid, {}).items():
-            view.state[p][key] = value.to(device=p.device, copy=True)
+            view.adam.state[p][key] = value.to(device=p.device, copy=True)
     mine = None if config.auto else config.freeze_step
     saved = None
     if meta is not None:
@@ -67,7 +67,7 @@ def load_state_dict(view: OptimizerView, config: OneBitConfig, schedule: Schedul
         schedule.freeze_step = mine
     if schedule.monitor is not None:
         schedule.monitor.load_state_dict((meta or {}).get("auto_freeze") or {})
-    init_adam_state(view.param_groups, view.state)
+    init_adam_state(view.adam.param_groups, view.adam.state)
 
 
 def _warn_if_other_step_bound(meta: dict, mine) -> None:

@@ -25,25 +25,25 @@ class Schedule:
         self._view = view
         self.monitor = VarianceMonitor(config.auto_freeze) if config.auto else None
         self._refresh = config.refresh
-        view.param_groups[0].setdefault(STEP_KEY, 0)
+        view.adam.param_groups[0].setdefault(STEP_KEY, 0)
 
     @property
     def steps(self) -> int:
         """Optimizer steps taken (skipped steps not counted)."""
-        return int(self._view.param_groups[0].get(STEP_KEY, 0))
+        return int(self._view.adam.param_groups[0].get(STEP_KEY, 0))
 
     def count_step(self) -> None:
-        self._view.param_groups[0][STEP_KEY] = self.steps + 1
+        self._view.adam.param_groups[0][STEP_KEY] = self.steps + 1
 
     @property
     def freeze_step(self) -> Optional[int]:
         """The step count the variance freezes (or froze) at; None while "auto" is undecided."""
-        value = int(self._view.param_groups[0].get(FREEZE_KEY, -1))
+        value = int(self._view.adam.param_groups[0].get(FREEZE_KEY, -1))
         return value if value >= 1 else None
 
     @freeze_step.setter
     def freeze_step(self, value: Optional[int]) -> None:
-        self._view.param_groups[0][FREEZE_KEY] = -1 if value is None else int(value)
+        self._view.adam.param_groups[0][FREEZE_KEY] = -1 if value is None else int(value)
 
     @property
     def phase(self) -> str:
@@ -72,9 +72,9 @@ class Schedule:
         variance is the same on every rank here, so is the decision."""
         if self.monitor is None or self.freeze_step is not None:
             return
-        state = self._view.state
+        state = self._view.adam.state
         variances = ((state[p]["exp_avg_sq"], int(state[p]["step"]), g["betas"][1])
-                     for g in self._view.param_groups for p in g["params"])
+                     for g in self._view.adam.param_groups for p in g["params"])
         decided = self.monitor.observe(self.steps, variances)
         if decided is not None:
             self.freeze_step = decided
