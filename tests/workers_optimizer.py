@@ -306,39 +306,6 @@ def bad_arguments():
     return errors
 
 
-def convergence(steps=300, freeze_step=60, lr=3e-3, noise=0.1):
-    """Final held-out loss of Adam (Horovod) and 1-bit Adam on a teacher-student regression.
-
-    Targets carry Gaussian noise (std ``noise``), as real data does, so the loss has a floor.
-    """
-    torch.manual_seed(1234)
-    teacher = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 4))
-    gx = torch.Generator().manual_seed(99)
-    x_val = torch.randn(512, 16, generator=gx)
-    with torch.no_grad():
-        y_val = teacher(x_val) + noise * torch.randn(512, 4, generator=gx)
-    losses = {}
-    for kind in ("adam", "onebit"):
-        torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(),
-                              nn.Linear(64, 4))
-        base = torch.optim.Adam(model.parameters(), lr=lr)
-        kw = dict(named_parameters=model.named_parameters())
-        opt = (hvd.DistributedOptimizer(base, **kw) if kind == "adam"
-               else hvd_onebit.DistributedOptimizer(base, freeze_step=freeze_step, **kw))
-        for step in range(steps):
-            g = torch.Generator().manual_seed(7919 * step + hvd.rank())
-            x = torch.randn(32, 16, generator=g)
-            with torch.no_grad():
-                y = teacher(x) + noise * torch.randn(32, 4, generator=g)
-            opt.zero_grad()
-            nn.functional.mse_loss(model(x), y).backward()
-            opt.step()
-        with torch.no_grad():
-            losses[kind] = float(nn.functional.mse_loss(model(x_val), y_val))
-    return losses
-
-
 def half_precision_and_mixed_betas(steps=20, freeze_step=3, compressor="onebit"):
     """Paths beside the fused fp32 one: float16 parameters (float32 state, the torch
     materialisation of the momentum and the torch update), and param groups with different
@@ -406,10 +373,3 @@ def suite():
     if hvd.size() == 1:
         scenarios["single"] = single_rank_is_plain_adam
     return run_scenarios(scenarios, rank=hvd.rank())
-
-
-def convergence_suite():
-    """Noisy targets with a 20% warmup, and noise-free targets with a 25% warmup."""
-    return run_scenarios({"noisy": convergence,
-                          "clean": lambda: convergence(noise=0.0, freeze_step=75)},
-                         rank=hvd.rank())
