@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import hvd_onebit.ddp
+from hvd_onebit.config import FREEZE_FRACTION
 
 
 def teacher_data(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -35,7 +36,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--optimizer", choices=("adam", "onebit"), default="onebit")
     parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--freeze-frac", type=float, default=0.2)
+    parser.add_argument("--warmup-frac", type=float, default=FREEZE_FRACTION,
+                        help="freeze_step = warmup_frac * steps (default: %(default)s)")
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--lr", type=float, default=3e-3)
     args = parser.parse_args()
@@ -48,7 +50,7 @@ def main() -> None:
     opt = torch.optim.Adam(model.parameters(), lr=args.lr)
     if args.optimizer == "onebit":
         opt = hvd_onebit.ddp.DistributedOptimizer(
-            opt, model, freeze_step=max(1, int(args.freeze_frac * args.steps)))
+            opt, model, freeze_step=max(1, round(args.warmup_frac * args.steps)))
 
     x, y = teacher_data(4096, seed=1)
     x_val, y_val = teacher_data(1024, seed=2)

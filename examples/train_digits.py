@@ -26,6 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import hvd_onebit
+from hvd_onebit.config import FREEZE_FRACTION, FROZEN_FREEZE_FRACTION
 from train_lm import add_onebit_arguments, onebit_options, refresh_summary, warmup_frac
 
 
@@ -82,9 +83,11 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--batch-size", type=int, default=32, help="images per rank per step")
     p.add_argument("--lr", type=float, default=2e-3, help="constant learning rate")
-    p.add_argument("--warmup-frac", type=warmup_frac, default=0.2,
-                   help="1-bit Adam: freeze_step = round(warmup_frac * steps), or 'auto': freeze "
-                        "once Adam's variance has settled (at most after half the steps)")
+    p.add_argument("--warmup-frac", type=warmup_frac, default=None,
+                   help=f"1-bit Adam: freeze_step = round(warmup_frac * steps), or 'auto': freeze "
+                        f"once Adam's variance has settled (at most after half the steps) "
+                        f"[default: {FREEZE_FRACTION}, {FROZEN_FREEZE_FRACTION} with "
+                        f"--variance-refresh none]")
     p.add_argument("--block-size", type=int, default=None,
                    help="1-bit Adam: elements per scale (a multiple of 8; default one per chunk)")
     p.add_argument("--compressor", choices=["onebit", "none"], default="onebit",

@@ -56,6 +56,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import hvd_onebit
+from hvd_onebit.config import DOUBLING, FREEZE_FRACTION, FROZEN_FREEZE_FRACTION
 from hvd_onebit_tools.bench.refresh import (option_text, optimizer_options,
                                              parse_variance_refresh, run_steps)
 from hvd_onebit_tools.bench.waits import WAITS, WaitTimer, set_horovod_wait
@@ -204,9 +205,13 @@ def freeze_options(frac, steps: int, min_steps=None) -> dict:
 
 
 def onebit_options(args, **knobs) -> dict:
-    """The freeze arguments, and variance_refresh only when it is set: without it the call is
-    the one hvd_onebit has always taken. The automatic freeze's settings, a schedule given as a
-    dict and ``knobs`` (e.g. ``compressor``) go into one ``experimental=Experimental(...)``."""
+    """The freeze arguments and variance_refresh. --warmup-frac defaults to the recommended
+    freeze for the refresh setting (hvd_onebit.config). The automatic freeze's settings, a
+    schedule given as a dict and ``knobs`` (e.g. ``compressor``) go into one
+    ``experimental=Experimental(...)``."""
+    if args.warmup_frac is None:
+        args.warmup_frac = (FROZEN_FREEZE_FRACTION if args.variance_refresh is None
+                            else FREEZE_FRACTION)
     options = freeze_options(args.warmup_frac, args.steps, args.auto_freeze_min_steps)
     return optimizer_options(args.variance_refresh, **options, **knobs)
 
@@ -223,9 +228,9 @@ def refresh_summary(args, optimizer) -> dict:
 
 def add_onebit_arguments(p: argparse.ArgumentParser) -> None:
     """The 1-bit options both examples take: --variance-refresh, --auto-freeze-min-steps."""
-    p.add_argument("--variance-refresh", type=variance_refresh, default=None,
-                   help="1-bit Adam's variance_refresh: none (default), doubling (0/1 Adam's "
-                        "schedule) or a JSON object of its fields, e.g. "
+    p.add_argument("--variance-refresh", type=variance_refresh, default=DOUBLING,
+                   help="1-bit Adam's variance_refresh: doubling (0/1 Adam's schedule, the "
+                        "default), none or a JSON object of its fields, e.g. "
                         "'{\"first_interval\": 16, \"updates_per_interval\": 4}'")
     p.add_argument("--auto-freeze-min-steps", type=int, default=None,
                    help="with --warmup-frac auto: auto_freeze's min_steps (default: its own, 50)")
@@ -253,9 +258,11 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--lr-warmup-frac", type=float, default=0.02,
                    help="linear LR warmup, as a fraction of --steps (keep it << --warmup-frac)")
-    p.add_argument("--warmup-frac", type=warmup_frac, default=0.2,
-                   help="1-bit Adam: freeze_step = round(warmup_frac * steps), or 'auto': freeze "
-                        "once Adam's variance has settled (at most after half the steps)")
+    p.add_argument("--warmup-frac", type=warmup_frac, default=None,
+                   help=f"1-bit Adam: freeze_step = round(warmup_frac * steps), or 'auto': freeze "
+                        f"once Adam's variance has settled (at most after half the steps) "
+                        f"[default: {FREEZE_FRACTION}, {FROZEN_FREEZE_FRACTION} with "
+                        f"--variance-refresh none]")
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--data-seed", type=int, default=None,

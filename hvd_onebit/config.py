@@ -26,6 +26,11 @@ ZERO_VARIANCE_MODES = ("hold", "eps", "floor")
 REFRESH_PRESETS = (None, DOUBLING)  # variance_refresh's public values
 AUTO = "auto"  # freeze_step="auto": freeze once the variance has settled (hvd_onebit.auto_freeze)
 DEFAULT_BUCKET_MB = 64.0
+# The recommended freeze_step, as a share of the run: with the default refresh, and with
+# variance_refresh=None (the variance frozen for the rest of the run). The docstrings, the CLI's
+# defaults and the examples take them from here.
+FREEZE_FRACTION = 0.05
+FROZEN_FREEZE_FRACTION = 0.2
 
 
 @dataclass(frozen=True)
@@ -189,7 +194,7 @@ class OneBitConfig:
 
     @classmethod
     def from_options(cls, freeze_step: Union[int, str], *,
-                     variance_refresh: Optional[str] = None,
+                     variance_refresh: Optional[str] = DOUBLING,
                      hierarchical: Union[bool, str] = False,
                      bucket_size_mb: float = DEFAULT_BUCKET_MB,
                      transport: str = "auto",

@@ -19,7 +19,7 @@ from horovod.torch.mpi_ops import Adasum, Average, Sum
 from horovod.torch.optimizer import _DistributedOptimizer
 
 from . import elastic
-from .config import DEFAULT_BUCKET_MB, Experimental, OneBitConfig, check_wrapped
+from .config import DEFAULT_BUCKET_MB, DOUBLING, Experimental, OneBitConfig, check_wrapped
 from .face import face_attributes
 from .horovod_view import HorovodView
 from .low_precision import WidenBfloat16
@@ -83,7 +83,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                          process_set: hvd.ProcessSet = hvd.global_process_set,
                          *,
                          freeze_step: int | str,
-                         variance_refresh: Optional[str] = None,
+                         variance_refresh: Optional[str] = DOUBLING,
                          hierarchical: bool | str = False,
                          bucket_size_mb: float = DEFAULT_BUCKET_MB,
                          transport: str = "auto",
@@ -110,10 +110,12 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     multi-node jobs. Leave the others at their defaults unless a measurement says otherwise.
 
     Args:
-        freeze_step (int or "auto"): warmup steps before the variance freezes; 15-25% of the
-            run, 3-5% with ``variance_refresh``; "auto": once the variance has settled.
+        freeze_step (int or "auto"): warmup steps before the variance freezes: 5% of the run
+            with the default refresh, 15-25% with ``variance_refresh=None``; "auto": once the
+            variance has settled.
         variance_refresh (str, optional): "doubling": full-precision refresh steps of the
-            variance on 0/1 Adam's doubling schedule (default: None, the variance stays frozen)
+            variance on 0/1 Adam's doubling schedule, thinning out as the run goes on; None: the
+            variance stays frozen, the paper's 1-bit Adam (default: "doubling")
         hierarchical (bool or "auto", optional): full precision inside each node, 1 bit
             between nodes; "auto": on with several nodes of several ranks (default: False)
         bucket_size_mb (float, optional): momentum per 1-bit allreduce, in MiB of fp32

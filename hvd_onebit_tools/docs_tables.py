@@ -22,8 +22,13 @@ DOCS = ROOT / "docs"
 OUT = DOCS / "_generated"
 README = ROOT / "README.md"
 SETTINGS = ("freeze_step", "variance_refresh", "hierarchical")
-ZOO_SCHEMES = {"bounded": "1-bit Adam (defaults)",
-               "bounded_refresh_doubling": "with variance_refresh=\"doubling\""}
+DEFAULT_SCHEME = "bounded_refresh_doubling"  # the zoo's scheme that runs the library's defaults
+ZOO_SCHEMES = {DEFAULT_SCHEME: "1-bit Adam (defaults)",
+               "bounded": "with variance_refresh=None"}
+FADING = {"fading.json": "lr 3e-3", "fading_lr1e-2.json": "lr 1e-2"}  # under docs/step/
+FADING_SETTINGS = {"doubling": "\"doubling\" (default)", "none": "None",
+                   "lowering": "\"doubling\", accept=\"lowering\"",
+                   "hypergradient": "\"doubling\", accept=\"hypergradient\""}
 
 
 def _load(name: str) -> dict:
@@ -103,7 +108,28 @@ def zoo(folder: str = "zoo") -> str:
     return "\n\n".join([table(header, rows + [totals]), note])
 
 
-def zoo_figure(folder: str = "zoo", scheme: str = "bounded") -> Path:
+def fading() -> str:
+    """The fading task: each variance_refresh setting's final loss over Adam's, per seed, worst
+    and median, at each learning rate measured."""
+    rows, notes = [], []
+    for name, label in FADING.items():
+        d = _load(f"step/{name}")
+        task = d["task"]
+        for setting, text in FADING_SETTINGS.items():
+            r = d["over_adam"].get(setting)
+            if r is not None:
+                rows.append([label, text, " / ".join(f"{x:.3f}" for x in r["per_seed"]),
+                             f"{r['worst']:.3f}", f"{r['median']:.3f}"])
+        p = d["provenance"]
+        notes.append(f"{label}: {task['np']} ranks, {task['steps']} steps, batch {task['batch']} "
+                     f"per rank, {task['samples']} points, frozen at {task['freeze']:.0%}; "
+                     f"`{p['command']}`, commit {p['commit'][:10]}, "
+                     f"{p['machine'].get('date', 'date not recorded')}")
+    return "\n\n".join([table(["lr", "variance_refresh", "over Adam, per seed", "worst",
+                                 "median"], rows), "From " + "; ".join(notes) + "."])
+
+
+def zoo_figure(folder: str = "zoo", scheme: str = DEFAULT_SCHEME) -> Path:
     """One readable zoo figure: the defaults against Adam in every family (rows) and lr rule x
     freeze (columns), each cell the median over seeds of the final-loss ratio."""
     import matplotlib
@@ -177,7 +203,7 @@ def arg_doc(doc: str, name: str) -> str:
 PARTS: Dict[str, Callable[[], str]] = {
     "headline": headline, "settings": settings, "freeze_lm": lambda: freeze_runs("lm"),
     "freeze_digits": lambda: freeze_runs("digits"), "zoo": zoo,
-    "zoo_long": lambda: zoo("zoo_long")}
+    "zoo_long": lambda: zoo("zoo_long"), "fading": fading}
 README_PARTS = ("settings", "headline")
 
 

@@ -15,7 +15,7 @@ from typing import Callable, Optional
 
 import torch
 
-from ..config import DEFAULT_BUCKET_MB, Experimental, OneBitConfig, check_wrapped
+from ..config import DEFAULT_BUCKET_MB, DOUBLING, Experimental, OneBitConfig, check_wrapped
 from ..face import face_attributes
 from . import setup
 from .view import DDPView
@@ -48,7 +48,7 @@ class DDPFace:
 
 def DistributedOptimizer(optimizer: torch.optim.Optimizer, model, *,
                          freeze_step: int | str,
-                         variance_refresh: Optional[str] = None,
+                         variance_refresh: Optional[str] = DOUBLING,
                          bucket_size_mb: float = DEFAULT_BUCKET_MB,
                          overlap: bool = True,
                          memory: str = "auto",
@@ -68,10 +68,12 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model, *,
     The options mean what they mean for :func:`hvd_onebit.DistributedOptimizer`.
 
     Args:
-        freeze_step (int or "auto"): warmup steps before the variance freezes; 15-25% of the
-            run, 3-5% with ``variance_refresh``; "auto": once the variance has settled.
+        freeze_step (int or "auto"): warmup steps before the variance freezes: 5% of the run
+            with the default refresh, 15-25% with ``variance_refresh=None``; "auto": once the
+            variance has settled.
         variance_refresh (str, optional): "doubling": full-precision refresh steps of the
-            variance on 0/1 Adam's doubling schedule (default: None, the variance stays frozen)
+            variance on 0/1 Adam's doubling schedule, thinning out as the run goes on; None: the
+            variance stays frozen, the paper's 1-bit Adam (default: "doubling")
         bucket_size_mb (float, optional): momentum per 1-bit allreduce, in MiB of fp32
             (default: 64)
         overlap (bool, optional): start buckets from DDP's hook as its buckets become ready,

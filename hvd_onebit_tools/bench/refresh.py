@@ -107,8 +107,7 @@ def optimizer_options(variance_refresh: Option = None, **options) -> dict:
     if isinstance(variance_refresh, (dict, RefreshSchedule)):
         knobs["refresh_schedule"] = variance_refresh
         variance_refresh = DOUBLING
-    if variance_refresh is not None:
-        options["variance_refresh"] = variance_refresh
+    options["variance_refresh"] = variance_refresh  # None: frozen, whatever the default
     if knobs:
         options["experimental"] = Experimental(**knobs)
     return options

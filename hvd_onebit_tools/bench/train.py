@@ -10,11 +10,12 @@ one method after another inside one job, so they share the machine's state and n
 * ``ddp_powersgd``: ``torch.nn.parallel.DistributedDataParallel`` over Gloo with PyTorch's
   PowerSGD communication hook (rank-1 approximation, error feedback, warm start), which starts
   compressing after ``powersgd_start`` vanilla-allreduce iterations.
-* ``onebit``: ``hvd_onebit.DistributedOptimizer`` with ``freeze_step = warmup_frac * steps``.
+* ``onebit``: ``hvd_onebit.DistributedOptimizer`` with ``freeze_step = warmup_frac * steps`` and
+  ``variance_refresh=None``: the compression phase's throughput, no refresh step inside it.
 * ``onebit_hierarchical``: the same with ``hierarchical=True`` (full precision inside nodes, 1-bit
   between them); meant for clusters with several ranks per node (``--ranks-per-node``).
 * ``onebit_refresh``: 1-bit Adam with ``variance_refresh`` (default ``"doubling"``) and its own
-  early ``freeze_step = refresh_freeze_frac * steps`` (default 5%): a whole-run comparison with
+  early ``freeze_step = refresh_freeze_frac * steps``: the library's defaults, a whole-run comparison with
   ``onebit`` (at ``warmup_frac``). Its refresh steps (full precision inside the compression
   phase, from the schedule) are their own phase, ``refresh``.
 

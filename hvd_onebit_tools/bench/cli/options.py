@@ -8,6 +8,8 @@ from typing import Optional
 
 import click
 
+from hvd_onebit.config import FREEZE_FRACTION, FROZEN_FREEZE_FRACTION
+
 SIZE_SUFFIX = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
 
 
@@ -104,7 +106,7 @@ def refresh_options(what: str, freeze_help: str):
     setting spells them; ``what`` and ``freeze_help`` say what they set there."""
     def decorate(command):
         command = click.option(
-            "--refresh-freeze-frac", default=0.05, show_default=True,
+            "--refresh-freeze-frac", default=FREEZE_FRACTION, show_default=True,
             type=click.FloatRange(0, 1),
             help=freeze_help + " (an early freeze is the recommended setting with a refresh "
                  "schedule).")(command)

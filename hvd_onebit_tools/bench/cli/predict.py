@@ -7,7 +7,7 @@ import json
 import click
 
 from ..train import MODELS as TRAIN_MODELS
-from .options import comma_list, np_option, rates, refresh_options
+from .options import FROZEN_FREEZE_FRACTION, comma_list, np_option, rates, refresh_options
 
 
 @click.command("predict")
@@ -36,8 +36,9 @@ from .options import comma_list, np_option, rates, refresh_options
 @click.option("--adam-ms", default=None, type=float,
               help="Adam's part of --compute-ms, which the compressed step replaces by its "
                    "kernels [default: 0, no credit; with --model alone: calibrated].")
-@click.option("--warmup-frac", default=0.15, show_default=True,
-              help="Share of the steps in 1-bit Adam's full-precision warmup.")
+@click.option("--warmup-frac", default=FROZEN_FREEZE_FRACTION, show_default=True,
+              help="Share of the steps in 1-bit Adam's full-precision warmup, the variance "
+                   "frozen after it (variance_refresh=None).")
 @click.option("--run-steps", default=10000, show_default=True, type=click.IntRange(min=1),
               help="Steps in the run, for the whole-run figures counted in steps: the fixed "
                    "warmup (--warmup-frac) against the --variance-refresh setting.")

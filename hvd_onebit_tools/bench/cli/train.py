@@ -14,8 +14,8 @@ from ..train import DEFAULT_METHODS as TRAIN_DEFAULT_METHODS
 from ..train import METHODS as TRAIN_METHODS
 from ..train import MODELS as TRAIN_MODELS
 from ..train import WAITS as TRAIN_WAITS
-from .options import (cluster_for, comma_list, nodes_options, np_option, queue_option,
-                      real_cluster_options, refresh_options)
+from .options import (FROZEN_FREEZE_FRACTION, cluster_for, comma_list, nodes_options,
+                      np_option, queue_option, real_cluster_options, refresh_options)
 
 
 @click.command("train")
@@ -24,8 +24,9 @@ from .options import (cluster_for, comma_list, nodes_options, np_option, queue_o
               help="Emulated link rate (e.g. 100mbit, 1gbit, 10gbit, unlimited); 'local' runs "
                    "plain horovodrun on loopback. Emulation needs root.")
 @click.option("--steps", default=40, show_default=True, help="Optimizer steps per method.")
-@click.option("--warmup-frac", default=0.15, show_default=True,
-              help="1-bit Adam's warmup: freeze_step = warmup_frac * steps.")
+@click.option("--warmup-frac", default=FROZEN_FREEZE_FRACTION, show_default=True,
+              help="The onebit method's warmup (variance_refresh=None): freeze_step = "
+                   "warmup_frac * steps.")
 @refresh_options("onebit_refresh's variance_refresh",
                  "onebit_refresh's warmup: freeze_step = refresh_freeze_frac * steps")
 @click.option("--model", default="embedding", show_default=True, type=click.Choice(TRAIN_MODELS),
@@ -51,9 +52,10 @@ from .options import (cluster_for, comma_list, nodes_options, np_option, queue_o
               help="Plain-allreduce iterations before PowerSGD starts compressing.")
 @click.option("--methods", default=",".join(TRAIN_DEFAULT_METHODS), show_default=True,
               callback=comma_list(str), help=f"Which methods to run, from {', '.join(TRAIN_METHODS)} "
-              "(onebit_sync: overlap=False, the exchange starts in step(); onebit_hierarchical: "
+              "(onebit: variance_refresh=None, frozen at --warmup-frac; onebit_sync: "
+              "overlap=False, the exchange starts in step(); onebit_hierarchical: "
               "hierarchical=True, for --ranks-per-node > 1; onebit_refresh: --variance-refresh "
-              "frozen at --refresh-freeze-frac, against onebit's whole run at --warmup-frac).")
+              "frozen at --refresh-freeze-frac, against onebit's whole run).")
 @click.option("--transport", default="auto", show_default=True,
               type=click.Choice(TRANSPORTS),
               help="1-bit Adam's transport for the compression phase.")

@@ -99,6 +99,8 @@ def optimizer_options(cell: dict) -> dict:
     """hvd_onebit.DistributedOptimizer's options for a 1-bit cell: its scheme's and its freeze
     setting's, the automatic freeze's settings joining the scheme's Experimental."""
     options = {**freeze_options(cell["freeze"], cell["steps"]), **cell.get("options", {})}
+    if cell.get("scheme") != "default":  # a scheme that names no refresh keeps the variance frozen
+        options.setdefault("variance_refresh", None)
     auto = options.pop("auto_freeze", None)
     if auto is not None:
         options["experimental"] = replace(experimental(cell), auto_freeze=auto)
