@@ -23,7 +23,8 @@ where and why.
 
 Learning rate: linear warmup over the first ``--lr-warmup-frac`` of the steps (default 2%), then
 cosine decay to 10% of ``--lr``. With 1-bit Adam the LR warmup should end well before
-``freeze_step`` (default: 20% of the steps), so Adam's variance is frozen only after it has seen
+``freeze_step`` (default: 5% of the steps with the default refresh, 20% with
+``--variance-refresh none``), so Adam's variance is frozen only after it has seen
 gradients at full learning rate.
 
 Data: the training text is split into one contiguous shard per rank; each rank draws random

@@ -60,14 +60,25 @@ def headline() -> str:
     d = _load("convergence.json")
     rows = [["Adam (Horovod allreduce)", f"{d['final_val_loss_adam']:.4f}",
              f"{d['total_bytes_per_rank_adam'] / 1e6:,.0f}", f"{d['samples_per_sec_adam']:.0f}"],
-            [f"1-bit Adam (freeze_step {d['freeze_step']})",
+            [f"1-bit Adam (freeze_step {d['freeze_step']}, {refresh_label(d)})",
              f"{d['final_val_loss_onebit']:.4f}", f"{d['total_bytes_per_rank_onebit'] / 1e6:,.0f}",
+             f"{d['samples_per_sec_onebit_warmup']:.0f} (warmup), "
              f"{d['samples_per_sec_onebit_compression']:.0f} (compression phase)"]]
     where = (f"`examples/train_lm.py`, {d['world_size']} CPU ranks, {d['steps']} steps, "
              f"{d['params']:,} parameters.")
     return "\n\n".join([where, table(["optimizer", "final validation loss",
                                       "MB sent per rank", "samples/s"], rows),
                         provenance("convergence.json", d)])
+
+
+def refresh_label(d: dict) -> str:
+    """The variance setting of a convergence run, from its bytes: the full-precision steps past
+    the warmup are refresh steps."""
+    full, compressed = d["bytes_per_step_onebit_warmup"], d["bytes_per_step_onebit_compression"]
+    rest = d["total_bytes_per_rank_onebit"] - d["freeze_step"] * full \
+        - (d["steps"] - d["freeze_step"]) * compressed
+    refreshes = round(rest / (full - compressed)) if full > compressed else 0
+    return "variance_refresh=None" if refreshes == 0 else f"{refreshes} refresh steps"
 
 
 def freeze_runs(example: str) -> str:

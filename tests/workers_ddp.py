@@ -63,6 +63,9 @@ def adam(model: DDP) -> torch.optim.Adam:
 
 
 def onebit(model: DDP, freeze_step: int = FREEZE, **options):
+    """The DDP face over :func:`adam`; the variance stays frozen unless a scenario asks for a
+    refresh (these runs are a few steps long: the default schedule would refresh every one)."""
+    options.setdefault("variance_refresh", None)
     return hvd_onebit.ddp.DistributedOptimizer(adam(model), model, freeze_step=freeze_step,
                                                bucket_size_mb=BUCKET_MB, **options)
 

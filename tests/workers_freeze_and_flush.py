@@ -166,7 +166,8 @@ def _flush_opt(freeze_step=3, flush_on_commit=False):
     opt = hvd_onebit.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2),
                                           named_parameters=model.named_parameters(),
                                           freeze_step=freeze_step, bucket_size_mb=0.002,
-                                          flush_on_commit=flush_on_commit)
+                                          flush_on_commit=flush_on_commit,
+                                          variance_refresh=None)
     return model, opt
 
 

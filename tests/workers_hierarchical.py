@@ -138,7 +138,7 @@ def optimizer_run(hierarchical, steps: int = 16, freeze_step: int = 4,
                                           named_parameters=model.named_parameters(),
                                           freeze_step=freeze_step, hierarchical=hierarchical,
                                           transport=transport,
-                                          experimental=Experimental(intra_node=intra_node))
+                                          experimental=Experimental(intra_node=intra_node), variance_refresh=None)
     hashes, losses = [], []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -75,7 +75,7 @@ def warmup_matches_horovod(steps=4, passes=1, fp16=False, adamw=False):
         if wrapper == "horovod":
             opt = hvd.DistributedOptimizer(base, **kw)
         else:
-            opt = hvd_onebit.DistributedOptimizer(base, freeze_step=steps + 10, **kw)
+            opt = hvd_onebit.DistributedOptimizer(base, freeze_step=steps + 10, **kw, variance_refresh=None)
         train(model, opt, steps, passes=passes)
         out.append(params_arrays(model))
     return {"horovod": out[0], "onebit": out[1]}
@@ -90,7 +90,7 @@ def frozen_variance_reference(freeze_step=3, steps=8, weight_decay=0.0, adamw=Fa
     opt = hvd_onebit.DistributedOptimizer(cls(model.parameters(), lr=1e-2, weight_decay=weight_decay),
                                           named_parameters=model.named_parameters(),
                                           freeze_step=freeze_step,
-                                          experimental=Experimental(compressor="none", step_bound="adam" if bounded else None))
+                                          experimental=Experimental(compressor="none", step_bound="adam" if bounded else None), variance_refresh=None)
     train(model, opt, steps)
 
     ref = make_model()
@@ -136,7 +136,7 @@ def onebit_consistency(steps=30, freeze_step=5, passes=1, bucket_size_mb=64.0):
     opt = hvd_onebit.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2),
                                           named_parameters=model.named_parameters(),
                                           freeze_step=freeze_step, backward_passes_per_step=passes,
-                                          bucket_size_mb=bucket_size_mb)
+                                          bucket_size_mb=bucket_size_mb, variance_refresh=None)
     hashes, phases, bytes_per_step, v_by_step = [], [], [], []
     loss_fn = nn.MSELoss()
     for step in range(steps):
@@ -165,7 +165,7 @@ def missing_grads_and_requires_grad(steps=12, freeze_step=4, compressor="onebit"
     named = [(f"p{i}", p) for i, p in enumerate(params)]
     opt = hvd_onebit.DistributedOptimizer(torch.optim.Adam(params, lr=1e-2),
                                           named_parameters=named, freeze_step=freeze_step,
-                                          experimental=Experimental(compressor=compressor))
+                                          experimental=Experimental(compressor=compressor), variance_refresh=None)
     hashes = []
     for step in range(steps):
         if step == 7:
@@ -201,7 +201,7 @@ def groups_masks_and_schedules(steps=10, freeze_step=3):
     ])
     opt = hvd_onebit.DistributedOptimizer(
         base, named_parameters=[("emb", emb.weight), ("w", lin.weight), ("b", lin.bias)],
-        freeze_step=freeze_step)
+        freeze_step=freeze_step, variance_refresh=None)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
     for step in range(steps):
         opt.zero_grad()
@@ -222,7 +222,7 @@ def single_rank_is_plain_adam(steps=8, freeze_step=3):
     model, ref = make_model(), make_model()
     opt = hvd_onebit.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2),
                                           named_parameters=model.named_parameters(),
-                                          freeze_step=freeze_step)
+                                          freeze_step=freeze_step, variance_refresh=None)
     train(model, opt, steps)
     train(ref, torch.optim.Adam(ref.parameters(), lr=1e-2), steps)
     return {"onebit": params_arrays(model), "adam": params_arrays(ref),
@@ -234,7 +234,7 @@ def broadcasts_and_helpers(freeze_step=3):
     model = make_model(seed=hvd.rank())  # different on purpose: the broadcast must fix it
     opt = hvd_onebit.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2),
                                           named_parameters=model.named_parameters(),
-                                          freeze_step=freeze_step)
+                                          freeze_step=freeze_step, variance_refresh=None)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(opt, root_rank=0)
     res = {"steps_after_broadcast": opt.steps, "hash0": params_hash(model)}
@@ -267,7 +267,7 @@ def broadcast_mid_compression(broadcast, steps=10, freeze_step=3, at=6):
     model = make_model()
     opt = hvd_onebit.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2),
                                           named_parameters=model.named_parameters(),
-                                          freeze_step=freeze_step)
+                                          freeze_step=freeze_step, variance_refresh=None)
     loss_fn = nn.MSELoss()
     for step in range(steps):
         if broadcast and step == at:
@@ -285,17 +285,17 @@ def bad_arguments():
     errors = {}
     cases = {
         "sgd": lambda: hvd_onebit.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                                       freeze_step=2),
+                                                       freeze_step=2, variance_refresh=None),
         "amsgrad": lambda: hvd_onebit.DistributedOptimizer(
-            torch.optim.Adam(model.parameters(), amsgrad=True), freeze_step=2),
+            torch.optim.Adam(model.parameters(), amsgrad=True), freeze_step=2, variance_refresh=None),
         "freeze0": lambda: hvd_onebit.DistributedOptimizer(torch.optim.Adam(model.parameters()),
-                                                           freeze_step=0),
+                                                           freeze_step=0, variance_refresh=None),
         "freeze_float": lambda: hvd_onebit.DistributedOptimizer(
-            torch.optim.Adam(model.parameters()), freeze_step=2.5),
+            torch.optim.Adam(model.parameters()), freeze_step=2.5, variance_refresh=None),
         "adasum": lambda: hvd_onebit.DistributedOptimizer(torch.optim.Adam(model.parameters()),
-                                                          freeze_step=2, op=hvd.Adasum),
+                                                          freeze_step=2, op=hvd.Adasum, variance_refresh=None),
         "mask_shape": lambda: hvd_onebit.DistributedOptimizer(torch.optim.Adam(
-            [{"params": [model[0].weight], "exp_avg_mask": torch.ones(3, 3)}]), freeze_step=2),
+            [{"params": [model[0].weight], "exp_avg_mask": torch.ones(3, 3)}]), freeze_step=2, variance_refresh=None),
     }
     for name, make in cases.items():
         try:
@@ -316,7 +316,7 @@ def half_precision_and_mixed_betas(steps=20, freeze_step=3, compressor="onebit")
     opt = hvd_onebit.DistributedOptimizer(torch.optim.Adam(fp16.parameters(), lr=1e-2, eps=1e-4),
                                           named_parameters=fp16.named_parameters(),
                                           freeze_step=freeze_step,
-                                          experimental=Experimental(compressor=compressor))
+                                          experimental=Experimental(compressor=compressor), variance_refresh=None)
     loss_fn = nn.MSELoss()
     for step in range(steps):
         x, y = batch(step, hvd.rank())
@@ -336,7 +336,7 @@ def half_precision_and_mixed_betas(steps=20, freeze_step=3, compressor="onebit")
     opt = hvd_onebit.DistributedOptimizer(torch.optim.Adam(groups, lr=1e-2),
                                           named_parameters=model.named_parameters(),
                                           freeze_step=freeze_step,
-                                          experimental=Experimental(compressor=compressor))
+                                          experimental=Experimental(compressor=compressor), variance_refresh=None)
     out["betas_start"] = [p.detach().clone() for p in model.parameters()]
     hashes = []
     train(model, opt, steps, hashes=hashes)

@@ -46,7 +46,7 @@ def run(overlap: bool, steps: int = 9, freeze_step: int = 3, passes: int = 1,
     opt = hvd_onebit.DistributedOptimizer(
         torch.optim.Adam(groups, lr=1e-2), named_parameters=model.named_parameters(),
         freeze_step=freeze_step, bucket_size_mb=0.01, backward_passes_per_step=passes,
-        overlap=overlap, transport=transport)
+        overlap=overlap, transport=transport, variance_refresh=None)
     amp = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8) if scaler else None
     out = {"hashes": [], "warnings": [], "error": None, "zero_grad_error": None}
     with warnings.catch_warnings(record=True) as caught:
@@ -141,14 +141,14 @@ def rendezvous_fallback() -> dict:
             model = FourLayers()
             opt = hvd_onebit.DistributedOptimizer(torch.optim.Adam(model.parameters()),
                                                   named_parameters=model.named_parameters(),
-                                                  freeze_step=2)
+                                                  freeze_step=2, variance_refresh=None)
         out["auto"] = opt.transport
         out["auto_warnings"] = [str(w.message) for w in caught if "transport='auto'" in str(w.message)]
         other = FourLayers()  # its own hooks: never the first model's
         try:
             hvd_onebit.DistributedOptimizer(torch.optim.Adam(other.parameters()),
                                             named_parameters=other.named_parameters(),
-                                            freeze_step=2, transport="torch")
+                                            freeze_step=2, transport="torch", variance_refresh=None)
             out["torch_error"] = None
         except RuntimeError as exc:
             out["torch_error"] = f"{type(exc).__name__}: {exc}"

@@ -40,7 +40,7 @@ def _optimizer(model, kind: str, freeze_step: int, **options):
     if kind == "adam":
         return hvd.DistributedOptimizer(adam, named_parameters=model.named_parameters())
     return hvd_onebit.DistributedOptimizer(adam, named_parameters=model.named_parameters(),
-                                           freeze_step=freeze_step, **options)
+                                           freeze_step=freeze_step, **options, variance_refresh=None)
 
 
 def recipe(kind: str, how: str, steps: int = 40, freeze_step: int = 10, **options) -> dict:

@@ -57,7 +57,7 @@ def nonfinite_in_one_bucket(layer: int, scaler: bool, bad_step: int = 6, steps: 
     model = _three_layers()
     opt = hvd_onebit.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2),
                                           named_parameters=model.named_parameters(),
-                                          freeze_step=freeze_step, bucket_size_mb=0.01)
+                                          freeze_step=freeze_step, bucket_size_mb=0.01, variance_refresh=None)
     amp = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8) if scaler else None
     weights = [m.weight for m in model if isinstance(m, nn.Linear)]
     out = {"skipped": [], "changed_at_bad_step": None, "hashes": [], "error": None,
@@ -108,7 +108,7 @@ def _controlled_gradient_run(dtype: torch.dtype, grad_scale: float, compressor: 
     opt = hvd_onebit.DistributedOptimizer(torch.optim.Adam(lin.parameters(), lr=lr, eps=1e-4),
                                           named_parameters=lin.named_parameters(),
                                           freeze_step=freeze_step,
-                                          experimental=Experimental(compressor=compressor))
+                                          experimental=Experimental(compressor=compressor), variance_refresh=None)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for step in range(steps):
@@ -149,7 +149,7 @@ def sparse_embedding(sparse: bool, steps: int = 8, freeze_step: int = 3) -> dict
     params = [emb.weight, head.weight, head.bias]
     opt = hvd_onebit.DistributedOptimizer(
         torch.optim.Adam(params, lr=1e-2), freeze_step=freeze_step, sparse_as_dense=True,
-        named_parameters=[("emb", emb.weight), ("w", head.weight), ("b", head.bias)])
+        named_parameters=[("emb", emb.weight), ("w", head.weight), ("b", head.bias)], variance_refresh=None)
     phases = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # rows no rank used in the warmup are held (a warning)
@@ -168,7 +168,7 @@ def construction_errors() -> dict:
     def make(params=None, **kw):
         params = params if params is not None else list(nn.Linear(4, 4).parameters())
         kw.setdefault("freeze_step", 2)
-        return hvd_onebit.DistributedOptimizer(torch.optim.Adam(params), **kw)
+        return hvd_onebit.DistributedOptimizer(torch.optim.Adam(params), **kw, variance_refresh=None)
 
     cases = {
         "block_size_12": lambda: make(block_size=12),
@@ -213,7 +213,7 @@ def mask_elsewhere(steps: int = 8, freeze_step: int = 3) -> dict:
         torch.optim.Adam([{"params": [emb.weight], "exp_avg_mask": mask},
                           {"params": list(lin.parameters())}], lr=1e-2),
         named_parameters=[("emb", emb.weight), ("w", lin.weight), ("b", lin.bias)],
-        freeze_step=freeze_step)
+        freeze_step=freeze_step, variance_refresh=None)
     hvd.broadcast_optimizer_state(opt, root_rank=0)
     for step in range(steps):
         g = torch.Generator().manual_seed(step * 10 + hvd.rank())
@@ -254,7 +254,7 @@ def mpi_transport_error() -> dict:
     from mpi4py import MPI
     try:
         hvd_onebit.DistributedOptimizer(torch.optim.Adam(nn.Linear(4, 4).parameters()),
-                                        freeze_step=2, transport="mpi")
+                                        freeze_step=2, transport="mpi", variance_refresh=None)
         error = None
     except RuntimeError as exc:
         error = str(exc)

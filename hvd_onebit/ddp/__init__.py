@@ -4,7 +4,7 @@
 
     model = DDP(model)
     opt = hvd_onebit.ddp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=lr),
-                                              model, freeze_step=int(0.2 * total_steps))
+                                              model, freeze_step=int(0.05 * total_steps))
 
 The same engine as the Horovod face (:func:`hvd_onebit.DistributedOptimizer`), on
 torch.distributed alone: importing this package never imports Horovod.

@@ -370,13 +370,14 @@ def test_calibration_round_trip_and_clear_errors(tmp_path):
     assert report["inputs"]["transport"] == "torch", f"inputs {report['inputs']}"
 
 
-def test_predict_without_a_cached_calibration_uses_the_one_shipped_in_docs(tmp_path,
-                                                                         monkeypatch):
+def test_predict_without_a_cached_calibration_uses_the_one_installed_with_the_tools(
+        tmp_path, monkeypatch):
     """`bench predict` with nothing in the cache (HOME an empty folder, so ~/.cache/hvd_onebit/
-    has no calibration.json) predicts from docs/predict_calibration.json and says so on stderr,
-    naming the file and `hvd-onebit bench calibrate`; a calibration in the cache comes first."""
-    shipped = REPO / "docs" / "predict_calibration.json"
-    assert SHIPPED_PATH == shipped, f"SHIPPED_PATH is {SHIPPED_PATH}, the docs file {shipped}"
+    has no calibration.json) predicts from the package's predict_calibration.json and says so on
+    stderr, naming the file and `hvd-onebit bench calibrate`; a calibration in the cache comes
+    first."""
+    shipped = REPO / "hvd_onebit_tools" / "bench" / "calibrate" / "predict_calibration.json"
+    assert SHIPPED_PATH == shipped, f"SHIPPED_PATH is {SHIPPED_PATH}, the package file {shipped}"
     args = ["bench", "predict", "--model", "mlp", "--np", "4,16", "--bandwidth", "1gbit", "--json"]
     env = {"HOME": str(tmp_path)}
     proc = hvd_onebit(args, env=env)
@@ -384,7 +385,7 @@ def test_predict_without_a_cached_calibration_uses_the_one_shipped_in_docs(tmp_p
     assert str(shipped) in proc.stderr and "hvd-onebit bench calibrate" in proc.stderr, (
         f"stderr does not name {shipped} and `hvd-onebit bench calibrate`:\n{proc.stderr}")
     report = json.loads(proc.stdout)
-    # the docs figures: the same report as with --calibration docs/predict_calibration.json
+    # the same report as with --calibration naming the installed file
     docs = json.loads(shipped.read_text())
     explicit = hvd_onebit(args + ["--calibration", str(shipped)], env=env)
     assert explicit.exit_code == 0, explicit.stderr

@@ -14,7 +14,8 @@ from .options import FROZEN_FREEZE_FRACTION, comma_list, np_option, rates, refre
 @click.option("--calibration", default=None, type=click.Path(dir_okay=False),
               help="Constants from `bench calibrate` [default: "
                    "~/.cache/hvd_onebit/calibration.json; without it, the one shipped in "
-                   "docs/predict_calibration.json, with a note].")
+                   "the package (hvd_onebit_tools/bench/calibrate/predict_calibration.json), with a "
+                   "note].")
 @np_option(4, "Ranks (e.g. 8,16,...,1024 for a sweep).", sweep=True)
 @click.option("--ranks-per-node", default=1, show_default=True,
               help="Ranks per node (they share the node's link); 1: a link per rank.")

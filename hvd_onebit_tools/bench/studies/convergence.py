@@ -116,7 +116,9 @@ def main(argv=None) -> dict:
                                 epilog="Arguments after -- go to train_lm.py.")
     p.add_argument("--np", type=int, default=None, help="ranks (default 4; --quick: 2)")
     p.add_argument("--steps", type=int, default=None, help="default 1000; --quick: 12")
-    p.add_argument("--warmup-frac", type=float, default=0.2, help="freeze_step / steps")
+    p.add_argument("--warmup-frac", type=float, default=None,
+                   help="freeze_step / steps (default: train_lm.py's, the recommended freeze "
+                        "for its --variance-refresh)")
     p.add_argument("--eval-every", type=int, default=None, help="default 50; --quick: 4")
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--out-dir", default=str(REPO / "results" / "convergence"))
@@ -137,8 +139,9 @@ def main(argv=None) -> dict:
     steps = args.steps or (12 if args.quick else 1000)
     eval_every = args.eval_every or (4 if args.quick else 50)
     timeout = args.timeout or (120.0 if args.quick else 900.0)
-    train_args = ["--steps", str(steps), "--warmup-frac", str(args.warmup_frac),
-                  "--eval-every", str(eval_every), "--seed", str(args.seed)]
+    train_args = ["--steps", str(steps), "--eval-every", str(eval_every), "--seed", str(args.seed)]
+    if args.warmup_frac is not None:
+        train_args += ["--warmup-frac", str(args.warmup_frac)]
     if args.quick:
         train_args += QUICK_ARGS
     train_args += extra
