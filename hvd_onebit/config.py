@@ -118,7 +118,7 @@ class Experimental:
         refresh_schedule: with ``variance_refresh="doubling"``, a dict of some of
             :class:`~hvd_onebit.variance_refresh.RefreshSchedule`'s fields (``first_interval``,
             ``growth``, ``updates_per_interval``, ``last_step``, ``variance_update``,
-            ``error_feedback``, ``accept``), or a RefreshSchedule: it refines the preset (the
+            ``error_feedback``), or a RefreshSchedule: it refines the preset (the
             fields not given keep "doubling"'s values). Refused with ``variance_refresh=None``,
             which keeps the variance frozen.
     """

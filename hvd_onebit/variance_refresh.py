@@ -27,11 +27,10 @@ from .values import check_positive_int, is_int, is_number
 DOUBLING = "doubling"
 ERROR_FEEDBACK_MODES = ("rescale", "fold")  # how the error feedback crosses a refresh
 VARIANCE_UPDATES = ("gap", "single")  # how a refresh updates the variance
-LOWERING = "lowering"  # accept: only updates that lower a parameter's mean denominator
-# accept: only updates that move a parameter's mean denominator the way its last step's
-# overshoot (or not) asks for
-HYPERGRADIENT = "hypergradient"
-ACCEPTS = ("always", LOWERING, HYPERGRADIENT)  # which parameters take a refresh's variance update
+# Options a schedule no longer takes, each with what to do instead.
+RETIRED = {"accept": "its gates ('lowering', 'hypergradient') were measured and retired (the "
+                     "fading table of the results page); every refresh updates every "
+                     "parameter's variance, as accept='always' did: drop 'accept'"}
 
 
 @dataclass(frozen=True)
@@ -57,19 +56,6 @@ class RefreshSchedule:
             denominator. "rescale" (default) multiplies each by old / new denominator (0 where
             either is infinite): no bytes. "fold" folds every rank's errors into the momentum
             first (one more full-precision allreduce) and they restart from 0.
-        accept: "always": every refresh updates every parameter's variance (Adam's).
-            "lowering": a parameter takes the update only where it lowers its mean
-            denominator, so a refresh never shortens a parameter's steps on average: the
-            variance follows Adam's down where the gradients fade and stays frozen where they
-            grow (:mod:`hvd_onebit.engine.refresh_gate`). Costs one more read of the variance
-            and the gradient per refresh and one device-to-host transfer.
-            "hypergradient": as "lowering" unless the parameter's last step overshot: the new
-            averaged gradient against the step, ``sum(g * u) < -5 * sqrt(sum((g * u)^2))``
-            with ``u = m / d`` before the refresh (five standard errors from no alignment).
-            Then the opposite: it takes only an update that raises its mean denominator, so
-            its steps shorten towards Adam's. The sign of ``g . u`` is the loss's derivative
-            with respect to the parameter's step size (hypergradient descent, Baydin et al.,
-            2018). Costs what "lowering" costs, plus a read of the momentum.
     Trade-off: each refresh costs a full-precision allreduce (32x a compressed step's bytes);
     a faster ``growth`` or an earlier ``last_step`` saves bytes and lets the variance age.
     """
@@ -80,7 +66,6 @@ class RefreshSchedule:
     last_step: Optional[int] = None
     variance_update: str = "gap"
     error_feedback: str = "rescale"
-    accept: str = "always"
 
     def __post_init__(self) -> None:
         for name in ("first_interval", "updates_per_interval"):
@@ -94,9 +79,6 @@ class RefreshSchedule:
         if self.variance_update not in VARIANCE_UPDATES:
             raise ValueError(f"variance_refresh variance_update must be one of "
                              f"{VARIANCE_UPDATES}, got {self.variance_update!r}")
-        if self.accept not in ACCEPTS:
-            raise ValueError(f"variance_refresh accept must be one of {ACCEPTS}, got "
-                             f"{self.accept!r}")
         if self.error_feedback not in ERROR_FEEDBACK_MODES:
             raise ValueError(f"variance_refresh error_feedback must be one of "
                              f"{ERROR_FEEDBACK_MODES}, got {self.error_feedback!r}")
@@ -116,6 +98,11 @@ class RefreshSchedule:
             raise TypeError(f"variance_refresh must be None, {DOUBLING!r} or a dict, got "
                             f"{type(option).__name__}")
         known = [f.name for f in fields(cls)]
+        retired = sorted(set(option) & set(RETIRED))
+        if retired:
+            name = retired[0]
+            raise ValueError(f"variance_refresh {name}={option[name]!r} is no longer an "
+                             f"option: {RETIRED[name]}")
         unknown = sorted(set(option) - set(known))
         if unknown:
             raise ValueError(f"variance_refresh: unknown option(s) {unknown}; known: {known}")

@@ -26,9 +26,10 @@ DEFAULT_SCHEME = "bounded_refresh_doubling"  # the zoo's scheme that runs the li
 ZOO_SCHEMES = {DEFAULT_SCHEME: "1-bit Adam (defaults)",
                "bounded": "with variance_refresh=None"}
 FADING = {"fading.json": "lr 3e-3", "fading_lr1e-2.json": "lr 1e-2"}  # under docs/step/
+# the committed files also hold the two refresh gates they measured, since retired
 FADING_SETTINGS = {"doubling": "\"doubling\" (default)", "none": "None",
-                   "lowering": "\"doubling\", accept=\"lowering\"",
-                   "hypergradient": "\"doubling\", accept=\"hypergradient\""}
+                   "lowering": "\"doubling\", accept=\"lowering\" (retired gate)",
+                   "hypergradient": "\"doubling\", accept=\"hypergradient\" (retired gate)"}
 
 
 def _load(name: str) -> dict:

@@ -59,7 +59,7 @@ def test_no_options_give_the_defaults_field_by_field():
     doubling = OneBitConfig.from_options(10, variance_refresh="doubling").refresh
     assert doubling == RefreshSchedule(first_interval=1, growth=2, updates_per_interval=16,
                                        last_step=None, variance_update="gap",
-                                       error_feedback="rescale", accept="always"), doubling
+                                       error_feedback="rescale"), doubling
 
 
 @pytest.mark.parametrize("name,value,resolved", MOVED)
@@ -73,8 +73,8 @@ def test_auto_freeze_and_a_schedule_resolve_as_their_dicts_did():
     c = OneBitConfig.from_options("auto", experimental=Experimental(auto_freeze={"min_steps": 5}))
     assert c.auto_freeze == AutoFreeze(min_steps=5), c.auto_freeze
     c = OneBitConfig.from_options(10, variance_refresh="doubling", experimental=Experimental(
-        refresh_schedule={"accept": "lowering", "last_step": 90}))
-    assert c.refresh == RefreshSchedule(accept="lowering", last_step=90), c.refresh
+        refresh_schedule={"variance_update": "single", "last_step": 90}))
+    assert c.refresh == RefreshSchedule(variance_update="single", last_step=90), c.refresh
     schedule = RefreshSchedule(first_interval=4)
     c = OneBitConfig.from_options(10, variance_refresh="doubling",
                                   experimental=Experimental(refresh_schedule=schedule))
@@ -100,8 +100,8 @@ def test_an_unknown_keyword_is_named():
 
 def test_variance_refresh_takes_a_preset_and_experimental_refines_it():
     with pytest.raises(ValueError, match=r"variance_refresh takes None or 'doubling'.*"
-                                         r"refresh_schedule=\{'accept': 'lowering'\}"):
-        OneBitConfig.from_options(3, variance_refresh={"accept": "lowering"})
+                                         r"refresh_schedule=\{'last_step': 90\}"):
+        OneBitConfig.from_options(3, variance_refresh={"last_step": 90})
     with pytest.raises(ValueError, match="variance_refresh must be None or 'doubling', got "
                                          "'weekly'"):
         OneBitConfig.from_options(3, variance_refresh="weekly")

@@ -107,41 +107,6 @@ def test_refresh_math_is_adam_s_with_its_bias_corrections(results, name, other):
             f"{name} rank {rank}: {other} differs by only {wrong} (vs {worst})"
 
 
-@pytest.mark.multirank
-@pytest.mark.parametrize("gate, others", [
-    ("lowering", {"wrong": "always accepting"}),
-    ("hypergradient", {"wrong": "always accepting", "lowering": "the lowering gate"})])
-def test_a_gate_declines_exactly_the_updates_it_should(results, gate, others):
-    """accept=``gate`` with the exact momentum against the gate by hand: the same parameters,
-    the same declines; some updates declined and some taken, so it differs from Adam's (and
-    "hypergradient" from "lowering")."""
-    for rank, r in enumerate(scenario(results, f"exact_{gate}")):
-        worst = max(float(np.abs(a - b).max()) for a, b in zip(r["opt"], r["ref"]))
-        assert worst < 1e-5, f"{gate} rank {rank}: largest |diff| to the gate by hand: {worst}"
-        assert r["declined"] == r["ref_declined"], \
-            f"{gate} rank {rank}: declined {r['declined']} updates, by hand {r['ref_declined']}"
-        assert 0 < r["declined"] < r["updates"], \
-            f"{gate} rank {rank}: declined {r['declined']} of {r['updates']} updates (want " \
-            f"some, not all)"
-        for key, what in others.items():
-            apart = max(float(np.abs(a - b).max()) for a, b in zip(r["opt"], r[key]))
-            assert apart > 100 * max(worst, 1e-7), \
-                f"{gate} rank {rank}: {what} differs by only {apart} (vs {worst})"
-
-
-@pytest.mark.multirank
-@pytest.mark.parametrize("gate", ["lowering", "hypergradient"])
-def test_a_gate_refreshes_on_the_schedule_alike_on_every_rank(results, gate):
-    rs = scenario(results, gate)
-    for rank, r in enumerate(rs):
-        assert refreshed_at(r) == EXPECTED, \
-            f"{gate} rank {rank}: refreshed at {refreshed_at(r)}, schedule says {EXPECTED}"
-        assert r["telemetry"]["refresh_declined"] > 0, (gate, r["telemetry"])
-    assert rs[0]["telemetry"]["refresh_declined"] == rs[1]["telemetry"]["refresh_declined"], \
-        [r["telemetry"]["refresh_declined"] for r in rs]
-    assert_identical(rs, gate)
-
-
 def _rescale_figures(probe: dict, rank: int) -> tuple:
     """(largest relative change of e * d where both denominators are finite, largest |e| left
     where one is infinite, largest change of the padding's errors, count of infinite ones)."""
@@ -208,19 +173,10 @@ def test_held_elements_train_from_the_first_refresh_that_sees_their_gradient(res
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("whole, name, at", [
-    ("checkpointed", "resumed_before", 6), ("checkpointed", "resumed_after", 7),
-    ("checkpointed_hypergradient", "resumed_hypergradient_before", 6),
-    ("checkpointed_hypergradient", "resumed_hypergradient_after", 7)])
-def test_checkpoints_around_a_refresh_resume_bit_identically(results, whole, name, at):
-    full, resumed = scenario(results, whole), scenario(results, name)
+@pytest.mark.parametrize("name, at", [("resumed_before", 6), ("resumed_after", 7)])
+def test_checkpoints_around_a_refresh_resume_bit_identically(results, name, at):
+    full, resumed = scenario(results, "checkpointed"), scenario(results, name)
     for rank in range(2):
-        assert resumed[rank]["declined"] == full[rank]["declined"][at:], \
-            f"rank {rank}, resumed at {at}: declined counts {resumed[rank]['declined']}, " \
-            f"whole run {full[rank]['declined'][at:]}"
-        if whole != "checkpointed":  # the gate must decide after the resume for this to test it
-            assert full[rank]["declined"][-1] > full[rank]["declined"][at], \
-                f"rank {rank}: no update declined after step {at}: {full[rank]['declined']}"
         diff = [at + i for i, (a, b) in enumerate(zip(full[rank]["hashes"][at:],
                                                     resumed[rank]["hashes"])) if a != b]
         assert not diff, f"rank {rank}, resumed at {at}: differs at iterations {diff}"

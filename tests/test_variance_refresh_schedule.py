@@ -2,6 +2,7 @@
 bounds, and the options' validation."""
 import pytest
 
+from hvd_onebit.config import Experimental
 from hvd_onebit.variance_refresh import RefreshSchedule
 
 
@@ -45,7 +46,6 @@ def test_refreshes_come_only_after_the_freeze_and_before_last_step():
     ({"interval": 4}, "unknown option"),
     ({"variance_update": "twice"}, "variance_update must be one of"),
     ({"error_feedback": "drop"}, "error_feedback must be one of"),
-    ({"accept": "lower"}, "accept must be one of"),
 ])
 def test_bad_options_name_what_is_wrong(option, error):
     with pytest.raises((ValueError, TypeError), match=error):
@@ -57,5 +57,17 @@ def test_none_means_no_refresh_and_a_dict_overrides_defaults():
     s = RefreshSchedule.from_option({"updates_per_interval": 8, "last_step": 5000})
     assert s.as_dict() == {"first_interval": 1, "growth": 2, "updates_per_interval": 8,
                            "last_step": 5000, "variance_update": "gap",
-                           "error_feedback": "rescale", "accept": "always"}, \
+                           "error_feedback": "rescale"}, \
         f"schedule from a dict: {s.as_dict()}"
+
+
+@pytest.mark.parametrize("value", ["lowering", "hypergradient", "always"])
+def test_the_retired_accept_option_is_refused_saying_what_to_do(value):
+    with pytest.raises(ValueError) as err:
+        RefreshSchedule.from_option({"accept": value, "last_step": 90})
+    message = str(err.value)
+    assert f"accept={value!r} is no longer an option" in message, message
+    assert "measured and retired" in message and "drop 'accept'" in message, message
+    with pytest.raises(ValueError, match=f"accept={value!r} is no longer an option"):
+        Experimental(refresh_schedule={"accept": value})
+    assert "accept" not in RefreshSchedule().as_dict(), RefreshSchedule().as_dict()

@@ -14,7 +14,6 @@ import torch
 import torch.nn as nn
 
 import hvd_onebit
-from hvd_onebit.engine import refresh_gate
 from hvd_onebit.variance_refresh import RefreshSchedule
 from hvd_onebit import Experimental
 from tests.scenarios import run_scenarios
@@ -79,7 +78,7 @@ def run(steps: int = STEPS, start: int = 0, gated: bool = False, scaler: bool = 
         model.load_state_dict(torch.load(io.BytesIO(resume["model"])))
         opt.load_state_dict(torch.load(io.BytesIO(resume["opt"])))
         opt.load_error_feedback_state_dict(torch.load(io.BytesIO(resume["ef"])))
-    out = {"before": [], "hashes": [], "refreshes": [], "declined": [], "bytes": [], "saved": {},
+    out = {"before": [], "hashes": [], "refreshes": [], "bytes": [], "saved": {},
            "probe": None, "flushed": None}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -108,7 +107,6 @@ def run(steps: int = STEPS, start: int = 0, gated: bool = False, scaler: bool = 
                     float(e.abs().max()) for e in _errors(opt)["worker"])}
             out["hashes"].append(params_hash(model))
             out["refreshes"].append(opt.telemetry()["refreshes"])
-            out["declined"].append(opt.telemetry()["refresh_declined"])
             out["bytes"].append(opt.last_step_bytes)
     state = opt.state[model.extra]
     out.update(steps=opt.steps, telemetry=opt.telemetry(), params=params_bytes(model),
@@ -131,25 +129,20 @@ def _checkpoint(model, opt) -> dict:
             "ef": ser(opt.error_feedback_state_dict())}
 
 
-def reference(steps: int = STEPS, update: str = "gap", bc2_counts_every_step: bool = False,
-              gate: Optional[str] = None) -> dict:
+def reference(steps: int = STEPS, update: str = "gap",
+              bc2_counts_every_step: bool = False) -> dict:
     """Adam with variance refreshes by hand on the exactly averaged gradients: m every step, v
     in the warmup and at refreshes, bc1 from the step count; no step bound. ``update="gap"``: a
     refresh k steps after v's last update weighs g^2 by 1 - beta2^k and bc2 counts steps;
     "single" (0/1 Adam's): one update of weight 1 - beta2, bc2 counting v's updates (or, to
-    show the test can tell, ``bc2_counts_every_step``). ``gate="lowering"``: a parameter keeps
-    its v and its count at a refresh that would raise its mean sqrt(v) / sqrt(bc2) over v > 0
-    (its zero entries still take a * g^2); "hypergradient": the same unless g . m / d over
-    v > 0 (m and d before the refresh) is below -OVERSHOOT_Z times the root of its terms'
-    squares' sum, and then it declines a refresh that would lower that mean instead. The final
-    parameters, and how many updates were declined."""
+    show the test can tell, ``bc2_counts_every_step``). The final parameters."""
     model = Gated()
     params = list(model.parameters())
     m = [torch.zeros_like(p) for p in params]
     v = [torch.zeros_like(p) for p in params]
     schedule = RefreshSchedule.from_option(SCHEDULE)
     n, last = [0] * len(params), [0] * len(params)  # per parameter: v's updates, its last step
-    (b1, b2), declined = BETAS, 0
+    b1, b2 = BETAS
     for step in range(steps):
         model.zero_grad()
         x, y = batch(step, hvd.rank())
@@ -160,58 +153,20 @@ def reference(steps: int = STEPS, update: str = "gap", bc2_counts_every_step: bo
         bc1 = 1 - b1 ** t
         with torch.no_grad():
             for i, p in enumerate(params):
-                g = hvd.allreduce(p.grad, name=f"ref.{step}.{i}.{update}.{bc2_counts_every_step}"
-                                                f".{gate}")
-                m_old = m[i].clone()
+                g = hvd.allreduce(p.grad, name=f"ref.{step}.{i}.{update}.{bc2_counts_every_step}")
                 m[i].mul_(b1).add_(g, alpha=1 - b1)
                 if full:
                     a = 1 - b2 ** (t - last[i]) if update == "gap" else 1 - b2
-                    new = v[i] * (1 - a) + a * g * g
-                    before = (last[i], n[i])
+                    v[i] = v[i] * (1 - a) + a * g * g
                     n[i], last[i] = n[i] + 1, t
-                    trained = v[i] > 0
-                    if gate and refresh and _wrong_way(gate, new, v[i], trained, g, m_old,
-                                                       b2 ** t, b2 ** before[0]):
-                        declined += 1
-                        last[i], n[i] = before
-                        new = torch.where(v[i] == 0, new, v[i])
-                    v[i] = new
                 counted = last[i] if update == "gap" or bc2_counts_every_step else n[i]
                 bc2 = 1 - b2 ** (t if bc2_counts_every_step else counted)
                 p.sub_(LR / bc1 * m[i] / (v[i].sqrt() / math.sqrt(bc2) + EPS))
-    return {"params": [p.detach().clone() for p in params], "declined": declined}
-
-
-def _wrong_way(gate: str, new: torch.Tensor, v: torch.Tensor, trained: torch.Tensor,
-               g: torch.Tensor, m: torch.Tensor, power_new: float, power_old: float) -> bool:
-    """Whether ``gate`` declines a refresh from ``v`` to ``new`` (bc2 = 1 - the powers of
-    beta2), given the gradient ``g`` and the momentum ``m`` before it."""
-    rises = _root_sum(new, trained, power_new) > _root_sum(v, trained, power_old)
-    d = v.sqrt() / math.sqrt(1 - power_old) + EPS
-    along = (g * m / d)[trained].double()
-    z = refresh_gate.OVERSHOOT_Z
-    overshot = gate == "hypergradient" and float(along.sum()) < -z * float(
-        along.square().sum().sqrt())
-    return rises != overshot
-
-
-def _root_sum(v: torch.Tensor, trained: torch.Tensor, beta2_power: float) -> float:
-    """The sum of sqrt(v / bc2) over the ``trained`` elements, bc2 = 1 - ``beta2_power``."""
-    return float(v[trained].double().sqrt().sum()) / math.sqrt(1 - beta2_power)
+    return {"params": [p.detach().clone() for p in params]}
 
 
 def _arrays(ref: dict) -> list:
     return [p.numpy() for p in ref["params"]]
-
-
-def _gated(gate: str) -> dict:
-    """accept=``gate`` with the exact momentum against it by hand, and against Adam's."""
-    opt = run(variance_refresh="doubling",
-              experimental=Experimental(compressor="none", step_bound=None, refresh_schedule={**SCHEDULE, "accept": gate}))
-    ref = reference(gate=gate)
-    return {"opt": opt["arrays"], "ref": _arrays(ref), "wrong": _arrays(reference()),
-            "declined": opt["telemetry"]["refresh_declined"], "ref_declined": ref["declined"],
-            "updates": len(list(opt["arrays"])) * opt["telemetry"]["refreshes"]}
 
 
 def resumed(at: int, saved: dict, **options) -> dict:
@@ -224,8 +179,6 @@ def suite() -> dict:
     def checkpointed(key: str, **options) -> dict:
         full[key] = run(save_at=(6, 7), **options)
         return full[key]
-
-    gate = {"experimental": Experimental(refresh_schedule={**SCHEDULE, "accept": "hypergradient"})}
 
     scenarios = {
         "overlap": lambda: run(),
@@ -244,20 +197,11 @@ def suite() -> dict:
                        experimental=Experimental(compressor="none", step_bound=None, refresh_schedule={**SCHEDULE, "variance_update": "single"}))["arrays"],
             "ref": _arrays(reference(update="single")),
             "wrong": _arrays(reference(update="single", bc2_counts_every_step=True))},
-        "exact_lowering": lambda: _gated("lowering"),
-        "lowering": lambda: run(variance_refresh="doubling",
-                                experimental=Experimental(refresh_schedule={**SCHEDULE, "accept": "lowering"})),
-        "exact_hypergradient": lambda: {**_gated("hypergradient"),
-                                        "lowering": _arrays(reference(gate="lowering"))},
-        "hypergradient": lambda: run(**gate),
         "single": lambda: run(variance_refresh="doubling",
                               experimental=Experimental(refresh_schedule={**SCHEDULE, "variance_update": "single"})),
         "checkpointed": lambda: checkpointed("always"),
         "resumed_before": lambda: resumed(6, full["always"]["saved"][6]),
         "resumed_after": lambda: resumed(7, full["always"]["saved"][7]),
-        "checkpointed_hypergradient": lambda: checkpointed("gate", **gate),
-        "resumed_hypergradient_before": lambda: resumed(6, full["gate"]["saved"][6], **gate),
-        "resumed_hypergradient_after": lambda: resumed(7, full["gate"]["saved"][7], **gate),
         "flush": lambda: run(flush_at=7),
         "inf": lambda: run(inf_at=6),
         "scaler_inf": lambda: run(scaler=True, inf_at=6),

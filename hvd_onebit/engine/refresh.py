@@ -23,13 +23,6 @@ Using t with single updates would under-correct v and lengthen every later step.
 step's; an element with a zero variance after the refresh stays held (a +0 momentum, no
 update), one whose gradient gave it a variance trains from now on.
 
-With ``accept="lowering"`` a parameter whose update would raise its mean denominator keeps its
-variance and its count (:mod:`~hvd_onebit.engine.refresh_gate`, decided before the moments
-change); only its held elements take their first variance. ``accept="hypergradient"``
-declines the same way unless the parameter's last step overshot (the new gradient against the
-momentum's step direction), and then declines a fall instead. The denominators of a declining
-parameter's trained elements, hence their errors, stay as they were.
-
 Error feedback: with ``precondition=True`` the 1-bit collectives compress ``u = m / d`` and their
 errors are in units of the denominator d the variance had. ``"rescale"`` (default) multiplies
 each error element by ``d_old / d_new`` (:meth:`scale_error_feedback` of the collectives), so
@@ -52,8 +45,7 @@ import torch
 
 from .. import kernels
 from ..param_groups import groups_by_param
-from ..variance_refresh import HYPERGRADIENT, LOWERING, RefreshSchedule
-from . import refresh_gate
+from ..variance_refresh import RefreshSchedule
 from .adam_terms import AdamTerms, bucket_update, mask_momentum, masked_params
 from .collectives import Collectives
 from .error_feedback import ErrorFeedback
@@ -65,7 +57,7 @@ class VarianceRefresh:
     """A refresh step over the buckets (see the module docstring).
 
     Args:
-        options: the ``variance_refresh`` options (``variance_update``, ``accept``).
+        options: the ``variance_refresh`` options (``variance_update``).
         backend: the kernel backend.
         fused: the buckets.
         collectives: their collectives (the errors rescaled).
@@ -85,7 +77,6 @@ class VarianceRefresh:
         self.terms = terms
         self.error_feedback = error_feedback
         self.state = variance.state
-        self.last_declined = 0  # parameters the last refresh left their variance
 
     def run(self, param_groups: list[dict], grads: Mapping[torch.Tensor, Optional[torch.Tensor]],
             error_feedback: str = "rescale") -> int:
@@ -109,12 +100,11 @@ class VarianceRefresh:
         # Per parameter, how much of the variance's running average the new g^2 takes: "gap"
         # weighs it as the k steps since the last update (frozen_variance_step is then that
         # update's step count, and bc2 counts steps); "single" as one update (it counts them).
-        weight, counts = {}, {}
+        weight = {}
         for p in owner:
             if grads.get(p) is None:  # no gradient anywhere: v and its count stay, as Adam's do
                 continue
             state, beta2 = self.state[p], groups[p]["betas"][1]
-            counts[p] = state["frozen_variance_step"]
             last = max(int(state["frozen_variance_step"]), 0)
             if self.options.variance_update == "gap":
                 t = int(self.variance.host_step(p)) + 1
@@ -124,17 +114,10 @@ class VarianceRefresh:
                 weight[p] = 1 - beta2
                 state["frozen_variance_step"] = last + 1
         new = {p: self.terms.denominator(p, groups[p]).sqrt_bc2 for p in owner}
-        held_only = set()  # parameters that decline the update: only held elements take it
-        if self.options.accept in (LOWERING, HYPERGRADIENT):
-            held_only = self._declined(grads, weight, old, new, groups)
-            for p in held_only:
-                self.state[p]["frozen_variance_step"] = counts[p]
-                new[p] = old[p]
-        self.last_declined = len(held_only)
         rescale = (error_feedback == "rescale" and self.terms.preconditioned
                    and bool(self.collectives.comms))
         for b in self.fused.buckets:
-            self._moments(b, groups, grads, weight, old, new, held_only, rescale)
+            self._moments(b, groups, grads, weight, old, new, rescale)
         for _, p, mask in masked_params(param_groups, owner):
             mask_momentum(self.state, p, mask)
         updates = {p: self.terms.update(p, groups[p]) for p in owner}
@@ -144,7 +127,7 @@ class VarianceRefresh:
         return nbytes
 
     def _moments(self, b, groups: dict, grads: Mapping, weight: dict, old: dict, new: dict,
-                 held_only: set, rescale: bool) -> None:
+                 rescale: bool) -> None:
         """Bucket ``b``'s momentum and variance updated, and with ``rescale`` its collective's
         errors carried from the old denominators into the new."""
         backend = self.backend
@@ -166,22 +149,6 @@ class VarianceRefresh:
                     kernels.denominators(flat_v, part, old[p], eps, backend)
                     kernels.divide_by_denominators(part, flat_v, new[p], eps, backend)
             else:  # both moments and the ratio in one pass
-                kernels.refresh_moments(m, v, g, part, beta1, w, old[p], new[p], eps,
-                                        p in held_only, backend)
+                kernels.refresh_moments(m, v, g, part, beta1, w, old[p], new[p], eps, backend)
         if rescale:
             self.collectives.of(b).scale_error_feedback(ratio)
-
-    def _declined(self, grads: Mapping, weight: dict, old: dict, new: dict,
-                  groups: dict) -> set:
-        """The parameters whose update would move their mean denominator the wrong way for
-        ``accept`` (:mod:`~hvd_onebit.engine.refresh_gate`), from the variance (and, for
-        "hypergradient", the momentum) before the update."""
-        along = self.options.accept == HYPERGRADIENT
-        pieces = refresh_gate.pieces_by_parameter(self.fused.buckets, self.state, grads, along)
-        sums = {}
-        for p, ps in pieces.items():
-            extra = {"sqrt_bc2": old[p], "eps": float(groups[p]["eps"])} if along else {}
-            sums[p] = sum(kernels.gate_sums(piece[0], piece[1], weight[p], *piece[2:], **extra,
-                                            backend=self.backend)
-                          for piece in ps)
-        return set(refresh_gate.declined(sums, old, new))

@@ -78,8 +78,6 @@ class CompressedStep:
     early_starts = property(lambda self: self.averaging.early_starts)
     # buckets started for the coming step, the position of the next (one order on every rank)
     started = next_to_start = property(lambda self: len(self.averaging.early))
-    refresh_declined = property(lambda self: self.refresher.last_declined,
-                                doc="Parameters the last refresh left their variance.")
 
     def topology(self):
         """The nodes' layout when the 1-bit stage is hierarchical, else None."""

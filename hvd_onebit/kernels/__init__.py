@@ -27,14 +27,12 @@ over the data instead of two.
 from .backend import (BACKENDS, _triton_interpreted, in_place, native_available, native_module,
                       native_ready, pick, resolve_backend, triton_available, triton_module)
 from .denominators import denominators, divide_by_denominators, refresh_moments
-from .gate import gate_sums
 from .ops import (decode, rescale_error, server_compress, server_error, worker_compress,
                   worker_error)
 from .reference import exact_div
 from .rows import pack_signs, row_scales, row_status, set_identity_rows, unpack_signs
 
-__all__ = ["BACKENDS", "decode", "denominators", "divide_by_denominators", "exact_div", "gate_sums",
-           "in_place", "native_available", "native_module", "native_ready", "pack_signs", "pick",
+__all__ = ["BACKENDS", "decode", "denominators", "divide_by_denominators", "exact_div", "in_place", "native_available", "native_module", "native_ready", "pack_signs", "pick",
            "refresh_moments", "rescale_error", "resolve_backend", "row_scales", "row_status",
            "server_compress", "server_error", "set_identity_rows", "triton_available",
            "triton_module", "unpack_signs", "worker_compress", "worker_error"]

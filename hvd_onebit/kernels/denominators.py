@@ -51,10 +51,9 @@ def divide_by_denominators(ratio: torch.Tensor, v: torch.Tensor, sqrt_bc2: float
 def refresh_moments(m: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                     ratio: Optional[torch.Tensor], beta1: float, weight: float,
                     sqrt_bc2_old: float, sqrt_bc2_new: float, eps: float,
-                    held_only: bool = False, backend: str = "auto") -> None:
+                    backend: str = "auto") -> None:
     """One piece of a variance refresh, in place: ``ratio = d_old`` (when given), then
-    ``m = m.lerp(g, 1 - beta1)`` and ``v = (1 - weight) * v + weight * g^2`` (with
-    ``held_only``, a parameter that declines the update: only where ``v == 0``), then
+    ``m = m.lerp(g, 1 - beta1)`` and ``v = (1 - weight) * v + weight * g^2``, then
     ``ratio = d_old / d_new`` with every non-finite quotient ``+0`` (an element held before or
     after), ``d = sqrt(v) * (1 / sqrt_bc2) + eps`` before and after.
 
@@ -74,26 +73,19 @@ def refresh_moments(m: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
     if pick(backend, v.device, native=lambda: native_ready((m, v, g, ratio))) == "native":
         native_module().refresh_moments(m, v, g, ratio, float(beta1), float(weight),
                                         float(sqrt_bc2_old), float(sqrt_bc2_new), float(eps),
-                                        bool(held_only), True)
+                                        True)
         return
-    _refresh_twin(m, v, g, ratio, beta1, weight, sqrt_bc2_old, sqrt_bc2_new, eps, held_only)
+    _refresh_twin(m, v, g, ratio, beta1, weight, sqrt_bc2_old, sqrt_bc2_new, eps)
 
 
 def _refresh_twin(m: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                   ratio: Optional[torch.Tensor], beta1: float, weight: float,
-                  sqrt_bc2_old: float, sqrt_bc2_new: float, eps: float,
-                  held_only: bool) -> None:
+                  sqrt_bc2_old: float, sqrt_bc2_new: float, eps: float) -> None:
     """The torch reference of :func:`refresh_moments`: its passes one by one."""
     if ratio is not None:
         _twin(v, ratio, sqrt_bc2_old, eps, False)
     m.lerp_(g, 1 - beta1)
-    if held_only:  # the held elements (exactly 0) take weight * g^2, the rest stay
-        flat_v, flat_g = v.reshape(-1), g.reshape(-1)
-        for lo in range(0, flat_v.numel(), TWIN_SLICE):
-            vc, gc = flat_v[lo:lo + TWIN_SLICE], flat_g[lo:lo + TWIN_SLICE]
-            vc.addcmul_(gc * (vc == 0), gc, value=weight)
-    else:
-        v.mul_(1 - weight).addcmul_(g, g, value=weight)
+    v.mul_(1 - weight).addcmul_(g, g, value=weight)
     if ratio is not None:
         _twin(v, ratio, sqrt_bc2_new, eps, True)
 

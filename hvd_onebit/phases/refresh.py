@@ -71,10 +71,9 @@ class RefreshPhase:
             warnings.warn(f"hvd_onebit: refresh step skipped on every rank: {exc}")
             return None
         self._schedule.count_step()
-        declined = engine.refresh_declined
-        self._telemetry.count_refresh(steps, declined)
-        logger.debug("hvd_onebit: variance refreshed at step %d (refresh %d; %d parameters "
-                     "kept their variance)", steps + 1, self._telemetry.refreshes, declined)
+        self._telemetry.count_refresh(steps)
+        logger.debug("hvd_onebit: variance refreshed at step %d (refresh %d)", steps + 1,
+                     self._telemetry.refreshes)
         return loss
 
     def account(self) -> None:

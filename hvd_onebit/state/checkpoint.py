@@ -23,8 +23,7 @@ def state_dict(view: OptimizerView, config: OneBitConfig, schedule: Schedule,
     sd = view.adam.torch_state_dict()
     sd[KEY] = {"freeze_step": schedule.freeze_step, "skipped_steps": telemetry.skipped_steps,
                "step_bound": config.step_bound, "refreshes": telemetry.refreshes,
-               "last_refresh_step": telemetry.last_refresh_step,
-               "refresh_declined": telemetry.refresh_declined}
+               "last_refresh_step": telemetry.last_refresh_step}
     if schedule.monitor is not None:
         sd[KEY]["auto_freeze"] = schedule.monitor.state_dict()
     return sd
@@ -53,7 +52,6 @@ def load_state_dict(view: OptimizerView, config: OneBitConfig, schedule: Schedul
         telemetry.skipped_steps = int(meta.get("skipped_steps", 0))
         telemetry.refreshes = int(meta.get("refreshes", 0))
         telemetry.last_refresh_step = meta.get("last_refresh_step")
-        telemetry.refresh_declined = int(meta.get("refresh_declined", 0))
         saved = meta.get("freeze_step")
         _warn_if_other_step_bound(meta, config.step_bound)
     if saved is not None and schedule.steps >= int(saved):

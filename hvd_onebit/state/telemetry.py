@@ -18,15 +18,11 @@ class Telemetry:
     last_step_breakdown: dict = field(default_factory=dict)
     refreshes: int = 0  # variance refresh steps taken (variance_refresh), over the run
     last_refresh_step: Optional[int] = None  # the step count before the last of them
-    # parameters' variance updates the refreshes declined (accept="lowering"), over the run
-    refresh_declined: int = 0
 
-    def count_refresh(self, steps: int, declined: int = 0) -> None:
-        """A refresh step was taken with ``steps`` steps behind it; ``declined`` parameters
-        kept their variance."""
+    def count_refresh(self, steps: int) -> None:
+        """A refresh step was taken with ``steps`` steps behind it."""
         self.refreshes += 1
         self.last_refresh_step = steps
-        self.refresh_declined += declined
 
     def account(self, nbytes: int, seconds: float) -> None:
         """Record one step's communication."""

@@ -53,7 +53,6 @@ def pass_streams(ranks: int) -> dict[str, Streams]:
         "decode_update_preconditioned": Streams(2, 2, 1),
         "moments": Streams(3, 3),                  # m, v, g -> m, v, ratio
         "errors": Streams(2, 1, 1),                # y, ratio, signs -> y
-        "gate": Streams(3, 0),                     # v, g, m -> four sums
     }
 
 
@@ -273,7 +272,6 @@ def _bench_refresh(L: Layout, g: torch.Tensor, y_prev, send, repeats: int, add: 
       native division.
     * errors: ``rescale_error`` (``y = (y - decode) * ratio`` in place) vs the worker error
       materialised (native decode, then a subtraction), multiplied and copied back.
-    * gate: ``gate_sums`` with the momentum (accept="hypergradient") vs its torch twin.
     """
     numel, eps = g.numel(), 1e-8
     m, v, ratio = torch.randn(numel) * 0.1, torch.rand(numel) + 0.01, torch.empty(numel)
@@ -294,11 +292,9 @@ def _bench_refresh(L: Layout, g: torch.Tensor, y_prev, send, repeats: int, add: 
 
     calls = {
         "moments": (lambda: kernels.refresh_moments(m, v, g, ratio, 0.9, 1e-3, 0.3, 0.31, eps,
-                                                    False, "native"), separate_moments),
+                                                    "native"), separate_moments),
         "errors": (lambda: kernels.rescale_error(y, send, scale, L, L.n, "native"),
                    separate_errors),
-        "gate": (lambda: kernels.gate_sums(v, g, 1e-3, m, 0.3, eps, "native"),
-                 lambda: kernels.gate_sums(v, g, 1e-3, m, 0.3, eps, "torch")),
     }
     out = {}
     for name, (fused, separate) in calls.items():

@@ -1356,9 +1356,7 @@ void denominators(const torch::Tensor& v, torch::Tensor out, double sqrt_bc2, do
 // roundings: the old denominator d0 = frozen_denominator(v, sqrt_bc2_old, eps) (into `ratio`, when
 // given); m.lerp_(g, 1 - beta1), which torch's CPU kernel computes as one FMA of the weight and
 // g - m onto m (weight < 0.5; else of weight - 1 onto g); v.mul_(1 - a).addcmul_(g, g, value=a),
-// which it computes as fma(a * g, g, v * (1 - a)); with held_only (a parameter that declines the
-// update) only where v == 0, as addcmul_(g * (v == 0), g, value=a) does; then
-// ratio = d0 / frozen_denominator(v_new, sqrt_bc2_new, eps), every non-finite quotient +0. Four
+// which it computes as fma(a * g, g, v * (1 - a)); then ratio = d0 / frozen_denominator(v_new, sqrt_bc2_new, eps), every non-finite quotient +0. Four
 // reads and three writes instead of the twin's fourteen.
 
 struct RefreshPiece {
@@ -1368,7 +1366,6 @@ struct RefreshPiece {
   float* ratio;  // nullptr: no denominators
   float lerp_w, a, keep;  // 1 - beta1, the variance's weight a and 1 - a, each rounded to fp32
   float inv_root_bc2_old, inv_root_bc2_new, eps;  // 1 / sqrt_bc2 before and after
-  bool held_only;
 };
 
 inline float lerp1(float m, float g, float w) {
@@ -1379,8 +1376,7 @@ inline void refresh1(const RefreshPiece& r, int64_t p) {
   const float v = r.v[p], g = r.g[p];
   const float d0 = r.ratio ? frozen_denominator(v, r.inv_root_bc2_old, r.eps) : 0.0f;
   r.m[p] = lerp1(r.m[p], g, r.lerp_w);
-  const float vn = r.held_only ? (v == 0.0f ? std::fma(r.a * g, g, v) : v)
-                               : std::fma(r.a * g, g, v * r.keep);
+  const float vn = std::fma(r.a * g, g, v * r.keep);
   r.v[p] = vn;
   if (r.ratio) r.ratio[p] = finite_or_zero(d0 / frozen_denominator(vn, r.inv_root_bc2_new, r.eps));
 }
@@ -1397,10 +1393,7 @@ __attribute__((target("avx2,fma"))) int64_t refresh_avx2(const RefreshPiece& r, 
     const __m256 diff = _mm256_sub_ps(g, m);
     _mm256_storeu_ps(r.m + p, _mm256_fmadd_ps(coeff, diff, small ? m : g));
     const __m256 ag = _mm256_mul_ps(a, g);
-    const __m256 vn = r.held_only
-        ? _mm256_blendv_ps(v, _mm256_fmadd_ps(ag, g, v),
-                           _mm256_cmp_ps(v, _mm256_setzero_ps(), _CMP_EQ_OQ))
-        : _mm256_fmadd_ps(ag, g, _mm256_mul_ps(v, keep));
+    const __m256 vn = _mm256_fmadd_ps(ag, g, _mm256_mul_ps(v, keep));
     _mm256_storeu_ps(r.v + p, vn);
     if (!r.ratio) continue;
     _mm256_storeu_ps(r.ratio + p,
@@ -1413,8 +1406,7 @@ __attribute__((target("avx2,fma"))) int64_t refresh_avx2(const RefreshPiece& r, 
 
 void refresh_moments(torch::Tensor m, torch::Tensor v, const torch::Tensor& g,
                      const c10::optional<torch::Tensor>& ratio, double beta1, double weight,
-                     double sqrt_bc2_old, double sqrt_bc2_new, double eps, bool held_only,
-                     bool allow_simd) {
+                     double sqrt_bc2_old, double sqrt_bc2_new, double eps, bool allow_simd) {
   check_cpu(m, torch::kFloat32, "m", 0);
   const int64_t numel = m.numel();
   check_cpu(v, torch::kFloat32, "v", numel);
@@ -1433,7 +1425,7 @@ void refresh_moments(torch::Tensor m, torch::Tensor v, const torch::Tensor& g,
   const RefreshPiece r{m.data_ptr<float>(), v.data_ptr<float>(), g.data_ptr<float>(), out,
                        static_cast<float>(1.0 - beta1), static_cast<float>(weight),
                        static_cast<float>(1.0 - weight), inverse_root_bc2(sqrt_bc2_old),
-                       inverse_root_bc2(sqrt_bc2_new), static_cast<float>(eps), held_only};
+                       inverse_root_bc2(sqrt_bc2_new), static_cast<float>(eps)};
   pybind11::gil_scoped_release no_gil;
   int64_t p = 0;
 #if defined(HVD_ONEBIT_X86)
@@ -1516,107 +1508,6 @@ void rescale_error(torch::Tensor y, const torch::Tensor& rows, const torch::Tens
   }
 }
 
-// ---- a refresh gate's sums (engine/refresh_gate.py) ------------------------------------------
-// Over one parameter's piece, in float64: sum(sqrt(v)), and over the elements with v > 0
-// sum(sqrt(v * (1 - a) + a * g^2)) (the variance's roots before and after a refresh of weight a,
-// the new one rounded as refresh_moments writes it); with m, also sum(g * u) and sum((g * u)^2),
-// u = m / d, d = sqrt(v) / sqrt_bc2 + eps, each term as the torch twin rounds it in fp32
-// (1 / d, then * g, then * m; its square in fp32). Element p of the piece adds into lane p % 8 of
-// eight float64 accumulators, in order; the lanes then add in a fixed tree. The AVX2 and scalar
-// paths give the same bits, so ranks on different CPUs decide alike; torch's own sums (the twin)
-// add in another order, the same values to a few ulps.
-
-struct GateSums {
-  double acc[4][8] = {};
-};
-
-inline void gate1(GateSums& out, const float* v, const float* g, const float* m, float a,
-                  float keep, float sqrt_bc2, float eps, int64_t p) {
-  const int lane = static_cast<int>(p & 7);
-  const float vp = v[p], gp = g[p];
-  const float root = std::sqrt(vp);
-  out.acc[0][lane] += root;
-  if (vp == 0.0f) return;  // held: in none of the other sums
-  out.acc[1][lane] += std::sqrt(std::fma(a * gp, gp, vp * keep));
-  if (!m) return;
-  const float along = ((1.0f / (root / sqrt_bc2 + eps)) * gp) * m[p];
-  out.acc[2][lane] += along;
-  out.acc[3][lane] += along * along;
-}
-
-#if defined(HVD_ONEBIT_X86)
-__attribute__((target("avx2,fma"))) inline void add8_pd(__m256d* lo_hi, __m256 x) {
-  lo_hi[0] = _mm256_add_pd(lo_hi[0], _mm256_cvtps_pd(_mm256_castps256_ps128(x)));
-  lo_hi[1] = _mm256_add_pd(lo_hi[1], _mm256_cvtps_pd(_mm256_extractf128_ps(x, 1)));
-}
-
-__attribute__((target("avx2,fma"))) int64_t gate_avx2(GateSums& out, const float* v,
-                                                      const float* g, const float* m,
-                                                      int64_t numel, float a, float keep,
-                                                      float sqrt_bc2, float eps) {
-  __m256d acc[4][2];
-  for (int k = 0; k < 4; ++k) acc[k][0] = acc[k][1] = _mm256_setzero_pd();
-  const __m256 va = _mm256_set1_ps(a), vkeep = _mm256_set1_ps(keep);
-  const __m256 vs = _mm256_set1_ps(sqrt_bc2), ve = _mm256_set1_ps(eps), one = _mm256_set1_ps(1.0f);
-  int64_t p = 0;
-  for (; p + 8 <= numel; p += 8) {
-    const __m256 vv = _mm256_loadu_ps(v + p), gg = _mm256_loadu_ps(g + p);
-    const __m256 trained = _mm256_cmp_ps(vv, _mm256_setzero_ps(), _CMP_NEQ_UQ);
-    const __m256 root = _mm256_sqrt_ps(vv);
-    add8_pd(acc[0], root);
-    const __m256 fresh = _mm256_sqrt_ps(_mm256_fmadd_ps(_mm256_mul_ps(va, gg), gg,
-                                                        _mm256_mul_ps(vv, vkeep)));
-    add8_pd(acc[1], _mm256_and_ps(fresh, trained));
-    if (!m) continue;
-    const __m256 inv = _mm256_div_ps(one, _mm256_add_ps(_mm256_div_ps(root, vs), ve));
-    const __m256 along = _mm256_and_ps(_mm256_mul_ps(_mm256_mul_ps(inv, gg),
-                                                     _mm256_loadu_ps(m + p)), trained);
-    add8_pd(acc[2], along);
-    add8_pd(acc[3], _mm256_mul_ps(along, along));
-  }
-  for (int k = 0; k < 4; ++k) {
-    _mm256_storeu_pd(out.acc[k], acc[k][0]);
-    _mm256_storeu_pd(out.acc[k] + 4, acc[k][1]);
-  }
-  return p;
-}
-#endif
-
-torch::Tensor gate_sums(const torch::Tensor& v, const torch::Tensor& g,
-                        const c10::optional<torch::Tensor>& m, double weight, double sqrt_bc2,
-                        double eps, bool allow_simd) {
-  check_cpu(v, torch::kFloat32, "v", 0);
-  const int64_t numel = v.numel();
-  check_cpu(g, torch::kFloat32, "g", numel);
-  TORCH_CHECK(g.numel() == numel, "g has ", g.numel(), " elements, v ", numel);
-  const float* mp = nullptr;
-  if (m.has_value() && m->defined()) {
-    check_cpu(*m, torch::kFloat32, "m", numel);
-    TORCH_CHECK(m->numel() == numel, "m has ", m->numel(), " elements, v ", numel);
-    mp = m->data_ptr<float>();
-  }
-  const float a = static_cast<float>(weight), keep = static_cast<float>(1.0 - weight);
-  const float s = static_cast<float>(sqrt_bc2), e = static_cast<float>(eps);
-  const float* vp = v.data_ptr<float>();
-  const float* gp = g.data_ptr<float>();
-  GateSums sums;
-  {
-    pybind11::gil_scoped_release no_gil;
-    int64_t p = 0;
-#if defined(HVD_ONEBIT_X86)
-    if (allow_simd && cpu_has_avx2()) p = gate_avx2(sums, vp, gp, mp, numel, a, keep, s, e);
-#endif
-    for (; p < numel; ++p) gate1(sums, vp, gp, mp, a, keep, s, e, p);
-  }
-  auto out = torch::empty({mp ? 4 : 2}, torch::kFloat64);
-  double* op = out.data_ptr<double>();
-  for (int k = 0; k < (mp ? 4 : 2); ++k) {
-    const double* l = sums.acc[k];
-    op[k] = ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]));
-  }
-  return out;
-}
-
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -1654,15 +1545,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "non-finite quotient set to +0 (a variance refresh's old / new denominator).");
   m.def("refresh_moments", &refresh_moments,
         "A variance refresh of one piece in one pass: ratio = old denominator (when given), "
-        "m.lerp_(g, 1 - beta1), v.mul_(1 - a).addcmul_(g, g, value=a) (with held_only: only "
-        "where v == 0), then ratio = old / new denominator, every non-finite quotient +0.");
+        "m.lerp_(g, 1 - beta1), v.mul_(1 - a).addcmul_(g, g, value=a), then ratio = old / new denominator, every non-finite quotient +0.");
   m.def("rescale_error", &rescale_error,
         "y = (y - decode(rows)) * ratio in place (y - decode(rows) past ratio's end): a factored "
         "error scaled into new units; the caller then sets the rows to decode to +0.");
-  m.def("gate_sums", &gate_sums,
-        "float64 [2] (or [4] given m): sum(sqrt(v)), sum(sqrt(v*(1-a) + a*g^2)) over v > 0, "
-        "and given m sum(g*u), sum((g*u)^2) over v > 0, u = m / (sqrt(v)/sqrt_bc2 + eps); "
-        "eight float64 lanes added in a fixed order (SIMD and scalar alike).");
   m.def("has_avx2", &cpu_has_avx2, "Whether the AVX2 code path is available on this CPU.");
   m.def("has_avx512", &cpu_has_avx512,
         "Whether the AVX-512 paths (worker compression, decode and update) run on this CPU.");

@@ -75,4 +75,4 @@ def bench_kernel(numel, np_: int, threads: int, repeats: int, device: str,
             f"{k} {refresh[k + '_ms']:.1f} ms vs {refresh[k + '_separate_ms']:.1f} ms "
             f"({refresh[k + '_speedup']:.2f}x, {refresh[k + '_ratio_to_add']:.2f} of add, "
             f"{refresh[k + '_bytes_per_s'] / 1e9:.1f} GB/s)"
-            for k in ("moments", "errors", "gate")))
+            for k in ("moments", "errors")))

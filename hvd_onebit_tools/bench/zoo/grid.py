@@ -49,14 +49,6 @@ SCHEMES: dict[str, dict[str, Any]] = {
     # preconditioning)
     "refresh_exact": {"variance_refresh": "doubling",
                       "experimental": replace(BOUNDED, compressor="none")},
-    # doubling refreshes that a parameter takes only where they lower its mean denominator
-    # (the schedule's accept="lowering"): the variance follows Adam's down, stays frozen up
-    "refresh_lowering": {"variance_refresh": "doubling", "experimental": replace(
-        BOUNDED, refresh_schedule={"accept": "lowering"})},
-    # the same, except where a parameter's last step overshot (the new gradient against the
-    # momentum's step): there it takes only refreshes that shorten its steps
-    "refresh_hypergradient": {"variance_refresh": "doubling", "experimental": replace(
-        BOUNDED, refresh_schedule={"accept": "hypergradient"})},
     "refresh_fold": {"variance_refresh": "doubling", "experimental": replace(
         BOUNDED, refresh_schedule={"error_feedback": "fold"})},
     "refresh_single": {"variance_refresh": "doubling", "experimental": replace(
