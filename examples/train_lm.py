@@ -220,7 +220,8 @@ def onebit_options(args, **knobs) -> dict:
 def refresh_summary(args, optimizer) -> dict:
     """The summary's variance_refresh and the run's steps by kind (warmup, refreshes,
     compressed), counted from the schedule and where the variance froze."""
-    out = {"variance_refresh": option_text(args.variance_refresh)}
+    out = {"variance_refresh": option_text(args.variance_refresh
+                                           if args.optimizer == "onebit" else None)}
     freeze = optimizer.freeze_step if args.optimizer == "onebit" else None
     if isinstance(freeze, int):
         out["steps_by_kind"] = run_steps(args.steps, freeze, args.variance_refresh)

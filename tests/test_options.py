@@ -16,12 +16,12 @@ KEYWORDS = ["freeze_step", "variance_refresh", "hierarchical", "bucket_size_mb",
             "overlap", "memory", "flush_on_commit", "block_size", "check_every",
             "kernel_backend", "experimental"]
 
-# What OneBitConfig(freeze_step=10) held before the options moved, field by field.
+# What OneBitConfig.from_options(10) holds, field by field: the defaults (the refresh: "doubling").
 DEFAULTS = {"freeze_step": 10, "compressor": "onebit", "block_size": None, "transport": "auto",
             "kernel_backend": "auto", "bucket_size_mb": 64.0, "check_every": 0,
             "auto_freeze": None, "flush_on_commit": False, "hierarchical": False,
             "overlap": True, "memory": "auto", "intra_node": "auto", "step_bound": "adam",
-            "zero_variance": "hold", "precondition": True, "refresh": None}
+            "zero_variance": "hold", "precondition": True, "refresh": RefreshSchedule()}
 
 # Each moved knob: the old keyword's value, and what the config resolved it to then.
 MOVED = [
@@ -106,7 +106,8 @@ def test_variance_refresh_takes_a_preset_and_experimental_refines_it():
                                          "'weekly'"):
         OneBitConfig.from_options(3, variance_refresh="weekly")
     with pytest.raises(ValueError, match="refresh_schedule refines variance_refresh='doubling'"):
-        OneBitConfig.from_options(3, experimental=Experimental(refresh_schedule={"growth": 4}))
+        OneBitConfig.from_options(3, variance_refresh=None,
+                                  experimental=Experimental(refresh_schedule={"growth": 4}))
     with pytest.raises(ValueError,
                        match="auto_freeze options apply only with freeze_step='auto'"):
         OneBitConfig.from_options(3, experimental=Experimental(auto_freeze={"window": 5}))

@@ -23,9 +23,14 @@ import train_lm  # noqa: E402
 
 
 @pytest.mark.parametrize("example", [train_lm, train_digits])
-def test_examples_pass_variance_refresh_only_when_set(example):
-    plain = train_lm.onebit_options(example.parse_args(["--warmup-frac", "0.2"]))
-    assert "variance_refresh" not in plain, f"{example.__name__} passes it unset: {plain}"
+def test_examples_pass_variance_refresh_and_its_recommended_freeze(example):
+    plain = train_lm.onebit_options(example.parse_args(["--steps", "1000"]))
+    assert plain == {"freeze_step": 50, "variance_refresh": "doubling"}, \
+        f"{example.__name__} with the defaults: {plain}"
+    frozen = train_lm.onebit_options(example.parse_args(["--variance-refresh", "none",
+                                                         "--steps", "1000"]))
+    assert frozen == {"freeze_step": 200, "variance_refresh": None}, \
+        f"{example.__name__} with --variance-refresh none: {frozen}"
     args = example.parse_args(["--variance-refresh", "doubling", "--warmup-frac", "0.05",
                                "--steps", "1000"])
     got = train_lm.onebit_options(args)
@@ -83,12 +88,12 @@ def test_bench_train_builds_onebit_refresh_like_the_other_onebit_methods():
     base = {"transport": "auto", "intra_node": "auto"}
     moved = {"transport": "auto", "experimental": Experimental(intra_node="auto")}
     fixed = onebit_arguments("onebit", 600, 0.15, base, "doubling", 0.05)
-    assert fixed == {**moved, "freeze_step": 90}, f"onebit got {fixed}"
+    assert fixed == {**moved, "freeze_step": 90, "variance_refresh": None}, f"onebit got {fixed}"
     refresh = onebit_arguments("onebit_refresh", 600, 0.15, base, "doubling", 0.05)
     assert refresh == {**moved, "freeze_step": 30, "variance_refresh": "doubling"}, \
         f"onebit_refresh got {refresh}"
-    assert "variance_refresh" not in onebit_arguments("onebit_refresh", 600, 0.15, base, None,
-                                                      0.05), "none passed to the optimizer"
+    frozen = onebit_arguments("onebit_refresh", 600, 0.15, base, None, 0.05)
+    assert frozen["variance_refresh"] is None, f"--variance-refresh none reached it as {frozen}"
 
 
 def test_bench_train_summary_compares_the_whole_runs():

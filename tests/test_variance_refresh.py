@@ -49,7 +49,9 @@ def test_option_is_validated_at_construction():
                                   variance_refresh="doubling",
                                   experimental=Experimental(refresh_schedule={"last_step": 9, "error_feedback": "fold"}))
     assert c.refresh == RefreshSchedule(last_step=9, error_feedback="fold"), f"parsed: {c.refresh}"
-    assert OneBitConfig.from_options(freeze_step=3).refresh is None
+    assert OneBitConfig.from_options(freeze_step=3).refresh == RefreshSchedule(), \
+        "the default refresh is the doubling schedule"
+    assert OneBitConfig.from_options(freeze_step=3, variance_refresh=None).refresh is None
 
 
 @pytest.mark.multirank
