@@ -14,6 +14,31 @@ def machine_info() -> dict:
             "python": platform.python_version()}
 
 
+def provenance() -> dict:
+    """Where a result was measured, for its JSON: the machine and date, this checkout's commit
+    (and whether it had uncommitted changes), and the versions of torch and Horovod."""
+    import importlib.metadata
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=root, capture_output=True,
+                              text=True).stdout.strip()
+
+    versions = {}
+    for name in ("torch", "horovod"):
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = None
+    machine = machine_info()
+    return {"machine": machine, "date": machine["date"], "commit": git("rev-parse", "HEAD"),
+            "uncommitted_changes": bool(git("status", "--porcelain", "--untracked-files=no")),
+            "versions": versions}
+
+
 def print_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> None:
     """columns: (header, key, format spec)."""
     cells = [[h for h, _, _ in columns]]

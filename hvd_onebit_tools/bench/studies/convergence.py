@@ -47,6 +47,7 @@ import sys
 from pathlib import Path
 
 from hvd_onebit_tools.bench.lm import plot_val_loss, train_lm
+from hvd_onebit_tools.bench.report import provenance
 
 REPO = Path(__file__).resolve().parents[3]
 TRAIN_LM = REPO / "examples" / "train_lm.py"
@@ -182,6 +183,8 @@ def main(argv=None) -> dict:
                   threshold=result["loss_threshold"])
     result["plot"] = str(png)
     result["command"] = command
+    result["variance_refresh"] = onebit.get("variance_refresh")
+    result.update(provenance())
     (out_dir / "summary.json").write_text(json.dumps(result, indent=1))
     print(json.dumps(result, indent=1), flush=True)
     return result
