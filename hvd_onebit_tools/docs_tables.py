@@ -65,16 +65,19 @@ def headline() -> str:
              f"{d['final_val_loss_onebit']:.4f}", f"{d['total_bytes_per_rank_onebit'] / 1e6:,.0f}",
              f"{d['samples_per_sec_onebit_warmup']:.0f} (warmup), "
              f"{d['samples_per_sec_onebit_compression']:.0f} (compression phase)"]]
-    where = (f"`examples/train_lm.py`, {d['world_size']} CPU ranks, {d['steps']} steps, "
-             f"{d['params']:,} parameters.")
+    where = (f"`examples/train_lm.py`, {d['world_size']} CPU ranks of one machine (loopback: no "
+             f"link limit, so the samples/s show the cost of the compression, not its gain), "
+             f"{d['steps']} steps, {d['params']:,} parameters.")
     return "\n\n".join([where, table(["optimizer", "final validation loss",
                                       "MB sent per rank", "samples/s"], rows),
                         provenance("convergence.json", d)])
 
 
 def refresh_label(d: dict) -> str:
-    """The variance setting of a convergence run, from its bytes: the full-precision steps past
-    the warmup are refresh steps."""
+    """The variance setting of a convergence run: as its JSON records it, or (a JSON that does
+    not) from its bytes, where full-precision steps past the warmup would be refresh steps."""
+    if "variance_refresh" in d:
+        return f"variance_refresh={d['variance_refresh']!r}".replace("'none'", "None")
     full, compressed = d["bytes_per_step_onebit_warmup"], d["bytes_per_step_onebit_compression"]
     rest = d["total_bytes_per_rank_onebit"] - d["freeze_step"] * full \
         - (d["steps"] - d["freeze_step"]) * compressed
