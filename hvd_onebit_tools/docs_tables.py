@@ -42,15 +42,20 @@ def table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     return "\n".join(lines)
 
 
-def provenance(source: str, data: dict) -> str:
+def provenance(source: str, data: dict, dated: bool = True) -> str:
     """Where a table's figures come from: the file, its command, and the machine, commit and
-    date where the JSON records them."""
+    date where the JSON records them (``dated=False``: not the date, which the JSON keeps, for
+    the README, which holds no dated line)."""
     parts = [f"From `docs/{source}`, printed by `{data.get('command', 'its benchmark')}`"]
     for key in ("machine", "commit", "date", "versions"):
+        if key == "date" and not dated:
+            continue
         if key in data:
             value = data[key]
+            if key == "machine" and not dated and isinstance(value, dict):
+                value = {k: v for k, v in value.items() if k != "date"}
             parts.append(f"{key}: {json.dumps(value) if isinstance(value, dict) else value}")
-    missing = [k for k in ("machine", "commit", "date") if k not in data]
+    missing = [k for k in ("machine", "commit", "date") if k not in data and (dated or k != "date")]
     if missing:
         parts.append(f"the JSON does not record its {', '.join(missing)}")
     return "; ".join(parts) + "."
@@ -70,7 +75,7 @@ def headline() -> str:
              f"{d['steps']} steps, {d['params']:,} parameters.")
     return "\n\n".join([where, table(["optimizer", "final validation loss",
                                       "MB sent per rank", "samples/s"], rows),
-                        provenance("convergence.json", d)])
+                        provenance("convergence.json", d, dated=False)])
 
 
 def refresh_label(d: dict) -> str:
