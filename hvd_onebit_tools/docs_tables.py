@@ -79,15 +79,8 @@ def headline() -> str:
 
 
 def refresh_label(d: dict) -> str:
-    """The variance setting of a convergence run: as its JSON records it, or (a JSON that does
-    not) from its bytes, where full-precision steps past the warmup would be refresh steps."""
-    if "variance_refresh" in d:
-        return f"variance_refresh={d['variance_refresh']!r}".replace("'none'", "None")
-    full, compressed = d["bytes_per_step_onebit_warmup"], d["bytes_per_step_onebit_compression"]
-    rest = d["total_bytes_per_rank_onebit"] - d["freeze_step"] * full \
-        - (d["steps"] - d["freeze_step"]) * compressed
-    refreshes = round(rest / (full - compressed)) if full > compressed else 0
-    return "variance_refresh=None" if refreshes == 0 else f"{refreshes} refresh steps"
+    """The variance setting of a convergence run, as its JSON records it."""
+    return f"variance_refresh={d['variance_refresh']!r}".replace("'none'", "None")
 
 
 def freeze_runs(example: str) -> str:

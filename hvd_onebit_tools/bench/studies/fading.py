@@ -22,7 +22,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -134,16 +133,13 @@ def rounded(x, digits: int = 6):
 
 
 def provenance(argv: list[str]) -> dict:
-    from ..report import machine_info
+    """The benchmarks' shared provenance (report.provenance), with this run's command, the CPU
+    and the load it started under."""
+    from ..report import provenance as shared
 
-    root = Path(__file__).resolve().parents[3]
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True,
-                            text=True).stdout.strip()
-    dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
-                                cwd=root, capture_output=True, text=True).stdout.strip())
-    return {"command": " ".join(["python benchmarks/fading.py", *argv]), "commit": commit,
-            "uncommitted_changes": dirty, "machine": {**machine_info(),
-                                                      "cpu": platform.processor()},
+    out = shared()
+    out["machine"]["cpu"] = platform.processor()
+    return {"command": " ".join(["python benchmarks/fading.py", *argv]), **out,
             "load_before": os.getloadavg()}
 
 
