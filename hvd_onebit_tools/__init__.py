@@ -2,5 +2,5 @@
 
 The benchmarks (`bench`), the convergence zoo, the scale model (calibrate, predict) and the
 bandwidth-limited cluster on one machine (`cluster`). They import the library, ``hvd_onebit``;
-the library never imports them. Installed with ``pip install "hvd_onebit[tools]"``.
+the library never imports them. Installed from a checkout with ``pip install "./hvd_onebit[tools]"``.
 """

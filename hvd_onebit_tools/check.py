@@ -69,13 +69,14 @@ def check_distributed() -> Finding:
 
     if not dist.is_available():
         return Finding("distributed", FIX, "no Horovod, and this torch has no torch.distributed",
-                       "pip install 'hvd_onebit[horovod]' (Horovod) or a torch with "
-                       "distributed support", required=True)
+                       "pip install './hvd_onebit[horovod]' from a checkout (Horovod) or a "
+                       "torch with distributed support", required=True)
     backends = [b for b, ok in (("gloo", dist.is_gloo_available()),
                                 ("nccl", dist.is_nccl_available()),
                                 ("mpi", dist.is_mpi_available())) if ok]
-    return Finding("distributed", OK, f"no Horovod (pip install 'hvd_onebit[horovod]'); "
-                   f"torch.distributed with {', '.join(backends) or 'no backend'}", required=True)
+    return Finding("distributed", OK, "no Horovod (pip install './hvd_onebit[horovod]' from a "
+                   f"checkout); torch.distributed with {', '.join(backends) or 'no backend'}",
+                   required=True)
 
 
 def check_native() -> Finding:

@@ -3,9 +3,11 @@ benchmark printed, and the settings that matter from the code itself (defaults f
 ``DistributedOptimizer``'s signature, guidance from its docstring), so no figure or default is
 copied by hand.
 
-``python -m hvd_onebit_tools.docs_tables`` writes ``docs/_generated/*.md`` (the Sphinx site
-includes them; ``docs/conf.py`` also runs this at every build) and refreshes the README's block
-between the ``generated:`` markers. ``--check`` exits 1 when the README's block is stale.
+The tables are written into the Markdown files themselves, between ``<!-- generated:NAME -->``
+markers (``BLOCKS`` says which file holds which), so a Markdown viewer shows them as the Sphinx
+site does; the zoo figures go to ``docs/figures/``, committed beside the pages that show them.
+``python -m hvd_onebit_tools.docs_tables`` refreshes both; ``--check`` exits 1 when a block is
+stale (``tests/test_docs.py`` fails then too).
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from typing import Callable, Dict, List, Sequence
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
-OUT = DOCS / "_generated"
+FIGURES = DOCS / "figures"
 README = ROOT / "README.md"
 SETTINGS = ("freeze_step", "variance_refresh", "hierarchical")
 DEFAULT_SCHEME = "bounded_refresh_doubling"  # the zoo's scheme that runs the library's defaults
@@ -176,9 +178,9 @@ def zoo_figure(folder: str = "zoo", scheme: str = DEFAULT_SCHEME) -> Path:
                  "(below 1: better than Adam)", fontsize=9)
     fig.colorbar(im, ax=ax, label="log ratio")
     fig.tight_layout()
-    OUT.mkdir(exist_ok=True)
-    path = OUT / f"{folder}_{scheme}.png"
-    fig.savefig(path, dpi=110)
+    FIGURES.mkdir(exist_ok=True)
+    path = FIGURES / f"{folder}_{scheme}.png"
+    fig.savefig(path, dpi=110, metadata={"Software": None})
     plt.close(fig)
     return path
 
@@ -217,50 +219,68 @@ PARTS: Dict[str, Callable[[], str]] = {
     "headline": headline, "settings": settings, "freeze_lm": lambda: freeze_runs("lm"),
     "freeze_digits": lambda: freeze_runs("digits"), "zoo": zoo,
     "zoo_long": lambda: zoo("zoo_long"), "fading": fading}
-README_PARTS = ("settings", "headline")
+# Which generated parts each Markdown file holds, in its <!-- generated:NAME --> blocks.
+BLOCKS: Dict[str, Sequence[str]] = {
+    "README.md": ("settings", "headline"),
+    "docs/tuning.md": ("settings",),
+    "docs/results.md": ("headline", "freeze_lm", "freeze_digits", "zoo", "zoo_long", "fading"),
+}
 
 
-def readme_with(text: str, parts: Dict[str, str]) -> str:
-    for name in README_PARTS:
+def with_blocks(text: str, parts: Dict[str, str], names: Sequence[str], where: str) -> str:
+    """``text`` with each named block replaced by its part; a missing block raises, naming
+    the file."""
+    for name in names:
         start, end = f"<!-- generated:{name} -->", f"<!-- /generated:{name} -->"
         pattern = re.compile(re.escape(start) + ".*?" + re.escape(end), re.S)
         if not pattern.search(text):
-            raise ValueError(f"README.md has no {start} ... {end} block")
+            raise ValueError(f"{where} has no {start} ... {end} block")
         text = pattern.sub(lambda _: f"{start}\n{parts[name]}\n{end}", text)
     return text
+
+
+def readme_with(text: str, parts: Dict[str, str]) -> str:
+    return with_blocks(text, parts, BLOCKS["README.md"], "README.md")
 
 
 def generate() -> Dict[str, str]:
     return {name: make() for name, make in PARTS.items()}
 
 
+def stale(parts: Dict[str, str]) -> Dict[Path, str]:
+    """Each Markdown file whose blocks differ from ``parts``, with its fresh text."""
+    out = {}
+    for name, blocks in BLOCKS.items():
+        path = ROOT / name
+        current = path.read_text()
+        fresh = with_blocks(current, parts, blocks, name)
+        if fresh != current:
+            out[path] = fresh
+    return out
+
+
 def write(parts: Dict[str, str]) -> List[Path]:
-    OUT.mkdir(exist_ok=True)
+    """Refresh every file's blocks and the zoo figures; the paths written."""
     paths = [zoo_figure("zoo"), zoo_figure("zoo_long")]
-    for name, text in parts.items():
-        path = OUT / f"{name}.md"
-        if not path.exists() or path.read_text() != text + "\n":
-            path.write_text(text + "\n")
+    for path, fresh in stale(parts).items():
+        path.write_text(fresh)
         paths.append(path)
     return paths
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--check", action="store_true", help="exit 1 if README's blocks are stale")
+    p.add_argument("--check", action="store_true",
+                   help="exit 1 if a Markdown file's generated blocks are stale")
     args = p.parse_args(argv)
     parts = generate()
-    current = README.read_text()
-    fresh = readme_with(current, parts)
     if args.check:
-        if fresh != current:
-            print("README.md's generated blocks are stale: run python -m "
+        old = stale(parts)
+        for path in old:
+            print(f"{path.relative_to(ROOT)}'s generated blocks are stale: run python -m "
                   "hvd_onebit_tools.docs_tables", file=sys.stderr)
-            return 1
-        return 0
+        return 1 if old else 0
     write(parts)
-    if fresh != current:
-        README.write_text(fresh)
     return 0
 
 

@@ -8,7 +8,7 @@ import sys
 
 def main() -> None:
     if importlib.util.find_spec("click") is None:
-        sys.exit("hvd-onebit needs the tools extra: pip install 'hvd_onebit[tools]' (click)")
+        sys.exit("hvd-onebit needs the tools extra: pip install './hvd_onebit[tools]' from a checkout (click)")
     from .cli import main as cli_main
 
     cli_main()
