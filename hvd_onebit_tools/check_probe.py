@@ -1,5 +1,8 @@
-"""`hvd-onebit check --np N`, run on every rank of a job (``horovodrun -np N hvd-onebit check
---np N``): a short allreduce probe measures the link between the ranks, and rank 0 prices 1-bit
+"""`hvd-onebit check --np N` or ``--probe``, run on every rank of a job (``horovodrun -np N
+hvd-onebit check --np N ...``, or ``torchrun --nproc_per_node N -m hvd_onebit_tools.cli check
+--probe ...``: torchrun's own parser takes ``--np`` for its ``--nproc-per-node``): a
+short allreduce probe measures the link between the ranks, through Horovod under horovodrun and
+through torch.distributed under torchrun (NCCL on a GPU, Gloo otherwise), and rank 0 prices 1-bit
 Adam on it with the scale model (:mod:`hvd_onebit_tools.bench.predict`) for the given
 parameters and compute per step."""
 from __future__ import annotations
@@ -11,17 +14,21 @@ from typing import List, Optional
 
 PROBE_ELEMENTS = 4 << 20  # float32 elements per probe allreduce: large enough to be bandwidth-bound
 PROBE_REPEATS = 5
-LAUNCHED = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
+HOROVOD_LAUNCHED = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
+TORCHRUN_LAUNCHED = "TORCHELASTIC_RUN_ID"  # set by torchrun on every rank it starts
 
 
 @dataclasses.dataclass(frozen=True)
 class LinkProbe:
     """What the probe measured: ranks, the median time of an fp32 allreduce of ``elements``, and
-    the bus rate it implies (a ring allreduce moves ``2 (n-1)/n`` of the buffer per rank)."""
+    the bus rate it implies (a ring allreduce moves ``2 (n-1)/n`` of the buffer per rank);
+    ``rank`` is this process's, ``via`` what carried the allreduce."""
 
     ranks: int
     elements: int
     seconds: float
+    rank: int = 0
+    via: str = "Horovod"
 
     @property
     def bus_bps(self) -> float:
@@ -29,26 +36,62 @@ class LinkProbe:
         return 8 * moved / self.seconds
 
 
+def launcher() -> Optional[str]:
+    """"horovod" or "torchrun", whichever started this process, or None outside a job."""
+    if any(k in os.environ for k in HOROVOD_LAUNCHED):
+        return "horovod"
+    return "torchrun" if TORCHRUN_LAUNCHED in os.environ else None
+
+
 def launched() -> bool:
-    return any(k in os.environ for k in LAUNCHED)
+    return launcher() is not None
 
 
-def probe(np_: int, elements: int = PROBE_ELEMENTS, repeats: int = PROBE_REPEATS) -> LinkProbe:
-    """Every rank: a warm-up allreduce, then the median of ``repeats`` timed ones."""
-    import horovod.torch as hvd
-    import torch
-
-    hvd.init()
-    if hvd.size() != np_:
-        raise RuntimeError(f"--np {np_} but this job has {hvd.size()} ranks")
-    x = torch.ones(elements)
-    hvd.allreduce(x, name="hvd_onebit_check.warmup")
+def _median_time(allreduce, repeats: int) -> float:
+    allreduce("warmup")
     times = []
     for i in range(repeats):
         t0 = time.perf_counter()
-        hvd.allreduce(x, name=f"hvd_onebit_check.{i}")
+        allreduce(str(i))
         times.append(time.perf_counter() - t0)
-    return LinkProbe(hvd.size(), elements, sorted(times)[len(times) // 2])
+    return sorted(times)[len(times) // 2]
+
+
+def probe(np_: Optional[int], elements: int = PROBE_ELEMENTS,
+          repeats: int = PROBE_REPEATS) -> LinkProbe:
+    """Every rank: a warm-up allreduce, then the median of ``repeats`` timed ones, through
+    whatever launched the job; ``np_`` (None: the job's) must be the job's size."""
+    import torch
+
+    if launcher() == "torchrun":
+        import torch.distributed as dist
+
+        cuda = torch.cuda.is_available()
+        if cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if cuda else "gloo")
+        size, rank = dist.get_world_size(), dist.get_rank()
+        x = torch.ones(elements, device="cuda" if cuda else "cpu")
+
+        def allreduce(_name):
+            dist.all_reduce(x)
+            if cuda:
+                torch.cuda.synchronize()
+        via = f"torch.distributed ({dist.get_backend()})"
+    else:
+        import horovod.torch as hvd
+
+        hvd.init()
+        size, rank = hvd.size(), hvd.rank()
+        x = torch.ones(elements)
+
+        def allreduce(name):
+            hvd.allreduce(x, name=f"hvd_onebit_check.{name}")
+        via = "Horovod"
+    if np_ is not None and size != np_:
+        raise RuntimeError(f"--np {np_} but this job has {size} ranks")
+    return LinkProbe(size, elements, _median_time(allreduce, repeats), rank, via)
 
 
 def model_rate(model, link: LinkProbe) -> Optional[float]:
@@ -97,9 +140,11 @@ def predict(link: LinkProbe, params: str, compute_ms: float,
                "little to gain here: the link is not the bottleneck")
     modelled = ("faster than the calibrated hosts: the link is not what bounds it" if rate is None
                 else f"the scale model's link rate for it: {rate / 1e9:.2f} Gbit/s")
-    return [f"link: {link.ranks} ranks, fp32 allreduce of {4 * link.elements / 2**20:.0f} MiB in "
-            f"{link.seconds * 1e3:.1f} ms, {link.bus_bps / 1e9:.2f} Gbit/s bus rate; {modelled}",
-            f"predicted step ({params} parameters, {compute_ms:g} ms compute): Horovod fp32 "
+    return [f"link: {link.ranks} ranks, fp32 allreduce of {4 * link.elements / 2**20:.0f} MiB "
+            f"through {link.via} in {link.seconds * 1e3:.1f} ms, {link.bus_bps / 1e9:.2f} Gbit/s "
+            f"bus rate; {modelled}",
+            f"predicted step ({params} parameters, {compute_ms:g} ms compute): "
+            f"{'Horovod' if link.via == 'Horovod' else 'DDP'} fp32 "
             f"{fp32['step_s'] * 1e3:.1f} ms, 1-bit Adam {onebit['step_s'] * 1e3:.1f} ms "
             f"({speedup:.2f}x): {verdict}",
-            f"freeze point: {freeze_guidance()}"]
+            f"freeze point: {freeze_guidance(ddp=link.via != 'Horovod')}"]

@@ -21,9 +21,12 @@ def main() -> None:
 
 @main.command("check")
 @click.option("--np", "np_", type=click.IntRange(min=2), default=None,
-              help="Under horovodrun with this many ranks: also probe the link between them with "
-                   "a short allreduce and predict 1-bit Adam's step there (needs --params and "
-                   "--compute-ms).")
+              help="Under horovodrun with this many ranks: also probe the link between them "
+                   "with a short allreduce and predict 1-bit Adam's step there (needs --params "
+                   "and --compute-ms).")
+@click.option("--probe", is_flag=True,
+              help="The same under torchrun, whose own parser reads --np as its "
+                   "--nproc-per-node: the ranks are the job's.")
 @click.option("--params", default=None, help="Parameters of your model for the prediction "
               "(e.g. 350M).")
 @click.option("--compute-ms", default=None, type=click.FloatRange(min=0, min_open=True),
@@ -31,28 +34,30 @@ def main() -> None:
 @click.option("--calibration", default=None, type=click.Path(dir_okay=False),
               help="The scale model's constants (`bench calibrate`) [default: the cached or "
                    "the shipped ones].")
-def check(np_, params, compute_ms, calibration) -> None:
+def check(np_, probe, params, compute_ms, calibration) -> None:
     """Print torch and its device, Horovod's controllers (or torch.distributed), the native
     kernels, triton, /dev/shm and MPI's thread level, each OK or the fix; exit status 1 when a
-    job cannot run here. With --np (under horovodrun): the link and the predicted speed-up."""
+    job cannot run here. With --np (under horovodrun) or --probe (under torchrun): the link
+    and the predicted speed-up."""
     from .check import FIX, findings, report
 
     link_lines = []
-    if np_ is not None:
-        from .check_probe import launched, predict, probe
+    if np_ is not None or probe:
+        from . import check_probe
 
         if params is None or compute_ms is None:
-            raise click.UsageError("--np needs --params and --compute-ms for the prediction")
-        if not launched():
-            raise click.UsageError(f"--np probes a running job: horovodrun -np {np_} "
-                                   f"hvd-onebit check --np {np_} --params {params} "
-                                   f"--compute-ms {compute_ms:g}")
-        link = probe(np_)
-        import horovod.torch as hvd
-
-        if hvd.rank() != 0:
+            raise click.UsageError("--np and --probe need --params and --compute-ms for the "
+                                   "prediction")
+        if not check_probe.launched():
+            n, args = np_ or 4, f"--params {params} --compute-ms {compute_ms:g}"
+            raise click.UsageError(f"the probe measures a running job: horovodrun -np {n} "
+                                   f"hvd-onebit check --np {n} {args}, or torchrun "
+                                   f"--nproc_per_node {n} -m hvd_onebit_tools.cli check --probe "
+                                   f"{args}")
+        link = check_probe.probe(np_)
+        if link.rank != 0:
             return
-        link_lines = predict(link, params, compute_ms, calibration)
+        link_lines = check_probe.predict(link, params, compute_ms, calibration)
     found = findings()
     click.echo(report(found))
     for line in link_lines:

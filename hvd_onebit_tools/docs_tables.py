@@ -200,9 +200,13 @@ def settings() -> str:
     return table(["setting", "default", "guidance (DistributedOptimizer's docstring)"], rows)
 
 
-def freeze_guidance() -> str:
-    """The docstring's guidance for ``freeze_step``, as the tuning page shows it."""
-    from hvd_onebit import DistributedOptimizer
+def freeze_guidance(ddp: bool = False) -> str:
+    """The docstring's guidance for ``freeze_step``, as the tuning page shows it (``ddp``: the
+    DDP face's, which a job without Horovod can import)."""
+    if ddp:
+        from hvd_onebit.ddp import DistributedOptimizer
+    else:
+        from hvd_onebit import DistributedOptimizer
 
     return arg_doc(inspect.getdoc(DistributedOptimizer) or "", "freeze_step")
 

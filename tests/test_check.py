@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +16,8 @@ import torch
 from hvd_onebit import kernels
 from hvd_onebit.kernels.native_loader import load_native
 from hvd_onebit_tools.check import FIX, OK, findings, report
+
+REPO = Path(__file__).resolve().parents[1]
 
 from .cli import hvd_onebit
 
@@ -111,6 +114,8 @@ def test_np_outside_a_job_says_how_to_launch_it():
     out = hvd_onebit(["check", "--np", "4", "--params", "10M", "--compute-ms", "50"])
     assert out.exit_code == 2, out.output
     assert "horovodrun -np 4 hvd-onebit check --np 4 --params 10M --compute-ms 50" in out.output
+    assert ("torchrun --nproc_per_node 4 -m hvd_onebit_tools.cli check --probe --params 10M "
+            "--compute-ms 50") in " ".join(out.output.split()), out.output
 
 
 @pytest.mark.multirank
@@ -131,3 +136,24 @@ def test_np_under_horovodrun_probes_the_link_and_prices_the_step():
     step = [line for line in lines if line.startswith("predicted step (10M parameters, 50 ms")]
     assert len(step) == 1 and "Horovod fp32" in step[0] and "1-bit Adam" in step[0], lines
     assert any(line.startswith("freeze point: ") for line in lines), lines
+
+
+@pytest.mark.multirank
+def test_np_under_torchrun_probes_the_link_without_horovod():
+    """A DDP user's job: torchrun starts the ranks, the probe runs on torch.distributed (Gloo
+    here), and Horovod is not imported (it is blocked in every rank)."""
+    blocker = ("import sys, runpy; sys.modules['horovod'] = None; sys.argv[0] = 'hvd-onebit'; "
+               "runpy.run_module('hvd_onebit_tools.cli', run_name='__main__')")
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                          "--nproc_per_node=2", "--no-python", sys.executable, "-c", blocker,
+                          "check", "--probe", "--params", "10M", "--compute-ms", "50"],
+                         capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = out.stdout.splitlines()
+    link = [line for line in lines if line.startswith("link: 2 ranks")]
+    assert len(link) == 1, f"expected one link line (rank 0 alone prints):\n{out.stdout}"
+    assert "through torch.distributed (gloo)" in link[0] and "Gbit/s bus rate" in link[0], link
+    step = [line for line in lines if line.startswith("predicted step (10M parameters, 50 ms")]
+    assert len(step) == 1 and "DDP fp32" in step[0] and "1-bit Adam" in step[0], lines
+    reports = [line for line in lines if line.startswith("freeze point: ")]
+    assert len(reports) == 1, f"rank 0 alone reports; {len(reports)} reports:\n{out.stdout}"
