@@ -11,7 +11,7 @@ from pathlib import Path
 from hvd_onebit_tools import docs_tables
 
 REPO = Path(__file__).resolve().parents[1]
-PAGES = ("install", "usage", "tuning", "checkpoints", "hierarchical", "troubleshooting",
+PAGES = ("install", "usage", "ddp", "tuning", "checkpoints", "hierarchical", "troubleshooting",
          "how-it-works", "predicting", "gpu", "results", "limitations", "api", "cli")
 
 
