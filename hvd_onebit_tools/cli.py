@@ -10,7 +10,7 @@ import click
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="hvd_onebit")
 def main() -> None:
-    """1-bit Adam for Horovod: environment check, benchmarks and an emulated slow network.
+    """1-bit Adam for Horovod and DDP: environment check, benchmarks and an emulated slow network.
 
     \b
     hvd-onebit check            what this environment will use, each part OK or the fix

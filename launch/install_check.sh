@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Install hvd_onebit as a user does: into a second virtual environment that already holds torch
-# (and Horovod, from the wheel `make setup` cached), from an sdist of this checkout, with a plain
-# `pip install` (build isolation on), away from the project's files; then run an example there
-# under horovodrun. Prints one JSON line: the steps' exit statuses and seconds, and the kernels
+# and nothing else, from an sdist of this checkout, with a plain `pip install` (build isolation
+# on), away from the project's files; runs the DDP example there under torchrun while Horovod
+# cannot be imported, then adds Horovod (the wheel `make setup` cached) and runs an example under
+# horovodrun. Prints one JSON line: the steps' exit statuses and seconds, and the kernels
 # the installed package uses. `make install-check` runs it; too slow for the test suite.
 #
 #   HVD_ONEBIT_CHECK_DIR   where the venv and the sdist go (default: a temporary folder)
@@ -47,7 +48,6 @@ rm -rf "$WORK/src"
 step venv python3 -m venv "$VENV"
 step torch "$PY" -m pip install -q "${torch_whl:-torch==$torch_version}" numpy cloudpickle psutil \
     pyyaml packaging
-[ -n "$horovod_whl" ] && step horovod "$PY" -m pip install -q --no-deps "$horovod_whl"
 # The user's command: a plain install, build isolation on, with the tools extra for the CLI.
 step install "$PY" -m pip install -q "$sdist[tools]"
 step unchanged "$PY" -c "import torch; assert torch.__version__ == '$torch_version', torch.__version__"
@@ -58,8 +58,21 @@ from hvd_onebit.kernels.native_loader import load_native
 assert 'site-packages' in hvd_onebit.__file__, hvd_onebit.__file__
 n = load_native(); print(n.origin, n.reason)
 assert k.resolve_backend('auto', torch.device('cpu')) == 'native', n.reason"
-step check "$VENV/bin/hvd-onebit" check
+# The DDP face in an environment without Horovod: it must not be importable, and the example runs.
+step no_horovod "$PY" -c "
+import importlib.util as u; assert u.find_spec('horovod') is None, 'horovod is installed'"
+step check_ddp "$VENV/bin/hvd-onebit" check
+cp "$ROOT"/examples/ddp_train.py "$WORK/"
+step ddp_example "$PY" -m torch.distributed.run --standalone --nproc_per_node=2 \
+    "$WORK/ddp_train.py" --optimizer onebit --steps 100
+step ddp_example_phase "$PY" -c "
+import json, re; text = open('$WORK/ddp_example.log').read()
+summary = json.loads(text[text.index('{'):text.rindex('}') + 1])
+assert summary['phase'] == 'compression' and summary['val_loss'] < 1.386, summary
+print(summary)"
 if [ -n "$horovod_whl" ]; then
+    step horovod "$PY" -m pip install -q --no-deps "$horovod_whl"
+    step check "$VENV/bin/hvd-onebit" check
     "$PY" -m pip install -q scikit-learn >/dev/null 2>&1 || true
     cp "$ROOT"/examples/train_digits.py "$ROOT"/examples/train_lm.py "$WORK/"
     step example env PATH="$VENV/bin:$PATH" "$VENV/bin/horovodrun" -np 2 -H localhost:2 --gloo \
