@@ -69,14 +69,14 @@ def check_distributed() -> Finding:
 
     if not dist.is_available():
         return Finding("distributed", FIX, "no Horovod, and this torch has no torch.distributed",
-                       "pip install './hvd_onebit[horovod]' from a checkout (Horovod) or a "
-                       "torch with distributed support", required=True)
+                       "a torch with distributed support, or Horovod built against this torch: "
+                       "HOROVOD_WITH_PYTORCH=1 pip install --no-build-isolation horovod",
+                       required=True)
     backends = [b for b, ok in (("gloo", dist.is_gloo_available()),
                                 ("nccl", dist.is_nccl_available()),
                                 ("mpi", dist.is_mpi_available())) if ok]
-    return Finding("distributed", OK, "no Horovod (pip install './hvd_onebit[horovod]' from a "
-                   f"checkout); torch.distributed with {', '.join(backends) or 'no backend'}",
-                   required=True)
+    return Finding("distributed", OK, "no Horovod (the DDP face needs none); torch.distributed "
+                   f"with {', '.join(backends) or 'no backend'}", required=True)
 
 
 def check_native() -> Finding:
