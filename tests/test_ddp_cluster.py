@@ -3,15 +3,22 @@ torchrun launches a multi-node job (one torchrun per node in its namespace, Gloo
 links, Horovod blocked in the ranks): one launch runs every scenario (tests/cluster/ddp_workers.py).
 The compressed steps, their buckets started from DDP's hook and the node's stages in shared
 memory, are checked bit for bit against the engine alone on the same state and local gradients,
-every bucket started in step() and the node's stages on its links; the emulated links' bytes
+every bucket started in step() and the node's stages on its links, and the collective on
+torchrun's layout against the NumPy reference of the scheme; the emulated links' bytes
 against the 1-bit payload and DDP's full-precision steps. The layout checks run in one process."""
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
+import numpy as np
 import pytest
 
 from hvd_onebit.transport.torch_job import Place, layout_problems
-from tests.cluster.ddp_workers import COMPRESSED, FREEZE
+from tests.cluster.ddp_workers import COLLECTIVE_NUMEL, COMPRESSED, FREEZE, rank_input
+from tests.cli import hvd_onebit
 from tests.cluster.test_emulator import needs_netns
+from tests.onebit_reference import ReferenceHierarchical
 from tests.scenarios import scenario
 
 NODES, PER_NODE = 2, 2
@@ -91,11 +98,56 @@ def test_the_links_between_nodes_carry_the_one_bit_bytes(runs):
 
 @needs_netns
 @pytest.mark.multirank
+def test_the_collective_on_torchruns_layout_matches_the_reference(cluster_job):
+    results = scenario(cluster_job.results, "collective")
+    ref = ReferenceHierarchical(COLLECTIVE_NUMEL, nodes=NODES, per_node=PER_NODE)
+    for call in range(len(results[0]["outputs"])):
+        want = ref.allreduce([rank_input(call, r, COLLECTIVE_NUMEL)
+                              for r in range(NODES * PER_NODE)])
+        for rank, r in enumerate(results):
+            assert r["topology"] == [NODES, PER_NODE, *divmod(rank, PER_NODE)], r["topology"]
+            assert r["intra"] == "shared_memory", f"rank {rank}: the node's stages in {r['intra']}"
+            np.testing.assert_allclose(r["outputs"][call], want, rtol=1e-5, atol=1e-6,
+                                       err_msg=f"rank {rank} call {call}")
+            assert r["outputs"][call].tobytes() == results[0]["outputs"][call].tobytes(), \
+                f"rank {rank} differs from rank 0 at call {call}"
+
+
+@needs_netns
+@pytest.mark.multirank
 def test_an_uneven_node_layout_is_refused_on_every_rank(cluster_job):
     for rank, r in enumerate(scenario(cluster_job.results, "uneven")):
         assert r["refused"].startswith("ValueError") and "LOCAL_WORLD_SIZE" in r["refused"] \
             and "{0: 2, 1: 3}" in r["refused"], f"rank {rank}: {r['refused']}"
         assert r["after"] == "warmup", f"rank {rank}: the model took no face after the refusal"
+
+
+@needs_netns
+@pytest.mark.multirank
+def test_the_cli_runs_a_script_under_one_torchrun_per_node(tmp_path):
+    script = Path(__file__).resolve().parent / "cluster" / "emulator_scripts" / "torchrun_probe.py"
+    run = hvd_onebit(["cluster", "run", "--nodes", str(NODES), "--ranks-per-node", str(PER_NODE),
+                      "--bandwidth", "unlimited", "--torchrun", "--json", "--quiet",
+                      "--log-dir", str(tmp_path), "--timeout", "300", "--", str(script)])
+    assert run.exit_code == 0, run.output[-4000:]
+    report = json.loads(run.stdout)
+    assert (report["np"], report["launches"], len(report["ranks"])) == \
+        (NODES * PER_NODE, "node", NODES), {k: report[k] for k in ("np", "launches")}
+    node0 = report["ranks"][0]["address"]
+    ranks = NODES * PER_NODE
+    for node, launch in enumerate(report["ranks"]):
+        assert (launch["exit_code"], launch["hostname"]) == (0, f"node{node}"), launch
+        probes = [json.loads(line) for line in Path(launch["log_path"]).read_text().splitlines()
+                  if line.startswith("{")]
+        assert sorted(int(p["env"]["LOCAL_RANK"]) for p in probes) == list(range(PER_NODE)), \
+            f"node {node}: {probes}"
+        for p in probes:
+            rank = node * PER_NODE + int(p["env"]["LOCAL_RANK"])
+            assert p["env"] == {"RANK": str(rank), "WORLD_SIZE": str(ranks),
+                                "LOCAL_RANK": p["env"]["LOCAL_RANK"],
+                                "LOCAL_WORLD_SIZE": str(PER_NODE), "GROUP_RANK": str(node),
+                                "MASTER_ADDR": node0}, p
+            assert (p["hostname"], p["sum"]) == (f"node{node}", ranks * (ranks - 1) / 2), p
 
 
 def places(rows) -> list[Place]:

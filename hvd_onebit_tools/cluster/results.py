@@ -56,6 +56,11 @@ class RunResult:
         return not self.timed_out and all(r.exit_code == 0 for r in self.ranks)
 
     @property
+    def np(self) -> int:
+        """The ranks of the job (entries times ranks per node with one launch per node)."""
+        return len(self.ranks) * (self.ranks_per_node if self.launches == "node" else 1)
+
+    @property
     def returncode(self) -> int:
         """0 on success, 124 on timeout, else the exit code of the first rank that failed."""
         if self.timed_out:
@@ -73,8 +78,7 @@ class RunResult:
         if not with_output:
             for r in ranks:
                 r.pop("output")
-        ranks_each = self.ranks_per_node if self.launches == "node" else 1
-        return {"np": len(self.ranks) * ranks_each, "ranks_per_node": self.ranks_per_node,
+        return {"np": self.np, "ranks_per_node": self.ranks_per_node,
                 "launches": self.launches,
                 "node_bytes": [list(b) for b in self.node_bytes],
                 "bandwidth": format_bandwidth(self.bandwidth_bps),

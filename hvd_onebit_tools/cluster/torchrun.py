@@ -46,16 +46,17 @@ def torchrun_commands(cluster, argv: Sequence[str], port: int) -> list[list[str]
 
 def run_torchrun(cluster, argv: Sequence[str], env: Optional[Mapping[str, str]] = None,
                  timeout: Optional[float] = None, cwd: str | os.PathLike | None = None,
-                 port: Optional[int] = None):
+                 port: Optional[int] = None, **options):
     """Run ``argv`` under one torchrun per node of the started ``cluster`` and wait; the
     :class:`~hvd_onebit_tools.cluster.results.RunResult` has one entry per node (its
     torchrun's exit status and output, the node's link bytes). ``env`` is added to this
     process's environment; Gloo is kept on the emulated interface unless ``env`` says
-    otherwise."""
+    otherwise. ``options``: ``on_output``, ``kill_grace`` as for
+    :meth:`~hvd_onebit_tools.cluster.launcher.EmulatedCluster.run`."""
     port = port if port is not None else random.randint(*PORTS)
     job_env = {"GLOO_SOCKET_IFNAME": IFACE, "PYTHONUNBUFFERED": "1", **(env or {})}
     return cluster.run_per_node(torchrun_commands(cluster, argv, port), env=job_env,
-                                timeout=timeout, cwd=cwd)
+                                timeout=timeout, cwd=cwd, **options)
 
 
 def run_torchrun_job(target: str, cluster, kwargs: Optional[dict] = None,

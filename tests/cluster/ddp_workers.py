@@ -23,6 +23,7 @@ LR = 1e-3
 FREEZE = 3
 COMPRESSED = 4
 BUCKET_MB = 2.0  # the momentum spans several buckets
+COLLECTIVE_NUMEL = 1001
 
 
 class Wide(torch.nn.Module):
@@ -168,6 +169,26 @@ def hierarchical_training() -> dict:
     }
 
 
+def rank_input(call: int, rank: int, numel: int) -> np.ndarray:
+    """The float32 [numel] input of ``rank`` for ``call`` (the test rebuilds every rank's)."""
+    rng = np.random.default_rng(1000 * call + rank)
+    return (rng.standard_normal(numel) * (1 + rank)).astype(np.float32)
+
+
+def collective(numel: int = COLLECTIVE_NUMEL, calls: int = 3) -> dict:
+    """The hierarchical collective on the layout torchrun gave (read by TorchJob), the node's
+    stages in shared memory: each call's output, for the NumPy reference of the scheme."""
+    from hvd_onebit.comm.hierarchical import HierarchicalOneBitAllreduce
+    from hvd_onebit.comm.topology import Topology
+    from hvd_onebit.transport.torch_job import TorchJob
+
+    topology = Topology.from_layout(*TorchJob(dist.group.WORLD, True).node_places())
+    comm = HierarchicalOneBitAllreduce(numel, topology, transport="torch", intra="shared_memory")
+    outputs = [comm.allreduce(torch.from_numpy(rank_input(c, dist.get_rank(), numel))).numpy()
+               for c in range(calls)]
+    return {"topology": topology.signature(), "outputs": outputs, "intra": comm.intra}
+
+
 @contextmanager
 def environment(**values: Optional[str]):
     """Process environment variables set (None: removed) for the block, then restored."""
@@ -197,5 +218,5 @@ def uneven_layout() -> dict:
 
 
 def suite() -> dict:
-    return run_scenarios({"hierarchical": hierarchical_training, "uneven": uneven_layout},
-                         dist.get_rank())
+    return run_scenarios({"hierarchical": hierarchical_training, "collective": collective,
+                          "uneven": uneven_layout}, dist.get_rank())
