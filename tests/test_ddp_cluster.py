@@ -79,9 +79,10 @@ def test_the_links_between_nodes_carry_the_one_bit_bytes(runs):
         mine = runs[node * PER_NODE:(node + 1) * PER_NODE]
         warmup = mine[0]["tx"][:FREEZE]
         compressed = mine[0]["tx"][FREEZE:]
-        # what the node's ranks sent between nodes, by the collective's own count: the 1-bit
-        # payload of the whole momentum, numel / 8 bytes per node, plus scales and padding
-        payload = [sum(r["step_bytes"][s] for r in mine) for s in range(FREEZE, FREEZE + COMPRESSED)]
+        # what the node's ranks sent between nodes, by the collective's own count: one bit per
+        # element of the whole momentum per node, plus scales and padding
+        payload = [sum(r["step_bytes"][s] for r in mine)
+                   for s in range(FREEZE, FREEZE + COMPRESSED)]
         for step, (sent, counted) in enumerate(zip(compressed, payload)):
             assert numel / 8 <= counted <= 1.02 * numel / 8, \
                 f"node {node} step {step}: {counted} bytes counted for {numel} elements"
@@ -161,7 +162,7 @@ def test_torchruns_layouts_pass_and_others_are_named():
     assert len(unset) == 1 and "rank(s) [1]" in unset[0] and "GROUP_RANK" in unset[0], unset
     uneven = layout_problems(places([(0, 0, 3), (0, 1, 3), (0, 2, 3), (1, 0, 1)]), 4)
     assert len(uneven) == 1 and "{0: 3, 1: 1}" in uneven[0], uneven
-    # ranks numbered across nodes (0 and 2 on node 0), which the subgroups cannot follow
+    # a node's ranks not consecutive, which the subgroups cannot follow
     crossed = layout_problems(places([(0, 0, 2), (1, 0, 2), (0, 1, 2), (1, 1, 2)]), 4)
     assert len(crossed) == 1 and "numbered node by node" in crossed[0] \
         and "(1, 1, 0)" in crossed[0], crossed

@@ -7,6 +7,9 @@ command once per rank, each rank in its host's network namespace and in its own 
 started can survive it). A host is one rank by default; with ``ranks_per_node=L`` it is a node of
 L ranks sharing its namespace, so their traffic to each other stays on the node and only traffic
 between nodes crosses the shaped links. If one rank fails the others are killed, like horovodrun.
+:meth:`EmulatedCluster.run_per_node` starts one command per node instead, in the same namespaces:
+a launcher that starts the node's ranks itself, as torchrun does
+(:mod:`~hvd_onebit_tools.cluster.torchrun`).
 
 Everything created is torn down by :meth:`EmulatedCluster.close` (also on errors, a crashed rank,
 ``KeyboardInterrupt`` and, in the CLI, SIGTERM); a cluster whose owner was SIGKILLed is removed by
