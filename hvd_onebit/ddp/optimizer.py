@@ -49,6 +49,7 @@ class DDPFace:
 def DistributedOptimizer(optimizer: torch.optim.Optimizer, model, *,
                          freeze_step: int | str,
                          variance_refresh: Optional[str] = DOUBLING,
+                         hierarchical: bool | str = False,
                          bucket_size_mb: float = DEFAULT_BUCKET_MB,
                          overlap: bool = True,
                          memory: str = "auto",
@@ -74,6 +75,10 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model, *,
         variance_refresh (str, optional): "doubling": full-precision refresh steps of the
             variance on 0/1 Adam's doubling schedule, thinning out as the run goes on; None: the
             variance stays frozen, the paper's 1-bit Adam (default: "doubling")
+        hierarchical (bool or "auto", optional): full precision inside each node, 1 bit
+            between nodes, the nodes as torchrun numbers them (``GROUP_RANK``, ``LOCAL_RANK``,
+            ``LOCAL_WORLD_SIZE``: every node the same size); "auto": on with several nodes of
+            several ranks (default: False)
         bucket_size_mb (float, optional): momentum per 1-bit allreduce, in MiB of fp32
             (default: 64)
         overlap (bool, optional): start buckets from DDP's hook as its buckets become ready,
@@ -110,7 +115,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model, *,
     """
     check_wrapped(optimizer, True, 1)
     config = OneBitConfig.from_options(
-        freeze_step, variance_refresh=variance_refresh, bucket_size_mb=bucket_size_mb,
+        freeze_step, variance_refresh=variance_refresh, hierarchical=hierarchical,
+        bucket_size_mb=bucket_size_mb,
         transport="torch", overlap=overlap, memory=memory, block_size=block_size,
         check_every=check_every, kernel_backend=kernel_backend, experimental=experimental,
         **moved)
