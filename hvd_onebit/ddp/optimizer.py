@@ -84,13 +84,15 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model, *,
         overlap (bool, optional): start buckets from DDP's hook as its buckets become ready,
             bit-identical to starting them in step(); off with ``find_unused_parameters``
             (default: True)
-        memory (str, optional): "auto", "lean" or "fast" (default: "auto")
+        memory (str, optional): "auto", "lean" (one error buffer per collective) or "fast"
+            (a spare of each, one pass less per step); "auto": lean on CUDA (default: "auto")
         block_size (int, optional): elements per scale of the 1-bit compression, a multiple
             of 8 (default: None, one scale per chunk)
         check_every (int, optional): every K steps raise on every rank if the parameters
             differ between ranks (default: 0, never)
         kernel_backend (str, optional): "auto", "native", "triton" or "torch" (default: "auto")
-        experimental (Experimental, optional): research knobs (default: None, their defaults)
+        experimental (Experimental, optional): research knobs, for measurement and comparison
+            only (:class:`~hvd_onebit.config.Experimental`) (default: None, their defaults)
         process_group (optional): the torch.distributed group the momentum travels on, with
             the ranks DDP averages over (default: None, the DDP model's own group)
 
