@@ -117,8 +117,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
             variance on 0/1 Adam's doubling schedule, thinning out as the run goes on; None: the
             variance stays frozen, the paper's 1-bit Adam (default: "doubling")
         hierarchical (bool or "auto", optional): full precision inside each node, 1 bit
-            between nodes, the nodes as Horovod's local and cross ranks say; "auto": on with
-            several nodes of several ranks (default: False)
+            between nodes, the nodes as the launcher numbers them (every node the same number
+            of ranks); "auto": on with several nodes of several ranks (default: False)
         bucket_size_mb (float, optional): momentum per 1-bit allreduce, in MiB of fp32
             (default: 64)
         transport (str, optional): how the 1-bit stages travel: "auto", "torch", "horovod",
@@ -145,7 +145,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     Returns:
         An optimizer of the wrapped class with Horovod's ``synchronize()`` and
         ``skip_synchronize()``, plus ``phase``, ``steps``, ``freeze_step``, ``freeze_decision``,
-        ``flush_error_feedback()``, ``telemetry()`` and the counters
+        ``flush_error_feedback()``, ``error_feedback_state_dict()`` and
+        ``load_error_feedback_state_dict()``, ``telemetry()`` and the counters
         ``last_step_bytes``, ``total_bytes``, ``last_step_comm_seconds``, ``total_comm_seconds``.
     """
     check_wrapped(optimizer, op in (Average, Sum) and op != Adasum, backward_passes_per_step)

@@ -63,21 +63,26 @@ def provenance(source: str, data: dict, dated: bool = True) -> str:
     return "; ".join(parts) + "."
 
 
-def headline() -> str:
-    """Adam against 1-bit Adam on the language-model example (docs/convergence.json)."""
-    d = _load("convergence.json")
-    rows = [["Adam (Horovod allreduce)", f"{d['final_val_loss_adam']:.4f}",
+def headline(name: str = "convergence.json") -> str:
+    """Adam against 1-bit Adam on the language-model example (``docs/<name>``: the Horovod
+    face's run, or the DDP face's under torchrun where the JSON says ``"face": "ddp"``)."""
+    d = _load(name)
+    adam = "Adam (DDP)" if d.get("face") == "ddp" else "Adam (Horovod allreduce)"
+    onebit = "1-bit Adam, DDP face" if d.get("face") == "ddp" else "1-bit Adam"
+    rows = [[adam, f"{d['final_val_loss_adam']:.4f}",
              f"{d['total_bytes_per_rank_adam'] / 1e6:,.0f}", f"{d['samples_per_sec_adam']:.0f}"],
-            [f"1-bit Adam (freeze_step {d['freeze_step']}, {refresh_label(d)})",
+            [f"{onebit} (freeze_step {d['freeze_step']}, {refresh_label(d)})",
              f"{d['final_val_loss_onebit']:.4f}", f"{d['total_bytes_per_rank_onebit'] / 1e6:,.0f}",
              f"{d['samples_per_sec_onebit_warmup']:.0f} (warmup), "
              f"{d['samples_per_sec_onebit_compression']:.0f} (compression phase)"]]
-    where = (f"`examples/train_lm.py`, {d['world_size']} CPU ranks of one machine (loopback: no "
+    cores = (d.get("machine") or {}).get("cpu_count")
+    machine = f"sharing one machine's {cores} cores" if cores else "of one machine"
+    where = (f"`examples/train_lm.py`, {d['world_size']} CPU ranks {machine} (loopback: no "
              f"link limit, so the samples/s show the cost of the compression, not its gain), "
              f"{d['steps']} steps, {d['params']:,} parameters.")
     return "\n\n".join([where, table(["optimizer", "final validation loss",
                                       "MB sent per rank", "samples/s"], rows),
-                        provenance("convergence.json", d, dated=False)])
+                        provenance(name, d, dated=False)])
 
 
 def refresh_label(d: dict) -> str:

@@ -60,7 +60,6 @@ def test_the_settings_table_takes_each_default_from_the_signature():
 
 # Options whose meaning differs between the faces, each said in its own face's words.
 FACE_OWN_WORDS = {
-    "hierarchical": "the nodes come from Horovod's local and cross ranks or torchrun's variables",
     "overlap": "the buckets start from Horovod's gradient hooks or from DDP's communication hook",
 }
 

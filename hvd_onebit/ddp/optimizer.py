@@ -76,9 +76,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model, *,
             variance on 0/1 Adam's doubling schedule, thinning out as the run goes on; None: the
             variance stays frozen, the paper's 1-bit Adam (default: "doubling")
         hierarchical (bool or "auto", optional): full precision inside each node, 1 bit
-            between nodes, the nodes as torchrun numbers them (``GROUP_RANK``, ``LOCAL_RANK``,
-            ``LOCAL_WORLD_SIZE``: every node the same size); "auto": on with several nodes of
-            several ranks (default: False)
+            between nodes, the nodes as the launcher numbers them (every node the same number
+            of ranks); "auto": on with several nodes of several ranks (default: False)
         bucket_size_mb (float, optional): momentum per 1-bit allreduce, in MiB of fp32
             (default: 64)
         overlap (bool, optional): start buckets from DDP's hook as its buckets become ready,
@@ -111,9 +110,10 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model, *,
 
     Returns:
         An optimizer of the wrapped class, plus ``phase``, ``steps``, ``freeze_step``,
-        ``freeze_decision``, ``flush_error_feedback()``, ``reset_collectives()``,
-        ``telemetry()`` and the counters ``last_step_bytes``, ``total_bytes``,
-        ``last_step_comm_seconds``, ``total_comm_seconds``.
+        ``freeze_decision``, ``flush_error_feedback()``, ``error_feedback_state_dict()`` and
+        ``load_error_feedback_state_dict()``, ``reset_collectives()``, ``telemetry()`` and the
+        counters ``last_step_bytes``, ``total_bytes``, ``last_step_comm_seconds``,
+        ``total_comm_seconds``.
     """
     check_wrapped(optimizer, True, 1)
     config = OneBitConfig.from_options(
