@@ -33,6 +33,10 @@ from .options import cluster_for, comma_list, np_option
 @click.option("--batch", default=None, type=click.IntRange(1),
               help="Samples per rank per step for every family [default: each family's].")
 @np_option(4, "Ranks.")
+@click.option("--face", type=click.Choice(["horovod", "ddp"]), default="horovod",
+              show_default=True, help="horovod: horovodrun, Horovod Adam against "
+              "hvd_onebit.DistributedOptimizer; ddp: torchrun, DDP + Adam against DDP + "
+              "hvd_onebit.ddp.DistributedOptimizer (loopback only).")
 @click.option("--bandwidth", default="local", show_default=True,
               help="Emulated link rate of every rank (e.g. 1gbit; root needed); 'local' runs "
                    "plain horovodrun on loopback. Convergence does not depend on it.")
@@ -53,10 +57,10 @@ from .options import cluster_for, comma_list, np_option
               "many cells (all seeds together) are worse beyond the seeds' noise.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON instead of "
               "tables.")
-def bench_zoo(families, schemes, seeds, freezes, lrs, steps, batch, np_, bandwidth, out_dir,
-              timeout,
+def bench_zoo(families, schemes, seeds, freezes, lrs, steps, batch, np_, face, bandwidth,
+              out_dir, timeout,
               resume, report_only, metric, against, as_json) -> None:
-    """Convergence zoo: Horovod Adam vs 1-bit Adam on seven model families, two learning
+    """Convergence zoo: Adam vs 1-bit Adam, either face, on seven model families, two learning
     rates, four freeze settings and several seeds, on NP ranks; every cell's final held-out
     loss over Adam's on the same seed, divergences marked (table, summary.json, heat_map.png)."""
     from pathlib import Path
@@ -73,7 +77,8 @@ def bench_zoo(families, schemes, seeds, freezes, lrs, steps, batch, np_, bandwid
                 result = run_zoo(families or all_families(), out, seeds=range(seeds),
                                  schemes=schemes, freezes=freezes, lr_rules=lrs, steps=steps,
                                  batch=batch, np=np_, timeout=timeout, resume=resume,
-                                 progress=lambda s: click.echo(s, err=True), cluster=cluster)
+                                 progress=lambda s: click.echo(s, err=True), cluster=cluster,
+                                 face=face)
         except ValueError as exc:
             raise click.UsageError(str(exc)) from exc
         click.echo(f"[zoo] {result['seconds']:.0f}s; results in {result['results']}", err=True)
