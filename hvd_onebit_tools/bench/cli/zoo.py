@@ -55,11 +55,16 @@ from .options import cluster_for, comma_list, np_option
               help="Also compare every other scheme with this one cell by cell (same family, "
               "lr, seed and freeze): how many cells are worse, by how much; and over seeds: how "
               "many cells (all seeds together) are worse beyond the seeds' noise.")
+@click.option("--against-face", "against_face", multiple=True, metavar="DIR",
+              type=click.Path(file_okay=False, exists=True),
+              help="Also compare OUT's cells with the same cells in DIR (another zoo's output, "
+              "e.g. the other face's), cell by cell and per cell over seeds; writes "
+              "OUT/faces.json. Repeatable.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON instead of "
               "tables.")
 def bench_zoo(families, schemes, seeds, freezes, lrs, steps, batch, np_, face, bandwidth,
               out_dir, timeout,
-              resume, report_only, metric, against, as_json) -> None:
+              resume, report_only, metric, against, against_face, as_json) -> None:
     """Convergence zoo: Adam vs 1-bit Adam, either face, on seven model families, two learning
     rates, four freeze settings and several seeds, on NP ranks; every cell's final held-out
     loss over Adam's on the same seed, divergences marked (table, summary.json, heat_map.png)."""
@@ -93,3 +98,15 @@ def bench_zoo(families, schemes, seeds, freezes, lrs, steps, batch, np_, face, b
 
         click.echo(json.dumps(json_safe({k: v for k, v in summary.items() if k != "cells"}),
                               indent=2))
+    if against_face:
+        from ..zoo.face_pairs import against_faces, print_against_faces
+        from ..zoo.report import json_safe
+        from ..zoo.runner import RESULTS, read_cells
+
+        others = {d: read_cells(Path(d) / RESULTS) for d in against_face}
+        result = against_faces(read_cells(out / RESULTS), others, metric)
+        (out / "faces.json").write_text(json.dumps(json_safe(result), indent=1))
+        if not as_json:
+            click.echo()
+            print_against_faces(result, str(out))
+        click.echo(f"[zoo] wrote {out / 'faces.json'}", err=True)
