@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import click
 
@@ -103,8 +104,11 @@ def bench_zoo(families, schemes, seeds, freezes, lrs, steps, batch, np_, face, b
         from ..zoo.report import json_safe
         from ..zoo.runner import RESULTS, read_cells
 
+        from ..report import provenance
+
         others = {d: read_cells(Path(d) / RESULTS) for d in against_face}
         result = against_faces(read_cells(out / RESULTS), others, metric)
+        result.update(command=" ".join(["hvd-onebit", *sys.argv[1:]]), **provenance())
         (out / "faces.json").write_text(json.dumps(json_safe(result), indent=1))
         if not as_json:
             click.echo()
