@@ -117,8 +117,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
             variance on 0/1 Adam's doubling schedule, thinning out as the run goes on; None: the
             variance stays frozen, the paper's 1-bit Adam (default: "doubling")
         hierarchical (bool or "auto", optional): full precision inside each node, 1 bit
-            between nodes; "auto": on with several nodes of several ranks; the Horovod face
-            only (default: False)
+            between nodes, the nodes as Horovod's local and cross ranks say; "auto": on with
+            several nodes of several ranks (default: False)
         bucket_size_mb (float, optional): momentum per 1-bit allreduce, in MiB of fp32
             (default: 64)
         transport (str, optional): how the 1-bit stages travel: "auto", "torch", "horovod",

@@ -212,11 +212,19 @@ def freeze_guidance(ddp: bool = False) -> str:
 
 
 def arg_doc(doc: str, name: str) -> str:
-    """One entry of a Google-style Args section, joined into one line, its type dropped."""
-    match = re.search(rf"^(\s*){name} \([^)]*\): (.*?)(?=^\1\S|\Z)", doc, re.M | re.S)
-    if not match:
-        raise ValueError(f"DistributedOptimizer's docstring documents no argument {name!r}")
-    return " ".join(match.group(2).split()).replace("|", "\\|")
+    """One entry of a Google-style Args section, joined into one line, its type dropped: its
+    first line and the lines indented deeper than it."""
+    lines = doc.splitlines()
+    for i, line in enumerate(lines):
+        match = re.match(rf"( *){name} \([^)]*\): (.*)", line)
+        if match:
+            indent, text = len(match.group(1)), [match.group(2)]
+            for more in lines[i + 1:]:
+                if not more.strip() or len(more) - len(more.lstrip()) <= indent:
+                    break
+                text.append(more)
+            return " ".join(" ".join(text).split()).replace("|", "\\|")
+    raise ValueError(f"DistributedOptimizer's docstring documents no argument {name!r}")
 
 
 PARTS: Dict[str, Callable[[], str]] = {

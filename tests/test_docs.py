@@ -58,6 +58,35 @@ def test_the_settings_table_takes_each_default_from_the_signature():
         assert len(row) == 1 and f"| {shown} |" in row[0], f"{name}: {row} lacks {shown}"
 
 
+# Options whose meaning differs between the faces, each said in its own face's words.
+FACE_OWN_WORDS = {
+    "hierarchical": "the nodes come from Horovod's local and cross ranks or torchrun's variables",
+    "overlap": "the buckets start from Horovod's gradient hooks or from DDP's communication hook",
+}
+
+
+def test_the_faces_document_each_shared_option_in_the_same_words():
+    import inspect
+
+    from hvd_onebit import DistributedOptimizer as HorovodFace
+    from hvd_onebit.ddp import DistributedOptimizer as DDPFace
+
+    horovod, ddp = inspect.signature(HorovodFace), inspect.signature(DDPFace)
+    shared = [n for n in ddp.parameters if n in horovod.parameters
+              and ddp.parameters[n].kind is inspect.Parameter.KEYWORD_ONLY]
+    assert len(shared) >= 10, f"only {shared} shared: the faces' signatures drifted apart"
+    differ = []
+    for name in shared:
+        assert horovod.parameters[name].default == ddp.parameters[name].default, \
+            (f"{name}: default {horovod.parameters[name].default!r} in the Horovod face, "
+             f"{ddp.parameters[name].default!r} in the DDP face")
+        words = [docs_tables.arg_doc(inspect.getdoc(face) or "", name)
+                 for face in (HorovodFace, DDPFace)]
+        if words[0] != words[1] and name not in FACE_OWN_WORDS:
+            differ.append(f"{name}:\n  Horovod: {words[0]}\n  DDP:     {words[1]}")
+    assert not differ, "the faces document shared options differently:\n" + "\n".join(differ)
+
+
 def test_the_readme_is_short_and_undated():
     lines = (REPO / "README.md").read_text().splitlines()
     assert len(lines) <= 200, f"README.md has {len(lines)} lines"

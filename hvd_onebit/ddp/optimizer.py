@@ -49,6 +49,7 @@ class DDPFace:
 def DistributedOptimizer(optimizer: torch.optim.Optimizer, model, *,
                          freeze_step: int | str,
                          variance_refresh: Optional[str] = DOUBLING,
+                         hierarchical: bool | str = False,
                          bucket_size_mb: float = DEFAULT_BUCKET_MB,
                          overlap: bool = True,
                          memory: str = "auto",
@@ -74,18 +75,24 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model, *,
         variance_refresh (str, optional): "doubling": full-precision refresh steps of the
             variance on 0/1 Adam's doubling schedule, thinning out as the run goes on; None: the
             variance stays frozen, the paper's 1-bit Adam (default: "doubling")
+        hierarchical (bool or "auto", optional): full precision inside each node, 1 bit
+            between nodes, the nodes as torchrun numbers them (``GROUP_RANK``, ``LOCAL_RANK``,
+            ``LOCAL_WORLD_SIZE``: every node the same size); "auto": on with several nodes of
+            several ranks (default: False)
         bucket_size_mb (float, optional): momentum per 1-bit allreduce, in MiB of fp32
             (default: 64)
         overlap (bool, optional): start buckets from DDP's hook as its buckets become ready,
             bit-identical to starting them in step(); off with ``find_unused_parameters``
             (default: True)
-        memory (str, optional): "auto", "lean" or "fast" (default: "auto")
+        memory (str, optional): "auto", "lean" (one error buffer per collective) or "fast"
+            (a spare of each, one pass less per step); "auto": lean on CUDA (default: "auto")
         block_size (int, optional): elements per scale of the 1-bit compression, a multiple
             of 8 (default: None, one scale per chunk)
         check_every (int, optional): every K steps raise on every rank if the parameters
             differ between ranks (default: 0, never)
         kernel_backend (str, optional): "auto", "native", "triton" or "torch" (default: "auto")
-        experimental (Experimental, optional): research knobs (default: None, their defaults)
+        experimental (Experimental, optional): research knobs, for measurement and comparison
+            only (:class:`~hvd_onebit.config.Experimental`) (default: None, their defaults)
         process_group (optional): the torch.distributed group the momentum travels on, with
             the ranks DDP averages over (default: None, the DDP model's own group)
 
@@ -110,7 +117,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model, *,
     """
     check_wrapped(optimizer, True, 1)
     config = OneBitConfig.from_options(
-        freeze_step, variance_refresh=variance_refresh, bucket_size_mb=bucket_size_mb,
+        freeze_step, variance_refresh=variance_refresh, hierarchical=hierarchical,
+        bucket_size_mb=bucket_size_mb,
         transport="torch", overlap=overlap, memory=memory, block_size=block_size,
         check_every=check_every, kernel_backend=kernel_backend, experimental=experimental,
         **moved)

@@ -64,6 +64,9 @@ def check(model, param_groups: list[dict], process_group, config: OneBitConfig):
         raise ValueError(f"process_group has {dist.get_world_size(group)} ranks, the DDP model "
                          f"averages over {dist.get_world_size(model.process_group)}: they must "
                          "be the same ranks")
+    if config.hierarchical is not False and dist.get_world_size(group) != dist.get_world_size():
+        raise ValueError(f"hierarchical 1-bit runs on every rank of the job: the group has "
+                         f"{dist.get_world_size(group)} of {dist.get_world_size()}")
     validate_masks(param_groups)
     check_options(config)
     check_parameters(config, [p for g in param_groups for p in g["params"]])
@@ -99,8 +102,8 @@ def build(view: DDPView, config: OneBitConfig, group, model) -> Parts:
     schedule.freeze_step = None if config.auto else config.freeze_step
     telemetry = Telemetry()
     init_adam_state(view.adam.param_groups, view.adam.state)
-    engine = CompressedStep(config, view.adam.state, view.adam.decoupled, transport=TorchJob(group),
-                            names=view.names)
+    engine = CompressedStep(config, view.adam.state, view.adam.decoupled,
+                            transport=TorchJob(group, config.hierarchical), names=view.names)
     warmup = DDPWarmup(view, schedule, telemetry, engine)
     phases = Phases(view, config, schedule, telemetry, engine, warmup,
                     lambda steps: check_identical(view.adam.param_groups, group, steps,

@@ -34,8 +34,8 @@ class TorchTransport:
     Args:
         process_set: must be Horovod's global process set (None: that one).
         device: where the tensors live: CPU needs a Gloo group, CUDA an NCCL one.
-        members: a subgroup's global ranks, ascending (its group from :func:`torch_subgroups`);
-            None: every rank.
+        members: a subgroup's global ranks, ascending (its group from :func:`torch_subgroups`,
+            in a Horovod job or a torchrun one); None: every rank.
         group: a torch.distributed process group to run on as it is, without Horovod (the
             DDP face's); ``process_set`` and ``members`` are then not read.
     """
@@ -48,7 +48,14 @@ class TorchTransport:
 
         self._dist = dist
         self.device = torch.device(device)
-        if group is not None:
+        if group is None and members is not None:
+            # made by torch_subgroups, so torch.distributed is set up and the job was checked
+            # when it was (a Horovod job's or a torchrun job's alike: no Horovod needed here)
+            group = _SUBGROUPS.get(tuple(members))
+            if group is None:
+                raise RuntimeError(f"no torch.distributed group for ranks {tuple(members)}: "
+                                   "create the job's groups with torch_subgroups() first")
+        if group is not None:  # a subgroup's ranks are its members' in ascending order
             self.group = group
             self.size = dist.get_world_size(group)
             self.rank = dist.get_rank(group)
@@ -57,17 +64,9 @@ class TorchTransport:
 
         check_torch_transport(process_set, torch.device(device))
         init_torch_distributed(torch.device(device))
-        if members is None:
-            self.group = None
-            self.size = dist.get_world_size()
-            self.rank = dist.get_rank()
-        else:
-            self.group = _SUBGROUPS.get(tuple(members))
-            if self.group is None:
-                raise RuntimeError(f"no torch.distributed group for ranks {tuple(members)}: "
-                                   "create the job's groups with torch_subgroups() first")
-            self.size = len(members)
-            self.rank = list(members).index(dist.get_rank())
+        self.group = None
+        self.size = dist.get_world_size()
+        self.rank = dist.get_rank()
 
     def alltoall_async(self, rows: torch.Tensor, name: str) -> _TorchWork:
         """rows: [n, row_bytes] uint8; row j goes to rank j."""

@@ -1,4 +1,4 @@
-"""A bandwidth-limited cluster on one machine: N Horovod ranks joined by rate-limited links.
+"""A bandwidth-limited cluster on one machine: ranks (Horovod or torchrun) on rate-limited links.
 
 * :mod:`.bandwidth`: link rates (``"1gbit"``) and the tbf token bucket that enforces them;
 * :mod:`.system`: privileges, the ``ip``/``tc`` commands, interface counters;
@@ -6,10 +6,12 @@
   whose owner died;
 * :mod:`.rendezvous`: Horovod's rendezvous server and the ``horovodrun --gloo`` environment;
 * :mod:`.launcher`: :class:`EmulatedCluster`, which runs a command on every host as one job;
+* :mod:`.processes`: a run's processes, started, pumped and killed together;
+* :mod:`.torchrun`: DDP jobs launched with one torchrun per node, as on a multi-node cluster;
 * :mod:`.results`: what a run did (:class:`RunResult`, :class:`RankResult`);
 * :mod:`.cli`: ``hvd-onebit cluster run``.
 
-Needs root (network namespaces). Nothing here imports Horovod until a cluster starts.
+Needs root (network namespaces). Nothing here imports Horovod until a Horovod job runs.
 """
 from .bandwidth import TbfParams, format_bandwidth, parse_bandwidth, tbf_params
 from .launcher import EmulatedCluster

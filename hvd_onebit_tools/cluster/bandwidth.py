@@ -75,7 +75,7 @@ def tbf_params(bps: int, queue_ms: float = DEFAULT_QUEUE_MS) -> TbfParams:
       of bytes, so at low rates it holds many milliseconds. A queue of a few KB drops packets
       when several peers send to one host at once (an alltoall's incast), and TCP's 200 ms
       minimum retransmission timeout then dominates short exchanges. Model your own switches'
-      buffers; CHANGELOG.md has the measurements behind these choices.
+      buffers.
     """
     if queue_ms < 0:
         raise ValueError(f"queue_ms must be >= 0, got {queue_ms}")

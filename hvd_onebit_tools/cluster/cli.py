@@ -111,18 +111,24 @@ def cluster() -> None:
               metavar="SECONDS",
               help="When ranks must be killed (a rank failed, timeout, Ctrl-C, SIGTERM): "
                    "seconds between SIGTERM and SIGKILL.")
+@click.option("--torchrun", is_flag=True,
+              help="Run COMMAND (a script and its arguments, or -m MODULE ...) under one "
+                   "'python -m torch.distributed.run --nnodes --node_rank --nproc_per_node "
+                   "--master_addr=<node0>' per node, as a DDP job is launched on a cluster; "
+                   "the report then has one line per node.")
 @click.option("--verbose", "-v", is_flag=True, help="Log the setup steps to stderr.")
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
 def run(np_: Optional[int], nodes: Optional[int], ranks_per_node: int,
         intra_bandwidth: Optional[int], bandwidth: Optional[int], queue_ms: float,
         timeout: Optional[float], as_json: bool, log_dir: Optional[str], quiet: bool, env: dict,
-        kill_grace: float, verbose: bool, command: tuple) -> None:
+        kill_grace: float, torchrun: bool, verbose: bool, command: tuple) -> None:
     """Run COMMAND once per rank, as a Horovod (Gloo) job over the emulated network.
 
     \b
     Examples:
       hvd-onebit cluster run --np 4 --bandwidth 1gbit -- python train.py --epochs 1
       hvd-onebit cluster run --nodes 2 --ranks-per-node 2 --bandwidth 1gbit -- python train.py
+      hvd-onebit cluster run --nodes 2 --ranks-per-node 2 --torchrun -- ddp_train.py
 
     Every rank gets exactly the environment 'horovodrun --gloo' would give it (HOROVOD_RANK,
     HOROVOD_SIZE, HOROVOD_GLOO_RENDEZVOUS_ADDR/PORT, HOROVOD_GLOO_IFACE=emu0, ...), so an
@@ -148,8 +154,14 @@ def run(np_: Optional[int], nodes: Optional[int], ranks_per_node: int,
         with EmulatedCluster(np=np_, bandwidth=bandwidth, log_dir=log_dir,
                              verbose=verbose, queue_ms=queue_ms, ranks_per_node=ranks_per_node,
                              intra_bandwidth=intra_bandwidth) as emu:
-            result = emu.run(list(command), env=env, timeout=timeout,
-                             on_output=None if quiet else echo_line, kill_grace=kill_grace)
+            options = dict(env=env, timeout=timeout, kill_grace=kill_grace,
+                           on_output=None if quiet else echo_line)
+            if torchrun:
+                from .torchrun import run_torchrun
+
+                result = run_torchrun(emu, list(command), **options)
+            else:
+                result = emu.run(list(command), **options)
     except EmulatorError as e:
         raise click.ClickException(str(e)) from None
     except KeyboardInterrupt:
@@ -191,7 +203,8 @@ def _ranks(np_: Optional[int], nodes: Optional[int], ranks_per_node: int) -> int
 
 def format_report(result: RunResult) -> str:
     """The human-readable end-of-run table: one line per rank, then totals and wall time."""
-    rows = [("rank", "host", "address", "exit", "tx bytes", "rx bytes", "tx MB/s", "rx MB/s")]
+    rows = [("rank" if result.launches == "rank" else "node", "host", "address", "exit",
+             "tx bytes", "rx bytes", "tx MB/s", "rx MB/s")]
     secs = max(result.wall_seconds, 1e-9)
     for r in result.ranks:
         status = "-" if r.exit_code is None else str(r.exit_code)
@@ -204,9 +217,9 @@ def format_report(result: RunResult) -> str:
     lines = ["  ".join(cell.rjust(w) if i >= 3 else cell.ljust(w)
                        for i, (cell, w) in enumerate(zip(row, widths))) for row in rows]
     outcome = ("TIMED OUT" if result.timed_out else "ok" if result.ok
-               else f"FAILED (first: rank {result.first_failed_rank})"
+               else f"FAILED (first: {result.launches} {result.first_failed_rank})"
                if result.first_failed_rank is not None else "FAILED")
-    lines.append(f"np={len(result.ranks)} bandwidth={format_bandwidth(result.bandwidth_bps)} "
+    lines.append(f"np={result.np} bandwidth={format_bandwidth(result.bandwidth_bps)} "
                  f"wall={result.wall_seconds:.2f}s total tx={result.tx_bytes:,} bytes "
                  f"(MB/s averaged over the wall time) -> {outcome}")
     return "\n".join(lines)

@@ -7,6 +7,9 @@ command once per rank, each rank in its host's network namespace and in its own 
 started can survive it). A host is one rank by default; with ``ranks_per_node=L`` it is a node of
 L ranks sharing its namespace, so their traffic to each other stays on the node and only traffic
 between nodes crosses the shaped links. If one rank fails the others are killed, like horovodrun.
+:meth:`EmulatedCluster.run_per_node` starts one command per node instead, in the same namespaces:
+a launcher that starts the node's ranks itself, as torchrun does
+(:mod:`~hvd_onebit_tools.cluster.torchrun`).
 
 Everything created is torn down by :meth:`EmulatedCluster.close` (also on errors, a crashed rank,
 ``KeyboardInterrupt`` and, in the CLI, SIGTERM); a cluster whose owner was SIGKILLed is removed by
@@ -21,33 +24,22 @@ Example::
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping, Optional, Sequence
 
 from . import rendezvous
 from .bandwidth import DEFAULT_QUEUE_MS, parse_bandwidth
 from .network import MAX_RANKS, Host, Network, cleanup_stale
+from .processes import RankProcess, die_with_parent, kill_ranks, pump, shell_status
 from .results import RankResult, RunResult
 from .system import EmulatorError, check_privileges, signals_deferred
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:  # pragma: no cover - runs in the forked child
-    """preexec_fn: SIGKILL the launcher if we die, which (via --kill-child) ends its PID ns."""
-    _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-
 
 class EmulatedCluster:
     """``np`` ranks on emulated hosts joined by links of ``bandwidth`` (see the module docstring).
@@ -92,7 +84,7 @@ class EmulatedCluster:
         self._rendezvous = None
         self._started = False
         self._runs = 0
-        self._procs: list[_RankProcess] = []  # the current run's launchers, for close()
+        self._procs: list[RankProcess] = []  # the current run's launchers, for close()
 
     # -- the network's names and addresses
 
@@ -129,7 +121,7 @@ class EmulatedCluster:
         self.close()
 
     def start(self) -> "EmulatedCluster":
-        """Create bridge, namespaces, links, qdiscs and the rendezvous server (about 0.1 s/rank)."""
+        """Create bridge, namespaces, links and qdiscs (about 0.1 s/rank)."""
         if self._started:
             return self
         check_privileges()
@@ -137,8 +129,6 @@ class EmulatedCluster:
         self._started = True
         try:
             self.network.create()
-            self._rendezvous, self.rendezvous_port = rendezvous.start_server(self.bridge_address)
-            self._log(f"rendezvous on {self.bridge_address}:{self.rendezvous_port}")
         except BaseException:
             self.close()
             raise
@@ -150,7 +140,7 @@ class EmulatedCluster:
             return
         with signals_deferred():
             # Normally run() has reaped its ranks; this covers an interrupt in the middle of it.
-            _kill_ranks(self._procs, kill_grace=0.5)
+            kill_ranks(self._procs, kill_grace=0.5)
             self._procs = []
             if self._rendezvous is not None:
                 with contextlib.suppress(Exception):
@@ -179,6 +169,13 @@ class EmulatedCluster:
 
     # -- running
 
+    def _horovod_rendezvous(self) -> None:
+        """Horovod's rendezvous server, started at the first Horovod run (a cluster that runs
+        only torchrun jobs never imports Horovod)."""
+        if self._rendezvous is None:
+            self._rendezvous, self.rendezvous_port = rendezvous.start_server(self.bridge_address)
+            self._log(f"rendezvous on {self.bridge_address}:{self.rendezvous_port}")
+
     def _launch_argv(self, h: Host, command: Sequence[str], started: Path) -> list[str]:
         """The argv that runs ``command`` as one rank on host ``h``."""
         # ip netns exec: network namespace and /etc/netns/<ns>/hosts over /etc/hosts.
@@ -190,7 +187,7 @@ class EmulatedCluster:
         # The command runs in a subshell that first creates ``started`` and then execs it: until
         # that file exists the rank is still in its set-up, where a SIGTERM would either be
         # dropped (unshare blocks it, a namespace's PID 1 ignores it) or kill `hostname` instead
-        # of the command, so _kill_ranks signals a rank only once it has started.
+        # of the command, so kill_ranks signals a rank only once it has started.
         script = 'hostname "$1" || exit 126; shift; started=$1; shift; (: > "$started" && exec "$@")'
         return ["ip", "netns", "exec", h.netns,
                 "unshare", "--uts", "--pid", "--fork", "--kill-child", "--mount-proc", "--",
@@ -211,39 +208,67 @@ class EmulatedCluster:
         If one rank exits non-zero, the others are killed at once (like horovodrun). On
         KeyboardInterrupt or any other exception every rank is killed before it propagates.
         """
+        self._check_runnable(command)
+        self._horovod_rendezvous()
+        self._rendezvous.init(self.host_alloc_plan())  # fresh rendezvous state for every run
+        return self._run_launches(
+            [(self.host_of(rank), list(command), self.horovod_env(rank))
+             for rank in range(self.np)], env, timeout, cwd, on_output, kill_grace)
+
+    def run_per_node(self, commands: Sequence[Sequence[str]],
+                     env: Optional[Mapping[str, str]] = None, timeout: Optional[float] = None,
+                     cwd: str | os.PathLike | None = None,
+                     on_output: Optional[Callable[[int, str], None]] = None,
+                     kill_grace: float = 3.0) -> RunResult:
+        """Run ``commands[k]`` once on node k, in its namespaces (e.g. one torchrun per node,
+        which starts the node's ranks itself: :mod:`~hvd_onebit_tools.cluster.torchrun`); wait
+        for all, as :meth:`run` does. The result has one entry per node (``launches="node"``),
+        each with its node's whole link bytes; no Horovod environment is set."""
+        if len(commands) != self.nodes:
+            raise ValueError(f"one command per node: {self.nodes} nodes, {len(commands)} commands")
+        for command in commands:
+            self._check_runnable(command)
+        return self._run_launches([(h, list(c), {}) for h, c in zip(self.hosts, commands)],
+                                  env, timeout, cwd, on_output, kill_grace, per_node=True)
+
+    def _check_runnable(self, command: Sequence[str]) -> None:
         if not self._started:
             raise EmulatorError("cluster not started: use `with EmulatedCluster(...)` or start()")
         if isinstance(command, str):
             raise TypeError("command must be an argv list, e.g. ['python', 'train.py']")
-        self._rendezvous.init(self.host_alloc_plan())  # fresh rendezvous state for every run
+
+    def _run_launches(self, launches: list[tuple[Host, list[str], dict[str, str]]],
+                      env: Optional[Mapping[str, str]], timeout: Optional[float], cwd,
+                      on_output, kill_grace: float, per_node: bool = False) -> RunResult:
+        """Start each (host, argv, its own environment) in the host's namespaces, wait for all
+        (killing the others when one fails or the time is up), and count the links' bytes."""
         self._runs += 1
+        count = len(launches)
         base_env = dict(os.environ)
         base_env.update(env or {})
-        logs = self._open_logs()
+        logs = self._open_logs(count, "node" if per_node else "rank")
         before = self.counters()
         procs = self._procs = []
         started_dir = Path(tempfile.mkdtemp(prefix="hob-started-"))
-        outputs: list[list[str]] = [[] for _ in range(self.np)]
+        outputs: list[list[str]] = [[] for _ in range(count)]
         readers: list[threading.Thread] = []
-        killed = [False] * self.np
+        killed = [False] * count
         timed_out = False
         first_failed = None
         start = time.monotonic()
         try:
-            for rank in range(self.np):
-                started = started_dir / f"rank{rank}"
-                procs.append(_RankProcess(subprocess.Popen(
-                    self._launch_argv(self.host_of(rank), command, started),
-                    env={**base_env, **self.horovod_env(rank)},
+            for index, (host, command, own_env) in enumerate(launches):
+                started = started_dir / f"launch{index}"
+                procs.append(RankProcess(subprocess.Popen(
+                    self._launch_argv(host, command, started),
+                    env={**base_env, **own_env},
                     cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                     stderr=subprocess.STDOUT, start_new_session=True,
-                    preexec_fn=_die_with_parent), started))
-            for rank, p in enumerate(procs):
-                t = threading.Thread(target=_pump, daemon=True,
-                                     args=(p.proc.stdout, rank, outputs[rank], logs[rank],
-                                           on_output))
-                t.start()
-                readers.append(t)
+                    preexec_fn=die_with_parent), started))
+            for index, p in enumerate(procs):
+                readers.append(threading.Thread(target=pump, daemon=True, args=(
+                    p.proc.stdout, index, outputs[index], logs[index], on_output)))
+                readers[-1].start()
             while True:
                 codes = [p.proc.poll() for p in procs]
                 if all(c is not None for c in codes):
@@ -251,18 +276,19 @@ class EmulatedCluster:
                 failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
                 if failed:
                     first_failed = failed[0]
-                    self._log(f"rank {first_failed} exited {codes[first_failed]}; killing others")
-                    killed = _kill_ranks(procs, kill_grace)
+                    self._log(f"launch {first_failed} exited {codes[first_failed]}; "
+                              "killing the others")
+                    killed = kill_ranks(procs, kill_grace)
                     break
                 if timeout is not None and time.monotonic() - start > timeout:
                     timed_out = True
                     self._log(f"timeout after {timeout}s; killing all ranks")
-                    killed = _kill_ranks(procs, kill_grace)
+                    killed = kill_ranks(procs, kill_grace)
                     break
                 time.sleep(0.02)
         except BaseException:
             with signals_deferred():
-                _kill_ranks(procs, kill_grace=0.5)
+                kill_ranks(procs, kill_grace=0.5)
             raise
         finally:
             wall = time.monotonic() - start
@@ -274,93 +300,24 @@ class EmulatedCluster:
             shutil.rmtree(started_dir, ignore_errors=True)
         after = self.counters()
         node_bytes = [(a[0] - b[0], a[1] - b[1]) for a, b in zip(after, before)]
-        per_node = self.ranks_per_node
+        # a node's link is shared by the ranks launched on it: each gets an even share
+        share = 1 if per_node else self.ranks_per_node
         ranks = []
-        for rank, p in enumerate(procs):
-            h = self.host_of(rank)
+        for index, (p, (h, _, _)) in enumerate(zip(procs, launches)):
             tx, rx = node_bytes[h.rank]
             ranks.append(RankResult(
-                rank=rank, hostname=h.hostname, address=h.address,
-                exit_code=_shell_status(p.proc.returncode), killed=killed[rank],
-                # a node's link is shared by its ranks: each gets an even share
-                tx_bytes=tx // per_node, rx_bytes=rx // per_node, output="".join(outputs[rank]),
-                log_path=None if logs[rank] is None else logs[rank].name))
+                rank=index, hostname=h.hostname, address=h.address,
+                exit_code=shell_status(p.proc.returncode), killed=killed[index],
+                tx_bytes=tx // share, rx_bytes=rx // share, output="".join(outputs[index]),
+                log_path=None if logs[index] is None else logs[index].name))
         return RunResult(ranks=ranks, wall_seconds=wall, bandwidth_bps=self.bandwidth_bps,
                          timed_out=timed_out, first_failed_rank=first_failed,
-                         node_bytes=node_bytes, ranks_per_node=per_node)
+                         node_bytes=node_bytes, ranks_per_node=self.ranks_per_node,
+                         launches="node" if per_node else "rank")
 
-    def _open_logs(self) -> list:
+    def _open_logs(self, count: int, what: str) -> list:
         if self.log_dir is None:
-            return [None] * self.np
+            return [None] * count
         self.log_dir.mkdir(parents=True, exist_ok=True)
         suffix = "" if self._runs == 1 else f".run{self._runs}"
-        return [open(self.log_dir / f"rank.{rank}{suffix}.log", "w") for rank in range(self.np)]
-
-
-def _pump(stream, rank: int, sink: list[str], log, on_output) -> None:
-    """Copy one rank's output line by line to memory, its log file and the live callback."""
-    for raw in iter(stream.readline, b""):
-        line = raw.decode("utf-8", errors="replace")
-        sink.append(line)
-        if log is not None:
-            log.write(line)
-            log.flush()
-        if on_output is not None:
-            with contextlib.suppress(Exception):
-                on_output(rank, line)
-    stream.close()
-
-
-def _shell_status(returncode: Optional[int]) -> Optional[int]:
-    """Popen's -N (killed by signal N) as a shell reports it, 128+N."""
-    if returncode is not None and returncode < 0:
-        return 128 - returncode
-    return returncode
-
-
-@dataclass
-class _RankProcess:
-    """One rank's launcher process and the file its wrapper creates when the command starts."""
-
-    proc: subprocess.Popen
-    started: Path
-
-    def signal(self, sig: int) -> None:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.proc.pid, sig)
-
-
-def _kill_ranks(procs: Sequence[_RankProcess], kill_grace: float) -> list[bool]:
-    """SIGTERM every still-running rank's process group, SIGKILL after ``kill_grace`` s, reap.
-
-    A rank still in its set-up (namespaces, hostname: its command has not started) gets its
-    SIGTERM when the command starts, within the same grace period: a SIGTERM during the set-up
-    would be lost or hit the set-up instead, and the rank would report 126 or 137 by chance. So
-    a rank killed here reports what its command did with SIGTERM (143 by default), or 137 if it
-    (or its set-up) outlived the grace period.
-
-    Returns which ranks were still running (i.e. were killed by us). SIGKILL of the launcher
-    group takes the rank's PID 1 with it and so, by the kernel, everything in its PID namespace.
-    """
-    alive = [p.proc.poll() is None for p in procs]
-    if not any(alive):
-        return alive
-    pending = [p for p, a in zip(procs, alive) if a]
-    deadline = time.monotonic() + kill_grace
-    while True:
-        for p in list(pending):
-            if p.proc.poll() is not None:
-                pending.remove(p)
-            elif p.started.exists():
-                p.signal(signal.SIGTERM)
-                pending.remove(p)
-        if time.monotonic() >= deadline or all(p.proc.poll() is not None for p in procs):
-            break
-        time.sleep(0.02)
-    for p in procs:
-        if p.proc.poll() is None:
-            p.signal(signal.SIGKILL)
-    for p in procs:
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            p.proc.wait(timeout=10)
-    return alive
+        return [open(self.log_dir / f"{what}.{i}{suffix}.log", "w") for i in range(count)]

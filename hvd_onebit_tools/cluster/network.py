@@ -208,7 +208,8 @@ class Network:
                 break
         else:  # pragma: no cover
             raise EmulatorError("could not find an unused cluster id")
-        free = [n for n in ADDRESS_POOL.subnets(new_prefix=24) if n not in _used_subnets()]
+        used = _used_subnets()  # one `ip addr` for every candidate /24, not one each
+        free = [n for n in ADDRESS_POOL.subnets(new_prefix=24) if n not in used]
         if not free:  # pragma: no cover
             raise EmulatorError("all 512 /24 subnets of 198.18.0.0/15 are in use")
         subnet = random.choice(free)

@@ -37,7 +37,10 @@ class RankResult:
 @dataclass
 class RunResult:
     """One command run on every rank. ``wall_seconds``: launch to last rank's exit;
-    ``node_bytes``: (tx, rx) bytes of each node's link, i.e. the traffic between nodes."""
+    ``node_bytes``: (tx, rx) bytes of each node's link, i.e. the traffic between nodes;
+    ``launches``: "rank" when ``ranks`` holds one entry per rank (Horovod's ranks, started by
+    the emulator), "node" when it holds one per node (a launcher such as torchrun, which
+    started the node's ranks itself; its bytes are the node's whole link)."""
 
     ranks: list[RankResult]
     wall_seconds: float
@@ -46,10 +49,16 @@ class RunResult:
     first_failed_rank: Optional[int] = None
     node_bytes: list[tuple[int, int]] = field(default_factory=list)
     ranks_per_node: int = 1
+    launches: str = "rank"
 
     @property
     def ok(self) -> bool:
         return not self.timed_out and all(r.exit_code == 0 for r in self.ranks)
+
+    @property
+    def np(self) -> int:
+        """The ranks of the job (entries times ranks per node with one launch per node)."""
+        return len(self.ranks) * (self.ranks_per_node if self.launches == "node" else 1)
 
     @property
     def returncode(self) -> int:
@@ -69,7 +78,8 @@ class RunResult:
         if not with_output:
             for r in ranks:
                 r.pop("output")
-        return {"np": len(self.ranks), "ranks_per_node": self.ranks_per_node,
+        return {"np": self.np, "ranks_per_node": self.ranks_per_node,
+                "launches": self.launches,
                 "node_bytes": [list(b) for b in self.node_bytes],
                 "bandwidth": format_bandwidth(self.bandwidth_bps),
                 "bandwidth_bps": self.bandwidth_bps, "wall_seconds": round(self.wall_seconds, 3),
