@@ -333,10 +333,7 @@ def parse_args(argv=None):
                         "does) or spin (Horovod's own sched_yield loop); time only")
     add_onebit_arguments(p)
     p.add_argument("--json-out", default=None, help="write a JSON summary here (rank 0)")
-    args = p.parse_args(argv)
-    if args.face == "ddp" and args.onebit_hierarchical:
-        p.error("--onebit-hierarchical is the Horovod face's option")
-    return args
+    return p.parse_args(argv)
 
 
 def main(argv=None):
@@ -372,7 +369,8 @@ def main(argv=None):
         # ---- the DDP face's lines: DDP broadcasts rank 0's parameters ------------------------
         trained = DDP(model)
         if args.optimizer == "onebit":
-            optimizer = hvd_onebit.ddp.DistributedOptimizer(optimizer, trained, **freeze)
+            optimizer = hvd_onebit.ddp.DistributedOptimizer(
+                optimizer, trained, hierarchical=args.onebit_hierarchical, **freeze)
     else:
         hvd = ranks.hvd
         # ---- the one line that differs ------------------------------------------------------

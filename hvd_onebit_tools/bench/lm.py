@@ -46,7 +46,7 @@ def torchrun_command(np: int, argv: Sequence[str]) -> list[str]:
             f"--nproc_per_node={np}", *argv]
 
 
-def run_torchrun(argv: Sequence[str], np: int, timeout: Optional[float] = None,
+def run_local_torchrun(argv: Sequence[str], np: int, timeout: Optional[float] = None,
                  log=None, env: Optional[dict] = None) -> Optional[int]:
     """Run ``argv`` on ``np`` local ranks under torchrun and wait for it: the exit status, or
     None past ``timeout`` seconds. Output goes to ``log`` (a binary file; default: this
@@ -117,7 +117,7 @@ def train_lm(optimizer: str, np: int, train_args: Sequence[str], out_dir: Path, 
     else:
         def launch(log=None):
             if face == "ddp":
-                return run_torchrun(argv, np, timeout, log)
+                return run_local_torchrun(argv, np, timeout, log)
             return run_command(argv, np, "gloo", timeout, log, hosts=hosts)
 
         if log_to_file:

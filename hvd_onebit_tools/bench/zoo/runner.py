@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Optional
 
 from ...cluster.jobs import RankFailure, run_job
-from ..lm import run_torchrun
+from ..lm import run_local_torchrun
 from .faces import option_names
 from .grid import ADAM, cell_key, plan_family
 
@@ -59,7 +59,7 @@ def run_ddp_job(kwargs: dict, np: int, timeout: float) -> None:
         path.write_bytes(pickle.dumps(kwargs))
         log_path = Path(folder) / "output.log"
         with open(log_path, "wb") as log:
-            rc = run_torchrun(["-m", "hvd_onebit_tools.bench.zoo.worker", str(path)], np,
+            rc = run_local_torchrun(["-m", "hvd_onebit_tools.bench.zoo.worker", str(path)], np,
                               timeout, log)
         if rc != 0:
             why = f"job timed out after {timeout:.0f}s" if rc is None else f"exited with {rc}"
