@@ -1,6 +1,7 @@
 """`python benchmarks/convergence.py [options]`.
 
-Convergence of 1-bit Adam against Horovod Adam on examples/train_lm.py. The logic and its options
+Convergence of 1-bit Adam against Adam on examples/train_lm.py: Horovod's face under horovodrun, or
+with `--face ddp` DDP + hvd_onebit.ddp against DDP Adam under torchrun. The logic and its options
 (`--help`) live in hvd_onebit_tools/bench/studies/convergence.py.
 """
 from hvd_onebit_tools.bench.studies.convergence import main

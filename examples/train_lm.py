@@ -1,4 +1,4 @@
-"""Train a small GPT-style byte-level language model with Horovod, using Adam or 1-bit Adam.
+"""Train a small GPT-style byte-level language model with Horovod or DDP, using Adam or 1-bit Adam.
 
 The text is the Python reference documentation that ships with every CPython
 (``pydoc_data.topics``, about 465 KB of English): nothing is downloaded. The last 10% is held out
@@ -16,6 +16,20 @@ Run it on 4 local ranks:
 
 Everything else (seeds, model initialisation, the data each rank sees at each step, the LR
 schedule, evaluation) is the same for both, so the two runs can be compared step by step.
+
+``--face ddp`` runs the same training as a plain DDP script under torchrun, importing no Horovod:
+
+    python -m torch.distributed.run --standalone --nproc_per_node=4 examples/train_lm.py \
+        --face ddp --optimizer onebit
+
+The face changes how the ranks start and talk (``dist.init_process_group`` and
+``dist.all_reduce`` instead of ``hvd.init`` and ``hvd.allreduce``) and the wrapping lines:
+
+    model = DDP(model)                      # broadcasts rank 0's parameters
+    optimizer = hvd_onebit.ddp.DistributedOptimizer(optimizer, model, freeze_step=freeze_step)
+
+(``--optimizer adam`` keeps DDP + the AdamW alone). The data, the model, the schedule and the
+1-bit defaults are the Horovod face's.
 
 ``--warmup-frac auto`` passes ``freeze_step="auto"`` instead: the variance is frozen once it has
 settled (bounded by half the steps); the summary's ``freeze_step`` and ``freeze_decision`` say
@@ -51,12 +65,14 @@ import math
 import os
 import time
 
-import horovod.torch as hvd
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 import hvd_onebit
+import hvd_onebit.ddp
 from hvd_onebit.config import DOUBLING, FREEZE_FRACTION, FROZEN_FREEZE_FRACTION
 from hvd_onebit_tools.bench.refresh import (option_text, optimizer_options,
                                              parse_variance_refresh, run_steps)
@@ -150,11 +166,35 @@ def get_batch(shard: torch.Tensor, batch_size: int, context: int, gen: torch.Gen
     return x, y
 
 
+class Ranks:
+    """This rank, the world size and sums over the ranks, through Horovod or torch.distributed
+    (``--face``): the one place the two faces' collectives differ."""
+
+    def __init__(self, face: str):
+        self.hvd, self.owns_group = None, False
+        if face == "ddp":
+            if not dist.is_initialized():  # (a caller's group, when main() runs inside a job)
+                dist.init_process_group("gloo")  # torchrun sets the rank, world size, address
+                self.owns_group = True
+            self.rank, self.size = dist.get_rank(), dist.get_world_size()
+        else:
+            import horovod.torch as hvd
+
+            hvd.init()
+            self.hvd, self.rank, self.size = hvd, hvd.rank(), hvd.size()
+
+    def sum(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
+        if self.hvd is None:
+            dist.all_reduce(tensor)
+            return tensor
+        return self.hvd.allreduce(tensor, op=self.hvd.Sum, name=name)
+
+
 @torch.no_grad()
-def evaluate(model, val_windows: torch.Tensor, batch_size: int) -> float:
+def evaluate(model, val_windows: torch.Tensor, batch_size: int, ranks: Ranks) -> float:
     """Mean loss over the fixed validation windows; each rank takes every world-th window."""
     model.eval()
-    mine = val_windows[hvd.rank()::hvd.size()]
+    mine = val_windows[ranks.rank::ranks.size]
     total = torch.zeros(2, dtype=torch.float64)  # [sum of per-token losses, tokens]
     for i in range(0, len(mine), batch_size):
         chunk = mine[i:i + batch_size]
@@ -162,7 +202,7 @@ def evaluate(model, val_windows: torch.Tensor, batch_size: int) -> float:
         n = chunk[:, 1:].numel()
         total += torch.tensor([loss.item() * n, n], dtype=torch.float64)
     model.train()
-    total = hvd.allreduce(total, op=hvd.Sum, name="eval_loss")
+    total = ranks.sum(total, "eval_loss")
     return float(total[0] / total[1])
 
 
@@ -255,6 +295,10 @@ def build_model_and_adamw(args):
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--optimizer", choices=["adam", "onebit"], default="onebit")
+    p.add_argument("--face", choices=["horovod", "ddp"], default="horovod",
+                   help="horovod: under horovodrun, hvd.DistributedOptimizer or "
+                        "hvd_onebit.DistributedOptimizer; ddp: under torchrun, DDP + AdamW or "
+                        "hvd_onebit.ddp.DistributedOptimizer, importing no Horovod")
     p.add_argument("--steps", type=int, default=1000)
     p.add_argument("--batch-size", type=int, default=16, help="sequences per rank per step")
     p.add_argument("--lr", type=float, default=2e-3)
@@ -294,11 +338,12 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    hvd.init()
+    ranks = Ranks(args.face)
     torch.set_num_threads(args.threads)
     horovod_waits = WaitTimer()  # seconds hvd.DistributedOptimizer blocks on its allreduces
-    set_horovod_wait(args.wait, horovod_waits)
-    rank, world = hvd.rank(), hvd.size()
+    if args.face == "horovod":
+        set_horovod_wait(args.wait, horovod_waits)
+    rank, world = ranks.rank, ranks.size
     log = print if rank == 0 else (lambda *a, **k: None)
 
     # Data: train = first (1 - val_frac) of the bytes, one contiguous shard per rank.
@@ -319,21 +364,32 @@ def main(argv=None):
     n_params = sum(p.numel() for p in model.parameters())
 
     freeze = onebit_options(args)
-    # ---- the one line that differs ----------------------------------------------------------
-    if args.optimizer == "adam":
-        optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
+    trained = model  # what the training steps call: the model, or its DDP module
+    if args.face == "ddp":
+        # ---- the DDP face's lines: DDP broadcasts rank 0's parameters ------------------------
+        trained = DDP(model)
+        if args.optimizer == "onebit":
+            optimizer = hvd_onebit.ddp.DistributedOptimizer(
+                optimizer, trained, hierarchical=args.onebit_hierarchical, **freeze)
     else:
-        optimizer = hvd_onebit.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
-                                                    hierarchical=args.onebit_hierarchical, **freeze)
-    # -----------------------------------------------------------------------------------------
-    # Same start on every rank: rank 0's parameters. A fresh optimizer's state is zeros on every
-    # rank, so it needs no broadcast; call hvd.broadcast_optimizer_state(optimizer, 0) when
-    # resuming from a checkpoint. (On a fresh torch optimizer Horovod's broadcast creates the state
-    # by taking one step with zero gradients, which would start plain Adam one step ahead and
-    # apply AdamW's decay once; hvd_onebit's optimizer takes no such step.)
-    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        hvd = ranks.hvd
+        # ---- the one line that differs ------------------------------------------------------
+        if args.optimizer == "adam":
+            optimizer = hvd.DistributedOptimizer(optimizer,
+                                                 named_parameters=model.named_parameters())
+        else:
+            optimizer = hvd_onebit.DistributedOptimizer(
+                optimizer, named_parameters=model.named_parameters(),
+                hierarchical=args.onebit_hierarchical, **freeze)
+        # -------------------------------------------------------------------------------------
+        # Same start on every rank: rank 0's parameters. A fresh optimizer's state is zeros on
+        # every rank, so it needs no broadcast; call hvd.broadcast_optimizer_state(optimizer, 0)
+        # when resuming from a checkpoint. (On a fresh torch optimizer Horovod's broadcast
+        # creates the state by taking one step with zero gradients, which would start plain Adam
+        # one step ahead and apply AdamW's decay once; hvd_onebit's optimizer takes no such step.)
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
 
-    log(f"world={world} params={n_params / 1e6:.2f}M optimizer={args.optimizer} "
+    log(f"world={world} params={n_params / 1e6:.2f}M face={args.face} optimizer={args.optimizer} "
         f"freeze_step={freeze['freeze_step'] if args.optimizer == 'onebit' else '-'} "
         f"train={len(train_data)}B val={len(val_data)}B eval_windows={len(val_windows)}")
 
@@ -348,11 +404,11 @@ def main(argv=None):
     t_start = time.perf_counter()
 
     def record_eval(step):
-        val = evaluate(model, val_windows, args.batch_size)
+        val = evaluate(model, val_windows, args.batch_size, ranks)
         tr = None
         if recent_losses:
-            tr = float(hvd.allreduce(torch.tensor(sum(recent_losses) / len(recent_losses)),
-                                     name="train_loss"))
+            mean = torch.tensor(sum(recent_losses) / len(recent_losses))
+            tr = float(ranks.sum(mean, "train_loss")) / world
             recent_losses.clear()
         curve.append({"step": step, "val_loss": val, "phase": phase_now(), "lr": lr_at(step, args),
                       "elapsed_s": time.perf_counter() - t_start})
@@ -371,7 +427,7 @@ def main(argv=None):
             phase_switch_step = step
         t0, c0 = time.perf_counter(), time.process_time()
         x, y = get_batch(shard, args.batch_size, args.context, gen)
-        _, loss = model(x, y)
+        _, loss = trained(x, y)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
@@ -406,6 +462,7 @@ def main(argv=None):
         ph["cpu_seconds_per_step"] = ph["cpu_seconds"] / ph["steps"]
     summary = {
         "optimizer": args.optimizer,
+        "face": args.face,
         "world_size": world,
         "params": n_params,
         "freeze_step": optimizer.freeze_step if args.optimizer == "onebit" else None,
@@ -425,7 +482,8 @@ def main(argv=None):
         **refresh_summary(args, optimizer),
         "comm_note": ("comm_seconds: rank 0's seconds blocked on communication in each step ("
                       "onebit: opt.telemetry()['last_step_comm_seconds']; adam: inside Horovod's "
-                      "per-handle synchronize); cpu_seconds: rank 0's process CPU time in its steps (all "
+                      "per-handle synchronize, none counted under DDP, whose reducer waits inside "
+                      "backward); cpu_seconds: rank 0's process CPU time in its steps (all "
                       "threads): a spinning wait burns CPU that ranks sharing a core need"),
         "train_seconds": sum(ph["seconds"] for ph in phases.values()),
         "samples_per_sec": args.steps * args.batch_size * world
@@ -441,6 +499,8 @@ def main(argv=None):
             os.makedirs(os.path.dirname(os.path.abspath(args.json_out)), exist_ok=True)
             with open(args.json_out, "w") as f:
                 json.dump(summary, f, indent=1)
+    if ranks.owns_group:
+        dist.destroy_process_group()
     return summary
 
 

@@ -1,13 +1,14 @@
 """``examples/train_lm.py`` as a job: the workload of ``make demo`` and ``benchmarks/convergence.py``.
 
-:func:`train_lm` runs the script once on ``np`` ranks, on loopback through horovodrun or on an
-emulated cluster, and returns the JSON summary the script writes; :func:`plot_val_loss` draws the
-validation-loss curves of several such runs.
+:func:`train_lm` runs the script once on ``np`` ranks, on loopback through horovodrun (or, for
+its DDP face, torchrun) or on an emulated cluster, and returns the JSON summary the script
+writes; :func:`plot_val_loss` draws the validation-loss curves of several such runs.
 """
 from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 import time
 import uuid
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
-from ..cluster.jobs import job_environment, run_command
+from ..cluster.jobs import job_environment, kill_job, run_command
 
 SCRIPT = Path("examples") / "train_lm.py"
 
@@ -38,6 +39,30 @@ def find_train_lm(script: str | os.PathLike | None = None) -> Path:
                             "repository's root folder")
 
 
+def torchrun_command(np: int, argv: Sequence[str]) -> list[str]:
+    """The command line that starts ``argv`` (a script and its arguments, or ``-m module ...``)
+    on ``np`` local ranks, as a user starts a DDP job on one machine."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc_per_node={np}", *argv]
+
+
+def run_local_torchrun(argv: Sequence[str], np: int, timeout: Optional[float] = None,
+                 log=None, env: Optional[dict] = None) -> Optional[int]:
+    """Run ``argv`` on ``np`` local ranks under torchrun and wait for it: the exit status, or
+    None past ``timeout`` seconds. Output goes to ``log`` (a binary file; default: this
+    process's). Every process of the job is killed before this returns."""
+    token = uuid.uuid4().hex
+    proc = subprocess.Popen(torchrun_command(np, argv), stdout=log,
+                            stderr=None if log is None else subprocess.STDOUT,
+                            env=job_environment(token, extra=env), start_new_session=True)
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return None
+    finally:
+        kill_job(proc, token)
+
+
 @dataclass
 class LmRun:
     """One run: the script's JSON summary, the wall time (launch included) and, on an emulated
@@ -51,8 +76,12 @@ class LmRun:
 def train_lm(optimizer: str, np: int, train_args: Sequence[str], out_dir: Path, timeout: float,
              cluster=None, on_output: Optional[Callable[[int, str], None]] = None,
              log_to_file: bool = True, script: str | os.PathLike | None = None,
-             hosts: Optional[str] = None, tag: Optional[str] = None) -> LmRun:
+             hosts: Optional[str] = None, tag: Optional[str] = None,
+             face: str = "horovod") -> LmRun:
     """Run train_lm.py ``--optimizer optimizer`` on ``np`` ranks; raise TrainingFailed if it fails.
+
+    ``face``: "horovod" (horovodrun, or the emulated ``cluster``) or "ddp" (``--face ddp``
+    under torchrun, on this machine).
 
     The summary goes to ``out_dir/<tag>.json``, the output to ``out_dir/<tag>.log`` (``tag``
     defaults to ``optimizer``; without ``log_to_file`` the output goes to this process's output;
@@ -63,9 +92,15 @@ def train_lm(optimizer: str, np: int, train_args: Sequence[str], out_dir: Path, 
     json_out = out_dir / f"{tag}.json"
     json_out.unlink(missing_ok=True)
     log_path = out_dir / f"{tag}.log"
-    argv = [sys.executable, str(find_train_lm(script)), "--optimizer", optimizer,
+    if face not in ("horovod", "ddp"):
+        raise ValueError(f"face must be horovod or ddp, got {face!r}")
+    if face == "ddp" and (cluster is not None or hosts):
+        raise ValueError("the DDP face runs on this machine's loopback: no cluster or hosts")
+    argv = [str(find_train_lm(script)), "--optimizer", optimizer, "--face", face,
             "--json-out", str(json_out), *train_args]
-    what = f"train_lm.py --optimizer {optimizer} on {np} ranks"
+    if face == "horovod":
+        argv.insert(0, sys.executable)
+    what = f"train_lm.py --face {face} --optimizer {optimizer} on {np} ranks"
     start = time.monotonic()
     measured = None
     if cluster is not None:
@@ -80,11 +115,16 @@ def train_lm(optimizer: str, np: int, train_args: Sequence[str], out_dir: Path, 
                                  f"{failed.rank}'s output:\n{failed.output[-3000:]}")
         measured = sum(r.tx_bytes for r in result.ranks) / len(result.ranks)
     else:
+        def launch(log=None):
+            if face == "ddp":
+                return run_local_torchrun(argv, np, timeout, log)
+            return run_command(argv, np, "gloo", timeout, log, hosts=hosts)
+
         if log_to_file:
             with open(log_path, "wb") as log:
-                rc = run_command(argv, np, "gloo", timeout, log, hosts=hosts)
+                rc = launch(log)
         else:
-            rc = run_command(argv, np, "gloo", timeout, hosts=hosts)
+            rc = launch()
         if rc != 0 or not json_out.exists():
             why = f"timed out after {timeout:.0f}s" if rc is None else f"exited with {rc}"
             tail = log_path.read_text(errors="replace")[-4000:] if log_to_file else ""
@@ -97,20 +137,23 @@ LABELS = {"adam": "Horovod Adam", "onebit": "1-bit Adam",
 
 
 def plot_val_loss(summaries: dict[str, dict], path: Path, title: str,
-                  threshold: Optional[float] = None) -> None:
+                  threshold: Optional[float] = None,
+                  labels: Optional[dict[str, str]] = None) -> None:
     """Validation loss against step for each run (``{"adam": summary, "onebit": summary}``), with
-    1-bit Adam's freeze_step and an optional loss threshold marked."""
+    1-bit Adam's freeze_step and an optional loss threshold marked; ``labels`` names runs
+    otherwise than ``LABELS`` does."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    names = {**LABELS, **(labels or {})}
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for name, s in summaries.items():
         curve = s["val_curve"]
         ax.plot([c["step"] for c in curve], [c["val_loss"] for c in curve],
                 "-" if name == "adam" else "--", marker="o", markersize=2.5,
-                label=f"{LABELS.get(name, name)} (final {s['final_val_loss']:.3f})")
+                label=f"{names.get(name, name)} (final {s['final_val_loss']:.3f})")
     freeze = summaries.get("onebit", {}).get("freeze_step")
     if freeze:
         ax.axvline(freeze, color="grey", ls=":", lw=1, label=f"freeze_step {freeze}")

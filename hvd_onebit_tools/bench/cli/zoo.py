@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import click
 
@@ -33,6 +34,10 @@ from .options import cluster_for, comma_list, np_option
 @click.option("--batch", default=None, type=click.IntRange(1),
               help="Samples per rank per step for every family [default: each family's].")
 @np_option(4, "Ranks.")
+@click.option("--face", type=click.Choice(["horovod", "ddp"]), default="horovod",
+              show_default=True, help="horovod: horovodrun, Horovod Adam against "
+              "hvd_onebit.DistributedOptimizer; ddp: torchrun, DDP + Adam against DDP + "
+              "hvd_onebit.ddp.DistributedOptimizer (loopback only).")
 @click.option("--bandwidth", default="local", show_default=True,
               help="Emulated link rate of every rank (e.g. 1gbit; root needed); 'local' runs "
                    "plain horovodrun on loopback. Convergence does not depend on it.")
@@ -51,12 +56,17 @@ from .options import cluster_for, comma_list, np_option
               help="Also compare every other scheme with this one cell by cell (same family, "
               "lr, seed and freeze): how many cells are worse, by how much; and over seeds: how "
               "many cells (all seeds together) are worse beyond the seeds' noise.")
+@click.option("--against-face", "against_face", multiple=True, metavar="DIR",
+              type=click.Path(file_okay=False, exists=True),
+              help="Also compare OUT's cells with the same cells in DIR (another zoo's output, "
+              "e.g. the other face's), cell by cell and per cell over seeds; writes "
+              "OUT/faces.json. Repeatable.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON instead of "
               "tables.")
-def bench_zoo(families, schemes, seeds, freezes, lrs, steps, batch, np_, bandwidth, out_dir,
-              timeout,
-              resume, report_only, metric, against, as_json) -> None:
-    """Convergence zoo: Horovod Adam vs 1-bit Adam on seven model families, two learning
+def bench_zoo(families, schemes, seeds, freezes, lrs, steps, batch, np_, face, bandwidth,
+              out_dir, timeout,
+              resume, report_only, metric, against, against_face, as_json) -> None:
+    """Convergence zoo: Adam vs 1-bit Adam, either face, on seven model families, two learning
     rates, four freeze settings and several seeds, on NP ranks; every cell's final held-out
     loss over Adam's on the same seed, divergences marked (table, summary.json, heat_map.png)."""
     from pathlib import Path
@@ -73,7 +83,8 @@ def bench_zoo(families, schemes, seeds, freezes, lrs, steps, batch, np_, bandwid
                 result = run_zoo(families or all_families(), out, seeds=range(seeds),
                                  schemes=schemes, freezes=freezes, lr_rules=lrs, steps=steps,
                                  batch=batch, np=np_, timeout=timeout, resume=resume,
-                                 progress=lambda s: click.echo(s, err=True), cluster=cluster)
+                                 progress=lambda s: click.echo(s, err=True), cluster=cluster,
+                                 face=face)
         except ValueError as exc:
             raise click.UsageError(str(exc)) from exc
         click.echo(f"[zoo] {result['seconds']:.0f}s; results in {result['results']}", err=True)
@@ -88,3 +99,18 @@ def bench_zoo(families, schemes, seeds, freezes, lrs, steps, batch, np_, bandwid
 
         click.echo(json.dumps(json_safe({k: v for k, v in summary.items() if k != "cells"}),
                               indent=2))
+    if against_face:
+        from ..zoo.face_pairs import against_faces, print_against_faces
+        from ..zoo.report import json_safe
+        from ..zoo.runner import RESULTS, read_cells
+
+        from ..report import provenance
+
+        others = {d: read_cells(Path(d) / RESULTS) for d in against_face}
+        result = against_faces(read_cells(out / RESULTS), others, metric)
+        result.update(command=" ".join(["hvd-onebit", *sys.argv[1:]]), **provenance())
+        (out / "faces.json").write_text(json.dumps(json_safe(result), indent=1))
+        if not as_json:
+            click.echo()
+            print_against_faces(result, str(out))
+        click.echo(f"[zoo] wrote {out / 'faces.json'}", err=True)

@@ -37,6 +37,13 @@ Usage:
     python benchmarks/convergence.py --quick         # 2 ranks, tiny model, a few steps (tests)
     python benchmarks/convergence.py --steps 2000 --np 8 --out-dir results/conv8 -- --n-layer 4
 
+With ``--face ddp`` both runs are train_lm.py's DDP face under torchrun (``python -m
+torch.distributed.run --standalone``): DDP + AdamW against DDP + ``hvd_onebit.ddp``, the same
+data, model, schedule and defaults; the JSON is the same, with ``face``.
+
+Usage (DDP):
+    python benchmarks/convergence.py --face ddp --out-dir results/convergence_ddp
+
 Arguments after ``--`` are passed to train_lm.py unchanged.
 """
 from __future__ import annotations
@@ -113,7 +120,7 @@ def split_argv(argv, script: str) -> tuple[str, list[str], list[str]]:
 
 def main(argv=None) -> dict:
     command, argv, extra = split_argv(argv, "convergence.py")
-    p = argparse.ArgumentParser(description="1-bit Adam vs Horovod Adam on examples/train_lm.py",
+    p = argparse.ArgumentParser(description="1-bit Adam vs Adam on examples/train_lm.py",
                                 epilog="Arguments after -- go to train_lm.py.")
     p.add_argument("--np", type=int, default=None, help="ranks (default 4; --quick: 2)")
     p.add_argument("--steps", type=int, default=None, help="default 1000; --quick: 12")
@@ -126,12 +133,17 @@ def main(argv=None) -> dict:
     p.add_argument("--timeout", type=float, default=None,
                    help="seconds per training run (default 900; --quick: 120)")
     p.add_argument("--quick", action="store_true", help="tiny model, 2 ranks, a few steps")
+    p.add_argument("--face", choices=("horovod", "ddp"), default="horovod",
+                   help="horovod: horovodrun, Horovod Adam vs hvd_onebit; ddp: torchrun, DDP + "
+                        "Adam vs DDP + hvd_onebit.ddp")
     p.add_argument("--nodes", type=int, default=1,
                    help="run the ranks as this many nodes (at most 4: names of this machine) "
                         "and add a hierarchical 1-bit run")
     args = p.parse_args(argv)
     np = args.np or (2 if args.quick else 4)
     hosts = None
+    if args.nodes > 1 and args.face == "ddp":
+        raise SystemExit("--nodes is for the Horovod face")
     if args.nodes > 1:
         names = ["127.0.0.1", "127.1", "127.0.1", "localhost"]
         if args.nodes > len(names) or np % args.nodes:
@@ -149,14 +161,17 @@ def main(argv=None) -> dict:
 
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    print(f"[convergence] {np} ranks, train_lm.py {' '.join(train_args)}; output in {out_dir}",
+    face = args.face
+    print(f"[convergence] {np} ranks, {face} face, train_lm.py {' '.join(train_args)}; "
+          f"output in {out_dir}",
           file=sys.stderr, flush=True)
-    adam_run = train_lm("adam", np, train_args, out_dir, timeout, script=TRAIN_LM, hosts=hosts)
+    adam_run = train_lm("adam", np, train_args, out_dir, timeout, script=TRAIN_LM, hosts=hosts,
+                        face=face)
     adam, wall_adam = adam_run.summary, adam_run.wall_seconds
     print(f"[convergence] adam done in {wall_adam:.0f}s: final val {adam['final_val_loss']:.4f}",
           file=sys.stderr, flush=True)
     onebit_run = train_lm("onebit", np, train_args, out_dir, timeout, script=TRAIN_LM,
-                          hosts=hosts)
+                          hosts=hosts, face=face)
     onebit, wall_onebit = onebit_run.summary, onebit_run.wall_seconds
     print(f"[convergence] onebit done in {wall_onebit:.0f}s: final val "
           f"{onebit['final_val_loss']:.4f}", file=sys.stderr, flush=True)
@@ -178,10 +193,13 @@ def main(argv=None) -> dict:
                        "total_bytes_per_rank_onebit_hierarchical": hier["total_bytes_per_rank"],
                        "wall_seconds_onebit_hierarchical": hier_run.wall_seconds})
     png = out_dir / "convergence.png"
+    ddp = face == "ddp"
     plot_val_loss(curves, png,
-                  f"train_lm.py on {adam['world_size']} ranks: 1-bit Adam vs Adam",
-                  threshold=result["loss_threshold"])
+                  f"train_lm.py{' --face ddp' if ddp else ''} on {adam['world_size']} ranks: "
+                  "1-bit Adam vs Adam", threshold=result["loss_threshold"],
+                  labels={"adam": "DDP Adam", "onebit": "DDP + 1-bit Adam"} if ddp else None)
     result["plot"] = str(png)
+    result["face"] = face
     result["command"] = command
     result["variance_refresh"] = onebit.get("variance_refresh")
     result.update(provenance())

@@ -1,21 +1,25 @@
-"""Launching the zoo: one Horovod job per family, results appended to one JSON-lines file.
+"""Launching the zoo: one job per family, results appended to one JSON-lines file.
 
 :func:`run_zoo` plans every family's cells (``grid.py``), skips those already in the results
-file when resuming, and runs each family as one ``np``-rank job through
-:func:`hvd_onebit_tools.cluster.jobs.run_job` (with its timeout: a hung job is killed whole). A family whose
+file when resuming, and runs each family as one ``np``-rank job (with its timeout: a hung job is
+killed whole): through :func:`hvd_onebit_tools.cluster.jobs.run_job` for the Horovod face, under
+torchrun (``python -m hvd_onebit_tools.bench.zoo.worker``) for the DDP face. A family whose
 job fails is reported and the others still run; the cells it finished before failing are kept.
 While a job runs, a thread prints each new cell to ``progress`` as rank 0 writes it.
 """
 from __future__ import annotations
 
-import inspect
 import json
+import pickle
+import tempfile
 import threading
 import time
 from pathlib import Path
 from typing import Callable, Iterable, Optional
 
 from ...cluster.jobs import RankFailure, run_job
+from ..lm import run_local_torchrun
+from .faces import option_names
 from .grid import ADAM, cell_key, plan_family
 
 WORKER = "hvd_onebit_tools.bench.zoo.worker:zoo_worker"
@@ -35,18 +39,32 @@ def read_cells(path: Path) -> list[dict]:
     return cells
 
 
-def check_options(cells: Iterable[dict]) -> None:
+def check_options(cells: Iterable[dict], face: str = "horovod") -> None:
     """Raise a ValueError here, before any job starts, if a scheme passes an option the
-    installed hvd_onebit.DistributedOptimizer does not take (every rank would raise it)."""
-    import hvd_onebit
-
-    params = {name for name, p in inspect.signature(hvd_onebit.DistributedOptimizer)
-              .parameters.items() if p.kind is not inspect.Parameter.VAR_KEYWORD}
+    installed face's DistributedOptimizer does not take (every rank would raise it)."""
+    params = option_names(face)
+    factory = "hvd_onebit.ddp" if face == "ddp" else "hvd_onebit"
     for cell in cells:
         missing = [k for k in cell.get("options", {}) if k not in params]
         if missing:
             raise ValueError(f"scheme {cell['scheme']!r} passes {', '.join(missing)}, which this "
-                             "hvd_onebit.DistributedOptimizer does not take")
+                             f"{factory}.DistributedOptimizer does not take")
+
+
+def run_ddp_job(kwargs: dict, np: int, timeout: float) -> None:
+    """The zoo worker's keyword arguments run as one DDP job of ``np`` ranks under torchrun;
+    RankFailure, with the end of the job's output, when it fails or runs past ``timeout``."""
+    with tempfile.TemporaryDirectory(prefix="hvd_onebit_zoo_") as folder:
+        path = Path(folder) / "kwargs.pkl"
+        path.write_bytes(pickle.dumps(kwargs))
+        log_path = Path(folder) / "output.log"
+        with open(log_path, "wb") as log:
+            rc = run_local_torchrun(["-m", "hvd_onebit_tools.bench.zoo.worker", str(path)], np,
+                              timeout, log)
+        if rc != 0:
+            why = f"job timed out after {timeout:.0f}s" if rc is None else f"exited with {rc}"
+            raise RankFailure(f"zoo worker under torchrun on {np} ranks: {why}\n"
+                              + log_path.read_text(errors="replace")[-6000:])
 
 
 def describe(record: dict, adam: Optional[dict] = None) -> str:
@@ -117,12 +135,16 @@ def run_zoo(families: Iterable[str], out_dir: Path, seeds: Iterable[int], scheme
             freezes: Optional[Iterable[str]] = None, lr_rules: Optional[Iterable[str]] = None,
             steps: Optional[int] = None, batch: Optional[int] = None, np: int = 4,
             timeout: float = 1200.0, resume: bool = False,
-            progress: Callable[[str], None] = print, cluster=None) -> dict:
+            progress: Callable[[str], None] = print, cluster=None,
+            face: str = "horovod") -> dict:
     """Run the zoo; return ``{"results": path, "failures": {family: message}, "seconds": s}``.
 
     Without ``resume`` the results file is started afresh; with it, cells already in it are
     not run again (an interrupted zoo goes on where it stopped). ``cluster``: a started
-    :class:`hvd_onebit_tools.cluster.EmulatedCluster` the jobs run on (None: loopback)."""
+    :class:`hvd_onebit_tools.cluster.EmulatedCluster` the jobs run on (None: loopback).
+    ``face``: "horovod" or "ddp" (torchrun on loopback; no cluster)."""
+    if face == "ddp" and cluster is not None:
+        raise ValueError("the DDP face's zoo runs on loopback: no emulated cluster")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = (out_dir / RESULTS).resolve()
@@ -133,20 +155,23 @@ def run_zoo(families: Iterable[str], out_dir: Path, seeds: Iterable[int], scheme
     plans = {name: [c for c in plan_family(name, list(seeds), list(schemes), steps=steps,
                                             batch=batch, **kwargs)
                     if cell_key(c) not in done] for name in families}
-    check_options(c for cells in plans.values() for c in cells)
+    check_options((c for cells in plans.values() for c in cells), face)
     failures: dict[str, str] = {}
     start = time.monotonic()
     for name, cells in plans.items():
         if not cells:
             progress(f"[zoo] {name}: every cell already in {path}")
             continue
-        progress(f"[zoo] {name}: {len(cells)} runs on {np} ranks")
+        progress(f"[zoo] {name}: {len(cells)} runs on {np} ranks ({face} face)")
         follower = _Follower(path, progress)
         follower.start()
         t0 = time.monotonic()
+        job = {"cells": cells, "results": str(path)}
         try:
-            run_job(WORKER, np=np, kwargs={"cells": cells, "results": str(path)},
-                    timeout=timeout, cluster=cluster)
+            if face == "ddp":
+                run_ddp_job(job, np, timeout)
+            else:
+                run_job(WORKER, np=np, kwargs=job, timeout=timeout, cluster=cluster)
         except RankFailure as exc:
             failures[name] = str(exc)
             progress(f"[zoo] {name}: job failed after {time.monotonic() - t0:.0f}s: "

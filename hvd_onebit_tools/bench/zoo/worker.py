@@ -1,14 +1,17 @@
-"""The zoo's rank worker: runs a list of cells inside one Horovod job, one after another.
+"""The zoo's rank worker: runs a list of cells inside one job, one after another.
 
-Started on every rank by :func:`hvd_onebit_tools.cluster.jobs.run_job` (``zoo_worker``). Each cell gets a
-fresh model and optimizer; rank 0 appends one JSON line per finished cell to the results file,
-so the cells done before a crash or a timeout survive it.
+Started on every rank by :func:`hvd_onebit_tools.cluster.jobs.run_job` (``zoo_worker``, the
+Horovod face), or by torchrun as ``python -m hvd_onebit_tools.bench.zoo.worker KWARGS`` (the DDP
+face; :mod:`.faces` says what each face wraps). Each cell gets a fresh model and optimizer;
+rank 0 appends one JSON line per finished cell to the results file, so the cells done before a
+crash or a timeout survive it.
 
 What makes Adam and 1-bit Adam comparable cell by cell, so that they differ in the compression
 phase only (a 1-bit run's warmup is bit-identical to the Adam run's first steps; the test checks
 it):
 
-* the model is initialised from the seed and broadcast from rank 0 (Horovod's recipe);
+* the model is initialised from the seed and broadcast from rank 0 (Horovod's recipe; DDP's
+  constructor does the same);
 * the optimizer state is not broadcast: a fresh optimizer's state is zeros on every rank, and
   ``hvd.broadcast_optimizer_state`` on a fresh torch Adam creates it by taking a step with zero
   gradients, which starts plain Adam one bias-correction step ahead of hvd_onebit's (whose
@@ -20,25 +23,27 @@ it):
   hvd_onebit's warmup alike): Horovod's default fusion packs whichever gradients are ready in a
   cycle, so the reduction order, hence the last bits, would change from run to run, and chaos
   would turn them into ~1% of final loss; grouped, a rerun gives the same bits. It is also
-  2-3x cheaper per step here than one allreduce per tensor.
+  2-3x cheaper per step here than one allreduce per tensor. DDP's buckets are fixed from the
+  model, so its reduction order is the same in every run anyway.
 """
 from __future__ import annotations
 
 import json
 import math
 import os
+import pickle
+import sys
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
-import horovod.torch as hvd
 import torch
 
-import hvd_onebit
 from hvd_onebit.step_bound import clamped_fraction, input_clamped_fraction
 
-from .grid import ADAM, experimental, learning_rate, optimizer_options, options_record
+from .faces import make_face
+from .grid import ADAM, experimental, learning_rate, options_record
 from .models import Task, family, parameter_count
 
 EVALS_PER_RUN = 10  # held-out evaluations per run (every steps // 10 steps, and the last step)
@@ -55,7 +60,7 @@ def _json_number(x: Optional[float]) -> Optional[float]:
 
 
 @torch.no_grad()
-def held_out_loss(task: Task, saw_nonfinite: bool) -> tuple[float, bool]:
+def held_out_loss(task: Task, saw_nonfinite: bool, face) -> tuple[float, bool]:
     """The mean held-out loss over every rank's share, and whether any rank saw a non-finite
     training loss since the last call (one allreduce carries both, so every rank decides alike
     whether the run has diverged).
@@ -67,12 +72,10 @@ def held_out_loss(task: Task, saw_nonfinite: bool) -> tuple[float, bool]:
     buffers = [b for b in model.buffers() if b.is_floating_point()]
     saved = [b.clone() for b in buffers]
     if buffers:  # one grouped allreduce, not one negotiation per buffer
-        for b, mean in zip(buffers, hvd.grouped_allreduce(buffers, op=hvd.Average,
-                                                          name="zoo.buffers")):
-            b.copy_(mean)
+        face.average_(buffers, "zoo.buffers")
     model.eval()
     total, count = 0.0, 0
-    for batch in task.held_out(hvd.rank(), hvd.size()):
+    for batch in task.held_out(face.rank, face.size):
         s, n = task.sums(model, batch)
         total, count = total + s, count + n
     model.train()
@@ -80,8 +83,8 @@ def held_out_loss(task: Task, saw_nonfinite: bool) -> tuple[float, bool]:
         b.copy_(s)
     # A non-finite local sum must not poison the count: carry it as a flag.
     bad = float(saw_nonfinite or not math.isfinite(total))
-    sums = hvd.allreduce(torch.tensor([total if math.isfinite(total) else 0.0, count, bad],
-                                      dtype=torch.float64), op=hvd.Sum, name="zoo.held_out")
+    sums = face.sum(torch.tensor([total if math.isfinite(total) else 0.0, count, bad],
+                                 dtype=torch.float64), "zoo.held_out")
     nonfinite = bool(sums[2] > 0)
     return (math.nan if nonfinite else float(sums[0] / sums[1])), nonfinite
 
@@ -107,18 +110,11 @@ def _held(zero_fraction: Optional[float], cell: dict) -> Optional[float]:
     return zero_fraction if experimental(cell).zero_variance == "hold" else 0.0
 
 
-def _distributed(task: Task, cell: dict) -> Any:
-    named = task.model.named_parameters()
-    if cell["method"] == ADAM:
-        return hvd.DistributedOptimizer(task.optimizer, named_parameters=named, groups=1)
-    return hvd_onebit.DistributedOptimizer(task.optimizer, named_parameters=named, groups=1,
-                                           **optimizer_options(cell))
-
-
-def run_cell(cell: dict) -> dict:
-    """Train one cell; the record of what happened (every rank returns the same figures)."""
+def run_cell(cell: dict, face) -> dict:
+    """Train one cell under ``face`` (:mod:`.faces`); the record of what happened (every rank
+    returns the same figures)."""
     fam = family(cell["family"])
-    rank, world = hvd.rank(), hvd.size()
+    rank, world = face.rank, face.size
     steps, seed = cell["steps"], cell["seed"]
     lr = learning_rate(fam.base_lr, cell["lr_rule"], world)
     onebit = cell["method"] != ADAM
@@ -128,12 +124,12 @@ def run_cell(cell: dict) -> dict:
     start, cpu_start = time.perf_counter(), time.process_time()
 
     task = fam.build(seed, lr, cell["batch"])
-    optimizer = _distributed(task, cell)
-    hvd.broadcast_parameters(task.model.state_dict(), root_rank=0)
+    wrapped = face.wrap(task, cell)
+    optimizer = wrapped.optimizer
     torch.manual_seed(seed * 1000 + rank)  # dropout masks: the same for Adam and 1-bit
     draw = task.sampler(seed, rank, world)
 
-    initial, _ = held_out_loss(task, False)
+    initial, _ = held_out_loss(task, False, face)
     curve = [(0, initial)]
     eval_every = max(1, steps // EVALS_PER_RUN)
     nonfinite_local: Optional[int] = None  # first step with a non-finite loss on this rank
@@ -153,7 +149,7 @@ def run_cell(cell: dict) -> dict:
                 for group in optimizer.param_groups:
                     group["lr"] *= cell["compression_lr_factor"]
         batch = draw()
-        loss = task.loss(task.model, batch)
+        loss = task.loss(wrapped.model, batch)
         optimizer.zero_grad()
         loss.backward()
         if compressing and bound is not None and experimental(cell).precondition:
@@ -172,7 +168,7 @@ def run_cell(cell: dict) -> dict:
                 if c is not None:
                     clamped.append(c)
         if taken % eval_every == 0 or taken == steps:
-            value, nonfinite = held_out_loss(task, nonfinite_local is not None)
+            value, nonfinite = held_out_loss(task, nonfinite_local is not None, face)
             curve.append((taken, value))
             if nonfinite or not math.isfinite(value):
                 diverged_at = taken  # every rank stops here: the flag came through an allreduce
@@ -182,7 +178,8 @@ def run_cell(cell: dict) -> dict:
     tail = [v for _, v in curve[-TAIL_EVALS:]]
     tail_loss = sum(tail) / len(tail) if all(_finite(v) for v in tail) else math.nan
     diverged = diverged_at is not None or not _finite(final) or final > initial
-    record = {**cell, "lr": lr, "world": world, "params": parameter_count(task.model),
+    record = {**cell, "face": face.name, "lr": lr, "world": world,
+              "params": parameter_count(task.model),
               "initial_loss": _json_number(initial), "final_loss": _json_number(final),
               "tail_loss": _json_number(tail_loss), "diverged": diverged,
               "nonfinite_at": diverged_at, "steps_taken": taken,
@@ -190,9 +187,9 @@ def run_cell(cell: dict) -> dict:
               "seconds": time.perf_counter() - start,
               # every rank's CPU time: what the run would take on idle cores, whatever else the
               # machine runs (the ranks' wall time is about this over the number of cores)
-              "cpu_seconds": float(hvd.allreduce(torch.tensor(time.process_time() - cpu_start,
-                                                              dtype=torch.float64),
-                                                 op=hvd.Sum, name="zoo.cpu_seconds"))}
+              "cpu_seconds": float(face.sum(torch.tensor(time.process_time() - cpu_start,
+                                                         dtype=torch.float64),
+                                            "zoo.cpu_seconds"))}
     if "options" in cell:  # JSON: the Experimental knobs flat
         record["options"] = options_record(cell["options"])
     if onebit:
@@ -211,27 +208,39 @@ def run_cell(cell: dict) -> dict:
     return record
 
 
-def zoo_worker(cells: list[dict], results: str, threads: int = 1) -> list[dict]:
-    """Run ``cells`` in order on this rank; rank 0 appends each record to ``results`` (JSON
-    lines) as soon as it is done. Returns the records (rank 0; the other ranks return [])."""
-    from ..train import _sleeping_horovod_waits
-
+def zoo_worker(cells: list[dict], results: str, threads: int = 1,
+               face: str = "horovod") -> list[dict]:
+    """Run ``cells`` in order on this rank under ``face`` ("horovod" or "ddp"); rank 0 appends
+    each record to ``results`` (JSON lines) as soon as it is done. Returns the records (rank 0;
+    the other ranks return [])."""
+    ranks = make_face(face)
     torch.set_num_threads(threads)
-    # hvd.DistributedOptimizer waits for its allreduces spinning on sched_yield; 4 ranks on 2
-    # cores then take CPU from the ranks still computing. Make it sleep, as hvd_onebit's own
-    # waits do (timing only: the results are the same).
-    _sleeping_horovod_waits(True)
+    ranks.prepare()
     # A held element warns once per run; 54 runs x 4 ranks of the same warning say nothing the
     # record's held_fraction does not.
     warnings.filterwarnings("ignore", message=".*held fixed.*")
     records = []
     path = Path(results)
     for cell in cells:
-        record = run_cell(cell)
-        if hvd.rank() == 0:
+        record = run_cell(cell, ranks)
+        if ranks.rank == 0:
             with open(path, "a") as f:
                 f.write(json.dumps(record) + "\n")
                 f.flush()
                 os.fsync(f.fileno())
             records.append(record)
     return records
+
+
+def torchrun_main(kwargs_path: str) -> None:
+    """A DDP-face rank as torchrun starts it: Gloo set up from torchrun's environment, then
+    :func:`zoo_worker` on the pickled keyword arguments at ``kwargs_path``."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    zoo_worker(**pickle.loads(Path(kwargs_path).read_bytes()), face="ddp")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    torchrun_main(sys.argv[1])
