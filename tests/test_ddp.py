@@ -9,14 +9,13 @@ import json
 import math
 import subprocess
 import sys
-import uuid
 
 import numpy as np
 import pytest
 
 from hvd_onebit.transport.inprocess import run_threads
 from tests.scenarios import scenario
-from tests.torchrun_jobs import REPO, torchrun_command
+from tests.torchrun_jobs import REPO, run_torchrun_script
 from tests.workers_ddp import FREEZE, VARIANTS, differences, replay
 from tests.worlds import Scratch, shared_suite
 
@@ -173,21 +172,38 @@ def test_importing_the_ddp_face_never_imports_horovod():
 
 @pytest.mark.multirank
 def test_the_example_trains_under_torchrun_without_horovod():
-    from hvd_onebit_tools.cluster.jobs import job_environment, kill_job
-
-    token = uuid.uuid4().hex
-    cmd = torchrun_command(2, ["-m", "tests.torchrun_jobs", "--script",
-                               str(REPO / "examples" / "ddp_train.py"), "--steps", "40"])
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=REPO,
-                            env=job_environment(token, import_roots=[REPO]),
-                            start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=300)
-    finally:
-        kill_job(proc, token)
-    text = out.decode(errors="replace")
-    assert proc.returncode == 0, text[-4000:]
+    rc, text = run_torchrun_script(2, REPO / "examples" / "ddp_train.py", ["--steps", "40"])
+    assert rc == 0, f"exit status {rc}:\n{text[-4000:]}"
     summary, _ = json.JSONDecoder().raw_decode(text[text.index("{\n"):])
     assert (summary["ranks"], summary["steps"], summary["phase"]) == (2, 40, "compression")
     assert summary["telemetry"]["steps"] == 40
     assert np.isfinite(summary["val_loss"]) and summary["val_loss"] < math.log(4), summary
+
+
+@pytest.mark.multirank
+def test_torchrun_restarts_a_killed_worker_from_the_last_checkpoint(tmp_path):
+    import torch
+
+    steps, every, kill_at = 16, 3, 11
+    rc, text = run_torchrun_script(2, REPO / "tests" / "scripts" / "ddp_restart.py",
+                                   ["--dir", str(tmp_path), "--steps", str(steps),
+                                    "--every", str(every), "--kill-at", str(kill_at)],
+                                   max_restarts=1)
+    assert rc == 0, f"exit status {rc}:\n{text[-4000:]}"
+    killed = json.loads((tmp_path / "killed.json").read_text())
+    assert killed == {"rank": 1, "step": kill_at}, killed
+    resumed_from = kill_at // every * every  # the last checkpoint before the worker died
+    runs = [torch.load(tmp_path / f"rank{rank}.pt", weights_only=False) for rank in range(2)]
+    for rank, run in enumerate(runs):
+        assert (run["size"], run["attempt"], run["resumed_from"]) == (2, 1, resumed_from), \
+            f"rank {rank}: size, restart count and resumed step {run['size']}, " \
+            f"{run['attempt']}, {run['resumed_from']}"
+        assert (run["steps"], run["phase"]) == (steps, "compression"), (run["steps"], run["phase"])
+        assert len(run["losses"]) == steps - resumed_from
+        assert all(math.isfinite(x) for x in run["losses"]), f"rank {rank}: {run['losses']}"
+        params = [p.numpy() for p in run["params"]]
+        assert differences(params, [p.numpy() for p in runs[0]["params"]], "final") == [], \
+            f"rank {rank} ends with other parameters than rank 0"
+        # the restart lost nothing: the run taken without interruption ends on the same bits
+        assert differences(params, [p.numpy() for p in run["uninterrupted"]], "final") == [], \
+            f"rank {rank}: the resumed run and the uninterrupted one differ"

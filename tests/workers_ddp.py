@@ -55,8 +55,9 @@ def make_model(seed: int = 0, dtype: torch.dtype = torch.float32, **ddp_options)
     return DDP(net, **ddp_options)
 
 
-def adam(model: DDP) -> torch.optim.Adam:
-    m = model.module
+def adam(model: DDP | torch.nn.Module) -> torch.optim.Adam:
+    """Adam over two param groups of ``model`` (a DDP model's module, or the module itself)."""
+    m = getattr(model, "module", model)
     return torch.optim.Adam([{"params": list(m.inner.parameters()), "lr": LRS[0]},
                              {"params": [p for n, p in m.named_parameters()
                                          if not n.startswith("inner.")], "lr": LRS[1]}])

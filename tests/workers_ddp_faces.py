@@ -1,0 +1,118 @@
+"""The two faces side by side in a Horovod job: ``hvd_onebit.DistributedOptimizer`` over a plain
+module, ``hvd_onebit.ddp.DistributedOptimizer`` over a DDP copy of it on a Gloo group set up
+beside Horovod (as ``bench train``'s ``ddp_powersgd`` sets it up). Both start from the same
+weights and take the same per-rank batches, so the two backward passes give every rank the same
+local gradients; each step's parameters and gradients are compared bit for bit.
+
+Before the freeze each face averages with its own framework: the Horovod face with Horovod's
+allreduce (sum, then times 1/n), the DDP face as DDP's reducer does (each gradient times 1/n,
+then torch.distributed's sum). At two ranks those give the same bits (halving is exact, a sum of
+two is one addition); at three they need not. ``sync_at_freeze`` then hands the DDP face the
+Horovod face's model and optimizer state (its ``state_dict``) once the warmup is over, so the
+compression phase starts from a common state.
+"""
+from __future__ import annotations
+
+import warnings
+
+import horovod.torch as hvd
+import numpy as np
+import torch
+import torch.distributed as dist
+
+import hvd_onebit
+from hvd_onebit.config import Experimental
+from tests.scenarios import run_scenarios
+from tests.workers_ddp import BUCKET_MB, FREEZE, Net, adam, batch, differences, make_model, onebit
+
+COMPRESSED = 5  # steps after the freeze in each scenario
+
+
+def _grads(module: torch.nn.Module) -> list[np.ndarray]:
+    return [p.grad.detach().clone().numpy() for p in module.parameters()]
+
+
+def _params(module: torch.nn.Module) -> list[np.ndarray]:
+    return [p.detach().clone().numpy() for p in module.parameters()]
+
+
+def faces_side_by_side(sync_at_freeze: bool, refresh: bool) -> dict:
+    """FREEZE warmup steps and COMPRESSED more through both faces, the same batches: per step,
+    each face's phase, where the averaged (warmup, refresh) or local gradients the steps took
+    differ, and where the parameters after it differ."""
+    from hvd_onebit.transport.rendezvous import init_torch_distributed
+
+    init_torch_distributed()
+    options = ({"variance_refresh": "doubling",
+                "experimental": Experimental(refresh_schedule={"first_interval": 2})}
+               if refresh else {"variance_refresh": None})
+    torch.manual_seed(0)
+    net = Net()
+    horovod_face = hvd_onebit.DistributedOptimizer(
+        adam(net), named_parameters=net.named_parameters(), freeze_step=FREEZE,
+        bucket_size_mb=BUCKET_MB, transport="torch", **options)
+    model = make_model()
+    ddp_face = onebit(model, **options)
+    rank = hvd.rank()
+    out: dict = {"phases": [], "grads": [], "params": [], "synced": None,
+                 "initial": differences(_params(net), _params(model.module), "initial")}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the Gloo group beside Horovod, held elements
+        for step in range(FREEZE + COMPRESSED):
+            if step == FREEZE and sync_at_freeze:
+                model.module.load_state_dict(net.state_dict())
+                ddp_face.load_state_dict(horovod_face.state_dict())
+                out["synced"] = differences(_params(net), _params(model.module), "synced")
+            x, y = batch(step, rank)
+            horovod_face.zero_grad()
+            torch.nn.functional.mse_loss(net(x), y).backward()
+            horovod_face.step()
+            ddp_face.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            ddp_face.step()
+            out["phases"].append((horovod_face.phase, ddp_face.phase))
+            out["grads"].append(differences(_grads(net), _grads(model.module), f"step {step}"))
+            out["params"].append(differences(_params(net), _params(model.module),
+                                             f"step {step}"))
+    out.update(steps=(horovod_face.steps, ddp_face.steps),
+               refreshes=(horovod_face.telemetry()["refreshes"],
+                          ddp_face.telemetry()["refreshes"]),
+               buckets=(len(horovod_face.compressed_step.buckets),
+                        len(ddp_face.compressed_step.buckets)),
+               local_buckets=ddp_face._hook.local_buckets,
+               digest=b"".join(p.tobytes() for p in _params(model.module)))
+    return out
+
+
+def averages(steps: int = 3) -> list[list[str]]:
+    """The averaging alone, on the same gradients: Horovod's allreduce (op Average) against DDP's
+    (each gradient times 1/n, then torch.distributed's sum): where they differ, per step."""
+    from hvd_onebit.transport.rendezvous import init_torch_distributed
+
+    init_torch_distributed()
+    n, rank = hvd.size(), hvd.rank()
+    found = []
+    for step in range(steps):
+        g = torch.Generator().manual_seed(1009 * step + 97 * rank)
+        grads = [torch.randn(16, 6, generator=g), torch.randn(64, generator=g)]
+        horovod = [hvd.allreduce(t, op=hvd.Average, name=f"faces.avg.{step}.{i}").numpy()
+                   for i, t in enumerate(grads)]
+        ddp = []
+        for t in grads:
+            scaled = t * (1.0 / n)
+            dist.all_reduce(scaled)
+            ddp.append(scaled.numpy())
+        found.append(differences(horovod, ddp, f"step {step}"))
+    return found
+
+
+def suite() -> dict:
+    """The faces side by side: through the warmup and the freeze, from a state common at the
+    freeze, and with variance refresh steps; the averages alone."""
+    return run_scenarios({
+        "averages": averages,
+        "through": lambda: faces_side_by_side(sync_at_freeze=False, refresh=False),
+        "from_freeze": lambda: faces_side_by_side(sync_at_freeze=True, refresh=False),
+        "refresh": lambda: faces_side_by_side(sync_at_freeze=False, refresh=True),
+        "refresh_from_freeze": lambda: faces_side_by_side(sync_at_freeze=True, refresh=True),
+    }, rank=hvd.rank())
