@@ -20,6 +20,11 @@ from tests.workers_ddp import FREEZE, VARIANTS, differences, replay
 from tests.worlds import Scratch, shared_suite
 
 COMPRESSED = 4  # compressed steps of each compression scenario
+# torchrun's agent shares its rendezvous store with the workers' init_process_group by default,
+# and the keys a group's ranks publish there (Gloo's addresses) outlive a restart: a restarted
+# rank may read its peer's address from the attempt before and fail to connect to it
+# (pytorch/pytorch#135712). Each attempt's rank 0 hosts a store of its own with this.
+RESTARTABLE = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 world2 = shared_suite("tests.workers_ddp:suite", np=2, controller="torchrun", timeout=400,
                       kwargs={"scratch": Scratch("ddp_flushed"), "stage": "save"})
@@ -188,7 +193,7 @@ def test_torchrun_restarts_a_killed_worker_from_the_last_checkpoint(tmp_path):
     rc, text = run_torchrun_script(2, REPO / "tests" / "scripts" / "ddp_restart.py",
                                    ["--dir", str(tmp_path), "--steps", str(steps),
                                     "--every", str(every), "--kill-at", str(kill_at)],
-                                   max_restarts=1)
+                                   max_restarts=1, env=RESTARTABLE)
     assert rc == 0, f"exit status {rc}:\n{text[-4000:]}"
     killed = json.loads((tmp_path / "killed.json").read_text())
     assert killed == {"rank": 1, "step": kill_at}, killed

@@ -63,16 +63,18 @@ def run_torchrun_job(target: str, np: int = 2, kwargs: Optional[dict] = None,
 
 
 def run_torchrun_script(np: int, script: Path, args: list[str], max_restarts: int = 0,
-                        timeout: float = 300.0) -> tuple[Optional[int], str]:
+                        timeout: float = 300.0,
+                        env: Optional[dict] = None) -> tuple[Optional[int], str]:
     """Run a user's ``script`` with ``args`` on ``np`` ranks under torchrun (Horovod blocked in
-    the ranks); its exit status (None: killed at ``timeout``) and its output."""
+    the ranks, ``env`` added to their environment); its exit status (None: killed at
+    ``timeout``) and its output."""
     from hvd_onebit_tools.cluster.jobs import job_environment, kill_job
 
     token = uuid.uuid4().hex
     cmd = torchrun_command(np, ["-m", "tests.torchrun_jobs", "--script", str(script), *args],
                            max_restarts=max_restarts)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=REPO,
-                            env=job_environment(token, import_roots=[REPO]),
+                            env=job_environment(token, extra=env, import_roots=[REPO]),
                             start_new_session=True)
     try:
         out, _ = proc.communicate(timeout=timeout)

@@ -13,6 +13,7 @@ compression phase starts from a common state.
 """
 from __future__ import annotations
 
+import copy
 import warnings
 
 import horovod.torch as hvd
@@ -60,8 +61,10 @@ def faces_side_by_side(sync_at_freeze: bool, refresh: bool) -> dict:
         warnings.simplefilter("ignore")  # the Gloo group beside Horovod, held elements
         for step in range(FREEZE + COMPRESSED):
             if step == FREEZE and sync_at_freeze:
-                model.module.load_state_dict(net.state_dict())
-                ddp_face.load_state_dict(horovod_face.state_dict())
+                # copies: torch's load_state_dict keeps the tensors it is given, and the two
+                # faces would then share Adam's state (its step counts) in this process
+                model.module.load_state_dict(copy.deepcopy(net.state_dict()))
+                ddp_face.load_state_dict(copy.deepcopy(horovod_face.state_dict()))
                 out["synced"] = differences(_params(net), _params(model.module), "synced")
             x, y = batch(step, rank)
             horovod_face.zero_grad()
