@@ -1,8 +1,9 @@
 """The DDP face (``hvd_onebit.ddp``) under real torchrun (Gloo, CPU, Horovod blocked in the
-ranks), at 2 and 4 ranks: one launch per world runs every scenario (tests/workers_ddp.py), a
-third runs the example script. The compressed steps, their buckets started from DDP's hook, are
-checked bit for bit against the engine alone started in step(), fed the same state and the same
-local gradients on the in-process transport."""
+ranks), at 2 and 4 ranks: one launch per world runs every scenario (tests/workers_ddp.py), more
+run the example script and a restarted training script. The compressed steps, their buckets
+started from DDP's hook, are checked bit for bit against the engine alone started in step(), fed
+the same state and the same local gradients on the in-process transport. In the Horovod jobs of
+2 and 3 ranks the two faces run side by side on the same gradients (tests/workers_ddp_faces.py)."""
 from __future__ import annotations
 
 import json
@@ -17,6 +18,7 @@ from hvd_onebit.transport.inprocess import run_threads
 from tests.scenarios import scenario
 from tests.torchrun_jobs import REPO, run_torchrun_script
 from tests.workers_ddp import FREEZE, VARIANTS, differences, replay
+from tests.workers_ddp_faces import COMPRESSED as FACES_COMPRESSED
 from tests.worlds import Scratch, shared_suite
 
 COMPRESSED = 4  # compressed steps of each compression scenario
@@ -30,6 +32,13 @@ world2 = shared_suite("tests.workers_ddp:suite", np=2, controller="torchrun", ti
                       kwargs={"scratch": Scratch("ddp_flushed"), "stage": "save"})
 world4 = shared_suite("tests.workers_ddp:suite", np=4, controller="torchrun", timeout=600,
                       stage=1, kwargs={"scratch": Scratch("ddp_flushed"), "stage": "load"})
+
+
+# the two faces side by side, in the Horovod jobs other modules share: through every phase at
+# two ranks (Horovod's average and DDP's are the same bits there), from a state common at the
+# freeze at two and three ranks (where they are not: tests/workers_ddp_faces.py says why)
+faces_through = shared_suite("tests.workers_ddp_faces:through", np=2, timeout=120)
+faces = shared_suite("tests.workers_ddp_faces:suite", np=[2, 3], timeout=120)
 
 
 @pytest.fixture(scope="module", params=[2, 4])
@@ -212,3 +221,47 @@ def test_torchrun_restarts_a_killed_worker_from_the_last_checkpoint(tmp_path):
         # the restart lost nothing: the run taken without interruption ends on the same bits
         assert differences(params, [p.numpy() for p in run["uninterrupted"]], "final") == [], \
             f"rank {rank}: the resumed run and the uninterrupted one differ"
+
+
+def assert_faces_agree(n: int, runs: list[dict], what: str, first: int = 0) -> None:
+    """Both faces went through the warmup and the compression phase in step, and from step
+    ``first`` on took the same gradients and ended each step on the same parameters, on every
+    rank; every rank ends on rank 0's parameters."""
+    steps = FREEZE + FACES_COMPRESSED
+    phases = [("warmup", "warmup")] * (FREEZE - 1) + [("compression", "compression")] * (
+        FACES_COMPRESSED + 1)
+    for rank, r in enumerate(runs):
+        assert (r["steps"], r["phases"]) == ((steps, steps), phases), \
+            f"n={n} rank {rank} ({what}): steps {r['steps']}, phases {r['phases']}"
+        assert r["initial"] == [], f"n={n} rank {rank} ({what}): {r['initial']}"
+        for step in range(first, steps):
+            assert r["grads"][step] == [], \
+                f"n={n} rank {rank} ({what}): the faces took other gradients: {r['grads'][step]}"
+            assert r["params"][step] == [], \
+                f"n={n} rank {rank} ({what}): the faces' parameters differ: {r['params'][step]}"
+        assert r["digest"] == runs[0]["digest"], \
+            f"n={n} ({what}): rank {rank}'s parameters differ from rank 0's"
+
+
+@pytest.mark.multirank
+def test_the_faces_take_the_same_steps_through_every_phase(faces_through):
+    runs = faces_through
+    assert_faces_agree(2, runs, "Horovod's own average")
+    for rank, r in enumerate(runs):
+        # refresh steps (each face's averaging) and 1-bit steps (DDP's hook handed back local
+        # buckets) alternate after the freeze
+        assert r["refreshes"][0] == r["refreshes"][1] > 0, f"rank {rank}: {r['refreshes']}"
+        assert r["local_buckets"] == FACES_COMPRESSED - r["refreshes"][1], \
+            f"rank {rank}: {r['local_buckets']} local buckets, {r['refreshes']} refreshes"
+
+
+@pytest.mark.multirank
+def test_the_faces_take_the_same_one_bit_steps_from_a_state_common_at_the_freeze(faces):
+    n, results = faces
+    runs = scenario(results, "from_freeze")
+    # the DDP face resumed the Horovod face's checkpoint (model and optimizer) at the freeze
+    for rank, r in enumerate(runs):
+        assert r["synced"] == [], f"n={n} rank {rank}: {r['synced']}"
+        assert (r["refreshes"], r["local_buckets"]) == ((0, 0), FACES_COMPRESSED), \
+            f"n={n} rank {rank}: refreshes {r['refreshes']}, local buckets {r['local_buckets']}"
+    assert_faces_agree(n, runs, "common state at the freeze", first=FREEZE)

@@ -4,12 +4,15 @@ beside Horovod (as ``bench train``'s ``ddp_powersgd`` sets it up). Both start fr
 weights and take the same per-rank batches, so the two backward passes give every rank the same
 local gradients; each step's parameters and gradients are compared bit for bit.
 
-Before the freeze each face averages with its own framework: the Horovod face with Horovod's
-allreduce (sum, then times 1/n), the DDP face as DDP's reducer does (each gradient times 1/n,
-then torch.distributed's sum). At two ranks those give the same bits (halving is exact, a sum of
-two is one addition); at three they need not. ``sync_at_freeze`` then hands the DDP face the
-Horovod face's model and optimizer state (its ``state_dict``) once the warmup is over, so the
-compression phase starts from a common state.
+Where a face averages gradients (the warmup, a variance refresh step), each does it its own
+framework's way: the Horovod face with Horovod's allreduce, one tensor at a time here (op
+Average: the sum, then times 1/n), the DDP face as DDP's reducer does (each gradient times 1/n,
+then torch.distributed's sum over DDP's bucket, a flat buffer of several gradients). At two
+ranks these are the same bits (halving is exact, a sum of two is one addition). At three they
+are not: where the 1/n is applied, and the order in which a ring allreduce adds the ranks'
+values, which follows an element's place in the buffer reduced, change the last bits of some
+averages. So ``sync_at_freeze`` hands the DDP face the Horovod face's checkpoint (model and
+optimizer) once the warmup is over, and from that common state every 1-bit step is compared.
 """
 from __future__ import annotations
 
@@ -37,10 +40,11 @@ def _params(module: torch.nn.Module) -> list[np.ndarray]:
     return [p.detach().clone().numpy() for p in module.parameters()]
 
 
-def faces_side_by_side(sync_at_freeze: bool, refresh: bool) -> dict:
+def faces_side_by_side(sync_at_freeze: bool = False, refresh: bool = False) -> dict:
     """FREEZE warmup steps and COMPRESSED more through both faces, the same batches: per step,
-    each face's phase, where the averaged (warmup, refresh) or local gradients the steps took
-    differ, and where the parameters after it differ."""
+    each face's phase, where the gradients the steps took (averaged in the warmup and at a
+    refresh, local otherwise) differ, and where the parameters after it differ. ``refresh``:
+    variance refresh steps (every other step after the freeze)."""
     from hvd_onebit.transport.rendezvous import init_torch_distributed
 
     init_torch_distributed()
@@ -87,35 +91,15 @@ def faces_side_by_side(sync_at_freeze: bool, refresh: bool) -> dict:
     return out
 
 
-def averages(steps: int = 3) -> list[list[str]]:
-    """The averaging alone, on the same gradients: Horovod's allreduce (op Average) against DDP's
-    (each gradient times 1/n, then torch.distributed's sum): where they differ, per step."""
-    from hvd_onebit.transport.rendezvous import init_torch_distributed
-
-    init_torch_distributed()
-    n, rank = hvd.size(), hvd.rank()
-    found = []
-    for step in range(steps):
-        g = torch.Generator().manual_seed(1009 * step + 97 * rank)
-        grads = [torch.randn(16, 6, generator=g), torch.randn(64, generator=g)]
-        horovod = [hvd.allreduce(t, op=hvd.Average, name=f"faces.avg.{step}.{i}").numpy()
-                   for i, t in enumerate(grads)]
-        ddp = []
-        for t in grads:
-            scaled = t * (1.0 / n)
-            dist.all_reduce(scaled)
-            ddp.append(scaled.numpy())
-        found.append(differences(horovod, ddp, f"step {step}"))
-    return found
-
-
 def suite() -> dict:
-    """The faces side by side: through the warmup and the freeze, from a state common at the
-    freeze, and with variance refresh steps; the averages alone."""
-    return run_scenarios({
-        "averages": averages,
-        "through": lambda: faces_side_by_side(sync_at_freeze=False, refresh=False),
-        "from_freeze": lambda: faces_side_by_side(sync_at_freeze=True, refresh=False),
-        "refresh": lambda: faces_side_by_side(sync_at_freeze=False, refresh=True),
-        "refresh_from_freeze": lambda: faces_side_by_side(sync_at_freeze=True, refresh=True),
-    }, rank=hvd.rank())
+    """The faces side by side with Horovod's default averaging from a state common at the
+    freeze, through 1-bit steps."""
+    return run_scenarios({"from_freeze": lambda: faces_side_by_side(sync_at_freeze=True)},
+                         rank=hvd.rank())
+
+
+def through() -> dict:
+    """The faces side by side with Horovod's default averaging, through the warmup, the freeze,
+    1-bit and refresh steps; for a world of two ranks, where the two averages are the same
+    bits."""
+    return faces_side_by_side(refresh=True)
