@@ -356,11 +356,11 @@ def variance_refresh(steps: int = 6) -> dict:
             "local_buckets": opt._hook.local_buckets, "phase": opt.phase}
 
 
-def suite(scratch: str, stage: str) -> dict:
+def suite(scratch: Optional[str] = None, stage: Optional[str] = None) -> dict:
     """Every scenario of one world; ``stage`` "save" (the first world) writes the flushed
-    checkpoint into ``scratch``, "load" (a later world, another size) resumes it."""
+    checkpoint into ``scratch``, "load" (a later world, another size) resumes it, None: no
+    flushed checkpoint."""
     rank = dist.get_rank()
-    path = f"{scratch}/flushed.pt"
     scenarios = {f"warmup_{v}": partial(warmup_is_ddp_adam, v) for v in VARIANTS}
     scenarios["warmup_grad_scaler"] = partial(warmup_is_ddp_adam, "plain", scaled=True)
     scenarios.update({f"compression_{v}": partial(compression_record, v) for v in VARIANTS})
@@ -368,6 +368,8 @@ def suite(scratch: str, stage: str) -> dict:
     scenarios.update({f"low_precision_{d}": partial(low_precision, d)
                       for d in ("float16", "bfloat16")})
     scenarios.update(checkpoint=checkpoint_resumes, refresh=variance_refresh, refusals=refusals,
-                     grad_scaler=grad_scaler_skips,
-                     flushed=partial(flushed_checkpoint, path, stage == "save"))
+                     grad_scaler=grad_scaler_skips)
+    if stage is not None:
+        scenarios["flushed"] = partial(flushed_checkpoint, f"{scratch}/flushed.pt",
+                                       stage == "save")
     return run_scenarios(scenarios, rank)

@@ -103,3 +103,14 @@ def through() -> dict:
     1-bit and refresh steps; for a world of two ranks, where the two averages are the same
     bits."""
     return faces_side_by_side(refresh=True)
+
+
+def ddp_suite() -> dict:
+    """The DDP face's own scenarios (tests/workers_ddp.py) on a Gloo group beside Horovod: a
+    world of three ranks, where DDP's averaging and a hook's can differ in the last bit."""
+    from hvd_onebit.transport.rendezvous import init_torch_distributed
+
+    from tests import workers_ddp
+
+    init_torch_distributed()
+    return workers_ddp.suite()
