@@ -1,26 +1,33 @@
 """The DDP face (``hvd_onebit.ddp``) under real torchrun (Gloo, CPU, Horovod blocked in the
-ranks), at 2 and 4 ranks: one launch per world runs every scenario (tests/workers_ddp.py), a
-third runs the example script. The compressed steps, their buckets started from DDP's hook, are
-checked bit for bit against the engine alone started in step(), fed the same state and the same
-local gradients on the in-process transport."""
+ranks), at 2 and 4 ranks: one launch per world runs every scenario (tests/workers_ddp.py), more
+run the example script and a restarted training script; at 3 ranks the same scenarios run in
+the shared Horovod job. The compressed steps, their buckets
+started from DDP's hook, are checked bit for bit against the engine alone started in step(), fed
+the same state and the same local gradients on the in-process transport. In the Horovod jobs of
+2 and 3 ranks the two faces run side by side on the same gradients (tests/workers_ddp_faces.py)."""
 from __future__ import annotations
 
 import json
 import math
 import subprocess
 import sys
-import uuid
 
 import numpy as np
 import pytest
 
 from hvd_onebit.transport.inprocess import run_threads
 from tests.scenarios import scenario
-from tests.torchrun_jobs import REPO, torchrun_command
+from tests.torchrun_jobs import REPO, run_torchrun_script
 from tests.workers_ddp import FREEZE, VARIANTS, differences, replay
+from tests.workers_ddp_faces import COMPRESSED as FACES_COMPRESSED
 from tests.worlds import Scratch, shared_suite
 
 COMPRESSED = 4  # compressed steps of each compression scenario
+# torchrun's agent shares its rendezvous store with the workers' init_process_group by default,
+# and the keys a group's ranks publish there (Gloo's addresses) outlive a restart: a restarted
+# rank may read its peer's address from the attempt before and fail to connect to it
+# (pytorch/pytorch#135712). Each attempt's rank 0 hosts a store of its own with this.
+RESTARTABLE = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 world2 = shared_suite("tests.workers_ddp:suite", np=2, controller="torchrun", timeout=400,
                       kwargs={"scratch": Scratch("ddp_flushed"), "stage": "save"})
@@ -28,9 +35,21 @@ world4 = shared_suite("tests.workers_ddp:suite", np=4, controller="torchrun", ti
                       stage=1, kwargs={"scratch": Scratch("ddp_flushed"), "stage": "load"})
 
 
-@pytest.fixture(scope="module", params=[2, 4])
-def world(request, world2, world4):
-    return request.param, {2: world2, 4: world4}[request.param]
+# the two faces side by side, in the Horovod jobs other modules share: through every phase at
+# two ranks (Horovod's average and DDP's are the same bits there), from a state common at the
+# freeze at two and three ranks (where they are not: tests/workers_ddp_faces.py says why)
+faces_through = shared_suite("tests.workers_ddp_faces:through", np=2, timeout=120)
+faces = shared_suite("tests.workers_ddp_faces:suite", np=[2, 3], timeout=120)
+
+
+# three ranks, where DDP's averaging and a hook's can differ in the last bit: the same
+# scenarios in the shared Horovod job of three ranks, on a Gloo group set up beside Horovod
+world3 = shared_suite("tests.workers_ddp_faces:ddp_suite", np=3, timeout=400)
+
+
+@pytest.fixture(scope="module", params=[2, 3, 4])
+def world(request, world2, world3, world4):
+    return request.param, {2: world2, 3: world3, 4: world4}[request.param]
 
 
 @pytest.mark.multirank
@@ -173,21 +192,82 @@ def test_importing_the_ddp_face_never_imports_horovod():
 
 @pytest.mark.multirank
 def test_the_example_trains_under_torchrun_without_horovod():
-    from hvd_onebit_tools.cluster.jobs import job_environment, kill_job
-
-    token = uuid.uuid4().hex
-    cmd = torchrun_command(2, ["-m", "tests.torchrun_jobs", "--script",
-                               str(REPO / "examples" / "ddp_train.py"), "--steps", "40"])
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=REPO,
-                            env=job_environment(token, import_roots=[REPO]),
-                            start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=300)
-    finally:
-        kill_job(proc, token)
-    text = out.decode(errors="replace")
-    assert proc.returncode == 0, text[-4000:]
+    rc, text = run_torchrun_script(2, REPO / "examples" / "ddp_train.py", ["--steps", "40"])
+    assert rc == 0, f"exit status {rc}:\n{text[-4000:]}"
     summary, _ = json.JSONDecoder().raw_decode(text[text.index("{\n"):])
     assert (summary["ranks"], summary["steps"], summary["phase"]) == (2, 40, "compression")
     assert summary["telemetry"]["steps"] == 40
     assert np.isfinite(summary["val_loss"]) and summary["val_loss"] < math.log(4), summary
+
+
+@pytest.mark.multirank
+def test_torchrun_restarts_a_killed_worker_from_the_last_checkpoint(tmp_path):
+    import torch
+
+    steps, every, kill_at = 16, 3, 11
+    rc, text = run_torchrun_script(2, REPO / "tests" / "scripts" / "ddp_restart.py",
+                                   ["--dir", str(tmp_path), "--steps", str(steps),
+                                    "--every", str(every), "--kill-at", str(kill_at)],
+                                   max_restarts=1, env=RESTARTABLE)
+    assert rc == 0, f"exit status {rc}:\n{text[-4000:]}"
+    killed = json.loads((tmp_path / "killed.json").read_text())
+    assert killed == {"rank": 1, "step": kill_at}, killed
+    resumed_from = kill_at // every * every  # the last checkpoint before the worker died
+    runs = [torch.load(tmp_path / f"rank{rank}.pt", weights_only=False) for rank in range(2)]
+    for rank, run in enumerate(runs):
+        assert (run["size"], run["attempt"], run["resumed_from"]) == (2, 1, resumed_from), \
+            f"rank {rank}: size, restart count and resumed step {run['size']}, " \
+            f"{run['attempt']}, {run['resumed_from']}"
+        assert (run["steps"], run["phase"]) == (steps, "compression"), (run["steps"], run["phase"])
+        assert len(run["losses"]) == steps - resumed_from
+        assert all(math.isfinite(x) for x in run["losses"]), f"rank {rank}: {run['losses']}"
+        params = [p.numpy() for p in run["params"]]
+        assert differences(params, [p.numpy() for p in runs[0]["params"]], "final") == [], \
+            f"rank {rank} ends with other parameters than rank 0"
+        # the restart lost nothing: the run taken without interruption ends on the same bits
+        assert differences(params, [p.numpy() for p in run["uninterrupted"]], "final") == [], \
+            f"rank {rank}: the resumed run and the uninterrupted one differ"
+
+
+def assert_faces_agree(n: int, runs: list[dict], what: str, first: int = 0) -> None:
+    """Both faces went through the warmup and the compression phase in step, and from step
+    ``first`` on took the same gradients and ended each step on the same parameters, on every
+    rank; every rank ends on rank 0's parameters."""
+    steps = FREEZE + FACES_COMPRESSED
+    phases = [("warmup", "warmup")] * (FREEZE - 1) + [("compression", "compression")] * (
+        FACES_COMPRESSED + 1)
+    for rank, r in enumerate(runs):
+        assert (r["steps"], r["phases"]) == ((steps, steps), phases), \
+            f"n={n} rank {rank} ({what}): steps {r['steps']}, phases {r['phases']}"
+        assert r["initial"] == [], f"n={n} rank {rank} ({what}): {r['initial']}"
+        for step in range(first, steps):
+            assert r["grads"][step] == [], \
+                f"n={n} rank {rank} ({what}): the faces took other gradients: {r['grads'][step]}"
+            assert r["params"][step] == [], \
+                f"n={n} rank {rank} ({what}): the faces' parameters differ: {r['params'][step]}"
+        assert r["digest"] == runs[0]["digest"], \
+            f"n={n} ({what}): rank {rank}'s parameters differ from rank 0's"
+
+
+@pytest.mark.multirank
+def test_the_faces_take_the_same_steps_through_every_phase(faces_through):
+    runs = faces_through
+    assert_faces_agree(2, runs, "Horovod's own average")
+    for rank, r in enumerate(runs):
+        # refresh steps (each face's averaging) and 1-bit steps (DDP's hook handed back local
+        # buckets) alternate after the freeze
+        assert r["refreshes"][0] == r["refreshes"][1] > 0, f"rank {rank}: {r['refreshes']}"
+        assert r["local_buckets"] == FACES_COMPRESSED - r["refreshes"][1], \
+            f"rank {rank}: {r['local_buckets']} local buckets, {r['refreshes']} refreshes"
+
+
+@pytest.mark.multirank
+def test_the_faces_take_the_same_one_bit_steps_from_a_state_common_at_the_freeze(faces):
+    n, results = faces
+    runs = scenario(results, "from_freeze")
+    # the DDP face resumed the Horovod face's checkpoint (model and optimizer) at the freeze
+    for rank, r in enumerate(runs):
+        assert r["synced"] == [], f"n={n} rank {rank}: {r['synced']}"
+        assert (r["refreshes"], r["local_buckets"]) == ((0, 0), FACES_COMPRESSED), \
+            f"n={n} rank {rank}: refreshes {r['refreshes']}, local buckets {r['local_buckets']}"
+    assert_faces_agree(n, runs, "common state at the freeze", first=FREEZE)

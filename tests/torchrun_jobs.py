@@ -25,11 +25,12 @@ from typing import Any, Optional
 REPO = Path(__file__).resolve().parent.parent
 
 
-def torchrun_command(np: int, argv: list[str]) -> list[str]:
+def torchrun_command(np: int, argv: list[str], max_restarts: int = 0) -> list[str]:
     """The command line that starts ``argv`` (a script and its arguments, or ``-m module
-    ...``) on ``np`` local ranks, as a user starts a DDP job on one machine."""
+    ...``) on ``np`` local ranks, as a user starts a DDP job on one machine; torchrun starts the
+    whole group again up to ``max_restarts`` times when a worker fails."""
     return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-            f"--nproc_per_node={np}"] + argv
+            f"--nproc_per_node={np}", f"--max-restarts={max_restarts}"] + argv
 
 
 def run_torchrun_job(target: str, np: int = 2, kwargs: Optional[dict] = None,
@@ -59,6 +60,30 @@ def run_torchrun_job(target: str, np: int = 2, kwargs: Optional[dict] = None,
         return JobResult(results=results, wall_seconds=time.monotonic() - start)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def run_torchrun_script(np: int, script: Path, args: list[str], max_restarts: int = 0,
+                        timeout: float = 300.0,
+                        env: Optional[dict] = None) -> tuple[Optional[int], str]:
+    """Run a user's ``script`` with ``args`` on ``np`` ranks under torchrun (Horovod blocked in
+    the ranks, ``env`` added to their environment); its exit status (None: killed at
+    ``timeout``) and its output."""
+    from hvd_onebit_tools.cluster.jobs import job_environment, kill_job
+
+    token = uuid.uuid4().hex
+    cmd = torchrun_command(np, ["-m", "tests.torchrun_jobs", "--script", str(script), *args],
+                           max_restarts=max_restarts)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=REPO,
+                            env=job_environment(token, extra=env, import_roots=[REPO]),
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+        rc: Optional[int] = proc.returncode
+    except subprocess.TimeoutExpired:
+        out, rc = b"", None
+    finally:
+        kill_job(proc, token)
+    return rc, out.decode(errors="replace")
 
 
 def block_horovod() -> None:

@@ -55,8 +55,9 @@ def make_model(seed: int = 0, dtype: torch.dtype = torch.float32, **ddp_options)
     return DDP(net, **ddp_options)
 
 
-def adam(model: DDP) -> torch.optim.Adam:
-    m = model.module
+def adam(model: DDP | torch.nn.Module) -> torch.optim.Adam:
+    """Adam over two param groups of ``model`` (a DDP model's module, or the module itself)."""
+    m = getattr(model, "module", model)
     return torch.optim.Adam([{"params": list(m.inner.parameters()), "lr": LRS[0]},
                              {"params": [p for n, p in m.named_parameters()
                                          if not n.startswith("inner.")], "lr": LRS[1]}])
@@ -355,11 +356,11 @@ def variance_refresh(steps: int = 6) -> dict:
             "local_buckets": opt._hook.local_buckets, "phase": opt.phase}
 
 
-def suite(scratch: str, stage: str) -> dict:
+def suite(scratch: Optional[str] = None, stage: Optional[str] = None) -> dict:
     """Every scenario of one world; ``stage`` "save" (the first world) writes the flushed
-    checkpoint into ``scratch``, "load" (a later world, another size) resumes it."""
+    checkpoint into ``scratch``, "load" (a later world, another size) resumes it, None: no
+    flushed checkpoint."""
     rank = dist.get_rank()
-    path = f"{scratch}/flushed.pt"
     scenarios = {f"warmup_{v}": partial(warmup_is_ddp_adam, v) for v in VARIANTS}
     scenarios["warmup_grad_scaler"] = partial(warmup_is_ddp_adam, "plain", scaled=True)
     scenarios.update({f"compression_{v}": partial(compression_record, v) for v in VARIANTS})
@@ -367,6 +368,8 @@ def suite(scratch: str, stage: str) -> dict:
     scenarios.update({f"low_precision_{d}": partial(low_precision, d)
                       for d in ("float16", "bfloat16")})
     scenarios.update(checkpoint=checkpoint_resumes, refresh=variance_refresh, refusals=refusals,
-                     grad_scaler=grad_scaler_skips,
-                     flushed=partial(flushed_checkpoint, path, stage == "save"))
+                     grad_scaler=grad_scaler_skips)
+    if stage is not None:
+        scenarios["flushed"] = partial(flushed_checkpoint, f"{scratch}/flushed.pt",
+                                       stage == "save")
     return run_scenarios(scenarios, rank)

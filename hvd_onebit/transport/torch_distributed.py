@@ -15,6 +15,18 @@ from typing import Any, Optional
 import torch
 
 
+def all_gather_single(output: torch.Tensor, tensor: torch.Tensor, group=None,
+                      async_op: bool = False):
+    """torch.distributed's allgather of one tensor into one output tensor (``output``: the
+    ranks' tensors one after another along dim 0). torch 2.13 names it ``all_gather_single``
+    and warns (FutureWarning) on every call of the older name, ``all_gather_into_tensor``, which
+    calls it; older torch has only the older name. Either way the same collective."""
+    import torch.distributed as dist
+
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return gather(output, tensor, group=group, async_op=async_op)
+
+
 class _TorchWork:
     def __init__(self, work, result: torch.Tensor):
         self.work = work
@@ -78,8 +90,8 @@ class TorchTransport:
         """row: [1, row_bytes] uint8; every rank receives [n, row_bytes]."""
         out = torch.empty((self.size * row.shape[0], *row.shape[1:]), dtype=row.dtype,
                           device=row.device)
-        return _TorchWork(self._dist.all_gather_into_tensor(out, row.contiguous(),
-                                                             group=self.group, async_op=True), out)
+        return _TorchWork(all_gather_single(out, row.contiguous(), group=self.group,
+                                            async_op=True), out)
 
     def wait(self, handle: _TorchWork) -> torch.Tensor:
         handle.work.wait()  # Gloo: a condition-variable wait (no spinning); NCCL: a stream wait
