@@ -17,6 +17,7 @@ from ..phases.driver import Phases
 from ..state.adam_state import init_adam_state
 from ..state.schedule import Schedule
 from ..state.telemetry import Telemetry
+from ..transport.torch_distributed import all_gather_single
 from ..transport.torch_job import TorchJob
 from .hook import CommHook, check_unhooked
 from .view import DDPView
@@ -80,7 +81,7 @@ def check_identical(param_groups: list[dict], group, steps: int, every: int) -> 
     mine = mine.to(device)
     everyone = torch.empty((dist.get_world_size(group), mine.shape[1]), dtype=mine.dtype,
                            device=device)
-    dist.all_gather_into_tensor(everyone, mine, group=group)
+    all_gather_single(everyone, mine, group=group)
     raise_if_diverged(everyone.cpu(), steps, every)
 
 
