@@ -232,15 +232,30 @@ def arg_doc(doc: str, name: str) -> str:
     raise ValueError(f"DistributedOptimizer's docstring documents no argument {name!r}")
 
 
+def zoo_faces(name: str = "ddp/zoo_ddp/faces.json") -> str:
+    """The DDP face's zoo cells against the Horovod face's (the same cells run in the same
+    session, and the committed zoo), each the ratio of the face's loss to its own Adam's."""
+    d = _load(name)
+    others = d["others"]
+    rows = [[c["family"], c["lr_rule"], c["freeze"], c["seed"], f"{c['ratio']:.3f}",
+             *(f"{c['others'][o]:.3f}" if c["others"].get(o) is not None else "-"
+               for o in others), "yes" if c["diverged"] else "no"] for c in d["cells"]]
+    header = ["family", "lr rule", "freeze", "seed", "DDP face",
+              *(f"Horovod face (`{o}`)" for o in others), "diverged"]
+    return "\n\n".join([table(header, rows), provenance(name, d)])
+
+
 PARTS: Dict[str, Callable[[], str]] = {
     "headline": headline, "settings": settings, "freeze_lm": lambda: freeze_runs("lm"),
     "freeze_digits": lambda: freeze_runs("digits"), "zoo": zoo,
-    "zoo_long": lambda: zoo("zoo_long"), "fading": fading}
+    "zoo_long": lambda: zoo("zoo_long"), "fading": fading,
+    "headline_ddp": lambda: headline("ddp/convergence.json"), "zoo_faces": zoo_faces}
 # Which generated parts each Markdown file holds, in its <!-- generated:NAME --> blocks.
 BLOCKS: Dict[str, Sequence[str]] = {
     "README.md": ("settings", "headline"),
     "docs/tuning.md": ("settings",),
-    "docs/results.md": ("headline", "freeze_lm", "freeze_digits", "zoo", "zoo_long", "fading"),
+    "docs/results.md": ("headline", "freeze_lm", "freeze_digits", "zoo", "zoo_long", "fading",
+                        "headline_ddp", "zoo_faces"),
 }
 
 
