@@ -133,7 +133,8 @@ def onebit_arguments(method: str, steps: int, warmup_frac: float, onebit_options
 
 
 def _make_step(method: str, model, steps: int, warmup_frac: float, powersgd_start: int, lr: float,
-               onebit_options: dict, variance_refresh=None, refresh_freeze_frac: float = 0.05):
+               onebit_options: dict, variance_refresh=None, refresh_freeze_frac: float = 0.05,
+               gradient_as_bucket_view: bool = False):
     """Returns (step_fn(x, y) -> backward seconds, optimizer or None, phase_fn())."""
     import horovod.torch as hvd
     import torch
@@ -163,7 +164,8 @@ def _make_step(method: str, model, steps: int, warmup_frac: float, powersgd_star
                         and schedule.is_refresh(counter["it"], opt.freeze_step) else p)
     elif method in DDP_METHODS:
         net, opt, phase = make_ddp_method(method, model, base, steps, warmup_frac,
-                                          powersgd_start, onebit_options, counter)
+                                          powersgd_start, onebit_options, counter,
+                                          gradient_as_bucket_view)
     elif method != "local":
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
 
@@ -186,13 +188,15 @@ def train_worker(methods=METHODS, steps: int = 40, warmup_frac: float = 0.15,
                  lr: float = 1e-4, powersgd_start: int = 10, wait: str = "sleep",
                  transport: str = "auto", bucket_size_mb: Optional[float] = None,
                  intra_node: str = "auto", variance_refresh=None,
-                 refresh_freeze_frac: float = 0.05) -> list[dict]:
+                 refresh_freeze_frac: float = 0.05,
+                 gradient_as_bucket_view: bool = False) -> list[dict]:
     """Runs in every rank (after hvd.init()). Returns one row per method (rank 0's view).
 
     ``model="mlp"`` uses width/depth; ``model="embedding"`` uses vocab/embed_dim, ``tokens``
     token ids per sample, and ``width`` for its head. ``transport``, ``bucket_size_mb`` and
     ``intra_node`` are 1-bit Adam's options (None: its default bucket size);
-    ``variance_refresh`` and ``refresh_freeze_frac`` are ``onebit_refresh``'s.
+    ``variance_refresh`` and ``refresh_freeze_frac`` are ``onebit_refresh``'s;
+    ``gradient_as_bucket_view`` is DDP's option for every DDP method.
     """
     import horovod.torch as hvd
     import torch
@@ -212,7 +216,8 @@ def train_worker(methods=METHODS, steps: int = 40, warmup_frac: float = 0.15,
         if bucket_size_mb is not None:
             options["bucket_size_mb"] = bucket_size_mb
         step, opt, phase = _make_step(method, net, steps, warmup_frac, powersgd_start, lr, options,
-                                      variance_refresh, refresh_freeze_frac)
+                                      variance_refresh, refresh_freeze_frac,
+                                      gradient_as_bucket_view)
         g = torch.Generator().manual_seed(hvd.rank())
         if model == "mlp":
             inputs = [torch.randn(batch, IN_DIM, generator=g) for _ in range(4)]

@@ -27,9 +27,12 @@ def ddp_onebit_arguments(steps: int, warmup_frac: float, onebit_options: dict) -
 
 
 def make_ddp_method(method: str, model, base, steps: int, warmup_frac: float,
-                    powersgd_start: int, onebit_options: dict, counter: dict):
+                    powersgd_start: int, onebit_options: dict, counter: dict,
+                    gradient_as_bucket_view: bool = False):
     """(the DDP model, the optimizer, phase()) of a DDP method; ``base`` is the fused Adam of
-    ``model``'s parameters, ``counter["it"]`` the steps taken."""
+    ``model``'s parameters, ``counter["it"]`` the steps taken. ``gradient_as_bucket_view`` is
+    DDP's own option, for every DDP method alike: the gradients are views into DDP's buckets, so
+    its reducer copies none of them in or back in a step."""
     import torch
 
     from hvd_onebit.transport.rendezvous import init_torch_distributed
@@ -42,7 +45,8 @@ def make_ddp_method(method: str, model, base, steps: int, warmup_frac: float,
         # future callback, which on Gloo's two worker threads deadlocks when two buckets'
         # callbacks block at once.
         model_mb = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
-        net = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=model_mb + 1)
+        net = torch.nn.parallel.DistributedDataParallel(
+            model, bucket_cap_mb=model_mb + 1, gradient_as_bucket_view=gradient_as_bucket_view)
         start = max(2, powersgd_start)
         state = powersgd.PowerSGDState(process_group=None, matrix_approximation_rank=1,
                                        start_powerSGD_iter=start)
@@ -52,7 +56,8 @@ def make_ddp_method(method: str, model, base, steps: int, warmup_frac: float,
             return "warmup" if counter["it"] < start else "compression"
         return net, base, phase
     # DDP as a user builds it: its own buckets, its own allreduce overlapping backward
-    net = torch.nn.parallel.DistributedDataParallel(model)
+    net = torch.nn.parallel.DistributedDataParallel(
+        model, gradient_as_bucket_view=gradient_as_bucket_view)
     if method == "ddp_adam":
         return net, base, (lambda: "n/a")
     if method == "ddp_onebit":

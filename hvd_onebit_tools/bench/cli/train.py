@@ -68,6 +68,9 @@ from .options import (FROZEN_FREEZE_FRACTION, cluster_for, comma_list, nodes_opt
               type=click.Choice(["auto", "shared_memory", "network"]),
               help="1-bit Adam's intra_node (onebit_hierarchical's stages inside a node); auto is "
                    "network when --intra-bandwidth is set, so the emulated links carry them.")
+@click.option("--gradient-as-bucket-view", is_flag=True,
+              help="DDP's gradient_as_bucket_view=True for every DDP method (the gradients are "
+                   "views into DDP's buckets: no copy into them or back in a step).")
 @real_cluster_options
 @queue_option
 @nodes_options
@@ -80,7 +83,7 @@ from .options import (FROZEN_FREEZE_FRACTION, cluster_for, comma_list, nodes_opt
                    "file.")
 def bench_train(np_, bandwidth, steps, warmup_frac, variance_refresh, refresh_freeze_frac, model, width, depth, vocab, embed_dim, tokens,
                 batch, malloc_mode, wait, powersgd_start, methods, transport, bucket_size_mb,
-                intra_node, hosts, shared_dir, queue_ms, ranks_per_node, intra_bandwidth, timeout,
+                intra_node, gradient_as_bucket_view, hosts, shared_dir, queue_ms, ranks_per_node, intra_bandwidth, timeout,
                 plot, as_json, out) -> None:
     """End-to-end samples/s and bytes per step: Horovod Adam (fp32, fp16), DDP Adam, DDP +
     PowerSGD and 1-bit Adam through either face, per phase and over a whole run. Also reports what share of the Horovod fp32
@@ -102,6 +105,7 @@ def bench_train(np_, bandwidth, steps, warmup_frac, variance_refresh, refresh_fr
               "embed_dim": embed_dim, "tokens": tokens, "batch": batch, "wait": wait,
               "powersgd_start": powersgd_start, "transport": transport,
               "bucket_size_mb": bucket_size_mb,
+              "gradient_as_bucket_view": gradient_as_bucket_view,
               "intra_node": ("network" if intra_node == "auto" and intra_bandwidth != "unlimited"
                              else intra_node)}
     click.echo(f"training {len(methods)} methods x {steps} steps on {np_} ranks "
