@@ -1,4 +1,5 @@
-"""End-to-end training throughput: Horovod Adam (fp32, fp16), DDP + PowerSGD, and 1-bit Adam.
+"""End-to-end training throughput: Horovod Adam (fp32, fp16), DDP Adam, DDP + PowerSGD, and
+1-bit Adam through either face (Horovod's and DDP's).
 
 Every method trains the same model on the same synthetic batches from the same initial weights,
 one method after another inside one job, so they share the machine's state and network:
@@ -10,6 +11,14 @@ one method after another inside one job, so they share the machine's state and n
 * ``ddp_powersgd``: ``torch.nn.parallel.DistributedDataParallel`` over Gloo with PyTorch's
   PowerSGD communication hook (rank-1 approximation, error feedback, warm start), which starts
   compressing after ``powersgd_start`` vanilla-allreduce iterations.
+* ``ddp_adam``: DDP over Gloo as a user builds it (its own buckets, its own allreduce from its
+  hook, overlapping backward) and the same fused Adam.
+* ``ddp_onebit``: the same DDP model under ``hvd_onebit.ddp.DistributedOptimizer``, with
+  ``onebit``'s ``freeze_step`` and ``variance_refresh=None`` and, of its other options, those the
+  DDP face takes: the DDP face's compression phase, comparable with ``onebit``'s. The summary
+  sets its compressed step's speed-up over ``ddp_adam`` against ``onebit``'s over
+  ``horovod_fp32`` (``ddp_face_speedup_vs_horovod_face``), and its bytes against ``ddp_adam``'s
+  (:mod:`.train_ddp`).
 * ``onebit``: ``hvd_onebit.DistributedOptimizer`` with ``freeze_step = warmup_frac * steps`` and
   ``variance_refresh=None``: the compression phase's throughput, no refresh step inside it.
 * ``onebit_hierarchical``: the same with ``hierarchical=True`` (full precision inside nodes, 1-bit
@@ -19,10 +28,14 @@ one method after another inside one job, so they share the machine's state and n
   ``onebit`` (at ``warmup_frac``). Its refresh steps (full precision inside the compression
   phase, from the schedule) are their own phase, ``refresh``.
 
+The DDP methods set up torch.distributed's default group over the Horovod job's ranks
+(:func:`hvd_onebit.transport.rendezvous.init_torch_distributed`) unless a method before them
+set it up already.
+
 Every row has the run's wall time (``run_seconds``) and bytes: ``run_measured_tx_bytes`` (rank
 0's link counter summed over the steps, on the emulator) and ``run_bytes_per_rank`` (1-bit:
 the ring-allreduce figure for each full-precision step plus the wire bytes of each compressed
-step; Horovod: the ring figure every step).
+step; Horovod and DDP Adam: the ring figure every step).
 
 The optimizer is ``torch.optim.Adam(fused=True)`` everywhere: the fastest Adam step on CPU, so
 the baseline is not slowed by optimizer arithmetic that 1-bit Adam happens to skip.
@@ -55,6 +68,7 @@ from hvd_onebit.variance_refresh import RefreshSchedule
 from .allreduce import _iface_tx_bytes
 from .refresh import (freeze_step_for, option_text, optimizer_options, run_steps,
                       whole_run_ceilings)
+from .train_ddp import DDP_METHODS, ddp_summary, make_ddp_method
 from .waits import WAITS
 from .waits import sleeping_horovod_waits as _sleeping_horovod_waits  # noqa: F401 (zoo)
 
@@ -63,10 +77,11 @@ from .waits import sleeping_horovod_waits as _sleeping_horovod_waits  # noqa: F4
 # step (CHANGELOG.md, Benchmarks, has what it cost here). Serving everything from a heap that is
 # never trimmed keeps those pages mapped. (jemalloc or tcmalloc via LD_PRELOAD do the same job.)
 MALLOC_REUSE_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(2**40)}
-METHODS = ("local", "horovod_fp32", "horovod_fp16", "ddp_powersgd", "onebit", "onebit_sync",
-           "onebit_hierarchical", "onebit_refresh")
+METHODS = ("local", "horovod_fp32", "horovod_fp16", "ddp_powersgd", "ddp_adam", "ddp_onebit",
+           "onebit", "onebit_sync", "onebit_hierarchical", "onebit_refresh")
 ONEBIT_METHODS = ("onebit", "onebit_sync", "onebit_hierarchical", "onebit_refresh")
-DEFAULT_METHODS = ("local", "horovod_fp32", "horovod_fp16", "ddp_powersgd", "onebit")
+DEFAULT_METHODS = ("local", "horovod_fp32", "horovod_fp16", "ddp_powersgd", "ddp_adam",
+                   "ddp_onebit", "onebit")
 MODELS = ("mlp", "embedding")
 IN_DIM = OUT_DIM = 256
 
@@ -118,7 +133,8 @@ def onebit_arguments(method: str, steps: int, warmup_frac: float, onebit_options
 
 
 def _make_step(method: str, model, steps: int, warmup_frac: float, powersgd_start: int, lr: float,
-               onebit_options: dict, variance_refresh=None, refresh_freeze_frac: float = 0.05):
+               onebit_options: dict, variance_refresh=None, refresh_freeze_frac: float = 0.05,
+               gradient_as_bucket_view: bool = False):
     """Returns (step_fn(x, y) -> backward seconds, optimizer or None, phase_fn())."""
     import horovod.torch as hvd
     import torch
@@ -146,23 +162,10 @@ def _make_step(method: str, model, steps: int, warmup_frac: float, powersgd_star
                 p = opt.phase
                 return ("refresh" if p == "compression"
                         and schedule.is_refresh(counter["it"], opt.freeze_step) else p)
-    elif method == "ddp_powersgd":
-        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
-
-        from hvd_onebit.transport.rendezvous import init_torch_distributed
-
-        init_torch_distributed()
-        # One bucket for the whole model: PowerSGD's hook waits on a second allreduce inside a
-        # future callback, which on Gloo's two worker threads deadlocks when two buckets'
-        # callbacks block at once.
-        model_mb = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
-        net = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=model_mb + 1)
-        state = powersgd.PowerSGDState(process_group=None, matrix_approximation_rank=1,
-                                       start_powerSGD_iter=max(2, powersgd_start))
-        net.register_comm_hook(state, powersgd.powerSGD_hook)
-
-        def phase():  # PowerSGD's own warm-up uses plain allreduce
-            return "warmup" if counter["it"] < max(2, powersgd_start) else "compression"
+    elif method in DDP_METHODS:
+        net, opt, phase = make_ddp_method(method, model, base, steps, warmup_frac,
+                                          powersgd_start, onebit_options, counter,
+                                          gradient_as_bucket_view)
     elif method != "local":
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
 
@@ -185,13 +188,15 @@ def train_worker(methods=METHODS, steps: int = 40, warmup_frac: float = 0.15,
                  lr: float = 1e-4, powersgd_start: int = 10, wait: str = "sleep",
                  transport: str = "auto", bucket_size_mb: Optional[float] = None,
                  intra_node: str = "auto", variance_refresh=None,
-                 refresh_freeze_frac: float = 0.05) -> list[dict]:
+                 refresh_freeze_frac: float = 0.05,
+                 gradient_as_bucket_view: bool = False) -> list[dict]:
     """Runs in every rank (after hvd.init()). Returns one row per method (rank 0's view).
 
     ``model="mlp"`` uses width/depth; ``model="embedding"`` uses vocab/embed_dim, ``tokens``
     token ids per sample, and ``width`` for its head. ``transport``, ``bucket_size_mb`` and
     ``intra_node`` are 1-bit Adam's options (None: its default bucket size);
-    ``variance_refresh`` and ``refresh_freeze_frac`` are ``onebit_refresh``'s.
+    ``variance_refresh`` and ``refresh_freeze_frac`` are ``onebit_refresh``'s;
+    ``gradient_as_bucket_view`` is DDP's option for every DDP method.
     """
     import horovod.torch as hvd
     import torch
@@ -211,7 +216,8 @@ def train_worker(methods=METHODS, steps: int = 40, warmup_frac: float = 0.15,
         if bucket_size_mb is not None:
             options["bucket_size_mb"] = bucket_size_mb
         step, opt, phase = _make_step(method, net, steps, warmup_frac, powersgd_start, lr, options,
-                                      variance_refresh, refresh_freeze_frac)
+                                      variance_refresh, refresh_freeze_frac,
+                                      gradient_as_bucket_view)
         g = torch.Generator().manual_seed(hvd.rank())
         if model == "mlp":
             inputs = [torch.randn(batch, IN_DIM, generator=g) for _ in range(4)]
@@ -262,7 +268,7 @@ def train_worker(methods=METHODS, steps: int = 40, warmup_frac: float = 0.15,
             names = sorted({k for i in steady for k in parts[i]})
             row[f"{key}_breakdown_s"] = {k: statistics.median(parts[i].get(k, 0.0) for i in steady)
                                          for k in names}
-        if method in ONEBIT_METHODS:
+        if method in ONEBIT_METHODS or method == "ddp_onebit":
             row["freeze_step"] = opt.freeze_step
             row["compression_bytes_per_step"] = (opt.last_step_bytes if compressed_bytes is None
                                                  else compressed_bytes)
@@ -273,7 +279,7 @@ def train_worker(methods=METHODS, steps: int = 40, warmup_frac: float = 0.15,
             row["run_bytes_per_rank"] = (
                 kinds["full_precision_steps"] * ring_allreduce_bytes(params * 4, hvd.size())
                 + kinds["compressed_steps"] * (row["compression_bytes_per_step"] or 0))
-        elif method.startswith("horovod"):
+        elif method.startswith("horovod") or method == "ddp_adam":
             elem = 2 if method.endswith("fp16") else 4
             n = hvd.size()
             row["bytes_per_step"] = ring_allreduce_bytes(params * elem, n)
@@ -339,6 +345,7 @@ def summarize(rows: list[dict]) -> dict:
         if "compression_step_s" in ddp:
             out["onebit_vs_ddp_powersgd_compression_step_speedup"] = (
                 ddp["compression_step_s"] / ob["compression_step_s"])
+    out.update(ddp_summary(by))
     return out
 
 

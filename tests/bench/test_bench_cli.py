@@ -97,11 +97,12 @@ def test_bench_train_loopback_reports_phases_and_speedups(tmp_path, model):
     plot = tmp_path / "train.png"
     size = (["--width", "64", "--depth", "1"] if model == "mlp"
             else ["--vocab", "512", "--embed-dim", "16", "--tokens", "64", "--width", "32"])
+    methods = ["local", "horovod_fp32", "onebit", "ddp_adam", "ddp_onebit"]
     proc = bench("train", "--np", "2", "--bandwidth", "local", "--steps", "8", "--model", model,
-                 "--methods", "local,horovod_fp32,onebit", "--json", "--plot", str(plot), *size)
+                 "--methods", ",".join(methods), "--json", "--plot", str(plot), *size)
     report = json.loads(proc.stdout)
     rows = {r["method"]: r for r in report["rows"]}
-    assert set(rows) == {"local", "horovod_fp32", "onebit"}
+    assert set(rows) == set(methods), f"rows of {sorted(rows)}, expected {sorted(methods)}"
     ob = rows["onebit"]
     # freeze_step: round(--warmup-frac * 8) at the default (the frozen variance's recommended share)
     got = {k: ob[k] for k in ("model", "freeze_step", "warmup_steps", "compression_steps")}
@@ -117,24 +118,49 @@ def test_bench_train_loopback_reports_phases_and_speedups(tmp_path, model):
         f"phases {ob['step_phases']}"
     assert ob["run_seconds"] >= sum(ob["step_seconds"]) - 1e-9, \
         f"the run took {ob['run_seconds']} s, less than its steps' {sum(ob['step_seconds'])} s"
+    # the DDP face: onebit's warmup and phases, the same engine's bytes, DDP Adam's ring figure
+    face, adam = rows["ddp_onebit"], rows["ddp_adam"]
+    got = {k: face[k] for k in ("freeze_step", "warmup_steps", "compression_steps",
+                                "step_phases", "compression_bytes_per_step", "run_bytes_per_rank")}
+    want = {k: ob[k] for k in got}
+    assert got == want, f"ddp_onebit row {got}, onebit's {want}"
+    assert adam["bytes_per_step"] == fp32_bytes, \
+        f"ddp_adam's ring figure {adam['bytes_per_step']}, horovod_fp32's {fp32_bytes}"
+    assert face["compression_bytes_per_step"] * 25 < adam["bytes_per_step"], \
+        f"ddp_onebit sends {face['compression_bytes_per_step']} bytes per compressed step, " \
+        f"ddp_adam {adam['bytes_per_step']}: not under 1/25 of it"
     summary = report["summary"]
     for key in ("comm_fraction_of_fp32_step", "onebit_compression_step_speedup_vs_fp32",
-                "onebit_run_speedup_vs_fp32"):
+                "onebit_run_speedup_vs_fp32", "ddp_onebit_compression_step_speedup_vs_ddp_adam",
+                "ddp_face_speedup_vs_horovod_face", "ddp_onebit_run_speedup_vs_ddp_adam"):
         assert summary[key] == summary[key], f"summary {key} is NaN: {summary}"  # present
+    assert summary["ddp_onebit_bytes_vs_ddp_adam"] == pytest.approx(
+        face["compression_bytes_per_step"] / adam["bytes_per_step"]), summary
     got = (report["config"]["wait"], report["config"]["malloc"])
     assert got == ("sleep", "reuse"), f"(wait, malloc) by default {got}, expected sleep and reuse"
     assert plot.stat().st_size > 0, f"the plot {plot} is {plot.stat().st_size} bytes"
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="the emulator needs root")
-def test_bench_train_on_the_emulator_counts_the_wire_bytes():
+def test_bench_train_on_the_emulator_counts_the_wire_bytes(tmp_path):
+    out_json = tmp_path / "train.json"
     proc = bench("train", "--np", "2", "--bandwidth", "1gbit", "--steps", "6", "--model", "mlp",
-                 "--width", "64", "--depth", "1", "--methods", "horovod_fp32,onebit", "--wait", "spin",
-                 "--malloc", "system")
+                 "--width", "512", "--depth", "1", "--methods",
+                 "horovod_fp32,onebit,ddp_adam,ddp_onebit", "--wait", "spin", "--malloc", "system",
+                 "--out", str(out_json))
     out = proc.stdout
-    for text in ("Horovod waits: spin, malloc: system", "onebit", "compression",
-                 "measured MB/step/rank"):
+    for text in ("Horovod waits: spin, malloc: system", "onebit", "ddp_onebit", "compression",
+                 "measured MB/step/rank", "ddp_onebit_measured_bytes_vs_ddp_adam"):
         assert text in out, f"{text!r} is not in the output:\n{out}"
+    report = json.loads(out_json.read_text())
+    assert report["command"].startswith("hvd-onebit bench train") and report["commit"], \
+        f"the JSON's provenance: {report['command']!r}, commit {report['commit']!r}"
+    rows = {r["method"]: r for r in report["rows"]}
+    face = rows["ddp_onebit"]["compression_measured_tx_bytes_per_step"]
+    adam = rows["ddp_adam"]["all_measured_tx_bytes_per_step"]
+    assert face * 25 < adam, \
+        f"ddp_onebit's compressed step put {face} bytes on rank 0's link, ddp_adam's step " \
+        f"{adam}: not under 1/25 of it"
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="the emulator needs root")

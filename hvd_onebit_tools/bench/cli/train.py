@@ -3,12 +3,13 @@ bytes."""
 from __future__ import annotations
 
 import json
+import sys
 
 import click
 
 from hvd_onebit.transport.registry import TRANSPORTS
 
-from ..report import machine_info, print_table
+from ..report import print_table, provenance
 from ..train import MALLOC_REUSE_ENV
 from ..train import DEFAULT_METHODS as TRAIN_DEFAULT_METHODS
 from ..train import METHODS as TRAIN_METHODS
@@ -55,7 +56,9 @@ from .options import (FROZEN_FREEZE_FRACTION, cluster_for, comma_list, nodes_opt
               "(onebit: variance_refresh=None, frozen at --warmup-frac; onebit_sync: "
               "overlap=False, the exchange starts in step(); onebit_hierarchical: "
               "hierarchical=True, for --ranks-per-node > 1; onebit_refresh: --variance-refresh "
-              "frozen at --refresh-freeze-frac, against onebit's whole run).")
+              "frozen at --refresh-freeze-frac, against onebit's whole run; ddp_adam: DDP over "
+              "Gloo with its own allreduce; ddp_onebit: the same DDP model under "
+              "hvd_onebit.ddp.DistributedOptimizer, frozen as onebit is).")
 @click.option("--transport", default="auto", show_default=True,
               type=click.Choice(TRANSPORTS),
               help="1-bit Adam's transport for the compression phase.")
@@ -65,6 +68,9 @@ from .options import (FROZEN_FREEZE_FRACTION, cluster_for, comma_list, nodes_opt
               type=click.Choice(["auto", "shared_memory", "network"]),
               help="1-bit Adam's intra_node (onebit_hierarchical's stages inside a node); auto is "
                    "network when --intra-bandwidth is set, so the emulated links carry them.")
+@click.option("--gradient-as-bucket-view", is_flag=True,
+              help="DDP's gradient_as_bucket_view=True for every DDP method (the gradients are "
+                   "views into DDP's buckets: no copy into them or back in a step).")
 @real_cluster_options
 @queue_option
 @nodes_options
@@ -72,12 +78,15 @@ from .options import (FROZEN_FREEZE_FRACTION, cluster_for, comma_list, nodes_opt
 @click.option("--plot", default=None, type=click.Path(dir_okay=False),
               help="Write a PNG bar chart of samples/s per method and phase.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+@click.option("--out", default=None, type=click.Path(dir_okay=False),
+              help="Also write the JSON report (with the command, commit and machine) to this "
+                   "file.")
 def bench_train(np_, bandwidth, steps, warmup_frac, variance_refresh, refresh_freeze_frac, model, width, depth, vocab, embed_dim, tokens,
                 batch, malloc_mode, wait, powersgd_start, methods, transport, bucket_size_mb,
-                intra_node, hosts, shared_dir, queue_ms, ranks_per_node, intra_bandwidth, timeout,
-                plot, as_json) -> None:
-    """End-to-end samples/s and bytes per step: Horovod Adam (fp32, fp16), DDP + PowerSGD and
-    1-bit Adam, per phase and over a whole run. Also reports what share of the Horovod fp32
+                intra_node, gradient_as_bucket_view, hosts, shared_dir, queue_ms, ranks_per_node, intra_bandwidth, timeout,
+                plot, as_json, out) -> None:
+    """End-to-end samples/s and bytes per step: Horovod Adam (fp32, fp16), DDP Adam, DDP +
+    PowerSGD and 1-bit Adam through either face, per phase and over a whole run. Also reports what share of the Horovod fp32
     step is communication (the 'local' method runs the same step without any)."""
     from ..refresh import parse_variance_refresh
     from ..train import summarize as summarize_train
@@ -96,6 +105,7 @@ def bench_train(np_, bandwidth, steps, warmup_frac, variance_refresh, refresh_fr
               "embed_dim": embed_dim, "tokens": tokens, "batch": batch, "wait": wait,
               "powersgd_start": powersgd_start, "transport": transport,
               "bucket_size_mb": bucket_size_mb,
+              "gradient_as_bucket_view": gradient_as_bucket_view,
               "intra_node": ("network" if intra_node == "auto" and intra_bandwidth != "unlimited"
                              else intra_node)}
     click.echo(f"training {len(methods)} methods x {steps} steps on {np_} ranks "
@@ -107,7 +117,8 @@ def bench_train(np_, bandwidth, steps, warmup_frac, variance_refresh, refresh_fr
                       env=MALLOC_REUSE_ENV if malloc_mode == "reuse" else None)
     rows = job.results[0]
     summary = summarize_train(rows)
-    report = {"benchmark": "train", "machine": machine_info(),
+    report = {"benchmark": "train", "command": " ".join(["hvd-onebit", *sys.argv[1:]]),
+              **provenance(),
               "bandwidth": "real" if hosts else bandwidth, "queue_ms": queue_ms,
               "ranks_per_node": ranks_per_node, "intra_bandwidth": intra_bandwidth,
               "config": {**kwargs, "malloc": malloc_mode}, "rows": rows,
@@ -117,6 +128,9 @@ def bench_train(np_, bandwidth, steps, warmup_frac, variance_refresh, refresh_fr
 
         plot_train(rows, plot, report["bandwidth"])
         report["plot"] = plot
+    if out:
+        with open(out, "w") as f:
+            json.dump(report, f, indent=2)
     if as_json:
         click.echo(json.dumps(report, indent=2))
         return
@@ -147,4 +161,4 @@ def bench_train(np_, bandwidth, steps, warmup_frac, variance_refresh, refresh_fr
             click.echo(f"{r['method']} compressed step, median ms: " + ", ".join(
                 f"{k} {v * 1e3:.1f}" for k, v in parts.items()))
     for k, v in summary.items():
-        click.echo(f"{k}: {v:.3f}")
+        click.echo(f"{k}: {'-' if v is None else format(v, '.3f')}")

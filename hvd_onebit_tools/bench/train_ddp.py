@@ -1,0 +1,112 @@
+"""`bench train`'s DDP methods: ``torch.nn.parallel.DistributedDataParallel`` over Gloo, set up
+inside the Horovod job (:func:`hvd_onebit.transport.rendezvous.init_torch_distributed`), with
+DDP's own allreduce (``ddp_adam``), the DDP face of 1-bit Adam (``ddp_onebit``) or PowerSGD's
+hook (``ddp_powersgd``), and what the summary says of them: the DDP face against DDP Adam, and
+against the Horovod face's own gain over Horovod Adam in the same run.
+"""
+from __future__ import annotations
+
+import inspect
+
+from .refresh import freeze_step_for, optimizer_options
+
+DDP_METHODS = ("ddp_adam", "ddp_onebit", "ddp_powersgd")
+
+
+def ddp_onebit_arguments(steps: int, warmup_frac: float, onebit_options: dict) -> dict:
+    """``hvd_onebit.ddp.DistributedOptimizer``'s keyword arguments for ``ddp_onebit``: the
+    ``onebit`` method's freeze step and ``variance_refresh=None``, and of its other options
+    only those the DDP face takes (it has no ``transport``: the momentum travels on the DDP
+    model's torch.distributed group)."""
+    from hvd_onebit.ddp import DistributedOptimizer
+
+    takes = set(inspect.signature(DistributedOptimizer).parameters)
+    options = {k: v for k, v in onebit_options.items() if k in takes}
+    options["freeze_step"] = freeze_step_for(warmup_frac, steps)
+    return optimizer_options(None, **options)
+
+
+def make_ddp_method(method: str, model, base, steps: int, warmup_frac: float,
+                    powersgd_start: int, onebit_options: dict, counter: dict,
+                    gradient_as_bucket_view: bool = False):
+    """(the DDP model, the optimizer, phase()) of a DDP method; ``base`` is the fused Adam of
+    ``model``'s parameters, ``counter["it"]`` the steps taken. ``gradient_as_bucket_view`` is
+    DDP's own option, for every DDP method alike: the gradients are views into DDP's buckets, so
+    its reducer copies none of them in or back in a step."""
+    import torch
+
+    from hvd_onebit.transport.rendezvous import init_torch_distributed
+
+    init_torch_distributed()
+    if method == "ddp_powersgd":
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
+
+        # One bucket for the whole model: PowerSGD's hook waits on a second allreduce inside a
+        # future callback, which on Gloo's two worker threads deadlocks when two buckets'
+        # callbacks block at once.
+        model_mb = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
+        net = torch.nn.parallel.DistributedDataParallel(
+            model, bucket_cap_mb=model_mb + 1, gradient_as_bucket_view=gradient_as_bucket_view)
+        start = max(2, powersgd_start)
+        state = powersgd.PowerSGDState(process_group=None, matrix_approximation_rank=1,
+                                       start_powerSGD_iter=start)
+        net.register_comm_hook(state, powersgd.powerSGD_hook)
+
+        def phase():  # PowerSGD's own warm-up uses plain allreduce
+            return "warmup" if counter["it"] < start else "compression"
+        return net, base, phase
+    # DDP as a user builds it: its own buckets, its own allreduce overlapping backward
+    net = torch.nn.parallel.DistributedDataParallel(
+        model, gradient_as_bucket_view=gradient_as_bucket_view)
+    if method == "ddp_adam":
+        return net, base, (lambda: "n/a")
+    if method == "ddp_onebit":
+        import hvd_onebit.ddp
+
+        opt = hvd_onebit.ddp.DistributedOptimizer(
+            base, net, **ddp_onebit_arguments(steps, warmup_frac, onebit_options))
+        return net, opt, (lambda: opt.phase)
+    raise ValueError(f"not a DDP method: {method!r}, choose from {DDP_METHODS}")
+
+
+def ddp_summary(by: dict) -> dict:
+    """The DDP rows against each other and against the Horovod face, by method name:
+
+    * ``ddp_onebit_compression_step_speedup_vs_ddp_adam``: DDP Adam's step over the DDP face's
+      compressed step; ``onebit_compression_step_speedup_vs_fp32`` is the Horovod face's over
+      Horovod Adam, and ``ddp_face_speedup_vs_horovod_face`` the first over the second (both
+      faces' gains over their own framework's Adam, in one run);
+    * ``ddp_onebit_run_speedup_vs_ddp_adam``, ``..._vs_ddp_powersgd``: whole runs;
+    * ``ddp_onebit_measured_bytes_vs_ddp_adam``: the DDP face's compressed step's bytes on rank
+      0's emulated link over DDP Adam's step's, and ``ddp_onebit_bytes_vs_ddp_adam`` the same
+      from the computed figures (the 1-bit wire bytes over the fp32 ring allreduce's).
+    """
+    out: dict = {}
+    adam, face, psgd = by.get("ddp_adam"), by.get("ddp_onebit"), by.get("ddp_powersgd")
+    fp32, onebit = by.get("horovod_fp32"), by.get("onebit")
+    if adam and fp32:
+        out["ddp_adam_step_vs_horovod_fp32"] = adam["all_step_s"] / fp32["all_step_s"]
+    if face and onebit and "compression_step_s" in face and "compression_step_s" in onebit:
+        out["ddp_onebit_compression_step_vs_onebit"] = (face["compression_step_s"]
+                                                        / onebit["compression_step_s"])
+    if not face:
+        return out
+    if adam and "compression_step_s" in face:
+        speedup = adam["all_step_s"] / face["compression_step_s"]
+        out["ddp_onebit_compression_step_speedup_vs_ddp_adam"] = speedup
+        out["ddp_onebit_warmup_step_speedup_vs_ddp_adam"] = (adam["all_step_s"]
+                                                             / face["warmup_step_s"])
+        if fp32 and onebit and "compression_step_s" in onebit:
+            horovod = fp32["all_step_s"] / onebit["compression_step_s"]
+            out["ddp_face_speedup_vs_horovod_face"] = speedup / horovod
+    if adam:
+        out["ddp_onebit_run_speedup_vs_ddp_adam"] = adam["run_seconds"] / face["run_seconds"]
+        pairs = {"ddp_onebit_measured_bytes_vs_ddp_adam":  # absent off the emulator
+                 ("compression_measured_tx_bytes_per_step", "all_measured_tx_bytes_per_step"),
+                 "ddp_onebit_bytes_vs_ddp_adam": ("compression_bytes_per_step", "bytes_per_step")}
+        for key, (mine, theirs) in pairs.items():
+            if face.get(mine) and adam.get(theirs):
+                out[key] = face[mine] / adam[theirs]
+    if psgd:
+        out["ddp_onebit_run_speedup_vs_ddp_powersgd"] = psgd["run_seconds"] / face["run_seconds"]
+    return out
