@@ -74,7 +74,7 @@ from .waits import sleeping_horovod_waits as _sleeping_horovod_waits  # noqa: F4
 
 # glibc serves allocations above 32 MiB (and, after heap trims, smaller ones) with fresh mmap()s,
 # so a training step that allocates its gradients anew page-faults and zero-fills tens of MB each
-# step (CHANGELOG.md, Benchmarks, has what it cost here). Serving everything from a heap that is
+# step. Serving everything from a heap that is
 # never trimmed keeps those pages mapped. (jemalloc or tcmalloc via LD_PRELOAD do the same job.)
 MALLOC_REUSE_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(2**40)}
 METHODS = ("local", "horovod_fp32", "horovod_fp16", "ddp_powersgd", "ddp_adam", "ddp_onebit",
