@@ -1,8 +1,8 @@
 """The DDP face (``hvd_onebit.ddp``) under real torchrun (Gloo, CPU, Horovod blocked in the
 ranks), at 2 and 4 ranks: one launch per world runs every scenario (tests/workers_ddp.py), more
 run the example script and a restarted training script; at 3 ranks the same scenarios run in
-the shared Horovod job. The compressed steps, their buckets
-started from DDP's hook, are checked bit for bit against the engine alone started in step(), fed
+the shared Horovod job. The compressed steps, their buckets started from the gradient hooks
+with DDP's sync off, are checked bit for bit against the engine alone started in step(), fed
 the same state and the same local gradients on the in-process transport. In the Horovod jobs of
 2 and 3 ranks the two faces run side by side on the same gradients (tests/workers_ddp_faces.py)."""
 from __future__ import annotations
@@ -71,9 +71,9 @@ def test_compressed_steps_are_the_engines_on_the_same_gradients(world, name):
         assert record["steps"] == FREEZE + COMPRESSED
         assert record["phases"] == ["compression"] * COMPRESSED
         assert record["buckets"] > 1, f"n={n}: the momentum spans {record['buckets']} bucket(s)"
-        # DDP's hook handed every bucket of every compressed step back without communicating
-        assert record["local_buckets"] == COMPRESSED
-        # the buckets started from DDP's hook (all of them, but with find_unused_parameters,
+        # every compressed step ran with DDP's gradient sync off: its gradients stayed local
+        assert record["local_steps"] == COMPRESSED, record["local_steps"]
+        # the buckets started from the gradient hooks (all of them, but with find_unused_parameters,
         # and for a clip: it changes the gradients after backward, so they start again)
         started = {"compression_unused": 0, "compression_clip": record["buckets"]}.get(
             name, record["buckets"] * COMPRESSED)
@@ -107,9 +107,9 @@ def test_variance_refresh_steps_take_ddps_averaged_gradients(world):
     runs = scenario(results, "refresh")
     for rank, r in enumerate(runs):
         assert (r["steps"], r["phase"]) == (FREEZE + 6, "compression")
-        # every compressed step is a refresh (DDP's allreduce) or a 1-bit one (a local bucket)
-        assert r["refreshes"] > 0 and r["local_buckets"] > 0, r
-        assert r["refreshes"] + r["local_buckets"] == 6, r
+        # every compressed step is a refresh (DDP's allreduce) or a 1-bit one (gradients local)
+        assert r["refreshes"] > 0 and r["local_steps"] > 0, r
+        assert r["refreshes"] + r["local_steps"] == 6, r
         assert differences(r["params"], runs[0]["params"], "refresh") == [], \
             f"n={n}: rank {rank} differs from rank 0"
 
@@ -254,11 +254,11 @@ def test_the_faces_take_the_same_steps_through_every_phase(faces_through):
     runs = faces_through
     assert_faces_agree(2, runs, "Horovod's own average")
     for rank, r in enumerate(runs):
-        # refresh steps (each face's averaging) and 1-bit steps (DDP's hook handed back local
-        # buckets) alternate after the freeze
+        # refresh steps (each face's averaging) and 1-bit steps (gradients kept local)
+        # alternate after the freeze
         assert r["refreshes"][0] == r["refreshes"][1] > 0, f"rank {rank}: {r['refreshes']}"
-        assert r["local_buckets"] == FACES_COMPRESSED - r["refreshes"][1], \
-            f"rank {rank}: {r['local_buckets']} local buckets, {r['refreshes']} refreshes"
+        assert r["local_steps"] == FACES_COMPRESSED - r["refreshes"][1], \
+            f"rank {rank}: {r['local_steps']} local steps, {r['refreshes']} refreshes"
 
 
 @pytest.mark.multirank
@@ -268,6 +268,6 @@ def test_the_faces_take_the_same_one_bit_steps_from_a_state_common_at_the_freeze
     # the DDP face resumed the Horovod face's checkpoint (model and optimizer) at the freeze
     for rank, r in enumerate(runs):
         assert r["synced"] == [], f"n={n} rank {rank}: {r['synced']}"
-        assert (r["refreshes"], r["local_buckets"]) == ((0, 0), FACES_COMPRESSED), \
-            f"n={n} rank {rank}: refreshes {r['refreshes']}, local buckets {r['local_buckets']}"
+        assert (r["refreshes"], r["local_steps"]) == ((0, 0), FACES_COMPRESSED), \
+            f"n={n} rank {rank}: refreshes {r['refreshes']}, local steps {r['local_steps']}"
     assert_faces_agree(n, runs, "common state at the freeze", first=FREEZE)

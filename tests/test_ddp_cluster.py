@@ -1,7 +1,7 @@
 """The DDP face's hierarchical 1-bit Adam on the emulated cluster's 2 nodes x 2 ranks, launched as
 torchrun launches a multi-node job (one torchrun per node in its namespace, Gloo on the shaped
 links, Horovod blocked in the ranks): one launch runs every scenario (tests/cluster/ddp_workers.py).
-The compressed steps, their buckets started from DDP's hook and the node's stages in shared
+The compressed steps, their buckets started from the gradient hooks and the node's stages in shared
 memory, are checked bit for bit against the engine alone on the same state and local gradients,
 every bucket started in step() and the node's stages on its links, and the collective on
 torchrun's layout against the NumPy reference of the scheme; the emulated links' bytes

@@ -175,7 +175,7 @@ def compression_record(variant: str, steps: int = 4, **options) -> dict:
             record["phases"].append(opt.phase)
     telemetry = opt.telemetry()
     record.update(steps=opt.steps, buckets=len(opt.compressed_step.buckets),
-                  local_buckets=opt._hook.local_buckets,
+                  local_steps=opt._hook.local_steps,
                   early_starts=opt.compressed_step.early_starts,
                   restarts=opt.compressed_step.restarts, total_bytes=telemetry["total_bytes"],
                   last_step_bytes=telemetry["last_step_bytes"])
@@ -353,7 +353,7 @@ def variance_refresh(steps: int = 6) -> dict:
         train_step(model, opt, step)
     telemetry = opt.telemetry()
     return {"params": params_of(model), "steps": opt.steps, "refreshes": telemetry["refreshes"],
-            "local_buckets": opt._hook.local_buckets, "phase": opt.phase}
+            "local_steps": opt._hook.local_steps, "phase": opt.phase}
 
 
 def suite(scratch: Optional[str] = None, stage: Optional[str] = None) -> dict:

@@ -86,7 +86,7 @@ def faces_side_by_side(sync_at_freeze: bool = False, refresh: bool = False) -> d
                           ddp_face.telemetry()["refreshes"]),
                buckets=(len(horovod_face.compressed_step.buckets),
                         len(ddp_face.compressed_step.buckets)),
-               local_buckets=ddp_face._hook.local_buckets,
+               local_steps=ddp_face._hook.local_steps,
                digest=b"".join(p.tobytes() for p in _params(model.module)))
     return out
 

@@ -1,12 +1,13 @@
-"""The DDP face's communication hook: DDP's own averaging while gradients are averaged (the
-warmup, variance refresh steps), the local gradient without communicating in the compression
-phase, where the momentum travels in 1 bit instead: its buckets start from here as DDP's buckets
-become ready (:mod:`hvd_onebit.overlap`), the rest in step().
+"""The DDP face's hold on its DDP model: DDP's own averaging while gradients are averaged (the
+warmup, variance refresh steps), through the communication hook; in the compression phase, where
+the momentum travels in 1 bit instead, DDP's gradient synchronisation is taken off for the step
+(as ``model.no_sync()`` does), so DDP neither copies the gradients into its buckets nor back,
+and each parameter's gradient hook tells the overlap (:mod:`hvd_onebit.overlap`) that the
+gradient is final: the engine's buckets start from there, the rest in step().
 
-DDP copies each bucket's result back into ``p.grad`` when backward ends: the values the starts
-read, with another version. A callback queued behind DDP's own end-of-backward callback tells the
-overlap so (:meth:`~hvd_onebit.overlap.Overlap.settle`); any change after that (a clip, an
-unscale that is not the assumed one) is still seen, and the buckets start again in step()."""
+A user's own ``no_sync()`` keeps its meaning: a backward pass inside it accumulates, and starts
+nothing; the pass after it does.
+"""
 from __future__ import annotations
 
 from typing import Callable, Optional
@@ -29,22 +30,23 @@ def check_unhooked(model) -> None:
 
 
 class CommHook:
-    """One optimizer's hook on its DDP model, and what it counts.
+    """One optimizer's hooks on its DDP model, and what they count.
 
     Args:
         group: the process group DDP averages over.
         averaging: whether the coming step takes averaged gradients (decided from the step count,
-            alike on every rank, so every rank's hook does the same).
-        overlap: the :class:`~hvd_onebit.overlap.Overlap` told of each local bucket's parameters
-            (their gradients are final) and, once DDP has written the last local bucket back into
-            the gradients, to settle; None: every bucket starts in step().
+            alike on every rank, so every rank's hooks do the same).
+        overlap: the :class:`~hvd_onebit.overlap.Overlap` told of each gradient that is final
+            for a compressed step; None: every bucket starts in step().
     """
 
     def __init__(self, group, averaging: Callable[[], bool], overlap: Optional[Overlap]):
         self.group = group
         self._averaging = averaging
         self._overlap = overlap
-        self.local_buckets = 0  # DDP buckets handed back without communicating, over the run
+        self._final = True  # this backward ends the step (not inside the user's no_sync())
+        self._local = False  # this forward's step is compressed: DDP's sync taken off
+        self.local_steps = 0  # forwards whose step kept its gradients local, over the run
 
     def register(self, model) -> None:
         """Register on ``model`` (a DDP module); raises a ValueError if it has a hook already."""
@@ -55,6 +57,34 @@ class CommHook:
             if "once" in str(exc):
                 raise ValueError(ALREADY_HOOKED) from exc
             raise
+        model.register_forward_pre_hook(self._before_forward)
+        model.register_forward_hook(self._after_forward)
+        if self._overlap is not None:
+            for p in model.module.parameters():
+                if p.requires_grad:
+                    p.register_post_accumulate_grad_hook(self._gradient_final)
+
+    def _before_forward(self, model, args) -> None:
+        """A compressed step's forward: DDP's gradient sync off for it, as no_sync() does, unless
+        the user's no_sync() has it off already (then this pass only accumulates)."""
+        self._final = model.require_backward_grad_sync
+        self._local = torch.is_grad_enabled() and not self._averaging()
+        if self._local:
+            model.require_backward_grad_sync = False
+            if self._final:
+                self.local_steps += 1
+
+    def _after_forward(self, model, args, output) -> None:
+        """The user's own setting back, and the buffers synchronised at the next forward as DDP
+        would have decided with it."""
+        if self._local:
+            model.require_backward_grad_sync = self._final
+            if hasattr(model, "require_forward_param_sync"):
+                model.require_forward_param_sync = self._final
+
+    def _gradient_final(self, p: torch.Tensor) -> None:
+        if self._local and self._final:
+            self._overlap.gradient_ready(p)
 
     def _average(self, buffer: torch.Tensor) -> torch.futures.Future:
         """DDP's own averaging, bit for bit: each gradient times 1/n, as DDP's reducer scales
@@ -66,18 +96,10 @@ class CommHook:
 
     def communicate(self, state, bucket):
         """DDP's hook (``state`` is unused: this object holds its own). No annotations: DDP
-        checks them against its own types."""
+        checks them against its own types. A compressed step never reaches it (DDP's sync is
+        off then), unless its forward ran outside the hooks: then the bucket goes back as it is."""
         if self._averaging():
             return self._average(bucket.buffer())
-        self.local_buckets += 1
-        if self._overlap is not None:
-            for p in bucket.parameters():
-                self._overlap.gradient_ready(p)
-            if bucket.is_last():
-                # DDP queues its end of backward right after this hook returns; a callback
-                # queued from here runs before it, and the one it queues runs after it.
-                queue = torch.autograd.Variable._execution_engine.queue_callback
-                queue(lambda: queue(self._overlap.settle))
         done: torch.futures.Future = torch.futures.Future()
         done.set_result(bucket.buffer())
         return done
