@@ -2,9 +2,9 @@
 
 Two phases, decided by the number of optimizer steps taken, as in the Horovod face: the
 **warmup**, DDP's own allreduce of the gradients and the wrapped Adam's step (bit-identical to
-DDP + that Adam), then the **compression** phase: DDP's hook hands each bucket back without
-communicating, and step() averages Adam's momentum in 1 bit with error feedback through the
-engine (:mod:`hvd_onebit.engine`) on torch.distributed (Gloo for CPU tensors, NCCL for CUDA).
+DDP + that Adam), then the **compression** phase: DDP's gradient sync is off for the step (as
+``no_sync()`` turns it off), and Adam's momentum is averaged in 1 bit with error feedback through
+the engine (:mod:`hvd_onebit.engine`) on torch.distributed (Gloo for CPU tensors, NCCL for CUDA).
 This module is the face: the factory, the class it builds (the wrapped Adam class, then
 :class:`DDPFace` beside :class:`~hvd_onebit.face.SharedFace`), and short delegations.
 """
@@ -39,8 +39,8 @@ class DDPFace:
 
     def step(self, closure: Optional[Callable[[], float]] = None, grad_scaler=None):
         """One optimizer step: Adam on DDP's averaged gradients in the warmup, 1-bit momentum
-        Adam on the local gradients afterwards (the buckets not started from DDP's hook start
-        here). ``grad_scaler`` is passed by
+        Adam on the local gradients afterwards (the buckets not started from the gradient
+        hooks start here). ``grad_scaler`` is passed by
         ``torch.amp.GradScaler.step()`` itself."""
         return self._phases.step(closure, grad_scaler,
                                  lambda: grad_scaler.unscale_(self), None)
@@ -80,7 +80,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model, *,
             of ranks); "auto": on with several nodes of several ranks (default: False)
         bucket_size_mb (float, optional): momentum per 1-bit allreduce, in MiB of fp32
             (default: 64)
-        overlap (bool, optional): start buckets from DDP's hook as its buckets become ready,
+        overlap (bool, optional): start buckets from the gradient hooks as backward makes them,
             bit-identical to starting them in step(); off with ``find_unused_parameters``
             (default: True)
         memory (str, optional): "auto", "lean" (one error buffer per collective) or "fast"

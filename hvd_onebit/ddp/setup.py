@@ -27,12 +27,11 @@ from .warmup import DDPWarmup
 
 
 def finds_unused(model) -> bool:
-    """Whether DDP looks for unused parameters in every backward (``find_unused_parameters``):
-    then DDP allreduces which parameters were used after the last bucket's hook, on the group
-    the 1-bit stages run on. A rank that stopped starting buckets early (its gradients went
-    stale once, e.g. a parameter with a gradient on some ranks only) would start them after that
-    allreduce where the others started them before it, another order on each rank; so with it
-    every bucket starts in step(), after backward."""
+    """Whether DDP looks for unused parameters in every backward (``find_unused_parameters``).
+    With it every bucket starts in step(), after backward: in the steps DDP synchronises, it
+    allreduces which parameters were used after the last bucket's hook, on the group the 1-bit
+    stages run on, and a model that needs it has parameters without a gradient on some ranks,
+    whose buckets the ranks would start at different points."""
     return bool(getattr(model, "find_unused_parameters", False))
 
 

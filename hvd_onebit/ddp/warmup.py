@@ -37,7 +37,7 @@ class DDPWarmup:
     def synchronize_for_step(self, make_hook: Optional[Callable]) -> None:
         """Nothing to wait for: DDP's reducer finished its allreduces when backward returned.
         Before the warmup's last step the compression phase's buckets are fused, so that the
-        first compressed step's buckets can start from DDP's hook."""
+        first compressed step's buckets can start from the gradient hooks."""
         self._view.synchronized = False
         active, engine = self._view.adam.active_parameters(), self._engine
         if (self._schedule.last_warmup_step_next() and engine.world > 1
