@@ -245,17 +245,42 @@ def zoo_faces(name: str = "ddp/zoo_ddp/faces.json") -> str:
     return "\n\n".join([table(header, rows), provenance(name, d)])
 
 
+DDP_TRAIN = "ddp_train"  # bench train runs of both faces, one JSON per run
+
+
+def ddp_train() -> str:
+    """Each committed ``bench train`` run of both faces: each face's compressed step against
+    its own fp32 Adam, their ratio, the whole run and the bytes on the wire."""
+    rows, notes = [], []
+    for path in sorted((DOCS / DDP_TRAIN).glob("run*.json")):
+        d = json.loads(path.read_text())
+        s = d["summary"]
+        rows.append([path.stem, f"{s['onebit_compression_step_speedup_vs_fp32']:.2f}",
+                     f"{s['ddp_onebit_compression_step_speedup_vs_ddp_adam']:.2f}",
+                     f"{s['ddp_face_speedup_vs_horovod_face']:.3f}",
+                     f"{s['ddp_onebit_run_speedup_vs_ddp_adam']:.2f}",
+                     f"{s['ddp_onebit_run_speedup_vs_ddp_powersgd']:.2f}",
+                     f"{s['ddp_onebit_measured_bytes_vs_ddp_adam']:.4f}"])
+        notes.append(provenance(f"{DDP_TRAIN}/{path.name}", d))
+    header = ["run", "Horovod face's compressed step over Horovod Adam's",
+              "DDP face's over DDP Adam's", "DDP face's gain over the Horovod face's",
+              "DDP face's whole run over DDP Adam's", "over DDP PowerSGD's",
+              "DDP face's wire bytes per compressed step over DDP Adam's"]
+    return "\n\n".join([table(header, rows), *notes])
+
+
 PARTS: Dict[str, Callable[[], str]] = {
     "headline": headline, "settings": settings, "freeze_lm": lambda: freeze_runs("lm"),
     "freeze_digits": lambda: freeze_runs("digits"), "zoo": zoo,
     "zoo_long": lambda: zoo("zoo_long"), "fading": fading,
-    "headline_ddp": lambda: headline("ddp/convergence.json"), "zoo_faces": zoo_faces}
+    "headline_ddp": lambda: headline("ddp/convergence.json"), "zoo_faces": zoo_faces,
+    "ddp_train": ddp_train}
 # Which generated parts each Markdown file holds, in its <!-- generated:NAME --> blocks.
 BLOCKS: Dict[str, Sequence[str]] = {
     "README.md": ("settings", "headline"),
     "docs/tuning.md": ("settings",),
     "docs/results.md": ("headline", "freeze_lm", "freeze_digits", "zoo", "zoo_long", "fading",
-                        "headline_ddp", "zoo_faces"),
+                        "headline_ddp", "zoo_faces", "ddp_train"),
 }
 
 
