@@ -96,8 +96,11 @@ def train_lm(optimizer: str, np: int, train_args: Sequence[str], out_dir: Path, 
         raise ValueError(f"face must be horovod or ddp, got {face!r}")
     if face == "ddp" and (cluster is not None or hosts):
         raise ValueError("the DDP face runs on this machine's loopback: no cluster or hosts")
-    argv = [str(find_train_lm(script)), "--optimizer", optimizer, "--face", face,
-            "--json-out", str(json_out), *train_args]
+    # --face only for the DDP face: the Horovod face is every example's default, and
+    # train_digits.py (which the auto-freeze study runs here too) has no other
+    argv = [str(find_train_lm(script)), "--optimizer", optimizer,
+            *(["--face", face] if face == "ddp" else []), "--json-out", str(json_out),
+            *train_args]
     if face == "horovod":
         argv.insert(0, sys.executable)
     what = f"train_lm.py --face {face} --optimizer {optimizer} on {np} ranks"
