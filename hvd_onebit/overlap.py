@@ -118,19 +118,6 @@ class Overlap:
             # every rank, after waiting out what started
             early.failed = True
 
-    def settle(self) -> None:
-        """Take the gradients' versions as they are at this call, for the gradients that are
-        still the tensors the starts read: for a framework that writes back, after the hooks,
-        the very values the starts read (DDP copies each bucket's result into ``p.grad``). Call
-        it only where nothing else can have changed them since (the end of backward)."""
-        early = self.current
-        if early is None:
-            return
-        for q, then in early.read.items():
-            g = q.grad
-            if g is not None and g is then[0]:
-                early.read[q] = (g, g._version) + tuple(then[2:])
-
     def stale(self) -> bool:
         """Whether anything a bucket started early read has changed since (gradients clipped
         or unscaled in place, replaced, options changed): then it is started again."""
