@@ -4,6 +4,7 @@ the sum)."""
 import json
 import os
 import socket
+import sys
 
 import torch
 import torch.distributed as dist
@@ -11,10 +12,13 @@ import torch.distributed as dist
 dist.init_process_group("gloo")
 total = torch.tensor([float(dist.get_rank())])
 dist.all_reduce(total)
-print(json.dumps({
+# One write of the whole line: a node's ranks share torchrun's output, and unbuffered (as the
+# jobs run) print() writes the text and its newline apart, so two ranks' lines could interleave.
+sys.stdout.write(json.dumps({
     "hostname": socket.gethostname(),
     "env": {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
                                            "GROUP_RANK", "MASTER_ADDR")},
     "sum": float(total),
-}), flush=True)
+}) + "\n")
+sys.stdout.flush()
 dist.destroy_process_group()
