@@ -240,6 +240,8 @@ def assert_faces_agree(n: int, runs: list[dict], what: str, first: int = 0) -> N
         assert (r["steps"], r["phases"]) == ((steps, steps), phases), \
             f"n={n} rank {rank} ({what}): steps {r['steps']}, phases {r['phases']}"
         assert r["initial"] == [], f"n={n} rank {rank} ({what}): {r['initial']}"
+        assert r["buckets"][0] == r["buckets"][1] > 1, \
+            f"n={n} rank {rank} ({what}): the faces' momentum buckets {r['buckets']}"
         for step in range(first, steps):
             assert r["grads"][step] == [], \
                 f"n={n} rank {rank} ({what}): the faces took other gradients: {r['grads'][step]}"

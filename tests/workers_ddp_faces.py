@@ -9,10 +9,12 @@ framework's way: the Horovod face with Horovod's allreduce, one tensor at a time
 Average: the sum, then times 1/n), the DDP face as DDP's reducer does (each gradient times 1/n,
 then torch.distributed's sum over DDP's bucket, a flat buffer of several gradients). At two
 ranks these are the same bits (halving is exact, a sum of two is one addition). At three they
-are not: where the 1/n is applied, and the order in which a ring allreduce adds the ranks'
-values, which follows an element's place in the buffer reduced, change the last bits of some
-averages. So ``sync_at_freeze`` hands the DDP face the Horovod face's checkpoint (model and
-optimizer) once the warmup is over, and from that common state every 1-bit step is compared.
+are not: Horovod's average of a tensor differs from DDP's in the last bit of some elements
+(where the 1/n is applied: Horovod's sum of the gradients times 1/n is DDP's average), and
+with the 1/n applied first some still differ (the order of the sum, it seems, which can follow
+an element's place in the buffer reduced). So ``sync_at_freeze`` hands the DDP face the Horovod
+face's checkpoint (model and optimizer) once the warmup is over, and from that common state
+every 1-bit step is compared.
 """
 from __future__ import annotations
 
@@ -22,7 +24,6 @@ import warnings
 import horovod.torch as hvd
 import numpy as np
 import torch
-import torch.distributed as dist
 
 import hvd_onebit
 from hvd_onebit.config import Experimental
