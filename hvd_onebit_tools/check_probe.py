@@ -57,41 +57,57 @@ def _median_time(allreduce, repeats: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def _check_size(np_: Optional[int], size: int) -> None:
+    if np_ is not None and size != np_:
+        raise RuntimeError(f"--np {np_} but this job has {size} ranks")
+
+
+def _probe_torch(np_: Optional[int], elements: int, repeats: int) -> LinkProbe:
+    """Under torchrun: torch.distributed's allreduce (NCCL on a GPU, Gloo otherwise)."""
+    import torch
+    import torch.distributed as dist
+
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    ours = not dist.is_initialized()
+    if ours:
+        dist.init_process_group("nccl" if cuda else "gloo")
+    size, rank = dist.get_world_size(), dist.get_rank()
+    _check_size(np_, size)
+    x = torch.ones(elements, device="cuda" if cuda else "cpu")
+
+    def allreduce(_name):
+        dist.all_reduce(x)
+        if cuda:
+            torch.cuda.synchronize()
+    seconds, via = _median_time(allreduce, repeats), f"torch.distributed ({dist.get_backend()})"
+    if ours:  # a process that exits with its group alive can abort in Gloo's threads
+        dist.destroy_process_group()
+    return LinkProbe(size, elements, seconds, rank, via)
+
+
+def _probe_horovod(np_: Optional[int], elements: int, repeats: int) -> LinkProbe:
+    import horovod.torch as hvd
+    import torch
+
+    hvd.init()
+    _check_size(np_, hvd.size())
+    x = torch.ones(elements)
+
+    def allreduce(name):
+        hvd.allreduce(x, name=f"hvd_onebit_check.{name}")
+    return LinkProbe(hvd.size(), elements, _median_time(allreduce, repeats), hvd.rank(),
+                     "Horovod")
+
+
 def probe(np_: Optional[int], elements: int = PROBE_ELEMENTS,
           repeats: int = PROBE_REPEATS) -> LinkProbe:
     """Every rank: a warm-up allreduce, then the median of ``repeats`` timed ones, through
     whatever launched the job; ``np_`` (None: the job's) must be the job's size."""
-    import torch
-
     if launcher() == "torchrun":
-        import torch.distributed as dist
-
-        cuda = torch.cuda.is_available()
-        if cuda:
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        if not dist.is_initialized():
-            dist.init_process_group("nccl" if cuda else "gloo")
-        size, rank = dist.get_world_size(), dist.get_rank()
-        x = torch.ones(elements, device="cuda" if cuda else "cpu")
-
-        def allreduce(_name):
-            dist.all_reduce(x)
-            if cuda:
-                torch.cuda.synchronize()
-        via = f"torch.distributed ({dist.get_backend()})"
-    else:
-        import horovod.torch as hvd
-
-        hvd.init()
-        size, rank = hvd.size(), hvd.rank()
-        x = torch.ones(elements)
-
-        def allreduce(name):
-            hvd.allreduce(x, name=f"hvd_onebit_check.{name}")
-        via = "Horovod"
-    if np_ is not None and size != np_:
-        raise RuntimeError(f"--np {np_} but this job has {size} ranks")
-    return LinkProbe(size, elements, _median_time(allreduce, repeats), rank, via)
+        return _probe_torch(np_, elements, repeats)
+    return _probe_horovod(np_, elements, repeats)
 
 
 def model_rate(model, link: LinkProbe) -> Optional[float]:
