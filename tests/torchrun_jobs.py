@@ -10,17 +10,17 @@ token is killed) and failure report (:class:`RankFailure`) this reuses.
 """
 from __future__ import annotations
 
-import os
 import pickle
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
-import traceback
 import uuid
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
+
+from hvd_onebit_tools.cluster.torchrun import block_horovod, rank_main
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -38,7 +38,7 @@ def run_torchrun_job(target: str, np: int = 2, kwargs: Optional[dict] = None,
     """Run ``target`` ("module:function", called as ``function(**kwargs)`` once Gloo is set up)
     on ``np`` ranks under torchrun; a :class:`~hvd_onebit_tools.cluster.jobs.JobResult` with the
     results in rank order. Raises RankFailure when a rank raised, died or ran past ``timeout``."""
-    from hvd_onebit_tools.cluster.jobs import JobResult, _collect, job_environment, kill_job
+    from hvd_onebit_tools.cluster.jobs import JobResult, _collect, job_environment, wait_for_job
 
     workdir = Path(tempfile.mkdtemp(prefix="hvd_onebit_torchrun_"))
     try:
@@ -46,16 +46,9 @@ def run_torchrun_job(target: str, np: int = 2, kwargs: Optional[dict] = None,
         token = uuid.uuid4().hex
         start = time.monotonic()
         with open(workdir / "output.log", "wb") as log:
-            proc = subprocess.Popen(
-                torchrun_command(np, ["-m", "tests.torchrun_jobs", target, str(workdir)]),
-                stdout=log, stderr=subprocess.STDOUT, cwd=str(REPO), start_new_session=True,
-                env=job_environment(token, extra=env, import_roots=[REPO]))
-            try:
-                rc = proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                rc = None
-            finally:
-                kill_job(proc, token)
+            rc = wait_for_job(
+                torchrun_command(np, ["-m", "tests.torchrun_jobs", target, str(workdir)]), token,
+                job_environment(token, extra=env, import_roots=[REPO]), timeout, log, str(REPO))
         results = _collect(workdir, np, rc, rc is None, timeout, target, "torchrun")
         return JobResult(results=results, wall_seconds=time.monotonic() - start)
     finally:
@@ -86,40 +79,6 @@ def run_torchrun_script(np: int, script: Path, args: list[str], max_restarts: in
     return rc, out.decode(errors="replace")
 
 
-def block_horovod() -> None:
-    """Make ``import horovod`` fail in this process, as where Horovod is not installed."""
-    for name in [n for n in sys.modules if n == "horovod" or n.startswith("horovod.")]:
-        del sys.modules[name]
-    sys.modules["horovod"] = None  # type: ignore[assignment]
-
-
-def _rank_main(target: str, workdir: str) -> int:
-    block_horovod()
-    import importlib
-
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    out = Path(workdir)
-    try:
-        module_name, func_name = target.split(":")
-        func = getattr(importlib.import_module(module_name), func_name)
-        result: Any = func(**pickle.loads((out / "kwargs.pkl").read_bytes()))
-        tmp = out / f"rank{rank}.pkl.tmp"
-        tmp.write_bytes(pickle.dumps(result))
-        tmp.rename(out / f"rank{rank}.pkl")
-        dist.destroy_process_group()
-        return 0
-    except BaseException:  # noqa: BLE001 - every failure must reach the parent test
-        (out / f"rank{rank}.err").write_text(traceback.format_exc())
-        sys.stderr.write(f"[rank {rank}] " + traceback.format_exc())
-        sys.stderr.flush()
-        os._exit(1)  # a rank stuck in a collective's shutdown would turn a failure into a hang
-
-
 def _script_main(script: str, args: list[str]) -> None:
     """Run ``script`` as ``python script args`` would, with Horovod blocked."""
     import runpy
@@ -134,4 +93,4 @@ if __name__ == "__main__":
     if sys.argv[1] == "--script":  # python -m tests.torchrun_jobs --script SCRIPT ARGS...
         _script_main(sys.argv[2], sys.argv[3:])
     else:
-        sys.exit(_rank_main(sys.argv[1], sys.argv[2]))
+        sys.exit(rank_main(sys.argv[1], sys.argv[2], without_horovod=True))

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import time
 import uuid
@@ -16,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
-from ..cluster.jobs import job_environment, kill_job, run_command
+from ..cluster.jobs import job_environment, run_command, wait_for_job
 
 SCRIPT = Path("examples") / "train_lm.py"
 
@@ -52,15 +51,8 @@ def run_local_torchrun(argv: Sequence[str], np: int, timeout: Optional[float] = 
     None past ``timeout`` seconds. Output goes to ``log`` (a binary file; default: this
     process's). Every process of the job is killed before this returns."""
     token = uuid.uuid4().hex
-    proc = subprocess.Popen(torchrun_command(np, argv), stdout=log,
-                            stderr=None if log is None else subprocess.STDOUT,
-                            env=job_environment(token, extra=env), start_new_session=True)
-    try:
-        return proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return None
-    finally:
-        kill_job(proc, token)
+    return wait_for_job(torchrun_command(np, argv), token, job_environment(token, extra=env),
+                        timeout, log)
 
 
 @dataclass

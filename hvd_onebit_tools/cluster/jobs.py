@@ -149,10 +149,17 @@ def run_command(argv: list[str], np: int = 2, controller: str = "gloo",
     job is killed before this returns, so nothing outlives it.
     """
     token = uuid.uuid4().hex
-    proc = subprocess.Popen(launch_command(np, controller, argv, hosts), stdout=log,
-                            stderr=None if log is None else subprocess.STDOUT,
-                            env=job_environment(token, controller, env, import_roots), cwd=cwd,
-                            start_new_session=True)
+    return wait_for_job(launch_command(np, controller, argv, hosts), token,
+                        job_environment(token, controller, env, import_roots), timeout, log, cwd)
+
+
+def wait_for_job(cmd: list[str], token: str, env: dict, timeout: Optional[float],
+                 log: Optional[IO] = None, cwd: Optional[str] = None) -> Optional[int]:
+    """Start the launcher ``cmd`` in a session of its own (``env`` carries ``token``) and wait
+    for it: its exit status, or None past ``timeout`` seconds. Output goes to ``log`` (default:
+    this process's). Every process carrying the token is killed before this returns."""
+    proc = subprocess.Popen(cmd, stdout=log, stderr=None if log is None else subprocess.STDOUT,
+                            env=env, cwd=cwd, start_new_session=True)
     try:
         return proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:

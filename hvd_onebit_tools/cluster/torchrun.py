@@ -98,7 +98,7 @@ def block_horovod() -> None:
     sys.modules["horovod"] = None  # type: ignore[assignment]
 
 
-def _rank_main(target: str, workdir: str, without_horovod: bool) -> int:
+def rank_main(target: str, workdir: str, without_horovod: bool) -> int:
     """One rank, as torchrun started it: Gloo from torchrun's environment, then ``target``."""
     if without_horovod:
         block_horovod()
@@ -128,4 +128,4 @@ def _rank_main(target: str, workdir: str, without_horovod: bool) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(_rank_main(sys.argv[1], sys.argv[2], _WITHOUT_HOROVOD in sys.argv[3:]))
+    sys.exit(rank_main(sys.argv[1], sys.argv[2], _WITHOUT_HOROVOD in sys.argv[3:]))

@@ -17,6 +17,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import hvd_onebit.ddp
 from hvd_onebit_tools.cluster.network import IFACE
 from tests.scenarios import run_scenarios
+from tests.workers_ddp import differences
 
 WIDTH = 1024  # the model holds about a million parameters: the link bytes are the payload's
 LR = 1e-3
@@ -64,15 +65,6 @@ def link_tx_bytes() -> int:
 
 def params_of(params: list[torch.Tensor]) -> list[np.ndarray]:
     return [p.detach().clone().numpy() for p in params]
-
-
-def differences(a: list[np.ndarray], b: list[np.ndarray], what: str) -> list[str]:
-    out = []
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x.tobytes() != y.tobytes():
-            out.append(f"{what} param {i}: {int((x != y).sum())} of {x.size} elements differ, "
-                       f"max |diff| {float(np.abs(x - y).max()):.3g}")
-    return out
 
 
 def digest(arrays: list[np.ndarray]) -> str:
