@@ -14,7 +14,7 @@ import math
 
 import pytest
 
-from hvd_onebit_tools.bench.zoo.grid import ADAM, plan_family
+from hvd_onebit_tools.bench.zoo.grid import ADAM, optimizer_options, plan_family
 from tests.checks import first_difference
 from tests.worlds import Scratch, scratch_path, shared_suite
 
@@ -120,6 +120,22 @@ def _record(family, seed, method, loss, scheme=None, freeze=None, diverged=False
             "batch": 32, "method": method, "scheme": scheme, "freeze": freeze,
             "final_loss": loss, "tail_loss": loss, "diverged": diverged, "seconds": 1.0,
             "initial_loss": 2.3, **extra}
+
+
+def test_schemes_on_the_defaults_keep_the_default_refresh_and_the_others_freeze():
+    def options(scheme):
+        [cell] = [c for c in plan_family("mlp", [0], [scheme], freezes=["10%"],
+                                         lr_rules=["scaled"], steps=100)
+                  if c["method"] != ADAM]
+        return optimizer_options(cell)
+
+    # the default and its finer-scale variants leave variance_refresh to the library
+    assert options("default") == {"freeze_step": 10}, options("default")
+    assert options("default_blocks512") == {"freeze_step": 10, "block_size": 512}, \
+        options("default_blocks512")
+    # a research scheme that names no refresh runs with the variance frozen
+    frozen = options("bounded_blocks512")
+    assert (frozen["variance_refresh"], frozen["block_size"]) == (None, 512), frozen
 
 
 def test_report_ratios_divergences_and_heat_map(tmp_path):

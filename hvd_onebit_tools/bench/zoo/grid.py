@@ -32,6 +32,10 @@ SCHEMES: dict[str, dict[str, Any]] = {
     # the sign compression's scale granularity
     "bounded_blocks512": {"experimental": BOUNDED, "block_size": 512},
     "default": {},                       # whatever the installed hvd_onebit does by default
+    # the defaults with finer scales (+1/16 of the 1-bit bytes at 512, +1/64 at 2048): the
+    # scale granularity decided on the whole grid, the refresh schedule left as the default's
+    "default_blocks512": {"block_size": 512},
+    "default_blocks2048": {"block_size": 2048},
     # what elements with a zero variance at the freeze cost: trained with Adam's eps as their
     # denominator, or with their parameter's smallest variance
     "bounded_eps": {"experimental": replace(BOUNDED, zero_variance="eps")},
@@ -91,12 +95,19 @@ def optimizer_options(cell: dict) -> dict:
     """hvd_onebit.DistributedOptimizer's options for a 1-bit cell: its scheme's and its freeze
     setting's, the automatic freeze's settings joining the scheme's Experimental."""
     options = {**freeze_options(cell["freeze"], cell["steps"]), **cell.get("options", {})}
-    if cell.get("scheme") != "default":  # a scheme that names no refresh keeps the variance frozen
+    if not on_defaults(cell):  # a scheme that names no refresh keeps the variance frozen
         options.setdefault("variance_refresh", None)
     auto = options.pop("auto_freeze", None)
     if auto is not None:
         options["experimental"] = replace(experimental(cell), auto_freeze=auto)
     return options
+
+
+def on_defaults(cell: dict) -> bool:
+    """Whether a cell's scheme is the library's defaults ("default", or "default_" and what it
+    changes), whose refresh schedule is the default's rather than a frozen variance."""
+    scheme = cell.get("scheme") or ""
+    return scheme == "default" or scheme.startswith("default_")
 
 
 def experimental(cell: dict) -> Experimental:
