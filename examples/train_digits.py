@@ -88,8 +88,6 @@ def parse_args(argv=None):
                         f"once Adam's variance has settled (at most after half the steps) "
                         f"[default: {FREEZE_FRACTION}, {FROZEN_FREEZE_FRACTION} with "
                         f"--variance-refresh none]")
-    p.add_argument("--block-size", type=int, default=None,
-                   help="1-bit Adam: elements per scale (a multiple of 8; default one per chunk)")
     p.add_argument("--compressor", choices=["onebit", "none"], default="onebit",
                    help="1-bit Adam's compression phase: 1-bit momentum, or 'none': the momentum "
                         "averaged in full precision (Adam with a frozen variance, for comparison)")
@@ -135,7 +133,7 @@ def main(argv=None):
         optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
     else:
         optimizer = hvd_onebit.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
-                                                    block_size=args.block_size, **freeze)
+                                                    **freeze)
     # -----------------------------------------------------------------------------------------
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)

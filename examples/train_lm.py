@@ -246,7 +246,7 @@ def freeze_options(frac, steps: int, min_steps=None) -> dict:
 
 
 def onebit_options(args, **knobs) -> dict:
-    """The freeze arguments and variance_refresh. --warmup-frac defaults to the recommended
+    """The freeze arguments, variance_refresh and block_size. --warmup-frac defaults to the recommended
     freeze for the refresh setting (hvd_onebit.config). The automatic freeze's settings, a
     schedule given as a dict and ``knobs`` (e.g. ``compressor``) go into one
     ``experimental=Experimental(...)``."""
@@ -254,6 +254,8 @@ def onebit_options(args, **knobs) -> dict:
         args.warmup_frac = (FROZEN_FREEZE_FRACTION if args.variance_refresh is None
                             else FREEZE_FRACTION)
     options = freeze_options(args.warmup_frac, args.steps, args.auto_freeze_min_steps)
+    if args.block_size is not None:
+        options["block_size"] = args.block_size
     return optimizer_options(args.variance_refresh, **options, **knobs)
 
 
@@ -269,13 +271,16 @@ def refresh_summary(args, optimizer) -> dict:
 
 
 def add_onebit_arguments(p: argparse.ArgumentParser) -> None:
-    """The 1-bit options both examples take: --variance-refresh, --auto-freeze-min-steps."""
+    """The 1-bit options both examples take: --variance-refresh, --auto-freeze-min-steps,
+    --block-size."""
     p.add_argument("--variance-refresh", type=variance_refresh, default=DOUBLING,
                    help="1-bit Adam's variance_refresh: doubling (0/1 Adam's schedule, the "
                         "default), none or a JSON object of its fields, e.g. "
                         "'{\"first_interval\": 16, \"updates_per_interval\": 4}'")
     p.add_argument("--auto-freeze-min-steps", type=int, default=None,
                    help="with --warmup-frac auto: auto_freeze's min_steps (default: its own, 50)")
+    p.add_argument("--block-size", type=int, default=None,
+                   help="1-bit Adam: elements per scale (a multiple of 8; default one per chunk)")
 
 
 def build_model_and_adamw(args):
