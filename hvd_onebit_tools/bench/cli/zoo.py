@@ -22,7 +22,8 @@ from .options import cluster_for, comma_list, np_option
                    "bounded_blocks512, bounded_refresh / bounded_refresh_doubling "
                    "(variance_refresh) and refresh_exact / refresh_fold / refresh_single / "
                    "refresh_blocks512 / refresh_unpreconditioned (one refresh mechanism "
-                   "changed each), default (the installed defaults).")
+                   "changed each), default (the installed defaults) and default_blocks512 / "
+                   "default_blocks2048 (the defaults with finer scales).")
 @click.option("--seeds", default=3, show_default=True, type=click.IntRange(1),
               help="Seeds per family and learning rate (0, 1, ...).")
 @click.option("--freezes", default="10%,20%,50%,auto", show_default=True, callback=comma_list(str),
