@@ -94,6 +94,10 @@ def test_bench_train_builds_onebit_refresh_like_the_other_onebit_methods():
         f"onebit_refresh got {refresh}"
     frozen = onebit_arguments("onebit_refresh", 600, 0.15, base, None, 0.05)
     assert frozen["variance_refresh"] is None, f"--variance-refresh none reached it as {frozen}"
+    # onebit_blocks is onebit with finer scales; the other methods keep one scale per chunk
+    blocks = onebit_arguments("onebit_blocks", 600, 0.15, base, "doubling", 0.05, 256)
+    assert blocks == {**fixed, "block_size": 256}, f"onebit_blocks got {blocks}"
+    assert "block_size" not in onebit_arguments("onebit", 600, 0.15, base, None, 0.05, 256)
 
 
 def test_bench_train_summary_compares_the_whole_runs():
@@ -106,6 +110,16 @@ def test_bench_train_summary_compares_the_whole_runs():
     assert got["onebit_refresh_run_speedup_vs_onebit"] == pytest.approx(1.6), got
     assert got["onebit_refresh_bytes_vs_onebit"] == pytest.approx(0.45), got
     assert got["onebit_refresh_measured_bytes_vs_onebit"] == pytest.approx(0.5), got
+
+
+def test_bench_train_summary_sets_finer_scales_against_the_default_in_the_same_run():
+    rows = [{"method": "onebit", "compression_step_s": 0.080,
+             "compression_measured_tx_bytes_per_step": 1600.0},
+            {"method": "onebit_blocks", "compression_step_s": 0.082,
+             "compression_measured_tx_bytes_per_step": 1700.0}]
+    got = summarize(rows)
+    assert got["onebit_blocks_compression_step_vs_onebit"] == pytest.approx(1.025), got
+    assert got["onebit_blocks_compression_bytes_vs_onebit"] == pytest.approx(1.0625), got
 
 
 def test_bench_train_rejects_a_bad_schedule_before_starting_ranks():

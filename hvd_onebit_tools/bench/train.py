@@ -23,6 +23,9 @@ one method after another inside one job, so they share the machine's state and n
   ``variance_refresh=None``: the compression phase's throughput, no refresh step inside it.
 * ``onebit_hierarchical``: the same with ``hierarchical=True`` (full precision inside nodes, 1-bit
   between them); meant for clusters with several ranks per node (``--ranks-per-node``).
+* ``onebit_blocks``: ``onebit`` with ``block_size`` (default 512) elements per scale instead of
+  one scale per chunk: the step time and bytes of a finer scale granularity, against ``onebit``
+  in the same run (``onebit_blocks_compression_step_vs_onebit``).
 * ``onebit_refresh``: 1-bit Adam with ``variance_refresh`` (default ``"doubling"``) and its own
   early ``freeze_step = refresh_freeze_frac * steps``: the library's defaults, a whole-run comparison with
   ``onebit`` (at ``warmup_frac``). Its refresh steps (full precision inside the compression
@@ -78,8 +81,9 @@ from .waits import sleeping_horovod_waits as _sleeping_horovod_waits  # noqa: F4
 # never trimmed keeps those pages mapped. (jemalloc or tcmalloc via LD_PRELOAD do the same job.)
 MALLOC_REUSE_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(2**40)}
 METHODS = ("local", "horovod_fp32", "horovod_fp16", "ddp_powersgd", "ddp_adam", "ddp_onebit",
-           "onebit", "onebit_sync", "onebit_hierarchical", "onebit_refresh")
-ONEBIT_METHODS = ("onebit", "onebit_sync", "onebit_hierarchical", "onebit_refresh")
+           "onebit", "onebit_sync", "onebit_hierarchical", "onebit_refresh", "onebit_blocks")
+ONEBIT_METHODS = ("onebit", "onebit_sync", "onebit_hierarchical", "onebit_refresh",
+                  "onebit_blocks")
 DEFAULT_METHODS = ("local", "horovod_fp32", "horovod_fp16", "ddp_powersgd", "ddp_adam",
                    "ddp_onebit", "onebit")
 MODELS = ("mlp", "embedding")
@@ -117,11 +121,14 @@ def build_embedding_model(vocab: int, dim: int, width: int, out_dim: int = OUT_D
 
 
 def onebit_arguments(method: str, steps: int, warmup_frac: float, onebit_options: dict,
-                     variance_refresh=None, refresh_freeze_frac: float = 0.05) -> dict:
+                     variance_refresh=None, refresh_freeze_frac: float = 0.05,
+                     block_size: int = 512) -> dict:
     """``hvd_onebit.DistributedOptimizer``'s keyword arguments (beyond the optimizer and the
     parameters) for a 1-bit method; ``variance_refresh`` only for ``onebit_refresh``, and only
-    when set."""
+    when set; ``block_size`` only for ``onebit_blocks``."""
     options = dict(onebit_options)
+    if method == "onebit_blocks":
+        options["block_size"] = block_size
     refresh = variance_refresh if method == "onebit_refresh" else None
     if method == "onebit_hierarchical":
         options["hierarchical"] = True
@@ -134,7 +141,7 @@ def onebit_arguments(method: str, steps: int, warmup_frac: float, onebit_options
 
 def _make_step(method: str, model, steps: int, warmup_frac: float, powersgd_start: int, lr: float,
                onebit_options: dict, variance_refresh=None, refresh_freeze_frac: float = 0.05,
-               gradient_as_bucket_view: bool = False):
+               gradient_as_bucket_view: bool = False, block_size: int = 512):
     """Returns (step_fn(x, y) -> backward seconds, optimizer or None, phase_fn())."""
     import horovod.torch as hvd
     import torch
@@ -151,7 +158,7 @@ def _make_step(method: str, model, steps: int, warmup_frac: float, powersgd_star
                                        compression=comp)
     elif method in ONEBIT_METHODS:
         options = onebit_arguments(method, steps, warmup_frac, onebit_options, variance_refresh,
-                                   refresh_freeze_frac)
+                                   refresh_freeze_frac, block_size)
         opt = hvd_onebit.DistributedOptimizer(base, named_parameters=model.named_parameters(),
                                               **options)
         phase = lambda: opt.phase  # noqa: E731
@@ -189,14 +196,15 @@ def train_worker(methods=METHODS, steps: int = 40, warmup_frac: float = 0.15,
                  transport: str = "auto", bucket_size_mb: Optional[float] = None,
                  intra_node: str = "auto", variance_refresh=None,
                  refresh_freeze_frac: float = 0.05,
-                 gradient_as_bucket_view: bool = False) -> list[dict]:
+                 gradient_as_bucket_view: bool = False, block_size: int = 512) -> list[dict]:
     """Runs in every rank (after hvd.init()). Returns one row per method (rank 0's view).
 
     ``model="mlp"`` uses width/depth; ``model="embedding"`` uses vocab/embed_dim, ``tokens``
     token ids per sample, and ``width`` for its head. ``transport``, ``bucket_size_mb`` and
     ``intra_node`` are 1-bit Adam's options (None: its default bucket size);
     ``variance_refresh`` and ``refresh_freeze_frac`` are ``onebit_refresh``'s;
-    ``gradient_as_bucket_view`` is DDP's option for every DDP method.
+    ``gradient_as_bucket_view`` is DDP's option for every DDP method; ``block_size`` is
+    ``onebit_blocks``'s.
     """
     import horovod.torch as hvd
     import torch
@@ -217,7 +225,7 @@ def train_worker(methods=METHODS, steps: int = 40, warmup_frac: float = 0.15,
             options["bucket_size_mb"] = bucket_size_mb
         step, opt, phase = _make_step(method, net, steps, warmup_frac, powersgd_start, lr, options,
                                       variance_refresh, refresh_freeze_frac,
-                                      gradient_as_bucket_view)
+                                      gradient_as_bucket_view, block_size)
         g = torch.Generator().manual_seed(hvd.rank())
         if model == "mlp":
             inputs = [torch.randn(batch, IN_DIM, generator=g) for _ in range(4)]
@@ -322,6 +330,15 @@ def summarize(rows: list[dict]) -> dict:
             hier["compression_measured_tx_bytes_per_step"]
             / ob["compression_measured_tx_bytes_per_step"]
             if hier.get("compression_measured_tx_bytes_per_step")
+            and ob.get("compression_measured_tx_bytes_per_step") else None)
+    blocks = by.get("onebit_blocks")
+    if ob and blocks:  # a finer scale granularity against the default's, in the same run
+        out["onebit_blocks_compression_step_vs_onebit"] = (blocks["compression_step_s"]
+                                                           / ob["compression_step_s"])
+        out["onebit_blocks_compression_bytes_vs_onebit"] = (
+            blocks["compression_measured_tx_bytes_per_step"]
+            / ob["compression_measured_tx_bytes_per_step"]
+            if blocks.get("compression_measured_tx_bytes_per_step")
             and ob.get("compression_measured_tx_bytes_per_step") else None)
     ref = by.get("onebit_refresh")
     if ref and fp32:

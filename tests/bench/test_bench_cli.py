@@ -97,7 +97,7 @@ def test_bench_train_loopback_reports_phases_and_speedups(tmp_path, model):
     plot = tmp_path / "train.png"
     size = (["--width", "64", "--depth", "1"] if model == "mlp"
             else ["--vocab", "512", "--embed-dim", "16", "--tokens", "64", "--width", "32"])
-    methods = ["local", "horovod_fp32", "onebit", "ddp_adam", "ddp_onebit"]
+    methods = ["local", "horovod_fp32", "onebit", "onebit_blocks", "ddp_adam", "ddp_onebit"]
     proc = bench("train", "--np", "2", "--bandwidth", "local", "--steps", "8", "--model", model,
                  "--methods", ",".join(methods), "--json", "--plot", str(plot), *size)
     report = json.loads(proc.stdout)
@@ -118,6 +118,16 @@ def test_bench_train_loopback_reports_phases_and_speedups(tmp_path, model):
         f"phases {ob['step_phases']}"
     assert ob["run_seconds"] >= sum(ob["step_seconds"]) - 1e-9, \
         f"the run took {ob['run_seconds']} s, less than its steps' {sum(ob['step_seconds'])} s"
+    # onebit_blocks: onebit's phases, a scale per 512 elements on top of the signs (4 bytes per
+    # 512 elements: 1/16 of the signs' bytes), each rank's chunk padded to whole blocks
+    blocks = rows["onebit_blocks"]
+    assert blocks["step_phases"] == ob["step_phases"], blocks["step_phases"]
+    more = blocks["compression_bytes_per_step"] / ob["compression_bytes_per_step"]
+    params = ob["params"]
+    padded = -(-params // (2 * 512)) * 2 * 512
+    assert 1 < more <= padded / params * (1 + 1 / 16) + 0.005, \
+        f"onebit_blocks sends {blocks['compression_bytes_per_step']} bytes per compressed step, " \
+        f"onebit {ob['compression_bytes_per_step']} ({more:.4f}x)"
     # the DDP face: onebit's warmup and phases, the same engine's bytes, DDP Adam's ring figure
     face, adam = rows["ddp_onebit"], rows["ddp_adam"]
     got = {k: face[k] for k in ("freeze_step", "warmup_steps", "compression_steps",
@@ -132,7 +142,8 @@ def test_bench_train_loopback_reports_phases_and_speedups(tmp_path, model):
     summary = report["summary"]
     for key in ("comm_fraction_of_fp32_step", "onebit_compression_step_speedup_vs_fp32",
                 "onebit_run_speedup_vs_fp32", "ddp_onebit_compression_step_speedup_vs_ddp_adam",
-                "ddp_face_speedup_vs_horovod_face", "ddp_onebit_run_speedup_vs_ddp_adam"):
+                "ddp_face_speedup_vs_horovod_face", "ddp_onebit_run_speedup_vs_ddp_adam",
+                "onebit_blocks_compression_step_vs_onebit"):
         assert summary[key] == summary[key], f"summary {key} is NaN: {summary}"  # present
     assert summary["ddp_onebit_bytes_vs_ddp_adam"] == pytest.approx(
         face["compression_bytes_per_step"] / adam["bytes_per_step"]), summary

@@ -56,7 +56,8 @@ from .options import (FROZEN_FREEZE_FRACTION, cluster_for, comma_list, nodes_opt
               "(onebit: variance_refresh=None, frozen at --warmup-frac; onebit_sync: "
               "overlap=False, the exchange starts in step(); onebit_hierarchical: "
               "hierarchical=True, for --ranks-per-node > 1; onebit_refresh: --variance-refresh "
-              "frozen at --refresh-freeze-frac, against onebit's whole run; ddp_adam: DDP over "
+              "frozen at --refresh-freeze-frac, against onebit's whole run; onebit_blocks: onebit "
+              "with --block-size elements per scale; ddp_adam: DDP over "
               "Gloo with its own allreduce; ddp_onebit: the same DDP model under "
               "hvd_onebit.ddp.DistributedOptimizer, frozen as onebit is).")
 @click.option("--transport", default="auto", show_default=True,
@@ -64,6 +65,8 @@ from .options import (FROZEN_FREEZE_FRACTION, cluster_for, comma_list, nodes_opt
               help="1-bit Adam's transport for the compression phase.")
 @click.option("--bucket-size-mb", default=None, type=float,
               help="1-bit Adam's bucket_size_mb [default: the optimizer's].")
+@click.option("--block-size", default=512, show_default=True, type=click.IntRange(8),
+              help="onebit_blocks' block_size: elements per scale (a multiple of 8).")
 @click.option("--intra-node", default="auto", show_default=True,
               type=click.Choice(["auto", "shared_memory", "network"]),
               help="1-bit Adam's intra_node (onebit_hierarchical's stages inside a node); auto is "
@@ -83,7 +86,7 @@ from .options import (FROZEN_FREEZE_FRACTION, cluster_for, comma_list, nodes_opt
                    "file.")
 def bench_train(np_, bandwidth, steps, warmup_frac, variance_refresh, refresh_freeze_frac, model, width, depth, vocab, embed_dim, tokens,
                 batch, malloc_mode, wait, powersgd_start, methods, transport, bucket_size_mb,
-                intra_node, gradient_as_bucket_view, hosts, shared_dir, queue_ms, ranks_per_node, intra_bandwidth, timeout,
+                block_size, intra_node, gradient_as_bucket_view, hosts, shared_dir, queue_ms, ranks_per_node, intra_bandwidth, timeout,
                 plot, as_json, out) -> None:
     """End-to-end samples/s and bytes per step: Horovod Adam (fp32, fp16), DDP Adam, DDP +
     PowerSGD and 1-bit Adam through either face, per phase and over a whole run. Also reports what share of the Horovod fp32
@@ -104,7 +107,7 @@ def bench_train(np_, bandwidth, steps, warmup_frac, variance_refresh, refresh_fr
               "model": model, "width": width, "depth": depth, "vocab": vocab,
               "embed_dim": embed_dim, "tokens": tokens, "batch": batch, "wait": wait,
               "powersgd_start": powersgd_start, "transport": transport,
-              "bucket_size_mb": bucket_size_mb,
+              "bucket_size_mb": bucket_size_mb, "block_size": block_size,
               "gradient_as_bucket_view": gradient_as_bucket_view,
               "intra_node": ("network" if intra_node == "auto" and intra_bandwidth != "unlimited"
                              else intra_node)}
