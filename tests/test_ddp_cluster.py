@@ -1,6 +1,7 @@
 """The DDP face's hierarchical 1-bit Adam on the emulated cluster's 2 nodes x 2 ranks, launched as
-torchrun launches a multi-node job (one torchrun per node in its namespace, Gloo on the shaped
-links, Horovod blocked in the ranks): one launch runs every scenario (tests/cluster/ddp_workers.py).
+torchrun launches a multi-node job (``hvd-onebit cluster run --torchrun``: one torchrun per node
+in its namespace, Gloo on the shaped links, Horovod blocked in the ranks): one launch runs every
+scenario (tests/cluster/ddp_workers.py).
 The compressed steps, their buckets started from the gradient hooks and the node's stages in shared
 memory, are checked bit for bit against the engine alone on the same state and local gradients,
 every bucket started in step() and the node's stages on its links, and the collective on
@@ -9,6 +10,8 @@ against the 1-bit payload and DDP's full-precision steps. The layout checks run 
 from __future__ import annotations
 
 import json
+import pickle
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -20,20 +23,45 @@ from tests.cli import hvd_onebit
 from tests.cluster.test_emulator import needs_netns
 from tests.onebit_reference import ReferenceHierarchical
 from tests.scenarios import scenario
+from tests.torchrun_jobs import REPO
 
 NODES, PER_NODE = 2, 2
 # the wire target: a compressed step's bytes on a node's link at most this fraction of DDP Adam's
 WIRE_TARGET = 25
 
 
-@pytest.fixture(scope="module")
-def cluster_job():
-    from hvd_onebit_tools.cluster import EmulatedCluster
-    from hvd_onebit_tools.cluster.torchrun import run_torchrun_job
+@dataclass(frozen=True)
+class ClusterJob:
+    report: dict  # hvd-onebit cluster run --json's report: one line per node's torchrun
+    results: list  # each rank's scenarios, in rank order
 
-    with EmulatedCluster(np=NODES * PER_NODE, ranks_per_node=PER_NODE,
-                         bandwidth="1gbit") as cluster:
-        return run_torchrun_job("tests.cluster.ddp_workers:suite", cluster, timeout=600)
+
+@pytest.fixture(scope="module")
+def cluster_job(tmp_path_factory):
+    """One job, launched as a user launches a DDP script on the emulated cluster (``hvd-onebit
+    cluster run --torchrun``: one torchrun per node); every rank runs the scenarios with Horovod
+    blocked and pickles its results into the job's folder."""
+    from hvd_onebit_tools.cluster.jobs import _collect
+
+    target, timeout = "tests.cluster.ddp_workers:suite", 600
+    workdir = tmp_path_factory.mktemp("ddp_cluster")
+    (workdir / "kwargs.pkl").write_bytes(pickle.dumps({}))
+    logs = workdir / "logs"
+    run = hvd_onebit(["cluster", "run", "--nodes", str(NODES), "--ranks-per-node", str(PER_NODE),
+                      "--bandwidth", "1gbit", "--torchrun", "--json", "--quiet",
+                      "--log-dir", str(logs), "--timeout", str(timeout),
+                      "--env", f"PYTHONPATH={REPO}", "--",
+                      "-m", "hvd_onebit_tools.cluster.torchrun", target, str(workdir),
+                      "--without-horovod"])
+    if not run.stdout.startswith("{"):
+        pytest.fail(f"cluster run exited {run.exit_code} without a report:\n{run.output[-4000:]}")
+    report = json.loads(run.stdout)
+    (workdir / "output.log").write_text("\n".join(
+        f"--- node {k} (torchrun) output:\n{Path(r['log_path']).read_text(errors='replace')}"
+        for k, r in enumerate(report["ranks"])))
+    results = _collect(workdir, NODES * PER_NODE, report["returncode"], report["timed_out"],
+                       timeout, target, "hvd-onebit cluster run --torchrun")
+    return ClusterJob(report=report, results=results)
 
 
 @pytest.fixture(scope="module")
@@ -43,14 +71,20 @@ def runs(cluster_job):
 
 @needs_netns
 @pytest.mark.multirank
-def test_torchrun_sets_each_rank_in_its_node(runs, cluster_job):
-    assert cluster_job.cluster_run.launches == "node"
-    assert len(cluster_job.cluster_run.ranks) == NODES, "one torchrun per node"
+def test_the_cli_runs_one_torchrun_per_node_and_each_rank_in_its_node(runs, cluster_job):
+    report = cluster_job.report
+    assert (report["np"], report["launches"], len(report["ranks"])) == \
+        (NODES * PER_NODE, "node", NODES), {k: report[k] for k in ("np", "launches")}
+    for node, launch in enumerate(report["ranks"]):
+        assert (launch["exit_code"], launch["hostname"]) == (0, f"node{node}"), launch
+    node0 = report["ranks"][0]["address"]
     for rank, r in enumerate(runs):
         node, local = divmod(rank, PER_NODE)
         assert r["environment"] == {"RANK": str(rank), "LOCAL_RANK": str(local),
                                     "LOCAL_WORLD_SIZE": str(PER_NODE), "GROUP_RANK": str(node),
-                                    "WORLD_SIZE": str(NODES * PER_NODE)}, r["environment"]
+                                    "WORLD_SIZE": str(NODES * PER_NODE), "MASTER_ADDR": node0}, \
+            r["environment"]
+        assert r["hostname"] == f"node{node}", f"rank {rank} ran on {r['hostname']}"
         assert r["topology"] == [NODES, PER_NODE, node, local], \
             f"rank {rank}: topology [nodes, per node, node, local] {r['topology']}"
         assert (r["kinds"], r["intra"]) == (["HierarchicalOneBitAllreduce"], ["shared_memory"]), \
@@ -121,34 +155,6 @@ def test_an_uneven_node_layout_is_refused_on_every_rank(cluster_job):
         assert r["refused"].startswith("ValueError") and "LOCAL_WORLD_SIZE" in r["refused"] \
             and "{0: 2, 1: 3}" in r["refused"], f"rank {rank}: {r['refused']}"
         assert r["after"] == "warmup", f"rank {rank}: the model took no face after the refusal"
-
-
-@needs_netns
-@pytest.mark.multirank
-def test_the_cli_runs_a_script_under_one_torchrun_per_node(tmp_path):
-    script = Path(__file__).resolve().parent / "cluster" / "emulator_scripts" / "torchrun_probe.py"
-    run = hvd_onebit(["cluster", "run", "--nodes", str(NODES), "--ranks-per-node", str(PER_NODE),
-                      "--bandwidth", "unlimited", "--torchrun", "--json", "--quiet",
-                      "--log-dir", str(tmp_path), "--timeout", "300", "--", str(script)])
-    assert run.exit_code == 0, run.output[-4000:]
-    report = json.loads(run.stdout)
-    assert (report["np"], report["launches"], len(report["ranks"])) == \
-        (NODES * PER_NODE, "node", NODES), {k: report[k] for k in ("np", "launches")}
-    node0 = report["ranks"][0]["address"]
-    ranks = NODES * PER_NODE
-    for node, launch in enumerate(report["ranks"]):
-        assert (launch["exit_code"], launch["hostname"]) == (0, f"node{node}"), launch
-        probes = [json.loads(line) for line in Path(launch["log_path"]).read_text().splitlines()
-                  if line.startswith("{")]
-        assert sorted(int(p["env"]["LOCAL_RANK"]) for p in probes) == list(range(PER_NODE)), \
-            f"node {node}: {probes}"
-        for p in probes:
-            rank = node * PER_NODE + int(p["env"]["LOCAL_RANK"])
-            assert p["env"] == {"RANK": str(rank), "WORLD_SIZE": str(ranks),
-                                "LOCAL_RANK": p["env"]["LOCAL_RANK"],
-                                "LOCAL_WORLD_SIZE": str(PER_NODE), "GROUP_RANK": str(node),
-                                "MASTER_ADDR": node0}, p
-            assert (p["hostname"], p["sum"]) == (f"node{node}", ranks * (ranks - 1) / 2), p
 
 
 def places(rows) -> list[Place]:

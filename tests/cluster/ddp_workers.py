@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import socket
 import warnings
 from contextlib import contextmanager
 from typing import Optional
@@ -157,7 +158,9 @@ def hierarchical_training() -> dict:
         "face_vs_flat": [d for s in steps
                          for d in differences(rec["params"][s], flat[s], f"step {s}")],
         "environment": {k: os.environ.get(k) for k in
-                        ("RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "WORLD_SIZE")},
+                        ("RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "WORLD_SIZE",
+                         "MASTER_ADDR")},
+        "hostname": socket.gethostname(),
     }
 
 
