@@ -176,21 +176,26 @@ def test_report_ratios_divergences_and_heat_map(tmp_path):
 def test_a_scheme_against_a_base_scheme_cell_by_cell(tmp_path):
     from hvd_onebit_tools.bench.zoo.report import write_report
 
-    records = [_record("mlp", s, ADAM, 1.0) for s in (0, 1, 2)] + [
+    records = [_record("mlp", s, ADAM, 1.0) for s in (0, 1, 2, 3)] + [
         _record("mlp", 0, "onebit", 1.02, "bounded", "20%"),
         _record("mlp", 1, "onebit", 0.99, "bounded", "20%"),
         _record("mlp", 2, "onebit", None, "bounded", "20%", diverged=True),
+        _record("mlp", 3, "onebit", 1.04, "bounded", "20%"),
         _record("mlp", 0, "onebit", 1.00, "refreshed", "20%"),   # better
         _record("mlp", 1, "onebit", 1.005, "refreshed", "20%"),  # worse by 0.015 (1.5%)
-        _record("mlp", 2, "onebit", 1.01, "refreshed", "20%")]   # converges where base diverged
+        _record("mlp", 2, "onebit", 1.01, "refreshed", "20%"),   # converges where base diverged
+        _record("mlp", 3, "onebit", 1.06, "refreshed", "20%")]   # worse by 0.02, over 1.05
     (tmp_path / "cells.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     got = write_report(tmp_path, show=False, plot=False, against="bounded")["against"]
     s = got["schemes"]["refreshed"]
-    figures = {k: s[k] for k in ("pairs", "worse", "worse_by_over_1pct", "max_excess")}
-    assert figures == {"pairs": 3, "worse": 1, "worse_by_over_1pct": 1,
-                       "max_excess": pytest.approx(0.015)}, f"refreshed vs bounded: {figures}"
+    figures = {k: s[k] for k in ("pairs", "worse", "worse_by_over_1pct", "max_excess",
+                                 "better_by_over_1pct", "newly_over_1_05", "no_longer_over_1_05")}
+    assert figures == {"pairs": 4, "worse": 2, "worse_by_over_1pct": 2,
+                       "max_excess": pytest.approx(0.02), "better_by_over_1pct": 2,
+                       "newly_over_1_05": 1, "no_longer_over_1_05": 1}, \
+        f"refreshed vs bounded: {figures}"
     cells = [w["cell"] for w in s["worst"]]
-    assert cells == ["mlp scaled seed 1 20%"], f"worse cells {cells}"
+    assert cells == ["mlp scaled seed 3 20%", "mlp scaled seed 1 20%"], f"worse cells {cells}"
     with pytest.raises(ValueError, match="no cells of base scheme 'nope'"):
         write_report(tmp_path, show=False, plot=False, against="nope")
 

@@ -25,6 +25,7 @@ GROUP_KEYS = tuple(k for k in PAIR_KEYS if k != "seed")  # a cell over its seeds
 WORST_SHOWN = 8
 NOISE_SE = 2.0  # standard errors of the mean log ratio of ratios a group must be above 0
 MARGIN = 1.01  # "worse by over 1%": a cell's, or a group's geometric mean, ratio of ratios
+TARGET = 1.05  # a cell "over 1.05": its loss more than 5% above Adam's
 
 
 def _pair_key(row: dict) -> tuple:
@@ -39,7 +40,9 @@ def against(rows: list[dict], base: str) -> dict:
     """Every other scheme of ``rows`` (:func:`.report.compare`'s) against ``base``, over the pairs
     where both cells have a ratio (Adam converged). Per scheme: ``pairs``, ``worse`` (cells whose
     ratio is above the base's), ``worse_by_over_1pct`` (above it by more than 1% of it),
-    ``max_excess`` (the largest ratio - base ratio; inf where only this one diverged),
+    ``better_by_over_1pct`` (below it by more than 1% of it), ``newly_over_1_05`` and
+    ``no_longer_over_1_05`` (cells over :data:`TARGET` here but not in the base, and the
+    reverse), ``max_excess`` (the largest ratio - base ratio; inf where only this one diverged),
     ``median_ratio_of_ratios`` and ``worst`` (up to WORST_SHOWN cells, worst first); over seeds,
     ``seed_groups``, ``groups_worse_beyond_seed_noise`` and ``worst_groups`` (those groups,
     worst first: ``group``, ``seeds``, ``geo_mean_ratio_of_ratios``, ``se_of_mean_log``).
@@ -64,6 +67,9 @@ def against(rows: list[dict], base: str) -> dict:
             "pairs": len(pairs),
             "worse": len(worse),
             "worse_by_over_1pct": sum(r["ratio"] > MARGIN * b["ratio"] for _, r, b in worse),
+            "better_by_over_1pct": sum(MARGIN * r["ratio"] < b["ratio"] for r, b in pairs),
+            "newly_over_1_05": sum(r["ratio"] > TARGET >= b["ratio"] for r, b in pairs),
+            "no_longer_over_1_05": sum(b["ratio"] > TARGET >= r["ratio"] for r, b in pairs),
             "max_excess": worse[0][0] if worse else 0.0,
             "median_ratio_of_ratios": statistics.median(quotients) if quotients else None,
             "worst": [{"cell": _cell(r), "ratio": r["ratio"], "base_ratio": b["ratio"]}
@@ -114,6 +120,8 @@ def print_against(result: dict, base: str, show: Optional[int] = None) -> None:
         print(f"{scheme} against {base}: {s['worse']} of {s['pairs']} cells worse "
               f"({s['worse_by_over_1pct']} by over 1%), largest excess {s['max_excess']:.4f}, "
               f"median ratio of ratios " + ("-" if med is None else f"{med:.4f}"))
+        print(f"  {s['better_by_over_1pct']} better by over 1%; over {TARGET:g}: "
+              f"{s['newly_over_1_05']} newly, {s['no_longer_over_1_05']} no longer")
         for w in s["worst"][:show]:
             print(f"  {w['cell']}: {w['ratio']:.4f} vs {w['base_ratio']:.4f}")
         print(f"{scheme} against {base} over seeds: {s['groups_worse_beyond_seed_noise']} of "
