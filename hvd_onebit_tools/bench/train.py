@@ -85,7 +85,7 @@ METHODS = ("local", "horovod_fp32", "horovod_fp16", "ddp_powersgd", "ddp_adam", 
 ONEBIT_METHODS = ("onebit", "onebit_sync", "onebit_hierarchical", "onebit_refresh",
                   "onebit_blocks")
 DEFAULT_METHODS = ("local", "horovod_fp32", "horovod_fp16", "ddp_powersgd", "ddp_adam",
-                   "ddp_onebit", "onebit")
+                   "ddp_onebit", "onebit", "onebit_refresh")
 MODELS = ("mlp", "embedding")
 IN_DIM = OUT_DIM = 256
 

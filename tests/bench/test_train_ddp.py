@@ -9,6 +9,8 @@ from hvd_onebit_tools.bench.train_ddp import DDP_METHODS, ddp_onebit_arguments
 def test_ddp_onebit_takes_onebits_freeze_and_only_the_options_the_ddp_face_has():
     assert set(DDP_METHODS) <= set(METHODS), f"{DDP_METHODS} not all in {METHODS}"
     assert {"ddp_adam", "ddp_onebit"} <= set(DEFAULT_METHODS), DEFAULT_METHODS
+    # the library's defaults (the refresh schedule) are measured without being asked for
+    assert "onebit_refresh" in DEFAULT_METHODS, DEFAULT_METHODS
     bench_options = {"transport": "auto", "intra_node": "auto", "bucket_size_mb": 8.0}
     got = ddp_onebit_arguments(600, 0.15, bench_options)
     assert got == {"bucket_size_mb": 8.0, "freeze_step": 90, "variance_refresh": None}, \
