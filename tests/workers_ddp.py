@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import os
 import warnings
 from functools import partial
 from typing import Optional
@@ -356,10 +357,27 @@ def variance_refresh(steps: int = 6) -> dict:
             "local_steps": opt._hook.local_steps, "phase": opt.phase}
 
 
+def horovod_unused() -> dict:
+    """After every other scenario of a rank that cannot import Horovod (torchrun's worlds): the
+    Horovod modules loaded (none expected), and what asking for the Horovod face raises."""
+    import sys
+
+    import hvd_onebit
+
+    loaded = sorted(m for m in sys.modules if m.startswith("horovod") and sys.modules[m])
+    try:
+        hvd_onebit.DistributedOptimizer
+        refused = "accepted"
+    except ImportError as exc:
+        refused = f"ImportError: {exc}"
+    return {"loaded": loaded, "horovod_face": refused}
+
+
 def suite(scratch: Optional[str] = None, stage: Optional[str] = None) -> dict:
     """Every scenario of one world; ``stage`` "save" (the first world) writes the flushed
     checkpoint into ``scratch``, "load" (a later world, another size) resumes it, None: no
-    flushed checkpoint."""
+    flushed checkpoint. In torchrun's worlds (Horovod blocked) a last scenario says whether
+    anything imported Horovod."""
     rank = dist.get_rank()
     scenarios = {f"warmup_{v}": partial(warmup_is_ddp_adam, v) for v in VARIANTS}
     scenarios["warmup_grad_scaler"] = partial(warmup_is_ddp_adam, "plain", scaled=True)
@@ -372,4 +390,6 @@ def suite(scratch: Optional[str] = None, stage: Optional[str] = None) -> dict:
     if stage is not None:
         scenarios["flushed"] = partial(flushed_checkpoint, f"{scratch}/flushed.pt",
                                        stage == "save")
+    if os.environ.get("TORCHELASTIC_RUN_ID") is not None:  # under torchrun, Horovod blocked
+        scenarios["horovod_unused"] = horovod_unused
     return run_scenarios(scenarios, rank)
