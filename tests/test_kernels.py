@@ -233,3 +233,21 @@ def test_an_output_overlapping_the_previous_state_is_refused():
                            *L.as_args(), True)
     with pytest.raises(RuntimeError, match="send must not alias prev_send"):
         _C.worker_compress(torch.zeros(100), buf[:L.padded], prev, None, prev, *L.as_args(), True)
+
+
+def test_hvd_onebit_native_avx2_loads_the_kernels_with_avx512_forbidden(monkeypatch):
+    from hvd_onebit.kernels import native_loader
+
+    allowed = _C.set_avx512(True)
+    try:
+        monkeypatch.setenv(native_loader.ENV, "avx2")
+        native_loader.load_native.cache_clear()
+        kernels = native_loader.load_native()
+        assert kernels.module is _C and kernels.origin == "installed", kernels
+        # set_avx512 returns what was allowed before: the loader had forbidden the 16-lane paths
+        from hvd_onebit_tools.bench.kernel import native_vector_path
+        assert native_vector_path() == "avx2", native_vector_path()  # as bench kernel records it
+        assert _C.set_avx512(True) is False, "HVD_ONEBIT_NATIVE=avx2 left AVX-512 allowed"
+    finally:
+        native_loader.load_native.cache_clear()
+        _C.set_avx512(allowed)

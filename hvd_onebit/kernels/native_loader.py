@@ -9,7 +9,9 @@ then compiles ``kernels/csrc/onebit_kernels.cpp`` once with :func:`torch.utils.c
 cache, which later runs reuse.
 
 ``HVD_ONEBIT_NATIVE=0`` turns both off (the torch twins run, for a test or a broken compiler);
-``HVD_ONEBIT_NATIVE=prebuilt`` uses only the installed extension (no compile at first use).
+``HVD_ONEBIT_NATIVE=prebuilt`` uses only the installed extension (no compile at first use);
+``HVD_ONEBIT_NATIVE=avx2`` loads them as usual but forbids their AVX-512 paths (the same bits
+8 lanes at a time, to measure what the 16-lane paths gain).
 """
 from __future__ import annotations
 
@@ -74,6 +76,13 @@ def load_native() -> NativeKernels:
     mode = os.environ.get(ENV, "1").strip().lower()
     if mode in ("0", "off", "false", "no"):
         return NativeKernels(None, "none", f"{ENV}={os.environ[ENV]} turns them off")
+    kernels = _load(mode)
+    if mode == "avx2" and kernels.module is not None:
+        kernels.module.set_avx512(False)
+    return kernels
+
+
+def _load(mode: str) -> NativeKernels:
     try:
         return NativeKernels(_installed(), "installed")
     except ImportError as exc:

@@ -11,6 +11,7 @@ import statistics
 import time
 from dataclasses import asdict, dataclass
 from types import SimpleNamespace
+from typing import Optional
 
 import torch
 
@@ -65,6 +66,20 @@ def _rate(fn, numel: int, repeats: int) -> float:
         fn()
         times.append(time.perf_counter() - start)
     return numel / statistics.median(times)
+
+
+def native_vector_path() -> Optional[str]:
+    """The native kernels' widest vector path in this process: "avx512" where the CPU has it
+    and it is allowed (``HVD_ONEBIT_NATIVE=avx2`` forbids it), else "avx2"; None: no native
+    kernels."""
+    from hvd_onebit.kernels.native_loader import load_native
+
+    module = load_native().module
+    if module is None:
+        return None
+    allowed = module.set_avx512(True)  # returns what was allowed; put it back at once
+    module.set_avx512(allowed)
+    return "avx512" if allowed and module.has_avx512() else "avx2"
 
 
 def _buffers(numel: int, ranks: int, device: str = "cpu"):
@@ -143,7 +158,8 @@ def bench_kernels(numel: int = 16 << 20, ranks: int = 4, threads: int = 1, repea
     result = {"numel": numel, "ranks": ranks, "threads": threads, "add_elems_per_s": add,
               "add_bytes_per_s": add * streams["add"].bytes_per_element,
               "streams": {k: asdict(v) for k, v in streams.items()},
-              "native_available": kernels.native_available(), "backends": {}}
+              "native_available": kernels.native_available(),
+              "native_vector_path": native_vector_path(), "backends": {}}
     for backend in backends:
         if backend == "native" and not kernels.native_available():
             continue

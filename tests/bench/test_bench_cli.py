@@ -46,6 +46,9 @@ def test_bench_kernel_json():
     report = json.loads(bench("dev", "kernel", "--numel", "64K", "--repeats", "2", "--json").stdout)
     for kernel in ("compress", "server", "decode"):
         assert report["backends"]["native"][f"{kernel}_ratio_to_add"] > 0
+    from hvd_onebit import _C
+    want = "avx512" if _C.has_avx512() else "avx2"
+    assert report["native_vector_path"] == want, (report["native_vector_path"], want)
     # each pass's bytes per second: its element rate times the bytes its streams move
     streams = report["streams"]
     per_element = {k: 4 * (s["reads"] + s["writes"]) + s["bits"] / 8 for k, s in streams.items()}
