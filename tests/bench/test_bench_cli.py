@@ -46,9 +46,13 @@ def test_bench_kernel_json():
     report = json.loads(bench("dev", "kernel", "--numel", "64K", "--repeats", "2", "--json").stdout)
     for kernel in ("compress", "server", "decode"):
         assert report["backends"]["native"][f"{kernel}_ratio_to_add"] > 0
-    from hvd_onebit import _C
-    want = "avx512" if _C.has_avx512() else "avx2"
+    from hvd_onebit.kernels.native_loader import load_native
+    want = "avx512" if load_native().module.has_avx512() else "avx2"
     assert report["native_vector_path"] == want, (report["native_vector_path"], want)
+    # its provenance, for a results table
+    assert report["command"].startswith("hvd-onebit bench dev kernel") and \
+        len(report["commit"]) == 40 and report["date"], \
+        {k: report.get(k) for k in ("command", "commit", "date")}
     # each pass's bytes per second: its element rate times the bytes its streams move
     streams = report["streams"]
     per_element = {k: 4 * (s["reads"] + s["writes"]) + s["bits"] / 8 for k, s in streams.items()}
