@@ -14,6 +14,11 @@ def machine_info() -> dict:
             "python": platform.python_version()}
 
 
+# Variables that change what a benchmark measures (HVD_ONEBIT_NATIVE=avx2: the 8-lane paths),
+# recorded with its provenance when set.
+MEASURED_ENVIRONMENT = ("HVD_ONEBIT_NATIVE",)
+
+
 def provenance() -> dict:
     """Where a result was measured, for its JSON: the machine and date, this checkout's commit
     (and whether it had uncommitted changes), and the versions of torch and Horovod."""
@@ -34,9 +39,13 @@ def provenance() -> dict:
         except importlib.metadata.PackageNotFoundError:
             versions[name] = None
     machine = machine_info()
-    return {"machine": machine, "date": machine["date"], "commit": git("rev-parse", "HEAD"),
-            "uncommitted_changes": bool(git("status", "--porcelain", "--untracked-files=no")),
-            "versions": versions}
+    out = {"machine": machine, "date": machine["date"], "commit": git("rev-parse", "HEAD"),
+           "uncommitted_changes": bool(git("status", "--porcelain", "--untracked-files=no")),
+           "versions": versions}
+    environment = {k: os.environ[k] for k in MEASURED_ENVIRONMENT if k in os.environ}
+    if environment:  # what changed the kernels the run measured
+        out["environment"] = environment
+    return out
 
 
 def print_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> None:

@@ -233,3 +233,14 @@ def test_np_is_one_parser_everywhere_a_count_or_a_list_where_the_command_sweeps(
                     ["dev", "memory"]):
         help_text = hvd_onebit(["bench", *command, "--help"]).stdout
         assert "--np" in help_text and "--bandwidth" in help_text, f"bench {command} --help"
+
+
+def test_provenance_records_the_variables_that_change_the_kernels(monkeypatch):
+    from hvd_onebit_tools.bench.report import provenance
+
+    monkeypatch.delenv("HVD_ONEBIT_NATIVE", raising=False)
+    assert "environment" not in provenance(), "an unset variable was recorded"
+    monkeypatch.setenv("HVD_ONEBIT_NATIVE", "avx2")
+    got = provenance()
+    assert got["environment"] == {"HVD_ONEBIT_NATIVE": "avx2"}, got.get("environment")
+    assert len(got["commit"]) == 40, got["commit"]

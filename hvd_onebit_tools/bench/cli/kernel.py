@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import os
 import sys
 
 import click
@@ -48,9 +47,7 @@ def bench_kernel(numel, np_: int, threads: int, repeats: int, device: str,
                                  param_hint="--numel")
     numel = numel[0] if numel else 16 << 20
     result = bench_kernels(numel=numel, ranks=np_, threads=threads, repeats=repeats)
-    native_env = os.environ.get("HVD_ONEBIT_NATIVE")
-    result.update(command=" ".join(([f"HVD_ONEBIT_NATIVE={native_env}"] if native_env else [])
-                                   + ["hvd-onebit", *sys.argv[1:]]), **provenance())
+    result.update(command=" ".join(["hvd-onebit", *sys.argv[1:]]), **provenance())
     if as_json:
         click.echo(json.dumps(result, indent=2))
         return
