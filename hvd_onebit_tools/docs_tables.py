@@ -15,6 +15,7 @@ import argparse
 import inspect
 import json
 import re
+import statistics
 import sys
 from pathlib import Path
 from typing import Callable, Dict, List, Sequence
@@ -24,9 +25,19 @@ DOCS = ROOT / "docs"
 FIGURES = DOCS / "figures"
 README = ROOT / "README.md"
 SETTINGS = ("freeze_step", "variance_refresh", "hierarchical")
-DEFAULT_SCHEME = "bounded_refresh_doubling"  # the zoo's scheme that runs the library's defaults
-ZOO_SCHEMES = {DEFAULT_SCHEME: "1-bit Adam (defaults)",
-               "bounded": "with variance_refresh=None"}
+# The zoo tables' columns: (folder under docs/, scheme, label). The library's defaults ran as
+# "default_blocks512" in the granularity run (block_size 512, the refresh schedule), beside one
+# scale per chunk; the frozen variance ("bounded") and the longer runs, at one scale per chunk,
+# come from the earlier zoo runs.
+ZOO_COLUMNS = {
+    "zoo": (("granularity", "default_blocks512", "1-bit Adam (defaults)"),
+            ("granularity", "default", "with block_size=None"),
+            ("zoo", "bounded", "with variance_refresh=None, block_size=None")),
+    "zoo_long": (("zoo_long", "bounded_refresh_doubling", "the default refresh, block_size=None"),
+                 ("zoo_long", "bounded", "with variance_refresh=None, block_size=None")),
+}
+# The figure of each zoo table: its first column's runs.
+ZOO_FIGURES = {"zoo": ZOO_COLUMNS["zoo"][0], "zoo_long": ZOO_COLUMNS["zoo_long"][0]}
 FADING = {"fading.json": "lr 3e-3", "fading_lr1e-2.json": "lr 1e-2"}  # under docs/step/
 # the committed files also hold the two refresh gates they measured, since retired
 FADING_SETTINGS = {"doubling": "\"doubling\" (default)", "none": "None",
@@ -102,29 +113,30 @@ def freeze_runs(example: str) -> str:
                                "MB sent per rank"], rows), provenance(name, d)])
 
 
-def zoo(folder: str = "zoo") -> str:
-    """Every family: the defaults and the refresh against Adam, median and worst cell."""
-    d = _load(f"{folder}/summary.json")
-    families = sorted({f for s in ZOO_SCHEMES if s in d["families"] for f in d["families"][s]})
-    header = ["family"] + [f"{label}: median / worst ratio to Adam"
-                           for s, label in ZOO_SCHEMES.items() if s in d["families"]]
+def zoo(name: str = "zoo") -> str:
+    """Every family: each column's scheme against Adam (:data:`ZOO_COLUMNS`), median and
+    worst cell."""
+    columns = [(folder, scheme, label, _load(f"{folder}/summary.json"))
+               for folder, scheme, label in ZOO_COLUMNS[name]]
+    families = sorted({f for _, s, _, d in columns for f in d["families"].get(s, {})})
+    header = ["family"] + [f"{label}: median / worst ratio to Adam" for _, _, label, _ in columns]
     rows = []
     for fam in families:
         row = [fam]
-        for s in ZOO_SCHEMES:
-            if s in d["families"]:
-                f = d["families"][s].get(fam)
-                row.append("-" if f is None else
-                           f"{f['median_ratio']:.3f} / {f['max_ratio']:.3f}"
-                           + (f", {f['divergences']} diverged" if f["divergences"] else ""))
+        for _, s, _, d in columns:
+            f = d["families"].get(s, {}).get(fam)
+            row.append("-" if f is None else f"{f['median_ratio']:.3f} / {f['max_ratio']:.3f}"
+                       + (f", {f['divergences']} diverged" if f["divergences"] else ""))
         rows.append(row)
     totals = ["every cell"] + [
         f"{d['schemes'][s]['median_ratio']:.3f} / {d['schemes'][s]['max_ratio']:.3f}, "
         f"{d['schemes'][s]['divergences']} diverged of {d['schemes'][s]['cells']}"
-        for s in ZOO_SCHEMES if s in d["schemes"]]
-    note = (f"Final {d['metric']} loss over Adam's in each cell (family, lr rule, freeze, seed; "
-            f"{d['runs']} runs in the file). From `docs/{folder}/summary.json`, printed by "
-            f"`hvd-onebit bench dev zoo`.")
+        for _, s, _, d in columns]
+    sources = ", ".join(f"`docs/{folder}/summary.json` ({d['runs']} runs)"
+                        for folder, d in {c[0]: c[3] for c in columns}.items())
+    note = (f"Final {columns[0][3]['metric']} loss over Adam's in each cell (family, lr rule, "
+            f"freeze, seed), each against the Adam cells of its own run. From {sources}, "
+            f"printed by `hvd-onebit bench dev zoo`.")
     return "\n\n".join([table(header, rows + [totals]), note])
 
 
@@ -149,7 +161,7 @@ def fading() -> str:
                                  "median"], rows), "From " + "; ".join(notes) + "."])
 
 
-def zoo_figure(folder: str = "zoo", scheme: str = DEFAULT_SCHEME) -> Path:
+def zoo_figure(folder: str, scheme: str, label: str) -> Path:
     """One readable zoo figure: the defaults against Adam in every family (rows) and lr rule x
     freeze (columns), each cell the median over seeds of the final-loss ratio."""
     import matplotlib
@@ -179,7 +191,7 @@ def zoo_figure(folder: str = "zoo", scheme: str = DEFAULT_SCHEME) -> Path:
         for j in range(len(columns)):
             if not np.isnan(grid[i, j]):
                 ax.text(j, i, f"{grid[i, j]:.2f}", ha="center", va="center", fontsize=7)
-    ax.set_title("1-bit Adam (defaults) over Adam, final loss, median over seeds "
+    ax.set_title(f"{label} over Adam, final loss, median over seeds "
                  "(below 1: better than Adam)", fontsize=9)
     fig.colorbar(im, ax=ax, label="log ratio")
     fig.tight_layout()
@@ -269,18 +281,150 @@ def ddp_train() -> str:
     return "\n\n".join([table(header, rows), *notes])
 
 
+KERNEL = "kernel"  # bench dev kernel runs: the 8-lane paths (before_*) and the default (after_*)
+KERNEL_PASSES = {"compress": "compress", "server": "server step", "decode": "decode",
+                 "momentum_compress": "momentum + compress",
+                 "momentum_compress_preconditioned": "preconditioned momentum + compress (default)",
+                 "decode_update": "decode + update",
+                 "decode_update_preconditioned": "preconditioned decode + update (default)"}
+
+
+def kernel() -> str:
+    """Each native pass's element rate over ``torch.add``'s in the same process, the median of
+    the committed runs with the AVX-512 paths forbidden and allowed, and its bytes per second."""
+    runs = {which: [json.loads(p.read_text())
+                    for p in sorted((DOCS / KERNEL).glob(f"{which}_*.json"))]
+            for which in ("before", "after")}
+
+    def median(which: str, key: str) -> float:
+        return statistics.median(r["backends"]["native"][key] for r in runs[which])
+
+    rows = []
+    for key, label in KERNEL_PASSES.items():
+        row = [label]
+        for which in ("before", "after"):
+            if runs[which]:
+                ratios = [r["backends"]["native"][f"{key}_ratio_to_add"] for r in runs[which]]
+                row.append(f"{median(which, f'{key}_ratio_to_add'):.2f} "
+                           f"({min(ratios):.2f}-{max(ratios):.2f})")
+        row.append(f"{median('after', f'{key}_bytes_per_s') / 1e9:.1f}")
+        rows.append(row)
+    add = statistics.median(r["add_bytes_per_s"] for r in runs["after"]) / 1e9
+    paths = {w: sorted({r.get("native_vector_path") for r in runs[w]}) for w in runs if runs[w]}
+    header = ["native pass"] + [f"{'/'.join(map(str, paths[w]))} paths: ratio to torch.add, "
+                                f"median (range)" for w in ("before", "after") if w in paths] + [
+        "GB/s moved (default paths)"]
+    note = (f"torch.add moves {add:.1f} GB/s (12 bytes per element) in the same runs; "
+            f"{len(runs['before'])} runs with the AVX-512 paths forbidden "
+            f"(`HVD_ONEBIT_NATIVE=avx2`) and {len(runs['after'])} without, alternated.")
+    notes = [provenance(f"{KERNEL}/{p.name}", json.loads(p.read_text()))
+             for p in sorted((DOCS / KERNEL).glob("*.json"))[:1]]
+    return "\n\n".join([table(header, rows), note, *notes])
+
+
+STEP = "step_time"  # bench train runs with the 8-lane kernels (before_*) and the default (after_*)
+BREAKDOWN = ("backward", "compress", "wait", "server", "decode")
+
+
+def step_time() -> str:
+    """The whole compressed step before and after the 16-lane passes, alternated in one
+    session: its time, over the ``local`` step and against Horovod Adam's, where the time went,
+    and the exchange started from the gradient hooks against the same step started in step()."""
+    rows, notes = [], []
+    for which, label in (("before", "8-lane passes"), ("after", "default")):
+        for path in sorted((DOCS / STEP).glob(f"train_{which}_*.json")):
+            d = json.loads(path.read_text())
+            s, ob = d["summary"], {r["method"]: r for r in d["rows"]}["onebit"]
+            parts = ob["compression_breakdown_s"]
+            overlap = json.loads((DOCS / STEP / path.name.replace("train_", "overlap_"))
+                                 .read_text())["summary"]["onebit_overlap_step_vs_sync"]
+            rows.append([f"{label} ({path.stem.split('_')[-1]})",
+                         f"{ob['compression_step_s'] * 1e3:.1f}",
+                         f"{s['onebit_compression_step_vs_local']:.2f}",
+                         f"{s['onebit_compression_step_speedup_vs_fp32']:.2f}",
+                         " / ".join(f"{parts[k] * 1e3:.1f}" for k in BREAKDOWN),
+                         f"{overlap:.3f}"])
+            notes.append(provenance(f"{STEP}/{path.name}", d))
+    header = ["passes (run)", "compressed step, ms", "over the local step",
+              "Horovod Adam's step over it", "ms in " + " / ".join(BREAKDOWN),
+              "hook-started over step()-started (the MLP's buckets)"]
+    return "\n\n".join([table(header, rows), *notes])
+
+
+GRANULARITY = "granularity"  # the whole zoo at each block size, and bench train's step time
+NULL_CHANGES = ("null_lr_up_1ppm", "null_lr_down_1ppm")  # docs/zoo's measured cell-by-cell floor
+
+
+def granularity() -> str:
+    """The scale granularity on the whole zoo: each block size against Adam, the finer one
+    against the default cell by cell beside the zoo's null changes (its noise floor), and
+    ``bench train``'s compressed step and bytes with finer scales against the default's."""
+    d = _load(f"{GRANULARITY}/summary.json")
+    base = d["against"]["base"]
+    rows = [[f"`{name}`", s["cells"], f"{s['median_ratio']:.3f}", f"{s['max_ratio']:.3f}",
+             s["over_1_05"], s["divergences"]] for name, s in d["schemes"].items()]
+    header = ["scheme", "cells", "median ratio to Adam", "worst", "cells over 1.05", "diverged"]
+    null = _load("zoo/summary.json")["against"]["schemes"]
+    floor = ", ".join(f"{null[n]['worse_by_over_1pct']} of {null[n]['pairs']}"
+                      for n in NULL_CHANGES)
+    floor_groups = ", ".join(f"{null[n]['groups_worse_beyond_seed_noise']} of "
+                             f"{null[n]['seed_groups']}" for n in NULL_CHANGES)
+    lines = []
+    for name, a in d["against"]["schemes"].items():
+        lines.append(
+            f"`{name}` against `{base}`, cell by cell: {a['worse_by_over_1pct']} of "
+            f"{a['pairs']} cells worse by over 1% (the zoo's null changes: {floor}), "
+            f"{a['better_by_over_1pct']} better by over 1%; {a['newly_over_1_05']} cells newly "
+            f"over 1.05, {a['no_longer_over_1_05']} no longer; over seeds, "
+            f"{a['groups_worse_beyond_seed_noise']} of {a['seed_groups']} groups worse beyond "
+            f"the seeds' noise (null changes: {floor_groups}); median ratio of ratios "
+            f"{a['median_ratio_of_ratios']:.4f}.")
+    train_rows, notes = [], [provenance(f"{GRANULARITY}/provenance.json",
+                                        _load(f"{GRANULARITY}/provenance.json"))]
+    for path in sorted((DOCS / STEP).glob("train_after_*.json")):  # the runs of step_time()
+        t = json.loads(path.read_text())
+        s = t["summary"]
+        train_rows.append([path.stem, t["config"]["block_size"],
+                           f"{s['onebit_blocks_compression_step_vs_onebit']:.3f}",
+                           f"{s['onebit_blocks_compression_bytes_vs_onebit']:.4f}"])
+    parts = [table(header, rows), "\n\n".join(lines)]
+    lm_rows = []
+    for path in sorted((DOCS / GRANULARITY).glob("lm_*.json")):
+        lm = json.loads(path.read_text())
+        scales = {"lm_default": "one per chunk", "lm_blocks512": "one per 512 elements"}
+        lm_rows.append([scales.get(path.stem, path.stem), f"{lm['final_val_loss_adam']:.4f}",
+                        f"{lm['final_val_loss_onebit']:.4f}",
+                        f"{lm['ratio_onebit_over_adam']:.4f}",
+                        f"{lm['final_val_loss_onebit_hierarchical']:.4f}",
+                        f"{lm['ratio_hierarchical_over_flat']:.4f}",
+                        f"{lm['bytes_per_step_onebit_compression'] / 1e3:,.0f}"])
+        notes.append(provenance(f"{GRANULARITY}/{path.name}", lm))
+    if lm_rows:
+        parts.append(table(["language model, scales", "Adam", "1-bit Adam", "over Adam",
+                            "hierarchical (2 nodes x 2)", "hierarchical over flat",
+                            "KB per step of the compression phase (refresh steps included)"],
+                           lm_rows))
+    if train_rows:
+        parts.append(table(["bench train run (the step_time runs above)", "block_size",
+                            "compressed step over one scale per chunk's",
+                            "bytes on the wire over one scale per chunk's"], train_rows))
+    return "\n\n".join(parts + notes)
+
+
 PARTS: Dict[str, Callable[[], str]] = {
     "headline": headline, "settings": settings, "freeze_lm": lambda: freeze_runs("lm"),
     "freeze_digits": lambda: freeze_runs("digits"), "zoo": zoo,
     "zoo_long": lambda: zoo("zoo_long"), "fading": fading,
     "headline_ddp": lambda: headline("ddp/convergence.json"), "zoo_faces": zoo_faces,
-    "ddp_train": ddp_train}
+    "ddp_train": ddp_train, "granularity": granularity, "kernel": kernel,
+    "step_time": step_time}
 # Which generated parts each Markdown file holds, in its <!-- generated:NAME --> blocks.
 BLOCKS: Dict[str, Sequence[str]] = {
     "README.md": ("settings", "headline"),
     "docs/tuning.md": ("settings",),
     "docs/results.md": ("headline", "freeze_lm", "freeze_digits", "zoo", "zoo_long", "fading",
-                        "headline_ddp", "zoo_faces", "ddp_train"),
+                        "headline_ddp", "zoo_faces", "ddp_train", "kernel", "step_time",
+                        "granularity"),
 }
 
 
@@ -318,7 +462,7 @@ def stale(parts: Dict[str, str]) -> Dict[Path, str]:
 
 def write(parts: Dict[str, str]) -> List[Path]:
     """Refresh every file's blocks and the zoo figures; the paths written."""
-    paths = [zoo_figure("zoo"), zoo_figure("zoo_long")]
+    paths = [zoo_figure(*ZOO_FIGURES[name]) for name in ("zoo", "zoo_long")]
     for path, fresh in stale(parts).items():
         path.write_text(fresh)
         paths.append(path)
