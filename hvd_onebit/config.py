@@ -26,6 +26,8 @@ ZERO_VARIANCE_MODES = ("hold", "eps", "floor")
 REFRESH_PRESETS = (None, DOUBLING)  # variance_refresh's public values
 AUTO = "auto"  # freeze_step="auto": freeze once the variance has settled (hvd_onebit.auto_freeze)
 DEFAULT_BUCKET_MB = 64.0
+# elements per scale of the 1-bit compression: finer than one per chunk, at 1/16 more bytes
+DEFAULT_BLOCK_SIZE = 512
 # The recommended freeze_step, as a share of the run: with the default refresh, and with
 # variance_refresh=None (the variance frozen for the rest of the run). The docstrings, the CLI's
 # defaults and the examples take them from here.
@@ -176,7 +178,7 @@ class OneBitConfig:
 
     freeze_step: Union[int, str]
     compressor: str = "onebit"
-    block_size: Optional[int] = None
+    block_size: Optional[int] = DEFAULT_BLOCK_SIZE
     transport: str = "auto"
     kernel_backend: str = "auto"
     bucket_size_mb: float = DEFAULT_BUCKET_MB
@@ -201,7 +203,7 @@ class OneBitConfig:
                      overlap: bool = True,
                      memory: str = "auto",
                      flush_on_commit: bool = False,
-                     block_size: Optional[int] = None,
+                     block_size: Optional[int] = DEFAULT_BLOCK_SIZE,
                      check_every: int = 0,
                      kernel_backend: str = "auto",
                      experimental: Optional[Experimental] = None,
