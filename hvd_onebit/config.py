@@ -103,7 +103,7 @@ class Experimental:
             the compression phase (Adam with a frozen variance), to tell what freezing the
             variance costs apart from the 1-bit compression.
         precondition: True (default): the 1-bit allreduce carries each element's momentum over
-            its frozen denominator, ``m / (sqrt(v / bc2) + eps)``, so one scale per chunk fits
+            its frozen denominator, ``m / (sqrt(v / bc2) + eps)``, so one scale per block fits
             elements of any variance alike and the error feedback is in the update's units;
             False: the paper's compression of the momentum itself.
         step_bound: "adam" (default): each compression-phase step clamped at ``lr * B(t)``, the
