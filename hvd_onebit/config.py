@@ -26,6 +26,8 @@ ZERO_VARIANCE_MODES = ("hold", "eps", "floor")
 REFRESH_PRESETS = (None, DOUBLING)  # variance_refresh's public values
 AUTO = "auto"  # freeze_step="auto": freeze once the variance has settled (hvd_onebit.auto_freeze)
 DEFAULT_BUCKET_MB = 64.0
+# elements per scale of the 1-bit compression: finer than one per chunk, at 1/16 more bytes
+DEFAULT_BLOCK_SIZE = 512
 # The recommended freeze_step, as a share of the run: with the default refresh, and with
 # variance_refresh=None (the variance frozen for the rest of the run). The docstrings, the CLI's
 # defaults and the examples take them from here.
@@ -101,7 +103,7 @@ class Experimental:
             the compression phase (Adam with a frozen variance), to tell what freezing the
             variance costs apart from the 1-bit compression.
         precondition: True (default): the 1-bit allreduce carries each element's momentum over
-            its frozen denominator, ``m / (sqrt(v / bc2) + eps)``, so one scale per chunk fits
+            its frozen denominator, ``m / (sqrt(v / bc2) + eps)``, so one scale per block fits
             elements of any variance alike and the error feedback is in the update's units;
             False: the paper's compression of the momentum itself.
         step_bound: "adam" (default): each compression-phase step clamped at ``lr * B(t)``, the
@@ -176,7 +178,7 @@ class OneBitConfig:
 
     freeze_step: Union[int, str]
     compressor: str = "onebit"
-    block_size: Optional[int] = None
+    block_size: Optional[int] = DEFAULT_BLOCK_SIZE
     transport: str = "auto"
     kernel_backend: str = "auto"
     bucket_size_mb: float = DEFAULT_BUCKET_MB
@@ -201,7 +203,7 @@ class OneBitConfig:
                      overlap: bool = True,
                      memory: str = "auto",
                      flush_on_commit: bool = False,
-                     block_size: Optional[int] = None,
+                     block_size: Optional[int] = DEFAULT_BLOCK_SIZE,
                      check_every: int = 0,
                      kernel_backend: str = "auto",
                      experimental: Optional[Experimental] = None,

@@ -8,8 +8,9 @@ travels as one *row* of bytes::
 
 ``status`` is 0.0, or 1.0 when the sender saw a non-finite value; every row of a call carries it so
 that every rank learns of a bad input on any rank within the same collective (no hang, no extra
-round trip). One scale covers ``block`` elements: by default the whole chunk (the paper uses one per
-tensor; one per chunk costs n floats and is more accurate), or finer blocks when asked for.
+round trip). One scale covers ``block`` elements: the whole chunk when no ``block_size`` is given
+(the paper uses one per tensor; one per chunk costs n floats and is more accurate), or blocks of
+``block_size`` elements (the optimizers' default is 512: 4 bytes of scale per 64 of signs).
 """
 from __future__ import annotations
 

@@ -19,7 +19,7 @@ from horovod.torch.mpi_ops import Adasum, Average, Sum
 from horovod.torch.optimizer import _DistributedOptimizer
 
 from . import elastic
-from .config import DEFAULT_BUCKET_MB, DOUBLING, Experimental, OneBitConfig, check_wrapped
+from .config import DEFAULT_BLOCK_SIZE, DEFAULT_BUCKET_MB, DOUBLING, Experimental, OneBitConfig, check_wrapped
 from .face import face_attributes
 from .horovod_view import HorovodView
 from .low_precision import WidenBfloat16
@@ -90,7 +90,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                          overlap: bool = True,
                          memory: str = "auto",
                          flush_on_commit: bool = False,
-                         block_size: Optional[int] = None,
+                         block_size: Optional[int] = DEFAULT_BLOCK_SIZE,
                          check_every: int = 0,
                          kernel_backend: str = "auto",
                          experimental: Optional[Experimental] = None,
@@ -130,7 +130,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
         flush_on_commit (bool, optional): fold the error feedback into the momentum at every
             Horovod elastic ``state.commit()`` (default: False)
         block_size (int, optional): elements per scale of the 1-bit compression, a multiple
-            of 8 (default: None, one scale per chunk)
+            of 8; None: one scale per chunk (default: 512)
         check_every (int, optional): every K steps raise on every rank if the parameters
             differ between ranks (default: 0, never)
         kernel_backend (str, optional): "auto", "native", "triton" or "torch" (default: "auto")

@@ -17,7 +17,7 @@ KEYWORDS = ["freeze_step", "variance_refresh", "hierarchical", "bucket_size_mb",
             "kernel_backend", "experimental"]
 
 # What OneBitConfig.from_options(10) holds, field by field: the defaults (the refresh: "doubling").
-DEFAULTS = {"freeze_step": 10, "compressor": "onebit", "block_size": None, "transport": "auto",
+DEFAULTS = {"freeze_step": 10, "compressor": "onebit", "block_size": 512, "transport": "auto",
             "kernel_backend": "auto", "bucket_size_mb": 64.0, "check_every": 0,
             "auto_freeze": None, "flush_on_commit": False, "hierarchical": False,
             "overlap": True, "memory": "auto", "intra_node": "auto", "step_bound": "adam",

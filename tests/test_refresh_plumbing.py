@@ -94,9 +94,12 @@ def test_bench_train_builds_onebit_refresh_like_the_other_onebit_methods():
         f"onebit_refresh got {refresh}"
     frozen = onebit_arguments("onebit_refresh", 600, 0.15, base, None, 0.05)
     assert frozen["variance_refresh"] is None, f"--variance-refresh none reached it as {frozen}"
-    # onebit_blocks is onebit with finer scales; the other methods keep one scale per chunk
+    # onebit_blocks is onebit at another granularity (0: one scale per chunk); the other
+    # methods keep the default's
     blocks = onebit_arguments("onebit_blocks", 600, 0.15, base, "doubling", 0.05, 256)
     assert blocks == {**fixed, "block_size": 256}, f"onebit_blocks got {blocks}"
+    chunk = onebit_arguments("onebit_blocks", 600, 0.15, base, "doubling", 0.05, 0)
+    assert chunk == {**fixed, "block_size": None}, f"onebit_blocks at 0 got {chunk}"
     assert "block_size" not in onebit_arguments("onebit", 600, 0.15, base, None, 0.05, 256)
 
 

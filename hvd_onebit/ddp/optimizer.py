@@ -15,7 +15,7 @@ from typing import Callable, Optional
 
 import torch
 
-from ..config import DEFAULT_BUCKET_MB, DOUBLING, Experimental, OneBitConfig, check_wrapped
+from ..config import DEFAULT_BLOCK_SIZE, DEFAULT_BUCKET_MB, DOUBLING, Experimental, OneBitConfig, check_wrapped
 from ..face import face_attributes
 from . import setup
 from .view import DDPView
@@ -53,7 +53,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model, *,
                          bucket_size_mb: float = DEFAULT_BUCKET_MB,
                          overlap: bool = True,
                          memory: str = "auto",
-                         block_size: Optional[int] = None,
+                         block_size: Optional[int] = DEFAULT_BLOCK_SIZE,
                          check_every: int = 0,
                          kernel_backend: str = "auto",
                          experimental: Optional[Experimental] = None,
@@ -86,7 +86,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model, *,
         memory (str, optional): "auto", "lean" (one error buffer per collective) or "fast"
             (a spare of each, one pass less per step); "auto": lean on CUDA (default: "auto")
         block_size (int, optional): elements per scale of the 1-bit compression, a multiple
-            of 8 (default: None, one scale per chunk)
+            of 8; None: one scale per chunk (default: 512)
         check_every (int, optional): every K steps raise on every rank if the parameters
             differ between ranks (default: 0, never)
         kernel_backend (str, optional): "auto", "native", "triton" or "torch" (default: "auto")

@@ -23,9 +23,9 @@ one method after another inside one job, so they share the machine's state and n
   ``variance_refresh=None``: the compression phase's throughput, no refresh step inside it.
 * ``onebit_hierarchical``: the same with ``hierarchical=True`` (full precision inside nodes, 1-bit
   between them); meant for clusters with several ranks per node (``--ranks-per-node``).
-* ``onebit_blocks``: ``onebit`` with ``block_size`` (default 512) elements per scale instead of
-  one scale per chunk: the step time and bytes of a finer scale granularity, against ``onebit``
-  in the same run (``onebit_blocks_compression_step_vs_onebit``).
+* ``onebit_blocks``: ``onebit`` with another scale granularity, ``block_size`` elements per
+  scale (default 0: one scale per chunk, the coarsest, against the default 512): its step time
+  and bytes against ``onebit``'s in the same run (``onebit_blocks_compression_step_vs_onebit``).
 * ``onebit_refresh``: 1-bit Adam with ``variance_refresh`` (default ``"doubling"``) and its own
   early ``freeze_step = refresh_freeze_frac * steps``: the library's defaults, a whole-run comparison with
   ``onebit`` (at ``warmup_frac``). Its refresh steps (full precision inside the compression
@@ -122,13 +122,13 @@ def build_embedding_model(vocab: int, dim: int, width: int, out_dim: int = OUT_D
 
 def onebit_arguments(method: str, steps: int, warmup_frac: float, onebit_options: dict,
                      variance_refresh=None, refresh_freeze_frac: float = 0.05,
-                     block_size: int = 512) -> dict:
+                     block_size: int = 0) -> dict:
     """``hvd_onebit.DistributedOptimizer``'s keyword arguments (beyond the optimizer and the
     parameters) for a 1-bit method; ``variance_refresh`` only for ``onebit_refresh``, and only
-    when set; ``block_size`` only for ``onebit_blocks``."""
+    when set; ``block_size`` only for ``onebit_blocks`` (0: one scale per chunk)."""
     options = dict(onebit_options)
     if method == "onebit_blocks":
-        options["block_size"] = block_size
+        options["block_size"] = block_size or None
     refresh = variance_refresh if method == "onebit_refresh" else None
     if method == "onebit_hierarchical":
         options["hierarchical"] = True
@@ -141,7 +141,7 @@ def onebit_arguments(method: str, steps: int, warmup_frac: float, onebit_options
 
 def _make_step(method: str, model, steps: int, warmup_frac: float, powersgd_start: int, lr: float,
                onebit_options: dict, variance_refresh=None, refresh_freeze_frac: float = 0.05,
-               gradient_as_bucket_view: bool = False, block_size: int = 512):
+               gradient_as_bucket_view: bool = False, block_size: int = 0):
     """Returns (step_fn(x, y) -> backward seconds, optimizer or None, phase_fn())."""
     import horovod.torch as hvd
     import torch
@@ -196,7 +196,7 @@ def train_worker(methods=METHODS, steps: int = 40, warmup_frac: float = 0.15,
                  transport: str = "auto", bucket_size_mb: Optional[float] = None,
                  intra_node: str = "auto", variance_refresh=None,
                  refresh_freeze_frac: float = 0.05,
-                 gradient_as_bucket_view: bool = False, block_size: int = 512) -> list[dict]:
+                 gradient_as_bucket_view: bool = False, block_size: int = 0) -> list[dict]:
     """Runs in every rank (after hvd.init()). Returns one row per method (rank 0's view).
 
     ``model="mlp"`` uses width/depth; ``model="embedding"`` uses vocab/embed_dim, ``tokens``

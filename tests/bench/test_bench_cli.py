@@ -125,16 +125,16 @@ def test_bench_train_loopback_reports_phases_and_speedups(tmp_path, model):
         f"phases {ob['step_phases']}"
     assert ob["run_seconds"] >= sum(ob["step_seconds"]) - 1e-9, \
         f"the run took {ob['run_seconds']} s, less than its steps' {sum(ob['step_seconds'])} s"
-    # onebit_blocks: onebit's phases, a scale per 512 elements on top of the signs (4 bytes per
-    # 512 elements: 1/16 of the signs' bytes), each rank's chunk padded to whole blocks
+    # onebit_blocks at its default, one scale per chunk, against onebit's 512 elements per
+    # scale: 4 bytes per 512 elements (1/16 of the signs' bytes), each chunk padded to whole blocks
     blocks = rows["onebit_blocks"]
     assert blocks["step_phases"] == ob["step_phases"], blocks["step_phases"]
-    more = blocks["compression_bytes_per_step"] / ob["compression_bytes_per_step"]
+    more = ob["compression_bytes_per_step"] / blocks["compression_bytes_per_step"]
     params = ob["params"]
     padded = -(-params // (2 * 512)) * 2 * 512
     assert 1 < more <= padded / params * (1 + 1 / 16) + 0.005, \
-        f"onebit_blocks sends {blocks['compression_bytes_per_step']} bytes per compressed step, " \
-        f"onebit {ob['compression_bytes_per_step']} ({more:.4f}x)"
+        f"onebit sends {ob['compression_bytes_per_step']} bytes per compressed step, " \
+        f"onebit_blocks {blocks['compression_bytes_per_step']} ({more:.4f}x)"
     # the DDP face: onebit's warmup and phases, the same engine's bytes, DDP Adam's ring figure
     face, adam = rows["ddp_onebit"], rows["ddp_adam"]
     got = {k: face[k] for k in ("freeze_step", "warmup_steps", "compression_steps",

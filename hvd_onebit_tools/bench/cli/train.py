@@ -65,8 +65,9 @@ from .options import (FROZEN_FREEZE_FRACTION, cluster_for, comma_list, nodes_opt
               help="1-bit Adam's transport for the compression phase.")
 @click.option("--bucket-size-mb", default=None, type=float,
               help="1-bit Adam's bucket_size_mb [default: the optimizer's].")
-@click.option("--block-size", default=512, show_default=True, type=click.IntRange(8),
-              help="onebit_blocks' block_size: elements per scale (a multiple of 8).")
+@click.option("--block-size", default=0, show_default=True, type=click.IntRange(0),
+              help="onebit_blocks' block_size: elements per scale (a multiple of 8), or 0: one "
+                   "scale per chunk (the default's granularity is 512).")
 @click.option("--intra-node", default="auto", show_default=True,
               type=click.Choice(["auto", "shared_memory", "network"]),
               help="1-bit Adam's intra_node (onebit_hierarchical's stages inside a node); auto is "
