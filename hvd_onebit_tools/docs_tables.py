@@ -281,6 +281,25 @@ def ddp_train() -> str:
     return "\n\n".join([table(header, rows), *notes])
 
 
+def refresh_predict(name: str = "step/predict_refresh.json") -> str:
+    """The scale model's whole-run speed and bytes of the default refresh (an early freeze and
+    refresh steps) against a fixed warmup and a frozen variance, at several scales and lengths."""
+    d = _load(name)
+    i = d["inputs"]
+    rows = [[r["np"], f"{r['inter_bps'] / 1e9:g} Gbit/s", r["method"], f"{r['run_steps']:,}",
+             f"{r['fixed_run_speedup_vs_fp32']:.2f}", f"{r['refresh_full_precision_steps']:,}",
+             f"{r['refresh_run_speedup_vs_fp32']:.2f}", f"{r['refresh_vs_fixed_run_speedup']:.2f}",
+             f"{r['refresh_vs_fixed_bytes']:.3f}"] for r in d["rows"]]
+    header = ["ranks", "links", "method", "steps",
+              f"frozen at {i['warmup_frac']:.0%}: run over Horovod fp32's",
+              f"{i['variance_refresh']} frozen at {i['refresh_freeze_frac']:.0%}: "
+              "full-precision steps", "its run over Horovod fp32's", "speed over frozen's",
+              "bytes over frozen's"]
+    note = (f"{i['params']:,} parameters, {i['compute_s'] * 1e3:g} ms of compute per step, "
+            f"the calibration of {d['calibration']['date']}.")
+    return "\n\n".join([table(header, rows), note, provenance(name, d)])
+
+
 KERNEL = "kernel"  # bench dev kernel runs: the 8-lane paths (before_*) and the default (after_*)
 KERNEL_PASSES = {"compress": "compress", "server": "server step", "decode": "decode",
                  "momentum_compress": "momentum + compress",
@@ -416,14 +435,15 @@ PARTS: Dict[str, Callable[[], str]] = {
     "freeze_digits": lambda: freeze_runs("digits"), "zoo": zoo,
     "zoo_long": lambda: zoo("zoo_long"), "fading": fading,
     "headline_ddp": lambda: headline("ddp/convergence.json"), "zoo_faces": zoo_faces,
-    "ddp_train": ddp_train, "granularity": granularity, "kernel": kernel,
+    "ddp_train": ddp_train, "granularity": granularity, "kernel": kernel, "refresh_predict": refresh_predict,
     "step_time": step_time}
 # Which generated parts each Markdown file holds, in its <!-- generated:NAME --> blocks.
 BLOCKS: Dict[str, Sequence[str]] = {
     "README.md": ("settings", "headline"),
     "docs/tuning.md": ("settings",),
     "docs/results.md": ("headline", "freeze_lm", "freeze_digits", "zoo", "zoo_long", "fading",
-                        "headline_ddp", "zoo_faces", "ddp_train", "kernel", "step_time",
+                        "refresh_predict", "headline_ddp", "zoo_faces", "ddp_train", "kernel",
+                        "step_time",
                         "granularity"),
 }
 
