@@ -63,8 +63,13 @@ def test_auto_freeze_builds_the_refresh_runs():
         "--seed", "3", "--warmup-frac", "0.05", "--variance-refresh", "doubling"]
     assert auto_freeze.train_args_for("refresh_auto", args, []) == [
         "--warmup-frac", "auto", "--variance-refresh", "doubling", "--auto-freeze-min-steps", "20"]
-    assert auto_freeze.train_args_for("auto", args, []) == ["--warmup-frac", "auto"], \
-        "the plain auto run got refresh arguments"
+    # the other 1-bit runs keep the variance frozen, though the examples refresh by default
+    assert auto_freeze.train_args_for("auto", args, []) == [
+        "--warmup-frac", "auto", "--variance-refresh", "none"], \
+        f"the plain auto run got {auto_freeze.train_args_for('auto', args, [])}"
+    assert auto_freeze.train_args_for("frozen_20pct", args, []) == [
+        "--warmup-frac", "0.2", "--variance-refresh", "none"]
+    assert auto_freeze.train_args_for("adam", args, []) == [], "Adam got 1-bit arguments"
 
 
 def test_auto_freeze_averages_each_seeds_ratio_and_bytes():

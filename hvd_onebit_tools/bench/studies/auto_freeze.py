@@ -57,7 +57,7 @@ SCRIPTS = {"lm": REPO / "examples" / "train_lm.py", "digits": REPO / "examples" 
 RUNS = {"adam": ("adam", None), "auto": ("onebit", "auto"), "early_2pct": ("onebit", "0.02"),
         "late_50pct": ("onebit", "0.5"), "adam_reordered": ("adam", None),
         "refresh_5pct": ("onebit", "0.05"), "refresh_3pct": ("onebit", "0.03"),
-        "refresh_auto": ("onebit", "auto")}
+        "refresh_auto": ("onebit", "auto"), "frozen_20pct": ("onebit", "0.2")}
 REFRESH_RUNS = ("refresh_5pct", "refresh_3pct", "refresh_auto")  # with --variance-refresh
 AUTO_RUNS = ("auto", "refresh_auto")  # freeze_step="auto"
 DEFAULT_RUNS = ("adam", "auto", "early_2pct", "late_50pct")
@@ -137,6 +137,8 @@ def train_args_for(name: str, args, extra: list[str]) -> list[str]:
         train_args += ["--data-seed", str(reordered)]
     if name in REFRESH_RUNS:
         train_args += ["--variance-refresh", args.variance_refresh]
+    elif RUNS[name][0] == "onebit":  # the other 1-bit runs keep the variance frozen, whatever
+        train_args += ["--variance-refresh", "none"]  # the examples' default refresh
     if name == "refresh_auto":
         train_args += ["--auto-freeze-min-steps", str(args.auto_min_steps)]
     return train_args
