@@ -281,6 +281,31 @@ def ddp_train() -> str:
     return "\n\n".join([table(header, rows), *notes])
 
 
+DIGITS_RUNS = {"refresh_5pct": '"doubling" (default), frozen at 5%',
+               "refresh_auto": '"doubling", freeze_step="auto"',
+               "frozen_20pct": "None, frozen at 20%", "auto": 'None, freeze_step="auto"'}
+
+
+def refresh_digits(name: str = "step/refresh_digits.json") -> str:
+    """The digits CNN: each variance setting's final validation loss over Adam's, per seed,
+    worst and mean, and its bytes."""
+    d = _load(name)
+    rows = []
+    for run, label in DIGITS_RUNS.items():
+        s = d["summary"][run]
+        ratios = [s["ratio_to_adam"][k] for k in sorted(s["ratio_to_adam"])]
+        mb = [d["per_seed"][k]["runs"][run]["total_bytes_per_rank"] / 1e6
+              for k in sorted(d["per_seed"])]
+        rows.append([label, " / ".join(f"{r:.3f}" for r in ratios), f"{max(ratios):.3f}",
+                     f"{s['mean_ratio_to_adam']:.3f}", f"{statistics.median(mb):.1f}"])
+    adam_mb = statistics.median(d["per_seed"][k]["runs"]["adam"]["total_bytes_per_rank"] / 1e6
+                                for k in d["per_seed"])
+    note = f"Adam sends {adam_mb:.1f} MB per rank over the same run."
+    return "\n\n".join([table(["variance_refresh", "over Adam, per seed", "worst", "mean",
+                                 "MB sent per rank (median)"], rows), note,
+                          provenance(name, d)])
+
+
 def refresh_predict(name: str = "step/predict_refresh.json") -> str:
     """The scale model's whole-run speed and bytes of the default refresh (an early freeze and
     refresh steps) against a fixed warmup and a frozen variance, at several scales and lengths."""
@@ -436,13 +461,14 @@ PARTS: Dict[str, Callable[[], str]] = {
     "zoo_long": lambda: zoo("zoo_long"), "fading": fading,
     "headline_ddp": lambda: headline("ddp/convergence.json"), "zoo_faces": zoo_faces,
     "ddp_train": ddp_train, "granularity": granularity, "kernel": kernel, "refresh_predict": refresh_predict,
+    "refresh_digits": refresh_digits,
     "step_time": step_time}
 # Which generated parts each Markdown file holds, in its <!-- generated:NAME --> blocks.
 BLOCKS: Dict[str, Sequence[str]] = {
     "README.md": ("settings", "headline"),
     "docs/tuning.md": ("settings",),
     "docs/results.md": ("headline", "freeze_lm", "freeze_digits", "zoo", "zoo_long", "fading",
-                        "refresh_predict", "headline_ddp", "zoo_faces", "ddp_train", "kernel",
+                        "refresh_digits", "refresh_predict", "headline_ddp", "zoo_faces", "ddp_train", "kernel",
                         "step_time",
                         "granularity"),
 }
