@@ -297,6 +297,12 @@ def train_worker(methods=METHODS, steps: int = 40, warmup_frac: float = 0.15,
     return rows
 
 
+def _measured_bytes_ratio(row: dict, base: dict) -> Optional[float]:
+    """``row``'s measured link bytes per compressed step over ``base``'s (None: either has none)."""
+    key = "compression_measured_tx_bytes_per_step"
+    return row[key] / base[key] if row.get(key) and base.get(key) else None
+
+
 def summarize(rows: list[dict]) -> dict:
     """Speed-ups against Horovod fp32 Adam and the communication share of its step."""
     by = {r["method"]: r for r in rows}
@@ -326,20 +332,12 @@ def summarize(rows: list[dict]) -> dict:
     if hier and ob:
         out["onebit_hier_compression_step_speedup_vs_onebit"] = (ob["compression_step_s"]
                                                                  / hier["compression_step_s"])
-        out["onebit_hier_measured_bytes_vs_onebit"] = (
-            hier["compression_measured_tx_bytes_per_step"]
-            / ob["compression_measured_tx_bytes_per_step"]
-            if hier.get("compression_measured_tx_bytes_per_step")
-            and ob.get("compression_measured_tx_bytes_per_step") else None)
+        out["onebit_hier_measured_bytes_vs_onebit"] = _measured_bytes_ratio(hier, ob)
     blocks = by.get("onebit_blocks")
-    if ob and blocks:  # a finer scale granularity against the default's, in the same run
+    if ob and blocks:  # another scale granularity against the default's, in the same run
         out["onebit_blocks_compression_step_vs_onebit"] = (blocks["compression_step_s"]
                                                            / ob["compression_step_s"])
-        out["onebit_blocks_compression_bytes_vs_onebit"] = (
-            blocks["compression_measured_tx_bytes_per_step"]
-            / ob["compression_measured_tx_bytes_per_step"]
-            if blocks.get("compression_measured_tx_bytes_per_step")
-            and ob.get("compression_measured_tx_bytes_per_step") else None)
+        out["onebit_blocks_compression_bytes_vs_onebit"] = _measured_bytes_ratio(blocks, ob)
     ref = by.get("onebit_refresh")
     if ref and fp32:
         out["onebit_refresh_run_speedup_vs_fp32"] = fp32["run_seconds"] / ref["run_seconds"]
