@@ -25,9 +25,22 @@ Checks (each in its own try/except; a failure is reported in the JSON, the other
   peak (``torch.cuda.max_memory_allocated``) as ratios to the parameters' fp32 bytes. On CPU
   (``--dry-run``) it runs without the sync count.
 
+* ``bits_large``: the default layout (a scale per 512 elements, and one scale per chunk) at 1M
+  and 64M elements, every kernel and fused pass, Triton and torch on the device against the CPU.
+* ``memory_lean``: ``hvd-onebit bench dev memory --world inprocess --device cuda`` at 2, 8 and
+  16 virtual ranks with ``memory="lean"``: held and peak beyond Adam's own over the parameters'
+  fp32 bytes (the targets: <= 1.25 from 8 ranks, <= 1 + 1/n + 1/16 at n ranks).
+* ``step_time``: one compressed step of a model of 100M parameters on 2 and 8 virtual ranks
+  against torch's own ``Adam(fused=True)`` step of the same parameters on the same GPU, with
+  a breakdown of the GPU's time per kernel (``torch.profiler``).
+* ``ddp_face``: ``torchrun --nproc_per_node 2`` of ``hvd_onebit_tools/bench/gpu_ddp.py`` with
+  NCCL (two ranks on one GPU: NCCL's answer is reported) and with Gloo on CUDA tensors: DDP +
+  Adam and DDP + the 1-bit face, ranks identical, host syncs of one compressed step.
+
 ``--dry-run`` runs the checks that need no GPU on CPU tensors under Triton's interpreter (small
 sizes); the CUDA-only ones are reported as skipped. The script must not import triton before it
-has settled ``TRITON_INTERPRET``.
+has settled ``TRITON_INTERPRET``. With ``--out``, the report is written after every check, so a
+run cut short still leaves the checks it finished.
 """
 from __future__ import annotations
 
@@ -39,6 +52,7 @@ import time
 import traceback
 import warnings
 from pathlib import Path
+from typing import Optional
 
 
 BIT_CASES = [(7, 3, None), (33, 4, None), (100, 1, None), (4099, 2, None), (5001, 3, 24),
@@ -87,6 +101,13 @@ def _fused_outputs(backend, device, L, sizes, m, grads, rows, weights, variances
     return [_bytes(y_out), _bytes(send), _bytes(out)] + [_bytes(t) for t in w]
 
 
+def _reference_backend() -> str:
+    """The CPU kernels the device's bits are held to: the native ones, or (where they did not
+    build) the torch twins, which the suite holds to the native ones bit for bit."""
+    from hvd_onebit.kernels.native_loader import load_native
+    return "native" if load_native().module is not None else "torch"
+
+
 def check_bits(device: str) -> dict:
     """Per case, whether each device implementation gives the native CPU kernels' bits."""
     import torch
@@ -104,7 +125,7 @@ def check_bits(device: str) -> dict:
         kernels.row_scales(prev_send, L, L.n).copy_(torch.rand(L.n, L.nblocks, generator=g))
         args = (L, x, y_prev, prev_send, torch.randn(L.chunk, generator=g),
                 prev_send[:L.row_bytes].clone())
-        ref = _kernel_outputs("native", "cpu", *args)
+        ref = _kernel_outputs(_reference_backend(), "cpu", *args)
         entry = {"numel": numel, "n": n, "block": block}
         for backend, dev in impls:
             entry[f"{backend}_{dev}"] = _kernel_outputs(backend, dev, *args) == ref
@@ -130,7 +151,7 @@ def check_bits(device: str) -> dict:
         fp32 = (L, sizes, m, grads, rows, weights, variances, steps, decays)
         low_w = [None if w is None else w.to(dtypes[i % 3]) for i, w in enumerate(weights)]
         low = (L, sizes, m, grads, rows, low_w, variances, steps, decays)
-        ref32 = _fused_outputs("native", "cpu", *fp32)
+        ref32 = _fused_outputs(_reference_backend(), "cpu", *fp32)
         ref_low = _fused_outputs("torch", "cpu", *low)  # native takes float32 only
         entry = {"fused_sizes": sizes, "n": n}
         for backend, dev in impls:
@@ -138,8 +159,53 @@ def check_bits(device: str) -> dict:
             entry[f"{backend}_{dev}_f16_bf16_weights"] = _fused_outputs(backend, dev, *low) == ref_low
             ok &= entry[f"{backend}_{dev}"] and entry[f"{backend}_{dev}_f16_bf16_weights"]
         cases.append(entry)
-    return {"ok": bool(ok), "reference": "native kernels on CPU (torch twin for f16/bf16)",
-            "cases": cases}
+    return {"ok": bool(ok), "reference": f"{_reference_backend()} kernels on CPU (torch twin "
+                                         "for f16/bf16)", "cases": cases}
+
+
+def check_bits_large(device: str, sizes=(1 << 20, 64 << 20), n: int = 4) -> dict:
+    """The kernels and the fused passes at ``sizes`` elements, a scale per 512 elements (the
+    default) and one per chunk: the device's bits against the CPU's on the same data."""
+    import torch
+    from hvd_onebit import kernels
+    from hvd_onebit.config import DEFAULT_BLOCK_SIZE
+    from hvd_onebit.layout import Layout
+    ref_backend = _reference_backend()
+    cases, ok = [], True
+    for numel in sizes:
+        for block in (DEFAULT_BLOCK_SIZE, None):
+            L = Layout.build(numel, n, block)
+            g = torch.Generator().manual_seed(numel + 1)
+            prev_send = torch.randint(0, 255, (L.n * L.row_bytes,), dtype=torch.uint8, generator=g)
+            kernels.row_scales(prev_send, L, L.n).copy_(torch.rand(L.n, L.nblocks, generator=g))
+            args = (L, torch.randn(numel, generator=g), torch.randn(L.padded, generator=g),
+                    prev_send, torch.randn(L.chunk, generator=g), prev_send[:L.row_bytes].clone())
+            ref = _kernel_outputs(ref_backend, "cpu", *args)
+            entry = {"numel": numel, "n": n, "block": block}
+            for backend in ("triton", "torch"):
+                entry[f"{backend}_{device}"] = _kernel_outputs(backend, device, *args) == ref
+                ok &= entry[f"{backend}_{device}"]
+            del args, ref
+            cases.append(entry)
+        sizes_p = [numel // 2 - 3, 7, numel - numel // 2 - 4]
+        L = Layout.build(numel, n, DEFAULT_BLOCK_SIZE)
+        g = torch.Generator().manual_seed(numel + 2)
+        rows = torch.randint(0, 255, (L.n * L.row_bytes,), dtype=torch.uint8, generator=g)
+        kernels.row_scales(rows, L, L.n).copy_(torch.rand(L.n, L.nblocks, generator=g))
+        weights = [torch.randn(k, generator=g) for k in sizes_p]
+        variances = [torch.rand(k, generator=g) + 0.01 for k in sizes_p]
+        variances[0][::7] = 0.0  # held elements
+        fp32 = (L, sizes_p, torch.randn(numel, generator=g),
+                [torch.randn(k, generator=g) for k in sizes_p], rows, weights, variances,
+                [-1e-3, -2e-3, -3e-3], [1.0, 1 - 1e-5, 1.0])
+        ref32 = _fused_outputs(ref_backend, "cpu", *fp32)
+        entry = {"fused_numel": numel, "n": n, "block": DEFAULT_BLOCK_SIZE}
+        for backend in ("triton", "torch"):
+            entry[f"{backend}_{device}"] = _fused_outputs(backend, device, *fp32) == ref32
+            ok &= entry[f"{backend}_{device}"]
+        cases.append(entry)
+        del fp32, ref32
+    return {"ok": bool(ok), "reference": f"{ref_backend} kernels on CPU", "cases": cases}
 
 
 def _virtual_ranks(device: str, backend: str, numel: int, calls: int = 3):
@@ -287,9 +353,197 @@ def check_compressed_step(device: str, width: int = 2048, layers: int = 4) -> di
 
 
 def check_ratios(numels) -> dict:
+    """The kernel ratios at the default layout (a scale per 512 elements), and at one scale per
+    chunk on the first size."""
+    from hvd_onebit.config import DEFAULT_BLOCK_SIZE
     from hvd_onebit_tools.bench.kernel import bench_kernels_cuda
-    result = bench_kernels_cuda(numels)
-    return {"ok": result["meets_target"].get("triton", False), **result}
+    result = bench_kernels_cuda(numels, block_size=DEFAULT_BLOCK_SIZE)
+    per_chunk = bench_kernels_cuda(numels[:1], block_size=None)
+    return {"ok": result["meets_target"].get("triton", False), **result,
+            "one_scale_per_chunk": per_chunk}
+
+
+def check_memory_lean(device: str, ranks=(2, 8, 16), layers: int = 4, width: int = 2048) -> dict:
+    """``bench dev memory --world inprocess --memory lean`` on the device at each world size."""
+    from hvd_onebit_tools.bench.memory import bench_memory
+    out, ok = {"layers": layers, "width": width, "worlds": []}, True
+    for n in ranks:
+        r = bench_memory(ranks=n, layers=layers, width=width, compressed=3, transport="inprocess",
+                         device=device, memory="lean")
+        c = r["phases"]["compression"]
+        bound = 1 + 1 / n + 1 / 16
+        entry = {"ranks": n, "buckets": r["buckets"], "param_bytes": r["param_bytes"],
+                 "held_ratio": c["held_ratio"], "peak_ratio": c["peak_ratio"],
+                 "bound_1_plus_1_over_n_plus_1_over_16": bound,
+                 "within_bound": c["peak_ratio"] <= bound,
+                 "within_1_25": c["peak_ratio"] <= 1.25 if n >= 8 else None}
+        if device == "cuda":  # on CPU (--dry-run) the sizes are too small for the bounds
+            ok &= entry["within_bound"] and entry["within_1_25"] is not False
+        out["worlds"].append(entry)
+    out["peak_method"] = r["peak_method"]
+    out["ok"] = bool(ok)
+    return out
+
+
+def _kernel_times(prof, ranks: int) -> dict:
+    """The profiler's device time per kernel name, per rank, in ms, largest first."""
+    rows = []
+    for e in prof.key_averages():
+        t = getattr(e, "self_device_time_total", None)
+        if t is None:
+            t = getattr(e, "self_cuda_time_total", 0)
+        if t and e.device_type is not None and "cuda" in str(e.device_type).lower():
+            rows.append((e.key, t / 1e3 / ranks, e.count // ranks))
+    rows.sort(key=lambda r: -r[1])
+    return {"total_ms_per_rank": sum(r[1] for r in rows),
+            "kernels": [{"name": k[:80], "ms_per_rank": round(t, 4), "calls_per_rank": c}
+                        for k, t, c in rows[:15]]}
+
+
+def check_step_time(device: str, ranks=(2, 8), width: int = 2048, layers: int = 24,
+                    steps: int = 5) -> dict:
+    """The compression engine's step (default options) on ``layers`` x (``width``^2 + ``width``)
+    parameters per virtual rank, against torch's fused Adam step of the same parameters; one
+    profiled step's device time per kernel."""
+    import threading
+
+    import torch
+    from hvd_onebit.config import OneBitConfig
+    from hvd_onebit.engine import NOT_FROZEN, CompressedStep
+    from hvd_onebit.transport.inprocess import run_threads
+
+    cuda = device == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    shapes = [s for _ in range(layers) for s in ((width, width), (width,))]
+
+    def make(seed):
+        g = torch.Generator().manual_seed(seed)
+        params = [torch.randn(s, generator=g).to(device) for s in shapes]
+        grads = {p: (torch.randn(p.shape, generator=g) * 1e-3).to(device) for p in params}
+        return params, grads
+
+    # torch's Adam, fused where the device has it, on one rank's parameters
+    params, grads = make(0)
+    for p in params:
+        p.grad = grads[p]
+    adam = torch.optim.Adam(params, lr=1e-4, fused=cuda)
+    for _ in range(3):
+        adam.step()
+    sync()
+    start = time.perf_counter()
+    for _ in range(steps * 4):
+        adam.step()
+    sync()
+    adam_ms = 1e3 * (time.perf_counter() - start) / (steps * 4)
+    numel = sum(p.numel() for p in params)
+    del params, grads, adam
+    if cuda:
+        torch.cuda.empty_cache()
+
+    out = {"params": numel, "adam_fused" if cuda else "adam": {"ms_per_step": adam_ms},
+           "worlds": []}
+    for n in ranks:
+        gate = threading.Barrier(n)
+        timing = {}
+
+        def rank_fn(t):
+            params, grads = make(0)
+            state = {p: {"step": torch.tensor(10.0, device=device),
+                         "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.full_like(p, 1e-6),
+                         "frozen_variance_step": NOT_FROZEN} for p in params}
+            gen = torch.Generator().manual_seed(1 + t.rank)
+            for p in params:  # each rank its own gradient
+                grads[p].mul_((torch.rand(1, generator=gen) + 0.5).item())
+            engine = CompressedStep(OneBitConfig.from_options(freeze_step=10), state,
+                                    decoupled=lambda group: False, transport=t)
+            groups = [{"params": params, "lr": 1e-4, "betas": (0.9, 0.999), "eps": 1e-8,
+                       "weight_decay": 0.0}]
+
+            def one():
+                engine.ensure_ready(params)
+                engine.begin_step()
+                engine.step(groups, grads)
+
+            for _ in range(2):  # kernels compiled, buffers allocated
+                one()
+            gate.wait()
+            if t.rank == 0:
+                sync()
+                timing["start"] = time.perf_counter()
+            gate.wait()
+            for _ in range(steps):
+                one()
+            gate.wait()
+            if t.rank == 0:
+                sync()
+                timing["ms"] = 1e3 * (time.perf_counter() - timing["start"]) / steps
+                acts = [torch.profiler.ProfilerActivity.CPU] + (
+                    [torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+                timing["prof"] = torch.profiler.profile(activities=acts)
+                timing["prof"].__enter__()
+            gate.wait()
+            one()
+            gate.wait()
+            if t.rank == 0:
+                sync()
+                timing["prof"].__exit__(None, None, None)
+            return {"buckets": len(engine.buckets)}
+
+        per_rank = run_threads(n, rank_fn, timeout=600)
+        entry = {"ranks": n, "buckets": per_rank[0]["buckets"],
+                 "wall_ms_per_step_all_ranks": timing["ms"],
+                 "wall_ms_per_step_over_ranks": timing["ms"] / n,
+                 "ratio_wall_over_ranks_to_adam": timing["ms"] / n / adam_ms}
+        if cuda:
+            kt = _kernel_times(timing["prof"], n)
+            entry.update(device_time=kt,
+                         ratio_device_time_per_rank_to_adam_wall=kt["total_ms_per_rank"] / adam_ms)
+        out["worlds"].append(entry)
+        if cuda:
+            torch.cuda.empty_cache()
+    if cuda:  # Adam's own device time, for the same breakdown
+        params, grads = make(0)
+        for p in params:
+            p.grad = grads[p]
+        adam = torch.optim.Adam(params, lr=1e-4, fused=True)
+        adam.step()
+        sync()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            adam.step()
+            sync()
+        out["adam_fused"]["device_time"] = _kernel_times(prof, 1)
+    out["ok"] = True
+    return out
+
+
+def check_ddp_face(timeouts=(("nccl", 90.0), ("gloo", 240.0))) -> dict:
+    """torchrun of ``gpu_ddp`` with 2 ranks on this machine's GPU(s): NCCL, then Gloo."""
+    import subprocess
+    import torch
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(root)] + [v for v in [os.environ.get("PYTHONPATH")] if v]))
+    out = {"gpus": torch.cuda.device_count()}
+    for backend, timeout in timeouts:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+               "--master_port", str(29700 + len(out)), "-m", "hvd_onebit_tools.bench.gpu_ddp",
+               "--backend", backend]
+        try:
+            proc = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True,
+                                  timeout=timeout)
+            lines = [ln[len("GPU_DDP_JSON "):] for ln in proc.stdout.splitlines()
+                     if ln.startswith("GPU_DDP_JSON ")]
+            entry = {"returncode": proc.returncode,
+                     "reports": [json.loads(ln) for ln in lines],
+                     "stderr_tail": proc.stderr[-1500:]}
+        except subprocess.TimeoutExpired as exc:
+            entry = {"returncode": None, "timeout_s": timeout,
+                     "stdout_tail": (exc.stdout or b"")[-1500:].decode(errors="replace")
+                     if isinstance(exc.stdout, bytes) else str(exc.stdout)[-1500:]}
+        out[backend] = entry
+    gloo = out["gloo"].get("reports") or [{}]
+    out["ok"] = bool(gloo[0].get("ok"))
+    return out
 
 
 def _guarded(name, fn, *args) -> dict:
@@ -303,7 +557,7 @@ def _guarded(name, fn, *args) -> dict:
     return out
 
 
-def run(dry_run: bool, numels) -> dict:
+def run(dry_run: bool, numels, out: Optional[Path] = None, only=None) -> dict:
     device = "cpu" if dry_run else "cuda"
     import torch
     from hvd_onebit import kernels
@@ -316,18 +570,36 @@ def run(dry_run: bool, numels) -> dict:
     if not dry_run:
         report["device_name"] = torch.cuda.get_device_name()
     checks = report["checks"]
-    checks["bits"] = _guarded("bits", check_bits, device)
-    checks["virtual_ranks"] = _guarded("virtual_ranks", check_virtual_ranks, device,
-                                       4099 if dry_run else 1 << 20)
-    checks["compressed_step"] = _guarded("compressed_step", check_compressed_step, device,
-                                         *((64, 3) if dry_run else ()))
     if dry_run:
-        for name in ("ratios", "memory", "host_syncs"):
-            checks[name] = {"ok": None, "skipped": "needs CUDA"}
+        plan = [("bits", check_bits, (device,)),
+                ("virtual_ranks", check_virtual_ranks, (device, 4099)),
+                ("compressed_step", check_compressed_step, (device, 64, 3)),
+                ("memory_lean", check_memory_lean, (device, (2, 8), 3, 64)),
+                ("step_time", check_step_time, (device, (2,), 64, 3, 2))]
+        skipped = ("ratios", "memory", "host_syncs", "bits_large", "ddp_face")
     else:
-        checks["memory"] = _guarded("memory", check_memory, 16 << 20)
-        checks["host_syncs"] = _guarded("host_syncs", check_host_syncs, 16 << 20)
-        checks["ratios"] = _guarded("ratios", check_ratios, numels)
+        plan = [("bits", check_bits, (device,)),
+                ("virtual_ranks", check_virtual_ranks, (device, 1 << 20)),
+                ("compressed_step", check_compressed_step, (device,)),
+                ("memory", check_memory, (16 << 20,)),
+                ("host_syncs", check_host_syncs, (16 << 20,)),
+                ("ratios", check_ratios, (numels,)),
+                ("memory_lean", check_memory_lean, (device,)),
+                ("step_time", check_step_time, (device,)),
+                ("ddp_face", check_ddp_face, ()),
+                ("bits_large", check_bits_large, (device,))]
+        skipped = ()
+    for name in skipped:
+        checks[name] = {"ok": None, "skipped": "needs CUDA"}
+    for name, fn, args in plan:
+        if only and name not in only:
+            continue
+        checks[name] = _guarded(name, fn, *args)
+        report["ok"] = all(c.get("ok") is not False for c in checks.values())
+        print(f"[gpu_check] {name}: ok={checks[name].get('ok')} in {checks[name]['seconds']} s",
+              file=sys.stderr, flush=True)
+        if out is not None:
+            out.write_text(json.dumps(report, indent=2) + "\n")
     report["ok"] = all(c.get("ok") is not False for c in checks.values())
     return report
 
@@ -338,12 +610,16 @@ def main(argv=None) -> int:
                     help="no GPU: CPU tensors under Triton's interpreter, small sizes")
     ap.add_argument("--numel", default="16M,64M,128M,256M",
                     help="sizes for the kernel ratios (CUDA only)")
-    ap.add_argument("--out", default=None, help="also write the JSON to this file")
+    ap.add_argument("--out", default=None,
+                    help="also write the JSON to this file (after every check)")
+    ap.add_argument("--only", default=None, help="comma-separated checks to run (default: all)")
     args = ap.parse_args(argv)
     if args.dry_run:  # before anything imports triton
         os.environ["TRITON_INTERPRET"] = "1"
     from hvd_onebit_tools.bench.cli.options import parse_count
-    report = run(args.dry_run, [parse_count(v) for v in args.numel.split(",") if v.strip()])
+    report = run(args.dry_run, [parse_count(v) for v in args.numel.split(",") if v.strip()],
+                 Path(args.out) if args.out else None,
+                 set(args.only.split(",")) if args.only else None)
     text = json.dumps(report, indent=2)
     print(text)
     if args.out:

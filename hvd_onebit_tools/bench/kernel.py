@@ -82,9 +82,10 @@ def native_vector_path() -> Optional[str]:
     return "avx512" if allowed and module.has_avx512() else "avx2"
 
 
-def _buffers(numel: int, ranks: int, device: str = "cpu"):
-    """The layout and the buffers every kernel reads and writes, made on ``device``."""
-    L = Layout.build(numel, ranks)
+def _buffers(numel: int, ranks: int, device: str = "cpu", block_size=None):
+    """The layout (``block_size``: None, one scale per chunk) and the buffers every kernel
+    reads and writes, made on ``device``."""
+    L = Layout.build(numel, ranks, block_size)
     g = torch.Generator(device=device).manual_seed(0)
     b = SimpleNamespace(device=device)
     b.x = torch.randn(numel, generator=g, device=device)
@@ -202,9 +203,10 @@ def _rate_cuda(fn, numel: int, repeats: int) -> float:
 
 
 def bench_kernels_cuda(numels=(16 << 20, 64 << 20, 256 << 20), ranks: int = 4, repeats: int = 9,
-                       backends: tuple[str, ...] = ("triton", "torch")) -> dict:
+                       backends: tuple[str, ...] = ("triton", "torch"), block_size=None) -> dict:
     """The kernels on the CUDA device, per buffer size: element rates and ratios to torch.add
     on the same device, Adam's fused passes included (``momentum_compress``, ``decode_update``).
+    ``block_size``: the layout's scale granularity (None: one scale per chunk).
 
     Raises RuntimeError without a CUDA device, or without triton when "triton" is asked for.
     """
@@ -215,10 +217,10 @@ def bench_kernels_cuda(numels=(16 << 20, 64 << 20, 256 << 20), ranks: int = 4, r
         raise RuntimeError("the triton backend needs the triton package (pip install triton)")
     streams = pass_streams(ranks)
     result = {"device": "cuda", "device_name": torch.cuda.get_device_name(), "ranks": ranks,
-              "target_ratio": TARGET_RATIO, "streams": {k: asdict(v) for k, v in streams.items()},
+              "block_size": block_size, "target_ratio": TARGET_RATIO, "streams": {k: asdict(v) for k, v in streams.items()},
               "sizes": []}
     for numel in numels:
-        L, b = _buffers(numel, ranks, "cuda")
+        L, b = _buffers(numel, ranks, "cuda", block_size)
         add = _rate_cuda(lambda: torch.add(b.x, b.y_prev[:numel], out=b.y), numel, repeats)
         entry = {"numel": numel, "add_elems_per_s": add,
                  "add_bytes_per_s": add * streams["add"].bytes_per_element, "backends": {}}

@@ -270,26 +270,31 @@ def _baseline_transients(model: torch.nn.Module, x: torch.Tensor, dev: torch.dev
 # ---- the engine alone on n virtual ranks ---------------------------------------------------------
 
 def inprocess_run(n: int, layers: int, width: int, steps: int,
-                  bucket_size_mb: Optional[float] = None, memory: str = "lean") -> dict:
+                  bucket_size_mb: Optional[float] = None, memory: str = "lean",
+                  device: str = "cpu") -> dict:
     """The compression engine (:class:`~hvd_onebit.engine.CompressedStep`) on n virtual
     ranks (threads, in-process transport), from a warmed-up Adam state: the compression phase's
-    memory per rank over ``steps`` steps after a first one. CPU only."""
+    memory per rank over ``steps`` steps after a first one. On CUDA every virtual rank holds
+    its tensors on the one device, and the peak is the allocator's over all ranks' step,
+    divided by n, as on CPU."""
     import threading
 
     from hvd_onebit.engine import NOT_FROZEN, CompressedStep
     from hvd_onebit.config import OneBitConfig
     from hvd_onebit.transport.inprocess import run_threads
 
-    use_measuring_malloc()
+    dev = torch.device(device)
+    if dev.type == "cpu":
+        use_measuring_malloc()
     gate = threading.Barrier(n)
     peaks: list[int] = []
 
     def rank_fn(t):
         g = torch.Generator().manual_seed(0)
-        params = [torch.randn(width, width, generator=g) for _ in range(layers)]
+        params = [torch.randn(width, width, generator=g).to(dev) for _ in range(layers)]
         state = {p: {"step": torch.tensor(10.0),
-                     "exp_avg": torch.randn(p.shape, generator=g) * 1e-3,
-                     "exp_avg_sq": torch.rand(p.shape, generator=g) * 1e-6 + 1e-9,
+                     "exp_avg": (torch.randn(p.shape, generator=g) * 1e-3).to(dev),
+                     "exp_avg_sq": (torch.rand(p.shape, generator=g) * 1e-6 + 1e-9).to(dev),
                      "frozen_variance_step": NOT_FROZEN} for p in params}
         extra = {} if bucket_size_mb is None else {"bucket_size_mb": bucket_size_mb}
         engine = CompressedStep(OneBitConfig.from_options(freeze_step=10, memory=memory, **extra), state,
@@ -297,7 +302,7 @@ def inprocess_run(n: int, layers: int, width: int, steps: int,
         groups = [{"params": params, "lr": 1e-4, "betas": (0.9, 0.999), "eps": 1e-8,
                    "weight_decay": 0.0}]
         gen = torch.Generator().manual_seed(1 + t.rank)
-        grads = {p: torch.randn(p.shape, generator=gen) * 1e-3 for p in params}
+        grads = {p: (torch.randn(p.shape, generator=gen) * 1e-3).to(dev) for p in params}
         for p in params:
             p.grad = grads[p]
         engine.ensure_ready(params)
@@ -306,7 +311,7 @@ def inprocess_run(n: int, layers: int, width: int, steps: int,
                             state)["total"]
         for step in range(steps):
             gate.wait()
-            peak = StepPeak(torch.device("cpu"))
+            peak = StepPeak(dev)
             if t.rank == 0:
                 peak.__enter__()
             gate.wait()
@@ -339,9 +344,8 @@ def bench_memory(ranks: int = 2, layers: int = 4, width: int = 1024, warmup: int
     if transport == "inprocess":
         if variance_refresh is not None:
             raise ValueError("variance refresh steps run through Horovod: use transport='horovod'")
-        if device != "cpu":
-            raise ValueError("the in-process measurement runs on CPU")
-        per_rank = [inprocess_run(ranks, layers, width, compressed, bucket_size_mb, memory)]
+        per_rank = [inprocess_run(ranks, layers, width, compressed, bucket_size_mb, memory,
+                                  device)]
     else:
         from ..cluster.jobs import run_job
 
