@@ -161,6 +161,77 @@ def test_momentum_update_inside_the_compression(sizes, n, precondition, monkeypa
                     f"{impl}, {label} gradients: {what} differs from torch's"
 
 
+# Segment starts all multiples of 8: each tensor allocated apart sits at an aligned offset from
+# the momentum (torch's CPU allocations are 64-byte aligned), except those given one element
+# past their allocation's start.
+VECTOR_SIZES = [4096, 4104, 4096, 3000, 8192]
+VECTOR_KINDS = [torch.float32, torch.float16, torch.bfloat16, None, "float32 off by one"]
+
+
+def _placed(t, kind):
+    """``t`` as ``kind``: a dtype, None, or a float32 copy one element into its allocation."""
+    if kind is None:
+        return None
+    if kind == "float32 off by one":
+        return torch.cat([torch.zeros(1), t.float()])[1:]
+    return t.to(kind)
+
+
+@pytest.mark.parametrize("precondition", [False, True], ids=["momentum", "preconditioned"])
+def test_vector_path_of_each_kind_and_the_general_path_beside_it(precondition, monkeypatch):
+    """Tiles inside one segment load its gradient (and variance) as vectors at an aligned
+    offset from the momentum; a tensor off alignment takes the general path. Float32, float16,
+    bfloat16 and missing gradients, and a misaligned float32 gradient and variance, with a scale
+    per 512 elements: the compression gives the torch twin's bits, and native's, and the
+    decode with Adam's update too (weights of the same kinds)."""
+    sizes, n = VECTOR_SIZES, 2
+    numel = sum(sizes)
+    L = Layout.build(numel, n, 512)
+    g = torch.Generator().manual_seed(7)
+    y_prev, prev_send = _previous_state(L, g)
+    m = torch.randn(numel, generator=g)
+    grads = [_placed(torch.randn(s, generator=g), k) for s, k in zip(sizes, VECTOR_KINDS)]
+    extra = preconditioning(sizes, g) if precondition else {}
+    if precondition:
+        extra["variances"][4] = _placed(extra["variances"][4], "float32 off by one")
+        offsets = tk.launch.aligned_offsets(m, extra["variances"], sizes)
+        assert [q == tk.device.NOT_ALIGNED.value for q in offsets] == [False] * 4 + [True], \
+            f"the variances' aligned offsets {offsets}: only the last should be unaligned"
+    offsets = tk.launch.aligned_offsets(m, grads, sizes)
+    assert [q == tk.device.NOT_ALIGNED.value for q in offsets] == [False] * 4 + [True], \
+        f"the gradients' aligned offsets {offsets}: only the last should be unaligned"
+    calls = _counted(monkeypatch, "worker_compress_momentum")
+    src = MomentumInput(m, grads, sizes, 0.9, **extra)
+    runs = {}
+    for impl in ("torch", "triton", "native"):
+        y_out = torch.full((L.padded,), 9.0)
+        send = torch.full((L.n * L.row_bytes,), 0xEE, dtype=torch.uint8)
+        ok = worker_compress_momentum(src, y_prev, prev_send, y_out, send, L, impl)
+        runs[impl] = (bool(ok), _bytes(y_out), _bytes(send))
+    assert len(calls) == 1, "Triton's kernel did not run"
+    for impl in ("triton", "native"):
+        for k, what in enumerate(("status", "y", "rows")):
+            assert runs[impl][k] == runs["torch"][k], f"{impl}: {what} differs from torch's"
+
+    rows, _, _, _, steps, decays, sqrt_bc2s, eps, bounds = update_case(sizes, L)
+    weights = [_placed(torch.randn(s, generator=g), k) for s, k in zip(sizes, VECTOR_KINDS)]
+    variances = [None if w is None and not precondition else v
+                 for w, v in zip(weights, preconditioning(sizes, g)["variances"])]
+    variances[4] = _placed(variances[4], "float32 off by one")
+    calls = _counted(monkeypatch, "decode")
+    results = {}
+    for impl in ("torch", "triton", "native"):
+        w = [None if t is None else t.clone() for t in weights]
+        out = torch.full((numel,), float("nan"))
+        decode_update(rows, out, L, AdamUpdate(w, variances, sizes, steps, decays, sqrt_bc2s,
+                                               eps, bounds, preconditioned=precondition), impl)
+        results[impl] = [_bytes(out)] + [_bytes(t) for t in w]
+    assert len(calls) == 1 and calls[0] > 3, f"Triton's fused update did not run: {calls}"
+    for impl in ("triton", "native"):
+        diff = [i for i, (a, b) in enumerate(zip(results[impl], results["torch"])) if a != b]
+        assert not diff, f"{impl}: momentum (0) or weights (1..) {diff} differ from torch's"
+
+
 @pytest.mark.parametrize("precond", [False, True], ids=["momentum", "preconditioned"])
 @pytest.mark.parametrize("sizes,n", SEGMENTS)
 def test_decode_with_adam_update(sizes, n, precond, monkeypatch):

@@ -50,7 +50,6 @@ import os
 import sys
 import time
 import traceback
-import warnings
 from pathlib import Path
 from typing import Optional
 
@@ -265,18 +264,11 @@ def check_memory(numel: int) -> dict:
 
 
 def check_host_syncs(numel: int) -> dict:
-    import torch
+    from hvd_onebit_tools.bench.syncs import SyncRecorder
     call = _warm_ranks(numel, "gpu_check.sync")
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            call()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    syncs = [str(w.message).splitlines()[0] for w in caught if "synchroniz" in str(w.message)]
-    return {"ok": True, "numel": numel, "ranks": 2, "host_syncs_per_rank": len(syncs) / 2,
-            "examples": sorted(set(syncs))[:5]}
+    with SyncRecorder() as syncs:
+        call()
+    return {"ok": True, "numel": numel, "ranks": 2, **syncs.summary(2)}
 
 
 def check_compressed_step(device: str, width: int = 2048, layers: int = 4) -> dict:
@@ -285,6 +277,7 @@ def check_compressed_step(device: str, width: int = 2048, layers: int = 4) -> di
 
     import torch
     from hvd_onebit_tools.bench.memory import held_bytes
+    from hvd_onebit_tools.bench.syncs import SyncRecorder
     from hvd_onebit.engine import NOT_FROZEN, CompressedStep
     from hvd_onebit.config import OneBitConfig
     from hvd_onebit.transport.inprocess import run_threads
@@ -319,32 +312,25 @@ def check_compressed_step(device: str, width: int = 2048, layers: int = 4) -> di
             torch.cuda.synchronize()
             peak["base"] = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
-            torch.cuda.set_sync_debug_mode("warn")
+            peak["syncs"] = SyncRecorder().__enter__()
         gate.wait()
         engine.step(groups, grads)
         gate.wait()
         if t.rank == 0 and cuda:
-            torch.cuda.set_sync_debug_mode("default")
+            peak["syncs"].__exit__(None, None, None)
             torch.cuda.synchronize()
             peak["bytes"] = torch.cuda.max_memory_allocated() - peak["base"]
         return {"buckets": len(engine.buckets), "held": held["total"],
                 "param_bytes": 4 * sum(p.numel() for p in params),
                 "params": _bytes(torch.cat([p.reshape(-1) for p in params]))}
 
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        per_rank = run_threads(2, rank_fn, timeout=600)
-    syncs = [w for w in caught if "synchroniz" in str(w.message)]
-    transport = [w for w in syncs if Path(w.filename).parent.name == "transport"]
-    ours = [f"{Path(w.filename).name}:{w.lineno}" for w in syncs if w not in transport]
+    per_rank = run_threads(2, rank_fn, timeout=600)
     param_bytes = per_rank[0]["param_bytes"]
     out = {"buckets": per_rank[0]["buckets"], "ranks": 2, "param_bytes": param_bytes,
            "ranks_identical": per_rank[0]["params"] == per_rank[1]["params"],
            "held_over_param_bytes": max(r["held"] for r in per_rank) / param_bytes}
     if cuda:
-        out.update({"host_syncs_per_rank": len(ours) / 2,
-                    "transport_syncs_per_rank": len(transport) / 2,
-                    "sync_sites": sorted(set(ours)),
+        out.update({**peak["syncs"].summary(2),
                     "peak_over_param_bytes": (max(r["held"] for r in per_rank)
                                               + peak["bytes"] / 2) / param_bytes})
     out["ok"] = bool(out["ranks_identical"] and out["buckets"] > 1
@@ -361,6 +347,36 @@ def check_ratios(numels) -> dict:
     per_chunk = bench_kernels_cuda(numels[:1], block_size=None)
     return {"ok": result["meets_target"].get("triton", False), **result,
             "one_scale_per_chunk": per_chunk}
+
+
+SWEEP = ((8, 2048), (4, 2048), (16, 2048), (8, 1024), (8, 4096), (4, 1024))
+
+
+def check_kernel_sweep(numels=(16 << 20, 128 << 20), variants=SWEEP) -> dict:
+    """The Triton kernels' ratios to torch.add at the default layout under other launch
+    settings: (warps per program, elements per program), the first being the shipped one."""
+    import importlib
+
+    from hvd_onebit.config import DEFAULT_BLOCK_SIZE
+    from hvd_onebit_tools.bench.kernel import bench_kernels_cuda
+    mods = [importlib.import_module(f"hvd_onebit.kernels.triton.{m}")
+            for m in ("launch", "compress", "decode")]
+    saved = (mods[0].CMAX, mods[1].WARPS, mods[2].WARPS)
+    out = {"shipped": {"warps": saved[1], "elements_per_program": saved[0]}, "variants": []}
+    try:
+        for warps, cmax in variants:
+            mods[0].CMAX, mods[1].WARPS, mods[2].WARPS = cmax, warps, warps
+            r = bench_kernels_cuda(list(numels), repeats=5, backends=("triton",),
+                                   block_size=DEFAULT_BLOCK_SIZE)
+            out["variants"].append({
+                "warps": warps, "elements_per_program": cmax,
+                "ratios": [{"numel": e["numel"], **{k[:-len("_ratio_to_add")]: round(v, 3)
+                            for k, v in e["backends"]["triton"].items()
+                            if k.endswith("_ratio_to_add")}} for e in r["sizes"]]})
+    finally:
+        mods[0].CMAX, mods[1].WARPS, mods[2].WARPS = saved
+    out["ok"] = True
+    return out
 
 
 def check_memory_lean(device: str, ranks=(2, 8, 16), layers: int = 4, width: int = 2048) -> dict:
@@ -576,7 +592,7 @@ def run(dry_run: bool, numels, out: Optional[Path] = None, only=None) -> dict:
                 ("compressed_step", check_compressed_step, (device, 64, 3)),
                 ("memory_lean", check_memory_lean, (device, (2, 8), 3, 64)),
                 ("step_time", check_step_time, (device, (2,), 64, 3, 2))]
-        skipped = ("ratios", "memory", "host_syncs", "bits_large", "ddp_face")
+        skipped = ("ratios", "memory", "host_syncs", "bits_large", "ddp_face", "kernel_sweep")
     else:
         plan = [("bits", check_bits, (device,)),
                 ("virtual_ranks", check_virtual_ranks, (device, 1 << 20)),
@@ -584,6 +600,7 @@ def run(dry_run: bool, numels, out: Optional[Path] = None, only=None) -> dict:
                 ("memory", check_memory, (16 << 20,)),
                 ("host_syncs", check_host_syncs, (16 << 20,)),
                 ("ratios", check_ratios, (numels,)),
+                ("kernel_sweep", check_kernel_sweep, ()),
                 ("memory_lean", check_memory_lean, (device,)),
                 ("step_time", check_step_time, (device,)),
                 ("ddp_face", check_ddp_face, ()),

@@ -7,19 +7,19 @@ where there is one) twice from the same start: DDP + Adam, then DDP + the same A
 :func:`hvd_onebit.ddp.DistributedOptimizer`, through the warmup into the compression phase.
 Rank 0 prints one line, ``GPU_DDP_JSON {...}``: per optimizer the first and last losses, whether
 the ranks' parameters are identical, the phase reached, the mean step time of the last steps and
-(1-bit only) the host syncs of one compressed step (``torch.cuda.set_sync_debug_mode``). A
+(1-bit only) the host syncs of each of the last three steps (``torch.cuda.set_sync_debug_mode``). A
 failure prints ``GPU_DDP_JSON {"error": ...}`` on the rank that met it and exits non-zero.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
 import sys
 import time
 import traceback
-import warnings
 
 PREFIX = "GPU_DDP_JSON "
 
@@ -31,6 +31,7 @@ def _train(optimizer: str, args, dev, rank: int, size: int) -> dict:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import hvd_onebit.ddp
+    from hvd_onebit_tools.bench.syncs import SyncRecorder
 
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda d: None)
     torch.manual_seed(0)
@@ -47,30 +48,21 @@ def _train(optimizer: str, args, dev, rank: int, size: int) -> dict:
         teacher.weight.copy_(torch.randn(teacher.weight.shape, generator=torch.Generator()
                                          .manual_seed(1)).to(dev))
     g = torch.Generator(device=dev).manual_seed(100 + rank)
-    losses, times, syncs = [], [], None
+    losses, times, syncs = [], [], []
     for step in range(args.steps):
         x = torch.randn(args.batch, args.inputs, generator=g, device=dev)
         with torch.no_grad():
             y = teacher(x).argmax(dim=1)
         sync(dev)
         start = time.perf_counter()
-        counting = optimizer == "onebit" and step == args.steps - 2 and dev.type == "cuda"
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            if counting:
-                torch.cuda.set_sync_debug_mode("warn")
-            try:
-                opt.zero_grad()
-                loss = F.cross_entropy(model(x), y)
-                loss.backward()
-                opt.step()
-            finally:
-                if counting:
-                    torch.cuda.set_sync_debug_mode("default")
+        counting = optimizer == "onebit" and step >= args.steps - 3 and dev.type == "cuda"
+        with (SyncRecorder() if counting else contextlib.nullcontext()) as recorder:
+            opt.zero_grad()
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
         if counting:
-            found = [w for w in caught if "synchroniz" in str(w.message)]
-            syncs = {"count": len(found),
-                     "sites": sorted({f"{os.path.basename(w.filename)}:{w.lineno}" for w in found})}
+            syncs.append({"step": step + 1, **recorder.summary()})
         sync(dev)
         times.append(time.perf_counter() - start)
         losses.append(loss.item())
@@ -85,7 +77,7 @@ def _train(optimizer: str, args, dev, rank: int, size: int) -> dict:
            "params": int(flat.numel())}
     if optimizer == "onebit":
         telemetry = opt.telemetry()
-        out.update(phase=opt.phase, host_syncs_one_compressed_step=syncs,
+        out.update(phase=opt.phase, host_syncs_last_steps=syncs,
                    last_step_bytes=telemetry.get("last_step_bytes"),
                    skipped_steps=telemetry.get("skipped_steps"))
     return out

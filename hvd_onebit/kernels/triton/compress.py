@@ -14,19 +14,22 @@ import triton.language as tl
 
 from ...layout import Layout
 from ..fused_reference import inverse_root_bc2
-from .device import first_segment, frozen_denominator, load_as_f32, tile
-from .launch import (FB, LAUNCH, TT, WARPS, DeviceFlag, address, as_words, geometry, kind_code,
-                     on_device, segment_table)
+from .device import (NOT_ALIGNED, first_segment, frozen_denominator, load_aligned_as_f32,
+                     load_as_f32, tile)
+from .launch import (FB, LAUNCH, TT, WARPS, DeviceFlag, address, aligned_offsets, as_words,
+                     geometry, kind_code, on_device, segment_table)
 
 
 @triton.jit
-def _compress_kernel(src_ptr, src_words_ptr, tab_ptr, ftab_ptr, nsegs, beta1, one_minus_beta1,
+def _compress_kernel(src_ptr, src_h_ptr, src_words_ptr, tab_ptr, ftab_ptr, nsegs, beta1,
+                     one_minus_beta1,
                      nrecv, numel, y_prev_ptr, prev_ptr, prev_words_ptr, y_out_ptr, send_ptr,
                      partial_ptr, G, nblocks, block, T, row_bytes, row_words, hb,
                      SRC: tl.constexpr, PRECOND: tl.constexpr, WRITE_Y: tl.constexpr,
                      R: tl.constexpr, C: tl.constexpr):
     """SRC 0: x = src (float32 [numel]); SRC 1: x = beta1 * src + (1 - beta1) * g, g from the
-    segment table, and with PRECOND x = clamp(x / denom, -bound, bound), denom = sqrt(v) *
+    segment table (columns: gradient address, kind, aligned offset from src (``src_h``: src
+    as int16), variance's aligned offset, variance address), and with PRECOND x = clamp(x / denom, -bound, bound), denom = sqrt(v) *
     (1 / sqrt_bc2) + eps (+inf where v == 0: held elements give +-0), v, 1 / sqrt_bc2, eps and
     bound per segment from the tables;
     SRC 2: x = (rank-ordered fp32 sum of the ``nrecv`` rows at src) / nrecv.
@@ -39,16 +42,37 @@ def _compress_kernel(src_ptr, src_words_ptr, tab_ptr, ftab_ptr, nsegs, beta1, on
     bytes_at = (row_off + byte_off)[:, None] + (o // 8)[None, :]
 
     if SRC == 0:
-        x = tl.load(src_ptr + p, mask=valid & (p < numel), other=0.0)
+        if p_hi <= numel:  # masks of whole vectors: vector loads
+            x = tl.load(src_ptr + p, mask=valid, other=0.0)
+        else:
+            x = tl.load(src_ptr + p, mask=valid & (p < numel), other=0.0)
     elif SRC == 1:
         real = valid & (p < numel)
-        m = tl.load(src_ptr + p, mask=real, other=0.0)
         g = tl.zeros([R, C], tl.float32)
         den = tl.full([R, C], 1.0, tl.float32)  # PRECOND: replaced on every real element
         bnd = tl.full([R, C], float("inf"), tl.float32)
         starts = tab_ptr
         s = first_segment(starts, nsegs, p_lo)
-        more = s < nsegs
+        # the usual tile: inside one segment whose tensors sit at aligned offsets from src
+        qg = tl.load(tab_ptr + 3 * nsegs + 1 + s)
+        one = ((tl.load(starts + s) <= p_lo) & (p_hi <= tl.load(starts + s + 1))
+               & (qg != NOT_ALIGNED))
+        if PRECOND:
+            qv = tl.load(tab_ptr + 4 * nsegs + 1 + s)
+            one = one & (qv != NOT_ALIGNED)
+        if one:  # vector loads (every valid element is real: p < p_hi <= the segment's end)
+            m = tl.load(src_ptr + p, mask=valid, other=0.0)
+            g = load_aligned_as_f32(src_ptr, src_h_ptr, qg, p, valid,
+                                    tl.load(tab_ptr + 2 * nsegs + 1 + s))
+            if PRECOND:
+                v = tl.load(src_ptr + (qv * 4 + p), mask=valid, other=1.0)
+                den = frozen_denominator(v, tl.load(ftab_ptr + 3 * s),
+                                         tl.load(ftab_ptr + 3 * s + 1))
+                bnd = tl.zeros([R, C], tl.float32) + tl.load(ftab_ptr + 3 * s + 2)
+            more = False
+        else:
+            m = tl.load(src_ptr + p, mask=real, other=0.0)
+            more = s < nsegs
         while more:
             st = tl.load(starts + s)
             en = tl.load(starts + s + 1)
@@ -57,7 +81,7 @@ def _compress_kernel(src_ptr, src_words_ptr, tab_ptr, ftab_ptr, nsegs, beta1, on
                               tl.load(tab_ptr + 2 * nsegs + 1 + s))
             g = tl.where(here, gv, g)
             if PRECOND:  # an empty segment's address is 0: its load is masked out entirely
-                v = tl.load(tl.load(tab_ptr + 3 * nsegs + 1 + s).to(tl.pointer_type(tl.float32))
+                v = tl.load(tl.load(tab_ptr + 5 * nsegs + 1 + s).to(tl.pointer_type(tl.float32))
                             + (p - st), mask=here, other=1.0)
                 den = tl.where(here, frozen_denominator(v, tl.load(ftab_ptr + 3 * s),
                                                          tl.load(ftab_ptr + 3 * s + 1)), den)
@@ -164,7 +188,8 @@ def _compress(src_mode: int, src, src_words, tab, nsegs: int, beta1: float, nrec
         ftab = y_prev  # not read (PRECOND=False): any float32 pointer will do
     with on_device(y_out):
         _compress_kernel[(triton.cdiv(G, R) * T,)](
-            src, src_words, tab, ftab, nsegs, float(beta1), float(1.0 - beta1), nrecv, numel,
+            src, src_words.view(torch.int16), src_words, tab, ftab, nsegs, float(beta1),
+            float(1.0 - beta1), nrecv, numel,
             y_prev, prev, as_words(prev), y_out, send, partial, G, nblocks, block, T,
             layout.row_bytes, rw, layout.header_bytes, SRC=src_mode, PRECOND=precond,
             WRITE_Y=write_y, R=R, C=C, num_warps=WARPS, **LAUNCH)
@@ -199,14 +224,15 @@ def worker_compress_momentum(momentum: torch.Tensor, grads: Sequence[Optional[to
     ``u = clamp(x / denom, -bound, bound)``,
     ``denom = sqrt(v) * (1 / sqrt_bc2) + eps`` (+inf where ``v == 0``); see
     :func:`hvd_onebit.kernels.backend.in_place`."""
-    columns = [[address(g) for g in grads], [kind_code(g) for g in grads]]
+    columns = [[address(g) for g in grads], [kind_code(g) for g in grads],
+               aligned_offsets(momentum, grads, sizes)]
     ftab = None
     if variances is not None:
         if len(variances) != len(sizes) or any(
                 v is None or v.numel() != s for v, s in zip(variances, sizes)):
             raise ValueError("preconditioning needs one variance of its segment's size per "
                              "gradient")
-        columns.append([address(v) for v in variances])
+        columns += [aligned_offsets(momentum, variances, sizes), [address(v) for v in variances]]
         bounds = [math.inf] * len(sizes) if bounds is None else bounds
         inverses = [inverse_root_bc2(s) for s in sqrt_bc2s]
         ftab = torch.tensor([float(v) for row in zip(inverses, epss, bounds) for v in row],

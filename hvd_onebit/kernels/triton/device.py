@@ -10,6 +10,10 @@ import triton.language as tl
 #: :func:`store_from_f32` read it; 0: absent (reads as zero).
 KINDS = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3}
 
+#: An aligned-offset column's entry for a segment that cannot take the vector path
+#: (``launch.aligned_offsets``).
+NOT_ALIGNED = tl.constexpr(-(1 << 62))
+
 
 @triton.jit
 def load_as_f32(addr, off, mask, kind):
@@ -24,6 +28,37 @@ def load_as_f32(addr, off, mask, kind):
         u = tl.load(addr.to(tl.pointer_type(tl.uint16)) + off, mask=mask, other=0)
         v = (u.to(tl.uint32) << 16).to(tl.float32, bitcast=True)
     return v
+
+
+@triton.jit
+def load_aligned_as_f32(base32, base16, q, p, mask, kind):
+    """:func:`load_as_f32` of a segment that lies at ``q`` from ``base32``/``base16`` (the
+    same address as float32 and as int16; see ``launch.aligned_offsets``): element ``p`` at
+    ``q * 4 + p`` (float32) or ``q * 8 + p`` (16-bit), 16-byte aligned, so vectorised loads."""
+    v = tl.zeros(p.shape, tl.float32)
+    if kind == 1:
+        v = tl.load(base32 + (q * 4 + p), mask=mask, other=0.0)
+    elif kind == 2:
+        h = tl.load(base16 + (q * 8 + p), mask=mask, other=0)
+        v = h.to(tl.float16, bitcast=True).to(tl.float32)
+    elif kind == 3:
+        u = tl.load(base16 + (q * 8 + p), mask=mask, other=0).to(tl.uint16, bitcast=True)
+        v = (u.to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+    return v
+
+
+@triton.jit
+def store_aligned_from_f32(base32, base16, q, p, v, mask, kind):
+    """:func:`store_from_f32` at ``q`` from the bases (see :func:`load_aligned_as_f32`)."""
+    if kind == 1:
+        tl.store(base32 + (q * 4 + p), v, mask=mask)
+    elif kind == 2:
+        tl.store(base16 + (q * 8 + p), v.to(tl.float16).to(tl.int16, bitcast=True), mask=mask)
+    elif kind == 3:  # as store_from_f32
+        u = v.to(tl.uint32, bitcast=True)
+        r = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+        r = tl.where(v != v, 0x7FC0, r)
+        tl.store(base16 + (q * 8 + p), r.to(tl.uint16).to(tl.int16, bitcast=True), mask=mask)
 
 
 @triton.jit

@@ -10,7 +10,7 @@ from typing import Optional, Sequence
 import torch
 import triton
 
-from .device import KINDS
+from .device import KINDS, NOT_ALIGNED
 
 #: Whether these kernels were built for Triton's interpreter (CPU tensors) at import.
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -85,6 +85,33 @@ def kind_code(t: Optional[torch.Tensor]) -> int:
 
 def address(t: Optional[torch.Tensor]) -> int:
     return 0 if t is None or t.numel() == 0 else t.data_ptr()
+
+
+ELEMENT_BYTES = {0: 4, 1: 4, 2: 2, 3: 2}  # per kind code (0: absent, no loads)
+
+
+def aligned_offsets(base: torch.Tensor, tensors: Sequence[Optional[torch.Tensor]],
+                    sizes: Sequence[int]) -> list[int]:
+    """Per segment, ``q`` such that its element at flat position ``p`` (a position in the
+    segment table's numbering) lies at element ``q * (16 // size) + p`` of ``base`` seen with
+    the segment's element size, or ``device.NOT_ALIGNED`` where no such ``q`` exists. Loads
+    written ``base_ptr + (q * k + p)`` then carry the 16-byte alignment the compiler needs to
+    vectorise them (an address read from a table carries none); 0 for an absent tensor."""
+    out, start = [], 0
+    b = base.data_ptr()
+    for t, size in zip(tensors, sizes):
+        code = kind_code(t)
+        if code == 0:
+            out.append(0)
+        else:
+            es = ELEMENT_BYTES[code]
+            delta = t.data_ptr() - b
+            off = delta // es - start
+            per = 16 // es
+            out.append(off // per if delta % es == 0 and off % per == 0
+                       else NOT_ALIGNED.value)
+        start += int(size)
+    return out
 
 
 def segment_table(columns: Sequence[Sequence[int]], sizes: Sequence[int], device) -> torch.Tensor:
