@@ -31,6 +31,7 @@ def _train(optimizer: str, args, dev, rank: int, size: int) -> dict:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import hvd_onebit.ddp
+    from hvd_onebit.engine.fusion import plan_buckets
     from hvd_onebit_tools.bench.syncs import SyncRecorder
 
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda d: None)
@@ -42,7 +43,8 @@ def _train(optimizer: str, args, dev, rank: int, size: int) -> dict:
     model = DDP(net, device_ids=[dev.index] if dev.type == "cuda" else None)
     opt = torch.optim.Adam(model.parameters(), lr=args.lr)
     if optimizer == "onebit":
-        opt = hvd_onebit.ddp.DistributedOptimizer(opt, model, freeze_step=args.freeze_step)
+        opt = hvd_onebit.ddp.DistributedOptimizer(opt, model, freeze_step=args.freeze_step,
+                                                  bucket_size_mb=args.bucket_size_mb)
     teacher = torch.nn.Linear(args.inputs, 10).to(dev)
     with torch.no_grad():
         teacher.weight.copy_(torch.randn(teacher.weight.shape, generator=torch.Generator()
@@ -78,6 +80,8 @@ def _train(optimizer: str, args, dev, rank: int, size: int) -> dict:
     if optimizer == "onebit":
         telemetry = opt.telemetry()
         out.update(phase=opt.phase, host_syncs_last_steps=syncs,
+                   buckets=len(plan_buckets(list(model.parameters()),
+                                            int(args.bucket_size_mb * 2**20 / 4))),
                    last_step_bytes=telemetry.get("last_step_bytes"),
                    skipped_steps=telemetry.get("skipped_steps"))
     return out
@@ -93,6 +97,8 @@ def main(argv=None) -> int:
     ap.add_argument("--depth", type=int, default=3)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--bucket-size-mb", type=float, default=1.0,
+                    help="the 1-bit face's buckets (small: several buckets per step)")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                     help="cpu: the same run on CPU tensors (to try the script without a GPU)")
     args = ap.parse_args(argv)

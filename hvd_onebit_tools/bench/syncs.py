@@ -14,6 +14,7 @@ from collections import Counter
 from pathlib import Path
 
 OURS = "hvd_onebit"
+SYNC_MESSAGE = "called a synchronizing CUDA operation"  # torch's warning in "warn" mode
 TRANSPORT = ("hvd_onebit", "transport")
 
 
@@ -45,7 +46,7 @@ class SyncRecorder:
         warnings.simplefilter("always")
 
         def show(message, category, filename, lineno, file=None, line=None):
-            if "synchroniz" not in str(message):
+            if SYNC_MESSAGE not in str(message):
                 return
             stack = traceback.extract_stack()[:-1]
             with self._lock:
