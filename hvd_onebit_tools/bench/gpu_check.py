@@ -349,32 +349,45 @@ def check_ratios(numels) -> dict:
             "one_scale_per_chunk": per_chunk}
 
 
-SWEEP = ((8, 2048), (4, 2048), (16, 2048), (8, 1024), (8, 4096), (4, 1024))
+SWEEP = ((8, 2048, None), (8, 1024, None), (8, 512, None), (8, 2048, 64), (8, 1024, 64),
+         (4, 1024, None))
 
 
-def check_kernel_sweep(numels=(16 << 20, 128 << 20), variants=SWEEP) -> dict:
+def check_kernel_sweep(device: str = "cuda", numels=(16 << 20, 128 << 20), variants=SWEEP,
+                       bit_sizes=(1 << 20,)) -> dict:
     """The Triton kernels' ratios to torch.add at the default layout under other launch
-    settings: (warps per program, elements per program), the first being the shipped one."""
+    settings, (warps per program, elements per program, register cap or None), the first being
+    the shipped one, each with the bits of :func:`check_bits_large` at ``bit_sizes``."""
     import importlib
 
     from hvd_onebit.config import DEFAULT_BLOCK_SIZE
     from hvd_onebit_tools.bench.kernel import bench_kernels_cuda
     mods = [importlib.import_module(f"hvd_onebit.kernels.triton.{m}")
             for m in ("launch", "compress", "decode")]
-    saved = (mods[0].CMAX, mods[1].WARPS, mods[2].WARPS)
-    out = {"shipped": {"warps": saved[1], "elements_per_program": saved[0]}, "variants": []}
+    saved = (mods[0].CMAX, mods[1].WARPS, mods[2].WARPS, dict(mods[0].LAUNCH))
+    out = {"shipped": {"warps": saved[1], "elements_per_program": saved[0],
+                       "launch": saved[3]}, "variants": []}
     try:
-        for warps, cmax in variants:
+        for warps, cmax, maxnreg in variants:
             mods[0].CMAX, mods[1].WARPS, mods[2].WARPS = cmax, warps, warps
-            r = bench_kernels_cuda(list(numels), repeats=5, backends=("triton",),
-                                   block_size=DEFAULT_BLOCK_SIZE)
-            out["variants"].append({
-                "warps": warps, "elements_per_program": cmax,
-                "ratios": [{"numel": e["numel"], **{k[:-len("_ratio_to_add")]: round(v, 3)
-                            for k, v in e["backends"]["triton"].items()
-                            if k.endswith("_ratio_to_add")}} for e in r["sizes"]]})
+            mods[0].LAUNCH.clear()  # the one dict every kernel module launches with
+            mods[0].LAUNCH.update(saved[3], **({} if maxnreg is None else {"maxnreg": maxnreg}))
+            entry = {"warps": warps, "elements_per_program": cmax, "maxnreg": maxnreg}
+            try:
+                r = bench_kernels_cuda(list(numels), repeats=5, backends=("triton",),
+                                       block_size=DEFAULT_BLOCK_SIZE)
+                entry["ratios"] = [{"numel": e["numel"], **{
+                    k[:-len("_ratio_to_add")]: round(v, 3)
+                    for k, v in e["backends"]["triton"].items() if k.endswith("_ratio_to_add")}}
+                    for e in r["sizes"]]
+                entry["bits_ok"] = check_bits_large(device, bit_sizes)["ok"]
+            except Exception as exc:  # noqa: BLE001 - a variant that fails is reported
+                entry["error"] = f"{type(exc).__name__}: {exc}"[:500]
+            out["variants"].append(entry)
     finally:
-        mods[0].CMAX, mods[1].WARPS, mods[2].WARPS = saved
+        mods[0].CMAX, mods[1].WARPS, mods[2].WARPS = saved[:3]
+        mods[0].LAUNCH.clear()
+        mods[0].LAUNCH.update(saved[3])
     out["ok"] = True
     return out
 
@@ -600,7 +613,7 @@ def run(dry_run: bool, numels, out: Optional[Path] = None, only=None) -> dict:
                 ("memory", check_memory, (16 << 20,)),
                 ("host_syncs", check_host_syncs, (16 << 20,)),
                 ("ratios", check_ratios, (numels,)),
-                ("kernel_sweep", check_kernel_sweep, ()),
+                ("kernel_sweep", check_kernel_sweep, (device,)),
                 ("memory_lean", check_memory_lean, (device,)),
                 ("step_time", check_step_time, (device,)),
                 ("ddp_face", check_ddp_face, ()),

@@ -17,7 +17,7 @@ from ..fused_reference import inverse_root_bc2
 from .device import (NOT_ALIGNED, first_segment, frozen_denominator, load_aligned_as_f32,
                      load_as_f32, tile)
 from .launch import (FB, LAUNCH, TT, WARPS, DeviceFlag, address, aligned_offsets, as_words,
-                     geometry, kind_code, on_device, segment_table)
+                     geometry, kind_code, on_device, segment_table, wide)
 
 
 @triton.jit
@@ -26,7 +26,7 @@ def _compress_kernel(src_ptr, src_h_ptr, src_words_ptr, tab_ptr, ftab_ptr, nsegs
                      nrecv, numel, y_prev_ptr, prev_ptr, prev_words_ptr, y_out_ptr, send_ptr,
                      partial_ptr, G, nblocks, block, T, row_bytes, row_words, hb,
                      SRC: tl.constexpr, PRECOND: tl.constexpr, WRITE_Y: tl.constexpr,
-                     R: tl.constexpr, C: tl.constexpr):
+                     R: tl.constexpr, C: tl.constexpr, WIDE: tl.constexpr):
     """SRC 0: x = src (float32 [numel]); SRC 1: x = beta1 * src + (1 - beta1) * g, g from the
     segment table (columns: gradient address, kind, aligned offset from src (``src_h``: src
     as int16), variance's aligned offset, variance address), and with PRECOND x = clamp(x / denom, -bound, bound), denom = sqrt(v) *
@@ -35,7 +35,7 @@ def _compress_kernel(src_ptr, src_h_ptr, src_words_ptr, tab_ptr, ftab_ptr, nsegs
     SRC 2: x = (rank-ordered fp32 sum of the ``nrecv`` rows at src) / nrecv.
     WRITE_Y: store y (y_out may be y_prev: each element is loaded before it is stored)."""
     pid = tl.program_id(0)
-    t, gb, o, gb_ok, valid, p, p_lo, p_hi, j, b = tile(pid, G, block, nblocks, T, R, C)
+    t, gb, o, gb_ok, valid, p, p_lo, p_hi, j, b = tile(pid, G, block, nblocks, T, R, C, WIDE)
     shift = (tl.arange(0, C) % 8).to(tl.uint8)[None, :]  # bit of each element in its byte
     row_off = j.to(tl.int64) * row_bytes
     byte_off = hb + b.to(tl.int64) * (block // 8)  # [R]: the block's first sign byte in its row
@@ -65,7 +65,7 @@ def _compress_kernel(src_ptr, src_h_ptr, src_words_ptr, tab_ptr, ftab_ptr, nsegs
             g = load_aligned_as_f32(src_ptr, src_h_ptr, qg, p, valid,
                                     tl.load(tab_ptr + 2 * nsegs + 1 + s))
             if PRECOND:
-                v = tl.load(src_ptr + (qv * 4 + p), mask=valid, other=1.0)
+                v = tl.load((src_ptr + qv * 4) + p, mask=valid, other=1.0)
                 den = frozen_denominator(v, tl.load(ftab_ptr + 3 * s),
                                          tl.load(ftab_ptr + 3 * s + 1))
                 bnd = tl.zeros([R, C], tl.float32) + tl.load(ftab_ptr + 3 * s + 2)
@@ -192,7 +192,7 @@ def _compress(src_mode: int, src, src_words, tab, nsegs: int, beta1: float, nrec
             float(1.0 - beta1), nrecv, numel,
             y_prev, prev, as_words(prev), y_out, send, partial, G, nblocks, block, T,
             layout.row_bytes, rw, layout.header_bytes, SRC=src_mode, PRECOND=precond,
-            WRITE_Y=write_y, R=R, C=C, num_warps=WARPS, **LAUNCH)
+            WRITE_Y=write_y, R=R, C=C, WIDE=wide(G, block), num_warps=WARPS, **LAUNCH)
         _finalize_kernel[(nfin,)](partial, words, flags, G, T, nblocks, block, rw, FB=FB,
                                   TT=min(TT, triton.next_power_of_2(T)), **LAUNCH)
         used = layout.header_bytes + chunk // 8

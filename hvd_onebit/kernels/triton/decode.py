@@ -14,7 +14,7 @@ from ..fused_reference import inverse_root_bc2
 from .device import (NOT_ALIGNED, first_segment, frozen_denominator, load_aligned_as_f32,
                      load_as_f32, store_aligned_from_f32, store_from_f32, tile)
 from .launch import (LAUNCH, WARPS, address, aligned_offsets, as_words, geometry, kind_code,
-                     on_device, segment_table)
+                     on_device, segment_table, wide)
 
 
 @triton.jit
@@ -47,7 +47,8 @@ def _update(d, w, v, here, kind, seg, tab_ptr, ftab_ptr, nsegs, PRECOND: tl.cons
 @triton.jit
 def _decode_kernel(rows_ptr, words_ptr, m_ptr, m_h_ptr, numel, G, nblocks, block, T, row_bytes,
                    row_words, hb, tab_ptr, ftab_ptr, nsegs,
-                   UPDATE: tl.constexpr, PRECOND: tl.constexpr, R: tl.constexpr, C: tl.constexpr):
+                   UPDATE: tl.constexpr, PRECOND: tl.constexpr, R: tl.constexpr, C: tl.constexpr,
+                   WIDE: tl.constexpr):
     """m[p] = d = +-s for p < numel; with UPDATE, for segments with a variance v:
     denom = sqrt(v) * (1 / sqrt_bc2) + eps (+inf where v == 0: held), and
     - not PRECOND (every such segment has a weight): w = w * decay (if flagged),
@@ -57,7 +58,7 @@ def _decode_kernel(rows_ptr, words_ptr, m_ptr, m_h_ptr, numel, G, nblocks, block
     Table columns: weight address, variance address, weight kind, decay flag, then the
     variance's and the weight's aligned offsets from m (``m_h``: m as int16)."""
     pid = tl.program_id(0)
-    t, gb, o, gb_ok, tile_valid, p, p_lo, p_hi, j, b = tile(pid, G, block, nblocks, T, R, C)
+    t, gb, o, gb_ok, tile_valid, p, p_lo, p_hi, j, b = tile(pid, G, block, nblocks, T, R, C, WIDE)
     valid = tile_valid & (p < numel)
     whole = p_hi <= numel  # every element of the tile is real: unmasked by numel, vector stores
     shift = (tl.arange(0, C) % 8).to(tl.uint8)[None, :]
@@ -78,7 +79,7 @@ def _decode_kernel(rows_ptr, words_ptr, m_ptr, m_h_ptr, numel, G, nblocks, block
                & (qw != NOT_ALIGNED))
         if one:
             kind = tl.load(tab_ptr + 3 * nsegs + 1 + seg)  # the weight's; 0: none
-            v = tl.load(m_ptr + (qv * 4 + p), mask=tile_valid, other=1.0)
+            v = tl.load((m_ptr + qv * 4) + p, mask=tile_valid, other=1.0)
             w = load_aligned_as_f32(m_ptr, m_h_ptr, qw, p, tile_valid, kind)
             d, w = _update(d, w, v, tile_valid, kind, seg, tab_ptr, ftab_ptr, nsegs, PRECOND)
             store_aligned_from_f32(m_ptr, m_h_ptr, qw, p, w, tile_valid, kind)
@@ -151,4 +152,5 @@ def decode(rows: torch.Tensor, out: torch.Tensor, layout: Layout,
         _decode_kernel[(triton.cdiv(G, R) * T,)](
             rows, as_words(rows), out, out.view(torch.int16), numel, G, nblocks, block, T, layout.row_bytes,
             layout.row_bytes // 4, layout.header_bytes, tab, ftab, nsegs, UPDATE=update,
-            PRECOND=update and bool(preconditioned), R=R, C=C, num_warps=WARPS, **LAUNCH)
+            PRECOND=update and bool(preconditioned), R=R, C=C, WIDE=wide(G, block),
+            num_warps=WARPS, **LAUNCH)

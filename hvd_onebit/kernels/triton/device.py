@@ -34,15 +34,16 @@ def load_as_f32(addr, off, mask, kind):
 def load_aligned_as_f32(base32, base16, q, p, mask, kind):
     """:func:`load_as_f32` of a segment that lies at ``q`` from ``base32``/``base16`` (the
     same address as float32 and as int16; see ``launch.aligned_offsets``): element ``p`` at
-    ``q * 4 + p`` (float32) or ``q * 8 + p`` (16-bit), 16-byte aligned, so vectorised loads."""
+    ``q * 4 + p`` (float32) or ``q * 8 + p`` (16-bit), 16-byte aligned, so vectorised loads
+    (the scalar part added first: the positions stay as narrow as ``p``)."""
     v = tl.zeros(p.shape, tl.float32)
     if kind == 1:
-        v = tl.load(base32 + (q * 4 + p), mask=mask, other=0.0)
+        v = tl.load((base32 + q * 4) + p, mask=mask, other=0.0)
     elif kind == 2:
-        h = tl.load(base16 + (q * 8 + p), mask=mask, other=0)
+        h = tl.load((base16 + q * 8) + p, mask=mask, other=0)
         v = h.to(tl.float16, bitcast=True).to(tl.float32)
     elif kind == 3:
-        u = tl.load(base16 + (q * 8 + p), mask=mask, other=0).to(tl.uint16, bitcast=True)
+        u = tl.load((base16 + q * 8) + p, mask=mask, other=0).to(tl.uint16, bitcast=True)
         v = (u.to(tl.uint32) << 16).to(tl.float32, bitcast=True)
     return v
 
@@ -51,14 +52,14 @@ def load_aligned_as_f32(base32, base16, q, p, mask, kind):
 def store_aligned_from_f32(base32, base16, q, p, v, mask, kind):
     """:func:`store_from_f32` at ``q`` from the bases (see :func:`load_aligned_as_f32`)."""
     if kind == 1:
-        tl.store(base32 + (q * 4 + p), v, mask=mask)
+        tl.store((base32 + q * 4) + p, v, mask=mask)
     elif kind == 2:
-        tl.store(base16 + (q * 8 + p), v.to(tl.float16).to(tl.int16, bitcast=True), mask=mask)
+        tl.store((base16 + q * 8) + p, v.to(tl.float16).to(tl.int16, bitcast=True), mask=mask)
     elif kind == 3:  # as store_from_f32
         u = v.to(tl.uint32, bitcast=True)
         r = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
         r = tl.where(v != v, 0x7FC0, r)
-        tl.store(base16 + (q * 8 + p), r.to(tl.uint16).to(tl.int16, bitcast=True), mask=mask)
+        tl.store((base16 + q * 8) + p, r.to(tl.uint16).to(tl.int16, bitcast=True), mask=mask)
 
 
 @triton.jit
@@ -100,15 +101,20 @@ def first_segment(starts, nsegs, p_lo):
 
 
 @triton.jit
-def tile(pid, G, block, nblocks, T, R: tl.constexpr, C: tl.constexpr):
-    """The blocks and positions of program ``pid``: R blocks (gb, [R]) x C elements (o, [C])."""
+def tile(pid, G, block, nblocks, T, R: tl.constexpr, C: tl.constexpr, WIDE: tl.constexpr):
+    """The blocks and positions of program ``pid``: R blocks (gb, [R]) x C elements (o, [C]).
+    Positions are int64 only when the buffer has 2**31 elements or more (``WIDE``): int32
+    positions keep half the registers, and the registers bound these kernels' occupancy."""
     t = pid % T
     gb0 = (pid // T) * R
     gb = gb0 + tl.arange(0, R)
     o = t * C + tl.arange(0, C)
     gb_ok = gb < G
     valid = gb_ok[:, None] & (o < block)[None, :]
-    p = gb.to(tl.int64)[:, None] * block + o[None, :]
+    if WIDE:
+        p = gb.to(tl.int64)[:, None] * block + o[None, :]
+    else:
+        p = gb[:, None] * block + o[None, :]
     # the tile's first and one-past-last positions (scalars)
     last = tl.minimum(gb0 + R, G) - 1
     p_lo = gb0.to(tl.int64) * block + t * C

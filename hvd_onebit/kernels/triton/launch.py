@@ -51,6 +51,11 @@ def geometry(block: int) -> tuple[int, int, int]:
     return 1, CMAX, triton.cdiv(block, CMAX)
 
 
+def wide(G: int, block: int) -> bool:
+    """Whether a buffer of ``G`` blocks of ``block`` elements needs int64 positions."""
+    return G * block >= 2**31
+
+
 _INTERPRETER_LOCK = threading.Lock()
 
 
