@@ -349,15 +349,15 @@ def check_ratios(numels) -> dict:
             "one_scale_per_chunk": per_chunk}
 
 
-SWEEP = ((8, 2048, None), (8, 1024, None), (8, 512, None), (8, 2048, 64), (8, 1024, 64),
+SWEEP = ((8, 2048, 64), (8, 2048, None), (8, 1024, 64), (8, 1024, None), (8, 512, None),
          (4, 1024, None))
 
 
 def check_kernel_sweep(device: str = "cuda", numels=(16 << 20, 128 << 20), variants=SWEEP,
                        bit_sizes=(1 << 20,)) -> dict:
     """The Triton kernels' ratios to torch.add at the default layout under other launch
-    settings, (warps per program, elements per program, register cap or None), the first being
-    the shipped one, each with the bits of :func:`check_bits_large` at ``bit_sizes``."""
+    settings, (warps per program, elements per program, register cap or None: no cap), the
+    first being the shipped one, each with the bits of :func:`check_bits_large` at ``bit_sizes``."""
     import importlib
 
     from hvd_onebit.config import DEFAULT_BLOCK_SIZE
@@ -371,7 +371,8 @@ def check_kernel_sweep(device: str = "cuda", numels=(16 << 20, 128 << 20), varia
         for warps, cmax, maxnreg in variants:
             mods[0].CMAX, mods[1].WARPS, mods[2].WARPS = cmax, warps, warps
             mods[0].LAUNCH.clear()  # the one dict every kernel module launches with
-            mods[0].LAUNCH.update(saved[3], **({} if maxnreg is None else {"maxnreg": maxnreg}))
+            mods[0].LAUNCH.update({k: v for k, v in saved[3].items() if k != "maxnreg"},
+                                  **({} if maxnreg is None else {"maxnreg": maxnreg}))
             entry = {"warps": warps, "elements_per_program": cmax, "maxnreg": maxnreg}
             try:
                 r = bench_kernels_cuda(list(numels), repeats=5, backends=("triton",),

@@ -19,7 +19,10 @@ CMAX = 2048  # elements per program (a power of two)
 FB = 256  # rows (blocks) per finalize program
 TT = 256  # partials per finalize step
 WARPS = 8
-LAUNCH = {"enable_fp_fusion": False}
+#: No FMA contraction (the native code's bits); at most 64 registers per thread: the fused
+#: passes otherwise take up to 128, which leaves a quarter of the threads a multiprocessor
+#: holds, too few to keep its memory busy (``benchmarks/gpu_check.py``'s sweep measures it).
+LAUNCH = {"enable_fp_fusion": False, "maxnreg": 64}
 
 
 class DeviceFlag:
