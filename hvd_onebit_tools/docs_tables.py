@@ -455,6 +455,107 @@ def granularity() -> str:
     return "\n\n".join(parts + notes)
 
 
+GPU = "gpu"  # benchmarks/gpu_check.py's runs on a lent GPU machine
+GPU_PASSES = ("momentum_compress_preconditioned", "decode_update_preconditioned",
+              "momentum_compress", "decode_update", "compress", "server", "decode")
+
+
+def _sweep_variant(sweep: dict, warps: int, cmax: int, maxnreg) -> dict:
+    return next(v for v in sweep["checks"]["kernel_sweep"]["variants"]
+                if (v["warps"], v["elements_per_program"], v["maxnreg"]) == (warps, cmax, maxnreg))
+
+
+def _ratios_at(entries: Sequence[dict], numel: int) -> dict:
+    return next(e for e in entries if e["numel"] == numel)
+
+
+def gpu() -> str:
+    """What ``benchmarks/gpu_check.py`` measured on a GPU: the Triton kernels' ratios to
+    torch.add run by run, the profiler's reading of them, memory, host syncs, a 100M-parameter
+    step against fused Adam, and the DDP face under torchrun."""
+    first, check = _load(f"{GPU}/first_check.json"), _load(f"{GPU}/check.json")
+    sweep, ddp, ncu = (_load(f"{GPU}/{n}.json") for n in ("sweep", "ddp_face", "ncu"))
+    big = 128 << 20
+
+    def triton_at(report: dict, numel: int) -> dict:
+        e = _ratios_at(report["checks"]["ratios"]["sizes"], numel)["backends"]["triton"]
+        return {k: e[f"{k}_ratio_to_add"] for k in GPU_PASSES}
+
+    columns = [("first run, 128M", triton_at(first, big)),
+               ("vector loads, 128M", triton_at(check, big)),
+               ("+ int32 positions, 128M", _ratios_at(_sweep_variant(sweep, 8, 2048, None)
+                                                      ["ratios"], big)),
+               ("+ 64-register cap (shipped), 16M", _ratios_at(_sweep_variant(sweep, 8, 2048, 64)
+                                                               ["ratios"], 16 << 20)),
+               ("+ 64-register cap (shipped), 128M", _ratios_at(_sweep_variant(sweep, 8, 2048, 64)
+                                                                ["ratios"], big))]
+    rows = [[KERNEL_PASSES.get(k, k)] + [f"{c[k]:.2f}" for _, c in columns] for k in GPU_PASSES]
+    ratios = table(["Triton pass, ratio to torch.add"] + [h for h, _ in columns], rows)
+    variants = []
+    for v in sweep["checks"]["kernel_sweep"]["variants"]:
+        r = _ratios_at(v["ratios"], big)
+        variants.append([v["warps"], v["elements_per_program"], v["maxnreg"] or "none",
+                         v["bits_ok"]] + [f"{r[k]:.2f}" for k in GPU_PASSES[:2]])
+    sweep_table = table(["warps", "elements per program", "register cap", "bits as on CPU",
+                         "preconditioned compress, 128M", "preconditioned decode + update, 128M"],
+                        variants)
+    prof = table(["pass (no register cap)", "registers per thread", "achieved occupancy %",
+                  "DRAM TB/s", "DRAM % of peak"],
+                 [[KERNEL_PASSES.get(k["pass"], k["pass"]), int(k["registers_per_thread"]),
+                   k["achieved_occupancy_pct"], k["dram_tbyte_per_s"], k["dram_throughput_pct"]]
+                  for k in ncu["kernels"]])
+    c = check["checks"]
+    bits = [f"{name}: {'every case equal' if r['ok'] else 'a case differs'} "
+            f"({len(r['cases'])} cases, against the {r['reference']})"
+            for name, r in (("small cases", c["bits"]), ("1M and 64M elements",
+                                                          sweep["checks"]["bits_large"]))]
+    mem = table(["virtual ranks", "held over the parameters' fp32 bytes", "peak",
+                 "1 + 1/n + 1/16", "peak <= 1.25"],
+                [[w["ranks"], f"{w['held_ratio']:.4f}", f"{w['peak_ratio']:.4f}",
+                  f"{w['bound_1_plus_1_over_n_plus_1_over_16']:.4f}",
+                  "-" if w["within_1_25"] is None else w["within_1_25"]]
+                 for w in c["memory_lean"]["worlds"]])
+    face = ddp["checks"]["ddp_face"]
+    gloo = face["gloo"]["reports"][0]
+    nccl = face["nccl"]["reports"][0]["error"].splitlines()
+    syncs = table(["step of the 1-bit face", "host syncs per rank", "where"],
+                  [[s["step"], s["host_syncs_per_rank"], ", ".join(x["site"] for x in s["sites"])]
+                   for s in gloo["onebit"]["host_syncs_last_steps"]])
+    st = c["step_time"]
+    step_rows = []
+    for w in st["worlds"]:
+        top = ", ".join(f"{k['name']} {k['ms_per_rank']:.2f}" for k in w["device_time"]["kernels"][:3])
+        step_rows.append([w["ranks"], w["buckets"], f"{w['wall_ms_per_step_over_ranks']:.2f}",
+                          f"{w['device_time']['total_ms_per_rank']:.2f}",
+                          f"{w['ratio_wall_over_ranks_to_adam']:.1f}",
+                          f"{w['ratio_device_time_per_rank_to_adam_wall']:.1f}", top])
+    step = table(["virtual ranks", "buckets", "wall ms per step per rank", "GPU ms per rank",
+                  "wall over fused Adam's", "GPU time over fused Adam's", "largest kernels, ms"],
+                 step_rows)
+    lines = [
+        "**Kernels** (the default layout: a scale per 512 elements, 4 ranks; the target is 0.5 "
+        "for every pass of the default step, the preconditioned ones):", ratios,
+        "Launch settings at 128M elements (`kernel_sweep`):", sweep_table,
+        "Nsight Compute on the passes before the register cap, 64M elements:", prof,
+        "**Bits**, Triton and the torch kernels on the GPU against the native kernels on CPU: "
+        + "; ".join(bits) + ".",
+        f"**Memory** with `memory=\"lean\"`, the engine on virtual ranks "
+        f"({c['memory_lean']['layers']} layers of {c['memory_lean']['width']}^2):", mem,
+        f"**A step of {st['params']:,} parameters** (the engine's default options, virtual ranks "
+        f"sharing the GPU) against torch's `Adam(fused=True)` step of the same parameters, "
+        f"{st['adam_fused']['ms_per_step']:.2f} ms:", step,
+        f"**The DDP face** under torchrun, 2 ranks on the one GPU: NCCL refuses them "
+        f"(`{nccl[-1]}`); with Gloo on CUDA tensors the 1-bit face ran through the warmup "
+        f"into the compression phase in {gloo['onebit']['buckets']} buckets, ranks identical "
+        f"({gloo['onebit']['ranks_identical']}), loss {gloo['onebit']['first_loss']:.3f} to "
+        f"{gloo['onebit']['last_loss']:.3f} (DDP + Adam: {gloo['adam']['last_loss']:.3f}); "
+        f"host syncs of its last three steps:", syncs]
+    notes = [provenance(f"{GPU}/{n}.json", d) for n, d in
+             (("first_check", first), ("check", check), ("sweep", sweep), ("ddp_face", ddp),
+              ("ncu", ncu))]
+    return "\n\n".join(lines + notes)
+
+
 PARTS: Dict[str, Callable[[], str]] = {
     "headline": headline, "settings": settings, "freeze_lm": lambda: freeze_runs("lm"),
     "freeze_digits": lambda: freeze_runs("digits"), "zoo": zoo,
@@ -462,11 +563,12 @@ PARTS: Dict[str, Callable[[], str]] = {
     "headline_ddp": lambda: headline("ddp/convergence.json"), "zoo_faces": zoo_faces,
     "ddp_train": ddp_train, "granularity": granularity, "kernel": kernel, "refresh_predict": refresh_predict,
     "refresh_digits": refresh_digits,
-    "step_time": step_time}
+    "step_time": step_time, "gpu": gpu}
 # Which generated parts each Markdown file holds, in its <!-- generated:NAME --> blocks.
 BLOCKS: Dict[str, Sequence[str]] = {
     "README.md": ("settings", "headline"),
     "docs/tuning.md": ("settings",),
+    "docs/gpu.md": ("gpu",),
     "docs/results.md": ("headline", "freeze_lm", "freeze_digits", "zoo", "zoo_long", "fading",
                         "refresh_digits", "refresh_predict", "headline_ddp", "zoo_faces", "ddp_train", "kernel",
                         "step_time",

@@ -597,8 +597,14 @@ def run(dry_run: bool, numels, out: Optional[Path] = None, only=None) -> dict:
     if not dry_run and not torch.cuda.is_available():
         report["error"] = "no CUDA device (torch.cuda.is_available() is False); try --dry-run"
         return report
+    from hvd_onebit_tools.bench.report import provenance
+    report.update(command="python benchmarks/gpu_check.py " + " ".join(sys.argv[1:]),
+                  **provenance())
     if not dry_run:
+        import triton
         report["device_name"] = torch.cuda.get_device_name()
+        report["versions"].update(cuda=torch.version.cuda, triton=triton.__version__,
+                                  nccl=".".join(map(str, torch.cuda.nccl.version())))
     checks = report["checks"]
     if dry_run:
         plan = [("bits", check_bits, (device,)),
