@@ -123,6 +123,18 @@ def test_collective_on_triton_matches_the_numpy_reference(n):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=f"call {call}")
 
 
+def _compressions(src, y_prev, prev_send, L):
+    """``src``'s worker compression by the torch, Triton and native kernels, each into garbage
+    buffers: {impl: (status, y bytes, row bytes)}."""
+    runs = {}
+    for impl in ("torch", "triton", "native"):
+        y_out = torch.full((L.padded,), 9.0)
+        send = torch.full((L.n * L.row_bytes,), 0xEE, dtype=torch.uint8)
+        ok = worker_compress_momentum(src, y_prev, prev_send, y_out, send, L, impl)
+        runs[impl] = (bool(ok), _bytes(y_out), _bytes(send))
+    return runs
+
+
 SEGMENTS = [([5, 0, 13, 1000, 7], 4), ([64, 64], 3), ([1], 2), ([4099], 1),
             ([3001, 3, 2000, 9000, 11], 2)]
 
@@ -146,13 +158,8 @@ def test_momentum_update_inside_the_compression(sizes, n, precondition, monkeypa
     extra = preconditioning(sizes, g) if precondition else {}
     calls = _counted(monkeypatch, "worker_compress_momentum")
     for label, grad_list in (("float32", grads), ("low precision", low)):
-        src = MomentumInput(m, grad_list, sizes, 0.9, **extra)
-        runs = {}
-        for impl in ("torch", "triton", "native"):
-            y_out = torch.full((L.padded,), 9.0)
-            send = torch.full((L.n * L.row_bytes,), 0xEE, dtype=torch.uint8)
-            ok = worker_compress_momentum(src, y_prev, prev_send, y_out, send, L, impl)
-            runs[impl] = (bool(ok), _bytes(y_out), _bytes(send))
+        runs = _compressions(MomentumInput(m, grad_list, sizes, 0.9, **extra), y_prev,
+                             prev_send, L)
         assert len(calls) == (2 if label == "low precision" else 1), "Triton's kernel did not run"
         assert runs["torch"][0] is True
         for impl in ("triton", "native"):
@@ -201,13 +208,7 @@ def test_vector_path_of_each_kind_and_the_general_path_beside_it(precondition, m
     assert [q == tk.device.NOT_ALIGNED.value for q in offsets] == [False] * 4 + [True], \
         f"the gradients' aligned offsets {offsets}: only the last should be unaligned"
     calls = _counted(monkeypatch, "worker_compress_momentum")
-    src = MomentumInput(m, grads, sizes, 0.9, **extra)
-    runs = {}
-    for impl in ("torch", "triton", "native"):
-        y_out = torch.full((L.padded,), 9.0)
-        send = torch.full((L.n * L.row_bytes,), 0xEE, dtype=torch.uint8)
-        ok = worker_compress_momentum(src, y_prev, prev_send, y_out, send, L, impl)
-        runs[impl] = (bool(ok), _bytes(y_out), _bytes(send))
+    runs = _compressions(MomentumInput(m, grads, sizes, 0.9, **extra), y_prev, prev_send, L)
     assert len(calls) == 1, "Triton's kernel did not run"
     for impl in ("triton", "native"):
         for k, what in enumerate(("status", "y", "rows")):
