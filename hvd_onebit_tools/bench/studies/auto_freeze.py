@@ -50,6 +50,7 @@ from typing import Optional
 from hvd_onebit_tools.bench.studies.convergence import split_argv
 from hvd_onebit_tools.bench.lm import TrainingFailed, train_lm
 from hvd_onebit_tools.bench.refresh import parse_variance_refresh
+from hvd_onebit_tools.bench.report import provenance
 from hvd_onebit.layout import ring_allreduce_bytes
 
 REPO = Path(__file__).resolve().parents[3]
@@ -177,7 +178,8 @@ def run_all(args, names: list[str], extra: list[str], out_dir: Path, command: st
             r["bytes_vs_auto"] = r["total_bytes_per_rank"] / auto_bytes
     if "refresh_auto" in done:
         done["refresh_auto"]["freeze_decision"] = done["refresh_auto"].pop("decision")
-    result = {"example": args.example, "np": args.np, "command": command, "runs": runs}
+    result = {"example": args.example, "np": args.np, "command": command, **provenance(),
+              "runs": runs}
     for name in REFRESH_RUNS:
         r = done.get(name)
         if r and r.get("ratio_to_adam") is not None:
