@@ -27,13 +27,14 @@ README = ROOT / "README.md"
 SETTINGS = ("freeze_step", "variance_refresh", "hierarchical")
 # The zoo tables' columns: (folder under docs/, scheme, label). The library's defaults ran as
 # "default_blocks512" in the granularity run (block_size 512, the refresh schedule), beside one
-# scale per chunk; the frozen variance ("bounded") and the longer runs, at one scale per chunk,
-# come from the earlier zoo runs.
+# scale per chunk; at the longer length they ran as "default" in zoo_long_default; the frozen
+# variance ("bounded") and the other longer runs, at one scale per chunk, come from earlier runs.
 ZOO_COLUMNS = {
     "zoo": (("granularity", "default_blocks512", "1-bit Adam (defaults)"),
             ("granularity", "default", "with block_size=None"),
             ("zoo", "bounded", "with variance_refresh=None, block_size=None")),
-    "zoo_long": (("zoo_long", "bounded_refresh_doubling", "the default refresh, block_size=None"),
+    "zoo_long": (("zoo_long_default", "default", "1-bit Adam (defaults)"),
+                 ("zoo_long", "bounded_refresh_doubling", "the default refresh, block_size=None"),
                  ("zoo_long", "bounded", "with variance_refresh=None, block_size=None")),
 }
 # The figure of each zoo table: its first column's runs.
@@ -141,7 +142,10 @@ def zoo(name: str = "zoo") -> str:
     note = (f"Final {columns[0][3]['metric']} loss over Adam's in each cell (family, lr rule, "
             f"freeze, seed), each against the Adam cells of its own run. From {sources}, "
             f"printed by `hvd-onebit bench dev zoo`.")
-    return "\n\n".join([table(header, rows + [totals]), note])
+    recorded = [provenance(f"{folder}/provenance.json", _load(f"{folder}/provenance.json"))
+                for folder in dict.fromkeys(c[0] for c in columns)
+                if (DOCS / folder / "provenance.json").exists()]
+    return "\n\n".join([table(header, rows + [totals]), note, *recorded])
 
 
 def fading() -> str:
