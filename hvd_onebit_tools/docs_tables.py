@@ -34,8 +34,10 @@ ZOO_COLUMNS = {
             ("granularity", "default", "with block_size=None"),
             ("zoo", "bounded", "with variance_refresh=None, block_size=None")),
     "zoo_long": (("zoo_long_default", "default", "1-bit Adam (defaults)"),
-                 ("zoo_long", "bounded_refresh_doubling", "the default refresh, block_size=None"),
-                 ("zoo_long", "bounded", "with variance_refresh=None, block_size=None")),
+                 ("zoo_long_default", "bounded", "with variance_refresh=None"),
+                 ("zoo_long", "bounded_refresh_doubling", "earlier: the default refresh, "
+                                                          "block_size=None"),
+                 ("zoo_long", "bounded", "earlier: variance_refresh=None, block_size=None")),
 }
 # The figure of each zoo table: its first column's runs.
 ZOO_FIGURES = {"zoo": ZOO_COLUMNS["zoo"][0], "zoo_long": ZOO_COLUMNS["zoo_long"][0]}
