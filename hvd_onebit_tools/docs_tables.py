@@ -258,7 +258,8 @@ def arg_doc(doc: str, name: str) -> str:
 
 def zoo_faces(name: str = "ddp/zoo_ddp/faces.json") -> str:
     """The DDP face's zoo cells against the Horovod face's (the same cells run in the same
-    session, and the committed zoo), each the ratio of the face's loss to its own Adam's."""
+    session, and any other zoo the report was given), each the ratio of the face's loss to its
+    own Adam's."""
     d = _load(name)
     others = d["others"]
     rows = [[c["family"], c["lr_rule"], c["freeze"], c["seed"], f"{c['ratio']:.3f}",
