@@ -154,11 +154,11 @@ def fading() -> str:
     """The fading task: each variance_refresh setting's final loss over Adam's, per seed, worst
     and median, at each learning rate measured."""
     rows, notes = [], []
-    for name, label, settings in ([(n, lb, FADING_SETTINGS) for n, lb in FADING.items()]
-                                  + [(n, lb, RETIRED_SETTINGS) for n, lb in FADING_RETIRED.items()]):
+    runs = ([(n, lb, FADING_SETTINGS) for n, lb in FADING.items()]
+            + [(n, f"{lb}, {n}", RETIRED_SETTINGS) for n, lb in FADING_RETIRED.items()])
+    for name, label, settings in runs:
         d = _load(f"step/{name}")
         task = d["task"]
-        label = label if settings is FADING_SETTINGS else f"{label}, {name}"
         for setting, text in settings.items():
             r = d["over_adam"].get(setting)
             if r is not None:

@@ -107,6 +107,20 @@ def _reference_backend() -> str:
     return "native" if load_native().module is not None else "torch"
 
 
+def _kernel_args(L, seed: int) -> tuple:
+    """The inputs of :func:`_kernel_outputs` for layout ``L``: x, the previous y and rows (random
+    scales), the previous z and the server's previous row, from ``seed``."""
+    import torch
+    from hvd_onebit import kernels
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(L.numel, generator=g)
+    y_prev = torch.randn(L.padded, generator=g)
+    prev_send = torch.randint(0, 255, (L.n * L.row_bytes,), dtype=torch.uint8, generator=g)
+    kernels.row_scales(prev_send, L, L.n).copy_(torch.rand(L.n, L.nblocks, generator=g))
+    return (L, x, y_prev, prev_send, torch.randn(L.chunk, generator=g),
+            prev_send[:L.row_bytes].clone())
+
+
 def check_bits(device: str) -> dict:
     """Per case, whether each device implementation gives the native CPU kernels' bits."""
     import torch
@@ -116,14 +130,7 @@ def check_bits(device: str) -> dict:
     impls = [("triton", device)] + ([("torch", device)] if device != "cpu" else [])
     cases, ok = [], True
     for numel, n, block in BIT_CASES:
-        L = Layout.build(numel, n, block)
-        g = torch.Generator().manual_seed(numel)
-        x = torch.randn(numel, generator=g)
-        y_prev = torch.randn(L.padded, generator=g)
-        prev_send = torch.randint(0, 255, (L.n * L.row_bytes,), dtype=torch.uint8, generator=g)
-        kernels.row_scales(prev_send, L, L.n).copy_(torch.rand(L.n, L.nblocks, generator=g))
-        args = (L, x, y_prev, prev_send, torch.randn(L.chunk, generator=g),
-                prev_send[:L.row_bytes].clone())
+        args = _kernel_args(Layout.build(numel, n, block), numel)
         ref = _kernel_outputs(_reference_backend(), "cpu", *args)
         entry = {"numel": numel, "n": n, "block": block}
         for backend, dev in impls:
@@ -173,12 +180,7 @@ def check_bits_large(device: str, sizes=(1 << 20, 64 << 20), n: int = 4) -> dict
     cases, ok = [], True
     for numel in sizes:
         for block in (DEFAULT_BLOCK_SIZE, None):
-            L = Layout.build(numel, n, block)
-            g = torch.Generator().manual_seed(numel + 1)
-            prev_send = torch.randint(0, 255, (L.n * L.row_bytes,), dtype=torch.uint8, generator=g)
-            kernels.row_scales(prev_send, L, L.n).copy_(torch.rand(L.n, L.nblocks, generator=g))
-            args = (L, torch.randn(numel, generator=g), torch.randn(L.padded, generator=g),
-                    prev_send, torch.randn(L.chunk, generator=g), prev_send[:L.row_bytes].clone())
+            args = _kernel_args(Layout.build(numel, n, block), numel + 1)
             ref = _kernel_outputs(ref_backend, "cpu", *args)
             entry = {"numel": numel, "n": n, "block": block}
             for backend in ("triton", "torch"):
@@ -465,13 +467,17 @@ def check_step_time(device: str, ranks=(2, 8), width: int = 2048, layers: int = 
         adam.step()
     sync()
     adam_ms = 1e3 * (time.perf_counter() - start) / (steps * 4)
-    numel = sum(p.numel() for p in params)
+    out = {"params": sum(p.numel() for p in params),
+           "adam_fused" if cuda else "adam": {"ms_per_step": adam_ms}, "worlds": []}
+    if cuda:  # Adam's own device time, for the same breakdown
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            adam.step()
+            sync()
+        out["adam_fused"]["device_time"] = _kernel_times(prof, 1)
     del params, grads, adam
     if cuda:
         torch.cuda.empty_cache()
 
-    out = {"params": numel, "adam_fused" if cuda else "adam": {"ms_per_step": adam_ms},
-           "worlds": []}
     for n in ranks:
         gate = threading.Barrier(n)
         timing = {}
@@ -531,17 +537,6 @@ def check_step_time(device: str, ranks=(2, 8), width: int = 2048, layers: int = 
         out["worlds"].append(entry)
         if cuda:
             torch.cuda.empty_cache()
-    if cuda:  # Adam's own device time, for the same breakdown
-        params, grads = make(0)
-        for p in params:
-            p.grad = grads[p]
-        adam = torch.optim.Adam(params, lr=1e-4, fused=True)
-        adam.step()
-        sync()
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            adam.step()
-            sync()
-        out["adam_fused"]["device_time"] = _kernel_times(prof, 1)
     out["ok"] = True
     return out
 

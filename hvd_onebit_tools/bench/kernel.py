@@ -217,8 +217,8 @@ def bench_kernels_cuda(numels=(16 << 20, 64 << 20, 256 << 20), ranks: int = 4, r
         raise RuntimeError("the triton backend needs the triton package (pip install triton)")
     streams = pass_streams(ranks)
     result = {"device": "cuda", "device_name": torch.cuda.get_device_name(), "ranks": ranks,
-              "block_size": block_size, "target_ratio": TARGET_RATIO, "streams": {k: asdict(v) for k, v in streams.items()},
-              "sizes": []}
+              "block_size": block_size, "target_ratio": TARGET_RATIO,
+              "streams": {k: asdict(v) for k, v in streams.items()}, "sizes": []}
     for numel in numels:
         L, b = _buffers(numel, ranks, "cuda", block_size)
         add = _rate_cuda(lambda: torch.add(b.x, b.y_prev[:numel], out=b.y), numel, repeats)

@@ -95,9 +95,6 @@ def address(t: Optional[torch.Tensor]) -> int:
     return 0 if t is None or t.numel() == 0 else t.data_ptr()
 
 
-ELEMENT_BYTES = {0: 4, 1: 4, 2: 2, 3: 2}  # per kind code (0: absent, no loads)
-
-
 def aligned_offsets(base: torch.Tensor, tensors: Sequence[Optional[torch.Tensor]],
                     sizes: Sequence[int]) -> list[int]:
     """Per segment, ``q`` such that its element at flat position ``p`` (a position in the
@@ -108,11 +105,10 @@ def aligned_offsets(base: torch.Tensor, tensors: Sequence[Optional[torch.Tensor]
     out, start = [], 0
     b = base.data_ptr()
     for t, size in zip(tensors, sizes):
-        code = kind_code(t)
-        if code == 0:
+        if kind_code(t) == 0:
             out.append(0)
         else:
-            es = ELEMENT_BYTES[code]
+            es = t.element_size()
             delta = t.data_ptr() - b
             off = delta // es - start
             per = 16 // es
