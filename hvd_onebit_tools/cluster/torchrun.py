@@ -118,6 +118,9 @@ def rank_main(target: str, workdir: str, without_horovod: bool) -> int:
         tmp = out / f"rank{rank}.pkl.tmp"
         tmp.write_bytes(pickle.dumps(result))
         tmp.rename(out / f"rank{rank}.pkl")
+        # a rank whose target needed no collective must not close its connections while a
+        # peer is still making its own in init_process_group ("Connection closed by peer")
+        dist.barrier()
         dist.destroy_process_group()
         return 0
     except BaseException:  # noqa: BLE001 - every failure must reach the caller
