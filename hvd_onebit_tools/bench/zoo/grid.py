@@ -17,8 +17,9 @@ from .models import FAMILIES, family
 
 BOUNDED = Experimental(step_bound="adam", precondition=True)
 SCHEMES: dict[str, dict[str, Any]] = {
-    # the library's defaults, spelled out: the preconditioned momentum compressed, each step
-    # clamped at Adam's own bound
+    # the library's compressed step with the variance frozen for the rest of the run
+    # (variance_refresh=None, the other options the defaults): the preconditioned momentum
+    # compressed, each step clamped at Adam's own bound
     "bounded": {"experimental": BOUNDED},
     # the paper's scheme: the momentum itself compressed, the unbounded frozen-variance step
     "unbounded": {"experimental": Experimental(step_bound=None, precondition=False)},
