@@ -8,7 +8,7 @@ import pytest
 
 from hvd_onebit_tools.cluster import jobs as testing
 from hvd_onebit_tools.cluster.jobs import RankFailure, run_ranks
-from tests.worlds import shared_suite
+from tests.worlds import Scratch, Suite, World, earlier_worlds, shared_suite
 
 pytestmark = pytest.mark.multirank
 
@@ -91,3 +91,24 @@ def test_an_installed_package_puts_no_site_packages_on_pythonpath(monkeypatch):
     monkeypatch.delenv("PYTHONPATH", raising=False)
     env = testing.job_environment("token", import_roots=[testing.import_root("tests.workers_harness")])
     assert env["PYTHONPATH"].split(os.pathsep) == [str(Path(__file__).resolve().parents[1])]
+
+
+def test_a_later_stage_waits_only_for_the_worlds_it_reads_from():
+    """A stage-1 world runs after the stage-0 worlds whose suites write a folder it reads, not
+    after every other world: those launch when their own modules ask, and their time is theirs."""
+    def suite(key, world, **kwargs):
+        return Suite(key=key, target="m:f", world=world, kwargs=tuple(kwargs.items()),
+                     timeout=1.0, module="m", fixture=key)
+
+    writer, other, plain = World(2, "torchrun"), World(4, hosts="h:4"), World(2, "mpi")
+    reader = World(4, "torchrun", stage=1)
+    selected = [suite("save", writer, scratch=Scratch("ckpt"), stage="save"),
+                suite("other", other, runs=[{"dir": Scratch("elsewhere")}]),
+                suite("plain", plain, n=3),
+                suite("load", reader, scratch=Scratch("ckpt"), stage="load")]
+    assert earlier_worlds(selected, reader) == [writer], \
+        f"the stage-1 world waits for {earlier_worlds(selected, reader)}"
+    # a stage-1 world that names no folder cannot say what it reads: every earlier world first
+    blind = World(2, "gloo", stage=1)
+    found = earlier_worlds(selected + [suite("blind", blind, n=1)], blind)
+    assert found == [writer, other, plain], f"the stage-1 world without a folder waits for {found}"

@@ -58,9 +58,11 @@ class World:
         env: environment variables of the ranks, as sorted (name, value) pairs.
         hosts: "h1:2,h2:2": horovodrun over these hosts (names of this machine stand for
             nodes); None: this machine as one host.
-        stage: worlds of a stage are launched only after every selected world of the stages
-            before it: a suite of stage 1 reads what suites of stage 0 wrote (a checkpoint
-            resumed by new processes).
+        stage: a world of stage 1 is launched only after the selected worlds of stage 0 whose
+            suites name a :class:`Scratch` its suites name (every earlier world where its
+            suites name none): a suite of stage 1 reads what suites of stage 0 wrote there (a
+            checkpoint resumed by new processes). Worlds it does not read from keep their own
+            time, so each module's durations stay its own.
     """
 
     np: int
@@ -159,6 +161,27 @@ def _selected(suite: Suite, items: Sequence[pytest.Item]) -> bool:
     return False
 
 
+def _scratch_names(value: Any) -> set[str]:
+    """The names of the :class:`Scratch` values in ``value``, at any depth."""
+    if isinstance(value, Scratch):
+        return {value.name}
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (list, tuple)):
+        return set().union(*(_scratch_names(v) for v in value)) if value else set()
+    return set()
+
+
+def earlier_worlds(selected: Sequence[Suite], world: World) -> list[World]:
+    """The worlds of earlier stages that must run before ``world``: those of the ``selected``
+    suites whose :class:`Scratch` folders ``world``'s suites name too, or every earlier one
+    where ``world``'s suites name none."""
+    reads = set().union(*(_scratch_names(dict(s.kwargs)) for s in selected if s.world == world))
+    return list(dict.fromkeys(
+        s.world for s in selected if s.world.stage < world.stage
+        and (not reads or reads & _scratch_names(dict(s.kwargs)))))
+
+
 def _launch(world: World, request: pytest.FixtureRequest, suites_only=None) -> dict:
     """Run ``world``'s job for every selected suite declared for it (or only the suites keyed
     ``suites_only``), after the jobs of the earlier stages; return ``{"keys": the suites run,
@@ -167,7 +190,7 @@ def _launch(world: World, request: pytest.FixtureRequest, suites_only=None) -> d
 
     _declare_pending()
     selected = [s for s in _REGISTRY.suites if _selected(s, request.session.items)]
-    for earlier in dict.fromkeys(s.world for s in selected if s.world.stage < world.stage):
+    for earlier in earlier_worlds(selected, world):
         if earlier not in _REGISTRY.jobs:
             _REGISTRY.jobs[earlier] = _launch(earlier, request)
     suites = [s for s in selected if s.world == world]
