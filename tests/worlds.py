@@ -168,7 +168,7 @@ def _scratch_names(value: Any) -> set[str]:
     if isinstance(value, dict):
         value = list(value.values())
     if isinstance(value, (list, tuple)):
-        return set().union(*(_scratch_names(v) for v in value)) if value else set()
+        return set().union(*(_scratch_names(v) for v in value))
     return set()
 
 

@@ -30,8 +30,8 @@ def _compress_kernel(src_ptr, src_h_ptr, src_words_ptr, tab_ptr, ftab_ptr, nsegs
     """SRC 0: x = src (float32 [numel]); SRC 1: x = beta1 * src + (1 - beta1) * g, g from the
     segment table (columns: gradient address, kind, aligned offset from src (``src_h``: src
     as int16), variance's aligned offset, variance address), and with PRECOND
-    x = clamp(x / denom, -bound, bound), denom = sqrt(v) * (1 / sqrt_bc2) + eps (+inf where v == 0: held elements give +-0), v, 1 / sqrt_bc2, eps and
-    bound per segment from the tables;
+    x = clamp(x / denom, -bound, bound), denom = sqrt(v) * (1 / sqrt_bc2) + eps (+inf where
+    v == 0: held elements give +-0), v, 1 / sqrt_bc2, eps and bound per segment from the tables;
     SRC 2: x = (rank-ordered fp32 sum of the ``nrecv`` rows at src) / nrecv.
     WRITE_Y: store y (y_out may be y_prev: each element is loaded before it is stored)."""
     pid = tl.program_id(0)

@@ -15,11 +15,11 @@ from .options import cluster_for, comma_list, np_option
                    "resnet_bn, gru_lm, transformer_lm, embedding_bag, mlp].")
 @click.option("--schemes", default="bounded,unbounded", show_default=True, callback=comma_list(str),
               help="Compression-phase schemes (extra DistributedOptimizer options, "
-                   "hvd_onebit_tools/bench/zoo/grid.py): bounded (the library's step, preconditioned "
-                   "and bounded, with the variance frozen), unbounded (the paper's: neither), "
-                   "bound_only, "
-                   "precondition_only, bounded_eps / bounded_floor (zero_variance), frozen_exact "
-                   "(frozen variance, exact momentum: what freezing alone costs), "
+                   "hvd_onebit_tools/bench/zoo/grid.py): bounded (the library's step, "
+                   "preconditioned and bounded, with the variance frozen), unbounded (the "
+                   "paper's: neither), bound_only, precondition_only, bounded_eps / "
+                   "bounded_floor (zero_variance), frozen_exact (frozen variance, exact "
+                   "momentum: what freezing alone costs), "
                    "bounded_blocks512, bounded_refresh / bounded_refresh_doubling "
                    "(variance_refresh) and refresh_exact / refresh_fold / refresh_single / "
                    "refresh_blocks512 / refresh_unpreconditioned (one refresh mechanism "
