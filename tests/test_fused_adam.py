@@ -36,7 +36,7 @@ def test_momentum_input_compressed_in_one_pass_equals_materialised(sizes, n, pre
     numel = sum(sizes)
     L = Layout.build(numel, n, None)
     g = torch.Generator().manual_seed(numel)
-    y_prev, prev_send = _previous_state(L, g)
+    y_prev, prev_scales = _previous_state(L, g)
     m = torch.randn(numel, generator=g)
     m[:1] = -0.0  # a negative zero times beta1 plus (1-beta1)*0 is +0 in both paths
     grads = [None if i % 3 == 1 else torch.randn(s, generator=g) for i, s in enumerate(sizes)]
@@ -62,14 +62,14 @@ def test_momentum_input_compressed_in_one_pass_equals_materialised(sizes, n, pre
         y_out = torch.empty(L.padded)
         send = torch.empty(L.n * L.row_bytes, dtype=torch.uint8)
         if impl == "materialised":
-            ok = kernels.worker_compress(x, y_prev, prev_send, y_out, send, L, "native")
+            ok = kernels.worker_compress(x, y_prev, prev_scales, y_out, send, L, "native")
         elif impl == "hook":  # what the collective calls
-            ok = src.compress(y_prev, prev_send, y_out, send, L, "native")
+            ok = src.compress(y_prev, prev_scales, y_out, send, L, "native")
         elif impl == "torch":
-            ok = worker_compress_momentum(src, y_prev, prev_send, y_out, send, L, "torch")
+            ok = worker_compress_momentum(src, y_prev, prev_scales, y_out, send, L, "torch")
         else:
             ok = _C.worker_compress_momentum(m, grads, sizes, 0.9, *src.native_precondition_args(),
-                                             y_prev, prev_send, y_out, send, *L.as_args(),
+                                             y_prev, prev_scales, y_out, send, *L.as_args(),
                                              impl == "avx2")
         runs.append((ok, y_out.numpy().tobytes(), send.numpy().tobytes()))
     names = ("avx2", "scalar", "torch", "materialised", "hook")
@@ -274,7 +274,7 @@ def test_preconditioned_passes_at_the_vector_edges_equal_torch(n, non_finite):
     numel = sum(sizes)
     L = Layout.build(numel, n, None)
     g = torch.Generator().manual_seed(numel + n)
-    y_prev, prev_send = _previous_state(L, g)
+    y_prev, prev_scales = _previous_state(L, g)
     m = torch.randn(numel, generator=g) * 0.1
     grads = [None if i % 5 == 3 else torch.randn(s, generator=g) for i, s in enumerate(sizes)]
     if non_finite:
@@ -289,9 +289,9 @@ def test_preconditioned_passes_at_the_vector_edges_equal_torch(n, non_finite):
         send = torch.full((L.n * L.row_bytes,), 0xAB, dtype=torch.uint8)
         if impl == "scalar":
             ok = _C.worker_compress_momentum(m, grads, sizes, 0.9, *src.native_precondition_args(),
-                                             y_prev, prev_send, y_out, send, *L.as_args(), False)
+                                             y_prev, prev_scales, y_out, send, *L.as_args(), False)
         else:
-            ok = worker_compress_momentum(src, y_prev, prev_send, y_out, send, L, impl)
+            ok = worker_compress_momentum(src, y_prev, prev_scales, y_out, send, L, impl)
         scales = kernels.row_scales(send, L, L.n)
         scales[scales.isnan()] = float("nan")
         runs[impl] = (ok, y_out.numpy().tobytes(), send.numpy().tobytes())
@@ -374,7 +374,7 @@ def test_node_mean_compressed_in_one_pass_equals_materialised(rows, numel, n):
 
     L = Layout.build(numel, n, None)
     g = torch.Generator().manual_seed(numel + rows)
-    y_prev, prev_send = _previous_state(L, g)
+    y_prev, prev_scales = _previous_state(L, g)
     data = [torch.randn(numel, generator=g) * (k + 1) for k in range(rows)]
     mean = NodeMean(data, torch.empty(numel))
     x = mean.materialize()
@@ -385,11 +385,11 @@ def test_node_mean_compressed_in_one_pass_equals_materialised(rows, numel, n):
         y_out = torch.empty(L.padded)
         send = torch.empty(L.n * L.row_bytes, dtype=torch.uint8)
         if impl == "materialised":
-            ok = kernels.worker_compress(x, y_prev, prev_send, y_out, send, L, "torch")
+            ok = kernels.worker_compress(x, y_prev, prev_scales, y_out, send, L, "torch")
         elif impl == "hook":
-            ok = mean.compress(y_prev, prev_send, y_out, send, L, "native")
+            ok = mean.compress(y_prev, prev_scales, y_out, send, L, "native")
         else:
-            ok = _C.worker_compress_mean(data, y_prev, prev_send, y_out, send, *L.as_args(),
+            ok = _C.worker_compress_mean(data, y_prev, prev_scales, y_out, send, *L.as_args(),
                                          impl == "avx2")
         runs[impl] = (ok, y_out.numpy().tobytes(), send.numpy().tobytes())
     for impl in ("avx2", "scalar", "hook"):
@@ -397,7 +397,7 @@ def test_node_mean_compressed_in_one_pass_equals_materialised(rows, numel, n):
     assert runs["avx2"][0] is True
     data[-1][numel // 2] = float("inf")
     send = torch.empty(L.n * L.row_bytes, dtype=torch.uint8)
-    assert mean.compress(y_prev, prev_send, None, send, L, "native") is False, \
+    assert mean.compress(y_prev, prev_scales, None, send, L, "native") is False, \
         "an inf in a row was not reported"
 
 

@@ -6,8 +6,10 @@ import pytest
 import torch
 
 from hvd_onebit import _C, kernels
+from hvd_onebit.kernels import reference
+from hvd_onebit.kernels.rows import decoded, row_bits
 from hvd_onebit.layout import Layout
-from tests.checks import assert_equal_tensors
+from tests.checks import assert_equal_tensors, assert_same_bits
 from tests.onebit_reference import _compress
 
 CASES = [(1, 2, None), (7, 3, None), (31, 4, None), (33, 4, None), (4099, 3, None),
@@ -46,53 +48,57 @@ def test_pack_unpack_round_trip_and_bit_order():
     assert_equal_tensors(kernels.unpack_signs(packed), positive, "unpack(pack(signs))")
 
 
-def _worker(impl, L, x, y_prev, prev_send):
+def _worker(impl, L, x, y_prev, prev_scales):
     send = torch.full((L.n * L.row_bytes,), 0xAB, dtype=torch.uint8)
     y_out = torch.full((L.padded,), 123.0)
     if impl == "torch":
-        ok = kernels.worker_compress(x, y_prev, prev_send, y_out, send, L, "torch")
+        ok = kernels.worker_compress(x, y_prev, prev_scales, y_out, send, L, "torch")
     else:
-        ok = _C.worker_compress(x, y_prev, prev_send, y_out, send, *L.as_args(), impl == "avx2")
+        ok = _C.worker_compress(x, y_prev, prev_scales, y_out, send, *L.as_args(),
+                                impl == "avx2")
     return ok, y_out, send
 
 
-def _run(impl, L, x, y_prev, prev_send, es):
-    ok, y_out, send = _worker(impl, L, x, y_prev, prev_send)
-    # the server error es in factored form: z = es, a previous row with zero scales, all signs +
-    prev_row = torch.empty(L.row_bytes, dtype=torch.uint8)
-    kernels.set_identity_rows(prev_row, L, 1)
+def scales_of(rows, L, count):
+    """The scales of ``count`` rows as a factored error keeps them: float32 [count * nblocks]."""
+    return kernels.row_scales(rows, L, count).reshape(-1).clone()
+
+
+def _run(impl, L, x, y_prev, prev_scales, es):
+    ok, y_out, send = _worker(impl, L, x, y_prev, prev_scales)
+    # the server error es in factored form: z = es with zero scales
+    zero_scales = torch.zeros(L.nblocks)
     z_out = torch.full((L.chunk,), 123.0)
     row = torch.full((L.row_bytes,), 0xCD, dtype=torch.uint8)
     out = torch.empty(L.numel)
     if impl == "torch":
-        kernels.server_compress(send, es, prev_row, z_out, row, L, "torch")
+        kernels.server_compress(send, es, zero_scales, z_out, row, L, "torch")
         kernels.decode(send, out, L, "torch")
     else:
         simd = impl == "avx2"
-        _C.server_compress(send, es, prev_row, z_out, row, *L.as_args(), simd)
+        _C.server_compress(send, es, zero_scales, z_out, row, *L.as_args(), simd)
         _C.decode(send, out, *L.as_args(), simd)
-    return (ok, send, y_out, kernels.worker_error(y_out, send, L),
-            kernels.server_error(z_out, row, L), row, out)
+    return (ok, send, y_out, kernels.worker_error(y_out, scales_of(send, L, L.n), L),
+            kernels.server_error(z_out, scales_of(row, L, 1), L), row, out)
 
 
 def _previous_state(L, g):
-    """A realistic factored worker error: one compression of random data from zero state."""
-    y_prev = torch.zeros(L.padded)
-    prev_send = torch.zeros(L.n * L.row_bytes, dtype=torch.uint8)
-    _, y, send = _worker("torch", L, torch.randn(L.numel, generator=g), y_prev, prev_send)
-    return y, send
+    """A realistic factored worker error: one compression of random data from zero state,
+    (y, the scales of the rows sent)."""
+    _, y, send = _worker("torch", L, torch.randn(L.numel, generator=g), torch.zeros(L.padded),
+                         torch.zeros(L.n * L.nblocks))
+    return y, scales_of(send, L, L.n)
 
 
 def _error_feedback_case(numel, n, block):
     """A layout and the inputs of both compressions from a committed state: (L, x, y_prev,
-    prev_send, z_prev, prev_row)."""
+    prev_scales, z_prev, prev_server_scales)."""
     L = Layout.build(numel, n, block)
     g = torch.Generator().manual_seed(numel)
-    y_prev, prev_send = _previous_state(L, g)
+    y_prev, prev_scales = _previous_state(L, g)
     x = torch.randn(numel, generator=g)
     z_prev = torch.randn(L.chunk, generator=g)
-    prev_row = prev_send[:L.row_bytes].clone()
-    return L, x, y_prev, prev_send, z_prev, prev_row
+    return L, x, y_prev, prev_scales, z_prev, prev_scales[:L.nblocks].clone()
 
 
 IMPLS = ("torch", "avx2", "scalar")
@@ -103,10 +109,10 @@ IMPLS = ("torch", "avx2", "scalar")
 def test_native_scalar_and_torch_kernels_give_identical_bits(numel, n, block):
     L = Layout.build(numel, n, block)
     g = torch.Generator().manual_seed(numel)
-    y_prev, prev_send = _previous_state(L, g)
+    y_prev, prev_scales = _previous_state(L, g)
     x = torch.randn(numel, generator=g)
     es = torch.randn(L.chunk, generator=g) * 0.1
-    runs = {impl: _run(impl, L, x, y_prev, prev_send, es) for impl in IMPLS}
+    runs = {impl: _run(impl, L, x, y_prev, prev_scales, es) for impl in IMPLS}
     ref = runs["torch"]
     for impl in ("avx2", "scalar"):
         for a, b in zip(ref[1:], runs[impl][1:]):
@@ -114,14 +120,47 @@ def test_native_scalar_and_torch_kernels_give_identical_bits(numel, n, block):
         assert runs[impl][0] is True
 
 
+@pytest.mark.usefixtures("vector_width")
+@pytest.mark.parametrize("impl", IMPLS)
+def test_the_rows_carry_y_own_signs_so_their_scales_alone_rebuild_the_error(impl):
+    """Why a factored error keeps only its rows' scales: every sign bit sent is ``y >= 0`` of
+    the y (z) stored, signed zeros included, so ``y - s * sign(y)`` is ``y - decode(rows)``
+    (what keeping the whole rows gave) bit for bit, call after call."""
+    L = Layout.build(5003, 3, 64)
+    g = torch.Generator().manual_seed(5)
+    y_prev, scales = torch.zeros(L.padded), torch.zeros(L.n * L.nblocks)
+    y_prev[::5] = -0.0  # with x = -0.0 there and a zero scale, y = -0.0 + -0.0 = -0.0
+    z_prev, z_scales = torch.zeros(L.chunk), torch.zeros(L.nblocks)
+    negative_zeros = 0
+    for call in range(3):
+        x = torch.randn(L.numel, generator=g)
+        x[::5], x[1::5] = -0.0, 0.0
+        _, y, send = _worker(impl, L, x, y_prev, scales)
+        z, row = torch.empty(L.chunk), torch.empty(L.row_bytes, dtype=torch.uint8)
+        if impl == "torch":
+            kernels.server_compress(send, z_prev, z_scales, z, row, L, "torch")
+        else:
+            _C.server_compress(send, z_prev, z_scales, z, row, *L.as_args(), impl == "avx2")
+        negative_zeros += int((torch.signbit(y) & (y == 0)).sum())
+        for what, v, rows, count in (("worker", y, send, L.n), ("server", z, row, 1)):
+            signs = kernels.unpack_signs(row_bits(rows, L, count)).reshape(-1)
+            assert_same_bits(signs, v >= 0, f"{impl}, call {call}: the {what}'s sign bits")
+            assert_same_bits(reference.factored_error(v, scales_of(rows, L, count), L, count),
+                             v - decoded(rows, L, count).reshape(-1),
+                             f"{impl}, call {call}: the {what} error from its scales")
+        y_prev, scales = y, scales_of(send, L, L.n)
+        z_prev, z_scales = z, scales_of(row, L, 1)
+    assert negative_zeros > 0, "no y was -0.0: the signed-zero case went untested"
+
+
 @pytest.mark.parametrize("numel,n,block", CASES)
 def test_worker_compression_matches_numpy_reference(numel, n, block):
     L = Layout.build(numel, n, block)
     g = torch.Generator().manual_seed(1)
-    y_prev, prev_send = _previous_state(L, g)
-    err = kernels.worker_error(y_prev, prev_send, L)
+    y_prev, prev_scales = _previous_state(L, g)
+    err = kernels.worker_error(y_prev, prev_scales, L)
     x = torch.randn(numel, generator=g)
-    _, send, _, new_err, _, _, _ = _run("avx2", L, x, y_prev, prev_send, torch.zeros(L.chunk))
+    _, send, _, new_err, _, _, _ = _run("avx2", L, x, y_prev, prev_scales, torch.zeros(L.chunk))
     y = np.zeros(L.padded, np.float32)
     y[:numel] = x.numpy()
     y = (y + err.numpy()).astype(np.float32)
@@ -139,22 +178,21 @@ def test_worker_compression_matches_numpy_reference(numel, n, block):
 def test_non_finite_input_is_reported_and_old_state_is_untouched(impl):
     L = Layout.build(1000, 2)
     g = torch.Generator().manual_seed(2)
-    y_prev, prev_send = _previous_state(L, g)
-    saved = (y_prev.clone(), prev_send.clone())
+    y_prev, prev_scales = _previous_state(L, g)
+    saved = (y_prev.clone(), prev_scales.clone())
     x = torch.randn(1000, generator=g)
     x[500] = float("inf")
-    ok, send, *_ = _run(impl, L, x, y_prev, prev_send, torch.zeros(L.chunk))
+    ok, send, *_ = _run(impl, L, x, y_prev, prev_scales, torch.zeros(L.chunk))
     assert ok is False
     assert_equal_tensors(y_prev, saved[0], f"{impl}: y_prev after a non-finite input")
-    assert_equal_tensors(prev_send, saved[1], f"{impl}: prev_send after a non-finite input")
+    assert_equal_tensors(prev_scales, saved[1], f"{impl}: prev_scales after a non-finite input")
     assert kernels.row_status(send, L, L.n).tolist() == [1.0, 1.0]
 
 
 def test_zero_block_gives_zero_scale_not_nan():
     L = Layout.build(64, 2)
-    zeros_rows = torch.zeros(L.n * L.row_bytes, dtype=torch.uint8)
     ok, send, _, err, _, _, out = _run("avx2", L, torch.zeros(64), torch.zeros(L.padded),
-                                       zeros_rows, torch.zeros(L.chunk))
+                                       torch.zeros(L.n * L.nblocks), torch.zeros(L.chunk))
     assert ok, f"an all-zero input reported as non-finite (ok={ok!r})"
     assert_equal_tensors(out, torch.zeros(64), "decoded zero block")
     assert_equal_tensors(err, torch.zeros(L.padded), "error of a zero block")
@@ -173,23 +211,24 @@ def test_backend_selection_errors_are_clear():
             kernels.resolve_backend("triton", torch.device("cpu"))
 
 
-def _compress_modes(impl, L, x, y_prev, prev_send, z_prev, prev_row):
+def _compress_modes(impl, L, x, y_prev, prev_scales, z_prev, prev_server_scales):
     """Worker and server compression with y (z) into a spare buffer, not stored, and in place:
     (y, send, z, row) of each, as bytes."""
     def worker(y_out, y_from):
         send = torch.full((L.n * L.row_bytes,), 0xAB, dtype=torch.uint8)
         if impl == "torch":
-            kernels.worker_compress(x, y_from, prev_send, y_out, send, L, "torch")
+            kernels.worker_compress(x, y_from, prev_scales, y_out, send, L, "torch")
         else:
-            _C.worker_compress(x, y_from, prev_send, y_out, send, *L.as_args(), impl == "avx2")
+            _C.worker_compress(x, y_from, prev_scales, y_out, send, *L.as_args(), impl == "avx2")
         return send
 
     def server(send, z_out, z_from):
         row = torch.full((L.row_bytes,), 0xCD, dtype=torch.uint8)
         if impl == "torch":
-            kernels.server_compress(send, z_from, prev_row, z_out, row, L, "torch")
+            kernels.server_compress(send, z_from, prev_server_scales, z_out, row, L, "torch")
         else:
-            _C.server_compress(send, z_from, prev_row, z_out, row, *L.as_args(), impl == "avx2")
+            _C.server_compress(send, z_from, prev_server_scales, z_out, row, *L.as_args(),
+                               impl == "avx2")
         return row
 
     b = lambda t: t.numpy().tobytes()  # noqa: E731
@@ -213,10 +252,10 @@ def test_y_and_z_not_stored_or_updated_in_place_give_the_same_bits(numel, n, blo
     """How the collective keeps one error buffer: the rows alone first (y_out=None), then the
     same pass with y updated in place, must give the bits of y written to a spare buffer (the
     large case takes the native kernels' streaming-store path)."""
-    L, x, y_prev, prev_send, z_prev, prev_row = _error_feedback_case(numel, n, block)
+    case = _error_feedback_case(numel, n, block)
+    L, x, y_prev, _, z_prev, _ = case
     saved = (y_prev.clone(), z_prev.clone())
-    runs = {impl: _compress_modes(impl, L, x, y_prev, prev_send, z_prev, prev_row)
-            for impl in IMPLS}
+    runs = {impl: _compress_modes(impl, *case) for impl in IMPLS}
     assert_equal_tensors(y_prev, saved[0], "y_prev after the compressions")
     assert_equal_tensors(z_prev, saved[1], "z_prev after the compressions")
     for impl, modes in runs.items():
@@ -224,15 +263,21 @@ def test_y_and_z_not_stored_or_updated_in_place_give_the_same_bits(numel, n, blo
             assert got == runs["torch"]["spare"], (impl, mode)
 
 
-def test_an_output_overlapping_the_previous_state_is_refused():
-    L = Layout.build(100, 2)
+def test_an_output_overlapping_the_previous_state_or_previous_rows_for_scales_are_refused():
+    L = Layout.build(100, 2, 16)
     buf = torch.zeros(2 * L.padded)
-    send, prev = (torch.zeros(L.n * L.row_bytes, dtype=torch.uint8) for _ in range(2))
+    send = torch.zeros(L.n * L.row_bytes, dtype=torch.uint8)
+    scales = torch.zeros(L.n * L.nblocks)
     with pytest.raises(RuntimeError, match="y_prev itself or not overlap it"):
-        _C.worker_compress(torch.zeros(100), buf[:L.padded], prev, buf[8:8 + L.padded], send,
+        _C.worker_compress(torch.zeros(100), buf[:L.padded], scales, buf[8:8 + L.padded], send,
                            *L.as_args(), True)
-    with pytest.raises(RuntimeError, match="send must not alias prev_send"):
-        _C.worker_compress(torch.zeros(100), buf[:L.padded], prev, None, prev, *L.as_args(), True)
+    # the scales alone are kept, one float32 per block: whole rows in their place are refused
+    with pytest.raises(RuntimeError, match="prev_scales must be Float"):
+        _C.worker_compress(torch.zeros(100), buf[:L.padded], send.clone(), None, send,
+                           *L.as_args(), True)
+    with pytest.raises(RuntimeError, match=f"prev_scales has 1 elements, needs {L.nblocks}"):
+        _C.server_compress(send, torch.zeros(L.chunk), torch.zeros(1), None,
+                           torch.zeros(L.row_bytes, dtype=torch.uint8), *L.as_args(), True)
 
 
 def test_hvd_onebit_native_avx2_loads_the_kernels_with_avx512_forbidden(monkeypatch):

@@ -67,7 +67,7 @@ CASES = [(7, 3, None), (33, 4, None), (100, 1, None), (4099, 3, None), (5000, 2,
          (5001, 3, 24), (10_003, 2, None), (20_001, 4, 4096)]
 
 
-def _three_kernels(impl, L, x, y_prev, prev_send, z_prev, prev_row):
+def _three_kernels(impl, L, x, y_prev, prev_scales, z_prev, prev_server_scales):
     """worker compress, server step (on the rows just sent) and decode with one implementation;
     every output buffer starts as garbage."""
     send = torch.full((L.n * L.row_bytes,), 0xAB, dtype=torch.uint8)
@@ -76,12 +76,12 @@ def _three_kernels(impl, L, x, y_prev, prev_send, z_prev, prev_row):
     row = torch.full((L.row_bytes,), 0xCD, dtype=torch.uint8)
     out = torch.full((L.numel,), 7.0)
     if impl == "avx2":
-        ok = _C.worker_compress(x, y_prev, prev_send, y_out, send, *L.as_args(), True)
-        ok_s = _C.server_compress(send, z_prev, prev_row, z_out, row, *L.as_args(), True)
+        ok = _C.worker_compress(x, y_prev, prev_scales, y_out, send, *L.as_args(), True)
+        ok_s = _C.server_compress(send, z_prev, prev_server_scales, z_out, row, *L.as_args(), True)
         _C.decode(send, out, *L.as_args(), True)
     else:
-        ok = kernels.worker_compress(x, y_prev, prev_send, y_out, send, L, impl)
-        ok_s = kernels.server_compress(send, z_prev, prev_row, z_out, row, L, impl)
+        ok = kernels.worker_compress(x, y_prev, prev_scales, y_out, send, L, impl)
+        ok_s = kernels.server_compress(send, z_prev, prev_server_scales, z_out, row, L, impl)
         kernels.decode(send, out, L, impl)
     return [bool(ok), bool(ok_s)] + [_bytes(t) for t in (y_out, send, z_out, row, out)]
 
@@ -90,13 +90,14 @@ def _three_kernels(impl, L, x, y_prev, prev_send, z_prev, prev_row):
 def test_kernels_give_the_bits_of_the_torch_twins_and_native(numel, n, block):
     L = Layout.build(numel, n, block)
     g = torch.Generator().manual_seed(numel)
-    y_prev, prev_send = _previous_state(L, g)
+    y_prev, prev_scales = _previous_state(L, g)
     x = torch.randn(numel, generator=g)
     z_prev = torch.randn(L.chunk, generator=g)
-    prev_row = prev_send[:L.row_bytes].clone()  # a realistic factored server error
-    runs = {impl: _three_kernels(impl, L, x, y_prev, prev_send, z_prev, prev_row)
+    prev_server_scales = prev_scales[:L.nblocks].clone()  # a realistic factored server error
+    runs = {impl: _three_kernels(impl, L, x, y_prev, prev_scales, z_prev, prev_server_scales)
             for impl in ("torch", "avx2", "triton")}
-    runs["triton again"] = _three_kernels("triton", L, x, y_prev, prev_send, z_prev, prev_row)
+    runs["triton again"] = _three_kernels("triton", L, x, y_prev, prev_scales, z_prev,
+                                          prev_server_scales)
     assert runs["torch"][:2] == [True, True]
     for impl in ("avx2", "triton", "triton again"):
         assert runs[impl] == runs["torch"], impl
@@ -123,14 +124,14 @@ def test_collective_on_triton_matches_the_numpy_reference(n):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=f"call {call}")
 
 
-def _compressions(src, y_prev, prev_send, L):
+def _compressions(src, y_prev, prev_scales, L):
     """``src``'s worker compression by the torch, Triton and native kernels, each into garbage
     buffers: {impl: (status, y bytes, row bytes)}."""
     runs = {}
     for impl in ("torch", "triton", "native"):
         y_out = torch.full((L.padded,), 9.0)
         send = torch.full((L.n * L.row_bytes,), 0xEE, dtype=torch.uint8)
-        ok = worker_compress_momentum(src, y_prev, prev_send, y_out, send, L, impl)
+        ok = worker_compress_momentum(src, y_prev, prev_scales, y_out, send, L, impl)
         runs[impl] = (bool(ok), _bytes(y_out), _bytes(send))
     return runs
 
@@ -149,7 +150,7 @@ def test_momentum_update_inside_the_compression(sizes, n, precondition, monkeypa
     numel = sum(sizes)
     L = Layout.build(numel, n, None)
     g = torch.Generator().manual_seed(numel)
-    y_prev, prev_send = _previous_state(L, g)
+    y_prev, prev_scales = _previous_state(L, g)
     m = torch.randn(numel, generator=g)
     m[:1] = -0.0
     grads = [None if i % 3 == 1 else torch.randn(s, generator=g) for i, s in enumerate(sizes)]
@@ -159,7 +160,7 @@ def test_momentum_update_inside_the_compression(sizes, n, precondition, monkeypa
     calls = _counted(monkeypatch, "worker_compress_momentum")
     for label, grad_list in (("float32", grads), ("low precision", low)):
         runs = _compressions(MomentumInput(m, grad_list, sizes, 0.9, **extra), y_prev,
-                             prev_send, L)
+                             prev_scales, L)
         assert len(calls) == (2 if label == "low precision" else 1), "Triton's kernel did not run"
         assert runs["torch"][0] is True
         for impl in ("triton", "native"):
@@ -195,7 +196,7 @@ def test_vector_path_of_each_kind_and_the_general_path_beside_it(precondition, m
     numel = sum(sizes)
     L = Layout.build(numel, n, 512)
     g = torch.Generator().manual_seed(7)
-    y_prev, prev_send = _previous_state(L, g)
+    y_prev, prev_scales = _previous_state(L, g)
     m = torch.randn(numel, generator=g)
     grads = [_placed(torch.randn(s, generator=g), k) for s, k in zip(sizes, VECTOR_KINDS)]
     extra = preconditioning(sizes, g) if precondition else {}
@@ -208,7 +209,7 @@ def test_vector_path_of_each_kind_and_the_general_path_beside_it(precondition, m
     assert [q == tk.device.NOT_ALIGNED.value for q in offsets] == [False] * 4 + [True], \
         f"the gradients' aligned offsets {offsets}: only the last should be unaligned"
     calls = _counted(monkeypatch, "worker_compress_momentum")
-    runs = _compressions(MomentumInput(m, grads, sizes, 0.9, **extra), y_prev, prev_send, L)
+    runs = _compressions(MomentumInput(m, grads, sizes, 0.9, **extra), y_prev, prev_scales, L)
     assert len(calls) == 1, "Triton's kernel did not run"
     for impl in ("triton", "native"):
         for k, what in enumerate(("status", "y", "rows")):
@@ -278,18 +279,18 @@ def test_decode_with_adam_update(sizes, n, precond, monkeypatch):
 def test_non_finite_input_sets_every_status_and_leaves_the_old_state():
     L = Layout.build(3000, 3, 64)
     g = torch.Generator().manual_seed(2)
-    y_prev, prev_send = _previous_state(L, g)
-    saved = (y_prev.clone(), prev_send.clone())
+    y_prev, prev_scales = _previous_state(L, g)
+    saved = (y_prev.clone(), prev_scales.clone())
     x = torch.randn(3000, generator=g)
     x[1500] = float("nan")
     send = torch.empty(L.n * L.row_bytes, dtype=torch.uint8)
-    ok = kernels.worker_compress(x, y_prev, prev_send, torch.empty(L.padded), send, L, "triton")
+    ok = kernels.worker_compress(x, y_prev, prev_scales, torch.empty(L.padded), send, L, "triton")
     equals_false = ok == False  # noqa: E712 - DeviceFlag's __eq__ is under test
     assert isinstance(ok, tk.DeviceFlag) and not ok and equals_false, \
         f"a NaN input gave {ok!r} ({type(ok).__name__}), expected a false DeviceFlag"
     assert kernels.row_status(send, L, L.n).tolist() == [1.0] * 3
     assert_equal_tensors(y_prev, saved[0], "y_prev after a non-finite input")
-    assert_equal_tensors(prev_send, saved[1], "prev_send after a non-finite input")
+    assert_equal_tensors(prev_scales, saved[1], "prev_scales after a non-finite input")
 
 
 def test_zero_input_gives_zero_scales_and_an_identity_error():
@@ -297,11 +298,11 @@ def test_zero_input_gives_zero_scales_and_an_identity_error():
     send = torch.empty(L.n * L.row_bytes, dtype=torch.uint8)
     y = torch.empty(L.padded)
     ok = kernels.worker_compress(torch.zeros(64), torch.zeros(L.padded),
-                                 torch.zeros(L.n * L.row_bytes, dtype=torch.uint8), y, send, L,
-                                 "triton")
+                                 torch.zeros(L.n * L.nblocks), y, send, L, "triton")
     assert ok, f"an all-zero input reported as non-finite ({ok!r})"
     assert_equal_tensors(kernels.row_scales(send, L, L.n), torch.zeros(L.n, 1), "row scales")
-    assert_equal_tensors(kernels.worker_error(y, send, L), torch.zeros(L.padded), "worker error")
+    assert_equal_tensors(kernels.worker_error(y, kernels.row_scales(send, L, L.n).reshape(-1), L),
+                         torch.zeros(L.padded), "worker error")
 
 
 def test_backend_resolution_with_triton():
@@ -345,18 +346,18 @@ def test_the_cuda_bench_calls_run_on_triton(monkeypatch):
 def test_y_and_z_not_stored_or_updated_in_place(numel, n, block):
     """WRITE_Y=False (the rows alone) and y (z) updated in place give the bits of y (z) written
     to a spare buffer: how the collective keeps one error buffer."""
-    L, x, y_prev, prev_send, z_prev, prev_row = _error_feedback_case(numel, n, block)
-    ref = _three_kernels("torch", L, x, y_prev, prev_send, z_prev, prev_row)
+    L, x, y_prev, prev_scales, z_prev, prev_server_scales = _error_feedback_case(numel, n, block)
+    ref = _three_kernels("torch", L, x, y_prev, prev_scales, z_prev, prev_server_scales)
 
     send = torch.full((L.n * L.row_bytes,), 0xAB, dtype=torch.uint8)
-    kernels.worker_compress(x, y_prev, prev_send, None, send, L, "triton")
+    kernels.worker_compress(x, y_prev, prev_scales, None, send, L, "triton")
     row = torch.full((L.row_bytes,), 0xCD, dtype=torch.uint8)
-    kernels.server_compress(send, z_prev, prev_row, None, row, L, "triton")
+    kernels.server_compress(send, z_prev, prev_server_scales, None, row, L, "triton")
     assert (_bytes(send), _bytes(row)) == (ref[3], ref[5])
 
     y, z = y_prev.clone(), z_prev.clone()
     send = torch.full((L.n * L.row_bytes,), 0xAB, dtype=torch.uint8)
-    kernels.worker_compress(x, y, prev_send, y, send, L, "triton")
+    kernels.worker_compress(x, y, prev_scales, y, send, L, "triton")
     row = torch.full((L.row_bytes,), 0xCD, dtype=torch.uint8)
-    kernels.server_compress(send, z, prev_row, z, row, L, "triton")
+    kernels.server_compress(send, z, prev_server_scales, z, row, L, "triton")
     assert [_bytes(t) for t in (y, send, z, row)] == ref[2:6]

@@ -260,12 +260,12 @@ class OneBitAllreduce(TransactionalCollective):
 
     def _compress(self, source, y_out: Optional[torch.Tensor]) -> None:
         """The worker compression of ``source`` (a tensor or an InputProducer) into ``_send``,
-        from the committed error (``_worker_y``, ``_sent``); y into ``y_out`` (None: not
+        from the committed error (``worker_y``, ``sent_scales``); y into ``y_out`` (None: not
         stored)."""
         e = self.errors
         compress = (source.compress if not isinstance(source, torch.Tensor) else
                     lambda *args: kernels.worker_compress(source, *args))
-        compress(e.worker_y, e.sent, y_out, e.send, self.layout, self.backend)
+        compress(e.worker_y, e.sent_scales, y_out, e.send, self.layout, self.backend)
 
     # ---- the phases of a call, driven by synchronize_all ------------------------------------------
 
@@ -287,7 +287,7 @@ class OneBitAllreduce(TransactionalCollective):
             return
         L = self.layout
         e = self.errors
-        kernels.server_compress(handle.recv, e.server_z, e.server_sent, e.server_z_next,
+        kernels.server_compress(handle.recv, e.server_z, e.server_scales, e.server_z_next,
                                 e.server_row, L, self.backend)
         if handle.stale:
             kernels.row_status(e.server_row, L, 1).fill_(STALE)
@@ -334,7 +334,7 @@ class OneBitAllreduce(TransactionalCollective):
             else:
                 self._compress(handle.source, y_out=self.errors.worker_y)
                 e = self.errors
-                kernels.server_compress(handle.recv, e.server_z, e.server_sent, e.server_z,
+                kernels.server_compress(handle.recv, e.server_z, e.server_scales, e.server_z,
                                         e.server_row, L, self.backend)
             self.errors.adopt_rows()
             applied = (epilogue is not None and not handle.decoded

@@ -1,9 +1,10 @@
 """The flat collective's error feedback as an object: its buffers, read, folded, zeroed, scaled,
 saved and restored.
 
-The two errors are kept factored (the last y and the rows sent, the last z and the row sent;
-see :mod:`hvd_onebit.comm.flat`): ``e = y - decode(rows)`` is computed when asked for, never
-stored, so these are fresh tensors.
+The two errors are kept factored (the last y and the scales of the rows sent, the last z and
+the scales of the row sent; the signs sent were y's and z's own, so they are not kept; see
+:mod:`hvd_onebit.comm.flat`): ``e = y - s * sign(y)`` is computed when asked for, never stored,
+so these are fresh tensors.
 """
 from __future__ import annotations
 
@@ -35,17 +36,17 @@ class FlatErrorFeedback:
         L = layout
         f32 = dict(dtype=torch.float32, device=device)
         u8 = dict(dtype=torch.uint8, device=device)
-        # The worker error, factored as the last call's y and sent rows (e = y - s * sign(y));
-        # zero y and zero scales mean e = 0. The rows are small and kept twice (the last sent,
-        # the next).
+        # The worker error, factored as the last call's y and the scales of the rows it sent
+        # (e = y - s * sign(y)); zero y and zero scales mean e = 0. The rows themselves are
+        # written into `send` by each call; their scales are kept at the commit.
         self.worker_y = torch.zeros(L.padded, **f32)
         self.worker_y_next = torch.zeros(L.padded, **f32) if spare else None
-        self.sent = torch.zeros(L.n * L.row_bytes, **u8)
+        self.sent_scales = torch.zeros(L.n * L.nblocks, **f32)
         self.send = torch.zeros(L.n * L.row_bytes, **u8)
-        # The server error, factored the same way: the last call's z and the row it sent.
+        # The server error, factored the same way: the last call's z and its row's scales.
         self.server_z = torch.zeros(L.chunk, **f32)
         self.server_z_next = torch.zeros(L.chunk, **f32) if spare else None
-        self.server_sent = torch.zeros(L.row_bytes, **u8)
+        self.server_scales = torch.zeros(L.nblocks, **f32)
         self.server_row = torch.zeros(L.row_bytes, **u8)
 
     def adopt_spares(self) -> None:
@@ -54,19 +55,21 @@ class FlatErrorFeedback:
         self.server_z, self.server_z_next = self.server_z_next, self.server_z
 
     def adopt_rows(self) -> None:
-        """The commit: the rows just sent become the errors' rows."""
-        self.sent, self.send = self.send, self.sent
-        self.server_sent, self.server_row = self.server_row, self.server_sent
+        """The commit: the scales of the rows just sent become the errors' scales (their signs
+        are those of the y and z just stored)."""
+        L = self.layout
+        self.sent_scales.view(L.n, L.nblocks).copy_(kernels.row_scales(self.send, L, L.n))
+        self.server_scales.view(1, L.nblocks).copy_(kernels.row_scales(self.server_row, L, 1))
 
     @property
     def worker_error(self) -> torch.Tensor:
         """e_w: float32 [padded], this rank's worker error feedback (a fresh tensor)."""
-        return kernels.worker_error(self.worker_y, self.sent, self.layout, self.backend)
+        return kernels.worker_error(self.worker_y, self.sent_scales, self.layout)
 
     @property
     def server_error(self) -> torch.Tensor:
         """e_s: float32 [chunk], this rank's server error for the chunk it serves (a fresh tensor)."""
-        return kernels.server_error(self.server_z, self.server_sent, self.layout, self.backend)
+        return kernels.server_error(self.server_z, self.server_scales, self.layout)
 
     def contribution(self) -> torch.Tensor:
         """float32 [padded]: this rank's share of what error feedback has yet to deliver,
@@ -80,26 +83,26 @@ class FlatErrorFeedback:
     def reset(self) -> None:
         """Zero both errors."""
         self.worker_y.zero_()
-        self.sent.zero_()
+        self.sent_scales.zero_()
         self.server_z.zero_()
-        self.server_sent.zero_()
+        self.server_scales.zero_()
 
     def scale(self, ratio: torch.Tensor) -> None:
         """Multiply both errors elementwise by ``ratio`` (float32 [numel]; the padding keeps its
         errors); the server error takes the factors of the chunk this rank serves. Stored
-        factored as :meth:`load_state_dict` stores a given error (y = e, rows that decode to
-        +0), in the live buffers."""
+        factored as :meth:`load_state_dict` stores a given error (y = e, zero scales), in the
+        live buffers."""
         L = self.layout
         ratio = ratio.reshape(-1)
         if ratio.numel() != L.numel:
             raise ValueError(f"ratio has {ratio.numel()} elements, the buffer {L.numel}")
         # In place, one pass each (no materialised e); the padding past numel keeps its errors.
-        kernels.rescale_error(self.worker_y, self.sent, ratio, L, L.n, self.backend)
-        kernels.set_identity_rows(self.sent, L, L.n)
+        kernels.rescale_error(self.worker_y, self.sent_scales, ratio, L, L.n, self.backend)
+        self.sent_scales.zero_()
         lo, hi = self.rank * L.chunk, min((self.rank + 1) * L.chunk, L.numel)
-        kernels.rescale_error(self.server_z, self.server_sent, ratio[lo:max(lo, hi)], L, 1,
+        kernels.rescale_error(self.server_z, self.server_scales, ratio[lo:max(lo, hi)], L, 1,
                               self.backend)
-        kernels.set_identity_rows(self.server_sent, L, 1)
+        self.server_scales.zero_()
 
     def _signature(self) -> dict:
         return {"numel": self.layout.numel, "size": self.size, "rank": self.rank,
@@ -116,8 +119,9 @@ class FlatErrorFeedback:
         got = {k: state.get(k) for k in expect}
         if got != expect:
             raise ValueError(f"error-feedback state was saved for {got}, this object is {expect}")
-        # Factored form of a given e: y = e with rows that decode to +0, so y - (+0) = e.
+        # Factored form of a given e: y = e with zero scales, so y - (+-0) = e, signed zeros
+        # included (a -0 in y has sign +1 and takes +0; any other y is unchanged by a zero).
         self.worker_y.copy_(state["worker_error"])
-        kernels.set_identity_rows(self.sent, self.layout, self.layout.n)
+        self.sent_scales.zero_()
         self.server_z.copy_(state["server_error"])
-        kernels.set_identity_rows(self.server_sent, self.layout, 1)
+        self.server_scales.zero_()

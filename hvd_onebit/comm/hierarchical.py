@@ -71,13 +71,13 @@ class NodeMean:
             out.add_(row)
         return out.div_(float(len(self.rows)))
 
-    def compress(self, y_prev: torch.Tensor, prev_send: torch.Tensor, y_out: torch.Tensor,
+    def compress(self, y_prev: torch.Tensor, prev_scales: torch.Tensor, y_out: torch.Tensor,
                  send: torch.Tensor, layout, backend: str = "auto") -> bool:
         if kernels.pick(backend, self.like.device,
                         native=lambda: kernels.native_ready(self.rows)) == "native":
             return kernels.native_module().worker_compress_mean(
-                self.rows, y_prev, prev_send, y_out, send, *layout.as_args(), True)
-        return kernels.worker_compress(self.materialize(out=self.like), y_prev, prev_send, y_out,
+                self.rows, y_prev, prev_scales, y_out, send, *layout.as_args(), True)
+        return kernels.worker_compress(self.materialize(out=self.like), y_prev, prev_scales, y_out,
                                        send, layout, backend)
 
 

@@ -41,9 +41,9 @@ class InputProducer(Protocol):
     @property
     def like(self) -> torch.Tensor: ...
 
-    def compress(self, y_prev: torch.Tensor, prev_send: torch.Tensor, y_out: torch.Tensor,
+    def compress(self, y_prev: torch.Tensor, prev_scales: torch.Tensor, y_out: torch.Tensor,
                  send: torch.Tensor, layout: Layout, backend: str) -> bool:
-        """Like ``kernels.worker_compress(input, y_prev, prev_send, y_out, send, layout,
+        """Like ``kernels.worker_compress(input, y_prev, prev_scales, y_out, send, layout,
         backend)``; returns False if the input held a non-finite value."""
 
     def materialize(self, out: Optional[torch.Tensor] = None,

@@ -19,10 +19,11 @@ Which one runs a call is decided in one place, :mod:`.backend` (``resolve_backen
 New rows go to a separate buffer; y (z) is updated in place or not stored (``y_out=None``), so a
 caller can send the rows first and store y only once the call has succeeded on every rank (see
 :class:`hvd_onebit.OneBitAllreduce`): a failed call changes nothing. Both error-feedback buffers
-are stored factored: the last call's ``y`` (or server ``z``) and the rows it sent (scales and
-signs), from which ``e = y - s * sign(y)`` is rebuilt inside the next compression
-(:func:`worker_error` and :func:`server_error` materialise it). Each compression is then one pass
-over the data instead of two.
+are stored factored: the last call's ``y`` (or server ``z``) and the scales of the rows it sent
+(the signs sent were y's own, so they are read back from y), from which ``e = y - s * sign(y)``
+is rebuilt inside the next compression (:func:`worker_error` and :func:`server_error` materialise
+it). Each compression is then one pass over the data instead of two, and the error costs one
+scale per block beyond y.
 """
 from .backend import (BACKENDS, _triton_interpreted, in_place, native_available, native_module,
                       native_ready, pick, resolve_backend, triton_available, triton_module)
@@ -30,9 +31,9 @@ from .denominators import denominators, divide_by_denominators, refresh_moments
 from .ops import (decode, rescale_error, server_compress, server_error, worker_compress,
                   worker_error)
 from .reference import exact_div
-from .rows import pack_signs, row_scales, row_status, set_identity_rows, unpack_signs
+from .rows import pack_signs, row_scales, row_status, unpack_signs
 
 __all__ = ["BACKENDS", "decode", "denominators", "divide_by_denominators", "exact_div", "in_place", "native_available", "native_module", "native_ready", "pack_signs", "pick",
            "refresh_moments", "rescale_error", "resolve_backend", "row_scales", "row_status",
-           "server_compress", "server_error", "set_identity_rows", "triton_available",
+           "server_compress", "server_error", "triton_available",
            "triton_module", "unpack_signs", "worker_compress", "worker_error"]

@@ -88,13 +88,13 @@ class MomentumInput(MomentumTerms):
             return out
         return materialize_momentum(self, out)
 
-    def compress(self, y_prev: torch.Tensor, prev_send: torch.Tensor, y_out: torch.Tensor,
+    def compress(self, y_prev: torch.Tensor, prev_scales: torch.Tensor, y_out: torch.Tensor,
                  send: torch.Tensor, layout: Layout, backend: str = "auto") -> bool:
         """The collective's hook: :func:`worker_compress_momentum` of this input."""
-        return worker_compress_momentum(self, y_prev, prev_send, y_out, send, layout, backend)
+        return worker_compress_momentum(self, y_prev, prev_scales, y_out, send, layout, backend)
 
 
-def worker_compress_momentum(src: MomentumInput, y_prev: torch.Tensor, prev_send: torch.Tensor,
+def worker_compress_momentum(src: MomentumInput, y_prev: torch.Tensor, prev_scales: torch.Tensor,
                              y_out: torch.Tensor, send: torch.Tensor, layout: Layout,
                              backend: str = "auto") -> bool:
     """:func:`~hvd_onebit.kernels.ops.worker_compress` of ``x = src.materialize()``, with x
@@ -107,13 +107,13 @@ def worker_compress_momentum(src: MomentumInput, y_prev: torch.Tensor, prev_send
     if impl == "native":
         return native_module().worker_compress_momentum(
             src.momentum, src.grads, src.sizes, float(src.beta1), *src.native_precondition_args(),
-            y_prev, prev_send, y_out, send, *layout.as_args(), True)
+            y_prev, prev_scales, y_out, send, *layout.as_args(), True)
     if impl == "triton":
         return triton_module().worker_compress_momentum(
-            src.momentum, src.grads, src.sizes, float(src.beta1), y_prev, prev_send, y_out, send,
+            src.momentum, src.grads, src.sizes, float(src.beta1), y_prev, prev_scales, y_out, send,
             layout, src.variances, src.sqrt_bc2s, src.eps, src.bounds)
     # the torch twin of the prologue, then whichever compression runs on x
-    return ops.worker_compress(src.materialize(), y_prev, prev_send, y_out, send, layout,
+    return ops.worker_compress(src.materialize(), y_prev, prev_scales, y_out, send, layout,
                                backend)
 
 

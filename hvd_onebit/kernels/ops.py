@@ -19,19 +19,19 @@ def _triton_fits(layout: Layout, device: torch.device, tensors) -> bool:
     return layout.padded > 0 and in_place(tensors, device, dtypes=None)
 
 
-def worker_compress(x: torch.Tensor, y_prev: torch.Tensor, prev_send: torch.Tensor,
+def worker_compress(x: torch.Tensor, y_prev: torch.Tensor, prev_scales: torch.Tensor,
                     y_out: torch.Tensor, send: torch.Tensor, layout: Layout,
                     backend: str = "auto") -> bool:
-    """Compress ``x + e`` into the n send rows, with ``e = y_prev - s_prev * sign_prev``.
+    """Compress ``x + e`` into the n send rows, with ``e = y_prev - s_prev * sign(y_prev)``.
 
     Args:
         x: float32 [numel], contiguous. Elements past numel are padding (zeros).
         y_prev: float32 [padded], the previous call's y (read only).
-        prev_send: uint8 [n * row_bytes], the previous call's rows (read only); with ``y_prev``
-            it is the worker error feedback.
+        prev_scales: float32 [n * nblocks], the scales of the previous call's rows (read only);
+            with ``y_prev``, whose signs those rows carried, it is the worker error feedback.
         y_out: float32 [padded], receives this call's y = x + e; may be ``y_prev`` itself
             (updated in place), or None (y is not stored: the rows alone).
-        send: uint8 [n * row_bytes], receives one row per destination rank (not ``prev_send``).
+        send: uint8 [n * row_bytes], receives one row per destination rank.
     Returns:
         False if any block held a non-finite value (the rows then carry status 1.0). The triton
         backend returns a :class:`~hvd_onebit.kernels.triton.DeviceFlag` instead: it tests
@@ -39,42 +39,42 @@ def worker_compress(x: torch.Tensor, y_prev: torch.Tensor, prev_send: torch.Tens
     """
     outputs = (send,) if y_out is None else (y_out, send)
     impl = pick(backend, x.device, native=True, triton=lambda: _triton_fits(
-        layout, x.device, (x, y_prev, prev_send, *outputs)))
+        layout, x.device, (x, y_prev, prev_scales, *outputs)))
     if impl == "triton":
-        return triton_module().worker_compress(x, y_prev, prev_send, y_out, send, layout)
+        return triton_module().worker_compress(x, y_prev, prev_scales, y_out, send, layout)
     if impl == "native":
-        return native_module().worker_compress(x, y_prev, prev_send, y_out, send,
+        return native_module().worker_compress(x, y_prev, prev_scales, y_out, send,
                                                *layout.as_args(), True)
-    return reference.worker_compress(x, y_prev, prev_send, y_out, send, layout)
+    return reference.worker_compress(x, y_prev, prev_scales, y_out, send, layout)
 
 
-def server_compress(recv: torch.Tensor, z_prev: torch.Tensor, prev_row: torch.Tensor,
+def server_compress(recv: torch.Tensor, z_prev: torch.Tensor, prev_scales: torch.Tensor,
                     z_out: torch.Tensor, out_row: torch.Tensor, layout: Layout,
                     backend: str = "auto") -> bool:
     """Average the n received rows of this rank's chunk, add the server error, compress.
 
-    The server error is factored like the worker's: ``e_s = z_prev - s_prev * sign_prev``, from
-    the previous call's z and the row it sent, so the step is a single pass.
+    The server error is factored like the worker's: ``e_s = z_prev - s_prev * sign(z_prev)``,
+    from the previous call's z and the scales of the row it sent, so the step is a single pass.
 
     Args:
         recv: uint8 [n * row_bytes], row i from rank i.
         z_prev: float32 [chunk], the previous call's z (read only).
-        prev_row: uint8 [row_bytes], the previous call's sent row (read only).
+        prev_scales: float32 [nblocks], the scales of the previous call's sent row (read only).
         z_out: float32 [chunk], receives this call's z = mean + e_s; may be ``z_prev`` itself,
             or None (not stored).
-        out_row: uint8 [row_bytes], receives z compressed (not ``prev_row``).
+        out_row: uint8 [row_bytes], receives z compressed.
     Returns:
         False if z was not finite.
     """
     outputs = (out_row,) if z_out is None else (z_out, out_row)
     impl = pick(backend, recv.device, native=True, triton=lambda: _triton_fits(
-        layout, recv.device, (recv, z_prev, prev_row, *outputs)))
+        layout, recv.device, (recv, z_prev, prev_scales, *outputs)))
     if impl == "triton":
-        return triton_module().server_compress(recv, z_prev, prev_row, z_out, out_row, layout)
+        return triton_module().server_compress(recv, z_prev, prev_scales, z_out, out_row, layout)
     if impl == "native":
-        return native_module().server_compress(recv, z_prev, prev_row, z_out, out_row,
+        return native_module().server_compress(recv, z_prev, prev_scales, z_out, out_row,
                                                *layout.as_args(), True)
-    return reference.server_compress(recv, z_prev, prev_row, z_out, out_row, layout)
+    return reference.server_compress(recv, z_prev, prev_scales, z_out, out_row, layout)
 
 
 def decode(rows: torch.Tensor, out: torch.Tensor, layout: Layout, backend: str = "auto") -> None:
@@ -94,55 +94,38 @@ def decode(rows: torch.Tensor, out: torch.Tensor, layout: Layout, backend: str =
         reference.decode(rows, out, layout)
 
 
-def worker_error(y: torch.Tensor, rows: torch.Tensor, layout: Layout,
-                 backend: str = "auto") -> torch.Tensor:
+def worker_error(y: torch.Tensor, scales: torch.Tensor, layout: Layout) -> torch.Tensor:
     """The worker error ``e = y - s * sign(y)`` as float32 [padded], a fresh tensor, from its
-    factored form: ``y`` float32 [padded], the n ``rows`` uint8 [n * row_bytes]."""
-    return _factored_error(y, rows, layout, layout.n, backend, reference.worker_error)
+    factored form: ``y`` float32 [padded], the ``scales`` float32 [n * nblocks] of the rows
+    sent (their signs were y's own). Torch ops on any device (for checkpoints and flushes)."""
+    return reference.worker_error(y, scales, layout)
 
 
-def server_error(z: torch.Tensor, row: torch.Tensor, layout: Layout,
-                 backend: str = "auto") -> torch.Tensor:
+def server_error(z: torch.Tensor, scales: torch.Tensor, layout: Layout) -> torch.Tensor:
     """The server error ``e_s = z - s * sign(z)`` as float32 [chunk], a fresh tensor, from its
-    factored form: ``z`` float32 [chunk], the one ``row`` uint8 [row_bytes]."""
-    return _factored_error(z, row, layout, 1, backend, reference.server_error)
+    factored form: ``z`` float32 [chunk], the ``scales`` float32 [nblocks] of the row sent."""
+    return reference.server_error(z, scales, layout)
 
 
-def rescale_error(y: torch.Tensor, rows: torch.Tensor, ratio: torch.Tensor, layout: Layout,
+def rescale_error(y: torch.Tensor, scales: torch.Tensor, ratio: torch.Tensor, layout: Layout,
                   count: int, backend: str = "auto") -> None:
     """A factored error scaled into new units, in place of ``y``: ``y = e * ratio`` over
-    ``ratio``'s elements and ``y = e`` past them, ``e = y - decode(rows)`` over ``count`` rows
-    (``layout.n`` for the worker error, 1 for the server's), in one pass without materialising
-    ``e``. The caller then makes the rows decode to +0
-    (:func:`~hvd_onebit.kernels.rows.set_identity_rows`), so y is the scaled error itself.
+    ``ratio``'s elements and ``y = e`` past them, ``e = y - s * sign(y)`` over ``count`` rows'
+    scales (``layout.n`` for the worker error, 1 for the server's), in one pass without
+    materialising ``e``. The caller then zeroes the scales, so y is the scaled error itself.
 
     Args:
         y: float32 [count * chunk], the factored error's y (or z).
-        rows: uint8 [count * row_bytes], the rows it sent.
+        scales: float32 [count * nblocks], the scales of the rows it sent.
         ratio: float32 [k], k <= y.numel(): the factors of y's first k elements.
     """
     if ratio.numel() > y.numel():
         raise ValueError(f"ratio has {ratio.numel()} elements, y {y.numel()}")
-    if pick(backend, y.device, native=lambda: native_ready((y, ratio))
-            and in_place((rows,), y.device, dtypes=None)) == "native":
+    if pick(backend, y.device, native=lambda: native_ready((y, ratio, scales))) == "native":
         if y.numel():
-            native_module().rescale_error(y, rows, ratio, count, layout.chunk, layout.block,
+            native_module().rescale_error(y, scales, ratio, count, layout.chunk, layout.block,
                                           layout.row_bytes, True)
         return
-    twin = reference.worker_error if count == layout.n else reference.server_error
-    e = twin(y, rows, layout)
+    e = reference.factored_error(y, scales, layout, count)
     e[:ratio.numel()].mul_(ratio)
     y.copy_(e)
-
-
-def _factored_error(y: torch.Tensor, rows: torch.Tensor, layout: Layout, count: int,
-                    backend: str, twin) -> torch.Tensor:
-    """``y - decode(rows)`` over ``count`` rows: the native decode where it runs (the torch
-    twin unpacks every sign into a tensor of its own), then one subtraction; the same bits."""
-    if pick(backend, y.device, native=lambda: native_ready((y,))
-            and in_place((rows,), y.device, dtypes=None)) != "native":
-        return twin(y, rows, layout)
-    e = torch.empty_like(y)
-    if e.numel():
-        native_module().decode(rows, e, count, layout.chunk, layout.block, layout.row_bytes, True)
-    return torch.sub(y, e, out=e)

@@ -4,9 +4,9 @@ against, and what runs where neither native nor Triton can (any device).
 Written so that CUDA gives the CPU's bits: no op that multiplies by a reciprocal or contracts
 into an FMA on CUDA (see :func:`exact_div`). The arithmetic, per block of ``layout.block``
 elements: ``y = x + e`` in fp32; ``s = float(sqrt(sum(double(y)^2) / block))``; sign bit
-``y >= 0``; ``e_new = y - (+s or -s)``. The server sums the decoded rows in rank order in fp32,
-divides by n and adds its error. Arguments as :mod:`hvd_onebit.kernels.ops`' functions of the
-same names, less ``backend``.
+``y >= 0``; ``e_new = y - (+s or -s)``, kept as y and s (the sign is y's). The server sums
+the decoded rows in rank order in fp32, divides by n and adds its error. Arguments as
+:mod:`hvd_onebit.kernels.ops`' functions of the same names, less ``backend``.
 """
 from __future__ import annotations
 
@@ -30,11 +30,11 @@ def rms_scales(y: torch.Tensor, block: int) -> tuple[bool, torch.Tensor]:
     return bool(torch.isfinite(sumsq).all()), torch.sqrt(exact_div(sumsq, block)).float()
 
 
-def worker_compress(x: torch.Tensor, y_prev: torch.Tensor, prev_send: torch.Tensor,
+def worker_compress(x: torch.Tensor, y_prev: torch.Tensor, prev_scales: torch.Tensor,
                     y_out, send: torch.Tensor, layout: Layout) -> bool:
     """:func:`hvd_onebit.kernels.worker_compress` with torch ops."""
     n, nb, block = layout.n, layout.nblocks, layout.block
-    e = worker_error(y_prev, prev_send, layout)  # before y_out is written: it may be y_prev
+    e = worker_error(y_prev, prev_scales, layout)  # before y_out is written: it may be y_prev
     if y_out is None:
         y_out = torch.empty_like(y_prev)
     y_out.zero_()
@@ -46,12 +46,22 @@ def worker_compress(x: torch.Tensor, y_prev: torch.Tensor, prev_send: torch.Tens
     return finite
 
 
-def worker_error(y: torch.Tensor, rows: torch.Tensor, layout: Layout) -> torch.Tensor:
+def factored_error(y: torch.Tensor, scales: torch.Tensor, layout: Layout,
+                   count: int) -> torch.Tensor:
+    """``y - s * sign(y)`` over ``count`` chunks (sign(0) = +1), ``s`` each block's scale in
+    ``scales`` float32 [count * nblocks]: a factored error materialised, a fresh tensor."""
+    yb = y.view(count, layout.nblocks, layout.block)
+    s = scales.view(count, layout.nblocks, 1)
+    e = torch.where(yb >= 0, s, -s)
+    return torch.sub(yb, e, out=e).view(-1)
+
+
+def worker_error(y: torch.Tensor, scales: torch.Tensor, layout: Layout) -> torch.Tensor:
     """The worker error ``e = y - s * sign(y)`` as float32 [padded], from its factored form."""
-    return y - decoded(rows, layout, layout.n).view(-1)
+    return factored_error(y, scales, layout, layout.n)
 
 
-def server_compress(recv: torch.Tensor, z_prev: torch.Tensor, prev_row: torch.Tensor,
+def server_compress(recv: torch.Tensor, z_prev: torch.Tensor, prev_scales: torch.Tensor,
                     z_out, out_row: torch.Tensor, layout: Layout) -> bool:
     """:func:`hvd_onebit.kernels.server_compress` with torch ops."""
     n, nb, block = layout.n, layout.nblocks, layout.block
@@ -59,7 +69,7 @@ def server_compress(recv: torch.Tensor, z_prev: torch.Tensor, prev_row: torch.Te
     acc = torch.zeros(nb, block, dtype=torch.float32, device=recv.device)
     for i in range(n):  # rank order, fp32: the order the native kernel uses
         acc = acc + rows[i]
-    e = server_error(z_prev, prev_row, layout).view(nb, block)  # z_out may be z_prev
+    e = server_error(z_prev, prev_scales, layout).view(nb, block)  # z_out may be z_prev
     if z_out is None:
         z_out = torch.empty_like(z_prev)
     z = z_out.view(1, nb, block)
@@ -70,9 +80,9 @@ def server_compress(recv: torch.Tensor, z_prev: torch.Tensor, prev_row: torch.Te
     return finite
 
 
-def server_error(z: torch.Tensor, row: torch.Tensor, layout: Layout) -> torch.Tensor:
+def server_error(z: torch.Tensor, scales: torch.Tensor, layout: Layout) -> torch.Tensor:
     """The server error ``e_s = z - s * sign(z)`` as float32 [chunk], from its factored form."""
-    return z - decoded(row, layout, 1).view(-1)
+    return factored_error(z, scales, layout, 1)
 
 
 def decode(rows: torch.Tensor, out: torch.Tensor, layout: Layout) -> None:

@@ -1,8 +1,7 @@
 """The wire rows seen as tensors (the torch side of :mod:`hvd_onebit.layout`'s row format).
 
 A row is a status word, one float32 scale per block, then the sign bits (bit j of byte b is
-element 8b + j; set: ``y >= 0``), then zero padding. Views of a buffer's rows, sign packing, and
-the rows that decode to +0 (how a given error is loaded into the factored form).
+element 8b + j; set: ``y >= 0``), then zero padding. Views of a buffer's rows and sign packing.
 """
 from __future__ import annotations
 
@@ -67,16 +66,4 @@ def decoded(rows: torch.Tensor, layout: Layout, count: int) -> torch.Tensor:
     scales = row_scales(rows, layout, count).unsqueeze(-1)
     positive = unpack_signs(row_bits(rows, layout, count)).view(count, layout.nblocks, layout.block)
     return torch.where(positive, scales, -scales)
-
-
-
-def set_identity_rows(buf: torch.Tensor, layout: Layout, count: int) -> None:
-    """Make ``count`` rows of ``buf`` decode to +0 everywhere (zero scales, every sign bit set).
-
-    A factored error (y, rows) with such rows is e = y - (+0) = y exactly, signed zeros
-    included: how a given error is loaded into the factored form.
-    """
-    rows = rows_of(buf, layout, count)
-    rows.zero_()
-    rows[:, layout.header_bytes:layout.header_bytes + layout.bits_bytes] = 0xFF
 

@@ -64,19 +64,19 @@ def _bytes(t):
         __import__("torch").uint8).numpy().tobytes()
 
 
-def _kernel_outputs(backend, device, L, x, y_prev, prev_send, z_prev, prev_row):
+def _kernel_outputs(backend, device, L, x, y_prev, prev_scales, z_prev, prev_server_scales):
     """worker compress, server step on the rows sent, decode: every output as bytes."""
     import torch
     from hvd_onebit import kernels
-    dev = [t.to(device, copy=True) for t in (x, y_prev, prev_send, z_prev, prev_row)]
-    x, y_prev, prev_send, z_prev, prev_row = dev
+    dev = [t.to(device, copy=True) for t in (x, y_prev, prev_scales, z_prev, prev_server_scales)]
+    x, y_prev, prev_scales, z_prev, prev_server_scales = dev
     send = torch.full((L.n * L.row_bytes,), 0xAB, dtype=torch.uint8, device=device)
     y_out = torch.full((L.padded,), 123.0, device=device)
     z_out = torch.full((L.chunk,), 5.0, device=device)
     row = torch.full((L.row_bytes,), 0xCD, dtype=torch.uint8, device=device)
     out = torch.full((L.numel,), 7.0, device=device)
-    ok = kernels.worker_compress(x, y_prev, prev_send, y_out, send, L, backend)
-    ok_s = kernels.server_compress(send, z_prev, prev_row, z_out, row, L, backend)
+    ok = kernels.worker_compress(x, y_prev, prev_scales, y_out, send, L, backend)
+    ok_s = kernels.server_compress(send, z_prev, prev_server_scales, z_out, row, L, backend)
     kernels.decode(send, out, L, backend)
     return [bool(ok), bool(ok_s)] + [_bytes(t) for t in (y_out, send, z_out, row, out)]
 
@@ -87,7 +87,7 @@ def _fused_outputs(backend, device, L, sizes, m, grads, rows, weights, variances
                                                worker_compress_momentum)
     to = (lambda t: None if t is None else t.to(device, copy=True))  # updates are in place
     y_prev = torch.zeros(L.padded, device=device)
-    prev = torch.zeros(L.n * L.row_bytes, dtype=torch.uint8, device=device)
+    prev = torch.zeros(L.n * L.nblocks, device=device)
     y_out = torch.empty(L.padded, device=device)
     send = torch.empty(L.n * L.row_bytes, dtype=torch.uint8, device=device)
     src = MomentumInput(to(m), [to(g) for g in grads], sizes, 0.9)
@@ -108,17 +108,15 @@ def _reference_backend() -> str:
 
 
 def _kernel_args(L, seed: int) -> tuple:
-    """The inputs of :func:`_kernel_outputs` for layout ``L``: x, the previous y and rows (random
-    scales), the previous z and the server's previous row, from ``seed``."""
+    """The inputs of :func:`_kernel_outputs` for layout ``L``: x, the previous y and its rows'
+    scales (random), the previous z and its row's scales, from ``seed``."""
     import torch
-    from hvd_onebit import kernels
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(L.numel, generator=g)
     y_prev = torch.randn(L.padded, generator=g)
-    prev_send = torch.randint(0, 255, (L.n * L.row_bytes,), dtype=torch.uint8, generator=g)
-    kernels.row_scales(prev_send, L, L.n).copy_(torch.rand(L.n, L.nblocks, generator=g))
-    return (L, x, y_prev, prev_send, torch.randn(L.chunk, generator=g),
-            prev_send[:L.row_bytes].clone())
+    prev_scales = torch.rand(L.n * L.nblocks, generator=g)
+    return (L, x, y_prev, prev_scales, torch.randn(L.chunk, generator=g),
+            prev_scales[:L.nblocks].clone())
 
 
 def check_bits(device: str) -> dict:

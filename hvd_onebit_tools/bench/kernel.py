@@ -40,20 +40,21 @@ def pass_streams(ranks: int) -> dict[str, Streams]:
     """Every timed pass's streams as the benchmark calls it (write-allocate reads not counted).
 
     The server step counts n elements per element of its chunk (one per received row), so its
-    chunk-sized streams (z read and written, its previous and new signs) count 1/n each.
+    chunk-sized streams (z read and written, its new signs) count 1/n each. The previous
+    call's signs are y_prev's (z_prev's) own: no stream of their own.
     """
     n = float(ranks)
     return {
         "add": Streams(2, 1),                      # x, e -> y
-        "compress": Streams(2, 1, 2),              # x, y_prev -> y; previous signs -> signs
-        "server": Streams(1 / n, 1 / n, 1 + 2 / n),  # n rows' signs, z_prev -> z, signs
+        "compress": Streams(2, 1, 1),              # x, y_prev -> y, signs
+        "server": Streams(1 / n, 1 / n, 1 + 1 / n),  # n rows' signs, z_prev -> z, signs
         "decode": Streams(0, 1, 1),                # signs -> out
-        "momentum_compress": Streams(3, 1, 2),     # m, g, y_prev -> y
-        "momentum_compress_preconditioned": Streams(4, 1, 2),  # m, g, v, y_prev -> y
+        "momentum_compress": Streams(3, 1, 1),     # m, g, y_prev -> y, signs
+        "momentum_compress_preconditioned": Streams(4, 1, 1),  # m, g, v, y_prev -> y, signs
         "decode_update": Streams(2, 2, 1),         # signs, v, w -> m, w
         "decode_update_preconditioned": Streams(2, 2, 1),
         "moments": Streams(3, 3),                  # m, v, g -> m, v, ratio
-        "errors": Streams(2, 1, 1),                # y, ratio, signs -> y
+        "errors": Streams(2, 1),                   # y, ratio -> y
     }
 
 
@@ -91,10 +92,10 @@ def _buffers(numel: int, ranks: int, device: str = "cpu", block_size=None):
     b.x = torch.randn(numel, generator=g, device=device)
     b.y_prev = torch.randn(L.padded, generator=g, device=device) * 0.01
     b.y_next, b.y = torch.empty(L.padded, device=device), torch.empty(numel, device=device)
-    b.prev_send = torch.zeros(L.n * L.row_bytes, dtype=torch.uint8, device=device)
+    b.prev_scales = torch.zeros(L.n * L.nblocks, device=device)
     b.send = torch.empty(L.n * L.row_bytes, dtype=torch.uint8, device=device)
     b.server_z, b.server_z_out = torch.zeros(L.chunk, device=device), torch.empty(L.chunk, device=device)
-    b.server_sent = torch.zeros(L.row_bytes, dtype=torch.uint8, device=device)
+    b.server_scales = torch.zeros(L.nblocks, device=device)
     b.row = torch.empty(L.row_bytes, dtype=torch.uint8, device=device)
     b.out = torch.empty(numel, device=device)
     return L, b
@@ -104,9 +105,9 @@ def _calls(L: Layout, b, backend: str) -> dict:
     """name -> (kernel call, elements it counts): worker compress and decode per element of the
     buffer, the server step per element of the chunk it reduces times n (the data it reads)."""
     return {
-        "compress": (lambda: kernels.worker_compress(b.x, b.y_prev, b.prev_send, b.y_next,
+        "compress": (lambda: kernels.worker_compress(b.x, b.y_prev, b.prev_scales, b.y_next,
                                                      b.send, L, backend), L.numel),
-        "server": (lambda: kernels.server_compress(b.send, b.server_z, b.server_sent,
+        "server": (lambda: kernels.server_compress(b.send, b.server_z, b.server_scales,
                                                    b.server_z_out, b.row, L, backend), L.padded),
         "decode": (lambda: kernels.decode(b.send, b.out, L, backend), L.numel),
     }
@@ -131,9 +132,9 @@ def _fused_calls(L: Layout, b, backend: str) -> dict:
     update_pre = fused_adam.AdamUpdate(*terms, preconditioned=True)
     return {
         "momentum_compress": (lambda: fused_adam.worker_compress_momentum(
-            src, b.y_prev, b.prev_send, b.y_next, b.send, L, backend), numel),
+            src, b.y_prev, b.prev_scales, b.y_next, b.send, L, backend), numel),
         "momentum_compress_preconditioned": (lambda: fused_adam.worker_compress_momentum(
-            pre, b.y_prev, b.prev_send, b.y_next, b.send, L, backend), numel),
+            pre, b.y_prev, b.prev_scales, b.y_next, b.send, L, backend), numel),
         "decode_update": (lambda: fused_adam.decode_update(b.send, b.out, L, update, backend),
                           numel),
         "decode_update_preconditioned": (lambda: fused_adam.decode_update(
@@ -178,9 +179,9 @@ def bench_kernels(numel: int = 16 << 20, ranks: int = 4, threads: int = 1, repea
         backend: all(v >= TARGET_RATIO for k, v in rates.items() if k.endswith("_ratio_to_add"))
         for backend, rates in result["backends"].items()}
     if kernels.native_available():
-        result["fused_optimizer_passes"] = _bench_fused(L, b.x, b.y_prev, b.prev_send, b.y_next,
+        result["fused_optimizer_passes"] = _bench_fused(L, b.x, b.y_prev, b.prev_scales, b.y_next,
                                                         b.send, repeats)
-        result["refresh_passes"] = _bench_refresh(L, b.x, b.y_prev, b.send, repeats, add,
+        result["refresh_passes"] = _bench_refresh(L, b.x, b.y_prev, b.prev_scales, repeats, add,
                                                   streams)
     return result
 
@@ -244,7 +245,7 @@ def bench_kernels_cuda(numels=(16 << 20, 64 << 20, 256 << 20), ranks: int = 4, r
     return result
 
 
-def _bench_fused(L: Layout, g: torch.Tensor, y_prev, prev_send, y_next, send, repeats) -> dict:
+def _bench_fused(L: Layout, g: torch.Tensor, y_prev, prev_scales, y_next, send, repeats) -> dict:
     """The optimizer's two fused passes against the separate passes they replace (native).
 
     * momentum + compress: ``worker_compress_momentum`` (beta1*m + (1-beta1)*g computed inside
@@ -261,7 +262,7 @@ def _bench_fused(L: Layout, g: torch.Tensor, y_prev, prev_send, y_next, send, re
 
     def separate_compress():
         torch.lerp(m, g, 0.1, out=work)
-        kernels.worker_compress(work, y_prev, prev_send, y_next, send, L, "native")
+        kernels.worker_compress(work, y_prev, prev_scales, y_next, send, L, "native")
 
     def separate_update():
         kernels.decode(send, work, L, "native")
@@ -269,7 +270,7 @@ def _bench_fused(L: Layout, g: torch.Tensor, y_prev, prev_send, y_next, send, re
 
     ms = {
         "momentum_compress_ms": numel / _rate(lambda: fused_adam.worker_compress_momentum(
-            src, y_prev, prev_send, y_next, send, L, "native"), numel, repeats) * 1e3,
+            src, y_prev, prev_scales, y_next, send, L, "native"), numel, repeats) * 1e3,
         "lerp_then_compress_ms": numel / _rate(separate_compress, numel, repeats) * 1e3,
         "decode_update_ms": numel / _rate(lambda: fused_adam.decode_update(
             send, work, L, update, "native"), numel, repeats) * 1e3,
@@ -280,7 +281,7 @@ def _bench_fused(L: Layout, g: torch.Tensor, y_prev, prev_send, y_next, send, re
     return ms
 
 
-def _bench_refresh(L: Layout, g: torch.Tensor, y_prev, send, repeats: int, add: float,
+def _bench_refresh(L: Layout, g: torch.Tensor, y_prev, scales, repeats: int, add: float,
                    streams: dict) -> dict:
     """A variance refresh's passes (native) against the separate passes they replace, each as a
     ratio to torch.add's element rate ``add`` and in bytes per second (``streams``):
@@ -288,8 +289,8 @@ def _bench_refresh(L: Layout, g: torch.Tensor, y_prev, send, repeats: int, add: 
     * moments: ``refresh_moments`` (old denominators, ``m`` and ``v`` updated, old / new, one
       pass) vs the native denominators, torch's ``lerp_``, ``mul_`` and ``addcmul_``, then the
       native division.
-    * errors: ``rescale_error`` (``y = (y - decode) * ratio`` in place) vs the worker error
-      materialised (native decode, then a subtraction), multiplied and copied back.
+    * errors: ``rescale_error`` (``y = (y - s * sign(y)) * ratio`` in place) vs the worker
+      error materialised (torch ops), multiplied and copied back.
     """
     numel, eps = g.numel(), 1e-8
     m, v, ratio = torch.randn(numel) * 0.1, torch.rand(numel) + 0.01, torch.empty(numel)
@@ -304,14 +305,14 @@ def _bench_refresh(L: Layout, g: torch.Tensor, y_prev, send, repeats: int, add: 
         kernels.divide_by_denominators(ratio, v, 0.31, eps, "native")
 
     def separate_errors():
-        e = kernels.worker_error(y, send, L, "native")
+        e = kernels.worker_error(y, scales, L)
         e[:numel].mul_(scale)
         y.copy_(e)
 
     calls = {
         "moments": (lambda: kernels.refresh_moments(m, v, g, ratio, 0.9, 1e-3, 0.3, 0.31, eps,
                                                     "native"), separate_moments),
-        "errors": (lambda: kernels.rescale_error(y, send, scale, L, L.n, "native"),
+        "errors": (lambda: kernels.rescale_error(y, scales, scale, L, L.n, "native"),
                    separate_errors),
     }
     out = {}

@@ -15,12 +15,13 @@
 // on any rank computes the rows first (y not stored) and, once every rank has succeeded, runs the
 // same pass again with y updated in place. One y buffer instead of two, for one more read pass.
 //
-// The worker error is kept in factored form, e = y - s * sign(y), as the last call's y and its
-// sent rows (scales and sign bits) rather than as e itself. e is only ever needed inside the next
-// compression, which rebuilds it on the fly from y and the bits it reads anyway. That makes worker
-// compression a single pass over the data (read x and y_prev, write y and the bits), the same
-// memory traffic as torch.add(x, e, out=y); an eagerly stored e would need a second pass after
-// the scale is known. The arithmetic is unchanged: e is computed with the same fp32 subtraction.
+// The worker error is kept in factored form, e = y - s * sign(y), as the last call's y and the
+// scales of the rows it sent rather than as e itself: the signs sent were y's own (y >= 0), so
+// they are read back from y, not stored. e is only ever needed inside the next compression, which
+// rebuilds it on the fly from the y it reads anyway. That makes worker compression a single pass
+// over the data (read x and y_prev, write y and the bits), the same memory traffic as
+// torch.add(x, e, out=y); an eagerly stored e would need a second pass after the scale is known.
+// The arithmetic is unchanged: e is computed with the same fp32 subtraction.
 #if defined(__x86_64__) || defined(_M_X64)
 // Included first, before torch's headers include it: GCC 12's AVX-512 intrinsics start from an
 // undefined vector and warn (maybe-uninitialized, GCC bug 105593) wherever they are inlined.
@@ -290,7 +291,8 @@ struct MeanX {
 };
 
 // ---- worker compression ------------------------------------------------------------------------
-// For every chunk j and block b: e = y_prev - s_prev * sign_prev (the factored worker error),
+// For every chunk j and block b: e = y_prev - s_prev * sign(y_prev) (the factored worker error,
+// s_prev = prev_scales[j * nblocks + b]),
 // y = x + e, s = rms(y), signs of y into `send`, y into y_out. y_out may be y_prev itself (each
 // element is read before it is written) or null (y not stored: the rows alone, for a caller that
 // stores y only once the call has succeeded everywhere). x has `numel` valid elements;
@@ -300,29 +302,28 @@ struct MeanX {
 // base + p, or null where there is no output buffer.
 inline float* offset_or_null(float* base, int64_t p) { return base ? base + p : nullptr; }
 
-// e for one group, rebuilt from the previous call's y, scale and sign byte.
-inline void prev_error8_scalar(const float* y_prev, uint8_t prev_bits, float prev_s, float* e) {
-  for (int k = 0; k < 8; ++k) e[k] = y_prev[k] - (((prev_bits >> k) & 1) ? prev_s : -prev_s);
+// e for one group, rebuilt from the previous call's y and scale: the sign sent was y's own.
+inline void prev_error8_scalar(const float* y_prev, float prev_s, float* e) {
+  for (int k = 0; k < 8; ++k) e[k] = y_prev[k] - (y_prev[k] >= 0.0f ? prev_s : -prev_s);
 }
 
 template <class XSource>
 void worker_compress_scalar(XSource x, int64_t numel, const float* y_prev,
-                            const uint8_t* prev_send, float* y_out, uint8_t* send,
+                            const float* prev_scales, float* y_out, uint8_t* send,
                             const Layout& L, bool* finite) {
   float e[8], scratch[8];
   const int64_t nb = L.nblocks();
   const int64_t hb = L.header_bytes();
   for (int64_t j = 0; j < L.n; ++j) {
     uint8_t* row = send + j * L.row_bytes;
-    const uint8_t* prow = prev_send + j * L.row_bytes;
     for (int64_t b = 0; b < nb; ++b) {
       const int64_t base = j * L.chunk + b * L.block;
-      const float prev_s = reinterpret_cast<const float*>(prow)[1 + b];
+      const float prev_s = prev_scales[j * nb + b];
       double acc = 0.0;
       for (int64_t g = 0; g < L.block; g += 8) {
         const int64_t p = base + g;
         const int64_t byte = hb + (b * L.block + g) / 8;
-        prev_error8_scalar(y_prev + p, prow[byte], prev_s, e);
+        prev_error8_scalar(y_prev + p, prev_s, e);
         float* y = y_out ? y_out + p : scratch;
         // y = x + e, with x zero at and past numel (the padding)
         for (int k = 0; k < 8; ++k) y[k] = (p + k < numel ? x.at(p + k) : 0.0f) + e[k];
@@ -374,12 +375,14 @@ __attribute__((target("avx2,fma"))) inline __m256 bitmask8_avx2(uint8_t bits) {
   return _mm256_castsi256_ps(_mm256_cmpeq_epi32(v, sel));
 }
 
-// One group: y = x + (y_prev - (+-prev_s)); store y; accumulate y^2; return y's sign bits.
+// One group: y = x + (y_prev - (+-prev_s), the sign y_prev's own); store y; accumulate y^2;
+// return y's sign bits.
 __attribute__((target("avx2,fma"))) inline uint8_t worker_group_avx2(
-    __m256 x, const float* y_prev, uint8_t prev_bits, __m256 prev_pos, __m256 prev_neg,
-    float* y_out, __m256d* acc, bool stream) {
-  const __m256 e = _mm256_sub_ps(_mm256_loadu_ps(y_prev),
-                                 _mm256_blendv_ps(prev_neg, prev_pos, bitmask8_avx2(prev_bits)));
+    __m256 x, const float* y_prev, __m256 prev_pos, __m256 prev_neg, float* y_out, __m256d* acc,
+    bool stream) {
+  const __m256 yp = _mm256_loadu_ps(y_prev);
+  const __m256 e = _mm256_sub_ps(
+      yp, _mm256_blendv_ps(prev_neg, prev_pos, _mm256_cmp_ps(yp, _mm256_setzero_ps(), _CMP_GE_OQ)));
   const __m256 y = _mm256_add_ps(x, e);
   if (y_out) store8(y_out, y, stream);
   *acc = sq_acc_pd(y, *acc);
@@ -389,7 +392,7 @@ __attribute__((target("avx2,fma"))) inline uint8_t worker_group_avx2(
 
 template <class XSource>
 __attribute__((target("avx2,fma"))) void worker_compress_avx2(
-    XSource x, int64_t numel, const float* y_prev, const uint8_t* prev_send, float* y_out,
+    XSource x, int64_t numel, const float* y_prev, const float* prev_scales, float* y_out,
     uint8_t* send, const Layout& L, bool* finite) {
   alignas(32) float tmp[8];
   const int64_t nb = L.nblocks();
@@ -399,31 +402,29 @@ __attribute__((target("avx2,fma"))) void worker_compress_avx2(
   const bool stream = L.n * L.chunk >= kStreamMinFloats && y_out != y_prev;
   for (int64_t j = 0; j < L.n; ++j) {
     uint8_t* row = send + j * L.row_bytes;
-    const uint8_t* prow = prev_send + j * L.row_bytes;
     for (int64_t b = 0; b < nb; ++b) {
       const int64_t base = j * L.chunk + b * L.block;
       const int64_t end = base + L.block;
       int64_t full_end = full_end_all < end ? full_end_all : end;
       if (full_end < base) full_end = base;
-      const float prev_s = reinterpret_cast<const float*>(prow)[1 + b];
+      const float prev_s = prev_scales[j * nb + b];
       const __m256 prev_pos = _mm256_set1_ps(prev_s), prev_neg = _mm256_set1_ps(-prev_s);
-      const uint8_t* prev_bits = prow + hb + b * L.block / 8;
       uint8_t* bits = row + hb + b * L.block / 8;
       __m256d acc0 = _mm256_setzero_pd(), acc1 = _mm256_setzero_pd();
       int64_t p = base;
       for (; p + 16 <= full_end; p += 16) {  // two accumulators hide the add latency
-        *bits++ = worker_group_avx2(x.load8(p), y_prev + p, *prev_bits++, prev_pos,
+        *bits++ = worker_group_avx2(x.load8(p), y_prev + p, prev_pos,
                                     prev_neg, offset_or_null(y_out, p), &acc0, stream);
-        *bits++ = worker_group_avx2(x.load8(p + 8), y_prev + p + 8, *prev_bits++,
+        *bits++ = worker_group_avx2(x.load8(p + 8), y_prev + p + 8,
                                     prev_pos, prev_neg, offset_or_null(y_out, p + 8), &acc1,
                                     stream);
       }
       for (; p < full_end; p += 8)
-        *bits++ = worker_group_avx2(x.load8(p), y_prev + p, *prev_bits++, prev_pos,
+        *bits++ = worker_group_avx2(x.load8(p), y_prev + p, prev_pos,
                                     prev_neg, offset_or_null(y_out, p), &acc0, stream);
       for (; p < end; p += 8) {  // groups touching the padding: x is zero past numel
         for (int k = 0; k < 8; ++k) tmp[k] = p + k < numel ? x.at(p + k) : 0.0f;
-        *bits++ = worker_group_avx2(_mm256_load_ps(tmp), y_prev + p, *prev_bits++, prev_pos,
+        *bits++ = worker_group_avx2(_mm256_load_ps(tmp), y_prev + p, prev_pos,
                                     prev_neg, offset_or_null(y_out, p), &acc0, stream);
       }
       const double ss = hsum_pd(_mm256_add_pd(acc0, acc1));
@@ -458,7 +459,7 @@ HVD_AVX512 inline __mmask16 load_bits16(const uint8_t* bits) {
 // then y[4:8]^2 of each pair, and lanes 4-7 are acc1, which takes y[8:12]^2 then y[12:16]^2.
 template <class XSource>
 HVD_AVX512 void worker_compress_avx512(XSource x, int64_t numel, const float* y_prev,
-                                       const uint8_t* prev_send, float* y_out, uint8_t* send,
+                                       const float* prev_scales, float* y_out, uint8_t* send,
                                        const Layout& L, bool* finite) {
   alignas(32) float tmp[8];
   const int64_t nb = L.nblocks();
@@ -469,21 +470,21 @@ HVD_AVX512 void worker_compress_avx512(XSource x, int64_t numel, const float* y_
   const __m512i pairs = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15);
   for (int64_t j = 0; j < L.n; ++j) {
     uint8_t* row = send + j * L.row_bytes;
-    const uint8_t* prow = prev_send + j * L.row_bytes;
     for (int64_t b = 0; b < nb; ++b) {
       const int64_t base = j * L.chunk + b * L.block;
       const int64_t end = base + L.block;
       int64_t full_end = full_end_all < end ? full_end_all : end;
       if (full_end < base) full_end = base;
-      const float prev_s = reinterpret_cast<const float*>(prow)[1 + b];
+      const float prev_s = prev_scales[j * nb + b];
       const __m512 pos16 = _mm512_set1_ps(prev_s), neg16 = _mm512_set1_ps(-prev_s);
-      const uint8_t* prev_bits = prow + hb + b * L.block / 8;
       uint8_t* bits = row + hb + b * L.block / 8;
       __m512d acc = _mm512_setzero_pd();
       int64_t p = base;
       for (; p + 16 <= full_end; p += 16) {
+        const __m512 y0 = _mm512_loadu_ps(y_prev + p);
         const __m512 e = _mm512_sub_ps(
-            _mm512_loadu_ps(y_prev + p), _mm512_mask_blend_ps(load_bits16(prev_bits), neg16, pos16));
+            y0, _mm512_mask_blend_ps(_mm512_cmp_ps_mask(y0, _mm512_setzero_ps(), _CMP_GE_OQ),
+                                     neg16, pos16));
         const __m512 y = _mm512_add_ps(x.load16(p), e);
         if (y_out) store16(y_out + p, y, stream);
         const __m512 yp = _mm512_permutexvar_ps(pairs, y);
@@ -494,16 +495,15 @@ HVD_AVX512 void worker_compress_avx512(XSource x, int64_t numel, const float* y_
         const uint16_t sign = _mm512_cmp_ps_mask(y, _mm512_setzero_ps(), _CMP_GE_OQ);
         std::memcpy(bits, &sign, 2);
         bits += 2;
-        prev_bits += 2;
       }
       __m256d acc0 = _mm512_castpd512_pd256(acc), acc1 = _mm512_extractf64x4_pd(acc, 1);
       const __m256 prev_pos = _mm256_set1_ps(prev_s), prev_neg = _mm256_set1_ps(-prev_s);
       for (; p < full_end; p += 8)
-        *bits++ = worker_group_avx2(x.load8(p), y_prev + p, *prev_bits++, prev_pos,
+        *bits++ = worker_group_avx2(x.load8(p), y_prev + p, prev_pos,
                                     prev_neg, offset_or_null(y_out, p), &acc0, stream);
       for (; p < end; p += 8) {  // groups touching the padding: x is zero past numel
         for (int k = 0; k < 8; ++k) tmp[k] = p + k < numel ? x.at(p + k) : 0.0f;
-        *bits++ = worker_group_avx2(_mm256_load_ps(tmp), y_prev + p, *prev_bits++, prev_pos,
+        *bits++ = worker_group_avx2(_mm256_load_ps(tmp), y_prev + p, prev_pos,
                                     prev_neg, offset_or_null(y_out, p), &acc0, stream);
       }
       const double ss = hsum_pd(_mm256_add_pd(acc0, acc1));
@@ -518,17 +518,17 @@ HVD_AVX512 void worker_compress_avx512(XSource x, int64_t numel, const float* y_
 // ---- server step ------------------------------------------------------------------------------
 // recv holds n rows (one from each rank) for this rank's chunk. z = mean_i(s_i * sign_i) + e_s,
 // then z is compressed into out_row. Like the worker's, the server error is kept factored: the
-// last call's z and the row it sent, e_s = z_prev - s_prev * sign_prev, rebuilt on the fly, so
-// the server step is one pass (read the n rows and z_prev, write z and the bits).
+// last call's z and the scales of the row it sent, e_s = z_prev - s_prev * sign(z_prev), rebuilt
+// on the fly, so the server step is one pass (read the n rows and z_prev, write z and the bits).
 
-void server_compress_scalar(const uint8_t* recv, const float* z_prev, const uint8_t* prev_row,
+void server_compress_scalar(const uint8_t* recv, const float* z_prev, const float* prev_scales,
                             float* z_out, uint8_t* out_row, const Layout& L, bool* finite) {
   const int64_t nb = L.nblocks();
   const int64_t hb = L.header_bytes();
   const float nf = static_cast<float>(L.n);
   float e[8], scratch[8];
   for (int64_t b = 0; b < nb; ++b) {
-    const float prev_s = reinterpret_cast<const float*>(prev_row)[1 + b];
+    const float prev_s = prev_scales[b];
     double ss = 0.0;
     for (int64_t g = 0; g < L.block; g += 8) {
       const int64_t p = b * L.block + g;
@@ -540,7 +540,7 @@ void server_compress_scalar(const uint8_t* recv, const float* z_prev, const uint
         decode8_scalar(row[hb + p / 8], s, v, 8);
         for (int k = 0; k < 8; ++k) acc[k] += v[k];
       }
-      prev_error8_scalar(z_prev + p, prev_row[hb + p / 8], prev_s, e);
+      prev_error8_scalar(z_prev + p, prev_s, e);
       float* z = z_out ? z_out + p : scratch;
       for (int k = 0; k < 8; ++k) z[k] = acc[k] / nf + e[k];
       ss += sumsq8_scalar(z);
@@ -555,14 +555,14 @@ void server_compress_scalar(const uint8_t* recv, const float* z_prev, const uint
 
 #if defined(HVD_ONEBIT_X86)
 __attribute__((target("avx2,fma"))) void server_compress_avx2(
-    const uint8_t* recv, const float* z_prev, const uint8_t* prev_row, float* z_out,
+    const uint8_t* recv, const float* z_prev, const float* prev_scales, float* z_out,
     uint8_t* out_row, const Layout& L, bool* finite) {
   const int64_t nb = L.nblocks();
   const int64_t hb = L.header_bytes();
   const __m256 nf = _mm256_set1_ps(static_cast<float>(L.n));
   const bool stream = L.chunk >= kStreamMinFloats && z_out != z_prev;  // see the worker's
   for (int64_t b = 0; b < nb; ++b) {
-    const float prev_s = reinterpret_cast<const float*>(prev_row)[1 + b];
+    const float prev_s = prev_scales[b];
     const __m256 prev_pos = _mm256_set1_ps(prev_s), prev_neg = _mm256_set1_ps(-prev_s);
     __m256d acc0 = _mm256_setzero_pd();
     for (int64_t g = 0; g < L.block; g += 8) {
@@ -575,9 +575,8 @@ __attribute__((target("avx2,fma"))) void server_compress_avx2(
         sum = _mm256_add_ps(sum, _mm256_blendv_ps(_mm256_set1_ps(-s), _mm256_set1_ps(s),
                                                   bitmask8_avx2(row[hb + p / 8])));
       }
-      out_row[hb + p / 8] = worker_group_avx2(_mm256_div_ps(sum, nf), z_prev + p,
-                                              prev_row[hb + p / 8], prev_pos, prev_neg,
-                                              offset_or_null(z_out, p), &acc0, stream);
+      out_row[hb + p / 8] = worker_group_avx2(_mm256_div_ps(sum, nf), z_prev + p, prev_pos,
+                                              prev_neg, offset_or_null(z_out, p), &acc0, stream);
     }
     const double ss = hsum_pd(acc0);
     if (!std::isfinite(ss)) *finite = false;
@@ -932,23 +931,24 @@ float* output_or_null(const c10::optional<torch::Tensor>& out, const torch::Tens
 
 template <class XSource>
 bool run_worker_compress(XSource x, int64_t numel, const torch::Tensor& y_prev,
-                         const torch::Tensor& prev_send, const c10::optional<torch::Tensor>& y_out,
+                         const torch::Tensor& prev_scales,
+                         const c10::optional<torch::Tensor>& y_out,
                          torch::Tensor send, int64_t n, int64_t chunk, int64_t block,
                          int64_t row_bytes, bool allow_simd);
 
 bool worker_compress(const torch::Tensor& x, const torch::Tensor& y_prev,
-                     const torch::Tensor& prev_send, const c10::optional<torch::Tensor>& y_out,
+                     const torch::Tensor& prev_scales, const c10::optional<torch::Tensor>& y_out,
                      torch::Tensor send,
                      int64_t n, int64_t chunk, int64_t block, int64_t row_bytes, bool allow_simd) {
   check_cpu(x, torch::kFloat32, "x", 0);
   TORCH_CHECK(x.numel() <= n * chunk, "x has more elements than the layout holds");
   const float* xp = x.numel() ? x.data_ptr<float>() : nullptr;
-  return run_worker_compress(PlainX{xp}, x.numel(), y_prev, prev_send, y_out, send, n, chunk,
+  return run_worker_compress(PlainX{xp}, x.numel(), y_prev, prev_scales, y_out, send, n, chunk,
                              block, row_bytes, allow_simd);
 }
 
 bool worker_compress_mean(const std::vector<torch::Tensor>& rows, const torch::Tensor& y_prev,
-                          const torch::Tensor& prev_send,
+                          const torch::Tensor& prev_scales,
                           const c10::optional<torch::Tensor>& y_out, torch::Tensor send,
                           int64_t n, int64_t chunk, int64_t block, int64_t row_bytes,
                           bool allow_simd) {
@@ -961,7 +961,7 @@ bool worker_compress_mean(const std::vector<torch::Tensor>& rows, const torch::T
     TORCH_CHECK(r.numel() == numel, "every row must have ", numel, " elements, got ", r.numel());
     x.rows.push_back(numel ? r.data_ptr<float>() : nullptr);
   }
-  return run_worker_compress(x, numel, y_prev, prev_send, y_out, send, n, chunk, block,
+  return run_worker_compress(x, numel, y_prev, prev_scales, y_out, send, n, chunk, block,
                              row_bytes, allow_simd);
 }
 
@@ -1029,14 +1029,14 @@ bool worker_compress_momentum(const torch::Tensor& m, const std::vector<c10::opt
                               const std::vector<double>& sqrt_bc2s,
                               const std::vector<double>& epss,
                               const std::vector<double>& bounds,
-                              const torch::Tensor& y_prev, const torch::Tensor& prev_send,
+                              const torch::Tensor& y_prev, const torch::Tensor& prev_scales,
                               const c10::optional<torch::Tensor>& y_out, torch::Tensor send,
                               int64_t n, int64_t chunk,
                               int64_t block, int64_t row_bytes, bool allow_simd) {
   TORCH_CHECK(m.numel() <= n * chunk, "momentum has more elements than the layout holds");
   const std::vector<GradSegment> segs =
       grad_segments(m, grads, sizes, variances, sqrt_bc2s, epss, bounds);
-  return run_worker_compress(momentum_source(m, segs, beta1), m.numel(), y_prev, prev_send,
+  return run_worker_compress(momentum_source(m, segs, beta1), m.numel(), y_prev, prev_scales,
                              y_out, send, n, chunk, block, row_bytes, allow_simd);
 }
 
@@ -1090,30 +1090,29 @@ void momentum_update(const torch::Tensor& m, const std::vector<c10::optional<tor
 
 template <class XSource>
 bool run_worker_compress(XSource x, int64_t numel, const torch::Tensor& y_prev,
-                         const torch::Tensor& prev_send, const c10::optional<torch::Tensor>& y_out,
+                         const torch::Tensor& prev_scales,
+                         const c10::optional<torch::Tensor>& y_out,
                          torch::Tensor send, int64_t n, int64_t chunk, int64_t block,
                          int64_t row_bytes, bool allow_simd) {
   const Layout L = make_layout(n, chunk, block, row_bytes);
   check_cpu(y_prev, torch::kFloat32, "y_prev", n * chunk);
-  check_cpu(prev_send, torch::kUInt8, "prev_send", n * row_bytes);
+  check_cpu(prev_scales, torch::kFloat32, "prev_scales", n * L.nblocks());
   check_cpu(send, torch::kUInt8, "send", n * row_bytes);
   float* y_out_p = output_or_null(y_out, y_prev, n * chunk, "y_out", "y_prev");
-  TORCH_CHECK(send.data_ptr() != prev_send.data_ptr(),
-              "send must not alias prev_send (the previous rows are kept until the call succeeds)");
   bool finite = true;
   {
     pybind11::gil_scoped_release no_gil;
 #if defined(HVD_ONEBIT_X86)
     if (allow_simd && use_avx512())
-      worker_compress_avx512(x, numel, y_prev.data_ptr<float>(), prev_send.data_ptr<uint8_t>(),
+      worker_compress_avx512(x, numel, y_prev.data_ptr<float>(), prev_scales.data_ptr<float>(),
                              y_out_p, send.data_ptr<uint8_t>(), L, &finite);
     else if (allow_simd && cpu_has_avx2())
-      worker_compress_avx2(x, numel, y_prev.data_ptr<float>(), prev_send.data_ptr<uint8_t>(),
+      worker_compress_avx2(x, numel, y_prev.data_ptr<float>(), prev_scales.data_ptr<float>(),
                            y_out_p, send.data_ptr<uint8_t>(), L, &finite);
     else
 #endif
       worker_compress_scalar(x, numel, y_prev.data_ptr<float>(),
-                             prev_send.data_ptr<uint8_t>(), y_out_p,
+                             prev_scales.data_ptr<float>(), y_out_p,
                              send.data_ptr<uint8_t>(), L, &finite);
     const float status = finite ? 0.0f : 1.0f;
     for (int64_t j = 0; j < n; ++j) {
@@ -1128,29 +1127,27 @@ bool run_worker_compress(XSource x, int64_t numel, const torch::Tensor& y_prev,
 }
 
 bool server_compress(const torch::Tensor& recv, const torch::Tensor& z_prev,
-                     const torch::Tensor& prev_row, const c10::optional<torch::Tensor>& z_out,
+                     const torch::Tensor& prev_scales, const c10::optional<torch::Tensor>& z_out,
                      torch::Tensor out_row,
                      int64_t n, int64_t chunk, int64_t block, int64_t row_bytes, bool allow_simd) {
   const Layout L = make_layout(n, chunk, block, row_bytes);
   check_cpu(recv, torch::kUInt8, "recv", n * row_bytes);
   check_cpu(z_prev, torch::kFloat32, "z_prev", chunk);
-  check_cpu(prev_row, torch::kUInt8, "prev_row", row_bytes);
+  check_cpu(prev_scales, torch::kFloat32, "prev_scales", L.nblocks());
   check_cpu(out_row, torch::kUInt8, "out_row", row_bytes);
   float* z_out_p = output_or_null(z_out, z_prev, chunk, "z_out", "z_prev");
-  TORCH_CHECK(out_row.data_ptr() != prev_row.data_ptr(),
-              "out_row must not alias prev_row (the previous row is kept until the call succeeds)");
   bool finite = true;
   {
     pybind11::gil_scoped_release no_gil;
 #if defined(HVD_ONEBIT_X86)
     if (allow_simd && cpu_has_avx2())
       server_compress_avx2(recv.data_ptr<uint8_t>(), z_prev.data_ptr<float>(),
-                           prev_row.data_ptr<uint8_t>(), z_out_p,
+                           prev_scales.data_ptr<float>(), z_out_p,
                            out_row.data_ptr<uint8_t>(), L, &finite);
     else
 #endif
       server_compress_scalar(recv.data_ptr<uint8_t>(), z_prev.data_ptr<float>(),
-                             prev_row.data_ptr<uint8_t>(), z_out_p,
+                             prev_scales.data_ptr<float>(), z_out_p,
                              out_row.data_ptr<uint8_t>(), L, &finite);
     uint8_t* row = out_row.data_ptr<uint8_t>();
     *row_status(row) = finite ? 0.0f : 1.0f;
@@ -1435,53 +1432,49 @@ void refresh_moments(torch::Tensor m, torch::Tensor v, const torch::Tensor& g,
 }
 
 // ---- a factored error carried into new units (a variance refresh) -----------------------------
-// y = (y - decode(rows)) * ratio in place, for p < ratio.numel(), and y - decode(rows) past it
-// (elements whose units stay: the padding, a server chunk's tail past the buffer): the error
-// e = y - s * sign rebuilt and scaled as the twin's e * ratio (fp32 subtraction, then
-// multiplication), without materialising e. The caller then makes the rows decode to +0
-// (set_identity_rows), so y is the scaled error itself.
+// y = (y - s * sign(y)) * ratio in place, for p < ratio.numel(), and y - s * sign(y) past it
+// (elements whose units stay: the padding, a server chunk's tail past the buffer), s the block's
+// scale in `scales`: the error rebuilt and scaled as the twin's e * ratio (fp32 subtraction, then
+// multiplication), without materialising e. The caller then zeroes the scales, so y is the
+// scaled error itself.
 
-inline void rescale1(float* yp, const float* rp, int64_t nr, int64_t p, float d) {
-  const float e = yp[p] - d;
+inline void rescale1(float* yp, const float* rp, int64_t nr, int64_t p, float s) {
+  const float e = yp[p] - (yp[p] >= 0.0f ? s : -s);
   yp[p] = p < nr ? e * rp[p] : e;
 }
 
 #if defined(HVD_ONEBIT_X86)
-// One block of rescale_error: groups of 8 whose factors are all in ratio as vectors (the
-// decode's blend of +-s by sign bit), the rest one at a time.
+// One block of rescale_error: groups of 8 whose factors are all in ratio as vectors (+-s by
+// y's sign, as the compression's blend), the rest one at a time.
 __attribute__((target("avx2,fma"))) void rescale_block_avx2(float* yp, const float* rp,
                                                             int64_t nr, int64_t base,
-                                                            int64_t block, const uint8_t* bp,
-                                                            float s) {
-  const __m256i sel = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+                                                            int64_t block, float s) {
   const __m256 pos_s = _mm256_set1_ps(s), neg_s = _mm256_set1_ps(-s);
   int64_t k = 0;
   for (; k + 8 <= block && base + k + 8 <= nr; k += 8) {
-    const __m256i bits = _mm256_and_si256(_mm256_set1_epi32(bp[k / 8]), sel);
-    const __m256 d = _mm256_blendv_ps(neg_s, pos_s,
-                                      _mm256_castsi256_ps(_mm256_cmpeq_epi32(bits, sel)));
     float* y = yp + base + k;
-    _mm256_storeu_ps(y, _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(y), d),
-                                      _mm256_loadu_ps(rp + base + k)));
+    const __m256 yv = _mm256_loadu_ps(y);
+    const __m256 d = _mm256_blendv_ps(neg_s, pos_s,
+                                      _mm256_cmp_ps(yv, _mm256_setzero_ps(), _CMP_GE_OQ));
+    _mm256_storeu_ps(y, _mm256_mul_ps(_mm256_sub_ps(yv, d), _mm256_loadu_ps(rp + base + k)));
   }
-  for (; k < block; ++k)
-    rescale1(yp, rp, nr, base + k, ((bp[k >> 3] >> (k & 7)) & 1) ? s : -s);
+  for (; k < block; ++k) rescale1(yp, rp, nr, base + k, s);
 }
 #endif
 
-void rescale_error(torch::Tensor y, const torch::Tensor& rows, const torch::Tensor& ratio,
+void rescale_error(torch::Tensor y, const torch::Tensor& scales, const torch::Tensor& ratio,
                    int64_t n, int64_t chunk, int64_t block, int64_t row_bytes,
                    bool allow_simd) {
   const Layout L = make_layout(n, chunk, block, row_bytes);
   check_cpu(y, torch::kFloat32, "y", n * chunk);
-  check_cpu(rows, torch::kUInt8, "rows", n * row_bytes);
+  check_cpu(scales, torch::kFloat32, "scales", n * L.nblocks());
   check_cpu(ratio, torch::kFloat32, "ratio", 0);
   TORCH_CHECK(y.numel() == n * chunk, "y has ", y.numel(), " elements, the layout ", n * chunk);
   TORCH_CHECK(ratio.numel() <= y.numel(), "ratio has more elements than y");
   const int64_t nr = ratio.numel(), nb = L.nblocks();
   float* yp = y.data_ptr<float>();
   const float* rp = ratio.data_ptr<float>();
-  const uint8_t* base_rows = rows.data_ptr<uint8_t>();
+  const float* sp = scales.data_ptr<float>();
   bool simd = false;
 #if defined(HVD_ONEBIT_X86)
   simd = allow_simd && cpu_has_avx2();
@@ -1489,21 +1482,16 @@ void rescale_error(torch::Tensor y, const torch::Tensor& rows, const torch::Tens
   (void)simd;
   pybind11::gil_scoped_release no_gil;
   for (int64_t j = 0; j < L.n; ++j) {
-    const uint8_t* row = base_rows + j * L.row_bytes;
-    const float* scales = reinterpret_cast<const float*>(row) + 1;
-    const uint8_t* bits = row + L.header_bytes();
     for (int64_t b = 0; b < nb; ++b) {
-      const float s = scales[b];
-      const uint8_t* bp = bits + b * L.block / 8;
+      const float s = sp[j * nb + b];
       const int64_t base = j * L.chunk + b * L.block;
 #if defined(HVD_ONEBIT_X86)
       if (simd) {
-        rescale_block_avx2(yp, rp, nr, base, L.block, bp, s);
+        rescale_block_avx2(yp, rp, nr, base, L.block, s);
         continue;
       }
 #endif
-      for (int64_t k = 0; k < L.block; ++k)
-        rescale1(yp, rp, nr, base + k, ((bp[k >> 3] >> (k & 7)) & 1) ? s : -s);
+      for (int64_t k = 0; k < L.block; ++k) rescale1(yp, rp, nr, base + k, s);
     }
   }
 }
@@ -1513,7 +1501,8 @@ void rescale_error(torch::Tensor y, const torch::Tensor& rows, const torch::Tens
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "hvd_onebit fused CPU kernels for 1-bit compressed allreduce";
   m.def("worker_compress", &worker_compress,
-        "e = y_prev - s_prev*sign_prev; y = x + e into y_out (None: not stored; may be y_prev); "
+        "e = y_prev - s_prev*sign(y_prev), s_prev from prev_scales (float32 [n * nblocks]); "
+        "y = x + e into y_out (None: not stored; may be y_prev); "
         "per-block rms scale and packed signs"
         " into send rows. Returns False if any block's sum of squares is not finite.");
   m.def("worker_compress_momentum", &worker_compress_momentum,
@@ -1528,7 +1517,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "out = beta1 * m + (1 - beta1) * g, g the gradients (None = zeros) of the given sizes, "
         "end to end: worker_compress_momentum's input, written out.");
   m.def("server_compress", &server_compress,
-        "e = z_prev - s_prev*sign_prev; z = mean of the n received rows + e into z_out (None: "
+        "e = z_prev - s_prev*sign(z_prev), s_prev from prev_scales (float32 [nblocks]); z = "
+        "mean of the n received rows + e into z_out (None: "
         "not stored; may be z_prev); "
         "compress z into out_row. Returns False if z is not finite.");
   m.def("decode", &decode, "out = s * sign for the n rows, first out.numel() elements.");
@@ -1547,8 +1537,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "A variance refresh of one piece in one pass: ratio = old denominator (when given), "
         "m.lerp_(g, 1 - beta1), v.mul_(1 - a).addcmul_(g, g, value=a), then ratio = old / new denominator, every non-finite quotient +0.");
   m.def("rescale_error", &rescale_error,
-        "y = (y - decode(rows)) * ratio in place (y - decode(rows) past ratio's end): a factored "
-        "error scaled into new units; the caller then sets the rows to decode to +0.");
+        "y = (y - s*sign(y)) * ratio in place (y - s*sign(y) past ratio's end), s the block's "
+        "scale in scales: a factored error scaled into new units; the caller then zeroes the "
+        "scales.");
   m.def("has_avx2", &cpu_has_avx2, "Whether the AVX2 code path is available on this CPU.");
   m.def("has_avx512", &cpu_has_avx512,
         "Whether the AVX-512 paths (worker compression, decode and update) run on this CPU.");

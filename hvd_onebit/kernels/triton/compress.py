@@ -23,7 +23,7 @@ from .launch import (FB, LAUNCH, TT, WARPS, DeviceFlag, address, aligned_offsets
 @triton.jit
 def _compress_kernel(src_ptr, src_h_ptr, src_words_ptr, tab_ptr, ftab_ptr, nsegs, beta1,
                      one_minus_beta1,
-                     nrecv, numel, y_prev_ptr, prev_ptr, prev_words_ptr, y_out_ptr, send_ptr,
+                     nrecv, numel, y_prev_ptr, prev_scales_ptr, y_out_ptr, send_ptr,
                      partial_ptr, G, nblocks, block, T, row_bytes, row_words, hb,
                      SRC: tl.constexpr, PRECOND: tl.constexpr, WRITE_Y: tl.constexpr,
                      R: tl.constexpr, C: tl.constexpr, WIDE: tl.constexpr):
@@ -103,11 +103,10 @@ def _compress_kernel(src_ptr, src_h_ptr, src_words_ptr, tab_ptr, ftab_ptr, nsegs
             acc = acc + tl.where(((bits >> shift) & 1) != 0, s_i, -s_i)
         x = tl.div_rn(acc, tl.zeros([R, C], tl.float32) + nrecv * 1.0)
 
-    # the factored error of the previous call: e = y_prev - (+-s_prev)
-    prev_s = tl.load(prev_words_ptr + j * row_words + 1 + b, mask=gb_ok, other=0.0)[:, None]
-    prev_bits = tl.load(prev_ptr + bytes_at, mask=valid, other=0)
-    e = tl.load(y_prev_ptr + p, mask=valid, other=0.0) - tl.where(
-        ((prev_bits >> shift) & 1) != 0, prev_s, -prev_s)
+    # the factored error of the previous call: e = y_prev - (+-s_prev), the sign y_prev's own
+    prev_s = tl.load(prev_scales_ptr + gb, mask=gb_ok, other=0.0)[:, None]
+    y_prev = tl.load(y_prev_ptr + p, mask=valid, other=0.0)
+    e = y_prev - tl.where(y_prev >= 0, prev_s, -prev_s)
     y = x + e
     if WRITE_Y:
         tl.store(y_out_ptr + p, y, mask=valid)
@@ -166,8 +165,8 @@ def _status_kernel(flags_ptr, nflags, ok_ptr, words_ptr, bytes_ptr, nrows, row_w
 
 
 def _compress(src_mode: int, src, src_words, tab, nsegs: int, beta1: float, nrecv: int,
-              numel: int, y_prev, prev, y_out, send, nrows: int, chunk: int, layout: Layout,
-              ftab=None) -> DeviceFlag:
+              numel: int, y_prev, prev_scales, y_out, send, nrows: int, chunk: int,
+              layout: Layout, ftab=None) -> DeviceFlag:
     """One compression (SRC = ``src_mode``); ``ftab``: SRC 1's float table (sqrt_bc2, eps per
     segment), None when not preconditioned."""
     block, nblocks = layout.block, layout.nblocks
@@ -190,7 +189,7 @@ def _compress(src_mode: int, src, src_words, tab, nsegs: int, beta1: float, nrec
         _compress_kernel[(triton.cdiv(G, R) * T,)](
             src, src_words.view(torch.int16), src_words, tab, ftab, nsegs, float(beta1),
             float(1.0 - beta1), nrecv, numel,
-            y_prev, prev, as_words(prev), y_out, send, partial, G, nblocks, block, T,
+            y_prev, prev_scales, y_out, send, partial, G, nblocks, block, T,
             layout.row_bytes, rw, layout.header_bytes, SRC=src_mode, PRECOND=precond,
             WRITE_Y=write_y, R=R, C=C, WIDE=wide(G, block), num_warps=WARPS, **LAUNCH)
         _finalize_kernel[(nfin,)](partial, words, flags, G, T, nblocks, block, rw, FB=FB,
@@ -201,17 +200,17 @@ def _compress(src_mode: int, src, src_words, tab, nsegs: int, beta1: float, nrec
     return DeviceFlag(ok)
 
 
-def worker_compress(x: torch.Tensor, y_prev: torch.Tensor, prev_send: torch.Tensor,
+def worker_compress(x: torch.Tensor, y_prev: torch.Tensor, prev_scales: torch.Tensor,
                     y_out: Optional[torch.Tensor], send: torch.Tensor, layout: Layout
                     ) -> DeviceFlag:
     """:func:`hvd_onebit.kernels.ops.worker_compress` (float32 contiguous tensors, one device)."""
-    return _compress(0, x, x, x, 1, 0.0, 1, x.numel(), y_prev, prev_send, y_out, send,
+    return _compress(0, x, x, x, 1, 0.0, 1, x.numel(), y_prev, prev_scales, y_out, send,
                      layout.n, layout.chunk, layout)
 
 
 def worker_compress_momentum(momentum: torch.Tensor, grads: Sequence[Optional[torch.Tensor]],
                              sizes: Sequence[int], beta1: float, y_prev: torch.Tensor,
-                             prev_send: torch.Tensor, y_out: Optional[torch.Tensor],
+                             prev_scales: torch.Tensor, y_out: Optional[torch.Tensor],
                              send: torch.Tensor, layout: Layout,
                              variances: Optional[Sequence[torch.Tensor]] = None,
                              sqrt_bc2s: Optional[Sequence[float]] = None,
@@ -239,12 +238,12 @@ def worker_compress_momentum(momentum: torch.Tensor, grads: Sequence[Optional[to
                             dtype=torch.float32).to(momentum.device, non_blocking=True)
     tab = segment_table(columns, sizes, momentum.device)
     return _compress(1, momentum, momentum, tab, len(sizes), beta1, 1, momentum.numel(), y_prev,
-                     prev_send, y_out, send, layout.n, layout.chunk, layout, ftab)
+                     prev_scales, y_out, send, layout.n, layout.chunk, layout, ftab)
 
 
-def server_compress(recv: torch.Tensor, z_prev: torch.Tensor, prev_row: torch.Tensor,
+def server_compress(recv: torch.Tensor, z_prev: torch.Tensor, prev_scales: torch.Tensor,
                     z_out: Optional[torch.Tensor], out_row: torch.Tensor, layout: Layout
                     ) -> DeviceFlag:
     """:func:`hvd_onebit.kernels.ops.server_compress`: the n rows averaged, compressed, one pass."""
     return _compress(2, recv, as_words(recv), z_prev, 1, 0.0, layout.n, layout.chunk, z_prev,
-                     prev_row, z_out, out_row, 1, layout.chunk, layout)
+                     prev_scales, z_out, out_row, 1, layout.chunk, layout)

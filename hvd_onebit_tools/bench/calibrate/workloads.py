@@ -62,11 +62,10 @@ def kernel_calls(numel: int) -> dict:
     grad = torch.randn(numel, generator=g)
     m, y_prev, y_next = (torch.randn(numel, generator=g) * 0.1,
                          torch.randn(L.padded, generator=g) * 0.01, torch.empty(L.padded))
-    prev_send = torch.zeros(L.n * L.row_bytes, dtype=torch.uint8)
+    prev_scales = torch.zeros(L.n * L.nblocks)
     send = torch.empty(L.n * L.row_bytes, dtype=torch.uint8)
     server_z, server_z_out = torch.zeros(L.chunk), torch.empty(L.chunk)
-    server_sent, row = (torch.zeros(L.row_bytes, dtype=torch.uint8),
-                        torch.empty(L.row_bytes, dtype=torch.uint8))
+    server_scales, row = torch.zeros(L.nblocks), torch.empty(L.row_bytes, dtype=torch.uint8)
     w, var = torch.randn(numel), torch.rand(numel) + 0.01
     work = torch.empty(numel)
     src = fused_adam.MomentumInput(m, [grad], [numel], 0.9)
@@ -75,9 +74,9 @@ def kernel_calls(numel: int) -> dict:
     mean = NodeMean([x, acc], torch.empty(numel))
     return {
         "compress_momentum": lambda: fused_adam.worker_compress_momentum(
-            src, y_prev, prev_send, y_next, send, L, "native"),
+            src, y_prev, prev_scales, y_next, send, L, "native"),
         # the server reduces one chunk from each of n ranks: L.padded elements read per rank
-        "server": lambda: kernels.server_compress(send, server_z, server_sent, server_z_out,
+        "server": lambda: kernels.server_compress(send, server_z, server_scales, server_z_out,
                                                   row, L, "native"),
         "decode_update": lambda: fused_adam.decode_update(send, work, L, update, "native"),
         # the hierarchical collective's passes (hvd_onebit/comm/hierarchical.py): Adam's momentum
@@ -85,10 +84,10 @@ def kernel_calls(numel: int) -> dict:
         # element of the shard; a float32 add per further row), the plain compress (one node)
         # and decode of a shard, the gathered mean copied out with Adam's update
         "momentum_update": lambda: src.materialize(out=x, backend="native"),
-        "compress_mean": lambda: mean.compress(y_prev, prev_send, y_next, send, L, "native"),
+        "compress_mean": lambda: mean.compress(y_prev, prev_scales, y_next, send, L, "native"),
         "update": lambda: update.copy_apply(x, work, "native"),
         "add": lambda: acc.add_(x),
-        "compress": lambda: kernels.worker_compress(x, y_prev, prev_send, y_next, send, L,
+        "compress": lambda: kernels.worker_compress(x, y_prev, prev_scales, y_next, send, L,
                                                     "native"),
         "decode": lambda: kernels.decode(send, work, L, "native"),
     }
