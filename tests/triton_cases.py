@@ -305,6 +305,36 @@ def test_zero_input_gives_zero_scales_and_an_identity_error():
                          torch.zeros(L.padded), "worker error")
 
 
+def test_a_step_with_the_tensors_of_the_last_reuses_its_tables_on_the_device():
+    """The segment and coefficient tables of a fused pass are made once per distinct content:
+    a second call with the same tensors and coefficients reads the same table objects (no
+    table built or copied), the same bits; other tensors get tables of their own."""
+    from hvd_onebit.kernels.triton.launch import device_table, segment_table
+    tab = segment_table([[11, 12], [13, 14]], [5, 6], "cpu")
+    assert tab.tolist() == [0, 5, 11, 11, 12, 13, 14], f"segment table {tab.tolist()}"
+    assert segment_table([[11, 12], [13, 14]], [5, 6], "cpu") is tab, "same content, new table"
+    assert segment_table([[11, 12], [13, 15]], [5, 6], "cpu") is not tab, "other content, one table"
+    sizes = [3001, 3, 2000]
+    L = Layout.build(sum(sizes), 2, 512)
+    g = torch.Generator().manual_seed(3)
+    y_prev, prev_scales = _previous_state(L, g)
+    m = torch.randn(L.numel, generator=g)
+    grads = [torch.randn(s, generator=g) for s in sizes]
+    src = MomentumInput(m, grads, sizes, 0.9, **preconditioning(sizes, g))
+    outputs = []
+    for call in range(2):
+        before = device_table.cache_info()
+        send = torch.full((L.n * L.row_bytes,), 0xEE, dtype=torch.uint8)
+        worker_compress_momentum(src, y_prev, prev_scales, torch.empty(L.padded), send, L,
+                                 "triton")
+        after = device_table.cache_info()
+        outputs.append(_bytes(send))
+        made, reused = after.misses - before.misses, after.hits - before.hits
+        assert made + reused == 2 and (call == 0 or (made, reused) == (0, 2)), \
+            f"call {call}: {made} tables made, {reused} reused (expected the second to reuse both)"
+    assert outputs[0] == outputs[1], "the same call with reused tables sent other rows"
+
+
 def test_backend_resolution_with_triton():
     assert kernels.resolve_backend("triton", torch.device("cpu")) == "triton"  # interpreted
     assert kernels.resolve_backend("auto", torch.device("cpu")) == "native"

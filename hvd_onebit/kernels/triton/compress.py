@@ -17,7 +17,7 @@ from ..fused_reference import inverse_root_bc2
 from .device import (NOT_ALIGNED, first_segment, frozen_denominator, load_aligned_as_f32,
                      load_as_f32, tile)
 from .launch import (FB, LAUNCH, TT, WARPS, DeviceFlag, address, aligned_offsets, as_words,
-                     geometry, kind_code, on_device, segment_table, wide)
+                     device_table, geometry, kind_code, on_device, segment_table, wide)
 
 
 @triton.jit
@@ -234,8 +234,8 @@ def worker_compress_momentum(momentum: torch.Tensor, grads: Sequence[Optional[to
         columns += [aligned_offsets(momentum, variances, sizes), [address(v) for v in variances]]
         bounds = [math.inf] * len(sizes) if bounds is None else bounds
         inverses = [inverse_root_bc2(s) for s in sqrt_bc2s]
-        ftab = torch.tensor([float(v) for row in zip(inverses, epss, bounds) for v in row],
-                            dtype=torch.float32).to(momentum.device, non_blocking=True)
+        ftab = device_table(tuple(float(v) for row in zip(inverses, epss, bounds) for v in row),
+                            torch.float32, momentum.device)
     tab = segment_table(columns, sizes, momentum.device)
     return _compress(1, momentum, momentum, tab, len(sizes), beta1, 1, momentum.numel(), y_prev,
                      prev_scales, y_out, send, layout.n, layout.chunk, layout, ftab)

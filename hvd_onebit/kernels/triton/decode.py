@@ -13,8 +13,8 @@ from ...layout import Layout
 from ..fused_reference import inverse_root_bc2
 from .device import (NOT_ALIGNED, first_segment, frozen_denominator, load_aligned_as_f32,
                      load_as_f32, store_aligned_from_f32, store_from_f32, tile)
-from .launch import (LAUNCH, WARPS, address, aligned_offsets, as_words, geometry, kind_code,
-                     on_device, segment_table, wide)
+from .launch import (LAUNCH, WARPS, address, aligned_offsets, as_words, device_table, geometry,
+                     kind_code, on_device, segment_table, wide)
 
 
 @triton.jit
@@ -143,8 +143,8 @@ def decode(rows: torch.Tensor, out: torch.Tensor, layout: Layout,
                              aligned_offsets(out, read_w, sizes)], sizes, out.device)
         bounds = [math.inf] * len(sizes) if bounds is None else bounds
         inverses = [inverse_root_bc2(s) for s in sqrt_bc2s]
-        ftab = torch.tensor([float(v) for row in zip(steps, decays, inverses, epss, bounds)
-                             for v in row], dtype=torch.float32).to(out.device, non_blocking=True)
+        ftab = device_table(tuple(float(v) for row in zip(steps, decays, inverses, epss, bounds)
+                                  for v in row), torch.float32, out.device)
         nsegs = len(sizes)
     else:
         tab, ftab, nsegs = out, out, 1

@@ -3,6 +3,7 @@ current (one launch sequence at a time under the interpreter), segment tables, a
 :class:`DeviceFlag` (a kernel's "all finite" left on the device)."""
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from typing import Optional, Sequence
@@ -119,9 +120,19 @@ def aligned_offsets(base: torch.Tensor, tensors: Sequence[Optional[torch.Tensor]
 
 
 def segment_table(columns: Sequence[Sequence[int]], sizes: Sequence[int], device) -> torch.Tensor:
-    """int64 [starts (nsegs+1), then each column (nsegs)], on ``device``."""
+    """int64 [starts (nsegs+1), then each column (nsegs)], on ``device`` (see
+    :func:`device_table`)."""
     starts = [0]
     for s in sizes:
         starts.append(starts[-1] + int(s))
-    flat = starts + [v for col in columns for v in col]
-    return torch.tensor(flat, dtype=torch.int64).to(device, non_blocking=True)
+    return device_table(tuple(starts + [int(v) for col in columns for v in col]), torch.int64,
+                        torch.device(device))
+
+
+@functools.lru_cache(maxsize=256)
+def device_table(values: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``values`` as a tensor of ``dtype`` on ``device``, made once per distinct table: a step
+    passes the same tensors (addresses) and coefficients as the last one, so its launches
+    reuse the tables already on the device instead of building and copying them again. The
+    kernels only read them."""
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
