@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 import json
+import sys
 from typing import Optional
 
 import click
 
-from ..report import print_table
+from ..report import print_table, provenance
 from .options import cluster_for, np_option
 
 
@@ -52,6 +53,7 @@ def bench_memory_command(np_: int, bandwidth: str, layers: int, width: int, warm
                               compressed=compressed, transport=transport, device=device,
                               bucket_size_mb=bucket_mb, memory=memory_mode,
                               variance_refresh=refresh, cluster=cluster)
+    result.update(command=" ".join(["hvd-onebit", *sys.argv[1:]]), **provenance())
     if as_json:
         click.echo(json.dumps(result, indent=2))
         return
