@@ -381,6 +381,34 @@ def kernel() -> str:
     return "\n\n".join([table(header, rows), note, *notes])
 
 
+MEMORY = "memory"  # bench dev memory --world inprocess runs: each memory option, 2 to 16 ranks
+
+
+def memory() -> str:
+    """The compression phase's held and peak memory beyond Adam's own per memory option and
+    world size, with the peak's part that is the two stages' receive buffers, beside
+    ``1 + 1/n + 1/16``."""
+    files = sorted((DOCS / MEMORY).glob("*.json"), key=lambda p: (
+        not p.name.startswith("lean"), json.loads(p.read_text())["ranks"]))
+    runs = [json.loads(p.read_text()) for p in files]
+    rows = []
+    for d in runs:
+        c, n = d["phases"]["compression"], d["ranks"]
+        rows.append([f"`{d['memory']}`", n, f"{c['held_ratio']:.4f}", f"{c['peak_ratio']:.4f}",
+                     f"{c['max_step_transient_bytes'] / d['param_bytes']:.4f}",
+                     f"{1 + 1 / n + 1 / 16:.4f}" if d["memory"] == "lean" else "-"])
+    header = ["memory", "ranks", "held over the parameters' fp32 bytes", "peak",
+              "peak over held (the receive buffers)", "lean's bound: 1 + 1/n + 1/16"]
+    first = files[0]
+    commits = sorted({d.get("commit") for d in runs})
+    note = (f"{len(runs)} runs, {runs[0]['layers']} layers of {runs[0]['width']}^2 "
+            f"({runs[0]['param_bytes'] / 2**20:.0f} MiB of fp32 parameters), commit"
+            f"{'s' if len(commits) > 1 else ''} {', '.join(map(str, commits))}; "
+            f"peak: {runs[0]['peak_method']}.")
+    return "\n\n".join([table(header, rows), note,
+                         provenance(f"{MEMORY}/{first.name}", json.loads(first.read_text()))])
+
+
 STEP = "step_time"  # bench train runs with the 8-lane kernels (before_*) and the default (after_*)
 BREAKDOWN = ("backward", "compress", "wait", "server", "decode")
 
@@ -583,7 +611,8 @@ PARTS: Dict[str, Callable[[], str]] = {
     "freeze_digits": lambda: freeze_runs("digits"), "zoo": zoo,
     "zoo_long": lambda: zoo("zoo_long"), "fading": fading,
     "headline_ddp": lambda: headline("ddp/convergence.json"), "zoo_faces": zoo_faces,
-    "ddp_train": ddp_train, "granularity": granularity, "kernel": kernel, "refresh_predict": refresh_predict,
+    "ddp_train": ddp_train, "granularity": granularity, "kernel": kernel, "memory": memory,
+    "refresh_predict": refresh_predict,
     "refresh_digits": refresh_digits,
     "step_time": step_time, "gpu": gpu}
 # Which generated parts each Markdown file holds, in its <!-- generated:NAME --> blocks.
@@ -593,7 +622,7 @@ BLOCKS: Dict[str, Sequence[str]] = {
     "docs/gpu.md": ("gpu",),
     "docs/results.md": ("headline", "freeze_lm", "freeze_digits", "zoo", "zoo_long", "fading",
                         "refresh_digits", "refresh_predict", "headline_ddp", "zoo_faces", "ddp_train", "kernel",
-                        "step_time",
+                        "memory", "step_time",
                         "granularity"),
 }
 
