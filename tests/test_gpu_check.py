@@ -37,6 +37,13 @@ def test_dry_run_checks_bits_and_virtual_ranks_on_cpu(tmp_path):
     assert vr["ranks_identical"], f"the virtual ranks' results differ: {vr}"
     assert vr["equal_to_native_cpu"], f"the virtual ranks differ from the native CPU kernels: {vr}"
     assert {checks[k]["skipped"] for k in ("ratios", "memory", "host_syncs")} == {"needs CUDA"}
+    cost = checks["host_cost"]
+    timed = {k for k, e in cost["passes"].items() if e["host_us_per_call"] > 0}
+    assert timed == {"add", "compress", "server", "decode", "momentum_compress",
+                     "momentum_compress_preconditioned", "decode_update",
+                     "decode_update_preconditioned"}, f"host_cost timed {sorted(timed)}"
+    assert "worker_compress_momentum" in cost["profile_momentum_compress_preconditioned"], \
+        f"the profile names no compression: {cost['profile_momentum_compress_preconditioned']}"
 
 
 def test_without_cuda_the_report_says_so():

@@ -11,6 +11,10 @@ Checks (each in its own try/except; a failure is reported in the JSON, the other
   weights, held elements), n = 1..4, sizes not a multiple of 8, finer blocks.
 * ``ratios``: ``hvd-onebit bench dev kernel --device cuda``: each kernel's element rate as a ratio
   to torch.add on the device (the target: >= 0.5 from 16M to 256M elements).
+* ``host_cost``: per Triton pass at 16M elements, the host's time to issue one call (no
+  synchronization) and the time per call issued back to back (one pair of events around
+  them), beside torch.add's; and the host's functions by cumulative time (cProfile) for the
+  default step's first pass: whether a pass is bound by its kernels or by its launch.
 * ``virtual_ranks``: 2 ranks as threads on one device through the in-process transport,
   ``OneBitAllreduce(..., device=..., backend="triton")``: ranks identical, and the bits of the
   same calls with the native kernels on CPU.
@@ -349,6 +353,63 @@ def check_ratios(numels) -> dict:
             "one_scale_per_chunk": per_chunk}
 
 
+def check_host_cost(device: str, numel: int = 16 << 20, calls: int = 50, ranks: int = 4,
+                    profiled: str = "momentum_compress_preconditioned") -> dict:
+    """Where a Triton pass's time goes at ``numel`` elements (the default layout): per call,
+    the host's time to issue it with nothing synchronized (what a training loop's CPU pays),
+    and the time per call when ``calls`` are issued back to back (events around them on CUDA:
+    the larger of the host's and the kernels' time; the host's time on CPU), each beside
+    torch.add's; then the host's top functions by cumulative time for ``profiled``. A
+    measurement, no target (``ok`` is None)."""
+    import cProfile
+    import io
+    import pstats
+
+    import torch
+    from hvd_onebit.config import DEFAULT_BLOCK_SIZE
+    from hvd_onebit_tools.bench.kernel import _buffers, _calls, _fused_calls
+    L, b = _buffers(numel, ranks, device, DEFAULT_BLOCK_SIZE)
+    passes = {"add": lambda: torch.add(b.x, b.y_prev[:numel], out=b.y)}
+    passes.update({k: fn for k, (fn, _) in {**_calls(L, b, "triton"),
+                                            **_fused_calls(L, b, "triton")}.items()})
+    cuda = device == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    out = {"ok": None, "numel": numel, "calls": calls, "block_size": DEFAULT_BLOCK_SIZE,
+           "passes": {}}
+    for name, fn in passes.items():
+        fn()  # compiles it, on first use
+        sync()
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if cuda else None
+        if cuda:
+            events[0].record()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        host = (time.perf_counter() - start) / calls
+        if cuda:
+            events[1].record()
+            events[1].synchronize()
+        issued = events[0].elapsed_time(events[1]) / 1e3 / calls if cuda else host
+        sync()
+        out["passes"][name] = {"host_us_per_call": host * 1e6,
+                               "back_to_back_us_per_call": issued * 1e6}
+    add = out["passes"]["add"]
+    for e in out["passes"].values():
+        e["back_to_back_ratio_to_add"] = add["back_to_back_us_per_call"] / \
+            e["back_to_back_us_per_call"]
+        e["host_over_add_host"] = e["host_us_per_call"] / add["host_us_per_call"]
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        passes[profiled]()
+    prof.disable()
+    sync()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).strip_dirs().sort_stats("cumulative").print_stats(20)
+    out[f"profile_{profiled}"] = text.getvalue()[-6000:]
+    return out
+
+
 SWEEP = ((8, 2048, 64), (8, 2048, None), (8, 1024, 64), (8, 1024, None), (8, 512, None),
          (4, 1024, None))
 
@@ -604,6 +665,7 @@ def run(dry_run: bool, numels, out: Optional[Path] = None, only=None) -> dict:
                 ("virtual_ranks", check_virtual_ranks, (device, 4099)),
                 ("compressed_step", check_compressed_step, (device, 64, 3)),
                 ("memory_lean", check_memory_lean, (device, (2, 8), 3, 64)),
+                ("host_cost", check_host_cost, (device, 4096, 2)),
                 ("step_time", check_step_time, (device, (2,), 64, 3, 2))]
         skipped = ("ratios", "memory", "host_syncs", "bits_large", "ddp_face", "kernel_sweep")
     else:
@@ -613,6 +675,7 @@ def run(dry_run: bool, numels, out: Optional[Path] = None, only=None) -> dict:
                 ("memory", check_memory, (16 << 20,)),
                 ("host_syncs", check_host_syncs, (16 << 20,)),
                 ("ratios", check_ratios, (numels,)),
+                ("host_cost", check_host_cost, (device,)),
                 ("kernel_sweep", check_kernel_sweep, (device,)),
                 ("memory_lean", check_memory_lean, (device,)),
                 ("step_time", check_step_time, (device,)),
