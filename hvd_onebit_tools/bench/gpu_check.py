@@ -466,6 +466,7 @@ def check_memory_lean(device: str, ranks=(2, 8, 16), layers: int = 4, width: int
         entry = {"ranks": n, "buckets": r["buckets"], "param_bytes": r["param_bytes"],
                  "held_ratio": c["held_ratio"], "peak_ratio": c["peak_ratio"],
                  "bound_1_plus_1_over_n_plus_1_over_16": bound,
+                 "held_within_bound": c["held_ratio"] <= bound,
                  "within_bound": c["peak_ratio"] <= bound,
                  "within_1_25": c["peak_ratio"] <= 1.25 if n >= 8 else None}
         if device == "cuda":  # on CPU (--dry-run) the sizes are too small for the bounds
