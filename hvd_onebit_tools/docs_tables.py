@@ -388,9 +388,9 @@ def memory() -> str:
     """The compression phase's held and peak memory beyond Adam's own per memory option and
     world size, with the peak's part that is the two stages' receive buffers, beside
     ``1 + 1/n + 1/16``."""
-    files = sorted((DOCS / MEMORY).glob("*.json"), key=lambda p: (
-        not p.name.startswith("lean"), json.loads(p.read_text())["ranks"]))
-    runs = [json.loads(p.read_text()) for p in files]
+    loaded = sorted(((p, json.loads(p.read_text())) for p in (DOCS / MEMORY).glob("*.json")),
+                    key=lambda pd: (pd[1]["memory"] != "lean", pd[1]["ranks"]))
+    runs = [d for _, d in loaded]
     rows = []
     for d in runs:
         c, n = d["phases"]["compression"], d["ranks"]
@@ -399,14 +399,14 @@ def memory() -> str:
                      f"{1 + 1 / n + 1 / 16:.4f}" if d["memory"] == "lean" else "-"])
     header = ["memory", "ranks", "held over the parameters' fp32 bytes", "peak",
               "peak over held (the receive buffers)", "lean's bound: 1 + 1/n + 1/16"]
-    first = files[0]
+    first, first_run = loaded[0]
     commits = sorted({d.get("commit") for d in runs})
     note = (f"{len(runs)} runs, {runs[0]['layers']} layers of {runs[0]['width']}^2 "
             f"({runs[0]['param_bytes'] / 2**20:.0f} MiB of fp32 parameters), commit"
             f"{'s' if len(commits) > 1 else ''} {', '.join(map(str, commits))}; "
             f"peak: {runs[0]['peak_method']}.")
     return "\n\n".join([table(header, rows), note,
-                         provenance(f"{MEMORY}/{first.name}", json.loads(first.read_text()))])
+                         provenance(f"{MEMORY}/{first.name}", first_run)])
 
 
 STEP = "step_time"  # bench train runs with the 8-lane kernels (before_*) and the default (after_*)

@@ -28,9 +28,8 @@ scale per block beyond y.
 from .backend import (BACKENDS, _triton_interpreted, in_place, native_available, native_module,
                       native_ready, pick, resolve_backend, triton_available, triton_module)
 from .denominators import denominators, divide_by_denominators, refresh_moments
-from .ops import (decode, rescale_error, server_compress, server_error, worker_compress,
-                  worker_error)
-from .reference import exact_div
+from .ops import decode, rescale_error, server_compress, worker_compress
+from .reference import exact_div, server_error, worker_error
 from .rows import pack_signs, row_scales, row_status, unpack_signs
 
 __all__ = ["BACKENDS", "decode", "denominators", "divide_by_denominators", "exact_div", "in_place", "native_available", "native_module", "native_ready", "pack_signs", "pick",

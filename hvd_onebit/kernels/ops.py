@@ -1,5 +1,5 @@
 """The three sign-compression kernels as callers see them: worker compress, server average and
-recompress, decode; and the two factored errors materialised. Each asks
+recompress, decode; and a factored error scaled in place. Each asks
 :func:`~hvd_onebit.kernels.backend.pick` which implementation runs it (native C++, Triton or the
 torch twin of :mod:`~hvd_onebit.kernels.reference`) and calls it; every implementation gives the
 same bits.
@@ -92,19 +92,6 @@ def decode(rows: torch.Tensor, out: torch.Tensor, layout: Layout, backend: str =
         native_module().decode(rows, out, *layout.as_args(), True)
     else:
         reference.decode(rows, out, layout)
-
-
-def worker_error(y: torch.Tensor, scales: torch.Tensor, layout: Layout) -> torch.Tensor:
-    """The worker error ``e = y - s * sign(y)`` as float32 [padded], a fresh tensor, from its
-    factored form: ``y`` float32 [padded], the ``scales`` float32 [n * nblocks] of the rows
-    sent (their signs were y's own). Torch ops on any device (for checkpoints and flushes)."""
-    return reference.worker_error(y, scales, layout)
-
-
-def server_error(z: torch.Tensor, scales: torch.Tensor, layout: Layout) -> torch.Tensor:
-    """The server error ``e_s = z - s * sign(z)`` as float32 [chunk], a fresh tensor, from its
-    factored form: ``z`` float32 [chunk], the ``scales`` float32 [nblocks] of the row sent."""
-    return reference.server_error(z, scales, layout)
 
 
 def rescale_error(y: torch.Tensor, scales: torch.Tensor, ratio: torch.Tensor, layout: Layout,

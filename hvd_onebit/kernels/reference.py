@@ -57,7 +57,10 @@ def factored_error(y: torch.Tensor, scales: torch.Tensor, layout: Layout,
 
 
 def worker_error(y: torch.Tensor, scales: torch.Tensor, layout: Layout) -> torch.Tensor:
-    """The worker error ``e = y - s * sign(y)`` as float32 [padded], from its factored form."""
+    """The worker error ``e = y - s * sign(y)`` as float32 [padded], a fresh tensor, from its
+    factored form: ``y`` float32 [padded], the ``scales`` float32 [n * nblocks] of the rows
+    sent (their signs were y's own). The one implementation, on any device (it serves
+    checkpoints and flushes; the compressions rebuild the error inside their own pass)."""
     return factored_error(y, scales, layout, layout.n)
 
 
@@ -81,7 +84,8 @@ def server_compress(recv: torch.Tensor, z_prev: torch.Tensor, prev_scales: torch
 
 
 def server_error(z: torch.Tensor, scales: torch.Tensor, layout: Layout) -> torch.Tensor:
-    """The server error ``e_s = z - s * sign(z)`` as float32 [chunk], from its factored form."""
+    """The server error ``e_s = z - s * sign(z)`` as float32 [chunk], a fresh tensor, from its
+    factored form: ``z`` float32 [chunk], the ``scales`` float32 [nblocks] of the row sent."""
     return factored_error(z, scales, layout, 1)
 
 
