@@ -4,7 +4,7 @@
 
     model = DDP(model)
     opt = hvd_onebit.ddp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=lr),
-                                              model, freeze_step=int(0.05 * total_steps))
+                                              model, freeze_step=max(1, total_steps // 20))
 
 The same engine as the Horovod face (:func:`hvd_onebit.DistributedOptimizer`), on
 torch.distributed alone: importing this package never imports Horovod.
