@@ -5,6 +5,7 @@ exception comes back as data, so only the tests of that scenario fail (tests/sce
 """
 import numpy as np
 import pytest
+import torch
 
 from hvd_onebit.layout import Layout
 from hvd_onebit.transport.inprocess import run_threads
@@ -222,3 +223,45 @@ def test_mpi_transport_needs_an_mpi_job(without_mpi):
     results = without_mpi
     for rank, message in enumerate(results):
         assert message and "launched with MPI" in message, f"rank {rank}: {message!r}"
+
+
+def test_the_rows_belong_to_the_call_the_errors_to_the_collective():
+    """Between calls a collective holds its errors alone: y (padded float32), z (chunk float32)
+    and the scales of the rows last sent (a float32 per block of each); the fast memory adds
+    its spare y and z. The rows live with the call: the lean one lets its sent rows go once
+    stage 1 is in (the commit writes them again), the fast one keeps them for the commit."""
+    from hvd_onebit.comm.flat import OneBitAllreduce
+    from hvd_onebit_tools.bench.memory import reachable_storages
+
+    n, numel = 4, 10_000
+
+    def rank_fn(t):
+        x = torch.randn(numel, generator=torch.Generator().manual_seed(t.rank))
+        out = {}
+        for spare in (False, True):
+            c = OneBitAllreduce(numel, transport=t, block_size=512, spare_errors=spare,
+                                name=f"spare{spare}")
+            c.allreduce(x)
+            handle = c.allreduce_async(x)
+            c.claim(handle)
+            c.wait_stage1(handle)
+            out[spare, "send kept after stage 1"] = handle.send is not None
+            c.start_stage2(handle)
+            c.wait_stage2(handle)
+            out[spare, "server row kept after stage 2"] = handle.server_row is not None
+            c.commit(handle, None)
+            c.release()
+            out[spare, "held"] = sum(reachable_storages(c).values())
+            out[spare, "layout"] = c.layout
+        return out
+
+    for rank, got in enumerate(run_threads(n, rank_fn)):
+        L = got[False, "layout"]
+        errors = 4 * (L.padded + L.chunk + L.n * L.nblocks + L.nblocks)
+        want = {(False, "held"): errors, (True, "held"): errors + 4 * (L.padded + L.chunk),
+                (False, "send kept after stage 1"): False, (True, "send kept after stage 1"): True,
+                (False, "server row kept after stage 2"): False,
+                (True, "server row kept after stage 2"): True}
+        assert {k: got[k] for k in want} == want, (
+            f"rank {rank} (padded {L.padded}, chunk {L.chunk}, {L.nblocks} blocks per row, rows "
+            f"of {L.row_bytes} bytes): got {[(k, got[k]) for k in want]}, want {want}")

@@ -25,9 +25,11 @@ One buffer per error, not two (``spare_errors=False``, the lean mode): the compr
 before each stage write only the rows (the error's new y, or z, is not stored), and once every
 rank's status words said the call succeeded, the commit runs each pass again with y (z) updated in
 place, which gives the same bits from the same inputs. So the input must not change between
-``allreduce_async`` and the end of ``synchronize``. Memory beyond the input and output: the
-worker error (``padded`` float32), the server error (``chunk`` float32) and a few rows of
-``padded / 8`` bytes; traffic: one more pass over the input and the worker error per call. With
+``allreduce_async`` and the end of ``synchronize``. Memory beyond the input and output: held
+from call to call, the worker error (``padded`` float32) and the server error (``chunk``
+float32), each with its rows' scales; during a call, the rows on the wire, at most two sets of
+``padded / 8`` bytes at once (the commit lets stage 1's received rows go before it writes the
+worker's rows again); traffic: one more pass over the input and the worker error per call. With
 ``spare_errors=True`` the passes write the new y and z beside the committed ones and the commit
 swaps them: one more ``padded + chunk`` float32, no pass repeated (where compute, not memory,
 is short: a CPU).
@@ -72,6 +74,10 @@ class AllreduceHandle:
     out32: torch.Tensor
     stage1: object = None  # transport handle of the alltoall, None without communication
     stage2: object = None  # transport handle of the allgather, once started
+    # The rows this rank sends, the worker's n and the server's one: kept until their stage is
+    # in, or with spare errors until the commit, which reads their scales.
+    send: Optional[torch.Tensor] = None
+    server_row: Optional[torch.Tensor] = None
     recv: Optional[torch.Tensor] = None  # stage 1's received rows
     gathered: Optional[torch.Tensor] = None  # stage 2's received rows
     local: Optional[torch.Tensor] = None  # no communication: the input, the output once committed
@@ -251,21 +257,27 @@ class OneBitAllreduce(TransactionalCollective):
         L = self.layout
         handle.source = src if src is not None else x32
         # the rows only (y is stored at the commit), or y beside the committed one
-        self._compress(handle.source, y_out=self.errors.worker_y_next)
+        handle.send = self._rows(L.n)
+        self._compress(handle.source, y_out=self.errors.worker_y_next, send=handle.send)
         # Sent even when this rank's input was bad: the status word tells every peer.
-        handle.stage1 = self.transport.alltoall_async(self.errors.send.view(L.n, L.row_bytes),
+        handle.stage1 = self.transport.alltoall_async(handle.send.view(L.n, L.row_bytes),
                                                       name=f"{self.name}.alltoall")
         self._in_flight = True
         return handle
 
-    def _compress(self, source, y_out: Optional[torch.Tensor]) -> None:
-        """The worker compression of ``source`` (a tensor or an InputProducer) into ``_send``,
-        from the committed error (``worker_y``, ``sent_scales``); y into ``y_out`` (None: not
-        stored)."""
+    def _rows(self, count: int) -> torch.Tensor:
+        """uint8 [count * row_bytes]: rows of one call, which live only as long as the call
+        needs them (every byte is written by the compression pass)."""
+        return torch.empty(count * self.layout.row_bytes, dtype=torch.uint8, device=self.device)
+
+    def _compress(self, source, y_out: Optional[torch.Tensor], send: torch.Tensor) -> None:
+        """The worker compression of ``source`` (a tensor or an InputProducer) into the rows
+        ``send``, from the committed error (``worker_y``, ``sent_scales``); y into ``y_out``
+        (None: not stored)."""
         e = self.errors
         compress = (source.compress if not isinstance(source, torch.Tensor) else
                     lambda *args: kernels.worker_compress(source, *args))
-        compress(e.worker_y, e.sent_scales, y_out, e.send, self.layout, self.backend)
+        compress(e.worker_y, e.sent_scales, y_out, send, self.layout, self.backend)
 
     # ---- the phases of a call, driven by synchronize_all ------------------------------------------
 
@@ -278,6 +290,8 @@ class OneBitAllreduce(TransactionalCollective):
             return Status(handle.local_bad, [self.rank])
         stage1, handle.stage1 = handle.stage1, None
         handle.recv = self.transport.wait(stage1).reshape(-1)
+        if not self.spare_errors:
+            handle.send = None  # sent; the lean commit writes its rows again
         return self._statuses(handle.recv)
 
     def start_stage2(self, handle: AllreduceHandle) -> None:
@@ -287,11 +301,12 @@ class OneBitAllreduce(TransactionalCollective):
             return
         L = self.layout
         e = self.errors
+        handle.server_row = self._rows(1)
         kernels.server_compress(handle.recv, e.server_z, e.server_scales, e.server_z_next,
-                                e.server_row, L, self.backend)
+                                handle.server_row, L, self.backend)
         if handle.stale:
-            kernels.row_status(e.server_row, L, 1).fill_(STALE)
-        handle.stage2 = self.transport.allgather_async(e.server_row.view(1, L.row_bytes),
+            kernels.row_status(handle.server_row, L, 1).fill_(STALE)
+        handle.stage2 = self.transport.allgather_async(handle.server_row.view(1, L.row_bytes),
                                                        name=f"{self.name}.allgather")
 
     def wait_stage2(self, handle: AllreduceHandle) -> Status:
@@ -301,6 +316,8 @@ class OneBitAllreduce(TransactionalCollective):
             return Status.none()
         stage2, handle.stage2 = handle.stage2, None
         handle.gathered = self.transport.wait(stage2).reshape(-1)
+        if not self.spare_errors:
+            handle.server_row = None
         status = kernels.row_status(handle.gathered, self.layout, self.layout.n)
         handle.stale_from = Status(status == STALE, list(range(self.layout.n)))
         return Status(status != 0, list(range(self.layout.n)))
@@ -313,6 +330,7 @@ class OneBitAllreduce(TransactionalCollective):
             setattr(handle, attr, None)
             if pending is not None:
                 self.transport.wait(pending)
+        handle.send = handle.server_row = None
 
     def decode_only(self, handle: AllreduceHandle) -> torch.Tensor:
         """Decode stage 2's rows into the float32 output without committing anything (for a
@@ -329,14 +347,21 @@ class OneBitAllreduce(TransactionalCollective):
         L = self.layout
         applied = False
         if handle.gathered is not None:
+            e = self.errors
             if self.spare_errors:
-                self.errors.adopt_spares()
+                e.adopt_spares()
+                sent, served = handle.send, handle.server_row
             else:
-                self._compress(handle.source, y_out=self.errors.worker_y)
-                e = self.errors
+                # The server's pass first: stage 1's rows are let go before the worker's rows
+                # are written again, so at most two sets of rows are alive at once.
+                served = self._rows(1)
                 kernels.server_compress(handle.recv, e.server_z, e.server_scales, e.server_z,
-                                        e.server_row, L, self.backend)
-            self.errors.adopt_rows()
+                                        served, L, self.backend)
+                handle.recv = None
+                sent = self._rows(L.n)
+                self._compress(handle.source, y_out=e.worker_y, send=sent)
+            e.adopt_rows(sent, served)
+            del sent, served
             applied = (epilogue is not None and not handle.decoded
                        and handle.out32.data_ptr() == handle.out.data_ptr())
             if applied:
@@ -352,6 +377,7 @@ class OneBitAllreduce(TransactionalCollective):
         if epilogue is not None and not applied:
             epilogue.apply(handle.out)
         handle.recv = handle.gathered = handle.local = handle.source = None
+        handle.send = handle.server_row = None
         self.last_seconds = time.perf_counter() - handle.started
         self.calls += 1
 

@@ -35,31 +35,29 @@ class FlatErrorFeedback:
         self.block_size, self.backend = block_size, backend
         L = layout
         f32 = dict(dtype=torch.float32, device=device)
-        u8 = dict(dtype=torch.uint8, device=device)
         # The worker error, factored as the last call's y and the scales of the rows it sent
-        # (e = y - s * sign(y)); zero y and zero scales mean e = 0. The rows themselves are
-        # written into `send` by each call; their scales are kept at the commit.
+        # (e = y - s * sign(y)); zero y and zero scales mean e = 0. The rows themselves belong
+        # to the call that sends them; their scales are kept at the commit.
         self.worker_y = torch.zeros(L.padded, **f32)
         self.worker_y_next = torch.zeros(L.padded, **f32) if spare else None
         self.sent_scales = torch.zeros(L.n * L.nblocks, **f32)
-        self.send = torch.zeros(L.n * L.row_bytes, **u8)
         # The server error, factored the same way: the last call's z and its row's scales.
         self.server_z = torch.zeros(L.chunk, **f32)
         self.server_z_next = torch.zeros(L.chunk, **f32) if spare else None
         self.server_scales = torch.zeros(L.nblocks, **f32)
-        self.server_row = torch.zeros(L.row_bytes, **u8)
 
     def adopt_spares(self) -> None:
         """The commit with spare buffers: the y and z the passes wrote become the errors."""
         self.worker_y, self.worker_y_next = self.worker_y_next, self.worker_y
         self.server_z, self.server_z_next = self.server_z_next, self.server_z
 
-    def adopt_rows(self) -> None:
-        """The commit: the scales of the rows just sent become the errors' scales (their signs
-        are those of the y and z just stored)."""
+    def adopt_rows(self, sent: torch.Tensor, served: torch.Tensor) -> None:
+        """The commit: the scales of the rows just sent (``sent``: the worker's n rows,
+        ``served``: the server's row) become the errors' scales (their signs are those of the
+        y and z just stored)."""
         L = self.layout
-        self.sent_scales.view(L.n, L.nblocks).copy_(kernels.row_scales(self.send, L, L.n))
-        self.server_scales.view(1, L.nblocks).copy_(kernels.row_scales(self.server_row, L, 1))
+        self.sent_scales.view(L.n, L.nblocks).copy_(kernels.row_scales(sent, L, L.n))
+        self.server_scales.view(1, L.nblocks).copy_(kernels.row_scales(served, L, 1))
 
     @property
     def worker_error(self) -> torch.Tensor:

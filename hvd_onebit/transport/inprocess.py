@@ -149,9 +149,10 @@ def _finish_device_work(tensors: list[torch.Tensor]) -> None:
 class InProcessTransport:
     """Rank ``rank`` of an :class:`InProcessWorld`: the :class:`Transport` of a virtual rank.
 
-    Sent tensors are copied when an op starts (the sender may reuse its buffer at once), on their
-    own device, CPU or CUDA; results come back on the device the receiving rank sent from. Use
-    one transport object per rank and thread.
+    Sent tensors are read in place when the last rank joins the op, as a real transport reads
+    them while the op is on the wire: the sender leaves them unchanged until its wait returns.
+    Results come back on the device the receiving rank sent from, CPU or CUDA. Use one
+    transport object per rank and thread.
     """
 
     name = "inprocess"
@@ -169,18 +170,20 @@ class InProcessTransport:
         self._started[name] += 1
         return self.world.join(self.rank, name, seq, kind, payload)
 
-    def _snapshot(self, t: torch.Tensor) -> torch.Tensor:
-        copy = t.detach().clone(memory_format=torch.contiguous_format)
-        _finish_device_work([copy])
-        return copy
+    def _sent(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` as the op reads it, once the work queued on this thread's stream (which wrote
+        it) is done: the rank that completes the op reads it from another thread."""
+        t = t.detach()
+        _finish_device_work([t])
+        return t
 
     def alltoall_async(self, rows: torch.Tensor, name: str) -> _Op:
         """rows: [size, row_bytes]; row j goes to rank j."""
-        return self._join("alltoall", name, self._snapshot(rows))
+        return self._join("alltoall", name, self._sent(rows))
 
     def allgather_async(self, row: torch.Tensor, name: str) -> _Op:
         """row: [k, ...]; every rank receives every rank's rows, concatenated in rank order."""
-        return self._join("allgather", name, self._snapshot(row))
+        return self._join("allgather", name, self._sent(row))
 
     def wait(self, handle: _Op) -> torch.Tensor:
         return self.world.wait(handle, self.rank)

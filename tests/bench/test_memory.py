@@ -3,8 +3,9 @@
 What the optimizer holds is counted exactly (tensor storages reachable from it, Adam's own left
 out), so it is asserted; the transient of a step is measured from the resident set and only
 bounded loosely. The held memory is the worker error (1x the parameters), one chunk of server
-error (1/n) and the wire rows (about 1/16): the 1.25x target is within reach from n = 8 ranks on,
-so the target is asserted on 16 virtual ranks.
+error (1/n) and the scales of the rows last sent; the peak adds the rows of a call in flight
+(two sets of about 1/32 each): the 1.25x target is within reach from n = 8 ranks on, so the
+target is asserted on 16 virtual ranks.
 """
 import json
 import subprocess
