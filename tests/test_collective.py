@@ -228,8 +228,7 @@ def test_mpi_transport_needs_an_mpi_job(without_mpi):
 def test_the_rows_belong_to_the_call_the_errors_to_the_collective():
     """Between calls a collective holds its errors alone: y (padded float32), z (chunk float32)
     and the scales of the rows last sent (a float32 per block of each); the fast memory adds
-    its spare y and z. The rows live with the call: the lean one lets its sent rows go once
-    stage 1 is in (the commit writes them again), the fast one keeps them for the commit."""
+    its spare y and z. The rows live with the call, each set until its stage is in."""
     from hvd_onebit.comm.flat import OneBitAllreduce
     from hvd_onebit_tools.bench.memory import reachable_storages
 
@@ -259,9 +258,8 @@ def test_the_rows_belong_to_the_call_the_errors_to_the_collective():
         L = got[False, "layout"]
         errors = 4 * (L.padded + L.chunk + L.n * L.nblocks + L.nblocks)
         want = {(False, "held"): errors, (True, "held"): errors + 4 * (L.padded + L.chunk),
-                (False, "send kept after stage 1"): False, (True, "send kept after stage 1"): True,
-                (False, "server row kept after stage 2"): False,
-                (True, "server row kept after stage 2"): True}
+                **{(spare, kept): False for spare in (False, True)
+                   for kept in ("send kept after stage 1", "server row kept after stage 2")}}
         assert {k: got[k] for k in want} == want, (
             f"rank {rank} (padded {L.padded}, chunk {L.chunk}, {L.nblocks} blocks per row, rows "
             f"of {L.row_bytes} bytes): got {[(k, got[k]) for k in want]}, want {want}")

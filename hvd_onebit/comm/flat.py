@@ -74,10 +74,12 @@ class AllreduceHandle:
     out32: torch.Tensor
     stage1: object = None  # transport handle of the alltoall, None without communication
     stage2: object = None  # transport handle of the allgather, once started
-    # The rows this rank sends, the worker's n and the server's one: kept until their stage is
-    # in, or with spare errors until the commit, which reads their scales.
+    # The rows this rank sends, the worker's n and the server's one, kept until their stage is
+    # in; with spare errors, their scales, which the commit adopts.
     send: Optional[torch.Tensor] = None
     server_row: Optional[torch.Tensor] = None
+    sent_scales: Optional[torch.Tensor] = None
+    served_scales: Optional[torch.Tensor] = None
     recv: Optional[torch.Tensor] = None  # stage 1's received rows
     gathered: Optional[torch.Tensor] = None  # stage 2's received rows
     local: Optional[torch.Tensor] = None  # no communication: the input, the output once committed
@@ -259,6 +261,8 @@ class OneBitAllreduce(TransactionalCollective):
         # the rows only (y is stored at the commit), or y beside the committed one
         handle.send = self._rows(L.n)
         self._compress(handle.source, y_out=self.errors.worker_y_next, send=handle.send)
+        if self.spare_errors:
+            handle.sent_scales = kernels.row_scales(handle.send, L, L.n).clone()
         # Sent even when this rank's input was bad: the status word tells every peer.
         handle.stage1 = self.transport.alltoall_async(handle.send.view(L.n, L.row_bytes),
                                                       name=f"{self.name}.alltoall")
@@ -290,8 +294,7 @@ class OneBitAllreduce(TransactionalCollective):
             return Status(handle.local_bad, [self.rank])
         stage1, handle.stage1 = handle.stage1, None
         handle.recv = self.transport.wait(stage1).reshape(-1)
-        if not self.spare_errors:
-            handle.send = None  # sent; the lean commit writes its rows again
+        handle.send = None  # sent
         return self._statuses(handle.recv)
 
     def start_stage2(self, handle: AllreduceHandle) -> None:
@@ -304,6 +307,8 @@ class OneBitAllreduce(TransactionalCollective):
         handle.server_row = self._rows(1)
         kernels.server_compress(handle.recv, e.server_z, e.server_scales, e.server_z_next,
                                 handle.server_row, L, self.backend)
+        if self.spare_errors:
+            handle.served_scales = kernels.row_scales(handle.server_row, L, 1).clone()
         if handle.stale:
             kernels.row_status(handle.server_row, L, 1).fill_(STALE)
         handle.stage2 = self.transport.allgather_async(handle.server_row.view(1, L.row_bytes),
@@ -316,8 +321,7 @@ class OneBitAllreduce(TransactionalCollective):
             return Status.none()
         stage2, handle.stage2 = handle.stage2, None
         handle.gathered = self.transport.wait(stage2).reshape(-1)
-        if not self.spare_errors:
-            handle.server_row = None
+        handle.server_row = None  # sent
         status = kernels.row_status(handle.gathered, self.layout, self.layout.n)
         handle.stale_from = Status(status == STALE, list(range(self.layout.n)))
         return Status(status != 0, list(range(self.layout.n)))
@@ -330,7 +334,7 @@ class OneBitAllreduce(TransactionalCollective):
             setattr(handle, attr, None)
             if pending is not None:
                 self.transport.wait(pending)
-        handle.send = handle.server_row = None
+        handle.send = handle.server_row = handle.sent_scales = handle.served_scales = None
 
     def decode_only(self, handle: AllreduceHandle) -> torch.Tensor:
         """Decode stage 2's rows into the float32 output without committing anything (for a
@@ -350,7 +354,7 @@ class OneBitAllreduce(TransactionalCollective):
             e = self.errors
             if self.spare_errors:
                 e.adopt_spares()
-                sent, served = handle.send, handle.server_row
+                e.adopt_scales(handle.sent_scales, handle.served_scales)
             else:
                 # The server's pass first: stage 1's rows are let go before the worker's rows
                 # are written again, so at most two sets of rows are alive at once.
@@ -360,8 +364,8 @@ class OneBitAllreduce(TransactionalCollective):
                 handle.recv = None
                 sent = self._rows(L.n)
                 self._compress(handle.source, y_out=e.worker_y, send=sent)
-            e.adopt_rows(sent, served)
-            del sent, served
+                e.adopt_scales(kernels.row_scales(sent, L, L.n), kernels.row_scales(served, L, 1))
+                del sent, served
             applied = (epilogue is not None and not handle.decoded
                        and handle.out32.data_ptr() == handle.out.data_ptr())
             if applied:
@@ -377,7 +381,7 @@ class OneBitAllreduce(TransactionalCollective):
         if epilogue is not None and not applied:
             epilogue.apply(handle.out)
         handle.recv = handle.gathered = handle.local = handle.source = None
-        handle.send = handle.server_row = None
+        handle.send = handle.server_row = handle.sent_scales = handle.served_scales = None
         self.last_seconds = time.perf_counter() - handle.started
         self.calls += 1
 

@@ -51,13 +51,13 @@ class FlatErrorFeedback:
         self.worker_y, self.worker_y_next = self.worker_y_next, self.worker_y
         self.server_z, self.server_z_next = self.server_z_next, self.server_z
 
-    def adopt_rows(self, sent: torch.Tensor, served: torch.Tensor) -> None:
-        """The commit: the scales of the rows just sent (``sent``: the worker's n rows,
-        ``served``: the server's row) become the errors' scales (their signs are those of the
-        y and z just stored)."""
+    def adopt_scales(self, sent: torch.Tensor, served: torch.Tensor) -> None:
+        """The commit: the scales of the rows just sent (``sent``: float32 [n, nblocks], the
+        worker's rows'; ``served``: [1, nblocks], the server's row's) become the errors' scales
+        (the rows' signs are those of the y and z just stored)."""
         L = self.layout
-        self.sent_scales.view(L.n, L.nblocks).copy_(kernels.row_scales(sent, L, L.n))
-        self.server_scales.view(1, L.nblocks).copy_(kernels.row_scales(served, L, 1))
+        self.sent_scales.view(L.n, L.nblocks).copy_(sent)
+        self.server_scales.view(1, L.nblocks).copy_(served)
 
     @property
     def worker_error(self) -> torch.Tensor:
