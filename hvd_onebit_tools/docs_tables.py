@@ -386,7 +386,7 @@ MEMORY = "memory"  # bench dev memory --world inprocess runs: each memory option
 
 def memory() -> str:
     """The compression phase's held and peak memory beyond Adam's own per memory option and
-    world size, with the peak's part that is the two stages' receive buffers, beside
+    world size, with the peak's part that is the step's rows (two sets at once), beside
     ``1 + 1/n + 1/16``."""
     loaded = sorted(((p, json.loads(p.read_text())) for p in (DOCS / MEMORY).glob("*.json")),
                     key=lambda pd: (pd[1]["memory"] != "lean", pd[1]["ranks"]))
@@ -398,7 +398,7 @@ def memory() -> str:
                      f"{c['max_step_transient_bytes'] / d['param_bytes']:.4f}",
                      f"{1 + 1 / n + 1 / 16:.4f}" if d["memory"] == "lean" else "-"])
     header = ["memory", "ranks", "held over the parameters' fp32 bytes", "peak",
-              "peak over held (the receive buffers)", "lean's bound: 1 + 1/n + 1/16"]
+              "peak over held (the step's rows)", "lean's bound: 1 + 1/n + 1/16"]
     first, first_run = loaded[0]
     commits = sorted({d.get("commit") for d in runs})
     note = (f"{len(runs)} runs, {runs[0]['layers']} layers of {runs[0]['width']}^2 "
