@@ -10,6 +10,7 @@ factory, the class it builds (the wrapped Adam class, Horovod's ``_DistributedOp
 """
 from __future__ import annotations
 
+import warnings
 from typing import Callable, Iterable, Optional
 
 import horovod.torch as hvd
@@ -78,6 +79,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                          backward_passes_per_step: int = 1,
                          op=Average,
                          gradient_predivide_factor: float = 1.0,
+                         num_groups: int = 0,
                          groups=None,
                          sparse_as_dense: bool = False,
                          process_set: hvd.ProcessSet = hvd.global_process_set,
@@ -150,6 +152,10 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
         ``last_step_bytes``, ``total_bytes``, ``last_step_comm_seconds``, ``total_comm_seconds``.
     """
     check_wrapped(optimizer, op in (Average, Sum) and op != Adasum, backward_passes_per_step)
+    if num_groups != 0:  # as Horovod treats it: the old name of an integer ``groups``
+        warnings.warn("Parameter `num_groups` has been replaced by `groups`", DeprecationWarning,
+                      stacklevel=2)
+        groups = num_groups if groups is None else groups
     config = OneBitConfig.from_options(
         freeze_step, variance_refresh=variance_refresh, hierarchical=hierarchical,
         bucket_size_mb=bucket_size_mb, transport=transport, overlap=overlap, memory=memory,

@@ -120,7 +120,7 @@ def test_variance_refresh_takes_a_preset_and_experimental_refines_it():
     ({"zero_variance": "zero"}, "zero_variance must be one of"),
     ({"intra_node": "nvlink"}, "intra_node must be one of"),
     ({"auto_freeze": {"window": 0}}, "auto_freeze window must be a positive int, got 0"),
-    ({"refresh_schedule": {"growth": 0}}, "variance_refresh growth must be a number >= 1"),
+    ({"refresh_schedule": {"growth": 0}}, "refresh_schedule growth must be a number >= 1"),
 ])
 def test_experimental_names_the_knob_and_the_bad_value(knobs, message):
     with pytest.raises(ValueError, match=message):
@@ -151,3 +151,20 @@ def test_the_options_against_the_job_are_checked_when_the_optimizer_is_built(opt
     OneBitConfig.from_options(3, **options)  # the config alone does not know the job
     with pytest.raises(ValueError, match=message):
         hvd_onebit.DistributedOptimizer(torch.optim.Adam(params), freeze_step=3, **options)
+
+
+def test_the_arguments_before_the_options_are_horovods_own_in_its_order():
+    """A Horovod script's call, positional or by keyword, binds as it did to
+    hvd.DistributedOptimizer: the same names in the same order, with the same defaults."""
+    import horovod.torch as hvd
+
+    ours = inspect.signature(hvd_onebit.DistributedOptimizer).parameters
+    theirs = inspect.signature(hvd.DistributedOptimizer).parameters
+    positional = {n: p.default for n, p in ours.items()
+                  if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD}
+    horovod = {n: p.default for n, p in theirs.items()}
+    assert list(positional) == list(horovod), \
+        f"hvd_onebit's positional arguments {list(positional)}, Horovod's {list(horovod)}"
+    differ = {n: (positional[n], horovod[n]) for n in horovod
+              if n != "optimizer" and positional[n] != horovod[n]}
+    assert not differ, f"defaults that differ (ours, Horovod's): {differ}"
