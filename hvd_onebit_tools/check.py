@@ -13,7 +13,6 @@ import sys
 from typing import Callable, List
 
 OK, FIX, INFO = "OK", "FIX", "--"
-SHM_DIR = "/dev/shm"
 SHM_ADVISED = 1 << 30  # bytes free in /dev/shm below which hierarchical's segments may not fit
 
 
@@ -104,18 +103,24 @@ def check_triton() -> Finding:
 
 
 def check_shm() -> Finding:
+    """Where the hierarchical collective's segments go (``HVD_ONEBIT_SHM_DIR``, else
+    /dev/shm), as the library resolves it."""
+    from hvd_onebit.transport.shared_memory import shm_dir
+
+    where = shm_dir()
+    network = "experimental=hvd_onebit.Experimental(intra_node='network')"
     try:
-        st = os.statvfs(SHM_DIR)
+        st = os.statvfs(where)
     except OSError as exc:
-        return Finding("/dev/shm", FIX, f"not usable ({exc}): hierarchical's shared memory "
-                       "inside a node is off", "mount a tmpfs at /dev/shm, or intra_node="
-                       "'network'")
+        return Finding(where, FIX, f"not usable ({exc}): hierarchical's shared memory inside a "
+                       "node is off", f"mount a tmpfs there, set HVD_ONEBIT_SHM_DIR to one, or "
+                       f"pass {network}")
     size, free = st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
     found = f"{size / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free (hierarchical, inside a node)"
     if free < SHM_ADVISED:
-        return Finding("/dev/shm", FIX, found, "enlarge it (docker run --shm-size=2g) or pass "
-                       "intra_node='network'")
-    return Finding("/dev/shm", OK, found)
+        return Finding(where, FIX, found, "enlarge it (docker run --shm-size=2g), set "
+                       f"HVD_ONEBIT_SHM_DIR to a larger tmpfs, or pass {network}")
+    return Finding(where, OK, found)
 
 
 def check_mpi_thread_level(timeout: float = 60.0) -> Finding:

@@ -157,3 +157,21 @@ def test_np_under_torchrun_probes_the_link_without_horovod():
     assert len(step) == 1 and "DDP fp32" in step[0] and "1-bit Adam" in step[0], lines
     reports = [line for line in lines if line.startswith("freeze point: ")]
     assert len(reports) == 1, f"rank 0 alone reports; {len(reports)} reports:\n{out.stdout}"
+
+
+def test_the_shared_memory_check_looks_where_the_library_puts_its_segments(monkeypatch, tmp_path):
+    """HVD_ONEBIT_SHM_DIR moves the segments, and the check follows it; a directory that cannot
+    hold them gets a fix the user can pass as written (the Experimental knob, not a keyword
+    the optimizer refuses)."""
+    from hvd_onebit import Experimental
+    from hvd_onebit_tools.check import check_shm
+
+    monkeypatch.setenv("HVD_ONEBIT_SHM_DIR", str(tmp_path))
+    here = check_shm()
+    assert here.part == str(tmp_path) and here.status in (OK, FIX), here
+    monkeypatch.setenv("HVD_ONEBIT_SHM_DIR", str(tmp_path / "missing"))
+    missing = check_shm()
+    assert missing.part == str(tmp_path / "missing") and missing.status == FIX, missing
+    knob = missing.fix.split("pass ", 1)[1]
+    assert knob == "experimental=hvd_onebit.Experimental(intra_node='network')", missing.fix
+    assert Experimental(intra_node="network").intra_node == "network"
