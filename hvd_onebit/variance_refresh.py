@@ -69,18 +69,18 @@ class RefreshSchedule:
 
     def __post_init__(self) -> None:
         for name in ("first_interval", "updates_per_interval"):
-            check_positive_int(f"variance_refresh {name}", getattr(self, name))
+            check_positive_int(f"refresh_schedule {name}", getattr(self, name))
         g = self.growth
         if not is_number(g) or g < 1:
-            raise ValueError(f"variance_refresh growth must be a number >= 1, got {g!r}")
+            raise ValueError(f"refresh_schedule growth must be a number >= 1, got {g!r}")
         if self.last_step is not None and (not is_int(self.last_step) or self.last_step < 1):
-            raise ValueError(f"variance_refresh last_step must be a positive int or None, got "
+            raise ValueError(f"refresh_schedule last_step must be a positive int or None, got "
                              f"{self.last_step!r}")
         if self.variance_update not in VARIANCE_UPDATES:
-            raise ValueError(f"variance_refresh variance_update must be one of "
+            raise ValueError(f"refresh_schedule variance_update must be one of "
                              f"{VARIANCE_UPDATES}, got {self.variance_update!r}")
         if self.error_feedback not in ERROR_FEEDBACK_MODES:
-            raise ValueError(f"variance_refresh error_feedback must be one of "
+            raise ValueError(f"refresh_schedule error_feedback must be one of "
                              f"{ERROR_FEEDBACK_MODES}, got {self.error_feedback!r}")
 
     @classmethod
@@ -101,11 +101,11 @@ class RefreshSchedule:
         retired = sorted(set(option) & set(RETIRED))
         if retired:
             name = retired[0]
-            raise ValueError(f"variance_refresh {name}={option[name]!r} is no longer an "
+            raise ValueError(f"refresh_schedule {name}={option[name]!r} is no longer an "
                              f"option: {RETIRED[name]}")
         unknown = sorted(set(option) - set(known))
         if unknown:
-            raise ValueError(f"variance_refresh: unknown option(s) {unknown}; known: {known}")
+            raise ValueError(f"refresh_schedule: unknown field(s) {unknown}; known: {known}")
         return cls(**option)
 
     def gap(self, group: int) -> int:

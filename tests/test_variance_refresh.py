@@ -33,15 +33,15 @@ def assert_identical(rs, name):
 
 
 def test_option_is_validated_at_construction():
-    with pytest.raises(ValueError, match="variance_refresh growth"):
+    with pytest.raises(ValueError, match="refresh_schedule growth"):
         OneBitConfig.from_options(freeze_step=3,
                                   variance_refresh="doubling",
                                   experimental=Experimental(refresh_schedule={"growth": 0}))
-    with pytest.raises(ValueError, match="variance_refresh error_feedback"):
+    with pytest.raises(ValueError, match="refresh_schedule error_feedback"):
         OneBitConfig.from_options(freeze_step=3,
                                   variance_refresh="doubling",
                                   experimental=Experimental(refresh_schedule={"error_feedback": "drop"}))
-    with pytest.raises(ValueError, match="variance_refresh variance_update"):
+    with pytest.raises(ValueError, match="refresh_schedule variance_update"):
         OneBitConfig.from_options(freeze_step=3,
                                   variance_refresh="doubling",
                                   experimental=Experimental(refresh_schedule={"variance_update": "often"}))

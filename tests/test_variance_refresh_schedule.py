@@ -43,7 +43,7 @@ def test_refreshes_come_only_after_the_freeze_and_before_last_step():
     ({"growth": 0.5}, "growth must be a number >= 1"),
     ({"updates_per_interval": True}, "updates_per_interval must be a positive int"),
     ({"last_step": -3}, "last_step must be a positive int or None"),
-    ({"interval": 4}, "unknown option"),
+    ({"interval": 4}, "refresh_schedule: unknown field"),
     ({"variance_update": "twice"}, "variance_update must be one of"),
     ({"error_feedback": "drop"}, "error_feedback must be one of"),
 ])
