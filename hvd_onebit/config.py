@@ -313,7 +313,8 @@ def check_wrapped(optimizer: torch.optim.Optimizer, op_supported: bool,
                   backward_passes_per_step: Any) -> None:
     """Raise if DistributedOptimizer cannot wrap ``optimizer`` with these Horovod arguments
     (``op_supported``: the op is hvd.Average or hvd.Sum)."""
-    if not isinstance(optimizer, torch.optim.Adam):
+    # AdamW named as well: older torch releases do not derive it from Adam
+    if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
         raise TypeError("hvd_onebit.DistributedOptimizer wraps torch.optim.Adam or "
                         f"torch.optim.AdamW; got {type(optimizer).__module__}."
                         f"{type(optimizer).__name__}")
