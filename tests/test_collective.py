@@ -228,7 +228,9 @@ def test_mpi_transport_needs_an_mpi_job(without_mpi):
 def test_the_rows_belong_to_the_call_the_errors_to_the_collective():
     """Between calls a collective holds its errors alone: y (padded float32), z (chunk float32)
     and the scales of the rows last sent (a float32 per block of each); the fast memory adds
-    its spare y and z. The rows live with the call, each set until its stage is in."""
+    its spare y and z. The rows live with the call: the worker's until stage 1 is in; the
+    server's until stage 2 is in, or with lean memory until the commit, which writes it again
+    (and the worker's rows into stage 1's received ones, so it allocates nothing)."""
     from hvd_onebit.comm.flat import OneBitAllreduce
     from hvd_onebit_tools.bench.memory import reachable_storages
 
@@ -258,8 +260,36 @@ def test_the_rows_belong_to_the_call_the_errors_to_the_collective():
         L = got[False, "layout"]
         errors = 4 * (L.padded + L.chunk + L.n * L.nblocks + L.nblocks)
         want = {(False, "held"): errors, (True, "held"): errors + 4 * (L.padded + L.chunk),
-                **{(spare, kept): False for spare in (False, True)
-                   for kept in ("send kept after stage 1", "server row kept after stage 2")}}
+                (False, "send kept after stage 1"): False,
+                (True, "send kept after stage 1"): False,
+                (False, "server row kept after stage 2"): True,
+                (True, "server row kept after stage 2"): False}
         assert {k: got[k] for k in want} == want, (
             f"rank {rank} (padded {L.padded}, chunk {L.chunk}, {L.nblocks} blocks per row, rows "
             f"of {L.row_bytes} bytes): got {[(k, got[k]) for k in want]}, want {want}")
+
+
+def test_an_abandoned_call_lets_go_of_every_row_it_held():
+    """A call every rank abandons (here a NaN on rank 1) keeps none of its rows after the
+    drain: a step started again at once would otherwise hold the old call's beside its own."""
+    from hvd_onebit.comm.flat import OneBitAllreduce
+    from hvd_onebit.comm.protocol import NonFiniteInputError
+
+    def rank_fn(t):
+        kept = {}
+        for spare in (False, True):
+            c = OneBitAllreduce(4096, transport=t, block_size=512, spare_errors=spare,
+                                name=f"abandoned{spare}")
+            x = torch.ones(4096)
+            if t.rank == 1:
+                x[7] = float("nan")
+            handle = c.allreduce_async(x)
+            with pytest.raises(NonFiniteInputError):
+                c.synchronize(handle)
+            kept[spare] = [name for name in ("send", "server_row", "sent_scales", "served_scales",
+                                             "recv", "gathered", "source")
+                           if getattr(handle, name) is not None]
+        return kept
+
+    for rank, kept in enumerate(run_threads(3, rank_fn)):
+        assert kept == {False: [], True: []}, f"rank {rank}: the drained handle still holds {kept}"

@@ -50,12 +50,11 @@ from typing import Optional
 import torch
 
 from .. import kernels
-from ..dtypes import FLOAT_DTYPES
 from ..layout import Layout
 from ..transport.base import Transport
 from ..transport.registry import job_transport
 from .flat_error import FlatErrorFeedback
-from .protocol import STALE, Epilogue, InputProducer, Status
+from .protocol import STALE, Epilogue, InputProducer, Status, check_input
 from .transaction import TransactionalCollective
 
 _default_names = itertools.count()
@@ -74,8 +73,9 @@ class AllreduceHandle:
     out32: torch.Tensor
     stage1: object = None  # transport handle of the alltoall, None without communication
     stage2: object = None  # transport handle of the allgather, once started
-    # The rows this rank sends, the worker's n and the server's one, kept until their stage is
-    # in; with spare errors, their scales, which the commit adopts.
+    # The rows this rank sends: the worker's n until stage 1 is in, the server's one until
+    # stage 2 is in (lean: until the commit, which writes it again); with spare errors, their
+    # scales, which the commit adopts.
     send: Optional[torch.Tensor] = None
     server_row: Optional[torch.Tensor] = None
     sent_scales: Optional[torch.Tensor] = None
@@ -182,31 +182,6 @@ class OneBitAllreduce(TransactionalCollective):
                                for r, o in enumerate(everyone))
             raise ValueError(f"OneBitAllreduce {self.name!r}: ranks disagree on the buffer ({detail})")
 
-    def _check_input(self, tensor: torch.Tensor | InputProducer,
-                     out: Optional[torch.Tensor]) -> None:
-        if not isinstance(tensor, torch.Tensor) and isinstance(tensor, InputProducer):
-            tensor = tensor.like
-        if not isinstance(tensor, torch.Tensor):
-            raise TypeError(f"expected a torch.Tensor or an InputProducer, got "
-                            f"{type(tensor).__name__}")
-        if tensor.numel() != self.layout.numel:
-            raise ValueError(f"OneBitAllreduce {self.name!r} was built for {self.layout.numel} "
-                             f"elements, got a tensor of {tensor.numel()} ({tuple(tensor.shape)})")
-        if tensor.dtype not in FLOAT_DTYPES:
-            raise TypeError(f"OneBitAllreduce takes float32, float16 or bfloat16, got {tensor.dtype}")
-        if tensor.device != self.device and not (
-                tensor.device.type == self.device.type and self.device.index is None):
-            raise ValueError(f"OneBitAllreduce {self.name!r} lives on {self.device}, "
-                             f"got a tensor on {tensor.device}")
-        if tensor.is_sparse:
-            raise TypeError("OneBitAllreduce takes dense tensors")
-        if out is not None and (out.numel() != tensor.numel() or out.dtype != tensor.dtype
-                                or not out.is_contiguous()):
-            raise ValueError("out must be a contiguous tensor of the input's size and dtype")
-        if self._in_flight:
-            raise RuntimeError(f"OneBitAllreduce {self.name!r} already has a call in flight; "
-                               "synchronize it first")
-
     # ---- the collective -------------------------------------------------------------------------
 
     def allreduce(self, tensor: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -232,7 +207,8 @@ class OneBitAllreduce(TransactionalCollective):
         :meth:`synchronize` returns: the commit compresses it again to store the new error.
         """
         self._finish_layout_check()
-        self._check_input(tensor, out)
+        check_input(f"OneBitAllreduce {self.name!r}", self.layout.numel, self.device,
+                    self._in_flight, tensor, out)
         src = None if isinstance(tensor, torch.Tensor) else tensor
         like = src.like if src is not None else tensor
         if out is None:
@@ -258,8 +234,9 @@ class OneBitAllreduce(TransactionalCollective):
             return handle
         L = self.layout
         handle.source = src if src is not None else x32
-        # the rows only (y is stored at the commit), or y beside the committed one
-        handle.send = self._rows(L.n)
+        # the rows only (y is stored at the commit), or y beside the committed one; the rows
+        # are the call's (the pass writes every byte of them)
+        handle.send = torch.empty(L.n * L.row_bytes, dtype=torch.uint8, device=self.device)
         self._compress(handle.source, y_out=self.errors.worker_y_next, send=handle.send)
         if self.spare_errors:
             handle.sent_scales = kernels.row_scales(handle.send, L, L.n).clone()
@@ -268,11 +245,6 @@ class OneBitAllreduce(TransactionalCollective):
                                                       name=f"{self.name}.alltoall")
         self._in_flight = True
         return handle
-
-    def _rows(self, count: int) -> torch.Tensor:
-        """uint8 [count * row_bytes]: rows of one call, which live only as long as the call
-        needs them (every byte is written by the compression pass)."""
-        return torch.empty(count * self.layout.row_bytes, dtype=torch.uint8, device=self.device)
 
     def _compress(self, source, y_out: Optional[torch.Tensor], send: torch.Tensor) -> None:
         """The worker compression of ``source`` (a tensor or an InputProducer) into the rows
@@ -295,7 +267,9 @@ class OneBitAllreduce(TransactionalCollective):
         stage1, handle.stage1 = handle.stage1, None
         handle.recv = self.transport.wait(stage1).reshape(-1)
         handle.send = None  # sent
-        return self._statuses(handle.recv)
+        # each row's status word, by rank, read later with the other calls' and stages'
+        n = self.layout.n
+        return Status(kernels.row_status(handle.recv, self.layout, n) != 0, list(range(n)))
 
     def start_stage2(self, handle: AllreduceHandle) -> None:
         """Server step (its rows only: nothing committed yet), then start stage 2. Run whatever
@@ -304,7 +278,7 @@ class OneBitAllreduce(TransactionalCollective):
             return
         L = self.layout
         e = self.errors
-        handle.server_row = self._rows(1)
+        handle.server_row = torch.empty(L.row_bytes, dtype=torch.uint8, device=self.device)
         kernels.server_compress(handle.recv, e.server_z, e.server_scales, e.server_z_next,
                                 handle.server_row, L, self.backend)
         if self.spare_errors:
@@ -321,7 +295,8 @@ class OneBitAllreduce(TransactionalCollective):
             return Status.none()
         stage2, handle.stage2 = handle.stage2, None
         handle.gathered = self.transport.wait(stage2).reshape(-1)
-        handle.server_row = None  # sent
+        if self.spare_errors:
+            handle.server_row = None  # sent; the lean commit writes it again
         status = kernels.row_status(handle.gathered, self.layout, self.layout.n)
         handle.stale_from = Status(status == STALE, list(range(self.layout.n)))
         return Status(status != 0, list(range(self.layout.n)))
@@ -335,6 +310,7 @@ class OneBitAllreduce(TransactionalCollective):
             if pending is not None:
                 self.transport.wait(pending)
         handle.send = handle.server_row = handle.sent_scales = handle.served_scales = None
+        handle.recv = handle.gathered = handle.local = handle.source = None
 
     def decode_only(self, handle: AllreduceHandle) -> torch.Tensor:
         """Decode stage 2's rows into the float32 output without committing anything (for a
@@ -356,13 +332,12 @@ class OneBitAllreduce(TransactionalCollective):
                 e.adopt_spares()
                 e.adopt_scales(handle.sent_scales, handle.served_scales)
             else:
-                # The server's pass first: stage 1's rows are let go before the worker's rows
-                # are written again, so at most two sets of rows are alive at once.
-                served = self._rows(1)
-                kernels.server_compress(handle.recv, e.server_z, e.server_scales, e.server_z,
-                                        served, L, self.backend)
-                handle.recv = None
-                sent = self._rows(L.n)
+                # The server's pass first, into the row it sent; then the worker's, into stage
+                # 1's received rows (the transport's, now read): no allocation between the
+                # first write to the errors and the last, and two sets of rows at most.
+                served, sent, handle.recv = handle.server_row, handle.recv, None
+                kernels.server_compress(sent, e.server_z, e.server_scales, e.server_z, served, L,
+                                        self.backend)
                 self._compress(handle.source, y_out=e.worker_y, send=sent)
                 e.adopt_scales(kernels.row_scales(sent, L, L.n), kernels.row_scales(served, L, 1))
                 del sent, served
@@ -387,12 +362,6 @@ class OneBitAllreduce(TransactionalCollective):
 
     def release(self) -> None:
         self._in_flight = False
-
-    def _statuses(self, rows: torch.Tensor) -> Status:
-        """The status word of each of the n received rows, by rank (read later, with the other
-        calls' and stages': one device-to-host read per step)."""
-        return Status(kernels.row_status(rows, self.layout, self.layout.n) != 0,
-                      list(range(self.layout.n)))
 
     # ---- its error feedback, kept by ``self.errors`` ---------------------------------------------
 

@@ -296,6 +296,7 @@ class HierarchicalOneBitAllreduce(TransactionalCollective):
                 self.local.wait(pending)
         if handle.inner is not None:
             self.inner.drain(handle.inner)
+        handle.gathered = None
 
     def release(self) -> None:
         self.inner.release()

@@ -26,6 +26,7 @@ from typing import Any, Optional, Protocol, Sequence, runtime_checkable
 
 import torch
 
+from ..dtypes import FLOAT_DTYPES
 from ..layout import Layout
 
 @runtime_checkable
@@ -71,6 +72,33 @@ class Epilogue(Protocol):
     def copy_apply(self, src: torch.Tensor, out: torch.Tensor, backend: str) -> None:
         """Like ``out.copy_(src)`` followed by ``apply(out)`` (``src``, ``out``: float32 [numel];
         ``src`` may be ``out``)."""
+
+
+def check_input(name: str, numel: int, device: torch.device, in_flight: bool,
+                tensor: Any, out: Optional[torch.Tensor]) -> None:
+    """Raise, naming collective ``name``, unless ``tensor`` (or an :class:`InputProducer`'s
+    ``like``) and ``out`` are what a call on ``numel`` elements on ``device`` takes, with no
+    call in flight."""
+    if not isinstance(tensor, torch.Tensor) and isinstance(tensor, InputProducer):
+        tensor = tensor.like
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"expected a torch.Tensor or an InputProducer, got "
+                        f"{type(tensor).__name__}")
+    if tensor.numel() != numel:
+        raise ValueError(f"{name} was built for {numel} elements, got a tensor of "
+                         f"{tensor.numel()} ({tuple(tensor.shape)})")
+    if tensor.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"OneBitAllreduce takes float32, float16 or bfloat16, got {tensor.dtype}")
+    if tensor.device != device and not (
+            tensor.device.type == device.type and device.index is None):
+        raise ValueError(f"{name} lives on {device}, got a tensor on {tensor.device}")
+    if tensor.is_sparse:
+        raise TypeError("OneBitAllreduce takes dense tensors")
+    if out is not None and (out.numel() != tensor.numel() or out.dtype != tensor.dtype
+                            or not out.is_contiguous()):
+        raise ValueError("out must be a contiguous tensor of the input's size and dtype")
+    if in_flight:
+        raise RuntimeError(f"{name} already has a call in flight; synchronize it first")
 
 
 # Status words in a row (see hvd_onebit.layout): 0.0 for good rows, 1.0 when the sender saw a

@@ -28,7 +28,9 @@ class Transport(Protocol):
         """row: [1, row_bytes] uint8; every rank receives [size, row_bytes], in rank order."""
 
     def wait(self, handle: Any) -> torch.Tensor:
-        """The received tensor of an op started by one of the two methods above."""
+        """The received tensor of an op started by one of the two methods above: the caller's
+        own (the flat collective's lean commit writes its rows into stage 1's). What was sent
+        is read until the op completes; the caller leaves it unchanged until then."""
 
     def allgather_ints(self, values: list[int], name: str) -> list[list[int]]:
         """Every rank's ``values`` (the same length on all ranks), in rank order."""
