@@ -365,5 +365,5 @@ def bench_memory(ranks: int = 2, layers: int = 4, width: int = 1024, warmup: int
             "layers": layers,
             "width": width, "param_bytes": per_rank[0]["param_bytes"],
             "buckets": per_rank[0]["buckets"], "target_ratio": 1.25,
-            "floor_ratio_note": "worker error 1 + server error 1/n + rows, for any world n",
+            "floor_ratio_note": "worker error 1 + server error 1/n + scales, for any world n",
             "peak_method": peak_method(device), "phases": phases, "per_rank": per_rank}

@@ -40,7 +40,7 @@ def test_fast_memory_keeps_one_more_error_buffer():
 
 @pytest.mark.multirank
 def test_a_horovod_job_reports_both_phases_as_json():
-    """Two ranks through the freeze: the held memory is the floor 1 + 1/2 + rows (not the
+    """Two ranks through the freeze: the held memory is the floor 1 + 1/2 + scales (not the
     target, out of reach at two ranks), the same on both ranks."""
     proc = subprocess.run([sys.executable, "-m", "hvd_onebit_tools.cli", "bench", "dev", "memory",
                            "--np", "2", "--layers", "2", "--width", "512", "--warmup", "2",
