@@ -103,7 +103,7 @@ def test_variance_refresh_option_parsing():
         {"first_interval": 8, "last_step": 5000}
     assert option_text(parse_variance_refresh('{"first_interval": 8}')) == '{"first_interval":8}'
     for bad, error in (("weekly", "must be none, doubling or a JSON object"),
-                       ("{nope", "not valid JSON"), ('{"interval": 4}', "unknown option"),
+                       ("{nope", "not valid JSON"), ('{"interval": 4}', "unknown field"),
                        ('{"growth": 0.5}', "growth must be a number >= 1")):
         with pytest.raises(ValueError, match=error):
             parse_variance_refresh(bad)
@@ -125,7 +125,7 @@ def test_predict_cli_prints_the_refresh_columns_and_the_run_length_sweep(tmp_pat
     assert proc.exit_code == 0, proc.stderr
     assert "refresh: run x fp32" in proc.stdout and "113 (50 + 63)" in proc.stdout, proc.stdout
     proc = hvd_onebit(base + ["--variance-refresh", '{"every": 3}'])
-    assert proc.exit_code != 0 and "unknown option" in proc.stderr, proc.stderr
+    assert proc.exit_code != 0 and "unknown field" in proc.stderr, proc.stderr
 
 
 def test_bench_train_reports_what_bounds_the_refresh_runs_speed_up():
