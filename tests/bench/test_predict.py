@@ -23,6 +23,7 @@ from hvd_onebit_tools.bench.predict.job import Cluster, Job, parse_params
 from hvd_onebit_tools.bench.predict.model import GROUP_METHOD, HIERARCHICAL_NOTE, METHODS, Model
 from hvd_onebit_tools.bench.predict.sweep import crossovers
 from hvd_onebit_tools.bench.predict.tables import print_check
+from hvd_onebit.config import DEFAULT_BLOCK_SIZE
 from hvd_onebit.layout import Layout, ring_allreduce_bytes
 from tests.cli import hvd_onebit
 
@@ -90,7 +91,7 @@ def test_step_times_are_the_sum_of_their_terms():
 
     # flat 1-bit on transport='torch' (the default): torch.distributed's per-op and host costs
     onebit = model.predict("onebit", job, cl)
-    layout = Layout.build(job.params, 4)
+    layout = Layout.build(job.params, 4, DEFAULT_BLOCK_SIZE)  # the optimizer's rows
     sent = 3 * layout.row_bytes
     wire = sent * 8 / (1e9 * TCP_EFFICIENCY)
     assert onebit.bytes_per_rank == layout.wire_bytes
@@ -126,7 +127,7 @@ def test_hierarchical_follows_hierarchical_py_and_ranks_share_cores():
     hier = model.predict("onebit_hierarchical", job, cl)
     P, S, n = 8_000_000, 1_000_000, 128
     # between nodes: the 1-bit two-stage allreduce of |m|/L among N = 16, for each of L ranks
-    inter = Layout.build(S, 16)
+    inter = Layout.build(S, 16, DEFAULT_BLOCK_SIZE)
     assert hier.inter_node_bytes_per_node == 8 * inter.wire_bytes
     # inside the node: the scatter and the gather send (L-1) shards of float32 each
     intra = 7 * S * 4
@@ -184,7 +185,7 @@ def test_hierarchical_on_torch_groups_with_shared_memory_or_the_node_s_links():
     net = Model(fake_calibration()).predict("onebit_hierarchical", job, cl)
     model = Model(fake_calibration())
     P, S = 8_000_000, 1_000_000
-    inter = Layout.build(S, 16)
+    inter = Layout.build(S, 16, DEFAULT_BLOCK_SIZE)
     sent = 15 * inter.row_bytes
     wire = 8 * sent * 8 / (1e10 * TCP_EFFICIENCY)
     # stage 1: one latency step; torch's per-op cost of 16 ranks (0.15 ms + 0.05 ms x 15)
@@ -503,3 +504,16 @@ def test_small_prediction_against_measurement_on_loopback():
     for key in (("horovod_fp32", "all"), ("onebit", "compression")):
         assert math.isfinite(pairs[key]["ratio"]) and pairs[key]["ratio"] > 0, pairs[key]
         assert pairs[key]["measured_s"] > 0 and pairs[key]["predicted_s"] > 0, pairs[key]
+
+
+def test_the_rows_are_priced_at_the_optimizers_block_size():
+    """The 1-bit bytes are those of the rows the optimizer sends: a scale per
+    ``block_size`` elements by default (its default), one per chunk with ``block_size=None``."""
+    job = Job(params=8_000_000, compute_s=0.1, adam_s=0.01)
+    cl = Cluster(nodes=4, inter_bps=10**9)
+    got = {b: Model(fake_calibration(), block_size=b).predict("onebit", job, cl).bytes_per_rank
+           for b in (DEFAULT_BLOCK_SIZE, None, 2048)}
+    want = {b: Layout.build(job.params, 4, b).wire_bytes for b in got}
+    assert got == want, f"bytes per rank by block size: {got}, the layouts': {want}"
+    assert Model(fake_calibration()).block_size == DEFAULT_BLOCK_SIZE
+    assert got[DEFAULT_BLOCK_SIZE] > got[2048] > got[None], got

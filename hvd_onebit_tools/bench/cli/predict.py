@@ -6,6 +6,8 @@ import json
 
 import click
 
+from hvd_onebit.config import DEFAULT_BLOCK_SIZE
+
 from ..train import MODELS as TRAIN_MODELS
 from .options import FROZEN_FREEZE_FRACTION, comma_list, np_option, rates, refresh_options
 
@@ -76,6 +78,9 @@ from .options import FROZEN_FREEZE_FRACTION, comma_list, np_option, rates, refre
               help="With --transport torch: the hierarchical stages inside a node over the "
                    "node's links (--intra-bandwidth: NVLink, PCIe) or through shared memory (a "
                    "barrier each: CPU ranks, intra_node='auto' on CPU).")
+@click.option("--block-size", default=DEFAULT_BLOCK_SIZE, show_default=True, type=int,
+              help="Elements per scale in the 1-bit rows, as the optimizer's block_size; 0: one "
+                   "scale per chunk.")
 @click.option("--methods", default="horovod_fp32,horovod_fp16,onebit,onebit_hierarchical",
               show_default=True, callback=comma_list(click.Choice(
                   ["horovod_fp32", "horovod_fp16", "onebit", "onebit_hierarchical",
@@ -93,7 +98,8 @@ from .options import FROZEN_FREEZE_FRACTION, comma_list, np_option, rates, refre
 def bench_predict(calibration, nps, ranks_per_node, bandwidths, intra_bandwidth, latency_us,
                   intra_latency_us, params, bench_model, compute_ms, adam_ms, warmup_frac,
                   run_steps, variance_refresh, refresh_freeze_frac, run_lengths, colocated, kernel_speedup, host_speedup, per_peer_us, transport,
-                  hierarchical_ops, intra_node, methods, check_dir, plot, as_json) -> None:
+                  hierarchical_ops, intra_node, block_size, methods, check_dir, plot,
+                  as_json) -> None:
     """Predict step time per phase, whole-run speed-up and bytes per rank of Horovod fp32/fp16,
     flat 1-bit and hierarchical 1-bit Adam (as hvd_onebit/comm/hierarchical.py runs it) from the
     constants `bench calibrate` measured. docs/predicting.md has the
@@ -140,7 +146,7 @@ def bench_predict(calibration, nps, ranks_per_node, bandwidths, intra_bandwidth,
               kernel_speedup=kernel_speedup, host_speedup=host_speedup)
     model = Model(cal, None if per_peer_us is None else per_peer_us * 1e-6,
                   hierarchical_global_ops=hierarchical_ops == "global", transport=transport,
-                  intra_node=intra_node)
+                  intra_node=intra_node, block_size=block_size or None)
     setting = RunSetting(run_steps, warmup_frac, refresh, refresh_freeze_frac)
     inputs = {"params": n_params, "compute_s": model.compute(job, Cluster(
                   nodes=nps[0], colocated=colocated))[0], "warmup_frac": warmup_frac,

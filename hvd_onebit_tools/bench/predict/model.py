@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from typing import Optional
 
+from hvd_onebit.config import DEFAULT_BLOCK_SIZE
 from hvd_onebit.layout import Layout, ring_allreduce_bytes
 from .constants import KAPPA_OPS, TCP_EFFICIENCY, TRANSPORTS, constants
 from .job import Cluster, Job, Prediction
@@ -36,12 +37,13 @@ class Model:
     their own groups (process sets), which the library does not use. ``intra_node``
     (torch's transport): the hierarchical stages inside a node through ``"shared_memory"`` (a
     barrier of the node's ranks each: CPU ranks, the library's default there) or the node's
-    links (``"network"``: NCCL over NVLink or PCIe, or emulated links).
+    links (``"network"``: NCCL over NVLink or PCIe, or emulated links). ``block_size``: the
+    1-bit rows' elements per scale, as the optimizer's option (None: one scale per chunk).
     """
 
     def __init__(self, cal: dict, per_peer_s: Optional[float] = None,
                  hierarchical_global_ops: bool = True, transport: str = "torch",
-                 intra_node: str = "network"):
+                 intra_node: str = "network", block_size: Optional[int] = DEFAULT_BLOCK_SIZE):
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
         if intra_node not in INTRA_NODE:
@@ -52,6 +54,7 @@ class Model:
         self.per_peer_s = per_peer_s
         self.hierarchical_global_ops = hierarchical_global_ops
         self.transport = transport
+        self.block_size = block_size
 
     # -- per-world-size lookups
 
@@ -222,7 +225,7 @@ class Model:
                       "allgather": ag, "decode_update": self.kernel("decode_update", P, job, cl)}
             inter = None
             if N > 1:  # rows to other nodes, both stages, per node
-                row = Layout.build(P, n).row_bytes
+                row = Layout.build(P, n, self.block_size).row_bytes
                 inter = L * (n - L) * row + (n - 1) * row
             return Prediction(method, phases, nbytes, inter)
         if method == "onebit_hierarchical":
@@ -242,7 +245,7 @@ class Model:
         send a row to the n-L ranks elsewhere (L (n-L) rows on the node's link, L-1 rows on each
         rank's link inside it); ring allgather: n-1 rows cross every link and node boundary."""
         n, L = cl.n, cl.ranks_per_node
-        layout = Layout.build(P, n)
+        layout = Layout.build(P, n, self.block_size)
         row = layout.row_bytes
         per_rank = (n - 1) * row
         lat = cl.inter_latency_s if cl.nodes > 1 else cl.intra_latency_s
@@ -295,7 +298,7 @@ class Model:
                                           cl.intra_latency_s, job, cl, fp32=True)
                      if (glob or L > 1) else 0.0)
         ph["scatter"] = intra
-        layout = Layout.build(int(math.ceil(S)), N)
+        layout = Layout.build(int(math.ceil(S)), N, self.block_size)
         ph["compress"] = (self.kernel("compress_mean", S, job, cl)
                           + self.kernel("add", max(0, L - 2) * S, job, cl) if L > 1
                           else self.kernel("compress", S, job, cl))
