@@ -28,18 +28,17 @@ SETTINGS = ("freeze_step", "variance_refresh", "hierarchical")
 # The zoo tables' columns: (folder under docs/, scheme, label). The library's defaults ran as
 # "default_blocks512" in the granularity run (block_size 512, the refresh schedule), beside one
 # scale per chunk; at the longer length they ran as "default" in zoo_long_default; the frozen
-# variance ("bounded") at the current defaults in zoo_frozen and zoo_long_default; the columns
-# labelled "earlier" come from runs at one scale per chunk.
+# variance ("bounded") with a scale per 512 elements in zoo_frozen and zoo_long_default; the
+# columns that say block_size=None come from runs at one scale per chunk.
 ZOO_COLUMNS = {
     "zoo": (("granularity", "default_blocks512", "1-bit Adam (defaults)"),
             ("granularity", "default", "with block_size=None"),
             ("zoo_frozen", "bounded", "with variance_refresh=None"),
-            ("zoo", "bounded", "earlier: variance_refresh=None, block_size=None")),
+            ("zoo", "bounded", "with variance_refresh=None, block_size=None")),
     "zoo_long": (("zoo_long_default", "default", "1-bit Adam (defaults)"),
                  ("zoo_long_default", "bounded", "with variance_refresh=None"),
-                 ("zoo_long", "bounded_refresh_doubling", "earlier: the default refresh, "
-                                                          "block_size=None"),
-                 ("zoo_long", "bounded", "earlier: variance_refresh=None, block_size=None")),
+                 ("zoo_long", "bounded_refresh_doubling", "with block_size=None"),
+                 ("zoo_long", "bounded", "with variance_refresh=None, block_size=None")),
 }
 # The figure of each zoo table: its first column's runs.
 ZOO_FIGURES = {"zoo": ZOO_COLUMNS["zoo"][0], "zoo_long": ZOO_COLUMNS["zoo_long"][0]}
@@ -440,9 +439,9 @@ def step_time() -> str:
 
 GRANULARITY = "granularity"  # the whole zoo at each block size, and bench train's step time
 # the zoo's measured cell-by-cell floor: its null changes against "bounded" at 10%, at the current
-# defaults (zoo_frozen) and earlier at one scale per chunk (zoo)
+# defaults (zoo_frozen) and at one scale per chunk (zoo)
 NULL_CHANGES = ("null_lr_up_1ppm", "null_lr_down_1ppm")
-NULL_RUNS = (("zoo_frozen", "the zoo's null changes"), ("zoo", "earlier, at one scale per chunk"))
+NULL_RUNS = (("zoo_frozen", "the zoo's null changes"), ("zoo", "at one scale per chunk"))
 
 
 def granularity() -> str:

@@ -37,6 +37,7 @@ SCHEMES: dict[str, dict[str, Any]] = {
     # scale granularity decided on the whole grid, the refresh schedule left as the default's
     "default_blocks512": {"block_size": 512},
     "default_blocks2048": {"block_size": 2048},
+    "default_chunk": {"block_size": None},  # one scale per chunk: the coarsest, fewest bytes
     # what elements with a zero variance at the freeze cost: trained with Adam's eps as their
     # denominator, or with their parameter's smallest variance
     "bounded_eps": {"experimental": replace(BOUNDED, zero_variance="eps")},
