@@ -1,6 +1,6 @@
 """The calibration file: its format versions, where `bench calibrate` saves it and
-`bench predict` loads it from (the cache, else the one shipped in docs/), and loading it with
-errors that say how to make one."""
+`bench predict` loads it from (the cache, else the one shipped beside this module), and
+loading it with errors that say how to make one."""
 from __future__ import annotations
 
 import json
@@ -51,7 +51,7 @@ def load(path) -> dict:
 
 def load_or_shipped(path=None, note: Optional[Callable[[str], None]] = None) -> dict:
     """The calibration at ``path``; without one, the cache's (:data:`DEFAULT_PATH`), and where
-    the cache has none the one shipped in docs/ (:data:`SHIPPED_PATH`), after ``note`` is
+    the cache has none the one shipped beside this module (:data:`SHIPPED_PATH`), after ``note`` is
     told which file that is, whose machine it measured and how to measure this one's."""
     if path is not None:
         return load(path)
