@@ -58,6 +58,9 @@ from hvd_onebit.kernels.native_loader import load_native
 assert 'site-packages' in hvd_onebit.__file__, hvd_onebit.__file__
 n = load_native(); print(n.origin, n.reason)
 assert k.resolve_backend('auto', torch.device('cpu')) == 'native', n.reason"
+# The benchmarks' entry points run on the installed tools (benchmarks/ is not a package: the
+# studies they import must have been installed).
+step studies "$PY" "$ROOT/benchmarks/convergence.py" --help
 # The DDP face in an environment without Horovod: it must not be importable, and the example runs.
 step no_horovod "$PY" -c "
 import importlib.util as u; assert u.find_spec('horovod') is None, 'horovod is installed'"
