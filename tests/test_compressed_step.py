@@ -77,3 +77,51 @@ def test_inprocess_engine_gives_the_bits_of_a_horovod_job(horovod_job):
             for i, (a, b) in enumerate(zip(a_step, b_step)):
                 assert a.tobytes() == b.tobytes(), \
                     f"n={n} rank {rank} step {step} param {i}: Horovod and in-process differ"
+
+
+def test_step_counts_move_by_one_each_and_the_host_copies_follow():
+    """count_step adds one to every parameter's step (tensors together, Python numbers too, a
+    step tensor two parameters share once per parameter, as Adam's loop would) and its host
+    copies read what the tensors hold, with no read of the tensors needed."""
+    import torch
+
+    from hvd_onebit.engine.variance import FrozenVariance
+
+    params = [torch.zeros(3) for _ in range(5)]
+    shared = torch.tensor(7.0)
+    state = {params[0]: {"step": torch.tensor(3.0)}, params[1]: {"step": torch.tensor(5.0)},
+             params[2]: {"step": 4}, params[3]: {"step": shared}, params[4]: {"step": shared}}
+    variance = FrozenVariance(state, "hold", refreshing=False, names={})
+    for _ in range(2):
+        variance.count_step(params)
+    held = [float(state[p]["step"]) for p in params]
+    host = [variance.host_step(p) for p in params]
+    assert held == [5.0, 7.0, 6.0, 11.0, 11.0] and host == held, \
+        f"steps held {held}, host copies {host}, want [5, 7, 6, 11, 11] in both"
+
+
+def test_the_update_terms_follow_each_groups_options_from_step_to_step():
+    """Parameters of one group share their host numbers; another group's, or those after a
+    scheduler changed lr, are their own."""
+    import torch
+
+    from hvd_onebit.engine.adam_terms import AdamTerms
+    from hvd_onebit.engine.variance import FrozenVariance
+
+    params = [torch.zeros(4) for _ in range(3)]
+    state = {p: {"step": torch.tensor(9.0), "exp_avg_sq": torch.ones(4),
+                 "frozen_variance_step": 9} for p in params}
+    groups = [{"params": params[:2], "lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8,
+               "weight_decay": 0.0},
+              {"params": params[2:], "lr": 2e-3, "betas": (0.9, 0.999), "eps": 1e-8,
+               "weight_decay": 0.0}]
+    terms = AdamTerms(state, FrozenVariance(state, "hold", refreshing=False, names={}),
+                      decoupled=lambda group: False, bound="adam", preconditioned=True,
+                      backend="torch")
+    steps = []
+    for lr in (1e-3, 5e-4):
+        groups[0]["lr"] = lr
+        steps.append([terms.update(p, g).step for g in groups for p in g["params"]])
+    bc1 = 1 - 0.9 ** 10
+    want = [[-1e-3 / bc1, -1e-3 / bc1, -2e-3 / bc1], [-5e-4 / bc1, -5e-4 / bc1, -2e-3 / bc1]]
+    assert steps == want, f"update steps per parameter, by step: {steps}, want {want}"

@@ -88,16 +88,29 @@ class AdamTerms:
         self.bound = bound
         self.preconditioned = preconditioned
         self.backend = backend
+        # The host numbers of one step, by what they are computed from: the parameters of a
+        # group share them (emptied by every inputs() and plan(), so the options a scheduler
+        # changes between steps are read afresh).
+        self._numbers: dict[tuple, tuple] = {}
+
+    def _shared(self, key: tuple, compute: Callable[[], tuple]) -> tuple:
+        found = self._numbers.get(key)
+        if found is None:
+            found = self._numbers[key] = compute()
+        return found
 
     def denominator(self, p: torch.Tensor, group: dict) -> Denominator:
         """``p``'s denominator, as the update has it."""
-        frozen = self.state[p]["frozen_variance_step"]
-        bc2 = 1 - group["betas"][1] ** frozen if frozen > 0 else 1.0
-        return Denominator(self.state[p]["exp_avg_sq"], math.sqrt(bc2), float(group["eps"]))
+        state = self.state[p]
+        frozen, beta2 = state["frozen_variance_step"], group["betas"][1]
+        (sqrt_bc2,) = self._shared(("bc2", beta2, frozen), lambda: (
+            math.sqrt(1 - beta2 ** frozen if frozen > 0 else 1.0),))
+        return Denominator(state["exp_avg_sq"], sqrt_bc2, float(group["eps"]))
 
     def inputs(self, param_groups: list[dict], owner: set) -> dict[torch.Tensor, InputTerms]:
         """Per parameter of ``owner``: what its allreduce input is made of."""
         terms = {}
+        self._numbers.clear()
         for g in param_groups:
             for p in g["params"]:
                 if p not in owner:
@@ -106,7 +119,8 @@ class AdamTerms:
                     terms[p] = InputTerms(g["betas"][0])
                     continue
                 (beta1, beta2), t = g["betas"], int(self.variance.host_step(p)) + 1
-                bound = (1 - beta1 ** t) * step_bound.ratio_bound(self.bound, beta1, beta2, t)
+                (bound,) = self._shared(("input", beta1, beta2, t), lambda: (
+                    (1 - beta1 ** t) * step_bound.ratio_bound(self.bound, beta1, beta2, t),))
                 terms[p] = InputTerms(beta1, self.denominator(p, g), bound)
         return terms
 
@@ -139,10 +153,11 @@ class AdamTerms:
         """``p``'s update at this step."""
         (beta1, beta2), lr, wd = group["betas"], group["lr"], group["weight_decay"]
         t = int(self.variance.host_step(p)) + 1
-        bc1 = 1 - beta1 ** t
-        decay = 1 - lr * wd if wd != 0 and self.decoupled(group) else 1.0
-        bound = abs(lr) * step_bound.ratio_bound(self.bound, beta1, beta2, t)
-        return ParamUpdate(p.detach(), self.denominator(p, group), -lr / bc1, decay, bound)
+        decoupled = wd != 0 and self.decoupled(group)
+        step, decay, bound = self._shared(("update", beta1, beta2, lr, wd, decoupled, t), lambda: (
+            -lr / (1 - beta1 ** t), 1 - lr * wd if decoupled else 1.0,
+            abs(lr) * step_bound.ratio_bound(self.bound, beta1, beta2, t)))
+        return ParamUpdate(p.detach(), self.denominator(p, group), step, decay, bound)
 
     def plan(self, param_groups: list[dict], buckets: list[Bucket], owner: set
              ) -> tuple[list[AdamUpdate], list[tuple]]:
@@ -153,6 +168,7 @@ class AdamTerms:
         momentum: it gets their variance and no weight)."""
         updates: dict = {}
         masked = []
+        self._numbers.clear()
         for group in param_groups:
             for p, mask in zip(group["params"], group_masks(group)):
                 if p not in owner:

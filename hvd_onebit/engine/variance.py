@@ -105,11 +105,29 @@ class FrozenVariance:
         return value
 
     def count_step(self, params: Iterable[torch.Tensor]) -> None:
-        """One more step for each of ``params``: Adam's step count and its host copy."""
+        """One more step for each of ``params``: Adam's step count and its host copy. The step
+        tensors take one foreach add per device and dtype, as torch's Adam adds them, not one
+        small op (a kernel launch on a GPU) per parameter."""
+        tensors: dict[tuple, list] = {}
         for p in params:
             value = self.host_step(p)
-            self.state[p]["step"] += 1
-            self._remember_step(p, value + 1)
+            state = self.state[p]
+            t = state["step"]
+            if isinstance(t, torch.Tensor):
+                tensors.setdefault((t.device, t.dtype), []).append((p, t, value))
+            else:
+                state["step"] = t + 1
+        for same in tensors.values():
+            steps = [t for _, t, _ in same]
+            if len({id(t) for t in steps}) < len(steps):  # a step tensor shared: one at a time
+                for p, t, _ in same:
+                    value = self.host_step(p)
+                    t += 1
+                    self._remember_step(p, value + 1)
+                continue
+            torch._foreach_add_(steps, 1)
+            for p, t, value in same:
+                self._host_steps[p] = (t, t._version, value + 1)
 
     def _remember_step(self, p: torch.Tensor, value: float) -> None:
         """Record ``value`` as the host copy of ``p``'s step tensor as it is now (nothing for a
