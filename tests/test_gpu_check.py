@@ -44,6 +44,8 @@ def test_dry_run_checks_bits_and_virtual_ranks_on_cpu(tmp_path):
                      "decode_update_preconditioned"}, f"host_cost timed {sorted(timed)}"
     assert "worker_compress_momentum" in cost["profile_momentum_compress_preconditioned"], \
         f"the profile names no compression: {cost['profile_momentum_compress_preconditioned']}"
+    host = checks["step_time"]["worlds"][0]["host_profile_rank0"]
+    assert "step.py" in host and "count_step" in host, f"the step's host profile: {host}"
 
 
 def test_without_cuda_the_report_says_so():

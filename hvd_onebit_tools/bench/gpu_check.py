@@ -36,7 +36,8 @@ Checks (each in its own try/except; a failure is reported in the JSON, the other
   fp32 bytes (the targets: <= 1.25 from 8 ranks, <= 1 + 1/n + 1/16 at n ranks).
 * ``step_time``: one compressed step of a model of 100M parameters on 2 and 8 virtual ranks
   against torch's own ``Adam(fused=True)`` step of the same parameters on the same GPU, with
-  a breakdown of the GPU's time per kernel (``torch.profiler``).
+  a breakdown of the GPU's time per kernel (``torch.profiler``) and, for the first world, the
+  host's functions by own time in one more step of rank 0 (cProfile).
 * ``ddp_face``: ``torchrun --nproc_per_node 2`` of ``hvd_onebit_tools/bench/gpu_ddp.py`` with
   NCCL (two ranks on one GPU: NCCL's answer is reported) and with Gloo on CUDA tensors: DDP +
   Adam and DDP + the 1-bit face, ranks identical, host syncs of one compressed step.
@@ -496,7 +497,11 @@ def check_step_time(device: str, ranks=(2, 8), width: int = 2048, layers: int = 
                     steps: int = 5) -> dict:
     """The compression engine's step (default options) on ``layers`` x (``width``^2 + ``width``)
     parameters per virtual rank, against torch's fused Adam step of the same parameters; one
-    profiled step's device time per kernel."""
+    profiled step's device time per kernel; the host's functions by own time in one more step
+    of the first world's rank 0 (cProfile: where the host's part of a step goes)."""
+    import cProfile
+    import io
+    import pstats
     import threading
 
     import torch
@@ -583,6 +588,18 @@ def check_step_time(device: str, ranks=(2, 8), width: int = 2048, layers: int = 
             if t.rank == 0:
                 sync()
                 timing["prof"].__exit__(None, None, None)
+                if n == ranks[0]:  # the host's own functions in one more step, rank 0's thread
+                    host = cProfile.Profile()
+                    host.enable()
+            gate.wait()
+            one()
+            if t.rank == 0 and n == ranks[0]:
+                sync()
+                host.disable()
+                text = io.StringIO()
+                pstats.Stats(host, stream=text).strip_dirs().sort_stats("tottime").print_stats(25)
+                timing["host_profile"] = text.getvalue()[-6000:]
+            gate.wait()
             return {"buckets": len(engine.buckets)}
 
         per_rank = run_threads(n, rank_fn, timeout=600)
@@ -590,6 +607,8 @@ def check_step_time(device: str, ranks=(2, 8), width: int = 2048, layers: int = 
                  "wall_ms_per_step_all_ranks": timing["ms"],
                  "wall_ms_per_step_over_ranks": timing["ms"] / n,
                  "ratio_wall_over_ranks_to_adam": timing["ms"] / n / adam_ms}
+        if "host_profile" in timing:
+            entry["host_profile_rank0"] = timing.pop("host_profile")
         if cuda:
             kt = _kernel_times(timing["prof"], n)
             entry.update(device_time=kt,
