@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Callable, Iterable, Mapping, Optional
+from typing import Any, Callable, Iterable, Mapping, Optional
 
 import torch
 
@@ -91,9 +91,9 @@ class AdamTerms:
         # The host numbers of one step, by what they are computed from: the parameters of a
         # group share them (emptied by every inputs() and plan(), so the options a scheduler
         # changes between steps are read afresh).
-        self._numbers: dict[tuple, tuple] = {}
+        self._numbers: dict[tuple, Any] = {}
 
-    def _shared(self, key: tuple, compute: Callable[[], tuple]) -> tuple:
+    def _shared(self, key: tuple, compute: Callable[[], Any]) -> Any:
         found = self._numbers.get(key)
         if found is None:
             found = self._numbers[key] = compute()
@@ -103,8 +103,8 @@ class AdamTerms:
         """``p``'s denominator, as the update has it."""
         state = self.state[p]
         frozen, beta2 = state["frozen_variance_step"], group["betas"][1]
-        (sqrt_bc2,) = self._shared(("bc2", beta2, frozen), lambda: (
-            math.sqrt(1 - beta2 ** frozen if frozen > 0 else 1.0),))
+        sqrt_bc2 = self._shared(("bc2", beta2, frozen), lambda: math.sqrt(
+            1 - beta2 ** frozen if frozen > 0 else 1.0))
         return Denominator(state["exp_avg_sq"], sqrt_bc2, float(group["eps"]))
 
     def inputs(self, param_groups: list[dict], owner: set) -> dict[torch.Tensor, InputTerms]:
@@ -119,8 +119,8 @@ class AdamTerms:
                     terms[p] = InputTerms(g["betas"][0])
                     continue
                 (beta1, beta2), t = g["betas"], int(self.variance.host_step(p)) + 1
-                (bound,) = self._shared(("input", beta1, beta2, t), lambda: (
-                    (1 - beta1 ** t) * step_bound.ratio_bound(self.bound, beta1, beta2, t),))
+                bound = self._shared(("input", beta1, beta2, t), lambda: (
+                    (1 - beta1 ** t) * step_bound.ratio_bound(self.bound, beta1, beta2, t)))
                 terms[p] = InputTerms(beta1, self.denominator(p, g), bound)
         return terms
 

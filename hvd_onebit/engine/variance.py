@@ -4,6 +4,7 @@ host copies of the step counts that keep the step free of device syncs.
 from __future__ import annotations
 
 import warnings
+from collections import Counter
 from typing import Iterable, Mapping
 
 import torch
@@ -118,16 +119,12 @@ class FrozenVariance:
             else:
                 state["step"] = t + 1
         for same in tensors.values():
-            steps = [t for _, t, _ in same]
-            if len({id(t) for t in steps}) < len(steps):  # a step tensor shared: one at a time
-                for p, t, _ in same:
-                    value = self.host_step(p)
-                    t += 1
-                    self._remember_step(p, value + 1)
-                continue
-            torch._foreach_add_(steps, 1)
+            # a step tensor several parameters share takes one add per parameter, as in Adam
+            counts = Counter(id(t) for _, t, _ in same)
+            distinct = {id(t): t for _, t, _ in same}
+            torch._foreach_add_(list(distinct.values()), [counts[k] for k in distinct])
             for p, t, value in same:
-                self._host_steps[p] = (t, t._version, value + 1)
+                self._remember_step(p, value + counts[id(t)])
 
     def _remember_step(self, p: torch.Tensor, value: float) -> None:
         """Record ``value`` as the host copy of ``p``'s step tensor as it is now (nothing for a
