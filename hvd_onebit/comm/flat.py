@@ -29,7 +29,8 @@ place, which gives the same bits from the same inputs. So the input must not cha
 from call to call, the worker error (``padded`` float32) and the server error (``chunk``
 float32), each with its rows' scales; during a call, the rows on the wire, at most two sets of
 ``padded / 8`` bytes at once (the commit writes the worker's rows again into stage 1's
-received rows, once the server's pass has read them); traffic: one more pass over the input and the worker error per call. With
+received rows, once the server's pass has read them); traffic: one more pass over the input
+and the worker error per call. With
 ``spare_errors=True`` the passes write the new y and z beside the committed ones and the commit
 swaps them: one more ``padded + chunk`` float32, no pass repeated (where compute, not memory,
 is short: a CPU).

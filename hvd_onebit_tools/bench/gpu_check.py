@@ -363,8 +363,6 @@ def check_host_cost(device: str, numel: int = 16 << 20, calls: int = 50, ranks: 
     torch.add's; then the host's top functions by cumulative time for ``profiled``. A
     measurement, no target (``ok`` is None)."""
     import cProfile
-    import io
-    import pstats
 
     import torch
     from hvd_onebit.config import DEFAULT_BLOCK_SIZE
@@ -405,10 +403,19 @@ def check_host_cost(device: str, numel: int = 16 << 20, calls: int = 50, ranks: 
         passes[profiled]()
     prof.disable()
     sync()
-    text = io.StringIO()
-    pstats.Stats(prof, stream=text).strip_dirs().sort_stats("cumulative").print_stats(20)
-    out[f"profile_{profiled}"] = text.getvalue()[-6000:]
+    out[f"profile_{profiled}"] = _profile_text(prof, "cumulative", 20)
     return out
+
+
+def _profile_text(prof, sort: str, limit: int) -> str:
+    """A cProfile's top ``limit`` functions by ``sort``, as pstats prints them (the last 6000
+    characters, for the JSON)."""
+    import io
+    import pstats
+
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).strip_dirs().sort_stats(sort).print_stats(limit)
+    return text.getvalue()[-6000:]
 
 
 SWEEP = ((8, 2048, 64), (8, 2048, None), (8, 1024, 64), (8, 1024, None), (8, 512, None),
@@ -500,8 +507,6 @@ def check_step_time(device: str, ranks=(2, 8), width: int = 2048, layers: int = 
     profiled step's device time per kernel; the host's functions by own time in one more step
     of the first world's rank 0 (cProfile: where the host's part of a step goes)."""
     import cProfile
-    import io
-    import pstats
     import threading
 
     import torch
@@ -596,9 +601,7 @@ def check_step_time(device: str, ranks=(2, 8), width: int = 2048, layers: int = 
             if t.rank == 0 and n == ranks[0]:
                 sync()
                 host.disable()
-                text = io.StringIO()
-                pstats.Stats(host, stream=text).strip_dirs().sort_stats("tottime").print_stats(25)
-                timing["host_profile"] = text.getvalue()[-6000:]
+                timing["host_profile"] = _profile_text(host, "tottime", 25)
             gate.wait()
             return {"buckets": len(engine.buckets)}
 
