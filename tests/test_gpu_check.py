@@ -3,6 +3,7 @@ tensors under Triton's interpreter (in a subprocess: TRITON_INTERPRET is set the
 reports the CUDA-only checks as skipped; without --dry-run and without CUDA it says so."""
 import importlib.util
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -44,8 +45,13 @@ def test_dry_run_checks_bits_and_virtual_ranks_on_cpu(tmp_path):
                      "decode_update_preconditioned"}, f"host_cost timed {sorted(timed)}"
     assert "worker_compress_momentum" in cost["profile_momentum_compress_preconditioned"], \
         f"the profile names no compression: {cost['profile_momentum_compress_preconditioned']}"
+    # the profiled region is one engine step: whatever its top 25 by own time (on CPU, a
+    # tie of zeros), they are the engine's calls, and there are hundreds of them
     host = checks["step_time"]["worlds"][0]["host_profile_rank0"]
-    assert "step.py" in host and "count_step" in host, f"the step's host profile: {host}"
+    calls = re.search(r"(\d+) function calls", host)
+    engine = [m for m in ("flat.py", "adam_terms.py", "variance.py", "averaging.py",
+                          "transaction.py", "step.py") if m in host]
+    assert calls and int(calls.group(1)) > 100 and engine, f"the step's host profile: {host}"
 
 
 def test_without_cuda_the_report_says_so():
