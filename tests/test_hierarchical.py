@@ -75,6 +75,33 @@ def test_bytes_between_nodes_are_half_of_flat_1bit(sizes, transport):
             f"{transport} rank {rank}: {r['intra_bytes']} bytes inside the node, expected {want}"
 
 
+def test_bad_inputs_get_the_flat_collectives_errors_and_change_nothing(collective):
+    """Both collectives check their input with the same rules: the same error type for every
+    bad input, naming the collective; a refused call leaves nothing in flight and no state."""
+    from tests.onebit_reference import ReferenceOneBit
+
+    good = [rank_input(0, r, 1001) for r in range(4)]
+    want = {}  # the good call's output, after the good call that was in flight
+    for kind, ref in (("flat", ReferenceOneBit(1001, 4)),
+                      ("hierarchical", ReferenceHierarchical(1001, nodes=2, per_node=2))):
+        ref.allreduce(good)
+        want[kind] = ref.allreduce(good)
+    for rank, r in enumerate(scenario(collective, "bad_inputs")):
+        flat, hier = r["flat"]["errors"], r["hierarchical"]["errors"]
+        for case in flat:
+            assert flat[case] is not None and hier[case] is not None, \
+                f"rank {rank} {case}: flat raised {flat[case]}, hierarchical {hier[case]}"
+            assert flat[case][0] == hier[case][0], \
+                f"rank {rank} {case}: flat raised {flat[case]}, hierarchical {hier[case]}"
+            assert "'t.bad.hier'" in hier[case][1], \
+                f"rank {rank} {case}: the hierarchical error does not name the collective: " \
+                f"{hier[case]}"
+        for kind in ("flat", "hierarchical"):
+            np.testing.assert_allclose(r[kind]["after"], want[kind], rtol=1e-5, atol=1e-6,
+                                       err_msg=f"rank {rank}: {kind}'s second good call, "
+                                               "after the refused ones")
+
+
 def test_finer_blocks_match_the_reference(collective):
     numel = 5000
     results = scenario(collective, "finer_blocks")

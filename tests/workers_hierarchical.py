@@ -72,12 +72,57 @@ def collective_suite(sizes, transports) -> dict:
     ``sizes`` per transport, finer blocks, and per transport a non-finite input and an
     all-or-nothing group of calls."""
     scenarios = {"sizes": lambda: outputs_for_sizes(sizes, transports),
-                 "finer_blocks": lambda: outputs(5000, block_size=64)}
+                 "finer_blocks": lambda: outputs(5000, block_size=64),
+                 "bad_inputs": bad_inputs}
     for t in transports:
         scenarios[f"nonfinite[{t}]"] = lambda t=t: outputs(1001, calls=4, bad_call=1,
                                                            bad_rank=1, transport=t)
         scenarios[f"all_or_nothing[{t}]"] = lambda t=t: group_all_or_nothing(transport=t)
     return run_scenarios(scenarios, hvd.rank())
+
+
+# what a caller can get wrong: per case, (input, out)
+BAD_INPUTS = {
+    "not a tensor": lambda n: ([0.0] * n, None),
+    "int64": lambda n: (torch.zeros(n, dtype=torch.int64), None),
+    "other numel": lambda n: (torch.zeros(n + 1), None),
+    "sparse": lambda n: (torch.zeros(n).to_sparse(), None),
+    "other device": lambda n: (torch.empty(n, device="meta"), None),
+    "out of another dtype": lambda n: (torch.zeros(n), torch.zeros(n, dtype=torch.float16)),
+    "out of another size": lambda n: (torch.zeros(n), torch.zeros(n + 1)),
+    "out not contiguous": lambda n: (torch.zeros(n), torch.zeros(2 * n)[::2]),
+}
+
+
+def bad_inputs(numel: int = 1001) -> dict:
+    """Each of BAD_INPUTS and a second call while one is in flight, given to the flat and the
+    hierarchical collective; per collective the error each raised (type, message), then one
+    good call's output (a refused call must leave the collective as it was)."""
+    from hvd_onebit import OneBitAllreduce
+
+    topo = Topology.from_horovod()
+    comms = {"flat": OneBitAllreduce(numel, name="t.bad.flat"),
+             "hierarchical": HierarchicalOneBitAllreduce(numel, topo, name="t.bad.hier")}
+    good = torch.from_numpy(rank_input(0, hvd.rank(), numel))
+    result = {}
+    for kind, comm in comms.items():
+        errors = {}
+        for case, make in BAD_INPUTS.items():
+            tensor, out = make(numel)
+            try:
+                comm.allreduce_async(tensor, out=out)
+                errors[case] = None  # a call started on one rank only: the test fails first
+            except Exception as exc:  # noqa: BLE001 - the type is what the test compares
+                errors[case] = (type(exc).__name__, str(exc))
+        handle = comm.allreduce_async(good)
+        try:
+            comm.allreduce_async(good)
+            errors["in flight"] = None
+        except Exception as exc:  # noqa: BLE001
+            errors["in flight"] = (type(exc).__name__, str(exc))
+        comm.synchronize(handle)
+        result[kind] = {"errors": errors, "after": comm.allreduce(good).numpy().copy()}
+    return result
 
 
 def _max_change(before: torch.Tensor, after: torch.Tensor) -> float:

@@ -42,7 +42,7 @@ import torch
 from .. import kernels
 from ..transport.registry import either, supporting
 from .flat import AllreduceHandle, OneBitAllreduce
-from .protocol import Epilogue, InputProducer, Status
+from .protocol import Epilogue, InputProducer, Status, check_input
 from .topology import SubsetTransport, Topology
 from .transaction import TransactionalCollective
 
@@ -197,13 +197,10 @@ class HierarchicalOneBitAllreduce(TransactionalCollective):
                         out: Optional[torch.Tensor] = None) -> HierarchicalHandle:
         """Read the input (a tensor, or an input producer such as Adam's momentum update) and
         start the intra-node reduce-scatter."""
-        if self._in_flight:
-            raise RuntimeError(f"{self.name!r} already has a call in flight; synchronize it first")
+        check_input(f"HierarchicalOneBitAllreduce {self.name!r}", self.numel, self.device,
+                    self._in_flight, tensor, out)
         producer = not isinstance(tensor, torch.Tensor)
         like = tensor.like if producer else tensor
-        if like.numel() != self.numel:
-            raise ValueError(f"{self.name!r} was built for {self.numel} elements, got "
-                             f"{like.numel()}")
         if out is None:
             out = torch.empty_like(like, memory_format=torch.contiguous_format)
         x32 = self._full[:self.numel]  # the padding past numel stays zero

@@ -82,21 +82,23 @@ def check_input(name: str, numel: int, device: torch.device, in_flight: bool,
     if not isinstance(tensor, torch.Tensor) and isinstance(tensor, InputProducer):
         tensor = tensor.like
     if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"expected a torch.Tensor or an InputProducer, got "
+        raise TypeError(f"{name} takes a torch.Tensor or an InputProducer, got "
                         f"{type(tensor).__name__}")
     if tensor.numel() != numel:
         raise ValueError(f"{name} was built for {numel} elements, got a tensor of "
                          f"{tensor.numel()} ({tuple(tensor.shape)})")
     if tensor.dtype not in FLOAT_DTYPES:
-        raise TypeError(f"OneBitAllreduce takes float32, float16 or bfloat16, got {tensor.dtype}")
+        raise TypeError(f"{name} takes float32, float16 or bfloat16, got {tensor.dtype}")
     if tensor.device != device and not (
             tensor.device.type == device.type and device.index is None):
         raise ValueError(f"{name} lives on {device}, got a tensor on {tensor.device}")
     if tensor.is_sparse:
-        raise TypeError("OneBitAllreduce takes dense tensors")
+        raise TypeError(f"{name} takes dense tensors, got a {tensor.layout} one")
     if out is not None and (out.numel() != tensor.numel() or out.dtype != tensor.dtype
                             or not out.is_contiguous()):
-        raise ValueError("out must be a contiguous tensor of the input's size and dtype")
+        raise ValueError(f"{name}: out must be a contiguous tensor of the input's size and dtype "
+                         f"({tensor.numel()} x {tensor.dtype}), got {tuple(out.shape)} x "
+                         f"{out.dtype}{'' if out.is_contiguous() else ', not contiguous'}")
     if in_flight:
         raise RuntimeError(f"{name} already has a call in flight; synchronize it first")
 
