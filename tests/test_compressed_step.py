@@ -121,7 +121,7 @@ def test_the_update_terms_follow_each_groups_options_from_step_to_step():
     steps = []
     for lr in (1e-3, 5e-4):
         groups[0]["lr"] = lr
-        steps.append([terms.update(p, g).step for g in groups for p in g["params"]])
+        steps.append([terms.update(p, g).numbers.step for g in groups for p in g["params"]])
     bc1 = 1 - 0.9 ** 10
     want = [[-1e-3 / bc1, -1e-3 / bc1, -2e-3 / bc1], [-5e-4 / bc1, -5e-4 / bc1, -2e-3 / bc1]]
     assert steps == want, f"update steps per parameter, by step: {steps}, want {want}"

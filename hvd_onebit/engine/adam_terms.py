@@ -5,10 +5,9 @@ that feeds it from the param groups and the state.
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Mapping, Optional
+from typing import Callable, Iterable, Mapping, Optional
 
 import torch
 
@@ -30,27 +29,46 @@ class Denominator:
 
 
 @dataclass(frozen=True, eq=False)
-class InputTerms:
-    """What a parameter's allreduce input is made of: ``beta1 * m + (1 - beta1) * g``, and when
-    preconditioned, over its denominator and clamped at ``bound`` (Adam's bound on
-    ``|m_hat| / sqrt(v_hat)`` at the step taken, times bc1: ``m`` is not bias-corrected)."""
+class StepNumbers:
+    """The host numbers a param group's parameters share at one Adam step count ``t`` (the step
+    taken) and one frozen-variance step count (no sync: computed on the host)."""
 
     beta1: float
-    denominator: Optional[Denominator] = None
-    bound: Optional[float] = None
+    sqrt_bc2: float  # sqrt(1 - beta2 ** frozen), of the denominator
+    eps: float
+    input_bound: float  # the preconditioned input's clamp: (1 - beta1 ** t) * B(t)
+    step: float  # -lr / (1 - beta1 ** t)
+    decay: float  # 1 - lr * weight_decay with AdamW's decay, else 1.0
+    bound: float  # lr * B(t): the largest step (:mod:`hvd_onebit.step_bound`)
+
+
+@dataclass(frozen=True, eq=False)
+class InputTerms:
+    """What a parameter's allreduce input is made of: ``beta1 * m + (1 - beta1) * g``, and when
+    preconditioned (a variance given), over its denominator and clamped at
+    ``numbers.input_bound`` (Adam's bound on ``|m_hat| / sqrt(v_hat)`` at the step taken, times
+    bc1: ``m`` is not bias-corrected)."""
+
+    beta1: float
+    variance: Optional[torch.Tensor] = None  # exp_avg_sq, frozen between refreshes
+    numbers: Optional[StepNumbers] = None
 
 
 @dataclass(frozen=True, eq=False)
 class ParamUpdate:
-    """This step's ``w = w * decay + clamp(step * m / denom, -bound, bound)`` of one parameter
-    (host numbers: no sync; ``bound = lr * B(t)``, :mod:`hvd_onebit.step_bound`). No weight:
-    the decode converts the momentum and updates nothing."""
+    """This step's ``w = w * decay + clamp(step * m / denom, -bound, bound)`` of one parameter,
+    with ``numbers``' host numbers. No weight: the decode converts the momentum and updates
+    nothing."""
 
     weight: Optional[torch.Tensor]
-    denominator: Denominator
-    step: float
-    decay: float
-    bound: float
+    variance: torch.Tensor  # exp_avg_sq, frozen between refreshes
+    numbers: StepNumbers
+
+
+def sqrt_bc2(beta2: float, frozen: int) -> float:
+    """``sqrt(1 - beta2 ** frozen)``, Adam's variance bias correction at the frozen step count
+    (1.0 before the freeze)."""
+    return math.sqrt(1 - beta2 ** frozen if frozen > 0 else 1.0)
 
 
 def masked_params(param_groups: list[dict], owner: Iterable[torch.Tensor]) -> list[tuple]:
@@ -88,40 +106,53 @@ class AdamTerms:
         self.bound = bound
         self.preconditioned = preconditioned
         self.backend = backend
-        # The host numbers of one step, by what they are computed from: the parameters of a
-        # group share them (emptied by every inputs() and plan(), so the options a scheduler
-        # changes between steps are read afresh).
-        self._numbers: dict[tuple, Any] = {}
 
-    def _shared(self, key: tuple, compute: Callable[[], Any]) -> Any:
-        found = self._numbers.get(key)
-        if found is None:
-            found = self._numbers[key] = compute()
-        return found
+    def numbers_of(self, group: dict) -> Callable[[int, int], StepNumbers]:
+        """``numbers(t, frozen)``: the group's :class:`StepNumbers` at step ``t`` with the
+        variance frozen at step ``frozen``, each computed once per call of this (the group's
+        options are read now: a scheduler may change them between steps)."""
+        (beta1, beta2), lr, wd = group["betas"], group["lr"], group["weight_decay"]
+        eps, decoupled = float(group["eps"]), wd != 0 and self.decoupled(group)
+        found: dict[tuple, StepNumbers] = {}
+
+        def numbers(t: int, frozen: int) -> StepNumbers:
+            key = (t, frozen)
+            known = found.get(key)
+            if known is None:
+                ratio = step_bound.ratio_bound(self.bound, beta1, beta2, t)
+                known = found[key] = StepNumbers(
+                    beta1=beta1, sqrt_bc2=sqrt_bc2(beta2, frozen),
+                    eps=eps, input_bound=(1 - beta1 ** t) * ratio, step=-lr / (1 - beta1 ** t),
+                    decay=1 - lr * wd if decoupled else 1.0, bound=abs(lr) * ratio)
+            return known
+        return numbers
+
+    def _numbers_for(self, p: torch.Tensor, numbers: Callable[[int, int], StepNumbers]
+                     ) -> tuple[dict, StepNumbers]:
+        """``p``'s state and its numbers at the step it takes now."""
+        state = self.state[p]
+        return state, numbers(int(self.variance.host_step(p)) + 1, state["frozen_variance_step"])
 
     def denominator(self, p: torch.Tensor, group: dict) -> Denominator:
         """``p``'s denominator, as the update has it."""
         state = self.state[p]
-        frozen, beta2 = state["frozen_variance_step"], group["betas"][1]
-        sqrt_bc2 = self._shared(("bc2", beta2, frozen), lambda: math.sqrt(
-            1 - beta2 ** frozen if frozen > 0 else 1.0))
-        return Denominator(state["exp_avg_sq"], sqrt_bc2, float(group["eps"]))
+        return Denominator(state["exp_avg_sq"],
+                           sqrt_bc2(group["betas"][1], state["frozen_variance_step"]),
+                           float(group["eps"]))
 
     def inputs(self, param_groups: list[dict], owner: set) -> dict[torch.Tensor, InputTerms]:
         """Per parameter of ``owner``: what its allreduce input is made of."""
         terms = {}
-        self._numbers.clear()
         for g in param_groups:
+            if not self.preconditioned:
+                shared = InputTerms(g["betas"][0])
+                terms.update((p, shared) for p in g["params"] if p in owner)
+                continue
+            numbers = self.numbers_of(g)
             for p in g["params"]:
-                if p not in owner:
-                    continue
-                if not self.preconditioned:
-                    terms[p] = InputTerms(g["betas"][0])
-                    continue
-                (beta1, beta2), t = g["betas"], int(self.variance.host_step(p)) + 1
-                bound = self._shared(("input", beta1, beta2, t), lambda: (
-                    (1 - beta1 ** t) * step_bound.ratio_bound(self.bound, beta1, beta2, t)))
-                terms[p] = InputTerms(beta1, self.denominator(p, g), bound)
+                if p in owner:
+                    state, n = self._numbers_for(p, numbers)
+                    terms[p] = InputTerms(n.beta1, state["exp_avg_sq"], n)
         return terms
 
     def momentum_input(self, b: Bucket, terms: Mapping[torch.Tensor, InputTerms],
@@ -134,11 +165,10 @@ class AdamTerms:
         seg_terms = [terms[seg.param] for seg in b.segments]
         pre = {}
         if self.preconditioned:
-            pre = dict(variances=[b.piece(i, t.denominator.variance)
-                                  for i, t in enumerate(seg_terms)],
-                       sqrt_bc2s=[t.denominator.sqrt_bc2 for t in seg_terms],
-                       eps=[t.denominator.eps for t in seg_terms],
-                       bounds=[t.bound for t in seg_terms])
+            pre = dict(variances=[b.piece(i, t.variance) for i, t in enumerate(seg_terms)],
+                       sqrt_bc2s=[t.numbers.sqrt_bc2 for t in seg_terms],
+                       eps=[t.numbers.eps for t in seg_terms],
+                       bounds=[t.numbers.input_bound for t in seg_terms])
         betas = {t.beta1 for t in seg_terms}
         if len(betas) == 1:
             return MomentumInput(b.momentum, pieces, sizes, betas.pop(), **pre)
@@ -151,13 +181,8 @@ class AdamTerms:
 
     def update(self, p: torch.Tensor, group: dict) -> ParamUpdate:
         """``p``'s update at this step."""
-        (beta1, beta2), lr, wd = group["betas"], group["lr"], group["weight_decay"]
-        t = int(self.variance.host_step(p)) + 1
-        decoupled = wd != 0 and self.decoupled(group)
-        step, decay, bound = self._shared(("update", beta1, beta2, lr, wd, decoupled, t), lambda: (
-            -lr / (1 - beta1 ** t), 1 - lr * wd if decoupled else 1.0,
-            abs(lr) * step_bound.ratio_bound(self.bound, beta1, beta2, t)))
-        return ParamUpdate(p.detach(), self.denominator(p, group), step, decay, bound)
+        state, n = self._numbers_for(p, self.numbers_of(group))
+        return ParamUpdate(p.detach(), state["exp_avg_sq"], n)
 
     def plan(self, param_groups: list[dict], buckets: list[Bucket], owner: set
              ) -> tuple[list[AdamUpdate], list[tuple]]:
@@ -168,17 +193,18 @@ class AdamTerms:
         momentum: it gets their variance and no weight)."""
         updates: dict = {}
         masked = []
-        self._numbers.clear()
         for group in param_groups:
+            numbers = self.numbers_of(group)
             for p, mask in zip(group["params"], group_masks(group)):
                 if p not in owner:
                     continue
                 if mask is not None:
                     masked.append((group, p, mask))
-                    if self.preconditioned:
-                        updates[p] = dataclasses.replace(self.update(p, group), weight=None)
-                else:
-                    updates[p] = self.update(p, group)
+                    if not self.preconditioned:
+                        continue
+                state, n = self._numbers_for(p, numbers)
+                updates[p] = ParamUpdate(None if mask is not None else p.detach(),
+                                         state["exp_avg_sq"], n)
         return [bucket_update(b, updates, self.preconditioned) for b in buckets], masked
 
     def apply_masked(self, masked: list[tuple]) -> None:
@@ -187,9 +213,9 @@ class AdamTerms:
         for group, p, mask in masked:
             mask_momentum(self.state, p, mask)
             u = self.update(p, group)
-            d = u.denominator
-            AdamUpdate([u.weight], [d.variance], [p.numel()], [u.step], [u.decay], [d.sqrt_bc2],
-                       [d.eps], [u.bound]).apply(self.state[p]["exp_avg"])
+            n = u.numbers
+            AdamUpdate([u.weight], [u.variance], [p.numel()], [n.step], [n.decay], [n.sqrt_bc2],
+                       [n.eps], [n.bound]).apply(self.state[p]["exp_avg"])
 
 
 def bucket_update(b: Bucket, updates: Mapping[torch.Tensor, ParamUpdate],
@@ -197,14 +223,14 @@ def bucket_update(b: Bucket, updates: Mapping[torch.Tensor, ParamUpdate],
     """The :class:`AdamUpdate` of bucket ``b`` from its parameters' updates (a parameter
     without one is left alone)."""
     t = [updates.get(p) for p in b.params]
+    n = [x.numbers if x is not None else None for x in t]
     return AdamUpdate(
         weights=[b.piece(i, x.weight) if x is not None and x.weight is not None else None
                  for i, x in enumerate(t)],
-        variances=[b.piece(i, x.denominator.variance) if x is not None else None
-                   for i, x in enumerate(t)],
+        variances=[b.piece(i, x.variance) if x is not None else None for i, x in enumerate(t)],
         sizes=[seg.numel for seg in b.segments],
-        steps=[x.step if x is not None else 0.0 for x in t],
-        decays=[x.decay if x is not None else 1.0 for x in t],
-        sqrt_bc2s=[x.denominator.sqrt_bc2 if x is not None else 1.0 for x in t],
-        eps=[x.denominator.eps if x is not None else 0.0 for x in t],
-        bounds=[x.bound if x is not None else math.inf for x in t], preconditioned=preconditioned)
+        steps=[x.step if x is not None else 0.0 for x in n],
+        decays=[x.decay if x is not None else 1.0 for x in n],
+        sqrt_bc2s=[x.sqrt_bc2 if x is not None else 1.0 for x in n],
+        eps=[x.eps if x is not None else 0.0 for x in n],
+        bounds=[x.bound if x is not None else math.inf for x in n], preconditioned=preconditioned)

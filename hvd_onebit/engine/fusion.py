@@ -13,6 +13,7 @@ compression kernel instead).
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -31,8 +32,9 @@ class Segment:
     numel: int
     offset: int
 
-    @property
+    @functools.cached_property
     def whole(self) -> bool:
+        """Whether this is all of its parameter (read for every step's views: computed once)."""
         return self.start == 0 and self.numel == self.param.numel()
 
 

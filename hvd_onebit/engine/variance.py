@@ -78,7 +78,8 @@ class FrozenVariance:
         for i, p in enumerate(todo):
             state, step, unseen = self.state[p], values[2 * i], int(values[2 * i + 1])
             state["frozen_variance_step"] = int(step)
-            self._remember_step(p, step)
+            if isinstance(state["step"], torch.Tensor):
+                self._remember(p, state["step"], step)
             if unseen and self.zero_variance == "hold":
                 warnings.warn(
                     f"hvd_onebit: {unseen} of {p.numel()} elements of parameter "
@@ -96,13 +97,15 @@ class FrozenVariance:
         value is read once and then followed on the host: :meth:`count_step` increments both.
         A replaced or externally changed tensor (a loaded state dict) is read again."""
         t = self.state[p]["step"]
-        if not isinstance(t, torch.Tensor):
-            return float(t)
+        return self._tensor_step(p, t) if isinstance(t, torch.Tensor) else float(t)
+
+    def _tensor_step(self, p: torch.Tensor, t: torch.Tensor) -> float:
+        """:meth:`host_step` of ``p``, whose step tensor is ``t``."""
         cached = self._host_steps.get(p)
         if cached is not None and cached[0] is t and cached[1] == t._version:
             return cached[2]
         value = float(t)
-        self._remember_step(p, value)
+        self._remember(p, t, value)
         return value
 
     def count_step(self, params: Iterable[torch.Tensor]) -> None:
@@ -111,28 +114,26 @@ class FrozenVariance:
         small op (a kernel launch on a GPU) per parameter."""
         tensors: dict[tuple, list] = {}
         for p in params:
-            value = self.host_step(p)
             state = self.state[p]
             t = state["step"]
             if isinstance(t, torch.Tensor):
-                tensors.setdefault((t.device, t.dtype), []).append((p, t, value))
+                tensors.setdefault((t.device, t.dtype), []).append((p, t, self._tensor_step(p, t)))
             else:
                 state["step"] = t + 1
         for same in tensors.values():
             # a step tensor several parameters share takes one add per parameter, as in Adam
             counts = Counter(id(t) for _, t, _ in same)
-            distinct = {id(t): t for _, t, _ in same}
-            torch._foreach_add_(list(distinct.values()), [counts[k] for k in distinct])
+            if len(counts) == len(same):  # one parameter each (as Adam's state has it)
+                torch._foreach_add_([t for _, t, _ in same], 1)
+            else:
+                distinct = {id(t): t for _, t, _ in same}
+                torch._foreach_add_(list(distinct.values()), [counts[k] for k in distinct])
             for p, t, value in same:
-                self._remember_step(p, value + counts[id(t)])
+                self._remember(p, t, value + counts[id(t)])
 
-    def _remember_step(self, p: torch.Tensor, value: float) -> None:
-        """Record ``value`` as the host copy of ``p``'s step tensor as it is now (nothing for a
-        step held as a Python number)."""
-        t = self.state[p]["step"]
-        if isinstance(t, torch.Tensor):
-            self._host_steps[p] = (t, t._version, value)
-
+    def _remember(self, p: torch.Tensor, t: torch.Tensor, value: float) -> None:
+        """Record ``value`` as the host copy of ``p``'s step tensor ``t`` as it is now."""
+        self._host_steps[p] = (t, t._version, value)
 
 def _fill_zero_variances(v: torch.Tensor, mode: str) -> None:
     """Give the zero entries of the frozen variance ``v`` (in place) a denominator to train

@@ -77,7 +77,9 @@ class UpdateTerms:
         if self.bounds is None:
             self.bounds = [math.inf] * len(self.sizes)
         else:
-            self.bounds = [as_float32(float(b)) for b in self.bounds]
+            rounded: dict = {}  # a bucket's parameters share a few bounds: each rounded once
+            self.bounds = [rounded[b] if b in rounded else rounded.setdefault(b, as_float32(float(b)))
+                           for b in self.bounds]
             if any(not b >= 0 for b in self.bounds):
                 raise ValueError(f"step bounds must be >= 0, got {self.bounds}")
 
