@@ -52,6 +52,11 @@ def test_dry_run_checks_bits_and_virtual_ranks_on_cpu(tmp_path):
     engine = [m for m in ("flat.py", "adam_terms.py", "variance.py", "averaging.py",
                           "transaction.py", "step.py") if m in host]
     assert calls and int(calls.group(1)) > 100 and engine, f"the step's host profile: {host}"
+    for w in checks["step_time"]["worlds"]:
+        cpu, share = w["host_cpu_ms_per_rank_step"], w["host_cpu_share_of_wall"]
+        assert cpu > 0 and 0 < share <= 1.05 * w["ranks"], \
+            f"{w['ranks']} ranks: host CPU {cpu} ms per rank-step, {share} of the wall " \
+            f"{w['wall_ms_per_step_all_ranks']} ms"
 
 
 def test_without_cuda_the_report_says_so():

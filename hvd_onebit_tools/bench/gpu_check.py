@@ -577,8 +577,10 @@ def check_step_time(device: str, ranks=(2, 8), width: int = 2048, layers: int = 
                 sync()
                 timing["start"] = time.perf_counter()
             gate.wait()
+            cpu = time.thread_time()
             for _ in range(steps):
                 one()
+            cpu = time.thread_time() - cpu
             gate.wait()
             if t.rank == 0:
                 sync()
@@ -603,13 +605,18 @@ def check_step_time(device: str, ranks=(2, 8), width: int = 2048, layers: int = 
                 host.disable()
                 timing["host_profile"] = _profile_text(host, "tottime", 25)
             gate.wait()
-            return {"buckets": len(engine.buckets)}
+            return {"buckets": len(engine.buckets), "host_cpu_ms": 1e3 * cpu / steps}
 
         per_rank = run_threads(n, rank_fn, timeout=600)
+        host_cpu = [r["host_cpu_ms"] for r in per_rank]
+        # the ranks' threads take turns on the interpreter: their CPU time, summed, against the
+        # wall time of all of them says how much of the step the host's own work is
         entry = {"ranks": n, "buckets": per_rank[0]["buckets"],
                  "wall_ms_per_step_all_ranks": timing["ms"],
                  "wall_ms_per_step_over_ranks": timing["ms"] / n,
-                 "ratio_wall_over_ranks_to_adam": timing["ms"] / n / adam_ms}
+                 "ratio_wall_over_ranks_to_adam": timing["ms"] / n / adam_ms,
+                 "host_cpu_ms_per_rank_step": sum(host_cpu) / n,
+                 "host_cpu_share_of_wall": sum(host_cpu) / timing["ms"]}
         if "host_profile" in timing:
             entry["host_profile_rank0"] = timing.pop("host_profile")
         if cuda:
