@@ -268,9 +268,10 @@ class OneBitAllreduce(TransactionalCollective):
         stage1, handle.stage1 = handle.stage1, None
         handle.recv = self.transport.wait(stage1).reshape(-1)
         handle.send = None  # sent
-        # each row's status word, by rank, read later with the other calls' and stages'
+        # each row's status word, by rank, read in place later with the other calls' and
+        # stages' (nothing writes the received rows before the commit)
         n = self.layout.n
-        return Status(kernels.row_status(handle.recv, self.layout, n) != 0, list(range(n)))
+        return Status(kernels.row_status(handle.recv, self.layout, n), list(range(n)))
 
     def start_stage2(self, handle: AllreduceHandle) -> None:
         """Server step (its rows only: nothing committed yet), then start stage 2. Run whatever
@@ -299,8 +300,8 @@ class OneBitAllreduce(TransactionalCollective):
         if self.spare_errors:
             handle.server_row = None  # sent; the lean commit writes it again
         status = kernels.row_status(handle.gathered, self.layout, self.layout.n)
-        handle.stale_from = Status(status == STALE, list(range(self.layout.n)))
-        return Status(status != 0, list(range(self.layout.n)))
+        handle.stale_from = Status(status, list(range(self.layout.n)), only=STALE)
+        return Status(status, list(range(self.layout.n)))
 
     def drain(self, handle: AllreduceHandle) -> None:
         """Wait out whatever of this call is still on the wire, ignoring its result: a call

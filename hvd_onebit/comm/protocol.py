@@ -136,17 +136,28 @@ class Status:
     device-to-host sync, so a step reads every call's and stage's at once (:func:`read_statuses`).
 
     Attributes:
-        bad: bool [k] (any shape with k elements) on the collective's device, or None (k = 0).
-        ranks: the rank each flag is about, k of them (a rank may appear more than once).
+        bad: one value per rank [k] (any shape with k elements, bool or float, e.g. the rows'
+            status words read in place) on the collective's device, or None (k = 0): a non-zero
+            value (NaN included) flags its rank.
+        ranks: the rank each value is about, k of them (a rank may appear more than once).
+        only: if given, only the values equal to it flag their rank (e.g. ``STALE``): a
+            status word read for one meaning among several, with no comparison on the device.
     """
 
     bad: Optional[torch.Tensor]
     ranks: list[int]
+    only: Optional[float] = None
 
     @classmethod
     def none(cls) -> "Status":
         """Nothing to report."""
         return cls(None, [])
+
+    def flags(self, values: Sequence[float]) -> list[int]:
+        """The ranks that ``values`` (:attr:`bad` read on the host) flag."""
+        if self.only is None:
+            return [r for r, v in zip(self.ranks, values) if v != 0]  # NaN != 0 too
+        return [r for r, v in zip(self.ranks, values) if v == self.only]
 
 
 def read_statuses(stages: Sequence[Sequence[Status]]) -> list[list[int]]:
@@ -155,13 +166,12 @@ def read_statuses(stages: Sequence[Sequence[Status]]) -> list[list[int]]:
     live = [(i, st) for i, group in enumerate(stages) for st in group if st.ranks]
     bad: list[set[int]] = [set() for _ in stages]
     if live:
-        flags = torch.cat([st.bad.reshape(-1).to(torch.bool) for _, st in live]).tolist()
+        values = torch.cat([st.bad.reshape(-1).to(torch.float32) for _, st in live]).tolist()
         at = 0
         for i, st in live:
-            bad[i].update(r for r, f in zip(st.ranks, flags[at:at + len(st.ranks)]) if f)
+            bad[i].update(st.flags(values[at:at + len(st.ranks)]))
             at += len(st.ranks)
     return [sorted(b) for b in bad]
-
 
 
 @runtime_checkable
