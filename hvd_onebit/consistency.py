@@ -4,34 +4,88 @@ figures are computed here without a framework; the Horovod checks gather them th
 (imported when called), the DDP face through torch.distributed."""
 from __future__ import annotations
 
+import dataclasses
 import hashlib
-from typing import Mapping
+from dataclasses import dataclass
+from typing import Callable, Mapping
 
 import torch
 
 
-def parameter_signature(param_groups: list[dict], names: Mapping[torch.Tensor, str]) -> list[int]:
-    """[parameter count, element count, a digest of the names, shapes and dtypes]."""
-    shapes = repr([(names.get(p), tuple(p.shape), str(p.dtype))
-                   for g in param_groups for p in g["params"]])
-    digest = int.from_bytes(hashlib.sha256(shapes.encode()).digest()[:7], "little")
-    return [sum(len(g["params"]) for g in param_groups),
-            sum(p.numel() for g in param_groups for p in g["params"]), digest]
+def _digest(text: str) -> int:
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "little")
 
 
-def check_same_parameters(param_groups: list[dict], names: Mapping[torch.Tensor, str],
+@dataclass(frozen=True)
+class JobSignature:
+    """What every rank's optimizer must agree on, as integers one allgather carries: its
+    parameters in the optimizer's order (their names, shapes and dtypes digested), its
+    ``freeze_step`` (-1: "auto") and its other options (digested)."""
+
+    parameters: int
+    elements: int
+    layout: int
+    freeze_step: int
+    options: int
+
+    @classmethod
+    def of(cls, param_groups: list[dict], names: Mapping[torch.Tensor, str],
+           config) -> "JobSignature":
+        params = [p for g in param_groups for p in g["params"]]
+        layout = repr([(names.get(p), tuple(p.shape), str(p.dtype)) for p in params])
+        freeze = config.freeze_step if isinstance(config.freeze_step, int) else -1
+        options = repr([(f.name, getattr(config, f.name)) for f in dataclasses.fields(config)
+                        if f.name != "freeze_step"])
+        return cls(len(params), sum(p.numel() for p in params), _digest(layout), freeze,
+                   _digest(options))
+
+    def differences(self, everyone: list["JobSignature"]) -> list[str]:
+        """What ``everyone`` (each rank's signature, in rank order) disagrees on, in words."""
+        def ranks_unlike_0(field: str) -> list[int]:
+            return [r for r, s in enumerate(everyone)
+                    if getattr(s, field) != getattr(everyone[0], field)]
+
+        out = []
+        if ranks_unlike_0("parameters") or ranks_unlike_0("elements"):
+            out.append("their parameters (" + ", ".join(
+                f"rank {r}: {s.parameters} ({s.elements} elements)"
+                for r, s in enumerate(everyone)) + ")")
+        elif ranks_unlike_0("layout"):
+            out.append(f"the order, names, shapes or dtypes of their parameters (rank(s) "
+                       f"{ranks_unlike_0('layout')} unlike rank 0's; param groups built from a "
+                       "set() come out in another order on each rank)")
+        if ranks_unlike_0("freeze_step"):
+            out.append("freeze_step (" + ", ".join(
+                f"rank {r}: {'auto' if s.freeze_step < 0 else s.freeze_step}"
+                for r, s in enumerate(everyone)) + ")")
+        if ranks_unlike_0("options"):
+            out.append(f"their other options (rank(s) {ranks_unlike_0('options')} unlike rank "
+                       "0's)")
+        return out
+
+
+def check_same_job(mine: JobSignature, gather: Callable[[torch.Tensor], torch.Tensor],
+                   who: str) -> None:
+    """Raise on every rank unless every rank's optimizer has the same parameters in the same
+    order and the same options. ``gather``: int64 [1, k] -> [ranks, k], every rank's row in
+    rank order (one allgather)."""
+    rows = gather(torch.tensor([dataclasses.astuple(mine)], dtype=torch.int64)).tolist()
+    differences = mine.differences([JobSignature(*row) for row in rows])
+    if differences:
+        raise ValueError(f"{who}: the ranks' optimizers differ in {'; and in '.join(differences)}"
+                         ": build it alike on every rank (the same parameters in the same "
+                         "order, the same options)")
+
+
+def check_same_parameters(param_groups: list[dict], names: Mapping[torch.Tensor, str], config,
                           process_set) -> None:
-    """Raise on every rank if the ranks' parameters differ in number, shape, dtype or name."""
+    """:func:`check_same_job` through Horovod."""
     import horovod.torch as hvd
 
-    mine = torch.tensor([parameter_signature(param_groups, names)], dtype=torch.int64)
-    everyone = hvd.allgather(mine, name="hvd_onebit.param_signature",
-                             process_set=process_set).tolist()
-    if any(row != everyone[0] for row in everyone):
-        detail = "; ".join(f"rank {r}: {row[0]} parameters, {row[1]} elements"
-                           for r, row in enumerate(everyone))
-        raise ValueError("hvd_onebit.DistributedOptimizer: the ranks' parameters differ in "
-                         f"number, shape, dtype or name ({detail})")
+    check_same_job(JobSignature.of(param_groups, names, config),
+                   lambda t: hvd.allgather(t, name="hvd_onebit.param_signature",
+                                           process_set=process_set),
+                   "hvd_onebit.DistributedOptimizer")
 
 
 def parameter_bit_sums(param_groups: list[dict]) -> torch.Tensor:

@@ -151,6 +151,13 @@ def test_refusals_are_clear_on_every_rank(world):
         assert r["hooked"].startswith("ValueError") and "already has one" in r["hooked"], \
             f"n={n} rank {rank}: {r['hooked']}"
         assert r["after"] == 1, f"n={n} rank {rank}: the model took no face after the refusals"
+        wanted = {"reordered": "order, names, shapes or dtypes of their parameters (rank(s) "
+                               f"[{n - 1}]",
+                  "subset": f"rank {n - 1}: {r['parameters'] - 1} (",
+                  "freeze_step": f"freeze_step (rank 0: 3, rank 1: {3 if n > 2 else 4}"}
+        for case, part in wanted.items():
+            assert r[case].startswith("ValueError") and part in r[case], \
+                f"n={n} rank {rank} {case}: {r[case]!r}, want it to say {part!r}"
 
 
 @pytest.mark.multirank

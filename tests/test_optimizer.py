@@ -201,6 +201,10 @@ def test_bad_arguments_are_clear_errors(world):
         "adasum": ["op=hvd.Average or hvd.Sum"],
         "mask_shape": ["does not broadcast"],
     }
+    if n > 1:
+        wanted.update(reordered=["optimizers differ in the order, names, shapes or dtypes of "
+                                 "their parameters (rank(s) [1"],
+                      freeze_step=["differ in freeze_step (rank 0: 2, rank 1: 3"])
     for rank, bad in enumerate(scenario(results, "bad")):
         for case, parts in wanted.items():
             assert bad[case] is not None and all(p in bad[case] for p in parts), \

@@ -296,6 +296,20 @@ def refusals() -> dict:
 
     hooked.register_comm_hook(None, noop)
     out["hooked"] = refused(lambda: onebit(hooked))
+    # what differs between ranks is refused on every rank: the optimizer's parameters in
+    # another order (param groups built from a set()), one of them left out, another freeze_step
+    last = dist.get_rank() == dist.get_world_size() - 1
+    shared = make_model()
+    ps = list(shared.parameters())
+
+    def on_last(mine, theirs):
+        return lambda: hvd_onebit.ddp.DistributedOptimizer(
+            torch.optim.Adam(mine if last else ps), shared, freeze_step=theirs if last else FREEZE)
+
+    out["reordered"] = refused(on_last(ps[::-1], FREEZE))
+    out["subset"] = refused(on_last(ps[:-1], FREEZE))
+    out["freeze_step"] = refused(on_last(ps, FREEZE + 1))
+    out["parameters"] = len(ps)
     # the refusals left the model as it was: it takes the face afterwards
     opt = onebit(model)
     train_step(model, opt, 0)

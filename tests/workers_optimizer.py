@@ -296,6 +296,12 @@ def bad_arguments():
                                                           freeze_step=2, op=hvd.Adasum, variance_refresh=None),
         "mask_shape": lambda: hvd_onebit.DistributedOptimizer(torch.optim.Adam(
             [{"params": [model[0].weight], "exp_avg_mask": torch.ones(3, 3)}]), freeze_step=2, variance_refresh=None),
+        # what differs between ranks: the parameters' order (groups built from a set()), the
+        # freeze step
+        "reordered": lambda: hvd_onebit.DistributedOptimizer(torch.optim.Adam(
+            list(model.parameters())[::1 if hvd.rank() == 0 else -1]), freeze_step=2),
+        "freeze_step": lambda: hvd_onebit.DistributedOptimizer(
+            torch.optim.Adam(model.parameters()), freeze_step=2 + hvd.rank()),
     }
     for name, make in cases.items():
         try:

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from ..config import OneBitConfig, validate_masks
-from ..consistency import parameter_bit_sums, raise_if_diverged
+from ..consistency import JobSignature, check_same_job, parameter_bit_sums, raise_if_diverged
 from ..engine import CompressedStep
 from ..job import check_options, check_parameters
 from ..phases.driver import Phases
@@ -72,18 +72,28 @@ def check(model, param_groups: list[dict], process_group, config: OneBitConfig):
     validate_masks(param_groups)
     check_options(config)
     check_parameters(config, [p for g in param_groups for p in g["params"]])
+    if dist.get_world_size(group) > 1:
+        check_same_job(JobSignature.of(param_groups, names, config),
+                       lambda mine: gather_rows(mine, param_groups, group),
+                       "hvd_onebit.ddp.DistributedOptimizer")
     return group
 
 
-def check_identical(param_groups: list[dict], group, steps: int, every: int) -> None:
-    """Raise on every rank if the parameters differ between ranks (one small allgather)."""
-    mine = parameter_bit_sums(param_groups)
+def gather_rows(mine: torch.Tensor, param_groups: list[dict], group) -> torch.Tensor:
+    """Every rank's ``mine`` (int64 [1, k]), one row per rank in rank order (one allgather on
+    the parameters' device: the group's backend may take only that device's tensors)."""
     device = next((p.device for g in param_groups for p in g["params"]), torch.device("cpu"))
     mine = mine.to(device)
     everyone = torch.empty((dist.get_world_size(group), mine.shape[1]), dtype=mine.dtype,
                            device=device)
     all_gather_single(everyone, mine, group=group)
-    raise_if_diverged(everyone.cpu(), steps, every)
+    return everyone.cpu()
+
+
+def check_identical(param_groups: list[dict], group, steps: int, every: int) -> None:
+    """Raise on every rank if the parameters differ between ranks (one small allgather)."""
+    raise_if_diverged(gather_rows(parameter_bit_sums(param_groups), param_groups, group), steps,
+                      every)
 
 
 @dataclass(frozen=True)

@@ -31,12 +31,12 @@ def check(config: OneBitConfig, param_groups: list[dict], process_set: hvd.Proce
     check_environment(config, [p for g in param_groups for p in g["params"]], process_set)
 
 
-def check_job(param_groups: list[dict], names: dict, process_set: hvd.ProcessSet,
-              world: int) -> None:
-    """Raise on every rank if the ranks' parameters differ (one small allgather). Elastic
-    workers join running jobs, so a collective there could not be matched: skipped."""
+def check_job(param_groups: list[dict], names: dict, config: OneBitConfig,
+              process_set: hvd.ProcessSet, world: int) -> None:
+    """Raise on every rank if the ranks' parameters or options differ (one small allgather).
+    Elastic workers join running jobs, so a collective there could not be matched: skipped."""
     if world > 1 and os.environ.get("HOROVOD_ELASTIC") != "1":
-        check_same_parameters(param_groups, names, process_set)
+        check_same_parameters(param_groups, names, config, process_set)
 
 
 def connect(config: OneBitConfig, process_set: hvd.ProcessSet, device: torch.device,
@@ -79,7 +79,7 @@ def build(view: HorovodView, config: OneBitConfig, process_set: hvd.ProcessSet) 
     telemetry = Telemetry()
     init_adam_state(view.adam.param_groups, view.adam.state)
     world = process_set_size(process_set)
-    check_job(view.adam.param_groups, view.names, process_set, world)
+    check_job(view.adam.param_groups, view.names, config, process_set, world)
     device = next((p.device for p in view.adam.parameters()), torch.device("cpu"))
     transport = connect(config, process_set, device, world)
     engine = CompressedStep(config, view.adam.state, view.adam.decoupled, process_set,
