@@ -69,6 +69,20 @@ def test_gradients_changed_after_backward_restart_once_then_start_in_step(result
             f"rank {rank}, {case}: no warning, got {run['warnings']}"
 
 
+def test_a_rank_clipping_alone_without_synchronize_stays_identical_to_the_others(results):
+    """After the freeze, rank 1 clips its gradients in place between backward and step(), with
+    no synchronize(), through refresh steps and compressed ones: every step averages what the
+    ranks' gradients are at step() (a refresh step's allreduce starts there), so the ranks'
+    parameters stay the same bits."""
+    a, b = (r["clip_alone"]["hashes"] for r in results)
+    assert a == b, f"rank 1's parameters differ from rank 0's from step {first_difference(a, b)}" \
+                   f" on (of {len(a)})"
+    refreshes, norms = results[0]["clip_alone"]["refreshes"], results[1]["clip_alone"]["norms"]
+    assert refreshes >= 2 and min(norms) > 1e-3, \
+        f"{refreshes} refresh steps, gradient norms {norms} before rank 1's clip at 1e-3: " \
+        "the run must take refresh steps and clip in each"
+
+
 def test_transports_give_the_same_bits(results):
     for rank, r in enumerate(results):
         auto, hvd_run = r[("plain", True)], r["horovod_transport"]

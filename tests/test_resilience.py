@@ -108,8 +108,10 @@ def test_grad_scaler_overflow_on_one_rank_is_agreed(results, key):
 
 
 def test_bad_input_is_a_clear_error_on_every_rank(results):
-    expected = {"shapes_differ": "parameters differ", "duplicate_names": "must be unique",
-                "missing_names": "were not named", "mixed_devices": "one device",
+    expected = {"shapes_differ": "optimizers differ in their parameters (rank 0: 6 (1377 "
+                                  "elements), rank 1: 6 (433",
+                "duplicate_names": "must be unique", "missing_names": "were not named",
+                "mixed_devices": "one device",
                 "added_after_freeze": "after the variance was frozen",
                 "sparse_gradients": "sparse_as_dense=True"}
     for rank, bad in enumerate(scenario(results, "bad")):

@@ -37,7 +37,8 @@ def _batch(step: int, k: int = 0):
 
 def run(overlap: bool, steps: int = 9, freeze_step: int = 3, passes: int = 1,
         clip: bool = False, scaler: bool = False, transport: str = "auto",
-        zero_grad_between: bool = False) -> dict:
+        zero_grad_between: bool = False, clip_alone: bool = False,
+        variance_refresh=None) -> dict:
     """One training run; returns per-step parameter hashes and the engine's counters."""
     model = FourLayers()
     groups = [{"params": [p for n, p in model.named_parameters() if n.startswith("c.")],
@@ -46,9 +47,9 @@ def run(overlap: bool, steps: int = 9, freeze_step: int = 3, passes: int = 1,
     opt = hvd_onebit.DistributedOptimizer(
         torch.optim.Adam(groups, lr=1e-2), named_parameters=model.named_parameters(),
         freeze_step=freeze_step, bucket_size_mb=0.01, backward_passes_per_step=passes,
-        overlap=overlap, transport=transport, variance_refresh=None)
+        overlap=overlap, transport=transport, variance_refresh=variance_refresh)
     amp = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8) if scaler else None
-    out = {"hashes": [], "warnings": [], "error": None, "zero_grad_error": None}
+    out = {"hashes": [], "warnings": [], "error": None, "zero_grad_error": None, "norms": []}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for step in range(steps):
@@ -68,6 +69,10 @@ def run(overlap: bool, steps: int = 9, freeze_step: int = 3, passes: int = 1,
                 if amp:
                     amp.unscale_(opt)
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+            if clip_alone and opt.phase == "compression" and hvd.rank() == 1:
+                # no synchronize(): rank 1 alone clips its own gradients, in place
+                out["norms"].append(float(torch.nn.utils.clip_grad_norm_(model.parameters(),
+                                                                         1e-3)))
             with opt.skip_synchronize() if clip else contextlib.nullcontext():
                 if amp:
                     amp.step(opt)
@@ -83,6 +88,7 @@ def run(overlap: bool, steps: int = 9, freeze_step: int = 3, passes: int = 1,
     out["restarts"] = engine.restarts
     out["breakdown"] = opt.last_step_breakdown
     out["transport"] = opt.transport
+    out["refreshes"] = opt.telemetry()["refreshes"]
     return out
 
 
@@ -100,6 +106,8 @@ def suite() -> dict:
             out[(name, overlap)] = run(overlap, **kwargs)
     out["horovod_transport"] = run(True, transport="horovod")
     out["zero_grad"] = run(True, zero_grad_between=True, steps=5)
+    # refresh steps (the default schedule: every step at first) among the compressed ones
+    out["clip_alone"] = run(True, clip_alone=True, variance_refresh="doubling", steps=8)
     out["choice"] = transport_choice()
     return out
 

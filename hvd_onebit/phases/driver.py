@@ -49,12 +49,15 @@ class Phases:
         return self.compressing() and self._schedule.refresh_next()
 
     def gradient_hook(self, p, warmup_hook: Callable, *args) -> None:
-        """p's gradient accumulated: Horovod's allreduce in the warmup and at refresh steps; in
-        the compression phase no gradient travels, and on the step's last backward pass the
-        gradient completes its bucket, which may start its exchange (:mod:`hvd_onebit.overlap`)."""
-        if not self.compressing() or self.refreshing():
+        """p's gradient accumulated: Horovod's allreduce in the warmup. In the compression phase
+        no gradient travels during backward: on the step's last backward pass the gradient
+        completes its bucket, which may start its exchange (:mod:`hvd_onebit.overlap`); a
+        refresh step's gradients are averaged when the step synchronizes, from what they are
+        then, as the compressed steps take them (a gradient clipped in place after backward
+        is averaged clipped, not raced by an allreduce already reading it)."""
+        if not self.compressing():
             warmup_hook(*args)
-        elif self._view.count_backward_pass(p):
+        elif self._view.count_backward_pass(p) and not self.refreshing():
             self.compression.overlap.gradient_ready(p)
 
     def synchronize(self, make_hook: Callable) -> None:

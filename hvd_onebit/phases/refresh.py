@@ -2,9 +2,11 @@
 phase, as the optimizer drives it.
 
 Which steps: :meth:`~hvd_onebit.state.schedule.Schedule.refresh_next` (the step count and the
-freeze step, alike on every rank: no collective). The gradients travel exactly as in the
-warmup: Horovod's allreduce, started from Horovod's own backward hooks (the driver hands a
-refresh step's hooks to them, so overlap holds as in the warmup), then Horovod's synchronize.
+freeze step, alike on every rank: no collective). The gradients travel through Horovod's
+allreduce, as in the warmup, but all of them start when the step synchronizes (Horovod's
+synchronize starts the allreduces no hook started): a gradient clipped or unscaled in place
+after backward, as the compressed steps allow, is averaged as it is then, never raced by an
+allreduce already reading it. A refresh step has no overlap.
 The averaged gradients are the same bits on every rank, so a non-finite one is skipped by every
 rank alike, nothing changed; otherwise the engine takes Adam's step from them with the variance
 updated (:meth:`~hvd_onebit.engine.CompressedStep.refresh`, which also carries the error feedback
