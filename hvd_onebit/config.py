@@ -310,14 +310,14 @@ def _resolve_refresh(preset, schedule) -> Optional[RefreshSchedule]:
 
 
 def check_wrapped(optimizer: torch.optim.Optimizer, op_supported: bool,
-                  backward_passes_per_step: Any) -> None:
-    """Raise if DistributedOptimizer cannot wrap ``optimizer`` with these Horovod arguments
+                  backward_passes_per_step: Any,
+                  face: str = "hvd_onebit.DistributedOptimizer") -> None:
+    """Raise if ``face`` cannot wrap ``optimizer`` with these Horovod arguments
     (``op_supported``: the op is hvd.Average or hvd.Sum)."""
     # AdamW named as well: older torch releases do not derive it from Adam
     if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
-        raise TypeError("hvd_onebit.DistributedOptimizer wraps torch.optim.Adam or "
-                        f"torch.optim.AdamW; got {type(optimizer).__module__}."
-                        f"{type(optimizer).__name__}")
+        raise TypeError(f"{face} wraps torch.optim.Adam or torch.optim.AdamW; got "
+                        f"{type(optimizer).__module__}.{type(optimizer).__name__}")
     if any(g.get("amsgrad") for g in optimizer.param_groups):
         raise ValueError("amsgrad=True is not supported: 1-bit Adam freezes the variance, "
                          "which amsgrad's running maximum would contradict")

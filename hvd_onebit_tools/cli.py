@@ -42,6 +42,11 @@ def check(np_, probe, params, compute_ms, calibration) -> None:
     from .check import FIX, findings, report
 
     link_lines = []
+    if np_ is None and not probe and (params is not None or compute_ms is not None
+                                      or calibration is not None):
+        raise click.UsageError("--params, --compute-ms and --calibration price the link that "
+                               "--np (under horovodrun) or --probe (under torchrun) measures: "
+                               "give one of them too")
     if np_ is not None or probe:
         from . import check_probe
 

@@ -119,6 +119,12 @@ def test_np_outside_a_job_says_how_to_launch_it():
 
 
 @pytest.mark.multirank
+def test_the_prediction_options_without_a_probe_are_refused():
+    out = hvd_onebit(["check", "--params", "10M"])
+    assert out.exit_code == 2 and "--np (under horovodrun) or --probe" in out.output, \
+        f"exit {out.exit_code}: {out.output}"
+
+
 def test_np_under_horovodrun_probes_the_link_and_prices_the_step():
     bin_dir = os.path.dirname(sys.executable)
     out = subprocess.run([os.path.join(bin_dir, "horovodrun"), "-np", "2", "-H", "localhost:2",

@@ -310,6 +310,10 @@ def refusals() -> dict:
     out["subset"] = refused(on_last(ps[:-1], FREEZE))
     out["freeze_step"] = refused(on_last(ps, FREEZE + 1))
     out["parameters"] = len(ps)
+    out["transport"] = refused(lambda: onebit(shared, transport="torch"))
+    out["process_group"] = refused(lambda: onebit(shared, process_group="world"))
+    out["sgd"] = refused(lambda: hvd_onebit.ddp.DistributedOptimizer(
+        torch.optim.SGD(shared.parameters(), lr=0.1), shared, freeze_step=FREEZE))
     # the refusals left the model as it was: it takes the face afterwards
     opt = onebit(model)
     train_step(model, opt, 0)

@@ -15,6 +15,7 @@ import dataclasses
 from typing import Callable, Optional
 
 import torch
+import torch.distributed as dist
 
 from ..config import DEFAULT_BLOCK_SIZE, DEFAULT_BUCKET_MB, DOUBLING, Experimental, OneBitConfig, check_wrapped
 from ..face import face_attributes
@@ -116,7 +117,14 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model, *,
         counters ``last_step_bytes``, ``total_bytes``, ``last_step_comm_seconds``,
         ``total_comm_seconds``.
     """
-    check_wrapped(optimizer, True, 1)
+    check_wrapped(optimizer, True, 1, face="hvd_onebit.ddp.DistributedOptimizer")
+    if "transport" in moved:
+        raise TypeError("hvd_onebit.ddp.DistributedOptimizer takes no transport: the momentum "
+                        "travels on torch.distributed, on the DDP model's group (or "
+                        "process_group)")
+    if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
+        raise TypeError(f"process_group must be a torch.distributed ProcessGroup (e.g. "
+                        f"dist.new_group(ranks)) or None, got {process_group!r}")
     config = OneBitConfig.from_options(
         freeze_step, variance_refresh=variance_refresh, hierarchical=hierarchical,
         bucket_size_mb=bucket_size_mb,

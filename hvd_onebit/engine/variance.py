@@ -83,8 +83,8 @@ class FrozenVariance:
             if unseen and self.zero_variance == "hold":
                 warnings.warn(
                     f"hvd_onebit: {unseen} of {p.numel()} elements of parameter "
-                    f"{self.names.get(p, '?')} received no gradient during the "
-                    f"{state['frozen_variance_step']}-step warmup (variance 0); they are held "
+                    f"{self.names.get(p, '?')} received no gradient in the warmup (variance 0 "
+                    f"after {state['frozen_variance_step']} Adam steps of it); they are held "
                     "fixed in the compression phase" + (
                         " until a variance refresh sees their gradient" if self.refreshing
                         else ""))
