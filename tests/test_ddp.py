@@ -163,6 +163,22 @@ def test_refusals_are_clear_on_every_rank(world):
 
 
 @pytest.mark.multirank
+def test_an_inf_written_into_one_ranks_averaged_gradient_skips_the_step_everywhere(world):
+    """A full-precision step decides its skip from DDP's averages, alike on every rank unless a
+    script changes one rank's: the ranks agree (a warmup step, a variance refresh step)."""
+    n, results = world
+    runs = scenario(results, "averaged_poisoned")
+    for rank, run in enumerate(runs):
+        counts = [{k: v for k, v in r.items() if k != "params"} for r in run]
+        assert run == runs[0], f"n={n}: rank {rank}'s steps, skips or parameters differ from " \
+                               f"rank 0's; rank {rank}'s counts: {counts}"
+    rows = runs[0]
+    assert [r["skipped"] for r in rows] == [0, 1, 1, 1, 1, 2, 2, 2], rows
+    assert rows[5]["phase"] == "compression" and rows[5]["refreshes"] == rows[4]["refreshes"] \
+        < rows[6]["refreshes"], f"n={n}: iteration 5 must be a skipped refresh step: {rows}"
+
+
+@pytest.mark.multirank
 def test_a_nonfinite_value_on_one_rank_skips_the_step_on_every_rank(world):
     n, results = world
     runs = scenario(results, "grad_scaler")

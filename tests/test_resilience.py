@@ -80,8 +80,11 @@ def test_error_feedback_from_another_world_size_is_reset_with_a_warning(results)
         assert ef["norms_after"] == (0.0, 0.0), f"rank {rank}: error feedback {ef['norms_after']}"
 
 
-def test_nonfinite_gradient_on_one_rank_skips_the_step_everywhere(results):
-    a, b = scenario(results, "nonfinite")
+@pytest.mark.parametrize("key", ["nonfinite", "nonfinite_averaged"])
+def test_nonfinite_gradient_on_one_rank_skips_the_step_everywhere(results, key):
+    """An inf in rank 1's gradient, or (``_averaged``) written into its averaged gradient after
+    synchronize() in a warmup step and a variance refresh step: every rank skips alike."""
+    a, b = scenario(results, key)
     for rank, r in enumerate((a, b)):
         # steps 2 (warmup) and 8 (compression) skipped: the count rises exactly there
         assert r["skipped_count_after_step"] == [0, 0] + [1] * 6 + [2] * 4, \
@@ -92,6 +95,10 @@ def test_nonfinite_gradient_on_one_rank_skips_the_step_everywhere(results):
         assert r["steps"] == 10 and r["nonfinite_params"] == [], \
             f"rank {rank}: {r['steps']} steps taken (expected 10 of 12), non-finite " \
             f"parameters {r['nonfinite_params']}"
+    refreshes = a["refreshes_after_step"]
+    if key == "nonfinite_averaged":  # the later bad step is a refresh step, after one
+        assert refreshes[7] > 0 and refreshes[9] > refreshes[8] == refreshes[7], \
+            f"refresh steps taken after each step: {refreshes}"
     assert_same_params(b["final"], a["final"], "rank 1 vs rank 0 after the skips")
 
 

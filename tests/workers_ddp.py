@@ -321,6 +321,30 @@ def refusals() -> dict:
     return out
 
 
+def averaged_gradient_poisoned(iterations: int = 8, poisoned: tuple = (1, 5)) -> list[dict]:
+    """At each iteration in ``poisoned`` the last rank writes an inf into its gradient after
+    backward, DDP's average in full-precision steps (1: the warmup; 5: a variance refresh
+    step): per iteration the step count, phase, skipped steps, refreshes and the parameters."""
+    model = make_model()
+    opt = onebit(model, variance_refresh="doubling")
+    last = dist.get_world_size() - 1
+    out = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for it in range(iterations):
+            opt.zero_grad()
+            x, y = batch(it, dist.get_rank(), 0)
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            if it in poisoned and dist.get_rank() == last:
+                next(model.parameters()).grad.view(-1)[0] = float("inf")
+            opt.step()
+            t = opt.telemetry()
+            out.append({"steps": opt.steps, "phase": opt.phase, "skipped": t["skipped_steps"],
+                        "refreshes": t["refreshes"],
+                        "params": b"".join(p.tobytes() for p in params_of(model))})
+    return out
+
+
 def grad_scaler_skips(iterations: int = 8, poisoned: tuple = (1, 5)) -> list[dict]:
     """A GradScaler through scaler.step(opt); at each iteration in ``poisoned`` the last rank's
     loss is inf (iteration 1 in the warmup, 5 in the compression phase): per iteration the
@@ -403,6 +427,7 @@ def suite(scratch: Optional[str] = None, stage: Optional[str] = None) -> dict:
     scenarios["compression_check_every"] = partial(compression_record, "plain", check_every=1)
     scenarios.update({f"low_precision_{d}": partial(low_precision, d)
                       for d in ("float16", "bfloat16")})
+    scenarios.update(averaged_poisoned=averaged_gradient_poisoned)
     scenarios.update(checkpoint=checkpoint_resumes, refresh=variance_refresh, refusals=refusals,
                      grad_scaler=grad_scaler_skips)
     if stage is not None:

@@ -1,6 +1,7 @@
 """Worker functions for checkpoints, non-finite gradients, GradScaler and bad input."""
 from __future__ import annotations
 
+import contextlib
 import warnings
 from pathlib import Path
 
@@ -14,9 +15,10 @@ from tests.workers_optimizer import batch, make_model, params_bytes
 
 
 def _opt(model, freeze_step, lr=1e-2, **kw):
+    kw.setdefault("variance_refresh", None)
     return hvd_onebit.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=lr),
                                            named_parameters=model.named_parameters(),
-                                           freeze_step=freeze_step, **kw, variance_refresh=None)
+                                           freeze_step=freeze_step, **kw)
 
 
 def checkpoint_run(ckpt_dir, total=20, stop_at=None, freeze_step=5, resume=False,
@@ -86,12 +88,14 @@ def error_feedback_from_other_world(freeze_step=2, steps=5):
             "norms_after": after}
 
 
-def nonfinite_gradients(bad_steps=(2, 8), freeze_step=5, steps=12):
-    """Rank 1 puts an inf into one gradient at ``bad_steps`` (warmup and compression)."""
+def nonfinite_gradients(bad_steps=(2, 8), freeze_step=5, steps=12, averaged=False):
+    """Rank 1 puts an inf into one gradient at ``bad_steps`` (warmup and compression); with
+    ``averaged``, into its averaged gradient, after synchronize(), and the optimizer refreshes
+    the variance at every step after the freeze (full-precision steps)."""
     model = make_model()
-    opt = _opt(model, freeze_step)
+    opt = _opt(model, freeze_step, **({"variance_refresh": "doubling"} if averaged else {}))
     loss_fn = nn.MSELoss()
-    changed, skipped_counts = [], []
+    changed, skipped_counts, refreshes = [], [], []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for step in range(steps):
@@ -99,14 +103,18 @@ def nonfinite_gradients(bad_steps=(2, 8), freeze_step=5, steps=12):
             opt.zero_grad()
             x, y = batch(step, hvd.rank())
             loss_fn(model(x), y).backward()
+            if averaged:
+                opt.synchronize()
             if step in bad_steps and hvd.rank() == 1:
                 next(model.parameters()).grad[0, 0] = float("inf")
-            opt.step()
+            with opt.skip_synchronize() if averaged else contextlib.nullcontext():
+                opt.step()
             skipped_counts.append(opt.skipped_steps)
+            refreshes.append(opt.telemetry()["refreshes"])
             changed.append([i for i, (a, b) in enumerate(zip(before, params_bytes(model)))
                             if a != b])
     return {"skipped_count_after_step": skipped_counts, "changed_params": changed,
-            "steps": opt.steps, "final": params_bytes(model),
+            "refreshes_after_step": refreshes, "steps": opt.steps, "final": params_bytes(model),
             "nonfinite_params": [i for i, p in enumerate(model.parameters())
                                  if not bool(torch.isfinite(p).all())]}
 
@@ -254,6 +262,7 @@ def suite(ckpt_dir=None):
     return run_scenarios({
         "zero_variance": zero_variance_elements,
         "nonfinite": nonfinite_gradients,
+        "nonfinite_averaged": lambda: nonfinite_gradients(averaged=True),
         "scaler": grad_scaler,
         "scaler_horovod_recipe": lambda: grad_scaler(horovod_recipe=True),
         "bad": bad_inputs,

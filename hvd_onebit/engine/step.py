@@ -155,6 +155,15 @@ class CompressedStep:
         self.variance.count_step(owner)
         return nbytes
 
+    def agree(self, ok: bool, device: torch.device) -> bool:
+        """Whether ``ok`` holds on every rank: one exact sum of one number through the
+        transport, for a decision every rank must take alike from what only it has seen."""
+        if self.world == 1:
+            return ok
+        flag = torch.tensor([0.0 if ok else 1.0], device=device)
+        (bad,), _ = self.transport.exact_sum([flag], "hvd_onebit.agree")
+        return float(bad) == 0.0
+
     def refresh(self, param_groups: list[dict], grads: Mapping,
                 error_feedback: str = "rescale") -> int:
         """A variance refresh step (:meth:`VarianceRefresh.run`); the bytes this rank sent."""

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Callable, Optional
 
+import torch
+
 from ..config import OneBitConfig
 from ..engine import CompressedStep
 from ..optimizer_view import OptimizerView
@@ -38,6 +40,11 @@ class Phases:
         self._check_identical = check_identical
         self.compression = CompressionPhase(view, schedule, telemetry, engine, config)
         self.refresh = RefreshPhase(view, schedule, telemetry, engine, self.warmup, config)
+
+    def _agree(self, ok: bool) -> bool:
+        """Whether ``ok`` holds on every rank (:meth:`CompressedStep.agree`)."""
+        device = next((p.device for p in self._view.adam.parameters()), torch.device("cpu"))
+        return self._engine.agree(ok, device)
 
     def compressing(self) -> bool:
         """Whether this step is a compressed one (the compression phase, on several ranks)."""
@@ -75,7 +82,8 @@ class Phases:
         if not self.compressing() or self.refreshing():
             self.compression.overlap.remember_scaler(grad_scaler)
             kind = self.refresh if self.compressing() else self.warmup
-            loss = take(kind, self.warmup, self._telemetry, closure, make_hook, scaler)
+            loss = take(kind, self.warmup, self._telemetry, closure, make_hook, scaler,
+                        self._agree)
         else:
             loss = self._compressed_step(closure, grad_scaler, scaler)
         every, steps = self._config.check_every, self._schedule.steps

@@ -5,8 +5,9 @@ update from their exact average. The warmup's step (:class:`~hvd_onebit.phases.w
 either, with or without a GradScaler.
 
 After the allreduce the gradients are the same bits on every rank (an inf anywhere makes
-the average inf everywhere), so a step whose averaged gradients are not finite is skipped by
-every rank alike without another collective.
+the average inf everywhere), so every rank finds the same; the ranks still agree on the skip
+(one number summed), since a script may change a rank's averaged gradients after the allreduce,
+and a rank skipping alone would leave the others waiting in its next collective.
 """
 from __future__ import annotations
 
@@ -50,22 +51,26 @@ class FullPrecisionStep(Protocol):
 
 def take(kind: FullPrecisionStep, allreduce: GradientAllreduce, telemetry: Telemetry,
          closure: Optional[Callable[[], float]], make_hook: Callable,
-         scaler: Optional[ScalerView]):
+         scaler: Optional[ScalerView], agree: Callable[[bool], bool]):
     """One step of ``kind``: Horovod's synchronize (``allreduce``), the scaler's prologue, then
-    ``kind.apply`` unless an averaged gradient is non-finite (every rank skips alike), then
-    ``kind.account()``. Returns the closure's loss (None when skipped)."""
+    ``kind.apply`` unless an averaged gradient is non-finite on any rank (``agree(ok)``: whether
+    ``ok`` holds on every rank; every rank skips alike), then ``kind.account()``. Returns the
+    closure's loss (None when skipped)."""
     allreduce.wait_seconds = 0.0
     telemetry.last_step_breakdown = {}
     kind.begin()
     allreduce.synchronize_for_step(make_hook)
     if scaler is not None:
         scaler.unscale()
-        finite = not scaler.found_inf()
+        here = not scaler.found_inf()
     else:
-        finite = all_finite(allreduce.averaged_gradients())
-        if not finite:
-            warnings.warn(f"hvd_onebit: {kind.what} skipped on every rank: non-finite averaged "
-                          "gradients")
+        here = all_finite(allreduce.averaged_gradients())
+    finite = agree(here)
+    if not finite and scaler is not None and here:
+        scaler.skipped()  # another rank's inf: this rank's scaler backs off as that one's does
+    elif not finite and scaler is None:
+        warnings.warn(f"hvd_onebit: {kind.what} skipped on every rank: non-finite averaged "
+                      f"gradients {'here' if not here else 'on another rank'}")
     if finite:
         loss = kind.apply(closure)
     else:
