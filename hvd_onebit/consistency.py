@@ -1,5 +1,5 @@
-"""Cross-rank checks: the same parameters everywhere at construction, bit-identical parameters
-during training. Each is one small allgather and raises the same error on every rank. The
+"""Cross-rank checks: the same parameters (in the same order) and options everywhere at
+construction, bit-identical parameters during training. Each is one small allgather and raises the same error on every rank. The
 figures are computed here without a framework; the Horovod checks gather them through Horovod
 (imported when called), the DDP face through torch.distributed."""
 from __future__ import annotations
