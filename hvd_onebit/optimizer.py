@@ -43,12 +43,14 @@ class OneBitFace:
         parts = setup.build(self._view, config, process_set)
         self._schedule, self._telemetry = parts.schedule, parts.telemetry
         self._engine, self._phases, self.transport = parts.engine, parts.phases, parts.transport
+        self._warmup = parts.warmup
 
     # ---- Horovod's hooks, synchronize and zero_grad -------------------------------------------------
 
     def _make_hook(self, p):
-        warmup_hook = _DistributedOptimizer._make_hook(self, p)
-        return lambda *args: self._phases.gradient_hook(p, warmup_hook, *args)
+        horovod_hook = _DistributedOptimizer._make_hook(self, p)
+        return lambda *args: self._phases.gradient_hook(
+            p, lambda *a: self._warmup.hook(p, horovod_hook, *a), *args)
 
     def synchronize(self) -> None:
         """Warmup: wait for the gradient allreduces (as Horovod). Compression: nothing to wait for."""

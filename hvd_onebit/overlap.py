@@ -69,6 +69,10 @@ class Overlap:
         """The GradScaler of this step (None: none), assumed by the next step's hooks."""
         self._scaler_ref = None if scaler is None else weakref.ref(scaler)
 
+    def last_scaler(self):
+        """The GradScaler remembered (:meth:`remember_scaler`), or None."""
+        return None if self._scaler_ref is None else self._scaler_ref()
+
     def turn_off(self, reason: str) -> None:
         self.off_reason = reason
 

@@ -114,6 +114,31 @@ def test_grad_scaler_overflow_on_one_rank_is_agreed(results, key):
     assert a["nonfinite_params"] == [], f"{key}, rank 0: non-finite parameters {a['nonfinite_params']}"
 
 
+@pytest.mark.parametrize("key, what, ranks", [
+    ("unscale_in_flight", "scaler.unscale_(optimizer) before optimizer.synchronize()", 2),
+    ("unscale_before_synchronize", "scaler.unscale_(optimizer) before optimizer.synchronize()", 2),
+    ("clip_alone_in_flight", "changed in place (clipped?)", 1)])
+def test_gradients_changed_in_flight_in_the_warmup_are_refused_on_every_rank(results, key,
+                                                                              what, ranks):
+    """Without synchronize() first, an unscale or a clip races Horovod's in-place allreduce."""
+    a, b = scenario(results, key)
+    for rank, r in enumerate((a, b)):
+        assert r["error_step"] == 2, f"{key}, rank {rank}: error at step {r['error_step']}: {r['error']}"
+        here = what if key != "clip_alone_in_flight" or rank == 1 else "another rank's script"
+        assert here in r["error"] and f"on {ranks} rank(s)" in r["error"] \
+            and "optimizer.synchronize() first" in r["error"], \
+            f"{key}, rank {rank}: expected {here!r} on {ranks} rank(s) in {r['error']!r}"
+        assert r["after"]["steps"] == r["before"]["steps"] == 2, \
+            f"{key}, rank {rank}: steps {r['before']['steps']} -> {r['after']['steps']}"
+        assert r["after"]["params"] == r["before"]["params"], \
+            f"{key}, rank {rank}: the refused step moved parameters"
+        moved = [i for i, (x, y) in enumerate(zip(r["before"]["exp_avg"], r["after"]["exp_avg"]))
+                 if not torch.equal(x, y)]
+        assert moved == [], f"{key}, rank {rank}: the refused step changed momenta {moved}"
+    assert a["steps"] == b["steps"] == 4, f"{key}: steps {a['steps']}, {b['steps']}, expected 4"
+    assert_same_params(b["final"], a["final"], f"{key}: rank 1 vs rank 0 after the error")
+
+
 def test_bad_input_is_a_clear_error_on_every_rank(results):
     expected = {"shapes_differ": "optimizers differ in their parameters (rank 0: 6 (1377 "
                                   "elements), rank 1: 6 (433",

@@ -88,9 +88,15 @@ def error_feedback_from_other_world(freeze_step=2, steps=5):
             "norms_after": after}
 
 
+def _inf_at_origin(grad: torch.Tensor) -> torch.Tensor:
+    grad = grad.clone()
+    grad.view(-1)[0] = float("inf")
+    return grad
+
+
 def nonfinite_gradients(bad_steps=(2, 8), freeze_step=5, steps=12, averaged=False):
-    """Rank 1 puts an inf into one gradient at ``bad_steps`` (warmup and compression); with
-    ``averaged``, into its averaged gradient, after synchronize(), and the optimizer refreshes
+    """Rank 1's backward yields an inf in one gradient at ``bad_steps`` (warmup and
+    compression); with ``averaged``, rank 1 writes it into its averaged gradient, after synchronize(), and the optimizer refreshes
     the variance at every step after the freeze (full-precision steps)."""
     model = make_model()
     opt = _opt(model, freeze_step, **({"variance_refresh": "doubling"} if averaged else {}))
@@ -102,10 +108,16 @@ def nonfinite_gradients(bad_steps=(2, 8), freeze_step=5, steps=12, averaged=Fals
             before = params_bytes(model)
             opt.zero_grad()
             x, y = batch(step, hvd.rank())
+            poison = step in bad_steps and hvd.rank() == 1
+            hook = None
+            if poison and not averaged:  # backward itself yields the inf
+                hook = next(model.parameters()).register_hook(_inf_at_origin)
             loss_fn(model(x), y).backward()
+            if hook is not None:
+                hook.remove()
             if averaged:
                 opt.synchronize()
-            if step in bad_steps and hvd.rank() == 1:
+            if poison and averaged:
                 next(model.parameters()).grad[0, 0] = float("inf")
             with opt.skip_synchronize() if averaged else contextlib.nullcontext():
                 opt.step()
@@ -148,6 +160,61 @@ def grad_scaler(bad_steps=(2, 8), freeze_step=5, steps=12, horovod_recipe=False)
     return {"skipped": skipped, "steps": opt.steps, "final": params_bytes(model),
             "nonfinite_params": [i for i, p in enumerate(model.parameters())
                                  if not bool(torch.isfinite(p).all())]}
+
+
+def changed_in_flight(how: str, freeze_step=5, steps=5, race_step=2):
+    """At ``race_step`` (warmup) the script changes gradients whose allreduce is in flight:
+    "unscale" (both ranks: ``scaler.unscale_(opt)`` then ``scaler.step(opt)``), "unscale_first"
+    (``scaler.unscale_`` before an explicit ``synchronize()``) or "clip_alone" (rank 1 alone
+    clips, no scaler). Every other step, and the steps after the error, follow Horovod's recipe.
+    """
+    model = make_model()
+    opt = _opt(model, freeze_step)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8) if how != "clip_alone" else None
+    loss_fn = nn.MSELoss()
+    out = {"error": None, "error_step": None}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for step in range(steps):
+            opt.zero_grad()
+            x, y = batch(step, hvd.rank())
+            loss = loss_fn(model(x), y)
+            (scaler.scale(loss) if scaler else loss).backward()
+            if step == race_step:
+                out["before"] = {"params": params_bytes(model), "steps": opt.steps,
+                                 "exp_avg": [opt.state[p]["exp_avg"].clone()
+                                             for p in model.parameters()]}
+                try:
+                    if how == "unscale":
+                        scaler.unscale_(opt)
+                        scaler.step(opt)
+                    elif how == "unscale_first":
+                        scaler.unscale_(opt)
+                        opt.synchronize()
+                        with opt.skip_synchronize():
+                            scaler.step(opt)
+                    else:
+                        if hvd.rank() == 1:
+                            torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+                        opt.step()
+                except RuntimeError as exc:
+                    out["error"], out["error_step"] = str(exc), step
+                out["after"] = {"params": params_bytes(model), "steps": opt.steps,
+                                "exp_avg": [opt.state[p]["exp_avg"].clone()
+                                            for p in model.parameters()]}
+                if scaler:
+                    scaler.update()
+                continue
+            opt.synchronize()
+            if scaler:
+                scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            with opt.skip_synchronize():
+                scaler.step(opt) if scaler else opt.step()
+            if scaler:
+                scaler.update()
+    out.update(steps=opt.steps, final=params_bytes(model))
+    return out
 
 
 def bad_inputs():
@@ -266,6 +333,9 @@ def suite(ckpt_dir=None):
         "scaler": grad_scaler,
         "scaler_horovod_recipe": lambda: grad_scaler(horovod_recipe=True),
         "bad": bad_inputs,
+        "unscale_in_flight": lambda: changed_in_flight("unscale"),
+        "unscale_before_synchronize": lambda: changed_in_flight("unscale_first"),
+        "clip_alone_in_flight": lambda: changed_in_flight("clip_alone"),
         "guard": divergence_guard,
         "ef_other_world": error_feedback_from_other_world,
     }, rank=hvd.rank())

@@ -34,7 +34,7 @@ class DDPWarmup:
         # DDP waits for its allreduces inside backward: step() never blocks on them
         self.wait_seconds = 0.0
 
-    def synchronize_for_step(self, make_hook: Optional[Callable]) -> None:
+    def synchronize_for_step(self, make_hook: Optional[Callable], scaler=None) -> None:
         """Nothing to wait for: DDP's reducer finished its allreduces when backward returned.
         Before the warmup's last step the compression phase's buckets are fused, so that the
         first compressed step's buckets can start from the gradient hooks."""
@@ -43,6 +43,11 @@ class DDPWarmup:
         if (self._schedule.last_warmup_step_next() and engine.world > 1
                 and not engine.up_to_date(active)):
             engine.fuse(active)
+
+    def race(self) -> None:
+        """Nothing was in flight when the script could touch the gradients: DDP's reducer wrote
+        its averages into them before backward returned."""
+        return None
 
     def averaged_gradients(self) -> list[torch.Tensor]:
         return [p.grad for p in self._view.adam.parameters() if p.grad is not None]

@@ -6,7 +6,7 @@ class, it runs as well on the in-process transport (ranks as threads) as in ``ho
 """
 from __future__ import annotations
 
-from typing import Callable, Mapping, Optional
+from typing import Callable, Mapping, Optional, Sequence
 
 import torch
 
@@ -155,14 +155,14 @@ class CompressedStep:
         self.variance.count_step(owner)
         return nbytes
 
-    def agree(self, ok: bool, device: torch.device) -> bool:
-        """Whether ``ok`` holds on every rank: one exact sum of one number through the
-        transport, for a decision every rank must take alike from what only it has seen."""
+    def ranks_with(self, flags: Sequence[bool], device: torch.device) -> tuple[int, ...]:
+        """On how many ranks each of ``flags`` is set: one exact sum of one small vector through
+        the transport, for decisions every rank must take alike from what only it has seen."""
         if self.world == 1:
-            return ok
-        flag = torch.tensor([0.0 if ok else 1.0], device=device)
-        (bad,), _ = self.transport.exact_sum([flag], "hvd_onebit.agree")
-        return float(bad) == 0.0
+            return tuple(int(f) for f in flags)
+        vector = torch.tensor([1.0 if f else 0.0 for f in flags], device=device)
+        (counts,), _ = self.transport.exact_sum([vector], "hvd_onebit.agree")
+        return tuple(int(c) for c in counts.tolist())
 
     def refresh(self, param_groups: list[dict], grads: Mapping,
                 error_feedback: str = "rescale") -> int:

@@ -59,6 +59,15 @@ def inverse_scale(scaler) -> torch.Tensor:
     return scaler._scale.double().reciprocal().float()
 
 
+def unscaled(scaler, optimizer_id: int) -> bool:
+    """Whether ``scaler`` (or None) has unscaled the optimizer's gradients since its last
+    ``update()`` (``scaler.unscale_(optimizer)``)."""
+    from torch.amp.grad_scaler import OptState
+
+    record = None if scaler is None else scaler._per_optimizer_states.get(optimizer_id)
+    return record is not None and record["stage"] is OptState.UNSCALED
+
+
 def view_of(scaler, optimizer_id: int, unscale: Callable[[], None]) -> Optional[ScalerView]:
     """A :class:`ScalerView` of ``scaler``, or None without one."""
     return None if scaler is None else ScalerView(scaler, optimizer_id, unscale)

@@ -41,10 +41,10 @@ class Phases:
         self.compression = CompressionPhase(view, schedule, telemetry, engine, config)
         self.refresh = RefreshPhase(view, schedule, telemetry, engine, self.warmup, config)
 
-    def _agree(self, ok: bool) -> bool:
-        """Whether ``ok`` holds on every rank (:meth:`CompressedStep.agree`)."""
+    def _ranks_with(self, flags: tuple[bool, ...]) -> tuple[int, ...]:
+        """On how many ranks each flag is set (:meth:`CompressedStep.ranks_with`)."""
         device = next((p.device for p in self._view.adam.parameters()), torch.device("cpu"))
-        return self._engine.agree(ok, device)
+        return self._engine.ranks_with(flags, device)
 
     def compressing(self) -> bool:
         """Whether this step is a compressed one (the compression phase, on several ranks)."""
@@ -71,8 +71,8 @@ class Phases:
         """Warmup and refresh steps: wait for the gradient allreduces. Compression: nothing."""
         if self.compressing() and not self.refreshing():
             self._view.synchronized = True
-        else:
-            self.warmup.synchronize(make_hook)
+        else:  # the last step's scaler: whether the script unscaled before synchronize()
+            self.warmup.synchronize(make_hook, self.compression.overlap.last_scaler())
 
     def step(self, closure: Optional[Callable[[], float]], grad_scaler, unscale: Callable,
              make_hook: Callable):
@@ -83,7 +83,7 @@ class Phases:
             self.compression.overlap.remember_scaler(grad_scaler)
             kind = self.refresh if self.compressing() else self.warmup
             loss = take(kind, self.warmup, self._telemetry, closure, make_hook, scaler,
-                        self._agree)
+                        self._ranks_with)
         else:
             loss = self._compressed_step(closure, grad_scaler, scaler)
         every, steps = self._config.check_every, self._schedule.steps

@@ -6,8 +6,10 @@ either, with or without a GradScaler.
 
 After the allreduce the gradients are the same bits on every rank (an inf anywhere makes
 the average inf everywhere), so every rank finds the same; the ranks still agree on the skip
-(one number summed), since a script may change a rank's averaged gradients after the allreduce,
-and a rank skipping alone would leave the others waiting in its next collective.
+(one small vector summed), since a script may change a rank's averaged gradients after the
+allreduce, and a rank skipping alone would leave the others waiting in its next collective. The
+same sum tells every rank whether a script raced an allreduce on some rank
+(:mod:`hvd_onebit.phases.in_flight`): then every rank refuses the step, nothing changed.
 """
 from __future__ import annotations
 
@@ -24,8 +26,12 @@ class GradientAllreduce(Protocol):
 
     wait_seconds: float  # this step's seconds blocked on it
 
-    def synchronize_for_step(self, make_hook: Callable) -> None:
-        """Before the step: wait for the allreduces (unless the script already did)."""
+    def synchronize_for_step(self, make_hook: Callable, scaler=None) -> None:
+        """Before the step: wait for the allreduces (unless the script already did);
+        ``scaler``: this step's GradScaler, or None."""
+
+    def race(self) -> Optional[str]:
+        """What the script did to gradients while their allreduce was in flight, or None."""
 
     def averaged_gradients(self) -> list:
         """The gradients after the allreduce: the same bits on every rank."""
@@ -51,21 +57,26 @@ class FullPrecisionStep(Protocol):
 
 def take(kind: FullPrecisionStep, allreduce: GradientAllreduce, telemetry: Telemetry,
          closure: Optional[Callable[[], float]], make_hook: Callable,
-         scaler: Optional[ScalerView], agree: Callable[[bool], bool]):
+         scaler: Optional[ScalerView], ranks_with: Callable[[tuple[bool, ...]], tuple[int, ...]]):
     """One step of ``kind``: Horovod's synchronize (``allreduce``), the scaler's prologue, then
-    ``kind.apply`` unless an averaged gradient is non-finite on any rank (``agree(ok)``: whether
-    ``ok`` holds on every rank; every rank skips alike), then ``kind.account()``. Returns the
-    closure's loss (None when skipped)."""
+    ``kind.apply`` unless an averaged gradient is non-finite on any rank (``ranks_with(flags)``:
+    on how many ranks each flag is set; every rank skips alike), then ``kind.account()``.
+    Returns the closure's loss (None when skipped). Raises on every rank, nothing changed, if
+    the script changed gradients in flight on any rank."""
     allreduce.wait_seconds = 0.0
     telemetry.last_step_breakdown = {}
     kind.begin()
-    allreduce.synchronize_for_step(make_hook)
+    allreduce.synchronize_for_step(make_hook, None if scaler is None else scaler.scaler)
+    race = allreduce.race()
     if scaler is not None:
         scaler.unscale()
         here = not scaler.found_inf()
     else:
         here = all_finite(allreduce.averaged_gradients())
-    finite = agree(here)
+    nonfinite, raced = ranks_with((not here, race is not None))
+    if raced:
+        raise RuntimeError(race_message(race, raced))
+    finite = nonfinite == 0
     if not finite and scaler is not None and here:
         scaler.skipped()  # another rank's inf: this rank's scaler backs off as that one's does
     elif not finite and scaler is None:
@@ -78,3 +89,14 @@ def take(kind: FullPrecisionStep, allreduce: GradientAllreduce, telemetry: Telem
         loss = None
     kind.account()
     return loss
+
+
+def race_message(race: Optional[str], ranks: int) -> str:
+    """The error every rank raises when a script changed gradients in flight on ``ranks`` ranks
+    (``race``: what this rank's script did, None if not this rank's)."""
+    what = race if race is not None else "another rank's script changed its gradients"
+    return (f"hvd_onebit: the gradients changed while Horovod was averaging them ({what}; on "
+            f"{ranks} rank(s)): the ranks would part, so this step was not taken on any rank. "
+            "Call optimizer.synchronize() first, then clip or scaler.unscale_(optimizer), then "
+            "step inside `with optimizer.skip_synchronize():` (Horovod's recipe); or step "
+            "without touching the gradients")

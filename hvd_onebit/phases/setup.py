@@ -68,6 +68,7 @@ class Parts:
     telemetry: Telemetry
     engine: CompressedStep
     phases: Phases
+    warmup: Warmup  # the warmup's allreduce, whose hooks the face installs
     transport: str
 
 
@@ -88,4 +89,4 @@ def build(view: HorovodView, config: OneBitConfig, process_set: hvd.ProcessSet) 
     phases = Phases(view, config, schedule, telemetry, engine, warmup,
                     lambda steps: check_parameters_identical(view.adam.param_groups, process_set,
                                                              steps, config.check_every))
-    return Parts(schedule, telemetry, engine, phases, transport.name)
+    return Parts(schedule, telemetry, engine, phases, warmup, transport.name)

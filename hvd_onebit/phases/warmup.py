@@ -20,7 +20,9 @@ from ..layout import ring_allreduce_bytes
 from ..state.schedule import Schedule
 from ..state.telemetry import Telemetry
 from ..transport.horovod import sleep_until_done
+from .amp import unscaled
 from .gradients import adam_step
+from .in_flight import InFlight
 
 
 class Warmup:
@@ -34,12 +36,22 @@ class Warmup:
         self._telemetry = telemetry
         self._engine = engine
         self.wait_seconds = 0.0  # this step's seconds blocked on Horovod's allreduces
+        self._in_flight = InFlight(view.name_of)
+        self._race: Optional[str] = None  # what the script did to gradients in flight
 
-    def synchronize(self, make_hook: Callable) -> None:
+    def hook(self, p: torch.Tensor, horovod_hook: Callable, *args) -> None:
+        """``p``'s warmup hook: Horovod's (which may start its allreduce), watched."""
+        horovod_hook(*args)
+        if self._view.handles.get(p, (None,))[0] is not None:
+            self._in_flight.started(p)
+
+    def synchronize(self, make_hook: Callable, scaler=None) -> None:
         """Wait for the gradient allreduces; before the warmup's last step, fuse the buckets
-        of the compression phase while the allreduce is on the wire."""
+        of the compression phase while the allreduce is on the wire. ``scaler``: the GradScaler
+        of this step (or the last one's), to tell whether it unscaled the gradients in flight."""
         start = time.perf_counter()
         view = self._view
+        self._race = self._in_flight.race(unscaled(scaler, view.adam.optimizer_id))
         view.refresh_hooks(make_hook)
         active = view.adam.active_parameters()
         if (self._schedule.last_warmup_step_next() and self._engine.world > 1
@@ -58,7 +70,14 @@ class Warmup:
                     p.grad = p.grad.to_dense()
         self.wait_seconds += time.perf_counter() - start
 
-    def synchronize_for_step(self, make_hook: Callable) -> None:
+    def race(self) -> Optional[str]:
+        """What the script did to gradients while their allreduce was in flight (None: nothing),
+        seen when the step's allreduces were waited for (:mod:`hvd_onebit.phases.in_flight`);
+        told once."""
+        race, self._race = self._race, None
+        return race
+
+    def synchronize_for_step(self, make_hook: Callable, scaler=None) -> None:
         """Horovod's step() prologue: wait for the gradient allreduces unless told not to."""
         view = self._view
         if view.should_synchronize:
@@ -68,7 +87,7 @@ class Warmup:
                               "slowdown. You may want to consider using "
                               "optimizer.skip_synchronize() context if you use "
                               "optimizer.synchronize() in your code.")
-            self.synchronize(make_hook)
+            self.synchronize(make_hook, scaler)
         view.synchronized = False
 
     def averaged_gradients(self) -> list[torch.Tensor]:
