@@ -156,7 +156,7 @@ def test_decode_fused_with_adam_update_equals_torch(sizes, n, precond):
     (AVX2 and scalar, called directly and through the collective's hook) gives the bits of
     torch's decode, the denominator, ``w.mul_(decay)`` and ``w.addcdiv_(m, denom, value=step)``;
     parameters given as None are only decoded. Elements with a zero variance (infinite
-    denominator: held fixed) keep their weight (times decay) and get a zero momentum, in vector
+    denominator: held) keep their weight (times decay) and get a zero momentum, in vector
     groups and in the scalar tails alike. Preconditioned, the rows carry u = m / denom: the
     momentum stored is u * denom and the step clamp(step * u), a variance may come without
     its weight (converted only)."""

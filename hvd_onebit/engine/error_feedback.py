@@ -119,7 +119,7 @@ class ErrorFeedback:
         mean_i g_i``: what error feedback would have delivered, with nothing left behind. The
         momentum stays identical on every rank (each adds the same e), so rank 0's
         ``state_dict()`` is then a complete checkpoint, for any world size. Entries the step
-        would leave at zero stay zero: ``exp_avg_mask`` is applied, and elements held fixed
+        would leave at zero stay zero: ``exp_avg_mask`` is applied, and held elements
         (frozen variance 0) keep a zero momentum. Preconditioned, the errors are in units of
         ``m / denom``: ``e * denom / beta1`` is added instead (0 where held).
 

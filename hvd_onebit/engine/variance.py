@@ -54,8 +54,9 @@ class FrozenVariance:
         Elements whose frozen variance is exactly zero never saw a gradient in the warmup (a
         dead ReLU unit, an unused embedding row). Adam would divide their momentum by eps, and
         every element receives about its block's scale, so they would jump by
-        lr * scale / eps. With ``zero_variance="hold"`` (default) they are held fixed, with a
-        warning: their denominator is +inf (see :class:`~hvd_onebit.kernels.fused_adam.AdamUpdate`), so
+        lr * scale / eps. With ``zero_variance="hold"`` (default) they are held, with a warning
+        (no update from the momentum; AdamW's decoupled weight decay still shrinks them, as
+        AdamW's step shrinks an element whose gradient is zero): their denominator is +inf (see :class:`~hvd_onebit.kernels.fused_adam.AdamUpdate`), so
         the update leaves them alone and zeroes their momentum. ``"eps"`` gives them Adam's own
         denominator, eps (their variance becomes the smallest normal float32, whose root is
         far below eps), so they take steps at the step bound; ``"floor"`` gives them the
@@ -84,8 +85,8 @@ class FrozenVariance:
                 warnings.warn(
                     f"hvd_onebit: {unseen} of {p.numel()} elements of parameter "
                     f"{self.names.get(p, '?')} received no gradient in the warmup (variance 0 "
-                    f"after {state['frozen_variance_step']} Adam steps of it); they are held "
-                    "fixed in the compression phase" + (
+                    f"after {state['frozen_variance_step']} Adam steps of it); the compression "
+                    "phase holds them (no update; decoupled weight decay still shrinks them)" + (
                         " until a variance refresh sees their gradient" if self.refreshing
                         else ""))
             elif unseen:

@@ -30,7 +30,7 @@ def inverse_root_bc2(sqrt_bc2: float) -> float:
 def frozen_denominator(v: torch.Tensor, sqrt_bc2: float, eps: float) -> torch.Tensor:
     """Adam's denominator from a frozen variance ``v`` (float32, any shape): a fresh float32
     tensor ``sqrt(v) * inverse_root_bc2(sqrt_bc2) + eps``, ``+inf`` where ``v == 0`` (an element
-    held fixed). The torch reference of what the fused kernels compute in their passes, the
+    held). The torch reference of what the fused kernels compute in their passes, the
     same bits on every device: torch's float32 sqrt on CPU is MKL's (not always correctly
     rounded, unlike the kernels'), a float64 root rounded to float32 is; the factor is a
     float32 number, so a product by it is one float32 rounding everywhere."""
