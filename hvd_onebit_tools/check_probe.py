@@ -57,9 +57,14 @@ def _median_time(allreduce, repeats: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
+class JobSizeError(ValueError):
+    """``--np`` is not the size of the job it runs in."""
+
+
 def _check_size(np_: Optional[int], size: int) -> None:
     if np_ is not None and size != np_:
-        raise RuntimeError(f"--np {np_} but this job has {size} ranks")
+        raise JobSizeError(f"--np {np_} but this job has {size} ranks (horovodrun -np {size} "
+                           f"hvd-onebit check --np {size} ...)")
 
 
 def _probe_torch(np_: Optional[int], elements: int, repeats: int) -> LinkProbe:
@@ -114,7 +119,7 @@ def model_rate(model, link: LinkProbe) -> Optional[float]:
     """The link rate (bit/s) at which the scale model's fp32 allreduce of the probe's buffer
     takes the probed time: the probe's time less the hosts' own costs, as the model prices them.
     None when even an unlimited link is slower in the model (the hosts, not the link, bound it)."""
-    from .bench.predict.job import Job
+    from .bench.predict.job import Job, parse_params
     from .bench.predict.sweep import sweep
 
     job = Job(params=link.elements, compute_s=0.0, adam_s=0.0, warmup_frac=0.0)

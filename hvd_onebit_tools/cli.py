@@ -6,6 +6,8 @@ import shutil
 
 import click
 
+from .bench.cli.options import parameter_count
+
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="hvd_onebit")
@@ -27,8 +29,9 @@ def main() -> None:
 @click.option("--probe", is_flag=True,
               help="The same under torchrun, whose own parser reads --np as its "
                    "--nproc-per-node: the ranks are the job's.")
-@click.option("--params", default=None, help="Parameters of your model for the prediction "
-              "(e.g. 350M).")
+@click.option("--params", default=None,  # checked now, kept as written for the messages
+              callback=lambda ctx, param, value: parameter_count(ctx, param, value) and value,
+              help="Parameters of your model for the prediction (e.g. 350M).")
 @click.option("--compute-ms", default=None, type=click.FloatRange(min=0, min_open=True),
               help="Your step's compute (forward, backward, Adam) for the prediction.")
 @click.option("--calibration", default=None, type=click.Path(dir_okay=False),
@@ -59,7 +62,10 @@ def check(np_, probe, params, compute_ms, calibration) -> None:
                                    f"hvd-onebit check --np {n} {args}, or torchrun "
                                    f"--nproc_per_node {n} -m hvd_onebit_tools.cli check --probe "
                                    f"{args}")
-        link = check_probe.probe(np_)
+        try:
+            link = check_probe.probe(np_)
+        except check_probe.JobSizeError as exc:
+            raise click.UsageError(str(exc)) from None
         if link.rank != 0:
             return
         link_lines = check_probe.predict(link, params, compute_ms, calibration)

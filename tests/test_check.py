@@ -145,6 +145,22 @@ def test_np_under_horovodrun_probes_the_link_and_prices_the_step():
 
 
 @pytest.mark.multirank
+def test_np_unlike_the_jobs_size_is_a_usage_error_on_every_rank():
+    bin_dir = os.path.dirname(sys.executable)
+    out = subprocess.run([os.path.join(bin_dir, "horovodrun"), "-np", "2", "-H", "localhost:2",
+                          "--gloo", sys.executable, "-m", "hvd_onebit_tools.cli", "check", "--np",
+                          "3", "--params", "10M", "--compute-ms", "50"],
+                         capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, PATH=bin_dir + os.pathsep + os.environ["PATH"]))
+    text = out.stdout + out.stderr
+    for rank in (0, 1):
+        error = [line for line in text.splitlines() if line.startswith(f"[{rank}]<stderr>:Error")]
+        assert error and "--np 3 but this job has 2 ranks" in error[0], \
+            f"rank {rank}: no usage error naming the sizes:\n{text}"
+    assert out.returncode != 0 and "]<stderr>:Traceback" not in text, text
+
+
+@pytest.mark.multirank
 def test_np_under_torchrun_probes_the_link_without_horovod():
     """A DDP user's job: torchrun starts the ranks, the probe runs on torch.distributed (Gloo
     here), and Horovod is not imported (it is blocked in every rank)."""

@@ -342,6 +342,44 @@ def test_crossovers_find_where_flat_stops_paying():
     assert parse_params("9.4e6") == 9_400_000, parse_params("9.4e6")
 
 
+@pytest.mark.parametrize("args, option, text", [
+    (["--np", "1"], "--np", "2 or more ranks"),
+    (["--np", "4,6", "--ranks-per-node", "4"], "--np", "[6] rank(s) do not fill whole nodes"),
+    (["--ranks-per-node", "0"], "--ranks-per-node", "0 is not in the range"),
+    (["--compute-ms", "-5"], "--compute-ms", "-5.0 is not in the range"),
+    (["--adam-ms", "-1"], "--adam-ms", "-1.0 is not in the range"),
+    (["--params", "-5"], "--params", "'-5' is not a positive parameter count"),
+    (["--params", "abc"], "--params", "'abc' is not a positive parameter count")])
+def test_predict_refuses_a_job_it_cannot_price_naming_the_option(tmp_path, args, option, text):
+    path = save(fake_calibration(), tmp_path / "cal.json")
+    base = {"--params": "8M", "--compute-ms": "50", "--np": "4"}
+    for k in args[::2]:
+        base.pop(k, None)
+    proc = hvd_onebit(["bench", "predict", "--calibration", str(path), *args,
+                       *[x for kv in base.items() for x in kv]])
+    assert proc.exit_code == 2 and option in proc.stderr and text in proc.stderr, \
+        f"{args}: exit {proc.exit_code}, expected {option} and {text!r} in:\n{proc.output}"
+    assert proc.exception is None or isinstance(proc.exception, SystemExit), proc.exception
+
+
+def test_the_crossover_line_says_when_a_crossing_is_not_in_the_sweep(tmp_path):
+    path = save(fake_calibration(), tmp_path / "cal.json")
+    proc = hvd_onebit(["bench", "predict", "--calibration", str(path), "--params", "8M",
+                       "--compute-ms", "50", "--np", "4,8", "--bandwidth", "100gbit",
+                       "--json"])
+    assert proc.exit_code == 0, proc.output
+    crossing = json.loads(proc.stdout)["crossovers"]["100000000000"]
+    proc = hvd_onebit(["bench", "predict", "--calibration", str(path), "--params", "8M",
+                       "--compute-ms", "50", "--np", "4,8", "--bandwidth", "100gbit"])
+    line = proc.stdout.splitlines()[-1]
+    assert "None" not in line and line.startswith("link 100000000000 bit/s: "), line
+    for key, never in (("flat_onebit_stops_paying_at", "flat 1-bit pays at every n up to n=8"),
+                       ("hierarchical_beats_flat_from",
+                        "hierarchical does not beat flat up to n=8")):
+        expected = never if crossing[key] is None else f"from n={crossing[key]}"
+        assert expected in line, f"{key} = {crossing[key]}: expected {expected!r} in {line!r}"
+
+
 def test_calibration_round_trip_and_clear_errors(tmp_path):
     cal = fake_calibration()
     path = save(cal, tmp_path / "sub" / "cal.json")

@@ -44,6 +44,22 @@ def parse_np(text) -> list:
     return nps
 
 
+def parameter_count(ctx, param, value):
+    """``--params``'s one parser: a positive count (e.g. 350M, 9.4e6), or None if not given."""
+    from ..predict.job import parse_params
+
+    if value is None:
+        return None
+    try:
+        n = parse_params(value)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise click.BadParameter(f"{value!r} is not a positive parameter count (e.g. 350M, "
+                                 "9.4e6)", param_hint="--params")
+    return n
+
+
 def np_option(default, help: str, sweep: bool = False):
     """``--np`` as every command spells it, parsed by :func:`parse_np`. ``sweep``: the command
     runs every count given (a list); otherwise it takes one, and a list is refused."""

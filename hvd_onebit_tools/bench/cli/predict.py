@@ -9,7 +9,19 @@ import click
 from hvd_onebit.config import DEFAULT_BLOCK_SIZE
 
 from ..train import MODELS as TRAIN_MODELS
-from .options import FROZEN_FREEZE_FRACTION, comma_list, np_option, rates, refresh_options
+from .options import (FROZEN_FREEZE_FRACTION, comma_list, np_option, parameter_count, rates,
+                      refresh_options)
+
+
+def check_world(nps: list[int], ranks_per_node: int) -> None:
+    """Every --np predicts a job that communicates, in whole nodes of --ranks-per-node."""
+    if min(nps) < 2:
+        raise click.BadParameter(f"{min(nps)}: a prediction needs 2 or more ranks (one rank "
+                                 "sends nothing)", param_hint="--np")
+    uneven = [n for n in nps if n % ranks_per_node]
+    if uneven:
+        raise click.BadParameter(f"{uneven} rank(s) do not fill whole nodes of "
+                                 f"--ranks-per-node {ranks_per_node}", param_hint="--np")
 
 
 @click.command("predict")
@@ -19,7 +31,7 @@ from .options import FROZEN_FREEZE_FRACTION, comma_list, np_option, rates, refre
                    "the package (hvd_onebit_tools/bench/calibrate/predict_calibration.json), with a "
                    "note].")
 @np_option(4, "Ranks (e.g. 8,16,...,1024 for a sweep).", sweep=True)
-@click.option("--ranks-per-node", default=1, show_default=True,
+@click.option("--ranks-per-node", default=1, show_default=True, type=click.IntRange(min=1),
               help="Ranks per node (they share the node's link); 1: a link per rank.")
 @click.option("--bandwidth", "bandwidths", default="1gbit", show_default=True, callback=rates,
               help="Link rate between nodes (each node's link), comma separated for a sweep.")
@@ -29,14 +41,14 @@ from .options import FROZEN_FREEZE_FRACTION, comma_list, np_option, rates, refre
               help="One-way link latency between nodes, microseconds.")
 @click.option("--intra-latency-us", default=0.0, show_default=True,
               help="One-way latency inside a node, microseconds.")
-@click.option("--params", default=None, help="Parameters (e.g. 350M, 9.4e6); default: the "
-              "--model's.")
+@click.option("--params", default=None, callback=parameter_count,
+              help="Parameters (e.g. 350M, 9.4e6); default: the --model's.")
 @click.option("--model", "bench_model", default=None, type=click.Choice(TRAIN_MODELS),
               help="Take compute time (and parameters) from the calibration's measurement of "
                    "`bench train --model ...`'s step (the `local` method).")
-@click.option("--compute-ms", default=None, type=float,
+@click.option("--compute-ms", default=None, type=click.FloatRange(min=0),
               help="Compute per step: forward + backward + Adam (e.g. `bench train`'s local step).")
-@click.option("--adam-ms", default=None, type=float,
+@click.option("--adam-ms", default=None, type=click.FloatRange(min=0),
               help="Adam's part of --compute-ms, which the compressed step replaces by its "
                    "kernels [default: 0, no credit; with --model alone: calibrated].")
 @click.option("--warmup-frac", default=FROZEN_FREEZE_FRACTION, show_default=True,
@@ -138,7 +150,8 @@ def bench_predict(calibration, nps, ranks_per_node, bandwidths, intra_bandwidth,
         raise click.BadParameter("give --params (and --compute-ms) or --model")
     if compute_ms is None and bench_model is None:
         raise click.BadParameter("give --compute-ms, or --model to use a calibrated bench model")
-    n_params = (parse_params(params) if params is not None else
+    check_world(nps, ranks_per_node)
+    n_params = (params if params is not None else
                 int(cal["compute"]["1"]["models"][bench_model]["params"]))
     job = Job(params=n_params, model=bench_model,
               compute_s=None if compute_ms is None else compute_ms / 1e3,

@@ -34,10 +34,19 @@ def print_prediction(report: dict, echo=None) -> None:
                         ("refresh: bytes x fixed", "bytes_ratio", ".3f"),
                         ("phases (ms)", "phases", "")])
     for bw, c in report["crossovers"].items():
-        echo(f"link {bw} bit/s: flat 1-bit stops paying from n={c['flat_onebit_stops_paying_at']}"
-             f", hierarchical beats flat from n={c['hierarchical_beats_flat_from']}"
-             + (f", group hierarchical beats flat from n={c['hierarchical_group_beats_flat_from']}"
-                if "hierarchical_group_beats_flat_from" in c else ""))
+        top = max(r["np"] for r in report["rows"] if str(r["inter_bps"]) == bw)
+
+        def from_n(n, holds, never):  # n None: it never holds in this sweep
+            return f"{holds} from n={n}" if n is not None else f"{never} up to n={top}"
+        parts = [from_n(c["flat_onebit_stops_paying_at"], "flat 1-bit stops paying",
+                        "flat 1-bit pays at every n"),
+                 from_n(c["hierarchical_beats_flat_from"], "hierarchical beats flat",
+                        "hierarchical does not beat flat")]
+        if "hierarchical_group_beats_flat_from" in c:
+            parts.append(from_n(c["hierarchical_group_beats_flat_from"],
+                                "group hierarchical beats flat",
+                                "group hierarchical does not beat flat"))
+        echo(f"link {bw} bit/s: " + ", ".join(parts))
 
 
 def print_check(result: dict, echo=None) -> None:
