@@ -15,25 +15,27 @@ results = shared_suite(W + "suite", np=2, timeout=400)
 
 # One job runs the whole run and the run interrupted in the compression phase (saved at 20);
 # new processes (a job of the next stage) resume from the files: with the error feedback,
-# without it, and built with a larger freeze_step (the checkpoint was frozen at 8 and stays so).
+# without it, and built with a larger freeze_step or "auto" (the checkpoint was frozen at 8 and
+# stays so).
 KW = {"ckpt_dir": Scratch("resilience_compression"), "total": 30, "freeze_step": 8}
 saved = shared_suite(W + "checkpoint_runs", np=2, timeout=300,
                      kwargs={"runs": [KW, {**KW, "stop_at": 20}]})
 resumes = shared_suite(W + "checkpoint_runs", np=2, stage=1, timeout=300, kwargs={"runs": [
     {**KW, "resume": True}, {**KW, "resume": True, "error_feedback": False},
-    {**KW, "resume": True, "freeze_step": 25}]})
-# Saved in the warmup at step 3; resumed by new processes with freeze_step=8.
+    {**KW, "resume": True, "freeze_step": 25}, {**KW, "resume": True, "freeze_step": "auto"}]})
+# Saved in the warmup at step 3; resumed by new processes with freeze_step=8, and with
+# freeze_step=2 (already past: the variance freezes at the checkpoint's step).
 WARMUP_CKPT = Scratch("resilience_warmup")
 warmup_saved = shared_suite(W + "checkpoint_run", np=2, timeout=300,
                             kwargs={"ckpt_dir": WARMUP_CKPT, "stop_at": 3, "freeze_step": 5})
-warmup_resumed = shared_suite(W + "checkpoint_run", np=2, stage=1, timeout=300,
-                              kwargs={"ckpt_dir": WARMUP_CKPT, "resume": True, "freeze_step": 8,
-                                      "total": 12})
+warmup_resumed = shared_suite(W + "checkpoint_runs", np=2, stage=1, timeout=300, kwargs={"runs": [
+    {"ckpt_dir": WARMUP_CKPT, "resume": True, "freeze_step": 8, "total": 12},
+    {"ckpt_dir": WARMUP_CKPT, "resume": True, "freeze_step": 2, "total": 6}]})
 
 
 def test_checkpoint_resume_is_bit_identical_with_error_feedback(saved, resumes):
     full = [r[0] for r in saved]
-    resumed, reset, later = ([r[i] for r in resumes] for i in range(3))
+    resumed, reset, later, auto = ([r[i] for r in resumes] for i in range(4))
     for rank in range(2):
         assert (resumed[rank]["start"], resumed[rank]["steps"]) == (20, 30), \
             f"rank {rank}: resumed at step {resumed[rank]['start']} and ended at " \
@@ -52,6 +54,16 @@ def test_checkpoint_resume_is_bit_identical_with_error_feedback(saved, resumes):
         assert any("keeps its frozen variance and freeze_step=8, not 25" in w
                    for w in later[rank]["warnings"]), \
             f"rank {rank}: no warning that freeze_step=8 is kept: {later[rank]['warnings']}"
+        assert (auto[rank]["phases"], auto[rank]["freeze_step"]) == (["compression"] * 10, 8), \
+            f"rank {rank}: resumed with freeze_step='auto': phases {auto[rank]['phases']}, " \
+            f"freeze_step {auto[rank]['freeze_step']}, expected compression and 8"
+        assert_same_params(auto[rank]["params"], full[rank]["params"],
+                           f"rank {rank}: resumed with freeze_step='auto' vs the uninterrupted run")
+        assert any("freeze_step='auto' has nothing left to decide" in w
+                   for w in auto[rank]["warnings"]), \
+            f"rank {rank}: no warning that 'auto' has nothing to decide: {auto[rank]['warnings']}"
+        assert resumed[rank]["warnings"] == [], \
+            f"rank {rank}: warnings resuming as saved: {resumed[rank]['warnings']}"
         # Without the saved error feedback the trajectory differs (the compression noise is
         # not the same), but the model is as good: held-out loss within 2%.
         assert reset[rank]["params"] != full[rank]["params"], \
@@ -63,13 +75,30 @@ def test_checkpoint_resume_is_bit_identical_with_error_feedback(saved, resumes):
 
 
 def test_warmup_checkpoint_resumes_with_a_new_freeze_step(warmup_saved, warmup_resumed):
-    resumed = warmup_resumed
+    resumed = [r[0] for r in warmup_resumed]
     for rank, r in enumerate(resumed):
         assert r["start"] == 3, f"rank {rank}: resumed at step {r['start']}, expected 3"
         assert r["phases"] == ["warmup"] * 5 + ["compression"] * 4, \
             f"rank {rank}: phases from step 3 on {r['phases']}, expected steps 3..7 in the " \
             f"warmup, 8..11 in compression (freeze_step=8)"
+        assert r["warnings"] == [], f"rank {rank}: warnings resuming a warmup checkpoint " \
+            f"with its (empty) error feedback: {r['warnings']}"
     assert_same_params(resumed[1]["params"], resumed[0]["params"], "rank 1 vs rank 0 at step 12")
+
+
+def test_warmup_checkpoint_past_the_new_freeze_step_freezes_at_its_own_step(warmup_saved,
+                                                                             warmup_resumed):
+    past = [r[1] for r in warmup_resumed]
+    for rank, r in enumerate(past):
+        assert (r["start"], r["phases"]) == (3, ["compression"] * 3), \
+            f"rank {rank}: resumed at {r['start']} with phases {r['phases']}, expected 3 and " \
+            "three compressed steps (freeze_step=2 is past)"
+        assert r["freeze_step"] == 3, \
+            f"rank {rank}: opt.freeze_step {r['freeze_step']}, the variance froze at step 3"
+        assert [w for w in r["warnings"] if "past freeze_step=2" in w
+                and "freezes now, at freeze_step=3" in w], \
+            f"rank {rank}: no warning naming both freeze steps: {r['warnings']}"
+    assert_same_params(past[1]["params"], past[0]["params"], "rank 1 vs rank 0 at step 6")
 
 
 def test_error_feedback_from_another_world_size_is_reset_with_a_warning(results):

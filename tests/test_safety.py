@@ -162,3 +162,17 @@ def test_mpi_transport_refuses_a_job_without_thread_multiple(tmp_path):
 def test_mpi_transport_accepts_a_job_with_thread_multiple(thread_multiple):
     for rank, r in enumerate(thread_multiple):
         assert r["thread_level"] == r["multiple"] and r["error"] is None, f"rank {rank}: {r}"
+
+
+def test_hierarchical_on_one_node_says_nothing_travels_in_one_bit(results):
+    """Both ranks on this host: hierarchical=True averages inside the node in full precision
+    and warns; "auto" stays flat 1-bit, silently."""
+    asked, auto = scenario(results, "one_node_hierarchical"), scenario(results, "one_node_auto")
+    for rank in range(2):
+        assert asked[rank]["phase"] == "compression", asked[rank]["phase"]
+        assert any("hierarchical=True on one node of 2 ranks" in w and "nothing travels in 1 bit"
+                   in w for w in asked[rank]["warnings"]), \
+            f"rank {rank}: no one-node warning: {asked[rank]['warnings']}"
+        assert auto[rank]["warnings"] == [], f"rank {rank}, 'auto': {auto[rank]['warnings']}"
+    for run, what in ((asked, "hierarchical=True"), (auto, "auto")):
+        assert run[0]["hash"] == run[1]["hash"], f"{what}: the ranks' parameters differ"

@@ -236,6 +236,24 @@ def _nonfinite_runs() -> dict:
     return out
 
 
+def one_node(hierarchical, steps: int = 5, freeze_step: int = 2) -> dict:
+    """This job's ranks on one host (one node): hierarchical=True has no 1-bit stage to run."""
+    model = _three_layers()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt = hvd_onebit.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2),
+                                              named_parameters=model.named_parameters(),
+                                              freeze_step=freeze_step, hierarchical=hierarchical,
+                                              variance_refresh=None)
+        for step in range(steps):
+            opt.zero_grad()
+            x, y = _batch(step)
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+    return {"warnings": [str(w.message) for w in caught if "hierarchical" in str(w.message)],
+            "hash": params_hash(model), "phase": opt.phase}
+
+
 def suite() -> dict:
     """Every scenario in one job; one that raises is reported as data (tests/scenarios.py)."""
     return run_scenarios({
@@ -245,6 +263,8 @@ def suite() -> dict:
         "dense": lambda: sparse_embedding(sparse=False),
         "errors": construction_errors,
         "mask": mask_elsewhere,
+        "one_node_hierarchical": lambda: one_node(True),
+        "one_node_auto": lambda: one_node("auto"),
     }, rank=hvd.rank())
 
 

@@ -142,5 +142,12 @@ class Collectives:
                     topo = None
                 if mode == "auto" and topo is not None and (topo.nodes == 1 or topo.per_node == 1):
                     topo = None
+                elif topo is not None and topo.nodes == 1:
+                    warnings.warn(
+                        f"hvd_onebit: hierarchical=True on one node of {topo.per_node} ranks: the "
+                        "momentum is averaged in full precision inside the node and nothing "
+                        "travels in 1 bit (hierarchical='auto' stays flat 1-bit here). MPI counts "
+                        "one machine as one node whatever horovodrun's -H says; "
+                        "horovodrun --gloo follows -H")
                 self._topology = topo if topo is not None else False
         return self._topology or None

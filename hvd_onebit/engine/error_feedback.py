@@ -87,6 +87,8 @@ class ErrorFeedback:
         if state is None:
             return
         saved = state.get("buckets", {})
+        if not saved:  # saved before the compression phase: no errors yet, nothing to restore
+            return
         mine = self.collectives.saved()
         if set(saved) != set(mine):
             warnings.warn("hvd_onebit: saved error feedback is for another bucket layout "

@@ -33,9 +33,11 @@ def load_state_dict(view: OptimizerView, config: OneBitConfig, schedule: Schedul
                     telemetry: Telemetry, state_dict: dict) -> None:
     """Load a :func:`state_dict`. A checkpoint taken in the compression phase stays there: its
     variance was frozen at its own ``freeze_step``, which wins over the optimizer's (with a
-    warning when they differ). A warmup checkpoint takes the optimizer's; with
-    ``freeze_step="auto"`` also the checkpoint's record of the variance, so the resumed run
-    decides at the same step as an uninterrupted one. The caller drops its collectives after."""
+    warning when they differ, or when the optimizer's is "auto" and the checkpoint's was not).
+    A warmup checkpoint takes the optimizer's, or freezes at its own step count when that is
+    past the optimizer's (with a warning); with ``freeze_step="auto"`` also the checkpoint's
+    record of the variance, so the resumed run decides at the same step as an uninterrupted
+    one. The caller drops its collectives after."""
     state_dict = dict(state_dict)
     meta = state_dict.pop(KEY, None)
     params = view.adam.parameters()
@@ -54,13 +56,23 @@ def load_state_dict(view: OptimizerView, config: OneBitConfig, schedule: Schedul
         telemetry.last_refresh_step = meta.get("last_refresh_step")
         saved = meta.get("freeze_step")
         _warn_if_other_step_bound(meta, config.step_bound)
-    if saved is not None and schedule.steps >= int(saved):
+    steps = schedule.steps
+    if saved is not None and steps >= int(saved):
         if mine is not None and int(saved) != mine:
             warnings.warn(
                 f"hvd_onebit: the checkpoint is in the compression phase (step "
-                f"{schedule.steps}, frozen at freeze_step={saved}); it keeps "
+                f"{steps}, frozen at freeze_step={saved}); it keeps "
                 f"its frozen variance and freeze_step={saved}, not {mine}")
+        elif mine is None and not (meta or {}).get("auto_freeze"):
+            warnings.warn(
+                f"hvd_onebit: the checkpoint is in the compression phase (step {steps}, "
+                f"frozen at freeze_step={saved}); freeze_step='auto' has nothing left to decide")
         schedule.freeze_step = int(saved)
+    elif mine is not None and steps > mine:
+        warnings.warn(
+            f"hvd_onebit: the checkpoint is in the warmup at step {steps}, past "
+            f"freeze_step={mine}: the variance freezes now, at freeze_step={steps}")
+        schedule.freeze_step = steps
     else:
         schedule.freeze_step = mine
     if schedule.monitor is not None:
