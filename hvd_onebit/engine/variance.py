@@ -56,8 +56,9 @@ class FrozenVariance:
         every element receives about its block's scale, so they would jump by
         lr * scale / eps. With ``zero_variance="hold"`` (default) they are held, with a warning
         (no update from the momentum; AdamW's decoupled weight decay still shrinks them, as
-        AdamW's step shrinks an element whose gradient is zero): their denominator is +inf (see :class:`~hvd_onebit.kernels.fused_adam.AdamUpdate`), so
-        the update leaves them alone and zeroes their momentum. ``"eps"`` gives them Adam's own
+        AdamW's step shrinks an element whose gradient is zero): their denominator is +inf
+        (see :class:`~hvd_onebit.kernels.fused_adam.AdamUpdate`), so the update leaves them
+        alone and zeroes their momentum. ``"eps"`` gives them Adam's own
         denominator, eps (their variance becomes the smallest normal float32, whose root is
         far below eps), so they take steps at the step bound; ``"floor"`` gives them the
         smallest non-zero variance of their parameter, so they train like its least active

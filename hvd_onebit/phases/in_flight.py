@@ -39,11 +39,13 @@ class InFlight:
         if p.grad is not None:
             self._started[p] = Started(p.grad, p.grad._version)
 
-    def race(self, unscaled: bool) -> Optional[str]:
+    def race(self, unscaled: bool, handles: dict) -> Optional[str]:
         """Before the allreduces are waited for: what the script did to the gradients in flight
-        (None: nothing), ``unscaled`` whether a GradScaler has unscaled them already. Forgets
-        them: the next step's hooks start afresh."""
+        (None: nothing), ``unscaled`` whether a GradScaler has unscaled them already,
+        ``handles`` Horovod's (a gradient is in flight while its handle is there). Forgets them:
+        the next step's hooks start afresh."""
         started, self._started = self._started, {}
+        started = {p: s for p, s in started.items() if handles.get(p, (None,))[0] is not None}
         if not started:
             return None
         if unscaled:

@@ -51,7 +51,7 @@ class Warmup:
         of this step (or the last one's), to tell whether it unscaled the gradients in flight."""
         start = time.perf_counter()
         view = self._view
-        self._race = self._in_flight.race(unscaled(scaler, view.adam.optimizer_id))
+        self._race = self._in_flight.race(unscaled(scaler, view.adam.optimizer_id), view.handles)
         view.refresh_hooks(make_hook)
         active = view.adam.active_parameters()
         if (self._schedule.last_warmup_step_next() and self._engine.world > 1
