@@ -20,9 +20,10 @@ def init_torch_distributed(device: torch.device | str = "cpu",
                            timeout_s: Optional[float] = None) -> None:
     """Initialise torch.distributed's default group over Horovod's ranks, unless it is already.
 
-    Rank 0 listens on a free port of the address Horovod reaches it at (its
+    Rank 0 listens on a port the system picks, at the address Horovod reaches it at (its
     ``HOROVOD_HOSTNAME``, else its host name's address), or at rank 0's ``MASTER_ADDR`` and
-    ``MASTER_PORT`` when both are set, and tells the others through Horovod. Gloo is kept on
+    ``MASTER_PORT`` when both are set, and then tells the others through Horovod (listening
+    first, no other process can take the port in between). Gloo is kept on
     Horovod's interface (``HOROVOD_GLOO_IFACE``). Every rank must call it at the same point.
 
     Every rank gets ``timeout_s`` (default ``HVD_ONEBIT_RENDEZVOUS_S`` or 60 s) to reach the
@@ -42,27 +43,23 @@ def init_torch_distributed(device: torch.device | str = "cpu",
     iface = os.environ.get("HOROVOD_GLOO_IFACE")
     if iface and iface != "lo" and "GLOO_SOCKET_IFNAME" not in os.environ:
         os.environ["GLOO_SOCKET_IFNAME"] = iface
-    addr = None
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store, error, addr = None, None, None
     if hvd.rank() == 0:
-        if os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT"):
-            addr = (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
-        else:
-            host = os.environ.get("HOROVOD_HOSTNAME", "localhost")
-            try:
-                ip = socket.gethostbyname(host if host != "localhost" else socket.gethostname())
-            except OSError:
-                ip = "127.0.0.1"
-            with socket.socket() as s:
-                s.bind((ip, 0))
-                addr = (ip, s.getsockname()[1])
-    addr = hvd.broadcast_object(addr, root_rank=0, name="hvd_onebit.torch_dist_addr")
-    store, error = None, None
-    try:
-        store = dist.TCPStore(addr[0], addr[1], hvd.size(), hvd.rank() == 0,
-                              timeout=datetime.timedelta(seconds=timeout_s),
-                              wait_for_workers=True)
-    except Exception as exc:  # unreachable, refused, timed out: agreed below
-        error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        addr = _master_address()
+        try:  # listening before the others are told where: no other process can take the port
+            store = dist.TCPStore(addr[0], addr[1], hvd.size(), True, timeout=timeout,
+                                  wait_for_workers=False)
+            addr = (addr[0], store.port)
+        except Exception as exc:  # the port is taken, the address is not this host's
+            error = _first_line(exc)
+    addr, listening = hvd.broadcast_object((addr, store is not None), root_rank=0,
+                                           name="hvd_onebit.torch_dist_addr")
+    if hvd.rank() != 0 and listening:
+        try:
+            store = dist.TCPStore(addr[0], addr[1], hvd.size(), False, timeout=timeout)
+        except Exception as exc:  # unreachable, refused, timed out: agreed below
+            error = _first_line(exc)
     flags = hvd.allgather(torch.tensor([[0 if store is not None else 1]], dtype=torch.int32),
                           name="hvd_onebit.torch_dist_joined").flatten().tolist()
     failed = [r for r, f in enumerate(flags) if f]
@@ -71,6 +68,24 @@ def init_torch_distributed(device: torch.device | str = "cpu",
             f"torch.distributed's rendezvous at {addr[0]}:{addr[1]} (rank 0's address) failed "
             f"on rank(s) {failed} within {timeout_s:g} s"
             + (f" (this rank: {error})" if error else "")
+            + ("" if listening else " (rank 0 could not listen there)")
             + "; set MASTER_ADDR and MASTER_PORT to an address of rank 0 every rank reaches, "
             "or pass transport='horovod'")
     dist.init_process_group(backend, store=store, rank=hvd.rank(), world_size=hvd.size())
+
+
+def _master_address() -> tuple[str, int]:
+    """Where rank 0 listens: ``MASTER_ADDR`` and ``MASTER_PORT`` when both are set, else the
+    address Horovod reaches it at and a port the system picks (0)."""
+    if os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT"):
+        return os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    host = os.environ.get("HOROVOD_HOSTNAME", "localhost")
+    try:
+        ip = socket.gethostbyname(host if host != "localhost" else socket.gethostname())
+    except OSError:
+        ip = "127.0.0.1"
+    return ip, 0
+
+
+def _first_line(exc: Exception) -> str:
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
