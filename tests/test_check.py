@@ -125,13 +125,18 @@ def test_the_prediction_options_without_a_probe_are_refused():
         f"exit {out.exit_code}: {out.output}"
 
 
-def test_np_under_horovodrun_probes_the_link_and_prices_the_step():
+def check_under_horovodrun(np_: int) -> subprocess.CompletedProcess:
+    """``hvd-onebit check --np NP --params 10M --compute-ms 50`` in a 2-rank horovodrun job."""
     bin_dir = os.path.dirname(sys.executable)
-    out = subprocess.run([os.path.join(bin_dir, "horovodrun"), "-np", "2", "-H", "localhost:2",
-                          "--gloo", sys.executable, "-m", "hvd_onebit_tools.cli", "check", "--np",
-                          "2", "--params", "10M", "--compute-ms", "50"],
-                         capture_output=True, text=True, timeout=300,
-                         env=dict(os.environ, PATH=bin_dir + os.pathsep + os.environ["PATH"]))
+    return subprocess.run([os.path.join(bin_dir, "horovodrun"), "-np", "2", "-H", "localhost:2",
+                           "--gloo", sys.executable, "-m", "hvd_onebit_tools.cli", "check",
+                           "--np", str(np_), "--params", "10M", "--compute-ms", "50"],
+                          capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, PATH=bin_dir + os.pathsep + os.environ["PATH"]))
+
+
+def test_np_under_horovodrun_probes_the_link_and_prices_the_step():
+    out = check_under_horovodrun(np_=2)
     assert out.returncode == 0, out.stdout + out.stderr
     lines = [line.split(":", 1)[1] for line in out.stdout.splitlines()
              if line.startswith("[0]<stdout>:")]
@@ -146,12 +151,7 @@ def test_np_under_horovodrun_probes_the_link_and_prices_the_step():
 
 @pytest.mark.multirank
 def test_np_unlike_the_jobs_size_is_a_usage_error_on_every_rank():
-    bin_dir = os.path.dirname(sys.executable)
-    out = subprocess.run([os.path.join(bin_dir, "horovodrun"), "-np", "2", "-H", "localhost:2",
-                          "--gloo", sys.executable, "-m", "hvd_onebit_tools.cli", "check", "--np",
-                          "3", "--params", "10M", "--compute-ms", "50"],
-                         capture_output=True, text=True, timeout=300,
-                         env=dict(os.environ, PATH=bin_dir + os.pathsep + os.environ["PATH"]))
+    out = check_under_horovodrun(np_=3)
     text = out.stdout + out.stderr
     for rank in (0, 1):
         error = [line for line in text.splitlines() if line.startswith(f"[{rank}]<stderr>:Error")]

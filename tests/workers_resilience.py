@@ -172,6 +172,10 @@ def changed_in_flight(how: str, freeze_step=5, steps=5, race_step=2):
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8) if how != "clip_alone" else None
     loss_fn = nn.MSELoss()
     out = {"error": None, "error_step": None}
+
+    def snapshot() -> dict:  # what a refused step must leave alone
+        return {"params": params_bytes(model), "steps": opt.steps,
+                "exp_avg": [opt.state[p]["exp_avg"].clone() for p in model.parameters()]}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for step in range(steps):
@@ -180,9 +184,7 @@ def changed_in_flight(how: str, freeze_step=5, steps=5, race_step=2):
             loss = loss_fn(model(x), y)
             (scaler.scale(loss) if scaler else loss).backward()
             if step == race_step:
-                out["before"] = {"params": params_bytes(model), "steps": opt.steps,
-                                 "exp_avg": [opt.state[p]["exp_avg"].clone()
-                                             for p in model.parameters()]}
+                out["before"] = snapshot()
                 try:
                     if how == "unscale":
                         scaler.unscale_(opt)
@@ -198,9 +200,7 @@ def changed_in_flight(how: str, freeze_step=5, steps=5, race_step=2):
                         opt.step()
                 except RuntimeError as exc:
                     out["error"], out["error_step"] = str(exc), step
-                out["after"] = {"params": params_bytes(model), "steps": opt.steps,
-                                "exp_avg": [opt.state[p]["exp_avg"].clone()
-                                            for p in model.parameters()]}
+                out["after"] = snapshot()
                 if scaler:
                     scaler.update()
                 continue
