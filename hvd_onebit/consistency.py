@@ -88,19 +88,29 @@ def check_same_parameters(param_groups: list[dict], names: Mapping[torch.Tensor,
                    "hvd_onebit.DistributedOptimizer")
 
 
-def parameter_bit_sums(param_groups: list[dict]) -> torch.Tensor:
-    """[1, k] int64: the sum of each parameter's bits (as integers), in param-group order."""
+def parameter_bit_sums(param_groups: list[dict], step: int) -> torch.Tensor:
+    """[1, 1 + k] int64: the step count, then the sum of each parameter's bits (as integers),
+    in param-group order."""
     sums = []
     for g in param_groups:
         for p in g["params"]:
             flat = p.detach().reshape(-1)
             bits = flat.view(torch.int16 if flat.element_size() == 2 else torch.int32)
             sums.append(bits.to(torch.int64).sum())
-    return torch.stack(sums).reshape(1, -1) if sums else torch.zeros(1, 1, dtype=torch.int64)
+    device = sums[0].device if sums else torch.device("cpu")
+    return torch.stack([torch.tensor(step, dtype=torch.int64, device=device)] + sums
+                       ).reshape(1, -1)
 
 
 def raise_if_diverged(everyone: torch.Tensor, step: int, check_every: int) -> None:
     """``everyone``: every rank's :func:`parameter_bit_sums`, one row per rank in rank order."""
+    steps = everyone[:, 0].tolist()
+    if len(set(steps)) > 1:
+        raise RuntimeError(
+            f"hvd_onebit: the ranks are at different step counts ({steps}, in rank order; "
+            f"check_every={check_every}): a checkpoint loaded on some ranks only? Load it on "
+            "every rank, or on rank 0 and then send it to the others (hvd.broadcast_parameters "
+            "and hvd.broadcast_optimizer_state)")
     differ = [r for r in range(everyone.shape[0]) if not torch.equal(everyone[r], everyone[0])]
     if differ:
         raise RuntimeError(
@@ -114,6 +124,6 @@ def check_parameters_identical(param_groups: list[dict], process_set, step: int,
     each parameter's bits, compared after one Horovod allgather)."""
     import horovod.torch as hvd
 
-    everyone = hvd.allgather(parameter_bit_sums(param_groups), name="hvd_onebit.consistency",
+    everyone = hvd.allgather(parameter_bit_sums(param_groups, step), name="hvd_onebit.consistency",
                              process_set=process_set)
     raise_if_diverged(everyone, step, check_every)

@@ -71,7 +71,7 @@ class SharedFace:
         a compression-phase checkpoint keeps its own freeze step)."""
         checkpoint.load_state_dict(self._view, self.config, self._schedule, self._telemetry,
                                    state_dict)
-        self.reset_collectives()  # exp_avg tensors were replaced: re-fuse at the next step
+        self._phases.restart()  # exp_avg tensors were replaced: re-fuse at the next step
 
     def reset_collectives(self) -> None:
         """Drop the fused buckets, the frozen denominators and every 1-bit collective (with its

@@ -168,6 +168,27 @@ def test_gradients_changed_in_flight_in_the_warmup_are_refused_on_every_rank(res
     assert_same_params(b["final"], a["final"], f"{key}: rank 1 vs rank 0 after the error")
 
 
+@pytest.mark.parametrize("phase", ["compression", "warmup"])
+def test_rank_0_loading_and_broadcasting_mid_run_resumes_every_rank(results, phase):
+    """Horovod's recipe mid-run: rank 0 loads an earlier state, then sends it to the others.
+    Every rank goes on from it as if the run had not gone past it."""
+    key = f"rollback_broadcast_{phase}"
+    reference = scenario(results, f"no_rollback_{phase}")
+    for rank, (r, ref) in enumerate(zip(scenario(results, key), reference)):
+        assert (r["error"], r["steps"], r["phase"]) == (None, 14, "compression"), \
+            f"{key}, rank {rank}: error {r['error']!r}, {r['steps']} steps, {r['phase']}; " \
+            "expected no error, 14 steps, compression"
+        assert_same_params(r["params"], ref["params"],
+                           f"{key}, rank {rank}: after the rollback vs the run without it")
+
+
+def test_a_checkpoint_loaded_on_one_rank_only_is_named_by_the_check(results):
+    for rank, r in enumerate(scenario(results, "rollback_one_rank")):
+        assert r["error"] is not None and "different step counts ([11, 8]" in r["error"], \
+            f"rank {rank}: rank 1 alone went back to step 7 (check_every=1); expected an error " \
+            f"naming the step counts [11, 8], got {r['error']!r} after {r['steps']} steps"
+
+
 def test_bad_input_is_a_clear_error_on_every_rank(results):
     expected = {"shapes_differ": "optimizers differ in their parameters (rank 0: 6 (1377 "
                                   "elements), rank 1: 6 (433",

@@ -323,6 +323,43 @@ def zero_variance_elements(freeze_step=4, steps=12):
             "warnings": [str(w.message) for w in caught if "received no gradient" in str(w.message)]}
 
 
+def rollback(how: str, src=7, at=10, total=14, freeze_step=5):
+    """Train to ``at``, then go back to the state saved at ``src`` (after folding the error
+    feedback) and train again to ``total``. ``how``: "none" (no rollback: the reference, which
+    folds the error feedback at ``src`` too),
+    "rank0_broadcast" (Horovod's recipe: rank 0 loads, then hvd.broadcast_parameters and
+    hvd.broadcast_optimizer_state), "one_rank" (rank 1 alone loads, with check_every=1)."""
+    import copy
+
+    model = make_model()
+    opt = _opt(model, freeze_step, check_every=1 if how == "one_rank" else 0)
+    loss_fn = nn.MSELoss()
+    saved, step, rolled = None, 0, how == "none"
+    try:
+        while step < total:
+            if step == src and saved is None:
+                opt.flush_error_feedback()
+                saved = (copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()))
+            if step == at and not rolled:
+                rolled = True
+                if hvd.rank() == (0 if how == "rank0_broadcast" else 1):
+                    model.load_state_dict(saved[0])
+                    opt.load_state_dict(saved[1])
+                if how == "rank0_broadcast":
+                    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+                    hvd.broadcast_optimizer_state(opt, root_rank=0)
+                step = src
+                opt.flush_error_feedback()
+            opt.zero_grad()
+            x, y = batch(step, hvd.rank())
+            loss_fn(model(x), y).backward()
+            opt.step()
+            step += 1
+    except RuntimeError as exc:
+        return {"error": str(exc), "steps": opt.steps}
+    return {"error": None, "steps": opt.steps, "phase": opt.phase, "params": params_bytes(model)}
+
+
 def suite(ckpt_dir=None):
     """Every scenario in one job; one that raises is reported as data (tests/scenarios.py)."""
     return run_scenarios({
@@ -337,4 +374,9 @@ def suite(ckpt_dir=None):
         "clip_alone_in_flight": lambda: changed_in_flight("clip_alone"),
         "guard": divergence_guard,
         "ef_other_world": error_feedback_from_other_world,
+        "no_rollback_compression": lambda: rollback("none", src=7),
+        "no_rollback_warmup": lambda: rollback("none", src=3),
+        "rollback_broadcast_compression": lambda: rollback("rank0_broadcast", src=7),
+        "rollback_broadcast_warmup": lambda: rollback("rank0_broadcast", src=3),
+        "rollback_one_rank": lambda: rollback("one_rank", src=7),
     }, rank=hvd.rank())

@@ -92,8 +92,8 @@ def gather_rows(mine: torch.Tensor, param_groups: list[dict], group) -> torch.Te
 
 def check_identical(param_groups: list[dict], group, steps: int, every: int) -> None:
     """Raise on every rank if the parameters differ between ranks (one small allgather)."""
-    raise_if_diverged(gather_rows(parameter_bit_sums(param_groups), param_groups, group), steps,
-                      every)
+    everyone = gather_rows(parameter_bit_sums(param_groups, steps), param_groups, group)
+    raise_if_diverged(everyone, steps, every)
 
 
 @dataclass(frozen=True)

@@ -71,6 +71,8 @@ class Averaging:
         """Wait out the buckets started early and drop them (error feedback and momenta are
         unchanged). Every rank must do it at the same point."""
         early, self.early = self.early, []
+        if not early:  # nothing started (the buckets may not even be fused)
+            return
         for b, h in zip(self.fused.buckets, early):
             comm = self.collectives.of(b)
             try:

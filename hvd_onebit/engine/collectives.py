@@ -73,6 +73,11 @@ class Collectives:
         ("bucket:numel:dtype"; the world size is checked separately)."""
         return {f"{k[0]}:{k[1]}:{k[2]}": c for k, c in self.comms.items()}
 
+    def zero_errors(self) -> None:
+        """Zero every collective's error feedback, keeping the collectives (no communication)."""
+        for comm in self.comms.values():
+            comm.reset()
+
     def reset(self) -> None:
         """Drop every collective (and its error feedback) and the topology decision."""
         self.comms.clear()

@@ -102,13 +102,22 @@ class CompressedStep:
             self.fuse(active)
         self.variance.freeze_once(self.params, self.fused.buckets)
 
+    def restart(self) -> None:
+        """The optimizer state was replaced (a load, or another rank's state broadcast into
+        this one): re-fuse the momenta and scan the frozen variance again at the next step, and
+        start the error feedback from zero (a saved one given since or after is applied at the
+        fusing), keeping the collectives. Local: one rank may call it alone, and the ranks'
+        sequence of collectives stays the same."""
+        self.fused.clear()
+        self.collectives.zero_errors()
+        self.variance.clear()
+        self.averaging.drop()
+
     def reset(self) -> None:
         """Drop the buckets and collectives (with their error feedback); the next step rebuilds
         them. Every rank must call it at the same point."""
-        self.fused.clear()
+        self.restart()
         self.collectives.reset()
-        self.variance.clear()
-        self.averaging.drop()
 
     @property
     def can_start_early(self) -> bool:

@@ -47,8 +47,20 @@ class Phases:
         return self._engine.ranks_with(flags, device)
 
     def compressing(self) -> bool:
-        """Whether this step is a compressed one (the compression phase, on several ranks)."""
+        """Whether this step is a compressed one (the compression phase, on several ranks).
+        Asked first by every hook and step, so it is where a state written in from outside
+        (:meth:`~hvd_onebit.state.schedule.Schedule.moved_outside`) is noticed, before anything
+        starts on the old one."""
+        if self._schedule.moved_outside():
+            self.restart()
         return self._engine.world > 1 and self._schedule.phase == COMPRESSION
+
+    def restart(self) -> None:
+        """The optimizer state was replaced: the compressed step rebuilds on the new one
+        (:meth:`~hvd_onebit.engine.CompressedStep.restart`; no communication)."""
+        self._engine.restart()
+        self.compression.overlap.end_step()
+        self._schedule.acknowledge()
 
     def refreshing(self) -> bool:
         """Whether this step is a variance refresh step (:mod:`hvd_onebit.phases.refresh`): a

@@ -26,6 +26,7 @@ class Schedule:
         self.monitor = VarianceMonitor(config.auto_freeze) if config.auto else None
         self._refresh = config.refresh
         view.adam.param_groups[0].setdefault(STEP_KEY, 0)
+        self._known = self.steps  # the step count as this optimizer last set or loaded it
 
     @property
     def steps(self) -> int:
@@ -34,6 +35,19 @@ class Schedule:
 
     def count_step(self) -> None:
         self._view.adam.param_groups[0][STEP_KEY] = self.steps + 1
+        self._known = self.steps
+
+    def moved_outside(self) -> bool:
+        """Whether the step count changed other than through this optimizer's own steps and
+        loads: another rank's state was written into this one in place (e.g. rank 0 loaded a
+        checkpoint and ``hvd.broadcast_optimizer_state`` sent it), so what the compressed step
+        built on the old state (fused momenta, frozen denominators, error feedback) is stale."""
+        return self.steps != self._known
+
+    def acknowledge(self) -> None:
+        """The current step count is this optimizer's own again (after a load, or once the
+        compressed step was told of a change from outside)."""
+        self._known = self.steps
 
     @property
     def freeze_step(self) -> Optional[int]:
