@@ -151,6 +151,14 @@ def test_refusals_are_clear_on_every_rank(world):
         assert r["hooked"].startswith("ValueError") and "already has one" in r["hooked"], \
             f"n={n} rank {rank}: {r['hooked']}"
         assert r["after"] == 1, f"n={n} rank {rank}: the model took no face after the refusals"
+        for at, u in zip((1, 4), r["unfrozen"]):
+            assert "take a gradient now that the DDP model does not average (inner.weight, " \
+                   "inner.bias)" in u["error"], \
+                f"n={n} rank {rank}: a layer unfrozen after DDP was built, before step {at}: " \
+                f"{u['error']!r}"
+            assert (u["steps"], u["changed"]) == (at, []), \
+                f"n={n} rank {rank}: the refused step (before it {at} steps) left " \
+                f"{u['steps']} steps and changed {u['changed']}"
         wanted = {"reordered": "order, names, shapes or dtypes of their parameters (rank(s) "
                                f"[{n - 1}]",
                   "subset": f"rank {n - 1}: {r['parameters'] - 1} (",

@@ -269,6 +269,27 @@ def flushed_checkpoint(path: str, save: bool, steps: int = 3) -> dict:
             "phase_after": opt.phase}
 
 
+def unfrozen_later(at: int) -> dict:
+    """``inner`` is frozen when the DDP model is built and unfrozen before step ``at`` (DDP does
+    not average it): that step is refused, changing nothing."""
+    torch.manual_seed(0)
+    net = Net()
+    net.inner.requires_grad_(False)
+    model = DDP(net)
+    opt = onebit(model)
+    for step in range(at):
+        train_step(model, opt, step)
+    net.inner.requires_grad_(True)
+    before = params_of(model)
+    try:
+        train_step(model, opt, at)
+        error = "accepted"
+    except ValueError as exc:
+        error = f"ValueError: {exc}"
+    return {"error": error, "steps": opt.steps, "phase": opt.phase,
+            "changed": differences(params_of(model), before, "params")}
+
+
 def refusals() -> dict:
     """The errors of what the face refuses (each raised alike on every rank)."""
     out = {}
@@ -314,6 +335,7 @@ def refusals() -> dict:
     out["process_group"] = refused(lambda: onebit(shared, process_group="world"))
     out["sgd"] = refused(lambda: hvd_onebit.ddp.DistributedOptimizer(
         torch.optim.SGD(shared.parameters(), lr=0.1), shared, freeze_step=FREEZE))
+    out["unfrozen"] = [unfrozen_later(at) for at in (1, FREEZE + 1)]
     # the refusals left the model as it was: it takes the face afterwards
     opt = onebit(model)
     train_step(model, opt, 0)

@@ -134,7 +134,8 @@ def build(view: DDPView, config: OneBitConfig, group, model) -> Parts:
     warmup = DDPWarmup(view, schedule, telemetry, engine)
     phases = Phases(view, config, schedule, telemetry, engine, warmup,
                     lambda steps: check_identical(view.adam.param_groups, group, steps,
-                                                  config.check_every))
+                                                  config.check_every),
+                    view.refuse_unaveraged)
     hook = CommHook(group, lambda: not phases.compressing() or phases.refreshing(),
                     phases.compression.overlap if config.overlap else None)
     hook.register(model)

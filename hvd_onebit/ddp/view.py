@@ -13,19 +13,38 @@ class DDPView:
     Args:
         optimizer: the built optimizer (its class derives from the wrapped Adam class).
         optimizer_class: that built class (super() of it is the wrapped Adam).
-        names: each parameter's name in the DDP model.
+        names: each parameter's name in the DDP model, for those DDP averages.
+        every_name: every parameter's name in the wrapped module.
     """
 
     sparse_as_dense = False  # DDP hands Adam dense gradients or refuses them itself
     sums_gradients = False  # DDP averages
 
-    def __init__(self, optimizer, optimizer_class: type, names: dict):
+    def __init__(self, optimizer, optimizer_class: type, names: dict, every_name: dict):
         self.adam = WrappedAdam(optimizer, optimizer_class)
         self.names = names
+        self._every_name = every_name
         self.synchronized = False
 
     def name_of(self, p: torch.Tensor) -> str:
         return self.names.get(p, "?")
+
+    def refuse_unaveraged(self) -> None:
+        """Raise a ValueError naming the parameters that take a gradient now but that DDP does
+        not average: DDP chose the parameters it averages when it was built, from
+        ``requires_grad`` then, so a parameter unfrozen since would be trained on each rank's
+        own gradient (the ranks would part)."""
+        stray = [self._every_name.get(p, "?") for p in self.adam.active_parameters()
+                 if p not in self.names]
+        if stray:
+            raise ValueError(
+                f"hvd_onebit.ddp.DistributedOptimizer: {len(stray)} parameter(s) take a gradient "
+                f"now that the DDP model does not average ({', '.join(stray[:4])}"
+                f"{' ...' if len(stray) > 4 else ''}): DDP averages the parameters that "
+                "required a gradient when it was built, so one unfrozen since would be trained "
+                "on each rank's own gradient. Set requires_grad before wrapping the model in "
+                "DDP: to unfreeze during training, save a checkpoint and build the DDP model "
+                "and the optimizer again. Nothing was changed by this step")
 
     def reset_backward_passes(self) -> None:
         """DDP counts no backward passes: ``model.no_sync()`` says which ones accumulate."""

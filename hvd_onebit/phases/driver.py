@@ -27,10 +27,13 @@ class Phases:
 
     def __init__(self, view: OptimizerView, config: OneBitConfig, schedule: Schedule,
                  telemetry: Telemetry, engine: CompressedStep, warmup: GradientAllreduce,
-                 check_identical: Callable[[int], None]):
+                 check_identical: Callable[[int], None],
+                 check_trainable: Callable[[], None] = lambda: None):
         """``warmup``: the allreduce of full-precision steps, and the warmup's own kind of step
         (a :class:`~hvd_onebit.phases.full_precision.FullPrecisionStep`);
-        ``check_identical(steps)``: raise on every rank if the parameters differ (check_every)."""
+        ``check_identical(steps)``: raise on every rank if the parameters differ (check_every);
+        ``check_trainable()``: raise if the face cannot train the parameters that take a
+        gradient now (checked before each step, which then changes nothing)."""
         self._view = view
         self._config = config
         self._schedule = schedule
@@ -38,6 +41,7 @@ class Phases:
         self._engine = engine
         self.warmup: FullPrecisionStep | GradientAllreduce = warmup
         self._check_identical = check_identical
+        self._check_trainable = check_trainable
         self.compression = CompressionPhase(view, schedule, telemetry, engine, config)
         self.refresh = RefreshPhase(view, schedule, telemetry, engine, self.warmup, config)
 
@@ -90,6 +94,12 @@ class Phases:
              make_hook: Callable):
         """One optimizer step; ``grad_scaler`` (passed by GradScaler.step()) or None, with
         ``unscale`` its ``unscale_`` of this optimizer. Returns the closure's loss."""
+        try:
+            self._check_trainable()
+        except Exception:
+            self._engine.abandon_early()
+            self.compression.overlap.end_step()
+            raise
         scaler = view_of(grad_scaler, self._view.adam.optimizer_id, unscale)
         if not self.compressing() or self.refreshing():
             self.compression.overlap.remember_scaler(grad_scaler)
