@@ -349,7 +349,13 @@ def test_crossovers_find_where_flat_stops_paying():
     (["--compute-ms", "-5"], "--compute-ms", "-5.0 is not in the range"),
     (["--adam-ms", "-1"], "--adam-ms", "-1.0 is not in the range"),
     (["--params", "-5"], "--params", "'-5' is not a positive parameter count"),
-    (["--params", "abc"], "--params", "'abc' is not a positive parameter count")])
+    (["--params", "abc"], "--params", "'abc' is not a positive parameter count"),
+    (["--warmup-frac", "-1"], "--warmup-frac", "-1.0 is not in the range 0<=x<=1"),
+    (["--warmup-frac", "1.5"], "--warmup-frac", "1.5 is not in the range 0<=x<=1"),
+    (["--latency-us", "-5"], "--latency-us", "-5.0 is not in the range x>=0"),
+    (["--intra-latency-us", "-5"], "--intra-latency-us", "-5.0 is not in the range x>=0"),
+    (["--kernel-speedup", "0"], "--kernel-speedup", "0.0 is not in the range x>0"),
+    (["--block-size", "-2"], "--block-size", "-2 is not in the range x>=0")])
 def test_predict_refuses_a_job_it_cannot_price_naming_the_option(tmp_path, args, option, text):
     path = save(fake_calibration(), tmp_path / "cal.json")
     base = {"--params": "8M", "--compute-ms": "50", "--np": "4"}
@@ -389,6 +395,12 @@ def test_calibration_round_trip_and_clear_errors(tmp_path):
     (tmp_path / "old.json").write_text(json.dumps({**cal, "version": 0}))
     with pytest.raises(ValueError, match="version"):
         load(tmp_path / "old.json")
+    (tmp_path / "text.json").write_text("not json")
+    with pytest.raises(ValueError, match=r"text\.json is not JSON"):
+        load(tmp_path / "text.json")
+    (tmp_path / "list.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match=r"list\.json holds a JSON list"):
+        load(tmp_path / "list.json")
     # the CLI: a clear error without a file; JSON and a plot with one
     proc = hvd_onebit(["bench", "predict", "--calibration", str(tmp_path / "missing.json"),
                        "--model", "mlp"])

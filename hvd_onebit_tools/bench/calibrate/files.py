@@ -37,7 +37,14 @@ def load(path) -> dict:
             f"no calibration file at {p}: run `hvd-onebit bench calibrate --out {p}` on the "
             "machine whose constants you want (it needs root for the emulated cluster, "
             "about 3 minutes), or pass --calibration PATH")
-    cal = json.loads(p.read_text())
+    try:
+        cal = json.loads(p.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{p} is not JSON ({exc}): not a calibration file from "
+                         "`hvd-onebit bench calibrate`") from exc
+    if not isinstance(cal, dict):
+        raise ValueError(f"{p} holds a JSON {type(cal).__name__}, not a calibration file from "
+                         "`hvd-onebit bench calibrate`")
     if cal.get("version") not in READABLE_VERSIONS:
         raise ValueError(f"{p} is calibration version {cal.get('version')}, this model reads "
                          f"versions {', '.join(map(str, READABLE_VERSIONS))}: run `hvd-onebit bench "

@@ -37,9 +37,9 @@ def check_world(nps: list[int], ranks_per_node: int) -> None:
               help="Link rate between nodes (each node's link), comma separated for a sweep.")
 @click.option("--intra-bandwidth", default="unlimited", show_default=True,
               callback=lambda c, p, v: rates(c, p, v)[0], help="Each rank's link inside a node.")
-@click.option("--latency-us", default=0.0, show_default=True,
+@click.option("--latency-us", default=0.0, show_default=True, type=click.FloatRange(min=0),
               help="One-way link latency between nodes, microseconds.")
-@click.option("--intra-latency-us", default=0.0, show_default=True,
+@click.option("--intra-latency-us", default=0.0, show_default=True, type=click.FloatRange(min=0),
               help="One-way latency inside a node, microseconds.")
 @click.option("--params", default=None, callback=parameter_count,
               help="Parameters (e.g. 350M, 9.4e6); default: the --model's.")
@@ -52,7 +52,7 @@ def check_world(nps: list[int], ranks_per_node: int) -> None:
               help="Adam's part of --compute-ms, which the compressed step replaces by its "
                    "kernels [default: 0, no credit; with --model alone: calibrated].")
 @click.option("--warmup-frac", default=FROZEN_FREEZE_FRACTION, show_default=True,
-              help="Share of the steps in 1-bit Adam's full-precision warmup, the variance "
+              type=click.FloatRange(0, 1), help="Share of the steps in 1-bit Adam's full-precision warmup, the variance "
                    "frozen after it (variance_refresh=None).")
 @click.option("--run-steps", default=10000, show_default=True, type=click.IntRange(min=1),
               help="Steps in the run, for the whole-run figures counted in steps: the fixed "
@@ -68,11 +68,11 @@ def check_world(nps: list[int], ranks_per_node: int) -> None:
               help="All ranks share this machine's cores (as on the emulated cluster): compute "
                    "and kernels at the speeds calibrated with that many processes at once.")
 @click.option("--kernel-speedup", default=1.0, show_default=True,
-              help="Divide the calibrated kernel and Adam times per element (a faster device).")
+              type=click.FloatRange(min=0, min_open=True), help="Divide the calibrated kernel and Adam times per element (a faster device).")
 @click.option("--host-speedup", default=1.0, show_default=True,
-              help="Divide the calibrated host cost per byte of collectives (copies, reductions,"
+              type=click.FloatRange(min=0, min_open=True), help="Divide the calibrated host cost per byte of collectives (copies, reductions,"
                    " TCP); 'inf' drops it (NIC offload).")
-@click.option("--per-peer-us", default=None, type=float,
+@click.option("--per-peer-us", default=None, type=click.FloatRange(min=0),
               help="Replace the calibrated per-peer cost of every collective (microseconds).")
 @click.option("--transport", default="torch", show_default=True,
               type=click.Choice(["torch", "horovod"]),
@@ -90,7 +90,8 @@ def check_world(nps: list[int], ranks_per_node: int) -> None:
               help="With --transport torch: the hierarchical stages inside a node over the "
                    "node's links (--intra-bandwidth: NVLink, PCIe) or through shared memory (a "
                    "barrier each: CPU ranks, intra_node='auto' on CPU).")
-@click.option("--block-size", default=DEFAULT_BLOCK_SIZE, show_default=True, type=int,
+@click.option("--block-size", default=DEFAULT_BLOCK_SIZE, show_default=True,
+              type=click.IntRange(min=0),
               help="Elements per scale in the 1-bit rows, as the optimizer's block_size; 0: one "
                    "scale per chunk.")
 @click.option("--methods", default="horovod_fp32,horovod_fp16,onebit,onebit_hierarchical",
