@@ -92,6 +92,25 @@ class HorovodView:
 
     # ---- Horovod's actions ---------------------------------------------------------------
 
+    def start_remaining_allreduces(self) -> None:
+        """Start the gradient allreduces that Horovod's synchronize() would start before it
+        waits: those of the parameters whose hook did not fire on this rank (unused in this
+        backward; a zero gradient, which Horovod fills in) and those whose handle is still a
+        placeholder. One rank's hook-started allreduce of a parameter that only it used completes
+        only when the others start theirs, so they must all be started before any is waited
+        for."""
+        opt = self._opt
+        if not opt.process_set.included():
+            return
+        started = set()
+        for key in opt._handles:
+            started.update(key) if isinstance(key, tuple) else started.add(key)
+        for p in opt._requires_update - started:
+            opt._handles[p] = opt._allreduce_grad_async(p)
+        for p, (handle, _) in list(opt._handles.items()):
+            if handle is None:
+                opt._handles[p] = opt._allreduce_grad_async(p)
+
     def synchronize(self) -> None:
         """Horovod's synchronize: wait for the gradient allreduces the hooks started."""
         _DistributedOptimizer.synchronize(self._opt)

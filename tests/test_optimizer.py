@@ -153,6 +153,23 @@ def test_missing_gradients_and_requires_grad_changes(world):
                                            m["start_val_loss"], f"n={n} rank {rank}")
 
 
+def test_a_branch_trained_on_some_ranks_only_is_averaged_as_horovod_does(world):
+    """Each rank's hooks start allreduces that the other ranks start only when they
+    synchronize: every one is started before any is waited for (else each rank waits for the
+    others), and the warmup's steps are Horovod's own, bit for bit."""
+    n, results = world
+    runs = scenario(results, "branches_by_rank")
+    for rank, r in enumerate(runs):
+        assert r["onebit_freeze_20"] == r["horovod"], \
+            f"n={n} rank {rank}: warmup parameter hashes by step, hvd_onebit " \
+            f"{r['onebit_freeze_20']} vs hvd.DistributedOptimizer {r['horovod']}"
+        assert r["onebit_freeze_3"][:3] == r["horovod"][:3], \
+            f"n={n} rank {rank}: the 3 warmup steps before the freeze, hvd_onebit " \
+            f"{r['onebit_freeze_3'][:3]} vs hvd.DistributedOptimizer {r['horovod'][:3]}"
+    assert_same_on_every_rank([r["onebit_freeze_3"] for r in runs],
+                              f"n={n}: parameter hashes by step through the compression phase")
+
+
 def test_param_groups_masks_and_lr_schedule(world):
     n, results = world
     per_rank = scenario(results, "groups")

@@ -81,6 +81,38 @@ def warmup_matches_horovod(steps=4, passes=1, fp16=False, adamw=False):
     return {"horovod": out[0], "onebit": out[1]}
 
 
+def branches_by_rank(steps=6, freeze_steps=(20, 3)):
+    """Each rank trains one of two branches (ranks of even index branch a, of odd index branch
+    b), so each rank's hooks start allreduces the other ranks start only when they
+    synchronize. Under hvd.DistributedOptimizer, and under hvd_onebit with each of
+    ``freeze_steps`` (the first past the run: a warmup only); each run's parameter hash by step."""
+    out = {}
+    for wrapper, freeze_step in [("horovod", None)] + [("onebit", f) for f in freeze_steps]:
+        torch.manual_seed(0)
+        trunk, head = nn.Linear(8, 16), nn.Linear(16, 1)
+        branches = [nn.Linear(16, 16), nn.Linear(16, 16)]
+        modules = [trunk, *branches, head]
+        named = [(f"m{i}.{n}", p) for i, m in enumerate(modules) for n, p in m.named_parameters()]
+        base = torch.optim.Adam([p for _, p in named], lr=1e-2)
+        if wrapper == "horovod":
+            opt = hvd.DistributedOptimizer(base, named_parameters=named)
+        else:
+            opt = hvd_onebit.DistributedOptimizer(base, named_parameters=named,
+                                                  freeze_step=freeze_step)
+        hashes = []
+        for step in range(steps):
+            opt.zero_grad()
+            x, y = batch(step, hvd.rank())
+            h = torch.tanh(trunk(x))
+            h = h + torch.tanh(branches[hvd.rank() % 2](h))
+            nn.functional.mse_loss(head(h), y).backward()
+            opt.step()
+            hashes.append(hashlib.sha256(b"".join(p.detach().numpy().tobytes()
+                                                  for _, p in named)).hexdigest()[:16])
+        out[wrapper if freeze_step is None else f"onebit_freeze_{freeze_step}"] = hashes
+    return out
+
+
 def frozen_variance_reference(freeze_step=3, steps=8, weight_decay=0.0, adamw=False, bounded=True):
     """compressor='none' vs a hand-written Adam-with-frozen-variance on averaged gradients, each
     step clamped at lr times Adam's own bound (``bounded``) or not (step_bound=None). Returns the
@@ -368,6 +400,7 @@ def suite():
         "consistency_passes2_buckets":
             lambda: onebit_consistency(steps=12, passes=2, bucket_size_mb=0.002),
         "missing": missing_grads_and_requires_grad,
+        "branches_by_rank": branches_by_rank,
         "missing_none": lambda: missing_grads_and_requires_grad(compressor="none"),
         "groups": groups_masks_and_schedules,
         "helpers": broadcasts_and_helpers,

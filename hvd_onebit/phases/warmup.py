@@ -57,8 +57,10 @@ class Warmup:
         if (self._schedule.last_warmup_step_next() and self._engine.world > 1
                 and not self._engine.up_to_date(active)):
             self._engine.fuse(active)
-        # Sleep until the allreduces the backward hooks started are done, so that Horovod's own
-        # wait (a sched_yield spin) finds them finished instead of taking CPU from other ranks.
+        # Sleep until the allreduces are done, so that Horovod's own wait (a sched_yield spin)
+        # finds them finished instead of taking CPU from other ranks. Every one is started
+        # first: a parameter used on some ranks only completes when the others start it.
+        view.start_remaining_allreduces()
         for handle, _ in list(view.handles.values()):
             if handle is not None and not callable(handle):
                 sleep_until_done(handle)
