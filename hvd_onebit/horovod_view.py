@@ -34,6 +34,8 @@ class HorovodView:
     def op(self):
         return self._opt.op
 
+    sparse_advice = "pass sparse_as_dense=True"
+
     @property
     def sums_gradients(self) -> bool:
         """op=hvd.Sum: the update sees the sum over ranks."""

@@ -83,6 +83,10 @@ class OptimizerView(Protocol):
         """Whether sparse gradients are taken as dense ones (else refused)."""
 
     @property
+    def sparse_advice(self) -> str:
+        """What the error refusing a sparse gradient tells the user to do."""
+
+    @property
     def sums_gradients(self) -> bool:
         """Whether the update sees the sum of the ranks' gradients rather than their mean."""
 

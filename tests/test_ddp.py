@@ -113,6 +113,36 @@ def test_variance_refresh_steps_take_ddps_averaged_gradients(world):
 
 
 @pytest.mark.multirank
+def test_a_refresh_step_without_a_backward_averages_the_local_gradients(world):
+    n, results = world
+    runs = scenario(results, "refresh_without_backward")
+    for rank, r in enumerate(runs):
+        assert (r["steps"], r["phase"]) == (FREEZE + 6 + r["extra_steps"], "compression"), \
+            f"n={n} rank {rank}: {r['steps']} steps, phase {r['phase']}"
+        assert r["extra_refreshes"] > 0, \
+            f"n={n} rank {rank}: no second step() was a refresh step, nothing was tested"
+        assert differences(r["params"], runs[0]["params"], "params") == [], \
+            f"n={n}: rank {rank} differs from rank 0 after {r['extra_refreshes']} refresh " \
+            f"steps that followed no backward"
+
+
+@pytest.mark.multirank
+def test_refresh_steps_with_find_unused_parameters_after_a_branch_used_locally(world):
+    """DDP's reducer counts a parameter a compressed step's local backward used as used at the
+    next averaged backward; its gradient, None since zero_grad, must not make DDP refuse it."""
+    n, results = world
+    runs = scenario(results, "refresh_unused")
+    for rank, r in enumerate(runs):
+        assert (r["steps"], r["phase"]) == (FREEZE + 8, "compression"), \
+            f"n={n} rank {rank}: {r['steps']} steps, phase {r['phase']}"
+        assert r["refreshes"] > 0 and r["local_steps"] > 0, \
+            f"n={n} rank {rank}: {r['refreshes']} refreshes and {r['local_steps']} local " \
+            f"steps: not both kinds, nothing was tested"
+        assert differences(r["params"], runs[0]["params"], "params") == [], \
+            f"n={n}: rank {rank} differs from rank 0"
+
+
+@pytest.mark.multirank
 def test_a_compression_phase_checkpoint_resumes_bit_identically(world):
     n, results = world
     for rank, r in enumerate(scenario(results, "checkpoint")):
@@ -164,7 +194,9 @@ def test_refusals_are_clear_on_every_rank(world):
                   "subset": f"rank {n - 1}: {r['parameters'] - 1} (",
                   "freeze_step": f"freeze_step (rank 0: 3, rank 1: {3 if n > 2 else 4}",
                   "transport": "takes no transport", "process_group": "got 'world'",
-                  "sgd": "hvd_onebit.ddp.DistributedOptimizer wraps torch.optim.Adam"}
+                  "sgd": "hvd_onebit.ddp.DistributedOptimizer wraps torch.optim.Adam",
+                  "sparse": "sparse gradient; Adam needs dense gradients: the DDP face takes "
+                            "dense gradients only"}
         for case, part in wanted.items():
             assert r[case].split(":")[0] in ("ValueError", "TypeError") and part in r[case], \
                 f"n={n} rank {rank} {case}: {r[case]!r}, want it to say {part!r}"

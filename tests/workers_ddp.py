@@ -290,6 +290,16 @@ def unfrozen_later(at: int) -> dict:
             "changed": differences(params_of(model), before, "params")}
 
 
+def sparse_embedding_step() -> None:
+    """One step of a DDP model whose embedding has sparse gradients."""
+    torch.manual_seed(0)
+    model = DDP(torch.nn.Embedding(10, 4, sparse=True))
+    opt = hvd_onebit.ddp.DistributedOptimizer(torch.optim.Adam(model.parameters()), model,
+                                              freeze_step=FREEZE)
+    model(torch.tensor([1, 2, 3])).sum().backward()
+    opt.step()
+
+
 def refusals() -> dict:
     """The errors of what the face refuses (each raised alike on every rank)."""
     out = {}
@@ -336,6 +346,7 @@ def refusals() -> dict:
     out["sgd"] = refused(lambda: hvd_onebit.ddp.DistributedOptimizer(
         torch.optim.SGD(shared.parameters(), lr=0.1), shared, freeze_step=FREEZE))
     out["unfrozen"] = [unfrozen_later(at) for at in (1, FREEZE + 1)]
+    out["sparse"] = refused(sparse_embedding_step)
     # the refusals left the model as it was: it takes the face afterwards
     opt = onebit(model)
     train_step(model, opt, 0)
@@ -421,6 +432,43 @@ def variance_refresh(steps: int = 6) -> dict:
             "local_steps": opt._hook.local_steps, "phase": opt.phase}
 
 
+def variance_refresh_without_backward(iterations: int = 6) -> dict:
+    """Refreshes every other step, and a second step() without a backward after every other
+    iteration's: the second steps that refresh take gradients a compressed step's backward
+    left local."""
+    from hvd_onebit.config import Experimental
+
+    model = make_model()
+    opt = onebit(model, variance_refresh="doubling",
+                 experimental=Experimental(refresh_schedule={"first_interval": 2}))
+    extra_steps = extra_refreshes = 0
+    for step in range(FREEZE + iterations):
+        train_step(model, opt, step)
+        if step % 2 == 0:
+            before = opt.telemetry()["refreshes"]
+            opt.step()
+            extra_steps += 1
+            extra_refreshes += opt.telemetry()["refreshes"] - before
+    return {"params": params_of(model), "steps": opt.steps, "phase": opt.phase,
+            "extra_steps": extra_steps, "extra_refreshes": extra_refreshes}
+
+
+def variance_refresh_unused(iterations: int = 8) -> dict:
+    """find_unused_parameters=True, a branch used on some (step, rank) only, refreshes every
+    other step: a refresh step's backward, averaged by DDP, follows compressed steps' local ones
+    that used the branch where this one does not (its gradient None since zero_grad)."""
+    from hvd_onebit.config import Experimental
+
+    kwargs, pattern = VARIANTS["unused"]
+    model = make_model(**kwargs)
+    opt = onebit(model, variance_refresh="doubling",
+                 experimental=Experimental(refresh_schedule={"first_interval": 2}))
+    for step in range(FREEZE + iterations):
+        train_step(model, opt, step, pattern)
+    return {"params": params_of(model), "steps": opt.steps, "phase": opt.phase,
+            "refreshes": opt.telemetry()["refreshes"], "local_steps": opt._hook.local_steps}
+
+
 def horovod_unused() -> dict:
     """After every other scenario of a rank that cannot import Horovod (torchrun's worlds): the
     Horovod modules loaded (none expected), and what asking for the Horovod face raises."""
@@ -451,6 +499,8 @@ def suite(scratch: Optional[str] = None, stage: Optional[str] = None) -> dict:
                       for d in ("float16", "bfloat16")})
     scenarios.update(averaged_poisoned=averaged_gradient_poisoned)
     scenarios.update(checkpoint=checkpoint_resumes, refresh=variance_refresh, refusals=refusals,
+                     refresh_without_backward=variance_refresh_without_backward,
+                     refresh_unused=variance_refresh_unused,
                      grad_scaler=grad_scaler_skips)
     if stage is not None:
         scenarios["flushed"] = partial(flushed_checkpoint, f"{scratch}/flushed.pt",

@@ -10,7 +10,7 @@ nothing; the pass after it does.
 """
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, Iterable, Optional
 
 import torch
 import torch.distributed as dist
@@ -23,10 +23,19 @@ ALREADY_HOOKED = (
     "Wrap a model without a hook")
 
 
+ALREADY_OURS = (
+    "this DDP model is already trained by an hvd_onebit.ddp.DistributedOptimizer, whose "
+    "communication hook it keeps (DDP allows one). To build the optimizer again, wrap the module "
+    "in DDP again (model = DDP(model.module, ...)), build the optimizer on that, and load the "
+    "old optimizer's state_dict() into it")
+
+
 def check_unhooked(model) -> None:
     """Raise a ValueError if ``model`` (a DDP module) has a communication hook already."""
-    if getattr(model, "_comm_hooks", None):
-        raise ValueError(ALREADY_HOOKED)
+    hooks = getattr(model, "_comm_hooks", None)
+    if hooks:
+        ours = any(isinstance(getattr(hook, "__self__", None), CommHook) for hook, _ in hooks)
+        raise ValueError(ALREADY_OURS if ours else ALREADY_HOOKED)
 
 
 class CommHook:
@@ -47,6 +56,12 @@ class CommHook:
         self._final = True  # this backward ends the step (not inside the user's no_sync())
         self._local = False  # this forward's step is compressed: DDP's sync taken off
         self.local_steps = 0  # forwards whose step kept its gradients local, over the run
+        # The gradients are this rank's own: the last step's backward kept them local (a
+        # compressed step's), and nothing averaged them since.
+        self.gradients_local = False
+        # With find_unused_parameters, the parameters that took a gradient in a local backward
+        # since the last averaged one (DDP's reducer counts them as used: see _before_forward)
+        self._used_locally: Optional[set] = None
 
     def register(self, model) -> None:
         """Register on ``model`` (a DDP module); raises a ValueError if it has a hook already."""
@@ -59,7 +74,9 @@ class CommHook:
             raise
         model.register_forward_pre_hook(self._before_forward)
         model.register_forward_hook(self._after_forward)
-        if self._overlap is not None:
+        if getattr(model, "find_unused_parameters", False):
+            self._used_locally = set()
+        if self._overlap is not None or self._used_locally is not None:
             for p in model.module.parameters():
                 if p.requires_grad:
                     p.register_post_accumulate_grad_hook(self._gradient_final)
@@ -69,6 +86,18 @@ class CommHook:
         the user's no_sync() has it off already (then this pass only accumulates)."""
         self._final = model.require_backward_grad_sync
         self._local = torch.is_grad_enabled() and not self._averaging()
+        if torch.is_grad_enabled() and self._final:
+            self.gradients_local = self._local
+        if self._used_locally and torch.is_grad_enabled() and not self._local:
+            # DDP's reducer (find_unused_parameters) counts a parameter whose gradient a local
+            # backward accumulated as used at the next averaged backward, as it does across
+            # no_sync() passes, and refuses it there if its gradient is None since
+            # (zero_grad between our compressed steps, unlike no_sync()'s accumulation): it
+            # takes a zero gradient instead, which DDP averages.
+            for p in self._used_locally:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            self._used_locally.clear()
         if self._local:
             model.require_backward_grad_sync = False
             if self._final:
@@ -83,8 +112,11 @@ class CommHook:
                 model.require_forward_param_sync = self._final
 
     def _gradient_final(self, p: torch.Tensor) -> None:
-        if self._local and self._final:
-            self._overlap.gradient_ready(p)
+        if self._local:
+            if self._used_locally is not None:
+                self._used_locally.add(p)
+            if self._final and self._overlap is not None:
+                self._overlap.gradient_ready(p)
 
     def _average(self, buffer: torch.Tensor) -> torch.futures.Future:
         """DDP's own averaging, bit for bit: each gradient times 1/n, as DDP's reducer scales
@@ -93,6 +125,37 @@ class CommHook:
         buffer.mul_(1.0 / dist.get_world_size(self.group))
         work = dist.all_reduce(buffer, group=self.group, async_op=True)
         return work.get_future().then(lambda fut: fut.value()[0])
+
+    def average_if_local(self, params: Iterable[torch.Tensor]) -> None:
+        """Before a full-precision step: if the gradients are this rank's own (the step count
+        moved past a compressed step since backward, e.g. a second ``step()`` with no backward
+        landing on a variance refresh step), average them now, as DDP does (times 1/n, then the
+        sum), one flat allreduce per dtype. Alike on every rank: whether the gradients are local
+        follows from the step count. A parameter without a gradient on every rank keeps none; one
+        without a gradient here takes the others' average with a zero for this rank's."""
+        if not self.gradients_local:
+            return
+        self.gradients_local = False
+        # With find_unused_parameters, the parameters that took a gradient in a local backward
+        # since the last averaged one (DDP's reducer counts them as used: see _before_forward)
+        self._used_locally: Optional[set] = None
+        n = dist.get_world_size(self.group)
+        by_dtype: dict = {}
+        for p in params:
+            by_dtype.setdefault(p.dtype, []).append(p)
+        for dtype, same in by_dtype.items():
+            grads = [torch.zeros_like(p) if p.grad is None else p.grad.to_dense() for p in same]
+            has = torch.tensor([p.grad is not None for p in same], dtype=dtype,
+                               device=same[0].device)
+            flat = torch.cat([g.reshape(-1) for g in grads] + [has])
+            flat[:-len(same)].mul_(1.0 / n)
+            dist.all_reduce(flat, group=self.group)
+            offset = 0
+            for p, g, anywhere in zip(same, grads, flat[-len(same):].tolist()):
+                numel = g.numel()
+                if anywhere:
+                    p.grad = flat[offset:offset + numel].view_as(p).clone()
+                offset += numel
 
     def communicate(self, state, bucket):
         """DDP's hook (``state`` is unused: this object holds its own). No annotations: DDP

@@ -131,7 +131,9 @@ def build(view: DDPView, config: OneBitConfig, group, model) -> Parts:
     init_adam_state(view.adam.param_groups, view.adam.state)
     engine = CompressedStep(config, view.adam.state, view.adam.decoupled,
                             transport=TorchJob(group, config.hierarchical), names=view.names)
-    warmup = DDPWarmup(view, schedule, telemetry, engine)
+    # the hook is built last (below); the warmup calls it only from step()
+    warmup = DDPWarmup(view, schedule, telemetry, engine,
+                       lambda params: hook.average_if_local(params))
     phases = Phases(view, config, schedule, telemetry, engine, warmup,
                     lambda steps: check_identical(view.adam.param_groups, group, steps,
                                                   config.check_every),

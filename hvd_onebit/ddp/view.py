@@ -19,6 +19,8 @@ class DDPView:
 
     sparse_as_dense = False  # DDP hands Adam dense gradients or refuses them itself
     sums_gradients = False  # DDP averages
+    sparse_advice = ("the DDP face takes dense gradients only (DDP would average them sparse); "
+                     "build the embedding with sparse=False")
 
     def __init__(self, optimizer, optimizer_class: type, names: dict, every_name: dict):
         self.adam = WrappedAdam(optimizer, optimizer_class)

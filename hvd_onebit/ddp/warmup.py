@@ -3,7 +3,7 @@
 wrapped Adam's on them, as DDP + Adam takes it."""
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, Iterable, Optional
 
 import torch
 
@@ -21,13 +21,16 @@ class DDPWarmup:
 
     Args:
         engine: the compression phase's (its buckets are fused before the warmup's last step).
+        average_if_local: averages the given parameters' gradients if DDP did not (their
+            backward was a compressed step's): :meth:`~hvd_onebit.ddp.hook.CommHook.average_if_local`.
     """
 
     what = "step"
 
     def __init__(self, view: DDPView, schedule: Schedule, telemetry: Telemetry,
-                 engine: CompressedStep):
+                 engine: CompressedStep, average_if_local: Callable[[Iterable], None]):
         self._view = view
+        self._average_if_local = average_if_local
         self._schedule = schedule
         self._telemetry = telemetry
         self._engine = engine
@@ -37,8 +40,12 @@ class DDPWarmup:
     def synchronize_for_step(self, make_hook: Optional[Callable], scaler=None) -> None:
         """Nothing to wait for: DDP's reducer finished its allreduces when backward returned.
         Before the warmup's last step the compression phase's buckets are fused, so that the
-        first compressed step's buckets can start from the gradient hooks."""
+        first compressed step's buckets can start from the gradient hooks. Gradients a
+        compressed step's backward left local (a second step() with no backward) are averaged
+        here first."""
         self._view.synchronized = False
+        names = self._view.names
+        self._average_if_local(p for p in self._view.adam.parameters() if p in names)
         active, engine = self._view.adam.active_parameters(), self._engine
         if (self._schedule.last_warmup_step_next() and engine.world > 1
                 and not engine.up_to_date(active)):

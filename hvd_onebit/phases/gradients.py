@@ -33,7 +33,7 @@ def closure_loss(closure: Optional[Callable[[], float]]):
 
 def sparse_gradient_error(view: OptimizerView, p: torch.Tensor) -> TypeError:
     return TypeError(f"parameter {view.name_of(p)} has a sparse gradient; "
-                     "Adam needs dense gradients: pass sparse_as_dense=True")
+                     f"Adam needs dense gradients: {view.sparse_advice}")
 
 
 def all_finite(tensors: list[torch.Tensor]) -> bool:
