@@ -157,9 +157,15 @@ def predict(link: LinkProbe, params: str, compute_ms: float,
                 methods=("horovod_fp32", "onebit"))[0]["methods"]
     fp32, onebit = row["horovod_fp32"], row["onebit"]
     speedup = onebit["step_speedup_vs_fp32"]
-    verdict = ("1-bit Adam should help here" if speedup > 1.1 else
-               "little to gain here: the link is not the bottleneck")
-    modelled = ("faster than the calibrated hosts: the link is not what bounds it" if rate is None
+    if rate is None:  # the model cannot explain the probe: it prices slower hosts than these
+        verdict = ("no verdict: these hosts are faster than the calibrated ones, so the model "
+                   "overprices their share; run `hvd-onebit bench calibrate` here and pass "
+                   "--calibration, then measure with `hvd-onebit bench train`")
+    else:
+        verdict = ("1-bit Adam should help here" if speedup > 1.1 else
+                   "little to gain here: the link is not the bottleneck")
+    modelled = ("faster than the calibrated hosts manage on any link: the prediction below "
+                "takes an unlimited link" if rate is None
                 else f"the scale model's link rate for it: {rate / 1e9:.2f} Gbit/s")
     return [f"link: {link.ranks} ranks, fp32 allreduce of {4 * link.elements / 2**20:.0f} MiB "
             f"through {link.via} in {link.seconds * 1e3:.1f} ms, {link.bus_bps / 1e9:.2f} Gbit/s "
@@ -168,4 +174,4 @@ def predict(link: LinkProbe, params: str, compute_ms: float,
             f"{'Horovod' if link.via == 'Horovod' else 'DDP'} fp32 "
             f"{fp32['step_s'] * 1e3:.1f} ms, 1-bit Adam {onebit['step_s'] * 1e3:.1f} ms "
             f"({speedup:.2f}x): {verdict}",
-            f"freeze point: {freeze_guidance(ddp=link.via != 'Horovod')}"]
+            f"freeze point: {freeze_guidance(ddp=link.via != 'Horovod').replace('``', '`')}"]

@@ -197,3 +197,20 @@ def test_the_shared_memory_check_looks_where_the_library_puts_its_segments(monke
     knob = missing.fix.split("pass ", 1)[1]
     assert knob == "experimental=hvd_onebit.Experimental(intra_node='network')", missing.fix
     assert Experimental(intra_node="network").intra_node == "network"
+
+
+@pytest.mark.parametrize("seconds", [1e-6, 10.0])
+def test_the_verdict_follows_the_link_the_model_can_explain(seconds):
+    """A probe faster than the calibrated hosts manage on any link gets no verdict (the model
+    would overprice these hosts); a slow link gets one. The freeze guidance prints as plain
+    text (single backticks)."""
+    from hvd_onebit_tools.check_probe import LinkProbe, predict
+
+    link, step, freeze = predict(LinkProbe(ranks=2, elements=4 << 20, seconds=seconds),
+                                 "10M", 50.0)
+    if seconds < 1e-3:
+        assert "faster than the calibrated hosts" in link and "no verdict" in step, (link, step)
+    else:
+        assert "the scale model's link rate" in link and "1-bit Adam should help" in step, \
+            (link, step)
+    assert "``" not in freeze and "`variance_refresh=None`" in freeze, freeze
