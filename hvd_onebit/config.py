@@ -9,6 +9,8 @@ This module imports nothing of the library above its base layer.
 """
 from __future__ import annotations
 
+import numbers
+
 from dataclasses import dataclass, fields
 from typing import Any, Mapping, Optional, Union
 
@@ -217,7 +219,9 @@ class OneBitConfig:
         elif not isinstance(experimental, Experimental):
             raise TypeError(f"experimental must be an hvd_onebit.Experimental, got "
                             f"{type(experimental).__name__}")
-        auto = freeze_step == AUTO
+        if isinstance(freeze_step, numbers.Integral) and not isinstance(freeze_step, bool):
+            freeze_step = int(freeze_step)  # e.g. numpy's int64 from a computed run length
+        auto = isinstance(freeze_step, str) and freeze_step == AUTO
         if not auto and experimental.auto_freeze is not None:
             raise ValueError("Experimental auto_freeze options apply only with "
                              f"freeze_step='auto', got freeze_step={freeze_step!r}")

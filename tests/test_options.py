@@ -168,3 +168,14 @@ def test_the_arguments_before_the_options_are_horovods_own_in_its_order():
     differ = {n: (positional[n], horovod[n]) for n in horovod
               if n != "optimizer" and positional[n] != horovod[n]}
     assert not differ, f"defaults that differ (ours, Horovod's): {differ}"
+
+
+def test_freeze_step_takes_any_integral_count_and_refuses_tensors_and_bools():
+    import numpy as np
+
+    for value in (np.int64(3), np.int32(3)):
+        got = OneBitConfig.from_options(value).freeze_step
+        assert got == 3 and type(got) is int, f"freeze_step={value!r} parsed to {got!r}"
+    for value in (torch.tensor(3), True, np.float64(3.0)):
+        with pytest.raises(ValueError, match="freeze_step must be a positive int"):
+            OneBitConfig.from_options(value)
