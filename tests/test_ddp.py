@@ -143,6 +143,21 @@ def test_refresh_steps_with_find_unused_parameters_after_a_branch_used_locally(w
 
 
 @pytest.mark.multirank
+def test_the_optimizer_built_again_as_the_refusal_says_trains_on(world):
+    n, results = world
+    runs = scenario(results, "rebuilt")
+    for rank, r in enumerate(runs):
+        assert "already trained by an hvd_onebit.ddp.DistributedOptimizer" in r["again"], \
+            f"n={n} rank {rank}: a second optimizer on the same DDP model: {r['again']!r}"
+        assert (r["steps"], r["phase"]) == (FREEZE + 5, "compression"), \
+            f"n={n} rank {rank}: {r['steps']} steps, phase {r['phase']}"
+        assert r["old_started"] == 0, \
+            f"n={n} rank {rank}: the old optimizer's hooks started {r['old_started']} buckets"
+        assert differences(r["params"], runs[0]["params"], "params") == [], \
+            f"n={n}: rank {rank} differs from rank 0"
+
+
+@pytest.mark.multirank
 def test_a_compression_phase_checkpoint_resumes_bit_identically(world):
     n, results = world
     for rank, r in enumerate(scenario(results, "checkpoint")):

@@ -8,7 +8,7 @@ import copy
 import os
 import warnings
 from functools import partial
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 import torch
@@ -300,17 +300,36 @@ def sparse_embedding_step() -> None:
     opt.step()
 
 
+def refused(build: Callable) -> str:
+    """What ``build()`` raised (a TypeError or ValueError), as "Type: message"; or "accepted"."""
+    try:
+        build()
+    except (TypeError, ValueError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "accepted"
+
+
+def rebuilt(before: int = FREEZE + 2, after: int = 3) -> dict:
+    """The optimizer built again mid-run as the refusal says: the module wrapped in DDP again,
+    the optimizer on that, the old state loaded. The old optimizer's hooks stay on the module's
+    parameters; they must start nothing on its engine."""
+    model = make_model()
+    old = onebit(model)
+    for step in range(before):
+        train_step(model, old, step)
+    again = refused(lambda: onebit(model))
+    model = DDP(model.module)
+    opt = onebit(model)
+    opt.load_state_dict(old.state_dict())
+    for step in range(before, before + after):
+        train_step(model, opt, step)
+    return {"again": again, "steps": opt.steps, "phase": opt.phase, "params": params_of(model),
+            "old_started": old._engine.started}
+
+
 def refusals() -> dict:
     """The errors of what the face refuses (each raised alike on every rank)."""
     out = {}
-
-    def refused(build) -> str:
-        try:
-            build()
-        except (TypeError, ValueError) as exc:
-            return f"{type(exc).__name__}: {exc}"
-        return "accepted"
-
     torch.manual_seed(0)
     plain = Net()
     out["not_ddp"] = refused(lambda: hvd_onebit.ddp.DistributedOptimizer(
@@ -501,6 +520,7 @@ def suite(scratch: Optional[str] = None, stage: Optional[str] = None) -> dict:
     scenarios.update(checkpoint=checkpoint_resumes, refresh=variance_refresh, refusals=refusals,
                      refresh_without_backward=variance_refresh_without_backward,
                      refresh_unused=variance_refresh_unused,
+                     rebuilt=rebuilt,
                      grad_scaler=grad_scaler_skips)
     if stage is not None:
         scenarios["flushed"] = partial(flushed_checkpoint, f"{scratch}/flushed.pt",

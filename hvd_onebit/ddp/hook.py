@@ -111,6 +111,12 @@ class CommHook:
             if hasattr(model, "require_forward_param_sync"):
                 model.require_forward_param_sync = self._final
 
+    def end_step(self) -> None:
+        """After each step of the optimizer: no gradient is this hook's to report until the
+        next forward. (An optimizer built again, on the module wrapped in DDP again, leaves this
+        one's gradient hooks on the module's parameters: they stay idle.)"""
+        self._local = False
+
     def _gradient_final(self, p: torch.Tensor) -> None:
         if self._local:
             if self._used_locally is not None:

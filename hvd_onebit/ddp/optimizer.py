@@ -45,8 +45,11 @@ class DDPFace:
         Adam on the local gradients afterwards (the buckets not started from the gradient
         hooks start here). ``grad_scaler`` is passed by
         ``torch.amp.GradScaler.step()`` itself."""
-        return self._phases.step(closure, grad_scaler,
-                                 lambda: grad_scaler.unscale_(self), None)
+        try:
+            return self._phases.step(closure, grad_scaler,
+                                     lambda: grad_scaler.unscale_(self), None)
+        finally:
+            self._hook.end_step()
 
 
 def DistributedOptimizer(optimizer: torch.optim.Optimizer, model, *,
