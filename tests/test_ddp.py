@@ -99,31 +99,39 @@ def test_low_precision_parameters_train_with_float32_state(world, dtype):
             f"n={n}: rank {rank} differs from rank 0"
 
 
+def refresh_runs(results, n: int, key: str) -> list[dict]:
+    """Scenario ``key``'s runs (tests/workers_ddp.py's ``variance_refresh``), held to what every
+    such run must show: every step taken, both kinds of compression-phase step (refreshes and
+    1-bit ones), and every rank's parameters identical to rank 0's."""
+    runs = scenario(results, key)
+    for rank, r in enumerate(runs):
+        assert (r["steps"], r["phase"]) == (r["iterations"] + r["extra_steps"], "compression"), \
+            f"n={n} rank {rank} {key}: {r['steps']} steps, phase {r['phase']}, expected " \
+            f"{r['iterations']} + {r['extra_steps']} second steps in the compression phase"
+        assert r["refreshes"] > 0 and r["local_steps"] > 0, \
+            f"n={n} rank {rank} {key}: {r['refreshes']} refreshes and {r['local_steps']} local " \
+            f"steps: not both kinds, nothing was tested"
+        assert differences(r["params"], runs[0]["params"], key) == [], \
+            f"n={n} {key}: rank {rank} differs from rank 0 ({r['extra_refreshes']} refresh " \
+            f"steps followed no backward)"
+    return runs
+
+
 @pytest.mark.multirank
 def test_variance_refresh_steps_take_ddps_averaged_gradients(world):
     n, results = world
-    runs = scenario(results, "refresh")
-    for rank, r in enumerate(runs):
-        assert (r["steps"], r["phase"]) == (FREEZE + 6, "compression")
+    for rank, r in enumerate(refresh_runs(results, n, "refresh")):
         # every compressed step is a refresh (DDP's allreduce) or a 1-bit one (gradients local)
-        assert r["refreshes"] > 0 and r["local_steps"] > 0, r
         assert r["refreshes"] + r["local_steps"] == 6, r
-        assert differences(r["params"], runs[0]["params"], "refresh") == [], \
-            f"n={n}: rank {rank} differs from rank 0"
 
 
 @pytest.mark.multirank
-def test_a_refresh_step_without_a_backward_averages_the_local_gradients(world):
+@pytest.mark.parametrize("key", ["refresh_second_steps", "refresh_unused_second_steps"])
+def test_a_refresh_step_without_a_backward_averages_the_local_gradients(world, key):
     n, results = world
-    runs = scenario(results, "refresh_without_backward")
-    for rank, r in enumerate(runs):
-        assert (r["steps"], r["phase"]) == (FREEZE + 6 + r["extra_steps"], "compression"), \
-            f"n={n} rank {rank}: {r['steps']} steps, phase {r['phase']}"
+    for rank, r in enumerate(refresh_runs(results, n, key)):
         assert r["extra_refreshes"] > 0, \
-            f"n={n} rank {rank}: no second step() was a refresh step, nothing was tested"
-        assert differences(r["params"], runs[0]["params"], "params") == [], \
-            f"n={n}: rank {rank} differs from rank 0 after {r['extra_refreshes']} refresh " \
-            f"steps that followed no backward"
+            f"n={n} rank {rank} {key}: no second step() was a refresh step, nothing was tested"
 
 
 @pytest.mark.multirank
@@ -131,15 +139,7 @@ def test_refresh_steps_with_find_unused_parameters_after_a_branch_used_locally(w
     """DDP's reducer counts a parameter a compressed step's local backward used as used at the
     next averaged backward; its gradient, None since zero_grad, must not make DDP refuse it."""
     n, results = world
-    runs = scenario(results, "refresh_unused")
-    for rank, r in enumerate(runs):
-        assert (r["steps"], r["phase"]) == (FREEZE + 8, "compression"), \
-            f"n={n} rank {rank}: {r['steps']} steps, phase {r['phase']}"
-        assert r["refreshes"] > 0 and r["local_steps"] > 0, \
-            f"n={n} rank {rank}: {r['refreshes']} refreshes and {r['local_steps']} local " \
-            f"steps: not both kinds, nothing was tested"
-        assert differences(r["params"], runs[0]["params"], "params") == [], \
-            f"n={n}: rank {rank} differs from rank 0"
+    refresh_runs(results, n, "refresh_unused")
 
 
 @pytest.mark.multirank

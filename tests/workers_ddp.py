@@ -436,56 +436,33 @@ def low_precision(dtype: str, steps: int = 3) -> dict:
             "state_dtypes": state_dtypes, "steps": opt.steps, "phase": opt.phase}
 
 
-def variance_refresh(steps: int = 6) -> dict:
+def variance_refresh(variant: str = "plain", iterations: int = 6,
+                     second_steps: bool = False) -> dict:
     """variance_refresh="doubling" (refreshes every other step here): the refresh steps take
-    DDP's averaged gradients, the others travel in 1 bit."""
+    DDP's averaged gradients, the others travel in 1 bit. ``variant``: DDP's options and the
+    steps' pattern (:data:`VARIANTS`; "unused": find_unused_parameters=True, a branch used on
+    some (step, rank) only, so a refresh step's backward, averaged by DDP, follows compressed
+    steps' local ones that used the branch where this one does not, its gradient None since
+    zero_grad). ``second_steps``: a second step() without a backward after every other
+    iteration's; those that refresh take gradients a compressed step's backward left local."""
     from hvd_onebit.config import Experimental
 
-    model = make_model()
-    opt = onebit(model, variance_refresh="doubling",
-                 experimental=Experimental(refresh_schedule={"first_interval": 2}))
-    for step in range(FREEZE + steps):
-        train_step(model, opt, step)
-    telemetry = opt.telemetry()
-    return {"params": params_of(model), "steps": opt.steps, "refreshes": telemetry["refreshes"],
-            "local_steps": opt._hook.local_steps, "phase": opt.phase}
-
-
-def variance_refresh_without_backward(iterations: int = 6) -> dict:
-    """Refreshes every other step, and a second step() without a backward after every other
-    iteration's: the second steps that refresh take gradients a compressed step's backward
-    left local."""
-    from hvd_onebit.config import Experimental
-
-    model = make_model()
+    kwargs, pattern = VARIANTS[variant]
+    model = make_model(**kwargs)
     opt = onebit(model, variance_refresh="doubling",
                  experimental=Experimental(refresh_schedule={"first_interval": 2}))
     extra_steps = extra_refreshes = 0
     for step in range(FREEZE + iterations):
-        train_step(model, opt, step)
-        if step % 2 == 0:
+        train_step(model, opt, step, pattern)
+        if second_steps and step % 2 == 0:
             before = opt.telemetry()["refreshes"]
             opt.step()
             extra_steps += 1
             extra_refreshes += opt.telemetry()["refreshes"] - before
     return {"params": params_of(model), "steps": opt.steps, "phase": opt.phase,
-            "extra_steps": extra_steps, "extra_refreshes": extra_refreshes}
-
-
-def variance_refresh_unused(iterations: int = 8) -> dict:
-    """find_unused_parameters=True, a branch used on some (step, rank) only, refreshes every
-    other step: a refresh step's backward, averaged by DDP, follows compressed steps' local ones
-    that used the branch where this one does not (its gradient None since zero_grad)."""
-    from hvd_onebit.config import Experimental
-
-    kwargs, pattern = VARIANTS["unused"]
-    model = make_model(**kwargs)
-    opt = onebit(model, variance_refresh="doubling",
-                 experimental=Experimental(refresh_schedule={"first_interval": 2}))
-    for step in range(FREEZE + iterations):
-        train_step(model, opt, step, pattern)
-    return {"params": params_of(model), "steps": opt.steps, "phase": opt.phase,
-            "refreshes": opt.telemetry()["refreshes"], "local_steps": opt._hook.local_steps}
+            "refreshes": opt.telemetry()["refreshes"], "local_steps": opt._hook.local_steps,
+            "iterations": FREEZE + iterations, "extra_steps": extra_steps,
+            "extra_refreshes": extra_refreshes}
 
 
 def horovod_unused() -> dict:
@@ -518,8 +495,10 @@ def suite(scratch: Optional[str] = None, stage: Optional[str] = None) -> dict:
                       for d in ("float16", "bfloat16")})
     scenarios.update(averaged_poisoned=averaged_gradient_poisoned)
     scenarios.update(checkpoint=checkpoint_resumes, refresh=variance_refresh, refusals=refusals,
-                     refresh_without_backward=variance_refresh_without_backward,
-                     refresh_unused=variance_refresh_unused,
+                     refresh_second_steps=partial(variance_refresh, second_steps=True),
+                     refresh_unused=partial(variance_refresh, "unused", iterations=8),
+                     refresh_unused_second_steps=partial(variance_refresh, "unused",
+                                                         iterations=8, second_steps=True),
                      rebuilt=rebuilt,
                      grad_scaler=grad_scaler_skips)
     if stage is not None:

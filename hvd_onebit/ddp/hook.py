@@ -142,9 +142,6 @@ class CommHook:
         if not self.gradients_local:
             return
         self.gradients_local = False
-        # With find_unused_parameters, the parameters that took a gradient in a local backward
-        # since the last averaged one (DDP's reducer counts them as used: see _before_forward)
-        self._used_locally: Optional[set] = None
         n = dist.get_world_size(self.group)
         by_dtype: dict = {}
         for p in params:
