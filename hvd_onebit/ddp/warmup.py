@@ -22,7 +22,8 @@ class DDPWarmup:
     Args:
         engine: the compression phase's (its buckets are fused before the warmup's last step).
         average_if_local: averages the given parameters' gradients if DDP did not (their
-            backward was a compressed step's): :meth:`~hvd_onebit.ddp.hook.CommHook.average_if_local`.
+            backward was a compressed step's):
+            :meth:`~hvd_onebit.ddp.hook.CommHook.average_if_local`.
     """
 
     what = "step"

@@ -52,7 +52,8 @@ def check_world(nps: list[int], ranks_per_node: int) -> None:
               help="Adam's part of --compute-ms, which the compressed step replaces by its "
                    "kernels [default: 0, no credit; with --model alone: calibrated].")
 @click.option("--warmup-frac", default=FROZEN_FREEZE_FRACTION, show_default=True,
-              type=click.FloatRange(0, 1), help="Share of the steps in 1-bit Adam's full-precision warmup, the variance "
+              type=click.FloatRange(0, 1),
+              help="Share of the steps in 1-bit Adam's full-precision warmup, the variance "
                    "frozen after it (variance_refresh=None).")
 @click.option("--run-steps", default=10000, show_default=True, type=click.IntRange(min=1),
               help="Steps in the run, for the whole-run figures counted in steps: the fixed "
@@ -68,9 +69,11 @@ def check_world(nps: list[int], ranks_per_node: int) -> None:
               help="All ranks share this machine's cores (as on the emulated cluster): compute "
                    "and kernels at the speeds calibrated with that many processes at once.")
 @click.option("--kernel-speedup", default=1.0, show_default=True,
-              type=click.FloatRange(min=0, min_open=True), help="Divide the calibrated kernel and Adam times per element (a faster device).")
+              type=click.FloatRange(min=0, min_open=True),
+              help="Divide the calibrated kernel and Adam times per element (a faster device).")
 @click.option("--host-speedup", default=1.0, show_default=True,
-              type=click.FloatRange(min=0, min_open=True), help="Divide the calibrated host cost per byte of collectives (copies, reductions,"
+              type=click.FloatRange(min=0, min_open=True),
+              help="Divide the calibrated host cost per byte of collectives (copies, reductions,"
                    " TCP); 'inf' drops it (NIC offload).")
 @click.option("--per-peer-us", default=None, type=click.FloatRange(min=0),
               help="Replace the calibrated per-peer cost of every collective (microseconds).")
