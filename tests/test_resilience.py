@@ -182,6 +182,17 @@ def test_rank_0_loading_and_broadcasting_mid_run_resumes_every_rank(results, pha
                            f"{key}, rank {rank}: after the rollback vs the run without it")
 
 
+def test_a_state_broadcast_at_the_same_step_count_is_noticed(results):
+    """Rank 0 loads another run's state at the step count every rank is at, then broadcasts it:
+    every rank goes on as a fresh optimizer that loaded it does (not from its own error
+    feedback and fused momenta)."""
+    for rank, r in enumerate(scenario(results, "broadcast_same_step")):
+        assert (r["steps"], r["phase"]) == (14, "compression"), \
+            f"rank {rank}: {r['steps']} steps, {r['phase']}; expected 14 steps, compression"
+        assert_same_params(r["params"], r["reference"],
+                           f"rank {rank}: after the broadcast at step 10 vs loading it")
+
+
 def test_a_checkpoint_loaded_on_one_rank_only_is_named_by_the_check(results):
     for rank, r in enumerate(scenario(results, "rollback_one_rank")):
         assert r["error"] is not None and "different step counts ([11, 8]" in r["error"], \

@@ -360,6 +360,43 @@ def rollback(how: str, src=7, at=10, total=14, freeze_step=5):
     return {"error": None, "steps": opt.steps, "phase": opt.phase, "params": params_bytes(model)}
 
 
+def broadcast_at_the_same_step(at=10, after=4, freeze_step=5):
+    """Rank 0 loads a state saved at the step count every rank is at, from another run, and
+    sends it with Horovod's recipe: the ranks go on as if each had loaded it (the reference:
+    a fresh optimizer on every rank loading the same state). The others' own error feedback and
+    fused momenta would otherwise carry over from the run they left."""
+    import copy
+
+    def train(model, opt, steps, start, scale=1.0):
+        for step in range(start, start + steps):
+            opt.zero_grad()
+            x, y = batch(step, hvd.rank())
+            nn.functional.mse_loss(model(x) * scale, y).backward()
+            opt.step()
+
+    saved_model = make_model()
+    opt = _opt(saved_model, freeze_step)
+    train(saved_model, opt, at, 0)
+    opt.flush_error_feedback()
+    saved = (copy.deepcopy(saved_model.state_dict()), copy.deepcopy(opt.state_dict()))
+    model = make_model()
+    opt = _opt(model, freeze_step)
+    train(model, opt, at, 0, scale=2.0)  # another run, at the same step count
+    if hvd.rank() == 0:
+        model.load_state_dict(saved[0])
+        opt.load_state_dict(copy.deepcopy(saved[1]))
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    train(model, opt, after, at)
+    reference = make_model()
+    ref_opt = _opt(reference, freeze_step)
+    reference.load_state_dict(saved[0])
+    ref_opt.load_state_dict(copy.deepcopy(saved[1]))
+    train(reference, ref_opt, after, at)
+    return {"steps": opt.steps, "phase": opt.phase, "params": params_bytes(model),
+            "reference": params_bytes(reference)}
+
+
 def suite(ckpt_dir=None):
     """Every scenario in one job; one that raises is reported as data (tests/scenarios.py)."""
     return run_scenarios({
@@ -379,4 +416,5 @@ def suite(ckpt_dir=None):
         "rollback_broadcast_compression": lambda: rollback("rank0_broadcast", src=7),
         "rollback_broadcast_warmup": lambda: rollback("rank0_broadcast", src=3),
         "rollback_one_rank": lambda: rollback("one_rank", src=7),
+        "broadcast_same_step": broadcast_at_the_same_step,
     }, rank=hvd.rank())

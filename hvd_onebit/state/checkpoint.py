@@ -42,7 +42,9 @@ def load_state_dict(view: OptimizerView, config: OneBitConfig, schedule: Schedul
     meta = state_dict.pop(KEY, None)
     params = view.adam.parameters()
     wide = float32_state_in(state_dict, params)
+    loads = schedule.loads
     view.adam.load_torch_state_dict(state_dict)
+    schedule.count_load(loads)
     # torch cast every state tensor to its parameter's dtype: put float32 state back.
     ids = [i for g in state_dict["param_groups"] for i in g["params"]]
     for pid, p in zip(ids, params):

@@ -15,6 +15,7 @@ from ..optimizer_view import OptimizerView
 
 STEP_KEY = "onebit_step"  # param_groups[0] entry holding the optimizer step count
 FREEZE_KEY = "onebit_freeze_step"  # param_groups[0] entry: the freeze step, -1 while undecided
+LOADS_KEY = "onebit_loads"  # param_groups[0] entry: how many states were loaded into it
 WARMUP, COMPRESSION = "warmup", "compression"
 
 
@@ -26,28 +27,47 @@ class Schedule:
         self.monitor = VarianceMonitor(config.auto_freeze) if config.auto else None
         self._refresh = config.refresh
         view.adam.param_groups[0].setdefault(STEP_KEY, 0)
-        self._known = self.steps  # the step count as this optimizer last set or loaded it
+        view.adam.param_groups[0].setdefault(LOADS_KEY, 0)  # each rank holds it: it is broadcast
+        self._known = self._stamp()  # the state as this optimizer last stepped or loaded it
 
     @property
     def steps(self) -> int:
         """Optimizer steps taken (skipped steps not counted)."""
         return int(self._view.adam.param_groups[0].get(STEP_KEY, 0))
 
+    def _stamp(self) -> tuple[int, int]:
+        """The step count and the count of loaded states: a state written in from outside
+        changes one of them (a load raises the count past both ranks' own)."""
+        return self.steps, int(self._view.adam.param_groups[0].get(LOADS_KEY, 0))
+
     def count_step(self) -> None:
         self._view.adam.param_groups[0][STEP_KEY] = self.steps + 1
-        self._known = self.steps
+        self._known = self._stamp()
+
+    def count_load(self, before: int) -> None:
+        """A state was loaded, holding its own count of loads; ``before``: this optimizer's count
+        before it. The new count is past both, so a rank that receives this state in place
+        (``hvd.broadcast_optimizer_state``) sees its own count change even where the step count
+        is the same."""
+        group = self._view.adam.param_groups[0]
+        group[LOADS_KEY] = max(before, int(group.get(LOADS_KEY, 0))) + 1
+
+    @property
+    def loads(self) -> int:
+        return self._stamp()[1]
 
     def moved_outside(self) -> bool:
-        """Whether the step count changed other than through this optimizer's own steps and
-        loads: another rank's state was written into this one in place (e.g. rank 0 loaded a
-        checkpoint and ``hvd.broadcast_optimizer_state`` sent it), so what the compressed step
-        built on the old state (fused momenta, frozen denominators, error feedback) is stale."""
-        return self.steps != self._known
+        """Whether the state changed other than through this optimizer's own steps and loads:
+        another rank's state was written into this one in place (e.g. rank 0 loaded a
+        checkpoint and ``hvd.broadcast_optimizer_state`` sent it; its step count or its count of
+        loads differs), so what the compressed step built on the old state (fused momenta,
+        frozen denominators, error feedback) is stale."""
+        return self._stamp() != self._known
 
     def acknowledge(self) -> None:
-        """The current step count is this optimizer's own again (after a load, or once the
+        """The current state is this optimizer's own again (after a load, or once the
         compressed step was told of a change from outside)."""
-        self._known = self.steps
+        self._known = self._stamp()
 
     @property
     def freeze_step(self) -> Optional[int]:
