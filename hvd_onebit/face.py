@@ -77,8 +77,7 @@ class SharedFace:
         """Drop the fused buckets, the frozen denominators and every 1-bit collective (with its
         error feedback); the next compressed step rebuilds them. Every rank must call it at the
         same point (elastic resets do, through :mod:`hvd_onebit.elastic`)."""
-        self._engine.reset()
-        self._phases.compression.overlap.end_step()
+        self._phases.reset()
 
     def restart_variance_monitor(self) -> None:
         """freeze_step="auto": forget the variance record (the next check starts a new one).

@@ -200,6 +200,15 @@ def test_a_checkpoint_loaded_on_one_rank_only_is_named_by_the_check(results):
             f"naming the step counts [11, 8], got {r['error']!r} after {r['steps']} steps"
 
 
+def test_checks_every_few_steps_name_a_checkpoint_loaded_on_one_rank_only(results):
+    """check_every=3, rank 1 alone goes back two steps: the ranks' step counts no longer fall on
+    the same multiples of 3, yet every rank checks at the same step() and names them."""
+    for rank, r in enumerate(scenario(results, "rollback_one_rank_every_3")):
+        assert r["error"] is not None and "different step counts ([12, 10]" in r["error"], \
+            f"rank {rank}: rank 1 alone went back from step 10 to 8 (check_every=3); expected " \
+            f"an error naming the step counts [12, 10], got {r['error']!r} after {r['steps']} steps"
+
+
 def test_bad_input_is_a_clear_error_on_every_rank(results):
     expected = {"shapes_differ": "optimizers differ in their parameters (rank 0: 6 (1377 "
                                   "elements), rank 1: 6 (433",

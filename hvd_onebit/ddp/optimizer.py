@@ -93,8 +93,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model, *,
             (a spare of each, one pass less per step); "auto": lean on CUDA (default: "auto")
         block_size (int, optional): elements per scale of the 1-bit compression, a multiple
             of 8; None: one scale per chunk (default: 512)
-        check_every (int, optional): every K steps raise on every rank if the parameters
-            differ between ranks (default: 0, never)
+        check_every (int, optional): every K-th ``step()`` raise on every rank if the
+            parameters or step counts differ between ranks (default: 0, never)
         kernel_backend (str, optional): "auto", "native", "triton" or "torch" (default: "auto")
         experimental (Experimental, optional): research knobs, for measurement and comparison
             only (:class:`~hvd_onebit.config.Experimental`) (default: None, their defaults)

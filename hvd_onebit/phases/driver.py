@@ -43,6 +43,10 @@ class Phases:
         self._check_identical = check_identical
         self._check_trainable = check_trainable
         self.compression = CompressionPhase(view, schedule, telemetry, engine, config)
+        # step() calls taken since construction or the last reset: check_every counts these,
+        # not step counts, so every rank checks at the same call even after a load on one rank
+        # moved its step count (the check then names the counts instead of waiting on a peer)
+        self._calls = 0
         self.refresh = RefreshPhase(view, schedule, telemetry, engine, self.warmup, config)
 
     def _ranks_with(self, flags: tuple[bool, ...]) -> tuple[int, ...]:
@@ -58,6 +62,14 @@ class Phases:
         if self._schedule.moved_outside():
             self.restart()
         return self._engine.world > 1 and self._schedule.phase == COMPRESSION
+
+    def reset(self) -> None:
+        """Every rank at the same point (elastic resets): drop the buckets and collectives
+        (:meth:`~hvd_onebit.engine.CompressedStep.reset`) and count check_every's calls from
+        here (a joining worker starts at zero)."""
+        self._engine.reset()
+        self.compression.overlap.end_step()
+        self._calls = 0
 
     def restart(self) -> None:
         """The optimizer state was replaced: the compressed step rebuilds on the new one
@@ -108,9 +120,10 @@ class Phases:
                         self._ranks_with)
         else:
             loss = self._compressed_step(closure, grad_scaler, scaler)
-        every, steps = self._config.check_every, self._schedule.steps
-        if every and self._engine.world > 1 and steps % every == 0:
-            self._check_identical(steps)
+        self._calls += 1
+        every = self._config.check_every
+        if every and self._engine.world > 1 and self._calls % every == 0:
+            self._check_identical(self._schedule.steps)
         return loss
 
     def _compressed_step(self, closure: Optional[Callable[[], float]], grad_scaler,
