@@ -28,6 +28,7 @@ from pathlib import Path
 
 import click
 
+from .cli.options import link_rate
 from .lm import TrainingFailed, find_train_lm, plot_val_loss, train_lm
 
 
@@ -153,6 +154,7 @@ def headline(b: dict, rows: dict[str, dict]) -> str:
 @click.command()
 @click.option("--np", "np_", default=4, show_default=True, help="Ranks.")
 @click.option("--bandwidth", default=DEFAULT_BANDWIDTH, show_default=True,
+              callback=link_rate,
               help="Emulated link rate.")
 @click.option("--steps", default=300, show_default=True, help="Training steps per optimizer.")
 @click.option("--spin-baseline", is_flag=True,

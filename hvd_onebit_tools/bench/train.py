@@ -273,6 +273,7 @@ def train_worker(methods=METHODS, steps: int = 40, warmup_frac: float = 0.15,
             row[f"{key}_measured_tx_bytes_per_step"] = (statistics.median(measured)
                                                         if measured else None)
             row[f"{key}_steps"] = len(idx)
+            row[f"{key}_timed_steps"] = len(steady)  # the steps its medians are taken over
             names = sorted({k for i in steady for k in parts[i]})
             row[f"{key}_breakdown_s"] = {k: statistics.median(parts[i].get(k, 0.0) for i in steady)
                                          for k in names}
@@ -303,40 +304,48 @@ def _measured_bytes_ratio(row: dict, base: dict) -> Optional[float]:
     return row[key] / base[key] if row.get(key) and base.get(key) else None
 
 
+def _ratio(a: Optional[dict], a_key: str, b: Optional[dict], b_key: str) -> Optional[float]:
+    """``a[a_key] / b[b_key]``, or None where either row or figure is missing (a run too short
+    for a phase has no median for it)."""
+    if not a or not b or a.get(a_key) is None or not b.get(b_key):
+        return None
+    return a[a_key] / b[b_key]
+
+
 def summarize(rows: list[dict]) -> dict:
-    """Speed-ups against Horovod fp32 Adam and the communication share of its step."""
+    """Speed-ups against Horovod fp32 Adam and the communication share of its step; a ratio
+    whose figures the run lacks is left out."""
     by = {r["method"]: r for r in rows}
     out: dict = {}
     fp32 = by.get("horovod_fp32")
     local = by.get("local")
-    if fp32 and local:
-        out["comm_fraction_of_fp32_step"] = 1 - local["all_step_s"] / fp32["all_step_s"]
     ob = by.get("onebit")
-    if fp32 and ob:
-        out["onebit_compression_step_speedup_vs_fp32"] = (fp32["all_step_s"]
-                                                          / ob["compression_step_s"])
-        out["onebit_warmup_step_speedup_vs_fp32"] = fp32["all_step_s"] / ob["warmup_step_s"]
-        out["onebit_run_speedup_vs_fp32"] = fp32["run_seconds"] / ob["run_seconds"]
-        frac = ob["freeze_step"] / ob["steps"]
-        out["onebit_warmup_fraction"] = frac
-    if ob and local:
-        out["onebit_compression_step_vs_local"] = ob["compression_step_s"] / local["all_step_s"]
     sync = by.get("onebit_sync")
-    if ob and sync:
-        out["onebit_overlap_step_vs_sync"] = ob["compression_step_s"] / sync["compression_step_s"]
     hier = by.get("onebit_hierarchical")
-    if hier and fp32:
-        out["onebit_hier_compression_step_speedup_vs_fp32"] = (fp32["all_step_s"]
-                                                               / hier["compression_step_s"])
-        out["onebit_hier_run_speedup_vs_fp32"] = fp32["run_seconds"] / hier["run_seconds"]
-    if hier and ob:
-        out["onebit_hier_compression_step_speedup_vs_onebit"] = (ob["compression_step_s"]
-                                                                 / hier["compression_step_s"])
-        out["onebit_hier_measured_bytes_vs_onebit"] = _measured_bytes_ratio(hier, ob)
     blocks = by.get("onebit_blocks")
-    if ob and blocks:  # another scale granularity against the default's, in the same run
-        out["onebit_blocks_compression_step_vs_onebit"] = (blocks["compression_step_s"]
-                                                           / ob["compression_step_s"])
+    C, A = "compression_step_s", "all_step_s"
+    ratios = {
+        "onebit_compression_step_speedup_vs_fp32": (fp32, A, ob, C),
+        "onebit_warmup_step_speedup_vs_fp32": (fp32, A, ob, "warmup_step_s"),
+        "onebit_run_speedup_vs_fp32": (fp32, "run_seconds", ob, "run_seconds"),
+        "onebit_warmup_fraction": (ob, "freeze_step", ob, "steps") if fp32 else (None,) * 4,
+        "onebit_compression_step_vs_local": (ob, C, local, A),
+        "onebit_overlap_step_vs_sync": (ob, C, sync, C),
+        "onebit_hier_compression_step_speedup_vs_fp32": (fp32, A, hier, C),
+        "onebit_hier_run_speedup_vs_fp32": (fp32, "run_seconds", hier, "run_seconds"),
+        "onebit_hier_compression_step_speedup_vs_onebit": (ob, C, hier, C),
+        # another scale granularity against the default's, in the same run
+        "onebit_blocks_compression_step_vs_onebit": (blocks, C, ob, C),
+    }
+    if fp32 and local:
+        out["comm_fraction_of_fp32_step"] = 1 - local[A] / fp32[A]
+    for key, (a, a_key, b, b_key) in ratios.items():
+        value = _ratio(a, a_key, b, b_key)
+        if value is not None:
+            out[key] = value
+    if hier and ob:
+        out["onebit_hier_measured_bytes_vs_onebit"] = _measured_bytes_ratio(hier, ob)
+    if ob and blocks:
         out["onebit_blocks_compression_bytes_vs_onebit"] = _measured_bytes_ratio(blocks, ob)
     ref = by.get("onebit_refresh")
     if ref and fp32:
@@ -357,9 +366,9 @@ def summarize(rows: list[dict]) -> dict:
     ddp = by.get("ddp_powersgd")
     if ob and ddp:
         out["onebit_vs_ddp_powersgd_run_speedup"] = ddp["run_seconds"] / ob["run_seconds"]
-        if "compression_step_s" in ddp:
-            out["onebit_vs_ddp_powersgd_compression_step_speedup"] = (
-                ddp["compression_step_s"] / ob["compression_step_s"])
+        value = _ratio(ddp, C, ob, C)
+        if value is not None:
+            out["onebit_vs_ddp_powersgd_compression_step_speedup"] = value
     out.update(ddp_summary(by))
     return out
 

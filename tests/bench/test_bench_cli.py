@@ -101,7 +101,7 @@ def test_bench_allreduce_loopback_json_and_plot(tmp_path):
 
 @pytest.mark.parametrize("model", ["mlp", "embedding"])
 def test_bench_train_loopback_reports_phases_and_speedups(tmp_path, model):
-    plot = tmp_path / "train.png"
+    plot = tmp_path / "made" / "train.png"  # the folder is made before the run
     size = (["--width", "64", "--depth", "1"] if model == "mlp"
             else ["--vocab", "512", "--embed-dim", "16", "--tokens", "64", "--width", "32"])
     methods = ["local", "horovod_fp32", "onebit", "onebit_blocks", "ddp_adam", "ddp_onebit"]
@@ -195,10 +195,63 @@ def test_bench_train_on_emulated_nodes_runs_the_hierarchical_method():
     assert "onebit_hier_compression_step_speedup_vs_onebit" in report["summary"]
 
 
-def test_bench_train_rejects_an_unknown_method():
-    result = hvd_onebit(["bench", "train", "--methods", "local,sgd"])
-    assert result.exit_code != 0 and "unknown methods" in result.output, \
-        f"--methods local,sgd exited with {result.exit_code}: {result.output!r}"
+BAD_TRAIN_OPTIONS = [
+    (["--methods", "local,sgd"], "--methods", "unknown methods"),
+    (["--methods", ""], "--methods", "name each method once"),
+    (["--methods", "local,local"], "--methods", "name each method once"),
+    (["--steps", "1"], "--steps", "1 is not in the range x>=2"),
+    (["--warmup-frac", "1.5"], "--warmup-frac", "1.5 is not in the range 0<=x<=1"),
+    (["--steps", "10", "--warmup-frac", "1", "--methods", "local,onebit,ddp_onebit"],
+     "--warmup-frac", "freezes at step 10, leaving no compressed step for onebit, ddp_onebit"),
+    (["--steps", "10", "--refresh-freeze-frac", "0.96", "--methods", "onebit_refresh"],
+     "--refresh-freeze-frac", "leaving no compressed step for onebit_refresh"),
+    (["--batch", "0"], "--batch", "0 is not in the range x>=1"),
+    (["--width", "0"], "--width", "0 is not in the range x>=1"),
+    (["--depth", "-1"], "--depth", "-1 is not in the range x>=0"),
+    (["--timeout", "-1"], "--timeout", "-1.0 is not in the range x>0"),
+    (["--powersgd-start", "-1"], "--powersgd-start", "-1 is not in the range x>=0"),
+    (["--bucket-size-mb", "0"], "--bucket-size-mb", "0.0 is not in the range x>0"),
+    (["--block-size", "7"], "--block-size", "7 is not a multiple of 8"),
+    (["--bandwidth", "7parsecs"], "--bandwidth", "cannot parse bandwidth '7parsecs'"),
+    (["--intra-bandwidth", "fast"], "--intra-bandwidth", "cannot parse bandwidth 'fast'"),
+    (["--hosts", "h1:1,h2:1"], "--hosts needs --shared-dir", "--hosts needs --shared-dir"),
+    (["--transport", "mpi", "--bandwidth", "1gbit"], "--transport mpi",
+     "the emulated cluster launches them over Gloo"),
+]
+
+
+@pytest.mark.parametrize("args,option,text", BAD_TRAIN_OPTIONS,
+                         ids=[" ".join(a) for a, _, _ in BAD_TRAIN_OPTIONS])
+def test_bench_train_refuses_a_bad_option_before_the_run_naming_it(args, option, text):
+    """Refused by the command line, before any rank starts: no traceback from inside the job
+    and no run lost to a summary it cannot make."""
+    result = hvd_onebit(["bench", "train", *args])
+    assert result.exit_code == 2 and option in result.output and text in result.output, \
+        f"bench train {' '.join(args)}: exit {result.exit_code}, expected 2 with {option!r} " \
+        f"and {text!r} in: {result.output!r}"
+
+
+def test_bench_train_summary_leaves_out_a_ratio_whose_phase_did_not_run():
+    from hvd_onebit_tools.bench.train import summarize
+
+    rows = [{"method": "horovod_fp32", "all_step_s": 1.0, "run_seconds": 10.0},
+            {"method": "onebit", "warmup_step_s": 1.1, "run_seconds": 11.0, "freeze_step": 10,
+             "steps": 10}]
+    got = summarize(rows)
+    assert "onebit_compression_step_speedup_vs_fp32" not in got and \
+        got["onebit_run_speedup_vs_fp32"] == pytest.approx(10 / 11), \
+        f"a onebit row without compressed steps summarized as {got}"
+
+
+def test_bench_train_with_the_mpi_transport_launches_its_ranks_through_mpi():
+    report = json.loads(bench("train", "--np", "2", "--bandwidth", "local", "--steps", "4",
+                              "--model", "mlp", "--width", "16", "--depth", "1", "--methods",
+                              "onebit", "--transport", "mpi", "--json").stdout)
+    ob = report["rows"][0]
+    got = (ob["compression_steps"], ob["compression_timed_steps"], report["config"]["transport"])
+    assert got == (3, 2, "mpi") and ob["compression_bytes_per_step"] > 0, \
+        f"(compression steps, timed steps, transport) {got}, expected (3, 2, 'mpi'); " \
+        f"{ob['compression_bytes_per_step']} bytes per compressed step"
 
 
 def test_bench_on_a_real_host_list_through_horovodrun(tmp_path):
@@ -233,6 +286,13 @@ def test_np_is_one_parser_everywhere_a_count_or_a_list_where_the_command_sweeps(
                     ["dev", "memory"]):
         help_text = hvd_onebit(["bench", *command, "--help"]).stdout
         assert "--np" in help_text and "--bandwidth" in help_text, f"bench {command} --help"
+
+
+def test_bandwidth_is_one_parser_everywhere_refused_before_the_run():
+    for command in (["train"], ["allreduce"], ["dev", "memory"], ["dev", "zoo"]):
+        bad = hvd_onebit(["bench", *command, "--bandwidth", "7parsecs"])
+        assert bad.exit_code == 2 and "cannot parse bandwidth '7parsecs'" in bad.output, \
+            f"bench {command} --bandwidth 7parsecs: exit {bad.exit_code}, {bad.output!r}"
 
 
 def test_provenance_records_the_variables_that_change_the_kernels(monkeypatch):

@@ -7,8 +7,8 @@ import click
 
 from ..allreduce import DEFAULT_METHODS, METHODS, summarize
 from ..report import machine_info, print_table
-from .options import (cluster_for, comma_list, nodes_options, np_option, parse_count,
-                      queue_option, real_cluster_options)
+from .options import (check_real_cluster, cluster_for, comma_list, link_rates, nodes_options,
+                      np_option, parse_count, queue_option, real_cluster_options)
 
 
 @click.command("allreduce")
@@ -16,7 +16,7 @@ from .options import (cluster_for, comma_list, nodes_options, np_option, parse_c
 @click.option("--sizes", default="1M,4M,16M,64M", show_default=True, callback=comma_list(parse_count),
               help="Buffer sizes in fp32 elements, comma separated.")
 @click.option("--bandwidth", "bandwidths", default="local", show_default=True,
-              callback=comma_list(str),
+              callback=link_rates,
               help="Comma-separated link rates for an emulated cluster (e.g. 100mbit,1gbit,"
                    "10gbit,unlimited); 'local' runs plain horovodrun on loopback without "
                    "emulation. Emulation needs root.")
@@ -42,6 +42,7 @@ def bench_allreduce(nps, sizes, bandwidths, methods, repeats, controller, hosts,
     bad = [m for m in methods if m not in METHODS]
     if bad:
         raise click.BadParameter(f"unknown methods {bad}; choose from {METHODS}")
+    check_real_cluster(hosts, shared_dir)
     if "onebit_mpi" in methods and (controller != "mpi" or any(b != "local" for b in bandwidths)):
         raise click.BadParameter("onebit_mpi needs --controller mpi and --bandwidth local")
     jobs = [(n, bw) for bw in bandwidths for n in nps]

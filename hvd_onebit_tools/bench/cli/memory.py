@@ -8,12 +8,12 @@ from typing import Optional
 import click
 
 from ..report import print_table, provenance
-from .options import cluster_for, np_option
+from .options import cluster_for, link_rate, np_option
 
 
 @click.command("memory")
 @np_option(2, "World size (Horovod ranks, or virtual ranks with --world inprocess).")
-@click.option("--bandwidth", default="local", show_default=True,
+@click.option("--bandwidth", default="local", show_default=True, callback=link_rate,
               help="Emulated link rate of every rank (e.g. 1gbit; root needed) for --world "
                    "horovod; 'local' runs plain horovodrun on loopback.")
 @click.option("--layers", default=4, show_default=True, help="Linear layers of the model.")

@@ -76,6 +76,49 @@ def np_option(default, help: str, sweep: bool = False):
                         help=help + (" A comma-separated list runs each." if sweep else ""))
 
 
+def link_rate(ctx, param, value):
+    """A click callback for one ``--bandwidth``-like option: the rate as given (``local`` too),
+    refused up front unless it parses as a link rate (e.g. 100mbit, 1gbit, unlimited)."""
+    from ...cluster.bandwidth import parse_bandwidth
+
+    if value in (None, "", "none", "local"):
+        return value
+    try:
+        parse_bandwidth(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from exc
+    return value
+
+
+def link_rates(ctx, param, value):
+    """:func:`link_rate` for a comma-separated list of rates; returns the list as given."""
+    return [link_rate(ctx, param, v.strip()) for v in value.split(",") if v.strip()]
+
+
+def check_real_cluster(hosts: Optional[str], shared_dir: Optional[str]) -> None:
+    """``--hosts`` needs ``--shared-dir`` (the ranks hand back their results through files)."""
+    if hosts and not shared_dir:
+        raise click.UsageError("--hosts needs --shared-dir: a folder every host sees at the same "
+                               "path (the ranks hand back their results through it)")
+
+
+def output_file(ctx, param, value):
+    """A click callback for a file a command writes after its run: its folder is made now, and
+    a path that cannot be written is refused before the run, not after it."""
+    import os
+
+    if value is None:
+        return None
+    folder = os.path.dirname(os.path.abspath(value))
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as exc:
+        raise click.BadParameter(f"cannot make the folder {folder!r}: {exc.strerror}") from None
+    if not os.access(folder, os.W_OK):
+        raise click.BadParameter(f"the folder {folder!r} is not writable")
+    return value
+
+
 def real_cluster_options(command):
     """--hosts and --shared-dir: run through horovodrun on real machines instead of emulating."""
     command = click.option("--shared-dir", default=None,
@@ -108,7 +151,7 @@ def cluster_for(np_: int, bandwidth: Optional[str], queue_ms: float = 2.0,
 
 def nodes_options(command):
     command = click.option(
-        "--intra-bandwidth", default="unlimited", show_default=True,
+        "--intra-bandwidth", default="unlimited", show_default=True, callback=link_rate,
         help="With --ranks-per-node: the rate inside a node (its loopback), standing in for "
              "NVLink or PCIe.")(command)
     return click.option(

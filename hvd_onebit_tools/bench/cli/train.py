@@ -15,17 +15,49 @@ from ..train import DEFAULT_METHODS as TRAIN_DEFAULT_METHODS
 from ..train import METHODS as TRAIN_METHODS
 from ..train import MODELS as TRAIN_MODELS
 from ..train import WAITS as TRAIN_WAITS
-from .options import (FROZEN_FREEZE_FRACTION, cluster_for, comma_list, nodes_options,
-                      np_option, queue_option, real_cluster_options, refresh_options)
+from .options import (FROZEN_FREEZE_FRACTION, check_real_cluster, cluster_for, comma_list,
+                      link_rate, nodes_options, np_option, output_file, queue_option,
+                      real_cluster_options, refresh_options)
+
+POSITIVE = click.IntRange(min=1)
+
+
+def _block_size(ctx, param, value):
+    if value % 8:
+        raise click.BadParameter(f"{value} is not a multiple of 8 (or 0: one scale per chunk)")
+    return value
+
+
+def _check_warmups(methods, steps: int, warmup_frac: float, refresh_freeze_frac: float) -> None:
+    """Each 1-bit method needs a warmup step and a compression step within ``steps``: refused
+    before the run, naming the option, rather than a run whose summary has no compressed step."""
+    from ..refresh import freeze_step_for
+    from ..train import ONEBIT_METHODS
+
+    checks = [("--warmup-frac", warmup_frac,
+               [m for m in methods if m in ONEBIT_METHODS + ("ddp_onebit",)
+                and m != "onebit_refresh"]),
+              ("--refresh-freeze-frac", refresh_freeze_frac,
+               [m for m in methods if m == "onebit_refresh"])]
+    for option, frac, users in checks:
+        freeze = freeze_step_for(frac, steps)
+        if users and freeze >= steps:
+            raise click.BadParameter(
+                f"{frac} x --steps {steps} freezes at step {freeze}, leaving no compressed step "
+                f"for {', '.join(users)}: give a smaller fraction or more --steps",
+                param_hint=option)
 
 
 @click.command("train")
 @np_option(4, "Ranks.")
-@click.option("--bandwidth", default="1gbit", show_default=True,
+@click.option("--bandwidth", default="1gbit", show_default=True, callback=link_rate,
               help="Emulated link rate (e.g. 100mbit, 1gbit, 10gbit, unlimited); 'local' runs "
                    "plain horovodrun on loopback. Emulation needs root.")
-@click.option("--steps", default=40, show_default=True, help="Optimizer steps per method.")
+@click.option("--steps", default=40, show_default=True, type=click.IntRange(min=2),
+              help="Optimizer steps per method (each phase's median leaves out its first step "
+                   "when the phase has 3 or more).")
 @click.option("--warmup-frac", default=FROZEN_FREEZE_FRACTION, show_default=True,
+              type=click.FloatRange(0, 1),
               help="The onebit method's warmup (variance_refresh=None): freeze_step = "
                    "warmup_frac * steps.")
 @refresh_options("onebit_refresh's variance_refresh",
@@ -33,14 +65,17 @@ from .options import (FROZEN_FREEZE_FRACTION, cluster_for, comma_list, nodes_opt
 @click.option("--model", default="embedding", show_default=True, type=click.Choice(TRAIN_MODELS),
               help="mlp: a wide MLP (width x depth). embedding: an embedding-bag table "
                    "(vocab x embed-dim, dense gradient) with an MLP head of --width.")
-@click.option("--width", default=2048, show_default=True, help="MLP hidden width.")
-@click.option("--depth", default=3, show_default=True, help="MLP hidden layers.")
-@click.option("--vocab", default=32768, show_default=True, help="Embedding rows (--model embedding).")
-@click.option("--embed-dim", default=256, show_default=True,
+@click.option("--width", default=2048, show_default=True, type=POSITIVE, help="MLP hidden width.")
+@click.option("--depth", default=3, show_default=True, type=click.IntRange(min=0),
+              help="MLP hidden layers.")
+@click.option("--vocab", default=32768, show_default=True, type=POSITIVE,
+              help="Embedding rows (--model embedding).")
+@click.option("--embed-dim", default=256, show_default=True, type=POSITIVE,
               help="Embedding width (--model embedding).")
-@click.option("--tokens", default=2048, show_default=True,
+@click.option("--tokens", default=2048, show_default=True, type=POSITIVE,
               help="Token ids per sample (--model embedding).")
-@click.option("--batch", default=4, show_default=True, help="Samples per rank per step.")
+@click.option("--batch", default=4, show_default=True, type=POSITIVE,
+              help="Samples per rank per step.")
 @click.option("--malloc", "malloc_mode", default="reuse", show_default=True,
               type=click.Choice(["reuse", "system"]),
               help="reuse: the ranks' glibc keeps freed memory for reuse, so the large gradient "
@@ -49,7 +84,7 @@ from .options import (FROZEN_FREEZE_FRACTION, cluster_for, comma_list, nodes_opt
 @click.option("--wait", default="sleep", show_default=True, type=click.Choice(TRAIN_WAITS),
               help="How Horovod's optimizer waits for its allreduces: sleep (as hvd_onebit "
                    "does; fair when ranks share cores) or spin (Horovod's own sched_yield loop).")
-@click.option("--powersgd-start", default=10, show_default=True,
+@click.option("--powersgd-start", default=10, show_default=True, type=click.IntRange(min=0),
               help="Plain-allreduce iterations before PowerSGD starts compressing.")
 @click.option("--methods", default=",".join(TRAIN_DEFAULT_METHODS), show_default=True,
               callback=comma_list(str), help=f"Which methods to run, from {', '.join(TRAIN_METHODS)} "
@@ -63,9 +98,10 @@ from .options import (FROZEN_FREEZE_FRACTION, cluster_for, comma_list, nodes_opt
 @click.option("--transport", default="auto", show_default=True,
               type=click.Choice(TRANSPORTS),
               help="1-bit Adam's transport for the compression phase.")
-@click.option("--bucket-size-mb", default=None, type=float,
+@click.option("--bucket-size-mb", default=None, type=click.FloatRange(min=0, min_open=True),
               help="1-bit Adam's bucket_size_mb [default: the optimizer's].")
 @click.option("--block-size", default=0, show_default=True, type=click.IntRange(0),
+              callback=_block_size,
               help="onebit_blocks' block_size: elements per scale (a multiple of 8), or 0: one "
                    "scale per chunk (the default's granularity is 512).")
 @click.option("--intra-node", default="auto", show_default=True,
@@ -78,11 +114,12 @@ from .options import (FROZEN_FREEZE_FRACTION, cluster_for, comma_list, nodes_opt
 @real_cluster_options
 @queue_option
 @nodes_options
-@click.option("--timeout", default=3600.0, show_default=True, help="Seconds for the job.")
-@click.option("--plot", default=None, type=click.Path(dir_okay=False),
+@click.option("--timeout", default=3600.0, show_default=True,
+              type=click.FloatRange(min=0, min_open=True), help="Seconds for the job.")
+@click.option("--plot", default=None, type=click.Path(dir_okay=False), callback=output_file,
               help="Write a PNG bar chart of samples/s per method and phase.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
-@click.option("--out", default=None, type=click.Path(dir_okay=False),
+@click.option("--out", default=None, type=click.Path(dir_okay=False), callback=output_file,
               help="Also write the JSON report (with the command, commit and machine) to this "
                    "file.")
 def bench_train(np_, bandwidth, steps, warmup_frac, variance_refresh, refresh_freeze_frac, model, width, depth, vocab, embed_dim, tokens,
@@ -98,7 +135,19 @@ def bench_train(np_, bandwidth, steps, warmup_frac, variance_refresh, refresh_fr
 
     bad = [m for m in methods if m not in TRAIN_METHODS]
     if bad:
-        raise click.BadParameter(f"unknown methods {bad}; choose from {TRAIN_METHODS}")
+        raise click.BadParameter(f"unknown methods {bad}; choose from {TRAIN_METHODS}",
+                                 param_hint="--methods")
+    if not methods or len(set(methods)) != len(methods):
+        raise click.BadParameter(f"{','.join(methods)!r}: name each method once, at least one",
+                                 param_hint="--methods")
+    _check_warmups(methods, steps, warmup_frac, refresh_freeze_frac)
+    check_real_cluster(hosts, shared_dir)
+    # transport="mpi" exchanges through mpi4py: the ranks must be launched by MPI
+    controller = "mpi" if transport == "mpi" else "gloo"
+    if controller == "mpi" and bandwidth not in (None, "", "none", "local") and not hosts:
+        raise click.UsageError("--transport mpi needs ranks launched by MPI; the emulated "
+                               "cluster launches them over Gloo: use --bandwidth local, "
+                               "--hosts, or another --transport")
     try:
         refresh = parse_variance_refresh(variance_refresh)
     except ValueError as exc:
@@ -117,6 +166,7 @@ def bench_train(np_, bandwidth, steps, warmup_frac, variance_refresh, refresh_fr
     with cluster_for(np_, None if hosts else bandwidth, queue_ms, ranks_per_node,
                       intra_bandwidth) as cluster:
         job = run_job("hvd_onebit_tools.bench.train:train_worker", np=np_, kwargs=kwargs,
+                      controller=controller,
                       timeout=timeout, cluster=cluster, hosts=hosts, shared_dir=shared_dir,
                       env=MALLOC_REUSE_ENV if malloc_mode == "reuse" else None)
     rows = job.results[0]

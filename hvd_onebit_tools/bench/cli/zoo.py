@@ -6,7 +6,7 @@ import sys
 
 import click
 
-from .options import cluster_for, comma_list, np_option
+from .options import cluster_for, comma_list, link_rate, np_option
 
 
 @click.command("zoo")
@@ -40,7 +40,7 @@ from .options import cluster_for, comma_list, np_option
               show_default=True, help="horovod: horovodrun, Horovod Adam against "
               "hvd_onebit.DistributedOptimizer; ddp: torchrun, DDP + Adam against DDP + "
               "hvd_onebit.ddp.DistributedOptimizer (loopback only).")
-@click.option("--bandwidth", default="local", show_default=True,
+@click.option("--bandwidth", default="local", show_default=True, callback=link_rate,
               help="Emulated link rate of every rank (e.g. 1gbit; root needed); 'local' runs "
                    "plain horovodrun on loopback. Convergence does not depend on it.")
 @click.option("--out", "out_dir", default="results/zoo", show_default=True,
