@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 
 import torch
 import torch.distributed as dist
@@ -32,15 +33,58 @@ def teacher_data(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
         return x, teacher(x).argmax(dim=1)
 
 
-def main() -> None:
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
+
+
+def fraction_of_steps(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"must be a fraction of --steps from 0 to 1, got {text}")
+    return value
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """The options, checked before any rank starts: a bad value stops every rank with the same
+    argument error."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--optimizer", choices=("adam", "onebit"), default="onebit")
-    parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--warmup-frac", type=float, default=FREEZE_FRACTION,
-                        help="freeze_step = warmup_frac * steps (default: %(default)s)")
-    parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--lr", type=float, default=3e-3)
-    args = parser.parse_args()
+    parser.add_argument("--steps", type=positive_int, default=200)
+    parser.add_argument("--warmup-frac", type=fraction_of_steps, default=FREEZE_FRACTION,
+                        help="freeze_step = round(warmup_frac * steps), at least 1 and below "
+                             "--steps (default: %(default)s)")
+    parser.add_argument("--batch", type=positive_int, default=32)
+    parser.add_argument("--lr", type=positive_float, default=3e-3)
+    args = parser.parse_args(argv)
+    args.freeze_step = max(1, round(args.warmup_frac * args.steps))
+    if args.optimizer == "onebit" and args.freeze_step >= args.steps:
+        parser.error(f"argument --warmup-frac: {args.warmup_frac} x --steps {args.steps} freezes "
+                     f"at step {args.freeze_step}, leaving no compressed step; give a smaller "
+                     f"--warmup-frac or more --steps")
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
 
     dist.init_process_group("gloo")  # torchrun sets the rank, the world size and the address
     rank, size = dist.get_rank(), dist.get_world_size()
@@ -50,7 +94,7 @@ def main() -> None:
     opt = torch.optim.Adam(model.parameters(), lr=args.lr)
     if args.optimizer == "onebit":
         opt = hvd_onebit.ddp.DistributedOptimizer(
-            opt, model, freeze_step=max(1, round(args.warmup_frac * args.steps)))
+            opt, model, freeze_step=args.freeze_step)
 
     x, y = teacher_data(4096, seed=1)
     x_val, y_val = teacher_data(1024, seed=2)

@@ -26,8 +26,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import hvd_onebit
-from hvd_onebit.config import FREEZE_FRACTION, FROZEN_FREEZE_FRACTION
-from train_lm import add_onebit_arguments, onebit_options, refresh_summary, warmup_frac
+from train_lm import (WARMUP_FRAC_HELP, add_onebit_arguments, check_freeze, held_out_fraction,
+                      onebit_options, positive_float, positive_int, refresh_summary,
+                      warmup_frac)
 
 
 class SmallCNN(nn.Module):
@@ -64,6 +65,19 @@ def load_data(seed: int, val_frac: float):
     return x[train], y[train], x[val], y[val]
 
 
+def check_split(n_train: int, n_val: int, val_frac: float, world: int) -> None:
+    """Raise ValueError when --val-frac holds out no image, or leaves a rank no training image
+    (each rank draws its batches from every world-th one)."""
+    total = n_train + n_val
+    if n_val < 1:
+        raise ValueError(f"--val-frac {val_frac} holds out none of the {total} images; raise "
+                         f"--val-frac to at least 1/{total}")
+    if n_train < world:
+        raise ValueError(f"--val-frac {val_frac} leaves {n_train} of the {total} images for "
+                         f"training, fewer than one per rank on {world} ranks; lower --val-frac "
+                         f"or use fewer ranks")
+
+
 @torch.no_grad()
 def evaluate(model, x, y):
     """Loss and accuracy on (x, y); each rank takes every world-th example, then an allreduce."""
@@ -77,32 +91,39 @@ def evaluate(model, x, y):
     return float(stats[0] / stats[2]), float(stats[1] / stats[2])
 
 
-def parse_args(argv=None):
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--optimizer", choices=["adam", "onebit"], default="onebit")
-    p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--batch-size", type=int, default=32, help="images per rank per step")
-    p.add_argument("--lr", type=float, default=2e-3, help="constant learning rate")
-    p.add_argument("--warmup-frac", type=warmup_frac, default=None,
-                   help=f"1-bit Adam: freeze_step = round(warmup_frac * steps), or 'auto': freeze "
-                        f"once Adam's variance has settled (at most after half the steps) "
-                        f"[default: {FREEZE_FRACTION}, {FROZEN_FREEZE_FRACTION} with "
-                        f"--variance-refresh none]")
+    p.add_argument("--steps", type=positive_int, default=300)
+    p.add_argument("--batch-size", type=positive_int, default=32, help="images per rank per step")
+    p.add_argument("--lr", type=positive_float, default=2e-3, help="constant learning rate")
+    p.add_argument("--warmup-frac", type=warmup_frac, default=None, help=WARMUP_FRAC_HELP)
     p.add_argument("--compressor", choices=["onebit", "none"], default="onebit",
                    help="1-bit Adam's compression phase: 1-bit momentum, or 'none': the momentum "
                         "averaged in full precision (Adam with a frozen variance, for comparison)")
-    p.add_argument("--width", type=int, default=16)
+    p.add_argument("--width", type=positive_int, default=16)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--data-seed", type=int, default=None,
                    help="seeds only the order of the batches each rank draws (default: --seed); "
                         "a run that differs from another only here shows how much the final "
                         "loss moves with the batch order alone")
-    p.add_argument("--eval-every", type=int, default=50)
-    p.add_argument("--val-frac", type=float, default=0.2)
-    p.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", "1")))
+    p.add_argument("--eval-every", type=positive_int, default=50)
+    p.add_argument("--val-frac", type=held_out_fraction, default=0.2,
+                   help="the share of the images held out for validation")
+    p.add_argument("--threads", type=positive_int,
+                   default=int(os.environ.get("OMP_NUM_THREADS", "1")))
     add_onebit_arguments(p)
     p.add_argument("--json-out", default=None, help="write a JSON summary here (rank 0)")
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv=None):
+    """The options, each checked alone by its type and together here, so a bad value stops
+    every rank with the same argument error before any rank starts talking to the others."""
+    p = build_parser()
+    args = p.parse_args(argv)
+    check_freeze(p, args)
+    return args
 
 
 def build_model_and_adam(args):
@@ -114,13 +135,20 @@ def build_model_and_adam(args):
 
 def main(argv=None):
     args = parse_args(argv)
+    x_train, y_train, x_val, y_val = load_data(args.seed, args.val_frac)
+    try:  # before any rank starts: a split no world size could train on
+        check_split(len(x_train), len(x_val), args.val_frac, 1)
+    except ValueError as exc:
+        build_parser().error(str(exc))
 
     hvd.init()
     torch.set_num_threads(args.threads)
     rank, world = hvd.rank(), hvd.size()
     log = print if rank == 0 else (lambda *a, **k: None)
-
-    x_train, y_train, x_val, y_val = load_data(args.seed, args.val_frac)
+    try:  # every rank splits alike, so every rank stops alike
+        check_split(len(x_train), len(x_val), args.val_frac, world)
+    except ValueError as exc:
+        build_parser().error(str(exc))
     # Each rank owns every world-th training image and samples its batches from them.
     x_shard, y_shard = x_train[rank::world], y_train[rank::world]
     data_seed = args.seed if args.data_seed is None else args.data_seed

@@ -55,7 +55,9 @@ plain Horovod does). It changes the time only, never the numbers; 1-bit Adam sle
 
 ``--json-out PATH`` writes a summary (rank 0): the validation-loss curve, train loss, samples/s,
 bytes sent and seconds blocked on communication per step for each phase, the final validation
-loss, the world size and the config.
+loss, the world size and the config. Its ``phases`` are ``warmup``, ``compression`` (the
+compressed steps only) and ``refresh`` (the variance refresh steps: full precision inside the
+compression phase), or ``full_precision`` for Adam.
 """
 from __future__ import annotations
 
@@ -221,9 +223,82 @@ def ring_allreduce_bytes(model: nn.Module, world: int) -> int:
     return int(2 * (world - 1) / world * numel * 4) if world > 1 else 0
 
 
+def _number(text: str, kind, what: str):
+    """``text`` as ``kind`` (int or float), or an argument error saying what was expected."""
+    try:
+        value = kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be {what}, got {text}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be {what}, got {text}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    """An option that counts something that must exist: steps, sizes, intervals."""
+    value = _number(text, int, "a positive integer")
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    """An option where 0 has a meaning of its own (said in its help)."""
+    value = _number(text, int, "an integer >= 0")
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    value = _number(text, float, "a positive number")
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    value = _number(text, float, "a number >= 0")
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text}")
+    return value
+
+
+def fraction_of_steps(text: str) -> float:
+    """A share of --steps, from 0 to 1."""
+    value = _number(text, float, "a fraction of --steps from 0 to 1")
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"must be a fraction of --steps from 0 to 1, got {text}")
+    return value
+
+
+def held_out_fraction(text: str) -> float:
+    """--val-frac: the share of the data held out, strictly between 0 and 1 (both parts are
+    needed)."""
+    what = "a fraction strictly between 0 and 1 (the share of the data held out)"
+    value = _number(text, float, what)
+    if not 0 < value < 1:
+        raise argparse.ArgumentTypeError(f"must be {what}, got {text}")
+    return value
+
+
+def block_size(text: str) -> int:
+    """--block-size: elements per scale, a positive multiple of 8 (as hvd_onebit requires)."""
+    value = _number(text, int, "a positive multiple of 8")
+    if value < 1 or value % 8:
+        raise argparse.ArgumentTypeError(f"must be a positive multiple of 8, got {text}")
+    return value
+
+
 def warmup_frac(text: str):
-    """--warmup-frac: a fraction of the steps, or "auto"."""
-    return text if text == "auto" else float(text)
+    """--warmup-frac: a fraction of the steps from 0 to 1, or "auto"."""
+    if text == "auto":
+        return text
+    try:
+        return fraction_of_steps(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(
+            f"must be 'auto' or a fraction of --steps from 0 to 1, got {text}") from None
 
 
 def variance_refresh(text: str):
@@ -277,10 +352,36 @@ def add_onebit_arguments(p: argparse.ArgumentParser) -> None:
                    help="1-bit Adam's variance_refresh: doubling (0/1 Adam's schedule, the "
                         "default), none or a JSON object of its fields, e.g. "
                         "'{\"first_interval\": 16, \"updates_per_interval\": 4}'")
-    p.add_argument("--auto-freeze-min-steps", type=int, default=None,
+    p.add_argument("--auto-freeze-min-steps", type=positive_int, default=None,
                    help="with --warmup-frac auto: auto_freeze's min_steps (default: its own, 50)")
-    p.add_argument("--block-size", type=int, default=None,
+    p.add_argument("--block-size", type=block_size, default=None,
                    help="1-bit Adam: elements per scale (a multiple of 8; default one per chunk)")
+
+
+WARMUP_FRAC_HELP = (f"1-bit Adam: freeze_step = round(warmup_frac * steps), at least 1 (so 0 "
+                    f"freezes after one step) and below --steps (so some step is compressed), "
+                    f"or 'auto': freeze once Adam's variance has settled (at most after half the "
+                    f"steps) [default: {FREEZE_FRACTION}, {FROZEN_FREEZE_FRACTION} with "
+                    f"--variance-refresh none]")
+
+
+def check_freeze(p: argparse.ArgumentParser, args) -> None:
+    """With --optimizer onebit and a fixed freeze, refuse one that leaves no compressed step
+    (the run would be Adam's, with nothing said)."""
+    if args.optimizer != "onebit" or args.warmup_frac == "auto":
+        return
+    given = args.warmup_frac is not None
+    frac = args.warmup_frac if given else (FROZEN_FREEZE_FRACTION if args.variance_refresh is None
+                                           else FREEZE_FRACTION)
+    freeze = freeze_options(frac, args.steps)["freeze_step"]
+    if freeze < args.steps:
+        return
+    if given:
+        p.error(f"argument --warmup-frac: {frac} x --steps {args.steps} freezes at step {freeze}, "
+                f"leaving no compressed step; give a smaller --warmup-frac or more --steps")
+    p.error(f"argument --steps: {args.steps} step(s) with the default --warmup-frac {frac} "
+            f"freeze at step {freeze}, leaving no compressed step; give more --steps (or "
+            f"--optimizer adam)")
 
 
 def build_model_and_adamw(args):
@@ -297,38 +398,37 @@ def build_model_and_adamw(args):
     return model, optimizer
 
 
-def parse_args(argv=None):
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--optimizer", choices=["adam", "onebit"], default="onebit")
     p.add_argument("--face", choices=["horovod", "ddp"], default="horovod",
                    help="horovod: under horovodrun, hvd.DistributedOptimizer or "
                         "hvd_onebit.DistributedOptimizer; ddp: under torchrun, DDP + AdamW or "
                         "hvd_onebit.ddp.DistributedOptimizer, importing no Horovod")
-    p.add_argument("--steps", type=int, default=1000)
-    p.add_argument("--batch-size", type=int, default=16, help="sequences per rank per step")
-    p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--lr-warmup-frac", type=float, default=0.02,
+    p.add_argument("--steps", type=positive_int, default=1000)
+    p.add_argument("--batch-size", type=positive_int, default=16,
+                   help="sequences per rank per step")
+    p.add_argument("--lr", type=positive_float, default=2e-3)
+    p.add_argument("--lr-warmup-frac", type=fraction_of_steps, default=0.02,
                    help="linear LR warmup, as a fraction of --steps (keep it << --warmup-frac)")
-    p.add_argument("--warmup-frac", type=warmup_frac, default=None,
-                   help=f"1-bit Adam: freeze_step = round(warmup_frac * steps), or 'auto': freeze "
-                        f"once Adam's variance has settled (at most after half the steps) "
-                        f"[default: {FREEZE_FRACTION}, {FROZEN_FREEZE_FRACTION} with "
-                        f"--variance-refresh none]")
-    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--warmup-frac", type=warmup_frac, default=None, help=WARMUP_FRAC_HELP)
+    p.add_argument("--weight-decay", type=non_negative_float, default=0.1)
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--data-seed", type=int, default=None,
                    help="seeds only the order of the batches each rank draws (default: --seed); "
                         "a run that differs from another only here shows how much the final "
                         "loss moves with the batch order alone")
-    p.add_argument("--eval-every", type=int, default=50)
-    p.add_argument("--eval-batches", type=int, default=8,
+    p.add_argument("--eval-every", type=positive_int, default=50)
+    p.add_argument("--eval-batches", type=non_negative_int, default=8,
                    help="validation windows = eval_batches * batch_size (0: the whole split)")
-    p.add_argument("--val-frac", type=float, default=0.1)
-    p.add_argument("--context", type=int, default=64)
-    p.add_argument("--d-model", type=int, default=128)
-    p.add_argument("--n-layer", type=int, default=2)
-    p.add_argument("--n-head", type=int, default=4)
-    p.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", "1")),
+    p.add_argument("--val-frac", type=held_out_fraction, default=0.1,
+                   help="the share of the text held out for validation (its end)")
+    p.add_argument("--context", type=positive_int, default=64)
+    p.add_argument("--d-model", type=positive_int, default=128)
+    p.add_argument("--n-layer", type=positive_int, default=2)
+    p.add_argument("--n-head", type=positive_int, default=4, help="divides --d-model")
+    p.add_argument("--threads", type=positive_int,
+                   default=int(os.environ.get("OMP_NUM_THREADS", "1")),
                    help="torch intra-op threads per rank")
     p.add_argument("--onebit-hierarchical", action="store_true",
                    help="1-bit Adam: hierarchical=True (full precision inside each node, 1-bit "
@@ -338,11 +438,49 @@ def parse_args(argv=None):
                         "does) or spin (Horovod's own sched_yield loop); time only")
     add_onebit_arguments(p)
     p.add_argument("--json-out", default=None, help="write a JSON summary here (rank 0)")
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv=None):
+    """The options, each checked alone by its type and together here, so a bad value stops
+    every rank with the same argument error before any rank starts talking to the others."""
+    p = build_parser()
+    args = p.parse_args(argv)
+    if args.d_model % args.n_head:
+        p.error(f"argument --n-head: {args.n_head} does not divide --d-model {args.d_model}; "
+                f"give a --n-head that divides it")
+    check_freeze(p, args)
+    return args
+
+
+def split_text(data: torch.Tensor, val_frac: float, context: int, world: int):
+    """(train, val): the last ``val_frac`` of the bytes held out, the rest for training. Raises
+    ValueError when the held-out part has no validation window (``context + 1`` bytes) or a
+    rank's training shard (the training part over ``world`` ranks) cannot give one training
+    window and its target (``context + 2`` bytes)."""
+    n_val = int(len(data) * val_frac)
+    train, val = data[:len(data) - n_val], data[len(data) - n_val:]
+    if len(val) < context + 1:
+        raise ValueError(f"--val-frac {val_frac} holds out {len(val)} of the text's {len(data)} "
+                         f"bytes, fewer than one validation window of --context {context} needs "
+                         f"({context + 1}); raise --val-frac or lower --context")
+    shard = len(train) // world
+    if shard < context + 2:
+        ranks = f", {shard} per rank on {world} ranks," if world > 1 else ""
+        raise ValueError(f"--val-frac {val_frac} leaves {len(train)} of the text's {len(data)} "
+                         f"bytes for training{ranks} fewer than one training window of --context "
+                         f"{context} needs ({context + 2}); lower --val-frac or --context"
+                         f"{', or use fewer ranks' if world > 1 else ''}")
+    return train, val
 
 
 def main(argv=None):
     args = parse_args(argv)
+    data = load_text()
+    try:  # before any rank starts: a split no world size could train on
+        split_text(data, args.val_frac, args.context, 1)
+    except ValueError as exc:
+        build_parser().error(str(exc))
     ranks = Ranks(args.face)
     torch.set_num_threads(args.threads)
     horovod_waits = WaitTimer()  # seconds hvd.DistributedOptimizer blocks on its allreduces
@@ -352,9 +490,10 @@ def main(argv=None):
     log = print if rank == 0 else (lambda *a, **k: None)
 
     # Data: train = first (1 - val_frac) of the bytes, one contiguous shard per rank.
-    data = load_text()
-    n_val = int(len(data) * args.val_frac)
-    train_data, val_data = data[:-n_val], data[-n_val:]
+    try:  # every rank splits alike, so every rank stops alike
+        train_data, val_data = split_text(data, args.val_frac, args.context, world)
+    except ValueError as exc:
+        build_parser().error(str(exc))
     shard_len = len(train_data) // world
     shard = train_data[rank * shard_len:(rank + 1) * shard_len]
     data_seed = args.seed if args.data_seed is None else args.data_seed
@@ -430,6 +569,7 @@ def main(argv=None):
         phase = phase_now()
         if phase == "compression" and phase_switch_step is None:
             phase_switch_step = step
+        refreshes = optimizer.telemetry()["refreshes"] if args.optimizer == "onebit" else 0
         t0, c0 = time.perf_counter(), time.process_time()
         x, y = get_batch(shard, args.batch_size, args.context, gen)
         _, loss = trained(x, y)
@@ -441,6 +581,8 @@ def main(argv=None):
         if args.optimizer == "onebit":
             telemetry = optimizer.telemetry()
             sent, waited = telemetry["last_step_bytes"], telemetry["last_step_comm_seconds"]
+            if telemetry["refreshes"] > refreshes:  # full precision inside the compression phase
+                phase = "refresh"
         else:
             sent = adam_bytes
         ph = phases.setdefault(phase, {"steps": 0, "seconds": 0.0, "bytes": 0, "comm_seconds": 0.0,
@@ -479,8 +621,8 @@ def main(argv=None):
         "train_loss_per_step_rank0": train_losses,
         "phases": phases,
         "total_bytes_per_rank": sum(ph["bytes"] for ph in phases.values()),
-        "bytes_note": ("onebit: opt.telemetry() (warmup: ring-allreduce estimate; compression: "
-                       "bytes on the wire)" if args.optimizer == "onebit" else
+        "bytes_note": ("onebit: opt.telemetry() (warmup and refresh: ring-allreduce estimate; "
+                       "compression: bytes on the wire)" if args.optimizer == "onebit" else
                        "adam: ring-allreduce estimate, 2*(n-1)/n * 4 bytes per parameter"),
         "telemetry": optimizer.telemetry() if args.optimizer == "onebit" else None,
         "wait": args.wait,

@@ -1,9 +1,14 @@
-"""examples/train_lm.py, examples/train_digits.py and benchmarks/convergence.py, run for real.
+"""examples/train_lm.py, examples/train_digits.py, examples/ddp_train.py and
+benchmarks/convergence.py: their argument checks, and the scripts run for real.
 
-Each script is launched the way a user launches it (``horovodrun -np 2 --gloo python SCRIPT``) at a
-tiny size, with a timeout; a job that overruns is killed whole (every process carrying its token).
-train_lm.py runs inside ``benchmarks/convergence.py --quick`` (once per optimizer), which saves
-three launches of horovodrun; the tests read both its printed JSON and each run's summary.
+The argument checks run in this process (each script's ``parse_args`` and ``main``, no rank
+started): a bad value is an argument error naming the option, before any rank starts.
+
+The runs launch each script the way a user launches it (``horovodrun -np 2 --gloo python
+SCRIPT``) at a tiny size, with a timeout; a job that overruns is killed whole (every process
+carrying its token). train_lm.py runs inside ``benchmarks/convergence.py --quick`` (once per
+optimizer), which saves three launches of horovodrun; the tests read both its printed JSON and
+each run's summary.
 """
 from __future__ import annotations
 
@@ -13,14 +18,22 @@ import subprocess
 import sys
 import uuid
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 from hvd_onebit_tools.cluster.jobs import job_environment, kill_job, launch_command
 
-pytestmark = pytest.mark.multirank
-
 REPO = Path(__file__).resolve().parent.parent
+if str(REPO / "examples") not in sys.path:
+    sys.path.insert(0, str(REPO / "examples"))
+
+import ddp_train  # noqa: E402  (examples/)
+import train_digits  # noqa: E402
+import train_lm  # noqa: E402
+
+multirank = pytest.mark.multirank
 
 
 def run(cmd: list[str], timeout: float) -> str:
@@ -82,6 +95,7 @@ def lm_runs(quick_benchmark):
     return quick_benchmark[2]
 
 
+@multirank
 def test_train_lm_summary_is_valid_and_finite(lm_runs):
     for opt, (s, stdout) in lm_runs.items():
         assert (s["optimizer"], s["world_size"]) == (opt, 2), \
@@ -118,6 +132,7 @@ def test_train_lm_summary_is_valid_and_finite(lm_runs):
             f"{opt}: rank 1 printed progress lines too:\n{stdout[-2000:]}"
 
 
+@multirank
 def test_train_lm_onebit_switches_phase_at_freeze_step(lm_runs):
     s, _ = lm_runs["onebit"]
     assert (s["freeze_step"], s["phase_switch_step"]) == (4, 4), \
@@ -138,6 +153,7 @@ def test_train_lm_onebit_switches_phase_at_freeze_step(lm_runs):
         f"the summary's {s['total_bytes_per_rank']} bytes per rank, telemetry's {t['total_bytes']}"
 
 
+@multirank
 def test_train_lm_adam_and_onebit_share_init_and_data(lm_runs):
     adam, _ = lm_runs["adam"]
     onebit, _ = lm_runs["onebit"]
@@ -156,6 +172,7 @@ def test_train_lm_adam_and_onebit_share_init_and_data(lm_runs):
     assert ba == bo, f"bytes per step: adam {ba}, onebit's warmup {bo}"
 
 
+@multirank
 def test_train_lm_adam_spin_wait_changes_the_time_not_the_numbers(lm_runs, tmp_path):
     """--wait spin (Horovod's own wait) against the quick benchmark's Adam run (--wait sleep,
     the default) with the same arguments: the same losses step by step."""
@@ -182,6 +199,30 @@ def test_train_lm_adam_spin_wait_changes_the_time_not_the_numbers(lm_runs, tmp_p
         f"spin: {ph['comm_seconds']} s on communication of {ph['seconds']} s"
 
 
+@multirank
+def test_train_lm_counts_refresh_steps_apart_from_the_compressed_ones(tmp_path):
+    """On the default refresh schedule the summary's phases are the warmup, the refresh steps
+    (full precision) and the compressed steps, as many of each as its steps_by_kind says."""
+    path = tmp_path / "refresh.json"
+    horovodrun("examples/train_lm.py",
+               ["--steps", "24", "--warmup-frac", "0.25", "--eval-every", "24", "--d-model", "32",
+                "--n-head", "2", "--n-layer", "1", "--context", "16", "--batch-size", "2",
+                "--eval-batches", "1", "--json-out", str(path)])
+    s = json.loads(path.read_text())
+    kinds = s["steps_by_kind"]
+    got = {name: ph["steps"] for name, ph in s["phases"].items()}
+    want = {"warmup": kinds["freeze_step"], "refresh": kinds["refresh_steps"],
+            "compression": kinds["compressed_steps"]}
+    assert got == want, f"steps per phase {got}, steps by kind {kinds}"
+    assert s["telemetry"]["refreshes"] == kinds["refresh_steps"], \
+        f"telemetry counts {s['telemetry']['refreshes']} refreshes, steps by kind {kinds}"
+    refresh, comp = s["phases"]["refresh"], s["phases"]["compression"]
+    assert comp["bytes_per_step"] < refresh["bytes_per_step"] / 4, \
+        f"{comp['bytes_per_step']} bytes per compressed step, {refresh['bytes_per_step']} per " \
+        f"refresh step: not under a quarter (1-bit momentum vs fp32 gradients)"
+
+
+@multirank
 def test_train_digits_runs_with_onebit(tmp_path):
     pytest.importorskip("sklearn")
     path = tmp_path / "digits.json"
@@ -201,6 +242,7 @@ def test_train_digits_runs_with_onebit(tmp_path):
         f"final held-out accuracy {s['final_val_acc']}: not better than chance (0.1) after 20 steps"
 
 
+@multirank
 def test_convergence_benchmark_quick(quick_benchmark):
     out, result, _ = quick_benchmark
     for key in ("final_val_loss_adam", "final_val_loss_onebit", "ratio_onebit_over_adam",
@@ -227,6 +269,7 @@ def test_convergence_benchmark_quick(quick_benchmark):
         f"summary.json differs from the printed result in {differing_keys(written, result)}"
 
 
+@multirank
 def test_auto_freeze_benchmark_across_seeds_with_the_batch_order_alone_changed(tmp_path):
     """benchmarks/auto_freeze.py --seeds: per seed, Adam and Adam on another batch order (the
     example's --data-seed); the summary holds each seed's ratio to that seed's Adam."""
@@ -256,6 +299,7 @@ def test_auto_freeze_benchmark_across_seeds_with_the_batch_order_alone_changed(t
         f"summary.json differs from the printed result in {differing_keys(written, result)}"
 
 
+@multirank
 def test_variance_trend_reports_the_variance_and_the_recent_gradients(tmp_path):
     """benchmarks/variance_trend.py on the digits model: a row every --every steps with the
     summed variance, its fall since the first row, the recent gradients' mean square over it and
@@ -277,3 +321,127 @@ def test_variance_trend_reports_the_variance_and_the_recent_gradients(tmp_path):
     proc = subprocess.run([sys.executable, "benchmarks/variance_trend.py", "--every", "5"],
                           capture_output=True, text=True, cwd=REPO, timeout=60)
     assert proc.returncode == 2 and "--every must be at least 10" in proc.stderr, proc.stderr
+
+
+# ---- argument checks, in this process --------------------------------------------------------
+
+def refusal(parse, argv: list[str], capsys) -> tuple[object, str]:
+    """The exit code and the stderr of ``parse(argv)``, which must refuse it."""
+    with pytest.raises(SystemExit) as exc:
+        parse(argv)
+    return exc.value.code, capsys.readouterr().err
+
+
+MUST_BE_POSITIVE = "must be a positive integer, got 0"
+WARMUP_RANGE = "must be 'auto' or a fraction of --steps from 0 to 1"
+HELD_OUT_RANGE = "must be a fraction strictly between 0 and 1 (the share of the data held out)"
+NO_COMPRESSED_STEP = "leaving no compressed step"
+
+REFUSED = [  # (script, argv, what its error must say)
+    (train_lm, ["--val-frac", "0"], f"argument --val-frac: {HELD_OUT_RANGE}, got 0"),
+    (train_lm, ["--val-frac", "1.5"], f"argument --val-frac: {HELD_OUT_RANGE}, got 1.5"),
+    (train_lm, ["--warmup-frac", "1.5", "--steps", "10"],
+     f"argument --warmup-frac: {WARMUP_RANGE}, got 1.5"),
+    (train_lm, ["--warmup-frac", "-0.1"], f"argument --warmup-frac: {WARMUP_RANGE}, got -0.1"),
+    (train_lm, ["--warmup-frac", "0.96", "--steps", "10"],
+     f"argument --warmup-frac: 0.96 x --steps 10 freezes at step 10, {NO_COMPRESSED_STEP}"),
+    (train_lm, ["--steps", "1"], "argument --steps: 1 step(s) with the default --warmup-frac"),
+    (train_lm, ["--lr-warmup-frac", "2"],
+     "argument --lr-warmup-frac: must be a fraction of --steps from 0 to 1, got 2"),
+    (train_lm, ["--eval-every", "0"], f"argument --eval-every: {MUST_BE_POSITIVE}"),
+    (train_lm, ["--n-head", "3"], "argument --n-head: 3 does not divide --d-model 128"),
+    (train_lm, ["--context", "0"], f"argument --context: {MUST_BE_POSITIVE}"),
+    (train_lm, ["--batch-size", "0"], f"argument --batch-size: {MUST_BE_POSITIVE}"),
+    (train_lm, ["--steps", "ten"], "argument --steps: must be a positive integer, got ten"),
+    (train_lm, ["--threads", "0"], f"argument --threads: {MUST_BE_POSITIVE}"),
+    (train_lm, ["--eval-batches", "-1"],
+     "argument --eval-batches: must be an integer >= 0, got -1"),
+    (train_lm, ["--lr", "nan"], "argument --lr: must be a positive number, got nan"),
+    (train_lm, ["--weight-decay", "-1"], "argument --weight-decay: must be a number >= 0, got -1"),
+    (train_lm, ["--block-size", "12"], "argument --block-size: must be a positive multiple of 8, "
+                                       "got 12"),
+    (train_lm, ["--auto-freeze-min-steps", "0"],
+     f"argument --auto-freeze-min-steps: {MUST_BE_POSITIVE}"),
+    (train_digits, ["--val-frac", "0"], f"argument --val-frac: {HELD_OUT_RANGE}, got 0"),
+    (train_digits, ["--warmup-frac", "2", "--steps", "10"],
+     f"argument --warmup-frac: {WARMUP_RANGE}, got 2"),
+    (train_digits, ["--warmup-frac", "1", "--steps", "10"],
+     f"argument --warmup-frac: 1.0 x --steps 10 freezes at step 10, {NO_COMPRESSED_STEP}"),
+    (train_digits, ["--steps", "0"], f"argument --steps: {MUST_BE_POSITIVE}"),
+    (train_digits, ["--width", "0"], f"argument --width: {MUST_BE_POSITIVE}"),
+    (train_digits, ["--eval-every", "0"], f"argument --eval-every: {MUST_BE_POSITIVE}"),
+    (train_digits, ["--batch-size", "0"], f"argument --batch-size: {MUST_BE_POSITIVE}"),
+    (train_digits, ["--lr", "0"], "argument --lr: must be a positive number, got 0"),
+    (ddp_train, ["--steps", "0"], f"argument --steps: {MUST_BE_POSITIVE}"),
+    (ddp_train, ["--batch", "0"], f"argument --batch: {MUST_BE_POSITIVE}"),
+    (ddp_train, ["--lr", "-1"], "argument --lr: must be a positive number, got -1"),
+    (ddp_train, ["--warmup-frac", "1.5"], "argument --warmup-frac: must be a fraction of --steps "
+                                          "from 0 to 1, got 1.5"),
+    (ddp_train, ["--warmup-frac", "1", "--steps", "10"],
+     f"argument --warmup-frac: 1.0 x --steps 10 freezes at step 10, {NO_COMPRESSED_STEP}"),
+]
+
+
+@pytest.mark.parametrize("script, argv, says", REFUSED,
+                         ids=[f"{m.__name__}{' '.join(a)}" for m, a, _ in REFUSED])
+def test_the_examples_refuse_a_bad_value_with_an_error_naming_the_option(script, argv, says,
+                                                                          capsys):
+    code, err = refusal(script.parse_args, argv, capsys)
+    assert code == 2 and says in err, \
+        f"{script.__name__} {argv}: exit code {code} (argparse's is 2), stderr {err!r}, " \
+        f"expected it to say {says!r}"
+
+
+def test_the_examples_take_the_edges_of_each_range():
+    lm = train_lm.parse_args(["--warmup-frac", "0", "--eval-batches", "0", "--steps", "10"])
+    assert train_lm.onebit_options(lm)["freeze_step"] == 1, \
+        f"--warmup-frac 0 froze at {train_lm.onebit_options(lm)['freeze_step']}, not after one step"
+    # with Adam the freeze is unused, so a fraction that leaves no compressed step is no error
+    adam = train_lm.parse_args(["--optimizer", "adam", "--warmup-frac", "1", "--steps", "10"])
+    assert adam.warmup_frac == 1.0, f"--optimizer adam --warmup-frac 1 parsed as {adam.warmup_frac}"
+    auto = train_digits.parse_args(["--warmup-frac", "auto", "--steps", "2"])
+    assert auto.warmup_frac == "auto", f"--warmup-frac auto parsed as {auto.warmup_frac!r}"
+    ddp = ddp_train.parse_args(["--warmup-frac", "0.9", "--steps", "10"])
+    assert ddp.freeze_step == 9, \
+        f"ddp_train --warmup-frac 0.9 --steps 10 froze at {ddp.freeze_step}"
+
+
+def test_train_lm_split_needs_a_window_in_each_part():
+    text = torch.zeros(100, dtype=torch.long)
+    train, val = train_lm.split_text(text, 0.5, 4, 4)
+    assert (len(train), len(val)) == (50, 50), f"a half split: {len(train)} and {len(val)} bytes"
+    with pytest.raises(ValueError, match=r"holds out 1 of the text's 100 bytes.*needs \(5\)"):
+        train_lm.split_text(text, 0.01, 4, 1)
+    with pytest.raises(ValueError, match=r"leaves 10 of .* 5 per rank on 2 ranks.*needs \(6\)"):
+        train_lm.split_text(text, 0.9, 4, 2)
+
+
+def test_train_lm_refuses_a_split_before_any_rank_starts(monkeypatch, capsys):
+    def start(face):
+        raise AssertionError(f"a {face} rank started")
+
+    monkeypatch.setattr(train_lm, "Ranks", start)
+    code, err = refusal(train_lm.main, ["--val-frac", "0.000001"], capsys)
+    says = "--val-frac 1e-06 holds out 0 of the text's"
+    assert code == 2 and says in err, f"exit code {code}, stderr {err!r}, expected {says!r}"
+
+
+def test_train_digits_refuses_a_split_before_any_rank_starts(monkeypatch, capsys):
+    pytest.importorskip("sklearn")
+
+    def start():
+        raise AssertionError("hvd.init() was called")
+
+    monkeypatch.setattr(train_digits, "hvd", SimpleNamespace(init=start))
+    code, err = refusal(train_digits.main, ["--val-frac", "0.0001"], capsys)
+    says = "--val-frac 0.0001 holds out none of the"
+    assert code == 2 and says in err, f"exit code {code}, stderr {err!r}, expected {says!r}"
+
+
+def test_train_lm_as_a_script_refuses_before_starting_a_rank():
+    """The script itself, one process and no launcher: the argument error, not a rank's."""
+    proc = subprocess.run([sys.executable, "examples/train_lm.py", "--val-frac", "0"],
+                          capture_output=True, text=True, cwd=REPO, timeout=60)
+    says = f"train_lm.py: error: argument --val-frac: {HELD_OUT_RANGE}, got 0"
+    assert proc.returncode == 2 and says in proc.stderr, \
+        f"exit code {proc.returncode}, stderr {proc.stderr!r}, expected {says!r}"
