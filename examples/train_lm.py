@@ -53,6 +53,13 @@ sleep`` (default) gives Horovod's optimizer the same sleeping wait, so that Adam
 wait alike and a comparison measures compression; ``--wait spin`` keeps Horovod's own wait (what
 plain Horovod does). It changes the time only, never the numbers; 1-bit Adam sleeps either way.
 
+Checkpoints: ``--checkpoint-every N`` saves ``step<N>.pt`` files into ``--checkpoint-dir`` (rank
+0 writes; with 1-bit Adam every rank first folds its error feedback into the momentum, so the
+file alone resumes, on any number of ranks); ``--resume PATH`` goes on from one with the same
+``--steps``, drawing the same batches as the run that wrote it. The Horovod face takes Horovod's
+recipe (rank 0 loads, then ``hvd.broadcast_optimizer_state`` and ``hvd.broadcast_parameters``),
+the DDP face DDP's (every rank loads the file).
+
 ``--json-out PATH`` writes a summary (rank 0): the validation-loss curve, train loss, samples/s,
 bytes sent and seconds blocked on communication per step for each phase, the final validation
 loss, the world size and the config. Its ``phases`` are ``warmup``, ``compression`` (the
@@ -438,6 +445,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "does) or spin (Horovod's own sched_yield loop); time only")
     add_onebit_arguments(p)
     p.add_argument("--json-out", default=None, help="write a JSON summary here (rank 0)")
+    p.add_argument("--checkpoint-every", type=positive_int, default=None,
+                   help="save a checkpoint every N steps into --checkpoint-dir (rank 0)")
+    p.add_argument("--checkpoint-dir", default="checkpoints",
+                   help="where --checkpoint-every writes step<N>.pt [default: checkpoints]")
+    p.add_argument("--resume", default=None, metavar="PATH",
+                   help="go on from a checkpoint of a run with the same --steps")
     return p
 
 
@@ -472,6 +485,53 @@ def split_text(data: torch.Tensor, val_frac: float, context: int, world: int):
                          f"{context} needs ({context + 2}); lower --val-frac or --context"
                          f"{', or use fewer ranks' if world > 1 else ''}")
     return train, val
+
+
+def save_checkpoint(args, step: int, model, optimizer, rank: int) -> None:
+    """Every rank calls it: 1-bit Adam folds each rank's error feedback into the momentum first
+    (one allreduce), so rank 0's file holds all the training state."""
+    if args.optimizer == "onebit":
+        optimizer.flush_error_feedback()
+    if rank == 0:
+        os.makedirs(args.checkpoint_dir, exist_ok=True)
+        path = os.path.join(args.checkpoint_dir, f"step{step}.pt")
+        torch.save({"step": step, "steps": args.steps, "model": model.state_dict(),
+                    "optimizer": optimizer.state_dict()}, path + ".tmp")
+        os.replace(path + ".tmp", path)  # a crash while saving leaves the last file whole
+
+
+def load_checkpoint(args, model, optimizer, ranks) -> int:
+    """``args.resume`` into the model and the optimizer; returns its step. Horovod: rank 0 reads
+    the file and sends it (a failure is raised on every rank); DDP: every rank reads it."""
+    def read() -> dict:
+        ckpt = torch.load(args.resume, map_location="cpu", weights_only=True)
+        if ckpt["steps"] != args.steps:
+            raise ValueError(f"--resume {args.resume} is from a run of --steps {ckpt['steps']}, "
+                             f"this one has --steps {args.steps} (the LR schedule spans them)")
+        model.load_state_dict(ckpt["model"])
+        optimizer.load_state_dict(ckpt["optimizer"])
+        return ckpt["step"]
+
+    def attempt():
+        try:
+            return read()
+        except (OSError, KeyError, ValueError, RuntimeError) as exc:
+            return f"cannot resume from {args.resume}: {exc}"
+
+    if ranks.hvd is None:  # every rank reads the same file, so every rank fails alike
+        outcome = attempt()
+        if isinstance(outcome, str):
+            raise SystemExit(outcome)
+        return outcome
+    hvd = ranks.hvd
+    outcome = hvd.broadcast_object(attempt() if ranks.rank == 0 else None, root_rank=0,
+                                   name="resume")
+    if isinstance(outcome, str):
+        raise SystemExit(outcome)
+    # the optimizer state first: on a fresh torch optimizer Horovod's broadcast takes a step
+    hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    return outcome
 
 
 def main(argv=None):
@@ -533,9 +593,14 @@ def main(argv=None):
         # one step ahead and apply AdamW's decay once; hvd_onebit's optimizer takes no such step.)
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
 
+    start = load_checkpoint(args, model, optimizer, ranks) if args.resume else 0
+    for _ in range(start):  # the batches the run that wrote it drew: the same data from here
+        get_batch(shard, args.batch_size, args.context, gen)
+
     log(f"world={world} params={n_params / 1e6:.2f}M face={args.face} optimizer={args.optimizer} "
         f"freeze_step={freeze['freeze_step'] if args.optimizer == 'onebit' else '-'} "
-        f"train={len(train_data)}B val={len(val_data)}B eval_windows={len(val_windows)}")
+        f"train={len(train_data)}B val={len(val_data)}B eval_windows={len(val_windows)}"
+        + (f" resumed at step {start}" if args.resume else ""))
 
     def phase_now():
         return optimizer.phase if args.optimizer == "onebit" else "full_precision"
@@ -561,8 +626,8 @@ def main(argv=None):
         log(f"step {step:5d} | val {val:.4f} | train {tr if tr is None else round(tr, 4)} "
             f"| phase {phase_now()} | {time.perf_counter() - t_start:.0f}s")
 
-    record_eval(0)
-    for step in range(args.steps):
+    record_eval(start)
+    for step in range(start, args.steps):
         lr = lr_at(step, args)
         for group in optimizer.param_groups:
             group["lr"] = lr
@@ -598,6 +663,8 @@ def main(argv=None):
             raise FloatingPointError(f"non-finite training loss at step {step}")
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
             record_eval(step + 1)
+        if args.checkpoint_every and (step + 1) % args.checkpoint_every == 0:
+            save_checkpoint(args, step + 1, model, optimizer, rank)
 
     wall = time.perf_counter() - t_start
     for name, ph in phases.items():
@@ -633,7 +700,8 @@ def main(argv=None):
                       "backward); cpu_seconds: rank 0's process CPU time in its steps (all "
                       "threads): a spinning wait burns CPU that ranks sharing a core need"),
         "train_seconds": sum(ph["seconds"] for ph in phases.values()),
-        "samples_per_sec": args.steps * args.batch_size * world
+        "resumed_at_step": start,
+        "samples_per_sec": (args.steps - start) * args.batch_size * world
         / max(sum(ph["seconds"] for ph in phases.values()), 1e-9),
         "wall_seconds": wall,
         "config": vars(args),

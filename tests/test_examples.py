@@ -36,8 +36,8 @@ import train_lm  # noqa: E402
 multirank = pytest.mark.multirank
 
 
-def run(cmd: list[str], timeout: float) -> str:
-    """Run ``cmd`` in the repository; return its output; fail with the output on error or timeout."""
+def launch(cmd: list[str], timeout: float) -> tuple[int, str]:
+    """Run ``cmd`` in the repository: its exit status and output; fail on a timeout."""
     token = uuid.uuid4().hex
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=job_environment(token),
                             cwd=str(REPO), start_new_session=True)
@@ -50,8 +50,13 @@ def run(cmd: list[str], timeout: float) -> str:
         pytest.fail(f"{' '.join(cmd)} timed out after {timeout}s:\n{text}")
     finally:
         kill_job(proc, token)  # nothing may outlive the test
-    text = out.decode(errors="replace")
-    assert proc.returncode == 0, f"{' '.join(cmd)} exited with {proc.returncode}:\n{text[-4000:]}"
+    return proc.returncode, out.decode(errors="replace")
+
+
+def run(cmd: list[str], timeout: float) -> str:
+    """Run ``cmd`` in the repository; return its output; fail with the output on error or timeout."""
+    rc, text = launch(cmd, timeout)
+    assert rc == 0, f"{' '.join(cmd)} exited with {rc}:\n{text[-4000:]}"
     return text
 
 
@@ -220,6 +225,56 @@ def test_train_lm_counts_refresh_steps_apart_from_the_compressed_ones(tmp_path):
     assert comp["bytes_per_step"] < refresh["bytes_per_step"] / 4, \
         f"{comp['bytes_per_step']} bytes per compressed step, {refresh['bytes_per_step']} per " \
         f"refresh step: not under a quarter (1-bit momentum vs fp32 gradients)"
+
+
+TINY_LM = ["--steps", "8", "--warmup-frac", "0.25", "--eval-every", "8", "--d-model", "32",
+           "--n-head", "2", "--n-layer", "1", "--context", "16", "--batch-size", "2",
+           "--eval-batches", "1", "--variance-refresh", "none"]
+
+
+def train_lm_job(face: str, args: list[str]) -> tuple[int, str]:
+    """train_lm.py on 2 ranks as a user launches it for ``face``: its exit status and output."""
+    if face == "ddp":
+        from tests.torchrun_jobs import run_torchrun_script
+
+        rc, text = run_torchrun_script(2, REPO / "examples" / "train_lm.py",
+                                       ["--face", "ddp", *args], timeout=180)
+        return (-1 if rc is None else rc), text
+    return launch(launch_command(2, "gloo", [sys.executable, str(REPO / "examples" / "train_lm.py"),
+                                             *args]), timeout=180)
+
+
+@multirank
+@pytest.mark.parametrize("face", ["horovod", "ddp"])
+def test_train_lm_resumes_from_its_checkpoint_as_if_never_stopped(tmp_path, face):
+    """A run that saved at step 4, and a run resumed from that file: the same losses at every
+    step after it (the error feedback folded into the saved momentum, the same batches drawn),
+    each face by its own recipe."""
+    ckpt = tmp_path / "ckpt"
+    whole, resumed = tmp_path / "whole.json", tmp_path / "resumed.json"
+    rc, text = train_lm_job(face, [*TINY_LM, "--checkpoint-every", "4", "--checkpoint-dir",
+                                   str(ckpt), "--json-out", str(whole)])
+    assert rc == 0, f"{face}: the run that saves exited with {rc}:\n{text[-3000:]}"
+    saved = sorted(p.name for p in ckpt.iterdir())
+    assert saved == ["step4.pt", "step8.pt"], f"{face}: checkpoints {saved}"
+    rc, text = train_lm_job(face, [*TINY_LM, "--resume", str(ckpt / "step4.pt"), "--json-out",
+                                   str(resumed)])
+    assert rc == 0, f"{face}: the resumed run exited with {rc}:\n{text[-3000:]}"
+    a, b = json.loads(whole.read_text()), json.loads(resumed.read_text())
+    assert b["resumed_at_step"] == 4 and list(b["phases"]) == ["compression"], \
+        f"{face}: resumed at {b['resumed_at_step']} with phases {list(b['phases'])}"
+    after = a["train_loss_per_step_rank0"][4:]
+    assert b["train_loss_per_step_rank0"] == after and \
+        b["final_val_loss"] == a["final_val_loss"], \
+        f"{face}: losses after step 4 {b['train_loss_per_step_rank0']} (final val " \
+        f"{b['final_val_loss']}) resumed, {after} (final val {a['final_val_loss']}) in one run"
+    if face == "horovod":  # rank 0 reads the file: a refusal must still reach every rank
+        rc, text = train_lm_job(face, [*TINY_LM, "--steps", "9", "--resume",
+                                       str(ckpt / "step4.pt")])
+        refusals = [line for line in text.splitlines()
+                    if "is from a run of --steps 8, this one has --steps 9" in line]
+        assert rc != 0 and len(refusals) == 2, \
+            f"--resume into another --steps: exit {rc}, refusal lines {refusals}:\n{text[-3000:]}"
 
 
 @multirank
