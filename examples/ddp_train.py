@@ -33,34 +33,22 @@ def teacher_data(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
         return x, teacher(x).argmax(dim=1)
 
 
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
+def number_in(kind, what: str, ok):
+    """An argparse type: a finite ``kind`` for which ``ok(value)`` holds, or an error naming it."""
+    def convert(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            value = None
+        if value is None or not math.isfinite(value) or not ok(value):
+            raise argparse.ArgumentTypeError(f"must be {what}, got {text}")
+        return value
+    return convert
 
 
-def positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
-    return value
-
-
-def fraction_of_steps(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not 0 <= value <= 1:
-        raise argparse.ArgumentTypeError(f"must be a fraction of --steps from 0 to 1, got {text}")
-    return value
+positive_int = number_in(int, "a positive integer", lambda v: v >= 1)
+positive_float = number_in(float, "a positive number", lambda v: v > 0)
+fraction_of_steps = number_in(float, "a fraction of --steps from 0 to 1", lambda v: 0 <= v <= 1)
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -230,71 +230,30 @@ def ring_allreduce_bytes(model: nn.Module, world: int) -> int:
     return int(2 * (world - 1) / world * numel * 4) if world > 1 else 0
 
 
-def _number(text: str, kind, what: str):
-    """``text`` as ``kind`` (int or float), or an argument error saying what was expected."""
-    try:
-        value = kind(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be {what}, got {text}") from None
-    if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"must be {what}, got {text}")
-    return value
+def number_in(kind, what: str, ok):
+    """An argparse type: a finite ``kind`` (int or float) for which ``ok(value)`` holds, or an
+    argument error saying it must be ``what``."""
+    def convert(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            value = None
+        if value is None or not math.isfinite(value) or not ok(value):
+            raise argparse.ArgumentTypeError(f"must be {what}, got {text}")
+        return value
+    return convert
 
 
-def positive_int(text: str) -> int:
-    """An option that counts something that must exist: steps, sizes, intervals."""
-    value = _number(text, int, "a positive integer")
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
-
-
-def non_negative_int(text: str) -> int:
-    """An option where 0 has a meaning of its own (said in its help)."""
-    value = _number(text, int, "an integer >= 0")
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text}")
-    return value
-
-
-def positive_float(text: str) -> float:
-    value = _number(text, float, "a positive number")
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
-    return value
-
-
-def non_negative_float(text: str) -> float:
-    value = _number(text, float, "a number >= 0")
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text}")
-    return value
-
-
-def fraction_of_steps(text: str) -> float:
-    """A share of --steps, from 0 to 1."""
-    value = _number(text, float, "a fraction of --steps from 0 to 1")
-    if not 0 <= value <= 1:
-        raise argparse.ArgumentTypeError(f"must be a fraction of --steps from 0 to 1, got {text}")
-    return value
-
-
-def held_out_fraction(text: str) -> float:
-    """--val-frac: the share of the data held out, strictly between 0 and 1 (both parts are
-    needed)."""
-    what = "a fraction strictly between 0 and 1 (the share of the data held out)"
-    value = _number(text, float, what)
-    if not 0 < value < 1:
-        raise argparse.ArgumentTypeError(f"must be {what}, got {text}")
-    return value
-
-
-def block_size(text: str) -> int:
-    """--block-size: elements per scale, a positive multiple of 8 (as hvd_onebit requires)."""
-    value = _number(text, int, "a positive multiple of 8")
-    if value < 1 or value % 8:
-        raise argparse.ArgumentTypeError(f"must be a positive multiple of 8, got {text}")
-    return value
+positive_int = number_in(int, "a positive integer", lambda v: v >= 1)  # steps, sizes, intervals
+non_negative_int = number_in(int, "an integer >= 0", lambda v: v >= 0)  # 0: said in its help
+positive_float = number_in(float, "a positive number", lambda v: v > 0)
+non_negative_float = number_in(float, "a number >= 0", lambda v: v >= 0)
+fraction_of_steps = number_in(float, "a fraction of --steps from 0 to 1", lambda v: 0 <= v <= 1)
+# --val-frac: both the training part and the held-out part are needed
+held_out_fraction = number_in(float, "a fraction strictly between 0 and 1 (the share of the data "
+                              "held out)", lambda v: 0 < v < 1)
+# --block-size: elements per scale, as hvd_onebit requires
+block_size = number_in(int, "a positive multiple of 8", lambda v: v >= 1 and v % 8 == 0)
 
 
 def warmup_frac(text: str):
