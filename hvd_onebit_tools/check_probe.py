@@ -106,10 +106,30 @@ def _probe_horovod(np_: Optional[int], elements: int, repeats: int) -> LinkProbe
                      "Horovod")
 
 
+def load_calibration(calibration: Optional[str] = None) -> dict:
+    """The calibration the prediction prices the link with (``calibration``; None: the cached or
+    the shipped one), checked, or a one-line error (:class:`click.ClickException`) naming what
+    is wrong with it and how to make one."""
+    import click
+
+    from .bench.calibrate.files import load_or_shipped
+
+    try:
+        return load_or_shipped(calibration, note=lambda s: None)
+    except (FileNotFoundError, ValueError) as exc:
+        raise click.ClickException(str(exc)) from None
+
+
 def probe(np_: Optional[int], elements: int = PROBE_ELEMENTS,
-          repeats: int = PROBE_REPEATS) -> LinkProbe:
+          repeats: int = PROBE_REPEATS, calibration: Optional[str] = None) -> LinkProbe:
     """Every rank: a warm-up allreduce, then the median of ``repeats`` timed ones, through
-    whatever launched the job; ``np_`` (None: the job's) must be the job's size."""
+    whatever launched the job; ``np_`` (None: the job's) must be the job's size.
+
+    First, before any collective, every rank loads and checks the calibration that rank 0
+    will price the link with (``calibration``, else the cached or shipped one): a missing or
+    bad file stops every rank with the same one-line error, and no rank waits in a collective
+    for one that stopped."""
+    load_calibration(calibration)
     if launcher() == "torchrun":
         return _probe_torch(np_, elements, repeats)
     return _probe_horovod(np_, elements, repeats)
@@ -142,13 +162,12 @@ def model_rate(model, link: LinkProbe) -> Optional[float]:
 def predict(link: LinkProbe, params: str, compute_ms: float,
             calibration: Optional[str] = None) -> List[str]:
     """The scale model's fp32 and 1-bit steps at the probed rate, as lines to print."""
-    from .bench.calibrate.files import load_or_shipped
     from .bench.predict.job import Job, parse_params
     from .bench.predict.model import Model
     from .bench.predict.sweep import sweep
     from .docs_tables import freeze_guidance
 
-    cal = load_or_shipped(calibration, note=lambda s: None)
+    cal = load_calibration(calibration)
     model = Model(cal, None)
     rate = model_rate(model, link)
     job = Job(params=parse_params(params), model=None, compute_s=compute_ms / 1e3, adam_s=None,

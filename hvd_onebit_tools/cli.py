@@ -63,7 +63,7 @@ def check(np_, probe, params, compute_ms, calibration) -> None:
                                    f"--nproc_per_node {n} -m hvd_onebit_tools.cli check --probe "
                                    f"{args}")
         try:
-            link = check_probe.probe(np_)
+            link = check_probe.probe(np_, calibration=calibration)
         except check_probe.JobSizeError as exc:
             raise click.UsageError(str(exc)) from None
         if link.rank != 0:

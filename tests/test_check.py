@@ -214,3 +214,52 @@ def test_the_verdict_follows_the_link_the_model_can_explain(seconds):
         assert "the scale model's link rate" in link and "1-bit Adam should help" in step, \
             (link, step)
     assert "``" not in freeze and "`variance_refresh=None`" in freeze, freeze
+
+
+def test_the_probe_checks_the_calibration_before_any_collective(monkeypatch, tmp_path):
+    """Every rank loads the calibration first: a missing or bad one is a one-line error
+    (a ClickException) before the probe's first allreduce, so no rank waits for another."""
+    import click
+
+    from hvd_onebit_tools import check_probe
+    from hvd_onebit_tools.bench.calibrate.files import save
+    from tests.bench.test_predict import fake_calibration
+
+    probed = []
+    monkeypatch.setattr(check_probe, "_probe_horovod", lambda *a: probed.append(a))
+    monkeypatch.setattr(check_probe, "_probe_torch", lambda *a: probed.append(a))
+    missing = tmp_path / "missing.json"
+    with pytest.raises(click.ClickException, match="no calibration file at"):
+        check_probe.probe(2, calibration=str(missing))
+    cal = fake_calibration()
+    cal["compute"]["1"]["models"]["mlp"]["adam_s"] = "fast"
+    bad = save(cal, tmp_path / "bad.json")
+    with pytest.raises(click.ClickException) as info:
+        check_probe.probe(2, calibration=str(bad))
+    field = "compute['1']['models']['mlp']['adam_s']"
+    assert field in info.value.message and "'fast'" in info.value.message, \
+        f"the error does not name {field} = 'fast': {info.value.message}"
+    assert probed == [], f"the link was probed with a bad calibration: {probed}"
+    with pytest.raises(click.ClickException, match=r"adam_s'\] is 'fast'"):
+        check_probe.predict(check_probe.LinkProbe(ranks=2, elements=4 << 20, seconds=0.1),
+                            "10M", 50.0, str(bad))
+
+
+@pytest.mark.multirank
+def test_a_missing_calibration_is_an_error_on_every_rank_before_the_probe(tmp_path):
+    bin_dir = os.path.dirname(sys.executable)
+    missing = tmp_path / "missing.json"
+    out = subprocess.run([os.path.join(bin_dir, "horovodrun"), "-np", "2", "-H", "localhost:2",
+                          "--gloo", sys.executable, "-m", "hvd_onebit_tools.cli", "check",
+                          "--np", "2", "--params", "10M", "--compute-ms", "50",
+                          "--calibration", str(missing)],
+                         capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, PATH=bin_dir + os.pathsep + os.environ["PATH"]))
+    text = out.stdout + out.stderr
+    for rank in (0, 1):
+        error = [line for line in text.splitlines() if line.startswith(f"[{rank}]<stderr>:Error")]
+        assert error and f"no calibration file at {missing}" in error[0], \
+            f"rank {rank}: no error naming {missing}:\n{text}"
+    assert out.returncode != 0 and "]<stderr>:Traceback" not in text, text
+    assert "link: 2 ranks" not in text and "]<stdout>:ready" not in text, \
+        f"the checks or the probe ran with no calibration:\n{text}"

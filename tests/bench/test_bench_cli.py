@@ -289,7 +289,7 @@ def test_np_is_one_parser_everywhere_a_count_or_a_list_where_the_command_sweeps(
 
 
 def test_bandwidth_is_one_parser_everywhere_refused_before_the_run():
-    for command in (["train"], ["allreduce"], ["dev", "memory"], ["dev", "zoo"]):
+    for command in (["train"], ["allreduce"], ["calibrate"], ["dev", "memory"], ["dev", "zoo"]):
         bad = hvd_onebit(["bench", *command, "--bandwidth", "7parsecs"])
         assert bad.exit_code == 2 and "cannot parse bandwidth '7parsecs'" in bad.output, \
             f"bench {command} --bandwidth 7parsecs: exit {bad.exit_code}, {bad.output!r}"

@@ -15,8 +15,9 @@ import pytest
 
 from hvd_onebit_tools.bench.calibrate.compute import measure_compute
 from hvd_onebit_tools.bench.calibrate.files import (CALIBRATION_VERSION, SHIPPED_PATH, CalibrationMissing,
-                                             load, load_or_shipped, save)
-from hvd_onebit_tools.bench.predict.check import check_report
+                                             CalibrationInvalid, load, load_or_shipped, save)
+from hvd_onebit_tools.bench.calibrate.run import disagreements
+from hvd_onebit_tools.bench.predict.check import OtherModel, check_report
 from hvd_onebit_tools.bench.predict.constants import (KINDS, OPS, TCP_EFFICIENCY, _bytes_per_rank,
                                                 constants)
 from hvd_onebit_tools.bench.predict.job import Cluster, Job, parse_params
@@ -533,6 +534,8 @@ def test_small_prediction_against_measurement_on_loopback():
                    timeout=180, env=MALLOC_REUSE_ENV).results[0]
     assert set(coll["models"]["mlp"]) == {"params", "step_s", "fwd_bwd_s", "adam_s",
                                           "fp16_allreduce_s"}
+    params = compute["2"]["models"]["mlp"]["params"]
+    assert isinstance(params, int), f"the 2-process parameter count is {params!r}, not an int"
     # every kernel the bare processes time is timed inside the ranks too
     assert set(coll["kernel_s_per_elem"]) == set(compute["2"]["kernel_s_per_elem"]), coll
     assert min(coll["kernel_s_per_elem"].values()) > 0, coll["kernel_s_per_elem"]
@@ -567,3 +570,159 @@ def test_the_rows_are_priced_at_the_optimizers_block_size():
     assert got == want, f"bytes per rank by block size: {got}, the layouts': {want}"
     assert Model(fake_calibration()).block_size == DEFAULT_BLOCK_SIZE
     assert got[DEFAULT_BLOCK_SIZE] > got[2048] > got[None], got
+
+
+@pytest.mark.parametrize("where, value, field", [
+    (("compute", "1", "models", "mlp", "step_s"), -2.0, "compute['1']['models']['mlp']['step_s']"),
+    (("compute", "2", "models", "mlp", "params"), 0, "compute['2']['models']['mlp']['params']"),
+    (("compute", "1", "kernel_s_per_elem", "server"), "fast",
+     "compute['1']['kernel_s_per_elem']['server']"),
+    (("collectives", "2", "1gbit", "median_s", "allreduce_fp32"), "slow",
+     "collectives['2']['1gbit']['median_s']['allreduce_fp32']"),
+    (("collectives", "4", "unlimited", "numel"), 0, "collectives['4']['unlimited']['numel']"),
+    (("link_bps",), 0, "link_bps"),
+    (("cores",), -1, "cores")])
+def test_a_calibration_the_model_cannot_use_is_refused_naming_the_field(tmp_path, where, value,
+                                                                        field):
+    """A time below zero, a count or link rate of zero, a string for a number: `bench predict`
+    stops with one line naming the field and its value (as it does for a missing file), not a
+    negative step time or a TypeError."""
+    cal = fake_calibration()
+    inner = cal
+    for key in where[:-1]:
+        inner = inner[key]
+    inner[where[-1]] = value
+    path = save(cal, tmp_path / "cal.json")
+    with pytest.raises(CalibrationInvalid) as info:
+        load(path)
+    assert field in str(info.value) and repr(value) in str(info.value), \
+        f"{field} = {value!r}: the error does not name both: {info.value}"
+    for args in (["--params", "8M", "--compute-ms", "50"], ["--model", "mlp", "--colocated"]):
+        proc = hvd_onebit(["bench", "predict", "--calibration", str(path), "--np", "4", *args])
+        errors = [line for line in proc.stderr.splitlines() if line.startswith("Error: ")]
+        assert proc.exit_code == 1 and errors and field in errors[0], \
+            f"{field} = {value!r}, {args}: exit {proc.exit_code}, output:\n{proc.output}"
+        assert isinstance(proc.exception, SystemExit), \
+            f"{field} = {value!r}: {proc.exception!r} escaped as a traceback"
+
+
+def test_parameter_counts_load_as_ints_and_the_shipped_file_stores_ints(tmp_path):
+    cal = fake_calibration()
+    cal["compute"]["2"]["models"]["mlp"]["params"] = 1_000_000.0
+    got = load(save(cal, tmp_path / "cal.json"))["compute"]["2"]["models"]["mlp"]["params"]
+    assert isinstance(got, int) and got == 1_000_000, f"a count stored as 1000000.0 loads as {got!r}"
+    shipped = json.loads(SHIPPED_PATH.read_text())
+    floats = {k: m["params"] for k, group in shipped["compute"].items()
+              for name, m in group["models"].items() if not isinstance(m["params"], int)}
+    assert not floats, f"the shipped calibration stores parameter counts as floats: {floats}"
+
+
+def test_calibration_warns_where_a_free_step_and_its_phases_disagree_with_a_core_each():
+    """The same work timed free-running and in lock-step: with a core per process the figures
+    agree unless something else took the cores; beyond the cores they need not."""
+    compute = {"1": {"models": {"mlp": {"step_s": 0.010, "fwd_bwd_s": 0.006, "adam_s": 0.005}}},
+               "2": {"models": {"mlp": {"step_s": 0.050, "fwd_bwd_s": 0.006, "adam_s": 0.005}}},
+               "4": {"models": {"mlp": {"step_s": 0.050, "fwd_bwd_s": 0.006, "adam_s": 0.005}}}}
+    lines = disagreements(compute, cores=2)
+    assert len(lines) == 1 and "mlp with 2 process(es)" in lines[0] and "50.0 ms" in lines[0], \
+        f"with 2 cores, a 50 ms step against 11 ms of phases at 2 processes: {lines}"
+
+
+def shaped_calibration():
+    """The hand-made calibration with the shape its mlp was timed at, as `bench calibrate`
+    records it."""
+    cal = fake_calibration()
+    cal["bench_models"] = {"mlp": {"model": "mlp", "width": 2048, "depth": 3, "batch": 4}}
+    return cal
+
+
+def train_run(width: int, params: int) -> dict:
+    """A `bench train --json` report of an mlp run at 4 ranks on 1gbit."""
+    rows = [{"method": "local", "np": 4, "params": params, "all_step_s": 0.004},
+            {"method": "horovod_fp32", "np": 4, "params": params, "all_step_s": 0.03},
+            {"method": "onebit", "np": 4, "params": params, "warmup_step_s": 0.03,
+             "compression_step_s": 0.01}]
+    return {"bandwidth": "1gbit", "rows": rows,
+            "config": {"model": "mlp", "width": width, "depth": 3, "batch": 4,
+                       "vocab": 32768, "warmup_frac": 0.2}}
+
+
+def test_check_prices_a_run_of_the_calibrated_shape_with_its_figures():
+    """`local` is predicted with the free-running step, every step with collectives with the
+    lock-step phases (forward + backward and Adam), as `bench predict --model` prices them."""
+    cal = shaped_calibration()
+    pairs = {(p["method"], p["phase"]): p
+             for p in check_report([train_run(2048, 1_000_000)], cal)["pairs"]}
+    local, fp32 = pairs[("local", "all")], pairs[("horovod_fp32", "all")]
+    timed = cal["compute"]["4"]["models"]["mlp"]  # 4 colocated ranks: 4 processes at once
+    assert local["predicted_s"] == pytest.approx(timed["step_s"]), \
+        f"local predicted {local['predicted_s']} s, the free-running step is {timed['step_s']} s"
+    phases = timed["fwd_bwd_s"] + timed["adam_s"]
+    assert fp32["predicted_phases_s"]["compute"] == pytest.approx(phases), \
+        f"fp32 compute {fp32['predicted_phases_s']} s, fwd_bwd_s + adam_s is {phases} s"
+    job = Job(params=1_000_000, model="mlp")
+    cl = Cluster(nodes=4, colocated=True)
+    assert Model(cal).compute(job, cl)[0] == pytest.approx(phases), \
+        f"bench predict --model prices {Model(cal).compute(job, cl)[0]} s, --check {phases} s"
+
+
+def test_check_refuses_a_run_of_another_size_naming_what_differs(tmp_path):
+    """A run at --width 256 (another parameter count) against a calibration that timed the mlp
+    at width 2048: refused with what differs and what to pass, in process and on the command
+    line; with --compute-ms the run is priced with the compute given."""
+    cal = shaped_calibration()
+    run = train_run(256, 200_000)
+    with pytest.raises(OtherModel) as info:
+        check_report([run], cal)
+    text = str(info.value)
+    for words in ("--width 256 (calibrated: 2048)", "200,000 parameters (calibrated: 1,000,000)",
+                  "local step measured 4.00 ms", "--compute-ms", "--adam-ms"):
+        assert words in text, f"{words!r} missing from the refusal: {text}"
+    # the same parameter count at another shape is another model too
+    with pytest.raises(OtherModel, match=r"--width 1024 \(calibrated: 2048\)"):
+        check_report([train_run(1024, 1_000_000)], cal)
+
+    path = save(cal, tmp_path / "cal.json")
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    (runs / "train_small.json").write_text(json.dumps(run))
+    proc = hvd_onebit(["bench", "predict", "--calibration", str(path), "--check", str(runs)])
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("Error: ")]
+    assert proc.exit_code == 1 and errors and "--width 256 (calibrated: 2048)" in errors[0], \
+        f"--check of a width-256 run: exit {proc.exit_code}, output:\n{proc.output}"
+    assert "pairs within their bound" not in proc.stdout, \
+        f"pairs were printed for another model's compute:\n{proc.stdout}"
+
+    proc = hvd_onebit(["bench", "predict", "--calibration", str(path), "--check", str(runs),
+                       "--compute-ms", "4", "--adam-ms", "1", "--json"])
+    assert proc.exit_code == 0, proc.output
+    result = json.loads(proc.stdout)
+    pairs = {(p["method"], p["phase"]): p for p in result["pairs"]}
+    assert result["compute"] == "given", result["compute"]
+    assert pairs[("local", "all")]["predicted_s"] == pytest.approx(0.004), \
+        f"local predicted {pairs[('local', 'all')]['predicted_s']} s with --compute-ms 4"
+    compressed = pairs[("onebit", "compression")]["predicted_phases_s"]["compute"]
+    assert compressed == pytest.approx(0.003), \
+        f"compressed step's compute {compressed} s: 4 ms less --adam-ms 1 is 0.003 s"
+
+
+@pytest.mark.parametrize("args, option, text", [
+    (["--np", "1"], "--np", "1: a collectives job needs 2 or more ranks"),
+    (["--np", "3"], "--numel", "4,194,304 elements do not split evenly over [3]"),
+    (["--numel", "0"], "--numel", "'0' is not a positive element count"),
+    (["--numel", "abc"], "--numel", "'abc' is not a positive element count"),
+    (["--repeats", "0"], "--repeats", "0 is not in the range x>=1"),
+    (["--repeats", "-3"], "--repeats", "-3 is not in the range x>=1"),
+    (["--procs", "0"], "--procs", "'0': process counts are 1 or more"),
+    (["--procs", "1,-2"], "--procs", "'1,-2': process counts are 1 or more"),
+    (["--procs", "abc"], "--procs", "'abc' is not a process count")])
+def test_calibrate_refuses_bad_options_before_measuring(tmp_path, monkeypatch, args, option, text):
+    """Refused at parsing, naming the option and the value: nothing is measured."""
+    import hvd_onebit_tools.bench.calibrate.run as run
+
+    measured = []
+    monkeypatch.setattr(run, "calibrate", lambda **kw: measured.append(kw))
+    proc = hvd_onebit(["bench", "calibrate", "--out", str(tmp_path / "cal.json"), *args])
+    assert proc.exit_code == 2 and option in proc.stderr and text in proc.stderr, \
+        f"{args}: exit {proc.exit_code}, expected {option} and {text!r} in:\n{proc.output}"
+    assert measured == [], f"{args}: calibration started with {measured}"

@@ -70,7 +70,8 @@ def _compute_proc(k: int, models: dict, kernel_numel: int, repeats: int, seconds
 def measure_compute(procs=(1, 2, 4), models: Optional[dict] = None,
                     kernel_numel: int = KERNEL_NUMEL, repeats: int = 3,
                     seconds: float = 1.5) -> dict:
-    """Per ``k`` in ``procs``: the medians over the k processes of each timed quantity."""
+    """Per ``k`` in ``procs``: the medians over the k processes of each timed quantity
+    (:data:`~.workloads.FIGURES` says what each is)."""
     import multiprocessing as mp
 
     from hvd_onebit import kernels
@@ -95,8 +96,11 @@ def measure_compute(procs=(1, 2, 4), models: Optional[dict] = None,
             outs = [queue.get(timeout=600) for _ in ps]
             for p in ps:
                 p.join()
+            # the parameter count is the model's, the same in every process; the times are
+            # the median over the processes
             result[str(k)] = {
-                "models": {name: {key: (statistics.median(o["models"][name][key] for o in outs))
+                "models": {name: {key: (outs[0]["models"][name][key] if key == "params" else
+                                        statistics.median(o["models"][name][key] for o in outs))
                                   for key in outs[0]["models"][name]}
                            for name in models},
                 "kernel_s_per_elem": {kn: statistics.median(o["kernel_s_per_elem"][kn] for o in outs)

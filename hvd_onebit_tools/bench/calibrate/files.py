@@ -4,6 +4,7 @@ loading it with errors that say how to make one."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -27,6 +28,101 @@ def save(cal: dict, path) -> Path:
 
 class CalibrationMissing(FileNotFoundError):
     pass
+
+
+class CalibrationInvalid(ValueError):
+    """A calibration file whose values the model cannot use (a time below zero, a count or
+    rate of zero, a string where a number belongs)."""
+
+
+# what a value of the calibration must be, by the name it is stored under: times in seconds
+# (0 or more: a lock-step time is a difference of two timings), and counts and rates the
+# model divides by (more than 0)
+TIME, POSITIVE, COUNT = "time", "positive", "count"
+MODEL_FIGURES = {"params": COUNT, "step_s": TIME, "fwd_bwd_s": TIME, "adam_s": TIME,
+                 "fp16_allreduce_s": TIME}
+ROW_FIGURES = {"np": COUNT, "numel": COUNT, "row_bytes": COUNT}
+
+
+def _field(path: tuple) -> str:
+    return path[0] + "".join(f"[{k!r}]" if isinstance(k, str) else f"[{k}]" for k in path[1:])
+
+
+def _number(value, path: tuple, kind: str, source: str):
+    """``value`` as ``kind`` requires (counts become ints), or :class:`CalibrationInvalid`
+    naming the field and the value."""
+    what = {TIME: "a time in seconds, 0 or more", POSITIVE: "a number above 0",
+            COUNT: "a whole number above 0"}[kind]
+    ok = (isinstance(value, (int, float)) and not isinstance(value, bool)
+          and math.isfinite(value) and (value >= 0 if kind == TIME else value > 0)
+          and (kind != COUNT or float(value).is_integer()))
+    if not ok:
+        raise CalibrationInvalid(
+            f"{source}: {_field(path)} is {value!r}, not {what}: the file is not as `hvd-onebit "
+            "bench calibrate` writes it (edited or damaged); run `hvd-onebit bench calibrate` "
+            "again, or pass --calibration with another file")
+    return int(value) if kind == COUNT else value
+
+
+def _table(value, path: tuple, source: str) -> dict:
+    if not isinstance(value, dict):
+        raise CalibrationInvalid(
+            f"{source}: {_field(path)} is {value!r}, not a table (a JSON object): the file is "
+            "not as `hvd-onebit bench calibrate` writes it; run `hvd-onebit bench calibrate` "
+            "again, or pass --calibration with another file")
+    return value
+
+
+def _compute_group(group, path: tuple, source: str) -> None:
+    """The bench models' figures and the kernels' seconds per element of one process count
+    (``compute[k]``) or one Horovod job (``collectives[n]["unlimited"]``)."""
+    for name, figures in _table(group.get("models", {}), path + ("models",), source).items():
+        fpath = path + ("models", name)
+        for key, kind in MODEL_FIGURES.items():
+            if key in _table(figures, fpath, source):
+                figures[key] = _number(figures[key], fpath + (key,), kind, source)
+    kernels = _table(group.get("kernel_s_per_elem", {}), path + ("kernel_s_per_elem",), source)
+    for name, rate in kernels.items():
+        kernels[name] = _number(rate, path + ("kernel_s_per_elem", name), TIME, source)
+
+
+def validate(cal: dict, source: str = "calibration") -> dict:
+    """Every value the scale model reads from ``cal``, checked: times are numbers of seconds,
+    0 or more; parameter counts, world sizes, buffer sizes, cores and the link rate are above
+    0. Parameter counts stored as floats (older files) become ints. Returns ``cal``; raises
+    :class:`CalibrationInvalid` naming the first bad field (``source``: the file, for the
+    message) and its value."""
+    cal["cores"] = _number(cal["cores"], ("cores",), COUNT, source)
+    if cal.get("link_bps") is not None:  # None: no shaped link was measured
+        cal["link_bps"] = _number(cal["link_bps"], ("link_bps",), POSITIVE, source)
+    if cal.get("queue_ms") is not None:
+        cal["queue_ms"] = _number(cal["queue_ms"], ("queue_ms",), TIME, source)
+    for name, shape in _table(cal.get("bench_models", {}), ("bench_models",), source).items():
+        _table(shape, ("bench_models", name), source)
+    for k, group in _table(cal["compute"], ("compute",), source).items():
+        _number(int(k) if str(k).isdigit() else k, ("compute", k), COUNT, source)
+        _compute_group(_table(group, ("compute", k), source), ("compute", k), source)
+    if not cal["compute"]:
+        raise CalibrationInvalid(f"{source}: 'compute' is empty: run `hvd-onebit bench "
+                                 "calibrate` again")
+    for n, runs in _table(cal["collectives"], ("collectives",), source).items():
+        _number(int(n) if str(n).isdigit() else n, ("collectives", n), COUNT, source)
+        if "unlimited" not in _table(runs, ("collectives", n), source):
+            raise CalibrationInvalid(f"{source}: collectives[{n!r}] has no 'unlimited' row: "
+                                     "run `hvd-onebit bench calibrate` again")
+        for bw, row in runs.items():
+            path = ("collectives", n, bw)
+            for key, kind in ROW_FIGURES.items():
+                if key in _table(row, path, source):
+                    row[key] = _number(row[key], path + (key,), kind, source)
+            times = _table(row.get("median_s", {}), path + ("median_s",), source)
+            for op, t in times.items():
+                times[op] = _number(t, path + ("median_s", op), TIME, source)
+            _compute_group(row, path, source)
+    if not cal["collectives"]:
+        raise CalibrationInvalid(f"{source}: 'collectives' is empty: run `hvd-onebit bench "
+                                 "calibrate` again")
+    return cal
 
 
 def load(path) -> dict:
@@ -53,7 +149,7 @@ def load(path) -> dict:
         if key not in cal:
             raise ValueError(f"{p} has no {key!r}: not a calibration file from "
                              "`hvd-onebit bench calibrate`")
-    return cal
+    return validate(cal, str(p))
 
 
 def load_or_shipped(path=None, note: Optional[Callable[[str], None]] = None) -> dict:

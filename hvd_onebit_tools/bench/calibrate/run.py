@@ -8,7 +8,7 @@ from typing import Optional
 
 from .compute import measure_compute
 from .files import CALIBRATION_VERSION
-from .workloads import BENCH_MODELS
+from .workloads import BENCH_MODELS, FIGURES
 
 
 def measure_collectives(nps=(2, 4), link: str = "1gbit", numel: int = 4 << 20, repeats: int = 7,
@@ -35,6 +35,29 @@ def measure_collectives(nps=(2, 4), link: str = "1gbit", numel: int = 4 << 20, r
     return out
 
 
+#: How far a bare process's free-running step may be from its lock-step phases' sum before
+#: calibration warns: with a core each they time the same work alike.
+STEP_AGREEMENT = 1.5
+
+
+def disagreements(compute: dict, cores: int) -> list[str]:
+    """The bench models whose free-running ``step_s`` and lock-step ``fwd_bwd_s + adam_s`` differ
+    by more than :data:`STEP_AGREEMENT` times where the processes had a core each: the same
+    work, so something else on the machine took the cores while one of them was timed."""
+    out = []
+    for k, group in sorted(compute.items(), key=lambda kv: int(kv[0])):
+        if int(k) > cores:
+            continue
+        for name, m in group["models"].items():
+            phases = m["fwd_bwd_s"] + m["adam_s"]
+            if phases > 0 and not 1 / STEP_AGREEMENT <= m["step_s"] / phases <= STEP_AGREEMENT:
+                out.append(f"warning: {name} with {k} process(es): whole step "
+                           f"{m['step_s'] * 1e3:.1f} ms but forward + backward + Adam "
+                           f"{phases * 1e3:.1f} ms; with a core each they should agree, so the "
+                           "machine was probably busy: calibrate again when it is idle")
+    return out
+
+
 def calibrate(procs=(1, 2, 4), nps=(2, 4), link: str = "1gbit", numel: int = 4 << 20,
               repeats: int = 7, queue_ms: float = 2.0, progress=None) -> dict:
     """Everything the scale model needs, measured here. ``progress(str)`` reports each stage."""
@@ -45,6 +68,8 @@ def calibrate(procs=(1, 2, 4), nps=(2, 4), link: str = "1gbit", numel: int = 4 <
     start = time.monotonic()
     say(f"compute and kernels with {', '.join(map(str, procs))} processes at once...")
     compute = measure_compute(procs=procs)
+    for line in disagreements(compute, len(os.sched_getaffinity(0))):
+        say(line)
     say(f"collectives on the emulated cluster, np={', '.join(map(str, nps))}, "
         f"unlimited and {link} links...")
     coll = measure_collectives(nps=nps, link=link, numel=numel, repeats=repeats,
@@ -52,5 +77,5 @@ def calibrate(procs=(1, 2, 4), nps=(2, 4), link: str = "1gbit", numel: int = 4 <
     return {"version": CALIBRATION_VERSION, "machine": machine_info(),
             "cores": len(os.sched_getaffinity(0)), "link": link,
             "link_bps": parse_bandwidth(link), "queue_ms": queue_ms, "bench_models": BENCH_MODELS,
-            "compute": compute, "collectives": coll,
+            "figures": FIGURES, "compute": compute, "collectives": coll,
             "seconds": time.monotonic() - start}

@@ -9,6 +9,26 @@ BENCH_MODELS = {
     "mlp": {"model": "mlp", "width": 2048, "depth": 3, "batch": 4},
 }
 
+#: What each figure of a bench model in a calibration measures (``compute[k]["models"][name]``:
+#: ``k`` bare processes at once; ``collectives[n]["unlimited"]["models"][name]``: the ranks of
+#: an ``n``-rank Horovod job). ``step_s`` and ``fwd_bwd_s + adam_s`` are the same work timed
+#: two ways and need not agree: the scale model prices a step with collectives by the lock-step
+#: phases and `bench train`'s ``local`` method (no collectives) by the free-running step.
+FIGURES = {
+    "params": "the model's parameter count",
+    "step_s": "seconds per whole step (forward, backward, fused Adam) free-running, every "
+              "process or rank at its own pace, as `bench train`'s local method runs: what "
+              "`bench predict --check` predicts the local row with",
+    "fwd_bwd_s": "seconds of forward + backward, every process or rank starting it together "
+                 "(lock-step, as collectives line up a step's ranks) until the last is done",
+    "adam_s": "seconds of fused Adam's step, in lock-step as fwd_bwd_s: fwd_bwd_s + adam_s is "
+              "the compute of every step with collectives, in `bench predict` and its --check "
+              "alike; the compressed step replaces adam_s by the 1-bit kernels",
+    "fp16_allreduce_s": "seconds of Compression.fp16's cast, allreduce and cast back of the "
+                        "model's own gradient (slowest rank; inside the ranks only)",
+    "kernel_s_per_elem": "seconds per element of each 1-bit kernel, in lock-step",
+}
+
 #: Elements per buffer of the timed kernels: their buffers (64 MiB each) are well beyond a
 #: last-level cache, as a model's are. With buffers that partly fit in the cache, processes
 #: timed together ran at one process's per-element speed, where ranks streaming a model's

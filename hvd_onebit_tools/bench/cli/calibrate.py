@@ -2,25 +2,63 @@
 from __future__ import annotations
 
 import json
+import math
 
 import click
 
-from .options import comma_list, np_option, parse_count, queue_option
+from .options import link_rate, np_option, parse_count, queue_option
+
+
+def process_counts(ctx, param, value) -> list[int]:
+    """``--procs``: a comma-separated list of process counts, each 1 or more."""
+    try:
+        procs = [int(v) for v in str(value).split(",") if v.strip()]
+    except ValueError:
+        raise click.BadParameter(f"{value!r} is not a process count or a comma-separated list "
+                                 "of them (e.g. 1,2,4)") from None
+    if not procs or min(procs) < 1:
+        raise click.BadParameter(f"{value!r}: process counts are 1 or more (e.g. 1,2,4)")
+    return procs
+
+
+def element_count(ctx, param, value) -> int:
+    """``--numel``: a positive element count (e.g. 4M, 65536)."""
+    try:
+        n = parse_count(value)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise click.BadParameter(f"{value!r} is not a positive element count (e.g. 4M, 65536)")
+    return n
+
+
+def check_worlds(nps: list[int], numel: int) -> None:
+    """Every --np is a job that communicates, and splits --numel into its ranks' equal rows
+    (the full-precision alltoall views the buffer as one row per rank)."""
+    if min(nps) < 2:
+        raise click.BadParameter(f"{min(nps)}: a collectives job needs 2 or more ranks (one "
+                                 "rank sends nothing to time)", param_hint="--np")
+    uneven = [n for n in nps if numel % n]
+    if uneven:
+        step = math.lcm(*nps)
+        raise click.BadParameter(f"{numel:,} elements do not split evenly over {uneven} "
+                                 f"rank(s): give a --numel that every --np divides (e.g. "
+                                 f"{-(-numel // step) * step})", param_hint="--numel")
 
 
 @click.command("calibrate")
 @click.option("--out", default=None, type=click.Path(dir_okay=False),
               help="Where to save the constants (JSON) [default: "
                    "~/.cache/hvd_onebit/calibration.json].")
-@click.option("--procs", default="1,2,4", show_default=True, callback=comma_list(int),
+@click.option("--procs", default="1,2,4", show_default=True, callback=process_counts,
               help="Processes timing compute and kernels at once (ranks sharing the cores).")
-@np_option("2,4", "Ranks of the emulated collectives jobs.", sweep=True)
-@click.option("--bandwidth", "link", default="1gbit", show_default=True,
+@np_option("2,4", "Ranks of the emulated collectives jobs (2 or more).", sweep=True)
+@click.option("--bandwidth", "link", default="1gbit", show_default=True, callback=link_rate,
               help="Shaped link rate at which the links' efficiency is measured.")
-@click.option("--numel", default="4M", show_default=True,
-              callback=lambda c, p, v: parse_count(v),
-              help="Elements of the large collectives' buffer.")
-@click.option("--repeats", default=7, show_default=True, help="Timed calls per measurement.")
+@click.option("--numel", default="4M", show_default=True, callback=element_count,
+              help="Elements of the large collectives' buffer (every --np must divide it).")
+@click.option("--repeats", default=7, show_default=True, type=click.IntRange(min=1),
+              help="Timed calls per measurement.")
 @queue_option
 @click.option("--json", "as_json", is_flag=True, help="Print the constants as JSON too.")
 def bench_calibrate(out, procs, nps, link, numel, repeats, queue_ms, as_json) -> None:
@@ -30,6 +68,7 @@ def bench_calibrate(out, procs, nps, link, numel, repeats, queue_ms, as_json) ->
     from ..calibrate.run import calibrate
     from ..predict.constants import constants
 
+    check_worlds(nps, numel)
     cal = calibrate(procs=tuple(procs), nps=tuple(nps), link=link, numel=numel,
                     repeats=repeats, queue_ms=queue_ms, progress=lambda s: click.echo(s, err=True))
     path = save(cal, out or DEFAULT_PATH)

@@ -45,9 +45,12 @@ def check_world(nps: list[int], ranks_per_node: int) -> None:
               help="Parameters (e.g. 350M, 9.4e6); default: the --model's.")
 @click.option("--model", "bench_model", default=None, type=click.Choice(TRAIN_MODELS),
               help="Take compute time (and parameters) from the calibration's measurement of "
-                   "`bench train --model ...`'s step (the `local` method).")
+                   "`bench train --model ...` at its default sizes: forward + backward and "
+                   "Adam, each timed in lock-step as steps with collectives run them.")
 @click.option("--compute-ms", default=None, type=click.FloatRange(min=0),
-              help="Compute per step: forward + backward + Adam (e.g. `bench train`'s local step).")
+              help="Compute per step: forward + backward + Adam (e.g. `bench train`'s local "
+                   "step); with --check, every run's (for runs of a model the calibration did "
+                   "not time).")
 @click.option("--adam-ms", default=None, type=click.FloatRange(min=0),
               help="Adam's part of --compute-ms, which the compressed step replaces by its "
                    "kernels [default: 0, no credit; with --model alone: calibrated].")
@@ -144,7 +147,14 @@ def bench_predict(calibration, nps, ranks_per_node, bandwidths, intra_bandwidth,
         reports = [json.loads(p.read_text()) for p in sorted(Path(check_dir).glob("train_*.json"))]
         if not reports:
             raise click.ClickException(f"no train_*.json in {check_dir}")
-        result = check_report(reports, cal)
+        if adam_ms is not None and compute_ms is None:
+            raise click.BadParameter("Adam's share of --compute-ms: give --compute-ms too",
+                                     param_hint="--adam-ms")
+        try:
+            result = check_report(reports, cal, None if compute_ms is None else compute_ms / 1e3,
+                                  None if adam_ms is None else adam_ms / 1e3)
+        except ValueError as exc:  # runs of a model the calibration did not time
+            raise click.ClickException(str(exc)) from exc
         if as_json:
             click.echo(json.dumps(result, indent=2))
         else:
@@ -155,8 +165,12 @@ def bench_predict(calibration, nps, ranks_per_node, bandwidths, intra_bandwidth,
     if compute_ms is None and bench_model is None:
         raise click.BadParameter("give --compute-ms, or --model to use a calibrated bench model")
     check_world(nps, ranks_per_node)
-    n_params = (params if params is not None else
-                int(cal["compute"]["1"]["models"][bench_model]["params"]))
+    timed = cal["compute"][min(cal["compute"], key=int)]["models"]
+    if bench_model is not None and bench_model not in timed:
+        raise click.ClickException(f"the calibration timed no {bench_model} model (it has "
+                                   f"{', '.join(sorted(timed)) or 'none'}): pass --params and "
+                                   "--compute-ms, or run `hvd-onebit bench calibrate` again")
+    n_params = params if params is not None else int(timed[bench_model]["params"])
     job = Job(params=n_params, model=bench_model,
               compute_s=None if compute_ms is None else compute_ms / 1e3,
               adam_s=None if adam_ms is None else adam_ms / 1e3, warmup_frac=warmup_frac,

@@ -3,6 +3,8 @@ reports of the emulated cluster (`bench predict --check`, `benchmarks/predict_ch
 each pair with its bound."""
 from __future__ import annotations
 
+from typing import Optional
+
 from .job import Cluster, Job
 from .model import Model
 
@@ -35,10 +37,68 @@ def model_intra_node(config: dict, transport: str) -> str:
     return mode
 
 
-def check_report(reports: list[dict], cal: dict) -> dict:
+class OtherModel(ValueError):
+    """A `bench train` run of a model whose compute the calibration did not time."""
+
+
+def model_difference(cal: dict, cfg: dict, params: int, cl: Cluster) -> list[str]:
+    """How a `bench train` run's model (its ``config`` and parameter count) differs from the
+    bench model of that name whose compute the calibration timed (its ``bench_models`` shape,
+    where the file records it, and its parameter count); empty: the same model."""
+    name = cfg["model"]
+    try:
+        calibrated = int(Model(cal).model_figures(name, cl)["params"])
+    except KeyError:
+        return [f"the calibration timed no {name} model"]
+    out = []
+    shape = cal.get("bench_models", {}).get(name, {})
+    for key, value in shape.items():
+        if key != "model" and key in cfg and cfg[key] != value:
+            out.append(f"--{key.replace('_', '-')} {cfg[key]} (calibrated: {value})")
+    if params != calibrated:
+        out.append(f"{params:,} parameters (calibrated: {calibrated:,})")
+    return out
+
+
+def _adam_estimate(cal: dict, name: str, params: int, cl: Cluster) -> Optional[float]:
+    """Seconds of a fused Adam step over ``params`` at the calibrated model's rate per
+    parameter (fused Adam's work is per element), or None without that model."""
+    try:
+        m = Model(cal).model_figures(name, cl)
+    except KeyError:
+        return None
+    return m["adam_s"] * params / m["params"]
+
+
+def _other_model_error(mismatched: list) -> OtherModel:
+    lines = []
+    for rep, diffs, adam in mismatched:
+        local = [r["all_step_s"] for r in rep["rows"]
+                 if r["method"] == "local" and "all_step_s" in r]
+        measured = (f"; its local step measured {local[0] * 1e3:.2f} ms" if local else "")
+        if adam is not None:
+            measured += f", Adam's share about {adam * 1e3:.2f} ms at the calibrated rate"
+        lines.append(f"a `bench train --model {rep['config']['model']}` run at "
+                     f"{rep['rows'][0]['np']} ranks, {rep['bandwidth']}: {', '.join(diffs)}"
+                     f"{measured}")
+    return OtherModel(
+        "the calibration's compute was measured on the bench models at their default sizes, "
+        "not on the model of " + "; ".join(lines) + ". Its step times would be priced with "
+        "another model's compute: pass that run's compute with --compute-ms (e.g. its local "
+        "step) and Adam's share of it with --adam-ms, with only runs of that model in the "
+        "folder, or compare runs of `bench train` at the calibrated sizes")
+
+
+def check_report(reports: list[dict], cal: dict, compute_s: Optional[float] = None,
+                 adam_s: Optional[float] = None) -> dict:
     """Pairs of predicted and measured step times for ``bench train --json`` reports (several
     runs of one configuration are pooled: median and range). A compressed step's pair also
-    carries the predicted phases and the measured breakdown (median per part over the runs)."""
+    carries the predicted phases and the measured breakdown (median per part over the runs).
+
+    Compute comes from the calibration's figures for the run's bench model, when the
+    calibration timed that model (its shape and parameter count), else :class:`OtherModel`
+    is raised; ``compute_s`` (with ``adam_s``, its Adam share: none without it) is every
+    run's compute instead, as `bench predict --compute-ms` gives it."""
     import statistics
 
     from ...cluster.bandwidth import parse_bandwidth
@@ -49,13 +109,30 @@ def check_report(reports: list[dict], cal: dict) -> dict:
         key = (rep["rows"][0]["np"], rep.get("ranks_per_node", 1) or 1, rep["bandwidth"],
                cfg["model"], model_transport(cfg))
         groups.setdefault(key, []).append(rep)
+    clusters, mismatched = {}, []
+    for key, reps in groups.items():
+        n, L, bw = key[:3]
+        bps = None if bw in ("local", "real") else parse_bandwidth(bw)  # loopback: unshaped
+        clusters[key] = Cluster(nodes=n // L, ranks_per_node=L, inter_bps=bps, colocated=True)
+        if compute_s is None:
+            for rep in reps:
+                diffs = model_difference(cal, rep["config"], rep["rows"][0]["params"],
+                                         clusters[key])
+                if diffs:
+                    mismatched.append((rep, diffs, _adam_estimate(
+                        cal, rep["config"]["model"], rep["rows"][0]["params"], clusters[key])))
+    if mismatched:
+        raise _other_model_error(mismatched)
     pairs = []
     for (n, L, bw, model_name, transport), reps in sorted(groups.items()):
         cfg, row0 = reps[0]["config"], reps[0]["rows"][0]
         model = Model(cal, transport=transport, intra_node=model_intra_node(cfg, transport))
-        bps = None if bw in ("local", "real") else parse_bandwidth(bw)  # loopback: unshaped
-        cl = Cluster(nodes=n // L, ranks_per_node=L, inter_bps=bps, colocated=True)
-        job = Job(params=row0["params"], model=model_name, warmup_frac=cfg["warmup_frac"])
+        cl = clusters[(n, L, bw, model_name, transport)]
+        # a compute given stands for the run's own model: no calibrated bench model's figures
+        job = (Job(params=row0["params"], model=model_name, warmup_frac=cfg["warmup_frac"])
+               if compute_s is None else
+               Job(params=row0["params"], compute_s=compute_s, adam_s=adam_s,
+                   warmup_frac=cfg["warmup_frac"]))
         fp32 = model.predict("horovod_fp32", job, cl)
         preds = {("local", "all"): (model.compute(job, cl, free_running=True)[0], None),
                  ("horovod_fp32", "all"): (fp32.step_s, fp32.phases)}
@@ -93,4 +170,5 @@ def check_report(reports: list[dict], cal: dict) -> dict:
             "methods_met": sum(p["within"] for p in methods), "methods_total": len(methods),
             "compressed_met": sum(p["within"] for p in compressed),
             "compressed_total": len(compressed),
+            "compute": "calibrated" if compute_s is None else "given",
             "calibration_date": cal.get("machine", {}).get("date")}

@@ -93,9 +93,12 @@ class Model:
     # -- compute
 
     def compute(self, job: Job, cl: Cluster, free_running: bool = False) -> tuple[float, float]:
-        """(step compute incl. Adam, Adam's part) in seconds. For a calibrated bench model, the
-        phases timed in lock-step (ranks that collectives synchronise), or with
-        ``free_running`` the whole step as ranks without communication run it."""
+        """(step compute incl. Adam, Adam's part) in seconds. For a calibrated bench model:
+        ``fwd_bwd_s + adam_s``, its phases timed in lock-step (ranks that collectives
+        synchronise), the compute of every method's step here and in `bench predict --check`;
+        with ``free_running``, ``step_s``, the whole step as ranks without communication run it
+        (`bench train`'s ``local`` method, and nothing else).
+        :data:`~hvd_onebit_tools.bench.calibrate.workloads.FIGURES` says what each figure is."""
         m = None
         if job.model is not None:
             m = self.model_figures(job.model, cl)

@@ -65,6 +65,9 @@ def print_check(result: dict, echo=None) -> None:
     import click
 
     echo = echo or click.echo
+    if result.get("compute") == "given":
+        echo("compute: --compute-ms (and --adam-ms) for every run, not the calibration's bench "
+             "models")
     echo(f"{result['met']} of {result['total']} pairs within their bound; the methods' step times "
          f"(all but local, the compute input): {result['methods_met']} of "
          f"{result['methods_total']}; compressed steps: {result['compressed_met']} of "
