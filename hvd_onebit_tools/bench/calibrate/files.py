@@ -73,14 +73,18 @@ def _table(value, path: tuple, source: str) -> dict:
     return value
 
 
+def _figures(table, spec: dict, path: tuple, source: str) -> None:
+    """``table``'s entries named in ``spec`` (name -> kind), each checked in place."""
+    for key, kind in spec.items():
+        if key in _table(table, path, source):
+            table[key] = _number(table[key], path + (key,), kind, source)
+
+
 def _compute_group(group, path: tuple, source: str) -> None:
     """The bench models' figures and the kernels' seconds per element of one process count
     (``compute[k]``) or one Horovod job (``collectives[n]["unlimited"]``)."""
     for name, figures in _table(group.get("models", {}), path + ("models",), source).items():
-        fpath = path + ("models", name)
-        for key, kind in MODEL_FIGURES.items():
-            if key in _table(figures, fpath, source):
-                figures[key] = _number(figures[key], fpath + (key,), kind, source)
+        _figures(figures, MODEL_FIGURES, path + ("models", name), source)
     kernels = _table(group.get("kernel_s_per_elem", {}), path + ("kernel_s_per_elem",), source)
     for name, rate in kernels.items():
         kernels[name] = _number(rate, path + ("kernel_s_per_elem", name), TIME, source)
@@ -112,9 +116,7 @@ def validate(cal: dict, source: str = "calibration") -> dict:
                                      "run `hvd-onebit bench calibrate` again")
         for bw, row in runs.items():
             path = ("collectives", n, bw)
-            for key, kind in ROW_FIGURES.items():
-                if key in _table(row, path, source):
-                    row[key] = _number(row[key], path + (key,), kind, source)
+            _figures(row, ROW_FIGURES, path, source)
             times = _table(row.get("median_s", {}), path + ("median_s",), source)
             for op, t in times.items():
                 times[op] = _number(t, path + ("median_s", op), TIME, source)
