@@ -306,6 +306,8 @@ def test_convergence_benchmark_quick(quick_benchmark):
         assert finite(result[key]), f"{key} is {result[key]!r}, not a finite number"
     got = (result["world_size"], result["steps"], result["freeze_step"])
     assert got == (2, 8, 4), f"(world size, steps, freeze_step) {got}, expected (2, 8, 4)"
+    got = tuple(result[f"steps_onebit_{k}"] for k in ("warmup", "refresh", "compression"))
+    assert got == (4, 0, 4), f"1-bit steps (warmup, refresh, compression) {got}, expected (4, 0, 4)"
     assert result["ratio_onebit_over_adam"] == pytest.approx(
         result["final_val_loss_onebit"] / result["final_val_loss_adam"]), \
         f"ratio {result['ratio_onebit_over_adam']} for final losses " \

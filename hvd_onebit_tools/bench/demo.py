@@ -78,7 +78,7 @@ def _phase(s: dict, name: str) -> dict:
 
 
 def _row(tag: str, s: dict, steps: int) -> dict:
-    warm, comp = _phase(s, "warmup"), _phase(s, "compression")
+    warm, refresh, comp = _phase(s, "warmup"), _phase(s, "refresh"), _phase(s, "compression")
     measured = s.get("measured_tx_bytes_per_rank")
     row = {"run": tag, "optimizer": RUNS[tag][2], "wait": s.get("wait"),
            "measured_mb": None if measured is None else measured / steps / 1e6,
@@ -86,7 +86,7 @@ def _row(tag: str, s: dict, steps: int) -> dict:
            "train_s": sum(p["seconds"] for p in s["phases"].values()),
            "comm_s": sum(p.get("comm_seconds", 0.0) for p in s["phases"].values()),
            "wall_s": s["wall_seconds"]}
-    for name, ph in (("warmup", warm), ("compression", comp)):
+    for name, ph in (("warmup", warm), ("refresh", refresh), ("compression", comp)):
         row[f"{name}_steps"] = ph.get("steps", 0)
         row[f"{name}_sps"] = ph.get("samples_per_sec")
         row[f"{name}_s_per_step"] = ph.get("seconds_per_step")
@@ -102,7 +102,8 @@ def breakdown(rows: dict[str, dict]) -> dict:
 
     Adam's steps all cost the same, so each 1-bit phase is set against as many Adam steps:
     ``warmup_s`` and ``compression_s`` are the seconds 1-bit Adam saved in each phase (the
-    warmup moves the same bytes as Adam, so it should save about nothing); the compression
+    warmup moves the same bytes as Adam, so it should save about nothing), and ``refresh_s``
+    for the variance refresh's full-precision steps after the freeze; the compression
     phase's saving splits into ``compression_comm_s`` (less time blocked on communication) and
     ``compression_other_s`` (the rest: compute, the optimizer step). With a spin-wait run,
     ``spin_wait_s`` is what Horovod's own spinning wait added to Adam's steps.
@@ -116,6 +117,9 @@ def breakdown(rows: dict[str, dict]) -> dict:
     n_w, n_c = onebit["warmup_steps"], onebit["compression_steps"]
     out["warmup_steps"], out["compression_steps"] = n_w, n_c
     out["warmup_s"] = n_w * (t_a - onebit["warmup_s_per_step"]) if n_w else 0.0
+    n_r = onebit["refresh_steps"]
+    out["refresh_steps"] = n_r
+    out["refresh_s"] = n_r * (t_a - onebit["refresh_s_per_step"]) if n_r else 0.0
     if n_c:
         t_c, w_c = onebit["compression_s_per_step"], onebit["compression_comm_s_per_step"] or 0.0
         out["compression_s"] = n_c * (t_a - t_c)
@@ -137,6 +141,10 @@ def headline(b: dict, rows: dict[str, dict]) -> str:
             f"Warmup ({b['warmup_steps']} steps, same {adam['warmup_mb']:.3f} MB/step as Adam): "
             f"{onebit['warmup_s_per_step']:.3f} vs {adam['warmup_s_per_step']:.3f} s/step, "
             f"{b['warmup_s']:+.0f} s saved. ")
+    if b["refresh_steps"]:
+        text += (f"Variance refresh ({b['refresh_steps']} full-precision steps after the freeze,"
+                 f" {onebit['refresh_mb']:.3f} MB/step): {onebit['refresh_s_per_step']:.3f} s/step,"
+                 f" {b['refresh_s']:+.0f} s saved. ")
     if b["compression_steps"]:
         text += (f"Compression phase ({b['compression_steps']} steps, "
                  f"{onebit['compression_mb']:.4f} MB/step): {onebit['compression_s_per_step']:.3f}"
@@ -210,6 +218,8 @@ def main(np_: int, bandwidth: str, steps: int, spin_baseline: bool, out_dir: str
                  ("warmup s/step", "warmup_s_per_step", ".3f"),
                  ("warmup samples/s", "warmup_sps", ",.0f"),
                  ("warmup comm", "warmup_comm_share", ".0%"),
+                 ("refresh steps", "refresh_steps", "d"),
+                 ("refresh s/step", "refresh_s_per_step", ".3f"),
                  ("compr. s/step", "compression_s_per_step", ".3f"),
                  ("compr. samples/s", "compression_sps", ",.0f"),
                  ("compr. comm", "compression_comm_share", ".0%"),

@@ -96,7 +96,9 @@ def test_rows_and_breakdown_say_where_the_time_went():
                                  {"full_precision": phase(100, 0.60, 0.30, 2.6)}, 65.0),
             "onebit": summary("onebit", None,
                               {"warmup": phase(20, 0.41, 0.21, 2.6),
-                               "compression": phase(80, 0.15, 0.02, 0.08, first_step=20)}, 25.0)}
+                               "refresh": phase(10, 0.42, 0.22, 2.6, first_step=20),
+                               "compression": phase(70, 0.15, 0.02, 0.08, first_step=21)},
+                              25.0)}
     rows = {tag: demo._row(tag, s, steps) for tag, s in runs.items()}
     adam, onebit = rows["adam"], rows["onebit"]
     got = {k: adam[k] for k in ("warmup_steps", "compression_steps", "compression_sps",
@@ -105,24 +107,28 @@ def test_rows_and_breakdown_say_where_the_time_went():
                    "warmup_s_per_step": 0.40, "warmup_comm_share": pytest.approx(0.5),
                    "train_s": pytest.approx(40.0), "comm_s": pytest.approx(20.0)}, \
         f"adam's row: {got}"
-    assert onebit["train_s"] == pytest.approx(20 * 0.41 + 80 * 0.15)
+    assert onebit["train_s"] == pytest.approx(20 * 0.41 + 10 * 0.42 + 70 * 0.15)
     assert onebit["compression_mb"] == pytest.approx(0.08)
     got = (rows["adam_spin"]["wait"], adam["wait"])
     assert got == ("spin", "sleep"), f"waits of adam_spin and adam {got}, expected spin and sleep"
 
     b = demo.breakdown(rows)
-    assert b["speedup"] == pytest.approx(40.0 / 20.2)
-    assert (b["warmup_steps"], b["compression_steps"]) == (20, 80)
+    assert b["speedup"] == pytest.approx(40.0 / 22.9)
+    got = (b["warmup_steps"], b["refresh_steps"], b["compression_steps"])
+    assert got == (20, 10, 70), f"warmup, refresh and compression steps {got}"
     assert b["warmup_s"] == pytest.approx(20 * (0.40 - 0.41))
-    assert b["compression_s"] == pytest.approx(80 * (0.40 - 0.15))
-    assert b["compression_comm_s"] == pytest.approx(80 * (0.20 - 0.02))
-    # the parts add up to the whole difference in step time
-    assert b["warmup_s"] + b["compression_s"] == pytest.approx(b["adam_train_s"]
-                                                               - b["onebit_train_s"])
+    assert b["refresh_s"] == pytest.approx(10 * (0.40 - 0.42))
+    assert b["compression_s"] == pytest.approx(70 * (0.40 - 0.15))
+    assert b["compression_comm_s"] == pytest.approx(70 * (0.20 - 0.02))
+    # the parts add up to the whole difference in step time, refresh steps included
+    parts = b["warmup_s"] + b["refresh_s"] + b["compression_s"]
+    whole = b["adam_train_s"] - b["onebit_train_s"]
+    assert parts == pytest.approx(whole), f"the phases' savings {parts} s, the whole {whole} s"
     assert b["compression_comm_s"] + b["compression_other_s"] == pytest.approx(b["compression_s"])
     assert b["spin_wait_s"] == pytest.approx(60.0 - 40.0)
     text = demo.headline(b, rows)
-    for part in ("same sleeping wait", "Warmup (20 steps", "Compression phase (80 steps",
+    for part in ("same sleeping wait", "Warmup (20 steps", "Variance refresh (10 full-precision",
+                 "Compression phase (70 steps",
                  "less waiting on communication", "spinning wait", "+20 s against"):
         assert part in text, text
     del rows["adam_spin"]

@@ -15,6 +15,9 @@ same initialisation and the same data order. It writes both validation-loss curv
     bytes_ratio_adam_over_onebit                 communication reduction
     bytes_per_step_adam, bytes_per_step_onebit_warmup, bytes_per_step_onebit_compression
     samples_per_sec_adam, samples_per_sec_onebit_warmup, samples_per_sec_onebit_compression
+    steps_onebit_warmup / _refresh / _compression  1-bit Adam's steps by kind; the refresh's
+                                                 full-precision steps after the freeze have
+                                                 their own bytes_per_step_ and samples_per_sec_
     wall_seconds_adam, wall_seconds_onebit, wall_seconds_total   (launch included)
 
 Threshold: 2% above the worse of the two final validation losses, so both runs reach it by
@@ -75,7 +78,7 @@ def compare(adam: dict, onebit: dict, wall_adam: float, wall_onebit: float) -> d
     threshold = 1.02 * max(fa, fo)
     ratio = fo / fa
     ph = onebit["phases"]
-    comp = ph.get("compression", {})
+    comp, refresh = ph.get("compression", {}), ph.get("refresh", {})
     return {
         "world_size": adam["world_size"],
         "steps": adam["config"]["steps"],
@@ -101,6 +104,11 @@ def compare(adam: dict, onebit: dict, wall_adam: float, wall_onebit: float) -> d
         "samples_per_sec_adam": adam["samples_per_sec"],
         "samples_per_sec_onebit_warmup": ph["warmup"]["samples_per_sec"],
         "samples_per_sec_onebit_compression": comp.get("samples_per_sec"),
+        "steps_onebit_warmup": ph["warmup"]["steps"],
+        "steps_onebit_refresh": refresh.get("steps", 0),
+        "steps_onebit_compression": comp.get("steps", 0),
+        "bytes_per_step_onebit_refresh": refresh.get("bytes_per_step"),
+        "samples_per_sec_onebit_refresh": refresh.get("samples_per_sec"),
         "skipped_steps_onebit": onebit["telemetry"]["skipped_steps"],
         "wall_seconds_adam": wall_adam,
         "wall_seconds_onebit": wall_onebit,
