@@ -196,6 +196,8 @@ def test_refusals_are_clear_on_every_rank(world):
         assert r["hooked"].startswith("ValueError") and "already has one" in r["hooked"], \
             f"n={n} rank {rank}: {r['hooked']}"
         assert r["after"] == 1, f"n={n} rank {rank}: the model took no face after the refusals"
+        assert r["after_join"] == 1, \
+            f"n={n} rank {rank}: {r['after_join']} steps after one step and a refused one in join()"
         for at, u in zip((1, 4), r["unfrozen"]):
             assert "take a gradient now that the DDP model does not average (inner.weight, " \
                    "inner.bias)" in u["error"], \
@@ -211,7 +213,8 @@ def test_refusals_are_clear_on_every_rank(world):
                   "transport": "takes no transport", "process_group": "got 'world'",
                   "sgd": "hvd_onebit.ddp.DistributedOptimizer wraps torch.optim.Adam",
                   "sparse": "sparse gradient; Adam needs dense gradients: the DDP face takes "
-                            "dense gradients only"}
+                            "dense gradients only",
+                  "join": "does not train inside DDP's join() context (uneven inputs)"}
         for case, part in wanted.items():
             assert r[case].split(":")[0] in ("ValueError", "TypeError") and part in r[case], \
                 f"n={n} rank {rank} {case}: {r[case]!r}, want it to say {part!r}"

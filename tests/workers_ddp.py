@@ -366,6 +366,18 @@ def refusals() -> dict:
         torch.optim.SGD(shared.parameters(), lr=0.1), shared, freeze_step=FREEZE))
     out["unfrozen"] = [unfrozen_later(at) for at in (1, FREEZE + 1)]
     out["sparse"] = refused(sparse_embedding_step)
+    joined = make_model()
+    joined_opt = onebit(joined)
+    train_step(joined, joined_opt, 0)
+
+    def uneven_inputs():
+        with joined.join():
+            train_step(joined, joined_opt, 1)
+
+    out["join"] = refused(uneven_inputs)
+    out["after_join"] = joined_opt.steps
+    with torch.no_grad():  # evaluation after join() is left alone
+        joined(batch(0, 0)[0])
     # the refusals left the model as it was: it takes the face afterwards
     opt = onebit(model)
     train_step(model, opt, 0)

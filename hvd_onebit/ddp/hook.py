@@ -30,6 +30,15 @@ ALREADY_OURS = (
     "old optimizer's state_dict() into it")
 
 
+JOIN_REFUSED = (
+    "hvd_onebit.ddp.DistributedOptimizer does not train inside DDP's join() context (uneven "
+    "inputs): a rank that has run out of batches shadows DDP's gradient allreduce only, not "
+    "the compressed steps or the agreement each step takes, so the other ranks would wait for "
+    "it forever (DDP keeps the model's join setting after the context: wrap the module in DDP "
+    "again to train on). Give every rank the same number of batches (e.g. DistributedSampler "
+    "with drop_last=True); nothing was changed by this forward")
+
+
 def check_unhooked(model) -> None:
     """Raise a ValueError if ``model`` (a DDP module) has a communication hook already."""
     hooks = getattr(model, "_comm_hooks", None)
@@ -83,7 +92,12 @@ class CommHook:
 
     def _before_forward(self, model, args) -> None:
         """A compressed step's forward: DDP's gradient sync off for it, as no_sync() does, unless
-        the user's no_sync() has it off already (then this pass only accumulates)."""
+        the user's no_sync() has it off already (then this pass only accumulates). A training
+        forward under ``model.join()`` is refused on every rank (DDP keeps a model's join
+        setting after the context, so it is refused there too; evaluation is not)."""
+        join = getattr(model, "_join_config", None)
+        if join is not None and join.enable and torch.is_grad_enabled():
+            raise ValueError(JOIN_REFUSED)
         self._final = model.require_backward_grad_sync
         self._local = torch.is_grad_enabled() and not self._averaging()
         if torch.is_grad_enabled() and self._final:
