@@ -114,7 +114,8 @@ class SharedFace:
             return 0
         self._engine.ensure_ready(self._view.adam.active_parameters())  # applies loaded errors
         start = time.perf_counter()
-        nbytes = self._engine.flush_error_feedback(self.param_groups)
+        with self._phases.watching("flush_error_feedback()"):
+            nbytes = self._engine.flush_error_feedback(self.param_groups)
         self._telemetry.add(nbytes, time.perf_counter() - start)
         return nbytes
 

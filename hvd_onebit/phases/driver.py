@@ -13,6 +13,7 @@ import torch
 from ..config import OneBitConfig
 from ..engine import CompressedStep
 from ..optimizer_view import OptimizerView
+from ..stall import watch
 from ..state.schedule import COMPRESSION, Schedule
 from ..state.telemetry import Telemetry
 from .amp import ScalerView, view_of
@@ -48,6 +49,7 @@ class Phases:
         # moved its step count (the check then names the counts instead of waiting on a peer)
         self._calls = 0
         self.refresh = RefreshPhase(view, schedule, telemetry, engine, self.warmup, config)
+        self._watch = watch()  # a step() that does not return is told (hvd_onebit.stall)
 
     def _ranks_with(self, flags: tuple[bool, ...]) -> tuple[int, ...]:
         """On how many ranks each flag is set (:meth:`CompressedStep.ranks_with`)."""
@@ -102,10 +104,27 @@ class Phases:
         else:  # the last step's scaler: whether the script unscaled before synchronize()
             self.warmup.synchronize(make_hook, self.compression.overlap.last_scaler())
 
+    def describe_call(self, what: str) -> str:
+        """This rank's call ``what`` as the stall watch names it."""
+        return (f"rank {self._engine.rank}: {what} (step() call {self._calls + 1} since the "
+                f"optimizer was built, step count {self._schedule.steps}, phase "
+                f"{self._schedule.phase})")
+
+    def watching(self, what: str):
+        """A context in which a call that does not return is told (:mod:`hvd_onebit.stall`)."""
+        return self._watch.watching(lambda: self.describe_call(what))
+
     def step(self, closure: Optional[Callable[[], float]], grad_scaler, unscale: Callable,
              make_hook: Callable):
         """One optimizer step; ``grad_scaler`` (passed by GradScaler.step()) or None, with
         ``unscale`` its ``unscale_`` of this optimizer. Returns the closure's loss."""
+        if self._engine.world == 1:
+            return self._step(closure, grad_scaler, unscale, make_hook)
+        with self.watching("optimizer.step()"):
+            return self._step(closure, grad_scaler, unscale, make_hook)
+
+    def _step(self, closure: Optional[Callable[[], float]], grad_scaler, unscale: Callable,
+              make_hook: Callable):
         try:
             self._check_trainable()
         except Exception:

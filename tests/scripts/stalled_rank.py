@@ -1,0 +1,40 @@
+"""A DDP-face job in which rank 0 takes one more step() than the others, which do not follow it
+into the collectives (they sleep, then exit): rank 0 waits in its step until the stall watch
+(:mod:`hvd_onebit.stall`) warns and then ends it.
+
+    torchrun --standalone --nproc_per_node 2 stalled_rank.py [--steps N]
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import hvd_onebit.ddp
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--sleep", type=float, default=60.0)
+    args = ap.parse_args()
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = DDP(torch.nn.Linear(8, 4))
+    opt = hvd_onebit.ddp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2),
+                                              model, freeze_step=2, variance_refresh=None)
+    for step in range(args.steps + (1 if rank == 0 else 0)):
+        x = torch.randn(16, 8, generator=torch.Generator().manual_seed(step * 10 + rank))
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+    print(f"rank {rank}: {opt.steps} steps, phase {opt.phase}", flush=True)
+    time.sleep(args.sleep)  # not in a collective: rank 0's last step waits for nobody
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,93 @@
+"""The stall watch (hvd_onebit.stall): a call that does not return is told once, then, if asked,
+ends the process; the decision on a clock the test moves, and once in a real job whose rank 0
+takes a step the other rank never joins."""
+import pytest
+
+from hvd_onebit.stall import (EXIT_STATUS, SHUTDOWN_VARIABLE, WARNING_VARIABLE, StallSettings,
+                              StallWatch)
+from tests.torchrun_jobs import REPO, run_torchrun_script
+
+
+class Clock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self):
+        return self.now
+
+
+def watched(settings: StallSettings) -> tuple[StallWatch, Clock]:
+    clock = Clock()
+    watch = StallWatch(settings, clock)
+    watch._start = lambda: None  # the test asks due() itself; no thread
+    return watch, clock
+
+
+def test_a_call_is_warned_about_once_past_the_limit_and_ended_past_the_shutdown():
+    watch, clock = watched(StallSettings(warning_s=60, shutdown_s=300))
+    with watch.watching(lambda: "rank 1: optimizer.step() (step count 22)"):
+        clock.now += 59.5
+        assert watch.due(clock.now) is None, "warned before 60 s in the call"
+        clock.now += 1
+        due = watch.due(clock.now)
+        assert due is not None and not due.shutdown, f"at 60.5 s: {due}"
+        for part in ("rank 1: optimizer.step() (step count 22) has not returned after 60 s",
+                     f"{WARNING_VARIABLE}=60", "a checkpoint loaded on some ranks only",
+                     "requires_grad changed on some ranks only"):
+            assert part in due.message, f"the warning lacks {part!r}: {due.message}"
+        clock.now += 100
+        assert watch.due(clock.now) is None, "warned twice in one call"
+        clock.now += 200
+        due = watch.due(clock.now)
+        assert due is not None and due.shutdown, f"at 360.5 s: {due}"
+        assert f"exit status {EXIT_STATUS}, {SHUTDOWN_VARIABLE}=300" in due.message, due.message
+    assert watch.due(clock.now + 1000) is None, "a call that returned is still watched"
+
+
+def test_each_call_is_timed_from_its_own_start_and_an_inner_call_is_part_of_the_outer():
+    watch, clock = watched(StallSettings(warning_s=10))
+    for _ in range(3):  # short calls add nothing up
+        with watch.watching(lambda: "step"):
+            clock.now += 6
+    with watch.watching(lambda: "outer"):
+        clock.now += 6
+        with watch.watching(lambda: "inner"):
+            clock.now += 6
+        due = watch.due(clock.now)
+    assert due is not None and due.message.startswith("hvd_onebit: outer has not returned after "
+                                                      "12 s"), f"the outer call at 12 s: {due}"
+
+
+def test_no_watch_when_both_limits_are_zero():
+    watch, clock = watched(StallSettings(warning_s=0, shutdown_s=0))
+    with watch.watching(lambda: "step"):
+        clock.now += 1e6
+        assert watch.due(clock.now) is None
+
+
+@pytest.mark.parametrize("value", ["-1", "soon", "nan", "inf"])
+def test_a_bad_setting_is_refused_naming_the_variable(value):
+    with pytest.raises(ValueError, match=f"{SHUTDOWN_VARIABLE}='{value}' is not a number of "
+                                         "seconds >= 0"):
+        StallSettings.from_environment({SHUTDOWN_VARIABLE: value})
+    got = StallSettings.from_environment({WARNING_VARIABLE: "5", SHUTDOWN_VARIABLE: " "})
+    assert got == StallSettings(5.0, 0.0), f"settings from the environment: {got}"
+
+
+@pytest.mark.multirank
+def test_a_step_no_other_rank_joins_is_told_then_ended():
+    """Rank 0 takes a sixth step() while rank 1 sleeps outside any collective: without the
+    watch the job waits out the test's timeout; with it rank 0 says where it waits, then ends
+    with the watch's exit status, and torchrun ends the job."""
+    rc, text = run_torchrun_script(2, REPO / "tests" / "scripts" / "stalled_rank.py",
+                                   ["--steps", "5", "--sleep", "120"], timeout=100,
+                                   env={WARNING_VARIABLE: "1", SHUTDOWN_VARIABLE: "4"})
+    tail = text[-3000:]
+    assert rc not in (None, 0), f"the job's exit status {rc} (None: killed at the timeout): {tail}"
+    where = ("hvd_onebit: rank 0: optimizer.step() (step() call 6 since the optimizer was built, "
+             "step count 5, phase compression) has not returned after ")
+    warned = [line for line in text.splitlines() if line.startswith(where)]
+    assert len(warned) == 2 and f"{WARNING_VARIABLE}=1" in warned[0] and \
+        f"exit status {EXIT_STATUS}" in warned[1], \
+        f"rank 0's warning, then its shutdown, expected; got {warned}: {tail}"
+    assert f"exitcode  : {EXIT_STATUS}" in text, f"rank 0 did not end with {EXIT_STATUS}: {tail}"
