@@ -9,8 +9,8 @@ rank is inside ``step()`` or ``flush_error_feedback()``, one thread per process 
 clock:
 
 - after ``HVD_ONEBIT_STALL_WARNING_S`` seconds in one call (default 60; 0: never) it prints,
-  once per call, which call this rank is in (its ``step()`` count, step count and phase) and
-  the usual causes;
+  once per call, which call this rank is in (its ``step()`` count, step count, phase and
+  trainable parameters) and the usual causes;
 - after ``HVD_ONEBIT_STALL_SHUTDOWN_S`` seconds (default 0: never) it ends the process with exit
   status :data:`EXIT_STATUS`, so that the launcher ends the job (and an elastic one restarts)
   instead of holding its machines.

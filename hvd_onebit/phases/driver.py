@@ -105,10 +105,13 @@ class Phases:
             self.warmup.synchronize(make_hook, self.compression.overlap.last_scaler())
 
     def describe_call(self, what: str) -> str:
-        """This rank's call ``what`` as the stall watch names it."""
+        """This rank's call ``what`` as the stall watch names it, with what the ranks must
+        have alike: the call's number, the step count and phase, the trainable parameters."""
+        active = self._view.adam.active_parameters()
         return (f"rank {self._engine.rank}: {what} (step() call {self._calls + 1} since the "
                 f"optimizer was built, step count {self._schedule.steps}, phase "
-                f"{self._schedule.phase})")
+                f"{self._schedule.phase}, {len(active)} trainable parameters of "
+                f"{sum(p.numel() for p in active):,} elements)")
 
     def watching(self, what: str):
         """A context in which a call that does not return is told (:mod:`hvd_onebit.stall`)."""
