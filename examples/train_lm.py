@@ -321,7 +321,8 @@ def add_onebit_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--auto-freeze-min-steps", type=positive_int, default=None,
                    help="with --warmup-frac auto: auto_freeze's min_steps (default: its own, 50)")
     p.add_argument("--block-size", type=block_size, default=None,
-                   help="1-bit Adam: elements per scale (a multiple of 8; default one per chunk)")
+                   help="1-bit Adam: elements per scale (a multiple of 8) [default: the "
+                        f"optimizer's block_size, {hvd_onebit.config.DEFAULT_BLOCK_SIZE}]")
 
 
 WARMUP_FRAC_HELP = (f"1-bit Adam: freeze_step = round(warmup_frac * steps), at least 1 (so 0 "

@@ -96,8 +96,15 @@ def summarize(rows: list[dict]) -> list[dict]:
     return rows
 
 
-def plot(rows: list[dict], path: str) -> None:
-    """A PNG of each method's speed-up over fp32 against the emulated link rate."""
+LINKS = {"local": "loopback, no emulation", "real": "real cluster (--hosts)"}
+
+
+def plot(rows: list[dict], path: str) -> dict:
+    """A PNG of each method's speed-up over fp32: against the emulated link rate when the rows
+    sweep two or more emulated rates (and nothing else), otherwise against the buffer size, a
+    line per method, world size and link (loopback, a real cluster or one emulated rate), the
+    title naming the links measured. Returns what it drew: ``title``, ``x`` and ``series``
+    (label -> (x values, speed-ups))."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -105,23 +112,47 @@ def plot(rows: list[dict], path: str) -> None:
 
     from ..cluster.bandwidth import parse_bandwidth
 
+    links = list(dict.fromkeys(r["bandwidth"] for r in rows))
+    against_rate = len(links) > 1 and not any(b in LINKS for b in links)
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    keys = sorted({(r["np"], r["numel"], r["method"]) for r in rows if r["method"] != "fp32"})
-    for n, numel, method in keys:
-        pts = []
-        for r in rows:
-            if (r["np"], r["numel"], r["method"]) == (n, numel, method) and r["bandwidth"] != "local":
-                bps = parse_bandwidth(r["bandwidth"])
-                pts.append((bps or 1e11, r.get("speedup_vs_fp32")))
+    series = {}
+    if against_rate:
+        keys = sorted({(r["np"], r["numel"], r["method"]) for r in rows})
+    else:
+        keys = sorted({(r["np"], r["bandwidth"], r["method"]) for r in rows})
+    for key in keys:
+        if key[2] == "fp32":
+            continue
+        if against_rate:
+            n, numel, method = key
+            label = f"{method}, np={n}, {numel / 2**20:g}M elements"
+            pts = [((parse_bandwidth(r["bandwidth"]) or 1e11) / 1e9, r.get("speedup_vs_fp32"))
+                   for r in rows if (r["np"], r["numel"], r["method"]) == key]
+        else:
+            n, link, method = key
+            label = f"{method}, np={n}, {LINKS.get(link, 'emulated ' + str(link))}"
+            pts = [(r["numel"], r.get("speedup_vs_fp32"))
+                   for r in rows if (r["np"], r["bandwidth"], r["method"]) == key]
         pts = sorted(p for p in pts if p[1])
         if pts:
-            ax.plot([p[0] / 1e9 for p in pts], [p[1] for p in pts], marker="o",
-                    label=f"{method}, np={n}, {numel / 2**20:g}M elements")
+            xs, ys = [p[0] for p in pts], [p[1] for p in pts]
+            ax.plot(xs, ys, marker="o", label=label)
+            series[label] = (xs, ys)
     ax.set_xscale("log")
-    ax.set_xlabel("link bandwidth (Gbit/s; rightmost = unlimited)")
+    if against_rate:
+        ax.set_xlabel("link bandwidth (Gbit/s; rightmost = unlimited)")
+        title = "Allreduce speed-up over fp32, emulated cluster"
+    else:
+        ax.set_xlabel("buffer size (fp32 elements)")
+        title = ("Allreduce speed-up over fp32, "
+                 + "; ".join(LINKS.get(b, f"emulated {b}") for b in links))
     ax.set_ylabel("speed-up over fp32 hvd.allreduce")
     ax.axhline(1, color="grey", lw=0.8)
-    ax.legend(fontsize=7)
-    ax.set_title("Allreduce time, emulated cluster")
+    if series:
+        ax.legend(fontsize=7)
+    ax.set_title(title)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return {"title": title, "x": "link rate" if against_rate else "buffer size",
+            "series": series}

@@ -41,7 +41,7 @@ def _np(value) -> Optional[int]:
         return None
     from ..bench.cli.options import parse_np
 
-    nps = parse_np(value)
+    nps = parse_np(value, one=True)
     if len(nps) != 1 or nps[0] > MAX_RANKS:
         raise click.BadParameter(f"{value!r}: one rank count from 1 to {MAX_RANKS}",
                                  param_hint="--np")

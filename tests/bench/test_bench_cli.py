@@ -304,3 +304,85 @@ def test_provenance_records_the_variables_that_change_the_kernels(monkeypatch):
     got = provenance()
     assert got["environment"] == {"HVD_ONEBIT_NATIVE": "avx2"}, got.get("environment")
     assert len(got["commit"]) == 40, got["commit"]
+
+
+def allreduce_rows(links, sizes=(65536, 1 << 20)):
+    """Rows as `bench allreduce` measures them (fp32, fp16, onebit at np 2 on each link)."""
+    from hvd_onebit_tools.bench.allreduce import summarize
+
+    times = {"fp32": 2.0, "fp16": 1.0, "onebit": 0.5}
+    return summarize([{"np": 2, "numel": n, "method": m, "bandwidth": link,
+                       "median_s": t * n * (i + 1), "bytes_per_rank": 4 * n}
+                      for i, link in enumerate(links) for n in sizes for m, t in times.items()])
+
+
+def test_bench_allreduce_plot_draws_what_loopback_measured_against_buffer_size(tmp_path):
+    """--bandwidth local (the default) measures loopback: the figure is the speed-up over fp32
+    at each buffer size, titled so, not an empty 'emulated cluster' chart."""
+    from hvd_onebit_tools.bench.allreduce import plot
+
+    drawn = plot(allreduce_rows(["local"]), str(tmp_path / "ar.png"))
+    assert (tmp_path / "ar.png").stat().st_size > 0, "no PNG"
+    assert drawn["x"] == "buffer size" and "loopback" in drawn["title"] and \
+        "emulated" not in drawn["title"], drawn
+    assert drawn["series"] == {
+        "fp16, np=2, loopback, no emulation": ([65536, 1 << 20], [2.0, 2.0]),
+        "onebit, np=2, loopback, no emulation": ([65536, 1 << 20], [4.0, 4.0])}, drawn
+    one_rate = plot(allreduce_rows(["1gbit"]), str(tmp_path / "one.png"))
+    assert one_rate["x"] == "buffer size" and "emulated 1gbit" in one_rate["title"] and \
+        len(one_rate["series"]) == 2, one_rate
+    sweep = plot(allreduce_rows(["100mbit", "1gbit"], sizes=(65536,)), str(tmp_path / "bw.png"))
+    assert sweep["x"] == "link rate" and "emulated cluster" in sweep["title"] and \
+        sweep["series"]["onebit, np=2, 0.0625M elements"] == ([0.1, 1.0], [4.0, 4.0]), sweep
+
+
+@pytest.mark.parametrize("args, option, text", [
+    (["--sizes", ""], "--sizes", "'' names nothing"),
+    (["--sizes", "1e400K"], "--sizes", "'1e400K' is not finite"),
+    (["--methods", ""], "--methods", "'' names nothing"),
+    (["--bandwidth", ""], "--bandwidth", "'' names no link rate"),
+    (["--repeats", "0"], "--repeats", "0 is not in the range x>=1"),
+    (["--plot", "FILE/x.png"], "--plot", "cannot make the folder")])
+def test_bench_allreduce_refuses_a_bad_option_before_the_run(tmp_path, monkeypatch, args, option,
+                                                              text):
+    import hvd_onebit_tools.cluster.jobs as jobs
+
+    monkeypatch.setattr(jobs, "run_job", lambda *a, **kw: pytest.fail("a job was launched"))
+    (tmp_path / "FILE").write_text("")
+    args = [a.replace("FILE", str(tmp_path / "FILE")) for a in args]
+    result = hvd_onebit(["bench", "allreduce", "--np", "2", *args])
+    assert result.exit_code == 2 and option in result.output and text in result.output, \
+        f"bench allreduce {' '.join(args)}: exit {result.exit_code}, expected 2 with " \
+        f"{option!r} and {text!r} in: {result.output!r}"
+
+
+def test_np_of_a_one_world_command_is_not_offered_as_a_list():
+    """A command that runs one world says so from the first message: `--np abc` does not
+    suggest 2,4,8, which it would then refuse."""
+    for command in (["bench", "train"], ["bench", "dev", "kernel"], ["bench", "dev", "memory"]):
+        word = hvd_onebit([*command, "--np", "abc"])
+        assert word.exit_code == 2 and "'abc' is not a rank count (e.g. 4)" in word.output \
+            and "comma-separated" not in word.output, f"{command}: {word.output}"
+    for command in (["bench", "predict"], ["bench", "allreduce"]):
+        word = hvd_onebit([*command, "--np", "abc"])
+        assert word.exit_code == 2 and "comma-separated list" in word.output, \
+            f"{command} (a sweep): {word.output}"
+
+
+def test_train_lm_help_states_the_block_size_the_optimizer_gets_when_it_is_omitted():
+    import inspect
+
+    import hvd_onebit
+
+    if str(REPO / "examples") not in sys.path:
+        sys.path.insert(0, str(REPO / "examples"))
+    import train_lm
+
+    parser = train_lm.build_parser()
+    options = train_lm.onebit_options(parser.parse_args([]))
+    default = inspect.signature(hvd_onebit.DistributedOptimizer).parameters["block_size"].default
+    help_text = next(a.help for a in parser._actions if "--block-size" in a.option_strings)
+    assert "block_size" not in options and f"block_size, {default}]" in help_text and \
+        "one per chunk" not in help_text, \
+        f"omitted, the optimizer gets block_size={default} (options {options}); " \
+        f"help: {help_text!r}"

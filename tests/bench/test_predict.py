@@ -726,3 +726,145 @@ def test_calibrate_refuses_bad_options_before_measuring(tmp_path, monkeypatch, a
     assert proc.exit_code == 2 and option in proc.stderr and text in proc.stderr, \
         f"{args}: exit {proc.exit_code}, expected {option} and {text!r} in:\n{proc.output}"
     assert measured == [], f"{args}: calibration started with {measured}"
+
+
+BAD_NUMBERS = [
+    (["--params", "1e400"], "--params", "'1e400' is over 1,000,000,000,000,000 parameters"),
+    (["--params", "infM"], "--params", "'infM' is over 1,000,000,000,000,000 parameters"),
+    (["--params", "nan"], "--params", "'nan' is not a positive parameter count"),
+    (["--compute-ms", "nan"], "--compute-ms", "'nan' is not a finite number"),
+    (["--compute-ms", "inf"], "--compute-ms", "'inf' is not a finite number"),
+    (["--compute-ms", "1e308"], "--compute-ms",
+     "1e+308 is beyond what the model prices (at most 1e+07)"),
+    (["--kernel-speedup", "1e-300"], "--kernel-speedup",
+     "1e-300 is beyond what the model prices (from 1e-06 to 1e+06)"),
+    (["--host-speedup", "1e-300"], "--host-speedup",
+     "1e-300 is beyond what the model prices (at least 1e-06)"),
+    (["--adam-ms", "nan"], "--adam-ms", "'nan' is not a finite number"),
+    (["--adam-ms", "60"], "--adam-ms", "60 ms is more than --compute-ms 50"),
+    (["--latency-us", "inf"], "--latency-us", "'inf' is not a finite number"),
+    (["--intra-latency-us", "nan"], "--intra-latency-us", "'nan' is not a finite number"),
+    (["--per-peer-us", "inf"], "--per-peer-us", "'inf' is not a finite number"),
+    (["--kernel-speedup", "inf"], "--kernel-speedup", "'inf' is not a finite number"),
+    (["--kernel-speedup", "nan"], "--kernel-speedup", "'nan' is not a finite number"),
+    (["--host-speedup", "nan"], "--host-speedup", "'nan' is not a finite number"),
+    (["--warmup-frac", "nan"], "--warmup-frac", "'nan' is not a finite number"),
+    (["--refresh-freeze-frac", "nan"], "--refresh-freeze-frac", "'nan' is not a finite number"),
+    (["--run-steps", "0"], "--run-steps", "0 is not in the range 1<=x"),
+    (["--run-lengths", "0,100"], "--run-lengths", "0 is not in the range 1<=x"),
+    (["--run-lengths", "1e400"], "--run-lengths", "'1e400'"),
+    (["--run-lengths", ""], "--run-lengths", "'' names nothing"),
+    (["--methods", ""], "--methods", "'' names nothing"),
+    (["--run-lengths", "100", "--methods", "horovod_fp32"], "--methods", "names no onebit method"),
+    (["--block-size", "7"], "--block-size", "7 is not a multiple of 8"),
+    (["--np", str(1 << 30)], "--np", "a prediction prices at most 16,777,216 ranks"),
+    (["--bandwidth", ""], "--bandwidth", "'' names no link rate"),
+    (["--bandwidth", "1" + "0" * 400 + "tbit"], "--bandwidth", "is not a finite link rate")]
+
+
+@pytest.mark.parametrize("args, option, text", BAD_NUMBERS,
+                         ids=[" ".join(a) for a, _, _ in BAD_NUMBERS])
+def test_predict_refuses_non_finite_and_out_of_range_numbers_before_any_work(
+        tmp_path, monkeypatch, args, option, text):
+    """No traceback and no table of nan or inf: each value is refused by click, naming the
+    option and the value, and no model is built."""
+    import hvd_onebit_tools.bench.predict.model as model
+
+    built = []
+    monkeypatch.setattr(model, "Model", lambda *a, **kw: built.append(a) or pytest.fail("built"))
+    path = save(fake_calibration(), tmp_path / "cal.json")
+    base = {"--params": "8M", "--compute-ms": "50", "--np": "4"}
+    for k in args[::2]:
+        base.pop(k, None)
+    proc = hvd_onebit(["bench", "predict", "--calibration", str(path), *args,
+                       *[x for kv in base.items() for x in kv]])
+    assert proc.exit_code == 2 and option in proc.stderr and text in proc.stderr, \
+        f"{args}: exit {proc.exit_code}, expected {option} and {text!r} in:\n{proc.output}"
+    assert proc.exception is None or isinstance(proc.exception, SystemExit), proc.exception
+    assert built == [], f"{args}: a model was built before the refusal"
+
+
+def test_predict_host_speedup_inf_still_drops_the_host_cost(tmp_path):
+    """The one infinite value with a meaning ('inf' drops the host cost: NIC offload) is kept,
+    and its figures are finite."""
+    path = save(fake_calibration(), tmp_path / "cal.json")
+    proc = hvd_onebit(["bench", "predict", "--calibration", str(path), "--params", "8M",
+                       "--compute-ms", "50", "--host-speedup", "inf", "--json"])
+    assert proc.exit_code == 0, proc.output
+    steps = {m: p["step_s"] for m, p in json.loads(proc.stdout)["rows"][0]["methods"].items()}
+    assert all(math.isfinite(s) and s > 0 for s in steps.values()), \
+        f"step seconds with --host-speedup inf: {steps}"
+
+
+def test_predict_refuses_a_plot_it_cannot_write_before_predicting(tmp_path, monkeypatch):
+    import hvd_onebit_tools.bench.predict.model as model
+
+    monkeypatch.setattr(model, "Model", lambda *a, **kw: pytest.fail("a model was built"))
+    path = save(fake_calibration(), tmp_path / "cal.json")
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    proc = hvd_onebit(["bench", "predict", "--calibration", str(path), "--params", "8M",
+                       "--compute-ms", "50", "--plot", str(blocker / "dir" / "x.png")])
+    assert proc.exit_code == 2 and "--plot" in proc.stderr and "cannot make the folder" in \
+        proc.stderr, f"exit {proc.exit_code}: {proc.output}"
+    made = tmp_path / "new" / "dir" / "x.png"
+    proc = hvd_onebit(["bench", "predict", "--calibration", str(path), "--params", "8M",
+                       "--compute-ms", "50", "--np", "4,8", "--plot", str(made), "--check",
+                       str(tmp_path)])
+    assert proc.exit_code == 2 and "--plot" in proc.stderr and "--check" in proc.stderr, \
+        f"--plot with --check: exit {proc.exit_code}: {proc.output}"
+
+
+def test_predict_makes_the_plot_folder_and_draws_the_sweep(tmp_path):
+    path = save(fake_calibration(), tmp_path / "cal.json")
+    plot = tmp_path / "new" / "dir" / "sweep.png"
+    proc = hvd_onebit(["bench", "predict", "--calibration", str(path), "--params", "8M",
+                       "--compute-ms", "50", "--np", "4,8", "--plot", str(plot), "--json"])
+    assert proc.exit_code == 0, proc.output
+    assert json.loads(proc.stdout)["plot"] == str(plot) and plot.stat().st_size > 0, \
+        f"{plot}: exists {plot.exists()}"
+
+
+def test_predict_run_lengths_plot_draws_the_speed_up_against_run_length(tmp_path):
+    from hvd_onebit_tools.bench.predict.plots import plot_run_lengths
+
+    path = save(fake_calibration(), tmp_path / "cal.json")
+    plot = tmp_path / "run_lengths.png"
+    proc = hvd_onebit(["bench", "predict", "--calibration", str(path), "--params", "8M",
+                       "--compute-ms", "50", "--run-lengths", "1000,10000", "--methods",
+                       "horovod_fp32,onebit", "--plot", str(plot), "--json"])
+    assert proc.exit_code == 0, proc.output
+    report = json.loads(proc.stdout)
+    assert report["plot"] == str(plot) and plot.stat().st_size > 0, \
+        f"report's plot {report.get('plot')!r}, {plot} exists: {plot.exists()}"
+    rows = report["rows"]
+    drawn = plot_run_lengths(rows, str(tmp_path / "again.png"), "title")
+    expected = {f"onebit, np=4, 1gbit: {setting}": ([1000, 10000], [r[key] for r in rows])
+                for setting, key in (("fixed warmup", "fixed_run_speedup_vs_fp32"),
+                                     ("refresh", "refresh_run_speedup_vs_fp32"))}
+    assert drawn == expected, f"drew {drawn}, the rows hold {expected}"
+
+
+def test_predict_states_the_freeze_step_it_prices_when_a_fraction_rounds_to_step_0(tmp_path):
+    """freeze_step is at least 1 in the library: --refresh-freeze-frac 0 prices a freeze after
+    step 1, and the printed text says step 1, not 0%."""
+    from hvd_onebit_tools.bench.predict.runs import frozen_at
+
+    path = save(fake_calibration(), tmp_path / "cal.json")
+    args = ["bench", "predict", "--calibration", str(path), "--params", "8M", "--compute-ms",
+            "50", "--refresh-freeze-frac", "0", "--run-lengths", "1000"]
+    proc = hvd_onebit([*args, "--json"])
+    assert proc.exit_code == 0, proc.output
+    freezes = {r["refresh_freeze_step"] for r in json.loads(proc.stdout)["rows"]}
+    assert freezes == {1}, f"refresh freeze steps priced: {freezes}"
+    header = hvd_onebit(args).stdout.splitlines()[0]
+    assert "frozen at step 1 (0.1%, freeze_step is at least 1)" in header and \
+        "frozen at 0%" not in header, header
+    table = hvd_onebit([*args[:-2], "--run-steps", "1000"]).stdout
+    assert "variance_refresh=doubling frozen at step 1 (0.1%, freeze_step is at least 1)" in \
+        table, table
+    got = (frozen_at(0.05, [10000]), frozen_at(0.05, [1000, 10000]), frozen_at(0, [100, 1000]),
+           frozen_at(0.001, [100, 10000]))
+    assert got == ("step 500 (5%)", "5% of each run",
+                   "step 1 of each run (0% rounds to 0; freeze_step is at least 1)",
+                   "0.1% of each run (step 1 at 100 steps: freeze_step is at least 1)"), got

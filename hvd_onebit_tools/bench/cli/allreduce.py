@@ -8,12 +8,13 @@ import click
 from ..allreduce import DEFAULT_METHODS, METHODS, summarize
 from ..report import machine_info, print_table
 from .options import (check_real_cluster, cluster_for, comma_list, link_rates, nodes_options,
-                      np_option, parse_count, queue_option, real_cluster_options)
+                      np_option, output_file, parse_count, queue_option, real_cluster_options)
 
 
 @click.command("allreduce")
 @np_option("2,4", "World sizes to run.", sweep=True)
-@click.option("--sizes", default="1M,4M,16M,64M", show_default=True, callback=comma_list(parse_count),
+@click.option("--sizes", default="1M,4M,16M,64M", show_default=True,
+              callback=comma_list(parse_count, empty_ok=False),
               help="Buffer sizes in fp32 elements, comma separated.")
 @click.option("--bandwidth", "bandwidths", default="local", show_default=True,
               callback=link_rates,
@@ -21,17 +22,21 @@ from .options import (check_real_cluster, cluster_for, comma_list, link_rates, n
                    "10gbit,unlimited); 'local' runs plain horovodrun on loopback without "
                    "emulation. Emulation needs root.")
 @click.option("--methods", default=",".join(DEFAULT_METHODS), show_default=True,
-              callback=comma_list(str), help=f"Which allreduces to time, from {', '.join(METHODS)}; "
-              "onebit_mpi is OneBitAllreduce over mpi4py and needs --controller mpi.")
-@click.option("--repeats", default=5, show_default=True, help="Timed calls per size and method.")
+              callback=comma_list(str, empty_ok=False),
+              help=f"Which allreduces to time, from {', '.join(METHODS)}; onebit_mpi is "
+                   "OneBitAllreduce over mpi4py and needs --controller mpi.")
+@click.option("--repeats", default=5, show_default=True, type=click.IntRange(1),
+              help="Timed calls per size and method.")
 @click.option("--controller", type=click.Choice(["gloo", "mpi"]), default="gloo",
               show_default=True, help="Horovod controller for local and --hosts runs.")
 @real_cluster_options
 @queue_option
 @nodes_options
 @click.option("--timeout", default=1800.0, show_default=True, help="Seconds per job.")
-@click.option("--plot", default=None, type=click.Path(dir_okay=False),
-              help="Write a PNG of speed-up over fp32 against bandwidth.")
+@click.option("--plot", default=None, type=click.Path(dir_okay=False), callback=output_file,
+              help="Write a PNG of speed-up over fp32: against the link rate for a sweep of "
+                   "two or more emulated --bandwidth rates, else against buffer size (on "
+                   "loopback, a real cluster or one emulated rate).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 def bench_allreduce(nps, sizes, bandwidths, methods, repeats, controller, hosts,
                     shared_dir, queue_ms, ranks_per_node, intra_bandwidth, timeout, plot,

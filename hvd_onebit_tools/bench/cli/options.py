@@ -4,6 +4,7 @@ a command runs its jobs on."""
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import Optional
 
 import click
@@ -11,6 +12,7 @@ import click
 from hvd_onebit.config import FREEZE_FRACTION, FROZEN_FREEZE_FRACTION
 
 SIZE_SUFFIX = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+MAX_PARAMS = 10**15  # a thousand times today's largest models; beyond it the figures overflow
 
 
 def parse_count(text: str) -> int:
@@ -21,23 +23,62 @@ def parse_count(text: str) -> int:
     return int(t)
 
 
-def comma_list(kind):
-    """A click callback: the comma-separated value as a list of ``kind`` (e.g. int)."""
+def comma_list(kind, empty_ok: bool = True):
+    """A click callback: the comma-separated value as a list of ``kind`` (e.g. int, or a click
+    type such as ``click.IntRange(1)``). ``empty_ok=False``: a value naming nothing is refused."""
     def convert(ctx, param, value):
         try:
-            return [kind(v) for v in value.split(",") if v.strip()]
+            items = [kind(v) for v in value.split(",") if v.strip()]
         except ValueError as exc:
             raise click.BadParameter(str(exc)) from exc
+        except OverflowError:  # e.g. int(float("1e400"))
+            raise click.BadParameter(f"{value!r} is not finite") from None
+        if not items and not empty_ok:
+            raise click.BadParameter(f"{value!r} names nothing: give one or more, comma "
+                                     "separated")
+        return items
     return convert
 
 
-def parse_np(text) -> list:
-    """``--np``'s one parser: a rank count or a comma-separated list of them (e.g. 4 or 2,4,8)."""
+class Finite(click.FloatRange):
+    """``click.FloatRange`` that also refuses nan, and inf unless ``allow_inf`` (which a range
+    lets through when it has no bound on that side, and nan always); ``priced``: (least, most)
+    finite values the command can price, checked after the range (None: no bound)."""
+
+    def __init__(self, *args, allow_inf: bool = False, priced=(None, None), **kwargs):
+        super().__init__(*args, **kwargs)
+        self.allow_inf, self.priced = allow_inf, priced
+
+    def convert(self, value, param, ctx):
+        number = click.FLOAT.convert(value, param, ctx)
+        if math.isnan(number) or (math.isinf(number) and not self.allow_inf):
+            self.fail(f"{value!r} is not a finite number", param, ctx)
+        number = super().convert(number, param, ctx)
+        least, most = self.priced
+        if math.isfinite(number) and ((least is not None and number < least) or
+                                      (most is not None and number > most)):
+            bounds = (f"at most {most:g}" if least is None else f"at least {least:g}"
+                      if most is None else f"from {least:g} to {most:g}")
+            self.fail(f"{number:g} is beyond what the model prices ({bounds})", param, ctx)
+        return number
+
+
+def block_size_check(ctx, param, value):
+    """A click callback for ``--block-size``: 0 (one scale per chunk) or a multiple of 8."""
+    if value % 8:
+        raise click.BadParameter(f"{value} is not a multiple of 8 (or 0: one scale per chunk)")
+    return value
+
+
+def parse_np(text, one: bool = False) -> list:
+    """``--np``'s one parser: a rank count or a comma-separated list of them (e.g. 4 or 2,4,8);
+    ``one``: the command takes a single count, and its message says so."""
     try:
         nps = [int(v) for v in str(text).split(",") if v.strip()]
     except ValueError:
-        raise click.BadParameter(f"{text!r} is not a rank count or a comma-separated list of "
-                                 "them (e.g. 4 or 2,4,8)", param_hint="--np") from None
+        what = ("a rank count (e.g. 4)" if one else
+                "a rank count or a comma-separated list of them (e.g. 4 or 2,4,8)")
+        raise click.BadParameter(f"{text!r} is not {what}", param_hint="--np") from None
     if not nps or min(nps) < 1:
         raise click.BadParameter(f"{text!r}: rank counts are positive integers",
                                  param_hint="--np")
@@ -54,9 +95,14 @@ def parameter_count(ctx, param, value):
         n = parse_params(value)
     except ValueError:
         n = 0
+    except OverflowError:  # inf, 1e400
+        n = MAX_PARAMS + 1
     if n < 1:
         raise click.BadParameter(f"{value!r} is not a positive parameter count (e.g. 350M, "
                                  "9.4e6)", param_hint="--params")
+    if n > MAX_PARAMS:
+        raise click.BadParameter(f"{value!r} is over {MAX_PARAMS:,} parameters, the most the "
+                                 "model prices", param_hint="--params")
     return n
 
 
@@ -64,7 +110,7 @@ def np_option(default, help: str, sweep: bool = False):
     """``--np`` as every command spells it, parsed by :func:`parse_np`. ``sweep``: the command
     runs every count given (a list); otherwise it takes one, and a list is refused."""
     def convert(ctx, param, value):
-        nps = parse_np(value)
+        nps = parse_np(value, one=not sweep)
         if sweep:
             return nps
         if len(nps) != 1:
@@ -87,12 +133,17 @@ def link_rate(ctx, param, value):
         parse_bandwidth(value)
     except ValueError as exc:
         raise click.BadParameter(str(exc)) from exc
+    except OverflowError:
+        raise click.BadParameter(f"{value!r} is not a finite link rate") from None
     return value
 
 
 def link_rates(ctx, param, value):
     """:func:`link_rate` for a comma-separated list of rates; returns the list as given."""
-    return [link_rate(ctx, param, v.strip()) for v in value.split(",") if v.strip()]
+    given = [link_rate(ctx, param, v.strip()) for v in value.split(",") if v.strip()]
+    if not given:
+        raise click.BadParameter(f"{value!r} names no link rate (e.g. local or 1gbit,10gbit)")
+    return given
 
 
 def check_real_cluster(hosts: Optional[str], shared_dir: Optional[str]) -> None:
@@ -166,7 +217,7 @@ def refresh_options(what: str, freeze_help: str):
     def decorate(command):
         command = click.option(
             "--refresh-freeze-frac", default=FREEZE_FRACTION, show_default=True,
-            type=click.FloatRange(0, 1),
+            type=Finite(0, 1),
             help=freeze_help + " (an early freeze is the recommended setting with a refresh "
                  "schedule).")(command)
         return click.option(
@@ -188,6 +239,11 @@ def rates(ctx, param, value):
     from ...cluster.bandwidth import parse_bandwidth
 
     try:
-        return [parse_bandwidth(v) for v in value.split(",") if v.strip()]
+        bps = [parse_bandwidth(v) for v in value.split(",") if v.strip()]
     except ValueError as exc:
         raise click.BadParameter(str(exc)) from exc
+    except OverflowError:
+        raise click.BadParameter(f"{value!r} is not a finite link rate") from None
+    if not bps:
+        raise click.BadParameter(f"{value!r} names no link rate (e.g. 1gbit or 1gbit,10gbit)")
+    return bps

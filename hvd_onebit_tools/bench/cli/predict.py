@@ -9,8 +9,17 @@ import click
 from hvd_onebit.config import DEFAULT_BLOCK_SIZE
 
 from ..train import MODELS as TRAIN_MODELS
-from .options import (FROZEN_FREEZE_FRACTION, comma_list, np_option, parameter_count, rates,
-                      refresh_options)
+from .options import (FROZEN_FREEZE_FRACTION, Finite, block_size_check, comma_list,
+                      np_option, output_file, parameter_count, rates, refresh_options)
+
+# The most each option prices, far beyond any real job, so that every figure stays finite.
+MAX_RANKS = 1 << 24
+MAX_MS = 1e7  # compute per step: 10,000 s
+MAX_US = 1e7  # a latency or per-peer cost: 10 s
+MAX_STEPS = 10**12
+SPEEDUPS = (1e-6, 1e6)  # --kernel-speedup's; --host-speedup's lower bound (and inf)
+MS, US = (Finite(min=0, priced=(None, MAX_MS)), Finite(min=0, priced=(None, MAX_US)))
+STEPS = click.IntRange(1, MAX_STEPS)
 
 
 def check_world(nps: list[int], ranks_per_node: int) -> None:
@@ -18,6 +27,9 @@ def check_world(nps: list[int], ranks_per_node: int) -> None:
     if min(nps) < 2:
         raise click.BadParameter(f"{min(nps)}: a prediction needs 2 or more ranks (one rank "
                                  "sends nothing)", param_hint="--np")
+    if max(nps) > MAX_RANKS:
+        raise click.BadParameter(f"{max(nps)}: a prediction prices at most {MAX_RANKS:,} ranks",
+                                 param_hint="--np")
     uneven = [n for n in nps if n % ranks_per_node]
     if uneven:
         raise click.BadParameter(f"{uneven} rank(s) do not fill whole nodes of "
@@ -37,9 +49,9 @@ def check_world(nps: list[int], ranks_per_node: int) -> None:
               help="Link rate between nodes (each node's link), comma separated for a sweep.")
 @click.option("--intra-bandwidth", default="unlimited", show_default=True,
               callback=lambda c, p, v: rates(c, p, v)[0], help="Each rank's link inside a node.")
-@click.option("--latency-us", default=0.0, show_default=True, type=click.FloatRange(min=0),
+@click.option("--latency-us", default=0.0, show_default=True, type=US,
               help="One-way link latency between nodes, microseconds.")
-@click.option("--intra-latency-us", default=0.0, show_default=True, type=click.FloatRange(min=0),
+@click.option("--intra-latency-us", default=0.0, show_default=True, type=US,
               help="One-way latency inside a node, microseconds.")
 @click.option("--params", default=None, callback=parameter_count,
               help="Parameters (e.g. 350M, 9.4e6); default: the --model's.")
@@ -47,38 +59,39 @@ def check_world(nps: list[int], ranks_per_node: int) -> None:
               help="Take compute time (and parameters) from the calibration's measurement of "
                    "`bench train --model ...` at its default sizes: forward + backward and "
                    "Adam, each timed in lock-step as steps with collectives run them.")
-@click.option("--compute-ms", default=None, type=click.FloatRange(min=0),
+@click.option("--compute-ms", default=None, type=MS,
               help="Compute per step: forward + backward + Adam (e.g. `bench train`'s local "
                    "step); with --check, every run's (for runs of a model the calibration did "
                    "not time).")
-@click.option("--adam-ms", default=None, type=click.FloatRange(min=0),
+@click.option("--adam-ms", default=None, type=MS,
               help="Adam's part of --compute-ms, which the compressed step replaces by its "
                    "kernels [default: 0, no credit; with --model alone: calibrated].")
 @click.option("--warmup-frac", default=FROZEN_FREEZE_FRACTION, show_default=True,
-              type=click.FloatRange(0, 1),
+              type=Finite(0, 1),
               help="Share of the steps in 1-bit Adam's full-precision warmup, the variance "
                    "frozen after it (variance_refresh=None).")
-@click.option("--run-steps", default=10000, show_default=True, type=click.IntRange(min=1),
+@click.option("--run-steps", default=10000, show_default=True, type=STEPS,
               help="Steps in the run, for the whole-run figures counted in steps: the fixed "
                    "warmup (--warmup-frac) against the --variance-refresh setting.")
 @refresh_options("The refresh setting each 1-bit row is also priced with",
                  "freeze_step of the refresh setting, as a share of --run-steps")
 @click.option("--run-lengths", default=None, callback=lambda c, p, v: None if v is None else
-              comma_list(int)(c, p, v),
+              comma_list(STEPS, empty_ok=False)(c, p, v),
               help="Instead: a table (or --json) of the whole-run speed-up over Horovod fp32 "
                    "against run length (e.g. 1000,3000,10000,30000,100000) for 1-bit Adam at "
-                   "--warmup-frac and the refresh setting, at each --np and --bandwidth.")
+                   "--warmup-frac and the refresh setting, at each --np and --bandwidth; with "
+                   "--plot, drawn against run length.")
 @click.option("--colocated", is_flag=True,
               help="All ranks share this machine's cores (as on the emulated cluster): compute "
                    "and kernels at the speeds calibrated with that many processes at once.")
 @click.option("--kernel-speedup", default=1.0, show_default=True,
-              type=click.FloatRange(min=0, min_open=True),
+              type=Finite(min=0, min_open=True, priced=SPEEDUPS),
               help="Divide the calibrated kernel and Adam times per element (a faster device).")
 @click.option("--host-speedup", default=1.0, show_default=True,
-              type=click.FloatRange(min=0, min_open=True),
+              type=Finite(min=0, min_open=True, allow_inf=True, priced=(SPEEDUPS[0], None)),
               help="Divide the calibrated host cost per byte of collectives (copies, reductions,"
                    " TCP); 'inf' drops it (NIC offload).")
-@click.option("--per-peer-us", default=None, type=click.FloatRange(min=0),
+@click.option("--per-peer-us", default=None, type=US,
               help="Replace the calibrated per-peer cost of every collective (microseconds).")
 @click.option("--transport", default="torch", show_default=True,
               type=click.Choice(["torch", "horovod"]),
@@ -97,13 +110,13 @@ def check_world(nps: list[int], ranks_per_node: int) -> None:
                    "node's links (--intra-bandwidth: NVLink, PCIe) or through shared memory (a "
                    "barrier each: CPU ranks, intra_node='auto' on CPU).")
 @click.option("--block-size", default=DEFAULT_BLOCK_SIZE, show_default=True,
-              type=click.IntRange(min=0),
+              type=click.IntRange(min=0), callback=block_size_check,
               help="Elements per scale in the 1-bit rows, as the optimizer's block_size; 0: one "
                    "scale per chunk.")
 @click.option("--methods", default="horovod_fp32,horovod_fp16,onebit,onebit_hierarchical",
               show_default=True, callback=comma_list(click.Choice(
                   ["horovod_fp32", "horovod_fp16", "onebit", "onebit_hierarchical",
-                   "onebit_hierarchical_group"])),
+                   "onebit_hierarchical_group"]), empty_ok=False),
               help="Methods to predict (onebit_hierarchical_group: with --transport horovod, "
                    "the hierarchical scheme with its stages as Horovod collectives of their own "
                    "groups, which the library does not use; with --transport torch, the same as "
@@ -111,12 +124,14 @@ def check_world(nps: list[int], ranks_per_node: int) -> None:
 @click.option("--check", "check_dir", default=None, type=click.Path(exists=True, file_okay=False),
               help="Instead: compare predictions with every `bench train --json` output "
                    "(train_*.json) in this folder and print each pair.")
-@click.option("--plot", default=None, type=click.Path(dir_okay=False),
-              help="PNG: speed-up against ranks for a sweep, else each method's phases.")
+@click.option("--plot", default=None, type=click.Path(dir_okay=False), callback=output_file,
+              help="PNG: speed-up against ranks for a sweep, against run length with "
+                   "--run-lengths, else each method's phases.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 def bench_predict(calibration, nps, ranks_per_node, bandwidths, intra_bandwidth, latency_us,
                   intra_latency_us, params, bench_model, compute_ms, adam_ms, warmup_frac,
-                  run_steps, variance_refresh, refresh_freeze_frac, run_lengths, colocated, kernel_speedup, host_speedup, per_peer_us, transport,
+                  run_steps, variance_refresh, refresh_freeze_frac, run_lengths, colocated,
+                  kernel_speedup, host_speedup, per_peer_us, transport,
                   hierarchical_ops, intra_node, block_size, methods, check_dir, plot,
                   as_json) -> None:
     """Predict step time per phase, whole-run speed-up and bytes per rank of Horovod fp32/fp16,
@@ -129,12 +144,22 @@ def bench_predict(calibration, nps, ranks_per_node, bandwidths, intra_bandwidth,
     from ..predict.check import check_report
     from ..predict.job import Cluster, Job, parse_params
     from ..predict.model import HIERARCHICAL_NOTE, Model
-    from ..predict.runs import (RunSetting, add_run_figures, fp32_step_bytes, print_run_lengths,
-                                run_length_sweep, sweep_clusters)
+    from ..predict.runs import (RunSetting, add_run_figures, fp32_step_bytes, frozen_at,
+                                print_run_lengths, run_length_sweep, sweep_clusters)
     from ..refresh import option_text, parse_variance_refresh
     from ..predict.sweep import crossovers, sweep
     from ..predict.tables import print_check, print_prediction
 
+    if adam_ms is not None and compute_ms is not None and adam_ms > compute_ms:
+        raise click.BadParameter(f"{adam_ms:g} ms is more than --compute-ms {compute_ms:g}, of "
+                                 "which it is Adam's part", param_hint="--adam-ms")
+    if plot and check_dir:
+        raise click.UsageError("--plot draws a prediction; --check prints its pairs with the "
+                               "runs and draws nothing: give one of them")
+    if run_lengths and not any(m.startswith("onebit") for m in methods):
+        raise click.BadParameter(f"--run-lengths prices 1-bit Adam's runs: --methods "
+                                 f"{','.join(methods)} names no onebit method",
+                                 param_hint="--methods")
     try:
         refresh = parse_variance_refresh(variance_refresh)
     except ValueError as exc:
@@ -189,6 +214,7 @@ def bench_predict(calibration, nps, ranks_per_node, bandwidths, intra_bandwidth,
               "host_speedup": host_speedup, "per_peer_s": model.per_peer_s,
               "transport": transport, "hierarchical_ops": hierarchical_ops,
               "intra_node": intra_node}
+    head = f"{n_params / 1e6:,.0f}M params, compute {inputs['compute_s'] * 1e3:,.0f} ms/step"
     if run_lengths:
         clusters = sweep_clusters(nps, bandwidths, ranks_per_node, intra_bandwidth,
                                   latency_us * 1e-6, intra_latency_us * 1e-6, colocated)
@@ -200,6 +226,14 @@ def bench_predict(calibration, nps, ranks_per_node, bandwidths, intra_bandwidth,
         del inputs["run_steps"]
         report = {"benchmark": "predict_run_lengths", "calibration": cal.get("machine"),
                   "inputs": {**inputs, "run_lengths": run_lengths}, "rows": rows}
+        if plot:
+            from ..predict.plots import plot_run_lengths
+
+            plot_run_lengths(rows, plot, f"{head} (predicted)\n1-bit Adam frozen at "
+                             f"{frozen_at(warmup_frac, run_lengths)} (solid) vs variance_refresh="
+                             f"{option_text(refresh)} frozen at "
+                             f"{frozen_at(refresh_freeze_frac, run_lengths)} (dashed)")
+            report["plot"] = plot
         if as_json:
             click.echo(json.dumps(report, indent=2))
         else:
@@ -219,8 +253,7 @@ def bench_predict(calibration, nps, ranks_per_node, bandwidths, intra_bandwidth,
         from ...cluster.bandwidth import format_bandwidth
         from ..predict.plots import plot_phases, plot_sweep
 
-        title = (f"{n_params / 1e6:,.0f}M params, compute {report['inputs']['compute_s'] * 1e3:,.0f}"
-                 f" ms/step, warmup {warmup_frac:.0%}, {ranks_per_node} ranks/node (predicted)")
+        title = f"{head}, warmup {warmup_frac:.0%}, {ranks_per_node} ranks/node (predicted)"
         if len(rows) > 1:
             plot_sweep(rows, plot, title)
         else:

@@ -15,17 +15,11 @@ from ..train import DEFAULT_METHODS as TRAIN_DEFAULT_METHODS
 from ..train import METHODS as TRAIN_METHODS
 from ..train import MODELS as TRAIN_MODELS
 from ..train import WAITS as TRAIN_WAITS
-from .options import (FROZEN_FREEZE_FRACTION, check_real_cluster, cluster_for, comma_list,
-                      link_rate, nodes_options, np_option, output_file, queue_option,
-                      real_cluster_options, refresh_options)
+from .options import (FROZEN_FREEZE_FRACTION, block_size_check, check_real_cluster,
+                      cluster_for, comma_list, link_rate, nodes_options, np_option, output_file,
+                      queue_option, real_cluster_options, refresh_options)
 
 POSITIVE = click.IntRange(min=1)
-
-
-def _block_size(ctx, param, value):
-    if value % 8:
-        raise click.BadParameter(f"{value} is not a multiple of 8 (or 0: one scale per chunk)")
-    return value
 
 
 def _check_warmups(methods, steps: int, warmup_frac: float, refresh_freeze_frac: float) -> None:
@@ -101,7 +95,7 @@ def _check_warmups(methods, steps: int, warmup_frac: float, refresh_freeze_frac:
 @click.option("--bucket-size-mb", default=None, type=click.FloatRange(min=0, min_open=True),
               help="1-bit Adam's bucket_size_mb [default: the optimizer's].")
 @click.option("--block-size", default=0, show_default=True, type=click.IntRange(0),
-              callback=_block_size,
+              callback=block_size_check,
               help="onebit_blocks' block_size: elements per scale (a multiple of 8), or 0: one "
                    "scale per chunk (the default's granularity is 512).")
 @click.option("--intra-node", default="auto", show_default=True,

@@ -74,3 +74,42 @@ def plot_phases(pred: dict, path: str, title: str) -> None:
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+def plot_run_lengths(rows: list[dict], path: str, title: str) -> dict:
+    """`--run-lengths`' figure: each 1-bit method's whole-run speed-up over Horovod fp32
+    against run length, at the fixed warmup (solid) and with the refresh setting (dashed), one
+    pair of lines per method, world size and bandwidth. Returns what it drew: label -> (run
+    lengths, speed-ups)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from ...cluster.bandwidth import format_bandwidth
+
+    fig, ax = plt.subplots(figsize=(10.5, 5))
+    drawn = {}
+    curves = sorted({(r["np"], r["inter_bps"] or 0, r["method"]) for r in rows})
+    for i, (n, bps, method) in enumerate(curves):
+        sel = sorted((r for r in rows if (r["np"], r["inter_bps"] or 0, r["method"])
+                      == (n, bps, method)), key=lambda r: r["run_steps"])
+        xs = [r["run_steps"] for r in sel]
+        where = f"{method}, np={n}, {format_bandwidth(int(bps)) if bps else 'unlimited'}"
+        color = f"C{i % 10}"
+        for key, style, setting in (("fixed_run_speedup_vs_fp32", "-", "fixed warmup"),
+                                    ("refresh_run_speedup_vs_fp32", "--", "refresh")):
+            ys = [r[key] for r in sel]
+            label = f"{where}: {setting}"
+            ax.plot(xs, ys, style, color=color, marker="o", ms=3, label=label)
+            drawn[label] = (xs, ys)
+    ax.axhline(1, color="black", lw=0.8)
+    ax.set_xscale("log")
+    ax.set_xlabel("run length (steps)")
+    ax.set_ylabel("whole-run speed-up over Horovod fp32 Adam")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return drawn

@@ -13,6 +13,8 @@ takes::
 
 The refresh setting freezes at ``round(refresh_freeze_frac * S)`` (at least 1); the fixed
 setting at ``round(warmup_frac * S)`` with no refresh, the same rounding `bench train` uses.
+The library's ``freeze_step`` is at least 1, so a fraction that rounds to step 0 is priced (and
+printed, :func:`frozen_at`) as a freeze after step 1.
 """
 from __future__ import annotations
 
@@ -37,9 +39,29 @@ class RunSetting:
     refresh_freeze_frac: float = 0.05
 
     def describe(self) -> str:
-        return (f"{self.run_steps:,}-step run: 1-bit Adam frozen at {self.warmup_frac:.0%} vs "
-                f"variance_refresh={option_text(self.variance_refresh)} frozen at "
-                f"{self.refresh_freeze_frac:.0%}")
+        S = [self.run_steps]
+        return (f"{self.run_steps:,}-step run: 1-bit Adam frozen at "
+                f"{frozen_at(self.warmup_frac, S)} vs variance_refresh="
+                f"{option_text(self.variance_refresh)} frozen at "
+                f"{frozen_at(self.refresh_freeze_frac, S)}")
+
+
+def frozen_at(frac: float, run_lengths: list[int]) -> str:
+    """Where ``frac`` of each run freezes, as priced (:func:`freeze_step_for`: rounded, at least
+    step 1, the library's least ``freeze_step``): 'step 500 (5%)' for one run length, '5% of
+    each run' for several, saying where the rounding gives step 0 and step 1 is priced."""
+    clamped = [S for S in run_lengths if round(frac * S) < 1]
+    note = "freeze_step is at least 1"
+    if len(run_lengths) == 1:
+        S = run_lengths[0]
+        F = freeze_step_for(frac, S)
+        return f"step {F:,} ({100 * F / S:.3g}%" + (f", {note})" if clamped else ")")
+    if len(clamped) == len(run_lengths):
+        return f"step 1 of each run ({100 * frac:.3g}% rounds to 0; {note})"
+    text = f"{100 * frac:.3g}% of each run"
+    if clamped:
+        text += f" (step 1 at {', '.join(f'{S:,}' for S in clamped)} steps: {note})"
+    return text
 
 
 def whole_run(steps: dict, fp32_step_s: float, compressed_step_s: float, fp32_bytes: float,
@@ -132,10 +154,12 @@ def print_run_lengths(report: dict, echo=None) -> None:
 
     echo = echo or click.echo
     inputs = report["inputs"]
+    lengths = inputs["run_lengths"]
     echo(f"{inputs['params']:,} parameters, compute {inputs['compute_s'] * 1e3:,.1f} ms/step; "
-         f"whole-run speed-up over Horovod fp32: 1-bit Adam at {inputs['warmup_frac']:.0%} "
-         f"warmup vs variance_refresh={inputs['variance_refresh']} frozen at "
-         f"{inputs['refresh_freeze_frac']:.0%}")
+         f"whole-run speed-up over Horovod fp32: 1-bit Adam frozen at "
+         f"{frozen_at(inputs['warmup_frac'], lengths)} vs variance_refresh="
+         f"{inputs['variance_refresh']} frozen at "
+         f"{frozen_at(inputs['refresh_freeze_frac'], lengths)}")
     table = [{**r, "bw": "unlimited" if not r["inter_bps"] else f"{r['inter_bps'] / 1e9:g} Gbit/s",
               "fp": f"{r['refresh_full_precision_steps']:,} ({r['refresh_freeze_step']:,}"
                     f" + {r['refresh_steps']})"}
