@@ -133,7 +133,11 @@ class StallWatch:
             if not shutdown and (call.warned or not 0 < s.warning_s <= waited):
                 return None
             call.warned = True
-        what = f"{call.describe()} has not returned after {waited:.0f} s"
+        try:
+            name = call.describe()
+        except Exception as exc:  # noqa: BLE001 - the watch must tell, whatever naming raised
+            name = f"a watched call (naming it raised {type(exc).__name__})"
+        what = f"{name} has not returned after {waited:.0f} s"
         if shutdown:
             return Due(f"hvd_onebit: {what}; ending this process (exit status {EXIT_STATUS}, "
                        f"{SHUTDOWN_VARIABLE}={s.shutdown_s:g}): {CAUSES}", True)

@@ -58,6 +58,15 @@ def test_each_call_is_timed_from_its_own_start_and_an_inner_call_is_part_of_the_
                                                       "12 s"), f"the outer call at 12 s: {due}"
 
 
+def test_a_call_whose_name_cannot_be_told_is_still_warned_about():
+    watch, clock = watched(StallSettings(warning_s=1))
+    with watch.watching(lambda: 1 / 0):
+        clock.now += 2
+        due = watch.due(clock.now)
+    assert due is not None and "a watched call (naming it raised ZeroDivisionError) has not " \
+        "returned after 2 s" in due.message, f"at 2 s: {due}"
+
+
 def test_no_watch_when_both_limits_are_zero():
     watch, clock = watched(StallSettings(warning_s=0, shutdown_s=0))
     with watch.watching(lambda: "step"):
