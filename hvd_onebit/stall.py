@@ -5,15 +5,15 @@ whose peers are elsewhere (a checkpoint loaded on some ranks only, ``requires_gr
 some ranks only, one more ``step()`` or ``flush_error_feedback()`` on some ranks, uneven batches
 under ``join()``) waits in its collectives for ever, and its peers in theirs. Horovod's stall
 check sees only Horovod's own operations, and the 1-bit stages travel outside them; so while a
-rank is inside ``step()`` or ``flush_error_feedback()``, one thread per process watches the
-clock:
+rank is inside ``step()`` or ``flush_error_feedback()``, or (DDP face) DDP's own allreduce of a
+gradient bucket is in flight, one thread per process watches the clock:
 
 - after ``HVD_ONEBIT_STALL_WARNING_S`` seconds in one call (default 60; 0: never) it prints,
-  once per call, which call this rank is in (its ``step()`` count, step count, phase and
-  trainable parameters) and the usual causes;
+  once per call, which call this rank is in (the ``step()`` calls before it, the step count and
+  kind of step, the trainable parameters) and the usual causes;
 - after ``HVD_ONEBIT_STALL_SHUTDOWN_S`` seconds (default 0: never) it ends the process with exit
-  status :data:`EXIT_STATUS`, so that the launcher ends the job (and an elastic one restarts)
-  instead of holding its machines.
+  status :data:`EXIT_STATUS`, so that the launcher ends the job (torchrun's ``--max-restarts``
+  starts it again) instead of holding its machines.
 
 A step slower than the warning's limit (a very large model on a very slow link) is warned about
 too; raise the limit for such a job.
@@ -88,37 +88,49 @@ class Due:
 
 
 class StallWatch:
-    """The calls of one process, watched (:meth:`watching`), one per thread (ranks as threads
-    each have theirs); :meth:`due` is the decision, apart from the thread that acts on it."""
+    """The calls of one process, watched: a block of code (:meth:`watching`, the outermost one
+    per thread: ranks as threads each have theirs), or an operation from :meth:`begin` to
+    :meth:`end`, whatever thread ends it. :meth:`due` is the decision, apart from the thread that
+    acts on it."""
 
     def __init__(self, settings: StallSettings, clock: Callable[[], float] = time.monotonic):
         self.settings = settings
         self._clock = clock
         self._lock = threading.Lock()
-        self._calls: dict[int, _Call] = {}  # thread id -> its outermost watched call
+        self._calls: dict[object, _Call] = {}  # a thread's id, or a begin() token -> its call
         self._started = False
 
     @contextmanager
     def watching(self, describe: Callable[[], str]) -> Iterator[None]:
         """Watch the call inside; ``describe()`` names it in the message (called only then).
         A call inside a watched one is part of it."""
-        if not self.settings.on:
-            yield
-            return
         me = threading.get_ident()
-        with self._lock:
-            outer = me not in self._calls
-            if outer:
-                self._calls[me] = _Call(describe, self._clock())
-            start, self._started = not self._started, True
-        if start:
-            self._start()
+        outer = self.settings.on and me not in self._calls
+        if outer:
+            self._add(me, describe)
         try:
             yield
         finally:
             if outer:
-                with self._lock:
-                    del self._calls[me]
+                self.end(me)
+
+    def begin(self, describe: Callable[[], str]) -> object:
+        """Watch an operation until :meth:`end` is called with the token returned."""
+        token = object()
+        if self.settings.on:
+            self._add(token, describe)
+        return token
+
+    def end(self, token: object) -> None:
+        with self._lock:
+            self._calls.pop(token, None)
+
+    def _add(self, key: object, describe: Callable[[], str]) -> None:
+        with self._lock:
+            self._calls[key] = _Call(describe, self._clock())
+            start, self._started = not self._started, True
+        if start:
+            self._start()
 
     def due(self, now: float) -> Optional[Due]:
         """What the watch must do at ``now``, if anything (a warning once per call; the call
@@ -155,7 +167,8 @@ class StallWatch:
             due = self.due(self._clock())
             if due is None:
                 continue
-            print(due.message, file=sys.stderr, flush=True)
+            sys.stderr.write(due.message + "\n")  # one write: ranks sharing a stream stay apart
+            sys.stderr.flush()
             if due.shutdown:
                 sys.stdout.flush()
                 os._exit(EXIT_STATUS)

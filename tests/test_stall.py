@@ -84,17 +84,23 @@ def test_a_bad_setting_is_refused_naming_the_variable(value):
 
 
 @pytest.mark.multirank
-def test_a_step_no_other_rank_joins_is_told_then_ended():
-    """Rank 0 takes a sixth step() while rank 1 sleeps outside any collective: without the
-    watch the job waits out the test's timeout; with it rank 0 says where it waits, then ends
-    with the watch's exit status, and torchrun ends the job."""
+@pytest.mark.parametrize("freeze_step, where", [
+    (2, "optimizer.step() (after 5 step() calls since the optimizer was built, step count 5: "
+        "a compressed step"),
+    (100, "DDP's gradient allreduce in backward (after 5 step() calls since the optimizer was "
+          "built, step count 5: a warmup step")], ids=["compressed", "warmup"])
+def test_a_step_no_other_rank_joins_is_told_then_ended(freeze_step, where):
+    """Rank 0 takes a sixth step while rank 1 sleeps outside any collective: without the watch
+    the job waits out the test's timeout; with it rank 0 says where it waits (in step(), or in
+    backward for DDP's own allreduce), then ends with the watch's exit status, and torchrun
+    ends the job."""
     rc, text = run_torchrun_script(2, REPO / "tests" / "scripts" / "stalled_rank.py",
-                                   ["--steps", "5", "--sleep", "120"], timeout=100,
+                                   ["--steps", "5", "--sleep", "120",
+                                    "--freeze-step", str(freeze_step)], timeout=100,
                                    env={WARNING_VARIABLE: "1", SHUTDOWN_VARIABLE: "4"})
     tail = text[-3000:]
     assert rc not in (None, 0), f"the job's exit status {rc} (None: killed at the timeout): {tail}"
-    where = ("hvd_onebit: rank 0: optimizer.step() (step() call 6 since the optimizer was built, "
-             "step count 5, phase compression, 2 trainable parameters of 36 elements) has not "
+    where = (f"hvd_onebit: rank 0: {where}, 2 trainable parameters of 36 elements) has not "
              "returned after ")
     warned = [line for line in text.splitlines() if line.startswith(where)]
     assert len(warned) == 2 and f"{WARNING_VARIABLE}=1" in warned[0] and \

@@ -39,6 +39,12 @@ JOIN_REFUSED = (
     "with drop_last=True); nothing was changed by this forward")
 
 
+def refuse_join(*args, **kwargs):
+    """What ``model.join()`` does on a model this optimizer trains: refuse, on every rank (every
+    rank enters it), before a rank without batches could wait in it alone."""
+    raise ValueError(JOIN_REFUSED)
+
+
 def check_unhooked(model) -> None:
     """Raise a ValueError if ``model`` (a DDP module) has a communication hook already."""
     hooks = getattr(model, "_comm_hooks", None)
@@ -56,12 +62,17 @@ class CommHook:
             alike on every rank, so every rank's hooks do the same).
         overlap: the :class:`~hvd_onebit.overlap.Overlap` told of each gradient that is final
             for a compressed step; None: every bucket starts in step().
+        watch, unwatch: the stall watch's begin and end (:mod:`hvd_onebit.stall`) of each of
+            DDP's gradient allreduces, which DDP waits for in backward, outside step().
     """
 
-    def __init__(self, group, averaging: Callable[[], bool], overlap: Optional[Overlap]):
+    def __init__(self, group, averaging: Callable[[], bool], overlap: Optional[Overlap],
+                 watch: Optional[Callable[[str], object]] = None,
+                 unwatch: Callable[[object], None] = lambda token: None):
         self.group = group
         self._averaging = averaging
         self._overlap = overlap
+        self._watch, self._unwatch = watch, unwatch
         self._final = True  # this backward ends the step (not inside the user's no_sync())
         self._local = False  # this forward's step is compressed: DDP's sync taken off
         self.local_steps = 0  # forwards whose step kept its gradients local, over the run
@@ -82,6 +93,7 @@ class CommHook:
                 raise ValueError(ALREADY_HOOKED) from exc
             raise
         model.register_forward_pre_hook(self._before_forward)
+        model.join = refuse_join  # on this model only; Join([model]) is refused at its forward
         model.register_forward_hook(self._after_forward)
         if getattr(model, "find_unused_parameters", False):
             self._used_locally = set()
@@ -143,8 +155,14 @@ class CommHook:
         them into the bucket when no hook is registered (torch's ``allreduce_hook`` divides by
         n instead, which rounds otherwise where 1/n is inexact), then the allreduce's sum."""
         buffer.mul_(1.0 / dist.get_world_size(self.group))
+        token = self._watch("DDP's gradient allreduce in backward") if self._watch else None
         work = dist.all_reduce(buffer, group=self.group, async_op=True)
-        return work.get_future().then(lambda fut: fut.value()[0])
+
+        def done(fut):
+            self._unwatch(token)
+            return fut.value()[0]
+
+        return work.get_future().then(done)
 
     def average_if_local(self, params: Iterable[torch.Tensor]) -> None:
         """Before a full-precision step: if the gradients are this rank's own (the step count

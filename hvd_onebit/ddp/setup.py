@@ -139,7 +139,8 @@ def build(view: DDPView, config: OneBitConfig, group, model) -> Parts:
                                                   config.check_every),
                     view.refuse_unaveraged)
     hook = CommHook(group, lambda: not phases.compressing() or phases.refreshing(),
-                    phases.compression.overlap if config.overlap else None)
+                    phases.compression.overlap if config.overlap else None,
+                    phases.watch_begin, phases.watch_end)
     hook.register(model)
     collect_at_exit()
     return Parts(schedule, telemetry, engine, phases, hook)

@@ -108,14 +108,25 @@ class Phases:
         """This rank's call ``what`` as the stall watch names it, with what the ranks must
         have alike: the call's number, the step count and phase, the trainable parameters."""
         active = self._view.adam.active_parameters()
-        return (f"rank {self._engine.rank}: {what} (step() call {self._calls + 1} since the "
-                f"optimizer was built, step count {self._schedule.steps}, phase "
-                f"{self._schedule.phase}, {len(active)} trainable parameters of "
-                f"{sum(p.numel() for p in active):,} elements)")
+        # read only: this runs on the watch's thread, while the step waits
+        kind = ("a warmup step" if self._schedule.phase != COMPRESSION else
+                "a variance refresh step" if self._schedule.refresh_next() else
+                "a compressed step")
+        return (f"rank {self._engine.rank}: {what} (after {self._calls} step() calls since the "
+                f"optimizer was built, step count {self._schedule.steps}: {kind}, "
+                f"{len(active)} trainable parameters of {sum(p.numel() for p in active):,} "
+                "elements)")
 
     def watching(self, what: str):
         """A context in which a call that does not return is told (:mod:`hvd_onebit.stall`)."""
         return self._watch.watching(lambda: self.describe_call(what))
+
+    def watch_begin(self, what: str) -> object:
+        """Watch an operation outside step() until :meth:`watch_end` (:mod:`hvd_onebit.stall`)."""
+        return self._watch.begin(lambda: self.describe_call(what))
+
+    def watch_end(self, token: object) -> None:
+        self._watch.end(token)
 
     def step(self, closure: Optional[Callable[[], float]], grad_scaler, unscale: Callable,
              make_hook: Callable):

@@ -1,8 +1,9 @@
 """A DDP-face job in which rank 0 takes one more step() than the others, which do not follow it
-into the collectives (they sleep, then exit): rank 0 waits in its step until the stall watch
-(:mod:`hvd_onebit.stall`) warns and then ends it.
+into the collectives (they sleep, then exit): rank 0 waits, in its step (a compressed step) or in
+backward for DDP's allreduce (a warmup step), until the stall watch (:mod:`hvd_onebit.stall`)
+warns and then ends it.
 
-    torchrun --standalone --nproc_per_node 2 stalled_rank.py [--steps N]
+    torchrun --standalone --nproc_per_node 2 stalled_rank.py [--steps N] [--freeze-step F]
 """
 from __future__ import annotations
 
@@ -20,13 +21,16 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--sleep", type=float, default=60.0)
+    ap.add_argument("--freeze-step", type=int, default=2,
+                    help="past --steps: the extra step is a warmup one, waiting in backward")
     args = ap.parse_args()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.manual_seed(0)
     model = DDP(torch.nn.Linear(8, 4))
     opt = hvd_onebit.ddp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2),
-                                              model, freeze_step=2, variance_refresh=None)
+                                              model, freeze_step=args.freeze_step,
+                                              variance_refresh=None)
     for step in range(args.steps + (1 if rank == 0 else 0)):
         x = torch.randn(16, 8, generator=torch.Generator().manual_seed(step * 10 + rank))
         opt.zero_grad()
