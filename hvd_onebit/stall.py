@@ -8,15 +8,16 @@ check sees only Horovod's own operations, and the 1-bit stages travel outside th
 rank is inside ``step()`` or ``flush_error_feedback()``, or (DDP face) DDP's own allreduce of a
 gradient bucket is in flight, one thread per process watches the clock:
 
-- after ``HVD_ONEBIT_STALL_WARNING_S`` seconds in one call (default 60; 0: never) it prints,
-  once per call, which call this rank is in (the ``step()`` calls before it, the step count and
+- after ``HVD_ONEBIT_STALL_WARNING_S`` seconds in one call (default 60; 0: never), or
+  :data:`SLOWER` times the slowest call that returned so far if that is longer, it prints, once
+  per call, which call this rank is in (the ``step()`` calls before it, the step count and
   kind of step, the trainable parameters) and the usual causes;
 - after ``HVD_ONEBIT_STALL_SHUTDOWN_S`` seconds (default 0: never) it ends the process with exit
   status :data:`EXIT_STATUS`, so that the launcher ends the job (torchrun's ``--max-restarts``
   starts it again) instead of holding its machines.
 
-A step slower than the warning's limit (a very large model on a very slow link) is warned about
-too; raise the limit for such a job.
+So a job whose steps are slow (a very large model on a very slow link) is warned about at most
+once, in its first call; raise the limit for such a job.
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ WARNING_VARIABLE = "HVD_ONEBIT_STALL_WARNING_S"
 SHUTDOWN_VARIABLE = "HVD_ONEBIT_STALL_SHUTDOWN_S"
 DEFAULT_WARNING_S = 60.0
 EXIT_STATUS = 75
+SLOWER = 10  # a call this many times slower than any before it is a stall, not a slow step
 
 CAUSES = (
     "the other ranks are probably not in the same call: every rank must take the same kind of "
@@ -99,6 +101,7 @@ class StallWatch:
         self._lock = threading.Lock()
         self._calls: dict[object, _Call] = {}  # a thread's id, or a begin() token -> its call
         self._started = False
+        self._slowest = 0.0  # seconds, of the calls that returned
 
     @contextmanager
     def watching(self, describe: Callable[[], str]) -> Iterator[None]:
@@ -123,7 +126,9 @@ class StallWatch:
 
     def end(self, token: object) -> None:
         with self._lock:
-            self._calls.pop(token, None)
+            call = self._calls.pop(token, None)
+            if call is not None:
+                self._slowest = max(self._slowest, self._clock() - call.since)
 
     def _add(self, key: object, describe: Callable[[], str]) -> None:
         with self._lock:
@@ -142,7 +147,8 @@ class StallWatch:
             waited = now - call.since
             s = self.settings
             shutdown = 0 < s.shutdown_s <= waited
-            if not shutdown and (call.warned or not 0 < s.warning_s <= waited):
+            limit = max(s.warning_s, SLOWER * self._slowest)
+            if not shutdown and (call.warned or s.warning_s <= 0 or waited < limit):
                 return None
             call.warned = True
         try:
@@ -153,7 +159,9 @@ class StallWatch:
         if shutdown:
             return Due(f"hvd_onebit: {what}; ending this process (exit status {EXIT_STATUS}, "
                        f"{SHUTDOWN_VARIABLE}={s.shutdown_s:g}): {CAUSES}", True)
-        return Due(f"hvd_onebit: {what} ({WARNING_VARIABLE}={s.warning_s:g}): {CAUSES}", False)
+        return Due(f"hvd_onebit: {what} ({WARNING_VARIABLE}={s.warning_s:g}"
+                   + (f", {SLOWER} times the slowest call before it: {limit:.0f} s"
+                      if limit > s.warning_s else "") + f"): {CAUSES}", False)
 
     def _start(self) -> None:
         s = self.settings

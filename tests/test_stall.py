@@ -48,7 +48,7 @@ def test_each_call_is_timed_from_its_own_start_and_an_inner_call_is_part_of_the_
     watch, clock = watched(StallSettings(warning_s=10))
     for _ in range(3):  # short calls add nothing up
         with watch.watching(lambda: "step"):
-            clock.now += 6
+            clock.now += 0.5
     with watch.watching(lambda: "outer"):
         clock.now += 6
         with watch.watching(lambda: "inner"):
@@ -56,6 +56,26 @@ def test_each_call_is_timed_from_its_own_start_and_an_inner_call_is_part_of_the_
         due = watch.due(clock.now)
     assert due is not None and due.message.startswith("hvd_onebit: outer has not returned after "
                                                       "12 s"), f"the outer call at 12 s: {due}"
+
+
+def test_slow_calls_raise_the_warning_limit_to_ten_times_the_slowest_but_not_the_shutdown():
+    """Steps that are slow by nature (a large model on a slow link) are not stalls: a call
+    is warned about once it has waited ten times the slowest call before it, if that is past
+    the limit; the shutdown keeps its own limit."""
+    watch, clock = watched(StallSettings(warning_s=60, shutdown_s=3000))
+    with watch.watching(lambda: "first step"):
+        clock.now += 90
+        assert watch.due(clock.now) is not None, "the first 90 s step was not warned about"
+    with watch.watching(lambda: "slow step"):
+        clock.now += 899
+        assert watch.due(clock.now) is None, "a step under 10 x 90 s was warned about"
+        clock.now += 2
+        due = watch.due(clock.now)
+        assert due is not None and not due.shutdown and \
+            "10 times the slowest call before it: 900 s" in due.message, f"at 901 s: {due}"
+        clock.now += 2100
+        due = watch.due(clock.now)
+        assert due is not None and due.shutdown, f"the shutdown at 3001 s: {due}"
 
 
 def test_a_call_whose_name_cannot_be_told_is_still_warned_about():
