@@ -29,6 +29,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, Iterator, Mapping, Optional
 
+from .values import is_number
+
 WARNING_VARIABLE = "HVD_ONEBIT_STALL_WARNING_S"
 SHUTDOWN_VARIABLE = "HVD_ONEBIT_STALL_SHUTDOWN_S"
 DEFAULT_WARNING_S = 60.0
@@ -62,7 +64,7 @@ class StallSettings:
                 value = float(text)
             except ValueError:
                 value = float("nan")
-            if not (value >= 0.0 and value != float("inf")):
+            if not (is_number(value) and value >= 0):
                 raise ValueError(f"hvd_onebit: {name}={text!r} is not a number of seconds >= 0 "
                                  "(0 turns it off)")
             return value

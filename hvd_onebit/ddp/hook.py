@@ -67,8 +67,7 @@ class CommHook:
     """
 
     def __init__(self, group, averaging: Callable[[], bool], overlap: Optional[Overlap],
-                 watch: Optional[Callable[[str], object]] = None,
-                 unwatch: Callable[[object], None] = lambda token: None):
+                 watch: Callable[[str], object], unwatch: Callable[[object], None]):
         self.group = group
         self._averaging = averaging
         self._overlap = overlap
@@ -155,7 +154,7 @@ class CommHook:
         them into the bucket when no hook is registered (torch's ``allreduce_hook`` divides by
         n instead, which rounds otherwise where 1/n is inexact), then the allreduce's sum."""
         buffer.mul_(1.0 / dist.get_world_size(self.group))
-        token = self._watch("DDP's gradient allreduce in backward") if self._watch else None
+        token = self._watch("DDP's gradient allreduce in backward")
         work = dist.all_reduce(buffer, group=self.group, async_op=True)
 
         def done(fut):

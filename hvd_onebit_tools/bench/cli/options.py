@@ -122,19 +122,24 @@ def np_option(default, help: str, sweep: bool = False):
                         help=help + (" A comma-separated list runs each." if sweep else ""))
 
 
-def link_rate(ctx, param, value):
-    """A click callback for one ``--bandwidth``-like option: the rate as given (``local`` too),
-    refused up front unless it parses as a link rate (e.g. 100mbit, 1gbit, unlimited)."""
+def bits_per_second(text: str) -> Optional[int]:
+    """``parse_bandwidth(text)`` (None: unlimited), its errors as click's, naming ``text``."""
     from ...cluster.bandwidth import parse_bandwidth
 
-    if value in (None, "", "none", "local"):
-        return value
     try:
-        parse_bandwidth(value)
+        return parse_bandwidth(text)
     except ValueError as exc:
         raise click.BadParameter(str(exc)) from exc
     except OverflowError:
-        raise click.BadParameter(f"{value!r} is not a finite link rate") from None
+        raise click.BadParameter(f"{text!r} is not a finite link rate") from None
+
+
+def link_rate(ctx, param, value):
+    """A click callback for one ``--bandwidth``-like option: the rate as given (``local`` too),
+    refused up front unless it parses as a link rate (e.g. 100mbit, 1gbit, unlimited)."""
+    if value in (None, "", "none", "local"):
+        return value
+    bits_per_second(value)
     return value
 
 
@@ -236,14 +241,7 @@ def queue_option(command):
 
 
 def rates(ctx, param, value):
-    from ...cluster.bandwidth import parse_bandwidth
-
-    try:
-        bps = [parse_bandwidth(v) for v in value.split(",") if v.strip()]
-    except ValueError as exc:
-        raise click.BadParameter(str(exc)) from exc
-    except OverflowError:
-        raise click.BadParameter(f"{value!r} is not a finite link rate") from None
+    bps = [bits_per_second(v) for v in value.split(",") if v.strip()]
     if not bps:
         raise click.BadParameter(f"{value!r} names no link rate (e.g. 1gbit or 1gbit,10gbit)")
     return bps

@@ -6,6 +6,19 @@ from .model import GROUP_METHOD
 from .sweep import crossovers
 
 
+def _save_speedup(fig, ax, path: str, xlabel: str, title: str, **xscale) -> None:
+    """The end of each whole-run speed-up figure: the line at 1, a log x axis, the labels, the
+    legend beside the axes, written to ``path``."""
+    ax.axhline(1, color="black", lw=0.8)
+    ax.set_xscale("log", **xscale)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("whole-run speed-up over Horovod fp32 Adam")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def plot_sweep(rows: list[dict], path: str, title: str) -> None:
     """Whole-run speed-up over Horovod fp32 against ranks, one line per method and bandwidth."""
     import matplotlib
@@ -44,14 +57,7 @@ def plot_sweep(rows: list[dict], path: str, title: str) -> None:
                         0.02 + 0.05 * (3 * i + j),
                         f"{text} from n={c[key]} ({label_bw})", fontsize=7, color=color,
                         ha="right" if right else "left", transform=ax.get_xaxis_transform())
-    ax.axhline(1, color="black", lw=0.8)
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("ranks")
-    ax.set_ylabel("whole-run speed-up over Horovod fp32 Adam")
-    ax.set_title(title, fontsize=9)
-    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    _save_speedup(fig, ax, path, "ranks", title, base=2)
 
 
 def plot_phases(pred: dict, path: str, title: str) -> None:
@@ -103,13 +109,6 @@ def plot_run_lengths(rows: list[dict], path: str, title: str) -> dict:
             label = f"{where}: {setting}"
             ax.plot(xs, ys, style, color=color, marker="o", ms=3, label=label)
             drawn[label] = (xs, ys)
-    ax.axhline(1, color="black", lw=0.8)
-    ax.set_xscale("log")
-    ax.set_xlabel("run length (steps)")
-    ax.set_ylabel("whole-run speed-up over Horovod fp32 Adam")
-    ax.set_title(title, fontsize=9)
-    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    _save_speedup(fig, ax, path, "run length (steps)", title)
     plt.close(fig)
     return drawn
