@@ -63,11 +63,17 @@ def table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     return "\n".join(lines)
 
 
+def shown_command(command: str) -> str:
+    """A recorded command as the docs show it: an absolute output path of the machine that ran
+    it becomes ``OUT/<its last part>`` (where it wrote is not part of what it measured)."""
+    return re.sub(r"(?<![\w.])/(?:[\w.-]+/)+([\w.-]+)", r"OUT/\1", command)
+
+
 def provenance(source: str, data: dict, dated: bool = True) -> str:
     """Where a table's figures come from: the file, its command, and the machine, commit and
     date where the JSON records them (``dated=False``: not the date, which the JSON keeps, for
     the README, which holds no dated line)."""
-    parts = [f"From `docs/{source}`, printed by `{data.get('command', 'its benchmark')}`"]
+    parts = [f"From `docs/{source}`, printed by `{shown_command(data.get('command', 'its benchmark'))}`"]
     for key in ("machine", "commit", "date", "versions"):
         if key == "date" and not dated:
             continue
@@ -97,8 +103,10 @@ def headline(name: str = "convergence.json") -> str:
     cores = (d.get("machine") or {}).get("cpu_count")
     machine = f"sharing one machine's {cores} cores" if cores else "of one machine"
     where = (f"`examples/train_lm.py`, {d['world_size']} CPU ranks {machine} (loopback: no "
-             f"link limit, so the samples/s show the cost of the compression, not its gain), "
-             f"{d['steps']} steps, {d['params']:,} parameters.")
+             f"link limit, so the samples/s show the cost of the compression, not its gain; "
+             f"the warmup sends what Adam sends, and the two runs ran one after the other on "
+             f"a machine whose speed moves between runs), {d['steps']} steps, "
+             f"{d['params']:,} parameters.")
     return "\n\n".join([where, table(["optimizer", "final validation loss",
                                       "MB sent per rank", "samples/s"], rows),
                         provenance(name, d, dated=False)])
@@ -168,7 +176,7 @@ def fading() -> str:
         p = d["provenance"]
         notes.append(f"{label}: {task['np']} ranks, {task['steps']} steps, batch {task['batch']} "
                      f"per rank, {task['samples']} points, frozen at {task['freeze']:.0%}; "
-                     f"`{p['command']}`, commit {p['commit'][:10]}, "
+                     f"`{shown_command(p['command'])}`, commit {p['commit'][:10]}, "
                      f"{p['machine'].get('date', 'date not recorded')}")
     return "\n\n".join([table(["lr", "variance_refresh", "over Adam, per seed", "worst",
                                  "median"], rows), "From " + "; ".join(notes) + "."])

@@ -101,3 +101,13 @@ def test_no_prose_holds_a_dated_line():
              for line in blocks.sub("", p.read_text()).splitlines()
              if re.search(r"\b20\d\d-\d\d-\d\d\b", line)]
     assert not dated, f"{len(dated)} dated lines outside the generated blocks: {dated[:5]}"
+
+
+def test_provenance_shows_an_absolute_output_path_as_out():
+    shown = docs_tables.shown_command(
+        "python benchmarks/fading.py --out /work/wt/out/fading.json --lr 1e-2 --bw 1/2")
+    assert shown == "python benchmarks/fading.py --out OUT/fading.json --lr 1e-2 --bw 1/2", shown
+    kept = "python benchmarks/fading.py --out docs/step/fading.json"
+    assert docs_tables.shown_command(kept) == kept
+    assert "/work/" not in (REPO / "docs" / "results.md").read_text(), \
+        "docs/results.md shows a path of the machine that ran a benchmark"
