@@ -613,6 +613,24 @@ def gpu() -> str:
     return "\n\n".join(lines + notes)
 
 
+def refresh_counts(run_lengths: Sequence[int] = (300, 1000, 3000, 10000, 30000, 100000)) -> str:
+    """The full-precision steps of a run with the default refresh schedule frozen at 5%,
+    against a fixed freeze at 20% with no refresh, per run length: counted by the schedule
+    itself, no measurement."""
+    from .bench.refresh import freeze_step_for, run_steps
+
+    rows = []
+    for S in run_lengths:
+        d = run_steps(S, freeze_step_for(0.05, S), "doubling")
+        fixed = freeze_step_for(0.2, S)
+        rows.append([f"{S:,}", f"{d['freeze_step']:,}", f"{d['refresh_steps']:,}",
+                     f"{d['full_precision_steps']:,} ({d['full_precision_steps'] / S:.1%})",
+                     f"{fixed:,} ({fixed / S:.0%})"])
+    return ("Full-precision steps per run (counted by the schedule, `RefreshSchedule.count`):\n\n"
+            + table(["run steps", "freeze_step (5%)", "refresh steps",
+                     "full precision, default", "full precision, None at 20%"], rows))
+
+
 PARTS: Dict[str, Callable[[], str]] = {
     "headline": headline, "settings": settings, "freeze_lm": lambda: freeze_runs("lm"),
     "freeze_digits": lambda: freeze_runs("digits"), "zoo": zoo,
@@ -621,11 +639,11 @@ PARTS: Dict[str, Callable[[], str]] = {
     "ddp_train": ddp_train, "granularity": granularity, "kernel": kernel, "memory": memory,
     "refresh_predict": refresh_predict,
     "refresh_digits": refresh_digits,
-    "step_time": step_time, "gpu": gpu}
+    "step_time": step_time, "gpu": gpu, "refresh_counts": refresh_counts}
 # Which generated parts each Markdown file holds, in its <!-- generated:NAME --> blocks.
 BLOCKS: Dict[str, Sequence[str]] = {
     "README.md": ("settings", "headline"),
-    "docs/tuning.md": ("settings",),
+    "docs/tuning.md": ("settings", "refresh_counts"),
     "docs/gpu.md": ("gpu",),
     "docs/results.md": ("headline", "freeze_lm", "freeze_digits", "zoo", "zoo_long", "fading",
                         "refresh_digits", "refresh_predict", "headline_ddp", "zoo_faces", "ddp_train", "kernel",
