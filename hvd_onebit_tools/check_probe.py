@@ -185,12 +185,14 @@ def predict(link: LinkProbe, params: str, compute_ms: float,
                    "little to gain here: the link is not the bottleneck")
     modelled = ("faster than the calibrated hosts manage on any link: the prediction below "
                 "takes an unlimited link" if rate is None
-                else f"the scale model's link rate for it: {rate / 1e9:.2f} Gbit/s")
+                else f"the scale model's link rate for it, once the hosts' own costs (copies, "
+                f"sums) are taken out of that time: {rate / 1e9:.2f} Gbit/s")
     return [f"link: {link.ranks} ranks, fp32 allreduce of {4 * link.elements / 2**20:.0f} MiB "
             f"through {link.via} in {link.seconds * 1e3:.1f} ms, {link.bus_bps / 1e9:.2f} Gbit/s "
             f"bus rate; {modelled}",
             f"predicted step ({params} parameters, {compute_ms:g} ms compute): "
             f"{'Horovod' if link.via == 'Horovod' else 'DDP'} fp32 "
             f"{fp32['step_s'] * 1e3:.1f} ms, 1-bit Adam {onebit['step_s'] * 1e3:.1f} ms "
-            f"({speedup:.2f}x): {verdict}",
+            f"({speedup:.2f}x; in the model no method's exchange overlaps backward): "
+            f"{verdict}",
             f"freeze point: {freeze_guidance(ddp=link.via != 'Horovod').replace('``', '`')}"]

@@ -352,8 +352,15 @@ def test_the_crossover_line_says_when_a_crossing_is_not_in_the_sweep(tmp_path):
     crossing = json.loads(proc.stdout)["crossovers"]["100000000000"]
     proc = hvd_onebit(["bench", "predict", "--calibration", str(path), "--params", "8M",
                        "--compute-ms", "50", "--np", "4,8", "--bandwidth", "100gbit"])
-    line = proc.stdout.splitlines()[-1]
-    assert "None" not in line and line.startswith("link 100000000000 bit/s: "), line
+    *_, line, pricing = proc.stdout.splitlines()
+    assert "None" not in line and line.startswith("link 100 Gbit/s: "), line
+    assert pricing.startswith("priced at the calibration's CPU speeds") and \
+        "torch.add 4.00 G elements/s" in pricing and "--kernel-speedup" in pricing, pricing
+    proc = hvd_onebit(["bench", "predict", "--calibration", str(path), "--params", "8M",
+                       "--compute-ms", "50", "--np", "4,8", "--bandwidth", "100gbit",
+                       "--kernel-speedup", "10"])
+    assert proc.stdout.splitlines()[-1].startswith("link 100 Gbit/s: "), \
+        f"a priced speed-up still printed the CPU note: {proc.stdout.splitlines()[-1]!r}"
     for key, never in (("flat_onebit_stops_paying_at", "flat 1-bit pays at every n up to n=8"),
                        ("hierarchical_beats_flat_from",
                         "hierarchical does not beat flat up to n=8")):

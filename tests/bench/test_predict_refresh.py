@@ -120,6 +120,22 @@ def test_predict_cli_prints_the_refresh_columns_and_the_run_length_sweep(tmp_pat
     ob = report["rows"][0]["methods"]["onebit"]
     assert ob["run_refresh"]["full_precision_steps"] == 113, ob["run_refresh"]
     assert report["inputs"]["variance_refresh"] == "doubling"
+    proc = hvd_onebit(base + ["--np", "4", "--run-steps", "1000", "--methods",
+                              "horovod_fp32,onebit"])
+    lines = proc.stdout.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("np "))
+    columns = lines[header].split("  ")
+    columns = [c.strip() for c in columns if c.strip()]
+    row = lines[header + 3].split()  # np, link (2 words), method, step ms, MB, step x, run x, ...
+    default = ob["run_refresh"]["run_speedup_vs_fp32"]
+    fixed = ob["run_speedup_vs_fp32"]
+    assert columns[5:8] == ["step x", "run x", "fp steps"] and \
+        row[6:9] == [f"{ob['step_speedup_vs_fp32']:.2f}", f"{default:.2f}", "113/1,000"], \
+        (f"the run's speed-up first should be the library default's ({default:.2f}, 113 "
+         f"full-precision steps), then the fixed warmup's ({fixed:.2f}): {lines[header]!r} "
+         f"{lines[header + 3]!r}")
+    assert "with variance_refresh=doubling frozen at step 50 (5%) (the library's default" in \
+        proc.stdout, proc.stdout
     proc = hvd_onebit(base + ["--np", "2,4", "--run-lengths", "1000,10000", "--methods",
                               "horovod_fp32,onebit"])
     assert proc.exit_code == 0, proc.stderr

@@ -225,7 +225,8 @@ def bench_predict(calibration, nps, ranks_per_node, bandwidths, intra_bandwidth,
             raise click.ClickException(str(exc)) from exc
         del inputs["run_steps"]
         report = {"benchmark": "predict_run_lengths", "calibration": cal.get("machine"),
-                  "inputs": {**inputs, "run_lengths": run_lengths}, "rows": rows}
+                  "inputs": {**inputs, "run_lengths": run_lengths},
+                  "pricing": model.pricing_note(job), "rows": rows}
         if plot:
             from ..predict.plots import plot_run_lengths
 
@@ -248,7 +249,8 @@ def bench_predict(calibration, nps, ranks_per_node, bandwidths, intra_bandwidth,
         cl = Cluster(nodes=r["nodes"], ranks_per_node=r["ranks_per_node"])
         add_run_figures(r["methods"], setting, fp32_step_bytes(job, cl))
     report = {"benchmark": "predict", "calibration": cal.get("machine"), "inputs": inputs,
-              "run_setting": setting.describe(), "note": HIERARCHICAL_NOTE, "rows": rows, "crossovers": crossovers(rows)}
+              "run_setting": setting.describe(), "note": HIERARCHICAL_NOTE,
+              "pricing": model.pricing_note(job), "rows": rows, "crossovers": crossovers(rows)}
     if plot:
         from ...cluster.bandwidth import format_bandwidth
         from ..predict.plots import plot_phases, plot_sweep

@@ -129,6 +129,26 @@ class Model:
                 return ranks
         return self.cal["compute"][self._procs(cl)][key]
 
+    def add_elems_per_s(self) -> float:
+        """torch.add's element rate in one bare process of the calibration machine: the rate
+        the 1-bit kernels' costs are relative to (they run at a share of memory speed), so a
+        device's own torch.add rate over this one is its ``kernel_speedup``."""
+        return 1.0 / self.cal["compute"][min(self.cal["compute"], key=int)][
+            "kernel_s_per_elem"]["add"]
+
+    def pricing_note(self, job: Job) -> Optional[str]:
+        """What a prediction at the calibration's own speeds (no ``--kernel-speedup`` or
+        ``--host-speedup``) assumes, and how to price faster devices; None when either is set."""
+        if job.kernel_speedup != 1.0 or job.host_speedup != 1.0:
+            return None
+        cores = self.cal.get("cores") or (self.cal.get("machine") or {}).get("cpu_count")
+        return (f"priced at the calibration's CPU speeds ({cores}-core machine; torch.add "
+                f"{self.add_elems_per_s() / 1e9:.2f} G elements/s in one process): on GPU "
+                "nodes the kernels and the hosts cost less, and the hierarchical verdict "
+                "most of all; pass --kernel-speedup (your device's torch.add rate over that "
+                "one, from `hvd-onebit bench dev kernel --device cuda`) and --host-speedup "
+                "('inf' for the link alone): docs/predicting.md, GPU nodes")
+
     def model_figures(self, name: str, cl: Cluster) -> dict:
         """A calibrated bench model's compute (params, step_s, fwd_bwd_s, adam_s)."""
         ranks = self._compute_figures("models", cl)

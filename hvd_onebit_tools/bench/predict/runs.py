@@ -21,7 +21,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from hvd_onebit.config import FREEZE_FRACTION
 from hvd_onebit.layout import ring_allreduce_bytes
+from hvd_onebit.variance_refresh import DOUBLING
 from ..refresh import Option, freeze_step_for, option_text, run_steps
 from .job import Cluster, Job
 from .model import Model
@@ -39,11 +41,23 @@ class RunSetting:
     refresh_freeze_frac: float = 0.05
 
     def describe(self) -> str:
+        """The two settings in words, the refresh setting (the library's default unless
+        changed) first."""
         S = [self.run_steps]
-        return (f"{self.run_steps:,}-step run: 1-bit Adam frozen at "
-                f"{frozen_at(self.warmup_frac, S)} vs variance_refresh="
+        return (f"a {self.run_steps:,}-step run with variance_refresh="
                 f"{option_text(self.variance_refresh)} frozen at "
-                f"{frozen_at(self.refresh_freeze_frac, S)}")
+                f"{frozen_at(self.refresh_freeze_frac, S)}"
+                f"{DEFAULTS_NOTE if self.is_library_default() else ''}; fixed: the same run "
+                f"with variance_refresh=None frozen at {frozen_at(self.warmup_frac, S)}")
+
+    def is_library_default(self) -> bool:
+        """Whether the refresh setting is the library's default: variance_refresh="doubling"
+        with freeze_step at 5% of the run, as the settings table recommends."""
+        return (option_text(self.variance_refresh) == option_text(DOUBLING)
+                and self.refresh_freeze_frac == FREEZE_FRACTION)
+
+
+DEFAULTS_NOTE = " (the library's default, as the docs recommend)"
 
 
 def frozen_at(frac: float, run_lengths: list[int]) -> str:
@@ -155,11 +169,14 @@ def print_run_lengths(report: dict, echo=None) -> None:
     echo = echo or click.echo
     inputs = report["inputs"]
     lengths = inputs["run_lengths"]
+    default = RunSetting(1, inputs["warmup_frac"], inputs["variance_refresh"],
+                         inputs["refresh_freeze_frac"]).is_library_default()
     echo(f"{inputs['params']:,} parameters, compute {inputs['compute_s'] * 1e3:,.1f} ms/step; "
-         f"whole-run speed-up over Horovod fp32: 1-bit Adam frozen at "
-         f"{frozen_at(inputs['warmup_frac'], lengths)} vs variance_refresh="
+         f"whole-run speed-up over Horovod fp32: refresh: variance_refresh="
          f"{inputs['variance_refresh']} frozen at "
-         f"{frozen_at(inputs['refresh_freeze_frac'], lengths)}")
+         f"{frozen_at(inputs['refresh_freeze_frac'], lengths)}"
+         f"{DEFAULTS_NOTE if default else ''}; fixed: variance_refresh=None frozen at "
+         f"{frozen_at(inputs['warmup_frac'], lengths)}")
     table = [{**r, "bw": "unlimited" if not r["inter_bps"] else f"{r['inter_bps'] / 1e9:g} Gbit/s",
               "fp": f"{r['refresh_full_precision_steps']:,} ({r['refresh_freeze_step']:,}"
                     f" + {r['refresh_steps']})"}
@@ -167,12 +184,14 @@ def print_run_lengths(report: dict, echo=None) -> None:
     print_table(table, [("np", "np", "d"), ("link", "bw", ""), ("method", "method", ""),
                         ("steps", "run_steps", ",d"),
                         ("compressed step x", "compressed_step_speedup_vs_fp32", ".2f"),
-                        ("fixed: fp steps", "fixed_full_precision_steps", ",d"),
-                        ("fixed: run x fp32", "fixed_run_speedup_vs_fp32", ".2f"),
                         ("refresh: fp steps (F + R)", "fp", ""),
                         ("refresh: run x fp32", "refresh_run_speedup_vs_fp32", ".2f"),
+                        ("fixed: fp steps", "fixed_full_precision_steps", ",d"),
+                        ("fixed: run x fp32", "fixed_run_speedup_vs_fp32", ".2f"),
                         ("refresh / fixed, speed", "refresh_vs_fixed_run_speedup", ".2f"),
                         ("refresh / fixed, bytes", "refresh_vs_fixed_bytes", ".3f")])
+    if report.get("pricing"):
+        echo(report["pricing"])
 
 
 def refresh_columns(row: dict) -> Optional[dict]:

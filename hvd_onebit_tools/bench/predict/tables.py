@@ -14,24 +14,25 @@ def print_prediction(report: dict, echo=None) -> None:
     table = []
     for r in report["rows"]:
         for m, p in r["methods"].items():
-            table.append({**(refresh_columns(p) or {}),"np": r["np"], "bw": "unlimited" if not r["inter_bps"] else
+            table.append({"run_ref_x": p["run_speedup_vs_fp32"], **(refresh_columns(p) or {}),
+                          "np": r["np"], "bw": "unlimited" if not r["inter_bps"] else
                           f"{r['inter_bps'] / 1e9:g} Gbit/s", "method": m,
                           "ms": p["step_s"] * 1e3,
                           "phases": " ".join(f"{k}={v * 1e3:,.1f}" for k, v in p["phases_s"].items()),
                           "mb": p["bytes_per_rank"] / 1e6, "step_x": p["step_speedup_vs_fp32"],
                           "run_x": p["run_speedup_vs_fp32"]})
     inputs = report["inputs"]
-    echo(f"{inputs['params']:,} parameters, compute {inputs['compute_s'] * 1e3:,.1f} ms/step, "
-         f"warmup {inputs['warmup_frac']:.0%}; {report['note']}")
+    echo(f"{inputs['params']:,} parameters, compute {inputs['compute_s'] * 1e3:,.1f} ms/step; "
+         f"{report['note']}")
     if "run_setting" in report:
-        echo(f"refresh columns: {report['run_setting']} (fp steps: warmup + refreshes, of the "
-             "run's; bytes: per rank over the run, refresh / fixed)")
+        echo(f"speed-ups over Horovod fp32; step: a compressed step's; run: {report['run_setting']}"
+             " (fp steps: the run's full-precision steps, warmup + refreshes; bytes: per rank "
+             "over the run, run / fixed)")
     print_table(table, [("np", "np", "d"), ("link", "bw", ""), ("method", "method", ""),
                         ("step ms", "ms", ",.1f"), ("MB/rank/step", "mb", ",.2f"),
-                        ("step x fp32", "step_x", ".2f"), ("run x fp32", "run_x", ".2f"),
-                        ("refresh: run x fp32", "run_ref_x", ".2f"),
-                        ("refresh: fp steps", "fp_steps", ""),
-                        ("refresh: bytes x fixed", "bytes_ratio", ".3f"),
+                        ("step x", "step_x", ".2f"), ("run x", "run_ref_x", ".2f"),
+                        ("fp steps", "fp_steps", ""), ("fixed: run x", "run_x", ".2f"),
+                        ("bytes x fixed", "bytes_ratio", ".3f"),
                         ("phases (ms)", "phases", "")])
     for bw, c in report["crossovers"].items():
         top = max(r["np"] for r in report["rows"] if str(r["inter_bps"]) == bw)
@@ -46,7 +47,17 @@ def print_prediction(report: dict, echo=None) -> None:
             parts.append(from_n(c["hierarchical_group_beats_flat_from"],
                                 "group hierarchical beats flat",
                                 "group hierarchical does not beat flat"))
-        echo(f"link {bw} bit/s: " + ", ".join(parts))
+        echo(f"{_link_words(bw)}: " + ", ".join(parts))
+    if report.get("pricing"):
+        echo(report["pricing"])
+
+
+def _link_words(bw) -> str:
+    """A crossover's key (the link's bit/s, as a number or its text; None: unlimited) in
+    words."""
+    if bw in (None, "None") or not float(bw):
+        return "unlimited link"
+    return f"link {float(bw) / 1e9:g} Gbit/s"
 
 
 def print_check(result: dict, echo=None) -> None:
