@@ -73,7 +73,8 @@ def provenance(source: str, data: dict, dated: bool = True) -> str:
     """Where a table's figures come from: the file, its command, and the machine, commit and
     date where the JSON records them (``dated=False``: not the date, which the JSON keeps, for
     the README, which holds no dated line)."""
-    parts = [f"From `docs/{source}`, printed by `{shown_command(data.get('command', 'its benchmark'))}`"]
+    command = shown_command(data.get("command", "its benchmark"))
+    parts = [f"From `docs/{source}`, printed by `{command}`"]
     for key in ("machine", "commit", "date", "versions"):
         if key == "date" and not dated:
             continue

@@ -38,7 +38,7 @@ class RunSetting:
     run_steps: int = 10000
     warmup_frac: float = 0.15
     variance_refresh: Option = "doubling"
-    refresh_freeze_frac: float = 0.05
+    refresh_freeze_frac: float = FREEZE_FRACTION
 
     def describe(self) -> str:
         """The two settings in words, the refresh setting (the library's default unless
