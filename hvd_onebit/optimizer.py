@@ -163,7 +163,10 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
         bucket_size_mb=bucket_size_mb, transport=transport, overlap=overlap, memory=memory,
         flush_on_commit=flush_on_commit, block_size=block_size, check_every=check_every,
         kernel_backend=kernel_backend, experimental=experimental, **moved)
-    setup.check(config, optimizer.param_groups, process_set)
+    if named_parameters is not None:  # read twice: by the checks and by Horovod's constructor
+        named_parameters = list(named_parameters)
+    setup.check(config, optimizer.param_groups, process_set,
+                {p: name for name, p in named_parameters or ()})
 
     attrs = dict(_DistributedOptimizer.__dict__)
     attrs.update(face_attributes(OneBitFace))

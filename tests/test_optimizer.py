@@ -217,6 +217,9 @@ def test_bad_arguments_are_clear_errors(world):
         "freeze_float": ["freeze_step must be a positive int"],
         "adasum": ["op=hvd.Average or hvd.Sum"],
         "mask_shape": ["does not broadcast"],
+        # a channels_last conv weight; the 1x1 conv's weight stays contiguous either way
+        "channels_last": ["Horovod's allreduce needs contiguous tensors", "1 parameter(s)",
+                          "(0.weight;", "memory_format=torch.contiguous_format"],
     }
     if n > 1:
         wanted.update(reordered=["optimizers differ in the order, names, shapes or dtypes of "

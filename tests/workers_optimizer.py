@@ -334,7 +334,12 @@ def bad_arguments():
             list(model.parameters())[::1 if hvd.rank() == 0 else -1]), freeze_step=2),
         "freeze_step": lambda: hvd_onebit.DistributedOptimizer(
             torch.optim.Adam(model.parameters()), freeze_step=2 + hvd.rank()),
+        "channels_last": lambda: hvd_onebit.DistributedOptimizer(
+            torch.optim.Adam(conv.parameters()), named_parameters=conv.named_parameters(),
+            freeze_step=2),
     }
+    conv = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Conv2d(4, 2, 1)).to(
+        memory_format=torch.channels_last)
     for name, make in cases.items():
         try:
             make()

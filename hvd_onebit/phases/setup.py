@@ -24,11 +24,29 @@ from ..transport.registry import resolve_transport
 from ..transport.rendezvous import TorchRendezvousError, init_torch_distributed
 
 
-def check(config: OneBitConfig, param_groups: list[dict], process_set: hvd.ProcessSet) -> None:
-    """Before anything is built: the param groups' masks and the options against the parameters
-    and the job (:func:`hvd_onebit.job.check_environment`); raises alike on every rank."""
+def check(config: OneBitConfig, param_groups: list[dict], process_set: hvd.ProcessSet,
+          names: dict) -> None:
+    """Before anything is built: the param groups' masks, the options against the parameters
+    and the job (:func:`hvd_onebit.job.check_environment`), and the parameters' memory layout
+    against Horovod's allreduce; raises alike on every rank. ``names``: parameter -> name."""
     validate_masks(param_groups)
-    check_environment(config, [p for g in param_groups for p in g["params"]], process_set)
+    params = [p for g in param_groups for p in g["params"]]
+    check_environment(config, params, process_set)
+    check_contiguous(params, names)
+
+
+def check_contiguous(params: list[torch.Tensor], names: dict) -> None:
+    """Horovod's allreduce takes contiguous tensors only, and a gradient takes its parameter's
+    memory layout: a parameter in another layout (``channels_last``) would fail at the first
+    backward, in Horovod's hook. Refused here, by name, on every rank."""
+    bad = [names.get(p, f"parameter {i}") for i, p in enumerate(params) if not p.is_contiguous()]
+    if bad:
+        shown = ", ".join(bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
+        raise ValueError(
+            f"hvd_onebit.DistributedOptimizer: Horovod's allreduce needs contiguous tensors, and "
+            f"{len(bad)} parameter(s) are not ({shown}; e.g. channels_last): convert the model "
+            "with model.to(memory_format=torch.contiguous_format) before building the optimizer, "
+            "or train it under torchrun with hvd_onebit.ddp, which takes them")
 
 
 def check_job(param_groups: list[dict], names: dict, config: OneBitConfig,
