@@ -193,6 +193,30 @@ def test_a_state_broadcast_at_the_same_step_count_is_noticed(results):
                            f"rank {rank}: after the broadcast at step 10 vs loading it")
 
 
+def test_torch_optimizer_states_load_at_their_adam_step_count(results):
+    """A plain Adam's state after 6 steps, and one of the optimizer's (step 8, frozen at 4)
+    that a plain Adam trained 3 more steps on: each is a warmup state at its Adam step count,
+    past freeze_step=4, so the variance freezes there and the next step is compressed."""
+    ranks = scenario(results, "torch_states")
+    for name, steps in (("plain", 6), ("through_plain", 11)):
+        for rank, r in enumerate(x[name] for x in ranks):
+            what = f"rank {rank}, {name}"
+            assert (r["steps"], r["freeze_step"]) == (steps, steps), \
+                f"{what}: loaded at step {r['steps']}, freeze_step {r['freeze_step']}; " \
+                f"expected Adam's step count {steps} for both"
+            assert set(r["frozen_at"]) == {-1}, \
+                f"{what}: variance already marked frozen at {r['frozen_at']} after the load"
+            assert (r["phase_after"], r["steps_after"]) == ("compression", steps + 1), \
+                f"{what}: after one step {r['phase_after']} at {r['steps_after']}"
+            past = f"in the warmup at step {steps}, past freeze_step=4"
+            assert any(past in w for w in r["warnings"]), f"{what}: {r['warnings']}"
+            stale = [w for w in r["warnings"] if "holds 1-bit Adam's entries (step 8)" in w]
+            assert len(stale) == (name == "through_plain"), \
+                f"{what}: the stale 1-bit entries warned {len(stale)} times: {r['warnings']}"
+        assert_same_params(ranks[1][name]["params"], ranks[0][name]["params"],
+                           f"{name}: rank 1 against rank 0 after the step")
+
+
 def test_a_checkpoint_loaded_on_one_rank_only_is_named_by_the_check(results):
     for rank, r in enumerate(scenario(results, "rollback_one_rank")):
         assert r["error"] is not None and "different step counts ([11, 8]" in r["error"], \

@@ -397,6 +397,51 @@ def broadcast_at_the_same_step(at=10, after=4, freeze_step=5):
             "reference": params_bytes(reference)}
 
 
+def torch_optimizer_states(freeze_step=4):
+    """torch.optim.Adam's own states loaded into the optimizer: a plain Adam's after 6 steps
+    ("plain"), and one of the optimizer's (step 8, frozen at 4) that a plain Adam loaded and
+    trained 3 more steps on, keeping the 1-bit entries it does not know ("through_plain").
+    Each is loaded into a fresh optimizer with ``freeze_step``, which then takes one step."""
+    import copy
+
+    def train(model, opt, start, steps, rank):
+        for step in range(start, start + steps):
+            opt.zero_grad()
+            x, y = batch(step, rank)
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+
+    def load(model_state, state, start):
+        model = make_model()
+        model.load_state_dict(model_state)
+        opt = _opt(model, freeze_step)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            opt.load_state_dict(copy.deepcopy(state))
+        out = {"steps": opt.steps, "freeze_step": opt.freeze_step,
+               "frozen_at": [int(opt.state[p]["frozen_variance_step"])
+                             for p in model.parameters()],
+               "warnings": [str(w.message) for w in caught if "hvd_onebit" in str(w.message)]}
+        train(model, opt, start, 1, hvd.rank())
+        return {**out, "phase_after": opt.phase, "steps_after": opt.steps,
+                "params": params_bytes(model)}
+
+    model = make_model()
+    plain = torch.optim.Adam(model.parameters(), lr=1e-2)
+    train(model, plain, 0, 6, 0)  # the same batches on every rank: the same state everywhere
+    out = {"plain": load(model.state_dict(), plain.state_dict(), 6)}
+    model = make_model()
+    opt = _opt(model, freeze_step)
+    train(model, opt, 0, 8, hvd.rank())
+    local = make_model()  # a model without the optimizer's gradient hooks
+    local.load_state_dict(model.state_dict())
+    plain = torch.optim.Adam(local.parameters(), lr=1e-2)
+    plain.load_state_dict(opt.state_dict())
+    train(local, plain, 8, 3, 0)
+    out["through_plain"] = load(local.state_dict(), plain.state_dict(), 11)
+    return out
+
+
 def suite(ckpt_dir=None):
     """Every scenario in one job; one that raises is reported as data (tests/scenarios.py)."""
     return run_scenarios({
@@ -419,4 +464,5 @@ def suite(ckpt_dir=None):
         # rank 1's step counts are 2 behind: checks by step count would fall at other calls
         "rollback_one_rank_every_3": lambda: rollback("one_rank", src=8, total=20, check_every=3),
         "broadcast_same_step": broadcast_at_the_same_step,
+        "torch_states": torch_optimizer_states,
     }, rank=hvd.rank())

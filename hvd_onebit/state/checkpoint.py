@@ -11,6 +11,7 @@ import warnings
 from ..config import OneBitConfig
 from ..low_precision import float32_state_in
 from ..optimizer_view import OptimizerView
+from ..engine import NOT_FROZEN
 from .adam_state import init_adam_state
 from .schedule import Schedule
 from .telemetry import Telemetry
@@ -37,7 +38,8 @@ def load_state_dict(view: OptimizerView, config: OneBitConfig, schedule: Schedul
     A warmup checkpoint takes the optimizer's, or freezes at its own step count when that is
     past the optimizer's (with a warning); with ``freeze_step="auto"`` also the checkpoint's
     record of the variance, so the resumed run decides at the same step as an uninterrupted
-    one. The caller drops its collectives after."""
+    one. A torch.optim state dict (no 1-bit record) is a warmup checkpoint at its Adam step
+    count (:func:`_adopt_torch_state`). The caller drops its collectives after."""
     state_dict = dict(state_dict)
     meta = state_dict.pop(KEY, None)
     params = view.adam.parameters()
@@ -50,6 +52,8 @@ def load_state_dict(view: OptimizerView, config: OneBitConfig, schedule: Schedul
     for pid, p in zip(ids, params):
         for key, value in wide.get(pid, {}).items():
             view.adam.state[p][key] = value.to(device=p.device, copy=True)
+    if meta is None:
+        _adopt_torch_state(view, schedule)
     mine = None if config.auto else config.freeze_step
     saved = None
     if meta is not None:
@@ -80,6 +84,25 @@ def load_state_dict(view: OptimizerView, config: OneBitConfig, schedule: Schedul
     if schedule.monitor is not None:
         schedule.monitor.load_state_dict((meta or {}).get("auto_freeze") or {})
     init_adam_state(view.adam.param_groups, view.adam.state)
+
+
+def _adopt_torch_state(view: OptimizerView, schedule: Schedule) -> None:
+    """A state dict without the 1-bit record is torch.optim's: a plain Adam's (training that
+    started without this optimizer), or one of this optimizer's that a torch optimizer loaded
+    and trained on, keeping the 1-bit entries it does not know without counting or freezing
+    with them. Its Adam is the truth: the step count is the parameters' Adam step count (the
+    largest: torch's Adam skips a parameter without a gradient), and its variance is Adam's,
+    not frozen; the caller then freezes at ``freeze_step``, or now if that is past."""
+    steps = max((float(s["step"]) for s in view.adam.state.values() if "step" in s), default=0.0)
+    carried = schedule.recount(int(steps))
+    for entry in view.adam.state.values():
+        if "frozen_variance_step" in entry:
+            entry["frozen_variance_step"] = NOT_FROZEN
+    if carried is not None and carried != int(steps):
+        warnings.warn(
+            f"hvd_onebit: the state dict holds 1-bit Adam's entries (step {carried}) but not its "
+            f"record: another optimizer loaded it and trained on, so it loads as that Adam's "
+            f"state, at its step {int(steps)}, its variance not frozen")
 
 
 def _warn_if_other_step_bound(meta: dict, mine) -> None:
