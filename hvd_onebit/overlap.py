@@ -43,6 +43,13 @@ class EarlyStarts:
         self.failed = False  # a start raised: the rest start in step()
 
 
+# What changed, in words, for each field of inputs_of after the gradient tensor's identity.
+CHANGES = ("a gradient changed in place (e.g. clipped or unscaled)",
+           "a parameter changed in place",
+           "beta1 changed (e.g. a scheduler that sets betas, such as OneCycleLR, stepped)",
+           "weight_decay changed", "maximize changed")
+
+
 def inputs_of(p: torch.Tensor, group: dict) -> tuple:
     """What p's part of its bucket's input is computed from: its gradient tensor (identity and
     in-place version), its own version (Adam's L2 decay reads it) and the options."""
@@ -122,14 +129,18 @@ class Overlap:
             # every rank, after waiting out what started
             early.failed = True
 
-    def stale(self) -> bool:
-        """Whether anything a bucket started early read has changed since (gradients clipped
-        or unscaled in place, replaced, options changed): then it is started again."""
+    def stale(self) -> Optional[str]:
+        """What a bucket started early read that has changed since, in words (gradients
+        clipped or unscaled in place, replaced, options changed): then it is started again.
+        None: nothing changed."""
         early = self.current
         if early is None:
-            return False
+            return None
         for q, then in early.read.items():
             now = inputs_of(q, early.groups[q])
-            if now[0] is not then[0] or now[1:] != then[1:]:
-                return True
-        return False
+            if now[0] is not then[0]:
+                return "a gradient was replaced"
+            for what, a, b in zip(CHANGES, now[1:], then[1:]):
+                if a != b:
+                    return what
+        return None

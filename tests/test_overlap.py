@@ -9,7 +9,7 @@ from tests.worlds import shared_suite
 
 pytestmark = pytest.mark.multirank
 
-CASES = ["plain", "passes2", "clip", "scaler", "scaler_clip"]
+CASES = ["plain", "passes2", "clip", "scaler", "scaler_clip", "beta1"]
 
 
 results = shared_suite("tests.workers_overlap:suite", np=2, timeout=400)
@@ -60,13 +60,17 @@ def test_a_grad_scaler_keeps_the_overlap(results):
             f"rank {rank}: {run['early_starts']} early starts with a GradScaler, {plain} without"
 
 
-@pytest.mark.parametrize("case", ["clip", "scaler_clip"])
-def test_gradients_changed_after_backward_restart_once_then_start_in_step(results, case):
+@pytest.mark.parametrize("case, what", [
+    ("clip", "a gradient changed in place (e.g. clipped"),
+    ("scaler_clip", "a gradient changed in place (e.g. clipped"),
+    ("beta1", "beta1 changed (e.g. a scheduler that sets betas, such as OneCycleLR")])
+def test_inputs_changed_after_backward_restart_once_then_start_in_step(results, case, what):
     for rank, r in enumerate(results):
         run = r[(case, True)]
         assert run["restarts"] == 1, f"rank {rank}, {case}: {run['restarts']} restarted steps"
-        assert any("changed between backward and step" in w for w in run["warnings"]), \
-            f"rank {rank}, {case}: no warning, got {run['warnings']}"
+        named = [w for w in run["warnings"] if "changed between backward and step(): " + what in w]
+        assert len(named) == 1, \
+            f"rank {rank}, {case}: no warning naming {what!r}, got {run['warnings']}"
 
 
 def test_a_rank_clipping_alone_without_synchronize_stays_identical_to_the_others(results):

@@ -38,7 +38,7 @@ def _batch(step: int, k: int = 0):
 def run(overlap: bool, steps: int = 9, freeze_step: int = 3, passes: int = 1,
         clip: bool = False, scaler: bool = False, transport: str = "auto",
         zero_grad_between: bool = False, clip_alone: bool = False,
-        variance_refresh=None) -> dict:
+        variance_refresh=None, beta1_between: bool = False) -> dict:
     """One training run; returns per-step parameter hashes and the engine's counters."""
     model = FourLayers()
     groups = [{"params": [p for n, p in model.named_parameters() if n.startswith("c.")],
@@ -69,6 +69,9 @@ def run(overlap: bool, steps: int = 9, freeze_step: int = 3, passes: int = 1,
                 if amp:
                     amp.unscale_(opt)
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+            if beta1_between and opt.phase == "compression":  # as OneCycleLR's step() does
+                opt.param_groups[1]["betas"] = (0.85, opt.param_groups[1]["betas"][1])
+                beta1_between = False
             if clip_alone and opt.phase == "compression" and hvd.rank() == 1:
                 # no synchronize(): rank 1 alone clips its own gradients, in place
                 out["norms"].append(float(torch.nn.utils.clip_grad_norm_(model.parameters(),
@@ -81,7 +84,7 @@ def run(overlap: bool, steps: int = 9, freeze_step: int = 3, passes: int = 1,
                     opt.step()
             out["hashes"].append(params_hash(model))
     engine = opt.compressed_step
-    out["warnings"] = sorted({str(w.message)[:60] for w in caught if "hvd_onebit" in str(w.message)
+    out["warnings"] = sorted({str(w.message) for w in caught if "hvd_onebit" in str(w.message)
                               and "no gradient" not in str(w.message)})
     out["buckets"] = len(engine.buckets)
     out["early_starts"] = engine.early_starts
@@ -99,6 +102,7 @@ def suite() -> dict:
         "clip": {"clip": True},
         "scaler": {"scaler": True},
         "scaler_clip": {"scaler": True, "clip": True},
+        "beta1": {"beta1_between": True},
     }
     out = {}
     for name, kwargs in cases.items():

@@ -24,11 +24,16 @@ from ..state.schedule import Schedule
 from ..state.telemetry import Telemetry
 from .gradients import as_adam_takes_it, sparse_gradient_error
 
-STALE_WARNING = (
-    "hvd_onebit: the gradients changed between backward and step() (e.g. clipped, or a "
-    "GradScaler used this step and not the last, or the reverse); the buckets started during "
-    "backward were started again, and from now on this rank starts them in step() (overlap "
-    "off). Leave the gradients as backward made them to keep the overlap, or pass overlap=False.")
+SCALER_CHANGED = "a GradScaler was used this step and not the last, or the reverse"
+
+
+def stale_warning(what: str) -> str:
+    """The warning when buckets started during backward are started again: ``what`` changed
+    between backward and step()."""
+    return (f"hvd_onebit: what the compressed step reads changed between backward and step(): "
+            f"{what}. The buckets started during backward were started again, and from now on "
+            "this rank starts them in step() (overlap off). Leave the gradients and the "
+            "options as backward left them to keep the overlap, or pass overlap=False.")
 
 
 class CompressionPhase:
@@ -71,10 +76,11 @@ class CompressionPhase:
         if early is None:
             engine.begin_step()
         engine.ensure_ready(self._view.adam.active_parameters())
-        stale = (changed and engine.started > 0) or overlap.stale()
+        what = SCALER_CHANGED if changed and engine.started > 0 else overlap.stale()
+        stale = what is not None
         if stale and overlap.off_reason is None:
-            overlap.turn_off("gradients changed between backward and step()")
-            warnings.warn(STALE_WARNING)
+            overlap.turn_off(f"changed between backward and step(): {what}")
+            warnings.warn(stale_warning(what))
         started = set() if stale or early is None else set(early.read)
         groups = groups_by_param(self._view.adam.param_groups)
         grads = LocalGrads(self.local_grad, groups)
