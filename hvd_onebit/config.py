@@ -37,6 +37,22 @@ FREEZE_FRACTION = 0.05
 FROZEN_FREEZE_FRACTION = 0.2
 
 
+class _Required:
+    """The default of ``freeze_step``, which has none: leaving it out is refused with what to
+    pass, rather than with Python's bare missing-argument error."""
+
+    def __repr__(self) -> str:
+        return "required"
+
+
+REQUIRED = _Required()
+FREEZE_STEP_REQUIRED = (
+    "freeze_step is required: the warmup's steps before the variance freezes; with the default "
+    f"variance_refresh {FREEZE_FRACTION:.0%} of the run's steps, "
+    f"max(1, total_steps // {round(1 / FREEZE_FRACTION)}); with variance_refresh=None 15-25% of "
+    "them; or 'auto' to freeze once the variance has settled")
+
+
 @dataclass(frozen=True)
 class AutoFreeze:
     """How ``freeze_step="auto"`` decides (the rule is in :mod:`hvd_onebit.auto_freeze`).
@@ -214,6 +230,8 @@ class OneBitConfig:
         into :class:`Experimental`, passed as a keyword, raises a TypeError saying how to pass
         it now."""
         refuse_moved(moved)
+        if freeze_step is REQUIRED:
+            raise TypeError(FREEZE_STEP_REQUIRED)
         if experimental is None:
             experimental = Experimental()
         elif not isinstance(experimental, Experimental):
@@ -322,6 +340,13 @@ def check_wrapped(optimizer: torch.optim.Optimizer, op_supported: bool,
     if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
         raise TypeError(f"{face} wraps torch.optim.Adam or torch.optim.AdamW; got "
                         f"{type(optimizer).__module__}.{type(optimizer).__name__}")
+    # Horovod's wrapper and both faces' are subclasses of the Adam they wrap, built at run time;
+    # what gives them away is the distributed optimizer's own methods.
+    if hasattr(optimizer, "synchronize") or hasattr(optimizer, "flush_error_feedback"):
+        raise TypeError(f"{face} wraps a bare torch.optim.Adam or AdamW; this one is already "
+                        f"wrapped by a distributed optimizer ({type(optimizer).__module__}."
+                        f"{type(optimizer).__name__}, e.g. hvd.DistributedOptimizer): replace "
+                        "that wrapper with this one instead of wrapping it")
     if any(g.get("amsgrad") for g in optimizer.param_groups):
         raise ValueError("amsgrad=True is not supported: 1-bit Adam freezes the variance, "
                          "which amsgrad's running maximum would contradict")

@@ -20,7 +20,8 @@ from horovod.torch.mpi_ops import Adasum, Average, Sum
 from horovod.torch.optimizer import _DistributedOptimizer
 
 from . import elastic
-from .config import DEFAULT_BLOCK_SIZE, DEFAULT_BUCKET_MB, DOUBLING, Experimental, OneBitConfig, check_wrapped
+from .config import (DEFAULT_BLOCK_SIZE, DEFAULT_BUCKET_MB, DOUBLING, REQUIRED, Experimental,
+                     OneBitConfig, check_wrapped)
 from .face import face_attributes
 from .horovod_view import HorovodView
 from .low_precision import WidenBfloat16
@@ -86,7 +87,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                          sparse_as_dense: bool = False,
                          process_set: hvd.ProcessSet = hvd.global_process_set,
                          *,
-                         freeze_step: int | str,
+                         freeze_step: int | str = REQUIRED,
                          variance_refresh: Optional[str] = DOUBLING,
                          hierarchical: bool | str = False,
                          bucket_size_mb: float = DEFAULT_BUCKET_MB,

@@ -228,13 +228,15 @@ def settings() -> str:
     """The settings that matter: each option's default from the signature and its guidance
     from the docstring's Args."""
     from hvd_onebit import DistributedOptimizer
+    from hvd_onebit.config import REQUIRED
 
     signature = inspect.signature(DistributedOptimizer)
     doc = inspect.getdoc(DistributedOptimizer) or ""
     rows = []
     for name in SETTINGS:
         default = signature.parameters[name].default
-        default = "required" if default is inspect.Parameter.empty else f"`{default!r}`"
+        default = "required" if default is inspect.Parameter.empty or default is REQUIRED \
+            else f"`{default!r}`"
         rows.append([f"`{name}`", default, arg_doc(doc, name)])
     return table(["setting", "default", "guidance (DistributedOptimizer's docstring)"], rows)
 

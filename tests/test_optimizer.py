@@ -217,6 +217,9 @@ def test_bad_arguments_are_clear_errors(world):
         "freeze_float": ["freeze_step must be a positive int"],
         "adasum": ["op=hvd.Average or hvd.Sum"],
         "mask_shape": ["does not broadcast"],
+        "no_freeze_step": ["freeze_step is required", "max(1, total_steps // 20)", "'auto'"],
+        "wrapped_twice": ["wraps a bare torch.optim.Adam or AdamW; this one is already wrapped",
+                          "horovod.torch.optimizer.", "replace that wrapper"],
         # a channels_last conv weight; the 1x1 conv's weight stays contiguous either way
         "channels_last": ["Horovod's allreduce needs contiguous tensors", "1 parameter(s)",
                           "(0.weight;", "memory_format=torch.contiguous_format"],

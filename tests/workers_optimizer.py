@@ -334,10 +334,17 @@ def bad_arguments():
             list(model.parameters())[::1 if hvd.rank() == 0 else -1]), freeze_step=2),
         "freeze_step": lambda: hvd_onebit.DistributedOptimizer(
             torch.optim.Adam(model.parameters()), freeze_step=2 + hvd.rank()),
+        "no_freeze_step": lambda: hvd_onebit.DistributedOptimizer(
+            torch.optim.Adam(model.parameters()), named_parameters=model.named_parameters()),
+        "wrapped_twice": lambda: hvd_onebit.DistributedOptimizer(
+            hvd.DistributedOptimizer(torch.optim.Adam(other.parameters()),
+                                     named_parameters=other.named_parameters()),
+            named_parameters=other.named_parameters(), freeze_step=2),
         "channels_last": lambda: hvd_onebit.DistributedOptimizer(
             torch.optim.Adam(conv.parameters()), named_parameters=conv.named_parameters(),
             freeze_step=2),
     }
+    other = make_model()  # Horovod's wrapper hooks its gradients: a model of its own
     conv = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Conv2d(4, 2, 1)).to(
         memory_format=torch.channels_last)
     for name, make in cases.items():

@@ -17,7 +17,8 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from ..config import DEFAULT_BLOCK_SIZE, DEFAULT_BUCKET_MB, DOUBLING, Experimental, OneBitConfig, check_wrapped
+from ..config import (DEFAULT_BLOCK_SIZE, DEFAULT_BUCKET_MB, DOUBLING, REQUIRED, Experimental,
+                      OneBitConfig, check_wrapped)
 from ..face import face_attributes
 from . import setup
 from .view import DDPView
@@ -53,7 +54,7 @@ class DDPFace:
 
 
 def DistributedOptimizer(optimizer: torch.optim.Optimizer, model, *,
-                         freeze_step: int | str,
+                         freeze_step: int | str = REQUIRED,
                          variance_refresh: Optional[str] = DOUBLING,
                          hierarchical: bool | str = False,
                          bucket_size_mb: float = DEFAULT_BUCKET_MB,
