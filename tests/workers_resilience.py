@@ -300,10 +300,12 @@ def zero_variance_elements(freeze_step=4, steps=12):
     add nothing to the next compression) and a warning."""
     torch.manual_seed(0)
     emb, head = nn.Embedding(10, 4), nn.Linear(4, 1)
-    params = [emb.weight, head.weight, head.bias]
+    side = nn.Embedding(6, 2)  # rows 3-5 never used: a second parameter with held elements
+    params = [emb.weight, head.weight, head.bias, side.weight]
     opt = hvd_onebit.DistributedOptimizer(torch.optim.Adam(params, lr=1e-2), freeze_step=freeze_step,
                                           named_parameters=[("emb", emb.weight), ("w", head.weight),
-                                                            ("b", head.bias)], variance_refresh=None)
+                                                            ("b", head.bias), ("side", side.weight)],
+                                          variance_refresh=None)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for step in range(steps):
@@ -314,7 +316,8 @@ def zero_variance_elements(freeze_step=4, steps=12):
                 unseen_before = emb.weight[5:].detach().clone()
                 seen_before = emb.weight[:5].detach().clone()
             opt.zero_grad()
-            nn.functional.mse_loss(head(emb(idx)), torch.randn(16, 1, generator=g)).backward()
+            (nn.functional.mse_loss(head(emb(idx)), torch.randn(16, 1, generator=g))
+             + 0.01 * side(idx % 3).pow(2).mean()).backward()
             opt.step()
     return {"unseen_at_freeze": unseen_before, "unseen_end": emb.weight[5:].detach().clone(),
             "seen_at_freeze": seen_before, "seen_end": emb.weight[:5].detach().clone(),

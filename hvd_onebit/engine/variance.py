@@ -77,21 +77,33 @@ class FrozenVariance:
                            else torch.tensor(float(step), **f64))
             figures.append(torch.count_nonzero(self.state[p]["exp_avg_sq"] == 0).to(**f64))
         values = torch.stack(figures).tolist()
+        held = []  # (parameter, its elements of variance 0), for one warning
         for i, p in enumerate(todo):
             state, step, unseen = self.state[p], values[2 * i], int(values[2 * i + 1])
             state["frozen_variance_step"] = int(step)
             if isinstance(state["step"], torch.Tensor):
                 self._remember(p, state["step"], step)
             if unseen and self.zero_variance == "hold":
-                warnings.warn(
-                    f"hvd_onebit: {unseen} of {p.numel()} elements of parameter "
-                    f"{self.names.get(p, '?')} received no gradient in the warmup (variance 0 "
-                    f"after {state['frozen_variance_step']} Adam steps of it); the compression "
-                    "phase holds them (no update; decoupled weight decay still shrinks them)" + (
-                        " until a variance refresh sees their gradient" if self.refreshing
-                        else ""))
+                held.append((p, unseen))
             elif unseen:
                 _fill_zero_variances(state["exp_avg_sq"], self.zero_variance)
+        if held:
+            warnings.warn(self._held_warning(held))
+
+    def _held_warning(self, held: list[tuple[torch.Tensor, int]]) -> str:
+        """One line for every parameter with elements of variance 0 at the freeze (a dead
+        ReLU unit, an unused embedding row), the five with the most named."""
+        shown = sorted(held, key=lambda h: -h[1])[:5]
+        named = ", ".join(f"{n} of {p.numel()} elements of parameter {self.names.get(p, '?')} "
+                          f"(after {self.state[p]['frozen_variance_step']} Adam steps of it)"
+                          for p, n in shown)
+        more = f", and {len(held) - 5} parameter(s) more" if len(held) > 5 else ""
+        total = sum(n for _, n in held)
+        return (f"hvd_onebit: {total} elements of {len(held)} parameter(s) received no gradient "
+                f"in the warmup (variance 0): {named}{more}; the compression phase holds them "
+                "(no update; decoupled weight decay still shrinks them)" + (
+                    " until a variance refresh sees their gradient" if self.refreshing else "")
+                + ". Usual for dead ReLU units or unused embedding rows.")
 
     def host_step(self, p: torch.Tensor) -> float:
         """Adam's step count of ``p`` as a host number. A step tensor on a GPU (fused or
