@@ -1,6 +1,6 @@
-"""`hvd-onebit check --np N` or ``--probe``, run on every rank of a job (``horovodrun -np N
-hvd-onebit check --np N ...``, or ``torchrun --nproc_per_node N -m hvd_onebit_tools.cli check
---probe ...``: torchrun's own parser takes ``--np`` for its ``--nproc-per-node``): a
+"""`hvd-onebit check --probe` (or ``--np N``, which also checks the job's size), run on every
+rank of a job (``horovodrun -np N hvd-onebit check --probe ...``, or ``torchrun
+--nproc_per_node N -m hvd_onebit_tools.cli check --probe ...``): a
 short allreduce probe measures the link between the ranks, through Horovod under horovodrun and
 through torch.distributed under torchrun (NCCL on a GPU, Gloo otherwise), and rank 0 prices 1-bit
 Adam on it with the scale model (:mod:`hvd_onebit_tools.bench.predict`) for the given
@@ -64,7 +64,7 @@ class JobSizeError(ValueError):
 def _check_size(np_: Optional[int], size: int) -> None:
     if np_ is not None and size != np_:
         raise JobSizeError(f"--np {np_} but this job has {size} ranks (horovodrun -np {size} "
-                           f"hvd-onebit check --np {size} ...)")
+                           f"hvd-onebit check --probe ...: the ranks are the job's)")
 
 
 def _probe_torch(np_: Optional[int], elements: int, repeats: int) -> LinkProbe:

@@ -22,13 +22,13 @@ def main() -> None:
 
 
 @main.command("check")
-@click.option("--np", "np_", type=click.IntRange(min=2), default=None,
-              help="Under horovodrun with this many ranks: also probe the link between them "
-                   "with a short allreduce and predict 1-bit Adam's step there (needs --params "
-                   "and --compute-ms).")
 @click.option("--probe", is_flag=True,
-              help="The same under torchrun, whose own parser reads --np as its "
-                   "--nproc-per-node: the ranks are the job's.")
+              help="Under a launcher (horovodrun, torchrun): also probe the link between the "
+                   "job's ranks with a short allreduce and predict 1-bit Adam's step there "
+                   "(needs --params and --compute-ms).")
+@click.option("--np", "np_", type=click.IntRange(min=2), default=None,
+              help="Probe as --probe does, and first check that the job has this many ranks "
+                   "(under horovodrun; torchrun's own parser takes --np for itself).")
 @click.option("--params", default=None,  # checked now, kept as written for the messages
               callback=lambda ctx, param, value: parameter_count(ctx, param, value) and value,
               help="Parameters of your model for the prediction (e.g. 350M).")
@@ -40,26 +40,25 @@ def main() -> None:
 def check(np_, probe, params, compute_ms, calibration) -> None:
     """Print torch and its device, Horovod's controllers (or torch.distributed), the native
     kernels, triton, /dev/shm and MPI's thread level, each OK or the fix; exit status 1 when a
-    job cannot run here. With --np (under horovodrun) or --probe (under torchrun): the link
-    and the predicted speed-up."""
+    job cannot run here. With --probe, under horovodrun or torchrun: the link and the
+    predicted speed-up."""
     from .check import FIX, findings, report
 
     link_lines = []
     if np_ is None and not probe and (params is not None or compute_ms is not None
                                       or calibration is not None):
         raise click.UsageError("--params, --compute-ms and --calibration price the link that "
-                               "--np (under horovodrun) or --probe (under torchrun) measures: "
-                               "give one of them too")
+                               "--probe measures under a launcher: give --probe too")
     if np_ is not None or probe:
         from . import check_probe
 
         if params is None or compute_ms is None:
-            raise click.UsageError("--np and --probe need --params and --compute-ms for the "
+            raise click.UsageError("--probe needs --params and --compute-ms for the "
                                    "prediction")
         if not check_probe.launched():
             n, args = np_ or 4, f"--params {params} --compute-ms {compute_ms:g}"
             raise click.UsageError(f"the probe measures a running job: horovodrun -np {n} "
-                                   f"hvd-onebit check --np {n} {args}, or torchrun "
+                                   f"hvd-onebit check --probe {args}, or torchrun "
                                    f"--nproc_per_node {n} -m hvd_onebit_tools.cli check --probe "
                                    f"{args}")
         try:

@@ -113,7 +113,8 @@ def test_without_iproute2_the_cluster_stays_in_help_with_the_reason():
 def test_np_outside_a_job_says_how_to_launch_it():
     out = hvd_onebit(["check", "--np", "4", "--params", "10M", "--compute-ms", "50"])
     assert out.exit_code == 2, out.output
-    assert "horovodrun -np 4 hvd-onebit check --np 4 --params 10M --compute-ms 50" in out.output
+    assert "horovodrun -np 4 hvd-onebit check --probe --params 10M --compute-ms 50" in \
+        " ".join(out.output.split()), out.output
     assert ("torchrun --nproc_per_node 4 -m hvd_onebit_tools.cli check --probe --params 10M "
             "--compute-ms 50") in " ".join(out.output.split()), out.output
 
@@ -121,22 +122,25 @@ def test_np_outside_a_job_says_how_to_launch_it():
 @pytest.mark.multirank
 def test_the_prediction_options_without_a_probe_are_refused():
     out = hvd_onebit(["check", "--params", "10M"])
-    assert out.exit_code == 2 and "--np (under horovodrun) or --probe" in out.output, \
+    assert out.exit_code == 2 and "give --probe too" in out.output, \
         f"exit {out.exit_code}: {out.output}"
 
 
-def check_under_horovodrun(np_: int) -> subprocess.CompletedProcess:
-    """``hvd-onebit check --np NP --params 10M --compute-ms 50`` in a 2-rank horovodrun job."""
+def check_under_horovodrun(np_=None) -> subprocess.CompletedProcess:
+    """``hvd-onebit check --probe --params 10M --compute-ms 50`` in a 2-rank horovodrun job
+    (``np_``: ``--np NP`` instead of ``--probe``)."""
     bin_dir = os.path.dirname(sys.executable)
     return subprocess.run([os.path.join(bin_dir, "horovodrun"), "-np", "2", "-H", "localhost:2",
                            "--gloo", sys.executable, "-m", "hvd_onebit_tools.cli", "check",
-                           "--np", str(np_), "--params", "10M", "--compute-ms", "50"],
+                           *(["--probe"] if np_ is None else ["--np", str(np_)]),
+                           "--params", "10M", "--compute-ms", "50"],
                           capture_output=True, text=True, timeout=300,
                           env=dict(os.environ, PATH=bin_dir + os.pathsep + os.environ["PATH"]))
 
 
-def test_np_under_horovodrun_probes_the_link_and_prices_the_step():
-    out = check_under_horovodrun(np_=2)
+@pytest.mark.parametrize("np_", [None, 2])
+def test_probe_under_horovodrun_probes_the_link_and_prices_the_step(np_):
+    out = check_under_horovodrun(np_)
     assert out.returncode == 0, out.stdout + out.stderr
     lines = [line.split(":", 1)[1] for line in out.stdout.splitlines()
              if line.startswith("[0]<stdout>:")]
