@@ -50,7 +50,8 @@ FREEZE_STEP_REQUIRED = (
     "freeze_step is required: the warmup's steps before the variance freezes; with the default "
     f"variance_refresh {FREEZE_FRACTION:.0%} of the run's steps, "
     f"max(1, total_steps // {round(1 / FREEZE_FRACTION)}); with variance_refresh=None 15-25% of "
-    "them; or 'auto' to freeze once the variance has settled")
+    "them; or 'auto' to freeze once the variance has settled. It is a keyword argument: "
+    "freeze_step=...")
 
 
 @dataclass(frozen=True)
@@ -340,9 +341,10 @@ def check_wrapped(optimizer: torch.optim.Optimizer, op_supported: bool,
     if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
         raise TypeError(f"{face} wraps torch.optim.Adam or torch.optim.AdamW; got "
                         f"{type(optimizer).__module__}.{type(optimizer).__name__}")
-    # Horovod's wrapper and both faces' are subclasses of the Adam they wrap, built at run time;
-    # what gives them away is the distributed optimizer's own methods.
-    if hasattr(optimizer, "synchronize") or hasattr(optimizer, "flush_error_feedback"):
+    # Horovod's wrappers and both faces' are subclasses of the Adam they wrap, built at run
+    # time; what gives them away is a distributed optimizer's own methods (Horovod's
+    # skip_synchronize, both faces' flush_error_feedback), not a name an Adam of one's own uses.
+    if hasattr(optimizer, "skip_synchronize") or hasattr(optimizer, "flush_error_feedback"):
         raise TypeError(f"{face} wraps a bare torch.optim.Adam or AdamW; this one is already "
                         f"wrapped by a distributed optimizer ({type(optimizer).__module__}."
                         f"{type(optimizer).__name__}, e.g. hvd.DistributedOptimizer): replace "

@@ -166,8 +166,10 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
         kernel_backend=kernel_backend, experimental=experimental, **moved)
     if named_parameters is not None:  # read twice: by the checks and by Horovod's constructor
         named_parameters = list(named_parameters)
+    # only (name, tensor) pairs name a parameter here; Horovod's constructor refuses the rest
     setup.check(config, optimizer.param_groups, process_set,
-                {p: name for name, p in named_parameters or ()})
+                {item[1]: item[0] for item in named_parameters or ()
+                 if isinstance(item, tuple) and len(item) == 2})
 
     attrs = dict(_DistributedOptimizer.__dict__)
     attrs.update(face_attributes(OneBitFace))

@@ -222,7 +222,8 @@ def test_bad_arguments_are_clear_errors(world):
                           "horovod.torch.optimizer.", "replace that wrapper"],
         # a channels_last conv weight; the 1x1 conv's weight stays contiguous either way
         "channels_last": ["Horovod's allreduce needs contiguous tensors", "1 parameter(s)",
-                          "(0.weight;", "memory_format=torch.contiguous_format"],
+                          "(0.weight)", "memory_format=torch.contiguous_format"],
+        "named_dict": ["named_parameters should be a sequence of tuples"],
     }
     if n > 1:
         wanted.update(reordered=["optimizers differ in the order, names, shapes or dtypes of "
@@ -232,6 +233,9 @@ def test_bad_arguments_are_clear_errors(world):
         for case, parts in wanted.items():
             assert bad[case] is not None and all(p in bad[case] for p in parts), \
                 f"rank {rank} {case}: error {bad[case]!r}, want it to mention {parts}"
+        assert bad["own_synchronize"] is None, \
+            f"rank {rank}: an Adam subclass with a synchronize() of its own was refused: " \
+            f"{bad['own_synchronize']!r}"
         assert bad["amsgrad"] is not None and bad["amsgrad"].startswith(
             "ValueError: amsgrad=True is not supported"), f"rank {rank} amsgrad: {bad['amsgrad']!r}"
 

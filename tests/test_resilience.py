@@ -217,6 +217,20 @@ def test_torch_optimizer_states_load_at_their_adam_step_count(results):
                            f"{name}: rank 1 against rank 0 after the step")
 
 
+def test_the_optimizers_own_state_without_its_record_loads_as_it_is(results):
+    """The optimizer's state at step 8 (frozen at 4) without its "onebit" record (as
+    torch.distributed.checkpoint keeps it) is still its own: frozen at 4, no warning, and the
+    step after it has the bits of the step after loading the whole state."""
+    for rank, r in enumerate(scenario(results, "torch_states")):
+        dropped, whole = r["record_dropped"], r["with_record"]
+        assert (dropped["steps"], dropped["freeze_step"], set(dropped["frozen_at"])) == \
+            (8, 4, {4}), f"rank {rank}: loaded at step {dropped['steps']}, freeze_step " \
+            f"{dropped['freeze_step']}, variance frozen at {dropped['frozen_at']}; expected 8, 4, 4"
+        assert dropped["warnings"] == [], f"rank {rank}: {dropped['warnings']}"
+        assert_same_params(dropped["params"], whole["params"],
+                           f"rank {rank}: the step after loading without the record vs whole")
+
+
 def test_a_checkpoint_loaded_on_one_rank_only_is_named_by_the_check(results):
     for rank, r in enumerate(scenario(results, "rollback_one_rank")):
         assert r["error"] is not None and "different step counts ([11, 8]" in r["error"], \

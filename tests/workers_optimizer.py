@@ -340,11 +340,23 @@ def bad_arguments():
             hvd.DistributedOptimizer(torch.optim.Adam(other.parameters()),
                                      named_parameters=other.named_parameters()),
             named_parameters=other.named_parameters(), freeze_step=2),
+        "named_dict": lambda: hvd_onebit.DistributedOptimizer(
+            torch.optim.Adam(model.parameters()), named_parameters=dict(model.named_parameters()),
+            freeze_step=2),
+        "own_synchronize": lambda: hvd_onebit.DistributedOptimizer(
+            OwnSynchronize(mine.parameters()), named_parameters=mine.named_parameters(),
+            freeze_step=2),
         "channels_last": lambda: hvd_onebit.DistributedOptimizer(
             torch.optim.Adam(conv.parameters()), named_parameters=conv.named_parameters(),
             freeze_step=2),
     }
     other = make_model()  # Horovod's wrapper hooks its gradients: a model of its own
+    mine = make_model()  # and so does the one optimizer built here
+
+    class OwnSynchronize(torch.optim.Adam):  # an Adam of one's own, not a distributed wrapper
+        def synchronize(self):
+            pass
+
     conv = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Conv2d(4, 2, 1)).to(
         memory_format=torch.channels_last)
     for name, make in cases.items():

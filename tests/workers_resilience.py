@@ -403,8 +403,10 @@ def broadcast_at_the_same_step(at=10, after=4, freeze_step=5):
 def torch_optimizer_states(freeze_step=4):
     """torch.optim.Adam's own states loaded into the optimizer: a plain Adam's after 6 steps
     ("plain"), and one of the optimizer's (step 8, frozen at 4) that a plain Adam loaded and
-    trained 3 more steps on, keeping the 1-bit entries it does not know ("through_plain").
-    Each is loaded into a fresh optimizer with ``freeze_step``, which then takes one step."""
+    trained 3 more steps on, keeping the 1-bit entries it does not know ("through_plain");
+    beside them the optimizer's own state at step 8, whole ("with_record") and without its
+    "onebit" record, as torch.distributed.checkpoint saves it ("record_dropped"). Each is
+    loaded into a fresh optimizer with ``freeze_step``, which then takes one step."""
     import copy
 
     def train(model, opt, start, steps, rank):
@@ -436,6 +438,10 @@ def torch_optimizer_states(freeze_step=4):
     model = make_model()
     opt = _opt(model, freeze_step)
     train(model, opt, 0, 8, hvd.rank())
+    whole = opt.state_dict()
+    out["with_record"] = load(model.state_dict(), whole, 8)
+    out["record_dropped"] = load(model.state_dict(),
+                                 {k: v for k, v in whole.items() if k != "onebit"}, 8)
     local = make_model()  # a model without the optimizer's gradient hooks
     local.load_state_dict(model.state_dict())
     plain = torch.optim.Adam(local.parameters(), lr=1e-2)

@@ -44,9 +44,10 @@ def check_contiguous(params: list[torch.Tensor], names: dict) -> None:
         shown = ", ".join(bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
         raise ValueError(
             f"hvd_onebit.DistributedOptimizer: Horovod's allreduce needs contiguous tensors, and "
-            f"{len(bad)} parameter(s) are not ({shown}; e.g. channels_last): convert the model "
-            "with model.to(memory_format=torch.contiguous_format) before building the optimizer, "
-            "or train it under torchrun with hvd_onebit.ddp, which takes them")
+            f"{len(bad)} parameter(s) are not ({shown}): before building the optimizer, make "
+            "them contiguous (a channels_last model: model.to(memory_format="
+            "torch.contiguous_format); another: p.data = p.data.contiguous()), or train the "
+            "model under torchrun with hvd_onebit.ddp, which takes them")
 
 
 def check_job(param_groups: list[dict], names: dict, config: OneBitConfig,

@@ -7,6 +7,7 @@ variance, the auto-freeze record); the error feedback is rank-local and has its 
 from __future__ import annotations
 
 import warnings
+from typing import Optional
 
 from ..config import OneBitConfig
 from ..low_precision import float32_state_in
@@ -38,8 +39,9 @@ def load_state_dict(view: OptimizerView, config: OneBitConfig, schedule: Schedul
     A warmup checkpoint takes the optimizer's, or freezes at its own step count when that is
     past the optimizer's (with a warning); with ``freeze_step="auto"`` also the checkpoint's
     record of the variance, so the resumed run decides at the same step as an uninterrupted
-    one. A torch.optim state dict (no 1-bit record) is a warmup checkpoint at its Adam step
-    count (:func:`_adopt_torch_state`). The caller drops its collectives after."""
+    one. A state dict without the 1-bit record is this optimizer's if its step counts agree,
+    else torch.optim's, a warmup checkpoint at its Adam step count (:func:`_without_record`).
+    The caller drops its collectives after."""
     state_dict = dict(state_dict)
     meta = state_dict.pop(KEY, None)
     params = view.adam.parameters()
@@ -52,10 +54,8 @@ def load_state_dict(view: OptimizerView, config: OneBitConfig, schedule: Schedul
     for pid, p in zip(ids, params):
         for key, value in wide.get(pid, {}).items():
             view.adam.state[p][key] = value.to(device=p.device, copy=True)
-    if meta is None:
-        _adopt_torch_state(view, schedule)
+    saved = None if meta is not None else _without_record(view, schedule)
     mine = None if config.auto else config.freeze_step
-    saved = None
     if meta is not None:
         telemetry.skipped_steps = int(meta.get("skipped_steps", 0))
         telemetry.refreshes = int(meta.get("refreshes", 0))
@@ -86,23 +86,33 @@ def load_state_dict(view: OptimizerView, config: OneBitConfig, schedule: Schedul
     init_adam_state(view.adam.param_groups, view.adam.state)
 
 
-def _adopt_torch_state(view: OptimizerView, schedule: Schedule) -> None:
-    """A state dict without the 1-bit record is torch.optim's: a plain Adam's (training that
-    started without this optimizer), or one of this optimizer's that a torch optimizer loaded
-    and trained on, keeping the 1-bit entries it does not know without counting or freezing
-    with them. Its Adam is the truth: the step count is the parameters' Adam step count (the
-    largest: torch's Adam skips a parameter without a gradient), and its variance is Adam's,
-    not frozen; the caller then freezes at ``freeze_step``, or now if that is past."""
-    steps = max((float(s["step"]) for s in view.adam.state.values() if "step" in s), default=0.0)
-    carried = schedule.recount(int(steps))
+def _without_record(view: OptimizerView, schedule: Schedule) -> Optional[int]:
+    """A state dict without the 1-bit record (``KEY``). Where its param group still counts as
+    many steps as its Adam does, it is this optimizer's state that lost only the record
+    (``torch.distributed.checkpoint`` keeps ``state`` and ``param_groups`` alone): it loads as
+    it is, and the freeze step it carries is returned (None while in the warmup). Otherwise it
+    is torch.optim's: a plain Adam's (training that started without this optimizer), or one of
+    this optimizer's that a torch optimizer loaded and trained on, keeping the 1-bit entries it
+    does not know without counting or freezing with them. Then its Adam is the truth: the step
+    count is the parameters' Adam step count (the largest: torch's Adam skips a parameter
+    without a gradient), its variance is Adam's, not frozen, and None is returned; the caller
+    freezes at ``freeze_step``, or now if that is past."""
+    steps = int(max((float(s["step"]) for s in view.adam.state.values() if "step" in s),
+                    default=0.0))
+    carried_freeze = schedule.freeze_step
+    carried = schedule.recount(steps)
+    if carried == steps:
+        schedule.freeze_step = carried_freeze
+        return carried_freeze
     for entry in view.adam.state.values():
         if "frozen_variance_step" in entry:
             entry["frozen_variance_step"] = NOT_FROZEN
-    if carried is not None and carried != int(steps):
+    if carried is not None:
         warnings.warn(
             f"hvd_onebit: the state dict holds 1-bit Adam's entries (step {carried}) but not its "
             f"record: another optimizer loaded it and trained on, so it loads as that Adam's "
-            f"state, at its step {int(steps)}, its variance not frozen")
+            f"state, at its step {steps}, its variance not frozen")
+    return None
 
 
 def _warn_if_other_step_bound(meta: dict, mine) -> None:
