@@ -255,7 +255,8 @@ def bench_predict(calibration, nps, ranks_per_node, bandwidths, intra_bandwidth,
         from ...cluster.bandwidth import format_bandwidth
         from ..predict.plots import plot_phases, plot_sweep
 
-        title = f"{head}, warmup {warmup_frac:.0%}, {ranks_per_node} ranks/node (predicted)"
+        title = (f"{head}, {ranks_per_node} ranks/node (predicted); the run: "
+                 f"{option_text(refresh)}, frozen at {refresh_freeze_frac:.0%}")
         if len(rows) > 1:
             plot_sweep(rows, plot, title)
         else:

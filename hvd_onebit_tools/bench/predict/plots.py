@@ -42,7 +42,9 @@ def plot_sweep(rows: list[dict], path: str, title: str) -> None:
             if m not in sel[0]["methods"]:
                 continue
             xs = [r["np"] for r in sel]
-            ys = [r["methods"][m]["run_speedup_vs_fp32"] for r in sel]
+            # the whole run with the refresh setting (the library's default) where priced
+            ys = [r["methods"][m].get("run_refresh", r["methods"][m])["run_speedup_vs_fp32"]
+                  for r in sel]
             ax.plot(xs, ys, dashes[i % len(dashes)], color=color, marker="o", ms=3,
                     label=f"{name}, {label_bw}")
         c = cross.get(str(sel[0]["inter_bps"]), {})
