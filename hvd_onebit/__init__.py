@@ -25,6 +25,7 @@ _PUBLIC = {
     "Layout": ".layout",
     "DistributedOptimizer": ".optimizer",
     "Experimental": ".config",
+    "torch_adam_state_dict": ".state.checkpoint",
 }
 __all__ = sorted(_PUBLIC) + ["__version__"]
 

@@ -23,7 +23,8 @@ def test_the_site_builds_without_a_warning(tmp_path):
     missing = [p for p in PAGES if not (tmp_path / f"{p}.html").is_file()]
     assert not missing, f"pages not built: {missing}"
     api = (tmp_path / "api.html").read_text()
-    for name in ("freeze_step", "variance_refresh", "hierarchical", "Experimental"):
+    for name in ("freeze_step", "variance_refresh", "hierarchical", "Experimental",
+                 "torch_adam_state_dict"):
         assert name in api, f"the API page does not document {name}"
     cli = (tmp_path / "cli.html").read_text()
     for command in ("check", "bench-train", "bench-predict", "bench-dev-kernel", "cluster"):

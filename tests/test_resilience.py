@@ -217,6 +217,21 @@ def test_torch_optimizer_states_load_at_their_adam_step_count(results):
                            f"{name}: rank 1 against rank 0 after the step")
 
 
+def test_a_state_exported_for_torch_adam_gives_adam_the_frozen_denominator(results):
+    """torch_adam_state_dict of a state at step 8 frozen at 4: no 1-bit entries, and each
+    exp_avg_sq scaled so that Adam's bias correction by step 8 gives the optimizer's own
+    denominator (bias-corrected by 4)."""
+    for rank, r in enumerate(scenario(results, "torch_states")):
+        e = r["exported"]
+        assert (e["frozen_at"], e["steps"]) == ([4], [8.0]), \
+            f"rank {rank}: the state must be frozen at 4, at step 8: {e['frozen_at']}, {e['steps']}"
+        assert e["max_relative_difference"] < 1e-6, \
+            f"rank {rank}: Adam's denominator from the export differs from the optimizer's by " \
+            f"{e['max_relative_difference']:.3g} (relative)"
+        assert e["state_keys"] == ["exp_avg", "exp_avg_sq", "step"] and e["group_keys"] == [] \
+            and not e["record"] and e["whole_unchanged"], f"rank {rank}: {e}"
+
+
 def test_the_optimizers_own_state_without_its_record_loads_as_it_is(results):
     """The optimizer's state at step 8 (frozen at 4) without its "onebit" record (as
     torch.distributed.checkpoint keeps it) is still its own: frozen at 4, no warning, and the

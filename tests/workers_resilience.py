@@ -439,6 +439,22 @@ def torch_optimizer_states(freeze_step=4):
     opt = _opt(model, freeze_step)
     train(model, opt, 0, 8, hvd.rank())
     whole = opt.state_dict()
+    exported = hvd_onebit.torch_adam_state_dict(whole)
+    torch.optim.Adam(make_model().parameters(), lr=1e-2).load_state_dict(exported)
+    differences = []  # Adam's denominator from the export against the optimizer's own
+    for pid, entry in whole["state"].items():
+        beta2 = 0.999
+        ours = entry["exp_avg_sq"] / (1 - beta2 ** int(entry["frozen_variance_step"]))
+        theirs = exported["state"][pid]["exp_avg_sq"] / (1 - beta2 ** float(entry["step"]))
+        differences.append(float((theirs - ours).abs().max() / ours.abs().max()))
+    out["exported"] = {
+        "frozen_at": sorted({int(e["frozen_variance_step"]) for e in whole["state"].values()}),
+        "steps": sorted({float(e["step"]) for e in whole["state"].values()}),
+        "max_relative_difference": max(differences),
+        "state_keys": sorted({k for e in exported["state"].values() for k in e}),
+        "group_keys": sorted({k for g in exported["param_groups"] for k in g
+                              if k.startswith("onebit")}),
+        "record": "onebit" in exported, "whole_unchanged": "onebit" in whole}
     out["with_record"] = load(model.state_dict(), whole, 8)
     out["record_dropped"] = load(model.state_dict(),
                                  {k: v for k, v in whole.items() if k != "onebit"}, 8)

@@ -6,6 +6,7 @@ variance, the auto-freeze record); the error feedback is rank-local and has its 
 """
 from __future__ import annotations
 
+import copy
 import warnings
 from typing import Optional
 
@@ -14,7 +15,7 @@ from ..low_precision import float32_state_in
 from ..optimizer_view import OptimizerView
 from ..engine import NOT_FROZEN
 from .adam_state import init_adam_state
-from .schedule import Schedule
+from .schedule import FREEZE_KEY, LOADS_KEY, STEP_KEY, Schedule
 from .telemetry import Telemetry
 
 KEY = "onebit"  # the state_dict entry 1-bit Adam adds
@@ -84,6 +85,28 @@ def load_state_dict(view: OptimizerView, config: OneBitConfig, schedule: Schedul
     if schedule.monitor is not None:
         schedule.monitor.load_state_dict((meta or {}).get("auto_freeze") or {})
     init_adam_state(view.adam.param_groups, view.adam.state)
+
+
+def torch_adam_state_dict(state_dict: dict) -> dict:
+    """This optimizer's ``state_dict()`` as a ``torch.optim.Adam`` or ``AdamW`` of the same
+    parameters takes it (fine-tuning or evaluation on one process): without the 1-bit entries,
+    and each variance frozen (or last refreshed) at ``frozen_variance_step`` scaled by
+    ``(1 - beta2**step) / (1 - beta2**frozen_variance_step)``, so that Adam's bias correction
+    by its step count gives the denominator this optimizer divided by. A warmup state is Adam's
+    already. ``state_dict`` is left as it is."""
+    out = copy.deepcopy({k: v for k, v in state_dict.items() if k != KEY})
+    beta2 = {}
+    for group in out["param_groups"]:
+        for key in (STEP_KEY, FREEZE_KEY, LOADS_KEY):
+            group.pop(key, None)
+        beta2.update({pid: float(group["betas"][1]) for pid in group["params"]})
+    for pid, entry in out["state"].items():
+        frozen = int(entry.pop("frozen_variance_step", NOT_FROZEN))
+        if frozen >= 1:
+            step = float(entry["step"])
+            factor = (1 - beta2[pid] ** step) / (1 - beta2[pid] ** frozen)
+            entry["exp_avg_sq"] = entry["exp_avg_sq"] * factor
+    return out
 
 
 def _without_record(view: OptimizerView, schedule: Schedule) -> Optional[int]:
