@@ -11,9 +11,9 @@ import warnings
 from typing import Optional
 
 from ..config import OneBitConfig
+from ..engine import NOT_FROZEN
 from ..low_precision import float32_state_in
 from ..optimizer_view import OptimizerView
-from ..engine import NOT_FROZEN
 from .adam_state import init_adam_state
 from .schedule import FREEZE_KEY, LOADS_KEY, STEP_KEY, Schedule
 from .telemetry import Telemetry
@@ -122,11 +122,10 @@ def _without_record(view: OptimizerView, schedule: Schedule) -> Optional[int]:
     freezes at ``freeze_step``, or now if that is past."""
     steps = int(max((float(s["step"]) for s in view.adam.state.values() if "step" in s),
                     default=0.0))
-    carried_freeze = schedule.freeze_step
-    carried = schedule.recount(steps)
+    carried = schedule.carried_steps()
     if carried == steps:
-        schedule.freeze_step = carried_freeze
-        return carried_freeze
+        return schedule.freeze_step
+    schedule.recount(steps)
     for entry in view.adam.state.values():
         if "frozen_variance_step" in entry:
             entry["frozen_variance_step"] = NOT_FROZEN

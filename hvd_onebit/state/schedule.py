@@ -69,16 +69,18 @@ class Schedule:
         compressed step was told of a change from outside)."""
         self._known = self._stamp()
 
-    def recount(self, steps: int) -> Optional[int]:
+    def carried_steps(self) -> Optional[int]:
+        """The step count param group 0 holds under this optimizer's key; None when it holds
+        none (a state torch.optim wrote, not this optimizer)."""
+        carried = self._view.adam.param_groups[0].get(STEP_KEY)
+        return None if carried is None else int(carried)
+
+    def recount(self, steps: int) -> None:
         """Take ``steps`` as the step count, with the freeze undecided: for a loaded state that
-        is torch.optim's own rather than this optimizer's. Returns the count the state's param
-        group carried under this optimizer's key (one of its states that went through a torch
-        optimizer, which keeps entries it does not know but does not count with them), if any."""
+        is torch.optim's own rather than this optimizer's."""
         group = self._view.adam.param_groups[0]
-        carried = group.get(STEP_KEY)
         group[STEP_KEY] = int(steps)
         group[FREEZE_KEY] = -1
-        return None if carried is None else int(carried)
 
     @property
     def freeze_step(self) -> Optional[int]:

@@ -47,17 +47,17 @@ class RunSetting:
         return (f"a {self.run_steps:,}-step run with variance_refresh="
                 f"{option_text(self.variance_refresh)} frozen at "
                 f"{frozen_at(self.refresh_freeze_frac, S)}"
-                f"{DEFAULTS_NOTE if self.is_library_default() else ''}; fixed: the same run "
-                f"with variance_refresh=None frozen at {frozen_at(self.warmup_frac, S)}")
-
-    def is_library_default(self) -> bool:
-        """Whether the refresh setting is the library's default: variance_refresh="doubling"
-        with freeze_step at 5% of the run, as the settings table recommends."""
-        return (option_text(self.variance_refresh) == option_text(DOUBLING)
-                and self.refresh_freeze_frac == FREEZE_FRACTION)
+                f"{defaults_note(self.variance_refresh, self.refresh_freeze_frac)}; fixed: the "
+                f"same run with variance_refresh=None frozen at {frozen_at(self.warmup_frac, S)}")
 
 
-DEFAULTS_NOTE = " (the library's default, as the docs recommend)"
+def defaults_note(variance_refresh: Option, freeze_frac: float) -> str:
+    """Words to add where a refresh setting is the library's default (variance_refresh=
+    "doubling" with freeze_step at 5% of the run, as the settings table recommends), else
+    nothing."""
+    default = (option_text(variance_refresh) == option_text(DOUBLING)
+               and freeze_frac == FREEZE_FRACTION)
+    return " (the library's default, as the docs recommend)" if default else ""
 
 
 def frozen_at(frac: float, run_lengths: list[int]) -> str:
@@ -165,19 +165,19 @@ def print_run_lengths(report: dict, echo=None) -> None:
     import click
 
     from ..report import print_table
+    from .tables import link_text
 
     echo = echo or click.echo
     inputs = report["inputs"]
     lengths = inputs["run_lengths"]
-    default = RunSetting(1, inputs["warmup_frac"], inputs["variance_refresh"],
-                         inputs["refresh_freeze_frac"]).is_library_default()
     echo(f"{inputs['params']:,} parameters, compute {inputs['compute_s'] * 1e3:,.1f} ms/step; "
          f"whole-run speed-up over Horovod fp32: refresh: variance_refresh="
          f"{inputs['variance_refresh']} frozen at "
          f"{frozen_at(inputs['refresh_freeze_frac'], lengths)}"
-         f"{DEFAULTS_NOTE if default else ''}; fixed: variance_refresh=None frozen at "
+         f"{defaults_note(inputs['variance_refresh'], inputs['refresh_freeze_frac'])}; fixed: "
+         f"variance_refresh=None frozen at "
          f"{frozen_at(inputs['warmup_frac'], lengths)}")
-    table = [{**r, "bw": "unlimited" if not r["inter_bps"] else f"{r['inter_bps'] / 1e9:g} Gbit/s",
+    table = [{**r, "bw": link_text(r["inter_bps"]),
               "fp": f"{r['refresh_full_precision_steps']:,} ({r['refresh_freeze_step']:,}"
                     f" + {r['refresh_steps']})"}
              for r in report["rows"]]

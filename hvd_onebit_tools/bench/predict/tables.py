@@ -15,8 +15,7 @@ def print_prediction(report: dict, echo=None) -> None:
     for r in report["rows"]:
         for m, p in r["methods"].items():
             table.append({"run_ref_x": p["run_speedup_vs_fp32"], **(refresh_columns(p) or {}),
-                          "np": r["np"], "bw": "unlimited" if not r["inter_bps"] else
-                          f"{r['inter_bps'] / 1e9:g} Gbit/s", "method": m,
+                          "np": r["np"], "bw": link_text(r["inter_bps"]), "method": m,
                           "ms": p["step_s"] * 1e3,
                           "phases": " ".join(f"{k}={v * 1e3:,.1f}" for k, v in p["phases_s"].items()),
                           "mb": p["bytes_per_rank"] / 1e6, "step_x": p["step_speedup_vs_fp32"],
@@ -47,17 +46,17 @@ def print_prediction(report: dict, echo=None) -> None:
             parts.append(from_n(c["hierarchical_group_beats_flat_from"],
                                 "group hierarchical beats flat",
                                 "group hierarchical does not beat flat"))
-        echo(f"{_link_words(bw)}: " + ", ".join(parts))
+        echo(f"link {link_text(bw)}: " + ", ".join(parts))
     if report.get("pricing"):
         echo(report["pricing"])
 
 
-def _link_words(bw) -> str:
-    """A crossover's key (the link's bit/s, as a number or its text; None: unlimited) in
-    words."""
-    if bw in (None, "None") or not float(bw):
-        return "unlimited link"
-    return f"link {float(bw) / 1e9:g} Gbit/s"
+def link_text(bps) -> str:
+    """A link rate in bit/s as the tables print it (a number, or its text as a crossover's key
+    holds it; None or 0: unlimited)."""
+    if bps in (None, "None") or not float(bps):
+        return "unlimited"
+    return f"{float(bps) / 1e9:g} Gbit/s"
 
 
 def print_check(result: dict, echo=None) -> None:
