@@ -47,7 +47,8 @@ def cluster_job(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("ddp_cluster")
     (workdir / "kwargs.pkl").write_bytes(pickle.dumps({}))
     logs = workdir / "logs"
-    run = hvd_onebit(["cluster", "run", "--nodes", str(NODES), "--ranks-per-node", str(PER_NODE),
+    run = hvd_onebit(["cluster", "run", "--np", str(NODES * PER_NODE),
+                      "--ranks-per-node", str(PER_NODE),
                       "--bandwidth", "1gbit", "--torchrun", "--json", "--quiet",
                       "--log-dir", str(logs), "--timeout", str(timeout),
                       "--env", f"PYTHONPATH={REPO}", "--",

@@ -71,16 +71,17 @@ def cluster() -> None:
 @cluster.command("run", context_settings={"ignore_unknown_options": True,
                                           "allow_interspersed_args": False})
 @click.option("--np", "-n", "np_", callback=lambda c, p, v: _np(v), default=None,
-              help="Number of ranks; each is its own emulated host (node0, node1, ...) with one "
-                   "Horovod slot, so local_size is 1 and cross_size is NP. With --nodes, "
-                   "optional (NODES x RANKS_PER_NODE).")
+              help="Number of ranks. Alone, each is its own emulated host (node0, node1, ...) "
+                   "with one Horovod slot, so local_size is 1 and cross_size is NP; with "
+                   "--ranks-per-node, NP / RANKS_PER_NODE nodes, as in `bench train`. With "
+                   "--nodes, optional (NODES x RANKS_PER_NODE).")
 @click.option("--nodes", type=click.IntRange(1, MAX_RANKS), default=None,
               help="Emulated nodes (hosts). Each runs --ranks-per-node ranks that share its "
                    "network namespace: their traffic to each other stays on the node, only "
                    "traffic between nodes crosses the shaped links, and HOROVOD_LOCAL_* / "
                    "HOROVOD_CROSS_* are set as horovodrun -H node0:L,node1:L,... would.")
 @click.option("--ranks-per-node", type=click.IntRange(1, 64), default=1, show_default=True,
-              help="Ranks on each node (with --nodes).")
+              help="Ranks on each node (with --np or --nodes).")
 @click.option("--intra-bandwidth", default="unlimited", show_default=True, callback=_bandwidth,
               help="Rate of the traffic inside a node (its loopback), standing in for NVLink or "
                    "PCIe; 'unlimited' leaves it unshaped.")
@@ -127,8 +128,8 @@ def run(np_: Optional[int], nodes: Optional[int], ranks_per_node: int,
     \b
     Examples:
       hvd-onebit cluster run --np 4 --bandwidth 1gbit -- python train.py --epochs 1
-      hvd-onebit cluster run --nodes 2 --ranks-per-node 2 --bandwidth 1gbit -- python train.py
-      hvd-onebit cluster run --nodes 2 --ranks-per-node 2 --torchrun -- ddp_train.py
+      hvd-onebit cluster run --np 4 --ranks-per-node 2 --bandwidth 1gbit -- python train.py
+      hvd-onebit cluster run --np 4 --ranks-per-node 2 --torchrun -- ddp_train.py
 
     Every rank gets exactly the environment 'horovodrun --gloo' would give it (HOROVOD_RANK,
     HOROVOD_SIZE, HOROVOD_GLOO_RENDEZVOUS_ADDR/PORT, HOROVOD_GLOO_IFACE=emu0, ...), so an
@@ -186,12 +187,14 @@ def run(np_: Optional[int], nodes: Optional[int], ranks_per_node: int,
 
 
 def _ranks(np_: Optional[int], nodes: Optional[int], ranks_per_node: int) -> int:
-    """The number of ranks from --np and/or --nodes x --ranks-per-node (they must agree)."""
+    """The number of ranks from --np and/or --nodes x --ranks-per-node (they must agree); --np
+    with --ranks-per-node alone makes NP / RANKS_PER_NODE nodes, as the bench commands do."""
     if nodes is None:
         if np_ is None:
-            raise click.UsageError("give --np, or --nodes (and --ranks-per-node)")
-        if ranks_per_node != 1:
-            raise click.UsageError("--ranks-per-node needs --nodes")
+            raise click.UsageError("give --np (and --ranks-per-node), or --nodes")
+        if np_ % ranks_per_node:
+            raise click.UsageError(f"--np {np_} is not a multiple of --ranks-per-node "
+                                   f"{ranks_per_node}")
         return np_
     if np_ is not None and np_ != nodes * ranks_per_node:
         raise click.UsageError(f"--np {np_} is not --nodes {nodes} x --ranks-per-node "

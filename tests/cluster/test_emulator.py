@@ -286,7 +286,11 @@ def test_bad_node_arguments_are_clear_errors():
     assert out.returncode != 0 and "--np 3 is not --nodes 2 x --ranks-per-node 1" in out.stderr, \
         f"--nodes 2 --np 3 exited with {out.returncode}: {out.stderr!r}"
     out = run_cli(["--ranks-per-node", "2", "--", "true"], token="x", timeout=60)
-    assert out.returncode != 0 and "give --np, or --nodes" in out.stderr, out.stderr
+    assert out.returncode != 0 and "give --np (and --ranks-per-node), or --nodes" in out.stderr, \
+        out.stderr
+    out = run_cli(["--np", "3", "--ranks-per-node", "2", "--", "true"], token="x", timeout=60)
+    assert out.returncode != 0 and "--np 3 is not a multiple of --ranks-per-node 2" in out.stderr, \
+        f"--np 3 --ranks-per-node 2 exited with {out.returncode}: {out.stderr!r}"
 
 
 @needs_netns
