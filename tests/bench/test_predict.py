@@ -17,7 +17,7 @@ from hvd_onebit_tools.bench.calibrate.compute import measure_compute
 from hvd_onebit_tools.bench.calibrate.files import (CALIBRATION_VERSION, SHIPPED_PATH, CalibrationMissing,
                                              CalibrationInvalid, load, load_or_shipped, save)
 from hvd_onebit_tools.bench.calibrate.run import disagreements
-from hvd_onebit_tools.bench.predict.check import OtherModel, check_report
+from hvd_onebit_tools.bench.predict.check import OtherModel, check_report, priced_intra_node
 from hvd_onebit_tools.bench.predict.constants import (KINDS, OPS, TCP_EFFICIENCY, _bytes_per_rank,
                                                 constants)
 from hvd_onebit_tools.bench.predict.job import Cluster, Job, parse_params
@@ -117,7 +117,24 @@ def test_step_times_are_the_sum_of_their_terms():
     run = 0.2 * fp32.step_s + 0.8 * onebit.step_s
     assert rows["onebit"]["run_speedup_vs_fp32"] == pytest.approx(fp32.step_s / run)
     assert rows["onebit"]["warmup_step_s"] == pytest.approx(fp32.step_s)
-    assert HIERARCHICAL_NOTE in rows["onebit_hierarchical"]["notes"]
+    assert rows["onebit_hierarchical"]["notes"] == [
+        f"{HIERARCHICAL_NOTE}; inside a node: the node links (--intra-bandwidth)"], \
+        f"notes {rows['onebit_hierarchical']['notes']}"
+
+
+@pytest.mark.parametrize("given, transport, intra_bps, kernel_speedup, priced", [
+    ("auto", "torch", None, 1.0, "shared_memory"),  # CPU ranks, as the library runs them
+    ("auto", "torch", 100 * 10**9, 1.0, "network"),  # the node's links given a rate
+    ("auto", "torch", None, 10.0, "network"),  # a faster device: CUDA parameters
+    ("auto", "horovod", None, 1.0, "network"),  # shared memory serves torch's transport only
+    ("shared_memory", "torch", 10**9, 10.0, "shared_memory"),
+    ("network", "torch", None, 1.0, "network"),
+])
+def test_intra_node_auto_prices_what_the_library_runs(given, transport, intra_bps,
+                                                      kernel_speedup, priced):
+    got = priced_intra_node(given, transport, intra_bps, kernel_speedup)
+    assert got == priced, (f"--intra-node {given} on {transport}, intra {intra_bps} bit/s, "
+                           f"kernels x{kernel_speedup}: priced {got}, expected {priced}")
 
 
 def test_hierarchical_follows_hierarchical_py_and_ranks_share_cores():
@@ -399,8 +416,11 @@ def test_calibration_round_trip_and_clear_errors(tmp_path):
     assert plot.stat().st_size > 0, f"the plot {plot} is {plot.stat().st_size} bytes"
     assert len(report["rows"]) == 6, f"{len(report['rows'])} rows, expected 6: {report['rows']}"
     assert set(report["rows"][0]["methods"]) == set(METHODS)
-    assert report["note"] == HIERARCHICAL_NOTE, f"note {report['note']!r}"
-    assert report["inputs"]["transport"] == "torch", f"inputs {report['inputs']}"
+    # the defaults price what transport='auto' and intra_node='auto' run on CPU ranks
+    assert report["note"] == f"{HIERARCHICAL_NOTE}; inside a node: shared memory", \
+        f"note {report['note']!r}"
+    got = {k: report["inputs"][k] for k in ("transport", "intra_node")}
+    assert got == {"transport": "torch", "intra_node": "shared_memory"}, f"inputs {got}"
 
 
 def test_predict_without_a_cached_calibration_uses_the_one_installed_with_the_tools(

@@ -93,22 +93,24 @@ def check_world(nps: list[int], ranks_per_node: int) -> None:
                    " TCP); 'inf' drops it (NIC offload).")
 @click.option("--per-peer-us", default=None, type=US,
               help="Replace the calibrated per-peer cost of every collective (microseconds).")
-@click.option("--transport", default="torch", show_default=True,
-              type=click.Choice(["torch", "horovod"]),
-              help="What carries 1-bit Adam's stages: torch.distributed (Gloo; what "
-                   "transport='auto' picks on CPU; hierarchical: collectives of each group) or "
-                   "Horovod's alltoall/allgather.")
+@click.option("--transport", default="auto", show_default=True,
+              type=click.Choice(["auto", "torch", "horovod"]),
+              help="What carries 1-bit Adam's stages: torch.distributed (Gloo or NCCL; "
+                   "hierarchical: collectives of each group) or Horovod's alltoall/allgather; "
+                   "auto: torch, as transport='auto' picks in a job that is not elastic.")
 @click.option("--hierarchical-ops", default="global", show_default=True,
               type=click.Choice(["global", "group"]),
               help="With --transport horovod: global: each hierarchical stage is a Horovod "
                    "alltoall of all ranks (with splits), as hvd_onebit/comm/hierarchical.py runs "
                    "them there; group: Horovod collectives of the node's ranks and of the ranks "
                    "with one local rank (process sets, which the library does not use).")
-@click.option("--intra-node", default="network", show_default=True,
-              type=click.Choice(["network", "shared_memory"]),
-              help="With --transport torch: the hierarchical stages inside a node over the "
+@click.option("--intra-node", default="auto", show_default=True,
+              type=click.Choice(["auto", "network", "shared_memory"]),
+              help="With torch's transport: the hierarchical stages inside a node over the "
                    "node's links (--intra-bandwidth: NVLink, PCIe) or through shared memory (a "
-                   "barrier each: CPU ranks, intra_node='auto' on CPU).")
+                   "barrier each); auto, as intra_node='auto' runs the priced ranks: shared "
+                   "memory at the calibration's CPU speeds, the network with --intra-bandwidth "
+                   "or --kernel-speedup (a GPU's).")
 @click.option("--block-size", default=DEFAULT_BLOCK_SIZE, show_default=True,
               type=click.IntRange(min=0), callback=block_size_check,
               help="Elements per scale in the 1-bit rows, as the optimizer's block_size; 0: one "
@@ -141,9 +143,9 @@ def bench_predict(calibration, nps, ranks_per_node, bandwidths, intra_bandwidth,
     from pathlib import Path
 
     from ..calibrate.files import load_or_shipped
-    from ..predict.check import check_report
+    from ..predict.check import check_report, model_transport, priced_intra_node
     from ..predict.job import Cluster, Job, parse_params
-    from ..predict.model import HIERARCHICAL_NOTE, Model
+    from ..predict.model import Model
     from ..predict.runs import (RunSetting, add_run_figures, fp32_step_bytes, frozen_at,
                                 print_run_lengths, run_length_sweep, sweep_clusters)
     from ..refresh import option_text, parse_variance_refresh
@@ -200,6 +202,8 @@ def bench_predict(calibration, nps, ranks_per_node, bandwidths, intra_bandwidth,
               compute_s=None if compute_ms is None else compute_ms / 1e3,
               adam_s=None if adam_ms is None else adam_ms / 1e3, warmup_frac=warmup_frac,
               kernel_speedup=kernel_speedup, host_speedup=host_speedup)
+    transport = model_transport({"transport": transport})
+    intra_node = priced_intra_node(intra_node, transport, intra_bandwidth, kernel_speedup)
     model = Model(cal, None if per_peer_us is None else per_peer_us * 1e-6,
                   hierarchical_global_ops=hierarchical_ops == "global", transport=transport,
                   intra_node=intra_node, block_size=block_size or None)
@@ -249,7 +253,7 @@ def bench_predict(calibration, nps, ranks_per_node, bandwidths, intra_bandwidth,
         cl = Cluster(nodes=r["nodes"], ranks_per_node=r["ranks_per_node"])
         add_run_figures(r["methods"], setting, fp32_step_bytes(job, cl))
     report = {"benchmark": "predict", "calibration": cal.get("machine"), "inputs": inputs,
-              "run_setting": setting.describe(), "note": HIERARCHICAL_NOTE,
+              "run_setting": setting.describe(), "note": model.hierarchical_note(),
               "pricing": model.pricing_note(job), "rows": rows, "crossovers": crossovers(rows)}
     if plot:
         from ...cluster.bandwidth import format_bandwidth

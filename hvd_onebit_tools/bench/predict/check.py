@@ -37,6 +37,17 @@ def model_intra_node(config: dict, transport: str) -> str:
     return mode
 
 
+def priced_intra_node(intra_node: str, transport: str, intra_bps, kernel_speedup: float) -> str:
+    """What `bench predict --intra-node` prices: 'auto' as the library's ``intra_node="auto"``
+    runs the priced ranks: shared memory for CPU ranks on torch's transport (priced at the
+    calibration's CPU speeds, with no --intra-bandwidth: as `bench train` runs them on the
+    emulator), the node's links where they are given a rate or the kernels a faster device's
+    speed (CUDA parameters, on which 'auto' uses the network)."""
+    if intra_node == "auto" and (intra_bps is not None or kernel_speedup != 1):
+        intra_node = "network"
+    return model_intra_node({"intra_node": intra_node}, transport)
+
+
 class OtherModel(ValueError):
     """A `bench train` run of a model whose compute the calibration did not time."""
 
