@@ -349,6 +349,7 @@ def bad_arguments():
         "channels_last": lambda: hvd_onebit.DistributedOptimizer(
             torch.optim.Adam(conv.parameters()), named_parameters=conv.named_parameters(),
             freeze_step=2),
+        "channels_last_later": lambda: backward_after_channels_last(),
     }
     other = make_model()  # Horovod's wrapper hooks its gradients: a model of its own
     mine = make_model()  # and so does the one optimizer built here
@@ -359,6 +360,17 @@ def bad_arguments():
 
     conv = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Conv2d(4, 2, 1)).to(
         memory_format=torch.channels_last)
+
+    def backward_after_channels_last():
+        """Built on a contiguous model, converted to channels_last after: the first backward."""
+        later = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Conv2d(4, 2, 1))
+        opt = hvd_onebit.DistributedOptimizer(torch.optim.Adam(later.parameters()),
+                                              named_parameters=later.named_parameters(),
+                                              freeze_step=2)
+        later.to(memory_format=torch.channels_last)
+        x = torch.ones(2, 3, 6, 6).to(memory_format=torch.channels_last)
+        opt.zero_grad()
+        later(x).square().mean().backward()
     for name, make in cases.items():
         try:
             make()

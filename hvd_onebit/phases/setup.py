@@ -18,7 +18,7 @@ from ..state.adam_state import init_adam_state
 from ..state.schedule import Schedule
 from ..state.telemetry import Telemetry
 from .driver import Phases
-from .warmup import Warmup
+from .warmup import Warmup, not_contiguous
 from ..transport.horovod import HorovodJob
 from ..transport.registry import resolve_transport
 from ..transport.rendezvous import TorchRendezvousError, init_torch_distributed
@@ -41,13 +41,7 @@ def check_contiguous(params: list[torch.Tensor], names: dict) -> None:
     backward, in Horovod's hook. Refused here, by name, on every rank."""
     bad = [names.get(p, f"parameter {i}") for i, p in enumerate(params) if not p.is_contiguous()]
     if bad:
-        shown = ", ".join(bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
-        raise ValueError(
-            f"hvd_onebit.DistributedOptimizer: Horovod's allreduce needs contiguous tensors, and "
-            f"{len(bad)} parameter(s) are not ({shown}): before building the optimizer, make "
-            "them contiguous (a channels_last model: model.to(memory_format="
-            "torch.contiguous_format); another: p.data = p.data.contiguous()), or train the "
-            "model under torchrun with hvd_onebit.ddp, which takes them")
+        raise not_contiguous(bad, "")
 
 
 def check_job(param_groups: list[dict], names: dict, config: OneBitConfig,

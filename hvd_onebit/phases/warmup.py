@@ -25,6 +25,18 @@ from .gradients import adam_step
 from .in_flight import InFlight
 
 
+def not_contiguous(names: list[str], when: str) -> ValueError:
+    """The error for parameters whose gradients Horovod's allreduce cannot take (a gradient
+    takes its parameter's memory layout), named, with the fixes; ``when`` says when it was seen."""
+    shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+    return ValueError(
+        f"hvd_onebit.DistributedOptimizer: Horovod's allreduce needs contiguous tensors, and "
+        f"{len(names)} parameter(s) are not ({shown}){when}: make them contiguous before "
+        "building the optimizer, and keep them so (a channels_last model: model.to("
+        "memory_format=torch.contiguous_format); another: p.data = p.data.contiguous()), or "
+        "train the model under torchrun with hvd_onebit.ddp, which takes them")
+
+
 class Warmup:
     """Horovod's synchronize and step with the wrapped Adam, for one optimizer: the gradients'
     allreduce of every full-precision step, and the warmup's own kind of it."""
@@ -40,7 +52,13 @@ class Warmup:
         self._race: Optional[str] = None  # what the script did to gradients in flight
 
     def hook(self, p: torch.Tensor, horovod_hook: Callable, *args) -> None:
-        """``p``'s warmup hook: Horovod's (which may start its allreduce), watched."""
+        """``p``'s warmup hook: Horovod's (which may start its allreduce), watched. A gradient
+        Horovod cannot take (its parameter's layout changed since construction) is refused by
+        name, where Horovod's own error names nothing."""
+        grad = p.grad
+        if grad is not None and grad.layout == torch.strided and not grad.is_contiguous():
+            raise not_contiguous([self._view.name_of(p)],
+                                 " (its layout changed after the optimizer was built)")
         horovod_hook(*args)
         if self._view.handles.get(p, (None,))[0] is not None:
             self._in_flight.started(p)
