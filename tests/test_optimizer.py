@@ -233,7 +233,9 @@ def test_bad_arguments_are_clear_errors(world):
                       # (one rank allreduces nothing, and takes any layout)
                       channels_last_later=["Horovod's allreduce needs contiguous tensors",
                                            "(0.weight)", "after the optimizer was built",
-                                           "memory_format=torch.contiguous_format"])
+                                           "memory_format=torch.contiguous_format"],
+                      channels_last_at_refresh=["Horovod's allreduce needs contiguous tensors",
+                                                "(0.weight)", "after the optimizer was built"])
     for rank, bad in enumerate(scenario(results, "bad")):
         for case, parts in wanted.items():
             assert bad[case] is not None and all(p in bad[case] for p in parts), \

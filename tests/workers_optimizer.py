@@ -349,7 +349,10 @@ def bad_arguments():
         "channels_last": lambda: hvd_onebit.DistributedOptimizer(
             torch.optim.Adam(conv.parameters()), named_parameters=conv.named_parameters(),
             freeze_step=2),
-        "channels_last_later": lambda: backward_after_channels_last(),
+        "channels_last_later": lambda: steps_after_channels_last(0),
+        # after the freeze: the compressed steps take any layout; the next refresh step is
+        # allreduced by Horovod, and refused by name before it starts
+        "channels_last_at_refresh": lambda: steps_after_channels_last(3),
     }
     other = make_model()  # Horovod's wrapper hooks its gradients: a model of its own
     mine = make_model()  # and so does the one optimizer built here
@@ -361,16 +364,32 @@ def bad_arguments():
     conv = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Conv2d(4, 2, 1)).to(
         memory_format=torch.channels_last)
 
-    def backward_after_channels_last():
-        """Built on a contiguous model, converted to channels_last after: the first backward."""
+    def steps_after_channels_last(contiguous_steps: int):
+        """Built on a contiguous model, converted to channels_last after ``contiguous_steps``
+        steps (freeze_step=2, the default refresh): up to 16 steps more. Its error is raised
+        once the script has gone on: the model made contiguous again, 3 more steps."""
         later = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Conv2d(4, 2, 1))
         opt = hvd_onebit.DistributedOptimizer(torch.optim.Adam(later.parameters()),
                                               named_parameters=later.named_parameters(),
                                               freeze_step=2)
+        x = torch.ones(2, 3, 6, 6)
+
+        def train(steps):
+            for _ in range(steps):
+                opt.zero_grad()
+                later(x).square().mean().backward()
+                opt.step()
+
+        train(contiguous_steps)
         later.to(memory_format=torch.channels_last)
-        x = torch.ones(2, 3, 6, 6).to(memory_format=torch.channels_last)
-        opt.zero_grad()
-        later(x).square().mean().backward()
+        x = x.to(memory_format=torch.channels_last)
+        try:
+            train(16)
+        except ValueError as exc:
+            later.to(memory_format=torch.contiguous_format)
+            x = x.contiguous()
+            train(3)
+            raise exc
     for name, make in cases.items():
         try:
             make()

@@ -94,7 +94,11 @@ class Phases:
         is averaged clipped, not raced by an allreduce already reading it)."""
         if not self.compressing():
             warmup_hook(*args)
-        elif self._view.count_backward_pass(p) and not self.refreshing():
+            return
+        refreshing = self.refreshing()
+        if refreshing:  # Horovod will allreduce these gradients: refuse what it cannot take
+            self.warmup.check_layout_once()
+        if self._view.count_backward_pass(p) and not refreshing:
             self.compression.overlap.gradient_ready(p)
 
     def synchronize(self, make_hook: Callable) -> None:

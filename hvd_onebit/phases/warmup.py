@@ -50,15 +50,11 @@ class Warmup:
         self.wait_seconds = 0.0  # this step's seconds blocked on Horovod's allreduces
         self._in_flight = InFlight(view.name_of)
         self._race: Optional[str] = None  # what the script did to gradients in flight
+        self._layout_checked = False  # this backward's layouts, checked at its first hook
 
     def hook(self, p: torch.Tensor, horovod_hook: Callable, *args) -> None:
-        """``p``'s warmup hook: Horovod's (which may start its allreduce), watched. A gradient
-        Horovod cannot take (its parameter's layout changed since construction) is refused by
-        name, where Horovod's own error names nothing."""
-        grad = p.grad
-        if grad is not None and grad.layout == torch.strided and not grad.is_contiguous():
-            raise not_contiguous([self._view.name_of(p)],
-                                 " (its layout changed after the optimizer was built)")
+        """``p``'s warmup hook: Horovod's (which may start its allreduce), watched."""
+        self.check_layout_once()
         horovod_hook(*args)
         if self._view.handles.get(p, (None,))[0] is not None:
             self._in_flight.started(p)
@@ -71,6 +67,8 @@ class Warmup:
         view = self._view
         self._race = self._in_flight.race(unscaled(scaler, view.adam.optimizer_id), view.handles)
         view.refresh_hooks(make_hook)
+        self._layout_checked = False
+        self._check_layout()  # before the allreduces started here
         active = view.adam.active_parameters()
         if (self._schedule.last_warmup_step_next() and self._engine.world > 1
                 and not self._engine.up_to_date(active)):
@@ -89,6 +87,26 @@ class Warmup:
                 if p.grad is not None and p.grad.is_sparse:
                     p.grad = p.grad.to_dense()
         self.wait_seconds += time.perf_counter() - start
+
+    def check_layout_once(self) -> None:
+        """At the first gradient hook of a step whose gradients Horovod will allreduce:
+        :meth:`_check_layout`, before any gradient is counted or handed to Horovod."""
+        if not self._layout_checked:
+            self._check_layout()
+            self._layout_checked = True
+
+    def _check_layout(self) -> None:
+        """Refuse, by name, parameters whose gradients Horovod's allreduce cannot take (their
+        layout changed since construction: ``channels_last``; a gradient takes its parameter's
+        layout), before Horovod is handed any gradient of the step: Horovod's own error names
+        nothing, and comes once the allreduces of other gradients have started. Every rank
+        changes its model alike, so every rank raises at the same point, and a script that
+        makes the parameters contiguous again can go on."""
+        view = self._view
+        bad = [view.name_of(p) for p in view.adam.parameters()
+               if p in view.requires_update and not p.is_contiguous()]
+        if bad:
+            raise not_contiguous(bad, " (their layout changed after the optimizer was built)")
 
     def race(self) -> Optional[str]:
         """What the script did to gradients while their allreduce was in flight (None: nothing),
