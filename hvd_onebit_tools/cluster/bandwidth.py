@@ -14,7 +14,8 @@ def parse_bandwidth(text: str | int | None) -> Optional[int]:
     """Parse a link rate into bits per second; ``None`` means unlimited (no qdisc).
 
     Accepts ``tc``'s bit units, 1000-based: ``"10mbit"``, ``"1.5gbit"``, ``"100kbit"``, ``"1tbit"``,
-    a plain number of bits/s (``"5000000"``), and ``"unlimited"`` / ``"none"`` / ``"inf"``.
+    the same per second as the tables print them (``"1 Gbit/s"``), a plain number of bits/s
+    (``"5000000"``), and ``"unlimited"`` / ``"none"`` / ``"inf"``.
     Byte-per-second spellings (``"mbps"``, ``"MB/s"``) are rejected as ambiguous: in ``tc``
     ``mbps`` means megaBYTES per second, to most people megaBITS.
     """
@@ -27,7 +28,7 @@ def parse_bandwidth(text: str | int | None) -> Optional[int]:
     s = str(text).strip().lower()
     if s in ("unlimited", "none", "inf", "infinite", "off"):
         return None
-    m = re.fullmatch(r"(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)", s)
+    m = re.fullmatch(r"(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*?)(?:(?<=bit)/s)?", s)
     unit = m.group(2) if m else ""
     if not m or (unit and unit not in _UNITS):
         raise ValueError(f"cannot parse bandwidth {text!r}: use e.g. 100mbit, 1gbit, 10gbit, "

@@ -358,6 +358,7 @@ def test_crossovers_find_where_flat_stops_paying():
                                                   "hierarchical_beats_flat_from": 64}}
     assert parse_params("350M") == 350_000_000, parse_params("350M")
     assert parse_params("9.4e6") == 9_400_000, parse_params("9.4e6")
+    assert parse_params("437,760") == 437_760, parse_params("437,760")  # as the tables print it
 
 
 def test_the_crossover_line_says_when_a_crossing_is_not_in_the_sweep(tmp_path):

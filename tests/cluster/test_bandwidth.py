@@ -8,12 +8,15 @@ from hvd_onebit_tools.cluster import format_bandwidth, parse_bandwidth, tbf_para
     ("10mbit", 10_000_000), ("100mbit", 100_000_000), ("1gbit", 10**9), ("10gbit", 10**10),
     ("2.5gbit", 2_500_000_000), ("500kbit", 500_000), ("64000", 64_000), (" 1GBit ", 10**9),
     ("unlimited", None), ("none", None), (None, None), (123_456, 123_456),
+    # as the tables print a rate
+    ("1 Gbit/s", 10**9), ("0.1 Gbit/s", 100_000_000), ("100mbit/s", 100_000_000),
 ])
 def test_parse_bandwidth(text, bps):
     assert parse_bandwidth(text) == bps
 
 
-@pytest.mark.parametrize("text", ["fast", "1gbps", "100MB/s", "", "-5mbit", "10 mbits", "1bit"])
+@pytest.mark.parametrize("text", ["fast", "1gbps", "100MB/s", "", "-5mbit", "10 mbits", "1bit",
+                                  "1 GB/s", "1/s", "1gbit/"])
 def test_parse_bandwidth_rejects_nonsense(text):
     with pytest.raises(ValueError):
         parse_bandwidth(text)

@@ -61,8 +61,8 @@ class Prediction:
 
 
 def parse_params(text: str) -> int:
-    """'350M' -> 350,000,000 (decimal, as parameter counts are quoted); '9.4e6' and plain
-    integers too."""
-    t = str(text).strip().lower()
+    """'350M' -> 350,000,000 (decimal, as parameter counts are quoted); '9.4e6', plain
+    integers and the tables' own '437,760' too."""
+    t = str(text).strip().lower().replace(",", "").replace("_", "")
     mult = {"k": 1e3, "m": 1e6, "g": 1e9, "b": 1e9}.get(t[-1:] if t else "", None)
     return int(round(float(t[:-1]) * mult)) if mult else int(float(t))
