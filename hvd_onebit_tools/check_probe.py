@@ -22,18 +22,37 @@ TORCHRUN_LAUNCHED = "TORCHELASTIC_RUN_ID"  # set by torchrun on every rank it st
 class LinkProbe:
     """What the probe measured: ranks, the median time of an fp32 allreduce of ``elements``, and
     the bus rate it implies (a ring allreduce moves ``2 (n-1)/n`` of the buffer per rank);
-    ``rank`` is this process's, ``via`` what carried the allreduce."""
+    ``rank`` is this process's, ``via`` what carried the allreduce, ``per_node`` the ranks on
+    this rank's node (the launcher's local size)."""
 
     ranks: int
     elements: int
     seconds: float
     rank: int = 0
     via: str = "Horovod"
+    per_node: int = 1
 
     @property
     def bus_bps(self) -> float:
         moved = 2 * (self.ranks - 1) / self.ranks * 4 * self.elements
         return 8 * moved / self.seconds
+
+    @property
+    def ranks_per_node(self) -> int:
+        """The ranks that share a node's link in the prediction: the local size when the job
+        spans several nodes of that many ranks, else 1 (on one node, every rank is priced with
+        a link of its own: the probe crossed no link between nodes)."""
+        L = self.per_node
+        return L if 1 < L < self.ranks and self.ranks % L == 0 else 1
+
+    def layout(self) -> str:
+        """The job's ranks as the prediction takes them."""
+        if self.ranks_per_node > 1:
+            return f"{self.ranks} ranks ({self.ranks // self.ranks_per_node} nodes of " \
+                   f"{self.ranks_per_node})"
+        if self.per_node == self.ranks:
+            return f"{self.ranks} ranks (one node; priced as ranks with links of their own)"
+        return f"{self.ranks} ranks"
 
 
 def launcher() -> Optional[str]:
@@ -89,7 +108,8 @@ def _probe_torch(np_: Optional[int], elements: int, repeats: int) -> LinkProbe:
     seconds, via = _median_time(allreduce, repeats), f"torch.distributed ({dist.get_backend()})"
     if ours:  # a process that exits with its group alive can abort in Gloo's threads
         dist.destroy_process_group()
-    return LinkProbe(size, elements, seconds, rank, via)
+    return LinkProbe(size, elements, seconds, rank, via,
+                     int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 
 
 def _probe_horovod(np_: Optional[int], elements: int, repeats: int) -> LinkProbe:
@@ -102,8 +122,10 @@ def _probe_horovod(np_: Optional[int], elements: int, repeats: int) -> LinkProbe
 
     def allreduce(name):
         hvd.allreduce(x, name=f"hvd_onebit_check.{name}")
+    # nodes of one size (every node's ranks count as many nodes as this one's)
+    per_node = hvd.local_size() if hvd.local_size() * hvd.cross_size() == hvd.size() else 1
     return LinkProbe(hvd.size(), elements, _median_time(allreduce, repeats), hvd.rank(),
-                     "Horovod")
+                     "Horovod", per_node)
 
 
 def load_calibration(calibration: Optional[str] = None) -> dict:
@@ -145,7 +167,7 @@ def model_rate(model, link: LinkProbe) -> Optional[float]:
     job = Job(params=link.elements, compute_s=0.0, adam_s=0.0, warmup_frac=0.0)
 
     def seconds(bps: float) -> float:
-        return sweep(model, job, [link.ranks], [bps],
+        return sweep(model, job, [link.ranks], [bps], link.ranks_per_node,
                      methods=("horovod_fp32",))[0]["methods"]["horovod_fp32"]["step_s"]
 
     low, high = 1e6, 1e13
@@ -172,7 +194,7 @@ def predict(link: LinkProbe, params: str, compute_ms: float,
     rate = model_rate(model, link)
     job = Job(params=parse_params(params), model=None, compute_s=compute_ms / 1e3, adam_s=None,
               warmup_frac=0.0, kernel_speedup=1.0, host_speedup=1.0)
-    row = sweep(model, job, [link.ranks], [rate or 1e13],
+    row = sweep(model, job, [link.ranks], [rate or 1e13], link.ranks_per_node,
                 methods=("horovod_fp32", "onebit"))[0]["methods"]
     fp32, onebit = row["horovod_fp32"], row["onebit"]
     speedup = onebit["step_speedup_vs_fp32"]
@@ -186,8 +208,9 @@ def predict(link: LinkProbe, params: str, compute_ms: float,
     modelled = ("faster than the calibrated hosts manage on any link: the prediction below "
                 "takes an unlimited link" if rate is None
                 else f"the scale model's link rate for it, once the hosts' own costs (copies, "
-                f"sums) are taken out of that time: {rate / 1e9:.2f} Gbit/s")
-    return [f"link: {link.ranks} ranks, fp32 allreduce of {4 * link.elements / 2**20:.0f} MiB "
+                f"sums) are taken out of that time: {rate / 1e9:.2f} Gbit/s"
+                + (" per node" if link.ranks_per_node > 1 else ""))
+    return [f"link: {link.layout()}, fp32 allreduce of {4 * link.elements / 2**20:.0f} MiB "
             f"through {link.via} in {link.seconds * 1e3:.1f} ms, {link.bus_bps / 1e9:.2f} Gbit/s "
             f"bus rate; {modelled}",
             f"predicted step ({params} parameters, {compute_ms:g} ms compute): "
@@ -195,4 +218,17 @@ def predict(link: LinkProbe, params: str, compute_ms: float,
             f"{fp32['step_s'] * 1e3:.1f} ms, 1-bit Adam {onebit['step_s'] * 1e3:.1f} ms "
             f"({speedup:.2f}x; in the model no method's exchange overlaps backward): "
             f"{verdict}",
-            f"freeze point: {freeze_guidance(ddp=link.via != 'Horovod').replace('``', '`')}"]
+            f"freeze point: {freeze_guidance(ddp=link.via != 'Horovod').replace('``', '`')}",
+            f"calibration: {calibration_text(calibration, cal)}"]
+
+
+def calibration_text(calibration: Optional[str], cal: dict) -> str:
+    """Which calibration priced the prediction, and whose machine it measured."""
+    from .bench.calibrate.files import SHIPPED_PATH, chosen_path
+
+    path = chosen_path(calibration)
+    measured = f"{cal.get('cores', '?')} cores, {cal.get('machine', {}).get('date', 'undated')}"
+    if path == SHIPPED_PATH and calibration is None:
+        return (f"the one shipped with the tools ({measured}); `hvd-onebit bench calibrate` "
+                "measures this machine's")
+    return f"{path} ({measured})"

@@ -210,14 +210,38 @@ def test_the_verdict_follows_the_link_the_model_can_explain(seconds):
     text (single backticks)."""
     from hvd_onebit_tools.check_probe import LinkProbe, predict
 
-    link, step, freeze = predict(LinkProbe(ranks=2, elements=4 << 20, seconds=seconds),
-                                 "10M", 50.0)
+    link, step, freeze, calibration = predict(
+        LinkProbe(ranks=2, elements=4 << 20, seconds=seconds), "10M", 50.0)
     if seconds < 1e-3:
         assert "faster than the calibrated hosts" in link and "no verdict" in step, (link, step)
     else:
         assert "the scale model's link rate" in link and "1-bit Adam should help" in step, \
             (link, step)
     assert "``" not in freeze and "`variance_refresh=None`" in freeze, freeze
+    assert calibration.startswith("calibration: "), calibration
+
+
+def test_the_probe_prices_the_nodes_it_ran_on():
+    """Ranks on several nodes share each node's link in the prediction; ranks on one node are
+    priced with links of their own (the probe crossed no link between nodes), as a job of
+    one rank per node is; the output says which, and which calibration priced it."""
+    from hvd_onebit_tools.bench.calibrate.files import SHIPPED_PATH
+    from hvd_onebit_tools.check_probe import LinkProbe, predict
+
+    def lines(per_node):
+        return predict(LinkProbe(ranks=4, elements=4 << 20, seconds=0.5, per_node=per_node),
+                       "10M", 50.0, calibration=str(SHIPPED_PATH))
+
+    spread, nodes, one_node = lines(1), lines(2), lines(4)
+    assert nodes[0].startswith("link: 4 ranks (2 nodes of 2),") and "Gbit/s per node" in nodes[0], \
+        nodes[0]
+    assert one_node[0].startswith("link: 4 ranks (one node; priced as ranks with links of their "
+                                  "own),"), one_node[0]
+    assert spread[0].startswith("link: 4 ranks,"), spread[0]
+    assert one_node[1] == spread[1], f"one node: {one_node[1]!r}; a link per rank: {spread[1]!r}"
+    assert nodes[1] != spread[1], f"2 nodes of 2 priced as 4 links: {nodes[1]!r}"
+    assert nodes[3] == f"calibration: {SHIPPED_PATH} (2 cores, " \
+        f"{json.loads(SHIPPED_PATH.read_text())['machine']['date']})", nodes[3]
 
 
 def test_the_probe_checks_the_calibration_before_any_collective(monkeypatch, tmp_path):

@@ -154,15 +154,23 @@ def load(path) -> dict:
     return validate(cal, str(p))
 
 
-def load_or_shipped(path=None, note: Optional[Callable[[str], None]] = None) -> dict:
-    """The calibration at ``path``; without one, the cache's (:data:`DEFAULT_PATH`), and where
-    the cache has none the one shipped beside this module (:data:`SHIPPED_PATH`), after ``note`` is
-    told which file that is, whose machine it measured and how to measure this one's."""
+def chosen_path(path=None) -> Path:
+    """The calibration file :func:`load_or_shipped` reads: ``path``; without one, the cache's
+    (:data:`DEFAULT_PATH`), and where the cache has none the one shipped beside this module
+    (:data:`SHIPPED_PATH`)."""
     if path is not None:
-        return load(path)
+        return Path(path)
     cached = DEFAULT_PATH.expanduser()
-    if cached.exists() or not SHIPPED_PATH.exists():
-        return load(cached)
+    return cached if cached.exists() or not SHIPPED_PATH.exists() else SHIPPED_PATH
+
+
+def load_or_shipped(path=None, note: Optional[Callable[[str], None]] = None) -> dict:
+    """The calibration at :func:`chosen_path`; when that is the one shipped, after ``note`` is
+    told which file that is, whose machine it measured and how to measure this one's."""
+    chosen = chosen_path(path)
+    if chosen != SHIPPED_PATH or path is not None:
+        return load(chosen)
+    cached = DEFAULT_PATH.expanduser()
     cal = load(SHIPPED_PATH)
     if note is not None:
         machine = cal.get("machine", {})
