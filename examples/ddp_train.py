@@ -60,7 +60,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--warmup-frac", type=fraction_of_steps, default=FREEZE_FRACTION,
                         help="freeze_step = round(warmup_frac * steps), at least 1 and below "
                              "--steps (default: %(default)s)")
-    parser.add_argument("--batch", type=positive_int, default=32)
+    parser.add_argument("--batch-size", type=positive_int, default=32,
+                        help="samples per rank per step (default: %(default)s)")
     parser.add_argument("--lr", type=positive_float, default=3e-3)
     args = parser.parse_args(argv)
     args.freeze_step = max(1, round(args.warmup_frac * args.steps))
@@ -89,7 +90,7 @@ def main(argv=None) -> None:
     shard = torch.arange(rank, len(x), size)  # each rank its own part of the data
     g = torch.Generator().manual_seed(100 + rank)
     for _ in range(args.steps):
-        idx = shard[torch.randint(len(shard), (args.batch,), generator=g)]
+        idx = shard[torch.randint(len(shard), (args.batch_size,), generator=g)]
         opt.zero_grad()
         loss = F.cross_entropy(model(x[idx]), y[idx])
         loss.backward()

@@ -430,7 +430,7 @@ REFUSED = [  # (script, argv, what its error must say)
     (train_digits, ["--batch-size", "0"], f"argument --batch-size: {MUST_BE_POSITIVE}"),
     (train_digits, ["--lr", "0"], "argument --lr: must be a positive number, got 0"),
     (ddp_train, ["--steps", "0"], f"argument --steps: {MUST_BE_POSITIVE}"),
-    (ddp_train, ["--batch", "0"], f"argument --batch: {MUST_BE_POSITIVE}"),
+    (ddp_train, ["--batch-size", "0"], f"argument --batch-size: {MUST_BE_POSITIVE}"),
     (ddp_train, ["--lr", "-1"], "argument --lr: must be a positive number, got -1"),
     (ddp_train, ["--warmup-frac", "1.5"], "argument --warmup-frac: must be a fraction of --steps "
                                           "from 0 to 1, got 1.5"),

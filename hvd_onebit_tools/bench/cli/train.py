@@ -68,8 +68,8 @@ def _check_warmups(methods, steps: int, warmup_frac: float, refresh_freeze_frac:
               help="Embedding width (--model embedding).")
 @click.option("--tokens", default=2048, show_default=True, type=POSITIVE,
               help="Token ids per sample (--model embedding).")
-@click.option("--batch", default=4, show_default=True, type=POSITIVE,
-              help="Samples per rank per step.")
+@click.option("--batch-size", "--batch", "batch", default=4, show_default=True, type=POSITIVE,
+              help="Samples per rank per step (--batch: the same).")
 @click.option("--malloc", "malloc_mode", default="reuse", show_default=True,
               type=click.Choice(["reuse", "system"]),
               help="reuse: the ranks' glibc keeps freed memory for reuse, so the large gradient "
