@@ -36,7 +36,8 @@ The DDP methods set up torch.distributed's default group over the Horovod job's 
 set it up already.
 
 Every row has the run's wall time (``run_seconds``) and bytes: ``run_measured_tx_bytes`` (rank
-0's link counter summed over the steps, on the emulator) and ``run_bytes_per_rank`` (1-bit:
+0's link counter summed over the steps, on the emulator; with ``--ranks-per-node``, its node's
+link, which all the node's ranks share) and ``run_bytes_per_rank`` (1-bit:
 the ring-allreduce figure for each full-precision step plus the wire bytes of each compressed
 step; Horovod and DDP Adam: the ring figure every step).
 
