@@ -386,6 +386,22 @@ def test_the_crossover_line_says_when_a_crossing_is_not_in_the_sweep(tmp_path):
         assert expected in line, f"{key} = {crossing[key]}: expected {expected!r} in {line!r}"
 
 
+def test_the_crossover_line_says_by_how_much_hierarchical_wins_there(tmp_path):
+    """A crossing's margin, so that one of a few percent reads as the tie it is within the
+    model's error."""
+    path = save(fake_calibration(), tmp_path / "cal.json")
+    args = ["bench", "predict", "--calibration", str(path), "--params", "350M", "--compute-ms",
+            "100", "--np", "8,16", "--ranks-per-node", "8", "--bandwidth", "1gbit"]
+    report = json.loads(hvd_onebit(args + ["--json"]).stdout)
+    n = report["crossovers"]["1000000000"]["hierarchical_beats_flat_from"]
+    assert n == 16, f"the fake calibration's crossing moved: {report['crossovers']}"
+    ms = next(r["methods"] for r in report["rows"] if r["np"] == n)
+    margin = ms["onebit"]["run_step_s"] / ms["onebit_hierarchical"]["run_step_s"] - 1
+    line = hvd_onebit(args).stdout.splitlines()[-2]
+    assert f"hierarchical beats flat from n=16 (by {margin:.0%} there)" in line, \
+        f"margin {margin:.3f}: {line!r}"
+
+
 def test_calibration_round_trip_and_clear_errors(tmp_path):
     cal = fake_calibration()
     path = save(cal, tmp_path / "sub" / "cal.json")

@@ -8,6 +8,7 @@ def print_prediction(report: dict, echo=None) -> None:
     import click
 
     from ..report import print_table
+    from .model import GROUP_METHOD
     from .runs import refresh_columns
 
     echo = echo or click.echo
@@ -36,16 +37,24 @@ def print_prediction(report: dict, echo=None) -> None:
     for bw, c in report["crossovers"].items():
         top = max(r["np"] for r in report["rows"] if str(r["inter_bps"]) == bw)
 
-        def from_n(n, holds, never):  # n None: it never holds in this sweep
-            return f"{holds} from n={n}" if n is not None else f"{never} up to n={top}"
+        def from_n(n, holds, never, method=None):  # n None: it never holds in this sweep
+            if n is None:
+                return f"{never} up to n={top}"
+            if method is None:
+                return f"{holds} from n={n}"
+            # by how much there: a margin of a few percent is within the model's error
+            ms = next(r["methods"] for r in report["rows"]
+                      if str(r["inter_bps"]) == bw and r["np"] == n)
+            margin = ms["onebit"]["run_step_s"] / ms[method]["run_step_s"] - 1
+            return f"{holds} from n={n} (by {margin:.0%} there)"
         parts = [from_n(c["flat_onebit_stops_paying_at"], "flat 1-bit stops paying",
                         "flat 1-bit pays at every n"),
                  from_n(c["hierarchical_beats_flat_from"], "hierarchical beats flat",
-                        "hierarchical does not beat flat")]
+                        "hierarchical does not beat flat", "onebit_hierarchical")]
         if "hierarchical_group_beats_flat_from" in c:
             parts.append(from_n(c["hierarchical_group_beats_flat_from"],
                                 "group hierarchical beats flat",
-                                "group hierarchical does not beat flat"))
+                                "group hierarchical does not beat flat", GROUP_METHOD))
         echo(f"link {link_text(bw)}: " + ", ".join(parts))
     if report.get("pricing"):
         echo(report["pricing"])
