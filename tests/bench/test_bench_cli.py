@@ -391,3 +391,18 @@ def test_train_lm_help_states_the_block_size_the_optimizer_gets_when_it_is_omitt
         "one per chunk" not in help_text, \
         f"omitted, the optimizer gets block_size={default} (options {options}); " \
         f"help: {help_text!r}"
+
+
+def test_the_refresh_runs_share_of_full_precision_steps_is_told_beside_a_long_runs():
+    """A short `bench train` run of the defaults is mostly full-precision steps; the note under
+    the table counts them, and the same setting's count over 10,000 steps, from the schedule."""
+    from hvd_onebit.variance_refresh import RefreshSchedule
+    from hvd_onebit_tools.bench.cli.train import refresh_share_note
+    from hvd_onebit_tools.bench.refresh import DOUBLING, run_steps
+
+    note = refresh_share_note(run_steps(40, 2, DOUBLING), DOUBLING, 0.05)
+    long_fp = 500 + RefreshSchedule.from_option(DOUBLING).count(10000, 500)
+    short = run_steps(40, 2, DOUBLING)["full_precision_steps"]
+    assert short / 40 > long_fp / 10000, f"40 steps: {short} in full precision, 10,000: {long_fp}"
+    assert note.startswith(f"onebit_refresh: {short} of 40 steps in full precision (warmup 2, ") \
+        and f"over 10,000 steps takes {long_fp:,} ({long_fp / 10000:.1%})" in note, note

@@ -22,6 +22,20 @@ from .options import (FROZEN_FREEZE_FRACTION, block_size_check, check_real_clust
 POSITIVE = click.IntRange(min=1)
 
 
+def refresh_share_note(kinds: dict, refresh, freeze_frac: float, long_run: int = 10000) -> str:
+    """How many of this run's steps the refresh setting took in full precision, beside the
+    share it takes over a long run: a short run's whole-run figure is mostly full-precision
+    steps, and says little about a training run's."""
+    from ..refresh import freeze_step_for, run_steps
+
+    long = run_steps(long_run, freeze_step_for(freeze_frac, long_run), refresh)
+    return (f"onebit_refresh: {kinds['full_precision_steps']} of {kinds['run_steps']} steps in "
+            f"full precision (warmup {kinds['freeze_step']}, refreshes "
+            f"{kinds['refresh_steps']}); the same setting over {long_run:,} steps takes "
+            f"{long['full_precision_steps']:,} ({long['full_precision_steps'] / long_run:.1%}): "
+            "`bench predict --run-steps N` prices a run of yours")
+
+
 def _check_warmups(methods, steps: int, warmup_frac: float, refresh_freeze_frac: float) -> None:
     """Each 1-bit method needs a warmup step and a compression step within ``steps``: refused
     before the run, naming the option, rather than a run whose summary has no compressed step."""
@@ -205,6 +219,9 @@ def bench_train(np_, bandwidth, steps, warmup_frac, variance_refresh, refresh_fr
                         ("measured MB/step/rank" if ranks_per_node == 1 else
                          "measured MB/step/node link", "mb", ",.2f"), ("run s", "run_s", ",.2f"),
                         ("run MB/rank", "run_mb", ",.1f")])
+    for r in rows:
+        if r["method"] == "onebit_refresh":
+            click.echo(refresh_share_note(r["steps_by_kind"], refresh, refresh_freeze_frac))
     for r in rows:
         parts = r.get("compression_breakdown_s")
         if parts:
