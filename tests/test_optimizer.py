@@ -235,11 +235,17 @@ def test_bad_arguments_are_clear_errors(world):
                                            "(0.weight)", "after the optimizer was built",
                                            "memory_format=torch.contiguous_format"],
                       channels_last_at_refresh=["Horovod's allreduce needs contiguous tensors",
-                                                "(0.weight)", "after the optimizer was built"])
+                                                "(0.weight)", "after the optimizer was built"],
+                      channels_last_between_passes=["Horovod's allreduce needs contiguous "
+                                                    "tensors", "(weight)",
+                                                    "after the optimizer was built"])
     for rank, bad in enumerate(scenario(results, "bad")):
         for case, parts in wanted.items():
             assert bad[case] is not None and all(p in bad[case] for p in parts), \
                 f"rank {rank} {case}: error {bad[case]!r}, want it to mention {parts}"
+        assert bad["frozen_then_channels_last"] is None, \
+            f"rank {rank}: a frozen parameter made channels_last stopped training: " \
+            f"{bad['frozen_then_channels_last']!r}"
         assert bad["own_synchronize"] is None, \
             f"rank {rank}: an Adam subclass with a synchronize() of its own was refused: " \
             f"{bad['own_synchronize']!r}"

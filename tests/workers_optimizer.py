@@ -353,6 +353,10 @@ def bad_arguments():
         # after the freeze: the compressed steps take any layout; the next refresh step is
         # allreduced by Horovod, and refused by name before it starts
         "channels_last_at_refresh": lambda: steps_after_channels_last(3),
+        # a parameter frozen (requires_grad=False) before the conversion is not allreduced
+        "frozen_then_channels_last": lambda: steps_after_channels_last(1, freeze_first=True),
+        # converted between the two backward passes of one step
+        "channels_last_between_passes": lambda: channels_last_between_passes(),
     }
     other = make_model()  # Horovod's wrapper hooks its gradients: a model of its own
     mine = make_model()  # and so does the one optimizer built here
@@ -364,10 +368,23 @@ def bad_arguments():
     conv = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Conv2d(4, 2, 1)).to(
         memory_format=torch.channels_last)
 
-    def steps_after_channels_last(contiguous_steps: int):
+    def channels_last_between_passes():
+        """backward_passes_per_step=2, the one (4-D) parameter made channels_last between the
+        step's two backward passes: refused at the second pass's hook."""
+        one = nn.Conv2d(3, 2, 3, bias=False)
+        opt = hvd_onebit.DistributedOptimizer(torch.optim.Adam(one.parameters()),
+                                              named_parameters=one.named_parameters(),
+                                              freeze_step=2, backward_passes_per_step=2)
+        opt.zero_grad()
+        one(torch.ones(2, 3, 6, 6)).square().mean().backward()
+        one.to(memory_format=torch.channels_last)
+        one(torch.ones(2, 3, 6, 6).to(memory_format=torch.channels_last)).square().mean().backward()
+
+    def steps_after_channels_last(contiguous_steps: int, freeze_first: bool = False):
         """Built on a contiguous model, converted to channels_last after ``contiguous_steps``
         steps (freeze_step=2, the default refresh): up to 16 steps more. Its error is raised
-        once the script has gone on: the model made contiguous again, 3 more steps."""
+        once the script has gone on: the model made contiguous again, 3 more steps.
+        ``freeze_first``: the one parameter that turns non-contiguous is frozen first."""
         later = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Conv2d(4, 2, 1))
         opt = hvd_onebit.DistributedOptimizer(torch.optim.Adam(later.parameters()),
                                               named_parameters=later.named_parameters(),
@@ -381,6 +398,8 @@ def bad_arguments():
                 opt.step()
 
         train(contiguous_steps)
+        if freeze_first:
+            later[0].weight.requires_grad_(False)
         later.to(memory_format=torch.channels_last)
         x = x.to(memory_format=torch.channels_last)
         try:

@@ -55,6 +55,8 @@ class Warmup:
     def hook(self, p: torch.Tensor, horovod_hook: Callable, *args) -> None:
         """``p``'s warmup hook: Horovod's (which may start its allreduce), watched."""
         self.check_layout_once()
+        if not p.is_contiguous():  # changed since the step's first hook (between passes)
+            self._check_layout()
         horovod_hook(*args)
         if self._view.handles.get(p, (None,))[0] is not None:
             self._in_flight.started(p)
@@ -103,8 +105,8 @@ class Warmup:
         changes its model alike, so every rank raises at the same point, and a script that
         makes the parameters contiguous again can go on."""
         view = self._view
-        bad = [view.name_of(p) for p in view.adam.parameters()
-               if p in view.requires_update and not p.is_contiguous()]
+        bad = [view.name_of(p) for p in view.adam.parameters()  # those Horovod will allreduce
+               if p.requires_grad and p in view.requires_update and not p.is_contiguous()]
         if bad:
             raise not_contiguous(bad, " (their layout changed after the optimizer was built)")
 
