@@ -118,23 +118,23 @@ def test_step_times_are_the_sum_of_their_terms():
     assert rows["onebit"]["run_speedup_vs_fp32"] == pytest.approx(fp32.step_s / run)
     assert rows["onebit"]["warmup_step_s"] == pytest.approx(fp32.step_s)
     assert rows["onebit_hierarchical"]["notes"] == [
-        f"{HIERARCHICAL_NOTE}; inside a node: the node links (--intra-bandwidth)"], \
+        f"{HIERARCHICAL_NOTE}; inside a node: the node links, unlimited"], \
         f"notes {rows['onebit_hierarchical']['notes']}"
 
 
-@pytest.mark.parametrize("given, transport, intra_bps, kernel_speedup, priced", [
-    ("auto", "torch", None, 1.0, "shared_memory"),  # CPU ranks, as the library runs them
-    ("auto", "torch", 100 * 10**9, 1.0, "network"),  # the node's links given a rate
-    ("auto", "torch", None, 10.0, "network"),  # a faster device: CUDA parameters
-    ("auto", "horovod", None, 1.0, "network"),  # shared memory serves torch's transport only
-    ("shared_memory", "torch", 10**9, 10.0, "shared_memory"),
-    ("network", "torch", None, 1.0, "network"),
+@pytest.mark.parametrize("given, transport, intra_bps, priced", [
+    ("auto", "torch", None, "shared_memory"),  # CPU ranks, as the library runs them
+    ("auto", "torch", 100 * 10**9, "network"),  # the node's links given a rate: GPU nodes
+    ("auto", "horovod", None, "network"),  # shared memory serves torch's transport only
+    ("shared_memory", "torch", 10**9, "shared_memory"),
+    ("network", "torch", None, "network"),
 ])
-def test_intra_node_auto_prices_what_the_library_runs(given, transport, intra_bps,
-                                                      kernel_speedup, priced):
-    got = priced_intra_node(given, transport, intra_bps, kernel_speedup)
-    assert got == priced, (f"--intra-node {given} on {transport}, intra {intra_bps} bit/s, "
-                           f"kernels x{kernel_speedup}: priced {got}, expected {priced}")
+def test_intra_node_auto_prices_what_the_library_runs(given, transport, intra_bps, priced):
+    got = priced_intra_node(given, transport, intra_bps)
+    assert got == priced, (f"--intra-node {given} on {transport}, intra {intra_bps} bit/s: "
+                           f"priced {got}, expected {priced}")
+    with pytest.raises(ValueError, match="serves torch's transport only"):
+        priced_intra_node("shared_memory", "horovod", None)
 
 
 def test_hierarchical_follows_hierarchical_py_and_ranks_share_cores():
@@ -359,6 +359,9 @@ def test_crossovers_find_where_flat_stops_paying():
     assert parse_params("350M") == 350_000_000, parse_params("350M")
     assert parse_params("9.4e6") == 9_400_000, parse_params("9.4e6")
     assert parse_params("437,760") == 437_760, parse_params("437,760")  # as the tables print it
+    for decimal_comma in ("1,5M", "2,5e6", "1,,0"):
+        with pytest.raises(ValueError, match="commas only between groups of three digits"):
+            parse_params(decimal_comma)
 
 
 def test_the_crossover_line_says_when_a_crossing_is_not_in_the_sweep(tmp_path):
@@ -699,6 +702,11 @@ def test_check_refuses_a_run_of_another_size_naming_what_differs(tmp_path):
     # the same parameter count at another shape is another model too
     with pytest.raises(OtherModel, match=r"--width 1024 \(calibrated: 2048\)"):
         check_report([train_run(1024, 1_000_000)], cal)
+    # named by the flag bench train documents
+    other_batch = train_run(2048, 1_000_000)
+    other_batch["config"]["batch"] = 8
+    with pytest.raises(OtherModel, match=r"--batch-size 8 \(calibrated: 4\)"):
+        check_report([other_batch], cal)
 
     path = save(cal, tmp_path / "cal.json")
     runs = tmp_path / "runs"
@@ -782,6 +790,9 @@ BAD_NUMBERS = [
     (["--warmup-frac", "nan"], "--warmup-frac", "'nan' is not a finite number"),
     (["--refresh-freeze-frac", "nan"], "--refresh-freeze-frac", "'nan' is not a finite number"),
     (["--run-steps", "0"], "--run-steps", "0 is not in the range 1<=x"),
+    (["--params", "1,5M"], "--params", "1,5M"),  # a decimal comma: not 15M
+    (["--transport", "horovod", "--intra-node", "shared_memory"], "--intra-node",
+     "serves torch's transport only"),
     (["--run-lengths", "0,100"], "--run-lengths", "0 is not in the range 1<=x"),
     (["--run-lengths", "1e400"], "--run-lengths", "'1e400'"),
     (["--run-lengths", ""], "--run-lengths", "'' names nothing"),

@@ -108,9 +108,9 @@ def check_world(nps: list[int], ranks_per_node: int) -> None:
               type=click.Choice(["auto", "network", "shared_memory"]),
               help="With torch's transport: the hierarchical stages inside a node over the "
                    "node's links (--intra-bandwidth: NVLink, PCIe) or through shared memory (a "
-                   "barrier each); auto, as intra_node='auto' runs the priced ranks: shared "
-                   "memory at the calibration's CPU speeds, the network with --intra-bandwidth "
-                   "or --kernel-speedup (a GPU's).")
+                   "barrier each); auto: the node's links when --intra-bandwidth gives their "
+                   "rate (GPU nodes, whose CUDA tensors intra_node='auto' sends over them), else "
+                   "shared memory (CPU ranks, as intra_node='auto' runs them).")
 @click.option("--block-size", default=DEFAULT_BLOCK_SIZE, show_default=True,
               type=click.IntRange(min=0), callback=block_size_check,
               help="Elements per scale in the 1-bit rows, as the optimizer's block_size; 0: one "
@@ -203,7 +203,10 @@ def bench_predict(calibration, nps, ranks_per_node, bandwidths, intra_bandwidth,
               adam_s=None if adam_ms is None else adam_ms / 1e3, warmup_frac=warmup_frac,
               kernel_speedup=kernel_speedup, host_speedup=host_speedup)
     transport = model_transport({"transport": transport})
-    intra_node = priced_intra_node(intra_node, transport, intra_bandwidth, kernel_speedup)
+    try:
+        intra_node = priced_intra_node(intra_node, transport, intra_bandwidth)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--intra-node") from exc
     model = Model(cal, None if per_peer_us is None else per_peer_us * 1e-6,
                   hierarchical_global_ops=hierarchical_ops == "global", transport=transport,
                   intra_node=intra_node, block_size=block_size or None)
@@ -230,6 +233,7 @@ def bench_predict(calibration, nps, ranks_per_node, bandwidths, intra_bandwidth,
         del inputs["run_steps"]
         report = {"benchmark": "predict_run_lengths", "calibration": cal.get("machine"),
                   "inputs": {**inputs, "run_lengths": run_lengths},
+                  "note": model.hierarchical_note(intra_bandwidth),
                   "pricing": model.pricing_note(job), "rows": rows}
         if plot:
             from ..predict.plots import plot_run_lengths
@@ -253,7 +257,7 @@ def bench_predict(calibration, nps, ranks_per_node, bandwidths, intra_bandwidth,
         cl = Cluster(nodes=r["nodes"], ranks_per_node=r["ranks_per_node"])
         add_run_figures(r["methods"], setting, fp32_step_bytes(job, cl))
     report = {"benchmark": "predict", "calibration": cal.get("machine"), "inputs": inputs,
-              "run_setting": setting.describe(), "note": model.hierarchical_note(),
+              "run_setting": setting.describe(), "note": model.hierarchical_note(intra_bandwidth),
               "pricing": model.pricing_note(job), "rows": rows, "crossovers": crossovers(rows)}
     if plot:
         from ...cluster.bandwidth import format_bandwidth

@@ -37,13 +37,16 @@ def model_intra_node(config: dict, transport: str) -> str:
     return mode
 
 
-def priced_intra_node(intra_node: str, transport: str, intra_bps, kernel_speedup: float) -> str:
-    """What `bench predict --intra-node` prices: 'auto' as the library's ``intra_node="auto"``
-    runs the priced ranks: shared memory for CPU ranks on torch's transport (priced at the
-    calibration's CPU speeds, with no --intra-bandwidth: as `bench train` runs them on the
-    emulator), the node's links where they are given a rate or the kernels a faster device's
-    speed (CUDA parameters, on which 'auto' uses the network)."""
-    if intra_node == "auto" and (intra_bps is not None or kernel_speedup != 1):
+def priced_intra_node(intra_node: str, transport: str, intra_bps) -> str:
+    """What `bench predict --intra-node` prices: 'auto' as `bench train` runs it on the
+    emulator, the node's links where --intra-bandwidth gives them a rate (GPU nodes: NVLink,
+    PCIe; ``intra_node="auto"`` sends CUDA tensors over them), else shared memory as the
+    library's ``intra_node="auto"`` runs CPU ranks on torch's transport. Shared memory serves
+    torch's transport only: asked for on Horovod's, a ValueError."""
+    if intra_node == "shared_memory" and transport != "torch":
+        raise ValueError("--intra-node shared_memory serves torch's transport only, as the "
+                         "library's intra_node does: give --transport torch (or auto)")
+    if intra_node == "auto" and intra_bps is not None:
         intra_node = "network"
     return model_intra_node({"intra_node": intra_node}, transport)
 
@@ -65,7 +68,8 @@ def model_difference(cal: dict, cfg: dict, params: int, cl: Cluster) -> list[str
     shape = cal.get("bench_models", {}).get(name, {})
     for key, value in shape.items():
         if key != "model" and key in cfg and cfg[key] != value:
-            out.append(f"--{key.replace('_', '-')} {cfg[key]} (calibrated: {value})")
+            flag = {"batch": "batch-size"}.get(key, key.replace("_", "-"))  # bench train's
+            out.append(f"--{flag} {cfg[key]} (calibrated: {value})")
     if params != calibrated:
         out.append(f"{params:,} parameters (calibrated: {calibrated:,})")
     return out

@@ -3,6 +3,7 @@ the training job (parameters, compute, warmup) and a prediction (the step's phas
 and a job's parameter count as quoted ('350M')."""
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -62,7 +63,12 @@ class Prediction:
 
 def parse_params(text: str) -> int:
     """'350M' -> 350,000,000 (decimal, as parameter counts are quoted); '9.4e6', plain
-    integers and the tables' own '437,760' too."""
-    t = str(text).strip().lower().replace(",", "").replace("_", "")
+    integers and the tables' own '437,760' too (commas between groups of three digits only:
+    '1,5M' is a ValueError, not 15M)."""
+    t = str(text).strip().lower()
+    if "," in t:
+        if not re.fullmatch(r"\d{1,3}(,\d{3})+", t):
+            raise ValueError(f"{text!r}: commas only between groups of three digits")
+        t = t.replace(",", "")
     mult = {"k": 1e3, "m": 1e6, "g": 1e9, "b": 1e9}.get(t[-1:] if t else "", None)
     return int(round(float(t[:-1]) * mult)) if mult else int(float(t))

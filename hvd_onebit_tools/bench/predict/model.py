@@ -346,13 +346,16 @@ class Model:
         wire = layout.wire_bytes if N > 1 else 0
         return Prediction("onebit_hierarchical", ph,
                           (0 if shared else int(2 * intra_rank)) + wire,
-                          L * wire if N > 1 else None, [self.hierarchical_note()])
+                          L * wire if N > 1 else None, [self.hierarchical_note(cl.intra_bps)])
 
-    def hierarchical_note(self) -> str:
-        """:data:`HIERARCHICAL_NOTE` and what carries the hierarchical stages inside a node."""
+    def hierarchical_note(self, intra_bps=None) -> str:
+        """:data:`HIERARCHICAL_NOTE` and what carries the hierarchical stages inside a node
+        (``intra_bps``: the node links' rate, None: unlimited)."""
+        from .tables import link_text
+
         shared = self.transport == "torch" and self.intra_node == "shared_memory"
-        return (f"{HIERARCHICAL_NOTE}; inside a node: "
-                f"{'shared memory' if shared else 'the node links (--intra-bandwidth)'}")
+        inside = "shared memory" if shared else f"the node links, {link_text(intra_bps)}"
+        return f"{HIERARCHICAL_NOTE}; inside a node: {inside}"
 
     def predict_all(self, job: Job, cl: Cluster, methods=METHODS) -> dict:
         """Per method: phases, step time, bytes; 1-bit rows also their warmup step and the

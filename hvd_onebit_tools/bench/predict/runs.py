@@ -177,6 +177,8 @@ def print_run_lengths(report: dict, echo=None) -> None:
          f"{defaults_note(inputs['variance_refresh'], inputs['refresh_freeze_frac'])}; fixed: "
          f"variance_refresh=None frozen at "
          f"{frozen_at(inputs['warmup_frac'], lengths)}")
+    if report.get("note") and any(r["method"] != "onebit" for r in report["rows"]):
+        echo(report["note"])  # a hierarchical row: how its stages are priced
     table = [{**r, "bw": link_text(r["inter_bps"]),
               "fp": f"{r['refresh_full_precision_steps']:,} ({r['refresh_freeze_step']:,}"
                     f" + {r['refresh_steps']})"}
