@@ -23,14 +23,14 @@ class LinkProbe:
     """What the probe measured: ranks, the median time of an fp32 allreduce of ``elements``, and
     the bus rate it implies (a ring allreduce moves ``2 (n-1)/n`` of the buffer per rank);
     ``rank`` is this process's, ``via`` what carried the allreduce, ``per_node`` the ranks on
-    this rank's node (the launcher's local size)."""
+    each node (the launcher's local size; None: the nodes have different numbers of ranks)."""
 
     ranks: int
     elements: int
     seconds: float
     rank: int = 0
     via: str = "Horovod"
-    per_node: int = 1
+    per_node: Optional[int] = 1
 
     @property
     def bus_bps(self) -> float:
@@ -43,7 +43,7 @@ class LinkProbe:
         spans several nodes of that many ranks, else 1 (on one node, every rank is priced with
         a link of its own: the probe crossed no link between nodes)."""
         L = self.per_node
-        return L if 1 < L < self.ranks and self.ranks % L == 0 else 1
+        return L if L is not None and 1 < L < self.ranks and self.ranks % L == 0 else 1
 
     def layout(self) -> str:
         """The job's ranks as the prediction takes them."""
@@ -52,6 +52,9 @@ class LinkProbe:
                    f"{self.ranks_per_node})"
         if self.per_node == self.ranks:
             return f"{self.ranks} ranks (one node; priced as ranks with links of their own)"
+        if self.per_node is None:
+            return (f"{self.ranks} ranks (nodes of different sizes; priced as ranks with links "
+                    "of their own)")
         return f"{self.ranks} ranks"
 
 
@@ -106,10 +109,11 @@ def _probe_torch(np_: Optional[int], elements: int, repeats: int) -> LinkProbe:
         if cuda:
             torch.cuda.synchronize()
     seconds, via = _median_time(allreduce, repeats), f"torch.distributed ({dist.get_backend()})"
+    sizes = [None] * size  # every node's ranks, as each rank's launcher counts them
+    dist.all_gather_object(sizes, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     if ours:  # a process that exits with its group alive can abort in Gloo's threads
         dist.destroy_process_group()
-    return LinkProbe(size, elements, seconds, rank, via,
-                     int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    return LinkProbe(size, elements, seconds, rank, via, one_size(sizes))
 
 
 def _probe_horovod(np_: Optional[int], elements: int, repeats: int) -> LinkProbe:
@@ -122,10 +126,16 @@ def _probe_horovod(np_: Optional[int], elements: int, repeats: int) -> LinkProbe
 
     def allreduce(name):
         hvd.allreduce(x, name=f"hvd_onebit_check.{name}")
-    # nodes of one size (every node's ranks count as many nodes as this one's)
-    per_node = hvd.local_size() if hvd.local_size() * hvd.cross_size() == hvd.size() else 1
-    return LinkProbe(hvd.size(), elements, _median_time(allreduce, repeats), hvd.rank(),
-                     "Horovod", per_node)
+    seconds = _median_time(allreduce, repeats)
+    sizes = hvd.allgather(torch.tensor([hvd.local_size()]), name="hvd_onebit_check.local_sizes")
+    return LinkProbe(hvd.size(), elements, seconds, hvd.rank(), "Horovod",
+                     one_size(sizes.tolist()))
+
+
+def one_size(local_sizes: list) -> Optional[int]:
+    """The ranks per node when every rank's node has as many (the ranks' local sizes), else
+    None."""
+    return local_sizes[0] if len(set(local_sizes)) == 1 else None
 
 
 def load_calibration(calibration: Optional[str] = None) -> dict:

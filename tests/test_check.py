@@ -226,19 +226,23 @@ def test_the_probe_prices_the_nodes_it_ran_on():
     priced with links of their own (the probe crossed no link between nodes), as a job of
     one rank per node is; the output says which, and which calibration priced it."""
     from hvd_onebit_tools.bench.calibrate.files import SHIPPED_PATH
-    from hvd_onebit_tools.check_probe import LinkProbe, predict
+    from hvd_onebit_tools.check_probe import LinkProbe, one_size, predict
 
     def lines(per_node):
         return predict(LinkProbe(ranks=4, elements=4 << 20, seconds=0.5, per_node=per_node),
                        "10M", 50.0, calibration=str(SHIPPED_PATH))
 
-    spread, nodes, one_node = lines(1), lines(2), lines(4)
+    spread, nodes, one_node, uneven = lines(1), lines(2), lines(4), lines(None)
     assert nodes[0].startswith("link: 4 ranks (2 nodes of 2),") and "Gbit/s per node" in nodes[0], \
         nodes[0]
     assert one_node[0].startswith("link: 4 ranks (one node; priced as ranks with links of their "
                                   "own),"), one_node[0]
     assert spread[0].startswith("link: 4 ranks,"), spread[0]
-    assert one_node[1] == spread[1], f"one node: {one_node[1]!r}; a link per rank: {spread[1]!r}"
+    assert uneven[0].startswith("link: 4 ranks (nodes of different sizes; priced as ranks with "
+                                "links of their own),"), uneven[0]
+    assert one_node[1] == spread[1] == uneven[1], \
+        f"one node: {one_node[1]!r}; uneven: {uneven[1]!r}; a link per rank: {spread[1]!r}"
+    assert (one_size([2, 2, 2]), one_size([2, 3, 1]), one_size([3, 3, 2])) == (2, None, None)
     assert nodes[1] != spread[1], f"2 nodes of 2 priced as 4 links: {nodes[1]!r}"
     assert nodes[3] == f"calibration: {SHIPPED_PATH} (2 cores, " \
         f"{json.loads(SHIPPED_PATH.read_text())['machine']['date']})", nodes[3]
