@@ -50,7 +50,7 @@ class Warmup:
         self.wait_seconds = 0.0  # this step's seconds blocked on Horovod's allreduces
         self._in_flight = InFlight(view.name_of)
         self._race: Optional[str] = None  # what the script did to gradients in flight
-        self._layout_checked = False  # this backward's layouts, checked at its first hook
+        self._layout_checked = False  # this step's layouts, checked at its first hook
 
     def hook(self, p: torch.Tensor, horovod_hook: Callable, *args) -> None:
         """``p``'s warmup hook: Horovod's (which may start its allreduce), watched."""
