@@ -160,6 +160,11 @@ def findings() -> List[Finding]:
     return [probe() for probe in PROBES]
 
 
+def blocking(found: List[Finding]) -> List[str]:
+    """The parts without which a job cannot run here."""
+    return [f.part for f in found if f.required and f.status == FIX]
+
+
 def report(found: List[Finding]) -> str:
     """One line per finding, the fix under it; the last line says whether a job can run."""
     width = max(len(f.part) for f in found)
@@ -168,6 +173,12 @@ def report(found: List[Finding]) -> str:
         lines.append(f"{f.part:<{width}}  {f.status:<3}  {f.found}")
         if f.fix:
             lines.append(f"{'':<{width}}       fix: {f.fix}")
-    blocking = [f.part for f in found if f.required and f.status == FIX]
-    lines.append(f"not ready: {', '.join(blocking)}" if blocking else "ready")
+    lines.append(f"not ready: {', '.join(blocking(found))}" if blocking(found) else "ready")
     return "\n".join(lines)
+
+
+def report_dict(found: List[Finding]) -> dict:
+    """The report as `check --json` prints it: whether a job can run, what blocks it, and each
+    finding's fields."""
+    return {"ready": not blocking(found), "blocking": blocking(found),
+            "parts": [dataclasses.asdict(f) for f in found]}

@@ -2,6 +2,7 @@
 cluster on one machine."""
 from __future__ import annotations
 
+import json
 import shutil
 
 import click
@@ -37,14 +38,17 @@ def main() -> None:
 @click.option("--calibration", default=None, type=click.Path(dir_okay=False),
               help="The scale model's constants (`bench calibrate`) [default: the cached or "
                    "the shipped ones].")
-def check(np_, probe, params, compute_ms, calibration) -> None:
+@click.option("--json", "as_json", is_flag=True,
+              help="Print JSON instead: ready, blocking, each part's fields, and with --probe "
+                   "the link and the prediction.")
+def check(np_, probe, params, compute_ms, calibration, as_json) -> None:
     """Print torch and its device, Horovod's controllers (or torch.distributed), the native
     kernels, triton, /dev/shm and MPI's thread level, each OK or the fix; exit status 1 when a
     job cannot run here. With --probe, under horovodrun or torchrun: the link and the
     predicted speed-up."""
-    from .check import FIX, findings, report
+    from .check import blocking, findings, report, report_dict
 
-    link_lines = []
+    link, link_lines = None, []
     if np_ is None and not probe and (params is not None or compute_ms is not None
                                       or calibration is not None):
         raise click.UsageError("--params, --compute-ms and --calibration price the link that "
@@ -69,10 +73,18 @@ def check(np_, probe, params, compute_ms, calibration) -> None:
             return
         link_lines = check_probe.predict(link, params, compute_ms, calibration)
     found = findings()
-    click.echo(report(found))
-    for line in link_lines:
-        click.echo(line)
-    if any(f.required and f.status == FIX for f in found):
+    if as_json:
+        out = report_dict(found)
+        if link is not None:
+            out["probe"] = {"ranks": link.ranks, "ranks_per_node": link.per_node,
+                            "via": link.via, "allreduce_s": link.seconds,
+                            "bus_bps": link.bus_bps, "lines": link_lines}
+        click.echo(json.dumps(out, indent=2))
+    else:
+        click.echo(report(found))
+        for line in link_lines:
+            click.echo(line)
+    if blocking(found):
         raise SystemExit(1)
 
 

@@ -88,6 +88,15 @@ def test_check_command_prints_the_report_and_a_fix_where_kernels_are_off():
     assert len(native) == 1 and " FIX " in lines[native[0]], out.stdout
     assert "fix: install a C++ compiler" in lines[native[0] + 1], out.stdout
     assert lines[-1] == "ready", out.stdout
+    out = subprocess.run([sys.executable, "-m", "hvd_onebit_tools.cli", "check", "--json"],
+                         capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, HVD_ONEBIT_NATIVE="0"))
+    report_json = json.loads(out.stdout)
+    parts = {p["part"]: p for p in report_json["parts"]}
+    assert out.returncode == 0 and report_json["ready"] and report_json["blocking"] == [], \
+        out.stdout
+    assert parts["native kernels"]["status"] == FIX and \
+        parts["native kernels"]["fix"].startswith("install a C++ compiler"), parts
 
 
 def test_help_lists_check_and_the_cluster():
@@ -126,14 +135,14 @@ def test_the_prediction_options_without_a_probe_are_refused():
         f"exit {out.exit_code}: {out.output}"
 
 
-def check_under_horovodrun(np_=None) -> subprocess.CompletedProcess:
+def check_under_horovodrun(np_=None, *extra) -> subprocess.CompletedProcess:
     """``hvd-onebit check --probe --params 10M --compute-ms 50`` in a 2-rank horovodrun job
-    (``np_``: ``--np NP`` instead of ``--probe``)."""
+    (``np_``: ``--np NP`` instead of ``--probe``; ``extra``: more options)."""
     bin_dir = os.path.dirname(sys.executable)
     return subprocess.run([os.path.join(bin_dir, "horovodrun"), "-np", "2", "-H", "localhost:2",
                            "--gloo", sys.executable, "-m", "hvd_onebit_tools.cli", "check",
                            *(["--probe"] if np_ is None else ["--np", str(np_)]),
-                           "--params", "10M", "--compute-ms", "50"],
+                           "--params", "10M", "--compute-ms", "50", *extra],
                           capture_output=True, text=True, timeout=300,
                           env=dict(os.environ, PATH=bin_dir + os.pathsep + os.environ["PATH"]))
 
@@ -151,6 +160,20 @@ def test_probe_under_horovodrun_probes_the_link_and_prices_the_step(np_):
     step = [line for line in lines if line.startswith("predicted step (10M parameters, 50 ms")]
     assert len(step) == 1 and "Horovod fp32" in step[0] and "1-bit Adam" in step[0], lines
     assert any(line.startswith("freeze point: ") for line in lines), lines
+
+
+@pytest.mark.multirank
+def test_probe_json_has_the_link_and_the_prediction():
+    out = check_under_horovodrun(None, "--json")
+    assert out.returncode == 0, out.stdout + out.stderr
+    text = "\n".join(line.split(":", 1)[1] for line in out.stdout.splitlines()
+                     if line.startswith("[0]<stdout>:"))
+    probe = json.loads(text)["probe"]
+    assert (probe["ranks"], probe["ranks_per_node"], probe["via"]) == (2, 2, "Horovod"), probe
+    assert probe["bus_bps"] > 0 and probe["allreduce_s"] > 0, probe
+    assert [line.split(":")[0] for line in probe["lines"]] == \
+        ["link", "predicted step (10M parameters, 50 ms compute)", "freeze point", "calibration"], \
+        probe["lines"]
 
 
 @pytest.mark.multirank
