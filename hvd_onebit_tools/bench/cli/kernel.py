@@ -37,7 +37,7 @@ def bench_kernel(numel, np_: int, threads: int, repeats: int, device: str,
             return
         for e in result["sizes"]:  # the rate `bench predict --kernel-speedup` is taken from
             click.echo(f"{e['numel']} fp32 elements on {result['device_name']}: torch.add "
-                       f"{e['add_elems_per_s'] / 1e6:,.0f} M elements/s, "
+                       f"{e['add_elems_per_s'] / 1e9:.2f} G elements/s, "
                        f"{e['add_bytes_per_s'] / 1e9:.1f} GB/s")
         print_table([{"numel": e["numel"], "backend": backend, "kernel": k[:-len("_ratio_to_add")],
                       "ratio": v, "gb_s": r[k[:-len("_ratio_to_add")] + "_bytes_per_s"] / 1e9}
@@ -56,7 +56,7 @@ def bench_kernel(numel, np_: int, threads: int, repeats: int, device: str,
         click.echo(json.dumps(result, indent=2))
         return
     click.echo(f"{numel} fp32 elements, {np_} chunks, {threads} thread(s); "
-               f"torch.add: {result['add_elems_per_s'] / 1e6:,.0f} M elements/s, "
+               f"torch.add: {result['add_elems_per_s'] / 1e9:.2f} G elements/s, "
                f"{result['add_bytes_per_s'] / 1e9:.1f} GB/s")
     rows = []
     for backend, b in result["backends"].items():

@@ -124,8 +124,9 @@ def check_world(nps: list[int], ranks_per_node: int) -> None:
                    "groups, which the library does not use; with --transport torch, the same as "
                    "onebit_hierarchical).")
 @click.option("--check", "check_dir", default=None, type=click.Path(exists=True, file_okay=False),
-              help="Instead: compare predictions with every `bench train --json` output "
-                   "(train_*.json) in this folder and print each pair.")
+              help="Instead: compare predictions with every `bench train` report in this "
+                   "folder named train_*.json (its --out file or --json output) and print each "
+                   "pair.")
 @click.option("--plot", default=None, type=click.Path(dir_okay=False), callback=output_file,
               help="PNG: speed-up against ranks for a sweep, against run length with "
                    "--run-lengths, else each method's phases.")
