@@ -23,7 +23,8 @@ class LinkProbe:
     """What the probe measured: ranks, the median time of an fp32 allreduce of ``elements``, and
     the bus rate it implies (a ring allreduce moves ``2 (n-1)/n`` of the buffer per rank);
     ``rank`` is this process's, ``via`` what carried the allreduce, ``per_node`` the ranks on
-    each node (the launcher's local size; None: the nodes have different numbers of ranks)."""
+    each node (the launcher's local size; None: the nodes have different numbers of ranks),
+    ``device`` where the probed buffer lived ("cuda": GPU memory, as the job's gradients)."""
 
     ranks: int
     elements: int
@@ -31,6 +32,7 @@ class LinkProbe:
     rank: int = 0
     via: str = "Horovod"
     per_node: Optional[int] = 1
+    device: str = "cpu"
 
     @property
     def bus_bps(self) -> float:
@@ -94,7 +96,9 @@ def _probe_torch(np_: Optional[int], elements: int, repeats: int) -> LinkProbe:
     import torch
     import torch.distributed as dist
 
-    cuda = torch.cuda.is_available()
+    # a GPU of its own for each local rank (NCCL takes no two ranks on one device)
+    cuda = (torch.cuda.is_available()
+            and int(os.environ.get("LOCAL_WORLD_SIZE", "1")) <= torch.cuda.device_count())
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     ours = not dist.is_initialized()
@@ -113,7 +117,8 @@ def _probe_torch(np_: Optional[int], elements: int, repeats: int) -> LinkProbe:
     dist.all_gather_object(sizes, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     if ours:  # a process that exits with its group alive can abort in Gloo's threads
         dist.destroy_process_group()
-    return LinkProbe(size, elements, seconds, rank, via, one_size(sizes))
+    return LinkProbe(size, elements, seconds, rank, via, one_size(sizes),
+                     "cuda" if cuda else "cpu")
 
 
 def _probe_horovod(np_: Optional[int], elements: int, repeats: int) -> LinkProbe:
@@ -122,14 +127,22 @@ def _probe_horovod(np_: Optional[int], elements: int, repeats: int) -> LinkProbe
 
     hvd.init()
     _check_size(np_, hvd.size())
-    x = torch.ones(elements)
+    # GPU memory, as the job's gradients, where Horovod was built for it and each local rank
+    # has a GPU of its own; else host memory
+    cuda = (torch.cuda.is_available() and (hvd.cuda_built() or hvd.rocm_built())
+            and hvd.local_size() <= torch.cuda.device_count())
+    if cuda:
+        torch.cuda.set_device(hvd.local_rank())
+    x = torch.ones(elements, device="cuda" if cuda else "cpu")
 
     def allreduce(name):
         hvd.allreduce(x, name=f"hvd_onebit_check.{name}")
+        if cuda:
+            torch.cuda.synchronize()
     seconds = _median_time(allreduce, repeats)
     sizes = hvd.allgather(torch.tensor([hvd.local_size()]), name="hvd_onebit_check.local_sizes")
     return LinkProbe(hvd.size(), elements, seconds, hvd.rank(), "Horovod",
-                     one_size(sizes.tolist()))
+                     one_size(sizes.tolist()), "cuda" if cuda else "cpu")
 
 
 def one_size(local_sizes: list) -> Optional[int]:
@@ -220,8 +233,9 @@ def predict(link: LinkProbe, params: str, compute_ms: float,
                 else f"the scale model's link rate for it, once the hosts' own costs (copies, "
                 f"sums) are taken out of that time: {rate / 1e9:.2f} Gbit/s"
                 + (" per node" if link.ranks_per_node > 1 else ""))
-    return [f"link: {link.layout()}, fp32 allreduce of {4 * link.elements / 2**20:.0f} MiB "
-            f"through {link.via} in {link.seconds * 1e3:.1f} ms, {link.bus_bps / 1e9:.2f} Gbit/s "
+    memory = "GPU" if link.device == "cuda" else "host"
+    return [f"link: {link.layout()}, fp32 allreduce of {4 * link.elements / 2**20:.0f} MiB of "
+            f"{memory} memory through {link.via} in {link.seconds * 1e3:.1f} ms, {link.bus_bps / 1e9:.2f} Gbit/s "
             f"bus rate; {modelled}",
             f"predicted step ({params} parameters, {compute_ms:g} ms compute): "
             f"{'Horovod' if link.via == 'Horovod' else 'DDP'} fp32 "

@@ -77,7 +77,7 @@ def check(np_, probe, params, compute_ms, calibration, as_json) -> None:
         out = report_dict(found)
         if link is not None:
             out["probe"] = {"ranks": link.ranks, "ranks_per_node": link.per_node,
-                            "via": link.via, "allreduce_s": link.seconds,
+                            "via": link.via, "device": link.device, "allreduce_s": link.seconds,
                             "bus_bps": link.bus_bps, "lines": link_lines}
         click.echo(json.dumps(out, indent=2))
     else:

@@ -169,7 +169,11 @@ def test_probe_json_has_the_link_and_the_prediction():
     text = "\n".join(line.split(":", 1)[1] for line in out.stdout.splitlines()
                      if line.startswith("[0]<stdout>:"))
     probe = json.loads(text)["probe"]
-    assert (probe["ranks"], probe["ranks_per_node"], probe["via"]) == (2, 2, "Horovod"), probe
+    assert (probe["ranks"], probe["ranks_per_node"], probe["via"], probe["device"]) == \
+        (2, 2, "Horovod", "cpu"), probe
+    assert probe["lines"][0].startswith("link: 2 ranks (one node; priced as ranks with links of "
+                                        "their own), fp32 allreduce of 16 MiB of host memory "
+                                        "through Horovod in "), probe["lines"][0]
     assert probe["bus_bps"] > 0 and probe["allreduce_s"] > 0, probe
     assert [line.split(":")[0] for line in probe["lines"]] == \
         ["link", "predicted step (10M parameters, 50 ms compute)", "freeze point", "calibration"], \

@@ -52,6 +52,9 @@ def test_dry_run_checks_bits_and_virtual_ranks_on_cpu(tmp_path):
     engine = [m for m in ("flat.py", "adam_terms.py", "variance.py", "averaging.py",
                           "transaction.py", "step.py") if m in host]
     assert calls and int(calls.group(1)) > 100 and engine, f"the step's host profile: {host}"
+    probe = checks["probe"]
+    assert probe["ok"] and probe["probe"]["device"] == "cpu" and probe["probe"]["ranks"] == 2, \
+        f"check --probe under torchrun: {probe}"
     for w in checks["step_time"]["worlds"]:
         cpu, share = w["host_cpu_ms_per_rank_step"], w["host_cpu_share_of_wall"]
         assert cpu > 0 and 0 < share <= 1.05 * w["ranks"], \

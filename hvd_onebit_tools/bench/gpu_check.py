@@ -660,6 +660,37 @@ def check_ddp_face(timeouts=(("nccl", 90.0), ("gloo", 240.0))) -> dict:
     return out
 
 
+def check_probe(timeout: float = 120.0) -> dict:
+    """`check --probe --json` under torchrun with 2 ranks: through NCCL on GPU memory where
+    this machine has a GPU per rank, else (one GPU, which NCCL takes for one rank only) through
+    Gloo on host memory."""
+    import subprocess
+    import torch
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(root)] + [v for v in [os.environ.get("PYTHONPATH")] if v]))
+    expected = "cuda" if torch.cuda.device_count() >= 2 else "cpu"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+           "2", "-m", "hvd_onebit_tools.cli", "check", "--probe", "--params", "100M",
+           "--compute-ms", "100", "--json"]
+    try:
+        proc = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True,
+                              timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"ok": False, "timeout_s": timeout}
+    start = proc.stdout.find("{")
+    out = {"returncode": proc.returncode, "expected_device": expected,
+           "stderr_tail": proc.stderr[-1500:]}
+    if start >= 0:  # printed also where a part of the environment blocks a job (status 1)
+        try:
+            out["probe"] = json.loads(proc.stdout[start:]).get("probe")
+        except json.JSONDecodeError as exc:
+            out["stdout_tail"], out["error"] = proc.stdout[-1500:], str(exc)
+    probe = out.get("probe") or {}
+    out["ok"] = probe.get("device") == expected and probe.get("bus_bps", 0) > 0
+    return out
+
+
 def _guarded(name, fn, *args) -> dict:
     start = time.perf_counter()
     try:
@@ -696,7 +727,8 @@ def run(dry_run: bool, numels, out: Optional[Path] = None, only=None) -> dict:
                 ("compressed_step", check_compressed_step, (device, 64, 3)),
                 ("memory_lean", check_memory_lean, (device, (2, 8), 3, 64)),
                 ("host_cost", check_host_cost, (device, 4096, 2)),
-                ("step_time", check_step_time, (device, (2,), 64, 3, 2))]
+                ("step_time", check_step_time, (device, (2,), 64, 3, 2)),
+                ("probe", check_probe, ())]
         skipped = ("ratios", "memory", "host_syncs", "bits_large", "ddp_face", "kernel_sweep")
     else:
         plan = [("bits", check_bits, (device,)),
@@ -710,6 +742,7 @@ def run(dry_run: bool, numels, out: Optional[Path] = None, only=None) -> dict:
                 ("memory_lean", check_memory_lean, (device,)),
                 ("step_time", check_step_time, (device,)),
                 ("ddp_face", check_ddp_face, ()),
+                ("probe", check_probe, ()),
                 ("bits_large", check_bits_large, (device,))]
         skipped = ()
     for name in skipped:
