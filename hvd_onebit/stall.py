@@ -161,9 +161,12 @@ class StallWatch:
         if shutdown:
             return Due(f"hvd_onebit: {what}; ending this process (exit status {EXIT_STATUS}, "
                        f"{SHUTDOWN_VARIABLE}={s.shutdown_s:g}): {CAUSES}", True)
+        ending = ("" if s.shutdown_s > 0 else
+                  f". This rank waits on; {SHUTDOWN_VARIABLE}=SECONDS ends a stalled process "
+                  "instead, so that the launcher ends or restarts the job")
         return Due(f"hvd_onebit: {what} ({WARNING_VARIABLE}={s.warning_s:g}"
                    + (f", {SLOWER} times the slowest call before it: {limit:.0f} s"
-                      if limit > s.warning_s else "") + f"): {CAUSES}", False)
+                      if limit > s.warning_s else "") + f"): {CAUSES}{ending}", False)
 
     def _start(self) -> None:
         s = self.settings

@@ -35,6 +35,8 @@ def test_a_call_is_warned_about_once_past_the_limit_and_ended_past_the_shutdown(
                      f"{WARNING_VARIABLE}=60", "a checkpoint loaded on some ranks only",
                      "requires_grad changed on some ranks only"):
             assert part in due.message, f"the warning lacks {part!r}: {due.message}"
+        assert SHUTDOWN_VARIABLE not in due.message, \
+            f"the warning offers the shutdown that is set: {due.message}"
         clock.now += 100
         assert watch.due(clock.now) is None, "warned twice in one call"
         clock.now += 200
@@ -42,6 +44,16 @@ def test_a_call_is_warned_about_once_past_the_limit_and_ended_past_the_shutdown(
         assert due is not None and due.shutdown, f"at 360.5 s: {due}"
         assert f"exit status {EXIT_STATUS}, {SHUTDOWN_VARIABLE}=300" in due.message, due.message
     assert watch.due(clock.now + 1000) is None, "a call that returned is still watched"
+
+
+def test_without_a_shutdown_the_warning_says_how_to_end_a_stalled_process():
+    watch, clock = watched(StallSettings(warning_s=60))
+    with watch.watching(lambda: "rank 0: optimizer.step()"):
+        clock.now += 61
+        due = watch.due(clock.now)
+    assert due is not None and due.message.endswith(
+        f"This rank waits on; {SHUTDOWN_VARIABLE}=SECONDS ends a stalled process instead, so "
+        "that the launcher ends or restarts the job"), f"at 61 s: {due}"
 
 
 def test_each_call_is_timed_from_its_own_start_and_an_inner_call_is_part_of_the_outer():
