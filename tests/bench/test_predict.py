@@ -687,6 +687,25 @@ def test_check_prices_a_run_of_the_calibrated_shape_with_its_figures():
         f"bench predict --model prices {Model(cal).compute(job, cl)[0]} s, --check {phases} s"
 
 
+def test_check_pairs_the_defaults_steps_with_flat_one_bits_and_a_refresh_with_fp32():
+    """`onebit_refresh` (the library's defaults) takes flat 1-bit's warmup and compressed steps,
+    and a refresh step is priced as a full-precision one, as the whole-run figures price it;
+    each pair counts the steps its medians were taken over."""
+    run = train_run(2048, 1_000_000)
+    run["rows"].append({"method": "onebit_refresh", "np": 4, "params": 1_000_000,
+                        "warmup_step_s": 0.05, "warmup_timed_steps": 2,
+                        "compression_step_s": 0.01, "compression_timed_steps": 30,
+                        "refresh_step_s": 0.04, "refresh_timed_steps": 7})
+    pairs = {(p["method"], p["phase"]): p
+             for p in check_report([run], shaped_calibration())["pairs"]}
+    fp32 = pairs[("horovod_fp32", "all")]["predicted_s"]
+    got = {phase: (pairs[("onebit_refresh", phase)]["predicted_s"],
+                   pairs[("onebit_refresh", phase)]["timed_steps"])
+           for phase in ("warmup", "compression", "refresh")}
+    assert got == {"warmup": (fp32, 2), "refresh": (fp32, 7),
+                   "compression": (pairs[("onebit", "compression")]["predicted_s"], 30)}, got
+
+
 def test_check_refuses_a_run_of_another_size_naming_what_differs(tmp_path):
     """A run at --width 256 (another parameter count) against a calibration that timed the mlp
     at width 2048: refused with what differs and what to pass, in process and on the command

@@ -11,8 +11,12 @@ from .model import Model
 # (method, phase of bench train's row) -> the predicted quantity
 CHECK_PAIRS = (("local", "all"), ("horovod_fp32", "all"), ("horovod_fp16", "all"),
                ("onebit", "warmup"), ("onebit", "compression"), ("onebit_hierarchical", "warmup"),
-               ("onebit_hierarchical", "compression"))
-PREDICTED_AS = {"onebit": "onebit", "onebit_hierarchical": "onebit_hierarchical"}
+               ("onebit_hierarchical", "compression"), ("onebit_refresh", "warmup"),
+               ("onebit_refresh", "compression"), ("onebit_refresh", "refresh"))
+# the library's defaults (onebit_refresh) take flat 1-bit's steps, and a refresh step is
+# priced as a full-precision one, as the whole-run figures price it
+PREDICTED_AS = {"onebit": "onebit", "onebit_hierarchical": "onebit_hierarchical",
+                "onebit_refresh": "onebit"}
 
 
 def bound_for(method: str, phase: str, bandwidth: str) -> float:
@@ -155,6 +159,7 @@ def check_report(reports: list[dict], cal: dict, compute_s: Optional[float] = No
             preds[(method, "warmup")] = (fp32.step_s, fp32.phases)
             p = model.predict(predicted, job, cl)
             preds[(method, "compression")] = (p.step_s, p.phases)
+        preds[("onebit_refresh", "refresh")] = (fp32.step_s, fp32.phases)
         fp16 = model.predict("horovod_fp16", job, cl)
         preds[("horovod_fp16", "all")] = (fp16.step_s, fp16.phases)
         for method, phase in CHECK_PAIRS:
@@ -175,6 +180,9 @@ def check_report(reports: list[dict], cal: dict, compute_s: Optional[float] = No
                           "measured_s": med, "measured_min_s": min(vals),
                           "measured_max_s": max(vals), "measured_runs_s": vals,
                           "runs": len(vals), "ratio": pred / med, "bound": bound,
+                          # the steps the runs' medians were taken over: a phase of a few
+                          # steps (a short warmup) is a noisy figure
+                          "timed_steps": sum(r.get(f"{phase}_timed_steps", 1) for r in rows),
                           "within": abs(pred / med - 1) <= bound,
                           "predicted_phases_s": pred_phases, "measured_breakdown_s": breakdown})
     # `local` checks the compute input (bench train's step without communication); the methods'

@@ -80,6 +80,7 @@ def print_check(result: dict, echo=None) -> None:
                        ("method", "method", ""), ("phase", "phase", ""),
                        ("predicted ms", "pred_ms", ",.1f"), ("measured ms", "meas_ms", ",.1f"),
                        ("measured range", "range", ""), ("runs", "runs", "d"),
+                       ("steps", "timed_steps", "d"),
                        ("pred/meas", "ratio", ".2f"), ("within", "ok", "")])
     import click
 
