@@ -809,6 +809,7 @@ BAD_NUMBERS = [
     (["--warmup-frac", "nan"], "--warmup-frac", "'nan' is not a finite number"),
     (["--refresh-freeze-frac", "nan"], "--refresh-freeze-frac", "'nan' is not a finite number"),
     (["--run-steps", "0"], "--run-steps", "0 is not in the range 1<=x"),
+    (["--check", ".", "--transport", "torch"], "--transport", "would be ignored"),
     (["--params", "1,5M"], "--params", "1,5M"),  # a decimal comma: not 15M
     (["--transport", "horovod", "--intra-node", "shared_memory"], "--intra-node",
      "serves torch's transport only"),

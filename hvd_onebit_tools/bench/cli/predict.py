@@ -36,6 +36,25 @@ def check_world(nps: list[int], ranks_per_node: int) -> None:
                                  f"--ranks-per-node {ranks_per_node}", param_hint="--np")
 
 
+# what --check reads from the command line; every other option describes a job to price, and
+# --check prices each run with the job its report records
+CHECK_OPTIONS = ("calibration", "compute_ms", "adam_ms", "check_dir", "plot", "as_json")
+
+
+def check_takes_only_its_own_options(ctx: click.Context) -> None:
+    """Refuse options --check would ignore, naming them, rather than print pairs that look
+    priced with them."""
+    from click.core import ParameterSource
+
+    ignored = [p.opts[0] for p in ctx.command.params
+               if p.name not in CHECK_OPTIONS and p.name != "help"
+               and ctx.get_parameter_source(p.name) not in (None, ParameterSource.DEFAULT)]
+    if ignored:
+        raise click.UsageError(f"--check prices each run with the job its report records "
+                               f"(ranks, links, model, transport): {', '.join(ignored)} would "
+                               "be ignored; drop them, or predict without --check")
+
+
 @click.command("predict")
 @click.option("--calibration", default=None, type=click.Path(dir_okay=False),
               help="Constants from `bench calibrate` [default: "
@@ -159,6 +178,8 @@ def bench_predict(calibration, nps, ranks_per_node, bandwidths, intra_bandwidth,
     if plot and check_dir:
         raise click.UsageError("--plot draws a prediction; --check prints its pairs with the "
                                "runs and draws nothing: give one of them")
+    if check_dir:
+        check_takes_only_its_own_options(click.get_current_context())
     if run_lengths and not any(m.startswith("onebit") for m in methods):
         raise click.BadParameter(f"--run-lengths prices 1-bit Adam's runs: --methods "
                                  f"{','.join(methods)} names no onebit method",
