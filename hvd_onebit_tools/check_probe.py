@@ -241,7 +241,10 @@ def predict(link: LinkProbe, params: str, compute_ms: float,
             f"{'Horovod' if link.via == 'Horovod' else 'DDP'} fp32 "
             f"{fp32['step_s'] * 1e3:.1f} ms, 1-bit Adam {onebit['step_s'] * 1e3:.1f} ms "
             f"({speedup:.2f}x; in the model no method's exchange overlaps backward): "
-            f"{verdict}",
+            f"{verdict}" + ("; priced at the calibration's CPU speeds, which overstate a GPU's "
+                            "kernels and hosts: `bench predict --kernel-speedup --host-speedup` "
+                            "prices them (docs/predicting.md, GPU nodes)"
+                            if link.device == "cuda" else ""),
             f"freeze point: {freeze_guidance(ddp=link.via != 'Horovod').replace('``', '`')}",
             f"calibration: {calibration_text(calibration, cal)}"]
 

@@ -271,6 +271,13 @@ def test_the_probe_prices_the_nodes_it_ran_on():
         f"one node: {one_node[1]!r}; uneven: {uneven[1]!r}; a link per rank: {spread[1]!r}"
     assert (one_size([2, 2, 2]), one_size([2, 3, 1]), one_size([3, 3, 2])) == (2, None, None)
     assert nodes[1] != spread[1], f"2 nodes of 2 priced as 4 links: {nodes[1]!r}"
+    assert "CPU speeds" not in spread[1], spread[1]
+    gpu = predict(LinkProbe(ranks=4, elements=4 << 20, seconds=0.5, device="cuda"), "10M", 50.0,
+                  calibration=str(SHIPPED_PATH))
+    assert " of GPU memory " in gpu[0] and gpu[1].endswith(
+        "priced at the calibration's CPU speeds, which overstate a GPU's kernels and hosts: "
+        "`bench predict --kernel-speedup --host-speedup` prices them (docs/predicting.md, GPU "
+        "nodes)"), gpu
     assert nodes[3] == f"calibration: {SHIPPED_PATH} (2 cores, " \
         f"{json.loads(SHIPPED_PATH.read_text())['machine']['date']})", nodes[3]
 
