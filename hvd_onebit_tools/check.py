@@ -173,12 +173,14 @@ def report(found: List[Finding]) -> str:
         lines.append(f"{f.part:<{width}}  {f.status:<3}  {f.found}")
         if f.fix:
             lines.append(f"{'':<{width}}       fix: {f.fix}")
-    lines.append(f"not ready: {', '.join(blocking(found))}" if blocking(found) else "ready")
+    blocked = blocking(found)
+    lines.append(f"not ready: {', '.join(blocked)}" if blocked else "ready")
     return "\n".join(lines)
 
 
 def report_dict(found: List[Finding]) -> dict:
     """The report as `check --json` prints it: whether a job can run, what blocks it, and each
     finding's fields."""
-    return {"ready": not blocking(found), "blocking": blocking(found),
+    blocked = blocking(found)
+    return {"ready": not blocked, "blocking": blocked,
             "parts": [dataclasses.asdict(f) for f in found]}

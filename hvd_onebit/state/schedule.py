@@ -78,9 +78,8 @@ class Schedule:
     def recount(self, steps: int) -> None:
         """Take ``steps`` as the step count, with the freeze undecided: for a loaded state that
         is torch.optim's own rather than this optimizer's."""
-        group = self._view.adam.param_groups[0]
-        group[STEP_KEY] = int(steps)
-        group[FREEZE_KEY] = -1
+        self._view.adam.param_groups[0][STEP_KEY] = int(steps)
+        self.freeze_step = None
 
     @property
     def freeze_step(self) -> Optional[int]:

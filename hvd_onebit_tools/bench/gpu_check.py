@@ -630,13 +630,19 @@ def check_step_time(device: str, ranks=(2, 8), width: int = 2048, layers: int = 
     return out
 
 
+def _repository_env() -> tuple[Path, dict]:
+    """The repository's root and an environment whose PYTHONPATH puts it first, for the jobs
+    the checks launch from it."""
+    root = Path(__file__).resolve().parents[2]
+    return root, dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(root)] + [v for v in [os.environ.get("PYTHONPATH")] if v]))
+
+
 def check_ddp_face(timeouts=(("nccl", 90.0), ("gloo", 240.0))) -> dict:
     """torchrun of ``gpu_ddp`` with 2 ranks on this machine's GPU(s): NCCL, then Gloo."""
     import subprocess
     import torch
-    root = Path(__file__).resolve().parents[2]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [str(root)] + [v for v in [os.environ.get("PYTHONPATH")] if v]))
+    root, env = _repository_env()
     out = {"gpus": torch.cuda.device_count()}
     for backend, timeout in timeouts:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
@@ -666,9 +672,7 @@ def check_probe(timeout: float = 120.0) -> dict:
     Gloo on host memory."""
     import subprocess
     import torch
-    root = Path(__file__).resolve().parents[2]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [str(root)] + [v for v in [os.environ.get("PYTHONPATH")] if v]))
+    root, env = _repository_env()
     expected = "cuda" if torch.cuda.device_count() >= 2 else "cpu"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
            "2", "-m", "hvd_onebit_tools.cli", "check", "--probe", "--params", "100M",
