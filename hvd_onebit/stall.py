@@ -42,7 +42,8 @@ CAUSES = (
     "step with the same parameters. Usual causes: a checkpoint loaded on some ranks only (load "
     "it on every rank, or on rank 0 and broadcast it), requires_grad changed on some ranks "
     "only, one more step() or flush_error_feedback() on some ranks (uneven batches, join(), a "
-    "rank that raised), or a step slower than this limit")
+    "rank that raised), a parameter the forward uses on some ranks only in a DDP model built "
+    "without find_unused_parameters=True, or a step slower than this limit")
 
 
 @dataclass(frozen=True)
