@@ -221,6 +221,17 @@ def test_refusals_are_clear_on_every_rank(world):
 
 
 @pytest.mark.multirank
+def test_zero_grad_with_buckets_in_flight_is_refused_and_the_step_goes_on(world):
+    n, results = world
+    for rank, r in enumerate(scenario(results, "zero_grad_in_flight")):
+        assert r["started"] > 0, f"n={n} rank {rank}: no bucket started from the hooks"
+        assert "zero_grad() was called after loss.backward() but before optimizer.step()" in \
+            (r["error"] or ""), f"n={n} rank {rank}: zero_grad() with {r['started']} bucket(s) " \
+                                f"in flight gave {r['error']!r}"
+        assert r["differences"] == [], f"n={n} rank {rank}: {r['differences']}"
+
+
+@pytest.mark.multirank
 def test_an_inf_written_into_one_ranks_averaged_gradient_skips_the_step_everywhere(world):
     """A full-precision step decides its skip from DDP's averages, alike on every rank unless a
     script changes one rank's: the ranks agree (a warmup step, a variance refresh step)."""

@@ -327,6 +327,32 @@ def rebuilt(before: int = FREEZE + 2, after: int = 3) -> dict:
             "old_started": old._engine.started}
 
 
+def zero_grad_in_flight(steps: int = FREEZE + 2) -> dict:
+    """zero_grad() between backward and step() of a compressed step, whose buckets the gradient
+    hooks started: refused, the gradients kept, and the step then taken as if it had not been
+    called (against a run without it)."""
+    runs, error = [], None
+    for call_it in (False, True):
+        model = make_model()
+        opt = onebit(model)
+        for step in range(steps):
+            if step == FREEZE and call_it:
+                opt.zero_grad()
+                x, y = batch(step, dist.get_rank())
+                torch.nn.functional.mse_loss(model(x), y).backward()
+                started = opt.compressed_step.started
+                try:
+                    opt.zero_grad()
+                except AssertionError as exc:
+                    error = str(exc)
+                opt.step()
+            else:
+                train_step(model, opt, step)
+        runs.append(params_of(model))
+    return {"error": error, "started": started,
+            "differences": differences(runs[0], runs[1], "the run with zero_grad() refused")}
+
+
 def refusals() -> dict:
     """The errors of what the face refuses (each raised alike on every rank)."""
     out = {}
@@ -511,7 +537,7 @@ def suite(scratch: Optional[str] = None, stage: Optional[str] = None) -> dict:
                      refresh_unused=partial(variance_refresh, "unused", iterations=8),
                      refresh_unused_second_steps=partial(variance_refresh, "unused",
                                                          iterations=8, second_steps=True),
-                     rebuilt=rebuilt,
+                     rebuilt=rebuilt, zero_grad_in_flight=zero_grad_in_flight,
                      grad_scaler=grad_scaler_skips)
     if stage is not None:
         scenarios["flushed"] = partial(flushed_checkpoint, f"{scratch}/flushed.pt",
