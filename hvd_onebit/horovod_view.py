@@ -20,6 +20,9 @@ class HorovodView:
 
     def __init__(self, optimizer, optimizer_class: type):
         self._opt = optimizer
+        # the parameters whose gradient accumulator carries a hook (Horovod's, at construction,
+        # then refresh_hooks'): a hook stays on its accumulator when its parameter is frozen
+        self._hooked = set(optimizer._requires_update)
         self.adam = WrappedAdam(  # Horovod's load also forgets its pending handles
             optimizer, optimizer_class,
             lambda state_dict: _DistributedOptimizer.load_state_dict(optimizer, state_dict))
@@ -119,16 +122,19 @@ class HorovodView:
 
     def refresh_hooks(self, make_hook) -> None:
         """Follow requires_grad changes: hook newly trainable parameters (``make_hook(p)``),
-        forget frozen ones."""
+        forget frozen ones. A parameter frozen and trainable again keeps the hook it had (its
+        accumulator, which Horovod holds, is the same): a second one would count each of its
+        backward passes twice."""
         opt = self._opt
         if not (opt.process_set.included() and hvd.size() > 1):
             return
-        hooked = {id(p) for p in opt._requires_update}
         for p in self.adam.parameters():
-            if p.requires_grad and id(p) not in hooked:
-                grad_acc = p.expand_as(p).grad_fn.next_functions[0][0]
-                grad_acc.register_hook(make_hook(p))
-                opt._grad_accs.append(grad_acc)
+            if p.requires_grad and p not in opt._requires_update:
+                if p not in self._hooked:
+                    grad_acc = p.expand_as(p).grad_fn.next_functions[0][0]
+                    grad_acc.register_hook(make_hook(p))
+                    opt._grad_accs.append(grad_acc)
+                    self._hooked.add(p)
                 opt._requires_update.add(p)
                 opt._allreduce_delay.setdefault(p, opt.backward_passes_per_step)
                 opt._parameter_names.setdefault(p, f"allreduce.late.{len(opt._grad_accs)}")
