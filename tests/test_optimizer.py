@@ -144,13 +144,30 @@ def test_missing_gradients_and_requires_grad_changes(world):
     missing_none = scenario(results, "missing_none")
     assert_same_on_every_rank([m["hashes"] for m in missing], f"n={n}: parameter hashes by step")
     for rank, (m, none) in enumerate(zip(missing, missing_none)):
-        assert torch.equal(m["head_at_freeze"], m["head_at_unfreeze"]), \
-            f"rank {rank}: a parameter with requires_grad=False moved: " \
-            f"{difference(m['head_at_unfreeze'], m['head_at_freeze'])}"
-        assert not torch.equal(m["head_at_unfreeze"], m["head_end"]), \
-            f"rank {rank}: the parameter did not train again after requires_grad=True"
+        for what in ("head", "bias"):  # frozen in the compression phase, and in the warmup
+            assert torch.equal(m[f"{what}_at_freeze"], m[f"{what}_at_unfreeze"]), \
+                f"rank {rank}: {what}, with requires_grad=False, moved: " \
+                f"{difference(m[f'{what}_at_unfreeze'], m[f'{what}_at_freeze'])}"
+            assert not torch.equal(m[f"{what}_at_unfreeze"], m[f"{what}_end"]), \
+                f"rank {rank}: {what} did not train again after requires_grad=True"
         assert_trains_like_exact_averaging(m["val_loss"], none["val_loss"],
                                            m["start_val_loss"], f"n={n} rank {rank}")
+
+
+def test_step_with_a_closure_averages_the_closures_gradients(world):
+    """opt.step(closure): the closure's backward is the step's, in every kind of step (the
+    same bits as backward before step()), and its loss comes back."""
+    n, results = world
+    runs = scenario(results, "closure")
+    assert_same_on_every_rank([r["closure"] for r in runs], f"n={n}: hashes by step with a closure")
+    for rank, r in enumerate(runs):
+        if n > 1:
+            assert r["refreshes"] > 0, f"n={n} rank {rank}: no refresh step in the run"
+        same = [a == b for a, b in zip(r["plain"], r["closure"])]
+        assert all(same), f"n={n} rank {rank}: step(closure) and backward + step() differ at " \
+                          f"steps {[i for i, s in enumerate(same) if not s]}"
+        assert all(isinstance(x, float) for x in r["losses"]) and len(r["losses"]) == len(same), \
+            f"n={n} rank {rank}: step(closure) returned {r['losses']}"
 
 
 def test_a_branch_trained_on_some_ranks_only_is_averaged_as_horovod_does(world):
@@ -224,6 +241,10 @@ def test_bad_arguments_are_clear_errors(world):
         "channels_last": ["Horovod's allreduce needs contiguous tensors", "1 parameter(s)",
                           "(0.weight)", "memory_format=torch.contiguous_format"],
         "named_dict": ["named_parameters should be a sequence of tuples"],
+        "named_partial": ["named_parameters names 5 of the optimizer's 6 parameters",
+                          "[(0, (1,))]", "Pass model.named_parameters()"],
+        "named_consumed": ["names 0 of the optimizer's 6", "named_parameters was empty",
+                           "can be read once"],
     }
     if n > 1:
         wanted.update(reordered=["optimizers differ in the order, names, shapes or dtypes of "

@@ -48,17 +48,50 @@ def params_hash(model):
     return h.hexdigest()
 
 
-def train(model, opt, steps, passes=1, start=0, hashes=None, closure_style=False):
+def train(model, opt, steps, passes=1, start=0, hashes=None, closure_style=False,
+          losses=None):
+    """``steps`` steps of ``passes`` backward passes each; with ``closure_style`` through
+    ``opt.step(closure)``, whose returned losses go into ``losses``."""
     loss_fn = nn.MSELoss()
-    for step in range(start, start + steps):
+
+    def closure():
         opt.zero_grad()
         for k in range(passes):
             x, y = batch(step * passes + k, hvd.rank())
-            loss_fn(model(x), y).backward()
-        opt.step()
+            loss = loss_fn(model(x), y)
+            loss.backward()
+        return float(loss)
+
+    for step in range(start, start + steps):
+        if closure_style:
+            loss = opt.step(closure)
+            if losses is not None:
+                losses.append(loss)
+        else:
+            closure()
+            opt.step()
         if hashes is not None:
             hashes.append(params_hash(model))
     return model
+
+
+def closure_steps(steps=10, freeze_step=3) -> dict:
+    """The same run with ``opt.step(closure)`` and with backward before ``opt.step()``, through
+    the warmup, refresh steps and compressed steps: parameter hashes per step, and the losses
+    step(closure) returned."""
+    out = {}
+    for style in (False, True):
+        model = make_model()
+        opt = hvd_onebit.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2),
+                                              named_parameters=model.named_parameters(),
+                                              freeze_step=freeze_step)
+        hashes, losses = [], []
+        train(model, opt, steps, hashes=hashes, closure_style=style, losses=losses)
+        out["closure" if style else "plain"] = hashes
+        if style:
+            out["losses"] = losses
+        out["refreshes"] = opt.telemetry()["refreshes"]
+    return out
 
 
 def warmup_matches_horovod(steps=4, passes=1, fp16=False, adamw=False):
@@ -188,7 +221,8 @@ def onebit_consistency(steps=30, freeze_step=5, passes=1, bucket_size_mb=64.0):
 
 
 def missing_grads_and_requires_grad(steps=12, freeze_step=4, compressor="onebit"):
-    """Rank 1 skips a branch (no grad there); a layer is frozen then unfrozen mid-compression."""
+    """Rank 1 skips a branch (no grad there); a layer is frozen then unfrozen mid-compression,
+    and a bias inside the warmup (trainable again at a step Horovod allreduces)."""
     torch.manual_seed(0)
     trunk, branch, head = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 1)
     params = list(trunk.parameters()) + list(branch.parameters()) + list(head.parameters())
@@ -200,6 +234,12 @@ def missing_grads_and_requires_grad(steps=12, freeze_step=4, compressor="onebit"
                                           experimental=Experimental(compressor=compressor), variance_refresh=None)
     hashes = []
     for step in range(steps):
+        if step == 1:
+            branch.bias.requires_grad_(False)
+            bias_at_freeze = branch.bias.detach().clone()
+        if step == 2:
+            bias_at_unfreeze = branch.bias.detach().clone()
+            branch.bias.requires_grad_(True)
         if step == 7:
             head.weight.requires_grad_(False)
             before = head.weight.detach().clone()
@@ -215,7 +255,8 @@ def missing_grads_and_requires_grad(steps=12, freeze_step=4, compressor="onebit"
         opt.step()
         hashes.append(hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in params)).hexdigest())
     return {"hashes": hashes, "head_at_freeze": before, "head_at_unfreeze": at_unfreeze,
-            "head_end": head.weight.detach().clone(),
+            "head_end": head.weight.detach().clone(), "bias_at_freeze": bias_at_freeze,
+            "bias_at_unfreeze": bias_at_unfreeze, "bias_end": branch.bias.detach().clone(),
             "val_loss": val_loss(lambda x: head(torch.tanh(trunk(x)) + torch.tanh(
                 branch(torch.tanh(trunk(x)))))), "start_val_loss": start_val}
 
@@ -315,6 +356,8 @@ def broadcast_mid_compression(broadcast, steps=10, freeze_step=3, at=6):
 def bad_arguments():
     model = make_model()
     errors = {}
+    consumed = model.named_parameters()  # a generator read before the optimizer is built
+    list(consumed)
     cases = {
         "sgd": lambda: hvd_onebit.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                                        freeze_step=2, variance_refresh=None),
@@ -343,6 +386,11 @@ def bad_arguments():
         "named_dict": lambda: hvd_onebit.DistributedOptimizer(
             torch.optim.Adam(model.parameters()), named_parameters=dict(model.named_parameters()),
             freeze_step=2),
+        "named_partial": lambda: hvd_onebit.DistributedOptimizer(
+            torch.optim.Adam(model.parameters()),
+            named_parameters=list(model.named_parameters())[:-1], freeze_step=2),
+        "named_consumed": lambda: hvd_onebit.DistributedOptimizer(
+            torch.optim.Adam(model.parameters()), named_parameters=consumed, freeze_step=2),
         "own_synchronize": lambda: hvd_onebit.DistributedOptimizer(
             OwnSynchronize(mine.parameters()), named_parameters=mine.named_parameters(),
             freeze_step=2),
@@ -474,6 +522,7 @@ def suite():
         "consistency_passes2_buckets":
             lambda: onebit_consistency(steps=12, passes=2, bucket_size_mb=0.002),
         "missing": missing_grads_and_requires_grad,
+        "closure": closure_steps,
         "branches_by_rank": branches_by_rank,
         "missing_none": lambda: missing_grads_and_requires_grad(compressor="none"),
         "groups": groups_masks_and_schedules,

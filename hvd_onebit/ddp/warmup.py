@@ -68,8 +68,8 @@ class DDPWarmup:
     def begin(self) -> None:
         pass
 
-    def apply(self, closure: Optional[Callable[[], float]]):
-        return adam_step(self._view, self._schedule, closure)
+    def apply(self) -> None:
+        adam_step(self._view, self._schedule)
 
     def account(self) -> None:
         self._telemetry.account(self.step_bytes(), self.wait_seconds)

@@ -135,14 +135,19 @@ class Phases:
     def step(self, closure: Optional[Callable[[], float]], grad_scaler, unscale: Callable,
              make_hook: Callable):
         """One optimizer step; ``grad_scaler`` (passed by GradScaler.step()) or None, with
-        ``unscale`` its ``unscale_`` of this optimizer. Returns the closure's loss."""
+        ``unscale`` its ``unscale_`` of this optimizer. The closure runs first, as torch's Adam
+        runs it before its update: its backward is the step's, its gradients averaged (or
+        compressed) as any backward's (Horovod's optimizer would run it after averaging and
+        step on its local gradients, parting the ranks). Returns the closure's loss."""
+        loss = closure_loss(closure)
         if self._engine.world == 1:
-            return self._step(closure, grad_scaler, unscale, make_hook)
-        with self.watching("optimizer.step()"):
-            return self._step(closure, grad_scaler, unscale, make_hook)
+            self._step(grad_scaler, unscale, make_hook)
+        else:
+            with self.watching("optimizer.step()"):
+                self._step(grad_scaler, unscale, make_hook)
+        return loss
 
-    def _step(self, closure: Optional[Callable[[], float]], grad_scaler, unscale: Callable,
-              make_hook: Callable):
+    def _step(self, grad_scaler, unscale: Callable, make_hook: Callable) -> None:
         try:
             self._check_trainable()
         except Exception:
@@ -153,18 +158,15 @@ class Phases:
         if not self.compressing() or self.refreshing():
             self.compression.overlap.remember_scaler(grad_scaler)
             kind = self.refresh if self.compressing() else self.warmup
-            loss = take(kind, self.warmup, self._telemetry, closure, make_hook, scaler,
-                        self._ranks_with)
+            take(kind, self.warmup, self._telemetry, make_hook, scaler, self._ranks_with)
         else:
-            loss = self._compressed_step(closure, grad_scaler, scaler)
+            self._compressed_step(grad_scaler, scaler)
         self._calls += 1
         every = self._config.check_every
         if every and self._engine.world > 1 and self._calls % every == 0:
             self._check_identical(self._schedule.steps)
-        return loss
 
-    def _compressed_step(self, closure: Optional[Callable[[], float]], grad_scaler,
-                         scaler: Optional[ScalerView]):
+    def _compressed_step(self, grad_scaler, scaler: Optional[ScalerView]) -> None:
         """A compressed step, with the scaler's prologue (unscale) and epilogue (a skipped
         step is an inf to every rank's scaler). The hooks of the next step assume this step's
         scaler; whether this step's hooks assumed the right one is checked."""
@@ -172,7 +174,6 @@ class Phases:
         if scaler is not None:
             overlap.remember_scaler(grad_scaler)
             scaler.unscale()
-        loss = closure_loss(closure)
         early = overlap.current
         overlap.remember_scaler(grad_scaler)
         # Unscaling in place leaves no trace on the gradients' version counters: what the
@@ -181,4 +182,3 @@ class Phases:
         if not taken and scaler is not None:
             scaler.skipped()
         self.compression.end_step()
-        return loss

@@ -48,21 +48,21 @@ class FullPrecisionStep(Protocol):
     def begin(self) -> None:
         """Before the gradients are waited for: forget the last step's figures."""
 
-    def apply(self, closure: Optional[Callable[[], float]]):
-        """The update on the averaged gradients (finite), counted. Returns the closure's loss."""
+    def apply(self) -> None:
+        """The update on the averaged gradients (finite), counted."""
 
     def account(self) -> None:
         """Record this step's communication, taken or skipped."""
 
 
 def take(kind: FullPrecisionStep, allreduce: GradientAllreduce, telemetry: Telemetry,
-         closure: Optional[Callable[[], float]], make_hook: Callable,
-         scaler: Optional[ScalerView], ranks_with: Callable[[tuple[bool, ...]], tuple[int, ...]]):
+         make_hook: Callable, scaler: Optional[ScalerView],
+         ranks_with: Callable[[tuple[bool, ...]], tuple[int, ...]]) -> None:
     """One step of ``kind``: Horovod's synchronize (``allreduce``), the scaler's prologue, then
     ``kind.apply`` unless an averaged gradient is non-finite on any rank (``ranks_with(flags)``:
     on how many ranks each flag is set; every rank skips alike), then ``kind.account()``.
-    Returns the closure's loss (None when skipped). Raises on every rank, nothing changed, if
-    the script changed gradients in flight on any rank."""
+    Raises on every rank, nothing changed, if the script changed gradients in flight on any
+    rank."""
     allreduce.wait_seconds = 0.0
     telemetry.last_step_breakdown = {}
     kind.begin()
@@ -83,12 +83,10 @@ def take(kind: FullPrecisionStep, allreduce: GradientAllreduce, telemetry: Telem
         warnings.warn(f"hvd_onebit: {kind.what} skipped on every rank: non-finite averaged "
                       f"gradients {'here' if not here else 'on another rank'}")
     if finite:
-        loss = kind.apply(closure)
+        kind.apply()
     else:
         telemetry.skipped_steps += 1
-        loss = None
     kind.account()
-    return loss
 
 
 def race_message(race: Optional[str], ranks: int) -> str:

@@ -51,12 +51,9 @@ def all_finite(tensors: list[torch.Tensor]) -> bool:
     return bool(torch.isfinite(torch.stack(sums)).all())
 
 
-def adam_step(view: OptimizerView, schedule: Schedule,
-              closure: Optional[Callable[[], float]]):
+def adam_step(view: OptimizerView, schedule: Schedule) -> None:
     """The wrapped Adam's step on the averaged gradients, counted; float16 and bfloat16
-    parameters step in float32 with their float32 state (:mod:`hvd_onebit.low_precision`).
-    Returns the closure's loss."""
-    loss = closure_loss(closure)
+    parameters step in float32 with their float32 state (:mod:`hvd_onebit.low_precision`)."""
     low = []
     for group in view.adam.param_groups:
         for p in group["params"]:
@@ -78,4 +75,3 @@ def adam_step(view: OptimizerView, schedule: Schedule,
         adam_step_float32(p, view.adam.state[p], group, view.adam.decoupled(group))
     schedule.count_step()
     schedule.observe_variance()
-    return loss

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import warnings
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
@@ -31,7 +31,7 @@ from ..param_groups import groups_by_param
 from ..state.schedule import Schedule
 from ..state.telemetry import Telemetry
 from .full_precision import GradientAllreduce
-from .gradients import as_adam_takes_it, closure_loss, sparse_gradient_error
+from .gradients import as_adam_takes_it, sparse_gradient_error
 
 logger = logging.getLogger("hvd_onebit")
 
@@ -57,9 +57,8 @@ class RefreshPhase:
     def begin(self) -> None:
         self._extra_bytes = 0
 
-    def apply(self, closure: Optional[Callable[[], float]]):
+    def apply(self) -> None:
         """The refresh on the averaged gradients (finite), counted and logged."""
-        loss = closure_loss(closure)
         view, engine = self._view, self._engine
         self._extra_bytes = 0
         engine.ensure_ready(view.adam.active_parameters())
@@ -71,12 +70,11 @@ class RefreshPhase:
         except NonFiniteInputError as exc:  # a fold's: the same on every rank, nothing changed
             self._telemetry.skipped_steps += 1
             warnings.warn(f"hvd_onebit: refresh step skipped on every rank: {exc}")
-            return None
+            return
         self._schedule.count_step()
         self._telemetry.count_refresh(steps)
         logger.debug("hvd_onebit: variance refreshed at step %d (refresh %d)", steps + 1,
                      self._telemetry.refreshes)
-        return loss
 
     def account(self) -> None:
         self._telemetry.account(self._allreduce.step_bytes() + self._extra_bytes,

@@ -141,10 +141,10 @@ class Warmup:
     def begin(self) -> None:
         pass
 
-    def apply(self, closure: Optional[Callable[[], float]]):
+    def apply(self) -> None:
         """The wrapped Adam's step on the averaged gradients, counted
         (:func:`~hvd_onebit.phases.gradients.adam_step`)."""
-        return adam_step(self._view, self._schedule, closure)
+        adam_step(self._view, self._schedule)
 
     def account(self) -> None:
         self._telemetry.account(self.step_bytes(), self.wait_seconds)
