@@ -166,10 +166,11 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
         kernel_backend=kernel_backend, experimental=experimental, **moved)
     if named_parameters is not None:  # read twice: by the checks and by Horovod's constructor
         named_parameters = list(named_parameters)
-    # only (name, tensor) pairs name a parameter here; Horovod's constructor refuses the rest
+    # (name, tensor) pairs only: Horovod's constructor refuses anything else, in its words
+    pairs = named_parameters is not None and all(
+        isinstance(item, tuple) and len(item) == 2 for item in named_parameters)
     setup.check(config, optimizer.param_groups, process_set,
-                {item[1]: item[0] for item in named_parameters or ()
-                 if isinstance(item, tuple) and len(item) == 2})
+                {p: name for name, p in named_parameters} if pairs else None)
 
     attrs = dict(_DistributedOptimizer.__dict__)
     attrs.update(face_attributes(OneBitFace))

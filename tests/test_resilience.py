@@ -265,7 +265,8 @@ def test_checks_every_few_steps_name_a_checkpoint_loaded_on_one_rank_only(result
 def test_bad_input_is_a_clear_error_on_every_rank(results):
     expected = {"shapes_differ": "optimizers differ in their parameters (rank 0: 6 (1377 "
                                   "elements), rank 1: 6 (433",
-                "duplicate_names": "must be unique", "missing_names": "were not named",
+                "duplicate_names": "must be unique",
+                "missing_names": "named_parameters names 2 of the optimizer's 6 parameters",
                 "mixed_devices": "one device",
                 "added_after_freeze": "after the variance was frozen",
                 "sparse_gradients": "sparse_as_dense=True"}

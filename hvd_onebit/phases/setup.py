@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import warnings
 from dataclasses import dataclass
+from typing import Optional
 
 import horovod.torch as hvd
 import torch
@@ -25,14 +26,34 @@ from ..transport.rendezvous import TorchRendezvousError, init_torch_distributed
 
 
 def check(config: OneBitConfig, param_groups: list[dict], process_set: hvd.ProcessSet,
-          names: dict) -> None:
-    """Before anything is built: the param groups' masks, the options against the parameters
-    and the job (:func:`hvd_onebit.job.check_environment`), and the parameters' memory layout
-    against Horovod's allreduce; raises alike on every rank. ``names``: parameter -> name."""
+          names: Optional[dict]) -> None:
+    """Before anything is built: the param groups' masks, the names, the options against the
+    parameters and the job (:func:`hvd_onebit.job.check_environment`), and the parameters'
+    memory layout against Horovod's allreduce; raises alike on every rank. ``names``:
+    parameter -> name, from ``named_parameters`` (None: not given)."""
     validate_masks(param_groups)
+    if names is not None:
+        check_named(param_groups, names)
     params = [p for g in param_groups for p in g["params"]]
     check_environment(config, params, process_set)
-    check_contiguous(params, names)
+    check_contiguous(params, names or {})
+
+
+def check_named(param_groups: list[dict], names: dict) -> None:
+    """Raise, naming them, unless ``named_parameters`` names every parameter of the optimizer
+    (Horovod's own error gives their Python ids)."""
+    unnamed = [(i, tuple(p.shape)) for i, g in enumerate(param_groups) for p in g["params"]
+               if p not in names]
+    if not unnamed:
+        return
+    total = sum(len(g["params"]) for g in param_groups)
+    empty = (" named_parameters was empty: a generator such as model.named_parameters() can be "
+             "read once, so pass a fresh one or a list." if not names else "")
+    raise ValueError(
+        f"named_parameters names {total - len(unnamed)} of the optimizer's {total} parameters; "
+        f"the others (param group, shape): {unnamed[:8]}{' ...' if len(unnamed) > 8 else ''}."
+        f"{empty} Pass model.named_parameters() of the model whose parameters the optimizer "
+        "holds (or leave named_parameters out)")
 
 
 def check_contiguous(params: list[torch.Tensor], names: dict) -> None:
