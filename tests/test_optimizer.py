@@ -242,7 +242,7 @@ def test_bad_arguments_are_clear_errors(world):
                           "(0.weight)", "memory_format=torch.contiguous_format"],
         "named_dict": ["named_parameters should be a sequence of tuples"],
         "named_partial": ["named_parameters names 5 of the optimizer's 6 parameters",
-                          "[(0, (1,))]", "Pass model.named_parameters()"],
+                          "[(0, 5, (1,))]", "Pass model.named_parameters()"],
         "named_consumed": ["names 0 of the optimizer's 6", "named_parameters was empty",
                            "can be read once"],
     }

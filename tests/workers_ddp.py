@@ -327,30 +327,50 @@ def rebuilt(before: int = FREEZE + 2, after: int = 3) -> dict:
             "old_started": old._engine.started}
 
 
-def zero_grad_in_flight(steps: int = FREEZE + 2) -> dict:
-    """zero_grad() between backward and step() of a compressed step, whose buckets the gradient
-    hooks started: refused, the gradients kept, and the step then taken as if it had not been
-    called (against a run without it)."""
-    runs, error = [], None
-    for call_it in (False, True):
+def skipped_batch(steps: int = FREEZE + 2) -> dict:
+    """A batch skipped after its backward (zero_grad() and on to the next batch) in a compressed
+    step whose buckets the gradient hooks started: the step after it is the same bits as in a
+    run that never computed that batch (against such a run)."""
+    runs = []
+    for skip in (False, True):
         model = make_model()
         opt = onebit(model)
         for step in range(steps):
-            if step == FREEZE and call_it:
+            if step == FREEZE and skip:
                 opt.zero_grad()
-                x, y = batch(step, dist.get_rank())
+                x, y = batch(1000 + step, dist.get_rank())
                 torch.nn.functional.mse_loss(model(x), y).backward()
                 started = opt.compressed_step.started
-                try:
-                    opt.zero_grad()
-                except AssertionError as exc:
-                    error = str(exc)
-                opt.step()
-            else:
-                train_step(model, opt, step)
+                opt.zero_grad()
+            train_step(model, opt, step)
         runs.append(params_of(model))
-    return {"error": error, "started": started,
-            "differences": differences(runs[0], runs[1], "the run with zero_grad() refused")}
+    return {"started": started,
+            "differences": differences(runs[0], runs[1], "the run with a batch skipped")}
+
+
+def closure_steps(steps: int = FREEZE + 4) -> dict:
+    """opt.step(closure) against backward + opt.step() through the warmup, refresh steps and
+    compressed steps: the differences, and the losses step(closure) returned."""
+    runs, losses = [], []
+    for closure_style in (False, True):
+        model = make_model()
+        opt = onebit(model, variance_refresh="doubling")
+        for step in range(steps):
+            if not closure_style:
+                train_step(model, opt, step)
+                continue
+
+            def closure():
+                opt.zero_grad()
+                x, y = batch(step, dist.get_rank())
+                loss = torch.nn.functional.mse_loss(model(x), y)
+                loss.backward()
+                return float(loss)
+
+            losses.append(opt.step(closure))
+        runs.append(params_of(model))
+    return {"losses": losses, "refreshes": opt.telemetry()["refreshes"],
+            "differences": differences(runs[0], runs[1], "step(closure)")}
 
 
 def refusals() -> dict:
@@ -537,7 +557,7 @@ def suite(scratch: Optional[str] = None, stage: Optional[str] = None) -> dict:
                      refresh_unused=partial(variance_refresh, "unused", iterations=8),
                      refresh_unused_second_steps=partial(variance_refresh, "unused",
                                                          iterations=8, second_steps=True),
-                     rebuilt=rebuilt, zero_grad_in_flight=zero_grad_in_flight,
+                     rebuilt=rebuilt, skipped_batch=skipped_batch, closure=closure_steps,
                      grad_scaler=grad_scaler_skips)
     if stage is not None:
         scenarios["flushed"] = partial(flushed_checkpoint, f"{scratch}/flushed.pt",

@@ -232,20 +232,16 @@ def missing_grads_and_requires_grad(steps=12, freeze_step=4, compressor="onebit"
     opt = hvd_onebit.DistributedOptimizer(torch.optim.Adam(params, lr=1e-2),
                                           named_parameters=named, freeze_step=freeze_step,
                                           experimental=Experimental(compressor=compressor), variance_refresh=None)
-    hashes = []
+    hashes, seen = [], {}
+    # step -> (name, parameter, requires_grad from then on): a bias frozen and unfrozen inside
+    # the warmup, the head's weight in the compression phase
+    toggles = {1: ("bias", branch.bias, False), 2: ("bias", branch.bias, True),
+               7: ("head", head.weight, False), 9: ("head", head.weight, True)}
     for step in range(steps):
-        if step == 1:
-            branch.bias.requires_grad_(False)
-            bias_at_freeze = branch.bias.detach().clone()
-        if step == 2:
-            bias_at_unfreeze = branch.bias.detach().clone()
-            branch.bias.requires_grad_(True)
-        if step == 7:
-            head.weight.requires_grad_(False)
-            before = head.weight.detach().clone()
-        if step == 9:
-            at_unfreeze = head.weight.detach().clone()
-            head.weight.requires_grad_(True)
+        if step in toggles:
+            name, p, trainable = toggles[step]
+            seen[f"{name}_at_{'unfreeze' if trainable else 'freeze'}"] = p.detach().clone()
+            p.requires_grad_(trainable)
         opt.zero_grad()
         x, y = batch(step, hvd.rank())
         h = torch.tanh(trunk(x))
@@ -254,9 +250,8 @@ def missing_grads_and_requires_grad(steps=12, freeze_step=4, compressor="onebit"
         nn.functional.mse_loss(head(h), y).backward()
         opt.step()
         hashes.append(hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in params)).hexdigest())
-    return {"hashes": hashes, "head_at_freeze": before, "head_at_unfreeze": at_unfreeze,
-            "head_end": head.weight.detach().clone(), "bias_at_freeze": bias_at_freeze,
-            "bias_at_unfreeze": bias_at_unfreeze, "bias_end": branch.bias.detach().clone(),
+    return {"hashes": hashes, **seen, "head_end": head.weight.detach().clone(),
+            "bias_end": branch.bias.detach().clone(),
             "val_loss": val_loss(lambda x: head(torch.tanh(trunk(x)) + torch.tanh(
                 branch(torch.tanh(trunk(x)))))), "start_val_loss": start_val}
 

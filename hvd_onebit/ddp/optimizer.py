@@ -2,8 +2,8 @@
 
 Two phases, decided by the number of optimizer steps taken, as in the Horovod face: the
 **warmup**, DDP's own allreduce of the gradients and the wrapped Adam's step (bit-identical to
-DDP + that Adam for float32 parameters), then the **compression** phase: DDP's gradient sync is off for the step (as
-``no_sync()`` turns it off), and Adam's momentum is averaged in 1 bit with error feedback through
+DDP + that Adam for float32 parameters), then the **compression** phase: DDP's gradient sync is
+off for the step (as ``no_sync()`` turns it off), and Adam's momentum is averaged in 1 bit with error feedback through
 the engine (:mod:`hvd_onebit.engine`) on torch.distributed, on the DDP model's own group (or
 ``process_group``), whatever its backend.
 This module is the face: the factory, the class it builds (the wrapped Adam class, then
@@ -24,13 +24,6 @@ from . import setup
 from .view import DDPView
 
 
-ZERO_GRAD_IN_FLIGHT = (
-    "optimizer.zero_grad() was called after loss.backward() but before optimizer.step(): this "
-    "compressed step's 1-bit exchange has started from the gradients backward made, and step() "
-    "would take the gradients zero_grad() removes as zeros. Call zero_grad() before the forward "
-    "pass or after step(); the gradients were left as they are")
-
-
 class DDPFace:
     """Methods layered over the wrapped Adam class, beside
     :class:`~hvd_onebit.face.SharedFace`'s."""
@@ -44,11 +37,6 @@ class DDPFace:
         self._schedule, self._telemetry = parts.schedule, parts.telemetry
         self._engine, self._phases, self._hook = parts.engine, parts.phases, parts.hook
         self.transport = "torch"
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        if self._engine.started:
-            raise AssertionError(ZERO_GRAD_IN_FLIGHT)
-        super(self.__class__, self).zero_grad(set_to_none=set_to_none)
 
     # GradScaler then hands this optimizer the skip decision (hvd_onebit.phases.amp).
     _step_supports_amp_scaling = True

@@ -42,16 +42,17 @@ def check(config: OneBitConfig, param_groups: list[dict], process_set: hvd.Proce
 def check_named(param_groups: list[dict], names: dict) -> None:
     """Raise, naming them, unless ``named_parameters`` names every parameter of the optimizer
     (Horovod's own error gives their Python ids)."""
-    unnamed = [(i, tuple(p.shape)) for i, g in enumerate(param_groups) for p in g["params"]
-               if p not in names]
+    unnamed = [(i, j, tuple(p.shape)) for i, g in enumerate(param_groups)
+               for j, p in enumerate(g["params"]) if p not in names]
     if not unnamed:
         return
     total = sum(len(g["params"]) for g in param_groups)
     empty = (" named_parameters was empty: a generator such as model.named_parameters() can be "
              "read once, so pass a fresh one or a list." if not names else "")
+    shown = f"{unnamed[:8]}{' ...' if len(unnamed) > 8 else ''}"
     raise ValueError(
         f"named_parameters names {total - len(unnamed)} of the optimizer's {total} parameters; "
-        f"the others (param group, shape): {unnamed[:8]}{' ...' if len(unnamed) > 8 else ''}."
+        f"the others (param group, index in it, shape): {shown}."
         f"{empty} Pass model.named_parameters() of the model whose parameters the optimizer "
         "holds (or leave named_parameters out)")
 
