@@ -235,8 +235,8 @@ def predict(link: LinkProbe, params: str, compute_ms: float,
                 + (" per node" if link.ranks_per_node > 1 else ""))
     memory = "GPU" if link.device == "cuda" else "host"
     return [f"link: {link.layout()}, fp32 allreduce of {4 * link.elements / 2**20:.0f} MiB of "
-            f"{memory} memory through {link.via} in {link.seconds * 1e3:.1f} ms, {link.bus_bps / 1e9:.2f} Gbit/s "
-            f"bus rate; {modelled}",
+            f"{memory} memory through {link.via} in {link.seconds * 1e3:.1f} ms, "
+            f"{link.bus_bps / 1e9:.2f} Gbit/s bus rate; {modelled}",
             f"predicted step ({params} parameters, {compute_ms:g} ms compute): "
             f"{'Horovod' if link.via == 'Horovod' else 'DDP'} fp32 "
             f"{fp32['step_s'] * 1e3:.1f} ms, 1-bit Adam {onebit['step_s'] * 1e3:.1f} ms "

@@ -3,9 +3,9 @@
 Two phases, decided by the number of optimizer steps taken, as in the Horovod face: the
 **warmup**, DDP's own allreduce of the gradients and the wrapped Adam's step (bit-identical to
 DDP + that Adam for float32 parameters), then the **compression** phase: DDP's gradient sync is
-off for the step (as ``no_sync()`` turns it off), and Adam's momentum is averaged in 1 bit with error feedback through
-the engine (:mod:`hvd_onebit.engine`) on torch.distributed, on the DDP model's own group (or
-``process_group``), whatever its backend.
+off for the step (as ``no_sync()`` turns it off), and Adam's momentum is averaged in 1 bit with
+error feedback through the engine (:mod:`hvd_onebit.engine`) on torch.distributed, on the DDP
+model's own group (or ``process_group``), whatever its backend.
 This module is the face: the factory, the class it builds (the wrapped Adam class, then
 :class:`DDPFace` beside :class:`~hvd_onebit.face.SharedFace`), and short delegations.
 """
