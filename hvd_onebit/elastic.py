@@ -54,6 +54,12 @@ class OneBitStateHandler(hvd_state.OptimizerStateHandler):
                 warnings.warn(f"hvd_onebit: commit without folding the error feedback: {exc}")
         super().save()
 
+    def restore(self):
+        super().restore()
+        # A reset restarts the error feedback from zero by design (flush_on_commit=True folds
+        # it into the committed state first): the load is not a checkpoint missing its errors.
+        self.value.compressed_step.expect_error_feedback(None)
+
     def sync(self):
         opt = self.value
         root = committed_root(opt)

@@ -64,14 +64,19 @@ class SharedFace:
     # ---- checkpoints and the error-feedback lifecycle ----------------------------------------------
 
     def state_dict(self) -> dict:
-        return checkpoint.state_dict(self._view, self.config, self._schedule, self._telemetry)
+        return checkpoint.state_dict(self._view, self.config, self._schedule, self._telemetry,
+                                     unflushed=self._engine.unflushed)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a :meth:`state_dict` (see :func:`hvd_onebit.state.checkpoint.load_state_dict`:
-        a compression-phase checkpoint keeps its own freeze step)."""
-        checkpoint.load_state_dict(self._view, self.config, self._schedule, self._telemetry,
-                                   state_dict)
+        a compression-phase checkpoint keeps its own freeze step). One saved with error feedback
+        not flushed warns at the next compressed step unless
+        :meth:`load_error_feedback_state_dict` gives this rank's first."""
+        unflushed = checkpoint.load_state_dict(self._view, self.config, self._schedule,
+                                               self._telemetry, state_dict)
         self._phases.restart()  # exp_avg tensors were replaced: re-fuse at the next step
+        if unflushed:
+            self._engine.expect_error_feedback(self.steps)
 
     def reset_collectives(self) -> None:
         """Drop the fused buckets, the frozen denominators and every 1-bit collective (with its

@@ -9,7 +9,7 @@ from hvd_onebit import Experimental
 from tests.scenarios import scenario
 from tests.checks import assert_same_params, difference
 from tests.workers_compressed_step import BETAS
-from tests.workers_freeze_and_flush import AUTO, flush_engine
+from tests.workers_freeze_and_flush import AUTO, flush_engine, unflushed_engine
 from tests.worlds import Scratch, shared_suite
 
 W = "tests.workers_freeze_and_flush:"
@@ -149,6 +149,20 @@ def test_flush_with_a_nonfinite_error_changes_nothing_anywhere(n):
                     f"rank {rank}: {key}[{k}] changed by a failed flush: {difference(b, a)}"
 
 
+def test_engine_knows_when_its_errors_are_unflushed_and_warns_when_a_resume_drops_them():
+    for rank, r in enumerate(run_threads(2, lambda t: unflushed_engine(t), timeout=120)):
+        assert r["seen"] == {"built": False, "stepped": True, "flushed": False,
+                             "stepped_again": True, "restarted": False, "loaded_False": False,
+                             "loaded_True": True}, \
+            f"rank {rank}: engine.unflushed after each event: {r['seen']}"
+        dropped = [w for w in r["warned"][False] if UNSAVED in w]
+        assert len(dropped) == 1 and "step 7" in dropped[0], \
+            f"rank {rank}: fusing after an unflushed checkpoint without its errors warned " \
+            f"{r['warned'][False]}"
+        assert not [w for w in r["warned"][True] if UNSAVED in w], \
+            f"rank {rank}: fusing with the checkpoint's errors given warned {r['warned'][True]}"
+
+
 # ---- flush_error_feedback in Horovod jobs ------------------------------------------------------------
 
 flush_results = shared_suite(W + "flush_suite", np=2, timeout=300)
@@ -199,6 +213,21 @@ def test_elastic_commit_flushes_with_flush_on_commit(flush_results):
             f"max |diff|) {c['saved_differs_from_live']}"
 
 
+@pytest.mark.multirank
+def test_elastic_restore_of_unflushed_errors_does_not_warn(flush_results):
+    for rank, r in enumerate(flush_results):
+        got = r["restore"]
+        assert got["committed_unflushed"] is True, \
+            f"rank {rank}: the committed state's record says unflushed_error_feedback=" \
+            f"{got['committed_unflushed']!r} after compressed steps without a flush"
+        about = [w for w in got["warnings"] if UNSAVED in w]
+        assert got["steps"] == 8 and not about, \
+            f"rank {rank}: after an elastic restore and sync, step {got['steps']} (expected 8), " \
+            f"warnings about missing error feedback: {about}"
+
+
+UNSAVED = "was saved without its error feedback"
+
 # Saved by 4 ranks; resumed by new processes (the next stage's jobs) on 4 ranks and on 2.
 FLUSH_CKPT = {"ckpt_dir": Scratch("flush_checkpoint")}
 flush_saved = shared_suite(W + "flush_checkpoint_save", np=4, kwargs=FLUSH_CKPT, timeout=300)
@@ -217,6 +246,11 @@ def test_flushed_checkpoint_resumes_on_any_world_size_closer_than_a_reset(
                   for i, (a, b) in enumerate(zip(r["flushed_momentum"], full[0]["flushed_momentum"]))
                   if not torch.equal(a, b)]
         assert not differ, f"rank {rank}: the momentum differs from rank 0's after the flush: {differ}"
+        assert r["unflushed"] == [True, False], \
+            f"rank {rank}: the state's record of unflushed error feedback before and after the " \
+            f"flush: {r['unflushed']}, expected [True, False]"
+        about = [w for w in r["warnings"] if UNSAVED in w]
+        assert not about, f"rank {rank}: resuming with its error feedback loaded warned {about}"
     reference = full[0]["val_loss"]
     gaps, dists = {}, {}
     for np_, resumed in ((4, flush_resumed_4), (2, flush_resumed_2)):
@@ -228,6 +262,13 @@ def test_flushed_checkpoint_resumes_on_any_world_size_closer_than_a_reset(
             about = [w for w in r["flush"]["warnings"] if "error feedback" in w]
             assert not about, f"{np_} ranks, rank {rank}: resuming a flushed checkpoint warned " \
                               f"about the error feedback: {about}"
+            # the unflushed one, its errors not loaded, says so once, and how to keep them
+            about = [w for w in r["reset"]["warnings"] if UNSAVED in w]
+            assert len(about) == 1 and all(
+                f in about[0] for f in ("step 8", "flush_error_feedback()",
+                                        "error_feedback_state_dict()")), \
+                f"{np_} ranks, rank {rank}: resuming an unflushed checkpoint without its error " \
+                f"feedback warned {r['reset']['warnings']}"
         gaps[np_] = {kind: abs(resumed[0][kind]["val_loss"] - reference)
                      for kind in ("flush", "reset")}
         # how far the parameters end from the uninterrupted run's: the error a reset drops

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import threading
 import warnings
 from pathlib import Path
 from typing import Optional
@@ -242,15 +243,36 @@ def flush_on_commit(steps=6):
                 [opt.state[p]["exp_avg"] for p in model.parameters()])}
 
 
+def restore_without_flush(steps=6):
+    """An elastic restore of a state committed with unflushed error feedback (flush_on_commit
+    off), then the sync every reset runs: the record says what was unflushed, and training on
+    warns nothing about it (a reset drops the errors by design)."""
+    model, opt = _flush_opt()
+    state = hvd.elastic.TorchState(model=model, optimizer=opt, batch=0)
+    _train(model, opt, range(steps))
+    state.save()
+    committed = opt.state_dict()["onebit"]["unflushed_error_feedback"]
+    _train(model, opt, [steps])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        state.restore()
+        state.sync()
+        _train(model, opt, range(steps, steps + 2))
+    return {"committed_unflushed": committed, "steps": opt.steps,
+            "warnings": [str(w.message) for w in caught]}
+
+
 def flush_suite():
     return {"warmup": flush_in_warmup(), "compression": flush_in_compression(),
-            "nonfinite": flush_nonfinite(), "commit": flush_on_commit()}
+            "nonfinite": flush_nonfinite(), "commit": flush_on_commit(),
+            "restore": restore_without_flush()}
 
 
 def flush_checkpoint_save(ckpt_dir, stop_at=8, total=16, freeze_step=4, lr=1e-2):
     """Train to ``stop_at``; save rank 0's state as it is (dir/reset) and after a flush
     (dir/flush); then put the unflushed state back (bit for bit: the optimizer state and every
-    rank's error feedback) and train on to ``total``: the uninterrupted run."""
+    rank's error feedback) and train on to ``total``: the uninterrupted run. Also what the
+    state's record said of the error feedback before and after the flush."""
     ckpt = Path(ckpt_dir)
     model, opt = _flush_opt(freeze_step=freeze_step)
     for g in opt.param_groups:
@@ -259,20 +281,25 @@ def flush_checkpoint_save(ckpt_dir, stop_at=8, total=16, freeze_step=4, lr=1e-2)
     for kind in ("reset", "flush"):
         (ckpt / kind).mkdir(parents=True, exist_ok=True)
     kept = copy.deepcopy(opt.state_dict()), opt.error_feedback_state_dict()
+    unflushed = [kept[0]["onebit"]["unflushed_error_feedback"]]
     if hvd.rank() == 0:
         torch.save(model.state_dict(), ckpt / "reset" / "model.pt")
         torch.save(opt.state_dict(), ckpt / "reset" / "optimizer.pt")
     nbytes = opt.flush_error_feedback()
+    unflushed.append(opt.state_dict()["onebit"]["unflushed_error_feedback"])
     momentum = [opt.state[p]["exp_avg"].clone() for p in model.parameters()]
     if hvd.rank() == 0:
         torch.save(model.state_dict(), ckpt / "flush" / "model.pt")
         torch.save(opt.state_dict(), ckpt / "flush" / "optimizer.pt")
-    opt.load_state_dict(kept[0])
-    opt.load_error_feedback_state_dict(kept[1])
-    _train(model, opt, range(stop_at, total), data_ranks=DATA_RANKS)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt.load_state_dict(kept[0])
+        opt.load_error_feedback_state_dict(kept[1])
+        _train(model, opt, range(stop_at, total), data_ranks=DATA_RANKS)
     hvd.allreduce(torch.zeros(1), name="saved")
     return {"val_loss": val_loss(model), "tensors": [p.detach().clone() for p in model.parameters()],
-            "flushed_momentum": momentum, "bytes": nbytes}
+            "flushed_momentum": momentum, "bytes": nbytes, "unflushed": unflushed,
+            "warnings": [str(w.message) for w in caught]}
 
 
 def flush_checkpoint_resume(ckpt_dir, stop_at=8, total=16, freeze_step=4, lr=1e-2):
@@ -324,3 +351,46 @@ def flush_engine(transport, steps=3, bad_rank=None):
              "server_errors": [c.server_error for c in comms]}
     return {"before": before, "after": after, "bytes": nbytes, "error": error,
             "numel": [b.numel for b in engine.buckets]}
+
+
+def unflushed_engine(transport, steps=3):
+    """What CompressedStep says of its error feedback (``unflushed``) as it steps, flushes and
+    restarts, and what the next fusing warns after a checkpoint saved with unflushed errors
+    was loaded, without and with this rank's errors given."""
+    params, state = initial_state()
+    config = OneBitConfig.from_options(freeze_step=WARM_STEPS, bucket_size_mb=0.004)
+    engine = CompressedStep(config, state, decoupled=lambda group: False, transport=transport)
+    groups = [{"params": params, "lr": LR, "betas": BETAS, "eps": EPS, "weight_decay": 0.0}]
+
+    def step(k):
+        engine.ensure_ready(params)
+        engine.step(groups, {p: gradient(k, transport.rank, p.shape) for p in params})
+
+    seen = {"built": engine.unflushed}
+    for k in range(steps):
+        step(k)
+    seen["stepped"] = engine.unflushed
+    saved = engine.error_feedback_state_dict()
+    engine.flush_error_feedback(groups)
+    seen["flushed"] = engine.unflushed
+    step(steps)
+    seen["stepped_again"] = engine.unflushed
+    engine.restart()
+    seen["restarted"] = engine.unflushed
+    warned = {}
+    # no communication below; one virtual rank at a time (catching warnings is process-wide)
+    with _ONE_AT_A_TIME:
+        for given in (False, True):
+            engine.restart()
+            engine.expect_error_feedback(7)
+            if given:
+                engine.load_error_feedback_state_dict(saved)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                engine.ensure_ready(params)
+            warned[given] = [str(w.message) for w in caught]
+            seen[f"loaded_{given}"] = engine.unflushed
+    return {"seen": seen, "warned": warned}
+
+
+_ONE_AT_A_TIME = threading.Lock()

@@ -3,7 +3,10 @@
 Each bucket's collective keeps its rank-local error feedback; :class:`ErrorFeedback` moves it
 in and out (``state_dict``, a checkpoint's errors applied at the next fusing), resets it with a
 warning when it cannot apply, and folds every rank's into the momentum with one exact allreduce
-(:meth:`ErrorFeedback.flush`).
+(:meth:`ErrorFeedback.flush`). It also knows whether the errors hold anything not delivered yet
+(:attr:`ErrorFeedback.outstanding`), which the optimizer's checkpoint records, so that a run
+resumed from a checkpoint saved without its error feedback says so instead of dropping it
+silently (:meth:`ErrorFeedback.expect_saved`).
 """
 from __future__ import annotations
 
@@ -41,6 +44,12 @@ class ErrorFeedback:
         self.terms = terms
         self.transport = transport
         self._pending: Optional[dict] = None  # a checkpoint's, applied at the next fusing
+        # Whether the errors may hold what compression has not delivered yet: set by a committed
+        # compressed step on several ranks (and by errors loaded), cleared when they are zeroed.
+        self.outstanding = False
+        # The step count of a loaded checkpoint that was saved with outstanding errors, until
+        # its errors are loaded too or the next fusing says they were not.
+        self._unsaved_at: Optional[int] = None
 
     @property
     def space(self) -> str:
@@ -58,6 +67,7 @@ class ErrorFeedback:
         """Restore :meth:`state_dict` from the same rank of a same-size job; with another
         world size, rank or layout it is dropped with a warning (errors restart at 0)."""
         world, rank = self.transport.size, self.transport.rank
+        self._unsaved_at = None  # given: applied below or at the fusing, or dropped with a warning
         if state.get("world_size") != world or state.get("rank") != rank:
             self.reset(f"hvd_onebit: error feedback saved by rank {state.get('rank')} of "
                        f"{state.get('world_size')} does not fit rank {rank} of "
@@ -78,13 +88,39 @@ class ErrorFeedback:
         """Drop a saved error feedback that cannot apply (``why``, warned) and zero the live one."""
         warnings.warn(why)
         self._pending = None
-        for comm in self.collectives.comms.values():
-            comm.reset()
+        self.zeroed()
+
+    def zeroed(self) -> None:
+        """Zero the live errors (each collective's); nothing is outstanding after."""
+        self.collectives.zero_errors()
+        self.outstanding = False
+
+    def committed(self) -> None:
+        """A compressed step committed on several ranks: its errors now hold what it did not
+        deliver."""
+        self.outstanding = True
+
+    def expect_saved(self, step: Optional[int]) -> None:
+        """A checkpoint at ``step`` was loaded that was saved with outstanding errors (without
+        :meth:`flush`). Unless this rank's errors are loaded too (:meth:`load_state_dict`,
+        before the next fusing), the next fusing warns that they were dropped. None: nothing
+        expected."""
+        self._unsaved_at = step
 
     def apply_pending(self) -> None:
         """Load the checkpoint's errors into the collectives just built, if they fit."""
         state, self._pending = self._pending, None
+        unsaved_at, self._unsaved_at = self._unsaved_at, None
         if state is None:
+            if unsaved_at is not None:
+                warnings.warn(
+                    f"hvd_onebit: the checkpoint loaded (step {unsaved_at}, compression phase) "
+                    "was saved without its error feedback, and none was loaded: what 1-bit "
+                    "compression had not delivered yet is dropped, and the run goes on from zero "
+                    "error feedback, a little off the run that never stopped. To keep it, call "
+                    "opt.flush_error_feedback() on every rank before saving (rank 0's "
+                    "state_dict() is then complete), or save each rank's "
+                    "opt.error_feedback_state_dict() and load it after load_state_dict()")
             return
         saved = state.get("buckets", {})
         if not saved:  # saved before the compression phase: no errors yet, nothing to restore
@@ -100,9 +136,9 @@ class ErrorFeedback:
             except ValueError as exc:  # another topology role or layout
                 warnings.warn(f"hvd_onebit: saved error feedback does not fit ({exc}); it is "
                               "reset to zero")
-                for c in mine.values():
-                    c.reset()
+                self.zeroed()
                 return
+        self.outstanding = True
 
     def flush(self, param_groups: list[dict]) -> int:
         """Fold every rank's worker error and every server's error into the momentum, with one
@@ -166,6 +202,5 @@ class ErrorFeedback:
                 exp_avg.masked_fill_(self.state[p]["exp_avg_sq"] == 0, 0.0)  # held elements
         for _, p, mask in masked_params(param_groups, params):
             mask_momentum(self.state, p, mask)
-        for c in comms:
-            c.reset()
+        self.zeroed()
         return nbytes

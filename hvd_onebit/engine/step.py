@@ -109,7 +109,7 @@ class CompressedStep:
         fusing), keeping the collectives. Local: one rank may call it alone, and the ranks'
         sequence of collectives stays the same."""
         self.fused.clear()
-        self.collectives.zero_errors()
+        self.error_feedback.zeroed()
         self.variance.clear()
         self.averaging.drop()
 
@@ -159,6 +159,8 @@ class CompressedStep:
         owner = set(self.params)
         if self.collectives.onebit:
             nbytes = self.averaging.onebit(param_groups, owner, grads, stale)
+            if self.world > 1:
+                self.error_feedback.committed()
         else:
             nbytes = self.averaging.exact(param_groups, owner, grads)
         self.variance.count_step(owner)
@@ -187,3 +189,15 @@ class CompressedStep:
 
     def load_error_feedback_state_dict(self, state: dict) -> None:
         self.error_feedback.load_state_dict(state)
+
+    @property
+    def unflushed(self) -> bool:
+        """Whether the error feedback holds what compression has not delivered yet (a
+        checkpoint without it, or without a flush first, drops that)."""
+        return self.error_feedback.outstanding
+
+    def expect_error_feedback(self, step: Optional[int]) -> None:
+        """A checkpoint at ``step`` saved with unflushed errors was loaded: warn at the next
+        fusing unless this rank's are loaded first (:meth:`ErrorFeedback.expect_saved`);
+        None: expect none (a load that drops them by design, as an elastic restore)."""
+        self.error_feedback.expect_saved(step)

@@ -2,7 +2,9 @@
 
 ``state_dict()`` holds what every rank shares (step count, freeze step, momentum, frozen
 variance, the auto-freeze record); the error feedback is rank-local and has its own state dict
-(:meth:`hvd_onebit.engine.CompressedStep.error_feedback_state_dict`).
+(:meth:`hvd_onebit.engine.CompressedStep.error_feedback_state_dict`). The record says whether
+the error feedback held anything undelivered when it was saved (``"unflushed_error_feedback"``),
+so that resuming without it warns (:meth:`hvd_onebit.engine.CompressedStep.expect_error_feedback`).
 """
 from __future__ import annotations
 
@@ -22,18 +24,21 @@ KEY = "onebit"  # the state_dict entry 1-bit Adam adds
 
 
 def state_dict(view: OptimizerView, config: OneBitConfig, schedule: Schedule,
-               telemetry: Telemetry) -> dict:
+               telemetry: Telemetry, unflushed: bool) -> dict:
+    """``unflushed``: whether the rank-local error feedback holds what compression has not
+    delivered yet (then this state alone resumes without it)."""
     sd = view.adam.torch_state_dict()
     sd[KEY] = {"freeze_step": schedule.freeze_step, "skipped_steps": telemetry.skipped_steps,
                "step_bound": config.step_bound, "refreshes": telemetry.refreshes,
-               "last_refresh_step": telemetry.last_refresh_step}
+               "last_refresh_step": telemetry.last_refresh_step,
+               "unflushed_error_feedback": bool(unflushed)}
     if schedule.monitor is not None:
         sd[KEY]["auto_freeze"] = schedule.monitor.state_dict()
     return sd
 
 
 def load_state_dict(view: OptimizerView, config: OneBitConfig, schedule: Schedule,
-                    telemetry: Telemetry, state_dict: dict) -> None:
+                    telemetry: Telemetry, state_dict: dict) -> bool:
     """Load a :func:`state_dict`. A checkpoint taken in the compression phase stays there: its
     variance was frozen at its own ``freeze_step``, which wins over the optimizer's (with a
     warning when they differ, or when the optimizer's is "auto" and the checkpoint's was not).
@@ -42,7 +47,8 @@ def load_state_dict(view: OptimizerView, config: OneBitConfig, schedule: Schedul
     record of the variance, so the resumed run decides at the same step as an uninterrupted
     one. A state dict without the 1-bit record is this optimizer's if its step counts agree,
     else torch.optim's, a warmup checkpoint at its Adam step count (:func:`_without_record`).
-    The caller drops its collectives after."""
+    The caller drops its collectives after. Returns whether the checkpoint was saved with
+    error feedback not delivered yet (which it does not hold)."""
     state_dict = dict(state_dict)
     meta = state_dict.pop(KEY, None)
     params = view.adam.parameters()
@@ -85,6 +91,7 @@ def load_state_dict(view: OptimizerView, config: OneBitConfig, schedule: Schedul
     if schedule.monitor is not None:
         schedule.monitor.load_state_dict((meta or {}).get("auto_freeze") or {})
     init_adam_state(view.adam.param_groups, view.adam.state)
+    return bool((meta or {}).get("unflushed_error_feedback", False))
 
 
 def torch_adam_state_dict(state_dict: dict) -> dict:
