@@ -58,10 +58,14 @@ class OneBitFace:
         self._phases.synchronize(self._make_hook)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        if self._handles or self._engine.started:
+        """Horovod's rule: refused between backward and step() unless synchronize() was called
+        (the compression phase's buckets started during backward count as in flight). After
+        it, the batch is skipped: the step that follows starts those buckets again."""
+        if self._handles or (self._engine.started and not self._view.synchronized):
             raise AssertionError("optimizer.zero_grad() was called after loss.backward() but "
                                  "before optimizer.step() or optimizer.synchronize(). This is "
                                  "prohibited as it can cause a race condition.")
+        self._phases.gradients_zeroed()
         super(self.__class__, self).zero_grad(set_to_none=set_to_none)
 
     # ---- step ----------------------------------------------------------------------------------

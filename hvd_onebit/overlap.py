@@ -8,9 +8,11 @@ order on every rank (ordered transports need it), planned from the last paramete
 A start is a speculation on the gradients staying as backward made them. What each start read
 is recorded (:class:`EarlyStarts`); ``step()`` compares (:meth:`Overlap.stale`), and a stale
 step starts every bucket again on every rank (see :class:`~hvd_onebit.engine.
-CompressedStep`), after which this rank stops starting early. A GradScaler used in the last step
-is assumed in this one: the hooks unscale as ``GradScaler.unscale_`` does, because unscaling in
-place leaves no trace on the gradients' version counters.
+CompressedStep`), after which this rank stops starting early, unless the gradients were
+zeroed in between (a batch skipped after its backward, :meth:`Overlap.gradients_zeroed`). A
+GradScaler used in the last step is assumed in this one: the hooks unscale as
+``GradScaler.unscale_`` does, because unscaling in place leaves no trace on the gradients'
+version counters.
 """
 from __future__ import annotations
 
@@ -41,6 +43,7 @@ class EarlyStarts:
         self.missing = [len(b.params) for b in engine.buckets]  # gradients not final yet
         self.read: dict = {}  # parameter -> what its bucket's start read (inputs_of)
         self.failed = False  # a start raised: the rest start in step()
+        self.zeroed = False  # zero_grad() since the starts: a skipped batch's, not a pattern
 
 
 # What changed, in words, for each field of inputs_of after the gradient tensor's identity.
@@ -128,6 +131,13 @@ class Overlap:
             # e.g. a sparse gradient: step() computes the rest and raises the error itself, on
             # every rank, after waiting out what started
             early.failed = True
+
+    def gradients_zeroed(self) -> None:
+        """zero_grad() between backward and step(): the batch is skipped. What started early
+        is then stale, and the next step starts it again, as for any change; unlike a change
+        the script makes every step (a clip), it is no reason to stop starting early."""
+        if self.current is not None and self.current.read:
+            self.current.zeroed = True
 
     def stale(self) -> Optional[str]:
         """What a bucket started early read that has changed since, in words (gradients

@@ -226,6 +226,11 @@ def test_a_batch_skipped_after_its_backward_leaves_no_trace(world):
     for rank, r in enumerate(scenario(results, "skipped_batch")):
         assert r["started"] > 0, f"n={n} rank {rank}: no bucket started from the hooks"
         assert r["differences"] == [], f"n={n} rank {rank}: {r['differences']}"
+        got, want = r["early_after"]
+        assert (got, r["restarts"], r["overlap_warnings"]) == (want, 1, []), \
+            f"n={n} rank {rank}: after the skip, {got} buckets started during backward " \
+            f"(expected {want}), {r['restarts']} steps started again (expected 1), overlap " \
+            f"warnings {r['overlap_warnings']}"
 
 
 @pytest.mark.multirank

@@ -170,6 +170,28 @@ def test_step_with_a_closure_averages_the_closures_gradients(world):
             f"n={n} rank {rank}: step(closure) returned {r['losses']}"
 
 
+def test_a_batch_skipped_after_backward_the_horovod_way_leaves_no_trace(world):
+    """synchronize() then zero_grad() after a compressed step's backward (Horovod's way to
+    skip a batch): allowed, the run goes on as if the batch had not been computed, and the
+    buckets keep starting during backward."""
+    n, results = world
+    if n == 1:
+        pytest.skip("one rank: no compressed step")
+    for rank, r in enumerate(scenario(results, "skipped_batch")):
+        assert r["started"] > 0, f"n={n} rank {rank}: no bucket started from the hooks"
+        differ = [i for i, (a, b) in enumerate(zip(r["plain"], r["skip"])) if a != b]
+        assert not differ and len(r["skip"]) == len(r["plain"]), \
+            f"n={n} rank {rank}: the run with a batch skipped differs at steps {differ}"
+        assert r["restarts"] == 1, \
+            f"n={n} rank {rank}: {r['restarts']} steps started their buckets again, expected 1"
+        later = 3 * r["buckets"]  # the three steps after the skip
+        assert r["early_after"] == later, \
+            f"n={n} rank {rank}: {r['early_after']} buckets started during backward after the " \
+            f"skip, expected {later}: the skip turned the overlap off"
+        about = [w for w in r["warnings"] if "overlap off" in w or "race" in w]
+        assert not about, f"n={n} rank {rank}: warned {about}"
+
+
 def test_a_branch_trained_on_some_ranks_only_is_averaged_as_horovod_does(world):
     """Each rank's hooks start allreduces that the other ranks start only when they
     synchronize: every one is started before any is waited for (else each rank waits for the

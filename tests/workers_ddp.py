@@ -327,24 +327,32 @@ def rebuilt(before: int = FREEZE + 2, after: int = 3) -> dict:
             "old_started": old._engine.started}
 
 
-def skipped_batch(steps: int = FREEZE + 2) -> dict:
+def skipped_batch(steps: int = FREEZE + 5) -> dict:
     """A batch skipped after its backward (zero_grad() and on to the next batch) in a compressed
     step whose buckets the gradient hooks started: the step after it is the same bits as in a
-    run that never computed that batch (against such a run)."""
+    run that never computed that batch (against such a run), and the buckets of the steps
+    after that still start during backward."""
     runs = []
     for skip in (False, True):
         model = make_model()
         opt = onebit(model)
-        for step in range(steps):
-            if step == FREEZE and skip:
-                opt.zero_grad()
-                x, y = batch(1000 + step, dist.get_rank())
-                torch.nn.functional.mse_loss(model(x), y).backward()
-                started = opt.compressed_step.started
-                opt.zero_grad()
-            train_step(model, opt, step)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for step in range(steps):
+                if step == FREEZE and skip:
+                    opt.zero_grad()
+                    x, y = batch(1000 + step, dist.get_rank())
+                    torch.nn.functional.mse_loss(model(x), y).backward()
+                    started = opt.compressed_step.started
+                    before = opt.compressed_step.early_starts
+                    opt.zero_grad()
+                train_step(model, opt, step)
         runs.append(params_of(model))
+    later = (steps - FREEZE - 1) * len(opt.compressed_step.buckets)
     return {"started": started,
+            "early_after": (opt.compressed_step.early_starts - before, later),
+            "restarts": opt.compressed_step.restarts,
+            "overlap_warnings": [str(w.message) for w in caught if "overlap off" in str(w.message)],
             "differences": differences(runs[0], runs[1], "the run with a batch skipped")}
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import hashlib
+import warnings
 
 import horovod.torch as hvd
 import torch
@@ -91,6 +92,39 @@ def closure_steps(steps=10, freeze_step=3) -> dict:
         if style:
             out["losses"] = losses
         out["refreshes"] = opt.telemetry()["refreshes"]
+    return out
+
+
+def skipped_batch(steps=12, freeze_step=3, skip_at=8) -> dict:
+    """A batch skipped after its backward in a compressed step, Horovod's way (synchronize(),
+    then zero_grad()), against a run that never computed it: parameter hashes per step, the
+    buckets started early before the skip and over the run, the restarts and the warnings."""
+    out = {}
+    for skip in (False, True):
+        model = make_model()
+        opt = hvd_onebit.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2),
+                                              named_parameters=model.named_parameters(),
+                                              freeze_step=freeze_step, bucket_size_mb=0.002,
+                                              variance_refresh=None)
+        hashes = []
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for step in range(steps):
+                if skip and step == skip_at:
+                    opt.zero_grad()
+                    x, y = batch(1000 + step, hvd.rank())
+                    nn.functional.mse_loss(model(x), y).backward()
+                    out["started"] = opt.compressed_step.started
+                    before = opt.compressed_step.early_starts
+                    opt.synchronize()
+                    opt.zero_grad()
+                train(model, opt, 1, start=step, hashes=hashes)
+        out["skip" if skip else "plain"] = hashes
+        if skip:
+            out["early_after"] = opt.compressed_step.early_starts - before
+            out["restarts"] = opt.compressed_step.restarts
+            out["buckets"] = len(opt.compressed_step.buckets)
+            out["warnings"] = [str(w.message) for w in caught]
     return out
 
 
@@ -518,6 +552,7 @@ def suite():
             lambda: onebit_consistency(steps=12, passes=2, bucket_size_mb=0.002),
         "missing": missing_grads_and_requires_grad,
         "closure": closure_steps,
+        "skipped_batch": skipped_batch,
         "branches_by_rank": branches_by_rank,
         "missing_none": lambda: missing_grads_and_requires_grad(compressor="none"),
         "groups": groups_masks_and_schedules,

@@ -41,6 +41,12 @@ class DDPFace:
     # GradScaler then hands this optimizer the skip decision (hvd_onebit.phases.amp).
     _step_supports_amp_scaling = True
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """torch's; between backward and step() it skips the batch: the buckets its hooks
+        started are started again by the next step."""
+        self._phases.gradients_zeroed()
+        super(self.__class__, self).zero_grad(set_to_none=set_to_none)
+
     def step(self, closure: Optional[Callable[[], float]] = None, grad_scaler=None):
         """One optimizer step: Adam on DDP's averaged gradients in the warmup, 1-bit momentum
         Adam on the local gradients afterwards (the buckets not started from the gradient

@@ -101,10 +101,19 @@ class Phases:
         if self._view.count_backward_pass(p) and not refreshing:
             self.compression.overlap.gradient_ready(p)
 
+    def gradients_zeroed(self) -> None:
+        """zero_grad(): buckets started from the last backward's hooks belonged to a batch
+        the script skips; the next step starts them again and keeps starting early
+        (:meth:`~hvd_onebit.overlap.Overlap.gradients_zeroed`)."""
+        self.compression.overlap.gradients_zeroed()
+
     def synchronize(self, make_hook: Callable) -> None:
-        """Warmup and refresh steps: wait for the gradient allreduces. Compression: nothing."""
+        """Warmup and refresh steps: wait for the gradient allreduces. Compression: nothing to
+        wait for; as Horovod's, every parameter expects its backward passes afresh (the
+        script steps, or zeroes the gradients and skips the batch)."""
         if self.compressing() and not self.refreshing():
             self._view.synchronized = True
+            self._view.reset_backward_passes()
         else:  # the last step's scaler: whether the script unscaled before synchronize()
             self.warmup.synchronize(make_hook, self.compression.overlap.last_scaler())
 
