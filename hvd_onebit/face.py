@@ -75,8 +75,7 @@ class SharedFace:
         unflushed = checkpoint.load_state_dict(self._view, self.config, self._schedule,
                                                self._telemetry, state_dict)
         self._phases.restart()  # exp_avg tensors were replaced: re-fuse at the next step
-        if unflushed:
-            self._engine.expect_error_feedback(self.steps)
+        self._engine.expect_error_feedback(self.steps if unflushed else None)
 
     def reset_collectives(self) -> None:
         """Drop the fused buckets, the frozen denominators and every 1-bit collective (with its

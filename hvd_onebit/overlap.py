@@ -53,6 +53,10 @@ CHANGES = ("a gradient changed in place (e.g. clipped or unscaled)",
            "weight_decay changed", "maximize changed")
 
 
+# What changed when the gradients were zeroed at two steps in a row (see Overlap.skipped).
+ZEROED = "zero_grad() was called between backward and step() at two steps in a row"
+
+
 def inputs_of(p: torch.Tensor, group: dict) -> tuple:
     """What p's part of its bucket's input is computed from: its gradient tensor (identity and
     in-place version), its own version (Adam's L2 decay reads it) and the options."""
@@ -73,6 +77,7 @@ class Overlap:
         self._decided = False  # whether this step's early starts were set up (or refused)
         self.current: Optional[EarlyStarts] = None  # this step's, if buckets start early
         self.off_reason: Optional[str] = None  # why this rank stopped starting buckets early
+        self.skips_in_a_row = 0  # steps in a row whose early starts zero_grad() made stale
         self._scaler_ref = None  # weakref to the GradScaler of the last step, if one was used
 
     def remember_scaler(self, scaler) -> None:
@@ -135,9 +140,20 @@ class Overlap:
     def gradients_zeroed(self) -> None:
         """zero_grad() between backward and step(): the batch is skipped. What started early
         is then stale, and the next step starts it again, as for any change; unlike a change
-        the script makes every step (a clip), it is no reason to stop starting early."""
+        the script makes every step (a clip), an occasional skip is no reason to stop starting
+        early (:meth:`skipped`). Where nothing started yet, the step's bookkeeping starts
+        afresh (nothing is in flight)."""
         if self.current is not None and self.current.read:
             self.current.zeroed = True
+        elif self._decided:
+            self.end_step()
+
+    def skipped(self, zeroed: bool) -> bool:
+        """At a step: whether its early starts were a skipped batch's (``zeroed``), counting
+        such steps in a row. A second in a row is a script that zeroes the gradients between
+        backward and step() every time; that is a change like any other (False)."""
+        self.skips_in_a_row = self.skips_in_a_row + 1 if zeroed else 0
+        return zeroed and self.skips_in_a_row < 2
 
     def stale(self) -> Optional[str]:
         """What a bucket started early read that has changed since, in words (gradients
@@ -148,9 +164,8 @@ class Overlap:
             return None
         for q, then in early.read.items():
             now = inputs_of(q, early.groups[q])
-            if now[0] is not then[0]:
-                return "a gradient was replaced"
-            for what, a, b in zip(CHANGES, now[1:], then[1:]):
-                if a != b:
-                    return what
+            what = ("a gradient was replaced" if now[0] is not then[0] else
+                    next((w for w, a, b in zip(CHANGES, now[1:], then[1:]) if a != b), None))
+            if what is not None:
+                return ZEROED if early.zeroed else what
         return None

@@ -152,8 +152,9 @@ def test_flush_with_a_nonfinite_error_changes_nothing_anywhere(n):
 def test_engine_knows_when_its_errors_are_unflushed_and_warns_when_a_resume_drops_them():
     for rank, r in enumerate(run_threads(2, lambda t: unflushed_engine(t), timeout=120)):
         assert r["seen"] == {"built": False, "stepped": True, "flushed": False,
-                             "stepped_again": True, "restarted": False, "loaded_False": False,
-                             "loaded_True": True}, \
+                             "stepped_again": True, "restarted": False, "expected_False": True,
+                             "loaded_False": False, "expected_True": True,
+                             "saved_before_fusing": True, "loaded_True": True}, \
             f"rank {rank}: engine.unflushed after each event: {r['seen']}"
         dropped = [w for w in r["warned"][False] if UNSAVED in w]
         assert len(dropped) == 1 and "step 7" in dropped[0], \
@@ -259,9 +260,13 @@ def test_flushed_checkpoint_resumes_on_any_world_size_closer_than_a_reset(
                 assert (r[kind]["steps"], r[kind]["phase"]) == (16, "compression"), \
                     f"{np_} ranks, rank {rank}, {kind}: ended at step {r[kind]['steps']} in " \
                     f"{r[kind]['phase']!r}, expected step 16 in 'compression'"
-            about = [w for w in r["flush"]["warnings"] if "error feedback" in w]
-            assert not about, f"{np_} ranks, rank {rank}: resuming a flushed checkpoint warned " \
-                              f"about the error feedback: {about}"
+            for kind in ("flush", "reset_flush"):
+                about = [w for w in r[kind]["warnings"] if "error feedback" in w]
+                assert not about, f"{np_} ranks, rank {rank}, {kind}: resuming a flushed " \
+                                  f"checkpoint warned about the error feedback: {about}"
+            assert_same_params(r["reset_flush"]["tensors"], r["flush"]["tensors"],
+                               f"{np_} ranks, rank {rank}: the flushed checkpoint loaded over "
+                               "the other vs alone")
             # the unflushed one, its errors not loaded, says so once, and how to keep them
             about = [w for w in r["reset"]["warnings"] if UNSAVED in w]
             assert len(about) == 1 and all(

@@ -9,6 +9,7 @@ import torch
 
 from hvd_onebit.config import DEFAULT_BLOCK_SIZE
 from hvd_onebit.layout import Layout
+from hvd_onebit.overlap import ZEROED
 from tests.checks import assert_same_bits, assert_same_on_every_rank, difference
 from tests.scenarios import scenario
 from tests.worlds import shared_suite
@@ -177,19 +178,29 @@ def test_a_batch_skipped_after_backward_the_horovod_way_leaves_no_trace(world):
     n, results = world
     if n == 1:
         pytest.skip("one rank: no compressed step")
-    for rank, r in enumerate(scenario(results, "skipped_batch")):
+    for rank, runs in enumerate(scenario(results, "skipped_batch")):
+        plain = runs["plain"]["hashes"]
+        for run in ("skip", "every", "no_overlap"):
+            differ = [i for i, (a, b) in enumerate(zip(plain, runs[run]["hashes"])) if a != b]
+            assert not differ and len(runs[run]["hashes"]) == len(plain), \
+                f"n={n} rank {rank}, {run}: the run with batches skipped differs at steps {differ}"
+        r = runs["skip"]
         assert r["started"] > 0, f"n={n} rank {rank}: no bucket started from the hooks"
-        differ = [i for i, (a, b) in enumerate(zip(r["plain"], r["skip"])) if a != b]
-        assert not differ and len(r["skip"]) == len(r["plain"]), \
-            f"n={n} rank {rank}: the run with a batch skipped differs at steps {differ}"
         assert r["restarts"] == 1, \
             f"n={n} rank {rank}: {r['restarts']} steps started their buckets again, expected 1"
         later = 3 * r["buckets"]  # the three steps after the skip
         assert r["early_after"] == later, \
             f"n={n} rank {rank}: {r['early_after']} buckets started during backward after the " \
             f"skip, expected {later}: the skip turned the overlap off"
-        about = [w for w in r["warnings"] if "overlap off" in w or "race" in w]
+        about = [w for w in r["warnings"] + runs["no_overlap"]["warnings"]
+                 if "overlap off" in w or "race" in w]
         assert not about, f"n={n} rank {rank}: warned {about}"
+        # zeroed before every step: the second in a row turns the overlap off, saying why
+        every = runs["every"]
+        about = [w for w in every["warnings"] if "overlap off" in w]
+        assert every["restarts"] == 2 and len(about) == 1 and ZEROED in about[0], \
+            f"n={n} rank {rank}: batches skipped before every step: {every['restarts']} " \
+            f"restarts (expected 2), warnings {every['warnings']}"
 
 
 def test_a_branch_trained_on_some_ranks_only_is_averaged_as_horovod_does(world):

@@ -303,13 +303,15 @@ def flush_checkpoint_save(ckpt_dir, stop_at=8, total=16, freeze_step=4, lr=1e-2)
 
 
 def flush_checkpoint_resume(ckpt_dir, stop_at=8, total=16, freeze_step=4, lr=1e-2):
-    """Resume both checkpoints of flush_checkpoint_save (rank 0's files only) in this job."""
+    """Resume both checkpoints of flush_checkpoint_save (rank 0's files only) in this job, and
+    the flushed one loaded after the other ("reset_flush": it replaces it)."""
     out = {}
-    for kind in ("flush", "reset"):
+    for kind in ("flush", "reset", "reset_flush"):
         model, opt = _flush_opt(freeze_step=freeze_step)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            _load(opt, model, Path(ckpt_dir) / kind, error_feedback=False)
+            for part in kind.split("_"):
+                _load(opt, model, Path(ckpt_dir) / part, error_feedback=False)
             for g in opt.param_groups:
                 g["lr"] = lr
             _train(model, opt, range(stop_at, total), data_ranks=DATA_RANKS)
@@ -383,8 +385,11 @@ def unflushed_engine(transport, steps=3):
         for given in (False, True):
             engine.restart()
             engine.expect_error_feedback(7)
+            seen[f"expected_{given}"] = engine.unflushed  # a state saved now records it
             if given:
                 engine.load_error_feedback_state_dict(saved)
+                # loaded, not applied until the fusing: what a save now gets
+                seen["saved_before_fusing"] = engine.error_feedback_state_dict() is saved
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 engine.ensure_ready(params)

@@ -96,35 +96,42 @@ def closure_steps(steps=10, freeze_step=3) -> dict:
 
 
 def skipped_batch(steps=12, freeze_step=3, skip_at=8) -> dict:
-    """A batch skipped after its backward in a compressed step, Horovod's way (synchronize(),
-    then zero_grad()), against a run that never computed it: parameter hashes per step, the
-    buckets started early before the skip and over the run, the restarts and the warnings."""
+    """Batches skipped after their backward in compressed steps (zero_grad() before step(),
+    Horovod's way: synchronize() first), each run against one that never computed them:
+    parameter hashes per step, the buckets started early at the skip and after it, the
+    restarts and the warnings. Runs: "skip" (one batch), "every" (a batch skipped before
+    every compressed step), "no_overlap" (one, with overlap=False and no synchronize(): nothing
+    was in flight)."""
+    plans = {"plain": (set(), True, True), "skip": ({skip_at}, True, True),
+             "every": (set(range(freeze_step, steps)), True, True),
+             "no_overlap": ({skip_at}, False, False)}
     out = {}
-    for skip in (False, True):
+    for run, (skips, overlap, sync) in plans.items():
         model = make_model()
         opt = hvd_onebit.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2),
                                               named_parameters=model.named_parameters(),
                                               freeze_step=freeze_step, bucket_size_mb=0.002,
-                                              variance_refresh=None)
-        hashes = []
+                                              variance_refresh=None, overlap=overlap)
+        hashes, got = [], {}
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             for step in range(steps):
-                if skip and step == skip_at:
+                if step in skips:
                     opt.zero_grad()
                     x, y = batch(1000 + step, hvd.rank())
                     nn.functional.mse_loss(model(x), y).backward()
-                    out["started"] = opt.compressed_step.started
-                    before = opt.compressed_step.early_starts
-                    opt.synchronize()
+                    if step == skip_at:
+                        got["started"] = opt.compressed_step.started
+                        before = opt.compressed_step.early_starts
+                    if sync:
+                        opt.synchronize()
                     opt.zero_grad()
                 train(model, opt, 1, start=step, hashes=hashes)
-        out["skip" if skip else "plain"] = hashes
-        if skip:
-            out["early_after"] = opt.compressed_step.early_starts - before
-            out["restarts"] = opt.compressed_step.restarts
-            out["buckets"] = len(opt.compressed_step.buckets)
-            out["warnings"] = [str(w.message) for w in caught]
+        got.update(hashes=hashes, restarts=opt.compressed_step.restarts,
+                   early_after=opt.compressed_step.early_starts - before if skips else None,
+                   buckets=len(opt.compressed_step.buckets),
+                   warnings=[str(w.message) for w in caught])
+        out[run] = got
     return out
 
 

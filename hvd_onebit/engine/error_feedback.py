@@ -57,8 +57,19 @@ class ErrorFeedback:
         "momentum" (a checkpoint without the entry was written before preconditioning)."""
         return "preconditioned" if self.terms.preconditioned else "momentum"
 
+    @property
+    def undelivered(self) -> bool:
+        """Whether this rank holds error feedback not delivered yet, live or loaded and waiting
+        for the next fusing, or a checkpoint's that was expected and not given (a state saved
+        now records it, so that resuming the state warns in turn)."""
+        return (self.outstanding or self._unsaved_at is not None
+                or bool((self._pending or {}).get("buckets")))
+
     def state_dict(self) -> dict:
-        """This rank's error-feedback buffers (rank-local: save one file per rank)."""
+        """This rank's error-feedback buffers (rank-local: save one file per rank); loaded ones
+        not applied yet (until the next fusing) as they were loaded."""
+        if self._pending is not None:
+            return self._pending
         return {"world_size": self.transport.size, "rank": self.transport.rank,
                 "space": self.space,
                 "buckets": {k: c.state_dict() for k, c in self.collectives.saved().items()}}
@@ -115,9 +126,10 @@ class ErrorFeedback:
             if unsaved_at is not None:
                 warnings.warn(
                     f"hvd_onebit: the checkpoint loaded (step {unsaved_at}, compression phase) "
-                    "was saved without its error feedback, and none was loaded: what 1-bit "
-                    "compression had not delivered yet is dropped, and the run goes on from zero "
-                    "error feedback, a little off the run that never stopped. To keep it, call "
+                    "was saved without its error feedback, and this rank's was not restored: "
+                    "what 1-bit compression had not delivered yet is dropped, and the run goes "
+                    "on from zero error feedback, a little off the run that never stopped. To "
+                    "keep it, call "
                     "opt.flush_error_feedback() on every rank before saving (rank 0's "
                     "state_dict() is then complete), or save each rank's "
                     "opt.error_feedback_state_dict() and load it after load_state_dict()")

@@ -194,7 +194,7 @@ class CompressedStep:
     def unflushed(self) -> bool:
         """Whether the error feedback holds what compression has not delivered yet (a
         checkpoint without it, or without a flush first, drops that)."""
-        return self.error_feedback.outstanding
+        return self.error_feedback.undelivered
 
     def expect_error_feedback(self, step: Optional[int]) -> None:
         """A checkpoint at ``step`` saved with unflushed errors was loaded: warn at the next

@@ -78,7 +78,8 @@ class CompressionPhase:
         engine.ensure_ready(self._view.adam.active_parameters())
         what = SCALER_CHANGED if changed and engine.started > 0 else overlap.stale()
         stale = what is not None
-        skipped = early is not None and early.zeroed  # a skipped batch: started again, quietly
+        # a skipped batch: started again, quietly (unless zero_grad() comes every step)
+        skipped = overlap.skipped(early is not None and early.zeroed)
         if stale and overlap.off_reason is None and not skipped:
             overlap.turn_off(f"changed between backward and step(): {what}")
             warnings.warn(stale_warning(what))

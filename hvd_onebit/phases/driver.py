@@ -104,8 +104,15 @@ class Phases:
     def gradients_zeroed(self) -> None:
         """zero_grad(): buckets started from the last backward's hooks belonged to a batch
         the script skips; the next step starts them again and keeps starting early
-        (:meth:`~hvd_onebit.overlap.Overlap.gradients_zeroed`)."""
+        (:meth:`~hvd_onebit.overlap.Overlap.gradients_zeroed`). Before a compressed step,
+        every parameter expects its backward passes afresh (Horovod's counters; DDP counts
+        none), and with nothing in flight a synchronize() before it is spent; with buckets in
+        flight it stands until the step, so that the script's next zero_grad() passes too."""
         self.compression.overlap.gradients_zeroed()
+        if self.compressing() and not self.refreshing():
+            self._view.reset_backward_passes()
+            if not self._engine.started:
+                self._view.synchronized = False
 
     def synchronize(self, make_hook: Callable) -> None:
         """Warmup and refresh steps: wait for the gradient allreduces. Compression: nothing to
