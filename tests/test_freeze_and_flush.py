@@ -9,7 +9,8 @@ from hvd_onebit import Experimental
 from tests.scenarios import scenario
 from tests.checks import assert_same_params, difference
 from tests.workers_compressed_step import BETAS
-from tests.workers_freeze_and_flush import AUTO, flush_engine, unflushed_engine
+from tests.workers_freeze_and_flush import (AUTO, flush_engine, unflushed_engine,
+                                            unflushed_on_one_rank)
 from tests.worlds import Scratch, shared_suite
 
 W = "tests.workers_freeze_and_flush:"
@@ -162,6 +163,14 @@ def test_engine_knows_when_its_errors_are_unflushed_and_warns_when_a_resume_drop
             f"{r['warned'][False]}"
         assert not [w for w in r["warned"][True] if UNSAVED in w], \
             f"rank {rank}: fusing with the checkpoint's errors given warned {r['warned'][True]}"
+
+
+def test_a_resume_on_one_rank_says_at_the_load_that_the_errors_were_dropped():
+    (r,) = run_threads(1, lambda t: unflushed_on_one_rank(t), timeout=60)
+    dropped = [w for w in r["warned"] if UNSAVED in w]
+    assert len(dropped) == 1 and "one rank" in dropped[0] and not r["unflushed"], \
+        f"one rank: loading an unflushed checkpoint warned {r['warned']}; a state saved after " \
+        f"records unflushed={r['unflushed']} (expected False: nothing is left to drop)"
 
 
 # ---- flush_error_feedback in Horovod jobs ------------------------------------------------------------

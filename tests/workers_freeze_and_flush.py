@@ -355,6 +355,18 @@ def flush_engine(transport, steps=3, bad_rank=None):
             "numel": [b.numel for b in engine.buckets]}
 
 
+def unflushed_on_one_rank(transport):
+    """On one rank: the warnings when a checkpoint saved with unflushed errors is loaded, and
+    what a state saved after records."""
+    params, state = initial_state()
+    config = OneBitConfig.from_options(freeze_step=WARM_STEPS, bucket_size_mb=0.004)
+    engine = CompressedStep(config, state, decoupled=lambda group: False, transport=transport)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        engine.expect_error_feedback(7)
+    return {"warned": [str(w.message) for w in caught], "unflushed": engine.unflushed}
+
+
 def unflushed_engine(transport, steps=3):
     """What CompressedStep says of its error feedback (``unflushed``) as it steps, flushes and
     restarts, and what the next fusing warns after a checkpoint saved with unflushed errors

@@ -114,8 +114,12 @@ class ErrorFeedback:
     def expect_saved(self, step: Optional[int]) -> None:
         """A checkpoint at ``step`` was loaded that was saved with outstanding errors (without
         :meth:`flush`). Unless this rank's errors are loaded too (:meth:`load_state_dict`,
-        before the next fusing), the next fusing warns that they were dropped. None: nothing
+        before the next fusing), the next fusing warns that they were dropped. On one rank,
+        which has no error feedback and fuses nothing, that is said now. None: nothing
         expected."""
+        if step is not None and self.transport.size == 1:
+            warnings.warn(_dropped(step, "this job has one rank, which keeps none"))
+            step = None
         self._unsaved_at = step
 
     def apply_pending(self) -> None:
@@ -124,15 +128,7 @@ class ErrorFeedback:
         unsaved_at, self._unsaved_at = self._unsaved_at, None
         if state is None:
             if unsaved_at is not None:
-                warnings.warn(
-                    f"hvd_onebit: the checkpoint loaded (step {unsaved_at}, compression phase) "
-                    "was saved without its error feedback, and this rank's was not restored: "
-                    "what 1-bit compression had not delivered yet is dropped, and the run goes "
-                    "on from zero error feedback, a little off the run that never stopped. To "
-                    "keep it, call "
-                    "opt.flush_error_feedback() on every rank before saving (rank 0's "
-                    "state_dict() is then complete), or save each rank's "
-                    "opt.error_feedback_state_dict() and load it after load_state_dict()")
+                warnings.warn(_dropped(unsaved_at, "this rank's was not restored"))
             return
         saved = state.get("buckets", {})
         if not saved:  # saved before the compression phase: no errors yet, nothing to restore
@@ -216,3 +212,13 @@ class ErrorFeedback:
             mask_momentum(self.state, p, mask)
         self.zeroed()
         return nbytes
+
+
+def _dropped(step: int, why: str) -> str:
+    """The warning when a checkpoint's undelivered error feedback is dropped at a resume."""
+    return (f"hvd_onebit: the checkpoint loaded (step {step}, compression phase) was saved "
+            f"without its error feedback, and {why}: what 1-bit compression had not delivered "
+            "yet is dropped, and the run goes on from zero error feedback, a little off the run "
+            "that never stopped. To keep it, call opt.flush_error_feedback() on every rank "
+            "before saving (rank 0's state_dict() is then complete), or save each rank's "
+            "opt.error_feedback_state_dict() and load it after load_state_dict()")
