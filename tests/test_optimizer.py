@@ -180,20 +180,21 @@ def test_a_batch_skipped_after_backward_the_horovod_way_leaves_no_trace(world):
         pytest.skip("one rank: no compressed step")
     for rank, runs in enumerate(scenario(results, "skipped_batch")):
         plain = runs["plain"]["hashes"]
-        for run in ("skip", "every", "no_overlap"):
+        for run in ("skip", "skip_in_place", "every", "no_overlap"):
             differ = [i for i, (a, b) in enumerate(zip(plain, runs[run]["hashes"])) if a != b]
             assert not differ and len(runs[run]["hashes"]) == len(plain), \
                 f"n={n} rank {rank}, {run}: the run with batches skipped differs at steps {differ}"
-        r = runs["skip"]
-        assert r["started"] > 0, f"n={n} rank {rank}: no bucket started from the hooks"
-        assert r["restarts"] == 1, \
-            f"n={n} rank {rank}: {r['restarts']} steps started their buckets again, expected 1"
-        later = 3 * r["buckets"]  # the three steps after the skip
-        assert r["early_after"] == later, \
-            f"n={n} rank {rank}: {r['early_after']} buckets started during backward after the " \
-            f"skip, expected {later}: the skip turned the overlap off"
-        about = [w for w in r["warnings"] + runs["no_overlap"]["warnings"]
-                 if "overlap off" in w or "race" in w]
+        for run in ("skip", "skip_in_place"):
+            r = runs[run]
+            assert r["started"] > 0, f"n={n} rank {rank}, {run}: no bucket started from the hooks"
+            assert r["restarts"] == 1, f"n={n} rank {rank}, {run}: {r['restarts']} steps " \
+                                       "started their buckets again, expected 1"
+            later = 3 * r["buckets"]  # the three steps after the skip
+            assert r["early_after"] == later, \
+                f"n={n} rank {rank}, {run}: {r['early_after']} buckets started during backward " \
+                f"after the skip, expected {later}: the skip turned the overlap off"
+        about = [w for run in ("skip", "skip_in_place", "no_overlap")
+                 for w in runs[run]["warnings"] if "overlap off" in w or "race" in w]
         assert not about, f"n={n} rank {rank}: warned {about}"
         # zeroed before every step: the second in a row turns the overlap off, saying why
         every = runs["every"]

@@ -99,14 +99,16 @@ def skipped_batch(steps=12, freeze_step=3, skip_at=8) -> dict:
     """Batches skipped after their backward in compressed steps (zero_grad() before step(),
     Horovod's way: synchronize() first), each run against one that never computed them:
     parameter hashes per step, the buckets started early at the skip and after it, the
-    restarts and the warnings. Runs: "skip" (one batch), "every" (a batch skipped before
-    every compressed step), "no_overlap" (one, with overlap=False and no synchronize(): nothing
-    was in flight)."""
-    plans = {"plain": (set(), True, True), "skip": ({skip_at}, True, True),
-             "every": (set(range(freeze_step, steps)), True, True),
-             "no_overlap": ({skip_at}, False, False)}
+    restarts and the warnings. Runs: "skip" (one batch), "skip_in_place" (one, its gradients
+    zeroed in place: set_to_none=False), "every" (a batch skipped before every compressed
+    step), "no_overlap" (one, with overlap=False and no synchronize(): nothing was in
+    flight)."""
+    plans = {"plain": (set(), True, True, True), "skip": ({skip_at}, True, True, True),
+             "skip_in_place": ({skip_at}, True, True, False),
+             "every": (set(range(freeze_step, steps)), True, True, True),
+             "no_overlap": ({skip_at}, False, False, True)}
     out = {}
-    for run, (skips, overlap, sync) in plans.items():
+    for run, (skips, overlap, sync, to_none) in plans.items():
         model = make_model()
         opt = hvd_onebit.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2),
                                               named_parameters=model.named_parameters(),
@@ -125,7 +127,7 @@ def skipped_batch(steps=12, freeze_step=3, skip_at=8) -> dict:
                         before = opt.compressed_step.early_starts
                     if sync:
                         opt.synchronize()
-                    opt.zero_grad()
+                    opt.zero_grad(set_to_none=to_none)
                 train(model, opt, 1, start=step, hashes=hashes)
         got.update(hashes=hashes, restarts=opt.compressed_step.restarts,
                    early_after=opt.compressed_step.early_starts - before if skips else None,
