@@ -120,6 +120,9 @@ class Overlap:
         early = self.current if self._decided else self._set_up()
         if early is None or early.failed or p not in early.position:
             return
+        if p in early.read:  # its bucket started from an earlier backward: that batch was
+            early.zeroed = True  # skipped, however its gradients were zeroed (model.zero_grad())
+            return
         engine = self._engine
         for i in early.position[p]:
             early.missing[i] -= 1

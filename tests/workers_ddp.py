@@ -78,14 +78,15 @@ def batch(step: int, rank: int, micro: int = 0) -> tuple[torch.Tensor, torch.Ten
 
 
 def train_step(model: DDP, opt, step: int, pattern: Optional[dict] = None, scaler=None,
-               poison: bool = False) -> float:
+               poison: bool = False, zero_model: bool = False) -> float:
     """One optimizer step: ``micro`` backward passes (all but the last under no_sync), the
-    loss made inf on this rank with ``poison``; returns the last pass's loss."""
+    loss made inf on this rank with ``poison``, the gradients zeroed by ``model.zero_grad()``
+    with ``zero_model`` (else the optimizer's); returns the last pass's loss."""
     pattern = pattern or {}
     rank = dist.get_rank()
     micro = pattern.get("micro", 1)
     extra = pattern.get("extra", lambda step, rank: False)(step, rank)
-    opt.zero_grad()
+    (model if zero_model else opt).zero_grad()
     for k in range(micro):
         with model.no_sync() if k < micro - 1 else contextlib.nullcontext():
             x, y = batch(step, rank, k)
@@ -332,8 +333,8 @@ def skipped_batch(steps: int = FREEZE + 5) -> dict:
     step whose buckets the gradient hooks started: the step after it is the same bits as in a
     run that never computed that batch (against such a run), and the buckets of the steps
     after that still start during backward."""
-    runs = []
-    for skip in (False, True):
+    runs, out = [], {}
+    for skip in (None, "opt", "model"):  # no skip; zeroed by opt.zero_grad(), model.zero_grad()
         model = make_model()
         opt = onebit(model)
         with warnings.catch_warnings(record=True) as caught:
@@ -345,15 +346,19 @@ def skipped_batch(steps: int = FREEZE + 5) -> dict:
                     torch.nn.functional.mse_loss(model(x), y).backward()
                     started = opt.compressed_step.started
                     before = opt.compressed_step.early_starts
-                    opt.zero_grad()
-                train_step(model, opt, step)
+                    (opt if skip == "opt" else model).zero_grad()
+                train_step(model, opt, step, zero_model=skip == "model")
         runs.append(params_of(model))
-    later = (steps - FREEZE - 1) * len(opt.compressed_step.buckets)
-    return {"started": started,
-            "early_after": (opt.compressed_step.early_starts - before, later),
-            "restarts": opt.compressed_step.restarts,
-            "overlap_warnings": [str(w.message) for w in caught if "overlap off" in str(w.message)],
-            "differences": differences(runs[0], runs[1], "the run with a batch skipped")}
+        if skip:
+            later = (steps - FREEZE - 1) * len(opt.compressed_step.buckets)
+            out[skip] = {
+                "started": started,
+                "early_after": (opt.compressed_step.early_starts - before, later),
+                "restarts": opt.compressed_step.restarts,
+                "overlap_warnings": [str(w.message) for w in caught
+                                     if "overlap off" in str(w.message)],
+                "differences": differences(runs[0], runs[-1], "the run with a batch skipped")}
+    return out
 
 
 def closure_steps(steps: int = FREEZE + 4) -> dict:
