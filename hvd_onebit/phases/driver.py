@@ -85,6 +85,10 @@ class Phases:
         compressed one on the ``variance_refresh`` schedule, taken in full precision."""
         return self.compressing() and self._schedule.refresh_next()
 
+    def compressed_next(self) -> bool:
+        """Whether this step is a compressed one: the compression phase, not a refresh step."""
+        return self.compressing() and not self._schedule.refresh_next()
+
     def gradient_hook(self, p, warmup_hook: Callable, *args) -> None:
         """p's gradient accumulated: Horovod's allreduce in the warmup. In the compression phase
         no gradient travels during backward: on the step's last backward pass the gradient
@@ -109,7 +113,7 @@ class Phases:
         none), and with nothing in flight a synchronize() before it is spent; with buckets in
         flight it stands until the step, so that the script's next zero_grad() passes too."""
         self.compression.overlap.gradients_zeroed()
-        if self.compressing() and not self.refreshing():
+        if self.compressed_next():
             self._view.reset_backward_passes()
             if not self._engine.started:
                 self._view.synchronized = False
@@ -118,7 +122,7 @@ class Phases:
         """Warmup and refresh steps: wait for the gradient allreduces. Compression: nothing to
         wait for; as Horovod's, every parameter expects its backward passes afresh (the
         script steps, or zeroes the gradients and skips the batch)."""
-        if self.compressing() and not self.refreshing():
+        if self.compressed_next():
             self._view.synchronized = True
             self._view.reset_backward_passes()
         else:  # the last step's scaler: whether the script unscaled before synchronize()
@@ -171,7 +175,7 @@ class Phases:
             self.compression.overlap.end_step()
             raise
         scaler = view_of(grad_scaler, self._view.adam.optimizer_id, unscale)
-        if not self.compressing() or self.refreshing():
+        if not self.compressed_next():
             self.compression.overlap.remember_scaler(grad_scaler)
             kind = self.refresh if self.compressing() else self.warmup
             take(kind, self.warmup, self._telemetry, make_hook, scaler, self._ranks_with)
