@@ -323,13 +323,19 @@ def flush_checkpoint_resume(ckpt_dir, stop_at=8, total=16, freeze_step=4, lr=1e-
 
 # ---- the engine alone, on the in-process transport ---------------------------------------------
 
-def flush_engine(transport, steps=3, bad_rank=None):
-    """CompressedStep on virtual ranks: a few steps, then a flush. Returns each rank's errors and
-    momenta before, its momenta and errors after, or the error every rank raised."""
+def _engine(transport) -> tuple:
+    """The parameters, a CompressedStep over their state on ``transport``, its param groups."""
     params, state = initial_state()
     config = OneBitConfig.from_options(freeze_step=WARM_STEPS, bucket_size_mb=0.004)
     engine = CompressedStep(config, state, decoupled=lambda group: False, transport=transport)
     groups = [{"params": params, "lr": LR, "betas": BETAS, "eps": EPS, "weight_decay": 0.0}]
+    return params, engine, groups
+
+
+def flush_engine(transport, steps=3, bad_rank=None):
+    """CompressedStep on virtual ranks: a few steps, then a flush. Returns each rank's errors and
+    momenta before, its momenta and errors after, or the error every rank raised."""
+    params, engine, groups = _engine(transport)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for step in range(steps):
@@ -358,9 +364,7 @@ def flush_engine(transport, steps=3, bad_rank=None):
 def unflushed_on_one_rank(transport):
     """On one rank: the warnings when a checkpoint saved with unflushed errors is loaded, and
     what a state saved after records."""
-    params, state = initial_state()
-    config = OneBitConfig.from_options(freeze_step=WARM_STEPS, bucket_size_mb=0.004)
-    engine = CompressedStep(config, state, decoupled=lambda group: False, transport=transport)
+    _, engine, _ = _engine(transport)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         engine.expect_error_feedback(7)
@@ -371,10 +375,7 @@ def unflushed_engine(transport, steps=3):
     """What CompressedStep says of its error feedback (``unflushed``) as it steps, flushes and
     restarts, and what the next fusing warns after a checkpoint saved with unflushed errors
     was loaded, without and with this rank's errors given."""
-    params, state = initial_state()
-    config = OneBitConfig.from_options(freeze_step=WARM_STEPS, bucket_size_mb=0.004)
-    engine = CompressedStep(config, state, decoupled=lambda group: False, transport=transport)
-    groups = [{"params": params, "lr": LR, "betas": BETAS, "eps": EPS, "weight_decay": 0.0}]
+    params, engine, groups = _engine(transport)
 
     def step(k):
         engine.ensure_ready(params)
