@@ -12,7 +12,7 @@ from __future__ import annotations
 import numbers
 
 from dataclasses import dataclass, fields
-from typing import Any, Mapping, Optional, Union
+from typing import Any, Iterable, Mapping, Optional, Union
 
 import torch
 

@@ -184,7 +184,7 @@ def model_rate(model, link: LinkProbe) -> Optional[float]:
     """The link rate (bit/s) at which the scale model's fp32 allreduce of the probe's buffer
     takes the probed time: the probe's time less the hosts' own costs, as the model prices them.
     None when even an unlimited link is slower in the model (the hosts, not the link, bound it)."""
-    from .bench.predict.job import Job, parse_params
+    from .bench.predict.job import Job
     from .bench.predict.sweep import sweep
 
     job = Job(params=link.elements, compute_s=0.0, adam_s=0.0, warmup_frac=0.0)

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import horovod.torch as hvd
-import numpy as np
 import torch
 
 from hvd_onebit.comm.hierarchical import HierarchicalOneBitAllreduce

@@ -164,7 +164,7 @@ def bench_predict(calibration, nps, ranks_per_node, bandwidths, intra_bandwidth,
 
     from ..calibrate.files import load_or_shipped
     from ..predict.check import check_report, model_transport, priced_intra_node
-    from ..predict.job import Cluster, Job, parse_params
+    from ..predict.job import Cluster, Job
     from ..predict.model import Model
     from ..predict.runs import (RunSetting, add_run_figures, fp32_step_bytes, frozen_at,
                                 print_run_lengths, run_length_sweep, sweep_clusters)
