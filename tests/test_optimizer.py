@@ -174,27 +174,35 @@ def test_step_with_a_closure_averages_the_closures_gradients(world):
 def test_a_batch_skipped_after_backward_the_horovod_way_leaves_no_trace(world):
     """synchronize() then zero_grad() after a compressed step's backward (Horovod's way to
     skip a batch): allowed, the run goes on as if the batch had not been computed, and the
-    buckets keep starting during backward."""
+    buckets keep starting during backward; with a GradScaler too, and under
+    backward_passes_per_step=2 after either of the two passes."""
     n, results = world
     if n == 1:
         pytest.skip("one rank: no compressed step")
     for rank, runs in enumerate(scenario(results, "skipped_batch")):
-        plain = runs["plain"]["hashes"]
-        for run in ("skip", "skip_in_place", "every", "no_overlap"):
-            differ = [i for i, (a, b) in enumerate(zip(plain, runs[run]["hashes"])) if a != b]
-            assert not differ and len(runs[run]["hashes"]) == len(plain), \
-                f"n={n} rank {rank}, {run}: the run with batches skipped differs at steps {differ}"
-        for run in ("skip", "skip_in_place"):
-            r = runs[run]
-            assert r["started"] > 0, f"n={n} rank {rank}, {run}: no bucket started from the hooks"
-            assert r["restarts"] == 1, f"n={n} rank {rank}, {run}: {r['restarts']} steps " \
-                                       "started their buckets again, expected 1"
-            later = 3 * r["buckets"]  # the three steps after the skip
+        for run, r in runs.items():
+            plain = runs[r["reference"]]["hashes"]
+            differ = [i for i, (a, b) in enumerate(zip(plain, r["hashes"])) if a != b]
+            assert not differ and len(r["hashes"]) == len(plain), \
+                f"n={n} rank {rank}, {run}: the run with batches skipped differs from " \
+                f"{r['reference']} at steps {differ}"
+        # accumulate_skip_half skips after the first of two backward passes, before any hook
+        # started a bucket: no step starts again, and the skipped step's buckets start early too
+        for run in ("skip", "skip_in_place", "accumulate_skip", "accumulate_skip_half",
+                    "scaler_skip"):
+            r, half = runs[run], run == "accumulate_skip_half"
+            assert (r["started"] == 0) == half, \
+                f"n={n} rank {rank}, {run}: {r['started']} buckets started from the hooks " \
+                f"before the skip"
+            restarts = 0 if half else 1
+            assert r["restarts"] == restarts, f"n={n} rank {rank}, {run}: {r['restarts']} " \
+                f"steps started their buckets again, expected {restarts}"
+            later = (4 if half else 3) * r["buckets"]  # the steps after the skip
             assert r["early_after"] == later, \
                 f"n={n} rank {rank}, {run}: {r['early_after']} buckets started during backward " \
                 f"after the skip, expected {later}: the skip turned the overlap off"
-        about = [w for run in ("skip", "skip_in_place", "no_overlap")
-                 for w in runs[run]["warnings"] if "overlap off" in w or "race" in w]
+        about = [w for run, r in runs.items() if run != "every"
+                 for w in r["warnings"] if "overlap off" in w or "race" in w]
         assert not about, f"n={n} rank {rank}: warned {about}"
         # zeroed before every step: the second in a row turns the overlap off, saying why
         every = runs["every"]

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import hashlib
 import warnings
+from dataclasses import dataclass
 
 import horovod.torch as hvd
 import torch
@@ -95,43 +96,79 @@ def closure_steps(steps=10, freeze_step=3) -> dict:
     return out
 
 
+@dataclass(frozen=True)
+class Skips:
+    """One run of :func:`skipped_batch`: the steps whose batch is skipped after its backward,
+    and how the run trains."""
+
+    steps: frozenset = frozenset()
+    overlap: bool = True
+    synchronize: bool = True  # synchronize() before the skip's zero_grad(), Horovod's way
+    set_to_none: bool = True
+    after_passes: int = 1  # backward passes of the skipped batch before its zero_grad()
+    passes: int = 1  # backward_passes_per_step
+    scaler: bool = False  # a GradScaler: scaler.step(opt), scaler.update()
+    reference: str = "plain"  # the run that never computed the skipped batches
+
+
+def skip_plans(steps: int, freeze_step: int, skip_at: int) -> dict:
+    one = frozenset({skip_at})
+    return {"plain": Skips(), "skip": Skips(one), "skip_in_place": Skips(one, set_to_none=False),
+            "every": Skips(frozenset(range(freeze_step, steps))),
+            "no_overlap": Skips(one, overlap=False, synchronize=False),
+            "accumulate": Skips(passes=2, reference="accumulate"),
+            "accumulate_skip": Skips(one, after_passes=2, passes=2, reference="accumulate"),
+            "accumulate_skip_half": Skips(one, passes=2, reference="accumulate"),
+            "scaler": Skips(scaler=True, reference="scaler"),
+            "scaler_skip": Skips(one, scaler=True, reference="scaler")}
+
+
 def skipped_batch(steps=12, freeze_step=3, skip_at=8) -> dict:
     """Batches skipped after their backward in compressed steps (zero_grad() before step(),
-    Horovod's way: synchronize() first), each run against one that never computed them:
-    parameter hashes per step, the buckets started early at the skip and after it, the
-    restarts and the warnings. Runs: "skip" (one batch), "skip_in_place" (one, its gradients
-    zeroed in place: set_to_none=False), "every" (a batch skipped before every compressed
-    step), "no_overlap" (one, with overlap=False and no synchronize(): nothing was in
-    flight)."""
-    plans = {"plain": (set(), True, True, True), "skip": ({skip_at}, True, True, True),
-             "skip_in_place": ({skip_at}, True, True, False),
-             "every": (set(range(freeze_step, steps)), True, True, True),
-             "no_overlap": ({skip_at}, False, False, True)}
+    Horovod's way: synchronize() first), each run against one that never computed them
+    (:func:`skip_plans`): parameter hashes per step, the buckets started early at the skip and
+    after it, the restarts and the warnings."""
     out = {}
-    for run, (skips, overlap, sync, to_none) in plans.items():
+    for run, plan in skip_plans(steps, freeze_step, skip_at).items():
         model = make_model()
         opt = hvd_onebit.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2),
                                               named_parameters=model.named_parameters(),
                                               freeze_step=freeze_step, bucket_size_mb=0.002,
-                                              variance_refresh=None, overlap=overlap)
+                                              variance_refresh=None, overlap=plan.overlap,
+                                              backward_passes_per_step=plan.passes)
+        amp = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8) if plan.scaler else None
+
+        def backward(seed, passes):
+            for k in range(passes):
+                x, y = batch(seed * plan.passes + k, hvd.rank())
+                loss = nn.functional.mse_loss(model(x), y)
+                (amp.scale(loss) if amp else loss).backward()
+
         hashes, got = [], {}
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             for step in range(steps):
-                if step in skips:
+                if step in plan.steps:
                     opt.zero_grad()
-                    x, y = batch(1000 + step, hvd.rank())
-                    nn.functional.mse_loss(model(x), y).backward()
+                    backward(1000 + step, plan.after_passes)
                     if step == skip_at:
                         got["started"] = opt.compressed_step.started
                         before = opt.compressed_step.early_starts
-                    if sync:
+                    if plan.synchronize:
                         opt.synchronize()
-                    opt.zero_grad(set_to_none=to_none)
-                train(model, opt, 1, start=step, hashes=hashes)
+                    opt.zero_grad(set_to_none=plan.set_to_none)
+                opt.zero_grad()
+                backward(step, plan.passes)
+                if amp:
+                    amp.step(opt)
+                    amp.update()
+                else:
+                    opt.step()
+                hashes.append(params_hash(model))
         got.update(hashes=hashes, restarts=opt.compressed_step.restarts,
-                   early_after=opt.compressed_step.early_starts - before if skips else None,
-                   buckets=len(opt.compressed_step.buckets),
+                   early_after=(opt.compressed_step.early_starts - before
+                                if plan.steps else None),
+                   buckets=len(opt.compressed_step.buckets), reference=plan.reference,
                    warnings=[str(w.message) for w in caught])
         out[run] = got
     return out
