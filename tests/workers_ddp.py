@@ -7,6 +7,7 @@ import contextlib
 import copy
 import os
 import warnings
+from dataclasses import dataclass
 from functools import partial
 from typing import Callable, Optional
 
@@ -328,36 +329,68 @@ def rebuilt(before: int = FREEZE + 2, after: int = 3) -> dict:
             "old_started": old._engine.started}
 
 
+@dataclass(frozen=True)
+class Skip:
+    """One run of :func:`skipped_batch`."""
+
+    zero: Optional[str] = None  # the skip's zero_grad: "opt" or "model"; None: no skip
+    micro: int = 1  # backward passes per step, all but the last under no_sync()
+    passes: int = 1  # backward passes of the skipped batch before it is zeroed
+    scaler: bool = False  # a GradScaler: scaler.step(opt), scaler.update()
+
+    @property
+    def reference(self) -> "Skip":
+        """The run that never computed the skipped batch."""
+        return Skip(micro=self.micro, scaler=self.scaler)
+
+
+SKIPS = {"opt": Skip("opt"), "model": Skip("model"),
+         "accumulate": Skip("opt", micro=2, passes=2),
+         "accumulate_half": Skip("opt", micro=2, passes=1),  # zeroed inside no_sync()
+         "scaler": Skip("opt", scaler=True)}
+
+
 def skipped_batch(steps: int = FREEZE + 5) -> dict:
     """A batch skipped after its backward (zero_grad() and on to the next batch) in a compressed
-    step whose buckets the gradient hooks started: the step after it is the same bits as in a
-    run that never computed that batch (against such a run), and the buckets of the steps
-    after that still start during backward."""
-    runs, out = [], {}
-    for skip in (None, "opt", "model"):  # no skip; zeroed by opt.zero_grad(), model.zero_grad()
+    step whose buckets the gradient hooks started (:data:`SKIPS`): the step after it is the same
+    bits as in a run that never computed that batch (against such a run), and the buckets of
+    the steps after that still start during backward."""
+    out, references = {}, {}
+    plans = [(plan.reference, None) for plan in SKIPS.values()] + list(
+        (plan, name) for name, plan in SKIPS.items())
+    for plan, name in plans:
+        if name is None and plan in references:
+            continue
         model = make_model()
         opt = onebit(model)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8) if plan.scaler else None
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             for step in range(steps):
-                if step == FREEZE and skip:
+                if step == FREEZE and plan.zero:
                     opt.zero_grad()
-                    x, y = batch(1000 + step, dist.get_rank())
-                    torch.nn.functional.mse_loss(model(x), y).backward()
+                    for k in range(plan.passes):
+                        with model.no_sync() if k < plan.micro - 1 else contextlib.nullcontext():
+                            x, y = batch(1000 + step, dist.get_rank(), k)
+                            loss = torch.nn.functional.mse_loss(model(x), y)
+                            (loss if scaler is None else scaler.scale(loss)).backward()
                     started = opt.compressed_step.started
                     before = opt.compressed_step.early_starts
-                    (opt if skip == "opt" else model).zero_grad()
-                train_step(model, opt, step, zero_model=skip == "model")
-        runs.append(params_of(model))
-        if skip:
-            later = (steps - FREEZE - 1) * len(opt.compressed_step.buckets)
-            out[skip] = {
-                "started": started,
-                "early_after": (opt.compressed_step.early_starts - before, later),
-                "restarts": opt.compressed_step.restarts,
-                "overlap_warnings": [str(w.message) for w in caught
-                                     if "overlap off" in str(w.message)],
-                "differences": differences(runs[0], runs[-1], "the run with a batch skipped")}
+                    (opt if plan.zero == "opt" else model).zero_grad()
+                train_step(model, opt, step, pattern={"micro": plan.micro}, scaler=scaler,
+                           zero_model=plan.zero == "model")
+        if name is None:
+            references[plan] = params_of(model)
+            continue
+        buckets = len(opt.compressed_step.buckets)
+        out[name] = {
+            "started": started, "buckets": buckets,
+            "early_after": opt.compressed_step.early_starts - before,
+            "restarts": opt.compressed_step.restarts,
+            "overlap_warnings": [str(w.message) for w in caught
+                                 if "overlap off" in str(w.message)],
+            "differences": differences(references[plan.reference], params_of(model),
+                                       "the run with a batch skipped")}
     return out
 
 
