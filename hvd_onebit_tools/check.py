@@ -1,6 +1,8 @@
 """`hvd-onebit check`: what this environment will use, each part OK or the fix, in the spirit of
 `horovodrun --check-build`. Every probe returns a :class:`Finding`; :func:`findings` runs them
-all, :func:`report` prints them."""
+all, :func:`report` prints them and which faces can run here: the Horovod face (horovodrun)
+needs Horovod, the DDP face (torchrun) torch.distributed, and a part one face needs does not
+hold the other back."""
 from __future__ import annotations
 
 import dataclasses
@@ -10,22 +12,24 @@ import importlib.util
 import os
 import subprocess
 import sys
-from typing import Callable, List
+from typing import Callable, Dict, List, Tuple
 
 OK, FIX, INFO = "OK", "FIX", "--"
+HOROVOD, DDP = "horovod", "ddp"
+FACES = {HOROVOD: "the Horovod face (horovodrun)", DDP: "the DDP face (torchrun)"}
 SHM_ADVISED = 1 << 30  # bytes free in /dev/shm below which hierarchical's segments may not fit
 
 
 @dataclasses.dataclass(frozen=True)
 class Finding:
     """One part of the environment: its name, OK / FIX / -- (not needed here), what was found,
-    the fix when there is one, and whether a job cannot run without it (``required``)."""
+    the fix when there is one, and the faces (:data:`FACES`) that cannot run without it."""
 
     part: str
     status: str
     found: str
     fix: str = ""
-    required: bool = False
+    needed_by: Tuple[str, ...] = ()
 
 
 def _version(dist: str) -> str:
@@ -42,40 +46,49 @@ def check_torch() -> Finding:
         device = f"cuda ({torch.cuda.device_count()} x {torch.cuda.get_device_name(0)})"
     else:
         device = "cpu (no CUDA device)"
-    return Finding("torch", OK, f"{torch.__version__}, device {device}", required=True)
+    return Finding("torch", OK, f"{torch.__version__}, device {device}",
+                   needed_by=tuple(FACES))
 
 
-def check_distributed() -> Finding:
-    """Horovod and its controllers, else torch.distributed's backends."""
-    if importlib.util.find_spec("horovod") is not None:
-        try:
-            import horovod.torch as hvd
-        except Exception as exc:  # noqa: BLE001 - any import failure is a broken build
-            return Finding("horovod", FIX, f"{_version('horovod')} does not import with torch: "
-                           f"{exc}", "rebuild Horovod against this torch: HOROVOD_WITH_PYTORCH=1 "
-                           "pip install --no-cache-dir --no-build-isolation horovod",
-                           required=True)
-        controllers = [name for name, built in (("mpi", hvd.mpi_built()),
-                                                ("gloo", hvd.gloo_built())) if built]
-        ops = [name for name, built in (("nccl", hvd.nccl_built()),) if built]
-        found = f"{_version('horovod')}: controllers {', '.join(controllers) or 'none'}"
-        found += f"; GPU ops {', '.join(ops)}" if ops else ""
-        if not controllers:
-            return Finding("horovod", FIX, found, "rebuild Horovod with HOROVOD_WITH_GLOO=1 or "
-                           "HOROVOD_WITH_MPI=1", required=True)
-        return Finding("horovod", OK, found, required=True)
+def check_horovod() -> Finding:
+    """Horovod and its controllers: the Horovod face's, which the DDP face does without."""
+    install = "HOROVOD_WITH_PYTORCH=1 pip install --no-cache-dir --no-build-isolation horovod"
+    if importlib.util.find_spec("horovod") is None:
+        return Finding("horovod", INFO, "not installed (the Horovod face needs it; the DDP face "
+                       "does not)", f"for the Horovod face: {install}", needed_by=(HOROVOD,))
+    try:
+        import horovod.torch as hvd
+    except Exception as exc:  # noqa: BLE001 - any import failure is a broken build
+        return Finding("horovod", FIX, f"{_version('horovod')} does not import with torch: "
+                       f"{exc}", f"rebuild Horovod against this torch: {install}",
+                       needed_by=(HOROVOD,))
+    controllers = [name for name, built in (("mpi", hvd.mpi_built()),
+                                            ("gloo", hvd.gloo_built())) if built]
+    ops = [name for name, built in (("nccl", hvd.nccl_built()),) if built]
+    found = f"{_version('horovod')}: controllers {', '.join(controllers) or 'none'}"
+    found += f"; GPU ops {', '.join(ops)}" if ops else ""
+    if not controllers:
+        return Finding("horovod", FIX, found, "rebuild Horovod with HOROVOD_WITH_GLOO=1 or "
+                       "HOROVOD_WITH_MPI=1", needed_by=(HOROVOD,))
+    return Finding("horovod", OK, found, needed_by=(HOROVOD,))
+
+
+def check_torch_distributed() -> Finding:
+    """torch.distributed's backends: the DDP face's (the Horovod face's compressed steps use
+    them where they are there, Horovod's own collectives where not)."""
     import torch.distributed as dist
 
     if not dist.is_available():
-        return Finding("distributed", FIX, "no Horovod, and this torch has no torch.distributed",
-                       "a torch with distributed support, or Horovod built against this torch: "
-                       "HOROVOD_WITH_PYTORCH=1 pip install --no-build-isolation horovod",
-                       required=True)
+        return Finding("torch.distributed", FIX, "not in this torch build",
+                       "a torch build with distributed support (PyPI's wheels have it)",
+                       needed_by=(DDP,))
     backends = [b for b, ok in (("gloo", dist.is_gloo_available()),
                                 ("nccl", dist.is_nccl_available()),
                                 ("mpi", dist.is_mpi_available())) if ok]
-    return Finding("distributed", OK, "no Horovod (the DDP face needs none); torch.distributed "
-                   f"with {', '.join(backends) or 'no backend'}", required=True)
+    if not backends:
+        return Finding("torch.distributed", FIX, "no backend (gloo, nccl or mpi)",
+                       "a torch build with Gloo (PyPI's wheels have it)", needed_by=(DDP,))
+    return Finding("torch.distributed", OK, f"backends {', '.join(backends)}", needed_by=(DDP,))
 
 
 def check_native() -> Finding:
@@ -84,7 +97,7 @@ def check_native() -> Finding:
     native = load_native()
     if native.module is not None:
         return Finding("native kernels", OK, f"{native.origin} (CPU sign compression fused in "
-                       "C++)", required=False)
+                       "C++)")
     return Finding("native kernels", FIX, f"none: CPU runs use the slower torch kernels "
                    f"({native.reason})", NATIVE_FIX)
 
@@ -152,35 +165,58 @@ def check_mpi_thread_level(timeout: float = 60.0) -> Finding:
                    "use an MPI built with thread support, or transport='horovod'")
 
 
-PROBES: List[Callable[[], Finding]] = [check_torch, check_distributed, check_native,
-                                       check_triton, check_shm, check_mpi_thread_level]
+PROBES: List[Callable[[], Finding]] = [check_torch, check_horovod, check_torch_distributed,
+                                       check_native, check_triton, check_shm,
+                                       check_mpi_thread_level]
 
 
 def findings() -> List[Finding]:
     return [probe() for probe in PROBES]
 
 
+def face_blocking(found: List[Finding]) -> Dict[str, List[str]]:
+    """Each face's parts that are not OK: the face runs here when its list is empty."""
+    return {face: [f.part for f in found if face in f.needed_by and f.status != OK]
+            for face in FACES}
+
+
 def blocking(found: List[Finding]) -> List[str]:
-    """The parts without which a job cannot run here."""
-    return [f.part for f in found if f.required and f.status == FIX]
+    """What keeps every face from running here (empty when one can run)."""
+    faces = face_blocking(found)
+    if any(not parts for parts in faces.values()):
+        return []
+    return list(dict.fromkeys(part for parts in faces.values() for part in parts))
+
+
+def readiness(found: List[Finding]) -> str:
+    """The report's last line: which faces can run here, and what the others need."""
+    faces = face_blocking(found)
+    ready = [FACES[face] for face, parts in faces.items() if not parts]
+    others = [f"{FACES[face]} needs {', '.join(parts)}" for face, parts in faces.items()
+              if parts]
+    if not ready:
+        return f"not ready: {'; '.join(others)}"
+    return "; ".join([f"ready: {' and '.join(ready)}"] + others)
 
 
 def report(found: List[Finding]) -> str:
-    """One line per finding, the fix under it; the last line says whether a job can run."""
+    """One line per finding, the fix under it; the last line says which faces can run."""
     width = max(len(f.part) for f in found)
     lines = []
     for f in found:
         lines.append(f"{f.part:<{width}}  {f.status:<3}  {f.found}")
         if f.fix:
             lines.append(f"{'':<{width}}       fix: {f.fix}")
-    blocked = blocking(found)
-    lines.append(f"not ready: {', '.join(blocked)}" if blocked else "ready")
+    lines.append(readiness(found))
     return "\n".join(lines)
 
 
 def report_dict(found: List[Finding]) -> dict:
-    """The report as `check --json` prints it: whether a job can run, what blocks it, and each
-    finding's fields."""
+    """The report as `check --json` prints it: whether a job can run (on either face), what
+    blocks every face, each face's readiness and blocking parts, and each finding's fields."""
+    faces = face_blocking(found)
     blocked = blocking(found)
     return {"ready": not blocked, "blocking": blocked,
+            "faces": {face: {"ready": not parts, "blocking": parts}
+                      for face, parts in faces.items()},
             "parts": [dataclasses.asdict(f) for f in found]}

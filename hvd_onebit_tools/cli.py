@@ -39,13 +39,13 @@ def main() -> None:
               help="The scale model's constants (`bench calibrate`) [default: the cached or "
                    "the shipped ones].")
 @click.option("--json", "as_json", is_flag=True,
-              help="Print JSON instead: ready, blocking, each part's fields, and with --probe "
-                   "the link and the prediction.")
+              help="Print JSON instead: ready, blocking, each face's readiness, each part's "
+                   "fields, and with --probe the link and the prediction.")
 def check(np_, probe, params, compute_ms, calibration, as_json) -> None:
-    """Print torch and its device, Horovod's controllers (or torch.distributed), the native
-    kernels, triton, /dev/shm and MPI's thread level, each OK or the fix; exit status 1 when a
-    job cannot run here. With --probe, under horovodrun or torchrun: the link and the
-    predicted speed-up."""
+    """Print torch and its device, Horovod's controllers, torch.distributed's backends, the
+    native kernels, triton, /dev/shm and MPI's thread level, each OK or the fix, and which faces
+    can run here (Horovod's, DDP's); exit status 1 when neither can. With --probe, under
+    horovodrun or torchrun: the link and the predicted speed-up."""
     from .check import blocking, findings, report, report_dict
 
     link, link_lines = None, []

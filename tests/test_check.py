@@ -4,6 +4,7 @@ The fallback runs in a child interpreter with ``HVD_ONEBIT_NATIVE=0``: the loade
 per process, and this process has the native kernels."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -15,9 +16,11 @@ import torch
 
 from hvd_onebit import kernels
 from hvd_onebit.kernels.native_loader import load_native
-from hvd_onebit_tools.check import FIX, OK, findings, report
+from hvd_onebit_tools.check import (FACES, FIX, OK, Finding, blocking, findings, readiness,
+                                    report)
 
 REPO = Path(__file__).resolve().parents[1]
+BOTH = f"{FACES['horovod']} and {FACES['ddp']}"
 
 from .cli import hvd_onebit
 
@@ -66,15 +69,17 @@ def test_asking_for_native_kernels_that_are_off_names_why():
 def test_check_reports_every_part_and_ready_here():
     found = findings()
     parts = [f.part for f in found]
-    assert parts == ["torch", "horovod", "native kernels", "triton", "/dev/shm",
-                     "MPI thread level"]
+    assert parts == ["torch", "horovod", "torch.distributed", "native kernels", "triton",
+                     "/dev/shm", "MPI thread level"]
     by_part = {f.part: f for f in found}
     assert by_part["torch"].found.startswith(torch.__version__), by_part["torch"]
     assert by_part["horovod"].status == OK and "gloo" in by_part["horovod"].found, by_part
+    assert by_part["torch.distributed"].status == OK and \
+        "gloo" in by_part["torch.distributed"].found, by_part
     assert by_part["native kernels"].status == OK, by_part["native kernels"]
     assert by_part["MPI thread level"].status == OK, by_part["MPI thread level"]
     text = report(found)
-    assert text.splitlines()[-1] == "ready", text
+    assert text.splitlines()[-1] == f"ready: {BOTH}", text
     assert all(f.fix for f in found if f.status == FIX), f"a FIX without its fix: {found}"
 
 
@@ -87,7 +92,7 @@ def test_check_command_prints_the_report_and_a_fix_where_kernels_are_off():
     native = [i for i, line in enumerate(lines) if line.startswith("native kernels")]
     assert len(native) == 1 and " FIX " in lines[native[0]], out.stdout
     assert "fix: install a C++ compiler" in lines[native[0] + 1], out.stdout
-    assert lines[-1] == "ready", out.stdout
+    assert lines[-1] == f"ready: {BOTH}", out.stdout
     out = subprocess.run([sys.executable, "-m", "hvd_onebit_tools.cli", "check", "--json"],
                          capture_output=True, text=True, timeout=300,
                          env=dict(os.environ, HVD_ONEBIT_NATIVE="0"))
@@ -95,8 +100,73 @@ def test_check_command_prints_the_report_and_a_fix_where_kernels_are_off():
     parts = {p["part"]: p for p in report_json["parts"]}
     assert out.returncode == 0 and report_json["ready"] and report_json["blocking"] == [], \
         out.stdout
+    assert report_json["faces"] == {"horovod": {"ready": True, "blocking": []},
+                                    "ddp": {"ready": True, "blocking": []}}, report_json
     assert parts["native kernels"]["status"] == FIX and \
         parts["native kernels"]["fix"].startswith("install a C++ compiler"), parts
+
+
+BROKEN_HOROVOD = 'raise ImportError("undefined symbol: _ZN3c10 (built against another torch)")\n'
+BLOCK_HOROVOD = ("import sys, runpy; sys.modules['horovod'] = None; sys.argv[0] = 'hvd-onebit'; "
+                 "runpy.run_module('hvd_onebit_tools.cli', run_name='__main__')")
+
+
+def _check(*argv, **env) -> tuple[subprocess.CompletedProcess, dict]:
+    """``hvd-onebit check`` (with ``argv`` before it: how the interpreter starts the CLI) and
+    ``check --json`` in children with ``env`` added."""
+    env = dict(os.environ, **env)
+    argv = argv or ("-m", "hvd_onebit_tools.cli")
+    out = subprocess.run([sys.executable, *argv, "check"], capture_output=True, text=True,
+                         timeout=300, env=env)
+    as_json = subprocess.run([sys.executable, *argv, "check", "--json"], capture_output=True,
+                             text=True, timeout=300, env=env)
+    assert as_json.returncode == out.returncode, (out, as_json)
+    return out, json.loads(as_json.stdout)
+
+
+def test_a_broken_horovod_keeps_the_ddp_face_ready(tmp_path):
+    """Horovod installed but not importable (built against another torch): FIX with the
+    rebuild, the DDP face still ready, and the exit status 0 (a DDP job runs here)."""
+    (tmp_path / "horovod" / "torch").mkdir(parents=True)
+    (tmp_path / "horovod" / "__init__.py").write_text("")
+    (tmp_path / "horovod" / "torch" / "__init__.py").write_text(BROKEN_HOROVOD)
+    out, report_json = _check(PYTHONPATH=os.pathsep.join([str(tmp_path), str(REPO)]))
+    lines = out.stdout.splitlines()
+    horovod = [i for i, line in enumerate(lines) if line.startswith("horovod ")]
+    assert len(horovod) == 1 and " FIX " in lines[horovod[0]] and \
+        "undefined symbol" in lines[horovod[0]], out.stdout
+    assert "fix: rebuild Horovod against this torch" in lines[horovod[0] + 1], out.stdout
+    assert lines[-1] == f"ready: {FACES['ddp']}; {FACES['horovod']} needs horovod", out.stdout
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert (report_json["ready"], report_json["blocking"], report_json["faces"]) == \
+        (True, [], {"horovod": {"ready": False, "blocking": ["horovod"]},
+                    "ddp": {"ready": True, "blocking": []}}), report_json
+
+
+def test_without_horovod_the_ddp_face_is_ready_and_the_install_is_named():
+    out, report_json = _check("-c", BLOCK_HOROVOD)
+    lines = out.stdout.splitlines()
+    horovod = [i for i, line in enumerate(lines) if line.startswith("horovod ")]
+    assert len(horovod) == 1 and " -- " in lines[horovod[0]] and \
+        "not installed" in lines[horovod[0]], out.stdout
+    assert "fix: for the Horovod face: HOROVOD_WITH_PYTORCH=1 pip install" in \
+        lines[horovod[0] + 1], out.stdout
+    assert lines[-1] == f"ready: {FACES['ddp']}; {FACES['horovod']} needs horovod", out.stdout
+    assert out.returncode == 0 and report_json["ready"], out.stdout + out.stderr
+
+
+def test_readiness_names_each_face_and_what_blocks_it():
+    """No face ready: exit status 1's report names each face's missing parts; torch missing
+    blocks both."""
+    torch_ok = Finding("torch", OK, "2", needed_by=tuple(FACES))
+    hvd_fix = Finding("horovod", FIX, "broken", "rebuild", needed_by=("horovod",))
+    dist_fix = Finding("torch.distributed", FIX, "none", "a build", needed_by=("ddp",))
+    found = [torch_ok, hvd_fix, dist_fix]
+    assert readiness(found) == (f"not ready: {FACES['horovod']} needs horovod; "
+                                f"{FACES['ddp']} needs torch.distributed")
+    assert blocking(found) == ["horovod", "torch.distributed"]
+    torch_fix = dataclasses.replace(torch_ok, status=FIX)
+    assert blocking([torch_fix, dataclasses.replace(hvd_fix, status=OK)]) == ["torch"]
 
 
 def test_help_lists_check_and_the_cluster():
