@@ -83,6 +83,26 @@ def test_auto_checkpoint_after_the_decision_stays_frozen_there(auto_full, auto_r
                            f"rank {rank}: resumed at {step + 3} vs the uninterrupted run")
 
 
+@pytest.mark.multirank
+def test_auto_checkpoint_sent_by_rank_0_freezes_at_one_step_on_every_rank(auto_full, auto_runs):
+    """Rank 0 loads a checkpoint from before the decision, with its record of the variance, and
+    Horovod's broadcast sends the state alone: every rank restarts its record together (with a
+    warning), so every rank freezes at the same step, however late, and none waits on another."""
+    step = auto_full[0]["freeze_step"]
+    resumed = scenario(auto_runs, "broadcast")
+    decided = [r["freeze_step"] for r in resumed]
+    assert decided[0] is not None and decided == [decided[0]] * len(resumed) \
+        and decided[0] >= step, f"resumed at {step - 3} on rank 0 and broadcast: the ranks " \
+                                f"froze at {decided}, the uninterrupted run at {step}"
+    for rank, r in enumerate(resumed):
+        assert r["seen"] == resumed[0]["seen"], \
+            f"rank {rank}: (phase, freeze_step) before each step {r['seen']}, rank 0's " \
+            f"{resumed[0]['seen']}"
+        assert len(r["warnings"]) == 1 and f"new record at step {step - 3}" in r["warnings"][0], \
+            f"rank {rank}: warnings {r['warnings']}"
+        assert_same_params(r["params"], resumed[0]["params"], f"rank {rank} vs rank 0")
+
+
 # ---- flush_error_feedback: the engine on virtual ranks ----------------------------------------------
 
 def expected_fold(ranks: list[dict]) -> list[torch.Tensor]:

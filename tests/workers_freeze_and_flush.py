@@ -74,9 +74,12 @@ def _load(opt, model, where: Path, error_feedback: bool = True) -> None:
         opt.load_error_feedback_state_dict(torch.load(where / f"ef.rank{hvd.rank()}.pt"))
 
 
-def auto_freeze_run(ckpt_dir, total=30, resume_from: Optional[int] = None, save_every=False):
+def auto_freeze_run(ckpt_dir, total=30, resume_from: Optional[int] = None, save_every=False,
+                    broadcast=False):
     """freeze_step="auto" on the toy model. ``save_every``: a checkpoint after every step (under
-    ckpt_dir/step<k>); ``resume_from=k``: start from that checkpoint in this new job."""
+    ckpt_dir/step<k>); ``resume_from=k``: start from that checkpoint in this new job, loaded on
+    every rank, or with ``broadcast`` on rank 0 and sent on with Horovod's
+    hvd.broadcast_parameters and hvd.broadcast_optimizer_state."""
     handler = _Records()
     logging.getLogger("hvd_onebit").addHandler(handler)
     logging.getLogger("hvd_onebit").setLevel(logging.INFO)
@@ -86,11 +89,16 @@ def auto_freeze_run(ckpt_dir, total=30, resume_from: Optional[int] = None, save_
                                           freeze_step="auto",
                                           experimental=Experimental(auto_freeze=AUTO))
     ckpt = Path(ckpt_dir)
-    if resume_from is not None:
+    if resume_from is not None and not broadcast:
         _load(opt, model, ckpt / f"step{resume_from}")
+    elif resume_from is not None:
+        if hvd.rank() == 0:
+            _load(opt, model, ckpt / f"step{resume_from}", error_feedback=False)
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        hvd.broadcast_optimizer_state(opt, root_rank=0)
     seen, start = [], opt.steps
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         for step in range(start, total):
             _train(model, opt, [step], seen)
             if save_every:
@@ -99,7 +107,8 @@ def auto_freeze_run(ckpt_dir, total=30, resume_from: Optional[int] = None, save_
     logging.getLogger("hvd_onebit").removeHandler(handler)
     return {"start": start, "seen": seen, "freeze_step": opt.freeze_step,
             "decision": opt.freeze_decision, "phase": opt.phase, "log": handler.messages,
-            "params": params_bytes(model), "steps": opt.steps}
+            "params": params_bytes(model), "steps": opt.steps,
+            "warnings": [str(w.message) for w in caught if "freeze_step='auto'" in str(w.message)]}
 
 
 def auto_freeze_suite(ckpt_dir, total=30) -> dict:
@@ -119,6 +128,8 @@ def auto_freeze_suite(ckpt_dir, total=30) -> dict:
                                           resume_from=full["run"]["freeze_step"] - 1),
         "after": lambda: auto_freeze_run(ckpt_dir, total,
                                          resume_from=full["run"]["freeze_step"] + 3),
+        "broadcast": lambda: auto_freeze_run(ckpt_dir, total, broadcast=True,
+                                             resume_from=full["run"]["freeze_step"] - 3),
     }, hvd.rank())
 
 

@@ -178,7 +178,8 @@ class Phases:
         if not self.compressed_next():
             self.compression.overlap.remember_scaler(grad_scaler)
             kind = self.refresh if self.compressing() else self.warmup
-            take(kind, self.warmup, self._telemetry, make_hook, scaler, self._ranks_with)
+            take(kind, self.warmup, self._telemetry, make_hook, scaler, self._ranks_with,
+                 self._schedule)
         else:
             self._compressed_step(grad_scaler, scaler)
         self._calls += 1

@@ -16,6 +16,7 @@ from __future__ import annotations
 import warnings
 from typing import Callable, Optional, Protocol
 
+from ..state.schedule import Schedule
 from ..state.telemetry import Telemetry
 from .amp import ScalerView
 from .gradients import all_finite
@@ -57,12 +58,14 @@ class FullPrecisionStep(Protocol):
 
 def take(kind: FullPrecisionStep, allreduce: GradientAllreduce, telemetry: Telemetry,
          make_hook: Callable, scaler: Optional[ScalerView],
-         ranks_with: Callable[[tuple[bool, ...]], tuple[int, ...]]) -> None:
+         ranks_with: Callable[[tuple[bool, ...]], tuple[int, ...]], schedule: Schedule) -> None:
     """One step of ``kind``: Horovod's synchronize (``allreduce``), the scaler's prologue, then
     ``kind.apply`` unless an averaged gradient is non-finite on any rank (``ranks_with(flags)``:
     on how many ranks each flag is set; every rank skips alike), then ``kind.account()``.
     Raises on every rank, nothing changed, if the script changed gradients in flight on any
-    rank."""
+    rank. The same sum tells whether the auto freeze's record is stale on any rank
+    (:meth:`~hvd_onebit.state.schedule.Schedule.record_stale`): every rank then restarts its
+    record before the update, so every rank decides the freeze from the same one."""
     allreduce.wait_seconds = 0.0
     telemetry.last_step_breakdown = {}
     kind.begin()
@@ -73,9 +76,12 @@ def take(kind: FullPrecisionStep, allreduce: GradientAllreduce, telemetry: Telem
         here = not scaler.found_inf()
     else:
         here = all_finite(allreduce.averaged_gradients())
-    nonfinite, raced = ranks_with((not here, race is not None))
+    nonfinite, raced, stale = ranks_with((not here, race is not None, schedule.record_stale()))
     if raced:
         raise RuntimeError(race_message(race, raced))
+    if stale:
+        schedule.restart_monitor()
+        warnings.warn(record_restarted_message(schedule.steps, stale))
     finite = nonfinite == 0
     if not finite and scaler is not None and here:
         scaler.skipped()  # another rank's inf: this rank's scaler backs off as that one's does
@@ -87,6 +93,15 @@ def take(kind: FullPrecisionStep, allreduce: GradientAllreduce, telemetry: Telem
     else:
         telemetry.skipped_steps += 1
     kind.account()
+
+
+def record_restarted_message(steps: int, ranks: int) -> str:
+    """The warning every rank gives when the auto freeze's record restarts (:func:`take`)."""
+    return (f"hvd_onebit: freeze_step='auto': {ranks} rank(s) hold a state written in without "
+            f"its record of the variance (hvd.broadcast_optimizer_state sends the state alone), "
+            f"so every rank starts a new record at step {steps}, alike; the freeze may come "
+            f"later than in the run the checkpoint came from. Load the checkpoint on every rank "
+            f"to keep its record")
 
 
 def race_message(race: Optional[str], ranks: int) -> str:

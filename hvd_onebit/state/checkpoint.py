@@ -88,8 +88,7 @@ def load_state_dict(view: OptimizerView, config: OneBitConfig, schedule: Schedul
         schedule.freeze_step = steps
     else:
         schedule.freeze_step = mine
-    if schedule.monitor is not None:
-        schedule.monitor.load_state_dict((meta or {}).get("auto_freeze") or {})
+    schedule.load_monitor((meta or {}).get("auto_freeze") or {})
     init_adam_state(view.adam.param_groups, view.adam.state)
     return bool((meta or {}).get("unflushed_error_feedback", False))
 

@@ -29,6 +29,7 @@ class Schedule:
         view.adam.param_groups[0].setdefault(STEP_KEY, 0)
         view.adam.param_groups[0].setdefault(LOADS_KEY, 0)  # each rank holds it: it is broadcast
         self._known = self._stamp()  # the state as this optimizer last stepped or loaded it
+        self._record_loads = self.loads  # the count of loads the monitor's record belongs to
 
     @property
     def steps(self) -> int:
@@ -128,3 +129,20 @@ class Schedule:
     def restart_monitor(self) -> None:
         if self.monitor is not None:
             self.monitor.restart()
+        self._record_loads = self.loads
+
+    def load_monitor(self, state: dict) -> None:
+        """Adopt a checkpoint's record of the variance (after the state it came with)."""
+        if self.monitor is not None:
+            self.monitor.load_state_dict(state)
+        self._record_loads = self.loads
+
+    def record_stale(self) -> bool:
+        """Whether the auto freeze's record of the variance (still undecided) is not that of
+        the state now held: a state was written in from outside without it (rank 0 loaded a
+        checkpoint, with its record, and ``hvd.broadcast_optimizer_state`` sent the state
+        alone). Ranks whose records differ would freeze at different steps; every rank
+        restarts its record when any rank's is stale (:func:`~hvd_onebit.phases.full_precision
+        .take`)."""
+        return (self.monitor is not None and self.freeze_step is None
+                and self._record_loads != self.loads)
