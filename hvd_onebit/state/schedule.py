@@ -141,8 +141,8 @@ class Schedule:
         """Whether the auto freeze's record of the variance (still undecided) is not that of
         the state now held: a state was written in from outside without it (rank 0 loaded a
         checkpoint, with its record, and ``hvd.broadcast_optimizer_state`` sent the state
-        alone). Ranks whose records differ would freeze at different steps; every rank
-        restarts its record when any rank's is stale (:func:`~hvd_onebit.phases.full_precision
-        .take`)."""
+        alone). Ranks whose records differ would freeze at different steps: every rank
+        restarts its record when any rank's is stale, in the full-precision step's agreement
+        (:func:`hvd_onebit.phases.full_precision.take`)."""
         return (self.monitor is not None and self.freeze_step is None
                 and self._record_loads != self.loads)
