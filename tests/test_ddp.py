@@ -214,7 +214,9 @@ def test_refusals_are_clear_on_every_rank(world):
                   "sgd": "hvd_onebit.ddp.DistributedOptimizer wraps torch.optim.Adam",
                   "sparse": "sparse gradient; Adam needs dense gradients: the DDP face takes "
                             "dense gradients only",
-                  "join": "does not train inside DDP's join() context (uneven inputs)"}
+                  "join": "does not train inside DDP's join() context (uneven inputs)",
+                  "split": "1 parameter(s) the DDP model averages are not in this optimizer "
+                           f"({r['split_name']}): in compressed steps DDP averages no gradient"}
         for case, part in wanted.items():
             assert r[case].split(":")[0] in ("ValueError", "TypeError") and part in r[case], \
                 f"n={n} rank {rank} {case}: {r[case]!r}, want it to say {part!r}"

@@ -456,6 +456,11 @@ def refusals() -> dict:
     out["process_group"] = refused(lambda: onebit(shared, process_group="world"))
     out["sgd"] = refused(lambda: hvd_onebit.ddp.DistributedOptimizer(
         torch.optim.SGD(shared.parameters(), lr=0.1), shared, freeze_step=FREEZE))
+    # the model's last parameter left to another optimizer, on every rank
+    split = make_model()
+    out["split_name"] = list(split.module.named_parameters())[-1][0]
+    out["split"] = refused(lambda: hvd_onebit.ddp.DistributedOptimizer(
+        torch.optim.Adam(list(split.parameters())[:-1]), split, freeze_step=FREEZE))
     out["unfrozen"] = [unfrozen_later(at) for at in (1, FREEZE + 1)]
     out["sparse"] = refused(sparse_embedding_step)
     joined = make_model()

@@ -76,6 +76,18 @@ def check(model, param_groups: list[dict], process_group, config: OneBitConfig):
         check_same_job(JobSignature.of(param_groups, names, config),
                        lambda mine: gather_rows(mine, param_groups, group),
                        "hvd_onebit.ddp.DistributedOptimizer")
+    # after the ranks were found to hold the same optimizer: raised alike on every rank
+    ours = {p for g in param_groups for p in g["params"]}
+    others = [name for p, name in names.items() if p not in ours]
+    if others:
+        raise ValueError(
+            f"hvd_onebit.ddp.DistributedOptimizer: {len(others)} parameter(s) the DDP model "
+            f"averages are not in this optimizer ({', '.join(others[:4])}"
+            f"{' ...' if len(others) > 4 else ''}): in compressed steps DDP averages no "
+            "gradient of the model, so another optimizer would train them on each rank's own "
+            "gradients and the ranks would part. Give them to this optimizer (a param group "
+            "of their own for their own lr), set requires_grad=False on those not trained, or "
+            "wrap the modules another optimizer trains in a DDP model of their own")
     return group
 
 
