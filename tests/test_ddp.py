@@ -143,10 +143,14 @@ def test_refresh_steps_with_find_unused_parameters_after_a_branch_used_locally(w
 
 
 @pytest.mark.multirank
-def test_the_optimizer_built_again_as_the_refusal_says_trains_on(world):
+@pytest.mark.parametrize("run", ["rebuilt", "rebuilt_static"])
+def test_the_optimizer_built_again_as_the_refusal_says_trains_on(world, run):
+    """The new DDP model's first iteration is a compressed step; with static_graph=True DDP
+    records its graph there, through its own sync."""
     n, results = world
-    runs = scenario(results, "rebuilt")
+    runs = scenario(results, run)
     for rank, r in enumerate(runs):
+        assert r["differences"] == [], f"n={n} rank {rank} ({run}): {r['differences']}"
         assert "already trained by an hvd_onebit.ddp.DistributedOptimizer" in r["again"], \
             f"n={n} rank {rank}: a second optimizer on the same DDP model: {r['again']!r}"
         assert (r["steps"], r["phase"]) == (FREEZE + 5, "compression"), \

@@ -311,22 +311,31 @@ def refused(build: Callable) -> str:
     return "accepted"
 
 
-def rebuilt(before: int = FREEZE + 2, after: int = 3) -> dict:
-    """The optimizer built again mid-run as the refusal says: the module wrapped in DDP again,
-    the optimizer on that, the old state loaded. The old optimizer's hooks stay on the module's
-    parameters; they must start nothing on its engine."""
-    model = make_model()
+def rebuilt(before: int = FREEZE + 2, after: int = 3, **ddp_options) -> dict:
+    """The optimizer built again mid-run as the refusal says: the module wrapped in DDP again
+    (with ``ddp_options``), the optimizer on that, the old state and this rank's error feedback
+    loaded, against the run that went on. The old optimizer's hooks stay on the module's
+    parameters; they must start nothing on its engine. The new DDP model's first iteration is
+    a compressed step's."""
+    reference = make_model(**ddp_options)
+    ref_opt = onebit(reference)
+    for step in range(before + after):
+        train_step(reference, ref_opt, step)
+    model = make_model(**ddp_options)
     old = onebit(model)
     for step in range(before):
         train_step(model, old, step)
     again = refused(lambda: onebit(model))
-    model = DDP(model.module)
+    model = DDP(model.module, **ddp_options)
     opt = onebit(model)
     opt.load_state_dict(old.state_dict())
+    opt.load_error_feedback_state_dict(old.error_feedback_state_dict())
     for step in range(before, before + after):
         train_step(model, opt, step)
     return {"again": again, "steps": opt.steps, "phase": opt.phase, "params": params_of(model),
-            "old_started": old._engine.started}
+            "old_started": old._engine.started,
+            "differences": differences(params_of(reference), params_of(model),
+                                       "the run with the optimizer built again")}
 
 
 @dataclass(frozen=True)
@@ -608,7 +617,8 @@ def suite(scratch: Optional[str] = None, stage: Optional[str] = None) -> dict:
                      refresh_unused=partial(variance_refresh, "unused", iterations=8),
                      refresh_unused_second_steps=partial(variance_refresh, "unused",
                                                          iterations=8, second_steps=True),
-                     rebuilt=rebuilt, skipped_batch=skipped_batch, closure=closure_steps,
+                     rebuilt=rebuilt, rebuilt_static=partial(rebuilt, static_graph=True),
+                     skipped_batch=skipped_batch, closure=closure_steps,
                      grad_scaler=grad_scaler_skips)
     if stage is not None:
         scenarios["flushed"] = partial(flushed_checkpoint, f"{scratch}/flushed.pt",

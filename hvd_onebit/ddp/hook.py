@@ -45,6 +45,15 @@ def refuse_join(*args, **kwargs):
     raise ValueError(JOIN_REFUSED)
 
 
+def first_static_iteration(model) -> bool:
+    """Whether ``model`` (a DDP module) was built with ``static_graph=True`` and has not run its
+    first iteration: DDP records the graph in that iteration's backward, through its gradient
+    sync, and its reducer asserts if that sync is off (a fresh DDP model whose first step is a
+    compressed one: a resumed run, the optimizer built again)."""
+    return bool(getattr(model, "static_graph", False)) and \
+        not getattr(model, "_static_graph_delay_allreduce_enqueued", True)
+
+
 def check_unhooked(model) -> None:
     """Raise a ValueError if ``model`` (a DDP module) has a communication hook already."""
     hooks = getattr(model, "_comm_hooks", None)
@@ -74,6 +83,9 @@ class CommHook:
         self._watch, self._unwatch = watch, unwatch
         self._final = True  # this backward ends the step (not inside the user's no_sync())
         self._local = False  # this forward's step is compressed: DDP's sync taken off
+        # this compressed step's backward is DDP's first with static_graph: its sync stays on,
+        # and communicate() hands each bucket back as it is (the gradients stay this rank's)
+        self._through_ddp = False
         self.local_steps = 0  # forwards whose step kept its gradients local, over the run
         # The gradients are this rank's own: the last step's backward kept them local (a
         # compressed step's), and nothing averaged them since.
@@ -123,8 +135,10 @@ class CommHook:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
             self._used_locally.clear()
+        self._through_ddp = self._local and self._final and first_static_iteration(model)
         if self._local:
-            model.require_backward_grad_sync = False
+            if not self._through_ddp:
+                model.require_backward_grad_sync = False
             if self._final:
                 self.local_steps += 1
 
@@ -146,7 +160,8 @@ class CommHook:
         if self._local:
             if self._used_locally is not None:
                 self._used_locally.add(p)
-            if self._final and self._overlap is not None:
+            # through DDP's sync the gradient is written again after its bucket: step() starts
+            if self._final and self._overlap is not None and not self._through_ddp:
                 self._overlap.gradient_ready(p)
 
     def _average(self, buffer: torch.Tensor) -> torch.futures.Future:
@@ -193,8 +208,9 @@ class CommHook:
 
     def communicate(self, state, bucket):
         """DDP's hook (``state`` is unused: this object holds its own). No annotations: DDP
-        checks them against its own types. A compressed step never reaches it (DDP's sync is
-        off then), unless its forward ran outside the hooks: then the bucket goes back as it is."""
+        checks them against its own types. A compressed step reaches it only where DDP's sync
+        stayed on (its first iteration with static_graph) or its forward ran outside the hooks:
+        then the bucket goes back as it is."""
         if self._averaging():
             return self._average(bucket.buffer())
         done: torch.futures.Future = torch.futures.Future()
