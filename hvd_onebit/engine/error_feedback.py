@@ -5,8 +5,8 @@ in and out (``state_dict``, a checkpoint's errors applied at the next fusing), r
 warning when it cannot apply, and folds every rank's into the momentum with one exact allreduce
 (:meth:`ErrorFeedback.flush`). It also knows whether the errors hold anything not delivered yet
 (:attr:`ErrorFeedback.outstanding`), which the optimizer's checkpoint records, so that a run
-resumed from a checkpoint saved without its error feedback says so instead of dropping it
-silently (:meth:`ErrorFeedback.expect_saved`).
+resumed from a checkpoint saved before its error feedback was flushed into it says so instead
+of dropping it silently (:meth:`ErrorFeedback.expect_saved`).
 """
 from __future__ import annotations
 
@@ -118,7 +118,8 @@ class ErrorFeedback:
         which has no error feedback and fuses nothing, that is said now. None: nothing
         expected."""
         if step is not None and self.transport.size == 1:
-            warnings.warn(_dropped(step, "this job has one rank, which keeps none"))
+            warnings.warn(_dropped(step, "this job has one rank, which keeps none",
+                                   ANOTHER_WORLD_ADVICE))
             step = None
         self._unsaved_at = step
 
@@ -214,11 +215,17 @@ class ErrorFeedback:
         return nbytes
 
 
-def _dropped(step: int, why: str) -> str:
+SAME_WORLD_ADVICE = ("To keep it, call opt.flush_error_feedback() on every rank before saving "
+                     "(rank 0's state_dict() is then complete), or save each rank's "
+                     "opt.error_feedback_state_dict() and load it after load_state_dict()")
+# each rank's saved errors fit only the same rank of a job of the same size
+ANOTHER_WORLD_ADVICE = ("To keep it on another number of ranks, call opt.flush_error_feedback() "
+                        "on every rank before saving: rank 0's state_dict() is then complete")
+
+
+def _dropped(step: int, why: str, advice: str = SAME_WORLD_ADVICE) -> str:
     """The warning when a checkpoint's undelivered error feedback is dropped at a resume."""
     return (f"hvd_onebit: the checkpoint loaded (step {step}, compression phase) was saved "
-            f"without its error feedback, and {why}: what 1-bit compression had not delivered "
-            "yet is dropped, and the run goes on from zero error feedback, a little off the run "
-            "that never stopped. To keep it, call opt.flush_error_feedback() on every rank "
-            "before saving (rank 0's state_dict() is then complete), or save each rank's "
-            "opt.error_feedback_state_dict() and load it after load_state_dict()")
+            f"before its error feedback was flushed into it, and {why}: what 1-bit compression "
+            "had not delivered yet is dropped, and the run goes on from zero error feedback, a "
+            f"little off the run that never stopped. {advice}")
