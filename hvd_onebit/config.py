@@ -357,13 +357,13 @@ def check_wrapped(optimizer: torch.optim.Optimizer, op_supported: bool,
     check_positive_int("backward_passes_per_step", backward_passes_per_step)
 
 
-def check_one_device(params: Iterable[torch.Tensor]) -> None:
+def check_one_device(params: Iterable[torch.Tensor],
+                     face: str = "hvd_onebit.DistributedOptimizer") -> None:
     """Raise ValueError unless every parameter is on one device: the fused buckets, their
     collectives and the kernels each live on one."""
     devices = sorted({str(p.device) for p in params})
     if len(devices) > 1:
-        raise ValueError("hvd_onebit.DistributedOptimizer needs all parameters on one device, "
-                         f"found {devices}")
+        raise ValueError(f"{face} needs all parameters on one device, found {devices}")
 
 
 def group_masks(group: dict) -> list[Optional[torch.Tensor]]:

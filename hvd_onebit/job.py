@@ -47,14 +47,15 @@ def check_environment(config: OneBitConfig, params: Iterable[torch.Tensor],
         check_transport(config.transport, process_set, params[0].device)
 
 
-def check_parameters(config: OneBitConfig, params: list[torch.Tensor]) -> None:
+def check_parameters(config: OneBitConfig, params: list[torch.Tensor],
+                     face: str = "hvd_onebit.DistributedOptimizer") -> None:
     """The parameters against the options, whatever the job: float dtypes, one device, a
-    kernel backend that runs there. Raises on every rank."""
+    kernel backend that runs there. Raises on every rank, naming ``face``."""
     bad = sorted({str(p.dtype) for p in params if p.dtype not in FLOAT_DTYPES})
     if bad:
-        raise TypeError(f"hvd_onebit.DistributedOptimizer trains float32, float16 and bfloat16 "
-                        f"parameters; got {', '.join(bad)}")
-    check_one_device(params)
+        raise TypeError(f"{face} trains float32, float16 and bfloat16 parameters; got "
+                        f"{', '.join(bad)}")
+    check_one_device(params, face)
     if params:
         kernels.resolve_backend(config.kernel_backend, params[0].device)
 

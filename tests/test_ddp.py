@@ -219,6 +219,8 @@ def test_refusals_are_clear_on_every_rank(world):
                   "sparse": "sparse gradient; Adam needs dense gradients: the DDP face takes "
                             "dense gradients only",
                   "join": "does not train inside DDP's join() context (uneven inputs)",
+                  "float64": "hvd_onebit.ddp.DistributedOptimizer trains float32, float16 and "
+                             "bfloat16 parameters; got torch.float64",
                   "split": "1 parameter(s) the DDP model averages are not in this optimizer "
                            f"({r['split_name']}): in compressed steps DDP averages no gradient"}
         for case, part in wanted.items():

@@ -465,6 +465,7 @@ def refusals() -> dict:
     out["process_group"] = refused(lambda: onebit(shared, process_group="world"))
     out["sgd"] = refused(lambda: hvd_onebit.ddp.DistributedOptimizer(
         torch.optim.SGD(shared.parameters(), lr=0.1), shared, freeze_step=FREEZE))
+    out["float64"] = refused(lambda: onebit(make_model(dtype=torch.float64)))
     # the model's last parameter left to another optimizer, on every rank
     split = make_model()
     out["split_name"] = list(split.module.named_parameters())[-1][0]

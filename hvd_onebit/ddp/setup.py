@@ -71,7 +71,8 @@ def check(model, param_groups: list[dict], process_group, config: OneBitConfig):
                          f"{dist.get_world_size(group)} of {dist.get_world_size()}")
     validate_masks(param_groups)
     check_options(config)
-    check_parameters(config, [p for g in param_groups for p in g["params"]])
+    check_parameters(config, [p for g in param_groups for p in g["params"]],
+                     "hvd_onebit.ddp.DistributedOptimizer")
     if dist.get_world_size(group) > 1:
         check_same_job(JobSignature.of(param_groups, names, config),
                        lambda mine: gather_rows(mine, param_groups, group),
