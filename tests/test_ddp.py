@@ -253,6 +253,24 @@ def test_a_batch_skipped_after_its_backward_leaves_no_trace(world):
 
 
 @pytest.mark.multirank
+def test_a_forward_without_backward_before_a_compressed_step_keeps_the_overlap(world):
+    """A forward that armed DDP's reducer with no backward since (the warmup's last step taken
+    without one): DDP reduces in the next backward although the compressed step turned its
+    sync off, writing the gradients again after their hooks. That step starts its buckets in
+    step() instead, with no warning, and the later steps start theirs during backward."""
+    n, results = world
+    for rank, r in enumerate(scenario(results, "forward_without_backward")):
+        plain, extra = r["plain"], r["extra"]
+        assert r["differences"] == [], f"n={n} rank {rank}: {r['differences']}"
+        assert (extra["restarts"], extra["warnings"]) == (0, []), \
+            f"n={n} rank {rank}: {extra['restarts']} restarts, warnings {extra['warnings']}"
+        first = plain["early"] // 4  # the first of the four compressed steps' buckets
+        assert (plain["early"], extra["early"]) == (4 * first, 3 * first) and first > 0, \
+            f"n={n} rank {rank}: buckets started during backward {extra['early']}, without the " \
+            f"forward {plain['early']}: the first compressed step's should start in step()"
+
+
+@pytest.mark.multirank
 def test_step_with_a_closure_is_backward_then_step(world):
     n, results = world
     for rank, r in enumerate(scenario(results, "closure")):

@@ -403,6 +403,38 @@ def skipped_batch(steps: int = FREEZE + 5) -> dict:
     return out
 
 
+def forward_without_backward(steps: int = FREEZE + 4) -> dict:
+    """The warmup's last step taken without a backward (its gradients zeroed), after a forward
+    with autograd on: the forward arms DDP's reducer, which then reduces in the first compressed
+    step's backward although that step's sync is off. Against the same step without the
+    forward: the differences, the buckets started during backward in the compressed steps, and
+    the warnings about the overlap."""
+    runs, out = [], {}
+    for extra in (False, True):
+        model = make_model()
+        opt = onebit(model)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for step in range(steps):
+                if step == FREEZE:
+                    before = opt.compressed_step.early_starts
+                if step == FREEZE - 1:
+                    opt.zero_grad()
+                    if extra:
+                        model(batch(500, dist.get_rank())[0])
+                    opt.step()
+                    continue
+                train_step(model, opt, step)
+        runs.append(params_of(model))
+        out["extra" if extra else "plain"] = {
+            "early": opt.compressed_step.early_starts - before,
+            "restarts": opt.compressed_step.restarts,
+            "warnings": [str(w.message) for w in caught if "overlap off" in str(w.message)
+                         or "changed between backward and step()" in str(w.message)]}
+    out["differences"] = differences(runs[0], runs[1], "the run with a forward and no backward")
+    return out
+
+
 def closure_steps(steps: int = FREEZE + 4) -> dict:
     """opt.step(closure) against backward + opt.step() through the warmup, refresh steps and
     compressed steps: the differences, and the losses step(closure) returned."""
@@ -620,6 +652,7 @@ def suite(scratch: Optional[str] = None, stage: Optional[str] = None) -> dict:
                                                          iterations=8, second_steps=True),
                      rebuilt=rebuilt, rebuilt_static=partial(rebuilt, static_graph=True),
                      skipped_batch=skipped_batch, closure=closure_steps,
+                     forward_without_backward=forward_without_backward,
                      grad_scaler=grad_scaler_skips)
     if stage is not None:
         scenarios["flushed"] = partial(flushed_checkpoint, f"{scratch}/flushed.pt",

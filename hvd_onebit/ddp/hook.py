@@ -83,9 +83,12 @@ class CommHook:
         self._watch, self._unwatch = watch, unwatch
         self._final = True  # this backward ends the step (not inside the user's no_sync())
         self._local = False  # this forward's step is compressed: DDP's sync taken off
-        # this compressed step's backward is DDP's first with static_graph: its sync stays on,
-        # and communicate() hands each bucket back as it is (the gradients stay this rank's)
+        # this compressed step's backward goes through DDP's sync: DDP's first iteration with
+        # static_graph, or a reducer still armed by a forward with its sync on and no backward
+        # since (an evaluation forward with autograd on); communicate() hands each bucket back
+        # as it is (the gradients stay this rank's)
         self._through_ddp = False
+        self._armed = False  # a forward armed DDP's reducer and no backward has reduced since
         self.local_steps = 0  # forwards whose step kept its gradients local, over the run
         # The gradients are this rank's own: the last step's backward kept them local (a
         # compressed step's), and nothing averaged them since.
@@ -135,12 +138,15 @@ class CommHook:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
             self._used_locally.clear()
-        self._through_ddp = self._local and self._final and first_static_iteration(model)
+        self._through_ddp = self._local and self._final and (
+            self._armed or first_static_iteration(model))
         if self._local:
             if not self._through_ddp:
                 model.require_backward_grad_sync = False
             if self._final:
                 self.local_steps += 1
+        if torch.is_grad_enabled() and model.require_backward_grad_sync:
+            self._armed = True  # DDP's forward arms its reducer for the next backward
 
     def _after_forward(self, model, args, output) -> None:
         """The user's own setting back, and the buffers synchronised at the next forward as DDP
@@ -208,9 +214,10 @@ class CommHook:
 
     def communicate(self, state, bucket):
         """DDP's hook (``state`` is unused: this object holds its own). No annotations: DDP
-        checks them against its own types. A compressed step reaches it only where DDP's sync
-        stayed on (its first iteration with static_graph) or its forward ran outside the hooks:
-        then the bucket goes back as it is."""
+        checks them against its own types. A compressed step reaches it only through DDP's sync
+        kept on (``_through_ddp``) or a forward that ran outside the hooks: then the bucket goes
+        back as it is."""
+        self._armed = False
         if self._averaging():
             return self._average(bucket.buffer())
         done: torch.futures.Future = torch.futures.Future()
