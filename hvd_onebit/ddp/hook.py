@@ -84,9 +84,9 @@ class CommHook:
         self._final = True  # this backward ends the step (not inside the user's no_sync())
         self._local = False  # this forward's step is compressed: DDP's sync taken off
         # this compressed step's backward goes through DDP's sync: DDP's first iteration with
-        # static_graph, or a reducer still armed by a forward with its sync on and no backward
-        # since (an evaluation forward with autograd on); communicate() hands each bucket back
-        # as it is (the gradients stay this rank's)
+        # static_graph, or a reducer still armed by a forward with its sync on (in a step that
+        # averages) whose backward never came; communicate() hands each bucket back as it is
+        # (the gradients stay this rank's)
         self._through_ddp = False
         self._armed = False  # a forward armed DDP's reducer and no backward has reduced since
         self.local_steps = 0  # forwards whose step kept its gradients local, over the run

@@ -128,7 +128,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model, *,
         counters ``last_step_bytes``, ``total_bytes``, ``last_step_comm_seconds``,
         ``total_comm_seconds``.
     """
-    check_wrapped(optimizer, True, 1, face="hvd_onebit.ddp.DistributedOptimizer")
+    check_wrapped(optimizer, True, 1, face=setup.FACE)
     if "transport" in moved:
         raise TypeError("hvd_onebit.ddp.DistributedOptimizer takes no transport: the momentum "
                         "travels on torch.distributed, on the DDP model's group (or "

@@ -26,6 +26,9 @@ from .view import DDPView
 from .warmup import DDPWarmup
 
 
+FACE = "hvd_onebit.ddp.DistributedOptimizer"  # how the shared checks and messages name this face
+
+
 def finds_unused(model) -> bool:
     """Whether DDP looks for unused parameters in every backward (``find_unused_parameters``).
     With it every bucket starts in step(), after backward: in the steps DDP synchronises, it
@@ -57,7 +60,7 @@ def check(model, param_groups: list[dict], process_group, config: OneBitConfig):
                  if p.requires_grad and p not in names]
     if strangers:
         raise ValueError(
-            f"hvd_onebit.ddp.DistributedOptimizer: {len(strangers)} of the optimizer's parameters "
+            f"{FACE}: {len(strangers)} of the optimizer's parameters "
             f"are not parameters the DDP model averages (param group, shape: "
             f"{strangers[:4]}{' ...' if len(strangers) > 4 else ''}); build the optimizer from "
             "model.parameters() of the DDP model you pass")
@@ -71,18 +74,16 @@ def check(model, param_groups: list[dict], process_group, config: OneBitConfig):
                          f"{dist.get_world_size(group)} of {dist.get_world_size()}")
     validate_masks(param_groups)
     check_options(config)
-    check_parameters(config, [p for g in param_groups for p in g["params"]],
-                     "hvd_onebit.ddp.DistributedOptimizer")
+    check_parameters(config, [p for g in param_groups for p in g["params"]], FACE)
     if dist.get_world_size(group) > 1:
         check_same_job(JobSignature.of(param_groups, names, config),
-                       lambda mine: gather_rows(mine, param_groups, group),
-                       "hvd_onebit.ddp.DistributedOptimizer")
+                       lambda mine: gather_rows(mine, param_groups, group), FACE)
     # after the ranks were found to hold the same optimizer: raised alike on every rank
     ours = {p for g in param_groups for p in g["params"]}
     others = [name for p, name in names.items() if p not in ours]
     if others:
         raise ValueError(
-            f"hvd_onebit.ddp.DistributedOptimizer: {len(others)} parameter(s) the DDP model "
+            f"{FACE}: {len(others)} parameter(s) the DDP model "
             f"averages are not in this optimizer ({', '.join(others[:4])}"
             f"{' ...' if len(others) > 4 else ''}): in compressed steps DDP averages no "
             "gradient of the model, so another optimizer would train them on each rank's own "
