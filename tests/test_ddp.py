@@ -335,6 +335,36 @@ def test_the_example_trains_under_torchrun_without_horovod():
     assert np.isfinite(summary["val_loss"]) and summary["val_loss"] < math.log(4), summary
 
 
+@pytest.fixture(scope="module")
+def script_end():
+    """tests/scripts/ddp_exit.py on 2 ranks: its exit status, output and each rank's report."""
+    rc, text = run_torchrun_script(2, REPO / "tests" / "scripts" / "ddp_exit.py", ["--steps", "6"])
+    reports = sorted((json.loads(line) for line in text.splitlines()
+                      if line.startswith('{"rank"')), key=lambda r: r["rank"])
+    return rc, text, reports
+
+
+@pytest.mark.multirank
+def test_an_optimizer_dropped_with_its_model_is_freed(script_end):
+    """The parameters' gradient hooks hold the optimizer weakly: once the script drops the model
+    and the optimizer, its state and its error feedback go too."""
+    rc, text, reports = script_end
+    assert [r["rank"] for r in reports] == [0, 1], f"exit status {rc}:\n{text[-4000:]}"
+    for r in reports:
+        assert (r["phase"], r["steps"]) == ("compression", 6), r
+        assert r["freed"], f"rank {r['rank']}: the dropped optimizer is still alive after " \
+                           f"gc.collect(): {r}"
+
+
+@pytest.mark.multirank
+def test_a_rank_that_exits_right_after_a_collective_exits_cleanly(script_end):
+    """A process that ends while Gloo's threads still hold its last collective's tensor (their
+    drop of it waits for the GIL) is not aborted at the interpreter's exit, and torchrun reports
+    the job done."""
+    rc, text, _ = script_end
+    assert rc == 0 and "terminate called" not in text, f"exit status {rc}:\n{text[-4000:]}"
+
+
 @pytest.mark.multirank
 def test_torchrun_restarts_a_killed_worker_from_the_last_checkpoint(tmp_path):
     import torch

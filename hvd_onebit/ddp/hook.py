@@ -10,6 +10,7 @@ nothing; the pass after it does.
 """
 from __future__ import annotations
 
+import weakref
 from typing import Callable, Iterable, Optional
 
 import torch
@@ -52,6 +53,23 @@ def first_static_iteration(model) -> bool:
     compressed one: a resumed run, the optimizer built again)."""
     return bool(getattr(model, "static_graph", False)) and \
         not getattr(model, "_static_graph_delay_allreduce_enqueued", True)
+
+
+def weakly(method) -> Callable[..., None]:
+    """``method`` (a bound method) called through a weak reference to its object, doing nothing
+    once that is gone. For a hook the parameters hold: torch keeps a parameter's hooks in C++,
+    where the cycle collector does not look, so a strong one (parameter -> hook -> the
+    optimizer's parts -> the parameter) would keep the optimizer, its state and its process
+    group alive for as long as the parameters live, and a group alive at the interpreter's exit
+    may abort the finished process in Gloo's threads."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args) -> None:
+        bound = ref()
+        if bound is not None:
+            bound(*args)
+
+    return call
 
 
 def check_unhooked(model) -> None:
@@ -114,7 +132,7 @@ class CommHook:
         if self._overlap is not None or self._used_locally is not None:
             for p in model.module.parameters():
                 if p.requires_grad:
-                    p.register_post_accumulate_grad_hook(self._gradient_final)
+                    p.register_post_accumulate_grad_hook(weakly(self._gradient_final))
 
     def _before_forward(self, model, args) -> None:
         """A compressed step's forward: DDP's gradient sync off for it, as no_sync() does, unless

@@ -3,8 +3,6 @@ and the job (each a clear error on every rank, before anything is registered), t
 the face delegates to and its hook on the model."""
 from __future__ import annotations
 
-import atexit
-import gc
 from dataclasses import dataclass
 
 import torch
@@ -121,21 +119,6 @@ class Parts:
     hook: CommHook
 
 
-_COLLECT_AT_EXIT: list = []
-
-
-def collect_at_exit() -> None:
-    """Collect garbage once more at interpreter exit (registered once per process). The face's
-    parts refer to one another (the hooks, the phases, the engine and its transport), so a
-    finished script leaves them to the cycle collector, which may otherwise first run during
-    the interpreter's finalization: freeing there what torch.distributed's Gloo threads still
-    refer to aborts the process ("terminate called without an active exception") after the
-    training has ended. At exit the interpreter is still whole."""
-    if not _COLLECT_AT_EXIT:
-        atexit.register(gc.collect)
-        _COLLECT_AT_EXIT.append(True)
-
-
 def build(view: DDPView, config: OneBitConfig, group, model) -> Parts:
     """Adam's state, the engine on ``group``, the phases, and the hook registered on ``model``
     (last: a refusal leaves the model as it was)."""
@@ -156,5 +139,4 @@ def build(view: DDPView, config: OneBitConfig, group, model) -> Parts:
                     phases.compression.overlap if config.overlap else None,
                     phases.watch_begin, phases.watch_end)
     hook.register(model)
-    collect_at_exit()
     return Parts(schedule, telemetry, engine, phases, hook)

@@ -9,7 +9,10 @@ caller gives, with no Horovod at all: Horovod is imported only where a Horovod j
 """
 from __future__ import annotations
 
+import atexit
+import gc
 import os
+import time
 from typing import Any, Optional
 
 import torch
@@ -25,6 +28,33 @@ def all_gather_single(output: torch.Tensor, tensor: torch.Tensor, group=None,
 
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     return gather(output, tensor, group=group, async_op=async_op)
+
+
+#: How long the exit handler of :func:`settle_at_exit` lets torch.distributed's threads run.
+SETTLE_S = 0.2
+
+_SETTLE_REGISTERED: list = []
+
+
+def settle(seconds: float = SETTLE_S) -> None:
+    """Let torch.distributed's threads finish with this process's last collectives, at its exit:
+    collect the garbage (the optimizer's parts refer to one another), then release the GIL for
+    ``seconds``. Gloo's threads drop each finished collective's tensors after the caller's wait
+    returns, and dropping a tensor Python also holds takes the GIL; a thread that asks for it
+    once the interpreter has begun to finalize is ended there, which aborts the process
+    ("terminate called without an active exception") after its training has ended, and the
+    launcher reports the job failed. The process group itself stays alive to the end (a DDP model
+    keeps its group after destroy_process_group()), so nothing joins those threads first."""
+    gc.collect()
+    time.sleep(seconds)
+
+
+def settle_at_exit() -> None:
+    """Register :func:`settle` to run at the interpreter's exit, once per process (an exit
+    handler runs while the interpreter is still whole; those registered later run before it)."""
+    if not _SETTLE_REGISTERED:
+        atexit.register(settle)
+        _SETTLE_REGISTERED.append(True)
 
 
 class _TorchWork:
@@ -60,6 +90,7 @@ class TorchTransport:
 
         self._dist = dist
         self.device = torch.device(device)
+        settle_at_exit()
         if group is None and members is not None:
             # made by torch_subgroups, so torch.distributed is set up and the job was checked
             # when it was (a Horovod job's or a torchrun job's alike: no Horovod needed here)
