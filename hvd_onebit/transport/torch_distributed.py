@@ -43,8 +43,9 @@ def settle(seconds: float = SETTLE_S) -> None:
     returns, and dropping a tensor Python also holds takes the GIL; a thread that asks for it
     once the interpreter has begun to finalize is ended there, which aborts the process
     ("terminate called without an active exception") after its training has ended, and the
-    launcher reports the job failed. The process group itself stays alive to the end (a DDP model
-    keeps its group after destroy_process_group()), so nothing joins those threads first."""
+    launcher reports the job failed. The process group itself stays alive to the end (once a DDP
+    model was built on it, it outlives the model and destroy_process_group()), so nothing joins
+    those threads first."""
     gc.collect()
     time.sleep(seconds)
 

@@ -36,8 +36,10 @@ def make_ddp_method(method: str, model, base, steps: int, warmup_frac: float,
     import torch
 
     from hvd_onebit.transport.rendezvous import init_torch_distributed
+    from hvd_onebit.transport.torch_distributed import settle_at_exit
 
     init_torch_distributed()
+    settle_at_exit()  # every DDP method's Gloo threads finish with its last allreduce at exit
     if method == "ddp_powersgd":
         from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
 
