@@ -271,6 +271,24 @@ def test_a_forward_without_backward_before_a_compressed_step_keeps_the_overlap(w
 
 
 @pytest.mark.multirank
+def test_gradients_accumulated_without_no_sync_keep_the_overlap(world):
+    """Every backward pass with DDP's sync on, several a step: the buckets start from the hooks
+    of the step's last pass, as many into the step as the last step had. A step with a pass
+    more starts them again in step(), quietly; one with a pass fewer starts them there; the
+    steps after either start during backward again. The same bits as overlap=False."""
+    n, results = world
+    for rank, r in enumerate(scenario(results, "accumulated")):
+        on, off = r["overlap"], r["off"]
+        assert r["differences"] == [], f"n={n} rank {rank}: {r['differences']}"
+        assert (on["restarts"], on["warnings"]) == (1, []), \
+            f"n={n} rank {rank}: {on['restarts']} restarts, warnings {on['warnings']}"
+        b = on["early"][0]
+        assert on["early"] == [b, b, b, b, 0, b] and b > 0 and off["early"] == [0] * 6, \
+            f"n={n} rank {rank}: buckets started during backward by step, with the passes " \
+            f"2, 2, 3, 3, 1, 1: {on['early']} (overlap=False: {off['early']})"
+
+
+@pytest.mark.multirank
 def test_step_with_a_closure_is_backward_then_step(world):
     n, results = world
     for rank, r in enumerate(scenario(results, "closure")):

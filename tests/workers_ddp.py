@@ -435,6 +435,36 @@ def forward_without_backward(steps: int = FREEZE + 4) -> dict:
     return out
 
 
+def accumulated_without_no_sync(passes: tuple = (2, 2, 3, 3, 1, 1)) -> dict:
+    """Gradient accumulation without no_sync(), every backward pass with DDP's sync on: two
+    passes a step through the warmup, then ``passes`` a compressed step. Against the same run
+    with overlap=False: the differences, the buckets started during each compressed step's
+    backward, the restarts and the warnings about the overlap."""
+    runs, out = [], {}
+    for overlap in (False, True):
+        model = make_model()
+        opt = onebit(model, overlap=overlap)
+        early = []
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for step in range(FREEZE + len(passes)):
+                before = opt.compressed_step.early_starts
+                opt.zero_grad()
+                for k in range(2 if step < FREEZE else passes[step - FREEZE]):
+                    x, y = batch(step, dist.get_rank(), k)
+                    torch.nn.functional.mse_loss(model(x), y).backward()
+                opt.step()
+                if step >= FREEZE:
+                    early.append(opt.compressed_step.early_starts - before)
+        runs.append(params_of(model))
+        out["overlap" if overlap else "off"] = {
+            "early": early, "restarts": opt.compressed_step.restarts,
+            "warnings": [str(w.message) for w in caught if "overlap off" in str(w.message)
+                         or "changed between backward and step()" in str(w.message)]}
+    out["differences"] = differences(runs[0], runs[1], "overlap=False")
+    return out
+
+
 def closure_steps(steps: int = FREEZE + 4) -> dict:
     """opt.step(closure) against backward + opt.step() through the warmup, refresh steps and
     compressed steps: the differences, and the losses step(closure) returned."""
@@ -653,6 +683,7 @@ def suite(scratch: Optional[str] = None, stage: Optional[str] = None) -> dict:
                      rebuilt=rebuilt, rebuilt_static=partial(rebuilt, static_graph=True),
                      skipped_batch=skipped_batch, closure=closure_steps,
                      forward_without_backward=forward_without_backward,
+                     accumulated=accumulated_without_no_sync,
                      grad_scaler=grad_scaler_skips)
     if stage is not None:
         scenarios["flushed"] = partial(flushed_checkpoint, f"{scratch}/flushed.pt",

@@ -107,6 +107,14 @@ class CommHook:
         # (the gradients stay this rank's)
         self._through_ddp = False
         self._armed = False  # a forward armed DDP's reducer and no backward has reduced since
+        # Gradient accumulation without no_sync(): training forwards with DDP's sync on since the
+        # last step() or zero_grad() (the optimizer's, or gradients set to None), and how many
+        # the last step had. The gradients are final (the buckets start from the hooks) at the
+        # pass that many into a step; a step with a pass more has its buckets started again in
+        # step() (the overlap's own check), one with a pass fewer starts them there.
+        self._passes = 0
+        self._expected_passes = 1
+        self._last_pass = True
         self.local_steps = 0  # forwards whose step kept its gradients local, over the run
         # The gradients are this rank's own: the last step's backward kept them local (a
         # compressed step's), and nothing averaged them since.
@@ -145,6 +153,11 @@ class CommHook:
         self._final = model.require_backward_grad_sync
         self._local = torch.is_grad_enabled() and not self._averaging()
         if torch.is_grad_enabled() and self._final:
+            if self._passes and not any(p.grad is not None for p in model.module.parameters()):
+                self._passes = 0  # the passes before were zeroed (set to None): a skipped batch
+            self._passes += 1
+            self._last_pass = self._passes >= self._expected_passes
+        if torch.is_grad_enabled() and self._final:
             self.gradients_local = self._local
         if self._used_locally and torch.is_grad_enabled() and not self._local:
             # DDP's reducer (find_unused_parameters) counts a parameter whose gradient a local
@@ -179,13 +192,21 @@ class CommHook:
         next forward. (An optimizer built again, on the module wrapped in DDP again, leaves this
         one's gradient hooks on the module's parameters: they stay idle.)"""
         self._local = False
+        if self._passes:
+            self._expected_passes = self._passes
+        self._passes = 0
+
+    def gradients_zeroed(self) -> None:
+        """zero_grad(): the passes before it are not this step's gradients (a skipped batch)."""
+        self._passes = 0
 
     def _gradient_final(self, p: torch.Tensor) -> None:
         if self._local:
             if self._used_locally is not None:
                 self._used_locally.add(p)
             # through DDP's sync the gradient is written again after its bucket: step() starts
-            if self._final and self._overlap is not None and not self._through_ddp:
+            if (self._final and self._last_pass and self._overlap is not None
+                    and not self._through_ddp):
                 self._overlap.gradient_ready(p)
 
     def _average(self, buffer: torch.Tensor) -> torch.futures.Future:

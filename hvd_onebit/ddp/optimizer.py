@@ -45,6 +45,7 @@ class DDPFace:
         """torch's; between backward and step() it skips the batch: the buckets its hooks
         started are started again by the next step."""
         self._phases.gradients_zeroed()
+        self._hook.gradients_zeroed()
         super(self.__class__, self).zero_grad(set_to_none=set_to_none)
 
     def step(self, closure: Optional[Callable[[], float]] = None, grad_scaler=None):
