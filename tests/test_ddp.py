@@ -162,6 +162,24 @@ def test_the_optimizer_built_again_as_the_refusal_says_trains_on(world, run):
 
 
 @pytest.mark.multirank
+def test_a_model_handed_to_plain_adam_once_the_optimizer_is_dropped_trains_as_ddp(world):
+    """The optimizer's hooks on the DDP model hold it weakly: once the script drops it, the
+    model is plain DDP again (its own averaging), and DDP + Adam from the 1-bit state trains
+    as on the module wrapped in DDP again (bit for bit at two ranks; a fresh DDP model's first
+    iteration sums in another bucket order, which may round apart at more), alike on every
+    rank."""
+    n, results = world
+    runs = scenario(results, "handed_to_adam")
+    for rank, r in enumerate(runs):
+        if n == 2:
+            assert r["differences"] == [], f"n={n} rank {rank}: {r['differences']}"
+        worst = max(float(np.max(np.abs(a - b))) for a, b in zip(r["params"], r["rewrapped"]))
+        assert worst < 1e-6, f"n={n} rank {rank}: {r['differences']} (largest {worst:.3g})"
+        assert differences(r["params"], runs[0]["params"], "params") == [], \
+            f"n={n}: rank {rank} differs from rank 0 after DDP + Adam took over"
+
+
+@pytest.mark.multirank
 def test_a_compression_phase_checkpoint_resumes_bit_identically(world):
     n, results = world
     for rank, r in enumerate(scenario(results, "checkpoint")):
@@ -210,6 +228,11 @@ def test_refusals_are_clear_on_every_rank(world):
             assert (u["steps"], u["changed"]) == (at, []), \
                 f"n={n} rank {rank}: the refused step (before it {at} steps) left " \
                 f"{u['steps']} steps and changed {u['changed']}"
+        added = r["added"]
+        assert "1 parameter(s) added to the optimizer are not the DDP model's (shapes [(3,)])" \
+               in added["error"] and (added["steps"], added["changed"]) == (1, []), \
+            f"n={n} rank {rank}: a parameter not in the model added to the optimizer after " \
+            f"step 1: {added['error']!r}, {added['steps']} steps, changed {added['changed']}"
         wanted = {"reordered": "order, names, shapes or dtypes of their parameters (rank(s) "
                                f"[{n - 1}]",
                   "subset": f"rank {n - 1}: {r['parameters'] - 1} (",

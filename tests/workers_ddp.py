@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import gc
 import os
 import warnings
 from dataclasses import dataclass
@@ -271,17 +272,21 @@ def flushed_checkpoint(path: str, save: bool, steps: int = 3) -> dict:
             "phase_after": opt.phase}
 
 
-def unfrozen_later(at: int) -> dict:
+def unfrozen_later(at: int, added: bool = False) -> dict:
     """``inner`` is frozen when the DDP model is built and unfrozen before step ``at`` (DDP does
-    not average it): that step is refused, changing nothing."""
+    not average it), or with ``added`` a parameter that is not the model's is added to the
+    optimizer (``add_param_group``) instead: that step is refused, changing nothing."""
     torch.manual_seed(0)
     net = Net()
-    net.inner.requires_grad_(False)
+    net.inner.requires_grad_(added)
     model = DDP(net)
     opt = onebit(model)
     for step in range(at):
         train_step(model, opt, step)
-    net.inner.requires_grad_(True)
+    if added:
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3))]})
+    else:
+        net.inner.requires_grad_(True)
     before = params_of(model)
     try:
         train_step(model, opt, at)
@@ -465,6 +470,35 @@ def accumulated_without_no_sync(passes: tuple = (2, 2, 3, 3, 1, 1)) -> dict:
     return out
 
 
+def handed_to_adam(before: int = FREEZE + 3, after: int = 3) -> dict:
+    """Compressed steps, the error feedback flushed, then plain Adam on the same DDP model from
+    the 1-bit optimizer's state (``torch_adam_state_dict``): once the script drops the 1-bit
+    optimizer, or with the module wrapped in DDP again. The parameters of each run after
+    ``after`` more steps (DDP + Adam's), and the differences between the two (a fresh DDP
+    model's first iteration sums in another bucket order: the last bit may differ at more than
+    two ranks)."""
+    runs = {}
+    for how in ("dropped", "rewrapped"):
+        model = make_model()
+        opt = onebit(model)
+        for step in range(before):
+            train_step(model, opt, step)
+        opt.flush_error_feedback()
+        state = hvd_onebit.torch_adam_state_dict(opt.state_dict())
+        if how == "dropped":
+            del opt
+            gc.collect()
+        else:
+            model = DDP(model.module)
+        plain = adam(model)
+        plain.load_state_dict(state)
+        for step in range(before, before + after):
+            train_step(model, plain, step)
+        runs[how] = params_of(model)
+    return {"params": runs["dropped"], "rewrapped": runs["rewrapped"],
+            "differences": differences(runs["dropped"], runs["rewrapped"], "rewrapped")}
+
+
 def closure_steps(steps: int = FREEZE + 4) -> dict:
     """opt.step(closure) against backward + opt.step() through the warmup, refresh steps and
     compressed steps: the differences, and the losses step(closure) returned."""
@@ -534,6 +568,7 @@ def refusals() -> dict:
     out["split"] = refused(lambda: hvd_onebit.ddp.DistributedOptimizer(
         torch.optim.Adam(list(split.parameters())[:-1]), split, freeze_step=FREEZE))
     out["unfrozen"] = [unfrozen_later(at) for at in (1, FREEZE + 1)]
+    out["added"] = unfrozen_later(1, added=True)
     out["sparse"] = refused(sparse_embedding_step)
     joined = make_model()
     joined_opt = onebit(joined)
@@ -684,6 +719,7 @@ def suite(scratch: Optional[str] = None, stage: Optional[str] = None) -> dict:
                      skipped_batch=skipped_batch, closure=closure_steps,
                      forward_without_backward=forward_without_backward,
                      accumulated=accumulated_without_no_sync,
+                     handed_to_adam=handed_to_adam,
                      grad_scaler=grad_scaler_skips)
     if stage is not None:
         scenarios["flushed"] = partial(flushed_checkpoint, f"{scratch}/flushed.pt",

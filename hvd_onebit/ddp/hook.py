@@ -55,28 +55,51 @@ def first_static_iteration(model) -> bool:
         not getattr(model, "_static_graph_delay_allreduce_enqueued", True)
 
 
-def weakly(method) -> Callable[..., None]:
+def weakly(method) -> Callable:
     """``method`` (a bound method) called through a weak reference to its object, doing nothing
-    once that is gone. For a hook the parameters hold: torch keeps a parameter's hooks in C++,
-    where the cycle collector does not look, so a strong one (parameter -> hook -> the
-    optimizer's parts -> the parameter) would keep the optimizer, its state and its process
-    group alive for as long as the parameters live, and a group alive at the interpreter's exit
-    may abort the finished process in Gloo's threads."""
+    once that is gone. For the hooks on the model and its parameters: those hold their hooks for
+    as long as they live (a parameter's in C++, where the cycle collector does not look), and a
+    strong one would keep the optimizer, its state and its process group alive with them, and
+    the hooks acting for an optimizer the script has dropped (taking DDP's sync off for
+    another optimizer's steps)."""
     ref = weakref.WeakMethod(method)
 
-    def call(*args) -> None:
+    def call(*args):
         bound = ref()
-        if bound is not None:
-            bound(*args)
+        return None if bound is None else bound(*args)
 
     return call
+
+
+def average(group, buffer: torch.Tensor) -> torch.futures.Future:
+    """DDP's own averaging of a bucket, bit for bit: each gradient times 1/n, as DDP's reducer
+    scales them into the bucket when no hook is registered (torch's ``allreduce_hook`` divides by
+    n instead, which rounds otherwise where 1/n is inexact), then the allreduce's sum."""
+    buffer.mul_(1.0 / dist.get_world_size(group))
+    return dist.all_reduce(buffer, group=group, async_op=True).get_future().then(
+        lambda fut: fut.value()[0])
+
+
+def comm_hook_of(hook: "CommHook") -> Callable:
+    """DDP's communication hook for ``hook``, held weakly (:func:`weakly`): once the optimizer is
+    gone, DDP's own averaging. DDP reads the parameter named ``bucket`` and the name."""
+    ref = weakref.ref(hook)
+    group = hook.group
+
+    def onebit_comm_hook(state, bucket):
+        alive = ref()
+        return average(group, bucket.buffer()) if alive is None else alive.communicate(
+            state, bucket)
+
+    onebit_comm_hook.onebit = True
+    return onebit_comm_hook
 
 
 def check_unhooked(model) -> None:
     """Raise a ValueError if ``model`` (a DDP module) has a communication hook already."""
     hooks = getattr(model, "_comm_hooks", None)
     if hooks:
-        ours = any(isinstance(getattr(hook, "__self__", None), CommHook) for hook, _ in hooks)
+        ours = any(getattr(hook, "onebit", False) for hook, _ in hooks)
         raise ValueError(ALREADY_OURS if ours else ALREADY_HOOKED)
 
 
@@ -127,14 +150,14 @@ class CommHook:
         """Register on ``model`` (a DDP module); raises a ValueError if it has a hook already."""
         check_unhooked(model)
         try:
-            model.register_comm_hook(state=None, hook=self.communicate)
+            model.register_comm_hook(state=None, hook=comm_hook_of(self))
         except RuntimeError as exc:  # a builtin hook, registered on the reducer alone
             if "once" in str(exc):
                 raise ValueError(ALREADY_HOOKED) from exc
             raise
-        model.register_forward_pre_hook(self._before_forward)
+        model.register_forward_pre_hook(weakly(self._before_forward))
         model.join = refuse_join  # on this model only; Join([model]) is refused at its forward
-        model.register_forward_hook(self._after_forward)
+        model.register_forward_hook(weakly(self._after_forward))
         if getattr(model, "find_unused_parameters", False):
             self._used_locally = set()
         if self._overlap is not None or self._used_locally is not None:
@@ -210,18 +233,14 @@ class CommHook:
                 self._overlap.gradient_ready(p)
 
     def _average(self, buffer: torch.Tensor) -> torch.futures.Future:
-        """DDP's own averaging, bit for bit: each gradient times 1/n, as DDP's reducer scales
-        them into the bucket when no hook is registered (torch's ``allreduce_hook`` divides by
-        n instead, which rounds otherwise where 1/n is inexact), then the allreduce's sum."""
-        buffer.mul_(1.0 / dist.get_world_size(self.group))
+        """DDP's own averaging (:func:`average`), watched by the stall watch."""
         token = self._watch("DDP's gradient allreduce in backward")
-        work = dist.all_reduce(buffer, group=self.group, async_op=True)
 
         def done(fut):
             self._unwatch(token)
-            return fut.value()[0]
+            return fut.value()
 
-        return work.get_future().then(done)
+        return average(self.group, buffer).then(done)
 
     def average_if_local(self, params: Iterable[torch.Tensor]) -> None:
         """Before a full-precision step: if the gradients are this rank's own (the step count

@@ -34,15 +34,25 @@ class DDPView:
     def refuse_unaveraged(self) -> None:
         """Raise a ValueError naming the parameters that take a gradient now but that DDP does
         not average: DDP chose the parameters it averages when it was built, from
-        ``requires_grad`` then, so a parameter unfrozen since would be trained on each rank's
-        own gradient (the ranks would part)."""
-        stray = [self._every_name.get(p, "?") for p in self.adam.active_parameters()
-                 if p not in self.names]
-        if stray:
+        ``requires_grad`` then, so a parameter unfrozen since, or one added to the optimizer
+        that is not the DDP model's (``add_param_group``), would be trained on each rank's own
+        gradient (the ranks would part)."""
+        stray = [p for p in self.adam.active_parameters() if p not in self.names]
+        unfrozen = [self._every_name[p] for p in stray if p in self._every_name]
+        strangers = [tuple(p.shape) for p in stray if p not in self._every_name]
+        if strangers:
             raise ValueError(
-                f"hvd_onebit.ddp.DistributedOptimizer: {len(stray)} parameter(s) take a gradient "
-                f"now that the DDP model does not average ({', '.join(stray[:4])}"
-                f"{' ...' if len(stray) > 4 else ''}): DDP averages the parameters that "
+                f"hvd_onebit.ddp.DistributedOptimizer: {len(strangers)} parameter(s) added to "
+                f"the optimizer are not the DDP model's (shapes {strangers[:4]}"
+                f"{' ...' if len(strangers) > 4 else ''}): DDP averages only its model's "
+                "parameters, so these would be trained on each rank's own gradient. Make them "
+                "part of the model before wrapping it in DDP, or set requires_grad=False on "
+                "them. Nothing was changed by this step")
+        if unfrozen:
+            raise ValueError(
+                f"hvd_onebit.ddp.DistributedOptimizer: {len(unfrozen)} parameter(s) take a "
+                f"gradient now that the DDP model does not average ({', '.join(unfrozen[:4])}"
+                f"{' ...' if len(unfrozen) > 4 else ''}): DDP averages the parameters that "
                 "required a gradient when it was built, so one unfrozen since would be trained "
                 "on each rank's own gradient. Set requires_grad before wrapping the model in "
                 "DDP: to unfreeze during training, save a checkpoint and build the DDP model "
