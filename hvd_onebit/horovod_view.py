@@ -128,6 +128,8 @@ class HorovodView:
         opt = self._opt
         if not (opt.process_set.included() and hvd.size() > 1):
             return
+        group_of = {p: g for g, group in enumerate(self.adam.param_groups)
+                    for p in group["params"]}
         for p in self.adam.parameters():
             if p.requires_grad and p not in opt._requires_update:
                 if p not in self._hooked:
@@ -137,6 +139,11 @@ class HorovodView:
                     self._hooked.add(p)
                 opt._requires_update.add(p)
                 opt._allreduce_delay.setdefault(p, opt.backward_passes_per_step)
-                opt._parameter_names.setdefault(p, f"allreduce.late.{len(opt._grad_accs)}")
+                # a parameter added to the optimizer since (add_param_group) has no name from
+                # named_parameters: one that says so, the same on every rank, for Horovod's
+                # allreduce and for the messages that name it
+                opt._parameter_names.setdefault(
+                    p, f"param group {group_of.get(p, '?')}, shape {tuple(p.shape)}, added "
+                       f"#{len(opt._grad_accs)}")
         for p in [p for p in opt._requires_update if not p.requires_grad]:
             opt._requires_update.discard(p)

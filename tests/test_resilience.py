@@ -168,6 +168,14 @@ def test_gradients_changed_in_flight_in_the_warmup_are_refused_on_every_rank(res
     assert_same_params(b["final"], a["final"], f"{key}: rank 1 vs rank 0 after the error")
 
 
+def test_a_parameter_added_in_the_warmup_is_named_by_its_group_and_shape(results):
+    """A parameter add_param_group brought in has no name from named_parameters: the messages
+    name it by its param group and shape, not by an internal allreduce name."""
+    for rank, caught in enumerate(scenario(results, "added_in_the_warmup")):
+        assert len(caught) == 1 and "3 of 3 elements of parameter param group 1, shape (3,)" \
+            in caught[0], f"rank {rank}: the warnings about the added parameter: {caught}"
+
+
 @pytest.mark.parametrize("phase", ["compression", "warmup"])
 def test_rank_0_loading_and_broadcasting_mid_run_resumes_every_rank(results, phase):
     """Horovod's recipe mid-run: rank 0 loads an earlier state, then sends it to the others.

@@ -326,6 +326,23 @@ def zero_variance_elements(freeze_step=4, steps=12):
             "warnings": [str(w.message) for w in caught if "received no gradient" in str(w.message)]}
 
 
+def added_in_the_warmup(freeze_step=3, steps=5):
+    """A parameter added to the optimizer in the warmup (``add_param_group``, no name from
+    ``named_parameters``) that never takes a gradient: the warnings at the freeze about it."""
+    model = make_model()
+    opt = _opt(model, freeze_step)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(steps):
+            if step == 1:
+                opt.add_param_group({"params": [nn.Parameter(torch.zeros(3))]})
+            opt.zero_grad()
+            x, y = batch(step, hvd.rank())
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+    return [str(w.message) for w in caught if "received no gradient" in str(w.message)]
+
+
 def rollback(how: str, src=7, at=10, total=14, freeze_step=5, check_every=1):
     """Train to ``at``, then go back to the state saved at ``src`` (after folding the error
     feedback) and train again to ``total``. ``how``: "none" (no rollback: the reference, which
@@ -471,6 +488,7 @@ def suite(ckpt_dir=None):
     """Every scenario in one job; one that raises is reported as data (tests/scenarios.py)."""
     return run_scenarios({
         "zero_variance": zero_variance_elements,
+        "added_in_the_warmup": added_in_the_warmup,
         "nonfinite": nonfinite_gradients,
         "nonfinite_averaged": lambda: nonfinite_gradients(averaged=True),
         "scaler": grad_scaler,
