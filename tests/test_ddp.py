@@ -167,7 +167,8 @@ def test_a_model_handed_to_plain_adam_once_the_optimizer_is_dropped_trains_as_dd
     model is plain DDP again (its own averaging), and DDP + Adam from the 1-bit state trains
     as on the module wrapped in DDP again (bit for bit at two ranks; a fresh DDP model's first
     iteration sums in another bucket order, which may round apart at more), alike on every
-    rank."""
+    rank. While the 1-bit optimizer lives, the forward after another optimizer's step is
+    refused on every rank."""
     n, results = world
     runs = scenario(results, "handed_to_adam")
     for rank, r in enumerate(runs):
@@ -175,6 +176,11 @@ def test_a_model_handed_to_plain_adam_once_the_optimizer_is_dropped_trains_as_dd
             assert r["differences"] == [], f"n={n} rank {rank}: {r['differences']}"
         worst = max(float(np.max(np.abs(a - b))) for a, b in zip(r["params"], r["rewrapped"]))
         assert worst < 1e-6, f"n={n} rank {rank}: {r['differences']} (largest {worst:.3g})"
+        kept = r["kept"]
+        assert kept["taken"] == 1 and "another optimizer steps the model while this one still " \
+            "holds it" in kept["error"], \
+            f"n={n} rank {rank}: with the 1-bit optimizer kept, DDP + Adam took " \
+            f"{kept['taken']} step(s), then {kept['error']!r}"
         assert differences(r["params"], runs[0]["params"], "params") == [], \
             f"n={n}: rank {rank} differs from rank 0 after DDP + Adam took over"
 

@@ -473,7 +473,8 @@ def accumulated_without_no_sync(passes: tuple = (2, 2, 3, 3, 1, 1)) -> dict:
 def handed_to_adam(before: int = FREEZE + 3, after: int = 3) -> dict:
     """Compressed steps, the error feedback flushed, then plain Adam on the same DDP model from
     the 1-bit optimizer's state (``torch_adam_state_dict``): once the script drops the 1-bit
-    optimizer, or with the module wrapped in DDP again. The parameters of each run after
+    optimizer, or with the module wrapped in DDP again; and with the 1-bit optimizer kept, what
+    DDP + Adam's steps raised and how many were taken. The parameters of each run after
     ``after`` more steps (DDP + Adam's), and the differences between the two (a fresh DDP
     model's first iteration sums in another bucket order: the last bit may differ at more than
     two ranks)."""
@@ -495,8 +496,26 @@ def handed_to_adam(before: int = FREEZE + 3, after: int = 3) -> dict:
         for step in range(before, before + after):
             train_step(model, plain, step)
         runs[how] = params_of(model)
+    # the 1-bit optimizer kept (an LR scheduler refers to it): DDP + Adam's second step is
+    # refused at its forward, the first one having stepped on each rank's own gradients
+    model = make_model()
+    opt = onebit(model)
+    kept = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
+    for step in range(before):
+        train_step(model, opt, step)
+    plain = adam(model)
+    plain.load_state_dict(hvd_onebit.torch_adam_state_dict(opt.state_dict()))
+    taken, error = 0, "accepted"
+    try:
+        for step in range(before, before + after):
+            train_step(model, plain, step)
+            taken += 1
+    except ValueError as exc:
+        error = f"ValueError: {exc}"
+    del kept
     return {"params": runs["dropped"], "rewrapped": runs["rewrapped"],
-            "differences": differences(runs["dropped"], runs["rewrapped"], "rewrapped")}
+            "differences": differences(runs["dropped"], runs["rewrapped"], "rewrapped"),
+            "kept": {"error": error, "taken": taken}}
 
 
 def closure_steps(steps: int = FREEZE + 4) -> dict:

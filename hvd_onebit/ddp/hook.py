@@ -40,6 +40,16 @@ JOIN_REFUSED = (
     "with drop_last=True); nothing was changed by this forward")
 
 
+STEPPED_ELSEWHERE = (
+    "hvd_onebit.ddp.DistributedOptimizer: the DDP model's parameters changed since its last "
+    "compressed step's forward without this optimizer's step(): another optimizer steps the "
+    "model while this one still holds it, and this one takes DDP's gradient sync off in the "
+    "steps it counts as compressed, so that step was taken on each rank's own gradients (the "
+    "ranks may now differ). To hand the model to another optimizer, drop this one first (del "
+    "it, and whatever refers to it, such as an LR scheduler) or wrap the module in DDP again "
+    "(model = DDP(model.module)); nothing was changed by this forward")
+
+
 def refuse_join(*args, **kwargs):
     """What ``model.join()`` does on a model this optimizer trains: refuse, on every rank (every
     rank enters it), before a rank without batches could wait in it alone."""
@@ -69,6 +79,12 @@ def weakly(method) -> Callable:
         return None if bound is None else bound(*args)
 
     return call
+
+
+def versions(model) -> tuple:
+    """The in-place version of each parameter of ``model`` (a DDP module): an optimizer's step
+    moves them."""
+    return tuple(p._version for p in model.module.parameters())
 
 
 def average(group, buffer: torch.Tensor) -> torch.futures.Future:
@@ -145,6 +161,10 @@ class CommHook:
         # With find_unused_parameters, the parameters that took a gradient in a local backward
         # since the last averaged one (DDP's reducer counts them as used: see _before_forward)
         self._used_locally: Optional[set] = None
+        # The parameters' in-place versions at a compressed step's forward with DDP's sync on,
+        # until this optimizer's step() or zero_grad(): a change before then is another
+        # optimizer's step
+        self._versions: Optional[tuple] = None
 
     def register(self, model) -> None:
         """Register on ``model`` (a DDP module); raises a ValueError if it has a hook already."""
@@ -173,8 +193,13 @@ class CommHook:
         join = getattr(model, "_join_config", None)
         if join is not None and join.enable and torch.is_grad_enabled():
             raise ValueError(JOIN_REFUSED)
+        if (self._versions is not None and torch.is_grad_enabled()
+                and versions(model) != self._versions):
+            raise ValueError(STEPPED_ELSEWHERE)
         self._final = model.require_backward_grad_sync
         self._local = torch.is_grad_enabled() and not self._averaging()
+        if self._local and self._final:
+            self._versions = versions(model)
         if torch.is_grad_enabled() and self._final:
             if self._passes and not any(p.grad is not None for p in model.module.parameters()):
                 self._passes = 0  # the passes before were zeroed (set to None): a skipped batch
@@ -215,13 +240,17 @@ class CommHook:
         next forward. (An optimizer built again, on the module wrapped in DDP again, leaves this
         one's gradient hooks on the module's parameters: they stay idle.)"""
         self._local = False
+        self._versions = None
         if self._passes:
             self._expected_passes = self._passes
         self._passes = 0
 
     def gradients_zeroed(self) -> None:
-        """zero_grad(): the passes before it are not this step's gradients (a skipped batch)."""
+        """zero_grad(): the passes before it are not this step's gradients (a skipped batch),
+        and nothing will step on them (the script may restore the parameters before the next
+        batch: a rollback)."""
         self._passes = 0
+        self._versions = None
 
     def _gradient_final(self, p: torch.Tensor) -> None:
         if self._local:
