@@ -186,6 +186,14 @@ def test_a_model_handed_to_plain_adam_once_the_optimizer_is_dropped_trains_as_dd
 
 
 @pytest.mark.multirank
+def test_a_rollback_between_backward_and_step_is_not_taken_for_another_optimizer(world):
+    n, results = world
+    for rank, r in enumerate(scenario(results, "rolled_back")):
+        assert r == "accepted", f"n={n} rank {rank}: the step after a rollback loaded between " \
+                                f"a backward and step(): {r}"
+
+
+@pytest.mark.multirank
 def test_a_compression_phase_checkpoint_resumes_bit_identically(world):
     n, results = world
     for rank, r in enumerate(scenario(results, "checkpoint")):

@@ -518,6 +518,33 @@ def handed_to_adam(before: int = FREEZE + 3, after: int = 3) -> dict:
             "kept": {"error": error, "taken": taken}}
 
 
+def rolled_back_mid_step(at: int = FREEZE + 2) -> str:
+    """A rollback between a compressed step's backward and its step(): the model and the
+    optimizer load a state saved at the freeze, with no zero_grad() between, then the next
+    batch's forward, backward and step(): what they raised, or "accepted" (the parameters moved
+    by this optimizer's load, not by another optimizer's step)."""
+    model = make_model()
+    opt = onebit(model)
+    rank = dist.get_rank()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the saved error feedback was not flushed
+        for step in range(at):
+            train_step(model, opt, step)
+            if step == FREEZE:
+                saved = copy.deepcopy((model.module.state_dict(), opt.state_dict()))
+        x, y = batch(at, rank)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        model.module.load_state_dict(saved[0])
+        opt.load_state_dict(saved[1])
+        try:
+            x, y = batch(at + 1, rank)
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+        except ValueError as exc:
+            return f"ValueError: {exc}"
+    return "accepted"
+
+
 def closure_steps(steps: int = FREEZE + 4) -> dict:
     """opt.step(closure) against backward + opt.step() through the warmup, refresh steps and
     compressed steps: the differences, and the losses step(closure) returned."""
@@ -739,6 +766,7 @@ def suite(scratch: Optional[str] = None, stage: Optional[str] = None) -> dict:
                      forward_without_backward=forward_without_backward,
                      accumulated=accumulated_without_no_sync,
                      handed_to_adam=handed_to_adam,
+                     rolled_back=rolled_back_mid_step,
                      grad_scaler=grad_scaler_skips)
     if stage is not None:
         scenarios["flushed"] = partial(flushed_checkpoint, f"{scratch}/flushed.pt",

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from ..config import (DEFAULT_BLOCK_SIZE, DEFAULT_BUCKET_MB, DOUBLING, REQUIRED, Experimental,
                       OneBitConfig, check_wrapped)
-from ..face import face_attributes
+from ..face import SharedFace, face_attributes
 from . import setup
 from .view import DDPView
 
@@ -47,6 +47,12 @@ class DDPFace:
         self._phases.gradients_zeroed()
         self._hook.gradients_zeroed()
         super(self.__class__, self).zero_grad(set_to_none=set_to_none)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """The shared face's, then the hook starts afresh: a state loaded between a backward
+        and step() (a rollback) moves the parameters for this optimizer, not another one."""
+        SharedFace.load_state_dict(self, state_dict)
+        self._hook.gradients_zeroed()
 
     def step(self, closure: Optional[Callable[[], float]] = None, grad_scaler=None):
         """One optimizer step: Adam on DDP's averaged gradients in the warmup, 1-bit momentum

@@ -75,7 +75,12 @@ class Phases:
 
     def restart(self) -> None:
         """The optimizer state was replaced: the compressed step rebuilds on the new one
-        (:meth:`~hvd_onebit.engine.CompressedStep.restart`; no communication)."""
+        (:meth:`~hvd_onebit.engine.CompressedStep.restart`; nothing new is communicated).
+        Buckets the gradient hooks started from the old state (a load between backward and
+        step()) are waited out and dropped first: every rank started them, and every rank
+        drops them once, here or at its next step, where a state written in is noticed; the
+        step then starts every bucket from the new state."""
+        self._engine.abandon_early()
         self._engine.restart()
         self.compression.overlap.end_step()
         self._schedule.acknowledge()
