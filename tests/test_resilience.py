@@ -176,12 +176,13 @@ def test_a_parameter_added_in_the_warmup_is_named_by_its_group_and_shape(results
             in caught[0], f"rank {rank}: the warnings about the added parameter: {caught}"
 
 
-@pytest.mark.parametrize("phase", ["compression", "warmup"])
+@pytest.mark.parametrize("phase", ["compression", "warmup", "compression_mid_step"])
 def test_rank_0_loading_and_broadcasting_mid_run_resumes_every_rank(results, phase):
     """Horovod's recipe mid-run: rank 0 loads an earlier state, then sends it to the others.
-    Every rank goes on from it as if the run had not gone past it."""
+    Every rank goes on from it as if the run had not gone past it; also where the rollback
+    comes between a backward (whose hooks started buckets) and step(), after synchronize()."""
     key = f"rollback_broadcast_{phase}"
-    reference = scenario(results, f"no_rollback_{phase}")
+    reference = scenario(results, f"no_rollback_{phase.split('_')[0]}")
     for rank, (r, ref) in enumerate(zip(scenario(results, key), reference)):
         assert (r["error"], r["steps"], r["phase"]) == (None, 14, "compression"), \
             f"{key}, rank {rank}: error {r['error']!r}, {r['steps']} steps, {r['phase']}; " \

@@ -343,12 +343,14 @@ def added_in_the_warmup(freeze_step=3, steps=5):
     return [str(w.message) for w in caught if "received no gradient" in str(w.message)]
 
 
-def rollback(how: str, src=7, at=10, total=14, freeze_step=5, check_every=1):
+def rollback(how: str, src=7, at=10, total=14, freeze_step=5, check_every=1, mid_step=False):
     """Train to ``at``, then go back to the state saved at ``src`` (after folding the error
     feedback) and train again to ``total``. ``how``: "none" (no rollback: the reference, which
     folds the error feedback at ``src`` too),
     "rank0_broadcast" (Horovod's recipe: rank 0 loads, then hvd.broadcast_parameters and
-    hvd.broadcast_optimizer_state), "one_rank" (rank 1 alone loads, with ``check_every``)."""
+    hvd.broadcast_optimizer_state), "one_rank" (rank 1 alone loads, with ``check_every``).
+    ``mid_step``: the rollback comes after step ``at``'s backward, its buckets started by the
+    hooks, and Horovod's way to leave a step untaken (``synchronize()``)."""
     import copy
 
     model = make_model()
@@ -362,6 +364,11 @@ def rollback(how: str, src=7, at=10, total=14, freeze_step=5, check_every=1):
                 saved = (copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()))
             if step == at and not rolled:
                 rolled = True
+                if mid_step:
+                    opt.zero_grad()
+                    x, y = batch(step, hvd.rank())
+                    loss_fn(model(x), y).backward()
+                    opt.synchronize()
                 if hvd.rank() == (0 if how == "rank0_broadcast" else 1):
                     model.load_state_dict(saved[0])
                     opt.load_state_dict(saved[1])
@@ -503,6 +510,8 @@ def suite(ckpt_dir=None):
         "no_rollback_warmup": lambda: rollback("none", src=3),
         "rollback_broadcast_compression": lambda: rollback("rank0_broadcast", src=7),
         "rollback_broadcast_warmup": lambda: rollback("rank0_broadcast", src=3),
+        "rollback_broadcast_compression_mid_step": lambda: rollback("rank0_broadcast", src=7,
+                                                                    mid_step=True),
         "rollback_one_rank": lambda: rollback("one_rank", src=7),
         # rank 1's step counts are 2 behind: checks by step count would fall at other calls
         "rollback_one_rank_every_3": lambda: rollback("one_rank", src=8, total=20, check_every=3),
