@@ -116,6 +116,14 @@ class HorovodView:
             if handle is None:
                 opt._handles[p] = opt._allreduce_grad_async(p)
 
+    def _added_name(self, p: torch.Tensor, number: int) -> str:
+        """The name of a parameter added to the optimizer since it was built (add_param_group),
+        which has none from named_parameters: one that says so, the same on every rank, for
+        Horovod's allreduce and for the messages that name it."""
+        group = next((g for g, group in enumerate(self.adam.param_groups)
+                      if any(q is p for q in group["params"])), "?")
+        return f"param group {group}, shape {tuple(p.shape)}, added #{number}"
+
     def synchronize(self) -> None:
         """Horovod's synchronize: wait for the gradient allreduces the hooks started."""
         _DistributedOptimizer.synchronize(self._opt)
@@ -128,8 +136,6 @@ class HorovodView:
         opt = self._opt
         if not (opt.process_set.included() and hvd.size() > 1):
             return
-        group_of = {p: g for g, group in enumerate(self.adam.param_groups)
-                    for p in group["params"]}
         for p in self.adam.parameters():
             if p.requires_grad and p not in opt._requires_update:
                 if p not in self._hooked:
@@ -139,11 +145,7 @@ class HorovodView:
                     self._hooked.add(p)
                 opt._requires_update.add(p)
                 opt._allreduce_delay.setdefault(p, opt.backward_passes_per_step)
-                # a parameter added to the optimizer since (add_param_group) has no name from
-                # named_parameters: one that says so, the same on every rank, for Horovod's
-                # allreduce and for the messages that name it
-                opt._parameter_names.setdefault(
-                    p, f"param group {group_of.get(p, '?')}, shape {tuple(p.shape)}, added "
-                       f"#{len(opt._grad_accs)}")
+                if p not in opt._parameter_names:
+                    opt._parameter_names[p] = self._added_name(p, len(opt._grad_accs))
         for p in [p for p in opt._requires_update if not p.requires_grad]:
             opt._requires_update.discard(p)
