@@ -245,10 +245,10 @@ class CommHook:
             self._expected_passes = self._passes
         self._passes = 0
 
-    def gradients_zeroed(self) -> None:
-        """zero_grad(): the passes before it are not this step's gradients (a skipped batch),
-        and nothing will step on them (the script may restore the parameters before the next
-        batch: a rollback)."""
+    def discard_passes(self) -> None:
+        """The passes since the last step count no more: zero_grad() (a skipped batch, whose
+        gradients nothing will step on) or a state loaded over them (a rollback, which moves
+        the parameters for this optimizer)."""
         self._passes = 0
         self._versions = None
 

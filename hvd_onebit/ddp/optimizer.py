@@ -45,14 +45,14 @@ class DDPFace:
         """torch's; between backward and step() it skips the batch: the buckets its hooks
         started are started again by the next step."""
         self._phases.gradients_zeroed()
-        self._hook.gradients_zeroed()
+        self._hook.discard_passes()
         super(self.__class__, self).zero_grad(set_to_none=set_to_none)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """The shared face's, then the hook starts afresh: a state loaded between a backward
         and step() (a rollback) moves the parameters for this optimizer, not another one."""
         SharedFace.load_state_dict(self, state_dict)
-        self._hook.gradients_zeroed()
+        self._hook.discard_passes()
 
     def step(self, closure: Optional[Callable[[], float]] = None, grad_scaler=None):
         """One optimizer step: Adam on DDP's averaged gradients in the warmup, 1-bit momentum
