@@ -408,6 +408,12 @@ def skipped_batch(steps: int = FREEZE + 5) -> dict:
     return out
 
 
+def overlap_warnings(caught: list) -> list[str]:
+    """The caught warnings about the overlap: buckets started again, or the overlap off."""
+    return [str(w.message) for w in caught if "overlap off" in str(w.message)
+            or "changed between backward and step()" in str(w.message)]
+
+
 def forward_without_backward(steps: int = FREEZE + 4) -> dict:
     """The warmup's last step taken without a backward (its gradients zeroed), after a forward
     with autograd on: the forward arms DDP's reducer, which then reduces in the first compressed
@@ -434,8 +440,7 @@ def forward_without_backward(steps: int = FREEZE + 4) -> dict:
         out["extra" if extra else "plain"] = {
             "early": opt.compressed_step.early_starts - before,
             "restarts": opt.compressed_step.restarts,
-            "warnings": [str(w.message) for w in caught if "overlap off" in str(w.message)
-                         or "changed between backward and step()" in str(w.message)]}
+            "warnings": overlap_warnings(caught)}
     out["differences"] = differences(runs[0], runs[1], "the run with a forward and no backward")
     return out
 
@@ -464,8 +469,7 @@ def accumulated_without_no_sync(passes: tuple = (2, 2, 3, 3, 1, 1)) -> dict:
         runs.append(params_of(model))
         out["overlap" if overlap else "off"] = {
             "early": early, "restarts": opt.compressed_step.restarts,
-            "warnings": [str(w.message) for w in caught if "overlap off" in str(w.message)
-                         or "changed between backward and step()" in str(w.message)]}
+            "warnings": overlap_warnings(caught)}
     out["differences"] = differences(runs[0], runs[1], "overlap=False")
     return out
 
