@@ -26,7 +26,8 @@ FREEZE = 3
 # DDP's options and the steps' shapes each scenario runs with: (DDP keywords, the steps'
 # pattern); "micro": backward passes per step (all but the last under no_sync), "extra": which
 # (step, rank) use a branch the others leave without a gradient; "clip": the gradients' norm is
-# clipped to this before step() (in the compression phase each rank clips its own).
+# clipped to this before step() (in the compression phase each rank clips its own); "compile":
+# the module compiled with torch.compile (that backend) before DDP wraps it.
 VARIANTS = {
     "plain": ({}, {}),
     "no_sync": ({}, {"micro": 2}),
@@ -34,6 +35,7 @@ VARIANTS = {
     "static_graph": ({"static_graph": True}, {}),
     "bucket_view": ({"gradient_as_bucket_view": True}, {}),
     "clip": ({}, {"clip": 0.05}),
+    "compiled": ({"compile": "aot_eager"}, {}),
 }
 
 
@@ -52,15 +54,19 @@ class Net(torch.nn.Module):
         return y + self.extra(h) if extra and self.extra is not None else y
 
 
-def make_model(seed: int = 0, dtype: torch.dtype = torch.float32, **ddp_options) -> DDP:
+def make_model(seed: int = 0, dtype: torch.dtype = torch.float32, compile: Optional[str] = None,
+               **ddp_options) -> DDP:
     torch.manual_seed(seed)
     net = Net(extra=ddp_options.get("find_unused_parameters", False)).to(dtype)
+    if compile is not None:
+        net = torch.compile(net, backend=compile)
     return DDP(net, **ddp_options)
 
 
 def adam(model: DDP | torch.nn.Module) -> torch.optim.Adam:
     """Adam over two param groups of ``model`` (a DDP model's module, or the module itself)."""
     m = getattr(model, "module", model)
+    m = getattr(m, "_orig_mod", m)  # a compiled module's own
     return torch.optim.Adam([{"params": list(m.inner.parameters()), "lr": LRS[0]},
                              {"params": [p for n, p in m.named_parameters()
                                          if not n.startswith("inner.")], "lr": LRS[1]}])
@@ -182,8 +188,14 @@ def compression_record(variant: str, steps: int = 4, **options) -> dict:
                   local_steps=opt._hook.local_steps,
                   early_starts=opt.compressed_step.early_starts,
                   restarts=opt.compressed_step.restarts, total_bytes=telemetry["total_bytes"],
-                  last_step_bytes=telemetry["last_step_bytes"])
+                  last_step_bytes=telemetry["last_step_bytes"], graphs=compiled_graphs())
     return record
+
+
+def compiled_graphs() -> int:
+    """The graphs torch.compile has captured in this process so far."""
+    from torch._dynamo.utils import counters
+    return int(counters["stats"]["unique_graphs"])
 
 
 def replay(rank: int, transport, record: dict, world: int) -> list[list[np.ndarray]]:
