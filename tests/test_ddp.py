@@ -71,7 +71,7 @@ def test_compressed_steps_are_the_engines_on_the_same_gradients(world, name):
         assert record["buckets"] > 1, f"n={n}: the momentum spans {record['buckets']} bucket(s)"
         # every compressed step ran with DDP's gradient sync off: its gradients stayed local
         assert record["local_steps"] == COMPRESSED, record["local_steps"]
-        if name == "compression_compiled":
+        if name == "compression_compiled":  # the module's forward (the DDP model's: torch's)
             assert record["graphs"] > 0, f"n={n} rank {rank}: torch.compile captured no graph"
         # the buckets started from the gradient hooks (all of them, but with find_unused_parameters,
         # and for a clip: it changes the gradients after backward, so they start again)

@@ -27,7 +27,8 @@ FREEZE = 3
 # pattern); "micro": backward passes per step (all but the last under no_sync), "extra": which
 # (step, rank) use a branch the others leave without a gradient; "clip": the gradients' norm is
 # clipped to this before step() (in the compression phase each rank clips its own); "compile":
-# the module compiled with torch.compile (that backend) before DDP wraps it.
+# the module compiled with torch.compile (that backend) before DDP wraps it; "compile_ddp": the
+# DDP model compiled (the face is handed the compiled model).
 VARIANTS = {
     "plain": ({}, {}),
     "no_sync": ({}, {"micro": 2}),
@@ -36,6 +37,7 @@ VARIANTS = {
     "bucket_view": ({"gradient_as_bucket_view": True}, {}),
     "clip": ({}, {"clip": 0.05}),
     "compiled": ({"compile": "aot_eager"}, {}),
+    "compiled_ddp": ({"compile_ddp": "aot_eager"}, {}),
 }
 
 
@@ -55,12 +57,15 @@ class Net(torch.nn.Module):
 
 
 def make_model(seed: int = 0, dtype: torch.dtype = torch.float32, compile: Optional[str] = None,
-               **ddp_options) -> DDP:
+               compile_ddp: Optional[str] = None, **ddp_options) -> DDP:
+    """The DDP model of :class:`Net`; with ``compile_ddp``, ``torch.compile`` of it, which
+    passes ``module``, ``no_sync()`` and the parameters through to the DDP model."""
     torch.manual_seed(seed)
     net = Net(extra=ddp_options.get("find_unused_parameters", False)).to(dtype)
     if compile is not None:
         net = torch.compile(net, backend=compile)
-    return DDP(net, **ddp_options)
+    model = DDP(net, **ddp_options)
+    return model if compile_ddp is None else torch.compile(model, backend=compile_ddp)
 
 
 def adam(model: DDP | torch.nn.Module) -> torch.optim.Adam:
@@ -188,12 +193,14 @@ def compression_record(variant: str, steps: int = 4, **options) -> dict:
                   local_steps=opt._hook.local_steps,
                   early_starts=opt.compressed_step.early_starts,
                   restarts=opt.compressed_step.restarts, total_bytes=telemetry["total_bytes"],
-                  last_step_bytes=telemetry["last_step_bytes"], graphs=compiled_graphs())
+                  last_step_bytes=telemetry["last_step_bytes"],
+                  graphs=compiled_graphs())
     return record
 
 
 def compiled_graphs() -> int:
-    """The graphs torch.compile has captured in this process so far."""
+    """The graphs torch.compile has captured in this process so far (a module's is captured
+    once, at its first call in the process)."""
     from torch._dynamo.utils import counters
     return int(counters["stats"]["unique_graphs"])
 

@@ -84,7 +84,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model, *,
     ``optimizer``: a ``torch.optim.Adam`` or ``AdamW`` (amsgrad off) built from the DDP model's
     parameters (float32, float16 or bfloat16, on one device); lr, betas, eps and weight_decay are
     read from the param groups at every step, so LR schedulers and per-group settings work in
-    both phases. ``model``: the ``DistributedDataParallel`` module. The optimizer registers its
+    both phases. ``model``: the ``DistributedDataParallel`` module (or ``torch.compile`` of it).
+    The optimizer registers its
     own communication hook on it; DDP allows one, so a model that has one already is refused.
     The options mean what they mean for :func:`hvd_onebit.DistributedOptimizer`.
 
@@ -149,6 +150,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model, *,
         transport="torch", overlap=overlap, memory=memory, block_size=block_size,
         check_every=check_every, kernel_backend=kernel_backend, experimental=experimental,
         **moved)
+    model = setup.ddp_model_of(model)
     if setup.finds_unused(model):
         config = dataclasses.replace(config, overlap=False)
     group = setup.check(model, optimizer.param_groups, process_group, config)

@@ -27,6 +27,16 @@ from .warmup import DDPWarmup
 FACE = "hvd_onebit.ddp.DistributedOptimizer"  # how the shared checks and messages name this face
 
 
+def ddp_model_of(model):
+    """The DDP model ``model`` is, or that ``model`` compiles (``torch.compile(ddp_model)``
+    calls the DDP model, whose hooks then act as they do uncompiled); anything else as it is,
+    for :func:`check` to refuse."""
+    inner = getattr(model, "_orig_mod", None)
+    if isinstance(model, torch.nn.Module) and isinstance(inner, DistributedDataParallel):
+        return inner
+    return model
+
+
 def finds_unused(model) -> bool:
     """Whether DDP looks for unused parameters in every backward (``find_unused_parameters``).
     With it every bucket starts in step(), after backward: in the steps DDP synchronises, it
