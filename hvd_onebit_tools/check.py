@@ -50,9 +50,23 @@ def check_torch() -> Finding:
                    needed_by=tuple(FACES))
 
 
+def horovod_install() -> str:
+    """How to build Horovod against the installed torch: 0.28.1, its last release, builds
+    from PyPI against torch before 2.1, and from its sdist with two fixes from 2.1 on."""
+    import torch
+
+    major, minor = (int(part) for part in torch.__version__.split(".")[:2])
+    if (major, minor) < (2, 1):
+        return "HOROVOD_WITH_PYTORCH=1 pip install --no-cache-dir --no-build-isolation horovod"
+    return ("build Horovod 0.28.1 from its sdist with the two fixes torch 2.1 and later need "
+            "(C++17 in CMakeLists.txt and horovod/torch/CMakeLists.txt; "
+            "CMAKE_POLICY_VERSION_MINIMUM=3.5 HOROVOD_WITH_PYTORCH=1 pip install "
+            "--no-build-isolation --no-cache-dir .): the commands are in docs/install.md, Horovod")
+
+
 def check_horovod() -> Finding:
     """Horovod and its controllers: the Horovod face's, which the DDP face does without."""
-    install = "HOROVOD_WITH_PYTORCH=1 pip install --no-cache-dir --no-build-isolation horovod"
+    install = horovod_install()
     if importlib.util.find_spec("horovod") is None:
         return Finding("horovod", INFO, "not installed (the Horovod face needs it; the DDP face "
                        "does not)", f"for the Horovod face: {install}", needed_by=(HOROVOD,))

@@ -149,8 +149,10 @@ def test_without_horovod_the_ddp_face_is_ready_and_the_install_is_named():
     horovod = [i for i, line in enumerate(lines) if line.startswith("horovod ")]
     assert len(horovod) == 1 and " -- " in lines[horovod[0]] and \
         "not installed" in lines[horovod[0]], out.stdout
-    assert "fix: for the Horovod face: HOROVOD_WITH_PYTORCH=1 pip install" in \
-        lines[horovod[0] + 1], out.stdout
+    # torch here is 2.1 or later, against which Horovod's last release needs two fixes
+    fix = lines[horovod[0] + 1]
+    assert "fix: for the Horovod face: build Horovod 0.28.1 from its sdist" in fix and \
+        "CMAKE_POLICY_VERSION_MINIMUM=3.5" in fix and "docs/install.md" in fix, out.stdout
     assert lines[-1] == f"ready: {FACES['ddp']}; {FACES['horovod']} needs horovod", out.stdout
     assert out.returncode == 0 and report_json["ready"], out.stdout + out.stderr
 
