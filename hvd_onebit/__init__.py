@@ -29,10 +29,23 @@ _PUBLIC = {
 }
 __all__ = sorted(_PUBLIC) + ["__version__"]
 
+NEEDS_HOROVOD = (
+    "hvd_onebit.{name} is the Horovod face, and Horovod does not import here ({error}). In a "
+    "DDP script under torchrun use hvd_onebit.ddp.DistributedOptimizer, which needs no "
+    "Horovod; for Horovod jobs install Horovod built against this torch (`hvd-onebit check` "
+    "says how)")
+
 
 def __getattr__(name: str):
     if name in _PUBLIC:
-        value = getattr(importlib.import_module(_PUBLIC[name], __name__), name)
+        try:
+            module = importlib.import_module(_PUBLIC[name], __name__)
+        except ModuleNotFoundError as exc:
+            if (exc.name or "").split(".")[0] != "horovod":
+                raise
+            raise ModuleNotFoundError(NEEDS_HOROVOD.format(name=name, error=exc),
+                                      name=exc.name) from exc
+        value = getattr(module, name)
         globals()[name] = value
         return value
     raise AttributeError(f"module 'hvd_onebit' has no attribute {name!r}")

@@ -157,6 +157,25 @@ def test_without_horovod_the_ddp_face_is_ready_and_the_install_is_named():
     assert out.returncode == 0 and report_json["ready"], out.stdout + out.stderr
 
 
+def test_without_horovod_the_horovod_face_names_the_ddp_face(monkeypatch):
+    """``hvd_onebit.DistributedOptimizer`` where Horovod does not import: an error that names
+    the DDP face and where the Horovod build is told, not a bare ModuleNotFoundError; the
+    rest of the package still imports."""
+    import hvd_onebit
+
+    monkeypatch.delattr(hvd_onebit, "DistributedOptimizer", raising=False)  # imported on use
+    monkeypatch.setitem(sys.modules, "horovod", None)
+    for module in ("horovod.torch", "hvd_onebit.optimizer"):
+        monkeypatch.delitem(sys.modules, module, raising=False)
+    with pytest.raises(ModuleNotFoundError) as caught:
+        hvd_onebit.DistributedOptimizer
+    message = str(caught.value)
+    for part in ("hvd_onebit.DistributedOptimizer is the Horovod face",
+                 "use hvd_onebit.ddp.DistributedOptimizer", "`hvd-onebit check` says how"):
+        assert part in message, f"{part!r} not in {message!r}"
+    assert hvd_onebit.Experimental.__name__ == "Experimental"
+
+
 def test_readiness_names_each_face_and_what_blocks_it():
     """No face ready: exit status 1's report names each face's missing parts; torch missing
     blocks both."""
