@@ -296,3 +296,26 @@ def test_hvd_onebit_native_avx2_loads_the_kernels_with_avx512_forbidden(monkeypa
     finally:
         native_loader.load_native.cache_clear()
         _C.set_avx512(allowed)
+
+
+@pytest.mark.parametrize("seconds, noticed", [(0.0, False), (0.4, True)])
+def test_a_load_at_first_use_is_quiet_unless_it_compiles(
+        monkeypatch, capfd, seconds, noticed):
+    """A load from torch's extension cache is quiet; one that takes longer than
+    COMPILE_NOTICE_S (a build: another torch, another source) says it compiles while it does."""
+    import time
+
+    import torch.utils.cpp_extension
+    from hvd_onebit.kernels import native_loader
+
+    def load(**kwargs):  # a build that takes ``seconds``
+        time.sleep(seconds)
+        return _C
+
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", load)
+    monkeypatch.setattr(native_loader, "COMPILE_NOTICE_S", 0.1)
+    assert native_loader._compile() is _C
+    time.sleep(0.2)  # past the notice's time: a cancelled notice stays quiet
+    err = capfd.readouterr().err
+    assert ("compiling the native kernels against this torch" in err) == noticed, \
+        f"load of {seconds} s, notice after 0.1 s: stderr {err!r}"

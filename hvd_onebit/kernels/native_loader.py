@@ -20,6 +20,7 @@ import functools
 import importlib
 import os
 import sys
+import threading
 import warnings
 from pathlib import Path
 from typing import Optional
@@ -47,15 +48,10 @@ def _installed():
 NAME = "hvd_onebit_native"
 
 
-def _built_before() -> bool:
-    """Whether torch's extension cache already holds a build (then no compile message)."""
-    try:
-        from torch.utils.cpp_extension import _get_build_directory
-
-        folder = _get_build_directory(NAME, verbose=False)
-        return any(f.endswith(".so") for f in os.listdir(folder))
-    except Exception:  # noqa: BLE001 - a private helper of torch's: any failure means "unknown"
-        return False
+# A load that takes longer than this is a compile (a build in torch's cache loads in well under
+# a second), and says so: whether torch will rebuild (another torch, another source) is ninja's
+# to decide, not a file's presence.
+COMPILE_NOTICE_S = 2.0
 
 
 def _compile():
@@ -63,11 +59,16 @@ def _compile():
 
     if not SOURCE.is_file():
         raise FileNotFoundError(f"the kernel source {SOURCE} is not installed")
-    if not _built_before():
-        print(f"[hvd_onebit] compiling the native kernels against torch once ({SOURCE.name}); "
-              f"later runs reuse the build", file=sys.stderr, flush=True)
-    return load(name=NAME, sources=[str(SOURCE)], extra_cflags=["-O3", "-ffp-contract=off"],
-                verbose=False)
+    notice = threading.Timer(COMPILE_NOTICE_S, lambda: print(
+        f"[hvd_onebit] compiling the native kernels against this torch ({SOURCE.name}); later "
+        f"runs reuse the build", file=sys.stderr, flush=True))
+    notice.daemon = True
+    notice.start()
+    try:
+        return load(name=NAME, sources=[str(SOURCE)], extra_cflags=["-O3", "-ffp-contract=off"],
+                    verbose=False)
+    finally:
+        notice.cancel()
 
 
 @functools.lru_cache(maxsize=None)
