@@ -193,13 +193,15 @@ class CommHook:
         join = getattr(model, "_join_config", None)
         if join is not None and join.enable and torch.is_grad_enabled():
             raise ValueError(JOIN_REFUSED)
-        if (self._versions is not None and torch.is_grad_enabled()
-                and versions(model) != self._versions):
-            raise ValueError(STEPPED_ELSEWHERE)
+        now = None  # the parameters' versions, read once per forward where they are needed
+        if self._versions is not None and torch.is_grad_enabled():
+            now = versions(model)
+            if now != self._versions:
+                raise ValueError(STEPPED_ELSEWHERE)
         self._final = model.require_backward_grad_sync
         self._local = torch.is_grad_enabled() and not self._averaging()
         if self._local and self._final:
-            self._versions = versions(model)
+            self._versions = now if now is not None else versions(model)
         if torch.is_grad_enabled() and self._final:
             if self._passes and not any(p.grad is not None for p in model.module.parameters()):
                 self._passes = 0  # the passes before were zeroed (set to None): a skipped batch
