@@ -48,7 +48,8 @@ def recipe(kind: str, how: str, steps: int = 40, freeze_step: int = 10, **option
     float16, ``scaler.scale(loss).backward()``, ``optimizer.synchronize()``,
     ``scaler.unscale_(optimizer)``, ``with optimizer.skip_synchronize(): scaler.step(optimizer)``,
     ``scaler.update()``), "clip" (synchronize, ``clip_grad_norm_(1.0)``, skip_synchronize, step)
-    or "scaler_step" (GradScaler through ``step()`` alone). ``kind``: "adam" (Horovod's own
+    or "scaler_step" (GradScaler through ``step()`` alone); "eager" and "compiled" (the model's
+    forward through ``torch.compile``): backward, then step. ``kind``: "adam" (Horovod's own
     optimizer) or "onebit". Returns the held-out loss, the loss scales, whether every
     parameter stayed finite, and the phase at the end."""
     torch.manual_seed(0)
@@ -56,6 +57,7 @@ def recipe(kind: str, how: str, steps: int = 40, freeze_step: int = 10, **option
     model = HorovodMnistNet()
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     opt = _optimizer(model, kind, freeze_step, **options)
+    forward = torch.compile(model, backend="aot_eager") if how == "compiled" else model
     scaler = torch.amp.GradScaler("cpu") if how in ("amp", "scaler_step") else None
     scales = []
     with warnings.catch_warnings():
@@ -64,7 +66,7 @@ def recipe(kind: str, how: str, steps: int = 40, freeze_step: int = 10, **option
             x, y = _batch(split, step)
             opt.zero_grad()
             with torch.autocast("cpu", dtype=torch.float16, enabled=how == "amp"):
-                loss = F.nll_loss(model(x), y)
+                loss = F.nll_loss(forward(x), y)
             if scaler is not None:
                 scaler.scale(loss).backward()
                 if how == "amp":
@@ -76,6 +78,9 @@ def recipe(kind: str, how: str, steps: int = 40, freeze_step: int = 10, **option
                     scaler.step(opt)
                 scaler.update()
                 scales.append(float(scaler.get_scale()))
+            elif how in ("eager", "compiled"):
+                loss.backward()
+                opt.step()
             else:
                 loss.backward()
                 opt.synchronize()
@@ -83,6 +88,7 @@ def recipe(kind: str, how: str, steps: int = 40, freeze_step: int = 10, **option
                 with opt.skip_synchronize():
                     opt.step()
     return {"held_loss": _held_loss(model, split), "scales": scales,
+            "params": [p.detach().clone().numpy() for p in model.parameters()],
             "finite": all(bool(torch.isfinite(p).all()) for p in model.parameters()),
             "phase": getattr(opt, "phase", "adam")}
 
@@ -177,5 +183,7 @@ def suite() -> dict:
             recipe, "onebit", how,
             experimental=Experimental(step_bound=None, precondition=False))
     out["bounded_scaler_step"] = _scenario(recipe, "onebit", "scaler_step")
+    for how in ("eager", "compiled"):
+        out[how] = _scenario(recipe, "onebit", how)
     out["resume"] = _scenario(resume_unbounded_checkpoint)
     return out
