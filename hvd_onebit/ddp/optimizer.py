@@ -85,9 +85,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model, *,
     parameters (float32, float16 or bfloat16, on one device); lr, betas, eps and weight_decay are
     read from the param groups at every step, so LR schedulers and per-group settings work in
     both phases. ``model``: the ``DistributedDataParallel`` module (or ``torch.compile`` of it).
-    The optimizer registers its
-    own communication hook on it; DDP allows one, so a model that has one already is refused.
-    The options mean what they mean for :func:`hvd_onebit.DistributedOptimizer`.
+    The optimizer registers its own communication hook on it; DDP allows one, so a model that
+    has one already is refused. The options mean what they mean for
+    :func:`hvd_onebit.DistributedOptimizer`.
 
     Args:
         freeze_step (int or "auto"): warmup steps before the variance freezes: 5% of the run
