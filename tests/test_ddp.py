@@ -207,6 +207,26 @@ def test_a_compression_phase_checkpoint_resumes_bit_identically(world):
 
 
 @pytest.mark.multirank
+def test_a_checkpoint_through_torch_distributed_checkpoint_keeps_what_it_left_out_known(world):
+    """torch.distributed.checkpoint keeps the optimizer's state and param_groups alone: the
+    record param group 0 carries still says the error feedback was not flushed (dropped with
+    a warning, or loaded beside it for the uninterrupted run's bits), and that the auto freeze's
+    record of the variance did not come with the state."""
+    n, results = world
+    for rank, r in enumerate(scenario(results, "dcp")):
+        assert r["phase"] == "compression", r["phase"]
+        kept, dropped, auto = r["with_errors"], r["without_errors"], r["auto"]
+        assert kept["differ"] == [] and kept["warnings"] == [], \
+            f"n={n} rank {rank}: with its error feedback: {kept}"
+        assert dropped["differ"] != [], f"n={n} rank {rank}: the error feedback changed nothing"
+        flushed = [w for w in dropped["warnings"] if "before its error feedback was flushed" in w]
+        assert len(flushed) == 1, f"n={n} rank {rank}: warnings without it: {dropped['warnings']}"
+        assert (auto["steps"], auto["phase"]) == (2, "warmup"), auto
+        left_out = [w for w in auto["warnings"] if "without the checkpoint's record" in w]
+        assert len(left_out) == 1, f"n={n} rank {rank}: auto's warnings {auto['warnings']}"
+
+
+@pytest.mark.multirank
 def test_a_flushed_checkpoint_resumes_on_another_number_of_ranks(world2, world4):
     saved = scenario(world2, "flushed")
     resumed = scenario(world4, "flushed")

@@ -266,6 +266,76 @@ def checkpoint_resumes(before: int = 2, after: int = 3) -> dict:
             "phase": opt.phase}
 
 
+def dcp_checkpoint_resumes(before: int = 2, after: int = 3) -> dict:
+    """Checkpoints through torch.distributed.checkpoint, which keeps the optimizer's ``state``
+    and ``param_groups`` alone: a compression-phase one resumed by a fresh model and optimizer
+    with each rank's error feedback (the bits that differ from the uninterrupted run) and
+    without it (the warnings of its first steps); and a warmup one of ``freeze_step="auto"``
+    (the warnings of its load)."""
+    import tempfile
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    from hvd_onebit.config import Experimental
+
+    where = [tempfile.mkdtemp(prefix="hvd_onebit_dcp_") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(where, src=0)
+    auto = {"freeze_step": "auto", "experimental": Experimental(
+        auto_freeze={"window": 2, "patience": 2, "min_steps": 2, "max_steps": 50})}
+
+    def save(model, opt, name: str) -> None:
+        model_state, opt_state = get_state_dict(model, opt)
+        dcp.save({"model": model_state, "optim": opt_state}, checkpoint_id=f"{where[0]}/{name}")
+
+    def load(name: str, **options):
+        model = make_model(seed=1)
+        opt = onebit(model, **options)
+        model_state, opt_state = get_state_dict(model, opt)
+        loaded = {"model": model_state, "optim": opt_state}
+        dcp.load(loaded, checkpoint_id=f"{where[0]}/{name}")
+        set_state_dict(model, opt, model_state_dict=loaded["model"],
+                       optim_state_dict=loaded["optim"])
+        return model, opt
+
+    model = make_model()
+    opt = onebit(model)
+    for step in range(FREEZE + before):
+        train_step(model, opt, step)
+    save(model, opt, "compression")
+    errors = copy.deepcopy(opt.error_feedback_state_dict())
+    for step in range(FREEZE + before, FREEZE + before + after):
+        train_step(model, opt, step)
+    out = {"phase": opt.phase}
+    for name, with_errors in (("with_errors", True), ("without_errors", False)):
+        fresh, fresh_opt = load("compression")
+        if with_errors:
+            fresh_opt.load_error_feedback_state_dict(copy.deepcopy(errors))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for step in range(FREEZE + before, FREEZE + before + after):
+                train_step(fresh, fresh_opt, step)
+        out[name] = {"differ": differences(params_of(model), params_of(fresh), name),
+                     "warnings": [str(w.message) for w in caught
+                                  if str(w.message).startswith("hvd_onebit")]}
+    model = make_model()
+    opt = onebit(model, **auto)
+    for step in range(2):
+        train_step(model, opt, step)
+    save(model, opt, "warmup_auto")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _, resumed = load("warmup_auto", **auto)
+    out["auto"] = {"steps": resumed.steps, "phase": resumed.phase,
+                   "warnings": [str(w.message) for w in caught
+                                if str(w.message).startswith("hvd_onebit")]}
+    dist.barrier()
+    if dist.get_rank() == 0:
+        import shutil
+        shutil.rmtree(where[0])
+    return out
+
+
 def flushed_checkpoint(path: str, save: bool, steps: int = 3) -> dict:
     """``save``: FREEZE + ``steps`` steps, the error feedback flushed, rank 0's checkpoint
     written to ``path``. Otherwise: that checkpoint resumed on this world, ``steps`` more."""
@@ -779,7 +849,8 @@ def suite(scratch: Optional[str] = None, stage: Optional[str] = None) -> dict:
     scenarios.update({f"low_precision_{d}": partial(low_precision, d)
                       for d in ("float16", "bfloat16")})
     scenarios.update(averaged_poisoned=averaged_gradient_poisoned)
-    scenarios.update(checkpoint=checkpoint_resumes, refresh=variance_refresh, refusals=refusals,
+    scenarios.update(checkpoint=checkpoint_resumes, dcp=dcp_checkpoint_resumes,
+                     refresh=variance_refresh, refusals=refusals,
                      refresh_second_steps=partial(variance_refresh, second_steps=True),
                      refresh_unused=partial(variance_refresh, "unused", iterations=8),
                      refresh_unused_second_steps=partial(variance_refresh, "unused",

@@ -5,6 +5,11 @@ variance, the auto-freeze record); the error feedback is rank-local and has its 
 (:meth:`hvd_onebit.engine.CompressedStep.error_feedback_state_dict`). The record says whether
 the error feedback held anything undelivered when it was saved (``"unflushed_error_feedback"``),
 so that resuming without it warns (:meth:`hvd_onebit.engine.CompressedStep.expect_error_feedback`).
+
+Param group 0 of the saved state carries the record too (``RECORD_KEY``), less the auto freeze's
+record of the variance (tensors of the parameters' sizes): ``torch.distributed.checkpoint``
+keeps a state dict's ``state`` and ``param_groups`` alone, and with that copy a resume from it
+still knows what the checkpoint left out.
 """
 from __future__ import annotations
 
@@ -21,6 +26,12 @@ from .schedule import FREEZE_KEY, LOADS_KEY, STEP_KEY, Schedule
 from .telemetry import Telemetry
 
 KEY = "onebit"  # the state_dict entry 1-bit Adam adds
+RECORD_KEY = "onebit_record"  # the saved param group 0's copy of it, without the variance record
+AUTO_RECORD_LEFT_OUT = (
+    "hvd_onebit: freeze_step='auto': the state was loaded without the checkpoint's record of "
+    "the variance (torch.distributed.checkpoint keeps a state dict's state and param_groups "
+    "alone), so a new record starts at step {steps}; the freeze may come later than in the run "
+    "the checkpoint came from. Save the optimizer's state_dict() with torch.save to keep it")
 
 
 def state_dict(view: OptimizerView, config: OneBitConfig, schedule: Schedule,
@@ -32,8 +43,10 @@ def state_dict(view: OptimizerView, config: OneBitConfig, schedule: Schedule,
                "step_bound": config.step_bound, "refreshes": telemetry.refreshes,
                "last_refresh_step": telemetry.last_refresh_step,
                "unflushed_error_feedback": bool(unflushed)}
+    sd["param_groups"][0][RECORD_KEY] = dict(sd[KEY], auto_freeze_left_out=False)
     if schedule.monitor is not None:
         sd[KEY]["auto_freeze"] = schedule.monitor.state_dict()
+        sd["param_groups"][0][RECORD_KEY]["auto_freeze_left_out"] = True
     return sd
 
 
@@ -46,11 +59,15 @@ def load_state_dict(view: OptimizerView, config: OneBitConfig, schedule: Schedul
     past the optimizer's (with a warning); with ``freeze_step="auto"`` also the checkpoint's
     record of the variance, so the resumed run decides at the same step as an uninterrupted
     one. A state dict without the 1-bit record is this optimizer's if its step counts agree,
-    else torch.optim's, a warmup checkpoint at its Adam step count (:func:`_without_record`).
+    else torch.optim's, a warmup checkpoint at its Adam step count (:func:`_own_without_record`);
+    this optimizer's takes the record param group 0 carries (``RECORD_KEY``) where there is one.
     The caller drops its collectives after. Returns whether the checkpoint was saved with
     error feedback not delivered yet (which it does not hold)."""
     state_dict = dict(state_dict)
     meta = state_dict.pop(KEY, None)
+    carried = state_dict["param_groups"][0].get(RECORD_KEY) if state_dict["param_groups"] else None
+    state_dict["param_groups"] = [{k: v for k, v in g.items() if k != RECORD_KEY}
+                                  for g in state_dict["param_groups"]]
     params = view.adam.parameters()
     wide = float32_state_in(state_dict, params)
     loads = schedule.loads
@@ -61,7 +78,12 @@ def load_state_dict(view: OptimizerView, config: OneBitConfig, schedule: Schedul
     for pid, p in zip(ids, params):
         for key, value in wide.get(pid, {}).items():
             view.adam.state[p][key] = value.to(device=p.device, copy=True)
-    saved = None if meta is not None else _without_record(view, schedule)
+    saved = None
+    if meta is None:
+        own = _own_without_record(view, schedule)
+        if own and carried is not None:
+            meta = carried  # what torch.distributed.checkpoint kept of the record
+        saved = schedule.freeze_step if own else None
     mine = None if config.auto else config.freeze_step
     if meta is not None:
         telemetry.skipped_steps = int(meta.get("skipped_steps", 0))
@@ -76,7 +98,8 @@ def load_state_dict(view: OptimizerView, config: OneBitConfig, schedule: Schedul
                 f"hvd_onebit: the checkpoint is in the compression phase (step "
                 f"{steps}, frozen at freeze_step={saved}); it keeps "
                 f"its frozen variance and freeze_step={saved}, not {mine}")
-        elif mine is None and not (meta or {}).get("auto_freeze"):
+        elif mine is None and not ((meta or {}).get("auto_freeze")
+                                   or (meta or {}).get("auto_freeze_left_out")):
             warnings.warn(
                 f"hvd_onebit: the checkpoint is in the compression phase (step {steps}, "
                 f"frozen at freeze_step={saved}); freeze_step='auto' has nothing left to decide")
@@ -88,6 +111,9 @@ def load_state_dict(view: OptimizerView, config: OneBitConfig, schedule: Schedul
         schedule.freeze_step = steps
     else:
         schedule.freeze_step = mine
+    if (config.auto and schedule.freeze_step is None
+            and (meta or {}).get("auto_freeze_left_out")):
+        warnings.warn(AUTO_RECORD_LEFT_OUT.format(steps=steps))
     schedule.load_monitor((meta or {}).get("auto_freeze") or {})
     init_adam_state(view.adam.param_groups, view.adam.state)
     return bool((meta or {}).get("unflushed_error_feedback", False))
@@ -103,7 +129,7 @@ def torch_adam_state_dict(state_dict: dict) -> dict:
     out = copy.deepcopy({k: v for k, v in state_dict.items() if k != KEY})
     beta2 = {}
     for group in out["param_groups"]:
-        for key in (STEP_KEY, FREEZE_KEY, LOADS_KEY):
+        for key in (STEP_KEY, FREEZE_KEY, LOADS_KEY, RECORD_KEY):
             group.pop(key, None)
         beta2.update({pid: float(group["betas"][1]) for pid in group["params"]})
     for pid, entry in out["state"].items():
@@ -115,11 +141,11 @@ def torch_adam_state_dict(state_dict: dict) -> dict:
     return out
 
 
-def _without_record(view: OptimizerView, schedule: Schedule) -> Optional[int]:
+def _own_without_record(view: OptimizerView, schedule: Schedule) -> bool:
     """A state dict without the 1-bit record (``KEY``). Where its param group still counts as
     many steps as its Adam does, it is this optimizer's state that lost only the record
     (``torch.distributed.checkpoint`` keeps ``state`` and ``param_groups`` alone): it loads as
-    it is, and the freeze step it carries is returned (None while in the warmup). Otherwise it
+    it is, with the freeze step it carries, and True is returned. Otherwise it
     is torch.optim's: a plain Adam's (training that started without this optimizer), or one of
     this optimizer's that a torch optimizer loaded and trained on, keeping the 1-bit entries it
     does not know without counting or freezing with them. Then its Adam is the truth: the step
@@ -130,7 +156,7 @@ def _without_record(view: OptimizerView, schedule: Schedule) -> Optional[int]:
                     default=0.0))
     carried = schedule.carried_steps()
     if carried == steps:
-        return schedule.freeze_step
+        return True
     schedule.recount(steps)
     for entry in view.adam.state.values():
         if "frozen_variance_step" in entry:
@@ -140,7 +166,7 @@ def _without_record(view: OptimizerView, schedule: Schedule) -> Optional[int]:
             f"hvd_onebit: the state dict holds 1-bit Adam's entries (step {carried}) but not its "
             f"record: another optimizer loaded it and trained on, so it loads as that Adam's "
             f"state, at its step {steps}, its variance not frozen")
-    return None
+    return False
 
 
 def _warn_if_other_step_bound(meta: dict, mine) -> None:
