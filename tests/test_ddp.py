@@ -224,6 +224,12 @@ def test_a_checkpoint_through_torch_distributed_checkpoint_keeps_what_it_left_ou
         assert (auto["steps"], auto["phase"]) == (2, "warmup"), auto
         left_out = [w for w in auto["warnings"] if "without the checkpoint's record" in w]
         assert len(left_out) == 1, f"n={n} rank {rank}: auto's warnings {auto['warnings']}"
+        # written without the record: the loading optimizer's own is not taken for it
+        assert r["without_record"] == {"steps": FREEZE + 2, "freeze_step": FREEZE,
+                                       "phase": "compression"}, r["without_record"]
+        decided = r["decided"]  # past the decision, the decision itself comes back
+        assert decided["phases"] == ["compression"] * 2 and decided["saved"] is not None and \
+            decided["resumed"] == decided["saved"], f"n={n} rank {rank}: {decided}"
 
 
 @pytest.mark.multirank

@@ -271,7 +271,9 @@ def dcp_checkpoint_resumes(before: int = 2, after: int = 3) -> dict:
     and ``param_groups`` alone: a compression-phase one resumed by a fresh model and optimizer
     with each rank's error feedback (the bits that differ from the uninterrupted run) and
     without it (the warnings of its first steps); and a warmup one of ``freeze_step="auto"``
-    (the warnings of its load)."""
+    (the warnings of its load); and one written without the record (as before it travelled in
+    param group 0) loaded with ``allow_partial_load`` into an optimizer of another freeze step
+    (the freeze step and phase it resumes in)."""
     import tempfile
 
     import torch.distributed.checkpoint as dcp
@@ -284,16 +286,19 @@ def dcp_checkpoint_resumes(before: int = 2, after: int = 3) -> dict:
     auto = {"freeze_step": "auto", "experimental": Experimental(
         auto_freeze={"window": 2, "patience": 2, "min_steps": 2, "max_steps": 50})}
 
-    def save(model, opt, name: str) -> None:
+    def save(model, opt, name: str, record: bool = True) -> None:
         model_state, opt_state = get_state_dict(model, opt)
+        if not record:
+            opt_state["param_groups"][0].pop("onebit_record")
         dcp.save({"model": model_state, "optim": opt_state}, checkpoint_id=f"{where[0]}/{name}")
 
-    def load(name: str, **options):
+    def load(name: str, partial: bool = False, **options):
         model = make_model(seed=1)
         opt = onebit(model, **options)
         model_state, opt_state = get_state_dict(model, opt)
         loaded = {"model": model_state, "optim": opt_state}
-        dcp.load(loaded, checkpoint_id=f"{where[0]}/{name}")
+        planner = dcp.DefaultLoadPlanner(allow_partial_load=True) if partial else None
+        dcp.load(loaded, checkpoint_id=f"{where[0]}/{name}", planner=planner)
         set_state_dict(model, opt, model_state_dict=loaded["model"],
                        optim_state_dict=loaded["optim"])
         return model, opt
@@ -303,10 +308,16 @@ def dcp_checkpoint_resumes(before: int = 2, after: int = 3) -> dict:
     for step in range(FREEZE + before):
         train_step(model, opt, step)
     save(model, opt, "compression")
+    save(model, opt, "without_record", record=False)
     errors = copy.deepcopy(opt.error_feedback_state_dict())
     for step in range(FREEZE + before, FREEZE + before + after):
         train_step(model, opt, step)
     out = {"phase": opt.phase}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _, old = load("without_record", partial=True, freeze_step=FREEZE + 10)
+    out["without_record"] = {"steps": old.steps, "freeze_step": old.freeze_step,
+                             "phase": old.phase}
     for name, with_errors in (("with_errors", True), ("without_errors", False)):
         fresh, fresh_opt = load("compression")
         if with_errors:
@@ -329,6 +340,16 @@ def dcp_checkpoint_resumes(before: int = 2, after: int = 3) -> dict:
     out["auto"] = {"steps": resumed.steps, "phase": resumed.phase,
                    "warnings": [str(w.message) for w in caught
                                 if str(w.message).startswith("hvd_onebit")]}
+    decided = {"freeze_step": "auto", "experimental": Experimental(
+        auto_freeze={"window": 2, "patience": 2, "min_steps": 2, "max_steps": 4})}
+    model = make_model()
+    opt = onebit(model, **decided)
+    for step in range(5):
+        train_step(model, opt, step)
+    save(model, opt, "decided_auto")
+    _, resumed = load("decided_auto", **decided)
+    out["decided"] = {"saved": opt.freeze_decision, "resumed": resumed.freeze_decision,
+                      "phases": [opt.phase, resumed.phase]}
     dist.barrier()
     if dist.get_rank() == 0:
         import shutil

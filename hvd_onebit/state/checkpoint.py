@@ -9,11 +9,15 @@ so that resuming without it warns (:meth:`hvd_onebit.engine.CompressedStep.expec
 Param group 0 of the saved state carries the record too (``RECORD_KEY``), less the auto freeze's
 record of the variance (tensors of the parameters' sizes): ``torch.distributed.checkpoint``
 keeps a state dict's ``state`` and ``param_groups`` alone, and with that copy a resume from it
-still knows what the checkpoint left out.
+still knows what the checkpoint left out. The copy is one JSON string: that checkpointer loads
+only the keys the loading optimizer's own state dict has, each nested key apart, so a record
+whose keys changed with its contents (a decision made or not, a field added later) would not
+load.
 """
 from __future__ import annotations
 
 import copy
+import json
 import warnings
 from typing import Optional
 
@@ -43,10 +47,12 @@ def state_dict(view: OptimizerView, config: OneBitConfig, schedule: Schedule,
                "step_bound": config.step_bound, "refreshes": telemetry.refreshes,
                "last_refresh_step": telemetry.last_refresh_step,
                "unflushed_error_feedback": bool(unflushed)}
-    sd["param_groups"][0][RECORD_KEY] = dict(sd[KEY], auto_freeze_left_out=False)
+    carried = dict(sd[KEY], steps=schedule.steps,
+                   auto_freeze_left_out=schedule.monitor is not None,
+                   auto_freeze_decision=schedule.decision)
+    sd["param_groups"][0][RECORD_KEY] = json.dumps(carried)
     if schedule.monitor is not None:
         sd[KEY]["auto_freeze"] = schedule.monitor.state_dict()
-        sd["param_groups"][0][RECORD_KEY]["auto_freeze_left_out"] = True
     return sd
 
 
@@ -65,7 +71,7 @@ def load_state_dict(view: OptimizerView, config: OneBitConfig, schedule: Schedul
     error feedback not delivered yet (which it does not hold)."""
     state_dict = dict(state_dict)
     meta = state_dict.pop(KEY, None)
-    carried = state_dict["param_groups"][0].get(RECORD_KEY) if state_dict["param_groups"] else None
+    carried = _carried_record(state_dict["param_groups"])
     state_dict["param_groups"] = [{k: v for k, v in g.items() if k != RECORD_KEY}
                                   for g in state_dict["param_groups"]]
     params = view.adam.parameters()
@@ -81,7 +87,8 @@ def load_state_dict(view: OptimizerView, config: OneBitConfig, schedule: Schedul
     saved = None
     if meta is None:
         own = _own_without_record(view, schedule)
-        if own and carried is not None:
+        if own and carried is not None and (carried.get("steps"), carried.get("freeze_step")) \
+                == (schedule.steps, schedule.freeze_step):
             meta = carried  # what torch.distributed.checkpoint kept of the record
         saved = schedule.freeze_step if own else None
     mine = None if config.auto else config.freeze_step
@@ -114,7 +121,8 @@ def load_state_dict(view: OptimizerView, config: OneBitConfig, schedule: Schedul
     if (config.auto and schedule.freeze_step is None
             and (meta or {}).get("auto_freeze_left_out")):
         warnings.warn(AUTO_RECORD_LEFT_OUT.format(steps=steps))
-    schedule.load_monitor((meta or {}).get("auto_freeze") or {})
+    schedule.load_monitor((meta or {}).get("auto_freeze")
+                          or {"decision": (meta or {}).get("auto_freeze_decision")})
     init_adam_state(view.adam.param_groups, view.adam.state)
     return bool((meta or {}).get("unflushed_error_feedback", False))
 
@@ -139,6 +147,25 @@ def torch_adam_state_dict(state_dict: dict) -> dict:
             factor = (1 - beta2[pid] ** step) / (1 - beta2[pid] ** frozen)
             entry["exp_avg_sq"] = entry["exp_avg_sq"] * factor
     return out
+
+
+def _carried_record(param_groups: list) -> Optional[dict]:
+    """The record param group 0 carries (``RECORD_KEY``), or None where it has none that
+    reads; the decision's history as the monitor keeps it, (step, change) pairs. It is the
+    state's own where its step count and freeze step are the group's: a checkpoint that lacks
+    it, loaded into a state dict that has one (``allow_partial_load``), leaves the loading
+    optimizer's there."""
+    try:
+        record = json.loads(param_groups[0][RECORD_KEY])
+    except (IndexError, KeyError, TypeError, ValueError):
+        return None
+    if not isinstance(record, dict):
+        return None
+    decision = record.get("auto_freeze_decision")
+    if isinstance(decision, dict) and isinstance(decision.get("history"), list):
+        record["auto_freeze_decision"] = dict(
+            decision, history=[tuple(entry) for entry in decision["history"]])
+    return record
 
 
 def _own_without_record(view: OptimizerView, schedule: Schedule) -> bool:
