@@ -10,6 +10,8 @@ factory, the class it builds (the wrapped Adam class, Horovod's ``_DistributedOp
 """
 from __future__ import annotations
 
+import math
+import numbers
 import warnings
 from typing import Callable, Iterable, Optional
 
@@ -78,6 +80,23 @@ class OneBitFace:
         ``grad_scaler`` is passed by ``torch.amp.GradScaler.step()`` itself."""
         return self._phases.step(closure, grad_scaler,
                                  lambda: grad_scaler.unscale_(self), self._make_hook)
+
+
+def check_horovod_arguments(op, gradient_predivide_factor, compression) -> None:
+    """Horovod's own arguments, refused here as ``hvd.DistributedOptimizer`` refuses them, or
+    where it would fail only at the first step (a zero factor, a compression that is not a
+    compressor)."""
+    factor = gradient_predivide_factor
+    if isinstance(factor, bool) or not isinstance(factor, numbers.Real) \
+            or not math.isfinite(factor) or factor <= 0:
+        raise ValueError(f"gradient_predivide_factor must be a positive finite number, got "
+                         f"{factor!r}")
+    if factor != 1.0 and op != Average:
+        raise ValueError(f"gradient_predivide_factor={factor!r} needs op=hvd.Average (as "
+                         f"hvd.DistributedOptimizer refuses it with op != Average)")
+    if not all(callable(getattr(compression, name, None)) for name in ("compress", "decompress")):
+        raise TypeError(f"compression must be a Horovod compressor (hvd.Compression.none or "
+                        f"hvd.Compression.fp16), got {compression!r}")
 
 
 def DistributedOptimizer(optimizer: torch.optim.Optimizer,
@@ -159,6 +178,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
         ``last_step_bytes``, ``total_bytes``, ``last_step_comm_seconds``, ``total_comm_seconds``.
     """
     check_wrapped(optimizer, op in (Average, Sum) and op != Adasum, backward_passes_per_step)
+    check_horovod_arguments(op, gradient_predivide_factor, compression)
     if num_groups != 0:  # as Horovod treats it: the old name of an integer ``groups``
         warnings.warn("Parameter `num_groups` has been replaced by `groups`", DeprecationWarning,
                       stacklevel=2)

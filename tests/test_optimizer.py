@@ -275,6 +275,10 @@ def test_bad_arguments_are_clear_errors(world):
         "freeze0": ["freeze_step must be a positive int"],
         "freeze_float": ["freeze_step must be a positive int"],
         "adasum": ["op=hvd.Average or hvd.Sum"],
+        # Horovod's own refusal, and two it would leave to the first step
+        "predivide_sum": ["gradient_predivide_factor=2.0 needs op=hvd.Average"],
+        "predivide_zero": ["gradient_predivide_factor must be a positive finite number, got 0.0"],
+        "compression_name": ["compression must be a Horovod compressor", "'fp16'"],
         "mask_shape": ["does not broadcast"],
         "no_freeze_step": ["freeze_step is required", "max(1, total_steps // 20)", "'auto'"],
         "wrapped_twice": ["wraps a bare torch.optim.Adam or AdamW; this one is already wrapped",

@@ -444,6 +444,13 @@ def bad_arguments():
             torch.optim.Adam(model.parameters()), freeze_step=2.5, variance_refresh=None),
         "adasum": lambda: hvd_onebit.DistributedOptimizer(torch.optim.Adam(model.parameters()),
                                                           freeze_step=2, op=hvd.Adasum, variance_refresh=None),
+        "predivide_sum": lambda: hvd_onebit.DistributedOptimizer(
+            torch.optim.Adam(model.parameters()), freeze_step=2, op=hvd.Sum,
+            gradient_predivide_factor=2.0),
+        "predivide_zero": lambda: hvd_onebit.DistributedOptimizer(
+            torch.optim.Adam(model.parameters()), freeze_step=2, gradient_predivide_factor=0.0),
+        "compression_name": lambda: hvd_onebit.DistributedOptimizer(
+            torch.optim.Adam(model.parameters()), freeze_step=2, compression="fp16"),
         "mask_shape": lambda: hvd_onebit.DistributedOptimizer(torch.optim.Adam(
             [{"params": [model[0].weight], "exp_avg_mask": torch.ones(3, 3)}]), freeze_step=2, variance_refresh=None),
         # what differs between ranks: the parameters' order (groups built from a set()), the
