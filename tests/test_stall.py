@@ -117,18 +117,20 @@ def test_a_bad_setting_is_refused_naming_the_variable(value):
 
 @pytest.mark.multirank
 @pytest.mark.parametrize("freeze_step, where", [
-    (2, "optimizer.step() (after 5 step() calls since the optimizer was built, step count 5: "
-        "a compressed step"),
+    (2, "optimizer.step() (after 5 step() calls since the optimizer was built (2 since its "
+        "collectives were last reset), step count 5: a compressed step"),
     (100, "DDP's gradient allreduce in backward (after 5 step() calls since the optimizer was "
           "built, step count 5: a warmup step")], ids=["compressed", "warmup"])
 def test_a_step_no_other_rank_joins_is_told_then_ended(freeze_step, where):
     """Rank 0 takes a sixth step while rank 1 sleeps outside any collective: without the watch
     the job waits out the test's timeout; with it rank 0 says where it waits (in step(), or in
     backward for DDP's own allreduce), then ends with the watch's exit status, and torchrun
-    ends the job."""
+    ends the job. In the compression phase every rank resets its collectives after step 3:
+    the calls are counted from the optimizer's building, and from the reset beside them."""
+    reset = ["--reset-after", "3"] if freeze_step < 5 else []
     rc, text = run_torchrun_script(2, REPO / "tests" / "scripts" / "stalled_rank.py",
                                    ["--steps", "5", "--sleep", "120",
-                                    "--freeze-step", str(freeze_step)], timeout=100,
+                                    "--freeze-step", str(freeze_step)] + reset, timeout=100,
                                    env={WARNING_VARIABLE: "1", SHUTDOWN_VARIABLE: "4"})
     tail = text[-3000:]
     assert rc not in (None, 0), f"the job's exit status {rc} (None: killed at the timeout): {tail}"

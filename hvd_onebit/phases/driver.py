@@ -47,7 +47,9 @@ class Phases:
         # step() calls taken since construction or the last reset: check_every counts these,
         # not step counts, so every rank checks at the same call even after a load on one rank
         # moved its step count (the check then names the counts instead of waiting on a peer)
-        self._calls = 0
+        self._calls = 0  # step() calls since the last reset (check_every counts them)
+        self._calls_built = 0  # since the optimizer was built
+        self._resets = 0
         self.refresh = RefreshPhase(view, schedule, telemetry, engine, self.warmup, config)
         self._watch = watch()  # a step() that does not return is told (hvd_onebit.stall)
 
@@ -72,6 +74,7 @@ class Phases:
         self._engine.reset()
         self.compression.overlap.end_step()
         self._calls = 0
+        self._resets += 1
 
     def restart(self) -> None:
         """The optimizer state was replaced: the compressed step rebuilds on the new one
@@ -141,8 +144,10 @@ class Phases:
         kind = ("a warmup step" if self._schedule.phase != COMPRESSION else
                 "a variance refresh step" if self._schedule.refresh_next() else
                 "a compressed step")
-        return (f"rank {self._engine.rank}: {what} (after {self._calls} step() calls since the "
-                f"optimizer was built, step count {self._schedule.steps}: {kind}, "
+        since_reset = (f" ({self._calls} since its collectives were last reset)"
+                       if self._resets else "")
+        return (f"rank {self._engine.rank}: {what} (after {self._calls_built} step() calls since "
+                f"the optimizer was built{since_reset}, step count {self._schedule.steps}: {kind}, "
                 f"{len(active)} trainable parameters of {sum(p.numel() for p in active):,} "
                 "elements)")
 
@@ -188,6 +193,7 @@ class Phases:
         else:
             self._compressed_step(grad_scaler, scaler)
         self._calls += 1
+        self._calls_built += 1
         every = self._config.check_every
         if every and self._engine.world > 1 and self._calls % every == 0:
             self._check_identical(self._schedule.steps)

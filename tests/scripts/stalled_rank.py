@@ -23,6 +23,8 @@ def main() -> None:
     ap.add_argument("--sleep", type=float, default=60.0)
     ap.add_argument("--freeze-step", type=int, default=2,
                     help="past --steps: the extra step is a warmup one, waiting in backward")
+    ap.add_argument("--reset-after", type=int, default=0,
+                    help="every rank calls reset_collectives() after this many steps (0: never)")
     args = ap.parse_args()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -36,6 +38,8 @@ def main() -> None:
         opt.zero_grad()
         model(x).square().mean().backward()
         opt.step()
+        if step + 1 == args.reset_after:
+            opt.reset_collectives()
     print(f"rank {rank}: {opt.steps} steps, phase {opt.phase}", flush=True)
     time.sleep(args.sleep)  # not in a collective: rank 0's last step waits for nobody
 
