@@ -362,6 +362,10 @@ def test_crossovers_find_where_flat_stops_paying():
     for decimal_comma in ("1,5M", "2,5e6", "1,,0"):
         with pytest.raises(ValueError, match="commas only between groups of three digits"):
             parse_params(decimal_comma)
+    assert parse_params("1.1M") == 1_100_000, parse_params("1.1M")  # 1.1 * 1e6 rounds off
+    for fraction in ("1.5", "0.0025k"):  # 1.5 and 2.5 parameters: not taken as 1 and 2
+        with pytest.raises(ValueError, match="a parameter count is a whole number"):
+            parse_params(fraction)
 
 
 def test_the_crossover_line_says_when_a_crossing_is_not_in_the_sweep(tmp_path):

@@ -64,11 +64,16 @@ class Prediction:
 def parse_params(text: str) -> int:
     """'350M' -> 350,000,000 (decimal, as parameter counts are quoted); '9.4e6', plain
     integers and the tables' own '437,760' too (commas between groups of three digits only:
-    '1,5M' is a ValueError, not 15M)."""
+    '1,5M' is a ValueError, not 15M); a count that is not whole ('1.5') is a ValueError, not
+    1."""
     t = str(text).strip().lower()
     if "," in t:
         if not re.fullmatch(r"\d{1,3}(,\d{3})+", t):
             raise ValueError(f"{text!r}: commas only between groups of three digits")
         t = t.replace(",", "")
     mult = {"k": 1e3, "m": 1e6, "g": 1e9, "b": 1e9}.get(t[-1:] if t else "", None)
-    return int(round(float(t[:-1]) * mult)) if mult else int(float(t))
+    value = float(t[:-1]) * mult if mult else float(t)
+    whole = round(value)
+    if abs(value - whole) > 1e-9 * max(1.0, abs(value)):
+        raise ValueError(f"{text!r}: a parameter count is a whole number")
+    return int(whole)
