@@ -71,6 +71,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import pickle
 import os
 import time
 
@@ -475,6 +476,9 @@ def load_checkpoint(args, model, optimizer, ranks) -> int:
     def attempt():
         try:
             return read()
+        except (pickle.UnpicklingError, EOFError) as exc:  # not a file torch.save wrote whole
+            return (f"cannot resume from {args.resume}: not a checkpoint this script wrote "
+                    f"whole (torch.load raised {type(exc).__name__})")
         except (OSError, KeyError, ValueError, RuntimeError) as exc:
             return f"cannot resume from {args.resume}: {exc}"
 

@@ -244,6 +244,24 @@ def train_lm_job(face: str, args: list[str]) -> tuple[int, str]:
                                              *args]), timeout=180)
 
 
+@pytest.mark.parametrize("content, says", [
+    (None, "No such file"),
+    (bytes(range(256)) * 8, "not a checkpoint this script wrote whole (torch.load raised "
+                            "UnpicklingError)"),
+    (b"", "not a checkpoint this script wrote whole")], ids=["missing", "corrupt", "empty"])
+def test_train_lm_refuses_a_checkpoint_it_cannot_read_naming_it(tmp_path, content, says):
+    """--resume of a file that is not there, or not a whole checkpoint: the script ends with a
+    message naming the file (every rank reads it under torchrun), not torch's traceback."""
+    path = tmp_path / "step10.pt"
+    if content is not None:
+        path.write_bytes(content)
+    args = SimpleNamespace(resume=str(path), steps=20)
+    with pytest.raises(SystemExit) as ended:
+        train_lm.load_checkpoint(args, None, None, SimpleNamespace(hvd=None, rank=0))
+    message = str(ended.value)
+    assert message.startswith(f"cannot resume from {path}: ") and says in message, message
+
+
 @multirank
 @pytest.mark.parametrize("face", ["horovod", "ddp"])
 def test_train_lm_resumes_from_its_checkpoint_as_if_never_stopped(tmp_path, face):
