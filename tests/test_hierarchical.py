@@ -208,6 +208,21 @@ def test_error_feedback_belongs_to_the_rank_s_role(paths):
             f"loading another role's, expected 0.0"
 
 
+uneven = shared_suite("tests.workers_hierarchical:uneven_nodes", np=4, hosts="127.0.0.1:3,127.1:1",
+                      timeout=240)
+
+
+def test_nodes_of_unequal_rank_counts_are_refused_when_built_and_auto_stays_flat(uneven):
+    """3 ranks on one "node" and 1 on the other: hierarchical=True is refused when the optimizer
+    is built, on every rank, before any step; "auto" trains flat, alike on every rank."""
+    for rank, r in enumerate(uneven):
+        assert r["true"] is not None and "needs every node to run the same number of ranks" in \
+            r["true"] and f"runs {3 if rank < 3 else 1} of the 4" in r["true"], \
+            f"rank {rank}: hierarchical=True gave {r['true']!r}"
+        assert r["auto"]["phase"] == "compression" and \
+            r["auto"]["hash"] == uneven[0]["auto"]["hash"], f"rank {rank}: auto {r['auto']}"
+
+
 def test_nodes_that_cannot_share_memory_use_the_network_or_raise_as_asked(no_shm_auto,
                                                                           no_shm_asked):
     auto = no_shm_auto

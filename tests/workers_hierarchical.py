@@ -224,6 +224,27 @@ def optimizer_paths() -> dict:
     return out
 
 
+def uneven_nodes() -> dict:
+    """On nodes of unequal rank counts: what building the optimizer with hierarchical=True
+    raised (None: nothing), and whether "auto" trains."""
+    import hvd_onebit
+    from tests.workers_optimizer import make_model
+
+    result = {}
+    model = make_model()
+    try:  # built, no step taken
+        hvd_onebit.DistributedOptimizer(torch.optim.Adam(model.parameters()), freeze_step=4,
+                                        named_parameters=model.named_parameters(),
+                                        hierarchical=True)
+        result["true"] = None
+    except ValueError as exc:
+        result["true"] = str(exc)
+    auto = optimizer_run("auto", steps=6)
+    result["auto"] = {"phase": auto["phase"], "hash": auto["hashes"][-1],
+                      "warnings": [w for w in auto["warnings"] if "hierarchical" in w]}
+    return result
+
+
 def without_shared_memory(intra_node: str) -> dict:
     """A hierarchical run where the nodes cannot share memory (HVD_ONEBIT_SHM_DIR set to a
     missing folder by the test): what happened, or the error."""

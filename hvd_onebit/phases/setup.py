@@ -9,6 +9,7 @@ from typing import Optional
 
 import horovod.torch as hvd
 import torch
+from horovod.torch.mpi_ops import is_homogeneous
 
 from ..config import OneBitConfig, validate_masks
 from ..consistency import check_parameters_identical, check_same_parameters
@@ -81,6 +82,14 @@ def connect(config: OneBitConfig, process_set: hvd.ProcessSet, device: torch.dev
     fails at construction, not at the freeze, and "auto" then stays with Horovod (the failure
     is agreed, so every rank does). The engine gets it as an object; its name is
     ``opt.transport``."""
+    if config.hierarchical is True and world > 1 and not is_homogeneous():
+        # what every rank's Horovod says alike; the topology's allgather would refuse it at
+        # the first step
+        raise ValueError(
+            f"hierarchical=True needs every node to run the same number of ranks, and this "
+            f"job's nodes do not (this rank's node runs {hvd.local_size()} of the "
+            f"{hvd.size()}): launch as many ranks on every host, or pass hierarchical='auto', "
+            f"which stays flat on such a job")
     transport = resolve_transport(config.transport, process_set, device, config.hierarchical)
     if transport == "torch" and config.compressor == "onebit" and world > 1:
         try:
