@@ -218,7 +218,9 @@ def bench_train(np_, bandwidth, steps, warmup_frac, variance_refresh, refresh_fr
                         # rank 0's link counter: with nodes of several ranks, its node's link
                         ("measured MB/step/rank" if ranks_per_node == 1 else
                          "measured MB/step/node link", "mb", ",.2f"), ("run s", "run_s", ",.2f"),
-                        ("run MB/rank", "run_mb", ",.1f")])
+                        # the payload the methods send (ring formula, 1-bit wire bytes), not
+                        # the link counter, which also counts the transports' own framing
+                        ("run payload MB/rank", "run_mb", ",.1f")])
     for r in rows:
         if r["method"] == "onebit_refresh":
             click.echo(refresh_share_note(r["steps_by_kind"], refresh, refresh_freeze_frac))
