@@ -71,8 +71,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import pickle
 import os
+import pickle
 import time
 
 import torch

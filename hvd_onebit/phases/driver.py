@@ -47,9 +47,9 @@ class Phases:
         # step() calls taken since construction or the last reset: check_every counts these,
         # not step counts, so every rank checks at the same call even after a load on one rank
         # moved its step count (the check then names the counts instead of waiting on a peer)
-        self._calls = 0  # step() calls since the last reset (check_every counts them)
-        self._calls_built = 0  # since the optimizer was built
-        self._resets = 0
+        self._calls = 0
+        self._calls_built = 0  # step() calls since construction, whatever the resets: the
+        self._resets = 0  # stall watch names both counts once there was a reset
         self.refresh = RefreshPhase(view, schedule, telemetry, engine, self.warmup, config)
         self._watch = watch()  # a step() that does not return is told (hvd_onebit.stall)
 
