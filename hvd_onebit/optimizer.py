@@ -10,8 +10,6 @@ factory, the class it builds (the wrapped Adam class, Horovod's ``_DistributedOp
 """
 from __future__ import annotations
 
-import math
-import numbers
 import warnings
 from typing import Callable, Iterable, Optional
 
@@ -28,6 +26,7 @@ from .face import face_attributes
 from .horovod_view import HorovodView
 from .low_precision import WidenBfloat16
 from .phases import setup
+from .values import check_positive_number
 
 
 class OneBitFace:
@@ -87,10 +86,7 @@ def check_horovod_arguments(op, gradient_predivide_factor, compression) -> None:
     where it would fail only at the first step (a zero factor, a compression that is not a
     compressor)."""
     factor = gradient_predivide_factor
-    if isinstance(factor, bool) or not isinstance(factor, numbers.Real) \
-            or not math.isfinite(factor) or factor <= 0:
-        raise ValueError(f"gradient_predivide_factor must be a positive finite number, got "
-                         f"{factor!r}")
+    check_positive_number("gradient_predivide_factor", factor, "a positive finite number")
     if factor != 1.0 and op != Average:
         raise ValueError(f"gradient_predivide_factor={factor!r} needs op=hvd.Average (as "
                          f"hvd.DistributedOptimizer refuses it with op != Average)")

@@ -207,7 +207,6 @@ class CommHook:
                 self._passes = 0  # the passes before were zeroed (set to None): a skipped batch
             self._passes += 1
             self._last_pass = self._passes >= self._expected_passes
-        if torch.is_grad_enabled() and self._final:
             self.gradients_local = self._local
         if self._used_locally and torch.is_grad_enabled() and not self._local:
             # DDP's reducer (find_unused_parameters) counts a parameter whose gradient a local

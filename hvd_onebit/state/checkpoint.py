@@ -98,6 +98,7 @@ def load_state_dict(view: OptimizerView, config: OneBitConfig, schedule: Schedul
         telemetry.last_refresh_step = meta.get("last_refresh_step")
         saved = meta.get("freeze_step")
         _warn_if_other_step_bound(meta, config.step_bound)
+    record = meta or {}
     steps = schedule.steps
     if saved is not None and steps >= int(saved):
         if mine is not None and int(saved) != mine:
@@ -105,8 +106,8 @@ def load_state_dict(view: OptimizerView, config: OneBitConfig, schedule: Schedul
                 f"hvd_onebit: the checkpoint is in the compression phase (step "
                 f"{steps}, frozen at freeze_step={saved}); it keeps "
                 f"its frozen variance and freeze_step={saved}, not {mine}")
-        elif mine is None and not ((meta or {}).get("auto_freeze")
-                                   or (meta or {}).get("auto_freeze_left_out")):
+        elif mine is None and not (record.get("auto_freeze")
+                                   or record.get("auto_freeze_left_out")):
             warnings.warn(
                 f"hvd_onebit: the checkpoint is in the compression phase (step {steps}, "
                 f"frozen at freeze_step={saved}); freeze_step='auto' has nothing left to decide")
@@ -118,13 +119,12 @@ def load_state_dict(view: OptimizerView, config: OneBitConfig, schedule: Schedul
         schedule.freeze_step = steps
     else:
         schedule.freeze_step = mine
-    if (config.auto and schedule.freeze_step is None
-            and (meta or {}).get("auto_freeze_left_out")):
+    if config.auto and schedule.freeze_step is None and record.get("auto_freeze_left_out"):
         warnings.warn(AUTO_RECORD_LEFT_OUT.format(steps=steps))
-    schedule.load_monitor((meta or {}).get("auto_freeze")
-                          or {"decision": (meta or {}).get("auto_freeze_decision")})
+    schedule.load_monitor(record.get("auto_freeze")
+                          or {"decision": record.get("auto_freeze_decision")})
     init_adam_state(view.adam.param_groups, view.adam.state)
-    return bool((meta or {}).get("unflushed_error_feedback", False))
+    return bool(record.get("unflushed_error_feedback", False))
 
 
 def torch_adam_state_dict(state_dict: dict) -> dict:
