@@ -49,8 +49,11 @@ args = parser.parse_args()
 dist.init_process_group("gloo")
 ref, phase, done = train(args.steps)
 gc.collect()
-print(json.dumps({"rank": dist.get_rank(), "freed": ref() is None, "phase": phase,
-                  "steps": done}), flush=True)
+# one write per line: the ranks share torchrun's output pipe, unbuffered (PYTHONUNBUFFERED),
+# where print() writes the text and its newline apart and two ranks' lines can run together
+sys.stdout.write(json.dumps({"rank": dist.get_rank(), "freed": ref() is None, "phase": phase,
+                             "steps": done}) + "\n")
+sys.stdout.flush()
 sys.setswitchinterval(100.0)  # from here the GIL is released only by blocking calls
 last = torch.ones(1000)  # held to the end of the process, as a script's own tensors are
 dist.all_reduce(last, async_op=True)  # the handle dropped: Gloo's thread holds the work
