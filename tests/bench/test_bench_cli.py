@@ -203,6 +203,7 @@ BAD_TRAIN_OPTIONS = [
     (["--methods", "local,sgd"], "--methods", "unknown methods"),
     (["--methods", ""], "--methods", "name each method once"),
     (["--methods", "local,local"], "--methods", "name each method once"),
+    (["--np", "1"], "--np", "1: a comparison of training steps needs 2 or more ranks"),
     (["--steps", "1"], "--steps", "1 is not in the range x>=2"),
     (["--warmup-frac", "1.5"], "--warmup-frac", "1.5 is not in the range 0<=x<=1"),
     (["--steps", "10", "--warmup-frac", "1", "--methods", "local,onebit,ddp_onebit"],
@@ -342,6 +343,7 @@ def test_bench_allreduce_plot_draws_what_loopback_measured_against_buffer_size(t
 
 
 @pytest.mark.parametrize("args, option, text", [
+    (["--np", "1"], "--np", "1: an allreduce job needs 2 or more ranks"),
     (["--sizes", ""], "--sizes", "'' names nothing"),
     (["--sizes", "1e400K"], "--sizes", "'1e400K' is not finite"),
     (["--methods", ""], "--methods", "'' names nothing"),

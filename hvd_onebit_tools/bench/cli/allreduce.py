@@ -7,8 +7,9 @@ import click
 
 from ..allreduce import DEFAULT_METHODS, METHODS, summarize
 from ..report import machine_info, print_table
-from .options import (check_real_cluster, cluster_for, comma_list, link_rates, nodes_options,
-                      np_option, output_file, parse_count, queue_option, real_cluster_options)
+from .options import (check_real_cluster, cluster_for, comma_list, link_rates, need_two_ranks,
+                      nodes_options, np_option, output_file, parse_count, queue_option,
+                      real_cluster_options)
 
 
 @click.command("allreduce")
@@ -47,6 +48,7 @@ def bench_allreduce(nps, sizes, bandwidths, methods, repeats, controller, hosts,
     bad = [m for m in methods if m not in METHODS]
     if bad:
         raise click.BadParameter(f"unknown methods {bad}; choose from {METHODS}")
+    need_two_ranks(nps, "an allreduce job")
     check_real_cluster(hosts, shared_dir)
     if "onebit_mpi" in methods and (controller != "mpi" or any(b != "local" for b in bandwidths)):
         raise click.BadParameter("onebit_mpi needs --controller mpi and --bandwidth local")

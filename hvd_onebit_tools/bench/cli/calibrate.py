@@ -6,7 +6,7 @@ import math
 
 import click
 
-from .options import link_rate, np_option, parse_count, queue_option
+from .options import link_rate, need_two_ranks, np_option, parse_count, queue_option
 
 
 def process_counts(ctx, param, value) -> list[int]:
@@ -35,9 +35,7 @@ def element_count(ctx, param, value) -> int:
 def check_worlds(nps: list[int], numel: int) -> None:
     """Every --np is a job that communicates, and splits --numel into its ranks' equal rows
     (the full-precision alltoall views the buffer as one row per rank)."""
-    if min(nps) < 2:
-        raise click.BadParameter(f"{min(nps)}: a collectives job needs 2 or more ranks (one "
-                                 "rank sends nothing to time)", param_hint="--np")
+    need_two_ranks(nps, "a collectives job")
     uneven = [n for n in nps if numel % n]
     if uneven:
         step = math.lcm(*nps)

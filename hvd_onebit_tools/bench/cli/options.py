@@ -85,6 +85,14 @@ def parse_np(text, one: bool = False) -> list:
     return nps
 
 
+def need_two_ranks(nps, what: str) -> None:
+    """Refuse a --np under 2 where ``what`` (the command's job) times what the ranks send."""
+    least = min(nps) if isinstance(nps, (list, tuple)) else nps
+    if least < 2:
+        raise click.BadParameter(f"{least}: {what} needs 2 or more ranks (one rank sends "
+                                 "nothing to time)", param_hint="--np")
+
+
 def parameter_count(ctx, param, value):
     """``--params``'s one parser: a positive count (e.g. 350M, 9.4e6), or None if not given."""
     from ..predict.job import parse_params

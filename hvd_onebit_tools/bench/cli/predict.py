@@ -10,7 +10,8 @@ from hvd_onebit.config import DEFAULT_BLOCK_SIZE
 
 from ..train import MODELS as TRAIN_MODELS
 from .options import (FROZEN_FREEZE_FRACTION, Finite, block_size_check, comma_list,
-                      np_option, output_file, parameter_count, rates, refresh_options)
+                      need_two_ranks, np_option, output_file, parameter_count, rates,
+                      refresh_options)
 
 # The most each option prices, far beyond any real job, so that every figure stays finite.
 MAX_RANKS = 1 << 24
@@ -24,9 +25,7 @@ STEPS = click.IntRange(1, MAX_STEPS)
 
 def check_world(nps: list[int], ranks_per_node: int) -> None:
     """Every --np predicts a job that communicates, in whole nodes of --ranks-per-node."""
-    if min(nps) < 2:
-        raise click.BadParameter(f"{min(nps)}: a prediction needs 2 or more ranks (one rank "
-                                 "sends nothing)", param_hint="--np")
+    need_two_ranks(nps, "a prediction")
     if max(nps) > MAX_RANKS:
         raise click.BadParameter(f"{max(nps)}: a prediction prices at most {MAX_RANKS:,} ranks",
                                  param_hint="--np")

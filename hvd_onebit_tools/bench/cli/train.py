@@ -16,7 +16,8 @@ from ..train import METHODS as TRAIN_METHODS
 from ..train import MODELS as TRAIN_MODELS
 from ..train import WAITS as TRAIN_WAITS
 from .options import (FROZEN_FREEZE_FRACTION, block_size_check, check_real_cluster,
-                      cluster_for, comma_list, link_rate, nodes_options, np_option, output_file,
+                      cluster_for, comma_list, link_rate, need_two_ranks, nodes_options,
+                      np_option, output_file,
                       queue_option, real_cluster_options, refresh_options)
 
 POSITIVE = click.IntRange(min=1)
@@ -57,7 +58,7 @@ def _check_warmups(methods, steps: int, warmup_frac: float, refresh_freeze_frac:
 
 
 @click.command("train")
-@np_option(4, "Ranks.")
+@np_option(4, "Ranks (2 or more).")
 @click.option("--bandwidth", default="1gbit", show_default=True, callback=link_rate,
               help="Emulated link rate (e.g. 100mbit, 1gbit, 10gbit, unlimited); 'local' runs "
                    "plain horovodrun on loopback. Emulation needs root.")
@@ -148,6 +149,7 @@ def bench_train(np_, bandwidth, steps, warmup_frac, variance_refresh, refresh_fr
     if not methods or len(set(methods)) != len(methods):
         raise click.BadParameter(f"{','.join(methods)!r}: name each method once, at least one",
                                  param_hint="--methods")
+    need_two_ranks(np_, "a comparison of training steps")
     _check_warmups(methods, steps, warmup_frac, refresh_freeze_frac)
     check_real_cluster(hosts, shared_dir)
     # transport="mpi" exchanges through mpi4py: the ranks must be launched by MPI
