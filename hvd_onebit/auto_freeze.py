@@ -131,10 +131,13 @@ class VarianceMonitor:
 
     # ---- checkpoints --------------------------------------------------------------------------
 
+    def figures(self) -> dict:
+        """The record less its copy of the variance: options, the copy's step, the checks."""
+        return {"options": asdict(self.options), "snapshot_step": self.snapshot_step,
+                "history": list(self.history)}
+
     def state_dict(self) -> dict:
-        return {"options": asdict(self.options), "snapshot": self.snapshot,
-                "snapshot_step": self.snapshot_step, "history": list(self.history),
-                "decision": self.decision}
+        return dict(self.figures(), snapshot=self.snapshot, decision=self.decision)
 
     def load_state_dict(self, state: dict) -> None:
         """Adopt a saved monitor; one saved with other options restarts (with its decision)."""
@@ -142,6 +145,11 @@ class VarianceMonitor:
         if state.get("options") != asdict(self.options) or state.get("snapshot") is None:
             self.restart()
             return
-        self.snapshot = [t.detach().clone() for t in state["snapshot"]]
-        self.snapshot_step = int(state["snapshot_step"])
-        self.history = [(int(s), float(c)) for s, c in state["history"]]
+        self.adopt(state, [t.detach().clone() for t in state["snapshot"]])
+
+    def adopt(self, figures: dict, snapshot: Optional[list[torch.Tensor]]) -> None:
+        """Take another monitor's :meth:`figures` (of these options) and its copy of the
+        variance (None where it had taken none yet)."""
+        self.snapshot = snapshot
+        self.snapshot_step = int(figures["snapshot_step"]) if snapshot is not None else -1
+        self.history = [(int(s), float(c)) for s, c in figures["history"]]

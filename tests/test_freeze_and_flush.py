@@ -84,15 +84,34 @@ def test_auto_checkpoint_after_the_decision_stays_frozen_there(auto_full, auto_r
 
 
 @pytest.mark.multirank
-def test_auto_checkpoint_sent_by_rank_0_freezes_at_one_step_on_every_rank(auto_full, auto_runs):
+def test_auto_checkpoint_sent_by_rank_0_decides_as_the_uninterrupted_run(auto_full, auto_runs):
     """Rank 0 loads a checkpoint from before the decision, with its record of the variance, and
-    Horovod's broadcast sends the state alone: every rank restarts its record together (with a
-    warning), so every rank freezes at the same step, however late, and none waits on another."""
+    Horovod's broadcast sends the state with the record's figures: every rank takes rank 0's
+    record at its first step, so every rank freezes where the uninterrupted run did, with its
+    bits, and without a warning."""
     step = auto_full[0]["freeze_step"]
-    resumed = scenario(auto_runs, "broadcast")
+    for rank, r in enumerate(scenario(auto_runs, "broadcast")):
+        assert (r["start"], r["freeze_step"]) == (step - 3, step), \
+            f"rank {rank}: resumed at {r['start']} from rank 0's broadcast, froze at " \
+            f"{r['freeze_step']}; the uninterrupted run froze at {step}"
+        assert r["decision"] == auto_full[rank]["decision"] and r["warnings"] == [], \
+            f"rank {rank}: decision {r['decision']}, warnings {r['warnings']}; uninterrupted " \
+            f"{auto_full[rank]['decision']}"
+        assert_same_params(r["params"], auto_full[rank]["params"],
+                           f"rank {rank}: resumed at {step - 3} by broadcast vs uninterrupted")
+
+
+@pytest.mark.multirank
+def test_auto_checkpoint_sent_by_another_rank_freezes_at_one_step_on_every_rank(auto_full,
+                                                                                auto_runs):
+    """Rank 1 loads the checkpoint and sends it: rank 0, whose record every rank would take, no
+    longer holds the record of its state, so every rank restarts its record together (with a
+    warning), freezes at the same step, however late, and none waits on another."""
+    step = auto_full[0]["freeze_step"]
+    resumed = scenario(auto_runs, "broadcast_from_1")
     decided = [r["freeze_step"] for r in resumed]
     assert decided[0] is not None and decided == [decided[0]] * len(resumed) \
-        and decided[0] >= step, f"resumed at {step - 3} on rank 0 and broadcast: the ranks " \
+        and decided[0] >= step, f"resumed at {step - 3} on rank 1 and broadcast: the ranks " \
                                 f"froze at {decided}, the uninterrupted run at {step}"
     for rank, r in enumerate(resumed):
         assert r["seen"] == resumed[0]["seen"], \

@@ -75,10 +75,10 @@ def _load(opt, model, where: Path, error_feedback: bool = True) -> None:
 
 
 def auto_freeze_run(ckpt_dir, total=30, resume_from: Optional[int] = None, save_every=False,
-                    broadcast=False):
+                    broadcast: Optional[int] = None):
     """freeze_step="auto" on the toy model. ``save_every``: a checkpoint after every step (under
     ckpt_dir/step<k>); ``resume_from=k``: start from that checkpoint in this new job, loaded on
-    every rank, or with ``broadcast`` on rank 0 and sent on with Horovod's
+    every rank, or with ``broadcast=r`` on rank r and sent on with Horovod's
     hvd.broadcast_parameters and hvd.broadcast_optimizer_state."""
     handler = _Records()
     logging.getLogger("hvd_onebit").addHandler(handler)
@@ -89,13 +89,13 @@ def auto_freeze_run(ckpt_dir, total=30, resume_from: Optional[int] = None, save_
                                           freeze_step="auto",
                                           experimental=Experimental(auto_freeze=AUTO))
     ckpt = Path(ckpt_dir)
-    if resume_from is not None and not broadcast:
+    if resume_from is not None and broadcast is None:
         _load(opt, model, ckpt / f"step{resume_from}")
     elif resume_from is not None:
-        if hvd.rank() == 0:
+        if hvd.rank() == broadcast:
             _load(opt, model, ckpt / f"step{resume_from}", error_feedback=False)
-        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-        hvd.broadcast_optimizer_state(opt, root_rank=0)
+        hvd.broadcast_parameters(model.state_dict(), root_rank=broadcast)
+        hvd.broadcast_optimizer_state(opt, root_rank=broadcast)
     seen, start = [], opt.steps
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -128,8 +128,10 @@ def auto_freeze_suite(ckpt_dir, total=30) -> dict:
                                           resume_from=full["run"]["freeze_step"] - 1),
         "after": lambda: auto_freeze_run(ckpt_dir, total,
                                          resume_from=full["run"]["freeze_step"] + 3),
-        "broadcast": lambda: auto_freeze_run(ckpt_dir, total, broadcast=True,
+        "broadcast": lambda: auto_freeze_run(ckpt_dir, total, broadcast=0,
                                              resume_from=full["run"]["freeze_step"] - 3),
+        "broadcast_from_1": lambda: auto_freeze_run(ckpt_dir, total, broadcast=1,
+                                                    resume_from=full["run"]["freeze_step"] - 3),
     }, hvd.rank())
 
 

@@ -175,6 +175,14 @@ class CompressedStep:
         (counts,), _ = self.transport.exact_sum([vector], "hvd_onebit.agree")
         return tuple(int(c) for c in counts.tolist())
 
+    def from_first_rank(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The first rank's ``tensors`` on every rank, bit for bit, where every other rank
+        passes zeros of the same shapes: one exact sum (``x + 0`` is ``x``)."""
+        if self.world == 1:
+            return list(tensors)
+        sums, _ = self.transport.exact_sum(list(tensors), "hvd_onebit.from_first")
+        return sums
+
     def refresh(self, param_groups: list[dict], grads: Mapping,
                 error_feedback: str = "rescale") -> int:
         """A variance refresh step (:meth:`VarianceRefresh.run`); the bytes this rank sent."""

@@ -53,10 +53,16 @@ class Phases:
         self.refresh = RefreshPhase(view, schedule, telemetry, engine, self.warmup, config)
         self._watch = watch()  # a step() that does not return is told (hvd_onebit.stall)
 
-    def _ranks_with(self, flags: tuple[bool, ...]) -> tuple[int, ...]:
+    # the ranks' agreements around a full-precision step (full_precision.Agreement)
+    first = property(lambda self: self._engine.rank == 0)
+
+    def ranks_with(self, flags: tuple[bool, ...]) -> tuple[int, ...]:
         """On how many ranks each flag is set (:meth:`CompressedStep.ranks_with`)."""
         device = next((p.device for p in self._view.adam.parameters()), torch.device("cpu"))
         return self._engine.ranks_with(flags, device)
+
+    def from_first(self, tensors: list) -> list:
+        return self._engine.from_first_rank(tensors)
 
     def compressing(self) -> bool:
         """Whether this step is a compressed one (the compression phase, on several ranks).
@@ -188,8 +194,7 @@ class Phases:
         if not self.compressed_next():
             self.compression.overlap.remember_scaler(grad_scaler)
             kind = self.refresh if self.compressing() else self.warmup
-            take(kind, self.warmup, self._telemetry, make_hook, scaler, self._ranks_with,
-                 self._schedule)
+            take(kind, self.warmup, self._telemetry, make_hook, scaler, self, self._schedule)
         else:
             self._compressed_step(grad_scaler, scaler)
         self._calls += 1

@@ -16,6 +16,7 @@ from __future__ import annotations
 import warnings
 from typing import Callable, Optional, Protocol
 
+from ..state import sent_record
 from ..state.schedule import Schedule
 from ..state.telemetry import Telemetry
 from .amp import ScalerView
@@ -41,6 +42,18 @@ class GradientAllreduce(Protocol):
         """Bytes this rank sent for this step's gradients."""
 
 
+class Agreement(Protocol):
+    """What the ranks decide together around a full-precision step, through the engine."""
+
+    first: bool  # whether this is the first rank
+
+    def ranks_with(self, flags: tuple[bool, ...]) -> tuple[int, ...]:
+        """On how many ranks each flag is set (one exact sum of a small vector)."""
+
+    def from_first(self, tensors: list) -> list:
+        """The first rank's tensors on every rank (the others pass zeros of the same shapes)."""
+
+
 class FullPrecisionStep(Protocol):
     """One kind of full-precision step, taken on Horovod's averaged gradients."""
 
@@ -57,15 +70,17 @@ class FullPrecisionStep(Protocol):
 
 
 def take(kind: FullPrecisionStep, allreduce: GradientAllreduce, telemetry: Telemetry,
-         make_hook: Callable, scaler: Optional[ScalerView],
-         ranks_with: Callable[[tuple[bool, ...]], tuple[int, ...]], schedule: Schedule) -> None:
+         make_hook: Callable, scaler: Optional[ScalerView], ranks: Agreement,
+         schedule: Schedule) -> None:
     """One step of ``kind``: Horovod's synchronize (``allreduce``), the scaler's prologue, then
-    ``kind.apply`` unless an averaged gradient is non-finite on any rank (``ranks_with(flags)``:
-    on how many ranks each flag is set; every rank skips alike), then ``kind.account()``.
-    Raises on every rank, nothing changed, if the script changed gradients in flight on any
-    rank. The same sum tells whether the auto freeze's record is stale on any rank
-    (:meth:`~hvd_onebit.state.schedule.Schedule.record_stale`): every rank then restarts its
-    record before the update, so every rank decides the freeze from the same one."""
+    ``kind.apply`` unless an averaged gradient is non-finite on any rank (``ranks.ranks_with``;
+    every rank skips alike), then ``kind.account()``. Raises on every rank, nothing changed, if
+    the script changed gradients in flight on any rank. The same sum tells whether the auto
+    freeze's record is stale on any rank
+    (:meth:`~hvd_onebit.state.schedule.Schedule.record_stale`): then, before the update, every
+    rank takes the record that came with the state where every rank can
+    (:mod:`hvd_onebit.state.sent_record`), else restarts its own, so every rank decides the
+    freeze from the same one."""
     allreduce.wait_seconds = 0.0
     telemetry.last_step_breakdown = {}
     kind.begin()
@@ -76,10 +91,14 @@ def take(kind: FullPrecisionStep, allreduce: GradientAllreduce, telemetry: Telem
         here = not scaler.found_inf()
     else:
         here = all_finite(allreduce.averaged_gradients())
-    nonfinite, raced, stale = ranks_with((not here, race is not None, schedule.record_stale()))
+    nonfinite, raced, stale, unusable = ranks.ranks_with((
+        not here, race is not None, schedule.record_stale(),
+        not sent_record.usable(schedule, ranks.first)))
     if raced:
         raise RuntimeError(race_message(race, raced))
-    if stale:
+    if stale and not unusable:
+        sent_record.adopt(schedule, ranks.first, ranks.from_first)
+    elif stale:
         schedule.restart_monitor()
         warnings.warn(record_restarted_message(schedule.steps, stale))
     finite = nonfinite == 0
@@ -98,10 +117,11 @@ def take(kind: FullPrecisionStep, allreduce: GradientAllreduce, telemetry: Telem
 def record_restarted_message(steps: int, ranks: int) -> str:
     """The warning every rank gives when the auto freeze's record restarts (:func:`take`)."""
     return (f"hvd_onebit: freeze_step='auto': {ranks} rank(s) hold a state written in without "
-            f"its record of the variance (hvd.broadcast_optimizer_state sends the state alone), "
+            f"its record of the variance (one that rank 0 did not send, or sent without it), "
             f"so every rank starts a new record at step {steps}, alike; the freeze may come "
-            f"later than in the run the checkpoint came from. Load the checkpoint on every rank "
-            f"to keep its record")
+            f"later than in the run the checkpoint came from. Load the checkpoint on every "
+            f"rank, or on rank 0 and send it with hvd.broadcast_optimizer_state(opt, "
+            f"root_rank=0), to keep its record")
 
 
 def race_message(race: Optional[str], ranks: int) -> str:

@@ -7,9 +7,11 @@ the error feedback held anything undelivered when it was saved (``"unflushed_err
 so that resuming without it warns (:meth:`hvd_onebit.engine.CompressedStep.expect_error_feedback`).
 
 Param group 0 of the saved state carries the record too (``RECORD_KEY``), less the auto freeze's
-record of the variance (tensors of the parameters' sizes): ``torch.distributed.checkpoint``
+copy of the variance (tensors of the parameters' sizes): ``torch.distributed.checkpoint``
 keeps a state dict's ``state`` and ``param_groups`` alone, and with that copy a resume from it
-still knows what the checkpoint left out. The copy is one JSON string: that checkpointer loads
+still knows what the checkpoint left out. The auto freeze's figures in it let ranks that
+``hvd.broadcast_optimizer_state`` sent this state to take the sender's record
+(:mod:`hvd_onebit.state.sent_record`). The copy is one JSON string: that checkpointer loads
 only the keys the loading optimizer's own state dict has, each nested key apart, so a record
 whose keys changed with its contents (a decision made or not, a field added later) would not
 load.
@@ -26,11 +28,11 @@ from ..engine import NOT_FROZEN
 from ..low_precision import float32_state_in
 from ..optimizer_view import OptimizerView
 from .adam_state import init_adam_state
-from .schedule import FREEZE_KEY, LOADS_KEY, STEP_KEY, Schedule
+from .schedule import FREEZE_KEY, LOADS_KEY, RECORD_KEY, STEP_KEY, Schedule
+from .sent_record import FIGURES_KEY, offer
 from .telemetry import Telemetry
 
-KEY = "onebit"  # the state_dict entry 1-bit Adam adds
-RECORD_KEY = "onebit_record"  # the saved param group 0's copy of it, without the variance record
+KEY = "onebit"  # the state_dict entry 1-bit Adam adds; RECORD_KEY: param group 0's copy
 AUTO_RECORD_LEFT_OUT = (
     "hvd_onebit: freeze_step='auto': the state was loaded without the checkpoint's record of "
     "the variance (torch.distributed.checkpoint keeps a state dict's state and param_groups "
@@ -50,6 +52,7 @@ def state_dict(view: OptimizerView, config: OneBitConfig, schedule: Schedule,
     carried = dict(sd[KEY], steps=schedule.steps,
                    auto_freeze_left_out=schedule.monitor is not None,
                    auto_freeze_decision=schedule.decision)
+    carried[FIGURES_KEY] = offer(schedule)
     sd["param_groups"][0][RECORD_KEY] = json.dumps(carried)
     if schedule.monitor is not None:
         sd[KEY]["auto_freeze"] = schedule.monitor.state_dict()

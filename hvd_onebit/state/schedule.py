@@ -16,6 +16,7 @@ from ..optimizer_view import OptimizerView
 STEP_KEY = "onebit_step"  # param_groups[0] entry holding the optimizer step count
 FREEZE_KEY = "onebit_freeze_step"  # param_groups[0] entry: the freeze step, -1 while undecided
 LOADS_KEY = "onebit_loads"  # param_groups[0] entry: how many states were loaded into it
+RECORD_KEY = "onebit_record"  # a saved param group 0's copy of the 1-bit record (JSON)
 WARMUP, COMPRESSION = "warmup", "compression"
 
 
@@ -119,12 +120,20 @@ class Schedule:
         variance is the same on every rank here, so is the decision."""
         if self.monitor is None or self.freeze_step is not None:
             return
-        state = self._view.adam.state
-        variances = ((state[p]["exp_avg_sq"], int(state[p]["step"]), g["betas"][1])
-                     for g in self._view.adam.param_groups for p in g["params"])
-        decided = self.monitor.observe(self.steps, variances)
+        decided = self.monitor.observe(self.steps, self.variances())
         if decided is not None:
             self.freeze_step = decided
+
+    def variances(self):
+        """(exp_avg_sq, the parameter's Adam step, beta2) of each parameter, in the monitor's
+        order (lazily)."""
+        state = self._view.adam.state
+        return ((state[p]["exp_avg_sq"], int(state[p]["step"]), g["betas"][1])
+                for g in self._view.adam.param_groups for p in g["params"])
+
+    def first_group(self) -> dict:
+        """The live param group 0, where the step count and the freeze step are kept."""
+        return self._view.adam.param_groups[0]
 
     def restart_monitor(self) -> None:
         if self.monitor is not None:
@@ -135,6 +144,12 @@ class Schedule:
         """Adopt a checkpoint's record of the variance (after the state it came with)."""
         if self.monitor is not None:
             self.monitor.load_state_dict(state)
+        self._record_loads = self.loads
+
+    def adopt_record(self, figures: dict, snapshot) -> None:
+        """Take another rank's record of the state held now: its figures and its copy of the
+        variance (:mod:`hvd_onebit.state.sent_record`)."""
+        self.monitor.adopt(figures, snapshot)
         self._record_loads = self.loads
 
     def record_stale(self) -> bool:
