@@ -376,6 +376,47 @@ def test_np_of_a_one_world_command_is_not_offered_as_a_list():
             f"{command} (a sweep): {word.output}"
 
 
+BAD_DEV_OPTIONS = [
+    (["kernel", "--threads", "0"], "--threads", "0 is not in the range x>=1"),
+    (["kernel", "--repeats", "0"], "--repeats", "0 is not in the range x>=1"),
+    (["kernel", "--numel", "0"], "--numel", "'0' is not a positive element count"),
+    (["kernel", "--numel", "1M,-5"], "--numel", "'-5' is not a positive element count"),
+    (["memory", "--layers", "0"], "--layers", "0 is not in the range x>=1"),
+    (["memory", "--width", "0"], "--width", "0 is not in the range x>=1"),
+    (["memory", "--warmup", "-1"], "--warmup", "-1 is not in the range x>=0"),
+    (["memory", "--compressed", "0"], "--compressed", "0 is not in the range x>=1"),
+    (["memory", "--bucket-size-mb", "0"], "--bucket-size-mb", "0.0 is not in the range x>0"),
+    (["zoo", "--timeout", "0"], "--timeout", "0.0 is not in the range x>0"),
+]
+
+
+@pytest.mark.parametrize("args,option,text", BAD_DEV_OPTIONS,
+                         ids=[" ".join(a) for a, _, _ in BAD_DEV_OPTIONS])
+def test_bench_dev_refuses_a_bad_option_before_measuring_naming_it(monkeypatch, args, option,
+                                                                    text):
+    """A one-line error naming the option, not a traceback from inside the measurement (an
+    empty median, a division by zero parameters, torch's thread count)."""
+    import hvd_onebit_tools.bench.kernel as kernel
+    import hvd_onebit_tools.bench.memory as memory
+    import hvd_onebit_tools.bench.zoo.runner as runner
+
+    for module, name in ((kernel, "bench_kernels"), (memory, "bench_memory"),
+                         (runner, "run_zoo")):
+        monkeypatch.setattr(module, name, lambda *a, **kw: pytest.fail("it measured"))
+    result = hvd_onebit(["bench", "dev", *args])
+    assert result.exit_code == 2 and option in result.output and text in result.output, \
+        f"bench dev {' '.join(args)}: exit {result.exit_code}, expected 2 with {option!r} " \
+        f"and {text!r} in: {result.output!r}"
+
+
+def test_bench_dev_memory_on_cuda_without_a_device_says_so(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    result = hvd_onebit(["bench", "dev", "memory", "--device", "cuda", "--world", "inprocess"])
+    assert result.exit_code == 2 and "no CUDA device" in result.output, result.output
+
+
 def test_train_lm_help_states_the_block_size_the_optimizer_gets_when_it_is_omitted():
     import inspect
 

@@ -7,16 +7,19 @@ import sys
 import click
 
 from ..report import machine_info, print_table, provenance
-from .options import comma_list, np_option, parse_count
+from .options import comma_list, np_option, positive_count
 
 
 @click.command("kernel")
-@click.option("--numel", default=None, callback=lambda c, p, v: v and comma_list(parse_count)(c, p, v),
+@click.option("--numel", default=None,
+              callback=lambda c, p, v: v and comma_list(positive_count)(c, p, v),
               help="Elements in the buffer (e.g. 1M, 16M); with --device cuda a list "
                    "[default: 16M on cpu, 16M,64M,128M,256M on cuda].")
 @np_option(4, "World size: chunks in the layout (no ranks are launched).")
-@click.option("--threads", default=1, show_default=True, help="torch threads.")
-@click.option("--repeats", default=9, show_default=True, help="Timed runs; the median is kept.")
+@click.option("--threads", default=1, show_default=True, type=click.IntRange(min=1),
+              help="torch threads.")
+@click.option("--repeats", default=9, show_default=True, type=click.IntRange(min=1),
+              help="Timed runs; the median is kept.")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
               help="cpu: native and torch kernels; cuda: the Triton (and torch) kernels.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")

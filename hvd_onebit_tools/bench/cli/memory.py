@@ -16,17 +16,21 @@ from .options import cluster_for, link_rate, np_option
 @click.option("--bandwidth", default="local", show_default=True, callback=link_rate,
               help="Emulated link rate of every rank (e.g. 1gbit; root needed) for --world "
                    "horovod; 'local' runs plain horovodrun on loopback.")
-@click.option("--layers", default=4, show_default=True, help="Linear layers of the model.")
-@click.option("--width", default=1024, show_default=True, help="Each layer is width x width.")
-@click.option("--warmup", default=3, show_default=True, help="Adam steps before the freeze.")
-@click.option("--compressed", default=3, show_default=True, help="1-bit steps measured.")
+@click.option("--layers", default=4, show_default=True, type=click.IntRange(min=1),
+              help="Linear layers of the model.")
+@click.option("--width", default=1024, show_default=True, type=click.IntRange(min=1),
+              help="Each layer is width x width.")
+@click.option("--warmup", default=3, show_default=True, type=click.IntRange(min=0),
+              help="Adam steps before the freeze.")
+@click.option("--compressed", default=3, show_default=True, type=click.IntRange(min=1),
+              help="1-bit steps measured.")
 @click.option("--world", "transport", type=click.Choice(["horovod", "inprocess"]),
               default="horovod",
               show_default=True, help="horovod: a job through both phases; inprocess: the "
               "compression engine alone on virtual ranks (threads).")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
-@click.option("--bucket-size-mb", "bucket_mb", type=float, default=None, help="Bucket size in MiB [default: the "
-              "optimizer's].")
+@click.option("--bucket-size-mb", "bucket_mb", type=click.FloatRange(min=0, min_open=True),
+              default=None, help="Bucket size in MiB [default: the optimizer's].")
 @click.option("--memory", "memory_mode", type=click.Choice(["lean", "fast", "auto"]),
               default="lean", show_default=True,
               help="The optimizer's memory option (lean: CUDA's default; fast: the CPU's).")
@@ -39,6 +43,8 @@ def bench_memory_command(np_: int, bandwidth: str, layers: int, width: int, warm
                          memory_mode: str, variance_refresh: str, as_json: bool) -> None:
     """Memory beyond Adam's own per phase, as a ratio to the parameters' fp32 bytes
     (compression-phase target: <= 1.25, peak included)."""
+    import torch
+
     from ..memory import bench_memory
     from ..refresh import parse_variance_refresh
 
@@ -46,6 +52,9 @@ def bench_memory_command(np_: int, bandwidth: str, layers: int, width: int, warm
         refresh = parse_variance_refresh(variance_refresh)
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--variance-refresh") from exc
+    if device == "cuda" and not torch.cuda.is_available():
+        raise click.BadParameter("this torch sees no CUDA device (torch.cuda.is_available() "
+                                 "is False)", param_hint="--device")
     if transport == "inprocess" and bandwidth not in ("local", "none", ""):
         raise click.UsageError("--bandwidth emulates links between processes: --world horovod")
     with cluster_for(np_, bandwidth) as cluster:

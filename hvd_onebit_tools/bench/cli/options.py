@@ -23,6 +23,14 @@ def parse_count(text: str) -> int:
     return int(t)
 
 
+def positive_count(text: str) -> int:
+    """:func:`parse_count`, refusing a count under one element."""
+    n = parse_count(text)
+    if n < 1:
+        raise ValueError(f"{text!r} is not a positive element count (e.g. 1M, 16M)")
+    return n
+
+
 def comma_list(kind, empty_ok: bool = True):
     """A click callback: the comma-separated value as a list of ``kind`` (e.g. int, or a click
     type such as ``click.IntRange(1)``). ``empty_ok=False``: a value naming nothing is refused."""

@@ -47,6 +47,7 @@ from .options import cluster_for, comma_list, link_rate, np_option
               type=click.Path(file_okay=False),
               help="Folder for cells.jsonl (one line per run), summary.json and heat_map.png.")
 @click.option("--timeout", default=1800.0, show_default=True,
+              type=click.FloatRange(min=0, min_open=True),
               help="Seconds per family's job (a family is one job of 54 runs by default).")
 @click.option("--resume", is_flag=True,
               help="Keep the runs already in OUT/cells.jsonl and run only the missing ones.")
