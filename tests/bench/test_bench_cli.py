@@ -349,6 +349,7 @@ def test_bench_allreduce_plot_draws_what_loopback_measured_against_buffer_size(t
     (["--methods", ""], "--methods", "'' names nothing"),
     (["--bandwidth", ""], "--bandwidth", "'' names no link rate"),
     (["--repeats", "0"], "--repeats", "0 is not in the range x>=1"),
+    (["--timeout", "0"], "--timeout", "0.0 is not in the range x>0"),
     (["--plot", "FILE/x.png"], "--plot", "cannot make the folder")])
 def test_bench_allreduce_refuses_a_bad_option_before_the_run(tmp_path, monkeypatch, args, option,
                                                               text):

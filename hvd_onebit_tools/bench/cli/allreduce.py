@@ -33,7 +33,8 @@ from .options import (check_real_cluster, cluster_for, comma_list, link_rates, n
 @real_cluster_options
 @queue_option
 @nodes_options
-@click.option("--timeout", default=1800.0, show_default=True, help="Seconds per job.")
+@click.option("--timeout", default=1800.0, show_default=True,
+              type=click.FloatRange(min=0, min_open=True), help="Seconds per job.")
 @click.option("--plot", default=None, type=click.Path(dir_okay=False), callback=output_file,
               help="Write a PNG of speed-up over fp32: against the link rate for a sweep of "
                    "two or more emulated --bandwidth rates, else against buffer size (on "
