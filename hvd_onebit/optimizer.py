@@ -125,9 +125,10 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     bfloat16 parameters on one device; its lr, betas, eps and weight_decay are read from the
     param groups at every step, so LR schedulers and per-group settings work in both phases.
     The arguments up to ``process_set`` mean what they mean for ``hvd.DistributedOptimizer``
-    and govern the warmup (``op``: ``hvd.Average`` or ``hvd.Sum``). A param group may carry
-    ``exp_avg_mask``: a tensor broadcastable to each of its parameters, or a list with one
-    tensor (or None) per parameter; the averaged momentum is multiplied by it in the
+    and govern the warmup (``op``: ``hvd.Average`` or ``hvd.Sum``); both phases average over
+    ``process_set`` alone, and a rank outside it steps alone, as Horovod's does. A param group
+    may carry ``exp_avg_mask``: a tensor broadcastable to each of its parameters, or a list
+    with one tensor (or None) per parameter; the averaged momentum is multiplied by it in the
     compression phase, so masked entries (e.g. padding rows) stay zero.
 
     Three options matter: ``freeze_step``, ``variance_refresh``, and ``hierarchical`` on

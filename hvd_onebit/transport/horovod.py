@@ -111,7 +111,9 @@ class HorovodJob(JobTransport):
 
     @property
     def rank(self) -> int:
-        return self.process_set.rank()
+        """This rank in the process set; 0 outside it, where the job is this rank alone (as
+        :attr:`size` counts it, and as Horovod's optimizer steps there, without averaging)."""
+        return self.process_set.rank() if self.process_set.included() else 0
 
     def stages(self, device: torch.device):
         """The stage transport on ``device``, built now for one collective with the process
