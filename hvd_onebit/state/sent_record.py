@@ -48,9 +48,10 @@ def received(schedule: Schedule) -> Optional[dict]:
         figures = json.loads(schedule.first_group()[RECORD_KEY])[FIGURES_KEY]
         int(figures["steps"]), int(figures["loads"]), int(figures["snapshot_step"])
         [(int(step), float(change)) for step, change in figures["history"]]
+        readable = isinstance(figures["options"], dict)
     except (KeyError, TypeError, ValueError):
         return None
-    return figures if isinstance(figures["options"], dict) else None
+    return figures if readable else None
 
 
 def usable(schedule: Schedule, first: bool) -> bool:
