@@ -205,6 +205,8 @@ def test_engine_knows_when_its_errors_are_unflushed_and_warns_when_a_resume_drop
 
 
 def test_a_resume_on_one_rank_says_at_the_load_that_the_errors_were_dropped():
+    """Once, for the optimizer's state and the errors saved beside it on several ranks; errors
+    loaded without the optimizer's state warn on their own."""
     (r,) = run_threads(1, lambda t: unflushed_on_one_rank(t), timeout=60)
     dropped = [w for w in r["warned"] if UNSAVED in w]
     assert len(dropped) == 1 and "one rank" in dropped[0] and not r["unflushed"] \
@@ -212,6 +214,10 @@ def test_a_resume_on_one_rank_says_at_the_load_that_the_errors_were_dropped():
         and "error_feedback_state_dict" not in dropped[0], \
         f"one rank: loading an unflushed checkpoint warned {r['warned']}; a state saved after " \
         f"records unflushed={r['unflushed']} (expected False: nothing is left to drop)"
+    assert len(r["warned"]) == 1, f"one rank: the resume warned {len(r['warned'])} times: " \
+                                  f"{r['warned']}"
+    assert len(r["errors_alone"]) == 1 and "does not fit rank 0 of 1" in r["errors_alone"][0], \
+        f"errors of rank 1 of 2 loaded again, alone: {r['errors_alone']}"
 
 
 # ---- flush_error_feedback in Horovod jobs ------------------------------------------------------------

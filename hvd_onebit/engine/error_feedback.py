@@ -50,6 +50,9 @@ class ErrorFeedback:
         # The step count of a loaded checkpoint that was saved with outstanding errors, until
         # its errors are loaded too or the next fusing says they were not.
         self._unsaved_at: Optional[int] = None
+        # On one rank, the optimizer's last load said its checkpoint's errors are dropped: the
+        # errors' own load, saved on several ranks, drops them without saying it again.
+        self._told_one_rank = False
 
     @property
     def space(self) -> str:
@@ -80,6 +83,11 @@ class ErrorFeedback:
         world, rank = self.transport.size, self.transport.rank
         self._unsaved_at = None  # given: applied below or at the fusing, or dropped with a warning
         if state.get("world_size") != world or state.get("rank") != rank:
+            if self._told_one_rank:  # the optimizer's load said so already
+                self._told_one_rank = False
+                self._pending = None
+                self.zeroed()
+                return
             self.reset(f"hvd_onebit: error feedback saved by rank {state.get('rank')} of "
                        f"{state.get('world_size')} does not fit rank {rank} of "
                        f"{world}; it is reset to zero")
@@ -117,7 +125,8 @@ class ErrorFeedback:
         before the next fusing), the next fusing warns that they were dropped. On one rank,
         which has no error feedback and fuses nothing, that is said now. None: nothing
         expected."""
-        if step is not None and self.transport.size == 1:
+        self._told_one_rank = step is not None and self.transport.size == 1
+        if self._told_one_rank:
             warnings.warn(_dropped(step, "this job has one rank, which keeps none",
                                    ANOTHER_WORLD_ADVICE))
             step = None
