@@ -157,12 +157,25 @@ def check_flushed(ranks: list[dict], rtol: float, bytes_per_element: float) -> N
 
 
 @pytest.mark.parametrize("n", [2, 3, 4])
-def test_flush_folds_every_error_into_the_momentum_on_virtual_ranks(n):
-    ranks = run_threads(n, lambda t: flush_engine(t), timeout=120)
-    sums = [float(e.abs().sum()) for e in ranks[0]["before"]["worker_errors"]]
-    assert any(s > 0 for s in sums), \
-        f"nothing to flush: the test needs error feedback (rank 0's sum |e_w| per bucket {sums})"
-    check_flushed(ranks, rtol=1e-5, bytes_per_element=4 * (n - 1))  # an allgather
+def test_flush_folds_every_error_into_the_momentum_on_virtual_ranks(n, monkeypatch):
+    """Through both ways of the exact sum: one allgather of every rank's errors (small
+    buckets), or each rank adding one n-th of them and an allgather of the sums (large ones):
+    the same bits, with the bytes each sends."""
+    import hvd_onebit.transport.base as base
+
+    momenta = {}
+    for way, small, rate in (("one allgather", 1 << 40, 4 * (n - 1)),
+                             ("alltoall and allgather", 0, 2 * (n - 1) / n * 4)):
+        monkeypatch.setattr(base, "SMALL_SUM_BYTES", small)
+        ranks = run_threads(n, lambda t: flush_engine(t), timeout=120)
+        sums = [float(e.abs().sum()) for e in ranks[0]["before"]["worker_errors"]]
+        assert any(s > 0 for s in sums), f"nothing to flush: the test needs error feedback " \
+                                         f"(rank 0's sum |e_w| per bucket {sums})"
+        check_flushed(ranks, rtol=1e-5, bytes_per_element=rate)
+        momenta[way] = ranks[0]["after"]["momenta"]
+    for k, (a, b) in enumerate(zip(*momenta.values())):
+        assert torch.equal(a, b), f"bucket {k}: the two ways' flushed momenta differ: " \
+                                  f"{difference(a, b)}"
 
 
 def test_flush_on_one_rank_is_a_no_op():

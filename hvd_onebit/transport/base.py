@@ -80,18 +80,40 @@ class JobTransport:
 
     def exact_sum(self, tensors: list[torch.Tensor], name: str
                   ) -> tuple[list[torch.Tensor], int]:
-        """The sum over ranks of each tensor, the same bits on every rank, and the bytes this
-        rank sent: an allgather of each, summed in rank order."""
-        handles = [self._stages.allgather_async(t.view(1, -1), name=f"{name}{i}")
-                   for i, t in enumerate(tensors)]
-        out = []
-        for t, h in zip(tensors, handles):
-            rows = self._stages.wait(h).view(self.size, -1)
+        """The sum over ranks of each tensor (flat), the same bits on every rank, and the bytes
+        this rank sent. Every element is added in rank order: rank j adds the j-th of n equal
+        pieces of every rank's tensor (an alltoall), and an allgather gathers the sums. Each
+        rank sends ``2 (n-1)/n`` of a tensor's bytes, as a ring allreduce, and holds about two
+        tensors' worth beside it, not n; below :data:`SMALL_SUM_BYTES` one allgather of every
+        rank's whole tensor, summed in the same order, takes one round trip instead of two."""
+        n = self.size
+        small = [t.numel() * t.element_size() < SMALL_SUM_BYTES for t in tensors]
+        pieces = [-(-t.numel() // n) for t in tensors]
+        handles = []
+        for i, (t, is_small, piece) in enumerate(zip(tensors, small, pieces)):
+            flat = t.reshape(-1)
+            if is_small:
+                handles.append(self._stages.allgather_async(_as_bytes(flat.view(1, -1)),
+                                                            name=f"{name}{i}"))
+                continue
+            if piece * n != flat.numel():
+                flat = torch.cat([flat, flat.new_zeros(piece * n - flat.numel())])
+            handles.append(self._stages.alltoall_async(_as_bytes(flat.view(n, piece)),
+                                                       name=f"{name}{i}"))
+        gathers = []
+        for i, (t, h) in enumerate(zip(tensors, handles)):
+            rows = self._stages.wait(h).view(t.dtype).view(n, -1)
             total = rows[0].clone()
-            for r in range(1, self.size):
+            for r in range(1, n):
                 total.add_(rows[r])
-            out.append(total)
-        return out, sum(4 * t.numel() * (self.size - 1) for t in tensors)
+            gathers.append(total if small[i] else self._stages.allgather_async(
+                _as_bytes(total.view(1, -1)), name=f"{name}{i}.sums"))
+        out = [g if small[i] else self._stages.wait(g).view(t.dtype).reshape(-1)[:t.numel()]
+               for i, (t, g) in enumerate(zip(tensors, gathers))]
+        sent = sum(t.numel() * t.element_size() * (n - 1) if is_small
+                   else 2 * (n - 1) * piece * t.element_size()
+                   for t, is_small, piece in zip(tensors, small, pieces))
+        return out, sent
 
     def exact_mean_(self, tensors: list[torch.Tensor], name: str) -> int:
         """The mean over ranks of each tensor, in place; the bytes this rank sent."""
@@ -106,6 +128,16 @@ class JobTransport:
     def gather_failures(self, failure: str) -> list[str]:
         """Every rank's ``failure`` ("" for none), in rank order."""
         raise NotImplementedError(f"transport {self.name!r} has no nodes to agree on")
+
+
+# Below this many bytes an exact sum is one allgather (one round trip), above it an alltoall
+# and an allgather (2 (n-1)/n of the bytes, two tensors' memory instead of n)
+SMALL_SUM_BYTES = 1 << 16
+
+
+def _as_bytes(rows: torch.Tensor) -> torch.Tensor:
+    """[r, k] of any dtype as the [r, k * itemsize] uint8 rows the stage transports carry."""
+    return rows.contiguous().view(torch.uint8).view(rows.shape[0], -1)
 
 
 def process_set_size(process_set) -> int:
