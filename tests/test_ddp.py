@@ -336,6 +336,20 @@ def test_a_forward_without_backward_before_a_compressed_step_keeps_the_overlap(w
 
 
 @pytest.mark.multirank
+def test_a_forward_that_raises_in_the_compression_phase_leaves_ddp_sync_as_it_was(world):
+    """A caught exception in a compressed step's forward (after the optimizer turned DDP's
+    gradient sync off for it) leaves the sync on, so the refresh steps after it are averaged
+    by DDP: the run is the same bits as one without the failed forwards."""
+    n, results = world
+    for rank, r in enumerate(scenario(results, "forward_raises")):
+        assert r["errors"] == ["RuntimeError"] * 2 and r["sync_after"] == [True, True], \
+            f"n={n} rank {rank}: forwards raised {r['errors']}, DDP's sync after each " \
+            f"{r['sync_after']}"
+        assert r["refreshes"] >= 2 and r["differences"] == [], \
+            f"n={n} rank {rank}: {r['refreshes']} refresh steps; {r['differences']}"
+
+
+@pytest.mark.multirank
 def test_gradients_accumulated_without_no_sync_keep_the_overlap(world):
     """Every backward pass with DDP's sync on, several a step: the buckets start from the hooks
     of the step's last pass, as many into the step as the last step had. A step with a pass

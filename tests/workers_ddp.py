@@ -555,6 +555,33 @@ def forward_without_backward(steps: int = FREEZE + 4) -> dict:
     return out
 
 
+def forward_raises(iterations: int = 6) -> dict:
+    """A forward that raises in the compression phase (a batch of the wrong width; a script
+    that skips a batch on running out of memory sees the same), caught before two steps in a
+    row, a compressed one and a refresh step, and the run goes on (variance_refresh refreshes
+    every other step here). Against the same run without them: the differences, and whether
+    DDP's gradient sync was on after each."""
+    from hvd_onebit.config import Experimental
+
+    runs, out = [], {"sync_after": [], "errors": []}
+    for failing in (False, True):
+        model = make_model()
+        opt = onebit(model, variance_refresh="doubling",
+                     experimental=Experimental(refresh_schedule={"first_interval": 2}))
+        for step in range(FREEZE + iterations):
+            if failing and step in (FREEZE + 1, FREEZE + 2):
+                try:
+                    model(torch.zeros(8, 5))
+                except RuntimeError as exc:
+                    out["errors"].append(type(exc).__name__)
+                out["sync_after"].append(model.require_backward_grad_sync)
+            train_step(model, opt, step)
+        runs.append(params_of(model))
+        out["refreshes"] = opt.telemetry()["refreshes"]
+    out["differences"] = differences(runs[0], runs[1], "the run with failed forwards")
+    return out
+
+
 def accumulated_without_no_sync(passes: tuple = (2, 2, 3, 3, 1, 1)) -> dict:
     """Gradient accumulation without no_sync(), every backward pass with DDP's sync on: two
     passes a step through the warmup, then ``passes`` a compressed step. Against the same run
@@ -879,6 +906,7 @@ def suite(scratch: Optional[str] = None, stage: Optional[str] = None) -> dict:
                      rebuilt=rebuilt, rebuilt_static=partial(rebuilt, static_graph=True),
                      skipped_batch=skipped_batch, closure=closure_steps,
                      forward_without_backward=forward_without_backward,
+                     forward_raises=forward_raises,
                      accumulated=accumulated_without_no_sync,
                      handed_to_adam=handed_to_adam,
                      rolled_back=rolled_back_mid_step,

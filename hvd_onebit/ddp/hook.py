@@ -177,7 +177,8 @@ class CommHook:
             raise
         model.register_forward_pre_hook(weakly(self._before_forward))
         model.join = refuse_join  # on this model only; Join([model]) is refused at its forward
-        model.register_forward_hook(weakly(self._after_forward))
+        # called when the forward raises too: the user's sync setting comes back either way
+        model.register_forward_hook(weakly(self._after_forward), always_call=True)
         if getattr(model, "find_unused_parameters", False):
             self._used_locally = set()
         if self._overlap is not None or self._used_locally is not None:
