@@ -350,6 +350,19 @@ def test_a_forward_that_raises_in_the_compression_phase_leaves_ddp_sync_as_it_wa
 
 
 @pytest.mark.multirank
+def test_a_forward_that_writes_a_parameter_in_place_is_not_another_optimizers_step(world):
+    """An embedding's max_norm renormalises its rows in every forward: two passes a compressed
+    step without no_sync() train through, alike on every rank."""
+    n, results = world
+    runs = scenario(results, "written_in_forward")
+    for rank, r in enumerate(runs):
+        assert (r["phase"], r["local_steps"]) == ("compression", 6), \
+            f"n={n} rank {rank}: phase {r['phase']}, {r['local_steps']} local passes"
+        assert differences(runs[0]["params"], r["params"], f"rank {rank} vs 0") == [], \
+            f"n={n} rank {rank}: {differences(runs[0]['params'], r['params'], 'vs rank 0')}"
+
+
+@pytest.mark.multirank
 def test_gradients_accumulated_without_no_sync_keep_the_overlap(world):
     """Every backward pass with DDP's sync on, several a step: the buckets start from the hooks
     of the step's last pass, as many into the step as the last step had. A step with a pass

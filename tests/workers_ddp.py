@@ -582,6 +582,33 @@ def forward_raises(iterations: int = 6) -> dict:
     return out
 
 
+class Renormed(Net):
+    """:class:`Net` with an embedding whose forward renormalises its rows in place
+    (``max_norm``), as ``nn.Embedding(max_norm=...)`` does."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = torch.nn.Embedding(8, 16, max_norm=0.5)
+
+    def forward(self, x, extra: bool = False):
+        return self.out(torch.tanh(self.inner(x)) + self.table(torch.arange(x.shape[0]) % 8))
+
+
+def written_in_forward(passes: int = 2, steps: int = FREEZE + 3) -> dict:
+    """A forward that writes a parameter in place, two passes a step without no_sync(): the
+    second pass of a compressed step is not taken for another optimizer's step."""
+    torch.manual_seed(0)
+    model = DDP(Renormed())
+    opt = onebit(model)
+    for step in range(steps):
+        opt.zero_grad()
+        for k in range(passes):
+            x, y = batch(step, dist.get_rank(), k)
+            torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    return {"phase": opt.phase, "local_steps": opt._hook.local_steps, "params": params_of(model)}
+
+
 def accumulated_without_no_sync(passes: tuple = (2, 2, 3, 3, 1, 1)) -> dict:
     """Gradient accumulation without no_sync(), every backward pass with DDP's sync on: two
     passes a step through the warmup, then ``passes`` a compressed step. Against the same run
@@ -906,7 +933,7 @@ def suite(scratch: Optional[str] = None, stage: Optional[str] = None) -> dict:
                      rebuilt=rebuilt, rebuilt_static=partial(rebuilt, static_graph=True),
                      skipped_batch=skipped_batch, closure=closure_steps,
                      forward_without_backward=forward_without_backward,
-                     forward_raises=forward_raises,
+                     forward_raises=forward_raises, written_in_forward=written_in_forward,
                      accumulated=accumulated_without_no_sync,
                      handed_to_adam=handed_to_adam,
                      rolled_back=rolled_back_mid_step,

@@ -161,7 +161,7 @@ class CommHook:
         # With find_unused_parameters, the parameters that took a gradient in a local backward
         # since the last averaged one (DDP's reducer counts them as used: see _before_forward)
         self._used_locally: Optional[set] = None
-        # The parameters' in-place versions at a compressed step's forward with DDP's sync on,
+        # The parameters' in-place versions after a compressed step's forward with DDP's sync on,
         # until this optimizer's step() or zero_grad(): a change before then is another
         # optimizer's step
         self._versions: Optional[tuple] = None
@@ -194,15 +194,11 @@ class CommHook:
         join = getattr(model, "_join_config", None)
         if join is not None and join.enable and torch.is_grad_enabled():
             raise ValueError(JOIN_REFUSED)
-        now = None  # the parameters' versions, read once per forward where they are needed
-        if self._versions is not None and torch.is_grad_enabled():
-            now = versions(model)
-            if now != self._versions:
-                raise ValueError(STEPPED_ELSEWHERE)
+        if self._versions is not None and torch.is_grad_enabled() \
+                and versions(model) != self._versions:
+            raise ValueError(STEPPED_ELSEWHERE)
         self._final = model.require_backward_grad_sync
         self._local = torch.is_grad_enabled() and not self._averaging()
-        if self._local and self._final:
-            self._versions = now if now is not None else versions(model)
         if torch.is_grad_enabled() and self._final:
             if self._passes and not any(p.grad is not None for p in model.module.parameters()):
                 self._passes = 0  # the passes before were zeroed (set to None): a skipped batch
@@ -231,7 +227,11 @@ class CommHook:
 
     def _after_forward(self, model, args, output) -> None:
         """The user's own setting back, and the buffers synchronised at the next forward as DDP
-        would have decided with it."""
+        would have decided with it. The parameters' versions are read after the forward: one
+        that writes a parameter in place (an embedding's ``max_norm``) is not another
+        optimizer's step."""
+        if self._local and self._final:
+            self._versions = versions(model)
         if self._local:
             model.require_backward_grad_sync = self._final
             if hasattr(model, "require_forward_param_sync"):
