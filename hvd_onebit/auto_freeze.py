@@ -137,7 +137,10 @@ class VarianceMonitor:
                 "history": list(self.history)}
 
     def state_dict(self) -> dict:
-        return dict(self.figures(), snapshot=self.snapshot, decision=self.decision)
+        """The record as it is now: a copy of the variance's copy, which the next check
+        rewrites in place, so that the dict's copy stays that of its ``snapshot_step``."""
+        snapshot = None if self.snapshot is None else [t.clone() for t in self.snapshot]
+        return dict(self.figures(), snapshot=snapshot, decision=self.decision)
 
     def load_state_dict(self, state: dict) -> None:
         """Adopt a saved monitor; one saved with other options restarts (with its decision)."""

@@ -55,6 +55,22 @@ def test_auto_freeze_is_decided_at_the_same_step_on_every_rank_and_logged(auto_f
                        "rank 1 vs rank 0 after 30 steps")
 
 
+def test_a_saved_record_of_the_variance_keeps_its_step_while_the_run_goes_on():
+    """The monitor's state_dict() is the record at its snapshot_step: the next check, which
+    rewrites the monitor's own copy, leaves the saved one as it was."""
+    from hvd_onebit.auto_freeze import VarianceMonitor
+
+    monitor = VarianceMonitor(AutoFreeze(window=2, min_steps=100, max_steps=1000))
+    v = torch.full((5,), 4.0)
+    monitor.observe(2, [(v, 2, 0.999)])
+    saved = monitor.state_dict()
+    kept = saved["snapshot"][0].clone()
+    monitor.observe(4, [(v * 3, 4, 0.999)])
+    assert saved["snapshot_step"] == 2 and torch.equal(saved["snapshot"][0], kept), \
+        f"saved at step 2: after the check at step 4 it says step {saved['snapshot_step']} " \
+        f"with the copy {saved['snapshot'][0].tolist()}, saved as {kept.tolist()}"
+
+
 @pytest.mark.multirank
 def test_auto_checkpoint_before_the_decision_decides_the_same(auto_full, auto_runs):
     step = auto_full[0]["freeze_step"]
