@@ -41,3 +41,23 @@ def test_the_torch_transport_with_a_process_set_is_refused(sets):
     for rank, error in enumerate(scenario(sets, "torch_transport")):
         assert error is not None and "with a process set use transport='horovod'" in error, \
             f"rank {rank}: transport='torch' on a process set gave {error!r}"
+
+
+@pytest.mark.multirank
+def test_hierarchical_on_a_process_set_stays_flat_or_is_refused(sets):
+    """The nodes' layout is read over every Horovod rank, which ranks outside the set do not
+    join: "auto" trains flat, as without it (the same bits), and True is refused when the
+    optimizer is built, on every rank, instead of waiting at the freeze."""
+    flat, auto = scenario(sets, "two_sets"), scenario(sets, "hierarchical_auto")
+    for rank, (r, refused) in enumerate(zip(auto, scenario(sets, "hierarchical_true"))):
+        assert r["phase"] == "compression", f"rank {rank}: hierarchical='auto' ended {r['phase']}"
+        assert_same_params(r["params"], flat[rank]["params"], f"rank {rank}: auto vs flat")
+        assert refused is not None and "averages over a process set" in refused, \
+            f"rank {rank}: hierarchical=True on a process set gave {refused!r}"
+
+
+@pytest.mark.multirank
+def test_a_removed_process_set_is_refused_naming_it(sets):
+    for rank, error in enumerate(scenario(sets, "removed")):
+        assert error is not None and "not registered with Horovod" in error, \
+            f"rank {rank}: a removed process set gave {error!r}"

@@ -12,7 +12,7 @@ from tests.workers_optimizer import batch, make_model, params_bytes
 STEPS, FREEZE = 8, 3
 
 
-def _train(process_set, transport: str = "auto") -> dict:
+def _train(process_set, transport: str = "auto", **options) -> dict:
     """The toy model trained on this rank's batches through both phases."""
     import hvd_onebit
 
@@ -20,7 +20,7 @@ def _train(process_set, transport: str = "auto") -> dict:
     opt = hvd_onebit.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2),
                                           named_parameters=model.named_parameters(),
                                           freeze_step=FREEZE, process_set=process_set,
-                                          transport=transport)
+                                          transport=transport, **options)
     for step in range(STEPS):
         x, y = batch(step, hvd.rank())
         opt.zero_grad()
@@ -42,12 +42,19 @@ def _plain_adam() -> list:
     return params_bytes(model)
 
 
-def _torch_transport(process_set) -> str | None:
+def _refused(process_set, **options) -> str | None:
+    """What building the optimizer with ``options`` raised (None: nothing)."""
     try:
-        _train(process_set, transport="torch")
+        _train(process_set, **options)
     except ValueError as exc:
         return str(exc)
     return None
+
+
+def _removed() -> str | None:
+    gone = hvd.add_process_set([0, 2])
+    hvd.remove_process_set(gone)
+    return _refused(gone)
 
 
 def suite() -> dict:
@@ -57,7 +64,10 @@ def suite() -> dict:
         return run_scenarios({
             "two_sets": lambda: _train(mine),
             "outside": lambda: dict(_train(first), plain=_plain_adam()),
-            "torch_transport": lambda: _torch_transport(mine),
+            "torch_transport": lambda: _refused(mine, transport="torch"),
+            "hierarchical_auto": lambda: _train(mine, hierarchical="auto"),
+            "hierarchical_true": lambda: _refused(mine, hierarchical=True),
+            "removed": _removed,
         }, hvd.rank())
     finally:
         hvd.remove_process_set(second)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import horovod.torch as hvd
@@ -32,6 +32,7 @@ def check(config: OneBitConfig, param_groups: list[dict], process_set: hvd.Proce
     parameters and the job (:func:`hvd_onebit.job.check_environment`), and the parameters'
     memory layout against Horovod's allreduce; raises alike on every rank. ``names``:
     parameter -> name, from ``named_parameters`` (None: not given)."""
+    in_process_set(config, process_set)
     validate_masks(param_groups)
     if names is not None:
         check_named(param_groups, names)
@@ -116,9 +117,27 @@ class Parts:
     transport: str
 
 
+def in_process_set(config: OneBitConfig, process_set: hvd.ProcessSet) -> OneBitConfig:
+    """The options on ``process_set``: a set Horovod no longer knows is refused, and on a set
+    other than the global one ``hierarchical=True`` is refused and "auto" stays flat (the
+    nodes' layout is read over every Horovod rank, which ranks outside the set do not
+    join)."""
+    if process_set.process_set_id is None:
+        raise ValueError("process_set is not registered with Horovod (removed with "
+                         "hvd.remove_process_set, or never added): pass a registered one")
+    if process_set.process_set_id == 0 or config.hierarchical is False:
+        return config
+    if config.hierarchical is True:
+        raise ValueError("hierarchical=True reads the nodes' layout over every Horovod rank, "
+                         "and this optimizer averages over a process set: leave hierarchical "
+                         "out (or 'auto', which stays flat on a process set)")
+    return replace(config, hierarchical=False)
+
+
 def build(view: HorovodView, config: OneBitConfig, process_set: hvd.ProcessSet) -> Parts:
     """Adam's state, the checks against the job, the transport, the engine and the phases of
     the optimizer ``view`` sees, in the order every rank runs their collectives."""
+    config = in_process_set(config, process_set)
     schedule = Schedule(view, config)
     schedule.freeze_step = None if config.auto else config.freeze_step
     telemetry = Telemetry()
