@@ -83,7 +83,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import hvd_onebit
 import hvd_onebit.ddp
-from hvd_onebit.config import DOUBLING, FREEZE_FRACTION, FROZEN_FREEZE_FRACTION
+from hvd_onebit.config import DOUBLING, FREEZE_FRACTION, FROZEN_FREEZE_FRACTION, AutoFreeze
 from hvd_onebit_tools.bench.refresh import (option_text, optimizer_options,
                                              parse_variance_refresh, run_steps)
 from hvd_onebit_tools.bench.waits import WAITS, WaitTimer, set_horovod_wait
@@ -276,13 +276,16 @@ def variance_refresh(text: str):
         raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
+AUTO_MIN_STEPS = AutoFreeze().min_steps
+
+
 def freeze_options(frac, steps: int, min_steps=None) -> dict:
     """hvd_onebit.DistributedOptimizer's freeze arguments for --warmup-frac (and, with "auto",
     --auto-freeze-min-steps)."""
     if frac == "auto":
-        auto = {"max_steps": max(50, steps // 2)}
-        if min_steps is not None:
-            auto.update(min_steps=min_steps, max_steps=max(auto["max_steps"], min_steps))
+        half = max(1, steps // 2)
+        auto = ({"min_steps": min(AUTO_MIN_STEPS, half), "max_steps": half} if min_steps is None
+                else {"min_steps": min_steps, "max_steps": max(half, min_steps)})
         return {"freeze_step": "auto", "auto_freeze": auto}
     return {"freeze_step": max(1, round(frac * steps))}
 
@@ -320,7 +323,8 @@ def add_onebit_arguments(p: argparse.ArgumentParser) -> None:
                         "default), none or a JSON object of its fields, e.g. "
                         "'{\"first_interval\": 16, \"updates_per_interval\": 4}'")
     p.add_argument("--auto-freeze-min-steps", type=positive_int, default=None,
-                   help="with --warmup-frac auto: auto_freeze's min_steps (default: its own, 50)")
+                   help="with --warmup-frac auto: auto_freeze's min_steps (default: its own, "
+                        f"{AUTO_MIN_STEPS}, or half the steps where that is fewer)")
     p.add_argument("--block-size", type=block_size, default=None,
                    help="1-bit Adam: elements per scale (a multiple of 8) [default: the "
                         f"optimizer's block_size, {hvd_onebit.config.DEFAULT_BLOCK_SIZE}]")
@@ -334,9 +338,17 @@ WARMUP_FRAC_HELP = (f"1-bit Adam: freeze_step = round(warmup_frac * steps), at l
 
 
 def check_freeze(p: argparse.ArgumentParser, args) -> None:
-    """With --optimizer onebit and a fixed freeze, refuse one that leaves no compressed step
-    (the run would be Adam's, with nothing said)."""
-    if args.optimizer != "onebit" or args.warmup_frac == "auto":
+    """With --optimizer onebit, refuse a freeze that leaves no compressed step (the run would
+    be Adam's, with nothing said)."""
+    if args.optimizer != "onebit":
+        return
+    if args.warmup_frac == "auto":
+        latest = freeze_options("auto", args.steps,
+                                args.auto_freeze_min_steps)["auto_freeze"]["max_steps"]
+        if latest >= args.steps:
+            p.error(f"argument --warmup-frac: auto over --steps {args.steps} may freeze at step "
+                    f"{latest}, leaving no compressed step; give more --steps (or a smaller "
+                    f"--auto-freeze-min-steps)")
         return
     given = args.warmup_frac is not None
     frac = args.warmup_frac if given else (FROZEN_FREEZE_FRACTION if args.variance_refresh is None

@@ -437,6 +437,10 @@ REFUSED = [  # (script, argv, what its error must say)
                                        "got 12"),
     (train_lm, ["--auto-freeze-min-steps", "0"],
      f"argument --auto-freeze-min-steps: {MUST_BE_POSITIVE}"),
+    (train_lm, ["--warmup-frac", "auto", "--steps", "30", "--auto-freeze-min-steps", "40"],
+     "argument --warmup-frac: auto over --steps 30 may freeze at step 40, leaving no compressed"),
+    (train_digits, ["--warmup-frac", "auto", "--steps", "1"],
+     "argument --warmup-frac: auto over --steps 1 may freeze at step 1, leaving no compressed"),
     (train_digits, ["--val-frac", "0"], f"argument --val-frac: {HELD_OUT_RANGE}, got 0"),
     (train_digits, ["--warmup-frac", "2", "--steps", "10"],
      f"argument --warmup-frac: {WARMUP_RANGE}, got 2"),
@@ -465,6 +469,19 @@ def test_the_examples_refuse_a_bad_value_with_an_error_naming_the_option(script,
     assert code == 2 and says in err, \
         f"{script.__name__} {argv}: exit code {code} (argparse's is 2), stderr {err!r}, " \
         f"expected it to say {says!r}"
+
+
+@pytest.mark.parametrize("steps, min_steps, bounds", [
+    (8, None, (4, 4)), (60, None, (30, 30)), (1000, None, (50, 500)), (30, 10, (10, 15))])
+def test_an_automatic_freeze_decides_by_half_the_run_however_short(steps, min_steps, bounds):
+    """--warmup-frac auto: the freeze comes at half the steps at the latest, so a short run
+    reaches the compression phase; the default min_steps gives way where it is past that."""
+    argv = ["--warmup-frac", "auto", "--steps", str(steps)]
+    args = train_lm.parse_args(argv + ([] if min_steps is None else
+                                       ["--auto-freeze-min-steps", str(min_steps)]))
+    auto = train_lm.onebit_options(args)["experimental"].auto_freeze
+    assert (auto["min_steps"], auto["max_steps"]) == bounds, \
+        f"{argv}: auto_freeze {auto}, expected min_steps and max_steps {bounds}"
 
 
 def test_the_examples_take_the_edges_of_each_range():

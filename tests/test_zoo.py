@@ -228,3 +228,16 @@ def test_against_over_seeds_counts_only_losses_consistent_across_seeds(tmp_path)
         f"noisy: (groups, worse beyond seed noise, worse cells) {figures}, want (3, 0, 5): mlp " \
         f"+6%/-5%/+1% is within its seeds' noise and gru_lm's +0.5% is under 1%, though 5 " \
         f"cells are worse one by one"
+
+
+@pytest.mark.parametrize("steps", [10, 19, 20, 150])
+def test_an_automatic_freeze_in_the_zoo_fits_a_short_run(steps):
+    """--steps takes 10 or more: "auto" waits at most half the run, and its least wait gives
+    way to that where it is longer (the optimizer refuses min_steps past max_steps)."""
+    from hvd_onebit.config import AutoFreeze
+    from hvd_onebit_tools.bench.zoo.grid import freeze_options
+
+    auto = freeze_options("auto", steps)["auto_freeze"]
+    AutoFreeze(**auto)  # raises if the optimizer would refuse them
+    assert auto["max_steps"] == steps // 2 and auto["min_steps"] <= auto["max_steps"], \
+        f"{steps} steps: {auto}"

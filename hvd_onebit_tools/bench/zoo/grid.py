@@ -84,12 +84,13 @@ CELL_KEYS = ("family", "lr_rule", "seed", "method", "scheme", "freeze", "steps",
 
 def freeze_options(freeze: str, steps: int) -> dict[str, Any]:
     """hvd_onebit.DistributedOptimizer's freeze arguments for a freeze setting of a run of
-    ``steps``. "auto" waits at least ``max(10, steps // 10)`` steps and at most half the run,
-    so a short run always reaches the compression phase."""
+    ``steps``. "auto" waits at least ``max(10, steps // 10)`` steps (at most half the run)
+    and at most half the run, so a short run always reaches the compression phase."""
     value = FREEZES[freeze]
     if value == "auto":
+        half = steps // 2
         return {"freeze_step": "auto",
-                "auto_freeze": {"min_steps": max(10, steps // 10), "max_steps": steps // 2}}
+                "auto_freeze": {"min_steps": min(max(10, steps // 10), half), "max_steps": half}}
     return {"freeze_step": max(1, round(value * steps))}
 
 
