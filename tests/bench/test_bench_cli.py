@@ -346,6 +346,8 @@ def test_bench_allreduce_plot_draws_what_loopback_measured_against_buffer_size(t
     (["--np", "1"], "--np", "1: an allreduce job needs 2 or more ranks"),
     (["--sizes", ""], "--sizes", "'' names nothing"),
     (["--sizes", "1e400K"], "--sizes", "'1e400K' is not finite"),
+    (["--sizes", "1M,-5"], "--sizes", "'-5' is not a positive element count"),
+    (["--sizes", "0"], "--sizes", "'0' is not a positive element count"),
     (["--methods", ""], "--methods", "'' names nothing"),
     (["--bandwidth", ""], "--bandwidth", "'' names no link rate"),
     (["--repeats", "0"], "--repeats", "0 is not in the range x>=1"),
@@ -362,6 +364,16 @@ def test_bench_allreduce_refuses_a_bad_option_before_the_run(tmp_path, monkeypat
     assert result.exit_code == 2 and option in result.output and text in result.output, \
         f"bench allreduce {' '.join(args)}: exit {result.exit_code}, expected 2 with " \
         f"{option!r} and {text!r} in: {result.output!r}"
+
+
+def test_an_element_count_is_one_parser_with_suffixes_and_exponents():
+    from hvd_onebit_tools.bench.cli.options import parse_count
+
+    for text, want in (("16M", 16 << 20), ("1.5K", 1536), ("1e6", 10**6), (" 65536 ", 65536)):
+        assert parse_count(text) == want, f"{text!r} read as {parse_count(text)}, not {want}"
+    for text, error in (("1.5", ValueError), ("abc", ValueError), ("1e400", OverflowError)):
+        with pytest.raises(error):
+            parse_count(text)
 
 
 def test_np_of_a_one_world_command_is_not_offered_as_a_list():
@@ -384,10 +396,11 @@ BAD_DEV_OPTIONS = [
     (["kernel", "--numel", "1M,-5"], "--numel", "'-5' is not a positive element count"),
     (["memory", "--layers", "0"], "--layers", "0 is not in the range x>=1"),
     (["memory", "--width", "0"], "--width", "0 is not in the range x>=1"),
-    (["memory", "--warmup", "-1"], "--warmup", "-1 is not in the range x>=0"),
+    (["memory", "--warmup", "0"], "--warmup", "0 is not in the range x>=1"),
     (["memory", "--compressed", "0"], "--compressed", "0 is not in the range x>=1"),
     (["memory", "--bucket-size-mb", "0"], "--bucket-size-mb", "0.0 is not in the range x>0"),
     (["zoo", "--timeout", "0"], "--timeout", "0.0 is not in the range x>0"),
+    (["zoo", "--against", "bogus"], "--against", "unknown scheme 'bogus'"),
 ]
 
 

@@ -8,14 +8,14 @@ import click
 from ..allreduce import DEFAULT_METHODS, METHODS, summarize
 from ..report import machine_info, print_table
 from .options import (check_real_cluster, cluster_for, comma_list, link_rates, need_two_ranks,
-                      nodes_options, np_option, output_file, parse_count, queue_option,
+                      nodes_options, np_option, output_file, positive_count, queue_option,
                       real_cluster_options)
 
 
 @click.command("allreduce")
 @np_option("2,4", "World sizes to run.", sweep=True)
 @click.option("--sizes", default="1M,4M,16M,64M", show_default=True,
-              callback=comma_list(parse_count, empty_ok=False),
+              callback=comma_list(positive_count, empty_ok=False),
               help="Buffer sizes in fp32 elements, comma separated.")
 @click.option("--bandwidth", "bandwidths", default="local", show_default=True,
               callback=link_rates,

@@ -25,7 +25,7 @@ def element_count(ctx, param, value) -> int:
     """``--numel``: a positive element count (e.g. 4M, 65536)."""
     try:
         n = parse_count(value)
-    except ValueError:
+    except (ValueError, OverflowError):
         n = 0
     if n < 1:
         raise click.BadParameter(f"{value!r} is not a positive element count (e.g. 4M, 65536)")

@@ -20,7 +20,7 @@ from .options import cluster_for, link_rate, np_option
               help="Linear layers of the model.")
 @click.option("--width", default=1024, show_default=True, type=click.IntRange(min=1),
               help="Each layer is width x width.")
-@click.option("--warmup", default=3, show_default=True, type=click.IntRange(min=0),
+@click.option("--warmup", default=3, show_default=True, type=click.IntRange(min=1),
               help="Adam steps before the freeze.")
 @click.option("--compressed", default=3, show_default=True, type=click.IntRange(min=1),
               help="1-bit steps measured.")

@@ -16,11 +16,19 @@ MAX_PARAMS = 10**15  # a thousand times today's largest models; beyond it the fi
 
 
 def parse_count(text: str) -> int:
-    """'16M' -> 16777216 elements; plain integers pass through."""
+    """'16M' -> 16777216 elements, '1e6' -> 1000000; a count that is not whole raises a
+    ValueError, an infinite one an OverflowError."""
     t = text.strip().lower()
-    if t and t[-1] in SIZE_SUFFIX:
-        return int(float(t[:-1]) * SIZE_SUFFIX[t[-1]])
-    return int(t)
+    scale = SIZE_SUFFIX[t[-1]] if t and t[-1] in SIZE_SUFFIX else 1
+    try:
+        value = float(t[:-1] if scale > 1 else t) * scale
+    except ValueError:
+        raise ValueError(f"{text!r} is not an element count (e.g. 1M, 16M, 1e6)") from None
+    if math.isinf(value):
+        raise OverflowError(f"{text!r} is not finite")
+    if not value.is_integer():
+        raise ValueError(f"{text!r} is not a whole element count (e.g. 1M, 16M, 1e6)")
+    return int(value)
 
 
 def positive_count(text: str) -> int:

@@ -74,9 +74,12 @@ def bench_zoo(families, schemes, seeds, freezes, lrs, steps, batch, np_, face, b
     loss over Adam's on the same seed, divergences marked (table, summary.json, heat_map.png)."""
     from pathlib import Path
 
-    from ..zoo.grid import all_families
+    from ..zoo.grid import SCHEMES, all_families
     from ..zoo.report import write_report
 
+    if against is not None and against not in SCHEMES:
+        raise click.BadParameter(f"unknown scheme {against!r}; choose from "
+                                 f"{', '.join(SCHEMES)}", param_hint="--against")
     out = Path(out_dir)
     if not report_only:
         from ..zoo.runner import run_zoo
