@@ -463,3 +463,17 @@ def test_the_refresh_runs_share_of_full_precision_steps_is_told_beside_a_long_ru
     assert short / 40 > long_fp / 10000, f"40 steps: {short} in full precision, 10,000: {long_fp}"
     assert note.startswith(f"onebit_refresh: {short} of 40 steps in full precision (warmup 2, ") \
         and f"over 10,000 steps takes {long_fp:,} ({long_fp / 10000:.1%})" in note, note
+
+
+def test_a_failed_job_ends_the_command_with_what_its_ranks_said():
+    """No traceback of the command around the ranks' own (a job past its --timeout, a rank
+    that raised): the failure's text on stderr and exit status 1."""
+    proc = subprocess.run(CLI[:1] + ["-c", "import sys; sys.argv = ['hvd-onebit'] + sys.argv[1:]; "
+                                     "from hvd_onebit_tools.entry import main; main()",
+                                     "bench", "train", "--np", "2", "--bandwidth", "local",
+                                     "--steps", "4", "--model", "mlp", "--width", "8",
+                                     "--depth", "1", "--methods", "local", "--timeout", "0.01"],
+                          capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert proc.returncode == 1 and "\nhvd-onebit: " in proc.stderr \
+        and "timed out" in proc.stderr and "hvd_onebit_tools/entry.py" not in proc.stderr, \
+        f"exit {proc.returncode}, stderr:\n{proc.stderr[-2000:]}"
