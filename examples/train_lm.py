@@ -436,6 +436,9 @@ def parse_args(argv=None):
         p.error(f"argument --n-head: {args.n_head} does not divide --d-model {args.d_model}; "
                 f"give a --n-head that divides it")
     check_freeze(p, args)
+    if args.checkpoint_every and os.path.exists(args.checkpoint_dir) \
+            and not os.path.isdir(args.checkpoint_dir):
+        p.error(f"argument --checkpoint-dir: {args.checkpoint_dir} is a file, not a folder")
     return args
 
 

@@ -441,6 +441,8 @@ REFUSED = [  # (script, argv, what its error must say)
      "argument --warmup-frac: auto over --steps 30 may freeze at step 40, leaving no compressed"),
     (train_digits, ["--warmup-frac", "auto", "--steps", "1"],
      "argument --warmup-frac: auto over --steps 1 may freeze at step 1, leaving no compressed"),
+    (train_lm, ["--checkpoint-every", "2", "--checkpoint-dir", __file__],
+     f"argument --checkpoint-dir: {__file__} is a file, not a folder"),
     (train_digits, ["--val-frac", "0"], f"argument --val-frac: {HELD_OUT_RANGE}, got 0"),
     (train_digits, ["--warmup-frac", "2", "--steps", "10"],
      f"argument --warmup-frac: {WARMUP_RANGE}, got 2"),
