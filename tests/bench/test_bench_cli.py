@@ -221,6 +221,8 @@ BAD_TRAIN_OPTIONS = [
     (["--bandwidth", "7parsecs"], "--bandwidth", "cannot parse bandwidth '7parsecs'"),
     (["--intra-bandwidth", "fast"], "--intra-bandwidth", "cannot parse bandwidth 'fast'"),
     (["--hosts", "h1:1,h2:1"], "--hosts needs --shared-dir", "--hosts needs --shared-dir"),
+    (["--out", "/proc/nope.json"], "--out", "cannot write into '/proc'"),
+    (["--plot", "x.txt"], "--plot", "'x.txt': a plot is written as one of"),
     (["--transport", "mpi", "--bandwidth", "1gbit"], "--transport mpi",
      "the emulated cluster launches them over Gloo"),
 ]
@@ -401,6 +403,7 @@ BAD_DEV_OPTIONS = [
     (["memory", "--bucket-size-mb", "0"], "--bucket-size-mb", "0.0 is not in the range x>0"),
     (["zoo", "--timeout", "0"], "--timeout", "0.0 is not in the range x>0"),
     (["zoo", "--against", "bogus"], "--against", "unknown scheme 'bogus'"),
+    (["zoo", "--np", "1"], "--np", "1: a comparison with Adam needs 2 or more ranks"),
 ]
 
 

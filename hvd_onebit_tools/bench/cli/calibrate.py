@@ -6,7 +6,8 @@ import math
 
 import click
 
-from .options import link_rate, need_two_ranks, np_option, parse_count, queue_option
+from .options import (link_rate, need_two_ranks, np_option, output_file, parse_count,
+                      queue_option)
 
 
 def process_counts(ctx, param, value) -> list[int]:
@@ -45,7 +46,7 @@ def check_worlds(nps: list[int], numel: int) -> None:
 
 
 @click.command("calibrate")
-@click.option("--out", default=None, type=click.Path(dir_okay=False),
+@click.option("--out", default=None, type=click.Path(dir_okay=False), callback=output_file,
               help="Where to save the constants (JSON) [default: "
                    "~/.cache/hvd_onebit/calibration.json].")
 @click.option("--procs", default="1,2,4", show_default=True, callback=process_counts,

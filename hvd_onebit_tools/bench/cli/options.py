@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import tempfile
 from typing import Optional
 
 import click
@@ -12,6 +13,7 @@ import click
 from hvd_onebit.config import FREEZE_FRACTION, FROZEN_FREEZE_FRACTION
 
 SIZE_SUFFIX = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+PLOT_FORMATS = {"png", "pdf", "svg", "jpg", "jpeg", "eps", "ps", "tif", "tiff", "webp"}  # --plot
 MAX_PARAMS = 10**15  # a thousand times today's largest models; beyond it the figures overflow
 
 
@@ -106,7 +108,7 @@ def need_two_ranks(nps, what: str) -> None:
     least = min(nps) if isinstance(nps, (list, tuple)) else nps
     if least < 2:
         raise click.BadParameter(f"{least}: {what} needs 2 or more ranks (one rank sends "
-                                 "nothing to time)", param_hint="--np")
+                                 "nothing)", param_hint="--np")
 
 
 def parameter_count(ctx, param, value):
@@ -196,6 +198,16 @@ def output_file(ctx, param, value):
         raise click.BadParameter(f"cannot make the folder {folder!r}: {exc.strerror}") from None
     if not os.access(folder, os.W_OK):
         raise click.BadParameter(f"the folder {folder!r} is not writable")
+    try:  # some folders refuse new files whatever the permissions say (e.g. /proc)
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".hvd-onebit-"):
+            pass
+    except OSError as exc:
+        raise click.BadParameter(f"cannot write into {folder!r}: {exc.strerror}") from None
+    if param is not None and param.name == "plot":
+        suffix = os.path.splitext(value)[1].lower().lstrip(".")
+        if suffix and suffix not in PLOT_FORMATS:
+            raise click.BadParameter(f"{value!r}: a plot is written as one of "
+                                     f"{', '.join(sorted(PLOT_FORMATS))}")
     return value
 
 

@@ -6,7 +6,7 @@ import sys
 
 import click
 
-from .options import cluster_for, comma_list, link_rate, np_option
+from .options import cluster_for, comma_list, link_rate, need_two_ranks, np_option
 
 
 @click.command("zoo")
@@ -77,6 +77,7 @@ def bench_zoo(families, schemes, seeds, freezes, lrs, steps, batch, np_, face, b
     from ..zoo.grid import SCHEMES, all_families
     from ..zoo.report import write_report
 
+    need_two_ranks(np_, "a comparison with Adam")
     if against is not None and against not in SCHEMES:
         raise click.BadParameter(f"unknown scheme {against!r}; choose from "
                                  f"{', '.join(SCHEMES)}", param_hint="--against")
