@@ -485,7 +485,10 @@ def load_checkpoint(args, model, optimizer, ranks) -> int:
             raise ValueError(f"--resume {args.resume} is from a run of --steps {ckpt['steps']}, "
                              f"this one has --steps {args.steps} (the LR schedule spans them)")
         model.load_state_dict(ckpt["model"])
-        optimizer.load_state_dict(ckpt["optimizer"])
+        state = ckpt["optimizer"]
+        if args.optimizer == "adam" and "onebit" in state:  # a 1-bit run's, taken on by Adam
+            state = hvd_onebit.torch_adam_state_dict(state)
+        optimizer.load_state_dict(state)
         return ckpt["step"]
 
     def attempt():

@@ -293,6 +293,12 @@ def test_train_lm_resumes_from_its_checkpoint_as_if_never_stopped(tmp_path, face
                     if "is from a run of --steps 8, this one has --steps 9" in line]
         assert rc != 0 and len(refusals) == 2, \
             f"--resume into another --steps: exit {rc}, refusal lines {refusals}:\n{text[-3000:]}"
+        # Adam takes the 1-bit run on: rank 0 reads it, Horovod's broadcast sends it
+        adam = tmp_path / "adam.json"
+        rc, text = train_lm_job(face, [*TINY_LM, "--optimizer", "adam", "--resume",
+                                       str(ckpt / "step4.pt"), "--json-out", str(adam)])
+        assert rc == 0 and json.loads(adam.read_text())["resumed_at_step"] == 4, \
+            f"--optimizer adam --resume of a 1-bit checkpoint: exit {rc}:\n{text[-3000:]}"
 
 
 @multirank
