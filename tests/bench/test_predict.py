@@ -934,3 +934,11 @@ def test_predict_states_the_freeze_step_it_prices_when_a_fraction_rounds_to_step
     assert got == ("step 500 (5%)", "5% of each run",
                    "step 1 of each run (0% rounds to 0; freeze_step is at least 1)",
                    "0.1% of each run (step 1 at 100 steps: freeze_step is at least 1)"), got
+
+
+def test_predict_refuses_an_adam_share_past_a_calibrated_models_compute():
+    """--adam-ms is Adam's part of the step's compute: with --model the compute is the
+    calibration's, and a share past it is refused as one past --compute-ms is."""
+    proc = hvd_onebit(["bench", "predict", "--model", "mlp", "--adam-ms", "1e6"])
+    assert proc.exit_code == 2 and "--adam-ms" in proc.stderr \
+        and "is more than the step's compute" in proc.stderr, proc.output

@@ -242,6 +242,10 @@ def bench_predict(calibration, nps, ranks_per_node, bandwidths, intra_bandwidth,
               "host_speedup": host_speedup, "per_peer_s": model.per_peer_s,
               "transport": transport, "hierarchical_ops": hierarchical_ops,
               "intra_node": intra_node}
+    if adam_ms is not None and adam_ms / 1e3 > inputs["compute_s"]:
+        raise click.BadParameter(f"{adam_ms:g} ms is more than the step's compute, "
+                                 f"{inputs['compute_s'] * 1e3:.4g} ms (--model {bench_model}, as "
+                                 "calibrated), of which it is Adam's part", param_hint="--adam-ms")
     head = f"{n_params / 1e6:,.0f}M params, compute {inputs['compute_s'] * 1e3:,.0f} ms/step"
     if run_lengths:
         clusters = sweep_clusters(nps, bandwidths, ranks_per_node, intra_bandwidth,
