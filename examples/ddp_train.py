@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 
 import torch
 import torch.distributed as dist
@@ -74,7 +75,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-
+    if "RANK" not in os.environ:
+        raise SystemExit("examples/ddp_train.py runs under torchrun, which starts its ranks: "
+                         "torchrun --nproc_per_node=2 examples/ddp_train.py")
     dist.init_process_group("gloo")  # torchrun sets the rank, the world size and the address
     rank, size = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)  # the same initial model everywhere (DDP broadcasts rank 0's anyway)

@@ -184,6 +184,10 @@ class Ranks:
         self.hvd, self.owns_group = None, False
         if face == "ddp":
             if not dist.is_initialized():  # (a caller's group, when main() runs inside a job)
+                if "RANK" not in os.environ:
+                    raise SystemExit("--face ddp runs under torchrun, which starts its ranks: "
+                                     "torchrun --nproc_per_node=2 examples/train_lm.py --face "
+                                     "ddp ...")
                 dist.init_process_group("gloo")  # torchrun sets the rank, world size, address
                 self.owns_group = True
             self.rank, self.size = dist.get_rank(), dist.get_world_size()
@@ -436,6 +440,9 @@ def parse_args(argv=None):
         p.error(f"argument --n-head: {args.n_head} does not divide --d-model {args.d_model}; "
                 f"give a --n-head that divides it")
     check_freeze(p, args)
+    if args.checkpoint_every and args.checkpoint_every > args.steps:
+        p.error(f"argument --checkpoint-every: {args.checkpoint_every} is past the run's "
+                f"--steps {args.steps}: no checkpoint would be written")
     if args.checkpoint_every and os.path.exists(args.checkpoint_dir) \
             and not os.path.isdir(args.checkpoint_dir):
         p.error(f"argument --checkpoint-dir: {args.checkpoint_dir} is a file, not a folder")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 import uuid
@@ -449,6 +450,8 @@ REFUSED = [  # (script, argv, what its error must say)
      "argument --warmup-frac: auto over --steps 1 may freeze at step 1, leaving no compressed"),
     (train_lm, ["--checkpoint-every", "2", "--checkpoint-dir", __file__],
      f"argument --checkpoint-dir: {__file__} is a file, not a folder"),
+    (train_lm, ["--checkpoint-every", "9", "--steps", "8"],
+     "argument --checkpoint-every: 9 is past the run's --steps 8"),
     (train_digits, ["--val-frac", "0"], f"argument --val-frac: {HELD_OUT_RANGE}, got 0"),
     (train_digits, ["--warmup-frac", "2", "--steps", "10"],
      f"argument --warmup-frac: {WARMUP_RANGE}, got 2"),
@@ -545,3 +548,13 @@ def test_train_lm_as_a_script_refuses_before_starting_a_rank():
     says = f"train_lm.py: error: argument --val-frac: {HELD_OUT_RANGE}, got 0"
     assert proc.returncode == 2 and says in proc.stderr, \
         f"exit code {proc.returncode}, stderr {proc.stderr!r}, expected {says!r}"
+
+
+@pytest.mark.parametrize("script, argv", [("ddp_train.py", []),
+                                          ("train_lm.py", ["--face", "ddp", "--steps", "8"])])
+def test_a_ddp_example_started_without_torchrun_says_how_to_start_it(script, argv):
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    proc = subprocess.run([sys.executable, str(REPO / "examples" / script), *argv],
+                          capture_output=True, text=True, timeout=120, env=env, cwd=REPO)
+    assert proc.returncode == 1 and "runs under torchrun" in proc.stderr \
+        and "Traceback" not in proc.stderr, f"{script}: exit {proc.returncode}:\n{proc.stderr}"
