@@ -354,6 +354,9 @@ def test_bench_allreduce_plot_draws_what_loopback_measured_against_buffer_size(t
     (["--bandwidth", ""], "--bandwidth", "'' names no link rate"),
     (["--repeats", "0"], "--repeats", "0 is not in the range x>=1"),
     (["--timeout", "0"], "--timeout", "0.0 is not in the range x>0"),
+    (["--np", "2,,4"], "--np", "'2,,4' is not a rank count or a comma-separated list"),
+    (["--np", "2,2"], "--np", "'2,2': name each rank count once"),
+    (["--methods", "fp32,fp32"], "--methods", "'fp32,fp32': name each method once"),
     (["--plot", "FILE/x.png"], "--plot", "cannot make the folder")])
 def test_bench_allreduce_refuses_a_bad_option_before_the_run(tmp_path, monkeypatch, args, option,
                                                               text):

@@ -48,7 +48,11 @@ def bench_allreduce(nps, sizes, bandwidths, methods, repeats, controller, hosts,
 
     bad = [m for m in methods if m not in METHODS]
     if bad:
-        raise click.BadParameter(f"unknown methods {bad}; choose from {METHODS}")
+        raise click.BadParameter(f"unknown methods {bad}; choose from {METHODS}",
+                                 param_hint="--methods")
+    if len(set(methods)) != len(methods):
+        raise click.BadParameter(f"{','.join(methods)!r}: name each method once",
+                                 param_hint="--methods")
     need_two_ranks(nps, "an allreduce job")
     check_real_cluster(hosts, shared_dir)
     if "onebit_mpi" in methods and (controller != "mpi" or any(b != "local" for b in bandwidths)):

@@ -92,7 +92,7 @@ def parse_np(text, one: bool = False) -> list:
     """``--np``'s one parser: a rank count or a comma-separated list of them (e.g. 4 or 2,4,8);
     ``one``: the command takes a single count, and its message says so."""
     try:
-        nps = [int(v) for v in str(text).split(",") if v.strip()]
+        nps = [int(v) for v in str(text).split(",")]
     except ValueError:
         what = ("a rank count (e.g. 4)" if one else
                 "a rank count or a comma-separated list of them (e.g. 4 or 2,4,8)")
@@ -100,6 +100,8 @@ def parse_np(text, one: bool = False) -> list:
     if not nps or min(nps) < 1:
         raise click.BadParameter(f"{text!r}: rank counts are positive integers",
                                  param_hint="--np")
+    if len(set(nps)) != len(nps):
+        raise click.BadParameter(f"{text!r}: name each rank count once", param_hint="--np")
     return nps
 
 
