@@ -25,6 +25,7 @@ from .config import (DEFAULT_BLOCK_SIZE, DEFAULT_BUCKET_MB, DOUBLING, REQUIRED, 
 from .face import face_attributes
 from .horovod_view import HorovodView
 from .low_precision import WidenBfloat16
+from .stall import building, watch
 from .phases import setup
 from .values import check_positive_number
 
@@ -196,7 +197,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     attrs = dict(_DistributedOptimizer.__dict__)
     attrs.update(face_attributes(OneBitFace))
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,), attrs)
-    opt = cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step,
-              op, gradient_predivide_factor, groups, sparse_as_dense, process_set, config)
+    with watch().watching(lambda: building("hvd_onebit.DistributedOptimizer", "process_set")):
+        opt = cls(optimizer.param_groups, named_parameters, compression,
+                  backward_passes_per_step, op, gradient_predivide_factor, groups,
+                  sparse_as_dense, process_set, config)
     elastic.register_state_handler(opt)
     return opt

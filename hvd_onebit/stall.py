@@ -46,6 +46,13 @@ CAUSES = (
     "without find_unused_parameters=True, or a step slower than this limit")
 
 
+def building(face: str, group: str) -> str:
+    """How the watch names an optimizer being built (its checks are collective)."""
+    return (f"building {face} (its checks compare every rank's parameters and options in one "
+            f"collective over {group}: every rank of it must build the optimizer, with the same "
+            f"{group})")
+
+
 @dataclass(frozen=True)
 class StallSettings:
     """Seconds in one call before the warning and before the shutdown (0: never)."""

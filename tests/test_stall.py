@@ -116,6 +116,21 @@ def test_a_bad_setting_is_refused_naming_the_variable(value):
 
 
 @pytest.mark.multirank
+def test_an_optimizer_built_on_one_rank_only_is_told_then_ended():
+    """Rank 1 never builds the optimizer: rank 0 waits in the building's collective check, and
+    the watch says so and ends it, as it does for a step."""
+    rc, text = run_torchrun_script(2, REPO / "tests" / "scripts" / "stalled_rank.py",
+                                   ["--unbuilt", "--sleep", "120"], timeout=100,
+                                   env={WARNING_VARIABLE: "1", SHUTDOWN_VARIABLE: "4"})
+    tail = text[-3000:]
+    warned = [line for line in text.splitlines()
+              if line.startswith("hvd_onebit: building hvd_onebit.ddp.DistributedOptimizer")]
+    assert rc not in (None, 0) and len(warned) == 2 and f"exit status {EXIT_STATUS}" in \
+        warned[1], f"exit status {rc}; rank 0's warning, then its shutdown, expected; got " \
+                   f"{warned}: {tail}"
+
+
+@pytest.mark.multirank
 @pytest.mark.parametrize("freeze_step, where", [
     (2, "optimizer.step() (after 5 step() calls since the optimizer was built (2 since its "
         "collectives were last reset), step count 5: a compressed step"),

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from ..config import (DEFAULT_BLOCK_SIZE, DEFAULT_BUCKET_MB, DOUBLING, REQUIRED, Experimental,
                       OneBitConfig, check_wrapped)
 from ..face import SharedFace, face_attributes
+from ..stall import building, watch
 from . import setup
 from .view import DDPView
 
@@ -153,6 +154,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model, *,
     model = setup.ddp_model_of(model)
     if setup.finds_unused(model):
         config = dataclasses.replace(config, overlap=False)
-    group = setup.check(model, optimizer.param_groups, process_group, config)
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,), face_attributes(DDPFace))
-    return cls(optimizer, model, config, group)
+    with watch().watching(lambda: building("hvd_onebit.ddp.DistributedOptimizer",
+                                           "the DDP model's process group")):
+        group = setup.check(model, optimizer.param_groups, process_group, config)
+        return cls(optimizer, model, config, group)

@@ -23,6 +23,8 @@ def main() -> None:
     ap.add_argument("--sleep", type=float, default=60.0)
     ap.add_argument("--freeze-step", type=int, default=2,
                     help="past --steps: the extra step is a warmup one, waiting in backward")
+    ap.add_argument("--unbuilt", action="store_true",
+                    help="rank 1 does not build the optimizer: rank 0 waits in its building")
     ap.add_argument("--reset-after", type=int, default=0,
                     help="every rank calls reset_collectives() after this many steps (0: never)")
     args = ap.parse_args()
@@ -30,6 +32,9 @@ def main() -> None:
     rank = dist.get_rank()
     torch.manual_seed(0)
     model = DDP(torch.nn.Linear(8, 4))
+    if args.unbuilt and rank == 1:
+        time.sleep(args.sleep)
+        return
     opt = hvd_onebit.ddp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2),
                                               model, freeze_step=args.freeze_step,
                                               variance_refresh=None)
