@@ -5,8 +5,9 @@ whose peers are elsewhere (a checkpoint loaded on some ranks only, ``requires_gr
 some ranks only, one more ``step()`` or ``flush_error_feedback()`` on some ranks, uneven batches
 under ``join()``) waits in its collectives for ever, and its peers in theirs. Horovod's stall
 check sees only Horovod's own operations, and the 1-bit stages travel outside them; so while a
-rank is inside ``step()`` or ``flush_error_feedback()``, or (DDP face) DDP's own allreduce of a
-gradient bucket is in flight, one thread per process watches the clock:
+rank is inside ``step()`` or ``flush_error_feedback()``, or building the optimizer (its checks
+are one collective), or (DDP face) DDP's own allreduce of a gradient bucket is in flight, one
+thread per process watches the clock:
 
 - after ``HVD_ONEBIT_STALL_WARNING_S`` seconds in one call (default 60; 0: never), or
   :data:`SLOWER` times the slowest call that returned so far if that is longer, it prints, once
