@@ -1,11 +1,27 @@
 """How the benchmarks report: the machine a run was measured on, and plain-text tables."""
 from __future__ import annotations
 
+import json
+import math
 import os
 import platform
 import time
 
 import click
+
+
+def strict_json(value, **kwargs) -> str:
+    """``json.dumps`` whose output every JSON parser reads: an infinite or NaN number (e.g.
+    ``--host-speedup inf``) is written as the string "inf", "-inf" or "nan"."""
+    def finite(v):
+        if isinstance(v, float) and not math.isfinite(v):
+            return "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")
+        if isinstance(v, dict):
+            return {k: finite(x) for k, x in v.items()}
+        if isinstance(v, (list, tuple)):
+            return [finite(x) for x in v]
+        return v
+    return json.dumps(finite(value), allow_nan=False, **kwargs)
 
 
 def machine_info() -> dict:

@@ -852,11 +852,13 @@ def test_predict_refuses_non_finite_and_out_of_range_numbers_before_any_work(
 
 def test_predict_host_speedup_inf_still_drops_the_host_cost(tmp_path):
     """The one infinite value with a meaning ('inf' drops the host cost: NIC offload) is kept,
-    and its figures are finite."""
+    and its figures are finite; the JSON says "inf", which every parser reads."""
     path = save(fake_calibration(), tmp_path / "cal.json")
     proc = hvd_onebit(["bench", "predict", "--calibration", str(path), "--params", "8M",
                        "--compute-ms", "50", "--host-speedup", "inf", "--json"])
     assert proc.exit_code == 0, proc.output
+    strict = json.loads(proc.stdout, parse_constant=lambda c: pytest.fail(f"{c} in the JSON"))
+    assert strict["inputs"]["host_speedup"] == "inf", strict["inputs"]
     steps = {m: p["step_s"] for m, p in json.loads(proc.stdout)["rows"][0]["methods"].items()}
     assert all(math.isfinite(s) and s > 0 for s in steps.values()), \
         f"step seconds with --host-speedup inf: {steps}"

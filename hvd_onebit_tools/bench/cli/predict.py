@@ -8,6 +8,7 @@ import click
 
 from hvd_onebit.config import DEFAULT_BLOCK_SIZE
 
+from ..report import strict_json
 from ..train import MODELS as TRAIN_MODELS
 from .options import (FROZEN_FREEZE_FRACTION, Finite, block_size_check, comma_list,
                       need_two_ranks, np_option, output_file, parameter_count, rates,
@@ -204,7 +205,7 @@ def bench_predict(calibration, nps, ranks_per_node, bandwidths, intra_bandwidth,
         except ValueError as exc:  # runs of a model the calibration did not time
             raise click.ClickException(str(exc)) from exc
         if as_json:
-            click.echo(json.dumps(result, indent=2))
+            click.echo(strict_json(result, indent=2))
         else:
             print_check(result)
         return
@@ -269,7 +270,7 @@ def bench_predict(calibration, nps, ranks_per_node, bandwidths, intra_bandwidth,
                              f"{frozen_at(refresh_freeze_frac, run_lengths)} (dashed)")
             report["plot"] = plot
         if as_json:
-            click.echo(json.dumps(report, indent=2))
+            click.echo(strict_json(report, indent=2))
         else:
             print_run_lengths(report)
         return
@@ -298,6 +299,6 @@ def bench_predict(calibration, nps, ranks_per_node, bandwidths, intra_bandwidth,
                         f"{format_bandwidth(int(bw)) if bw else 'unlimited'}")
         report["plot"] = plot
     if as_json:
-        click.echo(json.dumps(report, indent=2))
+        click.echo(strict_json(report, indent=2))
     else:
         print_prediction(report)
