@@ -241,3 +241,15 @@ def test_an_automatic_freeze_in_the_zoo_fits_a_short_run(steps):
     AutoFreeze(**auto)  # raises if the optimizer would refuse them
     assert auto["max_steps"] == steps // 2 and auto["min_steps"] <= auto["max_steps"], \
         f"{steps} steps: {auto}"
+
+
+def test_a_resumed_zoo_with_other_steps_is_refused_before_any_run(tmp_path):
+    """--resume keeps the cells already in OUT: with another --steps, its runs and theirs would
+    be counted as seeds of the same cells."""
+    from hvd_onebit_tools.bench.zoo.runner import RESULTS, run_zoo
+
+    kept = dict(plan_family("mlp", [0], ["bounded"], steps=10)[0], final_val_loss=1.0)
+    (tmp_path / RESULTS).write_text(json.dumps(kept) + "\n")
+    with pytest.raises(ValueError, match=r"holds mlp runs of \(steps, batch\) \[\(10, "):
+        run_zoo(["mlp"], tmp_path, seeds=[0], schemes=["bounded"], steps=12, resume=True,
+                progress=lambda s: pytest.fail(f"a run started: {s}"))

@@ -150,11 +150,21 @@ def run_zoo(families: Iterable[str], out_dir: Path, seeds: Iterable[int], scheme
     path = (out_dir / RESULTS).resolve()
     if not resume:
         path.unlink(missing_ok=True)
-    done = {cell_key(c) for c in read_cells(path)}
+    kept = read_cells(path)
+    done = {cell_key(c) for c in kept}
     kwargs = {k: v for k, v in [("freezes", freezes), ("lr_rules", lr_rules)] if v is not None}
-    plans = {name: [c for c in plan_family(name, list(seeds), list(schemes), steps=steps,
-                                            batch=batch, **kwargs)
-                    if cell_key(c) not in done] for name in families}
+    planned = {name: plan_family(name, list(seeds), list(schemes), steps=steps, batch=batch,
+                                 **kwargs) for name in families}
+    for name, cells in planned.items():
+        runs = {(c["steps"], c["batch"]) for c in cells}
+        other = sorted({(c.get("steps"), c.get("batch")) for c in kept
+                        if c.get("family") == name} - runs)
+        if other:  # the report would put both in one cell's seeds
+            raise ValueError(f"{path} holds {name} runs of (steps, batch) {other}, this zoo "
+                             f"runs {sorted(runs)}: --resume goes on with the same --steps and "
+                             "--batch; give another --out for other ones")
+    plans = {name: [c for c in cells if cell_key(c) not in done]
+             for name, cells in planned.items()}
     check_options((c for cells in plans.values() for c in cells), face)
     failures: dict[str, str] = {}
     start = time.monotonic()
