@@ -83,12 +83,9 @@ class ErrorFeedback:
         world, rank = self.transport.size, self.transport.rank
         self._unsaved_at = None  # given: applied below or at the fusing, or dropped with a warning
         if state.get("world_size") != world or state.get("rank") != rank:
-            if self._told_one_rank:  # the optimizer's load said so already
-                self._told_one_rank = False
-                self._pending = None
-                self.zeroed()
-                return
-            self.reset(f"hvd_onebit: error feedback saved by rank {state.get('rank')} of "
+            told, self._told_one_rank = self._told_one_rank, False
+            self.reset(None if told else  # the optimizer's load said so already
+                       f"hvd_onebit: error feedback saved by rank {state.get('rank')} of "
                        f"{state.get('world_size')} does not fit rank {rank} of "
                        f"{world}; it is reset to zero")
             return
@@ -103,9 +100,11 @@ class ErrorFeedback:
         if self.fused.buckets is not None:
             self.apply_pending()
 
-    def reset(self, why: str) -> None:
-        """Drop a saved error feedback that cannot apply (``why``, warned) and zero the live one."""
-        warnings.warn(why)
+    def reset(self, why: Optional[str]) -> None:
+        """Drop a saved error feedback that cannot apply (``why``, warned unless None: said
+        already) and zero the live one."""
+        if why is not None:
+            warnings.warn(why)
         self._pending = None
         self.zeroed()
 

@@ -43,15 +43,16 @@ def offer(schedule: Schedule) -> Optional[dict]:
 
 def received(schedule: Schedule) -> Optional[dict]:
     """The figures another rank's saved state wrote into this rank's live param group 0, or None
-    where there are none that read."""
+    where there are none that read; the history as the monitor keeps it, (step, change)
+    pairs."""
     try:
         figures = json.loads(schedule.first_group()[RECORD_KEY])[FIGURES_KEY]
         int(figures["steps"]), int(figures["loads"]), int(figures["snapshot_step"])
-        [(int(step), float(change)) for step, change in figures["history"]]
+        history = [(int(step), float(change)) for step, change in figures["history"]]
         readable = isinstance(figures["options"], dict)
     except (KeyError, TypeError, ValueError):
         return None
-    return figures if readable else None
+    return dict(figures, history=history) if readable else None
 
 
 def usable(schedule: Schedule, first: bool) -> bool:
@@ -71,7 +72,7 @@ def usable(schedule: Schedule, first: bool) -> bool:
     own = monitor.figures()
     copy = monitor.snapshot
     return not schedule.record_stale() and own["snapshot_step"] == figures["snapshot_step"] \
-        and own["history"] == [(int(s), float(c)) for s, c in figures["history"]] \
+        and own["history"] == figures["history"] \
         and (copy is None) == (own["snapshot_step"] < 0) \
         and (copy is None or [t.numel() for t in copy] == [v.numel() for v in _variances(
             schedule)])
