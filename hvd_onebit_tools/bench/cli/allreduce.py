@@ -8,7 +8,7 @@ import click
 from ..allreduce import DEFAULT_METHODS, METHODS, summarize
 from ..report import machine_info, print_table
 from .options import (check_real_cluster, cluster_for, comma_list, link_rates, need_two_ranks,
-                      nodes_options, np_option, output_file, positive_count, queue_option,
+                      nodes_options, np_option, plot_file, positive_count, queue_option,
                       real_cluster_options)
 
 
@@ -35,7 +35,7 @@ from .options import (check_real_cluster, cluster_for, comma_list, link_rates, n
 @nodes_options
 @click.option("--timeout", default=1800.0, show_default=True,
               type=click.FloatRange(min=0, min_open=True), help="Seconds per job.")
-@click.option("--plot", default=None, type=click.Path(dir_okay=False), callback=output_file,
+@click.option("--plot", default=None, type=click.Path(dir_okay=False), callback=plot_file,
               help="Write a PNG of speed-up over fp32: against the link rate for a sweep of "
                    "two or more emulated --bandwidth rates, else against buffer size (on "
                    "loopback, a real cluster or one emulated rate).")

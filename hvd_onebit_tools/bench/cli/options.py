@@ -205,11 +205,18 @@ def output_file(ctx, param, value):
             pass
     except OSError as exc:
         raise click.BadParameter(f"cannot write into {folder!r}: {exc.strerror}") from None
-    if param is not None and param.name == "plot":
-        suffix = os.path.splitext(value)[1].lower().lstrip(".")
-        if suffix and suffix not in PLOT_FORMATS:
-            raise click.BadParameter(f"{value!r}: a plot is written as one of "
-                                     f"{', '.join(sorted(PLOT_FORMATS))}")
+    return value
+
+
+def plot_file(ctx, param, value):
+    """:func:`output_file` for ``--plot``, in a format matplotlib writes (none: PNG)."""
+    import os
+
+    value = output_file(ctx, param, value)
+    suffix = "" if value is None else os.path.splitext(value)[1].lower().lstrip(".")
+    if suffix and suffix not in PLOT_FORMATS:
+        raise click.BadParameter(f"{value!r}: a plot is written as one of "
+                                 f"{', '.join(sorted(PLOT_FORMATS))}")
     return value
 
 

@@ -11,7 +11,7 @@ from hvd_onebit.config import DEFAULT_BLOCK_SIZE
 from ..report import strict_json
 from ..train import MODELS as TRAIN_MODELS
 from .options import (FROZEN_FREEZE_FRACTION, Finite, block_size_check, comma_list,
-                      need_two_ranks, np_option, output_file, parameter_count, rates,
+                      need_two_ranks, np_option, parameter_count, plot_file, rates,
                       refresh_options)
 
 # The most each option prices, far beyond any real job, so that every figure stays finite.
@@ -146,7 +146,7 @@ def check_takes_only_its_own_options(ctx: click.Context) -> None:
               help="Instead: compare predictions with every `bench train` report in this "
                    "folder named train_*.json (its --out file or --json output) and print each "
                    "pair.")
-@click.option("--plot", default=None, type=click.Path(dir_okay=False), callback=output_file,
+@click.option("--plot", default=None, type=click.Path(dir_okay=False), callback=plot_file,
               help="PNG: speed-up against ranks for a sweep, against run length with "
                    "--run-lengths, else each method's phases.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")

@@ -17,7 +17,7 @@ from ..train import MODELS as TRAIN_MODELS
 from ..train import WAITS as TRAIN_WAITS
 from .options import (FROZEN_FREEZE_FRACTION, block_size_check, check_real_cluster,
                       cluster_for, comma_list, link_rate, need_two_ranks, nodes_options,
-                      np_option, output_file,
+                      np_option, output_file, plot_file,
                       queue_option, real_cluster_options, refresh_options)
 
 POSITIVE = click.IntRange(min=1)
@@ -125,7 +125,7 @@ def _check_warmups(methods, steps: int, warmup_frac: float, refresh_freeze_frac:
 @nodes_options
 @click.option("--timeout", default=3600.0, show_default=True,
               type=click.FloatRange(min=0, min_open=True), help="Seconds for the job.")
-@click.option("--plot", default=None, type=click.Path(dir_okay=False), callback=output_file,
+@click.option("--plot", default=None, type=click.Path(dir_okay=False), callback=plot_file,
               help="Write a PNG bar chart of samples/s per method and phase.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 @click.option("--out", default=None, type=click.Path(dir_okay=False), callback=output_file,
