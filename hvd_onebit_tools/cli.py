@@ -7,7 +7,7 @@ import shutil
 
 import click
 
-from .bench.cli.options import parameter_count
+from .bench.cli.options import MAX_MS, Finite, need_two_ranks, np_option, parameter_count
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -27,13 +27,13 @@ def main() -> None:
               help="Under a launcher (horovodrun, torchrun): also probe the link between the "
                    "job's ranks with a short allreduce and predict 1-bit Adam's step there "
                    "(needs --params and --compute-ms).")
-@click.option("--np", "np_", type=click.IntRange(min=2), default=None,
-              help="Probe as --probe does, and first check that the job has this many ranks "
-                   "(under horovodrun; torchrun's own parser takes --np for itself).")
+@np_option(None, "Probe as --probe does, and first check that the job has this many ranks (2 "
+                 "or more; under horovodrun, as torchrun's own parser takes --np for itself).")
 @click.option("--params", default=None,  # checked now, kept as written for the messages
               callback=lambda ctx, param, value: parameter_count(ctx, param, value) and value,
               help="Parameters of your model for the prediction (e.g. 350M).")
-@click.option("--compute-ms", default=None, type=click.FloatRange(min=0, min_open=True),
+@click.option("--compute-ms", default=None,
+              type=Finite(min=0, min_open=True, priced=(None, MAX_MS)),
               help="Your step's compute (forward, backward, Adam) for the prediction.")
 @click.option("--calibration", default=None, type=click.Path(dir_okay=False),
               help="The scale model's constants (`bench calibrate`) [default: the cached or "
@@ -56,6 +56,8 @@ def check(np_, probe, params, compute_ms, calibration, as_json) -> None:
     if np_ is not None or probe:
         from . import check_probe
 
+        if np_ is not None:
+            need_two_ranks(np_, "a probe of the link")
         if params is None or compute_ms is None:
             raise click.UsageError("--probe needs --params and --compute-ms for the "
                                    "prediction")
@@ -116,5 +118,7 @@ def _register() -> None:
 
 _register()
 
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # python -m hvd_onebit_tools.cli: as the console script runs
+    from .entry import main as entry_main
+
+    entry_main()

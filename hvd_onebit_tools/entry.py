@@ -1,6 +1,8 @@
 """The `hvd-onebit` console script: the CLI needs the tools extra (click); say so when it is
 missing instead of a traceback. A benchmark's job that fails ends the command with what its
-ranks said, without the command's own traceback around it."""
+ranks said, without the command's own traceback around it. SIGTERM (a scheduler's, `timeout`'s)
+unwinds as Ctrl-C does: the jobs a command started are stopped and its emulated cluster
+removed, and the command exits 143."""
 from __future__ import annotations
 
 import importlib.util
@@ -12,8 +14,14 @@ def main() -> None:
         sys.exit("hvd-onebit needs the tools extra: pip install './hvd_onebit[tools]' from a checkout (click)")
     from .cli import main as cli_main
     from .cluster.jobs import RankFailure
+    from .cluster.processes import EXIT_SIGTERM, Terminated, sigterm_unwinds
 
     try:
-        cli_main()
+        with sigterm_unwinds():
+            cli_main()
     except RankFailure as exc:
         sys.exit(f"hvd-onebit: {exc}")
+    except Terminated:
+        print("hvd-onebit: terminated (SIGTERM); the jobs it started were stopped",
+              file=sys.stderr)
+        sys.exit(EXIT_SIGTERM)

@@ -5,6 +5,7 @@ import json
 import math
 import os
 import platform
+import sys
 import time
 
 import click
@@ -62,6 +63,16 @@ def provenance() -> dict:
     if environment:  # what changed the kernels the run measured
         out["environment"] = environment
     return out
+
+
+def command_line() -> str:
+    """The command as typed, for a report's provenance."""
+    return " ".join(["hvd-onebit", *sys.argv[1:]])
+
+
+def report_head(benchmark: str) -> dict:
+    """The head of a report: which benchmark, the command, and :func:`provenance`."""
+    return {"benchmark": benchmark, "command": command_line(), **provenance()}
 
 
 def print_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> None:

@@ -2,30 +2,22 @@
 from __future__ import annotations
 
 import json
-import signal
 import sys
 from typing import Optional
 
 import click
 
+from ..params import Finite
 from .bandwidth import format_bandwidth, parse_bandwidth
 from .launcher import EmulatedCluster
 from .network import MAX_RANKS
+from .processes import EXIT_SIGTERM, Terminated, sigterm_unwinds
 from .results import RunResult
 from .system import EmulatorError
 
 # What the CLI exits with when it did not get a rank's status (shell conventions).
 EXIT_TIMEOUT = 124
 EXIT_SIGINT = 130
-EXIT_SIGTERM = 143
-
-
-class _Terminated(BaseException):
-    """SIGTERM turned into an exception, so the same unwinding as Ctrl-C removes the cluster."""
-
-
-def _raise_terminated(signum, frame):
-    raise _Terminated()
 
 
 def _bandwidth(ctx, param, value: str) -> Optional[int]:
@@ -89,11 +81,11 @@ def cluster() -> None:
               help="Link rate of every host, each direction (full duplex), in tc's bit units, "
                    "1000-based: e.g. 10mbit, 100mbit, 1gbit, 2.5gbit, 10gbit; or 'unlimited' "
                    "for no shaping (veth speed, CPU-bound).")
-@click.option("--queue-ms", type=click.FloatRange(min=0), default=2.0, show_default=True,
+@click.option("--queue-ms", type=Finite(min=0), default=2.0, show_default=True,
               help="Queue depth of every link beyond one burst, in milliseconds of line rate, "
                    "never below 256 KiB (a switch port's buffer). Shallow queues drop packets "
                    "under incast.")
-@click.option("--timeout", "-t", type=click.FloatRange(min=0, min_open=True), default=None,
+@click.option("--timeout", "-t", type=Finite(min=0, min_open=True), default=None,
               metavar="SECONDS",
               help=f"Kill every rank after this many seconds of wall time and exit "
                    f"{EXIT_TIMEOUT}. Default: no limit.")
@@ -108,7 +100,7 @@ def cluster() -> None:
 @click.option("--env", "-e", "env", multiple=True, callback=_env_pairs, metavar="KEY=VALUE",
               help="Extra environment variable for every rank (repeatable). The ranks inherit "
                    "this environment anyway; HOROVOD_* launch variables are set for you.")
-@click.option("--kill-grace", type=click.FloatRange(min=0), default=3.0, show_default=True,
+@click.option("--kill-grace", type=Finite(min=0), default=3.0, show_default=True,
               metavar="SECONDS",
               help="When ranks must be killed (a rank failed, timeout, Ctrl-C, SIGTERM): "
                    "seconds between SIGTERM and SIGKILL.")
@@ -150,9 +142,8 @@ def run(np_: Optional[int], nodes: Optional[int], ranks_per_node: int,
         out.write(f"[{rank:>{width}}] {line}" if line.endswith("\n") else f"[{rank}] {line}\n")
         out.flush()
 
-    previous = signal.signal(signal.SIGTERM, _raise_terminated)
     try:
-        with EmulatedCluster(np=np_, bandwidth=bandwidth, log_dir=log_dir,
+        with sigterm_unwinds(), EmulatedCluster(np=np_, bandwidth=bandwidth, log_dir=log_dir,
                              verbose=verbose, queue_ms=queue_ms, ranks_per_node=ranks_per_node,
                              intra_bandwidth=intra_bandwidth) as emu:
             options = dict(env=env, timeout=timeout, kill_grace=kill_grace,
@@ -169,12 +160,10 @@ def run(np_: Optional[int], nodes: Optional[int], ranks_per_node: int,
         click.echo("hvd-onebit cluster: interrupted (SIGINT); ranks killed, cluster removed",
                    err=True)
         sys.exit(EXIT_SIGINT)
-    except _Terminated:
+    except Terminated:
         click.echo("hvd-onebit cluster: terminated (SIGTERM); ranks killed, cluster removed",
                    err=True)
         sys.exit(EXIT_SIGTERM)
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
     if as_json:
         report = result.to_dict()

@@ -14,6 +14,27 @@ from typing import Optional, Sequence
 
 _LIBC = ctypes.CDLL(None, use_errno=True)
 _PR_SET_PDEATHSIG = 1
+EXIT_SIGTERM = 143  # 128 + SIGTERM, as a shell reports a command it ended
+
+
+class Terminated(BaseException):
+    """SIGTERM turned into an exception (:func:`sigterm_unwinds`), so that the same unwinding
+    as Ctrl-C's stops the jobs a command started and removes its emulated cluster."""
+
+
+def _raise_terminated(signum, frame):
+    raise Terminated()
+
+
+@contextlib.contextmanager
+def sigterm_unwinds():
+    """While inside, SIGTERM raises :class:`Terminated` in the main thread; the previous
+    handler is put back on the way out."""
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def die_with_parent() -> None:  # pragma: no cover - runs in the forked child

@@ -85,9 +85,14 @@ def test_bench_kernel_table_lists_every_pass_with_its_bytes_per_second():
 
 
 def test_bench_allreduce_loopback_json_and_plot(tmp_path):
-    plot = tmp_path / "speedup.png"
-    report = json.loads(bench("allreduce", "--np", "2", "--sizes", "64K", "--repeats", "2",
-                              "--json", "--plot", str(plot)).stdout)
+    plot, out = tmp_path / "speedup.png", tmp_path / "allreduce.json"
+    report = json.loads(bench("allreduce", "--np", "2", "--numel", "64K", "--repeats", "2",
+                              "--json", "--plot", str(plot), "--out", str(out)).stdout)
+    assert json.loads(out.read_text()) == report, "--out wrote another report than --json printed"
+    assert report["command"].startswith("hvd-onebit bench allreduce") and \
+        len(report["commit"]) == 40 and report["date"], \
+        f"the report's provenance: {report['command']!r}, commit {report['commit']!r}, " \
+        f"date {report['date']!r}"
     rows = report["rows"]
     assert {r["method"] for r in rows} == {"fp32", "fp16", "onebit"}
     onebit = next(r for r in rows if r["method"] == "onebit")
@@ -265,7 +270,7 @@ def test_bench_train_with_the_mpi_transport_launches_its_ranks_through_mpi():
 def test_bench_on_a_real_host_list_through_horovodrun(tmp_path):
     """--hosts runs through horovodrun without emulation; here the 'cluster' is this machine."""
     shared = ["--hosts", "localhost:2", "--shared-dir", str(tmp_path)]
-    report = json.loads(bench("allreduce", "--np", "2", "--sizes", "4096", "--repeats", "1",
+    report = json.loads(bench("allreduce", "--np", "2", "--numel", "4096", "--repeats", "1",
                               "--json", *shared).stdout)
     assert {r["method"] for r in report["rows"]} == {"fp32", "fp16", "onebit"}
     bad = [r for r in report["rows"] if (r["bandwidth"], r["np"]) != ("real", 2)]
@@ -301,6 +306,142 @@ def test_bandwidth_is_one_parser_everywhere_refused_before_the_run():
         bad = hvd_onebit(["bench", *command, "--bandwidth", "7parsecs"])
         assert bad.exit_code == 2 and "cannot parse bandwidth '7parsecs'" in bad.output, \
             f"bench {command} --bandwidth 7parsecs: exit {bad.exit_code}, {bad.output!r}"
+
+
+def leaf_commands(group=None, path=()):
+    """Every command of `hvd-onebit` that runs something, with its words (e.g. bench dev zoo)."""
+    import click
+
+    from hvd_onebit_tools.cli import main
+
+    group = main if group is None else group
+    for name, command in sorted(group.commands.items()):
+        if isinstance(command, click.Group):
+            yield from leaf_commands(command, path + (name,))
+        else:
+            yield path + (name,), command
+
+
+def test_the_command_line_speaks_one_vocabulary():
+    """An option's name means one thing in every command: one primary spelling (an older one
+    is its alias), one type; a file is --out and a folder --out-dir; every bench command that
+    prints JSON can also write it with its provenance (--out, or --out-dir for a folder)."""
+    import click
+
+    spellings, problems = {}, []
+    for path, command in leaf_commands():
+        names = {o for p in command.params for o in p.opts}
+        for param in (p for p in command.params if isinstance(p, click.Option)):
+            for name in param.opts + param.secondary_opts:
+                spellings.setdefault(name, set()).add((param.opts[0], type(param.type).__name__))
+            if type(param.type) is click.FloatRange:
+                problems.append(f"{' '.join(path)} {param.opts[0]}: a FloatRange lets nan in")
+            folder = isinstance(param.type, click.Path) and not param.type.file_okay
+            if param.opts[0] == "--out" and folder:
+                problems.append(f"{' '.join(path)} --out names a folder: --out-dir")
+        if path[0] == "bench" and "--json" in names and not names & {"--out", "--out-dir"}:
+            problems.append(f"{' '.join(path)} prints JSON but cannot write it (--out)")
+    problems += [f"{name} means {sorted(uses)}" for name, uses in spellings.items()
+                 if len(uses) > 1]
+    for alias, primary in (("--sizes", "--numel"), ("--batch", "--batch-size")):
+        problems += [f"{alias} is spelled first in {sorted(spellings[alias])}, not {primary}"
+                     for first, _ in spellings.get(alias, ()) if first != primary]
+    assert not problems, "\n".join(problems)
+
+
+def test_every_number_option_refuses_nan_and_infinity_naming_the_option():
+    """A float option given nan (or inf, where it prices no infinity) is refused before the
+    command runs, not carried into a job (a nan queue depth ended in a traceback, a nan
+    timeout ran with no limit)."""
+    from hvd_onebit_tools.params import Finite
+
+    checked, problems = 0, []
+    for path, command in leaf_commands():
+        for param in (p for p in command.params if isinstance(p.type, Finite)):
+            for value in ("nan",) + (() if param.type.allow_inf else ("inf",)):
+                result = hvd_onebit([*path, param.opts[0], value])
+                checked += 1
+                if result.exit_code != 2 or f"'{value}' is not a finite number" not in \
+                        result.output or param.opts[0] not in result.output:
+                    problems.append(f"{' '.join(path)} {param.opts[0]} {value}: exit "
+                                    f"{result.exit_code}, {result.output[-200:]!r}")
+    assert checked >= 30 and not problems, f"{checked} checked:\n" + "\n".join(problems)
+
+
+def test_a_report_written_with_out_is_the_json_printed_with_its_provenance(tmp_path):
+    """Every measuring or predicting command's --out file: the report --json prints, with the
+    command, commit, date and machine."""
+    runs = {"kernel": ["bench", "dev", "kernel", "--numel", "64K", "--repeats", "1"],
+            "memory": ["bench", "dev", "memory", "--world", "inprocess", "--layers", "1",
+                       "--width", "64", "--warmup", "1", "--compressed", "1"],
+            "predict": ["bench", "predict", "--model", "mlp", "--np", "8"]}
+    for benchmark, args in runs.items():
+        out = tmp_path / f"{benchmark}.json"
+        result = hvd_onebit([*args, "--json", "--out", str(out)])
+        assert result.exit_code == 0, f"{benchmark}: {result.output}"
+        printed, written = json.loads(result.stdout), json.loads(out.read_text())
+        head = {k: written.get(k) for k in ("benchmark", "command", "commit", "date")}
+        assert written == printed and head["benchmark"] == benchmark and \
+            head["command"].startswith("hvd-onebit") and len(head["commit"]) == 40 and \
+            written["machine"]["cpu_count"] == os.cpu_count(), \
+            f"{benchmark}: written == printed {written == printed}, head {head}"
+
+
+def test_sigterm_stops_the_job_a_bench_command_started(tmp_path):
+    """A scheduler's or `timeout`'s SIGTERM unwinds the command as Ctrl-C does: its job's
+    processes are stopped, not left running, and the command exits 143 saying so."""
+    import signal
+    import time
+
+    proc = subprocess.Popen(CLI + ["bench", "allreduce", "--np", "2", "--numel", "4096",
+                                   "--repeats", "1000000", "--methods", "fp32", "--json"],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    ranks, deadline = [], time.monotonic() + 120
+    while not ranks and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.5)
+        ranks = [pid for pid in descendants(proc.pid)
+                 if b"hvd_onebit_tools.cluster.jobs" in cmdline(pid)]
+    job = descendants(proc.pid)
+    proc.send_signal(signal.SIGTERM)
+    try:
+        _, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+    alive = [pid for pid in job if cmdline(pid)]
+    for _ in range(20):
+        alive = [pid for pid in alive if cmdline(pid)]
+        if not alive:
+            break
+        time.sleep(0.25)
+    assert ranks and proc.returncode == 143 and "terminated (SIGTERM)" in err and not alive, \
+        f"ranks seen {ranks}, exit {proc.returncode}, processes left {alive}: {err[-1500:]}"
+
+
+def descendants(pid: int) -> list:
+    """The processes under ``pid`` (read from /proc), children first."""
+    parents = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+    found, frontier = [], [pid]
+    while frontier:
+        children = [c for c, p in parents.items() if p in frontier]
+        found += children
+        frontier = children
+    return found
+
+
+def cmdline(pid: int) -> bytes:
+    """``pid``'s command line; empty once it has gone (or is a zombie)."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
 
 
 def test_provenance_records_the_variables_that_change_the_kernels(monkeypatch):
@@ -346,10 +487,10 @@ def test_bench_allreduce_plot_draws_what_loopback_measured_against_buffer_size(t
 
 @pytest.mark.parametrize("args, option, text", [
     (["--np", "1"], "--np", "1: an allreduce job needs 2 or more ranks"),
-    (["--sizes", ""], "--sizes", "'' names nothing"),
-    (["--sizes", "1e400K"], "--sizes", "'1e400K' is not finite"),
+    (["--numel", ""], "--numel", "'' names nothing"),
+    (["--numel", "1e400K"], "--numel", "'1e400K' is not finite"),
     (["--sizes", "1M,-5"], "--sizes", "'-5' is not a positive element count"),
-    (["--sizes", "0"], "--sizes", "'0' is not a positive element count"),
+    (["--numel", "0"], "--numel", "'0' is not a positive element count"),
     (["--methods", ""], "--methods", "'' names nothing"),
     (["--bandwidth", ""], "--bandwidth", "'' names no link rate"),
     (["--repeats", "0"], "--repeats", "0 is not in the range x>=1"),
@@ -404,6 +545,9 @@ BAD_DEV_OPTIONS = [
     (["memory", "--warmup", "0"], "--warmup", "0 is not in the range x>=1"),
     (["memory", "--compressed", "0"], "--compressed", "0 is not in the range x>=1"),
     (["memory", "--bucket-size-mb", "0"], "--bucket-size-mb", "0.0 is not in the range x>0"),
+    (["memory", "--np", "1"], "--np", "1: the compression phase's memory needs 2 or more"),
+    (["memory", "--world", "inprocess", "--variance-refresh", "doubling"], "--world horovod",
+     "--variance-refresh: refresh steps average through Horovod"),
     (["zoo", "--timeout", "0"], "--timeout", "0.0 is not in the range x>0"),
     (["zoo", "--against", "bogus"], "--against", "unknown scheme 'bogus'"),
     (["zoo", "--np", "1"], "--np", "1: a comparison with Adam needs 2 or more ranks"),

@@ -67,7 +67,7 @@ def test_the_command_writes_faces_json(tmp_path):
                           (theirs, records("horovod", {0: 0.98, 1: 1.02}))):
         folder.mkdir()
         (folder / "cells.jsonl").write_text("".join(json.dumps(c) + "\n" for c in cells))
-    out = CliRunner().invoke(main, ["bench", "dev", "zoo", "--report-only", "--out", str(ours),
+    out = CliRunner().invoke(main, ["bench", "dev", "zoo", "--report-only", "--out-dir", str(ours),
                                    "--against-face", str(theirs)])
     assert out.exit_code == 0, out.output
     written = json.loads((ours / "faces.json").read_text())

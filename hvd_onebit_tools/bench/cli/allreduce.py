@@ -1,22 +1,21 @@
 """`hvd-onebit bench allreduce`: fp32, fp16 and 1-bit allreduces, time per call and bytes."""
 from __future__ import annotations
 
-import json
-
 import click
 
 from ..allreduce import DEFAULT_METHODS, METHODS, summarize
-from ..report import machine_info, print_table
-from .options import (check_real_cluster, cluster_for, comma_list, link_rates, need_two_ranks,
-                      nodes_options, np_option, plot_file, positive_count, queue_option,
-                      real_cluster_options)
+from ..report import print_table, report_head
+from .options import (Finite, check_real_cluster, cluster_for, comma_list, emit, link_rates,
+                      need_two_ranks, nodes_options, np_option, out_option, plot_file,
+                      positive_count, queue_option, real_cluster_options)
 
 
 @click.command("allreduce")
 @np_option("2,4", "World sizes to run.", sweep=True)
-@click.option("--sizes", default="1M,4M,16M,64M", show_default=True,
+@click.option("--numel", "--sizes", "sizes", default="1M,4M,16M,64M", show_default=True,
               callback=comma_list(positive_count, empty_ok=False),
-              help="Buffer sizes in fp32 elements, comma separated.")
+              help="Buffer sizes in fp32 elements (e.g. 1M, 16M), comma separated (--sizes: "
+                   "the same).")
 @click.option("--bandwidth", "bandwidths", default="local", show_default=True,
               callback=link_rates,
               help="Comma-separated link rates for an emulated cluster (e.g. 100mbit,1gbit,"
@@ -34,15 +33,16 @@ from .options import (check_real_cluster, cluster_for, comma_list, link_rates, n
 @queue_option
 @nodes_options
 @click.option("--timeout", default=1800.0, show_default=True,
-              type=click.FloatRange(min=0, min_open=True), help="Seconds per job.")
+              type=Finite(min=0, min_open=True), help="Seconds per job.")
 @click.option("--plot", default=None, type=click.Path(dir_okay=False), callback=plot_file,
               help="Write a PNG of speed-up over fp32: against the link rate for a sweep of "
                    "two or more emulated --bandwidth rates, else against buffer size (on "
                    "loopback, a real cluster or one emulated rate).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+@out_option
 def bench_allreduce(nps, sizes, bandwidths, methods, repeats, controller, hosts,
                     shared_dir, queue_ms, ranks_per_node, intra_bandwidth, timeout, plot,
-                    as_json) -> None:
+                    as_json, out) -> None:
     """fp32 hvd.allreduce vs Compression.fp16 vs OneBitAllreduce: time per call and bytes."""
     from ...cluster.jobs import run_job
 
@@ -72,15 +72,15 @@ def bench_allreduce(nps, sizes, bandwidths, methods, repeats, controller, hosts,
                 r["bandwidth"] = "real" if hosts else bw
                 rows.append(r)
     summarize(rows)
-    report = {"benchmark": "allreduce", "machine": machine_info(), "queue_ms": queue_ms,
+    report = {**report_head("allreduce"), "controller": controller, "queue_ms": queue_ms,
+              "ranks_per_node": ranks_per_node, "intra_bandwidth": intra_bandwidth,
               "rows": rows}
     if plot:
         from ..allreduce import plot as plot_allreduce
 
         plot_allreduce(rows, plot)
         report["plot"] = plot
-    if as_json:
-        click.echo(json.dumps(report, indent=2))
+    if emit(report, as_json, out):
         return
     for r in rows:
         r["mb"] = r["bytes_per_rank"] / 1e6

@@ -1,13 +1,10 @@
 """`hvd-onebit bench dev kernel`: the compression kernels' throughput against torch.add."""
 from __future__ import annotations
 
-import json
-import sys
-
 import click
 
-from ..report import machine_info, print_table, provenance
-from .options import comma_list, np_option, positive_count
+from ..report import print_table, report_head
+from .options import comma_list, emit, np_option, out_option, positive_count
 
 
 @click.command("kernel")
@@ -23,8 +20,9 @@ from .options import comma_list, np_option, positive_count
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
               help="cpu: native and torch kernels; cuda: the Triton (and torch) kernels.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+@out_option
 def bench_kernel(numel, np_: int, threads: int, repeats: int, device: str,
-                 as_json: bool) -> None:
+                 as_json: bool, out) -> None:
     """Compression-kernel throughput as a ratio to torch.add(x, e, out=y) (target >= 0.5)."""
     from ..kernel import bench_kernels, bench_kernels_cuda
 
@@ -34,9 +32,8 @@ def bench_kernel(numel, np_: int, threads: int, repeats: int, device: str,
                                         ranks=np_, repeats=repeats)
         except RuntimeError as exc:
             raise click.ClickException(str(exc)) from exc
-        result["machine"] = machine_info()
-        if as_json:
-            click.echo(json.dumps(result, indent=2))
+        result = {**report_head("kernel"), **result}
+        if emit(result, as_json, out):
             return
         for e in result["sizes"]:  # the rate `bench predict --kernel-speedup` is taken from
             click.echo(f"{e['numel']} fp32 elements on {result['device_name']}: torch.add "
@@ -54,9 +51,8 @@ def bench_kernel(numel, np_: int, threads: int, repeats: int, device: str,
                                  param_hint="--numel")
     numel = numel[0] if numel else 16 << 20
     result = bench_kernels(numel=numel, ranks=np_, threads=threads, repeats=repeats)
-    result.update(command=" ".join(["hvd-onebit", *sys.argv[1:]]), **provenance())
-    if as_json:
-        click.echo(json.dumps(result, indent=2))
+    result = {**report_head("kernel"), **result}
+    if emit(result, as_json, out):
         return
     click.echo(f"{numel} fp32 elements, {np_} chunks, {threads} thread(s); "
                f"torch.add: {result['add_elems_per_s'] / 1e9:.2f} G elements/s, "

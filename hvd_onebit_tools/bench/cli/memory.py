@@ -1,14 +1,13 @@
 """`hvd-onebit bench dev memory`: memory beyond Adam's own per phase."""
 from __future__ import annotations
 
-import json
-import sys
 from typing import Optional
 
 import click
 
-from ..report import print_table, provenance
-from .options import cluster_for, link_rate, np_option
+from ..report import print_table, report_head
+from .options import (Finite, cluster_for, emit, link_rate, need_two_ranks, np_option,
+                      out_option)
 
 
 @click.command("memory")
@@ -29,7 +28,7 @@ from .options import cluster_for, link_rate, np_option
               show_default=True, help="horovod: a job through both phases; inprocess: the "
               "compression engine alone on virtual ranks (threads).")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
-@click.option("--bucket-size-mb", "bucket_mb", type=click.FloatRange(min=0, min_open=True),
+@click.option("--bucket-size-mb", "bucket_mb", type=Finite(min=0, min_open=True),
               default=None, help="Bucket size in MiB [default: the optimizer's].")
 @click.option("--memory", "memory_mode", type=click.Choice(["lean", "fast", "auto"]),
               default="lean", show_default=True,
@@ -38,9 +37,11 @@ from .options import cluster_for, link_rate, np_option
               help="The optimizer's variance_refresh (none, doubling or a JSON object); its "
                    "refresh steps are measured apart, as phase 'refresh'.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
-def bench_memory_command(np_: int, bandwidth: str, layers: int, width: int, warmup: int, compressed: int,
-                         transport: str, device: str, bucket_mb: Optional[float],
-                         memory_mode: str, variance_refresh: str, as_json: bool) -> None:
+@out_option
+def bench_memory_command(np_: int, bandwidth: str, layers: int, width: int, warmup: int,
+                         compressed: int, transport: str, device: str,
+                         bucket_mb: Optional[float], memory_mode: str, variance_refresh: str,
+                         as_json: bool, out: Optional[str]) -> None:
     """Memory beyond Adam's own per phase, as a ratio to the parameters' fp32 bytes
     (compression-phase target: <= 1.25, peak included)."""
     import torch
@@ -55,16 +56,19 @@ def bench_memory_command(np_: int, bandwidth: str, layers: int, width: int, warm
     if device == "cuda" and not torch.cuda.is_available():
         raise click.BadParameter("this torch sees no CUDA device (torch.cuda.is_available() "
                                  "is False)", param_hint="--device")
+    need_two_ranks(np_, "the compression phase's memory")
     if transport == "inprocess" and bandwidth not in ("local", "none", ""):
         raise click.UsageError("--bandwidth emulates links between processes: --world horovod")
+    if transport == "inprocess" and refresh is not None:
+        raise click.UsageError("--variance-refresh: refresh steps average through Horovod, "
+                               "which virtual ranks do not run: --world horovod")
     with cluster_for(np_, bandwidth) as cluster:
         result = bench_memory(ranks=np_, layers=layers, width=width, warmup=warmup,
                               compressed=compressed, transport=transport, device=device,
                               bucket_size_mb=bucket_mb, memory=memory_mode,
                               variance_refresh=refresh, cluster=cluster)
-    result.update(command=" ".join(["hvd-onebit", *sys.argv[1:]]), **provenance())
-    if as_json:
-        click.echo(json.dumps(result, indent=2))
+    result = {**report_head("memory"), **result}
+    if emit(result, as_json, out):
         return
     print_table([{"phase": ph, "held": e["held_ratio"], "peak": e["peak_ratio"],
                   "held_mb": e["held_bytes"]["total"] / 2**20,

@@ -12,9 +12,12 @@ import click
 
 from hvd_onebit.config import FREEZE_FRACTION, FROZEN_FREEZE_FRACTION
 
+from ...params import Finite
+
 SIZE_SUFFIX = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
 PLOT_FORMATS = {"png", "pdf", "svg", "jpg", "jpeg", "eps", "ps", "tif", "tiff", "webp"}  # --plot
 MAX_PARAMS = 10**15  # a thousand times today's largest models; beyond it the figures overflow
+MAX_MS = 1e7  # compute per step: 10,000 s, the most a prediction prices
 
 
 def parse_count(text: str) -> int:
@@ -56,29 +59,6 @@ def comma_list(kind, empty_ok: bool = True):
                                      "separated")
         return items
     return convert
-
-
-class Finite(click.FloatRange):
-    """``click.FloatRange`` that also refuses nan, and inf unless ``allow_inf`` (which a range
-    lets through when it has no bound on that side, and nan always); ``priced``: (least, most)
-    finite values the command can price, checked after the range (None: no bound)."""
-
-    def __init__(self, *args, allow_inf: bool = False, priced=(None, None), **kwargs):
-        super().__init__(*args, **kwargs)
-        self.allow_inf, self.priced = allow_inf, priced
-
-    def convert(self, value, param, ctx):
-        number = click.FLOAT.convert(value, param, ctx)
-        if math.isnan(number) or (math.isinf(number) and not self.allow_inf):
-            self.fail(f"{value!r} is not a finite number", param, ctx)
-        number = super().convert(number, param, ctx)
-        least, most = self.priced
-        if math.isfinite(number) and ((least is not None and number < least) or
-                                      (most is not None and number > most)):
-            bounds = (f"at most {most:g}" if least is None else f"at least {least:g}"
-                      if most is None else f"from {least:g} to {most:g}")
-            self.fail(f"{number:g} is beyond what the model prices ({bounds})", param, ctx)
-        return number
 
 
 def block_size_check(ctx, param, value):
@@ -136,8 +116,11 @@ def parameter_count(ctx, param, value):
 
 def np_option(default, help: str, sweep: bool = False):
     """``--np`` as every command spells it, parsed by :func:`parse_np`. ``sweep``: the command
-    runs every count given (a list); otherwise it takes one, and a list is refused."""
+    runs every count given (a list); otherwise it takes one, and a list is refused. A default
+    of None: the option is optional (None when not given)."""
     def convert(ctx, param, value):
+        if value is None:
+            return None
         nps = parse_np(value, one=not sweep)
         if sweep:
             return nps
@@ -145,8 +128,9 @@ def np_option(default, help: str, sweep: bool = False):
             raise click.BadParameter(f"{value!r}: this command runs one world, give one rank "
                                      "count", param_hint="--np")
         return nps[0]
-    return click.option("--np", "nps" if sweep else "np_", default=str(default),
-                        show_default=True, callback=convert,
+    return click.option("--np", "nps" if sweep else "np_",
+                        default=None if default is None else str(default),
+                        show_default=default is not None, callback=convert,
                         help=help + (" A comma-separated list runs each." if sweep else ""))
 
 
@@ -206,6 +190,28 @@ def output_file(ctx, param, value):
     except OSError as exc:
         raise click.BadParameter(f"cannot write into {folder!r}: {exc.strerror}") from None
     return value
+
+
+def out_option(command):
+    """``--out FILE`` as every measuring command spells it, checked by :func:`output_file`."""
+    return click.option("--out", default=None, type=click.Path(dir_okay=False),
+                        callback=output_file,
+                        help="Also write the JSON report (with the command, commit and "
+                             "machine) to this file.")(command)
+
+
+def emit(report: dict, as_json: bool, out: Optional[str]) -> bool:
+    """Write ``report`` to ``out`` (when given) and print it with ``as_json``, as JSON every
+    parser reads; True when printed (the command then prints no table)."""
+    from ..report import strict_json
+
+    text = strict_json(report, indent=2)
+    if out:
+        with open(out, "w") as f:
+            f.write(text + "\n")
+    if as_json:
+        click.echo(text)
+    return as_json
 
 
 def plot_file(ctx, param, value):
@@ -279,7 +285,7 @@ def refresh_options(what: str, freeze_help: str):
 
 
 def queue_option(command):
-    return click.option("--queue-ms", type=click.FloatRange(min=0), default=2.0, show_default=True,
+    return click.option("--queue-ms", type=Finite(min=0), default=2.0, show_default=True,
                         help="Emulated links' queue depth beyond one burst, in ms of line "
                              "rate, never below 256 KiB (a switch port's buffer); shallow "
                              "queues drop packets under incast.")(command)

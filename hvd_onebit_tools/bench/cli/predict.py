@@ -8,15 +8,14 @@ import click
 
 from hvd_onebit.config import DEFAULT_BLOCK_SIZE
 
-from ..report import strict_json
+from ..report import report_head
 from ..train import MODELS as TRAIN_MODELS
-from .options import (FROZEN_FREEZE_FRACTION, Finite, block_size_check, comma_list,
-                      need_two_ranks, np_option, parameter_count, plot_file, rates,
-                      refresh_options)
+from .options import (FROZEN_FREEZE_FRACTION, MAX_MS, Finite, block_size_check, comma_list,
+                      emit, need_two_ranks, np_option, out_option, parameter_count, plot_file,
+                      rates, refresh_options)
 
 # The most each option prices, far beyond any real job, so that every figure stays finite.
 MAX_RANKS = 1 << 24
-MAX_MS = 1e7  # compute per step: 10,000 s
 MAX_US = 1e7  # a latency or per-peer cost: 10 s
 MAX_STEPS = 10**12
 SPEEDUPS = (1e-6, 1e6)  # --kernel-speedup's; --host-speedup's lower bound (and inf)
@@ -38,7 +37,7 @@ def check_world(nps: list[int], ranks_per_node: int) -> None:
 
 # what --check reads from the command line; every other option describes a job to price, and
 # --check prices each run with the job its report records
-CHECK_OPTIONS = ("calibration", "compute_ms", "adam_ms", "check_dir", "plot", "as_json")
+CHECK_OPTIONS = ("calibration", "compute_ms", "adam_ms", "check_dir", "plot", "as_json", "out")
 
 
 def check_takes_only_its_own_options(ctx: click.Context) -> None:
@@ -150,12 +149,13 @@ def check_takes_only_its_own_options(ctx: click.Context) -> None:
               help="PNG: speed-up against ranks for a sweep, against run length with "
                    "--run-lengths, else each method's phases.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+@out_option
 def bench_predict(calibration, nps, ranks_per_node, bandwidths, intra_bandwidth, latency_us,
                   intra_latency_us, params, bench_model, compute_ms, adam_ms, warmup_frac,
                   run_steps, variance_refresh, refresh_freeze_frac, run_lengths, colocated,
                   kernel_speedup, host_speedup, per_peer_us, transport,
                   hierarchical_ops, intra_node, block_size, methods, check_dir, plot,
-                  as_json) -> None:
+                  as_json, out) -> None:
     """Predict step time per phase, whole-run speed-up and bytes per rank of Horovod fp32/fp16,
     flat 1-bit and hierarchical 1-bit Adam (as hvd_onebit/comm/hierarchical.py runs it) from the
     constants `bench calibrate` measured. docs/predicting.md has the
@@ -204,9 +204,7 @@ def bench_predict(calibration, nps, ranks_per_node, bandwidths, intra_bandwidth,
                                   None if adam_ms is None else adam_ms / 1e3)
         except ValueError as exc:  # runs of a model the calibration did not time
             raise click.ClickException(str(exc)) from exc
-        if as_json:
-            click.echo(strict_json(result, indent=2))
-        else:
+        if not emit({**report_head("predict_check"), **result}, as_json, out):
             print_check(result)
         return
     if params is None and bench_model is None:
@@ -257,7 +255,7 @@ def bench_predict(calibration, nps, ranks_per_node, bandwidths, intra_bandwidth,
         except ValueError as exc:
             raise click.ClickException(str(exc)) from exc
         del inputs["run_steps"]
-        report = {"benchmark": "predict_run_lengths", "calibration": cal.get("machine"),
+        report = {**report_head("predict_run_lengths"), "calibration": cal.get("machine"),
                   "inputs": {**inputs, "run_lengths": run_lengths},
                   "note": model.hierarchical_note(intra_bandwidth),
                   "pricing": model.pricing_note(job), "rows": rows}
@@ -269,9 +267,7 @@ def bench_predict(calibration, nps, ranks_per_node, bandwidths, intra_bandwidth,
                              f"{option_text(refresh)} frozen at "
                              f"{frozen_at(refresh_freeze_frac, run_lengths)} (dashed)")
             report["plot"] = plot
-        if as_json:
-            click.echo(strict_json(report, indent=2))
-        else:
+        if not emit(report, as_json, out):
             print_run_lengths(report)
         return
     try:
@@ -282,7 +278,7 @@ def bench_predict(calibration, nps, ranks_per_node, bandwidths, intra_bandwidth,
     for r in rows:
         cl = Cluster(nodes=r["nodes"], ranks_per_node=r["ranks_per_node"])
         add_run_figures(r["methods"], setting, fp32_step_bytes(job, cl))
-    report = {"benchmark": "predict", "calibration": cal.get("machine"), "inputs": inputs,
+    report = {**report_head("predict"), "calibration": cal.get("machine"), "inputs": inputs,
               "run_setting": setting.describe(), "note": model.hierarchical_note(intra_bandwidth),
               "pricing": model.pricing_note(job), "rows": rows, "crossovers": crossovers(rows)}
     if plot:
@@ -298,7 +294,5 @@ def bench_predict(calibration, nps, ranks_per_node, bandwidths, intra_bandwidth,
             plot_phases(rows[0]["methods"], plot, f"{title}\n{rows[0]['np']} ranks, "
                         f"{format_bandwidth(int(bw)) if bw else 'unlimited'}")
         report["plot"] = plot
-    if as_json:
-        click.echo(strict_json(report, indent=2))
-    else:
+    if not emit(report, as_json, out):
         print_prediction(report)

@@ -2,23 +2,20 @@
 bytes."""
 from __future__ import annotations
 
-import json
-import sys
-
 import click
 
 from hvd_onebit.transport.registry import TRANSPORTS
 
-from ..report import print_table, provenance
+from ..report import print_table, report_head
 from ..train import MALLOC_REUSE_ENV
 from ..train import DEFAULT_METHODS as TRAIN_DEFAULT_METHODS
 from ..train import METHODS as TRAIN_METHODS
 from ..train import MODELS as TRAIN_MODELS
 from ..train import WAITS as TRAIN_WAITS
-from .options import (FROZEN_FREEZE_FRACTION, block_size_check, check_real_cluster,
-                      cluster_for, comma_list, link_rate, need_two_ranks, nodes_options,
-                      np_option, output_file, plot_file,
-                      queue_option, real_cluster_options, refresh_options)
+from .options import (FROZEN_FREEZE_FRACTION, Finite, block_size_check, check_real_cluster,
+                      cluster_for, comma_list, emit, link_rate, need_two_ranks, nodes_options,
+                      np_option, out_option, plot_file, queue_option, real_cluster_options,
+                      refresh_options)
 
 POSITIVE = click.IntRange(min=1)
 
@@ -66,7 +63,7 @@ def _check_warmups(methods, steps: int, warmup_frac: float, refresh_freeze_frac:
               help="Optimizer steps per method (each phase's median leaves out its first step "
                    "when the phase has 3 or more).")
 @click.option("--warmup-frac", default=FROZEN_FREEZE_FRACTION, show_default=True,
-              type=click.FloatRange(0, 1),
+              type=Finite(0, 1),
               help="The onebit method's warmup (variance_refresh=None): freeze_step = "
                    "warmup_frac * steps.")
 @refresh_options("onebit_refresh's variance_refresh",
@@ -107,7 +104,7 @@ def _check_warmups(methods, steps: int, warmup_frac: float, refresh_freeze_frac:
 @click.option("--transport", default="auto", show_default=True,
               type=click.Choice(TRANSPORTS),
               help="1-bit Adam's transport for the compression phase.")
-@click.option("--bucket-size-mb", default=None, type=click.FloatRange(min=0, min_open=True),
+@click.option("--bucket-size-mb", default=None, type=Finite(min=0, min_open=True),
               help="1-bit Adam's bucket_size_mb [default: the optimizer's].")
 @click.option("--block-size", default=0, show_default=True, type=click.IntRange(0),
               callback=block_size_check,
@@ -124,13 +121,11 @@ def _check_warmups(methods, steps: int, warmup_frac: float, refresh_freeze_frac:
 @queue_option
 @nodes_options
 @click.option("--timeout", default=3600.0, show_default=True,
-              type=click.FloatRange(min=0, min_open=True), help="Seconds for the job.")
+              type=Finite(min=0, min_open=True), help="Seconds for the job.")
 @click.option("--plot", default=None, type=click.Path(dir_okay=False), callback=plot_file,
               help="Write a PNG bar chart of samples/s per method and phase.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
-@click.option("--out", default=None, type=click.Path(dir_okay=False), callback=output_file,
-              help="Also write the JSON report (with the command, commit and machine) to this "
-                   "file.")
+@out_option
 def bench_train(np_, bandwidth, steps, warmup_frac, variance_refresh, refresh_freeze_frac, model, width, depth, vocab, embed_dim, tokens,
                 batch, malloc_mode, wait, powersgd_start, methods, transport, bucket_size_mb,
                 block_size, intra_node, gradient_as_bucket_view, hosts, shared_dir, queue_ms, ranks_per_node, intra_bandwidth, timeout,
@@ -181,8 +176,7 @@ def bench_train(np_, bandwidth, steps, warmup_frac, variance_refresh, refresh_fr
                       env=MALLOC_REUSE_ENV if malloc_mode == "reuse" else None)
     rows = job.results[0]
     summary = summarize_train(rows)
-    report = {"benchmark": "train", "command": " ".join(["hvd-onebit", *sys.argv[1:]]),
-              **provenance(),
+    report = {**report_head("train"),
               "bandwidth": "real" if hosts else bandwidth, "queue_ms": queue_ms,
               "ranks_per_node": ranks_per_node, "intra_bandwidth": intra_bandwidth,
               "config": {**kwargs, "malloc": malloc_mode}, "rows": rows,
@@ -192,11 +186,7 @@ def bench_train(np_, bandwidth, steps, warmup_frac, variance_refresh, refresh_fr
 
         plot_train(rows, plot, report["bandwidth"])
         report["plot"] = plot
-    if out:
-        with open(out, "w") as f:
-            json.dump(report, f, indent=2)
-    if as_json:
-        click.echo(json.dumps(report, indent=2))
+    if emit(report, as_json, out):
         return
     table = []
     for r in rows:

@@ -2,11 +2,10 @@
 from __future__ import annotations
 
 import json
-import sys
 
 import click
 
-from .options import cluster_for, comma_list, link_rate, need_two_ranks, np_option
+from .options import Finite, cluster_for, comma_list, link_rate, need_two_ranks, np_option
 
 
 @click.command("zoo")
@@ -33,8 +32,9 @@ from .options import cluster_for, comma_list, link_rate, need_two_ranks, np_opti
               help="Learning-rate rules: scaled (Horovod's base_lr * size) and base.")
 @click.option("--steps", default=None, type=click.IntRange(10),
               help="Steps per run for every family [default: each family's, 120-150].")
-@click.option("--batch", default=None, type=click.IntRange(1),
-              help="Samples per rank per step for every family [default: each family's].")
+@click.option("--batch-size", "--batch", "batch", default=None, type=click.IntRange(1),
+              help="Samples per rank per step for every family (--batch: the same) [default: "
+                   "each family's].")
 @np_option(4, "Ranks.")
 @click.option("--face", type=click.Choice(["horovod", "ddp"]), default="horovod",
               show_default=True, help="horovod: horovodrun, Horovod Adam against "
@@ -43,15 +43,15 @@ from .options import cluster_for, comma_list, link_rate, need_two_ranks, np_opti
 @click.option("--bandwidth", default="local", show_default=True, callback=link_rate,
               help="Emulated link rate of every rank (e.g. 1gbit; root needed); 'local' runs "
                    "plain horovodrun on loopback. Convergence does not depend on it.")
-@click.option("--out", "out_dir", default="results/zoo", show_default=True,
+@click.option("--out-dir", default="results/zoo", show_default=True,
               type=click.Path(file_okay=False),
               help="Folder for cells.jsonl (one line per run), summary.json and heat_map.png.")
 @click.option("--timeout", default=1800.0, show_default=True,
-              type=click.FloatRange(min=0, min_open=True),
+              type=Finite(min=0, min_open=True),
               help="Seconds per family's job (a family is one job of 54 runs by default).")
 @click.option("--resume", is_flag=True,
-              help="Keep the runs already in OUT/cells.jsonl and run only the missing ones.")
-@click.option("--report-only", is_flag=True, help="Only print and write the report of OUT.")
+              help="Keep the runs already in OUT_DIR/cells.jsonl and run only the missing ones.")
+@click.option("--report-only", is_flag=True, help="Only print and write the report of OUT_DIR.")
 @click.option("--metric", type=click.Choice(["final", "tail"]), default="final",
               show_default=True, help="final: the last held-out loss; tail: the mean of the "
               "last three evaluations (less noisy).")
@@ -61,9 +61,9 @@ from .options import cluster_for, comma_list, link_rate, need_two_ranks, np_opti
               "many cells (all seeds together) are worse beyond the seeds' noise.")
 @click.option("--against-face", "against_face", multiple=True, metavar="DIR",
               type=click.Path(file_okay=False, exists=True),
-              help="Also compare OUT's cells with the same cells in DIR (another zoo's output, "
+              help="Also compare OUT_DIR's cells with the same cells in DIR (another zoo's output, "
               "e.g. the other face's), cell by cell and per cell over seeds; writes "
-              "OUT/faces.json. Repeatable.")
+              "OUT_DIR/faces.json. Repeatable.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON instead of "
               "tables.")
 def bench_zoo(families, schemes, seeds, freezes, lrs, steps, batch, np_, face, bandwidth,
@@ -111,11 +111,11 @@ def bench_zoo(families, schemes, seeds, freezes, lrs, steps, batch, np_, face, b
         from ..zoo.report import json_safe
         from ..zoo.runner import RESULTS, read_cells
 
-        from ..report import provenance
+        from ..report import command_line, provenance
 
         others = {d: read_cells(Path(d) / RESULTS) for d in against_face}
         result = against_faces(read_cells(out / RESULTS), others, metric)
-        result.update(command=" ".join(["hvd-onebit", *sys.argv[1:]]), **provenance())
+        result.update(command=command_line(), **provenance())
         (out / "faces.json").write_text(json.dumps(json_safe(result), indent=1))
         if not as_json:
             click.echo()

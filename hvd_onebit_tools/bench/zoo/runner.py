@@ -162,7 +162,7 @@ def run_zoo(families: Iterable[str], out_dir: Path, seeds: Iterable[int], scheme
         if other:  # the report would put both in one cell's seeds
             raise ValueError(f"{path} holds {name} runs of (steps, batch) {other}, this zoo "
                              f"runs {sorted(runs)}: --resume goes on with the same --steps and "
-                             "--batch; give another --out for other ones")
+                             "--batch-size; give another --out-dir for other ones")
     plans = {name: [c for c in cells if cell_key(c) not in done]
              for name, cells in planned.items()}
     check_options((c for cells in plans.values() for c in cells), face)
