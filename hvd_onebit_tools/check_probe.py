@@ -228,6 +228,10 @@ def predict(link: LinkProbe, params: str, compute_ms: float,
     else:
         verdict = ("1-bit Adam should help here" if speedup > 1.1 else
                    "little to gain here: the link is not the bottleneck")
+        if link.per_node == link.ranks:  # the network between nodes was never measured
+            verdict += (" (at this rate; but every rank is on one node, so the probe crossed no "
+                        "network: probe with ranks on two or more nodes for your network's "
+                        "verdict)")
     modelled = ("faster than the calibrated hosts manage on any link: the prediction below "
                 "takes an unlimited link" if rate is None
                 else f"the scale model's link rate for it, once the hosts' own costs (copies, "

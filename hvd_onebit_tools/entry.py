@@ -13,13 +13,13 @@ def main() -> None:
     if importlib.util.find_spec("click") is None:
         sys.exit("hvd-onebit needs the tools extra: pip install './hvd_onebit[tools]' from a checkout (click)")
     from .cli import main as cli_main
-    from .cluster.jobs import RankFailure
+    from .cluster.jobs import LaunchError, RankFailure
     from .cluster.processes import EXIT_SIGTERM, Terminated, sigterm_unwinds
 
     try:
         with sigterm_unwinds():
             cli_main()
-    except RankFailure as exc:
+    except (RankFailure, LaunchError) as exc:
         sys.exit(f"hvd-onebit: {exc}")
     except Terminated:
         print("hvd-onebit: terminated (SIGTERM); the jobs it started were stopped",

@@ -358,7 +358,10 @@ def test_the_probe_prices_the_nodes_it_ran_on():
     assert spread[0].startswith("link: 4 ranks,"), spread[0]
     assert uneven[0].startswith("link: 4 ranks (nodes of different sizes; priced as ranks with "
                                 "links of their own),"), uneven[0]
-    assert one_node[1] == spread[1] == uneven[1], \
+    # priced alike, and the one node's verdict says the network was never crossed
+    assert uneven[1] == spread[1] and one_node[1] == spread[1] + (
+        " (at this rate; but every rank is on one node, so the probe crossed no network: probe "
+        "with ranks on two or more nodes for your network's verdict)"), \
         f"one node: {one_node[1]!r}; uneven: {uneven[1]!r}; a link per rank: {spread[1]!r}"
     assert (one_size([2, 2, 2]), one_size([2, 3, 1]), one_size([3, 3, 2])) == (2, None, None)
     assert nodes[1] != spread[1], f"2 nodes of 2 priced as 4 links: {nodes[1]!r}"

@@ -302,7 +302,7 @@ def test_hvd_onebit_native_avx2_loads_the_kernels_with_avx512_forbidden(monkeypa
 def test_a_load_at_first_use_is_quiet_unless_it_compiles(
         monkeypatch, capfd, seconds, noticed):
     """A load from torch's extension cache is quiet; one that takes longer than
-    COMPILE_NOTICE_S (a build: another torch, another source) says it compiles while it does."""
+    COMPILE_NOTICE_S (a build: another torch, another source) says what a compile costs."""
     import time
 
     import torch.utils.cpp_extension
@@ -317,5 +317,5 @@ def test_a_load_at_first_use_is_quiet_unless_it_compiles(
     assert native_loader._compile() is _C
     time.sleep(0.2)  # past the notice's time: a cancelled notice stays quiet
     err = capfd.readouterr().err
-    assert ("compiling the native kernels against this torch" in err) == noticed, \
+    assert ("the first use compiles them against this torch" in err) == noticed, \
         f"load of {seconds} s, notice after 0.1 s: stderr {err!r}"

@@ -48,9 +48,10 @@ def _installed():
 NAME = "hvd_onebit_native"
 
 
-# A load that takes longer than this is a compile (a build in torch's cache loads in well under
-# a second), and says so: whether torch will rebuild (another torch, another source) is ninja's
-# to decide, not a file's presence.
+# A load that takes longer than this is most likely a compile (a build in torch's cache loads in
+# well under a second on an idle machine), and says what a compile costs without claiming one:
+# whether torch will rebuild (another torch, another source) is ninja's to decide, not a file's
+# presence.
 COMPILE_NOTICE_S = 2.0
 
 
@@ -60,8 +61,9 @@ def _compile():
     if not SOURCE.is_file():
         raise FileNotFoundError(f"the kernel source {SOURCE} is not installed")
     notice = threading.Timer(COMPILE_NOTICE_S, lambda: print(
-        f"[hvd_onebit] compiling the native kernels against this torch ({SOURCE.name}); later "
-        f"runs reuse the build", file=sys.stderr, flush=True))
+        f"[hvd_onebit] loading the native kernels ({SOURCE.name}): the first use compiles them "
+        f"against this torch, a minute or two once; later runs reuse the build",
+        file=sys.stderr, flush=True))
     notice.daemon = True
     notice.start()
     try:

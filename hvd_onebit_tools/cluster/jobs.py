@@ -43,6 +43,32 @@ class RankFailure(AssertionError):
     """A multi-rank job failed: a rank raised, died or timed out. The message has the details."""
 
 
+class LaunchError(RuntimeError):
+    """A Horovod job that cannot start here: Horovod, or the launcher it needs, is missing."""
+
+
+NO_HOROVOD = ("this command runs its ranks as a Horovod job, and Horovod does not import in this "
+              "Python ({python}): install Horovod built against the installed torch "
+              "(docs/install.md, Horovod). Without Horovod: `hvd-onebit bench predict`, "
+              "`bench dev kernel`, `bench dev memory --world inprocess` and `bench dev zoo "
+              "--face ddp`")
+
+
+def launcher(name: str) -> str:
+    """The launcher ``name`` (horovodrun, mpirun) of this Python's environment (beside its
+    interpreter, where a virtual environment's scripts are, activated or not), else from PATH;
+    a :class:`LaunchError` naming it when neither has it."""
+    beside = Path(sys.executable).parent / name
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return str(beside)
+    found = shutil.which(name)
+    if found is None:
+        what = ("Horovod's launcher (installed with Horovod)" if name == "horovodrun" else
+                "Open MPI's launcher (--controller mpi, --transport mpi)")
+        raise LaunchError(f"{name} is not beside {sys.executable} nor on PATH: it is {what}")
+    return found
+
+
 def _job_processes(token: str) -> list[psutil.Process]:
     procs = []
     for proc in psutil.process_iter(["pid"]):
@@ -84,11 +110,12 @@ def launch_command(np: int, controller: str, argv: list[str], hosts: Optional[st
     ``hosts`` ("h1:4,h2:4") runs on a real cluster through horovodrun; default: this machine.
     """
     if controller == "gloo":
-        return ["horovodrun", "-np", str(np), "-H", hosts or f"localhost:{np}", "--gloo"] + argv
+        return [launcher("horovodrun"), "-np", str(np), "-H", hosts or f"localhost:{np}",
+                "--gloo"] + argv
     if controller == "mpi":
         if hosts:
-            return ["horovodrun", "-np", str(np), "-H", hosts, "--mpi"] + argv
-        return ["mpirun", "--allow-run-as-root", "--oversubscribe", "--bind-to", "none",
+            return [launcher("horovodrun"), "-np", str(np), "-H", hosts, "--mpi"] + argv
+        return [launcher("mpirun"), "--allow-run-as-root", "--oversubscribe", "--bind-to", "none",
                 "-np", str(np), "-x", "PYTHONPATH", "-x", _TOKEN_VAR, "-x", "HOROVOD_CONTROLLER",
                 "-x", "HOROVOD_CPU_OPERATIONS", "-x", "OMP_NUM_THREADS"] + argv
     raise ValueError(f"controller must be one of {CONTROLLERS}, got {controller!r}")
@@ -208,6 +235,8 @@ def run_job(target: str, np: int = 2, controller: str = "gloo", kwargs: Optional
     """
     if cluster is not None and (hosts or controller != "gloo"):
         raise ValueError("an emulated cluster runs Horovod over gloo on its own hosts")
+    if importlib.util.find_spec("horovod") is None:
+        raise LaunchError(NO_HOROVOD.format(python=sys.executable))
     workdir = Path(tempfile.mkdtemp(prefix="hvd_onebit_job_", dir=shared_dir))
     roots = [r for r in [import_root(target.split(":")[0])] if r is not None]
     try:

@@ -627,3 +627,33 @@ def test_a_failed_job_ends_the_command_with_what_its_ranks_said():
     assert proc.returncode == 1 and "\nhvd-onebit: " in proc.stderr \
         and "timed out" in proc.stderr and "hvd_onebit_tools/entry.py" not in proc.stderr, \
         f"exit {proc.returncode}, stderr:\n{proc.stderr[-2000:]}"
+
+
+def test_a_horovod_job_without_horovod_says_what_to_install_and_what_runs_without_it():
+    """A DDP user's environment has no Horovod: a command whose ranks are a Horovod job ends
+    with one line naming Horovod and the commands that need none, not a FileNotFoundError
+    traceback for horovodrun."""
+    without = ("import sys; sys.argv = ['hvd-onebit'] + sys.argv[1:]; "
+               "from hvd_onebit_tools.cluster.torchrun import block_horovod; block_horovod(); "
+               "from hvd_onebit_tools.entry import main; main()")
+    for args in (["bench", "train", "--np", "2", "--bandwidth", "local", "--methods",
+                  "ddp_adam,ddp_onebit", "--steps", "4"],
+                 ["bench", "allreduce", "--np", "2", "--numel", "4096"]):
+        proc = subprocess.run(CLI[:1] + ["-c", without, *args], capture_output=True,
+                              text=True, timeout=120, cwd=REPO)
+        assert proc.returncode == 1 and "hvd-onebit: this command runs its ranks as a " \
+            "Horovod job" in proc.stderr and "bench dev zoo --face ddp" in proc.stderr and \
+            "Traceback" not in proc.stderr, \
+            f"{' '.join(args)}: exit {proc.returncode}, stderr:\n{proc.stderr[-2000:]}"
+
+
+def test_the_launcher_is_the_one_beside_this_python_activated_or_not(tmp_path, monkeypatch):
+    """`.venv/bin/hvd-onebit` run without activating the environment launches that
+    environment's horovodrun, which PATH does not hold; a launcher found nowhere is named."""
+    from hvd_onebit_tools.cluster.jobs import LaunchError, launcher
+
+    monkeypatch.setenv("PATH", str(tmp_path))
+    found = launcher("horovodrun")
+    assert found == str(Path(sys.executable).parent / "horovodrun"), found
+    with pytest.raises(LaunchError, match="mpirun is not beside .* nor on PATH: it is Open MPI"):
+        launcher("mpirun")
