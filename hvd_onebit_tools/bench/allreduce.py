@@ -25,8 +25,9 @@ DEFAULT_METHODS = ("fp32", "fp16", "onebit")
 
 
 def _iface_tx_bytes() -> Optional[int]:
-    """This rank's own link counter, when it has a link of its own (emulated cluster)."""
-    iface = os.environ.get("HOROVOD_GLOO_IFACE", "")
+    """This rank's own link counter, when it has a link of its own (emulated cluster: the
+    interface Horovod's Gloo is kept on, or torchrun's)."""
+    iface = os.environ.get("HOROVOD_GLOO_IFACE") or os.environ.get("GLOO_SOCKET_IFNAME", "")
     path = Path(f"/sys/class/net/{iface}/statistics/tx_bytes")
     if not iface or iface == "lo" or not path.exists():
         return None

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 from ..cluster.jobs import job_environment, run_command, wait_for_job
+from ..cluster.torchrun import torchrun_command
 
 SCRIPT = Path("examples") / "train_lm.py"
 
@@ -36,13 +37,6 @@ def find_train_lm(script: str | os.PathLike | None = None) -> Path:
             return path.resolve()
     raise FileNotFoundError(f"cannot find {' or '.join(map(str, candidates))}: run from the "
                             "repository's root folder")
-
-
-def torchrun_command(np: int, argv: Sequence[str]) -> list[str]:
-    """The command line that starts ``argv`` (a script and its arguments, or ``-m module ...``)
-    on ``np`` local ranks, as a user starts a DDP job on one machine."""
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-            f"--nproc_per_node={np}", *argv]
 
 
 def run_local_torchrun(argv: Sequence[str], np: int, timeout: Optional[float] = None,

@@ -74,6 +74,7 @@ from .refresh import (freeze_step_for, option_text, optimizer_options, run_steps
                       whole_run_ceilings)
 from .train_ddp import DDP_METHODS, ddp_summary, make_ddp_method
 from .waits import WAITS
+from .world import World
 from .waits import sleeping_horovod_waits as _sleeping_horovod_waits  # noqa: F401 (zoo)
 
 # glibc serves allocations above 32 MiB (and, after heap trims, smaller ones) with fresh mmap()s,
@@ -144,7 +145,6 @@ def _make_step(method: str, model, steps: int, warmup_frac: float, powersgd_star
                onebit_options: dict, variance_refresh=None, refresh_freeze_frac: float = 0.05,
                gradient_as_bucket_view: bool = False, block_size: int = 0):
     """Returns (step_fn(x, y) -> backward seconds, optimizer or None, phase_fn())."""
-    import horovod.torch as hvd
     import torch
 
     import hvd_onebit
@@ -154,6 +154,8 @@ def _make_step(method: str, model, steps: int, warmup_frac: float, powersgd_star
     opt, net, phase = base, model, (lambda: "n/a")
     counter = {"it": 0}
     if method in ("horovod_fp32", "horovod_fp16"):
+        import horovod.torch as hvd
+
         comp = hvd.Compression.fp16 if method == "horovod_fp16" else hvd.Compression.none
         opt = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(),
                                        compression=comp)
@@ -198,7 +200,9 @@ def train_worker(methods=METHODS, steps: int = 40, warmup_frac: float = 0.15,
                  intra_node: str = "auto", variance_refresh=None,
                  refresh_freeze_frac: float = 0.05,
                  gradient_as_bucket_view: bool = False, block_size: int = 0) -> list[dict]:
-    """Runs in every rank (after hvd.init()). Returns one row per method (rank 0's view).
+    """Runs in every rank of a Horovod job (after hvd.init()) or, for the methods that need no
+    Horovod (:data:`.world.HOROVOD_FREE`), of a torchrun job. Returns one row per method (rank
+    0's view).
 
     ``model="mlp"`` uses width/depth; ``model="embedding"`` uses vocab/embed_dim, ``tokens``
     token ids per sample, and ``width`` for its head. ``transport``, ``bucket_size_mb`` and
@@ -207,14 +211,15 @@ def train_worker(methods=METHODS, steps: int = 40, warmup_frac: float = 0.15,
     ``gradient_as_bucket_view`` is DDP's option for every DDP method; ``block_size`` is
     ``onebit_blocks``'s.
     """
-    import horovod.torch as hvd
     import torch
 
     if model not in MODELS:
         raise ValueError(f"model must be one of {MODELS}, got {model!r}")
     if wait not in WAITS:
         raise ValueError(f"wait must be one of {WAITS}, got {wait!r}")
-    _sleeping_horovod_waits(wait == "sleep")
+    world = World.of_this_job()
+    if world.horovod:
+        _sleeping_horovod_waits(wait == "sleep")
     rows = []
     for method in methods:
         torch.manual_seed(0)
@@ -227,7 +232,7 @@ def train_worker(methods=METHODS, steps: int = 40, warmup_frac: float = 0.15,
         step, opt, phase = _make_step(method, net, steps, warmup_frac, powersgd_start, lr, options,
                                       variance_refresh, refresh_freeze_frac,
                                       gradient_as_bucket_view, block_size)
-        g = torch.Generator().manual_seed(hvd.rank())
+        g = torch.Generator().manual_seed(world.rank)
         if model == "mlp":
             inputs = [torch.randn(batch, IN_DIM, generator=g) for _ in range(4)]
         else:
@@ -235,7 +240,7 @@ def train_worker(methods=METHODS, steps: int = 40, warmup_frac: float = 0.15,
         batches = [(x, torch.randn(batch, OUT_DIM, generator=g)) for x in inputs]
         times, phases, tx, parts = [], [], [], []
         compressed_bytes = None
-        hvd.allreduce(torch.zeros(1), name=f"bench.train.start.{method}")
+        world.start_line(f"bench.train.start.{method}")
         for i in range(steps):
             phases.append(phase())
             tx0 = _iface_tx_bytes()
@@ -254,10 +259,10 @@ def train_worker(methods=METHODS, steps: int = 40, warmup_frac: float = 0.15,
         # step i+1 (they wait for it in the next collective). The max over ranks step by step
         # would count that delay twice; the mean over ranks counts it once, and its sum over
         # the steps is the run's wall time. The run time is the slowest rank's own total.
-        per_rank = hvd.allgather(torch.tensor([times], dtype=torch.float64),
-                                 name=f"bench.train.times.{method}")
+        per_rank = world.gather_rows(torch.tensor([times], dtype=torch.float64),
+                                     f"bench.train.times.{method}")
         times = per_rank.mean(0).tolist()
-        row = {"method": method, "model": model, "np": hvd.size(), "params": params,
+        row = {"method": method, "model": model, "np": world.size, "params": params,
                "batch_per_rank": batch, "steps": steps,
                "run_seconds": float(per_rank.sum(1).max()),
                "run_measured_tx_bytes": (sum(tx) if tx and None not in tx else None),
@@ -269,7 +274,7 @@ def train_worker(methods=METHODS, steps: int = 40, warmup_frac: float = 0.15,
             key = "all" if ph == "n/a" else ph
             med = statistics.median(times[i] for i in steady)
             row[f"{key}_step_s"] = med
-            row[f"{key}_samples_per_s"] = batch * hvd.size() / med
+            row[f"{key}_samples_per_s"] = batch * world.size / med
             measured = [tx[i] for i in steady if tx[i] is not None]
             row[f"{key}_measured_tx_bytes_per_step"] = (statistics.median(measured)
                                                         if measured else None)
@@ -287,11 +292,11 @@ def train_worker(methods=METHODS, steps: int = 40, warmup_frac: float = 0.15,
             row["variance_refresh"] = option_text(refresh)
             row["steps_by_kind"] = kinds
             row["run_bytes_per_rank"] = (
-                kinds["full_precision_steps"] * ring_allreduce_bytes(params * 4, hvd.size())
+                kinds["full_precision_steps"] * ring_allreduce_bytes(params * 4, world.size)
                 + kinds["compressed_steps"] * (row["compression_bytes_per_step"] or 0))
         elif method.startswith("horovod") or method == "ddp_adam":
             elem = 2 if method.endswith("fp16") else 4
-            n = hvd.size()
+            n = world.size
             row["bytes_per_step"] = ring_allreduce_bytes(params * elem, n)
             row["run_bytes_per_rank"] = steps * row["bytes_per_step"]
         rows.append(row)

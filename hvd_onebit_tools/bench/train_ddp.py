@@ -1,5 +1,6 @@
 """`bench train`'s DDP methods: ``torch.nn.parallel.DistributedDataParallel`` over Gloo, set up
-inside the Horovod job (:func:`hvd_onebit.transport.rendezvous.init_torch_distributed`), with
+inside the Horovod job (:func:`hvd_onebit.transport.rendezvous.init_torch_distributed`) or by
+torchrun's rank entry where Horovod is not installed, with
 DDP's own allreduce (``ddp_adam``), the DDP face of 1-bit Adam (``ddp_onebit``) or PowerSGD's
 hook (``ddp_powersgd``), and what the summary says of them: the DDP face against DDP Adam, and
 against the Horovod face's own gain over Horovod Adam in the same run.
@@ -34,11 +35,14 @@ def make_ddp_method(method: str, model, base, steps: int, warmup_frac: float,
     DDP's own option, for every DDP method alike: the gradients are views into DDP's buckets, so
     its reducer copies none of them in or back in a step."""
     import torch
+    import torch.distributed as dist
 
-    from hvd_onebit.transport.rendezvous import init_torch_distributed
     from hvd_onebit.transport.torch_distributed import settle_at_exit
 
-    init_torch_distributed()
+    if not dist.is_initialized():  # a Horovod job; torchrun's rank entry set Gloo up already
+        from hvd_onebit.transport.rendezvous import init_torch_distributed
+
+        init_torch_distributed()
     settle_at_exit()  # every DDP method's Gloo threads finish with its last allreduce at exit
     if method == "ddp_powersgd":
         from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd

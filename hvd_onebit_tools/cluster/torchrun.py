@@ -44,6 +44,13 @@ def torchrun_commands(cluster, argv: Sequence[str], port: int) -> list[list[str]
              "--max_restarts=0", *argv] for k in range(cluster.nodes)]
 
 
+def torchrun_command(np: int, argv: Sequence[str]) -> list[str]:
+    """The command line that starts ``argv`` (a script and its arguments, or ``-m module ...``)
+    on ``np`` local ranks, as a user starts a DDP job on one machine."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc_per_node={np}", *argv]
+
+
 def run_torchrun(cluster, argv: Sequence[str], env: Optional[Mapping[str, str]] = None,
                  timeout: Optional[float] = None, cwd: str | os.PathLike | None = None,
                  port: Optional[int] = None, **options):
@@ -61,15 +68,16 @@ def run_torchrun(cluster, argv: Sequence[str], env: Optional[Mapping[str, str]] 
 
 def run_torchrun_job(target: str, cluster, kwargs: Optional[dict] = None,
                      timeout: float = 300.0, env: Optional[dict] = None,
-                     without_horovod: bool = True):
+                     without_horovod: bool = True, np: Optional[int] = None):
     """Run ``target`` ("module:function", called as ``function(**kwargs)`` once Gloo is set up)
-    in every rank of a torchrun job on ``cluster``; a
+    in every rank of a torchrun job on ``cluster``, or, with ``cluster=None``, on ``np`` ranks
+    of this machine (one ``torchrun --standalone``); a
     :class:`~hvd_onebit_tools.cluster.jobs.JobResult` with the results in rank order and the
-    emulator's record (``cluster_run``). ``without_horovod``: ``import horovod`` fails in the
-    ranks, as where Horovod is not installed. Raises
+    emulator's record (``cluster_run``, None on this machine). ``without_horovod``:
+    ``import horovod`` fails in the ranks, as where Horovod is not installed. Raises
     :class:`~hvd_onebit_tools.cluster.jobs.RankFailure` when a rank raised, died or the job ran
     past ``timeout``."""
-    from .jobs import JobResult, _collect, import_root, job_environment
+    from .jobs import JobResult, _collect, import_root, job_environment, wait_for_job
 
     workdir = Path(tempfile.mkdtemp(prefix="hvd_onebit_torchrun_"))
     roots = [r for r in [import_root(target.split(":")[0])] if r is not None]
@@ -79,8 +87,15 @@ def run_torchrun_job(target: str, cluster, kwargs: Optional[dict] = None,
         if without_horovod:
             argv.append(_WITHOUT_HOROVOD)
         start = time.monotonic()
-        run = run_torchrun(cluster, argv, timeout=timeout, cwd=os.getcwd(),
-                           env=job_environment(uuid.uuid4().hex, extra=env, import_roots=roots))
+        token = uuid.uuid4().hex
+        job_env = job_environment(token, extra=env, import_roots=roots)
+        if cluster is None:
+            with open(workdir / "output.log", "wb") as log:
+                rc = wait_for_job(torchrun_command(np, argv), token, job_env, timeout, log,
+                                  os.getcwd())
+            results = _collect(workdir, np, rc, rc is None, timeout, target, "torchrun")
+            return JobResult(results=results, wall_seconds=time.monotonic() - start)
+        run = run_torchrun(cluster, argv, timeout=timeout, cwd=os.getcwd(), env=job_env)
         (workdir / "output.log").write_text("\n".join(
             f"--- node {r.rank} (torchrun) output:\n{r.output}" for r in run.ranks))
         results = _collect(workdir, cluster.np, run.returncode, run.timed_out, timeout, target,

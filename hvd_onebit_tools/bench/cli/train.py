@@ -2,7 +2,11 @@
 bytes."""
 from __future__ import annotations
 
+import importlib.util
+import sys
+
 import click
+from click.core import ParameterSource
 
 from hvd_onebit.transport.registry import TRANSPORTS
 
@@ -12,12 +16,34 @@ from ..train import DEFAULT_METHODS as TRAIN_DEFAULT_METHODS
 from ..train import METHODS as TRAIN_METHODS
 from ..train import MODELS as TRAIN_MODELS
 from ..train import WAITS as TRAIN_WAITS
+from ..world import HOROVOD_FREE
 from .options import (FROZEN_FREEZE_FRACTION, Finite, block_size_check, check_real_cluster,
                       cluster_for, comma_list, emit, link_rate, need_two_ranks, nodes_options,
                       np_option, out_option, plot_file, queue_option, real_cluster_options,
                       refresh_options)
 
 POSITIVE = click.IntRange(min=1)
+
+
+def _without_horovod(methods: list, hosts) -> list:
+    """Where Horovod does not import, the methods that run without it, under torchrun: the
+    default list's (with a note), or the user's; a method that needs Horovod is refused,
+    naming the ones that do not."""
+    needs = [m for m in methods if m not in HOROVOD_FREE]
+    if hosts:
+        raise click.UsageError("--hosts runs its ranks through horovodrun, and Horovod does not "
+                               f"import in this Python ({sys.executable})")
+    if not needs:
+        return methods
+    if click.get_current_context().get_parameter_source("methods") is ParameterSource.DEFAULT:
+        kept = [m for m in methods if m in HOROVOD_FREE]
+        click.echo(f"note: Horovod does not import in this Python: {', '.join(needs)} left "
+                   f"out, {', '.join(kept)} run under torchrun", err=True)
+        return kept
+    raise click.BadParameter(f"{', '.join(needs)} need Horovod, which does not import in this "
+                             f"Python ({sys.executable}): install it (docs/install.md), or "
+                             f"choose from {', '.join(HOROVOD_FREE)}, which run under torchrun",
+                             param_hint="--methods")
 
 
 def refresh_share_note(kinds: dict, refresh, freeze_frac: float, long_run: int = 10000) -> str:
@@ -136,6 +162,7 @@ def bench_train(np_, bandwidth, steps, warmup_frac, variance_refresh, refresh_fr
     from ..refresh import parse_variance_refresh
     from ..train import summarize as summarize_train
     from ...cluster.jobs import run_job
+    from ...cluster.torchrun import run_torchrun_job
 
     bad = [m for m in methods if m not in TRAIN_METHODS]
     if bad:
@@ -145,6 +172,9 @@ def bench_train(np_, bandwidth, steps, warmup_frac, variance_refresh, refresh_fr
         raise click.BadParameter(f"{','.join(methods)!r}: name each method once, at least one",
                                  param_hint="--methods")
     need_two_ranks(np_, "a comparison of training steps")
+    horovod = importlib.util.find_spec("horovod") is not None
+    if not horovod:
+        methods = _without_horovod(methods, hosts)
     _check_warmups(methods, steps, warmup_frac, refresh_freeze_frac)
     check_real_cluster(hosts, shared_dir)
     # transport="mpi" exchanges through mpi4py: the ranks must be launched by MPI
@@ -167,16 +197,22 @@ def bench_train(np_, bandwidth, steps, warmup_frac, variance_refresh, refresh_fr
               "intra_node": ("network" if intra_node == "auto" and intra_bandwidth != "unlimited"
                              else intra_node)}
     click.echo(f"training {len(methods)} methods x {steps} steps on {np_} ranks "
-               f"({'real hosts' if hosts else bandwidth})...", err=True)
+               f"({'real hosts' if hosts else bandwidth}, "
+               f"{'horovodrun' if horovod else 'torchrun'})...", err=True)
+    target, env = "hvd_onebit_tools.bench.train:train_worker", (
+        MALLOC_REUSE_ENV if malloc_mode == "reuse" else None)
     with cluster_for(np_, None if hosts else bandwidth, queue_ms, ranks_per_node,
                       intra_bandwidth) as cluster:
-        job = run_job("hvd_onebit_tools.bench.train:train_worker", np=np_, kwargs=kwargs,
-                      controller=controller,
-                      timeout=timeout, cluster=cluster, hosts=hosts, shared_dir=shared_dir,
-                      env=MALLOC_REUSE_ENV if malloc_mode == "reuse" else None)
+        if horovod:
+            job = run_job(target, np=np_, kwargs=kwargs, controller=controller,
+                          timeout=timeout, cluster=cluster, hosts=hosts,
+                          shared_dir=shared_dir, env=env)
+        else:  # DDP's methods, as a DDP user launches them
+            job = run_torchrun_job(target, cluster, kwargs=kwargs, timeout=timeout, env=env,
+                                   np=np_)
     rows = job.results[0]
     summary = summarize_train(rows)
-    report = {**report_head("train"),
+    report = {**report_head("train"), "launcher": "horovodrun" if horovod else "torchrun",
               "bandwidth": "real" if hosts else bandwidth, "queue_ms": queue_ms,
               "ranks_per_node": ranks_per_node, "intra_bandwidth": intra_bandwidth,
               "config": {**kwargs, "malloc": malloc_mode}, "rows": rows,
@@ -204,7 +240,8 @@ def bench_train(np_, bandwidth, steps, warmup_frac, variance_refresh, refresh_fr
     shape = (f"MLP {width}x{depth}" if model == "mlp" else
              f"embedding bag {vocab}x{embed_dim} ({tokens} tokens/sample) + MLP head {width}")
     click.echo(f"model: {shape}, {rows[0]['params']:,} parameters, {batch} samples/rank/step, "
-               f"{np_} ranks, {report['bandwidth']}, Horovod waits: {wait}, malloc: {malloc_mode}")
+               f"{np_} ranks, {report['bandwidth']}, "
+               + (f"Horovod waits: {wait}" if horovod else "torchrun") + f", malloc: {malloc_mode}")
     print_table(table, [("method", "method", ""), ("phase", "phase", ""), ("steps", "steps", "d"),
                         ("median step ms", "ms", ",.1f"), ("samples/s", "sps", ",.1f"),
                         # rank 0's link counter: with nodes of several ranks, its node's link
