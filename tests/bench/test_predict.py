@@ -944,3 +944,17 @@ def test_predict_refuses_an_adam_share_past_a_calibrated_models_compute():
     proc = hvd_onebit(["bench", "predict", "--model", "mlp", "--adam-ms", "1e6"])
     assert proc.exit_code == 2 and "--adam-ms" in proc.stderr \
         and "is more than the step's compute" in proc.stderr, proc.output
+
+
+def test_predict_refuses_horovods_group_collectives_on_torchs_transport():
+    """--hierarchical-ops chooses how Horovod's collectives run the hierarchical stages; on
+    torch.distributed's transport (auto's choice) it priced nothing and was ignored."""
+    args = ["bench", "predict", "--model", "mlp", "--np", "8", "--ranks-per-node", "4",
+            "--hierarchical-ops", "group"]
+    for transport in ([], ["--transport", "torch"]):
+        proc = hvd_onebit([*args, *transport])
+        assert proc.exit_code == 2 and "--hierarchical-ops" in proc.stderr and \
+            "add --transport horovod" in proc.stderr, f"{transport}: {proc.output}"
+    priced = hvd_onebit([*args, "--transport", "horovod", "--json"])
+    assert priced.exit_code == 0 and \
+        json.loads(priced.stdout)["inputs"]["hierarchical_ops"] == "group", priced.output

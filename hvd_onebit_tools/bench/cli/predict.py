@@ -223,6 +223,11 @@ def bench_predict(calibration, nps, ranks_per_node, bandwidths, intra_bandwidth,
               adam_s=None if adam_ms is None else adam_ms / 1e3, warmup_frac=warmup_frac,
               kernel_speedup=kernel_speedup, host_speedup=host_speedup)
     transport = model_transport({"transport": transport})
+    if transport != "horovod" and hierarchical_ops != "global":
+        raise click.BadParameter("it chooses how Horovod's collectives run the hierarchical "
+                                 "stages, and the transport priced is torch.distributed's, "
+                                 "whose stages are collectives of each group already: add "
+                                 "--transport horovod", param_hint="--hierarchical-ops")
     try:
         intra_node = priced_intra_node(intra_node, transport, intra_bandwidth)
     except ValueError as exc:
