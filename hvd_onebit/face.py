@@ -74,6 +74,8 @@ class SharedFace:
         :meth:`load_error_feedback_state_dict` gives this rank's first."""
         unflushed = checkpoint.load_state_dict(self._view, self.config, self._schedule,
                                                self._telemetry, state_dict)
+        if self._engine.world == 1:
+            checkpoint.variance_for_one_rank(self._view)
         self._phases.restart()  # exp_avg tensors were replaced: re-fuse at the next step
         self._engine.expect_error_feedback(self.steps if unflushed else None)
 

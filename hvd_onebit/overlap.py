@@ -50,7 +50,9 @@ class EarlyStarts:
 CHANGES = ("a gradient changed in place (e.g. clipped or unscaled)",
            "a parameter changed in place",
            "beta1 changed (e.g. a scheduler that sets betas, such as OneCycleLR, stepped)",
-           "weight_decay changed", "maximize changed")
+           "weight_decay changed", "maximize changed",
+           "beta2 changed (the preconditioned input reads its bias correction and bound)",
+           "eps changed (the preconditioned input's denominator reads it)")
 
 
 # What changed when the gradients were zeroed at two steps in a row (see Overlap.skipped).
@@ -59,10 +61,11 @@ ZEROED = "zero_grad() was called between backward and step() at two steps in a r
 
 def inputs_of(p: torch.Tensor, group: dict) -> tuple:
     """What p's part of its bucket's input is computed from: its gradient tensor (identity and
-    in-place version), its own version (Adam's L2 decay reads it) and the options."""
+    in-place version), its own version (Adam's L2 decay reads it) and the options (beta2 and
+    eps: the preconditioned input's denominator and bound)."""
     g = p.grad
     return (g, None if g is None else g._version, p._version, group["betas"][0],
-            group["weight_decay"], bool(group.get("maximize")))
+            group["weight_decay"], bool(group.get("maximize")), group["betas"][1], group["eps"])
 
 
 class Overlap:

@@ -1,7 +1,8 @@
 """Buckets started from the gradient hooks during backward (overlap=True, the default) give the
 same bits as buckets started in step(), with several buckets, backward_passes_per_step, a
-parameter without gradients, param groups with different beta1, gradient clipping and
-GradScaler; over Horovod's transport and torch.distributed's. 2 real ranks."""
+parameter without gradients, param groups with different beta1, gradient clipping, GradScaler
+and Adam's options changed between backward and step(); over Horovod's transport and
+torch.distributed's. 2 real ranks."""
 import pytest
 
 from tests.checks import first_difference
@@ -9,7 +10,7 @@ from tests.worlds import shared_suite
 
 pytestmark = pytest.mark.multirank
 
-CASES = ["plain", "passes2", "clip", "scaler", "scaler_clip", "beta1"]
+CASES = ["plain", "passes2", "clip", "scaler", "scaler_clip", "beta1", "beta2", "eps"]
 
 
 results = shared_suite("tests.workers_overlap:suite", np=2, timeout=400)
@@ -63,7 +64,9 @@ def test_a_grad_scaler_keeps_the_overlap(results):
 @pytest.mark.parametrize("case, what", [
     ("clip", "a gradient changed in place (e.g. clipped"),
     ("scaler_clip", "a gradient changed in place (e.g. clipped"),
-    ("beta1", "beta1 changed (e.g. a scheduler that sets betas, such as OneCycleLR")])
+    ("beta1", "beta1 changed (e.g. a scheduler that sets betas, such as OneCycleLR"),
+    ("beta2", "beta2 changed (the preconditioned input reads its bias correction and bound)"),
+    ("eps", "eps changed (the preconditioned input's denominator reads it)")])
 def test_inputs_changed_after_backward_restart_once_then_start_in_step(results, case, what):
     for rank, r in enumerate(results):
         run = r[(case, True)]

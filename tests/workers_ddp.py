@@ -379,7 +379,37 @@ def flushed_checkpoint(path: str, save: bool, steps: int = 3) -> dict:
     loaded = {"steps": opt.steps, "phase": opt.phase, "params_loaded": params_of(model)}
     losses = [train_step(model, opt, step) for step in range(FREEZE + steps, FREEZE + 2 * steps)]
     return {**loaded, "losses": losses, "params": params_of(model), "steps_after": opt.steps,
-            "phase_after": opt.phase}
+            "phase_after": opt.phase, "one_rank": resumed_on_one_rank(saved, steps)}
+
+
+def resumed_on_one_rank(saved: dict, steps: int) -> Optional[dict]:
+    """The checkpoint resumed by a job of one rank (rank 0 on a group of its own): the DDP face
+    there steps as Adam, from the variance ``torch_adam_state_dict`` gives. Its parameters
+    after ``steps`` steps against plain Adam's loaded with that state, and the first step's
+    largest move of each (None on the other ranks)."""
+    one = dist.new_group([0])  # every rank makes every group
+    if dist.get_rank() != 0:
+        return None
+    model = DDP(Net(), process_group=one)
+    model.module.load_state_dict(saved["model"])
+    opt = onebit(model)
+    opt.load_state_dict(saved["opt"])
+    net = Net()
+    net.load_state_dict(saved["model"])
+    plain = adam(net)
+    plain.load_state_dict(hvd_onebit.torch_adam_state_dict(saved["opt"]))
+    start = [p.detach().clone() for p in net.parameters()]
+    moves = []
+    for k, step in enumerate(range(FREEZE + steps, FREEZE + 2 * steps)):
+        train_step(model, opt, step)
+        train_step(net, plain, step)
+        if k == 0:
+            moves = [max(float((a - b).abs().max()) for a, b in zip(m.parameters(), start))
+                     for m in (model.module, net)]
+    mine = params_of(model)
+    theirs = [p.detach().clone().numpy() for p in net.parameters()]
+    return {"differences": differences(mine, theirs, "one rank vs plain Adam"),
+            "first_moves": moves}
 
 
 def unfrozen_later(at: int, added: bool = False) -> dict:

@@ -38,7 +38,7 @@ def _batch(step: int, k: int = 0):
 def run(overlap: bool, steps: int = 9, freeze_step: int = 3, passes: int = 1,
         clip: bool = False, scaler: bool = False, transport: str = "auto",
         zero_grad_between: bool = False, clip_alone: bool = False,
-        variance_refresh=None, beta1_between: bool = False) -> dict:
+        variance_refresh=None, change_between: str = "") -> dict:
     """One training run; returns per-step parameter hashes and the engine's counters."""
     model = FourLayers()
     groups = [{"params": [p for n, p in model.named_parameters() if n.startswith("c.")],
@@ -69,9 +69,14 @@ def run(overlap: bool, steps: int = 9, freeze_step: int = 3, passes: int = 1,
                 if amp:
                     amp.unscale_(opt)
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
-            if beta1_between and opt.phase == "compression":  # as OneCycleLR's step() does
-                opt.param_groups[1]["betas"] = (0.85, opt.param_groups[1]["betas"][1])
-                beta1_between = False
+            if change_between and opt.phase == "compression":  # as OneCycleLR's step() does
+                group = opt.param_groups[1]
+                beta1, beta2 = group["betas"]
+                if change_between == "eps":
+                    group["eps"] = 1e-3
+                else:
+                    group["betas"] = (0.85, beta2) if change_between == "beta1" else (beta1, 0.99)
+                change_between = ""
             if clip_alone and opt.phase == "compression" and hvd.rank() == 1:
                 # no synchronize(): rank 1 alone clips its own gradients, in place
                 out["norms"].append(float(torch.nn.utils.clip_grad_norm_(model.parameters(),
@@ -102,7 +107,9 @@ def suite() -> dict:
         "clip": {"clip": True},
         "scaler": {"scaler": True},
         "scaler_clip": {"scaler": True, "clip": True},
-        "beta1": {"beta1_between": True},
+        "beta1": {"change_between": "beta1"},
+        "beta2": {"change_between": "beta2"},
+        "eps": {"change_between": "eps"},
     }
     out = {}
     for name, kwargs in cases.items():

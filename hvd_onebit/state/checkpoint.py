@@ -144,12 +144,34 @@ def torch_adam_state_dict(state_dict: dict) -> dict:
             group.pop(key, None)
         beta2.update({pid: float(group["betas"][1]) for pid in group["params"]})
     for pid, entry in out["state"].items():
-        frozen = int(entry.pop("frozen_variance_step", NOT_FROZEN))
-        if frozen >= 1:
-            step = float(entry["step"])
-            factor = (1 - beta2[pid] ** step) / (1 - beta2[pid] ** frozen)
-            entry["exp_avg_sq"] = entry["exp_avg_sq"] * factor
+        _as_adams_variance(entry, beta2[pid])
+        entry.pop("frozen_variance_step", None)
     return out
+
+
+def _as_adams_variance(entry: dict, beta2: float) -> None:
+    """A state entry's variance frozen (or last refreshed) at ``frozen_variance_step``, scaled
+    so that Adam's bias correction by its step count gives the denominator 1-bit Adam divides
+    by, and marked not frozen; an entry never frozen is Adam's already."""
+    frozen = int(entry.get("frozen_variance_step", NOT_FROZEN))
+    if frozen >= 1:
+        step = float(entry["step"])
+        factor = (1 - beta2 ** step) / (1 - beta2 ** frozen)
+        entry["exp_avg_sq"] = entry["exp_avg_sq"] * factor
+        entry["frozen_variance_step"] = NOT_FROZEN
+
+
+def variance_for_one_rank(view: OptimizerView) -> None:
+    """A job of one rank steps as Adam does (nothing to compress): a loaded compression-phase
+    state's frozen variances become Adam's own at their step counts, as
+    :func:`torch_adam_state_dict` gives them. Adam would otherwise divide by a variance frozen
+    early with the bias correction of the step count, a first step several times too large.
+    Saved again, the state is a warmup one's variance, which a job of several ranks freezes at
+    its step count: the same denominators."""
+    for group in view.adam.param_groups:
+        for p in group["params"]:
+            if p in view.adam.state:
+                _as_adams_variance(view.adam.state[p], float(group["betas"][1]))
 
 
 def _carried_record(param_groups: list) -> Optional[dict]:
