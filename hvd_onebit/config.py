@@ -349,12 +349,20 @@ def check_wrapped(optimizer: torch.optim.Optimizer, op_supported: bool,
                         f"wrapped by a distributed optimizer ({type(optimizer).__module__}."
                         f"{type(optimizer).__name__}, e.g. hvd.DistributedOptimizer): replace "
                         "that wrapper with this one instead of wrapping it")
-    if any(g.get("amsgrad") for g in optimizer.param_groups):
-        raise ValueError("amsgrad=True is not supported: 1-bit Adam freezes the variance, "
-                         "which amsgrad's running maximum would contradict")
+    check_no_amsgrad(optimizer.param_groups)
     if not op_supported:
         raise ValueError("hvd_onebit.DistributedOptimizer supports op=hvd.Average or hvd.Sum")
     check_positive_int("backward_passes_per_step", backward_passes_per_step)
+
+
+def check_no_amsgrad(param_groups: Iterable[dict], where: str = "") -> None:
+    """Raise ValueError if a param group has amsgrad on (``where``: whose groups, for the
+    message: a state dict being loaded, a group being added)."""
+    on = [i for i, g in enumerate(param_groups) if g.get("amsgrad")]
+    if on:
+        raise ValueError(f"amsgrad=True is not supported{where} (param group(s) {on}): 1-bit "
+                         "Adam freezes the variance, which amsgrad's running maximum would "
+                         "contradict")
 
 
 def check_one_device(params: Iterable[torch.Tensor],

@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from typing import Optional
 
+from .config import check_no_amsgrad
 from .engine import CompressedStep
 from .state import checkpoint
 from .state.adam_state import init_adam_state
@@ -97,6 +98,7 @@ class SharedFace:
                 f"cannot add parameters after the variance was frozen (step {self.steps} >= "
                 f"freeze_step {self.freeze_step}): Adam's variance for them was never "
                 "estimated. Add them during the warmup.")
+        check_no_amsgrad([param_group], " in a param group added")
         super(self.__class__, self).add_param_group(param_group)
         if constructed:  # new parameters need Adam state
             init_adam_state(self.param_groups, self.state)

@@ -291,6 +291,9 @@ def test_bad_arguments_are_clear_errors(world):
                           "[(0, 5, (1,))]", "Pass model.named_parameters()"],
         "named_consumed": ["names 0 of the optimizer's 6", "named_parameters was empty",
                            "can be read once"],
+        "amsgrad_loaded": ["amsgrad=True is not supported in the state dict loaded",
+                           "param group(s) [0]", "set each group's 'amsgrad' to False"],
+        "amsgrad_added": ["amsgrad=True is not supported in a param group added"],
     }
     if n > 1:
         wanted.update(reordered=["optimizers differ in the order, names, shapes or dtypes of "

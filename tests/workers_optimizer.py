@@ -487,6 +487,9 @@ def bad_arguments():
         "frozen_then_channels_last": lambda: steps_after_channels_last(1, freeze_first=True),
         # converted between the two backward passes of one step
         "channels_last_between_passes": lambda: channels_last_between_passes(),
+        # amsgrad brought in after construction: by a state dict, by a param group added
+        "amsgrad_loaded": lambda: amsgrad_later("loaded"),
+        "amsgrad_added": lambda: amsgrad_later("added"),
     }
     other = make_model()  # Horovod's wrapper hooks its gradients: a model of its own
     mine = make_model()  # and so does the one optimizer built here
@@ -497,6 +500,26 @@ def bad_arguments():
 
     conv = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Conv2d(4, 2, 1)).to(
         memory_format=torch.channels_last)
+
+    def amsgrad_later(how: str):
+        """A plain Adam(amsgrad=True)'s state dict loaded, or a param group with amsgrad=True
+        added: refused, the optimizer's groups as they were (else the warmup ran AMSGrad and
+        the compression phase froze exp_avg_sq, not its running maximum)."""
+        net = make_model()
+        opt = hvd_onebit.DistributedOptimizer(torch.optim.Adam(net[0].parameters()),
+                                              named_parameters=net[0].named_parameters(),
+                                              freeze_step=2)
+        before = [dict((k, v) for k, v in g.items() if k != "params") for g in opt.param_groups]
+        try:
+            if how == "loaded":
+                plain = torch.optim.Adam(net[0].parameters(), amsgrad=True)
+                opt.load_state_dict(plain.state_dict())
+            else:
+                opt.add_param_group({"params": list(net[2].parameters()), "amsgrad": True})
+        finally:
+            after = [dict((k, v) for k, v in g.items() if k != "params")
+                     for g in opt.param_groups]
+            assert after == before, f"the refused {how} changed the groups: {after}"
 
     def channels_last_between_passes():
         """backward_passes_per_step=2, the one (4-D) parameter made channels_last between the

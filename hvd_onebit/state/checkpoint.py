@@ -23,7 +23,7 @@ import json
 import warnings
 from typing import Optional
 
-from ..config import OneBitConfig
+from ..config import OneBitConfig, check_no_amsgrad
 from ..engine import NOT_FROZEN
 from ..low_precision import float32_state_in
 from ..optimizer_view import OptimizerView
@@ -72,6 +72,8 @@ def load_state_dict(view: OptimizerView, config: OneBitConfig, schedule: Schedul
     this optimizer's takes the record param group 0 carries (``RECORD_KEY``) where there is one.
     The caller drops its collectives after. Returns whether the checkpoint was saved with
     error feedback not delivered yet (which it does not hold)."""
+    check_no_amsgrad(state_dict["param_groups"], " in the state dict loaded (set each group's "
+                     "'amsgrad' to False to load it; Adam's own state then loads as it is)")
     state_dict = dict(state_dict)
     meta = state_dict.pop(KEY, None)
     carried = _carried_record(state_dict["param_groups"])
