@@ -17,6 +17,7 @@ from typing import Any, Iterable, Mapping, Optional, Union
 import torch
 
 from .step_bound import ADAM as ADAM_BOUND, StepBound, validate as validate_step_bound
+from .param_groups import check_no_amsgrad
 from .values import check_positive_int, check_positive_number, is_int
 from .variance_refresh import DOUBLING, RefreshSchedule
 
@@ -353,16 +354,6 @@ def check_wrapped(optimizer: torch.optim.Optimizer, op_supported: bool,
     if not op_supported:
         raise ValueError("hvd_onebit.DistributedOptimizer supports op=hvd.Average or hvd.Sum")
     check_positive_int("backward_passes_per_step", backward_passes_per_step)
-
-
-def check_no_amsgrad(param_groups: Iterable[dict], where: str = "") -> None:
-    """Raise ValueError if a param group has amsgrad on (``where``: whose groups, for the
-    message: a state dict being loaded, a group being added)."""
-    on = [i for i, g in enumerate(param_groups) if g.get("amsgrad")]
-    if on:
-        raise ValueError(f"amsgrad=True is not supported{where} (param group(s) {on}): 1-bit "
-                         "Adam freezes the variance, which amsgrad's running maximum would "
-                         "contradict")
 
 
 def check_one_device(params: Iterable[torch.Tensor],

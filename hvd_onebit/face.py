@@ -11,8 +11,8 @@ from __future__ import annotations
 import time
 from typing import Optional
 
-from .config import check_no_amsgrad
 from .engine import CompressedStep
+from .param_groups import check_no_amsgrad
 from .state import checkpoint
 from .state.adam_state import init_adam_state
 from .state.schedule import COMPRESSION
@@ -74,9 +74,8 @@ class SharedFace:
         not flushed warns at the next compressed step unless
         :meth:`load_error_feedback_state_dict` gives this rank's first."""
         unflushed = checkpoint.load_state_dict(self._view, self.config, self._schedule,
-                                               self._telemetry, state_dict)
-        if self._engine.world == 1:
-            checkpoint.variance_for_one_rank(self._view)
+                                               self._telemetry, state_dict,
+                                               one_rank=self._engine.world == 1)
         self._phases.restart()  # exp_avg tensors were replaced: re-fuse at the next step
         self._engine.expect_error_feedback(self.steps if unflushed else None)
 

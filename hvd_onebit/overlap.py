@@ -64,8 +64,16 @@ def inputs_of(p: torch.Tensor, group: dict) -> tuple:
     in-place version), its own version (Adam's L2 decay reads it) and the options (beta2 and
     eps: the preconditioned input's denominator and bound)."""
     g = p.grad
-    return (g, None if g is None else g._version, p._version, group["betas"][0],
-            group["weight_decay"], bool(group.get("maximize")), group["betas"][1], group["eps"])
+    beta1, beta2 = group["betas"]
+    return (g, None if g is None else g._version, p._version, _option(beta1),
+            _option(group["weight_decay"]), bool(group.get("maximize")), _option(beta2),
+            _option(group["eps"]))
+
+
+def _option(value):
+    """An option as inputs_of compares it: a number, or a tensor with its in-place version (one
+    changed in place, ``betas[1].fill_(...)``, is another value)."""
+    return (value, value._version) if isinstance(value, torch.Tensor) else value
 
 
 class Overlap:

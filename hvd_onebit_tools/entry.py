@@ -1,10 +1,13 @@
 """The `hvd-onebit` console script: the CLI needs the tools extra (click); say so when it is
 missing instead of a traceback. A benchmark's job that fails ends the command with what its
-ranks said, without the command's own traceback around it. SIGTERM (a scheduler's, `timeout`'s)
-unwinds as Ctrl-C does: the jobs a command started are stopped and its emulated cluster
-removed, and the command exits 143."""
+ranks said, without the command's own traceback around it. In the commands that start jobs
+(`bench`, `cluster`), SIGTERM (a scheduler's, `timeout`'s) unwinds as Ctrl-C does: the jobs
+are stopped and the emulated cluster removed, and the command exits 143. Elsewhere (`check`,
+a rank of a launched job among them) SIGTERM keeps its default: a process blocked in a
+collective ends at once."""
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import sys
 
@@ -16,8 +19,10 @@ def main() -> None:
     from .cluster.jobs import LaunchError, RankFailure
     from .cluster.processes import EXIT_SIGTERM, Terminated, sigterm_unwinds
 
+    words = [a for a in sys.argv[1:] if not a.startswith("-")]
+    starts_jobs = bool(words) and words[0] in ("bench", "cluster")
     try:
-        with sigterm_unwinds():
+        with sigterm_unwinds() if starts_jobs else contextlib.nullcontext():
             cli_main()
     except (RankFailure, LaunchError) as exc:
         sys.exit(f"hvd-onebit: {exc}")

@@ -292,7 +292,7 @@ def test_bad_arguments_are_clear_errors(world):
         "named_consumed": ["names 0 of the optimizer's 6", "named_parameters was empty",
                            "can be read once"],
         "amsgrad_loaded": ["amsgrad=True is not supported in the state dict loaded",
-                           "param group(s) [0]", "set each group's 'amsgrad' to False"],
+                           "param group(s) [0]", "set its groups' 'amsgrad' to False"],
         "amsgrad_added": ["amsgrad=True is not supported in a param group added"],
     }
     if n > 1:

@@ -1,58 +1,35 @@
-"""Jobs under torchrun (``python -m torch.distributed.run``), the DDP face's launcher: the test
-side starts one and collects each rank's result; the rank side (``python -m
-tests.torchrun_jobs TARGET WORKDIR``, what torchrun starts on every rank) sets up Gloo and calls
-the target; ``python -m tests.torchrun_jobs --script SCRIPT ARGS`` runs a user's script in
-each rank instead. Horovod is blocked in the ranks, so whatever runs there runs without it.
-
-A rank's result comes back pickled through the job's folder, as in
-:mod:`hvd_onebit_tools.cluster.jobs`, whose process clean-up (every process carrying the job's
-token is killed) and failure report (:class:`RankFailure`) this reuses.
+"""Jobs under torchrun (``python -m torch.distributed.run``), the DDP face's launcher: a
+target function on every rank through the library's
+:func:`hvd_onebit_tools.cluster.torchrun.run_torchrun_job` (Gloo set up, the result pickled
+back); ``python -m tests.torchrun_jobs --script SCRIPT ARGS`` runs a user's script in each rank
+instead, with :mod:`hvd_onebit_tools.cluster.jobs`'s process clean-up (every process carrying
+the job's token is killed). Horovod is blocked in the ranks, so whatever runs there runs
+without it.
 """
 from __future__ import annotations
 
-import pickle
-import shutil
 import subprocess
 import sys
-import tempfile
-import time
 import uuid
 from pathlib import Path
 from typing import Optional
 
-from hvd_onebit_tools.cluster.torchrun import block_horovod, rank_main
+from hvd_onebit_tools.cluster.torchrun import block_horovod, rank_main, torchrun_command
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-def torchrun_command(np: int, argv: list[str], max_restarts: int = 0) -> list[str]:
-    """The command line that starts ``argv`` (a script and its arguments, or ``-m module
-    ...``) on ``np`` local ranks, as a user starts a DDP job on one machine; torchrun starts the
-    whole group again up to ``max_restarts`` times when a worker fails."""
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-            f"--nproc_per_node={np}", f"--max-restarts={max_restarts}"] + argv
 
 
 def run_torchrun_job(target: str, np: int = 2, kwargs: Optional[dict] = None,
                      timeout: float = 180.0, env: Optional[dict] = None):
     """Run ``target`` ("module:function", called as ``function(**kwargs)`` once Gloo is set up)
-    on ``np`` ranks under torchrun; a :class:`~hvd_onebit_tools.cluster.jobs.JobResult` with the
-    results in rank order. Raises RankFailure when a rank raised, died or ran past ``timeout``."""
-    from hvd_onebit_tools.cluster.jobs import JobResult, _collect, job_environment, wait_for_job
+    on ``np`` ranks of this machine under torchrun, Horovod blocked in them (the library's
+    :func:`hvd_onebit_tools.cluster.torchrun.run_torchrun_job`); a
+    :class:`~hvd_onebit_tools.cluster.jobs.JobResult` with the results in rank order. Raises
+    RankFailure when a rank raised, died or ran past ``timeout``."""
+    from hvd_onebit_tools.cluster import torchrun
 
-    workdir = Path(tempfile.mkdtemp(prefix="hvd_onebit_torchrun_"))
-    try:
-        (workdir / "kwargs.pkl").write_bytes(pickle.dumps(kwargs or {}))
-        token = uuid.uuid4().hex
-        start = time.monotonic()
-        with open(workdir / "output.log", "wb") as log:
-            rc = wait_for_job(
-                torchrun_command(np, ["-m", "tests.torchrun_jobs", target, str(workdir)]), token,
-                job_environment(token, extra=env, import_roots=[REPO]), timeout, log, str(REPO))
-        results = _collect(workdir, np, rc, rc is None, timeout, target, "torchrun")
-        return JobResult(results=results, wall_seconds=time.monotonic() - start)
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
+    return torchrun.run_torchrun_job(target, None, kwargs=kwargs, timeout=timeout, env=env,
+                                     np=np)
 
 
 def run_torchrun_script(np: int, script: Path, args: list[str], max_restarts: int = 0,

@@ -23,10 +23,11 @@ import json
 import warnings
 from typing import Optional
 
-from ..config import OneBitConfig, check_no_amsgrad
+from ..config import OneBitConfig
 from ..engine import NOT_FROZEN
 from ..low_precision import float32_state_in
 from ..optimizer_view import OptimizerView
+from ..param_groups import check_no_amsgrad
 from .adam_state import init_adam_state
 from .schedule import FREEZE_KEY, LOADS_KEY, RECORD_KEY, STEP_KEY, Schedule
 from .sent_record import FIGURES_KEY, offer
@@ -60,7 +61,7 @@ def state_dict(view: OptimizerView, config: OneBitConfig, schedule: Schedule,
 
 
 def load_state_dict(view: OptimizerView, config: OneBitConfig, schedule: Schedule,
-                    telemetry: Telemetry, state_dict: dict) -> bool:
+                    telemetry: Telemetry, state_dict: dict, one_rank: bool = False) -> bool:
     """Load a :func:`state_dict`. A checkpoint taken in the compression phase stays there: its
     variance was frozen at its own ``freeze_step``, which wins over the optimizer's (with a
     warning when they differ, or when the optimizer's is "auto" and the checkpoint's was not).
@@ -70,11 +71,15 @@ def load_state_dict(view: OptimizerView, config: OneBitConfig, schedule: Schedul
     one. A state dict without the 1-bit record is this optimizer's if its step counts agree,
     else torch.optim's, a warmup checkpoint at its Adam step count (:func:`_own_without_record`);
     this optimizer's takes the record param group 0 carries (``RECORD_KEY``) where there is one.
-    The caller drops its collectives after. Returns whether the checkpoint was saved with
-    error feedback not delivered yet (which it does not hold)."""
-    check_no_amsgrad(state_dict["param_groups"], " in the state dict loaded (set each group's "
-                     "'amsgrad' to False to load it; Adam's own state then loads as it is)")
+    ``one_rank``: a job of one rank, which steps as Adam (:func:`variance_for_one_rank`), and
+    for which the freeze step says nothing. The caller drops its collectives after. Returns
+    whether the checkpoint was saved with error feedback not delivered yet (which it does not
+    hold)."""
+    check_no_amsgrad(state_dict["param_groups"], " in the state dict loaded (set its groups' "
+                     "'amsgrad' to False to load it: amsgrad's running maxima are then left out)")
     state_dict = dict(state_dict)
+    state_dict["state"] = {pid: {k: v for k, v in entry.items() if k != "max_exp_avg_sq"}
+                           for pid, entry in state_dict["state"].items()}
     meta = state_dict.pop(KEY, None)
     carried = _carried_record(state_dict["param_groups"])
     state_dict["param_groups"] = [{k: v for k, v in g.items() if k != RECORD_KEY}
@@ -105,20 +110,21 @@ def load_state_dict(view: OptimizerView, config: OneBitConfig, schedule: Schedul
         _warn_if_other_step_bound(meta, config.step_bound)
     record = meta or {}
     steps = schedule.steps
+    say = (lambda text: None) if one_rank else warnings.warn  # one rank: Adam, never frozen
     if saved is not None and steps >= int(saved):
         if mine is not None and int(saved) != mine:
-            warnings.warn(
+            say(
                 f"hvd_onebit: the checkpoint is in the compression phase (step "
                 f"{steps}, frozen at freeze_step={saved}); it keeps "
                 f"its frozen variance and freeze_step={saved}, not {mine}")
         elif mine is None and not (record.get("auto_freeze")
                                    or record.get("auto_freeze_left_out")):
-            warnings.warn(
+            say(
                 f"hvd_onebit: the checkpoint is in the compression phase (step {steps}, "
                 f"frozen at freeze_step={saved}); freeze_step='auto' has nothing left to decide")
         schedule.freeze_step = int(saved)
     elif mine is not None and steps > mine:
-        warnings.warn(
+        say(
             f"hvd_onebit: the checkpoint is in the warmup at step {steps}, past "
             f"freeze_step={mine}: the variance freezes now, at freeze_step={steps}")
         schedule.freeze_step = steps
@@ -129,6 +135,8 @@ def load_state_dict(view: OptimizerView, config: OneBitConfig, schedule: Schedul
     schedule.load_monitor(record.get("auto_freeze")
                           or {"decision": record.get("auto_freeze_decision")})
     init_adam_state(view.adam.param_groups, view.adam.state)
+    if one_rank:
+        variance_for_one_rank(view)
     return bool(record.get("unflushed_error_feedback", False))
 
 

@@ -26,8 +26,12 @@ DEFAULT_METHODS = ("fp32", "fp16", "onebit")
 
 def _iface_tx_bytes() -> Optional[int]:
     """This rank's own link counter, when it has a link of its own (emulated cluster: the
-    interface Horovod's Gloo is kept on, or torchrun's)."""
-    iface = os.environ.get("HOROVOD_GLOO_IFACE") or os.environ.get("GLOO_SOCKET_IFNAME", "")
+    interface Horovod's Gloo is kept on, or torchrun's when it is the emulator's; a user's own
+    GLOO_SOCKET_IFNAME on this machine counts other traffic than the job's, on loopback)."""
+    from ..cluster.network import IFACE
+
+    gloo = os.environ.get("GLOO_SOCKET_IFNAME", "")
+    iface = os.environ.get("HOROVOD_GLOO_IFACE") or (gloo if gloo == IFACE else "")
     path = Path(f"/sys/class/net/{iface}/statistics/tx_bytes")
     if not iface or iface == "lo" or not path.exists():
         return None

@@ -74,8 +74,8 @@ from .refresh import (freeze_step_for, option_text, optimizer_options, run_steps
                       whole_run_ceilings)
 from .train_ddp import DDP_METHODS, ddp_summary, make_ddp_method
 from .waits import WAITS
-from .world import World
 from .waits import sleeping_horovod_waits as _sleeping_horovod_waits  # noqa: F401 (zoo)
+from .world import World
 
 # glibc serves allocations above 32 MiB (and, after heap trims, smaller ones) with fresh mmap()s,
 # so a training step that allocates its gradients anew page-faults and zero-fills tens of MB each

@@ -49,9 +49,10 @@ class LaunchError(RuntimeError):
 
 NO_HOROVOD = ("this command runs its ranks as a Horovod job, and Horovod does not import in this "
               "Python ({python}): install Horovod built against the installed torch "
-              "(docs/install.md, Horovod). Without Horovod: `hvd-onebit bench predict`, "
-              "`bench dev kernel`, `bench dev memory --world inprocess` and `bench dev zoo "
-              "--face ddp`")
+              "(docs/install.md, Horovod). Without Horovod: `hvd-onebit check`, `bench train` "
+              "(DDP's methods, under torchrun), `bench predict`, `bench dev kernel`, `bench dev "
+              "memory --world inprocess`, `bench dev zoo --face ddp` and `cluster run "
+              "--torchrun`")
 
 
 def launcher(name: str) -> str:

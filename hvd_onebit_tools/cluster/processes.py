@@ -23,6 +23,7 @@ class Terminated(BaseException):
 
 
 def _raise_terminated(signum, frame):
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one must not cut the clean-up short
     raise Terminated()
 
 

@@ -44,11 +44,12 @@ def torchrun_commands(cluster, argv: Sequence[str], port: int) -> list[list[str]
              "--max_restarts=0", *argv] for k in range(cluster.nodes)]
 
 
-def torchrun_command(np: int, argv: Sequence[str]) -> list[str]:
+def torchrun_command(np: int, argv: Sequence[str], max_restarts: int = 0) -> list[str]:
     """The command line that starts ``argv`` (a script and its arguments, or ``-m module ...``)
-    on ``np`` local ranks, as a user starts a DDP job on one machine."""
+    on ``np`` local ranks, as a user starts a DDP job on one machine; torchrun starts the whole
+    group again up to ``max_restarts`` times when a worker fails."""
     return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-            f"--nproc_per_node={np}", *argv]
+            f"--nproc_per_node={np}", f"--max-restarts={max_restarts}", *argv]
 
 
 def run_torchrun(cluster, argv: Sequence[str], env: Optional[Mapping[str, str]] = None,

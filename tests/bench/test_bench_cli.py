@@ -418,6 +418,27 @@ def test_sigterm_stops_the_job_a_bench_command_started(tmp_path):
         f"ranks seen {ranks}, exit {proc.returncode}, processes left {alive}: {err[-1500:]}"
 
 
+def test_a_second_sigterm_does_not_cut_the_clean_up_short():
+    """The first SIGTERM unwinds; one more during the clean-up it runs (killing the job, taking
+    the emulated cluster down) is ignored until the clean-up is done."""
+    script = ("import os, signal, time\n"
+              "from hvd_onebit_tools.cluster.processes import Terminated, sigterm_unwinds\n"
+              "done = False\n"
+              "try:\n"
+              "    with sigterm_unwinds():\n"
+              "        try:\n"
+              "            os.kill(os.getpid(), signal.SIGTERM); time.sleep(5)\n"
+              "        finally:\n"
+              "            os.kill(os.getpid(), signal.SIGTERM); time.sleep(0.2); done = True\n"
+              "except Terminated:\n"
+              "    print('clean-up done:', done, 'handler back:',\n"
+              "          signal.getsignal(signal.SIGTERM) is signal.SIG_DFL)\n")
+    proc = subprocess.run(CLI[:1] + ["-c", script], capture_output=True, text=True, timeout=60,
+                          cwd=REPO)
+    assert proc.stdout.strip() == "clean-up done: True handler back: True", \
+        f"exit {proc.returncode}: {proc.stdout!r} {proc.stderr[-1000:]!r}"
+
+
 def descendants(pid: int) -> list:
     """The processes under ``pid`` (read from /proc), children first."""
     parents = {}
@@ -655,15 +676,20 @@ def test_bench_train_without_horovod_runs_ddps_methods_under_torchrun():
         "horovod_fp32, horovod_fp16, onebit, onebit_refresh left out" in proc.stderr, \
         f"(launcher, methods, ddp_onebit's compressed steps) {got}; stderr {proc.stderr[-800:]}"
     named = without_horovod("bench", "train", "--np", "2", "--methods", "ddp_adam,onebit")
-    assert named.returncode == 2 and "onebit need Horovod" in named.stderr and \
+    assert named.returncode == 2 and "onebit needs Horovod" in named.stderr and \
         "local, ddp_adam, ddp_onebit, ddp_powersgd, which run under torchrun" in named.stderr, \
         f"exit {named.returncode}: {named.stderr[-800:]}"
-    horovod_only = without_horovod("bench", "allreduce", "--np", "2", "--numel", "4096")
-    assert horovod_only.returncode == 1 and "hvd-onebit: this command runs its ranks as a " \
-        "Horovod job" in horovod_only.stderr and "Traceback" not in horovod_only.stderr, \
-        f"exit {horovod_only.returncode}, stderr:\n{horovod_only.stderr[-2000:]}"
+    for args in (["allreduce", "--np", "2", "--numel", "4096"], ["dev", "memory"],
+                 ["dev", "zoo", "--families", "mlp"]):
+        horovod_only = without_horovod("bench", *args)
+        assert horovod_only.returncode == 2 and "Error: this command runs its ranks as a " \
+            "Horovod job" in horovod_only.stderr and "Traceback" not in horovod_only.stderr, \
+            f"bench {' '.join(args)}: exit {horovod_only.returncode}, stderr:\n" \
+            f"{horovod_only.stderr[-2000:]}"
 
 
+@pytest.mark.skipif(not (Path(sys.executable).parent / "horovodrun").is_file(),
+                    reason="Horovod's launcher is not installed beside this Python")
 def test_the_launcher_is_the_one_beside_this_python_activated_or_not(tmp_path, monkeypatch):
     """`.venv/bin/hvd-onebit` run without activating the environment launches that
     environment's horovodrun, which PATH does not hold; a launcher found nowhere is named."""

@@ -6,7 +6,7 @@ import click
 from ..allreduce import DEFAULT_METHODS, METHODS, summarize
 from ..report import print_table, report_head
 from .options import (Finite, check_real_cluster, cluster_for, comma_list, emit, link_rates,
-                      need_two_ranks, nodes_options, np_option, out_option, plot_file,
+                      need_horovod, need_two_ranks, nodes_options, np_option, out_option, plot_file,
                       positive_count, queue_option, real_cluster_options)
 
 
@@ -54,6 +54,7 @@ def bench_allreduce(nps, sizes, bandwidths, methods, repeats, controller, hosts,
         raise click.BadParameter(f"{','.join(methods)!r}: name each method once",
                                  param_hint="--methods")
     need_two_ranks(nps, "an allreduce job")
+    need_horovod()
     check_real_cluster(hosts, shared_dir)
     if "onebit_mpi" in methods and (controller != "mpi" or any(b != "local" for b in bandwidths)):
         raise click.BadParameter("onebit_mpi needs --controller mpi and --bandwidth local")

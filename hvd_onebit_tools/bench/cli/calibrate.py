@@ -6,8 +6,8 @@ import math
 
 import click
 
-from .options import (link_rate, need_two_ranks, np_option, output_file, parse_count,
-                      queue_option)
+from .options import (link_rate, need_horovod, need_two_ranks, np_option, output_file,
+                      parse_count, queue_option)
 
 
 def process_counts(ctx, param, value) -> list[int]:
@@ -68,6 +68,7 @@ def bench_calibrate(out, procs, nps, link, numel, repeats, queue_ms, as_json) ->
     from ..predict.constants import constants
 
     check_worlds(nps, numel)
+    need_horovod()
     cal = calibrate(procs=tuple(procs), nps=tuple(nps), link=link, numel=numel,
                     repeats=repeats, queue_ms=queue_ms, progress=lambda s: click.echo(s, err=True))
     path = save(cal, out or DEFAULT_PATH)

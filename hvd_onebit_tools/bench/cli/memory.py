@@ -6,8 +6,8 @@ from typing import Optional
 import click
 
 from ..report import print_table, report_head
-from .options import (Finite, cluster_for, emit, link_rate, need_two_ranks, np_option,
-                      out_option)
+from .options import (Finite, cluster_for, emit, link_rate, need_horovod, need_two_ranks,
+                      np_option, out_option)
 
 
 @click.command("memory")
@@ -57,6 +57,8 @@ def bench_memory_command(np_: int, bandwidth: str, layers: int, width: int, warm
         raise click.BadParameter("this torch sees no CUDA device (torch.cuda.is_available() "
                                  "is False)", param_hint="--device")
     need_two_ranks(np_, "the compression phase's memory")
+    if transport == "horovod":
+        need_horovod()
     if transport == "inprocess" and bandwidth not in ("local", "none", ""):
         raise click.UsageError("--bandwidth emulates links between processes: --world horovod")
     if transport == "inprocess" and refresh is not None:

@@ -85,6 +85,18 @@ def parse_np(text, one: bool = False) -> list:
     return nps
 
 
+def need_horovod() -> None:
+    """Refuse, before anything is set up (an emulated cluster), a command whose ranks are a
+    Horovod job where Horovod does not import."""
+    import importlib.util
+    import sys
+
+    from ...cluster.jobs import NO_HOROVOD
+
+    if importlib.util.find_spec("horovod") is None:
+        raise click.UsageError(NO_HOROVOD.format(python=sys.executable))
+
+
 def need_two_ranks(nps, what: str) -> None:
     """Refuse a --np under 2 where ``what`` (the command's job) times what the ranks send."""
     least = min(nps) if isinstance(nps, (list, tuple)) else nps

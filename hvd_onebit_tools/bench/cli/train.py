@@ -40,7 +40,8 @@ def _without_horovod(methods: list, hosts) -> list:
         click.echo(f"note: Horovod does not import in this Python: {', '.join(needs)} left "
                    f"out, {', '.join(kept)} run under torchrun", err=True)
         return kept
-    raise click.BadParameter(f"{', '.join(needs)} need Horovod, which does not import in this "
+    raise click.BadParameter(f"{', '.join(needs)} need{'s' if len(needs) == 1 else ''} "
+                             "Horovod, which does not import in this "
                              f"Python ({sys.executable}): install it (docs/install.md), or "
                              f"choose from {', '.join(HOROVOD_FREE)}, which run under torchrun",
                              param_hint="--methods")

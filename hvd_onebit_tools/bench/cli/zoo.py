@@ -5,7 +5,8 @@ import json
 
 import click
 
-from .options import Finite, cluster_for, comma_list, link_rate, need_two_ranks, np_option
+from .options import (Finite, cluster_for, comma_list, link_rate, need_horovod, need_two_ranks,
+                      np_option)
 
 
 @click.command("zoo")
@@ -78,6 +79,8 @@ def bench_zoo(families, schemes, seeds, freezes, lrs, steps, batch, np_, face, b
     from ..zoo.report import write_report
 
     need_two_ranks(np_, "a comparison with Adam")
+    if face == "horovod" and not report_only:
+        need_horovod()
     if against is not None and against not in SCHEMES:
         raise click.BadParameter(f"unknown scheme {against!r}; choose from "
                                  f"{', '.join(SCHEMES)}", param_hint="--against")
@@ -111,11 +114,11 @@ def bench_zoo(families, schemes, seeds, freezes, lrs, steps, batch, np_, face, b
         from ..zoo.report import json_safe
         from ..zoo.runner import RESULTS, read_cells
 
-        from ..report import command_line, provenance
+        from ..report import report_head
 
         others = {d: read_cells(Path(d) / RESULTS) for d in against_face}
         result = against_faces(read_cells(out / RESULTS), others, metric)
-        result.update(command=command_line(), **provenance())
+        result.update(report_head("zoo_faces"))
         (out / "faces.json").write_text(json.dumps(json_safe(result), indent=1))
         if not as_json:
             click.echo()

@@ -28,7 +28,7 @@ import sys
 from pathlib import Path
 from typing import Iterable, Optional
 
-from ..report import command_line, print_table, provenance
+from ..report import print_table, report_head
 from . import pairs
 from .grid import ADAM, FREEZES, LR_RULES, reference_key
 from .models import FAMILIES
@@ -296,7 +296,7 @@ def write_report(out_dir: Path, metric: str = "final", plot: bool = True,
         raise FileNotFoundError(f"no zoo results in {out_dir / RESULTS}")
     summary = summarize(records, metric)
     # where the report was made (the runs' own commit is the caller's to record)
-    summary["report_provenance"] = {"command": command_line(), **provenance()}
+    summary["report_provenance"] = report_head("zoo")
     rows = compare(records, metric)
     if plot and rows:
         png = out_dir / "heat_map.png"
