@@ -9,8 +9,6 @@ This module imports nothing of the library above its base layer.
 """
 from __future__ import annotations
 
-import numbers
-
 from dataclasses import dataclass, fields
 from typing import Any, Iterable, Mapping, Optional, Union
 
@@ -18,7 +16,7 @@ import torch
 
 from .step_bound import ADAM as ADAM_BOUND, StepBound, validate as validate_step_bound
 from .param_groups import check_no_amsgrad
-from .values import check_positive_int, check_positive_number, is_int
+from .values import check_positive_int, check_positive_number, is_int, plain_number
 from .variance_refresh import DOUBLING, RefreshSchedule
 
 
@@ -239,8 +237,8 @@ class OneBitConfig:
         elif not isinstance(experimental, Experimental):
             raise TypeError(f"experimental must be an hvd_onebit.Experimental, got "
                             f"{type(experimental).__name__}")
-        if isinstance(freeze_step, numbers.Integral) and not isinstance(freeze_step, bool):
-            freeze_step = int(freeze_step)  # e.g. numpy's int64 from a computed run length
+        freeze_step, block_size, check_every, bucket_size_mb = map(
+            plain_number, (freeze_step, block_size, check_every, bucket_size_mb))
         auto = isinstance(freeze_step, str) and freeze_step == AUTO
         if not auto and experimental.auto_freeze is not None:
             raise ValueError("Experimental auto_freeze options apply only with "

@@ -10,6 +10,16 @@ def is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def plain_number(value):
+    """A numpy (or any ``numbers.Real``) scalar as Python's int or float, e.g. a run length
+    computed with numpy; a bool or anything else as it is, for the checks to refuse."""
+    import numbers
+
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        return int(value) if isinstance(value, numbers.Integral) else float(value)
+    return value
+
+
 def is_number(value) -> bool:
     """A finite int or float that is not a bool."""
     return (isinstance(value, (int, float)) and not isinstance(value, bool)

@@ -298,6 +298,24 @@ def test_refusals_are_clear_on_every_rank(world):
         for case, part in wanted.items():
             assert r[case].split(":")[0] in ("ValueError", "TypeError") and part in r[case], \
                 f"n={n} rank {rank} {case}: {r[case]!r}, want it to say {part!r}"
+        if n == 4:  # two replicas over the pairs {0, 1} and {2, 3}
+            pairs, pair = r["pairs"], "[0, 1]" if rank < 2 else "[2, 3]"
+            crossed = f"[{rank % 2}, {rank % 2 + 2}]"
+            wanted = {"crossed": f"process_group holds ranks {crossed}, the DDP model averages "
+                                 f"over {pair}: they must be the same ranks",
+                      "not_member": ("process_group holds ranks [0], the DDP model averages "
+                                     "over [0, 1]" if rank == 0 else
+                                     "process_group does not hold this rank"),
+                      "hierarchical": "hierarchical 1-bit runs on every rank of the job: the "
+                                      "group has 2 of 4"}
+            for case, part in wanted.items():
+                assert pairs[case].startswith("ValueError") and part in pairs[case], \
+                    f"rank {rank} {case}: {pairs[case]!r}, want it to say {part!r}"
+            assert len(pairs["auto"]) == 1 and "hierarchical='auto' stays flat on a group of " \
+                "2 of the job's 4 ranks" in pairs["auto"][0] and pairs["pair_identical"] and \
+                pairs["phase"] == "compression", \
+                f"rank {rank}: hierarchical='auto' on a pair: warnings {pairs['auto']}, the " \
+                f"pair the same bits: {pairs['pair_identical']}, phase {pairs['phase']}"
 
 
 @pytest.mark.multirank

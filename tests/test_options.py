@@ -179,3 +179,22 @@ def test_freeze_step_takes_any_integral_count_and_refuses_tensors_and_bools():
     for value in (torch.tensor(3), True, np.float64(3.0)):
         with pytest.raises(ValueError, match="freeze_step must be a positive int"):
             OneBitConfig.from_options(value)
+
+
+def test_the_counts_and_sizes_take_numpy_scalars_as_freeze_step_does():
+    """A run's numbers computed with numpy (block size, check interval, bucket MiB) read as
+    Python's own: they were refused with messages that looked self-contradictory ("must be a
+    positive number of MiB, got np.float32(64.0)")."""
+    import numpy as np
+
+    config = OneBitConfig.from_options(3, block_size=np.int64(256), check_every=np.int32(10),
+                                       bucket_size_mb=np.float32(16.0))
+    got = {k: (getattr(config, k), type(getattr(config, k)).__name__)
+           for k in ("block_size", "check_every", "bucket_size_mb")}
+    assert got == {"block_size": (256, "int"), "check_every": (10, "int"),
+                   "bucket_size_mb": (16.0, "float")}, got
+    for options, message in (({"block_size": np.float64(512.0)}, "block_size must be None"),
+                             ({"check_every": np.bool_(True)}, "check_every must be"),
+                             ({"block_size": True}, "block_size must be None")):
+        with pytest.raises(ValueError, match=message):
+            OneBitConfig.from_options(3, **options)

@@ -826,10 +826,41 @@ def refusals() -> dict:
     out["after_join"] = joined_opt.steps
     with torch.no_grad():  # evaluation after join() is left alone
         joined(batch(0, 0)[0])
+    if dist.get_world_size() == 4:
+        out["pairs"] = pairs_of_replicas()
     # the refusals left the model as it was: it takes the face afterwards
     opt = onebit(model)
     train_step(model, opt, 0)
     out["after"] = opt.steps
+    return out
+
+
+def pairs_of_replicas() -> dict:
+    """At 4 ranks, DDP over the pairs {0, 1} and {2, 3} (two replicas of a model, as in 2-D
+    parallelism): a process_group of other ranks, or one that does not hold this rank, and
+    hierarchical=True are refused; "auto" warns and trains the pair flat. Whether each pair's
+    parameters are then the same bits."""
+    rank = dist.get_rank()
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank makes every group
+    crossed = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    solo = dist.new_group([0])  # NON_GROUP_MEMBER on ranks 1 to 3
+    mine = pairs[rank // 2]
+    torch.manual_seed(0)
+    model = DDP(Net(), process_group=mine)
+    out = {"crossed": refused(lambda: onebit(model, process_group=crossed[rank % 2])),
+           "not_member": refused(lambda: onebit(model, process_group=solo)),
+           "hierarchical": refused(lambda: onebit(model, hierarchical=True))}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt = onebit(model, hierarchical="auto")
+    for step in range(FREEZE + 2):
+        train_step(model, opt, step)
+    out["auto"] = [str(w.message) for w in caught if "hierarchical" in str(w.message)]
+    out["phase"] = opt.phase
+    flat = torch.cat([p.detach().reshape(-1) for p in model.module.parameters()])
+    both = [torch.empty_like(flat) for _ in range(2)]
+    dist.all_gather(both, flat, group=mine)
+    out["pair_identical"] = bool(torch.equal(both[0], both[1]))
     return out
 
 

@@ -142,6 +142,10 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model, *,
         raise TypeError("hvd_onebit.ddp.DistributedOptimizer takes no transport: the momentum "
                         "travels on torch.distributed, on the DDP model's group (or "
                         "process_group)")
+    if process_group is dist.GroupMember.NON_GROUP_MEMBER:
+        raise ValueError("process_group does not hold this rank (dist.new_group gives the ranks "
+                         "outside a group GroupMember.NON_GROUP_MEMBER): pass each rank the "
+                         "group its DDP model averages over, or None for the model's own")
     if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
         raise TypeError(f"process_group must be a torch.distributed ProcessGroup (e.g. "
                         f"dist.new_group(ranks)) or None, got {process_group!r}")

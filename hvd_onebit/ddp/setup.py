@@ -3,6 +3,7 @@ and the job (each a clear error on every rank, before anything is registered), t
 the face delegates to and its hook on the model."""
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -73,13 +74,18 @@ def check(model, param_groups: list[dict], process_group, config: OneBitConfig):
             f"{strangers[:4]}{' ...' if len(strangers) > 4 else ''}); build the optimizer from "
             "model.parameters() of the DDP model you pass")
     group = model.process_group if process_group is None else process_group
-    if dist.get_world_size(group) != dist.get_world_size(model.process_group):
-        raise ValueError(f"process_group has {dist.get_world_size(group)} ranks, the DDP model "
-                         f"averages over {dist.get_world_size(model.process_group)}: they must "
-                         "be the same ranks")
-    if config.hierarchical is not False and dist.get_world_size(group) != dist.get_world_size():
+    ours, ddps = (dist.get_process_group_ranks(g) for g in (group, model.process_group))
+    if sorted(ours) != sorted(ddps):
+        raise ValueError(f"process_group holds ranks {short(ours)}, the DDP model averages over "
+                         f"{short(ddps)}: they must be the same ranks (else DDP's averaging and "
+                         "the 1-bit exchange mix replicas of different groups)")
+    if config.hierarchical is True and not on_every_rank(group):
         raise ValueError(f"hierarchical 1-bit runs on every rank of the job: the group has "
                          f"{dist.get_world_size(group)} of {dist.get_world_size()}")
+    if config.hierarchical == "auto" and not on_every_rank(group):
+        warnings.warn(f"{FACE}: hierarchical='auto' stays flat on a group of "
+                      f"{dist.get_world_size(group)} of the job's {dist.get_world_size()} ranks "
+                      "(the node layout is read over every rank of the job)")
     validate_masks(param_groups)
     check_options(config)
     check_parameters(config, [p for g in param_groups for p in g["params"]], FACE)
@@ -99,6 +105,17 @@ def check(model, param_groups: list[dict], process_group, config: OneBitConfig):
             "of their own for their own lr), set requires_grad=False on those not trained, or "
             "wrap the modules another optimizer trains in a DDP model of their own")
     return group
+
+
+def on_every_rank(group) -> bool:
+    """Whether ``group`` holds every rank of the job (hierarchical reads the node layout over
+    all of them)."""
+    return dist.get_world_size(group) == dist.get_world_size()
+
+
+def short(ranks: list) -> str:
+    """A group's ranks for a message: the first eight, and how many more."""
+    return str(ranks[:8])[:-1] + (f", ... {len(ranks)} in all]" if len(ranks) > 8 else "]")
 
 
 def gather_rows(mine: torch.Tensor, param_groups: list[dict], group) -> torch.Tensor:
@@ -136,8 +153,9 @@ def build(view: DDPView, config: OneBitConfig, group, model) -> Parts:
     schedule.freeze_step = None if config.auto else config.freeze_step
     telemetry = Telemetry()
     init_adam_state(view.adam.param_groups, view.adam.state)
+    hierarchical = config.hierarchical if on_every_rank(group) else False  # check() said why
     engine = CompressedStep(config, view.adam.state, view.adam.decoupled,
-                            transport=TorchJob(group, config.hierarchical), names=view.names)
+                            transport=TorchJob(group, hierarchical), names=view.names)
     # the hook is built last (below); the warmup calls it only from step()
     warmup = DDPWarmup(view, schedule, telemetry, engine,
                        lambda params: hook.average_if_local(params))

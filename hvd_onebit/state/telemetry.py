@@ -11,7 +11,9 @@ class Telemetry:
 
     last_step_bytes: int = 0  # bytes sent in the last step (warmup: the ring allreduce estimate)
     total_bytes: int = 0
-    last_step_comm_seconds: float = 0.0  # seconds blocked on communication in the last step
+    # seconds step() waited on communication in the last step (the DDP face's full-precision
+    # steps: 0, DDP waits for its own allreduce inside backward)
+    last_step_comm_seconds: float = 0.0
     total_comm_seconds: float = 0.0
     skipped_steps: int = 0  # steps skipped on every rank for non-finite values
     # seconds of the last compressed step by part (CompressedStep.BREAKDOWN); {} in the warmup
