@@ -1,7 +1,8 @@
 """Cross-rank checks: the same parameters (in the same order) and options everywhere at
-construction, bit-identical parameters during training. Each is one small allgather and raises the same error on every rank. The
-figures are computed here without a framework; the Horovod checks gather them through Horovod
-(imported when called), the DDP face through torch.distributed."""
+construction, bit-identical parameters during training. Each is one small allgather and
+raises the same error on every rank, naming what differs. The figures are computed here
+without a framework; the Horovod checks gather them through Horovod (imported when called),
+the DDP face through torch.distributed."""
 from __future__ import annotations
 
 import dataclasses
@@ -18,15 +19,17 @@ def _digest(text: str) -> int:
 
 @dataclass(frozen=True)
 class JobSignature:
-    """What every rank's optimizer must agree on, as integers one allgather carries: its
-    parameters in the optimizer's order (their names, shapes and dtypes digested), its
-    ``freeze_step`` (-1: "auto") and its other options (digested)."""
+    """What every rank's optimizer must agree on, as integers one allgather carries
+    (:meth:`row`): its parameters in the optimizer's order (their names, shapes and dtypes
+    digested), its ``freeze_step`` (-1: "auto") and each other option (digested, one each, in
+    the config's field order; ``option_names`` are theirs, the same on every rank, not sent)."""
 
     parameters: int
     elements: int
     layout: int
     freeze_step: int
-    options: int
+    options: tuple
+    option_names: tuple = ()
 
     @classmethod
     def of(cls, param_groups: list[dict], names: Mapping[torch.Tensor, str],
@@ -34,10 +37,18 @@ class JobSignature:
         params = [p for g in param_groups for p in g["params"]]
         layout = repr([(names.get(p), tuple(p.shape), str(p.dtype)) for p in params])
         freeze = config.freeze_step if isinstance(config.freeze_step, int) else -1
-        options = repr([(f.name, getattr(config, f.name)) for f in dataclasses.fields(config)
-                        if f.name != "freeze_step"])
+        option_names = tuple(f.name for f in dataclasses.fields(config) if f.name != "freeze_step")
+        options = tuple(_digest(repr(getattr(config, name))) for name in option_names)
         return cls(len(params), sum(p.numel() for p in params), _digest(layout), freeze,
-                   _digest(options))
+                   options, option_names)
+
+    def row(self) -> list[int]:
+        """The integers the allgather carries."""
+        return [self.parameters, self.elements, self.layout, self.freeze_step, *self.options]
+
+    def from_row(self, row: list[int]) -> "JobSignature":
+        """Another rank's signature from its :meth:`row`, with this one's option names."""
+        return JobSignature(*row[:4], tuple(row[4:]), self.option_names)
 
     def differences(self, everyone: list["JobSignature"]) -> list[str]:
         """What ``everyone`` (each rank's signature, in rank order) disagrees on, in words."""
@@ -59,7 +70,9 @@ class JobSignature:
                 f"rank {r}: {'auto' if s.freeze_step < 0 else s.freeze_step}"
                 for r, s in enumerate(everyone)) + ")")
         if ranks_unlike_0("options"):
-            out.append(f"their other options (rank(s) {ranks_unlike_0('options')} unlike rank "
+            named = [name for i, name in enumerate(self.option_names)
+                     if any(s.options[i] != everyone[0].options[i] for s in everyone)]
+            out.append(f"{', '.join(named)} (rank(s) {ranks_unlike_0('options')} unlike rank "
                        "0's)")
         return out
 
@@ -69,8 +82,8 @@ def check_same_job(mine: JobSignature, gather: Callable[[torch.Tensor], torch.Te
     """Raise on every rank unless every rank's optimizer has the same parameters in the same
     order and the same options. ``gather``: int64 [1, k] -> [ranks, k], every rank's row in
     rank order (one allgather)."""
-    rows = gather(torch.tensor([dataclasses.astuple(mine)], dtype=torch.int64)).tolist()
-    differences = mine.differences([JobSignature(*row) for row in rows])
+    rows = gather(torch.tensor([mine.row()], dtype=torch.int64)).tolist()
+    differences = mine.differences([mine.from_row(row) for row in rows])
     if differences:
         raise ValueError(f"{who}: the ranks' optimizers differ in {'; and in '.join(differences)}"
                          ": build it alike on every rank (the same parameters in the same "

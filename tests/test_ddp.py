@@ -286,6 +286,7 @@ def test_refusals_are_clear_on_every_rank(world):
                                f"[{n - 1}]",
                   "subset": f"rank {n - 1}: {r['parameters'] - 1} (",
                   "freeze_step": f"freeze_step (rank 0: 3, rank 1: {3 if n > 2 else 4}",
+                  "options": f"differ in check_every (rank(s) [{n - 1}] unlike rank 0's)",
                   "transport": "takes no transport", "process_group": "got 'world'",
                   "sgd": "hvd_onebit.ddp.DistributedOptimizer wraps torch.optim.Adam",
                   "sparse": "sparse gradient; Adam needs dense gradients: the DDP face takes "

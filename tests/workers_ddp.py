@@ -800,6 +800,7 @@ def refusals() -> dict:
     out["reordered"] = refused(on_last(ps[::-1], FREEZE))
     out["subset"] = refused(on_last(ps[:-1], FREEZE))
     out["freeze_step"] = refused(on_last(ps, FREEZE + 1))
+    out["options"] = refused(lambda: onebit(shared, check_every=1 if last else 0))
     out["parameters"] = len(ps)
     out["transport"] = refused(lambda: onebit(shared, transport="torch"))
     out["process_group"] = refused(lambda: onebit(shared, process_group="world"))
