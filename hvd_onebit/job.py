@@ -8,20 +8,32 @@ engine asks it what its collectives keep (:func:`spare_errors`,
 """
 from __future__ import annotations
 
+import warnings
 from typing import Iterable
 
 import torch
 
 from . import kernels
-from .config import OneBitConfig, check_one_device
+from .config import DEFAULT_BUCKET_MB, OneBitConfig, check_one_device
 from .dtypes import FLOAT_DTYPES
 from .transport.registry import check_name as check_transport_name
 from .transport.registry import check_transport, either, supporting, supports
 
 
+# Buckets below this many elements are a collective per handful of elements: a bucket size
+# given in another unit than MiB, most likely.
+TINY_BUCKET = 64
+
+
 def check_options(config: OneBitConfig) -> None:
     """The options that name a transport or a kernel backend, and their combinations: raises a
-    ValueError naming the option and the value, on every rank, before any collective."""
+    ValueError naming the option and the value, on every rank, before any collective. A bucket
+    size that cuts the parameters into a few elements per collective warns."""
+    if config.bucket_numel < TINY_BUCKET:
+        warnings.warn(f"hvd_onebit: bucket_size_mb={config.bucket_size_mb:g} makes buckets of "
+                      f"{config.bucket_numel} float32 element(s), each a collective of its own "
+                      f"in every compressed step: the steps will be slow (bucket_size_mb is in "
+                      f"MiB; the default, {DEFAULT_BUCKET_MB:g}, suits most models)")
     check_transport_name(config.transport)
     if config.kernel_backend not in kernels.BACKENDS:
         raise ValueError(f"kernel_backend must be one of {kernels.BACKENDS}, got "

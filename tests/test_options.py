@@ -198,3 +198,18 @@ def test_the_counts_and_sizes_take_numpy_scalars_as_freeze_step_does():
                              ({"block_size": True}, "block_size must be None")):
         with pytest.raises(ValueError, match=message):
             OneBitConfig.from_options(3, **options)
+
+
+def test_a_bucket_size_of_a_few_elements_warns_that_the_steps_will_be_slow():
+    """bucket_size_mb=1e-6 (a size in another unit) made one-element buckets, a collective
+    each in every compressed step, about a thousand times slower, without a word."""
+    import warnings
+
+    from hvd_onebit.job import check_options
+
+    with pytest.warns(UserWarning, match=r"bucket_size_mb=1e-06 makes buckets of 1 float32 "
+                                         r"element\(s\).*bucket_size_mb is in MiB"):
+        check_options(OneBitConfig.from_options(3, bucket_size_mb=1e-6))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_options(OneBitConfig.from_options(3, bucket_size_mb=0.001))  # the tests' smallest
