@@ -395,6 +395,8 @@ def broadcasts_and_helpers(freeze_step=3):
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         with opt.skip_synchronize():
             opt.step()
+        res.setdefault("comm_seconds", []).append(opt.telemetry()["last_step_comm_seconds"])
+        res.setdefault("phases", []).append(opt.phase)
     opt.zero_grad(set_to_none=False)  # per parameter: None, or its gradient's largest |value|
     res["zero_grads"] = [None if p.grad is None else float(p.grad.abs().max())
                          for p in model.parameters()]

@@ -81,8 +81,18 @@ def take(kind: FullPrecisionStep, allreduce: GradientAllreduce, telemetry: Telem
     rank takes the record that came with the state where every rank can
     (:mod:`hvd_onebit.state.sent_record`), else restarts its own, so every rank decides the
     freeze from the same one."""
-    allreduce.wait_seconds = 0.0
     telemetry.last_step_breakdown = {}
+    try:
+        _take(kind, allreduce, telemetry, make_hook, scaler, ranks, schedule)
+    finally:  # counted; the script's own synchronize() before the next step adds to it
+        allreduce.wait_seconds = 0.0
+
+
+def _take(kind: FullPrecisionStep, allreduce: GradientAllreduce, telemetry: Telemetry,
+          make_hook: Callable, scaler: Optional[ScalerView], ranks: Agreement,
+          schedule: Schedule) -> None:
+    """:func:`take`'s step, its allreduce's wait (``wait_seconds``) counted since the last
+    step: a script's synchronize() before step() (Horovod's clipping recipe) waits there."""
     kind.begin()
     allreduce.synchronize_for_step(make_hook, None if scaler is None else scaler.scaler)
     race = allreduce.race()
