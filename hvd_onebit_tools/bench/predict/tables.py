@@ -3,6 +3,13 @@ and `--check`'s pairs of predicted and measured step times."""
 from __future__ import annotations
 
 
+def run_seconds(row: dict) -> float:
+    """A 1-bit row's whole run at the refresh setting (:func:`.runs.add_run_figures`), or its
+    run at the fixed warmup where that was not priced."""
+    refresh = row.get("run_refresh")
+    return refresh["run_s"] if refresh else row["run_step_s"]
+
+
 def print_prediction(report: dict, echo=None) -> None:
     """`bench predict`'s table: per world size, bandwidth and method."""
     import click
@@ -22,8 +29,11 @@ def print_prediction(report: dict, echo=None) -> None:
                           "mb": p["bytes_per_rank"] / 1e6, "step_x": p["step_speedup_vs_fp32"],
                           "run_x": p["run_speedup_vs_fp32"]})
     inputs = report["inputs"]
-    echo(f"{inputs['params']:,} parameters, compute {inputs['compute_s'] * 1e3:,.1f} ms/step; "
-         f"{report['note']}")
+    per_node = inputs.get("ranks_per_node", 1)
+    nodes = ("1 rank per node, each with its link (--ranks-per-node for nodes of several)"
+             if per_node == 1 else f"{per_node} ranks per node, sharing its link")
+    echo(f"{inputs['params']:,} parameters, compute {inputs['compute_s'] * 1e3:,.1f} ms/step, "
+         f"{nodes}; {report['note']}")
     if "run_setting" in report:
         echo(f"speed-ups over Horovod fp32; step: a compressed step's; run: {report['run_setting']}"
              " (fp steps: the run's full-precision steps, warmup + refreshes; bytes: per rank "
@@ -42,11 +52,12 @@ def print_prediction(report: dict, echo=None) -> None:
                 return f"{never} up to n={top}"
             if method is None:
                 return f"{holds} from n={n}"
-            # by how much there: a margin of a few percent is within the model's error
+            # by how much there, over the run the table heads with (the refresh setting): a
+            # margin of a few percent is within the model's error
             ms = next(r["methods"] for r in report["rows"]
                       if str(r["inter_bps"]) == bw and r["np"] == n)
-            margin = ms["onebit"]["run_step_s"] / ms[method]["run_step_s"] - 1
-            return f"{holds} from n={n} (by {margin:.0%} there)"
+            margin = run_seconds(ms["onebit"]) / run_seconds(ms[method]) - 1
+            return f"{holds} from n={n} (by {margin:.0%} over the run there)"
         parts = [from_n(c["flat_onebit_stops_paying_at"], "flat 1-bit stops paying",
                         "flat 1-bit pays at every n"),
                  from_n(c["hierarchical_beats_flat_from"], "hierarchical beats flat",
