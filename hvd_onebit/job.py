@@ -38,7 +38,7 @@ def check_options(config: OneBitConfig) -> None:
     if config.kernel_backend not in kernels.BACKENDS:
         raise ValueError(f"kernel_backend must be one of {kernels.BACKENDS}, got "
                          f"{config.kernel_backend!r}")
-    if config.hierarchical is not False and not supports(config.transport, "hierarchical"):
+    if config.hierarchical is True and not supports(config.transport, "hierarchical"):
         raise ValueError(f"hierarchical 1-bit runs on transport="
                          f"{either(supporting('hierarchical'))}, got "
                          f"transport={config.transport!r}")

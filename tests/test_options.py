@@ -213,3 +213,27 @@ def test_a_bucket_size_of_a_few_elements_warns_that_the_steps_will_be_slow():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         check_options(OneBitConfig.from_options(3, bucket_size_mb=0.001))  # the tests' smallest
+
+
+def test_hierarchical_auto_stays_flat_on_a_transport_without_the_hierarchical_collective():
+    """transport="mpi" has no hierarchical collective: "auto" stays flat there (refused
+    before, on one node too, where "auto" is flat anyway), with a warning only where it would
+    have turned on; True is still refused."""
+    import warnings
+
+    from hvd_onebit.job import check_options
+    from hvd_onebit.phases.setup import flat_on_its_transport
+
+    auto = OneBitConfig.from_options(3, transport="mpi", hierarchical="auto")
+    check_options(auto)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        one_node = flat_on_its_transport(auto, several_nodes=False)
+    with pytest.warns(UserWarning, match="hierarchical='auto' stays flat: transport='mpi'"):
+        nodes = flat_on_its_transport(auto, several_nodes=True)
+    kept = flat_on_its_transport(OneBitConfig.from_options(3, hierarchical="auto"), True)
+    assert (one_node.hierarchical, nodes.hierarchical, kept.hierarchical) == (False, False,
+                                                                             "auto"), \
+        (one_node.hierarchical, nodes.hierarchical, kept.hierarchical)
+    with pytest.raises(ValueError, match="hierarchical 1-bit runs on transport="):
+        check_options(OneBitConfig.from_options(3, transport="mpi", hierarchical=True))

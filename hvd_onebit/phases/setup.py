@@ -22,7 +22,7 @@ from ..state.telemetry import Telemetry
 from .driver import Phases
 from .warmup import Warmup, not_contiguous
 from ..transport.horovod import HorovodJob
-from ..transport.registry import resolve_transport
+from ..transport.registry import either, resolve_transport, supporting, supports
 from ..transport.rendezvous import TorchRendezvousError, init_torch_distributed
 
 
@@ -134,10 +134,24 @@ def in_process_set(config: OneBitConfig, process_set: hvd.ProcessSet) -> OneBitC
     return replace(config, hierarchical=False)
 
 
+def flat_on_its_transport(config: OneBitConfig, several_nodes: bool) -> OneBitConfig:
+    """``hierarchical="auto"`` on a transport without the hierarchical collective (``"mpi"``)
+    stays flat, with a warning where it would have turned on (``several_nodes``: nodes of
+    several ranks); ``True`` there is refused by :func:`~hvd_onebit.job.check_options`."""
+    if config.hierarchical != "auto" or supports(config.transport, "hierarchical"):
+        return config
+    if several_nodes:
+        warnings.warn(f"hvd_onebit: hierarchical='auto' stays flat: transport="
+                      f"{config.transport!r} has no hierarchical collective (it runs on "
+                      f"transport={either(supporting('hierarchical'))})")
+    return replace(config, hierarchical=False)
+
+
 def build(view: HorovodView, config: OneBitConfig, process_set: hvd.ProcessSet) -> Parts:
     """Adam's state, the checks against the job, the transport, the engine and the phases of
     the optimizer ``view`` sees, in the order every rank runs their collectives."""
     config = in_process_set(config, process_set)
+    config = flat_on_its_transport(config, 1 < hvd.local_size() < hvd.size())
     schedule = Schedule(view, config)
     schedule.freeze_step = None if config.auto else config.freeze_step
     telemetry = Telemetry()
