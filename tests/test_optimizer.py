@@ -264,6 +264,20 @@ def test_broadcasts_zero_grad_and_skip_synchronize(world):
                 f"{h['phases']})"
 
 
+def test_skip_synchronize_without_synchronize_still_averages_a_full_precision_step(world):
+    """A misuse of Horovod's recipe at every step: the warmup and refresh steps average all the
+    same, with a warning each, and the ranks stay the same bits (a refresh step stepped on each
+    rank's own gradients, and the ranks parted for good)."""
+    n, results = world
+    runs = scenario(results, "skip_unsynchronized")
+    assert_same_on_every_rank([r["hashes"] for r in runs], f"n={n}: hashes per step")
+    if n > 1:
+        for rank, r in enumerate(runs):
+            assert r["refreshes"] == 2 and r["told"] == 5, \
+                f"n={n} rank {rank}: {r['refreshes']} refresh steps, {r['told']} warnings " \
+                "(expected 2 refreshes, and 5 full-precision steps told: 3 warmup, 2 refresh)"
+
+
 def test_broadcast_in_the_compression_phase_changes_nothing(world):
     n, results = world
     for rank, (without, with_broadcast) in enumerate(scenario(results, "broadcast_mid_compression")):

@@ -377,6 +377,32 @@ def single_rank_is_plain_adam(steps=8, freeze_step=3):
             "total_bytes": opt.total_bytes}
 
 
+def skip_without_synchronize(steps=8, freeze_step=3):
+    """Every step inside ``skip_synchronize()`` with no ``synchronize()`` (a misuse): the
+    full-precision steps (warmup, refresh steps at 3 and 6) average all the same, with a
+    warning, so the ranks stay identical; a refresh step stepped on each rank's own
+    gradients."""
+    model = make_model()
+    opt = hvd_onebit.DistributedOptimizer(
+        torch.optim.Adam(model.parameters(), lr=1e-2), named_parameters=model.named_parameters(),
+        freeze_step=freeze_step, variance_refresh="doubling",
+        experimental=hvd_onebit.Experimental(
+            refresh_schedule={"first_interval": 3, "updates_per_interval": 2}))
+    loss_fn = nn.MSELoss()
+    hashes = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(steps):
+            opt.zero_grad()
+            x, y = batch(step, hvd.rank())
+            loss_fn(model(x), y).backward()
+            with opt.skip_synchronize():
+                opt.step()
+            hashes.append(params_hash(model))
+    told = [str(w.message) for w in caught if "without optimizer.synchronize()" in str(w.message)]
+    return {"hashes": hashes, "told": len(told), "refreshes": opt.telemetry()["refreshes"]}
+
+
 def broadcasts_and_helpers(freeze_step=3):
     """broadcast_parameters/optimizer_state, zero_grad, synchronize + skip_synchronize."""
     model = make_model(seed=hvd.rank())  # different on purpose: the broadcast must fix it
@@ -635,6 +661,7 @@ def suite():
         "missing_none": lambda: missing_grads_and_requires_grad(compressor="none"),
         "groups": groups_masks_and_schedules,
         "helpers": broadcasts_and_helpers,
+        "skip_unsynchronized": skip_without_synchronize,
         "broadcast_mid_compression": lambda: [broadcast_mid_compression(b) for b in (False, True)],
         "bad": bad_arguments,
         "other_paths": half_precision_and_mixed_betas,

@@ -118,7 +118,10 @@ class Warmup:
         return race
 
     def synchronize_for_step(self, make_hook: Callable, scaler=None) -> None:
-        """Horovod's step() prologue: wait for the gradient allreduces unless told not to."""
+        """Horovod's step() prologue: wait for the gradient allreduces unless told not to. Told
+        not to (``skip_synchronize()``) without a ``synchronize()`` since backward, it waits all
+        the same, with a warning: a full-precision step on gradients not averaged (a refresh
+        step's are averaged here, never before) would part the ranks for good."""
         view = self._view
         if view.should_synchronize:
             if view.synchronized:
@@ -127,6 +130,12 @@ class Warmup:
                               "slowdown. You may want to consider using "
                               "optimizer.skip_synchronize() context if you use "
                               "optimizer.synchronize() in your code.")
+            self.synchronize(make_hook, scaler)
+        elif not view.synchronized:
+            warnings.warn("hvd_onebit: optimizer.step() inside optimizer.skip_synchronize() "
+                          "without optimizer.synchronize() since backward: the gradients were "
+                          "averaged now, as this full-precision step needs (call "
+                          "optimizer.synchronize() before the skip_synchronize() block)")
             self.synchronize(make_hook, scaler)
         view.synchronized = False
 
