@@ -20,6 +20,18 @@ EXIT_TIMEOUT = 124
 EXIT_SIGINT = 130
 
 
+def _log_dir(path: str) -> str:
+    """``--log-dir``, made now: a folder that cannot be made is refused before the cluster is
+    built (it was a traceback after)."""
+    import os
+
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as exc:
+        raise click.BadParameter(f"cannot make the folder {path!r}: {exc.strerror}") from None
+    return path
+
+
 def _bandwidth(ctx, param, value: str) -> Optional[int]:
     try:
         return parse_bandwidth(value)
@@ -94,6 +106,7 @@ def cluster() -> None:
                    "stderr): per rank hostname, address, exit_code, killed, tx_bytes, rx_bytes, "
                    "log_path; plus wall_seconds, timed_out, returncode.")
 @click.option("--log-dir", type=click.Path(file_okay=False, writable=True), default=None,
+              callback=lambda ctx, param, value: value and _log_dir(value),
               help="Also write each rank's stdout+stderr to DIR/rank.<r>.log.")
 @click.option("--quiet", "-q", is_flag=True,
               help="Do not echo the ranks' output live (it is still written to --log-dir).")

@@ -291,6 +291,9 @@ def test_bad_node_arguments_are_clear_errors():
     out = run_cli(["--np", "3", "--ranks-per-node", "2", "--", "true"], token="x", timeout=60)
     assert out.returncode != 0 and "--np 3 is not a multiple of --ranks-per-node 2" in out.stderr, \
         f"--np 3 --ranks-per-node 2 exited with {out.returncode}: {out.stderr!r}"
+    # a log folder that cannot be made is refused before the cluster is built (a traceback)
+    bad = hvd_onebit(["cluster", "run", "--np", "2", "--log-dir", "/proc/nope", "--", "true"])
+    assert bad.exit_code == 2 and "cannot make the folder '/proc/nope'" in bad.output, bad.output
 
 
 @needs_netns
