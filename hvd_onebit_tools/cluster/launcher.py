@@ -36,7 +36,7 @@ from typing import Callable, Mapping, Optional, Sequence
 
 from . import rendezvous
 from .bandwidth import DEFAULT_QUEUE_MS, parse_bandwidth
-from .network import MAX_RANKS, Host, Network, cleanup_stale
+from .network import MAX_RANKS, STARTED_PREFIX, Host, Network, cleanup_stale
 from .processes import RankProcess, die_with_parent, kill_ranks, pump, shell_status
 from .results import RankResult, RunResult
 from .system import EmulatorError, check_privileges, signals_deferred
@@ -249,7 +249,8 @@ class EmulatedCluster:
         logs = self._open_logs(count, "node" if per_node else "rank")
         before = self.counters()
         procs = self._procs = []
-        started_dir = Path(tempfile.mkdtemp(prefix="hob-started-"))
+        # named after the cluster: cleanup_stale() removes one its SIGKILLed owner left
+        started_dir = Path(tempfile.mkdtemp(prefix=f"{STARTED_PREFIX}{self.id}-"))
         outputs: list[list[str]] = [[] for _ in range(count)]
         readers: list[threading.Thread] = []
         killed = [False] * count

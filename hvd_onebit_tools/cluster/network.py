@@ -31,6 +31,7 @@ import random
 import re
 import secrets
 import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
@@ -42,6 +43,7 @@ ADDRESS_POOL = ipaddress.ip_network("198.18.0.0/15")  # the only addresses this 
 IFACE = "emu0"  # the rank's interface name inside its namespace (HOROVOD_GLOO_IFACE)
 MAX_RANKS = 253  # .2 ... .254 of one /24
 STATE_DIR = Path("/run/hvd-onebit-emulator")
+STARTED_PREFIX = "hob-started-"  # a run's folder of start markers, then the cluster id
 NETNS_ETC = Path("/etc/netns")
 _PREFIX = "hob"  # every name this module creates starts with it (h-vd o-ne b-it)
 
@@ -138,6 +140,8 @@ def cleanup_stale() -> list[str]:
             if _pid_alive(state["pid"], state.get("start_time")):
                 continue
             _remove_resources(state["bridge"], state["host_veths"], state["netns"])
+            for started in Path(tempfile.gettempdir()).glob(f"{STARTED_PREFIX}{state['id']}-*"):
+                shutil.rmtree(started, ignore_errors=True)  # its run's start markers
             path.unlink(missing_ok=True)
             removed.append(state["id"])
     return removed

@@ -75,6 +75,10 @@ def leftovers(cluster_id: str) -> list[str]:
         found += [f"/etc/netns/{p.name}" for p in NETNS_ETC.iterdir() if cluster_id in p.name]
     if (STATE_DIR / f"{cluster_id}.json").exists():
         found.append(f"state file {cluster_id}.json")
+    import tempfile
+
+    found += [f"folder {p}"
+              for p in Path(tempfile.gettempdir()).glob(f"hob-started-{cluster_id}-*")]
     return found
 
 
@@ -455,7 +459,9 @@ def test_sigkill_of_the_launcher_kills_ranks_and_next_cluster_cleans_up():
     _out, err = proc.communicate(timeout=60)
     cid = cluster_id_from(err)
     assert wait_gone(token) == []
-    assert leftovers(cid) != []  # nobody cleaned up yet...
+    left = leftovers(cid)
+    assert left != [] and any(item.startswith("folder ") for item in left), \
+        f"nobody cleaned up yet, the run's start markers among it: {left}"
     assert cid in cleanup_stale()
     assert leftovers(cid) == []  # ...until the next cluster (or cleanup_stale) does
 
