@@ -164,6 +164,9 @@ paths = on_two_nodes("optimizer_paths")
 NO_SHM = {**DEFAULT_ENV, "HVD_ONEBIT_SHM_DIR": "/nonexistent/hvd_onebit"}
 no_shm_auto = on_two_nodes("without_shared_memory", env=NO_SHM, intra_node="auto")
 no_shm_asked = on_two_nodes("without_shared_memory", env=NO_SHM, intra_node="shared_memory")
+# node 0 alone cannot share memory: it raised while node 1 went on into the stage between
+# nodes, and every rank waited for the others
+no_shm_node0 = on_two_nodes("without_shared_memory", intra_node="shared_memory", node=0)
 
 
 def test_optimizer_trains_like_the_flat_path_with_identical_ranks(paths):
@@ -235,3 +238,12 @@ def test_nodes_that_cannot_share_memory_use_the_network_or_raise_as_asked(no_shm
     for rank, r in enumerate(asked):
         assert r["error"].startswith("SharedMemoryError") and "rank(s) [0, 1, 2, 3]" in \
             r["error"], f"rank {rank}: {r['error']}"
+
+
+def test_shared_memory_failing_on_one_node_raises_on_every_rank(no_shm_node0):
+    """intra_node="shared_memory" where one node can share memory and another cannot: every
+    rank raises, naming the ranks that failed (it hung: the node that could went on into the
+    stage between nodes, a collective the other node never reached)."""
+    for rank, r in enumerate(no_shm_node0):
+        assert (r.get("error") or "").startswith("SharedMemoryError") and \
+            "failed on rank(s) [0, 1]" in r["error"], f"rank {rank}: {r.get('error') or r}"

@@ -1,6 +1,9 @@
 """Worker functions for the hierarchical 1-bit allreduce (2 nodes x 2 ranks under horovodrun)."""
 from __future__ import annotations
 
+import os
+from typing import Optional
+
 import horovod.torch as hvd
 import torch
 
@@ -245,10 +248,19 @@ def uneven_nodes() -> dict:
     return result
 
 
-def without_shared_memory(intra_node: str) -> dict:
+def without_shared_memory(intra_node: str, node: Optional[int] = None) -> dict:
     """A hierarchical run where the nodes cannot share memory (HVD_ONEBIT_SHM_DIR set to a
-    missing folder by the test): what happened, or the error."""
+    missing folder by the test), or, with ``node``, where that node alone cannot: what
+    happened, or the error."""
+    before = os.environ.get("HVD_ONEBIT_SHM_DIR")
+    if node is not None and hvd.cross_rank() == node:
+        os.environ["HVD_ONEBIT_SHM_DIR"] = "/nonexistent/hvd_onebit"
     try:
         return optimizer_run(True, steps=6, intra_node=intra_node)
     except Exception as exc:  # noqa: BLE001 - reported to the test
         return {"error": f"{type(exc).__name__}: {exc}"}
+    finally:
+        if before is None:
+            os.environ.pop("HVD_ONEBIT_SHM_DIR", None)
+        else:
+            os.environ["HVD_ONEBIT_SHM_DIR"] = before

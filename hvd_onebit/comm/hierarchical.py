@@ -159,16 +159,20 @@ class HierarchicalOneBitAllreduce(TransactionalCollective):
             if any(list(g) != sorted(g) for g in nodes + columns):
                 raise ValueError(f"hierarchical 1-bit needs ranks numbered node by node: {nodes}")
             torch_subgroups(nodes + columns)
-            self.local = (SharedMemoryTransport(topology.local_members, self.shard,
-                                                name=f"{name}.node") if shared
-                          else TorchTransport(device=device, members=tuple(topology.local_members)))
             self.cross = TorchTransport(device=device, members=tuple(topology.cross_members))
         else:  # "horovod", the other transport the registry runs hierarchical stages on
             self.local = SubsetTransport(topology.local_members, topology.rank, world)
             self.cross = SubsetTransport(topology.cross_members, topology.rank, world)
+        # The stage between nodes first: its construction is a collective of the ranks across
+        # nodes, which a node whose shared memory fails (below: raised on that node's ranks,
+        # then agreed over every rank by the engine) would leave the other nodes waiting in.
         self.inner = OneBitAllreduce(self.shard, block_size=block_size, transport=self.cross,
                                      backend=backend, device=self.device, name=f"{name}.cross",
                                      defer_check=defer_check, spare_errors=spare_errors)
+        if transport == "torch":
+            self.local = (SharedMemoryTransport(topology.local_members, self.shard,
+                                                name=f"{name}.node") if shared
+                          else TorchTransport(device=device, members=tuple(topology.local_members)))
         f32 = dict(dtype=torch.float32, device=self.device)
         # this rank's input, padded: L shards (the padding stays zero)
         self._full = self.local.input_row() if shared else torch.zeros(L * self.shard, **f32)
