@@ -20,6 +20,8 @@ from typing import Optional
 
 from hvd_onebit.layout import ring_allreduce_bytes
 
+from ..cluster.network import IFACE
+
 METHODS = ("fp32", "fp16", "onebit", "onebit_mpi")  # onebit_mpi: mpi4py transport (MPI jobs)
 DEFAULT_METHODS = ("fp32", "fp16", "onebit")
 
@@ -28,8 +30,6 @@ def _iface_tx_bytes() -> Optional[int]:
     """This rank's own link counter, when it has a link of its own (emulated cluster: the
     interface Horovod's Gloo is kept on, or torchrun's when it is the emulator's; a user's own
     GLOO_SOCKET_IFNAME on this machine counts other traffic than the job's, on loopback)."""
-    from ..cluster.network import IFACE
-
     gloo = os.environ.get("GLOO_SOCKET_IFNAME", "")
     iface = os.environ.get("HOROVOD_GLOO_IFACE") or (gloo if gloo == IFACE else "")
     path = Path(f"/sys/class/net/{iface}/statistics/tx_bytes")

@@ -55,6 +55,11 @@ NO_HOROVOD = ("this command runs its ranks as a Horovod job, and Horovod does no
               "--torchrun`")
 
 
+def horovod_installed() -> bool:
+    """Whether Horovod imports in this Python (a DDP user's environment may have none)."""
+    return importlib.util.find_spec("horovod") is not None
+
+
 def launcher(name: str) -> str:
     """The launcher ``name`` (horovodrun, mpirun) of this Python's environment (beside its
     interpreter, where a virtual environment's scripts are, activated or not), else from PATH;
@@ -236,7 +241,7 @@ def run_job(target: str, np: int = 2, controller: str = "gloo", kwargs: Optional
     """
     if cluster is not None and (hosts or controller != "gloo"):
         raise ValueError("an emulated cluster runs Horovod over gloo on its own hosts")
-    if importlib.util.find_spec("horovod") is None:
+    if not horovod_installed():
         raise LaunchError(NO_HOROVOD.format(python=sys.executable))
     workdir = Path(tempfile.mkdtemp(prefix="hvd_onebit_job_", dir=shared_dir))
     roots = [r for r in [import_root(target.split(":")[0])] if r is not None]

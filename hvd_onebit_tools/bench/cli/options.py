@@ -88,12 +88,11 @@ def parse_np(text, one: bool = False) -> list:
 def need_horovod() -> None:
     """Refuse, before anything is set up (an emulated cluster), a command whose ranks are a
     Horovod job where Horovod does not import."""
-    import importlib.util
     import sys
 
-    from ...cluster.jobs import NO_HOROVOD
+    from ...cluster.jobs import NO_HOROVOD, horovod_installed
 
-    if importlib.util.find_spec("horovod") is None:
+    if not horovod_installed():
         raise click.UsageError(NO_HOROVOD.format(python=sys.executable))
 
 

@@ -2,7 +2,6 @@
 bytes."""
 from __future__ import annotations
 
-import importlib.util
 import sys
 
 import click
@@ -162,7 +161,7 @@ def bench_train(np_, bandwidth, steps, warmup_frac, variance_refresh, refresh_fr
     step is communication (the 'local' method runs the same step without any)."""
     from ..refresh import parse_variance_refresh
     from ..train import summarize as summarize_train
-    from ...cluster.jobs import run_job
+    from ...cluster.jobs import horovod_installed, run_job
     from ...cluster.torchrun import run_torchrun_job
 
     bad = [m for m in methods if m not in TRAIN_METHODS]
@@ -173,7 +172,7 @@ def bench_train(np_, bandwidth, steps, warmup_frac, variance_refresh, refresh_fr
         raise click.BadParameter(f"{','.join(methods)!r}: name each method once, at least one",
                                  param_hint="--methods")
     need_two_ranks(np_, "a comparison of training steps")
-    horovod = importlib.util.find_spec("horovod") is not None
+    horovod = horovod_installed()
     if not horovod:
         methods = _without_horovod(methods, hosts)
     _check_warmups(methods, steps, warmup_frac, refresh_freeze_frac)
