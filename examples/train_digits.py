@@ -113,7 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=positive_int,
                    default=int(os.environ.get("OMP_NUM_THREADS", "1")))
     add_onebit_arguments(p)
-    p.add_argument("--json-out", default=None, help="write a JSON summary here (rank 0)")
+    p.add_argument("--out", "--json-out", dest="out", default=None,
+                   help="write a JSON summary here (rank 0); --json-out is an alias")
     return p
 
 
@@ -201,9 +202,9 @@ def main(argv=None):
                **refresh_summary(args, optimizer),
                "wall_seconds": time.perf_counter() - start, "config": vars(args)}
     log(f"done: val accuracy {summary['final_val_acc']:.3f} in {summary['wall_seconds']:.0f}s")
-    if rank == 0 and args.json_out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json_out)), exist_ok=True)
-        with open(args.json_out, "w") as f:
+    if rank == 0 and args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
             json.dump(summary, f, indent=1)
     return summary
 

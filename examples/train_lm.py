@@ -60,7 +60,7 @@ file alone resumes, on any number of ranks); ``--resume PATH`` goes on from one 
 recipe (rank 0 loads, then ``hvd.broadcast_optimizer_state`` and ``hvd.broadcast_parameters``),
 the DDP face DDP's (every rank loads the file).
 
-``--json-out PATH`` writes a summary (rank 0): the validation-loss curve, train loss, samples/s,
+``--out PATH`` writes a summary (rank 0): the validation-loss curve, train loss, samples/s,
 bytes sent and seconds blocked on communication per step for each phase, the final validation
 loss, the world size and the config. Its ``phases`` are ``warmup``, ``compression`` (the
 compressed steps only) and ``refresh`` (the variance refresh steps: full precision inside the
@@ -421,7 +421,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how Horovod's optimizer waits for its allreduces: sleep (as hvd_onebit "
                         "does) or spin (Horovod's own sched_yield loop); time only")
     add_onebit_arguments(p)
-    p.add_argument("--json-out", default=None, help="write a JSON summary here (rank 0)")
+    p.add_argument("--out", "--json-out", dest="out", default=None,
+                   help="write a JSON summary here (rank 0); --json-out is an alias")
     p.add_argument("--checkpoint-every", type=positive_int, default=None,
                    help="save a checkpoint every N steps into --checkpoint-dir (rank 0)")
     p.add_argument("--checkpoint-dir", default="checkpoints",
@@ -699,9 +700,9 @@ def main(argv=None):
         log(f"done: final val loss {summary['final_val_loss']:.4f}, "
             f"{summary['samples_per_sec']:.0f} samples/s, {wall:.0f}s, "
             f"{summary['total_bytes_per_rank'] / 2**20:.1f} MiB sent per rank")
-        if args.json_out:
-            os.makedirs(os.path.dirname(os.path.abspath(args.json_out)), exist_ok=True)
-            with open(args.json_out, "w") as f:
+        if args.out:
+            os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+            with open(args.out, "w") as f:
                 json.dump(summary, f, indent=1)
     if ranks.owns_group:
         dist.destroy_process_group()

@@ -190,7 +190,7 @@ def test_train_lm_adam_spin_wait_changes_the_time_not_the_numbers(lm_runs, tmp_p
         "threads")]
     path = tmp_path / "adam_spin.json"
     horovodrun("examples/train_lm.py", ["--optimizer", "adam", "--wait", "spin", *args,
-                                        "--json-out", str(path)])
+                                        "--out", str(path)])
     spin = json.loads(path.read_text())
     assert (spin["wait"], spin["config"]["wait"]) == ("spin", "spin"), \
         f"--wait spin ran with wait {spin['wait']!r} (config {spin['config']['wait']!r})"
@@ -213,7 +213,7 @@ def test_train_lm_counts_refresh_steps_apart_from_the_compressed_ones(tmp_path):
     horovodrun("examples/train_lm.py",
                ["--steps", "24", "--warmup-frac", "0.25", "--eval-every", "24", "--d-model", "32",
                 "--n-head", "2", "--n-layer", "1", "--context", "16", "--batch-size", "2",
-                "--eval-batches", "1", "--json-out", str(path)])
+                "--eval-batches", "1", "--out", str(path)])
     s = json.loads(path.read_text())
     kinds = s["steps_by_kind"]
     got = {name: ph["steps"] for name, ph in s["phases"].items()}
@@ -272,11 +272,11 @@ def test_train_lm_resumes_from_its_checkpoint_as_if_never_stopped(tmp_path, face
     ckpt = tmp_path / "ckpt"
     whole, resumed = tmp_path / "whole.json", tmp_path / "resumed.json"
     rc, text = train_lm_job(face, [*TINY_LM, "--checkpoint-every", "4", "--checkpoint-dir",
-                                   str(ckpt), "--json-out", str(whole)])
+                                   str(ckpt), "--out", str(whole)])
     assert rc == 0, f"{face}: the run that saves exited with {rc}:\n{text[-3000:]}"
     saved = sorted(p.name for p in ckpt.iterdir())
     assert saved == ["step4.pt", "step8.pt"], f"{face}: checkpoints {saved}"
-    rc, text = train_lm_job(face, [*TINY_LM, "--resume", str(ckpt / "step4.pt"), "--json-out",
+    rc, text = train_lm_job(face, [*TINY_LM, "--resume", str(ckpt / "step4.pt"), "--out",
                                    str(resumed)])
     assert rc == 0, f"{face}: the resumed run exited with {rc}:\n{text[-3000:]}"
     a, b = json.loads(whole.read_text()), json.loads(resumed.read_text())
@@ -297,7 +297,7 @@ def test_train_lm_resumes_from_its_checkpoint_as_if_never_stopped(tmp_path, face
         # Adam takes the 1-bit run on: rank 0 reads it, Horovod's broadcast sends it
         adam = tmp_path / "adam.json"
         rc, text = train_lm_job(face, [*TINY_LM, "--optimizer", "adam", "--resume",
-                                       str(ckpt / "step4.pt"), "--json-out", str(adam)])
+                                       str(ckpt / "step4.pt"), "--out", str(adam)])
         assert rc == 0 and json.loads(adam.read_text())["resumed_at_step"] == 4, \
             f"--optimizer adam --resume of a 1-bit checkpoint: exit {rc}:\n{text[-3000:]}"
 
@@ -308,7 +308,7 @@ def test_train_digits_runs_with_onebit(tmp_path):
     path = tmp_path / "digits.json"
     horovodrun("examples/train_digits.py",
                ["--optimizer", "onebit", "--steps", "20", "--warmup-frac", "0.25",
-                "--eval-every", "10", "--batch-size", "16", "--json-out", str(path)])
+                "--eval-every", "10", "--batch-size", "16", "--out", str(path)])
     s = json.loads(path.read_text())
     got = (s["world_size"], s["freeze_step"], s["phase_switch_step"])
     assert got == (2, 5, 5), f"(world size, freeze_step, phase switch step) {got}, expected (2, 5, 5)"

@@ -85,7 +85,7 @@ def train_lm(optimizer: str, np: int, train_args: Sequence[str], out_dir: Path, 
     # --face only for the DDP face: the Horovod face is every example's default, and
     # train_digits.py (which the auto-freeze study runs here too) has no other
     argv = [str(find_train_lm(script)), "--optimizer", optimizer,
-            *(["--face", face] if face == "ddp" else []), "--json-out", str(json_out),
+            *(["--face", face] if face == "ddp" else []), "--out", str(json_out),
             *train_args]
     if face == "horovod":
         argv.insert(0, sys.executable)
