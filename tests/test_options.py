@@ -237,3 +237,24 @@ def test_hierarchical_auto_stays_flat_on_a_transport_without_the_hierarchical_co
         (one_node.hierarchical, nodes.hierarchical, kept.hierarchical)
     with pytest.raises(ValueError, match="hierarchical 1-bit runs on transport="):
         check_options(OneBitConfig.from_options(3, transport="mpi", hierarchical=True))
+
+
+@pytest.mark.parametrize("name, value, says", [
+    ("flush_on_commit", True, "opt.flush_error_feedback() before saving"),
+    ("transport", "mpi", "travels on torch.distributed"),
+    ("backward_passes_per_step", 2, "model.no_sync()"),
+    ("named_parameters", [], "the DDP model names its parameters"),
+    ("process_set", None, "pass process_group"),
+    ("op", "Average", "DDP decides it"),
+    ("gradient_predivide_factor", 2.0, "DDP decides it")])
+def test_the_ddp_face_refuses_the_horovod_faces_keywords_saying_what_ddp_does(name, value, says):
+    """Each keyword only the Horovod face takes is refused by the DDP face before it looks at
+    the model, naming the keyword and what a DDP script does instead; none is taken silently."""
+    import hvd_onebit.ddp
+    params = [torch.nn.Parameter(torch.zeros(3))]
+    with pytest.raises(TypeError) as err:
+        hvd_onebit.ddp.DistributedOptimizer(torch.optim.Adam(params), None, freeze_step=3,
+                                            **{name: value})
+    message = str(err.value)
+    assert f"takes no {name} (" in message and says in message, \
+        f"{name}={value!r}: {message!r}, want it to name {name} and say {says!r}"

@@ -138,10 +138,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model, *,
         ``total_comm_seconds``.
     """
     check_wrapped(optimizer, True, 1, face=setup.FACE)
-    if "transport" in moved:
-        raise TypeError("hvd_onebit.ddp.DistributedOptimizer takes no transport: the momentum "
-                        "travels on torch.distributed, on the DDP model's group (or "
-                        "process_group)")
+    setup.refuse_horovod_only(moved)
     if process_group is dist.GroupMember.NON_GROUP_MEMBER:
         raise ValueError("process_group does not hold this rank (dist.new_group gives the ranks "
                          "outside a group GroupMember.NON_GROUP_MEMBER): pass each rank the "

@@ -27,6 +27,29 @@ from .warmup import DDPWarmup
 
 FACE = "hvd_onebit.ddp.DistributedOptimizer"  # how the shared checks and messages name this face
 
+_DDP_DECIDES = "DDP decides it for the model; pass it to DistributedDataParallel, if anywhere"
+# The Horovod face's keywords that mean nothing under DDP, with what a DDP script does instead.
+HOROVOD_ONLY = {
+    "transport": "the momentum travels on torch.distributed, on the DDP model's group (or "
+                 "process_group)",
+    "flush_on_commit": "it flushes at Horovod elastic's commits; under torchrun, call "
+                       "opt.flush_error_feedback() before saving, or save each rank's "
+                       "opt.error_feedback_state_dict() (docs/ddp.md, checkpoints)",
+    "backward_passes_per_step": "accumulate gradients with model.no_sync(), as with DDP + Adam",
+    "named_parameters": "the DDP model names its parameters",
+    "process_set": "pass process_group, a torch.distributed group",
+    **{name: _DDP_DECIDES for name in ("compression", "op", "gradient_predivide_factor",
+                                       "num_groups", "groups", "sparse_as_dense")},
+}
+
+
+def refuse_horovod_only(keywords) -> None:
+    """A TypeError naming the first of ``keywords`` that only the Horovod face takes, with what
+    to do under DDP instead; other unknown keywords are left to the shared option parser."""
+    for name in keywords:
+        if name in HOROVOD_ONLY:
+            raise TypeError(f"{FACE} takes no {name} ({HOROVOD_ONLY[name]})")
+
 
 def ddp_model_of(model):
     """The DDP model ``model`` is, or that ``model`` compiles (``torch.compile(ddp_model)``
