@@ -3,7 +3,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: setup test demo bench docs install-check clean
+.PHONY: setup test demo bench docs tables install-check clean
 
 setup:
 	@bash launch/setup.sh
@@ -20,10 +20,16 @@ bench: setup
 	$(PY) -m hvd_onebit_tools.cli bench dev kernel
 	$(PY) -m hvd_onebit_tools.cli bench allreduce
 
-# The documentation site (docs/), warnings as errors; tests/test_docs.py builds it too.
-docs: setup
+# The documentation site (docs/), warnings as errors; tests/test_docs.py builds it too. It needs
+# only torch and `pip install ".[docs]"` (the development venv when there is one, else python3).
+# `make tables` regenerates the pages' tables from the benchmarks' JSON (tests/test_docs.py fails
+# when one is stale).
+DOCS_PY := $(if $(wildcard $(PY)),$(PY),python3)
+docs:
+	$(DOCS_PY) -m sphinx -W --keep-going -q -b html docs docs/_build/html
+
+tables: setup
 	$(PY) -m hvd_onebit_tools.docs_tables
-	$(PY) -m sphinx -W --keep-going -q -b html docs docs/_build/html
 
 # pip install from an sdist into a second venv holding torch and Horovod, then an example there
 # (several minutes: it installs torch; prints one JSON line).

@@ -8,6 +8,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+try:  # the Horovod face's page builds where Horovod is not installed (a DDP user's environment)
+    import horovod.torch  # noqa: F401
+except ImportError:
+    autodoc_mock_imports = ["horovod"]
+
 project = "hvd_onebit"
 author = "the hvd_onebit authors"
 extensions = ["myst_parser", "sphinx.ext.autodoc", "sphinx.ext.napoleon", "sphinx_click"]
@@ -17,6 +22,8 @@ exclude_patterns = ["_build", "_generated", "step", "zoo", "zoo_long", "figures"
 myst_heading_anchors = 3
 autodoc_member_order = "bysource"
 autodoc_typehints = "description"
+autodoc_typehints_description_target = "documented"  # into the Args entries, not a second list
 napoleon_google_docstring = True
+smartquotes = False  # "--np" stays two hyphens, so commands copy as they are
 html_theme = "alabaster"
 html_static_path = []

@@ -3,10 +3,13 @@ docstrings, the CLI from click, the results from the committed JSON), and the RE
 blocks match the code and the JSON they come from."""
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from hvd_onebit_tools import docs_tables
 
@@ -15,11 +18,23 @@ PAGES = ("install", "usage", "ddp", "tuning", "checkpoints", "hierarchical", "tr
          "how-it-works", "predicting", "gpu", "results", "limitations", "api", "cli")
 
 
-def test_the_site_builds_without_a_warning(tmp_path):
+@pytest.mark.parametrize("horovod", ["installed", "missing"])
+def test_the_site_builds_without_a_warning(tmp_path, horovod):
+    """Also where Horovod does not import (a DDP user's environment, a docs builder): the
+    Horovod face's page is built from its docstring all the same."""
+    env = dict(os.environ)
+    if horovod == "missing":  # a package named horovod that fails to import, first on the path
+        (tmp_path / "blocked" / "horovod").mkdir(parents=True)
+        (tmp_path / "blocked" / "horovod" / "__init__.py").write_text(
+            "raise ModuleNotFoundError('No module named horovod', name='horovod')\n")
+        env["PYTHONPATH"] = os.pathsep.join([str(tmp_path / "blocked"),
+                                             env.get("PYTHONPATH", "")])
+    site = tmp_path / "html"
     out = subprocess.run([sys.executable, "-m", "sphinx", "-W", "--keep-going", "-q", "-b",
-                          "html", str(REPO / "docs"), str(tmp_path)], capture_output=True,
-                         text=True, timeout=600, cwd=REPO)
-    assert out.returncode == 0, out.stdout + out.stderr
+                          "html", str(REPO / "docs"), str(site)], capture_output=True,
+                         text=True, timeout=600, cwd=REPO, env=env)
+    assert out.returncode == 0, f"horovod {horovod}: " + out.stdout + out.stderr
+    tmp_path = site
     missing = [p for p in PAGES if not (tmp_path / f"{p}.html").is_file()]
     assert not missing, f"pages not built: {missing}"
     api = (tmp_path / "api.html").read_text()
@@ -29,6 +44,13 @@ def test_the_site_builds_without_a_warning(tmp_path):
     cli = (tmp_path / "cli.html").read_text()
     for command in ("check", "bench-train", "bench-predict", "bench-dev-kernel", "cluster"):
         assert f'id="hvd-onebit-{command}"' in cli, f"the CLI page has no hvd-onebit {command}"
+    dashes = re.findall(r"\u2013\w+", cli)
+    assert not dashes and "--np" in cli, \
+        f"the CLI page shows options with an en dash (smart quotes), not --: {dashes[:5]}"
+    for face in ("hvd_onebit.DistributedOptimizer", "hvd_onebit.ddp.DistributedOptimizer"):
+        entry = api.split(f'id="{face}"')[1].split('<dl class="py')[0]
+        lists = re.findall(r'<dt class="field-\w+">Parameters', entry)
+        assert len(lists) == 1, f"{face}: {len(lists)} Parameters lists on the API page, want one"
 
 
 def test_the_generated_blocks_match_the_code_and_the_json():

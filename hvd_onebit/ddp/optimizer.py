@@ -117,7 +117,10 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model, *,
         process_group (optional): the torch.distributed group the momentum travels on, with
             the ranks DDP averages over (default: None, the DDP model's own group)
 
-    Every option is checked here, on every rank, before anything is registered on the model.
+    Other keywords (``**moved``) are refused with a TypeError that says what to do instead: the
+    Horovod face's own (``transport``, ``flush_on_commit``, ``backward_passes_per_step``, ...)
+    and the knobs of :class:`~hvd_onebit.config.Experimental`. Every option is checked here, on
+    every rank, before anything is registered on the model.
     ``model.no_sync()``, ``find_unused_parameters``, ``static_graph``,
     ``gradient_as_bucket_view``, several param groups, float16/bfloat16 parameters (float32
     Adam state) and ``torch.amp.GradScaler`` (``scaler.step(opt)``: a non-finite value on one
