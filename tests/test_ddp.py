@@ -320,6 +320,25 @@ def test_refusals_are_clear_on_every_rank(world):
 
 
 @pytest.mark.multirank
+def test_hierarchical_on_one_node_warns_naming_how_torchrun_numbers_nodes(world):
+    """Every rank on one host: hierarchical=True trains (flat 1 bit has no stage between nodes)
+    and warns that nothing travels in 1 bit, naming torchrun's numbering of nodes under
+    torchrun rather than horovodrun's -H; without torchrun's layout it is refused."""
+    n, results = world
+    for rank, r in enumerate(scenario(results, "one_node_hierarchical")):
+        if n == 3:  # DDP in a horovodrun job: no torchrun to number the nodes
+            assert r["refused"].startswith("ValueError") and \
+                "hierarchical 1-bit needs torchrun's node layout" in r["refused"], \
+                f"rank {rank}: {r['refused']!r}"
+            continue
+        assert r["phase"] == "compression", f"n={n} rank {rank}: phase {r['phase']}"
+        said = [w for w in r["warnings"] if f"hierarchical=True on one node of {n} ranks" in w
+                and "nothing travels in 1 bit" in w]
+        assert len(said) == 1 and "torchrun" in said[0] and "-H" not in said[0], \
+            f"n={n} rank {rank}: warnings {r['warnings']}"
+
+
+@pytest.mark.multirank
 def test_a_batch_skipped_after_its_backward_leaves_no_trace(world):
     """Zeroed by opt.zero_grad() or model.zero_grad(), after the last of two backward passes
     or inside no_sync() after the first, under a GradScaler: the run goes on as if the batch

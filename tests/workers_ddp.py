@@ -836,6 +836,21 @@ def refusals() -> dict:
     return out
 
 
+def one_node_hierarchical() -> dict:
+    """hierarchical=True with every rank on this one host, past the freeze: the warnings about
+    it and the phase reached; outside torchrun (no node layout), the refusal."""
+    model = make_model()
+    if os.environ.get("TORCHELASTIC_RUN_ID") is None:
+        return {"refused": refused(lambda: onebit(model, hierarchical=True))}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt = onebit(model, hierarchical=True)
+        for step in range(FREEZE + 2):
+            train_step(model, opt, step)
+    return {"warnings": [str(w.message) for w in caught if "hierarchical" in str(w.message)],
+            "phase": opt.phase}
+
+
 def pairs_of_replicas() -> dict:
     """At 4 ranks, DDP over the pairs {0, 1} and {2, 3} (two replicas of a model, as in 2-D
     parallelism): a process_group of other ranks, or one that does not hold this rank, and
@@ -988,6 +1003,7 @@ def suite(scratch: Optional[str] = None, stage: Optional[str] = None) -> dict:
     scenarios.update(averaged_poisoned=averaged_gradient_poisoned)
     scenarios.update(checkpoint=checkpoint_resumes, dcp=dcp_checkpoint_resumes,
                      refresh=variance_refresh, refusals=refusals,
+                     one_node_hierarchical=one_node_hierarchical,
                      refresh_second_steps=partial(variance_refresh, second_steps=True),
                      refresh_unused=partial(variance_refresh, "unused", iterations=8),
                      refresh_unused_second_steps=partial(variance_refresh, "unused",

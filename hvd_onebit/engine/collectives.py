@@ -151,8 +151,7 @@ class Collectives:
                     warnings.warn(
                         f"hvd_onebit: hierarchical=True on one node of {topo.per_node} ranks: the "
                         "momentum is averaged in full precision inside the node and nothing "
-                        "travels in 1 bit (hierarchical='auto' stays flat 1-bit here). MPI counts "
-                        "one machine as one node whatever horovodrun's -H says; "
-                        "horovodrun --gloo follows -H")
+                        "travels in 1 bit (hierarchical='auto' stays flat 1-bit here). The nodes "
+                        f"are as numbered by {self.transport.nodes_from}")
                 self._topology = topo if topo is not None else False
         return self._topology or None

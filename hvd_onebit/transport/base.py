@@ -54,6 +54,7 @@ class JobTransport:
     """
 
     exact_average = False  # full-precision averaging (compressor="none") is Horovod's
+    nodes_from = "the launcher"  # who decides which ranks share a node, for the warnings
 
     def __init__(self, stages: Transport):
         if not isinstance(stages, Transport):

@@ -99,6 +99,9 @@ class HorovodJob(JobTransport):
         process_set: the Horovod process set the phase reduces over.
     """
 
+    nodes_from = ("Horovod: under MPI one machine is one node whatever horovodrun's -H says; "
+                  "horovodrun --gloo follows -H")
+
     exact_average = True
 
     def __init__(self, kind: str, process_set: hvd.ProcessSet = hvd.global_process_set):

@@ -102,6 +102,7 @@ class TorchJob(JobTransport):
     """
 
     exact_average = True
+    nodes_from = "torchrun: each of its --nnodes agents is a node (GROUP_RANK)"
 
     def __init__(self, group, hierarchical=False):
         import torch.distributed as dist
