@@ -35,7 +35,9 @@ def print_prediction(report: dict, echo=None) -> None:
     echo(f"{inputs['params']:,} parameters, compute {inputs['compute_s'] * 1e3:,.1f} ms/step, "
          f"{nodes}; {report['note']}")
     if "run_setting" in report:
-        echo(f"speed-ups over Horovod fp32; step: a compressed step's; run: {report['run_setting']}"
+        echo("speed-ups over Horovod fp32 (the fp32 gradient allreduce, as DDP + Adam's; "
+             "horovod_fp16: Horovod's fp16 compression, its casts and float16 sums priced at the "
+             f"calibration's speeds); step: a compressed step's; run: {report['run_setting']}"
              " (fp steps: the run's full-precision steps, warmup + refreshes; bytes: per rank "
              "over the run, run / fixed)")
     print_table(table, [("np", "np", "d"), ("link", "bw", ""), ("method", "method", ""),
