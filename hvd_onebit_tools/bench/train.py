@@ -19,6 +19,10 @@ one method after another inside one job, so they share the machine's state and n
   sets its compressed step's speed-up over ``ddp_adam`` against ``onebit``'s over
   ``horovod_fp32`` (``ddp_face_speedup_vs_horovod_face``), and its bytes against ``ddp_adam``'s
   (:mod:`.train_ddp`).
+* ``ddp_onebit_refresh``: the DDP face with the library's defaults, ``onebit_refresh``'s
+  ``variance_refresh`` and ``freeze_step``, its refresh steps their own phase, ``refresh``: what
+  a DDP user runs, measured without Horovod too. The summary sets its whole run against
+  ``ddp_adam``'s and ``ddp_onebit``'s, and its bytes against ``ddp_onebit``'s.
 * ``onebit``: ``hvd_onebit.DistributedOptimizer`` with ``freeze_step = warmup_frac * steps`` and
   ``variance_refresh=None``: the compression phase's throughput, no refresh step inside it.
 * ``onebit_hierarchical``: the same with ``hierarchical=True`` (full precision inside nodes, 1-bit
@@ -27,13 +31,14 @@ one method after another inside one job, so they share the machine's state and n
   scale (default 0: one scale per chunk, the coarsest, against the default 512): its step time
   and bytes against ``onebit``'s in the same run (``onebit_blocks_compression_step_vs_onebit``).
 * ``onebit_refresh``: 1-bit Adam with ``variance_refresh`` (default ``"doubling"``) and its own
-  early ``freeze_step = refresh_freeze_frac * steps``: the library's defaults, a whole-run comparison with
-  ``onebit`` (at ``warmup_frac``). Its refresh steps (full precision inside the compression
-  phase, from the schedule) are their own phase, ``refresh``.
+  early ``freeze_step = refresh_freeze_frac * steps``: the library's defaults, a whole-run
+  comparison with ``onebit`` (at ``warmup_frac``). Its refresh steps (full precision inside the
+  compression phase, from the schedule) are their own phase, ``refresh``.
 
 The DDP methods set up torch.distributed's default group over the Horovod job's ranks
 (:func:`hvd_onebit.transport.rendezvous.init_torch_distributed`) unless a method before them
-set it up already.
+set it up already; where Horovod is not installed, they (and ``local``:
+:data:`.world.HOROVOD_FREE`) run alone in a torchrun job.
 
 Every row has the run's wall time (``run_seconds``) and bytes: ``run_measured_tx_bytes`` (rank
 0's link counter summed over the steps, on the emulator; with ``--ranks-per-node``, its node's
@@ -56,7 +61,8 @@ of each step):
 
 Waiting: ``hvd.synchronize`` spins on ``sched_yield`` until an op finishes. When the ranks share
 cores (the emulator puts 4 ranks on this machine's cores), spinning waiters take CPU from ranks
-still computing. hvd_onebit's own waits sleep (see :func:`hvd_onebit.transport.horovod.sleep_until_done`);
+still computing. hvd_onebit's own waits sleep
+(see :func:`hvd_onebit.transport.horovod.sleep_until_done`);
 with ``wait="sleep"`` (default) the benchmark gives Horovod's optimizer the same sleeping wait, so
 the baselines are not slowed by a waiting strategy that a machine with a core per rank would not
 pay for. ``wait="spin"`` keeps Horovod's own (:mod:`.waits`).
@@ -68,11 +74,11 @@ import time
 from typing import Optional
 
 from hvd_onebit.layout import ring_allreduce_bytes
-from hvd_onebit.variance_refresh import RefreshSchedule
 from .allreduce import _iface_tx_bytes
 from .refresh import (freeze_step_for, option_text, optimizer_options, run_steps,
                       whole_run_ceilings)
-from .train_ddp import DDP_METHODS, ddp_summary, make_ddp_method
+from .train_ddp import (DDP_METHODS, DDP_ONEBIT_METHODS, ddp_summary, make_ddp_method,
+                        onebit_phase)
 from .waits import WAITS
 from .waits import sleeping_horovod_waits as _sleeping_horovod_waits  # noqa: F401 (zoo)
 from .world import World
@@ -83,11 +89,14 @@ from .world import World
 # never trimmed keeps those pages mapped. (jemalloc or tcmalloc via LD_PRELOAD do the same job.)
 MALLOC_REUSE_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(2**40)}
 METHODS = ("local", "horovod_fp32", "horovod_fp16", "ddp_powersgd", "ddp_adam", "ddp_onebit",
-           "onebit", "onebit_sync", "onebit_hierarchical", "onebit_refresh", "onebit_blocks")
+           "ddp_onebit_refresh", "onebit", "onebit_sync", "onebit_hierarchical",
+           "onebit_refresh", "onebit_blocks")
 ONEBIT_METHODS = ("onebit", "onebit_sync", "onebit_hierarchical", "onebit_refresh",
                   "onebit_blocks")
 DEFAULT_METHODS = ("local", "horovod_fp32", "horovod_fp16", "ddp_powersgd", "ddp_adam",
-                   "ddp_onebit", "onebit", "onebit_refresh")
+                   "ddp_onebit", "ddp_onebit_refresh", "onebit", "onebit_refresh")
+#: The methods with ``variance_refresh`` frozen at ``refresh_freeze_frac``, one per face.
+REFRESH_METHODS = ("onebit_refresh", "ddp_onebit_refresh")
 MODELS = ("mlp", "embedding")
 IN_DIM = OUT_DIM = 256
 
@@ -164,18 +173,13 @@ def _make_step(method: str, model, steps: int, warmup_frac: float, powersgd_star
                                    refresh_freeze_frac, block_size)
         opt = hvd_onebit.DistributedOptimizer(base, named_parameters=model.named_parameters(),
                                               **options)
-        phase = lambda: opt.phase  # noqa: E731
-        schedule = (RefreshSchedule.from_option(variance_refresh)
-                    if method == "onebit_refresh" else None)
-        if schedule is not None:
-            def phase():  # a refresh step: full precision inside the compression phase
-                p = opt.phase
-                return ("refresh" if p == "compression"
-                        and schedule.is_refresh(counter["it"], opt.freeze_step) else p)
+        phase = onebit_phase(opt, variance_refresh if method == "onebit_refresh" else None,
+                             counter)
     elif method in DDP_METHODS:
         net, opt, phase = make_ddp_method(method, model, base, steps, warmup_frac,
                                           powersgd_start, onebit_options, counter,
-                                          gradient_as_bucket_view)
+                                          gradient_as_bucket_view, variance_refresh,
+                                          refresh_freeze_frac)
     elif method != "local":
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
 
@@ -207,7 +211,8 @@ def train_worker(methods=METHODS, steps: int = 40, warmup_frac: float = 0.15,
     ``model="mlp"`` uses width/depth; ``model="embedding"`` uses vocab/embed_dim, ``tokens``
     token ids per sample, and ``width`` for its head. ``transport``, ``bucket_size_mb`` and
     ``intra_node`` are 1-bit Adam's options (None: its default bucket size);
-    ``variance_refresh`` and ``refresh_freeze_frac`` are ``onebit_refresh``'s;
+    ``variance_refresh`` and ``refresh_freeze_frac`` are ``onebit_refresh``'s and
+    ``ddp_onebit_refresh``'s;
     ``gradient_as_bucket_view`` is DDP's option for every DDP method; ``block_size`` is
     ``onebit_blocks``'s.
     """
@@ -283,11 +288,11 @@ def train_worker(methods=METHODS, steps: int = 40, warmup_frac: float = 0.15,
             names = sorted({k for i in steady for k in parts[i]})
             row[f"{key}_breakdown_s"] = {k: statistics.median(parts[i].get(k, 0.0) for i in steady)
                                          for k in names}
-        if method in ONEBIT_METHODS or method == "ddp_onebit":
+        if method in ONEBIT_METHODS + DDP_ONEBIT_METHODS:
             row["freeze_step"] = opt.freeze_step
             row["compression_bytes_per_step"] = (opt.last_step_bytes if compressed_bytes is None
                                                  else compressed_bytes)
-            refresh = variance_refresh if method == "onebit_refresh" else None
+            refresh = variance_refresh if method in REFRESH_METHODS else None
             kinds = run_steps(steps, opt.freeze_step, refresh)
             row["variance_refresh"] = option_text(refresh)
             row["steps_by_kind"] = kinds

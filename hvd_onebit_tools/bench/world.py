@@ -12,7 +12,8 @@ import torch
 from .train_ddp import DDP_METHODS
 
 #: The methods of `bench train` that run in a job without Horovod: the step without any
-#: communication and DDP's (its own allreduce, PowerSGD, the DDP face of 1-bit Adam).
+#: communication and DDP's (its own allreduce, PowerSGD, the DDP face of 1-bit Adam with the
+#: paper's settings, ``ddp_onebit``, and with the library's defaults, ``ddp_onebit_refresh``).
 HOROVOD_FREE = ("local",) + DDP_METHODS
 
 

@@ -109,7 +109,8 @@ def test_bench_train_loopback_reports_phases_and_speedups(tmp_path, model):
     plot = tmp_path / "made" / "train.png"  # the folder is made before the run
     size = (["--width", "64", "--depth", "1"] if model == "mlp"
             else ["--vocab", "512", "--embed-dim", "16", "--tokens", "64", "--width", "32"])
-    methods = ["local", "horovod_fp32", "onebit", "onebit_blocks", "ddp_adam", "ddp_onebit"]
+    methods = ["local", "horovod_fp32", "onebit", "onebit_blocks", "ddp_adam", "ddp_onebit",
+               "onebit_refresh", "ddp_onebit_refresh"]
     proc = bench("train", "--np", "2", "--bandwidth", "local", "--steps", "8", "--model", model,
                  "--methods", ",".join(methods), "--json", "--plot", str(plot), *size)
     report = json.loads(proc.stdout)
@@ -146,6 +147,13 @@ def test_bench_train_loopback_reports_phases_and_speedups(tmp_path, model):
                                 "step_phases", "compression_bytes_per_step", "run_bytes_per_rank")}
     want = {k: ob[k] for k in got}
     assert got == want, f"ddp_onebit row {got}, onebit's {want}"
+    # the library's defaults through the DDP face: onebit_refresh's freeze and refresh steps
+    keys = ("freeze_step", "variance_refresh", "steps_by_kind", "step_phases", "refresh_steps",
+            "run_bytes_per_rank")
+    got = {k: rows["ddp_onebit_refresh"].get(k) for k in keys}
+    want = {k: rows["onebit_refresh"].get(k) for k in keys}
+    assert got == want and got["step_phases"] == ["warmup"] + 7 * ["refresh"], \
+        f"ddp_onebit_refresh row {got}, onebit_refresh's {want}"
     assert adam["bytes_per_step"] == fp32_bytes, \
         f"ddp_adam's ring figure {adam['bytes_per_step']}, horovod_fp32's {fp32_bytes}"
     assert face["compression_bytes_per_step"] * 25 < adam["bytes_per_step"], \
@@ -155,7 +163,10 @@ def test_bench_train_loopback_reports_phases_and_speedups(tmp_path, model):
     for key in ("comm_fraction_of_fp32_step", "onebit_compression_step_speedup_vs_fp32",
                 "onebit_run_speedup_vs_fp32", "ddp_onebit_compression_step_speedup_vs_ddp_adam",
                 "ddp_face_speedup_vs_horovod_face", "ddp_onebit_run_speedup_vs_ddp_adam",
-                "onebit_blocks_compression_step_vs_onebit"):
+                "onebit_blocks_compression_step_vs_onebit", "onebit_refresh_run_speedup_vs_onebit",
+                "ddp_onebit_refresh_run_speedup_vs_ddp_adam",
+                "ddp_onebit_refresh_run_speedup_vs_ddp_onebit",
+                "ddp_onebit_refresh_bytes_vs_ddp_onebit"):
         assert summary[key] == summary[key], f"summary {key} is NaN: {summary}"  # present
     assert summary["ddp_onebit_bytes_vs_ddp_adam"] == pytest.approx(
         face["compression_bytes_per_step"] / adam["bytes_per_step"]), summary
@@ -215,6 +226,9 @@ BAD_TRAIN_OPTIONS = [
      "--warmup-frac", "freezes at step 10, leaving no compressed step for onebit, ddp_onebit"),
     (["--steps", "10", "--refresh-freeze-frac", "0.96", "--methods", "onebit_refresh"],
      "--refresh-freeze-frac", "leaving no compressed step for onebit_refresh"),
+    (["--steps", "10", "--refresh-freeze-frac", "0.96", "--methods",
+      "ddp_onebit,ddp_onebit_refresh"],
+     "--refresh-freeze-frac", "leaving no compressed step for ddp_onebit_refresh"),
     (["--batch-size", "0"], "--batch-size", "0 is not in the range x>=1"),
     (["--batch", "0"], "--batch-size", "0 is not in the range x>=1"),
     (["--width", "0"], "--width", "0 is not in the range x>=1"),
@@ -662,23 +676,44 @@ def without_horovod(*args):
 
 
 def test_bench_train_without_horovod_runs_ddps_methods_under_torchrun():
-    """A DDP user measures DDP Adam against the DDP face without Horovod: the default methods
-    that need none run under torchrun (the others left out, with a note); one that needs
-    Horovod, named, is refused naming those that do not; a Horovod-only command says so in one
-    line."""
+    """A DDP user measures DDP Adam against the DDP face without Horovod, with the paper's
+    settings and with the library's defaults (a refresh schedule, its refresh steps a phase of
+    their own): the default methods that need none run under torchrun (the others left out,
+    with a note); one that needs Horovod, named, is refused naming those that do not; a
+    Horovod-only command says so in one line."""
     proc = without_horovod("bench", "train", "--np", "2", "--bandwidth", "local", "--steps", "6",
-                           "--model", "mlp", "--width", "32", "--depth", "1", "--json")
+                           "--model", "mlp", "--width", "32", "--depth", "1",
+                           "--variance-refresh", '{"first_interval": 2}', "--json")
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout)
     rows = {r["method"]: r for r in report["rows"]}
     got = (report["launcher"], sorted(rows), rows["ddp_onebit"].get("compression_steps"))
-    assert got == ("torchrun", ["ddp_adam", "ddp_onebit", "ddp_powersgd", "local"], 5) and \
+    assert got == ("torchrun", ["ddp_adam", "ddp_onebit", "ddp_onebit_refresh", "ddp_powersgd",
+                                "local"], 5) and \
         "horovod_fp32, horovod_fp16, onebit, onebit_refresh left out" in proc.stderr, \
         f"(launcher, methods, ddp_onebit's compressed steps) {got}; stderr {proc.stderr[-800:]}"
+    # frozen at round(0.05 * 6) -> 1, refreshed at steps 2 and 4 (every 2nd step from 0)
+    refresh = rows["ddp_onebit_refresh"]
+    got = {k: refresh.get(k) for k in ("freeze_step", "variance_refresh", "step_phases",
+                                       "refresh_steps", "compression_steps")}
+    assert got == {"freeze_step": 1, "variance_refresh": '{"first_interval":2}',
+                   "step_phases": ["warmup", "compression", "refresh", "compression", "refresh",
+                                   "compression"], "refresh_steps": 2, "compression_steps": 3}, \
+        f"ddp_onebit_refresh row: {got}"
+    assert refresh["steps_by_kind"]["refresh_steps"] == 2, refresh["steps_by_kind"]
+    summary = report["summary"]
+    keys = ("ddp_onebit_refresh_run_speedup_vs_ddp_adam",
+            "ddp_onebit_refresh_run_speedup_vs_ddp_onebit",
+            "ddp_onebit_refresh_bytes_vs_ddp_onebit", "ddp_onebit_refresh_speedup_any_schedule")
+    bad = {k: summary.get(k) for k in keys
+           if not isinstance(summary.get(k), float) or not 0 < summary[k] < float("inf")}
+    assert not bad, f"summary figures missing or not finite and positive: {bad}; {summary}"
+    # 3 full-precision steps (warmup, 2 refreshes) of ddp_onebit_refresh against 1 of ddp_onebit
+    assert summary["ddp_onebit_refresh_bytes_vs_ddp_onebit"] > 1, summary
     named = without_horovod("bench", "train", "--np", "2", "--methods", "ddp_adam,onebit")
     assert named.returncode == 2 and "onebit needs Horovod" in named.stderr and \
-        "local, ddp_adam, ddp_onebit, ddp_powersgd, which run under torchrun" in named.stderr, \
-        f"exit {named.returncode}: {named.stderr[-800:]}"
+        "local, ddp_adam, ddp_onebit, ddp_onebit_refresh, ddp_powersgd, which run under " \
+        "torchrun" in named.stderr, f"exit {named.returncode}: {named.stderr[-800:]}"
     for args in (["allreduce", "--np", "2", "--numel", "4096"], ["dev", "memory"],
                  ["dev", "zoo", "--families", "mlp"]):
         horovod_only = without_horovod("bench", *args)

@@ -14,6 +14,7 @@ from ..train import MALLOC_REUSE_ENV
 from ..train import DEFAULT_METHODS as TRAIN_DEFAULT_METHODS
 from ..train import METHODS as TRAIN_METHODS
 from ..train import MODELS as TRAIN_MODELS
+from ..train import REFRESH_METHODS
 from ..train import WAITS as TRAIN_WAITS
 from ..world import HOROVOD_FREE
 from .options import (FROZEN_FREEZE_FRACTION, Finite, block_size_check, check_real_cluster,
@@ -46,14 +47,16 @@ def _without_horovod(methods: list, hosts) -> list:
                              param_hint="--methods")
 
 
-def refresh_share_note(kinds: dict, refresh, freeze_frac: float, long_run: int = 10000) -> str:
-    """How many of this run's steps the refresh setting took in full precision, beside the
-    share it takes over a long run: a short run's whole-run figure is mostly full-precision
-    steps, and says little about a training run's."""
+def refresh_share_note(kinds: dict, refresh, freeze_frac: float, long_run: int = 10000,
+                       method: str = "onebit_refresh") -> str:
+    """How many of this run's steps the refresh setting took in full precision (``method``,
+    one of :data:`..train.REFRESH_METHODS`), beside the share it takes over a long run: a
+    short run's whole-run figure is mostly full-precision steps, and says little about a
+    training run's."""
     from ..refresh import freeze_step_for, run_steps
 
     long = run_steps(long_run, freeze_step_for(freeze_frac, long_run), refresh)
-    return (f"onebit_refresh: {kinds['full_precision_steps']} of {kinds['run_steps']} steps in "
+    return (f"{method}: {kinds['full_precision_steps']} of {kinds['run_steps']} steps in "
             f"full precision (warmup {kinds['freeze_step']}, refreshes "
             f"{kinds['refresh_steps']}); the same setting over {long_run:,} steps takes "
             f"{long['full_precision_steps']:,} ({long['full_precision_steps'] / long_run:.1%}): "
@@ -66,11 +69,13 @@ def _check_warmups(methods, steps: int, warmup_frac: float, refresh_freeze_frac:
     from ..refresh import freeze_step_for
     from ..train import ONEBIT_METHODS
 
+    from ..train_ddp import DDP_ONEBIT_METHODS
+
     checks = [("--warmup-frac", warmup_frac,
-               [m for m in methods if m in ONEBIT_METHODS + ("ddp_onebit",)
-                and m != "onebit_refresh"]),
+               [m for m in methods if m in ONEBIT_METHODS + DDP_ONEBIT_METHODS
+                and m not in REFRESH_METHODS]),
               ("--refresh-freeze-frac", refresh_freeze_frac,
-               [m for m in methods if m == "onebit_refresh"])]
+               [m for m in methods if m in REFRESH_METHODS])]
     for option, frac, users in checks:
         freeze = freeze_step_for(frac, steps)
         if users and freeze >= steps:
@@ -90,10 +95,11 @@ def _check_warmups(methods, steps: int, warmup_frac: float, refresh_freeze_frac:
                    "when the phase has 3 or more).")
 @click.option("--warmup-frac", default=FROZEN_FREEZE_FRACTION, show_default=True,
               type=Finite(0, 1),
-              help="The onebit method's warmup (variance_refresh=None): freeze_step = "
-                   "warmup_frac * steps.")
-@refresh_options("onebit_refresh's variance_refresh",
-                 "onebit_refresh's warmup: freeze_step = refresh_freeze_frac * steps")
+              help="The onebit and ddp_onebit methods' warmup (variance_refresh=None): "
+                   "freeze_step = warmup_frac * steps.")
+@refresh_options("onebit_refresh's and ddp_onebit_refresh's variance_refresh",
+                 "onebit_refresh's and ddp_onebit_refresh's warmup: freeze_step = "
+                 "refresh_freeze_frac * steps")
 @click.option("--model", default="embedding", show_default=True, type=click.Choice(TRAIN_MODELS),
               help="mlp: a wide MLP (width x depth). embedding: an embedding-bag table "
                    "(vocab x embed-dim, dense gradient) with an MLP head of --width.")
@@ -119,14 +125,16 @@ def _check_warmups(methods, steps: int, warmup_frac: float, refresh_freeze_frac:
 @click.option("--powersgd-start", default=10, show_default=True, type=click.IntRange(min=0),
               help="Plain-allreduce iterations before PowerSGD starts compressing.")
 @click.option("--methods", default=",".join(TRAIN_DEFAULT_METHODS), show_default=True,
-              callback=comma_list(str), help=f"Which methods to run, from {', '.join(TRAIN_METHODS)} "
+              callback=comma_list(str),
+              help=f"Which methods to run, from {', '.join(TRAIN_METHODS)} "
               "(onebit: variance_refresh=None, frozen at --warmup-frac; onebit_sync: "
               "overlap=False, the exchange starts in step(); onebit_hierarchical: "
               "hierarchical=True, for --ranks-per-node > 1; onebit_refresh: --variance-refresh "
               "frozen at --refresh-freeze-frac, against onebit's whole run; onebit_blocks: onebit "
               "with --block-size elements per scale; ddp_adam: DDP over "
               "Gloo with its own allreduce; ddp_onebit: the same DDP model under "
-              "hvd_onebit.ddp.DistributedOptimizer, frozen as onebit is).")
+              "hvd_onebit.ddp.DistributedOptimizer, frozen as onebit is; ddp_onebit_refresh: "
+              "the DDP face with onebit_refresh's settings, against ddp_onebit's whole run).")
 @click.option("--transport", default="auto", show_default=True,
               type=click.Choice(TRANSPORTS),
               help="1-bit Adam's transport for the compression phase.")
@@ -152,13 +160,15 @@ def _check_warmups(methods, steps: int, warmup_frac: float, refresh_freeze_frac:
               help="Write a PNG bar chart of samples/s per method and phase.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 @out_option
-def bench_train(np_, bandwidth, steps, warmup_frac, variance_refresh, refresh_freeze_frac, model, width, depth, vocab, embed_dim, tokens,
-                batch, malloc_mode, wait, powersgd_start, methods, transport, bucket_size_mb,
-                block_size, intra_node, gradient_as_bucket_view, hosts, shared_dir, queue_ms, ranks_per_node, intra_bandwidth, timeout,
-                plot, as_json, out) -> None:
+def bench_train(np_, bandwidth, steps, warmup_frac, variance_refresh, refresh_freeze_frac,
+                model, width, depth, vocab, embed_dim, tokens, batch, malloc_mode, wait,
+                powersgd_start, methods, transport, bucket_size_mb, block_size, intra_node,
+                gradient_as_bucket_view, hosts, shared_dir, queue_ms, ranks_per_node,
+                intra_bandwidth, timeout, plot, as_json, out) -> None:
     """End-to-end samples/s and bytes per step: Horovod Adam (fp32, fp16), DDP Adam, DDP +
-    PowerSGD and 1-bit Adam through either face, per phase and over a whole run. Also reports what share of the Horovod fp32
-    step is communication (the 'local' method runs the same step without any)."""
+    PowerSGD and 1-bit Adam through either face, with the paper's settings and with the
+    library's defaults, per phase and over a whole run. Also reports what share of the Horovod
+    fp32 step is communication (the 'local' method runs the same step without any)."""
     from ..refresh import parse_variance_refresh
     from ..train import summarize as summarize_train
     from ...cluster.jobs import horovod_installed, run_job
@@ -251,8 +261,9 @@ def bench_train(np_, bandwidth, steps, warmup_frac, variance_refresh, refresh_fr
                         # the link counter, which also counts the transports' own framing
                         ("run payload MB/rank", "run_mb", ",.1f")])
     for r in rows:
-        if r["method"] == "onebit_refresh":
-            click.echo(refresh_share_note(r["steps_by_kind"], refresh, refresh_freeze_frac))
+        if r["method"] in REFRESH_METHODS:
+            click.echo(refresh_share_note(r["steps_by_kind"], refresh, refresh_freeze_frac,
+                                          method=r["method"]))
     for r in rows:
         parts = r.get("compression_breakdown_s")
         if parts:
