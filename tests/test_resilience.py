@@ -109,6 +109,22 @@ def test_error_feedback_from_another_world_size_is_reset_with_a_warning(results)
         assert ef["norms_after"] == (0.0, 0.0), f"rank {rank}: error feedback {ef['norms_after']}"
 
 
+def test_error_feedback_from_another_step_is_reset_with_a_warning(results):
+    """Errors saved at step 4 and loaded mid-run at step 6, or into a fresh optimizer that then
+    trains to its freeze at step 2 (its buckets fused by the warmup's last step, at step 1), are
+    not the errors of that step: each load warns naming both step counts and the errors are
+    zero, not silently folded into the next average."""
+    for rank, r in enumerate(scenario(results, "ef_other_step")):
+        assert max(r["saved_norms"]) > 0, f"rank {rank}: nothing saved to drop: {r}"
+        for case, at in (("mid_run", 6), ("into_warmup", 1)):
+            said = [w for w in r[case]["warnings"]
+                    if f"error feedback saved at step 4 does not fit this optimizer at step {at}"
+                    in w and "reset to zero" in w]
+            assert len(said) == 1, f"rank {rank} {case}: warnings {r[case]['warnings']}"
+            assert list(r[case]["norms"]) == [0.0, 0.0], \
+                f"rank {rank} {case}: errors {r[case]['norms']} after a dropped load"
+
+
 @pytest.mark.parametrize("key", ["nonfinite", "nonfinite_averaged"])
 def test_nonfinite_gradient_on_one_rank_skips_the_step_everywhere(results, key):
     """An inf in rank 1's gradient, or (``_averaged``) written into its averaged gradient after
@@ -278,10 +294,16 @@ def test_bad_input_is_a_clear_error_on_every_rank(results):
                 "missing_names": "named_parameters names 2 of the optimizer's 6 parameters",
                 "mixed_devices": "one device",
                 "added_after_freeze": "after the variance was frozen",
-                "sparse_gradients": "sparse_as_dense=True"}
+                "sparse_gradients": "sparse_as_dense=True",
+                "another_models_state": "the optimizer state loaded is another model's: its "
+                                        "exp_avg for 0.weight has shape (32, 8), the parameter "
+                                        "(16, 8); nothing was loaded"}
     for rank, bad in enumerate(scenario(results, "bad")):
         for case, text in expected.items():
             assert text in bad[case], f"rank {rank}, {case}: expected {text!r} in {bad[case]!r}"
+        assert list(bad["another_models_state_then"]) == [1, True], \
+            f"rank {rank}: after the refused load, (steps, parameters moved) " \
+            f"{bad['another_models_state_then']}: the optimizer should train as before"
 
 
 def test_divergence_guard_raises_on_every_rank(results):

@@ -404,11 +404,11 @@ def unflushed_engine(transport, steps=3):
     for k in range(steps):
         step(k)
     seen["stepped"] = engine.unflushed
-    saved = engine.error_feedback_state_dict()
     engine.flush_error_feedback(groups)
     seen["flushed"] = engine.unflushed
     step(steps)
     seen["stepped_again"] = engine.unflushed
+    saved = engine.error_feedback_state_dict()  # restored below at this step count
     engine.restart()
     seen["restarted"] = engine.unflushed
     warned = {}

@@ -87,6 +87,46 @@ def error_feedback_from_other_world(freeze_step=2, steps=5):
             "norms_after": after}
 
 
+def error_feedback_from_another_step(freeze_step=2, saved_at=4, steps=6):
+    """Error feedback saved at step ``saved_at`` and loaded where the optimizer is at another
+    step: mid-run at step ``steps`` (applied at once: the buckets exist), and into a fresh
+    optimizer that then trains through its warmup (applied at the freeze). Each: the warnings,
+    and the error norms just after (dropped: zero)."""
+    loss_fn = nn.MSELoss()
+
+    def train(model, opt, start, stop):
+        for step in range(start, stop):
+            opt.zero_grad()
+            x, y = batch(step, hvd.rank())
+            loss_fn(model(x), y).backward()
+            opt.step()
+
+    def norms(opt):
+        comm = next(iter(opt.compressed_step.comms.values()))
+        return float(comm.worker_error.norm()), float(comm.server_error.norm())
+
+    model = make_model()
+    opt = _opt(model, freeze_step)
+    train(model, opt, 0, saved_at)
+    saved = opt.error_feedback_state_dict()
+    train(model, opt, saved_at, steps)
+    out = {"saved_norms": [float(t.norm()) for b in saved["buckets"].values()
+                           for t in b.values() if isinstance(t, torch.Tensor)]}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt.load_error_feedback_state_dict(saved)
+    out["mid_run"] = {"warnings": [str(w.message) for w in caught], "norms": norms(opt)}
+    fresh_model = make_model()
+    fresh = _opt(fresh_model, freeze_step)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fresh.load_error_feedback_state_dict(saved)
+        train(fresh_model, fresh, 0, freeze_step)  # the warmup: its last step fuses
+        out["into_warmup"] = {"warnings": [str(w.message) for w in caught],
+                              "norms": norms(fresh)}
+    return out
+
+
 def _inf_at_origin(grad: torch.Tensor) -> torch.Tensor:
     grad = grad.clone()
     grad.view(-1)[0] = float("inf")
@@ -266,7 +306,23 @@ def bad_inputs():
             emb(torch.tensor([1, 2])).sum().backward()
             opt.step()
 
+    def another_models_state():
+        saved = _opt(make_model(width=32), 2).state_dict()
+        model = make_model(width=16)
+        opt = _opt(model, 2)
+        before = [p.detach().clone() for p in model.parameters()]
+        try:
+            opt.load_state_dict(saved)
+        finally:  # nothing was loaded: the optimizer still trains its own model
+            opt.zero_grad()
+            x, y = batch(0, hvd.rank())
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            errors["another_models_state_then"] = (opt.steps, any(
+                not torch.equal(a, p) for a, p in zip(before, model.parameters())))
+
     attempt("shapes_differ", shapes_differ)
+    attempt("another_models_state", another_models_state)
     attempt("duplicate_names", duplicate_names)
     attempt("missing_names", missing_names)
     attempt("mixed_devices", mixed_devices)
@@ -506,6 +562,7 @@ def suite(ckpt_dir=None):
         "clip_alone_in_flight": lambda: changed_in_flight("clip_alone"),
         "guard": divergence_guard,
         "ef_other_world": error_feedback_from_other_world,
+        "ef_other_step": error_feedback_from_another_step,
         "no_rollback_compression": lambda: rollback("none", src=7),
         "no_rollback_warmup": lambda: rollback("none", src=3),
         "rollback_broadcast_compression": lambda: rollback("rank0_broadcast", src=7),

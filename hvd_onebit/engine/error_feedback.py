@@ -68,18 +68,27 @@ class ErrorFeedback:
         return (self.outstanding or self._unsaved_at is not None
                 or bool((self._pending or {}).get("buckets")))
 
+    def _step(self) -> Optional[int]:
+        """The optimizer's step count as its bucketed parameters' Adam state records it (the
+        largest; None before any is bucketed): what errors are saved at and must be loaded at."""
+        steps = [float(self.state[p]["step"]) for p in self.fused.params
+                 if "step" in self.state[p]]
+        return int(max(steps)) if steps else None
+
     def state_dict(self) -> dict:
-        """This rank's error-feedback buffers (rank-local: save one file per rank); loaded ones
-        not applied yet (until the next fusing) as they were loaded."""
+        """This rank's error-feedback buffers (rank-local: save one file per rank), with the
+        step count they belong to; loaded ones not applied yet (until the next fusing) as they
+        were loaded."""
         if self._pending is not None:
             return self._pending
         return {"world_size": self.transport.size, "rank": self.transport.rank,
-                "space": self.space,
+                "space": self.space, "step": self._step(),
                 "buckets": {k: c.state_dict() for k, c in self.collectives.saved().items()}}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict` from the same rank of a same-size job; with another
-        world size, rank or layout it is dropped with a warning (errors restart at 0)."""
+        world size, rank or layout it is dropped with a warning (errors restart at 0), and with
+        another step count at the fusing that applies it."""
         world, rank = self.transport.size, self.transport.rank
         self._unsaved_at = None  # given: applied below or at the fusing, or dropped with a warning
         if state.get("world_size") != world or state.get("rank") != rank:
@@ -141,6 +150,13 @@ class ErrorFeedback:
             return
         saved = state.get("buckets", {})
         if not saved:  # saved before the compression phase: no errors yet, nothing to restore
+            return
+        saved_step, step = state.get("step"), self._step()
+        if saved_step is not None and step is not None and saved_step != step:
+            warnings.warn(f"hvd_onebit: error feedback saved at step {saved_step} does not fit "
+                          f"this optimizer at step {step}: load the optimizer state and the "
+                          "error feedback of the same checkpoint. It is reset to zero")
+            self.zeroed()
             return
         mine = self.collectives.saved()
         if set(saved) != set(mine):

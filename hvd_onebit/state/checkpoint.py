@@ -60,6 +60,21 @@ def state_dict(view: OptimizerView, config: OneBitConfig, schedule: Schedule,
     return sd
 
 
+def check_state_shapes(state_dict: dict, params: list, names: dict) -> None:
+    """Refuse, before anything is loaded, a state whose moments do not have their parameters'
+    shapes (another model's optimizer state): torch.optim would take it and fail in the next
+    step, naming neither the parameter nor the checkpoint."""
+    ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+    for index, (pid, p) in enumerate(zip(ids, params)):
+        for key in ("exp_avg", "exp_avg_sq"):
+            value = state_dict["state"].get(pid, {}).get(key)
+            if hasattr(value, "shape") and tuple(value.shape) != tuple(p.shape):
+                raise ValueError(
+                    f"the optimizer state loaded is another model's: its {key} for "
+                    f"{names.get(p, f'parameter {index}')} has shape {tuple(value.shape)}, the "
+                    f"parameter {tuple(p.shape)}; nothing was loaded")
+
+
 def load_state_dict(view: OptimizerView, config: OneBitConfig, schedule: Schedule,
                     telemetry: Telemetry, state_dict: dict, one_rank: bool = False) -> bool:
     """Load a :func:`state_dict`. A checkpoint taken in the compression phase stays there: its
@@ -85,6 +100,7 @@ def load_state_dict(view: OptimizerView, config: OneBitConfig, schedule: Schedul
     state_dict["param_groups"] = [{k: v for k, v in g.items() if k != RECORD_KEY}
                                   for g in state_dict["param_groups"]]
     params = view.adam.parameters()
+    check_state_shapes(state_dict, params, view.names)
     wide = float32_state_in(state_dict, params)
     loads = schedule.loads
     view.adam.load_torch_state_dict(state_dict)
