@@ -59,6 +59,9 @@ class OneBitFace:
         """Warmup: wait for the gradient allreduces (as Horovod). Compression: nothing to wait for."""
         self._phases.synchronize(self._make_hook)
 
+    # Inside a torch.compile'd function these run eagerly (a graph break): the step is
+    # bookkeeping, collectives and kernels of its own, none of which Dynamo can trace.
+    @torch.compiler.disable
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Horovod's rule: refused between backward and step() unless synchronize() was called
         (the compression phase's buckets started during backward count as in flight). After
@@ -75,6 +78,7 @@ class OneBitFace:
     # GradScaler then hands this optimizer the skip decision (hvd_onebit.phases.amp).
     _step_supports_amp_scaling = True
 
+    @torch.compiler.disable
     def step(self, closure: Optional[Callable[[], float]] = None, grad_scaler=None):
         """One optimizer step: Horovod + Adam in warmup, 1-bit momentum Adam afterwards.
         ``grad_scaler`` is passed by ``torch.amp.GradScaler.step()`` itself."""

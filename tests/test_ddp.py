@@ -320,6 +320,16 @@ def test_refusals_are_clear_on_every_rank(world):
 
 
 @pytest.mark.multirank
+def test_a_compiled_training_step_with_the_optimizers_step_inside_trains_as_eager(world):
+    """``opt.step()`` inside a ``torch.compile``'d function (with zero_grad, forward and
+    backward) runs eagerly there: the same bits as the eager steps, through the freeze."""
+    n, results = world
+    for rank, r in enumerate(scenario(results, "compiled_step")):
+        assert r["phase"] == "compression" and not r["differences"], \
+            f"n={n} rank {rank}: phase {r['phase']}, {r['differences']}"
+
+
+@pytest.mark.multirank
 def test_hierarchical_on_one_node_warns_naming_how_torchrun_numbers_nodes(world):
     """Every rank on one host: hierarchical=True trains (flat 1 bit has no stage between nodes)
     and warns that nothing travels in 1 bit, naming torchrun's numbering of nodes under

@@ -47,14 +47,17 @@ def test_with_the_unbounded_momentum_scheme_the_loss_scale_falls(results):
         f"unbounded scale {min(unbounded['scales'])}, bounded {min(bounded['scales'])}"
 
 
-def test_a_compiled_model_trains_as_the_eager_one(results):
-    """``torch.compile`` of the model (its parameters handed to the optimizer as usual): the
-    same steps through both phases as the model run eagerly."""
-    eager, compiled = scenario(results, "eager"), scenario(results, "compiled")
-    assert compiled["phase"] == "compression", f"the run never compressed ({compiled['phase']})"
+@pytest.mark.parametrize("how", ["compiled", "compiled_step"])
+def test_a_compiled_model_trains_as_the_eager_one(results, how):
+    """``torch.compile`` of the model (its parameters handed to the optimizer as usual), or of
+    a whole training step with ``opt.step()`` inside it (the optimizer's step runs eagerly
+    there): the same steps through both phases as the model run eagerly."""
+    eager, compiled = scenario(results, "eager"), scenario(results, how)
+    assert compiled["phase"] == "compression", f"{how}: the run never compressed " \
+                                               f"({compiled['phase']})"
     for i, (a, b) in enumerate(zip(eager["params"], compiled["params"])):
         assert a.tobytes() == b.tobytes(), \
-            f"param {i}: {int((a != b).sum())} of {a.size} elements differ, " \
+            f"{how}: param {i}: {int((a != b).sum())} of {a.size} elements differ, " \
             f"max |diff| {float(abs(a - b).max()):.3g}"
 
 

@@ -836,6 +836,26 @@ def refusals() -> dict:
     return out
 
 
+def compiled_step(steps: int = FREEZE + 3) -> dict:
+    """Zero_grad, forward, backward and ``opt.step()`` in one ``torch.compile``'d function, as
+    torch's docs compile Adam's step, against the same steps run eagerly: whether the two
+    runs' parameters are the same bits, and the phase reached."""
+    runs = []
+    for compiled in (False, True):
+        model = make_model()
+        opt = onebit(model)
+
+        def one(step):
+            train_step(model, opt, step)
+
+        stepper = torch.compile(one, backend="eager") if compiled else one
+        for step in range(steps):
+            stepper(step)
+        runs.append(params_of(model))
+    return {"differences": differences(runs[0], runs[1], "compiled step vs eager"),
+            "phase": opt.phase}
+
+
 def one_node_hierarchical() -> dict:
     """hierarchical=True with every rank on this one host, past the freeze: the warnings about
     it and the phase reached; outside torchrun (no node layout), the refusal."""
@@ -1003,7 +1023,7 @@ def suite(scratch: Optional[str] = None, stage: Optional[str] = None) -> dict:
     scenarios.update(averaged_poisoned=averaged_gradient_poisoned)
     scenarios.update(checkpoint=checkpoint_resumes, dcp=dcp_checkpoint_resumes,
                      refresh=variance_refresh, refusals=refusals,
-                     one_node_hierarchical=one_node_hierarchical,
+                     one_node_hierarchical=one_node_hierarchical, compiled_step=compiled_step,
                      refresh_second_steps=partial(variance_refresh, second_steps=True),
                      refresh_unused=partial(variance_refresh, "unused", iterations=8),
                      refresh_unused_second_steps=partial(variance_refresh, "unused",

@@ -49,7 +49,8 @@ def recipe(kind: str, how: str, steps: int = 40, freeze_step: int = 10, **option
     ``scaler.unscale_(optimizer)``, ``with optimizer.skip_synchronize(): scaler.step(optimizer)``,
     ``scaler.update()``), "clip" (synchronize, ``clip_grad_norm_(1.0)``, skip_synchronize, step)
     or "scaler_step" (GradScaler through ``step()`` alone); "eager" and "compiled" (the model's
-    forward through ``torch.compile``): backward, then step. ``kind``: "adam" (Horovod's own
+    forward through ``torch.compile``): backward, then step; "compiled_step": zero_grad,
+    forward, backward and step in one ``torch.compile``'d function. ``kind``: "adam" (Horovod's own
     optimizer) or "onebit". Returns the held-out loss, the loss scales, whether every
     parameter stayed finite, and the phase at the end."""
     torch.manual_seed(0)
@@ -58,12 +59,24 @@ def recipe(kind: str, how: str, steps: int = 40, freeze_step: int = 10, **option
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     opt = _optimizer(model, kind, freeze_step, **options)
     forward = torch.compile(model, backend="aot_eager") if how == "compiled" else model
+
+    @torch.compile(backend="eager")
+    def compiled_step(x, y):
+        opt.zero_grad()
+        loss = F.nll_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss
+
     scaler = torch.amp.GradScaler("cpu") if how in ("amp", "scaler_step") else None
     scales = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for step in range(steps):
             x, y = _batch(split, step)
+            if how == "compiled_step":
+                compiled_step(x, y)
+                continue
             opt.zero_grad()
             with torch.autocast("cpu", dtype=torch.float16, enabled=how == "amp"):
                 loss = F.nll_loss(forward(x), y)
@@ -183,7 +196,7 @@ def suite() -> dict:
             recipe, "onebit", how,
             experimental=Experimental(step_bound=None, precondition=False))
     out["bounded_scaler_step"] = _scenario(recipe, "onebit", "scaler_step")
-    for how in ("eager", "compiled"):
+    for how in ("eager", "compiled", "compiled_step"):
         out[how] = _scenario(recipe, "onebit", how)
     out["resume"] = _scenario(resume_unbounded_checkpoint)
     return out
