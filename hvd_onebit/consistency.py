@@ -21,12 +21,13 @@ def _digest(text: str) -> int:
 class JobSignature:
     """What every rank's optimizer must agree on, as integers one allgather carries
     (:meth:`row`): its parameters in the optimizer's order (their names, shapes and dtypes
-    digested), its ``freeze_step`` (-1: "auto") and each other option (digested, one each, in
+    digested), which of them are trainable (``requires_grad``, digested), its ``freeze_step`` (-1: "auto") and each other option (digested, one each, in
     the config's field order; ``option_names`` are theirs, the same on every rank, not sent)."""
 
     parameters: int
     elements: int
     layout: int
+    trainable: int
     freeze_step: int
     options: tuple
     option_names: tuple = ()
@@ -36,19 +37,21 @@ class JobSignature:
            config) -> "JobSignature":
         params = [p for g in param_groups for p in g["params"]]
         layout = repr([(names.get(p), tuple(p.shape), str(p.dtype)) for p in params])
+        trainable = repr([p.requires_grad for p in params])
         freeze = config.freeze_step if isinstance(config.freeze_step, int) else -1
         option_names = tuple(f.name for f in dataclasses.fields(config) if f.name != "freeze_step")
         options = tuple(_digest(repr(getattr(config, name))) for name in option_names)
-        return cls(len(params), sum(p.numel() for p in params), _digest(layout), freeze,
-                   options, option_names)
+        return cls(len(params), sum(p.numel() for p in params), _digest(layout),
+                   _digest(trainable), freeze, options, option_names)
 
     def row(self) -> list[int]:
         """The integers the allgather carries."""
-        return [self.parameters, self.elements, self.layout, self.freeze_step, *self.options]
+        return [self.parameters, self.elements, self.layout, self.trainable, self.freeze_step,
+                *self.options]
 
     def from_row(self, row: list[int]) -> "JobSignature":
         """Another rank's signature from its :meth:`row`, with this one's option names."""
-        return JobSignature(*row[:4], tuple(row[4:]), self.option_names)
+        return JobSignature(*row[:5], tuple(row[5:]), self.option_names)
 
     def differences(self, everyone: list["JobSignature"]) -> list[str]:
         """What ``everyone`` (each rank's signature, in rank order) disagrees on, in words."""
@@ -65,6 +68,10 @@ class JobSignature:
             out.append(f"the order, names, shapes or dtypes of their parameters (rank(s) "
                        f"{ranks_unlike_0('layout')} unlike rank 0's; param groups built from a "
                        "set() come out in another order on each rank)")
+        elif ranks_unlike_0("trainable"):
+            out.append(f"which of their parameters are trainable (requires_grad differs on "
+                       f"rank(s) {ranks_unlike_0('trainable')} from rank 0: freeze the same "
+                       "parameters on every rank before building the optimizer)")
         if ranks_unlike_0("freeze_step"):
             out.append("freeze_step (" + ", ".join(
                 f"rank {r}: {'auto' if s.freeze_step < 0 else s.freeze_step}"
@@ -128,7 +135,10 @@ def raise_if_diverged(everyone: torch.Tensor, step: int, check_every: int) -> No
     if differ:
         raise RuntimeError(
             f"hvd_onebit: parameters diverged across ranks at step {step}: "
-            f"rank(s) {differ} differ from rank 0 (check_every={check_every})")
+            f"rank(s) {differ} differ from rank 0 (check_every={check_every}). Something a "
+            "script does on some ranks only parts them: a learning rate, weight decay or "
+            "scheduler set per rank, gradients changed on some ranks after they were averaged "
+            "(a clip on one rank), a parameter or the optimizer's state written on some ranks")
 
 
 def check_parameters_identical(param_groups: list[dict], process_set, step: int,

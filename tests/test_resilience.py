@@ -290,6 +290,9 @@ def test_checks_every_few_steps_name_a_checkpoint_loaded_on_one_rank_only(result
 def test_bad_input_is_a_clear_error_on_every_rank(results):
     expected = {"shapes_differ": "optimizers differ in their parameters (rank 0: 6 (1377 "
                                   "elements), rank 1: 6 (433",
+                "trainable_differs": "optimizers differ in which of their parameters are "
+                                     "trainable (requires_grad differs on rank(s) [1] from "
+                                     "rank 0",
                 "duplicate_names": "must be unique",
                 "missing_names": "named_parameters names 2 of the optimizer's 6 parameters",
                 "mixed_devices": "one device",
@@ -311,7 +314,7 @@ def test_divergence_guard_raises_on_every_rank(results):
         # corrupted after step 6, caught at the next check (step 9)
         assert g["raised_at"] == 9, \
             f"rank {rank}: the guard raised at step {g['raised_at']}, expected 9: {g['message']!r}"
-        for text in ("diverged", "[1]"):
+        for text in ("diverged", "[1]", "a clip on one rank"):
             assert text in g["message"], f"rank {rank}: {text!r} not in {g['message']!r}"
 
 

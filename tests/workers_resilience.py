@@ -271,6 +271,12 @@ def bad_inputs():
         width = 32 if hvd.rank() == 0 else 16
         _opt(make_model(width=width), 2)
 
+    def trainable_differs():  # one bias frozen on the last rank alone, before the build
+        m = make_model()
+        if hvd.rank() == hvd.size() - 1:
+            m[0].bias.requires_grad_(False)
+        _opt(m, 2)
+
     def duplicate_names():
         m = make_model()
         hvd_onebit.DistributedOptimizer(torch.optim.Adam(m.parameters()), freeze_step=2,
@@ -322,6 +328,7 @@ def bad_inputs():
                 not torch.equal(a, p) for a, p in zip(before, model.parameters())))
 
     attempt("shapes_differ", shapes_differ)
+    attempt("trainable_differs", trainable_differs)
     attempt("another_models_state", another_models_state)
     attempt("duplicate_names", duplicate_names)
     attempt("missing_names", missing_names)

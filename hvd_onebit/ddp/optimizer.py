@@ -130,12 +130,13 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model, *,
     Adam state) and ``torch.amp.GradScaler`` (``scaler.step(opt)``: a non-finite value on one
     rank skips the step on every rank) work as with DDP + Adam.
 
-    Clipping: in the warmup the gradients are DDP's averages, so a clip acts as with DDP + Adam.
-    In the compression phase no gradient is averaged: ``p.grad`` is this rank's own, and a clip
-    bounds what each rank adds to its momentum before the 1-bit average (the update itself is
-    bounded by Adam's own bound, ``Experimental(step_bound="adam")``). The recipe is the same
-    line in both phases: ``torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)``
-    before ``opt.step()`` (after ``scaler.unscale_(opt)`` with a GradScaler).
+    Clipping: in the warmup and the variance refresh steps the gradients are DDP's averages, so
+    a clip acts as with DDP + Adam. In compressed steps no gradient is averaged: ``p.grad`` is
+    this rank's own, and a clip bounds what each rank adds to its momentum before the 1-bit
+    average (the update itself is bounded by Adam's own bound,
+    ``Experimental(step_bound="adam")``). The recipe is the same line in both phases:
+    ``torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)`` before ``opt.step()``
+    (after ``scaler.unscale_(opt)`` with a GradScaler).
 
     Returns:
         An optimizer of the wrapped class, plus ``phase``, ``steps``, ``freeze_step``,
