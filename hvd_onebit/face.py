@@ -107,9 +107,10 @@ class SharedFace:
         return self._engine.error_feedback_state_dict()
 
     def load_error_feedback_state_dict(self, state: dict) -> None:
-        """Restore :meth:`error_feedback_state_dict` from the same rank of a same-size job, at
-        the step its optimizer state was saved at (before or after loading that state); with
-        another world size, rank, layout or step count they are dropped with a warning."""
+        """Restore :meth:`error_feedback_state_dict` from the same rank of a same-size job, after
+        :meth:`load_state_dict` of the optimizer state saved with it (on an optimizer that has
+        not stepped yet, before it works too); with another world size, rank, layout or step
+        count they are dropped with a warning."""
         self._engine.load_error_feedback_state_dict(state)
 
     def flush_error_feedback(self) -> int:

@@ -22,6 +22,7 @@ from horovod.torch.optimizer import _DistributedOptimizer
 from . import elastic
 from .config import (DEFAULT_BLOCK_SIZE, DEFAULT_BUCKET_MB, DOUBLING, REQUIRED, Experimental,
                      OneBitConfig, check_wrapped)
+from .eager import eager
 from .face import face_attributes
 from .horovod_view import HorovodView
 from .low_precision import WidenBfloat16
@@ -52,16 +53,14 @@ class OneBitFace:
 
     def _make_hook(self, p):
         horovod_hook = _DistributedOptimizer._make_hook(self, p)
-        return lambda *args: self._phases.gradient_hook(
-            p, lambda *a: self._warmup.hook(p, horovod_hook, *a), *args)
+        return eager(lambda *args: self._phases.gradient_hook(
+            p, lambda *a: self._warmup.hook(p, horovod_hook, *a), *args))
 
     def synchronize(self) -> None:
         """Warmup: wait for the gradient allreduces (as Horovod). Compression: nothing to wait for."""
         self._phases.synchronize(self._make_hook)
 
-    # Inside a torch.compile'd function these run eagerly (a graph break): the step is
-    # bookkeeping, collectives and kernels of its own, none of which Dynamo can trace.
-    @torch.compiler.disable
+    @eager  # inside a torch.compile'd function: run eagerly (hvd_onebit.eager)
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Horovod's rule: refused between backward and step() unless synchronize() was called
         (the compression phase's buckets started during backward count as in flight). After
@@ -78,7 +77,7 @@ class OneBitFace:
     # GradScaler then hands this optimizer the skip decision (hvd_onebit.phases.amp).
     _step_supports_amp_scaling = True
 
-    @torch.compiler.disable
+    @eager
     def step(self, closure: Optional[Callable[[], float]] = None, grad_scaler=None):
         """One optimizer step: Horovod + Adam in warmup, 1-bit momentum Adam afterwards.
         ``grad_scaler`` is passed by ``torch.amp.GradScaler.step()`` itself."""

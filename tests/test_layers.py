@@ -23,7 +23,7 @@ LAYERS = [
     ("kernels and transport", ["kernels", "transport"]),
     ("options", ["config"]),
     ("base", ["layout", "step_bound", "low_precision", "consistency", "horovod_view", "dtypes",
-              "variance_refresh", "param_groups", "values", "optimizer_view", "stall",
+              "variance_refresh", "param_groups", "values", "optimizer_view", "stall", "eager",
               "_C"]),
 ]
 MAX_LINES = 400  # per library module (the C++ aside)

@@ -16,6 +16,7 @@ from typing import Callable, Iterable, Optional
 import torch
 import torch.distributed as dist
 
+from ..eager import eager
 from ..overlap import Overlap
 
 ALREADY_HOOKED = (
@@ -254,6 +255,7 @@ class CommHook:
         self._passes = 0
         self._versions = None
 
+    @eager
     def _gradient_final(self, p: torch.Tensor) -> None:
         if self._local:
             if self._used_locally is not None:
@@ -301,6 +303,7 @@ class CommHook:
                     p.grad = flat[offset:offset + numel].view_as(p).clone()
                 offset += numel
 
+    @eager  # inside a torch.compile'd backward: run eagerly (hvd_onebit.eager)
     def communicate(self, state, bucket):
         """DDP's hook (``state`` is unused: this object holds its own). No annotations: DDP
         checks them against its own types. A compressed step reaches it only through DDP's sync

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from ..config import (DEFAULT_BLOCK_SIZE, DEFAULT_BUCKET_MB, DOUBLING, REQUIRED, Experimental,
                       OneBitConfig, check_wrapped)
+from ..eager import eager
 from ..face import SharedFace, face_attributes
 from ..stall import building, watch
 from . import setup
@@ -42,9 +43,7 @@ class DDPFace:
     # GradScaler then hands this optimizer the skip decision (hvd_onebit.phases.amp).
     _step_supports_amp_scaling = True
 
-    # Inside a torch.compile'd function these run eagerly (a graph break): the step is
-    # bookkeeping, collectives and kernels of its own, none of which Dynamo can trace.
-    @torch.compiler.disable
+    @eager  # inside a torch.compile'd function: run eagerly (hvd_onebit.eager)
     def zero_grad(self, set_to_none: bool = True) -> None:
         """torch's; between backward and step() it skips the batch: the buckets its hooks
         started are started again by the next step."""
@@ -58,7 +57,7 @@ class DDPFace:
         SharedFace.load_state_dict(self, state_dict)
         self._hook.discard_passes()
 
-    @torch.compiler.disable
+    @eager
     def step(self, closure: Optional[Callable[[], float]] = None, grad_scaler=None):
         """One optimizer step: Adam on DDP's averaged gradients in the warmup, 1-bit momentum
         Adam on the local gradients afterwards (the buckets not started from the gradient

@@ -27,7 +27,8 @@ from .warmup import DDPWarmup
 
 FACE = "hvd_onebit.ddp.DistributedOptimizer"  # how the shared checks and messages name this face
 
-_DDP_DECIDES = "DDP decides it for the model; pass it to DistributedDataParallel, if anywhere"
+_DDP_DECIDES = ("DDP decides it: DDP averages the gradients in the warmup and the refresh "
+                "steps, and this optimizer holds DDP's one communication hook")
 # The Horovod face's keywords that mean nothing under DDP, with what a DDP script does instead.
 HOROVOD_ONLY = {
     "transport": "the momentum travels on torch.distributed, on the DDP model's group (or "
