@@ -107,10 +107,13 @@ class SharedFace:
         return self._engine.error_feedback_state_dict()
 
     def load_error_feedback_state_dict(self, state: dict) -> None:
-        """Restore :meth:`error_feedback_state_dict` from the same rank of a same-size job, after
-        :meth:`load_state_dict` of the optimizer state saved with it (on an optimizer that has
-        not stepped yet, before it works too); with another world size, rank, layout or step
-        count they are dropped with a warning."""
+        """Restore :meth:`error_feedback_state_dict` from the same rank of a same-size job,
+        before or after :meth:`load_state_dict` of the optimizer state saved with it; with
+        another world size, rank, layout or step count they are dropped with a warning. They
+        apply at the next step: on an optimizer that has stepped, the compressed step rebuilds
+        there, as after a state loaded (nothing is communicated here)."""
+        if self._engine.buckets is not None:
+            self._phases.restart()
         self._engine.load_error_feedback_state_dict(state)
 
     def flush_error_feedback(self) -> int:

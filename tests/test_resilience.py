@@ -112,8 +112,9 @@ def test_error_feedback_from_another_world_size_is_reset_with_a_warning(results)
 def test_error_feedback_from_another_step_is_reset_with_a_warning(results):
     """Errors saved at step 4 and loaded mid-run at step 6, or into a fresh optimizer that then
     trains to its freeze at step 2 (its buckets fused by the warmup's last step, at step 1), are
-    not the errors of that step: each load warns naming both step counts and the errors are
-    zero, not silently folded into the next average."""
+    not the errors of that step: each warns, at the step that would apply it, naming both step
+    counts, and the errors restart from zero (at the freeze: zero after it), not silently
+    folded into the next average."""
     for rank, r in enumerate(scenario(results, "ef_other_step")):
         assert max(r["saved_norms"]) > 0, f"rank {rank}: nothing saved to drop: {r}"
         for case, at in (("mid_run", 6), ("into_warmup", 1)):
@@ -121,8 +122,8 @@ def test_error_feedback_from_another_step_is_reset_with_a_warning(results):
                     if f"error feedback saved at step 4 does not fit this optimizer at step {at}"
                     in w and "reset to zero" in w]
             assert len(said) == 1, f"rank {rank} {case}: warnings {r[case]['warnings']}"
-            assert list(r[case]["norms"]) == [0.0, 0.0], \
-                f"rank {rank} {case}: errors {r[case]['norms']} after a dropped load"
+        assert list(r["into_warmup"]["norms"]) == [0.0, 0.0], \
+            f"rank {rank}: errors {r['into_warmup']['norms']} after a dropped load at the freeze"
 
 
 @pytest.mark.parametrize("key", ["nonfinite", "nonfinite_averaged"])
@@ -205,6 +206,18 @@ def test_rank_0_loading_and_broadcasting_mid_run_resumes_every_rank(results, pha
             "expected no error, 14 steps, compression"
         assert_same_params(r["params"], ref["params"],
                            f"{key}, rank {rank}: after the rollback vs the run without it")
+
+
+@pytest.mark.parametrize("order", ["state_first", "errors_first"])
+def test_a_rollback_with_each_ranks_errors_resumes_bit_identically_in_either_order(results,
+                                                                                    order):
+    """Back from step 10 to the model, state and error feedback saved at step 7 (compression
+    phase, no flush), loaded on every rank with the errors before or after the state: the run
+    goes on with the bits of one that never went back, and nothing warns."""
+    for rank, r in enumerate(scenario(results, f"rollback_errors_{order}")):
+        assert r["same"] and not r["warnings"], \
+            f"rank {rank} ({order}): the same bits as never going back: {r['same']}; " \
+            f"warnings {r['warnings']}"
 
 
 def test_a_state_broadcast_at_the_same_step_count_is_noticed(results):

@@ -200,15 +200,18 @@ def optimizer_run(hierarchical, steps: int = 16, freeze_step: int = 4,
     intra = [getattr(c, "intra", None) for c in opt.compressed_step.comms.values()]
     topology = opt.compressed_step.topology()
     saved = opt.error_feedback_state_dict()
+    active = [p for g in opt.param_groups for p in g["params"] if p.requires_grad]
     with warnings.catch_warnings(record=True) as same_role:
         warnings.simplefilter("always")
         opt.load_error_feedback_state_dict(saved)
+        opt.compressed_step.ensure_ready(active)  # the next step's fusing applies them
     norm_after_same = float(next(iter(opt.compressed_step.comms.values())).worker_error.norm())
     moved = {**saved, "buckets": {k: {**v, "topology": [4, 1, 0, 0]} if "topology" in v else v
                                   for k, v in saved["buckets"].items()}}
     with warnings.catch_warnings(record=True) as other_role:
         warnings.simplefilter("always")
         opt.load_error_feedback_state_dict(moved)
+        opt.compressed_step.ensure_ready(active)
     return {"hashes": hashes, "losses": losses, "val_loss": val_loss(model),
             "topology": None if topology is None else topology.signature(),
             "bytes": opt.last_step_bytes, "phase": opt.phase, "transport": opt.transport,

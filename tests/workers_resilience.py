@@ -89,9 +89,10 @@ def error_feedback_from_other_world(freeze_step=2, steps=5):
 
 def error_feedback_from_another_step(freeze_step=2, saved_at=4, steps=6):
     """Error feedback saved at step ``saved_at`` and loaded where the optimizer is at another
-    step: mid-run at step ``steps`` (applied at once: the buckets exist), and into a fresh
-    optimizer that then trains through its warmup (applied at the freeze). Each: the warnings,
-    and the error norms just after (dropped: zero)."""
+    step: mid-run at step ``steps`` (applied at the next step, which rebuilds), and into a
+    fresh optimizer that then trains through its warmup (applied at the freeze). Each: the
+    warnings, and the error norms after the fusing (dropped: zero; mid-run, after the step
+    that fused: that step's own errors)."""
     loss_fn = nn.MSELoss()
 
     def train(model, opt, start, stop):
@@ -115,6 +116,7 @@ def error_feedback_from_another_step(freeze_step=2, saved_at=4, steps=6):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         opt.load_error_feedback_state_dict(saved)
+        train(model, opt, steps, steps + 1)
     out["mid_run"] = {"warnings": [str(w.message) for w in caught], "norms": norms(opt)}
     fresh_model = make_model()
     fresh = _opt(fresh_model, freeze_step)
@@ -450,6 +452,42 @@ def rollback(how: str, src=7, at=10, total=14, freeze_step=5, check_every=1, mid
     return {"error": None, "steps": opt.steps, "phase": opt.phase, "params": params_bytes(model)}
 
 
+def rollback_with_errors(order: str, src=7, at=10, total=14, freeze_step=5):
+    """Train to ``at``, go back to the model, optimizer state and this rank's error feedback
+    saved at ``src`` (no flush: the errors saved per rank), loaded on every rank in ``order``
+    ("state_first" or "errors_first"), and train again to ``total``; against a run of ``total``
+    steps that never went back. The warnings, and whether the parameters are the same bits."""
+    import copy
+
+    def run(rolls: bool):
+        model = make_model()
+        opt = _opt(model, freeze_step)
+        saved, step, rolled = None, 0, not rolls
+        while step < total:
+            if step == src and saved is None:
+                saved = (copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()),
+                         copy.deepcopy(opt.error_feedback_state_dict()))
+            if step == at and not rolled:
+                rolled, step = True, src
+                model.load_state_dict(saved[0])
+                if order == "errors_first":
+                    opt.load_error_feedback_state_dict(saved[2])
+                opt.load_state_dict(saved[1])
+                if order == "state_first":
+                    opt.load_error_feedback_state_dict(saved[2])
+            opt.zero_grad()
+            x, y = batch(step, hvd.rank())
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            step += 1
+        return params_bytes(model)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        same = run(True) == run(False)
+    return {"same": same, "warnings": [str(w.message) for w in caught]}
+
+
 def broadcast_at_the_same_step(at=10, after=4, freeze_step=5):
     """Rank 0 loads a state saved at the step count every rank is at, from another run, and
     sends it with Horovod's recipe: the ranks go on as if each had loaded it (the reference:
@@ -580,5 +618,7 @@ def suite(ckpt_dir=None):
         # rank 1's step counts are 2 behind: checks by step count would fall at other calls
         "rollback_one_rank_every_3": lambda: rollback("one_rank", src=8, total=20, check_every=3),
         "broadcast_same_step": broadcast_at_the_same_step,
+        "rollback_errors_state_first": lambda: rollback_with_errors("state_first"),
+        "rollback_errors_errors_first": lambda: rollback_with_errors("errors_first"),
         "torch_states": torch_optimizer_states,
     }, rank=hvd.rank())

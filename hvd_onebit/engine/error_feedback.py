@@ -154,9 +154,8 @@ class ErrorFeedback:
         saved_step, step = state.get("step"), self._step()
         if saved_step is not None and step is not None and saved_step != step:
             warnings.warn(f"hvd_onebit: error feedback saved at step {saved_step} does not fit "
-                          f"this optimizer at step {step}: load the optimizer state saved with "
-                          "it first (load_state_dict), then the error feedback. It is reset to "
-                          "zero")
+                          f"this optimizer at step {step}: load it with the optimizer state "
+                          "saved with it (load_state_dict). It is reset to zero")
             self.zeroed()
             return
         mine = self.collectives.saved()
