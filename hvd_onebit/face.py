@@ -111,7 +111,8 @@ class SharedFace:
         before or after :meth:`load_state_dict` of the optimizer state saved with it; with
         another world size, rank, layout or step count they are dropped with a warning. They
         apply at the next step: on an optimizer that has stepped, the compressed step rebuilds
-        there, as after a state loaded (nothing is communicated here)."""
+        there, as after a state loaded. Every rank loads its own at the same point (between a
+        backward and step() it waits out the buckets the hooks started, as a state load does)."""
         if self._engine.buckets is not None:
             self._phases.restart()
         self._engine.load_error_feedback_state_dict(state)

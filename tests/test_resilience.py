@@ -122,6 +122,9 @@ def test_error_feedback_from_another_step_is_reset_with_a_warning(results):
                     if f"error feedback saved at step 4 does not fit this optimizer at step {at}"
                     in w and "reset to zero" in w]
             assert len(said) == 1, f"rank {rank} {case}: warnings {r[case]['warnings']}"
+        assert r["mid_run"]["as_dropped"], \
+            f"rank {rank}: the step after the mid-run load is not that of a run whose errors " \
+            "were dropped at the same point"
         assert list(r["into_warmup"]["norms"]) == [0.0, 0.0], \
             f"rank {rank}: errors {r['into_warmup']['norms']} after a dropped load at the freeze"
 

@@ -117,7 +117,14 @@ def error_feedback_from_another_step(freeze_step=2, saved_at=4, steps=6):
         warnings.simplefilter("always")
         opt.load_error_feedback_state_dict(saved)
         train(model, opt, steps, steps + 1)
-    out["mid_run"] = {"warnings": [str(w.message) for w in caught], "norms": norms(opt)}
+        # the reference: the same run, its errors dropped at the same point as another world's
+        other = make_model()
+        other_opt = _opt(other, freeze_step)
+        train(other, other_opt, 0, steps)
+        other_opt.load_error_feedback_state_dict({"world_size": hvd.size() + 1, "buckets": {}})
+        train(other, other_opt, steps, steps + 1)
+    out["mid_run"] = {"warnings": [str(w.message) for w in caught], "norms": norms(opt),
+                      "as_dropped": params_bytes(model) == params_bytes(other)}
     fresh_model = make_model()
     fresh = _opt(fresh_model, freeze_step)
     with warnings.catch_warnings(record=True) as caught:

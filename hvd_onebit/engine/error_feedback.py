@@ -70,8 +70,9 @@ class ErrorFeedback:
 
     def _step(self) -> Optional[int]:
         """The optimizer's step count as its bucketed parameters' Adam state records it (the
-        largest; None before any is bucketed): what errors are saved at and must be loaded at."""
-        steps = [float(self.state[p]["step"]) for p in self.fused.params
+        largest; None before any is bucketed): what errors are saved at and must be loaded at.
+        Read as the frozen variance follows it, on the host (no device sync per parameter)."""
+        steps = [self.terms.variance.host_step(p) for p in self.fused.params
                  if "step" in self.state[p]]
         return int(max(steps)) if steps else None
 
