@@ -21,8 +21,9 @@ def _digest(text: str) -> int:
 class JobSignature:
     """What every rank's optimizer must agree on, as integers one allgather carries
     (:meth:`row`): its parameters in the optimizer's order (their names, shapes and dtypes
-    digested), which of them are trainable (``requires_grad``, digested), its ``freeze_step`` (-1: "auto") and each other option (digested, one each, in
-    the config's field order; ``option_names`` are theirs, the same on every rank, not sent)."""
+    digested), which of them are trainable (``requires_grad``, digested), its ``freeze_step``
+    (-1: "auto") and each other option (digested, one each, in the config's field order;
+    ``option_names`` are theirs, the same on every rank, not sent)."""
 
     parameters: int
     elements: int
