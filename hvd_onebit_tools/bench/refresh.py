@@ -94,6 +94,33 @@ def whole_run_ceilings(fixed: dict, refreshed: dict) -> dict:
     }
 
 
+def refresh_run_figures(name: str, refreshed: Optional[dict], fixed: Optional[dict],
+                        baseline: Optional[dict], names: tuple, ceilings_prefix: str = "") -> dict:
+    """A refresh method's whole run (``name``'s row ``refreshed``) against its face's Adam
+    (``baseline``) and the fixed-warmup method (``fixed``), one per face in ``bench train``'s
+    summary; ``names`` are those two's as the keys name them (baseline's, fixed's):
+    ``{name}_run_speedup_vs_{each}``, ``{name}_bytes_vs_{fixed}`` (computed bytes per rank) and
+    ``{name}_measured_bytes_vs_{fixed}`` (rank 0's emulated link; absent off the emulator), then
+    :func:`whole_run_ceilings` against ``fixed``, each key after ``ceilings_prefix``. A figure
+    whose rows are missing is left out."""
+    out: dict = {}
+    if not refreshed:
+        return out
+    baseline_name, fixed_name = names
+    if baseline:
+        out[f"{name}_run_speedup_vs_{baseline_name}"] = (baseline["run_seconds"]
+                                                         / refreshed["run_seconds"])
+    if not fixed:
+        return out
+    out[f"{name}_run_speedup_vs_{fixed_name}"] = fixed["run_seconds"] / refreshed["run_seconds"]
+    for key, figure in (("bytes", "run_bytes_per_rank"),
+                        ("measured_bytes", "run_measured_tx_bytes")):
+        if refreshed.get(figure) and fixed.get(figure):
+            out[f"{name}_{key}_vs_{fixed_name}"] = refreshed[figure] / fixed[figure]
+    out.update({ceilings_prefix + k: v for k, v in whole_run_ceilings(fixed, refreshed).items()})
+    return out
+
+
 def optimizer_options(variance_refresh: Option = None, **options) -> dict:
     """``hvd_onebit.DistributedOptimizer``'s keyword arguments from options as the command lines
     hold them, flat: the research knobs (``compressor``, ``precondition``, ``step_bound``,

@@ -75,8 +75,8 @@ from typing import Optional
 
 from hvd_onebit.layout import ring_allreduce_bytes
 from .allreduce import _iface_tx_bytes
-from .refresh import (freeze_step_for, option_text, optimizer_options, run_steps,
-                      whole_run_ceilings)
+from .refresh import (freeze_step_for, option_text, optimizer_options, refresh_run_figures,
+                      run_steps)
 from .train_ddp import (DDP_METHODS, DDP_ONEBIT_METHODS, ddp_summary, make_ddp_method,
                         onebit_phase)
 from .waits import WAITS
@@ -358,18 +358,9 @@ def summarize(rows: list[dict]) -> dict:
         out["onebit_hier_measured_bytes_vs_onebit"] = _measured_bytes_ratio(hier, ob)
     if ob and blocks:
         out["onebit_blocks_compression_bytes_vs_onebit"] = _measured_bytes_ratio(blocks, ob)
-    ref = by.get("onebit_refresh")
-    if ref and fp32:
-        out["onebit_refresh_run_speedup_vs_fp32"] = fp32["run_seconds"] / ref["run_seconds"]
-    if ref and ob:  # the whole-run comparison: the refresh setting against the fixed warmup
-        out["onebit_refresh_run_speedup_vs_onebit"] = ob["run_seconds"] / ref["run_seconds"]
-        if ob.get("run_bytes_per_rank"):
-            out["onebit_refresh_bytes_vs_onebit"] = (ref["run_bytes_per_rank"]
-                                                     / ob["run_bytes_per_rank"])
-        if ref.get("run_measured_tx_bytes") and ob.get("run_measured_tx_bytes"):
-            out["onebit_refresh_measured_bytes_vs_onebit"] = (ref["run_measured_tx_bytes"]
-                                                              / ob["run_measured_tx_bytes"])
-        out.update(whole_run_ceilings(ob, ref))
+    # the whole-run comparison: the refresh setting against Adam and the fixed warmup
+    out.update(refresh_run_figures("onebit_refresh", by.get("onebit_refresh"), ob, fp32,
+                                   ("fp32", "onebit")))
     for name in ("horovod_fp16", "ddp_powersgd"):
         r = by.get(name)
         if fp32 and r:

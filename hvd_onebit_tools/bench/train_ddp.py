@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import inspect
 
-from .refresh import freeze_step_for, optimizer_options, whole_run_ceilings
+from .refresh import freeze_step_for, optimizer_options, refresh_run_figures
 
 DDP_METHODS = ("ddp_adam", "ddp_onebit", "ddp_onebit_refresh", "ddp_powersgd")
 #: The DDP face's methods: the paper's settings, and the library's defaults.
@@ -171,19 +171,6 @@ def refresh_figures(by: dict) -> dict:
     * :func:`.refresh.whole_run_ceilings` against ``ddp_onebit``, each key with ``ddp_`` before
       it (``ddp_onebit_refresh_speedup_any_schedule``, ...).
     """
-    out: dict = {}
-    ref, adam, face = by.get("ddp_onebit_refresh"), by.get("ddp_adam"), by.get("ddp_onebit")
-    if not ref:
-        return out
-    if adam:
-        out["ddp_onebit_refresh_run_speedup_vs_ddp_adam"] = adam["run_seconds"] / ref["run_seconds"]
-    if not face:
-        return out
-    out["ddp_onebit_refresh_run_speedup_vs_ddp_onebit"] = face["run_seconds"] / ref["run_seconds"]
-    for key, figure in (("ddp_onebit_refresh_bytes_vs_ddp_onebit", "run_bytes_per_rank"),
-                        ("ddp_onebit_refresh_measured_bytes_vs_ddp_onebit",
-                         "run_measured_tx_bytes")):
-        if ref.get(figure) and face.get(figure):
-            out[key] = ref[figure] / face[figure]
-    out.update({f"ddp_{k}": v for k, v in whole_run_ceilings(face, ref).items()})
-    return out
+    return refresh_run_figures("ddp_onebit_refresh", by.get("ddp_onebit_refresh"),
+                               by.get("ddp_onebit"), by.get("ddp_adam"),
+                               ("ddp_adam", "ddp_onebit"), ceilings_prefix="ddp_")
