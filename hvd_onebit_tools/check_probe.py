@@ -16,6 +16,8 @@ PROBE_ELEMENTS = 4 << 20  # float32 elements per probe allreduce: large enough t
 PROBE_REPEATS = 5
 HOROVOD_LAUNCHED = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
 TORCHRUN_LAUNCHED = "TORCHELASTIC_RUN_ID"  # set by torchrun on every rank it starts
+LOCAL_RANKS = ("HOROVOD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID",
+               "LOCAL_RANK")  # horovodrun (Gloo), Open MPI, MPICH, torchrun
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +71,16 @@ def launcher() -> Optional[str]:
 
 def launched() -> bool:
     return launcher() is not None
+
+
+def reports_for_its_node() -> bool:
+    """Whether this process prints the environment's report: outside a job, or as its node's
+    first rank under a launcher (one report per node, where a job's ranks would print one
+    each)."""
+    if not launched():
+        return True
+    local = next((os.environ[key] for key in LOCAL_RANKS if key in os.environ), "0")
+    return local.strip() == "0"
 
 
 def _median_time(allreduce, repeats: int) -> float:

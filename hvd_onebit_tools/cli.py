@@ -44,8 +44,9 @@ def main() -> None:
 def check(np_, probe, params, compute_ms, calibration, as_json) -> None:
     """Print torch and its device, Horovod's controllers, torch.distributed's backends, the
     native kernels, triton, /dev/shm and MPI's thread level, each OK or the fix, and which faces
-    can run here (Horovod's, DDP's); exit status 1 when neither can. With --probe, under
-    horovodrun or torchrun: the link and the predicted speed-up."""
+    can run here (Horovod's, DDP's); exit status 1 when neither can. Under a launcher, each
+    node's first rank prints. With --probe, under horovodrun or torchrun: the link and the
+    predicted speed-up."""
     from .check import blocking, findings, report, report_dict
 
     link, link_lines = None, []
@@ -75,6 +76,8 @@ def check(np_, probe, params, compute_ms, calibration, as_json) -> None:
             return
         link_lines = check_probe.predict(link, params, compute_ms, calibration)
     found = findings()
+    if link is None and not _reports_for_its_node():
+        raise SystemExit(1 if blocking(found) else 0)  # its node's first rank prints the report
     if as_json:
         out = report_dict(found)
         if link is not None:
@@ -88,6 +91,12 @@ def check(np_, probe, params, compute_ms, calibration, as_json) -> None:
             click.echo(line)
     if blocking(found):
         raise SystemExit(1)
+
+
+def _reports_for_its_node() -> bool:
+    from .check_probe import reports_for_its_node
+
+    return reports_for_its_node()
 
 
 def _cluster_unavailable(reason: str) -> click.Command:

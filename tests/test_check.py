@@ -272,6 +272,37 @@ def test_probe_json_has_the_link_and_the_prediction():
 
 
 @pytest.mark.multirank
+def test_check_under_horovodrun_prints_one_report_per_node():
+    """Every rank checks (and exits 1 where its node cannot run a face); the node's first rank
+    alone prints, where a job of 64 ranks printed 64 reports."""
+    bin_dir = os.path.dirname(sys.executable)
+    out = subprocess.run([os.path.join(bin_dir, "horovodrun"), "-np", "2", "-H", "localhost:2",
+                          "--gloo", sys.executable, "-m", "hvd_onebit_tools.cli", "check"],
+                         capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, PATH=bin_dir + os.pathsep + os.environ["PATH"]))
+    ready = [line for line in out.stdout.splitlines() if "]<stdout>:ready" in line]
+    assert out.returncode == 0 and len(ready) == 1 and ready[0].startswith("[0]"), \
+        f"exit {out.returncode}; expected rank 0's report alone:\n{out.stdout}{out.stderr}"
+
+
+@pytest.mark.parametrize("env", [{"TORCHELASTIC_RUN_ID": "job", "LOCAL_RANK": "1"},
+                                 {"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_LOCAL_RANK": "1"}])
+def test_a_ranks_check_beside_its_nodes_first_prints_nothing_and_keeps_the_status(env):
+    """The other launchers' local ranks (torchrun's, mpirun's) as horovodrun's: the status
+    still says whether this rank's node can run a face."""
+    out = subprocess.run([sys.executable, "-m", "hvd_onebit_tools.cli", "check"],
+                         capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, **env))
+    first = subprocess.run([sys.executable, "-m", "hvd_onebit_tools.cli", "check"],
+                           capture_output=True, text=True, timeout=300,
+                           env=dict(os.environ, **{**env, "LOCAL_RANK": "0",
+                                                   "OMPI_COMM_WORLD_LOCAL_RANK": "0"}))
+    assert (out.returncode, out.stdout) == (0, ""), f"a second rank printed:\n{out.stdout}"
+    assert first.returncode == 0 and first.stdout.splitlines()[-1].startswith("ready: "), \
+        f"the node's first rank printed no report:\n{first.stdout}{first.stderr}"
+
+
+@pytest.mark.multirank
 def test_np_unlike_the_jobs_size_is_a_usage_error_on_every_rank():
     out = check_under_horovodrun(np_=3)
     text = out.stdout + out.stderr
