@@ -3,6 +3,7 @@ docstrings, the CLI from click, the results from the committed JSON), and the RE
 blocks match the code and the JSON they come from."""
 from __future__ import annotations
 
+import html
 import os
 import re
 import subprocess
@@ -47,6 +48,11 @@ def test_the_site_builds_without_a_warning(tmp_path, horovod):
     dashes = re.findall(r"\u2013\w+", cli)
     assert not dashes and "--np" in cli, \
         f"the CLI page shows options with an en dash (smart quotes), not --: {dashes[:5]}"
+    signature = html.unescape(re.sub(r"<[^>]+>", "", api.split(
+        'id="hvd_onebit.DistributedOptimizer">')[1].split("</dt>")[0]))
+    for default in ("compression=hvd.Compression.none", "op=hvd.Average",
+                    "process_set=hvd.global_process_set", "block_size=512"):
+        assert default in signature, f"horovod {horovod}: no {default} in {signature}"
     for face in ("hvd_onebit.DistributedOptimizer", "hvd_onebit.ddp.DistributedOptimizer"):
         entry = api.split(f'id="{face}"')[1].split('<dl class="py')[0]
         lists = re.findall(r'<dt class="field-\w+">Parameters', entry)
