@@ -133,6 +133,19 @@ class SharedFace:
         return nbytes
 
 
+    def __reduce_ex__(self, protocol):
+        """Refused: the optimizer holds its job's connections, buckets and hooks, which neither
+        pickle nor copy; its checkpoint is ``state_dict()``."""
+        raise TypeError(NOT_PICKLED)
+
+
+NOT_PICKLED = (
+    "an hvd_onebit optimizer is not pickled or copied whole (torch.save(opt), copy.deepcopy(opt)): "
+    "it holds its job's connections and hooks. Save opt.state_dict() (and "
+    "opt.error_feedback_state_dict() to keep each rank's errors) and load them into an optimizer "
+    "built the same way")
+
+
 for _name in COUNTERS:  # the counters, each also an attribute: last_step_bytes, total_bytes, ...
     setattr(SharedFace, _name, _counter(_name))
 

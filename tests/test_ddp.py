@@ -196,6 +196,26 @@ def test_a_rollback_between_backward_and_step_is_not_taken_for_another_optimizer
 
 
 @pytest.mark.multirank
+def test_a_copy_of_the_model_leaves_training_alone_and_the_model_pickles(world):
+    """An EMA's deep copy, run forward between steps and between a forward and its backward,
+    changes no bit; torch.save(model) works as with DDP + Adam and its copy leaves the
+    optimizer alone; the optimizer itself is refused with what to save instead, and the copy
+    takes an optimizer of its own."""
+    n, results = world
+    for rank, r in enumerate(scenario(results, "copied")):
+        assert r["differences"] == [] and r["loaded"] == [], \
+            f"n={n} rank {rank}: {r['differences']} {r['loaded']}"
+        assert r["early_starts_by_the_loaded"] == 0, \
+            f"n={n} rank {rank}: the loaded copy's backward started " \
+            f"{r['early_starts_by_the_loaded']} of the optimizer's buckets"
+        for key in ("pickled_opt", "copied_opt"):
+            assert r[key].startswith("TypeError: an hvd_onebit optimizer is not pickled") and \
+                "opt.state_dict()" in r[key], f"n={n} rank {rank}: {key}: {r[key]}"
+        assert r["second_on_the_copy"] == "accepted", \
+            f"n={n} rank {rank}: an optimizer on the copy: {r['second_on_the_copy']}"
+
+
+@pytest.mark.multirank
 def test_a_compression_phase_checkpoint_resumes_bit_identically(world):
     n, results = world
     for rank, r in enumerate(scenario(results, "checkpoint")):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import gc
+import io
 import os
 import warnings
 from dataclasses import dataclass
@@ -716,6 +717,46 @@ def handed_to_adam(before: int = FREEZE + 3, after: int = 3) -> dict:
             "kept": {"error": error, "taken": taken}}
 
 
+def copied_model(steps: int = FREEZE + 4) -> dict:
+    """A deep copy of the DDP model (an EMA's or a teacher's), run forward with gradients on
+    before each training forward and without between it and its backward, against the same
+    run without the copy; then the model and the optimizer through torch.save, and a second
+    optimizer built on the copy."""
+    runs = []
+    for copied in (False, True):
+        model = make_model()
+        opt = onebit(model)
+        ema = copy.deepcopy(model) if copied else None
+        for step in range(steps):
+            x, y = batch(step, dist.get_rank())
+            opt.zero_grad()
+            if ema is not None:
+                ema(x).sum()
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            if ema is not None:
+                with torch.no_grad():
+                    ema(x)
+            loss.backward()
+            opt.step()
+            if ema is not None:
+                with torch.no_grad():
+                    for e, p in zip(ema.parameters(), model.parameters()):
+                        e.lerp_(p, 0.1)
+        runs.append(params_of(model))
+    saved = io.BytesIO()
+    torch.save(model, saved)
+    saved.seek(0)
+    loaded = torch.load(saved, weights_only=False)
+    before = opt.compressed_step.early_starts
+    loaded(batch(0, dist.get_rank())[0]).sum().backward()
+    second = refused(lambda: onebit(ema, freeze_step=1))
+    return {"differences": differences(runs[0], runs[1], "with a copy"),
+            "loaded": differences(params_of(loaded), runs[1], "loaded"),
+            "early_starts_by_the_loaded": opt.compressed_step.early_starts - before,
+            "pickled_opt": refused(lambda: torch.save(opt, io.BytesIO())),
+            "copied_opt": refused(lambda: copy.deepcopy(opt)), "second_on_the_copy": second}
+
+
 def rolled_back_mid_step(at: int = FREEZE + 2) -> str:
     """A rollback between a compressed step's backward and its step(): the model and the
     optimizer load a state saved at the freeze, with no zero_grad() between, then the next
@@ -1034,7 +1075,7 @@ def suite(scratch: Optional[str] = None, stage: Optional[str] = None) -> dict:
                      forward_raises=forward_raises, written_in_forward=written_in_forward,
                      accumulated=accumulated_without_no_sync,
                      handed_to_adam=handed_to_adam,
-                     rolled_back=rolled_back_mid_step,
+                     rolled_back=rolled_back_mid_step, copied=copied_model,
                      grad_scaler=grad_scaler_skips)
     if stage is not None:
         scenarios["flushed"] = partial(flushed_checkpoint, f"{scratch}/flushed.pt",

@@ -73,13 +73,35 @@ def weakly(method) -> Callable:
     strong one would keep the optimizer, its state and its process group alive with them, and
     the hooks acting for an optimizer the script has dropped (taking DDP's sync off for
     another optimizer's steps)."""
-    ref = weakref.WeakMethod(method)
+    return WeakHook(method)
 
-    def call(*args):
-        bound = ref()
+
+class WeakHook:
+    """A hook calling a bound method through a weak reference (:func:`weakly`). A model pickled
+    (``torch.save(model)``) or copied (``copy.deepcopy(model)``, an EMA's copy) takes a hook that
+    does nothing in its place: the optimizer trains the model it was built on, not its copies
+    (a copy that trains takes an optimizer of its own)."""
+
+    __slots__ = ("_ref",)
+
+    def __init__(self, method) -> None:
+        self._ref = weakref.WeakMethod(method)
+
+    def __call__(self, *args):
+        bound = self._ref()
         return None if bound is None else bound(*args)
 
-    return call
+    def __reduce__(self):
+        return inert_hook, ()
+
+
+def inert_hook() -> Callable:
+    """What a pickled or copied :class:`WeakHook` becomes: a hook that does nothing."""
+    return _nothing
+
+
+def _nothing(*args) -> None:
+    return None
 
 
 def versions(model) -> tuple:
@@ -97,26 +119,43 @@ def average(group, buffer: torch.Tensor) -> torch.futures.Future:
         lambda fut: fut.value()[0])
 
 
-def comm_hook_of(hook: "CommHook") -> Callable:
-    """DDP's communication hook for ``hook``, held weakly (:func:`weakly`): once the optimizer is
-    gone, DDP's own averaging. DDP reads the parameter named ``bucket`` and the name."""
-    ref = weakref.ref(hook)
-    group = hook.group
+class HookState:
+    """The state DDP hands :func:`onebit_comm_hook`: the optimizer's hooks held weakly (once the
+    optimizer is gone, DDP's own averaging over ``group``). A model pickled or copied keeps it
+    detached: DDP builds the copy's reducer again, without the hook."""
 
-    def onebit_comm_hook(state, bucket):
-        alive = ref()
-        return average(group, bucket.buffer()) if alive is None else alive.communicate(
-            state, bucket)
+    __slots__ = ("_ref", "group")
 
-    onebit_comm_hook.onebit = True
-    return onebit_comm_hook
+    def __init__(self, hook: Optional["CommHook"] = None) -> None:
+        self._ref = None if hook is None else weakref.ref(hook)
+        self.group = None if hook is None else hook.group
+
+    @property
+    def detached(self) -> bool:
+        return self._ref is None
+
+    def hook(self) -> Optional["CommHook"]:
+        return None if self._ref is None else self._ref()
+
+    def __reduce__(self):
+        return HookState, ()
+
+
+def onebit_comm_hook(state: HookState, bucket):
+    """DDP's communication hook (a module's function, so a DDP model pickles): the optimizer's
+    own, or DDP's averaging once it is gone. DDP reads the parameter named ``bucket``."""
+    alive = state.hook()
+    return average(state.group, bucket.buffer()) if alive is None else alive.communicate(
+        state, bucket)
 
 
 def check_unhooked(model) -> None:
-    """Raise a ValueError if ``model`` (a DDP module) has a communication hook already."""
-    hooks = getattr(model, "_comm_hooks", None)
+    """Raise a ValueError if ``model`` (a DDP module) has a communication hook already (a copy's
+    detached one is not: its reducer has none)."""
+    hooks = [state for _, state in getattr(model, "_comm_hooks", None) or ()
+             if not (isinstance(state, HookState) and state.detached)]
     if hooks:
-        ours = any(getattr(hook, "onebit", False) for hook, _ in hooks)
+        ours = any(isinstance(state, HookState) for state in hooks)
         raise ValueError(ALREADY_OURS if ours else ALREADY_HOOKED)
 
 
@@ -171,7 +210,7 @@ class CommHook:
         """Register on ``model`` (a DDP module); raises a ValueError if it has a hook already."""
         check_unhooked(model)
         try:
-            model.register_comm_hook(state=None, hook=comm_hook_of(self))
+            model.register_comm_hook(state=HookState(self), hook=onebit_comm_hook)
         except RuntimeError as exc:  # a builtin hook, registered on the reducer alone
             if "once" in str(exc):
                 raise ValueError(ALREADY_HOOKED) from exc
