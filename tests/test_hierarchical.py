@@ -1,6 +1,9 @@
 """Hierarchical 1-bit allreduce on 2 nodes x 2 ranks: real horovodrun jobs whose two "hosts"
 are names of this machine (127.0.0.1 and 127.1), so Horovod sets local and cross ranks as on a
 cluster; checked against the NumPy reference of the scheme."""
+import json
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -9,6 +12,8 @@ from tests.onebit_reference import ReferenceHierarchical
 from tests.scenarios import scenario
 from tests.workers_collective import rank_input
 from tests.worlds import DEFAULT_ENV, shared_suite
+
+REPO = Path(__file__).resolve().parent.parent
 
 pytestmark = pytest.mark.multirank
 HOSTS = "127.0.0.1:2,127.1:2"
@@ -238,6 +243,22 @@ def test_nodes_that_cannot_share_memory_use_the_network_or_raise_as_asked(no_shm
     for rank, r in enumerate(asked):
         assert r["error"].startswith("SharedMemoryError") and "rank(s) [0, 1, 2, 3]" in \
             r["error"], f"rank {rank}: {r['error']}"
+
+
+def test_a_rank_lost_while_its_node_maps_the_segment_leaves_no_file(tmp_path):
+    """Local rank 1 dies inside the mapping, after local rank 0 created the segment: rank 0's
+    exchange raises, and the file is gone (it stayed in /dev/shm, up to the buckets' bytes
+    again per node and crash)."""
+    from tests.torchrun_jobs import run_torchrun_script
+
+    rc, text = run_torchrun_script(2, REPO / "tests" / "scripts" / "shm_lost_rank.py", [],
+                                   timeout=120, env={"HVD_ONEBIT_SHM_DIR": str(tmp_path)})
+    reports = [json.loads(line) for line in text.splitlines() if line.startswith('{"rank"')]
+    assert rc not in (0, None) and [r["rank"] for r in reports] == [0], \
+        f"exit status {rc} (expected a failed job, not a hang), reports {reports}:\n{text[-3000:]}"
+    assert reports[0]["error"] is not None, f"rank 0's exchange did not raise: {reports[0]}"
+    assert list(tmp_path.iterdir()) == [], \
+        f"segments left behind: {sorted(p.name for p in tmp_path.iterdir())}"
 
 
 def test_shared_memory_failing_on_one_node_raises_on_every_rank(no_shm_node0):

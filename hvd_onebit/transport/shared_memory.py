@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import os
 import uuid
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -75,9 +75,26 @@ class SharedMemoryTransport:
         self.label = name
         L = self.size
         numel = L * L * shard + L * shard
-        path, why = self._create_path(numel) if self.rank == 0 else ("", "")
+        created, why = self._create_path(numel) if self.rank == 0 else ("", "")
+        try:
+            segment, reasons = self._map(created, why, numel)
+        finally:  # every rank has mapped it, failed to, or the node's exchange broke (a rank
+            if created:  # lost): nothing is left behind
+                os.unlink(created)
+        failed = {r: w for r, w in enumerate(reasons) if w}
+        if failed:
+            raise SharedMemoryError(f"{name}: the node's ranks cannot share {4 * numel} bytes "
+                                    f"in {shm_dir()} (local rank: reason) {failed}")
+        self.inputs = segment[:L * L * shard].view(L, L * shard)
+        self.output = segment[L * L * shard:].view(L, shard)
+        self._token = torch.zeros(1)
+
+    def _map(self, created: str, why: str, numel: int) -> tuple[Optional[torch.Tensor], list]:
+        """The segment local rank 0 ``created`` (or ``why`` not), mapped on every rank of the
+        node: this rank's mapping (None where it failed) and each rank's reason ("" mapped)."""
+        L = self.size
         paths: list = [None] * L
-        self._dist.all_gather_object(paths, (path, why), group=self._group.group)
+        self._dist.all_gather_object(paths, (created, why), group=self._group.group)
         path, why = paths[0]
         segment = None
         if path:
@@ -88,15 +105,7 @@ class SharedMemoryTransport:
                 why = f"{type(exc).__name__}: {exc}"
         reasons: list = [None] * L
         self._dist.all_gather_object(reasons, why, group=self._group.group)
-        if self.rank == 0 and path:
-            os.unlink(path)  # every rank has mapped it (or failed): nothing is left behind
-        failed = {r: w for r, w in enumerate(reasons) if w}
-        if failed:
-            raise SharedMemoryError(f"{name}: the node's ranks cannot share {4 * numel} bytes "
-                                    f"in {shm_dir()} (local rank: reason) {failed}")
-        self.inputs = segment[:L * L * shard].view(L, L * shard)
-        self.output = segment[L * L * shard:].view(L, shard)
-        self._token = torch.zeros(1)
+        return segment, reasons
 
     @staticmethod
     def _create_path(numel: int) -> tuple[str, str]:
