@@ -46,7 +46,7 @@ def check(np_, probe, params, compute_ms, calibration, as_json) -> None:
     native kernels, triton, /dev/shm and MPI's thread level, each OK or the fix, and which faces
     can run here (Horovod's, DDP's); exit status 1 when neither can. Under a launcher, each
     node's first rank prints. With --probe, under horovodrun or torchrun: the link and the
-    predicted speed-up."""
+    predicted speed-up (from rank 0)."""
     from .check import blocking, findings, report, report_dict
 
     link, link_lines = None, []
@@ -72,9 +72,10 @@ def check(np_, probe, params, compute_ms, calibration, as_json) -> None:
             link = check_probe.probe(np_, calibration=calibration)
         except check_probe.JobSizeError as exc:
             raise click.UsageError(str(exc)) from None
-        if link.rank != 0:
-            return
-        link_lines = check_probe.predict(link, params, compute_ms, calibration)
+        if link.rank == 0:  # the probe's lines; each other node's first rank its report
+            link_lines = check_probe.predict(link, params, compute_ms, calibration)
+        else:
+            link = None
     found = findings()
     if link is None and not _reports_for_its_node():
         raise SystemExit(1 if blocking(found) else 0)  # its node's first rank prints the report

@@ -272,17 +272,23 @@ def test_probe_json_has_the_link_and_the_prediction():
 
 
 @pytest.mark.multirank
-def test_check_under_horovodrun_prints_one_report_per_node():
-    """Every rank checks (and exits 1 where its node cannot run a face); the node's first rank
-    alone prints, where a job of 64 ranks printed 64 reports."""
+@pytest.mark.parametrize("hosts, probe", [("localhost:2", False), ("127.0.0.1:1,127.1:1", True)])
+def test_check_under_horovodrun_prints_one_report_per_node(hosts, probe):
+    """Every rank checks (and exits 1 where its node cannot run a face); each node's first rank
+    alone prints, where a job of 64 ranks printed 64 reports. With --probe, rank 0 prints the
+    link, and the other nodes their own report (two "hosts": names of this machine)."""
     bin_dir = os.path.dirname(sys.executable)
-    out = subprocess.run([os.path.join(bin_dir, "horovodrun"), "-np", "2", "-H", "localhost:2",
-                          "--gloo", sys.executable, "-m", "hvd_onebit_tools.cli", "check"],
+    args = ["--probe", "--params", "10M", "--compute-ms", "50"] if probe else []
+    out = subprocess.run([os.path.join(bin_dir, "horovodrun"), "-np", "2", "-H", hosts,
+                          "--gloo", sys.executable, "-m", "hvd_onebit_tools.cli", "check", *args],
                          capture_output=True, text=True, timeout=300,
                          env=dict(os.environ, PATH=bin_dir + os.pathsep + os.environ["PATH"]))
-    ready = [line for line in out.stdout.splitlines() if "]<stdout>:ready" in line]
-    assert out.returncode == 0 and len(ready) == 1 and ready[0].startswith("[0]"), \
-        f"exit {out.returncode}; expected rank 0's report alone:\n{out.stdout}{out.stderr}"
+    lines = out.stdout.splitlines()
+    ready = sorted(line[:3] for line in lines if "]<stdout>:ready" in line)
+    link = [line[:3] for line in lines if "]<stdout>:link: " in line]
+    assert out.returncode == 0 and ready == (["[0]", "[1]"] if probe else ["[0]"]), \
+        f"exit {out.returncode}; reports from {ready}:\n{out.stdout}{out.stderr}"
+    assert link == (["[0]"] if probe else []), f"link lines from {link}:\n{out.stdout}"
 
 
 @pytest.mark.parametrize("env", [{"TORCHELASTIC_RUN_ID": "job", "LOCAL_RANK": "1"},
