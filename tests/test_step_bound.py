@@ -89,7 +89,8 @@ def test_clamped_fraction_counts_the_elements_at_the_bound():
     assert clamped_fraction(groups, state, None) is None
 
 
-def _engine_steps(rank_transport, zero_variance: str, step_bound="adam", steps: int = 3):
+def _engine_steps(rank_transport, zero_variance: str, step_bound="adam", steps: int = 3,
+                  lr: float = 1e-2):
     """Three compressed steps of one parameter whose first 10 variances are 0, on a virtual
     rank: the parameter before and after, and the variance the engine trained with. (Warnings
     are recorded by the caller: catch_warnings is process-wide, not per thread.)"""
@@ -105,7 +106,7 @@ def _engine_steps(rank_transport, zero_variance: str, step_bound="adam", steps: 
                                        experimental=Experimental(zero_variance=zero_variance, step_bound=step_bound))
     engine = CompressedStep(config, state, decoupled=lambda group: False,
                             transport=rank_transport)
-    groups = [{"params": [p], "lr": 1e-2, "betas": (0.9, 0.999), "eps": 1e-8,
+    groups = [{"params": [p], "lr": lr, "betas": (0.9, 0.999), "eps": 1e-8,
                "weight_decay": 0.0}]
     start = p.clone()
     for step in range(steps):
@@ -152,6 +153,18 @@ def test_without_a_bound_the_same_steps_run_away():
     start, end, _ = run_threads(2, lambda t: _engine_steps(t, "eps", None), timeout=60)[0]
     moved = float((end - start).abs()[:10].min())
     assert moved > 1e3, f"unbounded eps-divided steps moved only {moved}"
+
+
+@pytest.mark.parametrize("bound", [None, "adam", 2.0])
+def test_a_group_at_lr_0_takes_its_steps_unmoved_with_or_without_a_bound(bound):
+    """lr 0 (a scheduler's eta_min=0, a group frozen by its lr): the bound lr * B(t) is 0, or
+    no bound at all without one (0 * inf was nan, refused as a bound in the first step)."""
+    from hvd_onebit.transport.inprocess import run_threads
+
+    start, end, _ = run_threads(2, lambda t: _engine_steps(t, "hold", bound, lr=0.0),
+                                timeout=60)[0]
+    assert torch.equal(start, end), \
+        f"step_bound={bound!r}: lr 0 moved elements by up to {float((end - start).abs().max())}"
 
 
 def test_input_clamped_fraction_counts_this_ranks_momenta_past_the_input_bound():

@@ -123,7 +123,8 @@ class AdamTerms:
                 known = found[key] = StepNumbers(
                     beta1=beta1, sqrt_bc2=sqrt_bc2(beta2, frozen),
                     eps=eps, input_bound=(1 - beta1 ** t) * ratio, step=-lr / (1 - beta1 ** t),
-                    decay=1 - lr * wd if decoupled else 1.0, bound=abs(lr) * ratio)
+                    decay=1 - lr * wd if decoupled else 1.0,
+                    bound=math.inf if math.isinf(ratio) else abs(lr) * ratio)  # lr 0: no nan
             return known
         return numbers
 
