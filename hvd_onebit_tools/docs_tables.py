@@ -297,13 +297,20 @@ def ddp_train() -> str:
                      f"{s['ddp_face_speedup_vs_horovod_face']:.3f}",
                      f"{s['ddp_onebit_run_speedup_vs_ddp_adam']:.2f}",
                      f"{s['ddp_onebit_run_speedup_vs_ddp_powersgd']:.2f}",
-                     f"{s['ddp_onebit_measured_bytes_vs_ddp_adam']:.4f}"])
+                     f"{s['ddp_onebit_measured_bytes_vs_ddp_adam']:.4f}",
+                     _maybe(s.get("ddp_onebit_refresh_run_speedup_vs_ddp_adam"), ".2f")])
         notes.append(provenance(f"{DDP_TRAIN}/{path.name}", d))
     header = ["run", "Horovod face's compressed step over Horovod Adam's",
               "DDP face's over DDP Adam's", "DDP face's gain over the Horovod face's",
               "DDP face's whole run over DDP Adam's", "over DDP PowerSGD's",
-              "DDP face's wire bytes per compressed step over DDP Adam's"]
+              "DDP face's wire bytes per compressed step over DDP Adam's",
+              "the defaults' whole run over DDP Adam's"]
     return "\n\n".join([table(header, rows), *notes])
+
+
+def _maybe(value, spec: str) -> str:
+    """``value`` formatted, or a dash where a run did not measure it."""
+    return "-" if value is None else format(value, spec)
 
 
 DIGITS_RUNS = {"refresh_5pct": '"doubling" (default), frozen at 5%',
