@@ -59,8 +59,11 @@ class SharedFace:
         return self._engine
 
     def telemetry(self) -> dict:
-        """Phase, step count and communication counters as a plain dict."""
-        return self._telemetry.as_dict(self.phase, self.steps)
+        """Phase, step count and communication counters as a plain dict, and ``hierarchical``:
+        whether the 1-bit stage is (what ``hierarchical="auto"`` chose), None until the first
+        compressed step."""
+        return {**self._telemetry.as_dict(self.phase, self.steps),
+                "hierarchical": self._engine.hierarchical}
 
     # ---- checkpoints and the error-feedback lifecycle ----------------------------------------------
 

@@ -181,6 +181,10 @@ def test_optimizer_trains_like_the_flat_path_with_identical_ranks(paths):
             f"rank {rank}: topology {hier['topology']} hierarchical, {flat['topology']} flat, " \
             f"expected {[2, 2, rank // 2, rank % 2]} and None"
         assert auto["topology"] == hier["topology"], "auto: 2 nodes x 2 ranks is hierarchical"
+        assert (hier["told"], flat["told"], auto["told"]) == ([None, True], [None, False],
+                                                              [None, True]), \
+            f"rank {rank}: telemetry's hierarchical before and after the first compressed step: " \
+            f"True {hier['told']}, False {flat['told']}, auto {auto['told']}"
         assert auto["hashes"] == hier["hashes"], \
             f"rank {rank}: transport='auto' and the hierarchical run part at step " \
             f"{first_difference(auto['hashes'], hier['hashes'])} (parameter hashes per step)"

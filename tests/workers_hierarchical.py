@@ -187,9 +187,12 @@ def optimizer_run(hierarchical, steps: int = 16, freeze_step: int = 4,
                                           transport=transport,
                                           experimental=Experimental(intra_node=intra_node), variance_refresh=None)
     hashes, losses = [], []
+    told = [opt.telemetry()["hierarchical"]]  # before the first compressed step, then after it
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for step in range(steps):
+            if step == freeze_step + 1:
+                told.append(opt.telemetry()["hierarchical"])
             opt.zero_grad()
             x, y = batch(step, hvd.rank())
             loss = nn.functional.mse_loss(model(x), y)
@@ -213,7 +216,7 @@ def optimizer_run(hierarchical, steps: int = 16, freeze_step: int = 4,
         opt.load_error_feedback_state_dict(moved)
         opt.compressed_step.ensure_ready(active)
     return {"hashes": hashes, "losses": losses, "val_loss": val_loss(model),
-            "topology": None if topology is None else topology.signature(),
+            "topology": None if topology is None else topology.signature(), "told": told,
             "bytes": opt.last_step_bytes, "phase": opt.phase, "transport": opt.transport,
             "intra": intra, "warnings": [str(w.message) for w in caught],
             "same_role_warnings": [str(w.message) for w in same_role],

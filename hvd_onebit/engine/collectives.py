@@ -124,6 +124,12 @@ class Collectives:
             raise SharedMemoryError(f"intra_node='shared_memory' failed on rank(s) "
                                     f"{sorted(failed)}: {next(iter(failed.values()))}")
 
+    @property
+    def decided_hierarchical(self) -> Optional[bool]:
+        """Whether the 1-bit stage is hierarchical, once :meth:`topology` has decided (at the
+        first compressed step); None before. Reads only: no collective."""
+        return None if self._topology is None else self._topology is not False
+
     def topology(self) -> Optional[Topology]:
         """The nodes' layout when the 1-bit stage is hierarchical in this world, else None.
 

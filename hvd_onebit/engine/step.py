@@ -79,6 +79,11 @@ class CompressedStep:
     # buckets started for the coming step, the position of the next (one order on every rank)
     started = next_to_start = property(lambda self: len(self.averaging.early))
 
+    @property
+    def hierarchical(self) -> Optional[bool]:
+        """Whether the 1-bit stage is hierarchical; None until the first compressed step."""
+        return self.collectives.decided_hierarchical
+
     def topology(self):
         """The nodes' layout when the 1-bit stage is hierarchical, else None."""
         return self.collectives.topology()
