@@ -209,6 +209,22 @@ def test_transport_objects_and_their_errors():
     assert got == (None, 1, None), f"one rank: (transport, size, process_set) {got}"
 
 
+def test_a_hierarchical_collectives_errors_into_a_flat_one_name_the_topology():
+    """A checkpoint of a hierarchical job (each rank's errors of its shard, with its role)
+    resumed flat, e.g. on one node: the error names both, not the shard's internal sizes."""
+    def rank_fn(t):
+        flat = OneBitAllreduce(100, transport=t, name="flat")
+        saved = {**flat.state_dict(), "numel": 50, "topology": [2, 2, 0, t.rank]}
+        with pytest.raises(ValueError) as caught:
+            flat.load_state_dict(saved)
+        return str(caught.value)
+
+    for rank, message in enumerate(run_threads(2, rank_fn, timeout=5)):
+        assert message == (f"error feedback was saved by the hierarchical collective in topology "
+                           f"role [2, 2, 0, {rank}] ([nodes, ranks per node, node, local rank]), "
+                           "and this job's 1-bit stage is flat"), f"rank {rank}: {message}"
+
+
 def test_mismatched_layouts_are_a_clear_error_on_every_rank():
     def rank_fn(t):
         with pytest.raises(ValueError, match="ranks disagree.*numel=100.*numel=101"):

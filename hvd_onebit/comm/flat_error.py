@@ -114,6 +114,10 @@ class FlatErrorFeedback:
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict` saved on the same rank and layout."""
         expect = self._signature()
+        if state.get("topology") is not None:
+            raise ValueError(f"error feedback was saved by the hierarchical collective in topology "
+                             f"role {list(state['topology'])} ([nodes, ranks per node, node, local "
+                             "rank]), and this job's 1-bit stage is flat")
         got = {k: state.get(k) for k in expect}
         if got != expect:
             raise ValueError(f"error-feedback state was saved for {got}, this object is {expect}")
