@@ -242,8 +242,9 @@ def real_cluster_options(command):
     command = click.option("--shared-dir", default=None,
                            help="A folder every host sees at the same path, for --hosts.")(command)
     return click.option("--hosts", default=None,
-                        help="Run on a real cluster through horovodrun, e.g. h1:4,h2:4 (no "
-                             "emulation); needs --shared-dir.")(command)
+                        help="Run on a real cluster through horovodrun (Horovod on every "
+                             "host), e.g. h1:4,h2:4 (no emulation; each host's ranks are a "
+                             "node); needs --shared-dir.")(command)
 
 
 @contextlib.contextmanager
