@@ -209,6 +209,26 @@ def test_optimizer_trains_like_the_flat_path_with_identical_ranks(paths):
             (hier["val_loss"], flat["val_loss"])
 
 
+def test_variance_refreshes_through_the_hierarchical_collective_follow_the_flat_path(paths):
+    """The default schedule (a refresh every step at first, frozen at step 2): the refreshes
+    rescale each role's error feedback; every rank ends with rank 0's bits, and the loss
+    follows the flat path's with the same refreshes."""
+    for rank, r in enumerate(paths):
+        hier, flat = r["refresh_True"], r["refresh_False"]
+        assert (hier["phase"], hier["told"][-1]) == ("compression", True), \
+            f"rank {rank}: phase {hier['phase']}, hierarchical {hier['told']}"
+        assert hier["refreshes"] == flat["refreshes"] > 0, \
+            f"rank {rank}: {hier['refreshes']} refreshes hierarchical, {flat['refreshes']} flat"
+        assert hier["hashes"] == paths[0]["refresh_True"]["hashes"], \
+            f"rank {rank} parts from rank 0 at step " \
+            f"{first_difference(hier['hashes'], paths[0]['refresh_True']['hashes'])}"
+        for step, (a, b) in enumerate(zip(hier["losses"], flat["losses"])):
+            assert a == pytest.approx(b, rel=0.1, abs=0.02), (rank, step, hier["losses"],
+                                                              flat["losses"])
+        assert hier["val_loss"] == pytest.approx(flat["val_loss"], rel=0.05), \
+            (rank, hier["val_loss"], flat["val_loss"])
+
+
 def test_error_feedback_belongs_to_the_rank_s_role(paths):
     for rank, r in enumerate(paths):
         hier = r[True]

@@ -171,7 +171,8 @@ def group_all_or_nothing(numel: int = 1000, transport: str = "horovod") -> dict:
 
 
 def optimizer_run(hierarchical, steps: int = 16, freeze_step: int = 4,
-                  transport: str = "auto", intra_node: str = "auto") -> dict:
+                  transport: str = "auto", intra_node: str = "auto",
+                  variance_refresh: Optional[str] = None) -> dict:
     """The test model trained with hvd_onebit; per step the parameters' hash and the loss."""
     import warnings
 
@@ -185,7 +186,8 @@ def optimizer_run(hierarchical, steps: int = 16, freeze_step: int = 4,
                                           named_parameters=model.named_parameters(),
                                           freeze_step=freeze_step, hierarchical=hierarchical,
                                           transport=transport,
-                                          experimental=Experimental(intra_node=intra_node), variance_refresh=None)
+                                          experimental=Experimental(intra_node=intra_node),
+                                          variance_refresh=variance_refresh)
     hashes, losses = [], []
     told = [opt.telemetry()["hierarchical"]]  # before the first compressed step, then after it
     with warnings.catch_warnings(record=True) as caught:
@@ -217,7 +219,8 @@ def optimizer_run(hierarchical, steps: int = 16, freeze_step: int = 4,
         opt.compressed_step.ensure_ready(active)
     return {"hashes": hashes, "losses": losses, "val_loss": val_loss(model),
             "topology": None if topology is None else topology.signature(), "told": told,
-            "bytes": opt.last_step_bytes, "phase": opt.phase, "transport": opt.transport,
+            "bytes": opt.last_step_bytes, "phase": opt.phase,
+            "refreshes": opt.telemetry()["refreshes"], "transport": opt.transport,
             "intra": intra, "warnings": [str(w.message) for w in caught],
             "same_role_warnings": [str(w.message) for w in same_role],
             "norm_after_same_role": norm_after_same,
@@ -230,6 +233,8 @@ def optimizer_paths() -> dict:
     out = {mode: optimizer_run(mode) for mode in (True, False, "auto")}
     out["horovod"] = optimizer_run(True, transport="horovod")
     out["network"] = optimizer_run(True, intra_node="network")
+    for mode in (True, False):  # the default refresh schedule: a refresh every step at first
+        out[f"refresh_{mode}"] = optimizer_run(mode, freeze_step=2, variance_refresh="doubling")
     return out
 
 
