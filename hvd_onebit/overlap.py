@@ -42,6 +42,11 @@ class EarlyStarts:
                 self.position.setdefault(p, []).append(i)
         self.missing = [len(b.params) for b in engine.buckets]  # gradients not final yet
         self.read: dict = {}  # parameter -> what its bucket's start read (inputs_of)
+        # Gradients that are views of one buffer (DDP's buckets with gradient_as_bucket_view)
+        # share its version counter: each gradient accumulated into the buffer moves it by one.
+        # The final gradients counted per buffer, and the count when each start read its own.
+        self.accumulated: dict = {}  # buffer -> gradients made final in it
+        self.seen: dict = {}  # parameter -> accumulated of its buffer when its bucket started
         self.failed = False  # a start raised: the rest start in step()
         self.zeroed = False  # zero_grad() since the starts: a skipped batch's, not a pattern
 
@@ -68,6 +73,11 @@ def inputs_of(p: torch.Tensor, group: dict) -> tuple:
     return (g, None if g is None else g._version, p._version, _option(beta1),
             _option(group["weight_decay"]), bool(group.get("maximize")), _option(beta2),
             _option(group["eps"]))
+
+
+def shared_buffer(g: Optional[torch.Tensor]) -> Optional[int]:
+    """The buffer whose version counter ``g`` shares (``g`` a view of it), or None."""
+    return None if g is None or g._base is None else g.untyped_storage().data_ptr()
 
 
 def _option(value):
@@ -129,7 +139,12 @@ class Overlap:
         """p's gradient is final for this step: start every bucket, in order, whose gradients
         are all final. What each start read is recorded, so step() can tell if it changed."""
         early = self.current if self._decided else self._set_up()
-        if early is None or early.failed or p not in early.position:
+        if early is None:
+            return
+        buffer = shared_buffer(p.grad)
+        if buffer is not None:
+            early.accumulated[buffer] = early.accumulated.get(buffer, 0) + 1
+        if early.failed or p not in early.position:
             return
         if p in early.read:  # its bucket started from an earlier backward: that batch was
             early.zeroed = True  # skipped, however its gradients were zeroed (model.zero_grad())
@@ -145,6 +160,7 @@ class Overlap:
                          for q in params}
                 for q in params:
                     early.read[q] = inputs_of(q, early.groups[q])
+                    early.seen[q] = early.accumulated.get(shared_buffer(q.grad), 0)
                 engine.start_bucket(self._view.adam.param_groups, grads)
         except Exception:
             # e.g. a sparse gradient: step() computes the rest and raises the error itself, on
@@ -178,6 +194,9 @@ class Overlap:
             return None
         for q, then in early.read.items():
             now = inputs_of(q, early.groups[q])
+            if q in early.seen and now[0] is then[0]:  # the others' accumulation since then
+                later = early.accumulated.get(shared_buffer(q.grad), 0) - early.seen[q]
+                then = (then[0], then[1] + later, *then[2:])
             what = ("a gradient was replaced" if now[0] is not then[0] else
                     next((w for w, a, b in zip(CHANGES, now[1:], then[1:]) if a != b), None))
             if what is not None:

@@ -456,6 +456,23 @@ def test_gradients_accumulated_without_no_sync_keep_the_overlap(world):
 
 
 @pytest.mark.multirank
+def test_gradients_kept_as_ddp_bucket_views_keep_the_overlap(world):
+    """gradient_as_bucket_view=True and zero_grad(set_to_none=False), the way to keep DDP's
+    buckets as the gradients' memory: the layers' gradients accumulate into one DDP bucket
+    (one version counter) after the optimizer's first bucket started; that is backward, not a
+    change (it was taken for one: the buckets started again, the overlap off)."""
+    n, results = world
+    for rank, r in enumerate(scenario(results, "bucket_views")):
+        on = r["overlap"]
+        assert r["differences"] == [], f"n={n} rank {rank}: {r['differences']}"
+        assert (on["restarts"], on["warnings"]) == (0, []) and on["early"] >= 4, \
+            f"n={n} rank {rank}: {on['restarts']} restarts, {on['early']} buckets started " \
+            f"during backward (expected some in each of 4 steps), warnings {on['warnings']}"
+        assert on["storages"] == r["off"]["storages"] == 1, \
+            f"n={n} rank {rank}: the gradients in {on['storages']} storages, not DDP's bucket"
+
+
+@pytest.mark.multirank
 def test_step_with_a_closure_is_backward_then_step(world):
     n, results = world
     for rank, r in enumerate(scenario(results, "closure")):

@@ -717,6 +717,37 @@ def handed_to_adam(before: int = FREEZE + 3, after: int = 3) -> dict:
             "kept": {"error": error, "taken": taken}}
 
 
+def bucket_views(steps: int = FREEZE + 4) -> dict:
+    """gradient_as_bucket_view=True with zero_grad(set_to_none=False): the gradients stay views
+    of DDP's buckets (one version counter each bucket's), in compressed steps too. Against
+    overlap=False: the differences, the buckets started during backward, the restarts, the
+    warnings, and how many storages hold the gradients at the end."""
+    out, runs = {}, []
+    for overlap in (False, True):
+        torch.manual_seed(0)  # four layers in one DDP bucket, in three of the optimizer's: the
+        # first starts while the gradients of the first two layers still accumulate into theirs
+        model = DDP(torch.nn.Sequential(*(torch.nn.Linear(16, 16) for _ in range(4))),
+                    gradient_as_bucket_view=True)
+        opt = hvd_onebit.ddp.DistributedOptimizer(
+            torch.optim.Adam(model.parameters(), lr=1e-2), model, freeze_step=FREEZE,
+            variance_refresh=None, bucket_size_mb=0.002, overlap=overlap)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for step in range(steps):
+                opt.zero_grad(set_to_none=False)
+                x, _ = batch(step, dist.get_rank())
+                model(x.repeat(1, 3)[:, :16]).square().mean().backward()
+                opt.step()
+        runs.append(params_of(model))
+        out["overlap" if overlap else "off"] = {
+            "early": opt.compressed_step.early_starts, "restarts": opt.compressed_step.restarts,
+            "warnings": overlap_warnings(caught),
+            "storages": len({p.grad.untyped_storage().data_ptr()
+                             for p in model.parameters()})}
+    out["differences"] = differences(runs[0], runs[1], "overlap=False")
+    return out
+
+
 def copied_model(steps: int = FREEZE + 4) -> dict:
     """A deep copy of the DDP model (an EMA's or a teacher's), run forward with gradients on
     before each training forward and without between it and its backward, against the same
@@ -1076,6 +1107,7 @@ def suite(scratch: Optional[str] = None, stage: Optional[str] = None) -> dict:
                      accumulated=accumulated_without_no_sync,
                      handed_to_adam=handed_to_adam,
                      rolled_back=rolled_back_mid_step, copied=copied_model,
+                     bucket_views=bucket_views,
                      grad_scaler=grad_scaler_skips)
     if stage is not None:
         scenarios["flushed"] = partial(flushed_checkpoint, f"{scratch}/flushed.pt",
