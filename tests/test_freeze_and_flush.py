@@ -1,9 +1,12 @@
 """freeze_step="auto" (the warmup ends when Adam's variance has settled) and
 flush_error_feedback (every rank's error feedback folded into the momentum)."""
+from typing import Callable, Optional
+
 import pytest
 import torch
 
 from hvd_onebit.config import AutoFreeze, OneBitConfig
+from hvd_onebit.layout import ring_allreduce_bytes
 from hvd_onebit.transport.inprocess import run_threads
 from hvd_onebit import Experimental
 from tests.scenarios import scenario
@@ -154,7 +157,10 @@ def expected_fold(ranks: list[dict]) -> list[torch.Tensor]:
     return out
 
 
-def check_flushed(ranks: list[dict], rtol: float, bytes_per_element: float) -> None:
+def check_flushed(ranks: list[dict], rtol: float,
+                  bytes_of: Optional[Callable[[int], int]]) -> None:
+    """The fold on every rank, and (``bytes_of``: a bucket's bytes from its elements) the bytes
+    each rank sent."""
     want = expected_fold(ranks)
     for rank, r in enumerate(ranks):
         for k, (got, exp) in enumerate(zip(r["after"]["momenta"], want)):
@@ -167,8 +173,7 @@ def check_flushed(ranks: list[dict], rtol: float, bytes_per_element: float) -> N
                     for kind in ("worker_errors", "server_errors")}
             assert left == {"worker_errors": 0, "server_errors": 0}, \
                 f"rank {rank}, bucket {k}: nonzero error elements left after the flush: {left}"
-        n = len(ranks)
-        assert r["bytes"] == sum(int(bytes_per_element * c * n) for c in r["before"]["chunks"]), \
+        assert bytes_of is None or r["bytes"] == sum(bytes_of(c) for c in r["numel"]), \
             f"rank {rank}: {r['bytes']} bytes sent"
 
 
@@ -176,22 +181,30 @@ def check_flushed(ranks: list[dict], rtol: float, bytes_per_element: float) -> N
 def test_flush_folds_every_error_into_the_momentum_on_virtual_ranks(n, monkeypatch):
     """Through both ways of the exact sum: one allgather of every rank's errors (small
     buckets), or each rank adding one n-th of them and an allgather of the sums (large ones):
-    the same bits, with the bytes each sends."""
+    the same bits, with the bytes each sends; and summed in pieces of a few elements (pieces
+    cut across the parameters, as a model larger than a piece is flushed): the same bits."""
+    import hvd_onebit.engine.error_feedback as error_feedback
     import hvd_onebit.transport.base as base
 
     momenta = {}
-    for way, small, rate in (("one allgather", 1 << 40, 4 * (n - 1)),
-                             ("alltoall and allgather", 0, 2 * (n - 1) / n * 4)):
+    for way, small, sent, piece in (  # float32 to n - 1 peers: every element, or twice 1/n
+            ("one allgather", 1 << 40, (lambda c: 4 * (n - 1) * c), error_feedback.FLUSH_PIECE),
+            ("alltoall and allgather", 0, (lambda c: 2 * 4 * (n - 1) * -(-c // n)),
+             error_feedback.FLUSH_PIECE),
+            ("pieces of 7 elements", 0, None, 7)):
         monkeypatch.setattr(base, "SMALL_SUM_BYTES", small)
+        monkeypatch.setattr(error_feedback, "FLUSH_PIECE", piece)
         ranks = run_threads(n, lambda t: flush_engine(t), timeout=120)
         sums = [float(e.abs().sum()) for e in ranks[0]["before"]["worker_errors"]]
         assert any(s > 0 for s in sums), f"nothing to flush: the test needs error feedback " \
                                          f"(rank 0's sum |e_w| per bucket {sums})"
-        check_flushed(ranks, rtol=1e-5, bytes_per_element=rate)
+        check_flushed(ranks, rtol=1e-5, bytes_of=sent)
         momenta[way] = ranks[0]["after"]["momenta"]
-    for k, (a, b) in enumerate(zip(*momenta.values())):
-        assert torch.equal(a, b), f"bucket {k}: the two ways' flushed momenta differ: " \
-                                  f"{difference(a, b)}"
+    first, *others = momenta
+    for way in others:
+        for k, (a, b) in enumerate(zip(momenta[first], momenta[way])):
+            assert torch.equal(a, b), f"bucket {k}: the flushed momenta of {first} and {way} " \
+                                      f"differ: {difference(a, b)}"
 
 
 def test_flush_on_one_rank_is_a_no_op():
@@ -268,7 +281,7 @@ def test_flush_in_the_warmup_is_a_no_op(flush_results):
 @pytest.mark.multirank
 def test_flush_through_horovod_folds_the_errors_and_zeroes_them(flush_results):
     ranks = [r["compression"] for r in flush_results]
-    check_flushed(ranks, rtol=1e-5, bytes_per_element=2 * (2 - 1) / 2 * 4)  # a ring allreduce
+    check_flushed(ranks, rtol=1e-5, bytes_of=lambda c: ring_allreduce_bytes(4 * c, 2))
     for rank, r in enumerate(ranks):
         assert r["ef_norms"] and not any(r["ef_norms"]), \
             f"rank {rank}: error feedback left after the flush: {r['ef_norms']}"

@@ -198,7 +198,11 @@ class ErrorFeedback:
         All or nothing: the new momenta are computed aside, and only if every value of every
         bucket is finite (checked on the allreduced values, the same on every rank) are they
         written and the errors zeroed; otherwise every rank raises
-        :class:`~hvd_onebit.comm.protocol.NonFiniteInputError` and nothing changed.
+        :class:`~hvd_onebit.comm.protocol.NonFiniteInputError` and nothing changed. The new
+        momenta are written over each bucket's contribution as its pieces of
+        :data:`FLUSH_PIECE` elements are summed, so that the flush holds the parameters' fp32
+        bytes and a few pieces beside the state (all the contributions, their sums and the
+        new momenta at once took about four times the parameters' bytes).
         """
         buckets, params = self.fused.buckets, self.fused.params
         if not self.collectives.onebit or buckets is None or self.transport.size == 1:
@@ -208,23 +212,18 @@ class ErrorFeedback:
         if any(beta1s[p] == 0 for p in params):
             raise ValueError("flush_error_feedback needs beta1 > 0: with beta1 = 0 the momentum "
                              "does not carry into the next step, so the error cannot be folded")
-        comms = [self.collectives.of(b) for b in buckets]
-        sums, nbytes = self.transport.exact_sum([c.error_contribution() for c in comms],
-                                                "hvd_onebit.flush")
-        new = []
-        for b, e in zip(buckets, sums):
-            m = b.momentum.clone()
-            for i, seg in enumerate(b.segments):
-                lo, hi = seg.offset, seg.offset + seg.numel
-                fold = e[lo:hi]
-                if self.terms.preconditioned:  # back to the momentum's units; held elements get 0
-                    d = self.terms.denominator(seg.param, groups[seg.param])
-                    denom = frozen_denominator(b.piece(i, d.variance).reshape(-1), d.sqrt_bc2,
-                                               d.eps)
-                    fold = fold.mul_(denom).masked_fill_(denom == math.inf, 0.0)
-                m[lo:hi].add_(fold.div_(beta1s[seg.param]))
-            new.append(m)
-        bad = [b.index for b, m in zip(buckets, new) if not bool(torch.isfinite(m).all())]
+        new, bad, nbytes = [], [], 0
+        for b in buckets:
+            folded = self.collectives.of(b).error_contribution()  # the new momentum, in place
+            for lo in range(0, b.numel, FLUSH_PIECE):
+                hi = min(lo + FLUSH_PIECE, b.numel)
+                (e,), sent = self.transport.exact_sum([folded[lo:hi]],
+                                                      f"hvd_onebit.flush.{b.index}.{lo}.")
+                nbytes += sent
+                folded[lo:hi] = self._folded(b, lo, hi, e, groups, beta1s)
+            new.append(folded[:b.numel])
+            if not bool(torch.isfinite(new[-1]).all()):
+                bad.append(b.index)
         if bad:
             raise NonFiniteInputError(
                 [], f"in the error feedback (or the momentum it was folded into) of bucket(s) "
@@ -239,6 +238,25 @@ class ErrorFeedback:
         self.zeroed()
         return nbytes
 
+    def _folded(self, b, lo: int, hi: int, e: torch.Tensor, groups: dict,
+                beta1s: dict) -> torch.Tensor:
+        """Elements [lo, hi) of bucket ``b``'s momentum with their summed errors ``e`` folded
+        in (``e`` becomes them)."""
+        for i, seg in enumerate(b.segments):
+            a, z = max(lo, seg.offset), min(hi, seg.offset + seg.numel)
+            if a >= z:
+                continue
+            fold = e[a - lo:z - lo]
+            if self.terms.preconditioned:  # back to the momentum's units; held elements get 0
+                d = self.terms.denominator(seg.param, groups[seg.param])
+                variance = b.piece(i, d.variance).reshape(-1)[a - seg.offset:z - seg.offset]
+                denom = frozen_denominator(variance, d.sqrt_bc2, d.eps)
+                fold.mul_(denom).masked_fill_(denom == math.inf, 0.0)
+            fold.div_(beta1s[seg.param]).add_(b.momentum[a:z])
+        return e
+
+
+FLUSH_PIECE = 1 << 22  # elements flush_error_feedback sums at once (16 MiB of float32)
 
 SAME_WORLD_ADVICE = ("To keep it, call opt.flush_error_feedback() on every rank before saving "
                      "(rank 0's state_dict() is then complete), or save each rank's "
