@@ -201,8 +201,8 @@ class ErrorFeedback:
         :class:`~hvd_onebit.comm.protocol.NonFiniteInputError` and nothing changed. The new
         momenta are written over each bucket's contribution as its pieces of
         :data:`FLUSH_PIECE` elements are summed, so that the flush holds the parameters' fp32
-        bytes and a few pieces beside the state (all the contributions, their sums and the
-        new momenta at once took about four times the parameters' bytes).
+        bytes and about a bucket's worth beside the state (all the contributions, their sums
+        and the new momenta at once took about four times the parameters' bytes).
         """
         buckets, params = self.fused.buckets, self.fused.params
         if not self.collectives.onebit or buckets is None or self.transport.size == 1:
