@@ -42,11 +42,14 @@ class EarlyStarts:
                 self.position.setdefault(p, []).append(i)
         self.missing = [len(b.params) for b in engine.buckets]  # gradients not final yet
         self.read: dict = {}  # parameter -> what its bucket's start read (inputs_of)
-        # Gradients that are views of one buffer (DDP's buckets with gradient_as_bucket_view)
-        # share its version counter: each gradient accumulated into the buffer moves it by one.
-        # The final gradients counted per buffer, and the count when each start read its own.
-        self.accumulated: dict = {}  # buffer -> gradients made final in it
-        self.seen: dict = {}  # parameter -> accumulated of its buffer when its bucket started
+        # Gradients in one storage (views of DDP's buckets with gradient_as_bucket_view, the
+        # pieces of a concatenation's gradient) share its version counter: each gradient
+        # accumulated into it moves the counter by one. The gradients made final in each
+        # storage, each parameter counted once a step (a pass more is a change), and the count
+        # when each start read its own.
+        self.accumulated: dict = {}  # storage -> gradients made final in it
+        self.counted: set = set()  # parameters whose gradient accumulated is counted
+        self.seen: dict = {}  # parameter -> accumulated of its storage when its bucket started
         self.failed = False  # a start raised: the rest start in step()
         self.zeroed = False  # zero_grad() since the starts: a skipped batch's, not a pattern
 
@@ -75,9 +78,9 @@ def inputs_of(p: torch.Tensor, group: dict) -> tuple:
             _option(group["eps"]))
 
 
-def shared_buffer(g: Optional[torch.Tensor]) -> Optional[int]:
-    """The buffer whose version counter ``g`` shares (``g`` a view of it), or None."""
-    return None if g is None or g._base is None else g.untyped_storage().data_ptr()
+def storage_of(g: Optional[torch.Tensor]) -> Optional[int]:
+    """The storage ``g`` lives in (its views share one version counter), or None."""
+    return None if g is None else g.untyped_storage().data_ptr()
 
 
 def _option(value):
@@ -141,9 +144,10 @@ class Overlap:
         early = self.current if self._decided else self._set_up()
         if early is None:
             return
-        buffer = shared_buffer(p.grad)
-        if buffer is not None:
-            early.accumulated[buffer] = early.accumulated.get(buffer, 0) + 1
+        storage = storage_of(p.grad)
+        if storage is not None and p not in early.counted:
+            early.counted.add(p)
+            early.accumulated[storage] = early.accumulated.get(storage, 0) + 1
         if early.failed or p not in early.position:
             return
         if p in early.read:  # its bucket started from an earlier backward: that batch was
@@ -160,7 +164,7 @@ class Overlap:
                          for q in params}
                 for q in params:
                     early.read[q] = inputs_of(q, early.groups[q])
-                    early.seen[q] = early.accumulated.get(shared_buffer(q.grad), 0)
+                    early.seen[q] = early.accumulated.get(storage_of(q.grad), 0)
                 engine.start_bucket(self._view.adam.param_groups, grads)
         except Exception:
             # e.g. a sparse gradient: step() computes the rest and raises the error itself, on
@@ -195,7 +199,7 @@ class Overlap:
         for q, then in early.read.items():
             now = inputs_of(q, early.groups[q])
             if q in early.seen and now[0] is then[0]:  # the others' accumulation since then
-                later = early.accumulated.get(shared_buffer(q.grad), 0) - early.seen[q]
+                later = early.accumulated.get(storage_of(q.grad), 0) - early.seen[q]
                 then = (then[0], then[1] + later, *then[2:])
             what = ("a gradient was replaced" if now[0] is not then[0] else
                     next((w for w, a, b in zip(CHANGES, now[1:], then[1:]) if a != b), None))

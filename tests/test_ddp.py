@@ -211,8 +211,9 @@ def test_a_copy_of_the_model_leaves_training_alone_and_the_model_pickles(world):
         for key in ("pickled_opt", "copied_opt"):
             assert r[key].startswith("TypeError: an hvd_onebit optimizer is not pickled") and \
                 "opt.state_dict()" in r[key], f"n={n} rank {rank}: {key}: {r[key]}"
-        assert r["second_on_the_copy"] == "accepted", \
-            f"n={n} rank {rank}: an optimizer on the copy: {r['second_on_the_copy']}"
+        assert (r["second_on_the_copy"], r["copy_join"]) == ("accepted", "accepted"), \
+            f"n={n} rank {rank}: an optimizer on the copy: {r['second_on_the_copy']}; the " \
+            f"copy's join(): {r['copy_join']}"
 
 
 @pytest.mark.multirank
@@ -460,14 +461,15 @@ def test_gradients_kept_as_ddp_bucket_views_keep_the_overlap(world):
     """gradient_as_bucket_view=True and zero_grad(set_to_none=False), the way to keep DDP's
     buckets as the gradients' memory: the layers' gradients accumulate into one DDP bucket
     (one version counter) after the optimizer's first bucket started; that is backward, not a
-    change (it was taken for one: the buckets started again, the overlap off)."""
+    change (it was taken for one: the buckets started again, the overlap off). A step with a
+    pass more is one: its buckets start again, quietly, and the bits are overlap=False's."""
     n, results = world
     for rank, r in enumerate(scenario(results, "bucket_views")):
         on = r["overlap"]
         assert r["differences"] == [], f"n={n} rank {rank}: {r['differences']}"
-        assert (on["restarts"], on["warnings"]) == (0, []) and on["early"] >= 4, \
-            f"n={n} rank {rank}: {on['restarts']} restarts, {on['early']} buckets started " \
-            f"during backward (expected some in each of 4 steps), warnings {on['warnings']}"
+        assert (on["restarts"], on["warnings"]) == (1, []) and on["early"] >= 4, \
+            f"n={n} rank {rank}: {on['restarts']} restarts (expected 1: the step of two " \
+            f"passes), {on['early']} buckets started during backward, warnings {on['warnings']}"
         assert on["storages"] == r["off"]["storages"] == 1, \
             f"n={n} rank {rank}: the gradients in {on['storages']} storages, not DDP's bucket"
 

@@ -717,11 +717,13 @@ def handed_to_adam(before: int = FREEZE + 3, after: int = 3) -> dict:
             "kept": {"error": error, "taken": taken}}
 
 
-def bucket_views(steps: int = FREEZE + 4) -> dict:
+def bucket_views(passes: tuple = (1, 1, 2, 1, 1)) -> dict:
     """gradient_as_bucket_view=True with zero_grad(set_to_none=False): the gradients stay views
-    of DDP's buckets (one version counter each bucket's), in compressed steps too. Against
-    overlap=False: the differences, the buckets started during backward, the restarts, the
-    warnings, and how many storages hold the gradients at the end."""
+    of DDP's buckets (one version counter each bucket's), in compressed steps too, which take
+    ``passes`` backward passes each without no_sync() (a pass more than the last step's adds
+    to every gradient after its bucket started). Against overlap=False: the differences, the
+    buckets started during backward, the restarts, the warnings, and how many storages hold
+    the gradients at the end."""
     out, runs = {}, []
     for overlap in (False, True):
         torch.manual_seed(0)  # four layers in one DDP bucket, in three of the optimizer's: the
@@ -733,10 +735,11 @@ def bucket_views(steps: int = FREEZE + 4) -> dict:
             variance_refresh=None, bucket_size_mb=0.002, overlap=overlap)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            for step in range(steps):
+            for step in range(FREEZE + len(passes)):
                 opt.zero_grad(set_to_none=False)
-                x, _ = batch(step, dist.get_rank())
-                model(x.repeat(1, 3)[:, :16]).square().mean().backward()
+                for k in range(1 if step < FREEZE else passes[step - FREEZE]):
+                    x, _ = batch(step, dist.get_rank(), k)
+                    model(x.repeat(1, 3)[:, :16]).square().mean().backward()
                 opt.step()
         runs.append(params_of(model))
         out["overlap" if overlap else "off"] = {
@@ -780,12 +783,18 @@ def copied_model(steps: int = FREEZE + 4) -> dict:
     loaded = torch.load(saved, weights_only=False)
     before = opt.compressed_step.early_starts
     loaded(batch(0, dist.get_rank())[0]).sum().backward()
+    def join_the_copy():
+        with ema.join():
+            pass
+
+    copy_join = refused(join_the_copy)  # the copy is plain DDP: its join() is DDP's
     second = refused(lambda: onebit(ema, freeze_step=1))
     return {"differences": differences(runs[0], runs[1], "with a copy"),
             "loaded": differences(params_of(loaded), runs[1], "loaded"),
             "early_starts_by_the_loaded": opt.compressed_step.early_starts - before,
             "pickled_opt": refused(lambda: torch.save(opt, io.BytesIO())),
-            "copied_opt": refused(lambda: copy.deepcopy(opt)), "second_on_the_copy": second}
+            "copied_opt": refused(lambda: copy.deepcopy(opt)), "second_on_the_copy": second,
+            "copy_join": copy_join}
 
 
 def rolled_back_mid_step(at: int = FREEZE + 2) -> str:
