@@ -51,12 +51,6 @@ STEPPED_ELSEWHERE = (
     "(model = DDP(model.module)); nothing was changed by this forward")
 
 
-def refuse_join(*args, **kwargs):
-    """What ``model.join()`` does on a model this optimizer trains: refuse, on every rank (every
-    rank enters it), before a rank without batches could wait in it alone."""
-    raise ValueError(JOIN_REFUSED)
-
-
 def first_static_iteration(model) -> bool:
     """Whether ``model`` (a DDP module) was built with ``static_graph=True`` and has not run its
     first iteration: DDP records the graph in that iteration's backward, through its gradient
@@ -216,7 +210,6 @@ class CommHook:
                 raise ValueError(ALREADY_HOOKED) from exc
             raise
         model.register_forward_pre_hook(weakly(self._before_forward))
-        model.join = refuse_join  # on this model only; Join([model]) is refused at its forward
         # called when the forward raises too: the user's sync setting comes back either way
         model.register_forward_hook(weakly(self._after_forward), always_call=True)
         if getattr(model, "find_unused_parameters", False):
