@@ -135,10 +135,10 @@ class SharedFace:
         self._telemetry.add(nbytes, time.perf_counter() - start)
         return nbytes
 
-
     def __reduce_ex__(self, protocol):
         """Refused: the optimizer holds its job's connections, buckets and hooks, which neither
-        pickle nor copy; its checkpoint is ``state_dict()``."""
+        pickle nor copy (nor does what holds it: a scheduler, a trainer object); its checkpoint
+        is ``state_dict()``."""
         raise TypeError(NOT_PICKLED)
 
 

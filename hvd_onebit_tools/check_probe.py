@@ -16,8 +16,10 @@ PROBE_ELEMENTS = 4 << 20  # float32 elements per probe allreduce: large enough t
 PROBE_REPEATS = 5
 HOROVOD_LAUNCHED = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
 TORCHRUN_LAUNCHED = "TORCHELASTIC_RUN_ID"  # set by torchrun on every rank it starts
+# a rank's place on its node, as each launcher says it (torchrun's LOCAL_RANK first under
+# torchrun: srun's SLURM_LOCALID is then the torchrun agent's, which every rank inherits)
 LOCAL_RANKS = ("HOROVOD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID",
-               "LOCAL_RANK")  # horovodrun (Gloo), Open MPI, MPICH, torchrun
+               "MV2_COMM_WORLD_LOCAL_RANK", "PMIX_LOCAL_RANK", "SLURM_LOCALID")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,7 +81,8 @@ def reports_for_its_node() -> bool:
     each)."""
     if not launched():
         return True
-    local = next((os.environ[key] for key in LOCAL_RANKS if key in os.environ), "0")
+    keys = ("LOCAL_RANK",) if TORCHRUN_LAUNCHED in os.environ else LOCAL_RANKS
+    local = next((os.environ[key] for key in keys if key in os.environ), "0")
     return local.strip() == "0"
 
 

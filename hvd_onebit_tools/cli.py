@@ -47,6 +47,7 @@ def check(np_, probe, params, compute_ms, calibration, as_json) -> None:
     can run here (Horovod's, DDP's); exit status 1 when neither can. Under a launcher, each
     node's first rank prints. With --probe, under horovodrun or torchrun: the link and the
     predicted speed-up (from rank 0)."""
+    from . import check_probe
     from .check import blocking, findings, report, report_dict
 
     link, link_lines = None, []
@@ -55,8 +56,6 @@ def check(np_, probe, params, compute_ms, calibration, as_json) -> None:
         raise click.UsageError("--params, --compute-ms and --calibration price the link that "
                                "--probe measures under a launcher: give --probe too")
     if np_ is not None or probe:
-        from . import check_probe
-
         if np_ is not None:
             need_two_ranks(np_, "a probe of the link")
         if params is None or compute_ms is None:
@@ -77,7 +76,7 @@ def check(np_, probe, params, compute_ms, calibration, as_json) -> None:
         else:
             link = None
     found = findings()
-    if link is None and not _reports_for_its_node():
+    if link is None and not check_probe.reports_for_its_node():
         raise SystemExit(1 if blocking(found) else 0)  # its node's first rank prints the report
     if as_json:
         out = report_dict(found)
@@ -92,12 +91,6 @@ def check(np_, probe, params, compute_ms, calibration, as_json) -> None:
             click.echo(line)
     if blocking(found):
         raise SystemExit(1)
-
-
-def _reports_for_its_node() -> bool:
-    from .check_probe import reports_for_its_node
-
-    return reports_for_its_node()
 
 
 def _cluster_unavailable(reason: str) -> click.Command:

@@ -291,18 +291,23 @@ def test_check_under_horovodrun_prints_one_report_per_node(hosts, probe):
     assert link == (["[0]"] if probe else []), f"link lines from {link}:\n{out.stdout}"
 
 
-@pytest.mark.parametrize("env", [{"TORCHELASTIC_RUN_ID": "job", "LOCAL_RANK": "1"},
-                                 {"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_LOCAL_RANK": "1"}])
+@pytest.mark.parametrize("env", [
+    {"TORCHELASTIC_RUN_ID": "job", "LOCAL_RANK": "1"},
+    {"TORCHELASTIC_RUN_ID": "job", "LOCAL_RANK": "1", "SLURM_LOCALID": "0", "PMI_RANK": "0"},
+    {"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_LOCAL_RANK": "1"},
+    {"PMI_RANK": "3", "SLURM_LOCALID": "1"}])
 def test_a_ranks_check_beside_its_nodes_first_prints_nothing_and_keeps_the_status(env):
-    """The other launchers' local ranks (torchrun's, mpirun's) as horovodrun's: the status
-    still says whether this rank's node can run a face."""
+    """The other launchers' local ranks (torchrun's, mpirun's, srun's; torchrun's under srun,
+    where every rank inherits its agent's SLURM_LOCALID) as horovodrun's: the status still
+    says whether this rank's node can run a face."""
     out = subprocess.run([sys.executable, "-m", "hvd_onebit_tools.cli", "check"],
                          capture_output=True, text=True, timeout=300,
                          env=dict(os.environ, **env))
     first = subprocess.run([sys.executable, "-m", "hvd_onebit_tools.cli", "check"],
                            capture_output=True, text=True, timeout=300,
                            env=dict(os.environ, **{**env, "LOCAL_RANK": "0",
-                                                   "OMPI_COMM_WORLD_LOCAL_RANK": "0"}))
+                                                   "OMPI_COMM_WORLD_LOCAL_RANK": "0",
+                                                   "SLURM_LOCALID": "0"}))
     assert (out.returncode, out.stdout) == (0, ""), f"a second rank printed:\n{out.stdout}"
     assert first.returncode == 0 and first.stdout.splitlines()[-1].startswith("ready: "), \
         f"the node's first rank printed no report:\n{first.stdout}{first.stderr}"

@@ -19,6 +19,7 @@ it has finished call k (read the output).
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import uuid
 from typing import Any, Optional, Sequence
@@ -80,7 +81,8 @@ class SharedMemoryTransport:
             segment, reasons = self._map(created, why, numel)
         finally:  # every rank has mapped it, failed to, or the node's exchange broke (a rank
             if created:  # lost): nothing is left behind
-                os.unlink(created)
+                with contextlib.suppress(FileNotFoundError):  # not the error that got here
+                    os.unlink(created)
         failed = {r: w for r, w in enumerate(reasons) if w}
         if failed:
             raise SharedMemoryError(f"{name}: the node's ranks cannot share {4 * numel} bytes "
