@@ -44,6 +44,15 @@ class WrappedAdam:
     def parameters(self) -> list[torch.Tensor]:
         return [p for g in self._opt.param_groups for p in g["params"]]
 
+    def attribute(self, name: str):
+        """What another library set on the optimizer under ``name`` (GradScaler's
+        ``grad_scale``), or None."""
+        return getattr(self._opt, name, None)
+
+    def drop_attribute(self, name: str) -> None:
+        """Remove what :meth:`attribute` reads, if it is there."""
+        self._opt.__dict__.pop(name, None)
+
     def active_parameters(self) -> list[torch.Tensor]:
         """The parameters that take gradients now (requires_grad may change during a run)."""
         return [p for p in self.parameters() if p.requires_grad]

@@ -475,6 +475,27 @@ def test_gradients_kept_as_ddp_bucket_views_keep_the_overlap(world):
 
 
 @pytest.mark.multirank
+def test_grad_scaler_through_a_wrapper_hiding_its_argument_is_refused_and_nothing_lost(world):
+    """GradScaler.step() through a wrapper of opt.step without its grad_scaler argument (as
+    Accelerate's fp16 wraps it) hands over each rank's own overflow flag as attributes: refused
+    on every rank, in a warmup step and in a compressed step (whose buckets started during
+    backward), with nothing stepped; the run then goes on as one that never met it (it failed
+    inside torch's Adam with an AssertionError). At more than 2 ranks the refused backward was
+    DDP's first iteration, after which DDP sums in another bucket order: the last bits."""
+    n, results = world
+    for rank, r in enumerate(scenario(results, "scaler_wrapped")):
+        assert len(r["errors"]) == 2 and all(
+            e.startswith("hvd_onebit: GradScaler.step() reached this optimizer's step() through "
+                         "a wrapper") and "functools.wraps(opt.step)" in e for e in r["errors"]), \
+            f"n={n} rank {rank}: {r['errors']}"
+        assert r["steps_after_refusal"] == [0, 3], \
+            f"n={n} rank {rank}: steps after each refusal {r['steps_after_refusal']} (expected " \
+            f"0 and 3: nothing stepped)"
+        assert r["differences"] == [] if n == 2 else r["max_diff"] < 1e-6, \
+            f"n={n} rank {rank}: then {r['differences']}"
+
+
+@pytest.mark.multirank
 def test_step_with_a_closure_is_backward_then_step(world):
     n, results = world
     for rank, r in enumerate(scenario(results, "closure")):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import gc
 import io
 import os
@@ -1025,6 +1026,33 @@ def grad_scaler_skips(iterations: int = 8, poisoned: tuple = (1, 5)) -> list[dic
     return out
 
 
+def grad_scaler_through_a_wrapper(steps: int = FREEZE + 3) -> dict:
+    """GradScaler.step() through a wrapper of opt.step that hides its grad_scaler argument (as
+    Accelerate's fp16 wraps it): what a warmup step and a compressed step raised, the steps
+    taken, and whether the run then goes on (the wrapper given step()'s signature) as one
+    that never met it."""
+    runs, out = [], {"errors": []}
+    for wrapped in (False, True):
+        model = make_model()
+        opt = onebit(model)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+        own = opt.step
+        for step in range(steps):
+            if wrapped and step in (0, FREEZE):  # a warmup step, the first compressed step
+                opt.step = lambda *args, **kwargs: own(*args, **kwargs)
+                try:
+                    train_step(model, opt, step, scaler=scaler)
+                except RuntimeError as exc:
+                    out["errors"].append(str(exc))
+                out.setdefault("steps_after_refusal", []).append(opt.steps)
+                opt.step = functools.wraps(own)(lambda *args, **kwargs: own(*args, **kwargs))
+            train_step(model, opt, step, scaler=scaler)
+        runs.append(params_of(model))
+    out["differences"] = differences(runs[0], runs[1], "refused first")
+    out["max_diff"] = max(float(np.abs(a - b).max()) for a, b in zip(*runs))
+    return out
+
+
 def low_precision(dtype: str, steps: int = 3) -> dict:
     """float16 / bfloat16 parameters through both phases: float32 Adam state, finite
     parameters, the same on every rank."""
@@ -1116,7 +1144,7 @@ def suite(scratch: Optional[str] = None, stage: Optional[str] = None) -> dict:
                      accumulated=accumulated_without_no_sync,
                      handed_to_adam=handed_to_adam,
                      rolled_back=rolled_back_mid_step, copied=copied_model,
-                     bucket_views=bucket_views,
+                     bucket_views=bucket_views, scaler_wrapped=grad_scaler_through_a_wrapper,
                      grad_scaler=grad_scaler_skips)
     if stage is not None:
         scenarios["flushed"] = partial(flushed_checkpoint, f"{scratch}/flushed.pt",

@@ -49,6 +49,32 @@ class ScalerView:
             flag.fill_(1.0)
 
 
+# What GradScaler.step() sets on an optimizer whose step() shows no grad_scaler argument
+SCALE_ATTRIBUTES = ("grad_scale", "found_inf")
+
+SCALE_ATTRIBUTES_REFUSED = (
+    "hvd_onebit: GradScaler.step() reached this optimizer's step() through a wrapper that hides "
+    "its grad_scaler argument (Accelerate's fp16 wraps step(), for one), so GradScaler handed "
+    "over its scale and this rank's own overflow flag as attributes (grad_scale, found_inf). "
+    "Every rank must skip a compressed step together and back its scale off alike, which needs "
+    "the scaler itself: call scaler.step(opt) on the optimizer hvd_onebit returned, or give the "
+    "wrapper step()'s signature (functools.wraps(opt.step)); docs/ddp.md shows it for "
+    "Accelerate. Nothing was stepped")
+
+
+def check_scale_attributes(adam, grad_scaler) -> None:
+    """Refuse a step that GradScaler drives through attributes on ``adam`` (a
+    :class:`~hvd_onebit.optimizer_view.WrappedAdam`; see :data:`SCALE_ATTRIBUTES_REFUSED`),
+    ``grad_scaler`` not given: it would skip or not by each rank's own gradients. The
+    attributes go with the refusal (GradScaler removes them only after a step that returns),
+    so the next step, through the optimizer's own step(), is taken."""
+    found = [name for name in SCALE_ATTRIBUTES if adam.attribute(name) is not None]
+    if grad_scaler is None and found:
+        for name in found:
+            adam.drop_attribute(name)
+        raise RuntimeError(SCALE_ATTRIBUTES_REFUSED)
+
+
 def has_scale(scaler) -> bool:
     """Whether ``scaler`` has scaled a loss yet (before that it has no scale to undo)."""
     return scaler._scale is not None

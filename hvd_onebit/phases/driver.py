@@ -16,7 +16,7 @@ from ..optimizer_view import OptimizerView
 from ..stall import watch
 from ..state.schedule import COMPRESSION, Schedule
 from ..state.telemetry import Telemetry
-from .amp import ScalerView, view_of
+from .amp import ScalerView, check_scale_attributes, view_of
 from .compression import CompressionPhase
 from .full_precision import GradientAllreduce, FullPrecisionStep, take
 from .gradients import closure_loss
@@ -185,6 +185,7 @@ class Phases:
 
     def _step(self, grad_scaler, unscale: Callable, make_hook: Callable) -> None:
         try:
+            check_scale_attributes(self._view.adam, grad_scaler)
             self._check_trainable()
         except Exception:
             self._engine.abandon_early()
