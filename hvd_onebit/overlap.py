@@ -79,8 +79,9 @@ def inputs_of(p: torch.Tensor, group: dict) -> tuple:
 
 
 def storage_of(g: Optional[torch.Tensor]) -> Optional[int]:
-    """The storage ``g`` lives in (its views share one version counter), or None."""
-    return None if g is None else g.untyped_storage().data_ptr()
+    """The storage ``g`` lives in (its views share one version counter), or None (no gradient,
+    or a sparse one: Horovod's sparse_as_dense densifies it)."""
+    return None if g is None or g.layout is not torch.strided else g.untyped_storage().data_ptr()
 
 
 def _option(value):
