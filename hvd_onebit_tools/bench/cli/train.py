@@ -131,9 +131,9 @@ def _check_warmups(methods, steps: int, warmup_frac: float, refresh_freeze_frac:
               "overlap=False, the exchange starts in step(); onebit_hierarchical: "
               "hierarchical=True, for nodes of several ranks (--ranks-per-node, or --hosts); "
               "onebit_refresh: --variance-refresh frozen at --refresh-freeze-frac, against "
-              "onebit's whole run; onebit_blocks: onebit with --block-size elements per scale; ddp_adam: DDP over "
-              "Gloo with its own allreduce; ddp_onebit: the same DDP model under "
-              "hvd_onebit.ddp.DistributedOptimizer, frozen as onebit is; ddp_onebit_refresh: "
+              "onebit's whole run; onebit_blocks: onebit with --block-size elements per scale; "
+              "ddp_adam: DDP over Gloo with its own allreduce; ddp_onebit: the same DDP model "
+              "under hvd_onebit.ddp.DistributedOptimizer, frozen as onebit is; ddp_onebit_refresh: "
               "the DDP face with onebit_refresh's settings, against ddp_onebit's whole run).")
 @click.option("--transport", default="auto", show_default=True,
               type=click.Choice(TRANSPORTS),
