@@ -290,9 +290,6 @@ def test_refusals_are_clear_on_every_rank(world):
         assert r["after"] == 1, f"n={n} rank {rank}: the model took no face after the refusals"
         assert r["after_join"] == 1, \
             f"n={n} rank {rank}: {r['after_join']} steps after one step and a refused one in join()"
-        assert r["never_stepped_steps"] == (0, 1.0), \
-            f"n={n} rank {rank}: (this optimizer's, the other's) steps when the forward after " \
-            f"the other's step was refused: {r['never_stepped_steps']}, expected (0, 1)"
         for at, u in zip((1, 4), r["unfrozen"]):
             assert "take a gradient now that the DDP model does not average (inner.weight, " \
                    "inner.bias)" in u["error"], \
@@ -316,8 +313,6 @@ def test_refusals_are_clear_on_every_rank(world):
                   "sparse": "sparse gradient; Adam needs dense gradients: the DDP face takes "
                             "dense gradients only",
                   "join": "does not train inside DDP's join() context (uneven inputs)",
-                  "never_stepped": "another optimizer steps the model while this one holds "
-                                   "it, so this one never steps and nothing is compressed",
                   "float64": "hvd_onebit.ddp.DistributedOptimizer trains float32, float16 and "
                              "bfloat16 parameters; got torch.float64",
                   "split": "1 parameter(s) the DDP model averages are not in this optimizer "

@@ -906,16 +906,6 @@ def refusals() -> dict:
             train_step(joined, joined_opt, 1)
 
     out["join"] = refused(uneven_inputs)
-    stepped = make_model()  # in the warmup, a plain Adam over the model steps it, not this one
-    stepped_opt, other = onebit(stepped), adam(stepped)
-
-    def stepped_by_another():
-        for step in range(2):
-            train_step(stepped, other, step)
-
-    out["never_stepped"] = refused(stepped_by_another)
-    out["never_stepped_steps"] = (stepped_opt.steps, other.state[other.param_groups[0][
-        "params"][0]]["step"].item())
     out["after_join"] = joined_opt.steps
     with torch.no_grad():  # evaluation after join() is left alone
         joined(batch(0, 0)[0])

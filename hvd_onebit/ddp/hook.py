@@ -50,15 +50,6 @@ STEPPED_ELSEWHERE = (
     "it, and whatever refers to it, such as an LR scheduler) or wrap the module in DDP again "
     "(model = DDP(model.module)); nothing was changed by this forward")
 
-NEVER_STEPPED = (
-    "hvd_onebit.ddp.DistributedOptimizer: the DDP model's parameters changed since its last "
-    "training forward without this optimizer's step() or zero_grad(): another optimizer steps "
-    "the model while this one holds it, so this one never steps and nothing is compressed "
-    "(under Hugging Face Accelerate: step the optimizer accelerator.prepare returns for this "
-    "one, not one prepare built around a plain Adam). To hand the model to another optimizer, "
-    "drop this one first (del it, and whatever refers to it, such as an LR scheduler) or wrap "
-    "the module in DDP again (model = DDP(model.module)); nothing was changed by this forward")
-
 
 def first_static_iteration(model) -> bool:
     """Whether ``model`` (a DDP module) was built with ``static_graph=True`` and has not run its
@@ -204,11 +195,10 @@ class CommHook:
         # With find_unused_parameters, the parameters that took a gradient in a local backward
         # since the last averaged one (DDP's reducer counts them as used: see _before_forward)
         self._used_locally: Optional[set] = None
-        # The parameters' in-place versions after a training forward with DDP's sync on (the
-        # user's), until this optimizer's step() or zero_grad(): a change before then is another
+        # The parameters' in-place versions after a compressed step's forward with DDP's sync on,
+        # until this optimizer's step() or zero_grad(): a change before then is another
         # optimizer's step
         self._versions: Optional[tuple] = None
-        self._versions_local = False  # whether they were read after a compressed step's forward
 
     def register(self, model) -> None:
         """Register on ``model`` (a DDP module); raises a ValueError if it has a hook already."""
@@ -239,7 +229,7 @@ class CommHook:
             raise ValueError(JOIN_REFUSED)
         if self._versions is not None and torch.is_grad_enabled() \
                 and versions(model) != self._versions:
-            raise ValueError(STEPPED_ELSEWHERE if self._versions_local else NEVER_STEPPED)
+            raise ValueError(STEPPED_ELSEWHERE)
         self._final = model.require_backward_grad_sync
         self._local = torch.is_grad_enabled() and not self._averaging()
         if torch.is_grad_enabled() and self._final:
@@ -273,8 +263,8 @@ class CommHook:
         would have decided with it. The parameters' versions are read after the forward: one
         that writes a parameter in place (an embedding's ``max_norm``) is not another
         optimizer's step."""
-        if self._final and torch.is_grad_enabled():
-            self._versions, self._versions_local = versions(model), self._local
+        if self._local and self._final:
+            self._versions = versions(model)
         if self._local:
             model.require_backward_grad_sync = self._final
             if hasattr(model, "require_forward_param_sync"):
