@@ -488,6 +488,9 @@ def test_grad_scaler_through_a_wrapper_hiding_its_argument_is_refused_and_nothin
             e.startswith("hvd_onebit: GradScaler.step() reached this optimizer's step() through "
                          "a wrapper") and "functools.wraps(opt.step)" in e for e in r["errors"]), \
             f"n={n} rank {rank}: {r['errors']}"
+        assert r["after_leftovers"] == 1, \
+            f"n={n} rank {rank}: a step through scaler.step(opt) with the attributes a raised " \
+            f"closure leaves: {r['after_leftovers']}"
         assert r["steps_after_refusal"] == [0, 3], \
             f"n={n} rank {rank}: steps after each refusal {r['steps_after_refusal']} (expected " \
             f"0 and 3: nothing stepped)"

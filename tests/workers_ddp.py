@@ -1048,6 +1048,15 @@ def grad_scaler_through_a_wrapper(steps: int = FREEZE + 3) -> dict:
                 opt.step = functools.wraps(own)(lambda *args, **kwargs: own(*args, **kwargs))
             train_step(model, opt, step, scaler=scaler)
         runs.append(params_of(model))
+    model = make_model()  # a warmup step (torch's Adam's) through scaler.step(opt) itself, with
+    opt = onebit(model)  # the attributes a step whose closure raised leaves behind
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+    opt.grad_scale, opt.found_inf = torch.full((1,), 2.0 ** 8), torch.zeros(1)
+    try:
+        train_step(model, opt, 0, scaler=scaler)
+        out["after_leftovers"] = opt.steps
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        out["after_leftovers"] = f"{type(exc).__name__}: {exc}"
     out["differences"] = differences(runs[0], runs[1], "refused first")
     out["max_diff"] = max(float(np.abs(a - b).max()) for a, b in zip(*runs))
     return out

@@ -66,12 +66,13 @@ def check_scale_attributes(adam, grad_scaler) -> None:
     """Refuse a step that GradScaler drives through attributes on ``adam`` (a
     :class:`~hvd_onebit.optimizer_view.WrappedAdam`; see :data:`SCALE_ATTRIBUTES_REFUSED`),
     ``grad_scaler`` not given: it would skip or not by each rank's own gradients. The
-    attributes go with the refusal (GradScaler removes them only after a step that returns),
-    so the next step, through the optimizer's own step(), is taken."""
+    attributes go with the refusal, and quietly with ``grad_scaler`` given (GradScaler removes
+    them only after a step that returns, and torch's Adam would take them for its own), so the
+    next step through the optimizer's own step() is taken."""
     found = [name for name in SCALE_ATTRIBUTES if adam.attribute(name) is not None]
+    for name in found:  # with grad_scaler given: left by a step whose closure raised
+        adam.drop_attribute(name)
     if grad_scaler is None and found:
-        for name in found:
-            adam.drop_attribute(name)
         raise RuntimeError(SCALE_ATTRIBUTES_REFUSED)
 
 
