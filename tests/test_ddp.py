@@ -179,6 +179,8 @@ def test_a_model_handed_to_plain_adam_once_the_optimizer_is_dropped_trains_as_dd
         worst = max(float(np.max(np.abs(a - b))) for a, b in zip(r["params"], r["rewrapped"]))
         assert worst < 1e-6, f"n={n} rank {rank}: {r['differences']} (largest {worst:.3g})"
         kept = r["kept"]
+        assert kept["again"] == kept["error"], \
+            f"n={n} rank {rank}: the forward retried after the refusal: {kept['again']!r}"
         assert kept["taken"] == 1 and "another optimizer steps the model while this one still " \
             "holds it" in kept["error"], \
             f"n={n} rank {rank}: with the 1-bit optimizer kept, DDP + Adam took " \

@@ -712,10 +712,11 @@ def handed_to_adam(before: int = FREEZE + 3, after: int = 3) -> dict:
             taken += 1
     except ValueError as exc:
         error = f"ValueError: {exc}"
+    again = refused(lambda: train_step(model, plain, before + after))  # the script retries
     del kept
     return {"params": runs["dropped"], "rewrapped": runs["rewrapped"],
             "differences": differences(runs["dropped"], runs["rewrapped"], "rewrapped"),
-            "kept": {"error": error, "taken": taken}}
+            "kept": {"error": error, "taken": taken, "again": again}}
 
 
 def bucket_views(passes: tuple = (1, 1, 2, 1, 1)) -> dict:

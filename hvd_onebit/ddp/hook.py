@@ -199,6 +199,7 @@ class CommHook:
         # until this optimizer's step() or zero_grad(): a change before then is another
         # optimizer's step
         self._versions: Optional[tuple] = None
+        self._refused = False  # the forward under way was refused by _before_forward
 
     def register(self, model) -> None:
         """Register on ``model`` (a DDP module); raises a ValueError if it has a hook already."""
@@ -225,11 +226,15 @@ class CommHook:
         forward under ``model.join()`` is refused on every rank (DDP keeps a model's join
         setting after the context, so it is refused there too; evaluation is not)."""
         join = getattr(model, "_join_config", None)
+        refusal = None
         if join is not None and join.enable and torch.is_grad_enabled():
-            raise ValueError(JOIN_REFUSED)
-        if self._versions is not None and torch.is_grad_enabled() \
+            refusal = JOIN_REFUSED
+        elif self._versions is not None and torch.is_grad_enabled() \
                 and versions(model) != self._versions:
-            raise ValueError(STEPPED_ELSEWHERE)
+            refusal = STEPPED_ELSEWHERE
+        if refusal is not None:
+            self._refused = True  # the forward hook (always called) records nothing of it
+            raise ValueError(refusal)
         self._final = model.require_backward_grad_sync
         self._local = torch.is_grad_enabled() and not self._averaging()
         if torch.is_grad_enabled() and self._final:
@@ -262,7 +267,10 @@ class CommHook:
         """The user's own setting back, and the buffers synchronised at the next forward as DDP
         would have decided with it. The parameters' versions are read after the forward: one
         that writes a parameter in place (an embedding's ``max_norm``) is not another
-        optimizer's step."""
+        optimizer's step. Nothing of a refused forward: a retry is refused again."""
+        if self._refused:
+            self._refused = False
+            return
         if self._local and self._final:
             self._versions = versions(model)
         if self._local:
