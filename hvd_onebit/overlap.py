@@ -199,7 +199,7 @@ class Overlap:
             return None
         for q, then in early.read.items():
             now = inputs_of(q, early.groups[q])
-            if q in early.seen and now[0] is then[0]:  # the others' accumulation since then
+            if now[0] is then[0]:  # the others' accumulation into its storage since then
                 later = early.accumulated.get(storage_of(q.grad), 0) - early.seen[q]
                 then = (then[0], then[1] + later, *then[2:])
             what = ("a gradient was replaced" if now[0] is not then[0] else
