@@ -11,6 +11,8 @@ from __future__ import annotations
 import time
 from typing import Optional
 
+import torch
+
 from .engine import CompressedStep
 from .param_groups import check_no_amsgrad
 from .state import checkpoint
@@ -140,6 +142,29 @@ class SharedFace:
         pickle nor copy (nor does what holds it: a scheduler, a trainer object); its checkpoint
         is ``state_dict()``."""
         raise TypeError(NOT_PICKLED)
+
+
+class SteppedInstead:
+    """A step pre-hook left on the optimizer a face wrapped: the face's optimizer is a new one
+    beside it, with its own state, so a script (or a library holding the first one, such as
+    Accelerate's ``prepare``) that steps the first one trains plain Adam without the phases, and
+    in the compression phase on each rank's own gradients. Refused, before anything changes."""
+
+    def __init__(self, face: str):
+        self.face = face
+
+    def __call__(self, optimizer, args, kwargs) -> None:
+        raise ValueError(
+            f"this {type(optimizer).__name__} was wrapped by {self.face}, and the wrapper "
+            f"is the optimizer to step: opt = {self.face}(opt, ...), then opt.step(). "
+            f"Stepped itself it trains plain Adam, without 1-bit Adam's phases. With Hugging "
+            f"Face Accelerate, wrap it before accelerator.prepare() and pass the wrapper to "
+            f"prepare(). Nothing was changed by this step")
+
+
+def guard_wrapped(optimizer: torch.optim.Optimizer, face: str) -> None:
+    """Refuse ``optimizer.step()`` from now on (:class:`SteppedInstead`): ``face`` wrapped it."""
+    optimizer.register_step_pre_hook(SteppedInstead(face))
 
 
 NOT_PICKLED = (

@@ -23,7 +23,7 @@ from . import elastic
 from .config import (DEFAULT_BLOCK_SIZE, DEFAULT_BUCKET_MB, DOUBLING, REQUIRED, Experimental,
                      OneBitConfig, check_wrapped)
 from .eager import eager
-from .face import face_attributes
+from .face import face_attributes, guard_wrapped
 from .horovod_view import HorovodView
 from .low_precision import WidenBfloat16
 from .stall import building, watch
@@ -177,6 +177,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
         ``flush_error_feedback()``, ``error_feedback_state_dict()`` and
         ``load_error_feedback_state_dict()``, ``telemetry()`` and the counters
         ``last_step_bytes``, ``total_bytes``, ``last_step_comm_seconds``, ``total_comm_seconds``.
+        The optimizer passed in refuses ``step()`` from then on: step the one returned.
     """
     check_wrapped(optimizer, op in (Average, Sum) and op != Adasum, backward_passes_per_step)
     check_horovod_arguments(op, gradient_predivide_factor, compression)
@@ -204,5 +205,6 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
         opt = cls(optimizer.param_groups, named_parameters, compression,
                   backward_passes_per_step, op, gradient_predivide_factor, groups,
                   sparse_as_dense, process_set, config)
+    guard_wrapped(optimizer, "hvd_onebit.DistributedOptimizer")
     elastic.register_state_handler(opt)
     return opt

@@ -290,6 +290,9 @@ def test_refusals_are_clear_on_every_rank(world):
         assert r["hooked"].startswith("ValueError") and "already has one" in r["hooked"], \
             f"n={n} rank {rank}: {r['hooked']}"
         assert r["after"] == 1, f"n={n} rank {rank}: the model took no face after the refusals"
+        assert r["original_changed"] == [] and r["after_original"] == 1, \
+            f"n={n} rank {rank}: stepping the Adam the face wrapped changed parameters " \
+            f"{r['original_changed']}; the face took {r['after_original']} step(s) after it"
         assert r["after_join"] == 1, \
             f"n={n} rank {rank}: {r['after_join']} steps after one step and a refused one in join()"
         for at, u in zip((1, 4), r["unfrozen"]):
@@ -315,6 +318,8 @@ def test_refusals_are_clear_on_every_rank(world):
                   "sparse": "sparse gradient; Adam needs dense gradients: the DDP face takes "
                             "dense gradients only",
                   "join": "does not train inside DDP's join() context (uneven inputs)",
+                  "original": "this Adam was wrapped by hvd_onebit.ddp.DistributedOptimizer, "
+                              "and the wrapper is the optimizer to step",
                   "float64": "hvd_onebit.ddp.DistributedOptimizer trains float32, float16 and "
                              "bfloat16 parameters; got torch.float64",
                   "split": "1 parameter(s) the DDP model averages are not in this optimizer "

@@ -898,6 +898,15 @@ def refusals() -> dict:
     out["unfrozen"] = [unfrozen_later(at) for at in (1, FREEZE + 1)]
     out["added"] = unfrozen_later(1, added=True)
     out["sparse"] = refused(sparse_embedding_step)
+    stepped = make_model()
+    inner = adam(stepped)
+    stepped_opt = hvd_onebit.ddp.DistributedOptimizer(inner, stepped, freeze_step=FREEZE)
+    before = [p.detach().clone() for p in stepped.parameters()]
+    out["original"] = refused(lambda: train_step(stepped, inner, 0))  # Accelerate's way
+    out["original_changed"] = [i for i, (b, p) in enumerate(zip(before, stepped.parameters()))
+                               if not torch.equal(b, p)]
+    train_step(stepped, stepped_opt, 0)
+    out["after_original"] = stepped_opt.steps
     joined = make_model()
     joined_opt = onebit(joined)
     train_step(joined, joined_opt, 0)

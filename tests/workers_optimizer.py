@@ -518,6 +518,7 @@ def bad_arguments():
         # amsgrad brought in after construction: by a state dict, by a param group added
         "amsgrad_loaded": lambda: amsgrad_later("loaded"),
         "amsgrad_added": lambda: amsgrad_later("added"),
+        "stepped_original": lambda: stepped_original(),
     }
     other = make_model()  # Horovod's wrapper hooks its gradients: a model of its own
     mine = make_model()  # and so does the one optimizer built here
@@ -548,6 +549,26 @@ def bad_arguments():
             after = [dict((k, v) for k, v in g.items() if k != "params")
                      for g in opt.param_groups]
             assert after == before, f"the refused {how} changed the groups: {after}"
+
+    def stepped_original():
+        """The Adam the face wrapped, stepped itself after a backward (a script stepping the
+        wrong name): refused before it changes anything; the face's optimizer steps after it."""
+        net = make_model()
+        adam = torch.optim.Adam(net.parameters())
+        opt = hvd_onebit.DistributedOptimizer(adam, named_parameters=net.named_parameters(),
+                                              freeze_step=2)
+        before = [p.detach().clone() for p in net.parameters()]
+        net(batch(0, hvd.rank())[0]).square().mean().backward()
+        try:
+            adam.step()
+        except ValueError:
+            changed = [i for i, (b, p) in enumerate(zip(before, net.parameters()))
+                       if not torch.equal(b, p)]
+            assert not changed and not adam.state, \
+                f"the refused step changed parameters {changed}, state {len(adam.state)}"
+            opt.step()
+            assert opt.steps == 1, f"the face's optimizer took {opt.steps} steps after it"
+            raise
 
     def channels_last_between_passes():
         """backward_passes_per_step=2, the one (4-D) parameter made channels_last between the

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from ..config import (DEFAULT_BLOCK_SIZE, DEFAULT_BUCKET_MB, DOUBLING, REQUIRED, Experimental,
                       OneBitConfig, check_wrapped)
 from ..eager import eager
-from ..face import SharedFace, face_attributes
+from ..face import SharedFace, face_attributes, guard_wrapped
 from ..stall import building, watch
 from . import setup
 from .view import DDPView
@@ -142,7 +142,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model, *,
         ``freeze_decision``, ``flush_error_feedback()``, ``error_feedback_state_dict()`` and
         ``load_error_feedback_state_dict()``, ``reset_collectives()``, ``telemetry()`` and the
         counters ``last_step_bytes``, ``total_bytes``, ``last_step_comm_seconds``,
-        ``total_comm_seconds``.
+        ``total_comm_seconds``. The optimizer passed in refuses ``step()`` from then on: step
+        the one returned.
     """
     check_wrapped(optimizer, True, 1, face=setup.FACE)
     setup.refuse_horovod_only(moved)
@@ -166,4 +167,6 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model, *,
     with watch().watching(lambda: building("hvd_onebit.ddp.DistributedOptimizer",
                                            "the DDP model's process group")):
         group = setup.check(model, optimizer.param_groups, process_group, config)
-        return cls(optimizer, model, config, group)
+        opt = cls(optimizer, model, config, group)
+    guard_wrapped(optimizer, "hvd_onebit.ddp.DistributedOptimizer")
+    return opt
