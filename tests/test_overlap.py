@@ -16,6 +16,8 @@ CASES = ["plain", "passes2", "clip", "scaler", "scaler_clip", "beta1", "beta2", 
 results = shared_suite("tests.workers_overlap:suite", np=2, timeout=400)
 # first in its job: the rendezvous is tried only where torch.distributed is not set up yet
 fallback = shared_suite("tests.workers_overlap:rendezvous_fallback", np=2, timeout=120, order=-1)
+# next (the fallback set nothing up): torch.distributed set up at an address of this host
+routed = shared_suite("tests.workers_overlap:rendezvous_interface", np=2, timeout=120, order=-1)
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -129,3 +131,35 @@ def test_an_unreachable_rendezvous_falls_back_to_horovod_on_every_rank(fallback)
         assert "TorchRendezvousError" in (r["torch_error"] or "") and \
             "rank(s) [" in r["torch_error"], f"rank {rank}: {r['torch_error']!r}"
         assert r["steps"] == 1, f"rank {rank}: {r['steps']} steps after the fallback, expected 1"
+
+
+def test_gloo_takes_the_interface_that_routes_to_rank_0_where_horovod_names_none(routed):
+    for rank, r in enumerate(routed):
+        if r["skipped"]:
+            pytest.skip(f"no address of this host's but a loopback one: {r['skipped']}")
+        assert (r["gloo"], r["transport"], r["phase"]) == (r["interface"], "torch", "compression"), \
+            f"rank {rank}: GLOO_SOCKET_IFNAME {r['gloo']!r} (the route to rank 0 leaves from " \
+            f"{r['interface']!r}), transport {r['transport']}, phase {r['phase']}"
+    assert routed[0]["hash"] == routed[1]["hash"], "the ranks' parameters differ"
+
+
+@pytest.mark.parametrize("env, towards, want", [
+    ({}, "eth1", "eth1"),  # mpirun: the route to rank 0
+    ({"HOROVOD_GLOO_IFACE": "ib0"}, "eth1", "ib0"),  # horovodrun --gloo: Horovod's
+    ({"GLOO_SOCKET_IFNAME": "eth2", "HOROVOD_GLOO_IFACE": "ib0"}, "eth1", None),  # the script's
+    ({}, "lo", None),  # one host: Gloo's own choice
+    ({"HOROVOD_GLOO_IFACE": "lo"}, None, None),
+    ({}, None, None),  # the route could not be told
+])
+def test_the_gloo_interface_chosen(env, towards, want):
+    from hvd_onebit.transport.rendezvous import gloo_interface
+    got = gloo_interface(env, lambda: towards)
+    assert got == want, f"environment {env}, route through {towards!r}: chose {got!r}, want {want!r}"
+
+
+def test_the_interface_towards_an_address_is_the_one_holding_the_route_source():
+    from hvd_onebit.transport.rendezvous import interface_towards
+    from tests.workers_overlap import host_interfaces
+    for ip, name in host_interfaces().items():
+        assert interface_towards(ip) == name, \
+            f"towards {ip} (held by {name}): {interface_towards(ip)!r}"

@@ -180,3 +180,46 @@ def rendezvous_fallback() -> dict:
         for key in ("MASTER_ADDR", "MASTER_PORT", "HVD_ONEBIT_RENDEZVOUS_S"):
             os.environ.pop(key, None)
     return out
+
+
+def host_interfaces() -> dict[str, str]:
+    """This host's IPv4 addresses and the interfaces that hold them, as ``ip`` lists them."""
+    import subprocess
+
+    lines = subprocess.run(["ip", "-o", "-4", "addr", "show"], capture_output=True, text=True,
+                           check=True).stdout.splitlines()
+    return {fields[3].split("/")[0]: fields[1] for fields in map(str.split, lines)}
+
+
+def rendezvous_interface() -> dict:
+    """mpirun sets no HOROVOD_GLOO_IFACE: torch.distributed's Gloo then takes the interface
+    that routes to rank 0's address (MASTER_ADDR, here an address of this host's own that is
+    not a loopback one), where it took the host name's address (a loopback one on many
+    hosts, which other nodes cannot reach)."""
+    import os
+
+    import torch.distributed as dist
+
+    interfaces = host_interfaces()
+    outward = next(((ip, name) for ip, name in interfaces.items() if name != "lo"), None)
+    if outward is None or dist.is_initialized():
+        return {"skipped": f"interfaces {interfaces}, torch.distributed set up already: "
+                           f"{dist.is_initialized()}"}
+    os.environ.pop("HOROVOD_GLOO_IFACE", None)  # horovodrun --gloo sets it; mpirun does not
+    os.environ.update({"MASTER_ADDR": outward[0], "MASTER_PORT": "0"})
+    try:
+        model = FourLayers()
+        opt = hvd_onebit.DistributedOptimizer(torch.optim.Adam(model.parameters()),
+                                              named_parameters=model.named_parameters(),
+                                              freeze_step=2, variance_refresh=None)
+        for step in range(4):
+            opt.zero_grad()
+            x, y = _batch(step)
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+        return {"skipped": None, "interface": outward[1],
+                "gloo": os.environ.get("GLOO_SOCKET_IFNAME"), "transport": opt.transport,
+                "phase": opt.phase, "hash": params_hash(model)}
+    finally:
+        for key in ("MASTER_ADDR", "MASTER_PORT"):
+            os.environ.pop(key, None)

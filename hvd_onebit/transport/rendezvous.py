@@ -1,9 +1,11 @@
 """torch.distributed's default group set up over Horovod's ranks, agreed on every rank."""
 from __future__ import annotations
 
+import fcntl
 import os
 import socket
-from typing import Optional
+import struct
+from typing import Mapping, Optional
 
 import horovod.torch as hvd
 import torch
@@ -16,6 +18,12 @@ class TorchRendezvousError(RuntimeError):
     """Some rank could not reach torch.distributed's rendezvous; raised on every rank alike."""
 
 
+class TorchConnectError(RuntimeError):
+    """After the rendezvous, torch.distributed's group could not connect this rank to the
+    others; raised where the connection failed (the others fail in theirs, or wait for the
+    launcher to end the job), so ``transport="auto"`` cannot agree to fall back on it."""
+
+
 def init_torch_distributed(device: torch.device | str = "cpu",
                            timeout_s: Optional[float] = None) -> None:
     """Initialise torch.distributed's default group over Horovod's ranks, unless it is already.
@@ -24,7 +32,9 @@ def init_torch_distributed(device: torch.device | str = "cpu",
     ``HOROVOD_HOSTNAME``, else its host name's address), or at rank 0's ``MASTER_ADDR`` and
     ``MASTER_PORT`` when both are set, and then tells the others through Horovod (listening
     first, no other process can take the port in between). Gloo is kept on
-    Horovod's interface (``HOROVOD_GLOO_IFACE``). Every rank must call it at the same point.
+    Horovod's interface (``HOROVOD_GLOO_IFACE``); where Horovod names none (mpirun), on the
+    interface that routes to rank 0's address (:func:`gloo_interface`), not on the host name's
+    address, which may be a loopback one. Every rank must call it at the same point.
 
     Every rank gets ``timeout_s`` (default ``HVD_ONEBIT_RENDEZVOUS_S`` or 60 s) to reach the
     rendezvous; whether all did is then agreed through one Horovod allgather, so a network that
@@ -40,9 +50,6 @@ def init_torch_distributed(device: torch.device | str = "cpu",
     if timeout_s is None:
         timeout_s = float(os.environ.get("HVD_ONEBIT_RENDEZVOUS_S", RENDEZVOUS_TIMEOUT_S))
     backend = "nccl" if torch.device(device).type == "cuda" else "gloo"
-    iface = os.environ.get("HOROVOD_GLOO_IFACE")
-    if iface and iface != "lo" and "GLOO_SOCKET_IFNAME" not in os.environ:
-        os.environ["GLOO_SOCKET_IFNAME"] = iface
     timeout = datetime.timedelta(seconds=timeout_s)
     store, error, addr = None, None, None
     if hvd.rank() == 0:
@@ -71,7 +78,50 @@ def init_torch_distributed(device: torch.device | str = "cpu",
             + ("" if listening else " (rank 0 could not listen there)")
             + "; set MASTER_ADDR and MASTER_PORT to an address of rank 0 every rank reaches, "
             "or pass transport='horovod'")
-    dist.init_process_group(backend, store=store, rank=hvd.rank(), world_size=hvd.size())
+    iface = gloo_interface(os.environ, lambda: interface_towards(addr[0]))
+    if backend == "gloo" and iface is not None:
+        os.environ["GLOO_SOCKET_IFNAME"] = iface
+    try:
+        dist.init_process_group(backend, store=store, rank=hvd.rank(), world_size=hvd.size())
+    except RuntimeError as exc:  # Gloo's connections between the ranks, after the rendezvous
+        raise TorchConnectError(
+            f"torch.distributed's {backend} group could not connect its ranks after the "
+            f"rendezvous at {addr[0]}:{addr[1]} ({_first_line(exc)}); on Gloo, this rank "
+            f"used interface {os.environ.get('GLOO_SOCKET_IFNAME', '(its host name)')}: set "
+            "GLOO_SOCKET_IFNAME (NCCL_SOCKET_IFNAME for NCCL) on every rank to the interface "
+            "of the network between the nodes, or pass transport='horovod'") from exc
+
+
+def gloo_interface(env: Mapping[str, str], towards) -> Optional[str]:
+    """The interface Gloo's connections should use, or None to leave Gloo's choice (its own
+    ``GLOO_SOCKET_IFNAME``, else the host name's address): the one the script set itself,
+    then Horovod's (``HOROVOD_GLOO_IFACE``, set by ``horovodrun --gloo``), then ``towards()``:
+    the interface that routes to rank 0's rendezvous address. A loopback one is left to Gloo
+    (a single host, whose host name's address serves)."""
+    if "GLOO_SOCKET_IFNAME" in env:
+        return None
+    iface = env.get("HOROVOD_GLOO_IFACE") or towards()
+    return iface if iface and iface != "lo" else None
+
+
+def interface_towards(host: str) -> Optional[str]:
+    """The name of this host's network interface whose address the route to ``host`` leaves
+    from (Linux; IPv4), or None where it cannot be told. No packet is sent: connecting a UDP
+    socket only chooses the route."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((host, 9))
+            local = s.getsockname()[0]
+            for _, name in socket.if_nameindex():
+                try:  # SIOCGIFADDR: the interface's IPv4 address
+                    info = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))
+                except OSError:
+                    continue
+                if socket.inet_ntoa(info[20:24]) == local:
+                    return name
+    except OSError:
+        return None
+    return None
 
 
 def _master_address() -> tuple[str, int]:
