@@ -28,7 +28,9 @@ class LinkProbe:
     the bus rate it implies (a ring allreduce moves ``2 (n-1)/n`` of the buffer per rank);
     ``rank`` is this process's, ``via`` what carried the allreduce, ``per_node`` the ranks on
     each node (the launcher's local size; None: the nodes have different numbers of ranks),
-    ``device`` where the probed buffer lived ("cuda": GPU memory, as the job's gradients)."""
+    ``device`` where the probed buffer lived ("cuda": GPU memory, as the job's gradients),
+    ``transport`` what the Horovod face's ``transport="auto"`` takes in this job, in words
+    (None under torchrun)."""
 
     ranks: int
     elements: int
@@ -37,6 +39,7 @@ class LinkProbe:
     via: str = "Horovod"
     per_node: Optional[int] = 1
     device: str = "cpu"
+    transport: Optional[str] = None
 
     @property
     def bus_bps(self) -> float:
@@ -157,7 +160,23 @@ def _probe_horovod(np_: Optional[int], elements: int, repeats: int) -> LinkProbe
     seconds = _median_time(allreduce, repeats)
     sizes = hvd.allgather(torch.tensor([hvd.local_size()]), name="hvd_onebit_check.local_sizes")
     return LinkProbe(hvd.size(), elements, seconds, hvd.rank(), "Horovod",
-                     one_size(sizes.tolist()), "cuda" if cuda else "cpu")
+                     one_size(sizes.tolist()), "cuda" if cuda else "cpu",
+                     _auto_transport("cuda" if cuda else "cpu"))
+
+
+def _auto_transport(device: str) -> str:
+    """Every rank: what ``transport="auto"`` takes in this job, trying torch.distributed's
+    rendezvous as the optimizer does (:func:`~hvd_onebit.transport.rendezvous.
+    init_torch_distributed`: agreed on every rank, within ``HVD_ONEBIT_RENDEZVOUS_S``)."""
+    from hvd_onebit.transport.rendezvous import TorchRendezvousError, init_torch_distributed
+
+    try:
+        init_torch_distributed(device)
+    except TorchRendezvousError as exc:
+        return f"Horovod's alltoall and allgather, with a warning: {exc}"
+    gloo = os.environ.get("GLOO_SOCKET_IFNAME")
+    return ("torch.distributed's collectives (its rendezvous reached by every rank"
+            + (f"; Gloo on interface {gloo}" if gloo and device == "cpu" else "") + ")")
 
 
 def one_size(local_sizes: list) -> Optional[int]:
@@ -267,7 +286,8 @@ def predict(link: LinkProbe, params: str, compute_ms: float,
                             "prices them (docs/predicting.md, GPU nodes)"
                             if link.device == "cuda" else ""),
             f"freeze point: {freeze_guidance(ddp=link.via != 'Horovod').replace('``', '`')}",
-            f"calibration: {calibration_text(calibration, cal)}"]
+            f"calibration: {calibration_text(calibration, cal)}"] + (
+        [] if link.transport is None else [f"transport='auto' takes {link.transport}"])
 
 
 def calibration_text(calibration: Optional[str], cal: dict) -> str:

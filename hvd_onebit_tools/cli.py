@@ -83,6 +83,7 @@ def check(np_, probe, params, compute_ms, calibration, as_json) -> None:
         if link is not None:
             out["probe"] = {"ranks": link.ranks, "ranks_per_node": link.per_node,
                             "via": link.via, "device": link.device, "allreduce_s": link.seconds,
+                            "transport": link.transport,
                             "bus_bps": link.bus_bps, "lines": link_lines}
         click.echo(json.dumps(out, indent=2))
     else:

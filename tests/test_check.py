@@ -226,16 +226,18 @@ def test_the_prediction_options_without_a_probe_are_refused():
         f"exit {out.exit_code}: {out.output}"
 
 
-def check_under_horovodrun(np_=None, *extra) -> subprocess.CompletedProcess:
+def check_under_horovodrun(np_=None, *extra, env=None) -> subprocess.CompletedProcess:
     """``hvd-onebit check --probe --params 10M --compute-ms 50`` in a 2-rank horovodrun job
-    (``np_``: ``--np NP`` instead of ``--probe``; ``extra``: more options)."""
+    (``np_``: ``--np NP`` instead of ``--probe``; ``extra``: more options; ``env``: more
+    environment variables)."""
     bin_dir = os.path.dirname(sys.executable)
     return subprocess.run([os.path.join(bin_dir, "horovodrun"), "-np", "2", "-H", "localhost:2",
                            "--gloo", sys.executable, "-m", "hvd_onebit_tools.cli", "check",
                            *(["--probe"] if np_ is None else ["--np", str(np_)]),
                            "--params", "10M", "--compute-ms", "50", *extra],
                           capture_output=True, text=True, timeout=300,
-                          env=dict(os.environ, PATH=bin_dir + os.pathsep + os.environ["PATH"]))
+                          env=dict(os.environ, PATH=bin_dir + os.pathsep + os.environ["PATH"],
+                                   **(env or {})))
 
 
 @pytest.mark.parametrize("np_", [None, 2])
@@ -251,6 +253,22 @@ def test_probe_under_horovodrun_probes_the_link_and_prices_the_step(np_):
     step = [line for line in lines if line.startswith("predicted step (10M parameters, 50 ms")]
     assert len(step) == 1 and "Horovod fp32" in step[0] and "1-bit Adam" in step[0], lines
     assert any(line.startswith("freeze point: ") for line in lines), lines
+    assert any(line.startswith("transport='auto' takes torch.distributed's collectives (its "
+                               "rendezvous reached by every rank") for line in lines), lines
+
+
+@pytest.mark.multirank
+def test_probe_says_where_transport_auto_stays_on_horovod():
+    """A rendezvous no rank reaches (rank 0's MASTER_ADDR nowhere): the probe's report says that
+    transport='auto' would stay on Horovod, naming the address, where it said only "ready"."""
+    out = check_under_horovodrun(None, env={"MASTER_ADDR": "198.18.255.1", "MASTER_PORT": "29999",
+                                            "HVD_ONEBIT_RENDEZVOUS_S": "3"})
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = [line.split(":", 1)[1] for line in out.stdout.splitlines()
+             if line.startswith("[0]<stdout>:transport=")]
+    assert len(lines) == 1 and lines[0].startswith(
+        "transport='auto' takes Horovod's alltoall and allgather, with a warning: "
+        "torch.distributed's rendezvous at 198.18.255.1:29999"), out.stdout
 
 
 @pytest.mark.multirank
@@ -267,8 +285,10 @@ def test_probe_json_has_the_link_and_the_prediction():
                                         "through Horovod in "), probe["lines"][0]
     assert probe["bus_bps"] > 0 and probe["allreduce_s"] > 0, probe
     assert [line.split(":")[0] for line in probe["lines"]] == \
-        ["link", "predicted step (10M parameters, 50 ms compute)", "freeze point", "calibration"], \
-        probe["lines"]
+        ["link", "predicted step (10M parameters, 50 ms compute)", "freeze point", "calibration",
+         "transport='auto' takes torch.distributed's collectives (its rendezvous reached by every "
+         "rank)"], probe["lines"]
+    assert probe["transport"].startswith("torch.distributed's"), probe["transport"]
 
 
 @pytest.mark.multirank
