@@ -103,9 +103,12 @@ class SharedFace:
                 f"freeze_step {self.freeze_step}): Adam's variance for them was never "
                 "estimated. Add them during the warmup.")
         check_no_amsgrad([param_group], " in a param group added")
-        super(self.__class__, self).add_param_group(param_group)
-        if constructed:  # new parameters need Adam state
-            init_adam_state(self.param_groups, self.state)
+        if not constructed:  # torch's constructor adding the groups: self is the built class's
+            super(self.__class__, self).add_param_group(param_group)
+            return
+        adam = self._view.adam  # (self may be a wrapper's copy: Lightning's)
+        adam.add_param_group(param_group)
+        init_adam_state(adam.param_groups, adam.state)  # new parameters need Adam state
 
     def error_feedback_state_dict(self) -> dict:
         """This rank's error-feedback buffers (rank-local: save one file per rank)."""

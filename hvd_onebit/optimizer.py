@@ -70,7 +70,7 @@ class OneBitFace:
                                  "before optimizer.step() or optimizer.synchronize(). This is "
                                  "prohibited as it can cause a race condition.")
         self._phases.gradients_zeroed()
-        super(self.__class__, self).zero_grad(set_to_none=set_to_none)
+        self._view.adam.zero_grad(set_to_none)
 
     # ---- step ----------------------------------------------------------------------------------
 

@@ -65,6 +65,16 @@ class WrappedAdam:
         """The wrapped Adam's own step on the gradients as they are."""
         super(self._cls, self._opt).step()
 
+    def zero_grad(self, set_to_none: bool) -> None:
+        """The wrapped Adam's own zero_grad. (The face's methods run on objects of a subclass
+        too, such as Lightning's optimizer wrapper, which copies the optimizer's attributes:
+        ``super(self.__class__, self)`` there would find the face's method again.)"""
+        super(self._cls, self._opt).zero_grad(set_to_none=set_to_none)
+
+    def add_param_group(self, param_group: dict) -> None:
+        """The wrapped Adam's own add_param_group."""
+        super(self._cls, self._opt).add_param_group(param_group)
+
     def torch_state_dict(self) -> dict:
         """The wrapped Adam's own state_dict (torch's)."""
         return super(self._cls, self._opt).state_dict()

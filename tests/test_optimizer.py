@@ -336,6 +336,7 @@ def test_bad_arguments_are_clear_errors(world):
         assert bad["frozen_then_channels_last"] is None, \
             f"rank {rank}: a frozen parameter made channels_last stopped training: " \
             f"{bad['frozen_then_channels_last']!r}"
+        assert bad["wrapper_copy"] is None, f"rank {rank}: {bad['wrapper_copy']!r}"
         assert bad["own_synchronize"] is None, \
             f"rank {rank}: an Adam subclass with a synchronize() of its own was refused: " \
             f"{bad['own_synchronize']!r}"

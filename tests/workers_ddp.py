@@ -670,6 +670,36 @@ def accumulated_without_no_sync(passes: tuple = (2, 2, 3, 3, 1, 1)) -> dict:
     return out
 
 
+class WrapperCopy:
+    """An optimizer wrapper built as PyTorch Lightning builds its LightningOptimizer: the
+    optimizer's attributes copied, its class a subclass of the optimizer's, step() passed on
+    (zero_grad and the rest found on the optimizer's class, run on the copy)."""
+
+    def __init__(self, optimizer):
+        self.__dict__ = {k: v for k, v in optimizer.__dict__.items() if k != "step"}
+        self._optimizer = optimizer
+        self.__class__ = type(f"Copied{type(optimizer).__name__}",
+                              (WrapperCopy, type(optimizer)), {})
+
+    def step(self, closure=None, **kwargs):
+        return self._optimizer.step(closure, **kwargs)
+
+
+def through_a_wrapper_copy(steps: int = FREEZE + 3) -> dict:
+    """The same run with zero_grad() and step() called on the optimizer and on a
+    :class:`WrapperCopy` of it (Lightning's ``self.optimizers()``): the differences, the phase
+    reached."""
+    runs = {}
+    for copied in (False, True):
+        model = make_model()
+        opt = onebit(model)
+        stepper = WrapperCopy(opt) if copied else opt
+        for step in range(steps):
+            train_step(model, stepper, step)
+        runs[copied] = params_of(model)
+    return {"differences": differences(runs[False], runs[True], "params"), "phase": opt.phase}
+
+
 def handed_to_adam(before: int = FREEZE + 3, after: int = 3) -> dict:
     """Compressed steps, the error feedback flushed, then plain Adam on the same DDP model from
     the 1-bit optimizer's state (``torch_adam_state_dict``): once the script drops the 1-bit
@@ -1161,7 +1191,7 @@ def suite(scratch: Optional[str] = None, stage: Optional[str] = None) -> dict:
                      forward_without_backward=forward_without_backward,
                      forward_raises=forward_raises, written_in_forward=written_in_forward,
                      accumulated=accumulated_without_no_sync,
-                     handed_to_adam=handed_to_adam,
+                     handed_to_adam=handed_to_adam, wrapper_copy=through_a_wrapper_copy,
                      rolled_back=rolled_back_mid_step, copied=copied_model,
                      bucket_views=bucket_views, scaler_wrapped=grad_scaler_through_a_wrapper,
                      grad_scaler=grad_scaler_skips)

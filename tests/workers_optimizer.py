@@ -519,6 +519,7 @@ def bad_arguments():
         "amsgrad_loaded": lambda: amsgrad_later("loaded"),
         "amsgrad_added": lambda: amsgrad_later("added"),
         "stepped_original": lambda: stepped_original(),
+        "wrapper_copy": lambda: through_a_wrapper_copy(),
     }
     other = make_model()  # Horovod's wrapper hooks its gradients: a model of its own
     mine = make_model()  # and so does the one optimizer built here
@@ -549,6 +550,30 @@ def bad_arguments():
             after = [dict((k, v) for k, v in g.items() if k != "params")
                      for g in opt.param_groups]
             assert after == before, f"the refused {how} changed the groups: {after}"
+
+    def through_a_wrapper_copy():
+        """zero_grad(), add_param_group() and step() through a copy of the optimizer's
+        attributes in an object of a subclass of its class (Lightning's wrapper), against the
+        optimizer itself: the same bits."""
+        from tests.workers_ddp import WrapperCopy
+
+        runs = []
+        for copied in (False, True):
+            net = make_model()
+            opt = hvd_onebit.DistributedOptimizer(
+                torch.optim.Adam(net[0].parameters()), named_parameters=net.named_parameters(),
+                freeze_step=2)
+            stepper = WrapperCopy(opt) if copied else opt
+            for step in range(5):
+                if step == 1:
+                    stepper.add_param_group({"params": list(net[2:].parameters())})
+                stepper.zero_grad()
+                x, y = batch(step, hvd.rank())
+                nn.functional.mse_loss(net(x), y).backward()
+                stepper.step()
+            runs.append(params_hash(net))
+        assert runs[0] == runs[1] and opt.phase == "compression", \
+            f"through the copy: {runs}, phase {opt.phase}"
 
     def stepped_original():
         """The Adam the face wrapped, stepped itself after a backward (a script stepping the

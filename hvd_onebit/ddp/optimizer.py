@@ -49,7 +49,7 @@ class DDPFace:
         started are started again by the next step."""
         self._phases.gradients_zeroed()
         self._hook.discard_passes()
-        super(self.__class__, self).zero_grad(set_to_none=set_to_none)
+        self._view.adam.zero_grad(set_to_none)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """The shared face's, then the hook starts afresh: a state loaded between a backward
