@@ -28,7 +28,8 @@ def _counter(name: str) -> property:
 
 class SharedFace:
     """Methods of both faces; an instance holds ``_schedule``, ``_telemetry``, ``_engine``,
-    ``_phases``, ``_view`` and ``config``."""
+    ``_phases``, ``_view``, ``_handed`` (:class:`~hvd_onebit.state.checkpoint.HandedStates`)
+    and ``config``."""
 
     # ---- what a training script reads ------------------------------------------------------------
 
@@ -70,8 +71,10 @@ class SharedFace:
     # ---- checkpoints and the error-feedback lifecycle ----------------------------------------------
 
     def state_dict(self) -> dict:
-        return checkpoint.state_dict(self._view, self.config, self._schedule, self._telemetry,
-                                     unflushed=self._engine.unflushed)
+        sd = checkpoint.state_dict(self._view, self.config, self._schedule, self._telemetry,
+                                   unflushed=self._engine.unflushed)
+        self._handed.handed(sd, self.steps)
+        return sd
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a :meth:`state_dict` (see :func:`hvd_onebit.state.checkpoint.load_state_dict`:
@@ -137,6 +140,7 @@ class SharedFace:
         start = time.perf_counter()
         with self._phases.watching("flush_error_feedback()"):
             nbytes = self._engine.flush_error_feedback(self.param_groups)
+        self._handed.flushed(self.steps)
         self._telemetry.add(nbytes, time.perf_counter() - start)
         return nbytes
 

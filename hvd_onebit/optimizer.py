@@ -27,6 +27,7 @@ from .face import face_attributes, guard_wrapped
 from .horovod_view import HorovodView
 from .low_precision import WidenBfloat16
 from .stall import building, watch
+from .state.checkpoint import HandedStates
 from .phases import setup
 from .values import check_positive_number
 
@@ -48,6 +49,7 @@ class OneBitFace:
         self._schedule, self._telemetry = parts.schedule, parts.telemetry
         self._engine, self._phases, self.transport = parts.engine, parts.phases, parts.transport
         self._warmup = parts.warmup
+        self._handed = HandedStates()
 
     # ---- Horovod's hooks, synchronize and zero_grad -------------------------------------------------
 

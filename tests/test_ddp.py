@@ -240,6 +240,18 @@ def test_a_compression_phase_checkpoint_resumes_bit_identically(world):
 
 
 @pytest.mark.multirank
+def test_a_state_taken_before_a_flush_at_the_same_step_saves_as_flushed(world):
+    """torch's state_dict() hands out the live momenta, which the flush changes: a state taken
+    before it (Lightning's, before on_save_checkpoint) resumes as the state taken after it,
+    without the warning that the error feedback was dropped."""
+    n, results = world
+    for rank, r in enumerate(scenario(results, "flushed_after_taken")):
+        assert (r["taken_warnings"], r["after_warnings"], r["differ"]) == ([], [], []), \
+            f"n={n} rank {rank}: resumed from the state taken before the flush: warnings " \
+            f"{r['taken_warnings']}, differences {r['differ']} (after it: {r['after_warnings']})"
+
+
+@pytest.mark.multirank
 def test_a_checkpoint_through_torch_distributed_checkpoint_keeps_what_it_left_out_known(world):
     """torch.distributed.checkpoint keeps the optimizer's state and param_groups alone: the
     record param group 0 carries still says the error feedback was not flushed (dropped with

@@ -268,6 +268,40 @@ def checkpoint_resumes(before: int = 2, after: int = 3) -> dict:
             "phase": opt.phase}
 
 
+def flushed_after_taken(before: int = 2, after: int = 3) -> dict:
+    """The state taken, then the error feedback flushed at the same step, then the state saved
+    (as Lightning takes the state before on_save_checkpoint, where a script flushes): resumed,
+    the warnings of the resume and the bits that differ from the state taken after the flush,
+    resumed."""
+    model = make_model()
+    opt = onebit(model)
+    for step in range(FREEZE + before):
+        train_step(model, opt, step)
+    taken = opt.state_dict()
+    opt.flush_error_feedback()
+    blobs = {}
+    for name, sd in (("taken", taken), ("after", opt.state_dict())):
+        blobs[name] = io.BytesIO()
+        torch.save({"opt": sd, "model": model.module.state_dict()}, blobs[name])
+    out, runs = {}, {}
+    for name, blob in blobs.items():
+        blob.seek(0)
+        saved = torch.load(blob, weights_only=False)
+        fresh = make_model(seed=1)
+        fresh.module.load_state_dict(saved["model"])
+        fresh_opt = onebit(fresh)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            fresh_opt.load_state_dict(saved["opt"])
+            for step in range(FREEZE + before, FREEZE + before + after):
+                train_step(fresh, fresh_opt, step)
+        out[f"{name}_warnings"] = [str(w.message) for w in caught
+                                   if "error feedback" in str(w.message)]
+        runs[name] = params_of(fresh)
+    out["differ"] = differences(runs["after"], runs["taken"], "taken before the flush")
+    return out
+
+
 def dcp_checkpoint_resumes(before: int = 2, after: int = 3) -> dict:
     """Checkpoints through torch.distributed.checkpoint, which keeps the optimizer's ``state``
     and ``param_groups`` alone: a compression-phase one resumed by a fresh model and optimizer
@@ -1180,6 +1214,7 @@ def suite(scratch: Optional[str] = None, stage: Optional[str] = None) -> dict:
                       for d in ("float16", "bfloat16")})
     scenarios.update(averaged_poisoned=averaged_gradient_poisoned)
     scenarios.update(checkpoint=checkpoint_resumes, dcp=dcp_checkpoint_resumes,
+                     flushed_after_taken=flushed_after_taken,
                      refresh=variance_refresh, refusals=refusals,
                      one_node_hierarchical=one_node_hierarchical, compiled_step=compiled_step,
                      refresh_second_steps=partial(variance_refresh, second_steps=True),

@@ -22,6 +22,7 @@ from ..config import (DEFAULT_BLOCK_SIZE, DEFAULT_BUCKET_MB, DOUBLING, REQUIRED,
 from ..eager import eager
 from ..face import SharedFace, face_attributes, guard_wrapped
 from ..stall import building, watch
+from ..state.checkpoint import HandedStates
 from . import setup
 from .view import DDPView
 
@@ -38,6 +39,7 @@ class DDPFace:
         parts = setup.build(self._view, config, group, model)
         self._schedule, self._telemetry = parts.schedule, parts.telemetry
         self._engine, self._phases, self._hook = parts.engine, parts.phases, parts.hook
+        self._handed = HandedStates()
         self.transport = "torch"
 
     # GradScaler then hands this optimizer the skip decision (hvd_onebit.phases.amp).

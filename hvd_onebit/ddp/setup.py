@@ -86,7 +86,10 @@ def check(model, param_groups: list[dict], process_group, config: OneBitConfig):
         raise TypeError("hvd_onebit.ddp.DistributedOptimizer takes the DDP model "
                         "(torch.nn.parallel.DistributedDataParallel) as its second argument, got "
                         f"{type(model).__module__}.{type(model).__name__}: wrap it first, "
-                        "model = DDP(model)")
+                        "model = DDP(model), or pass the DDP model a trainer built and runs "
+                        "(PyTorch Lightning: self.trainer.strategy.model, in "
+                        "configure_optimizers; Accelerate: what prepare(model) returns); a "
+                        "second DDP wrapper of your own would average every step in full")
     check_unhooked(model)
     names = model_names(model)
     strangers = [(gi, tuple(p.shape)) for gi, g in enumerate(param_groups) for p in g["params"]

@@ -156,6 +156,33 @@ def load_state_dict(view: OptimizerView, config: OneBitConfig, schedule: Schedul
     return bool(record.get("unflushed_error_feedback", False))
 
 
+class HandedStates:
+    """The records of the state dicts handed out at the optimizer's current step. torch's
+    ``state_dict()`` hands out the live momenta, not copies, so a flush at the same step changes
+    what such a state holds; its record then says so too (a framework that takes the state
+    before a hook flushes, as Lightning's ``on_save_checkpoint``, saves what it says). Only the
+    two small dicts of each record are held, never the tensors."""
+
+    def __init__(self):
+        self._step: Optional[int] = None
+        self._records: list[tuple[dict, dict]] = []
+
+    def handed(self, state_dict: dict, step: int) -> None:
+        if step != self._step:
+            self._step, self._records = step, []
+        self._records.append((state_dict[KEY], state_dict["param_groups"][0]))
+
+    def flushed(self, step: int) -> None:
+        """The error feedback was folded into the momenta at ``step``."""
+        if step != self._step:
+            return
+        for record, group in self._records:
+            record["unflushed_error_feedback"] = False
+            carried = json.loads(group[RECORD_KEY])
+            carried["unflushed_error_feedback"] = False
+            group[RECORD_KEY] = json.dumps(carried)
+
+
 def torch_adam_state_dict(state_dict: dict) -> dict:
     """This optimizer's ``state_dict()`` as a ``torch.optim.Adam`` or ``AdamW`` of the same
     parameters takes it (fine-tuning or evaluation on one process): without the 1-bit entries,
