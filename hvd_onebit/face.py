@@ -9,6 +9,7 @@ faces hold only what their framework makes different.
 from __future__ import annotations
 
 import time
+import weakref
 from typing import Optional
 
 import torch
@@ -86,6 +87,7 @@ class SharedFace:
                                                one_rank=self._engine.world == 1)
         self._phases.restart()  # exp_avg tensors were replaced: re-fuse at the next step
         self._engine.expect_error_feedback(self.steps if unflushed else None)
+        self._handed.clear()
 
     def reset_collectives(self) -> None:
         """Drop the fused buckets, the frozen denominators and every 1-bit collective (with its
@@ -99,7 +101,8 @@ class SharedFace:
         self._schedule.restart_monitor()
 
     def add_param_group(self, param_group: dict) -> None:
-        constructed = "config" in self.__dict__
+        # (self may be a wrapper forwarding to the optimizer: Lightning's)
+        constructed = getattr(self, "_view", None) is not None
         if constructed and self.phase == COMPRESSION:
             raise ValueError(
                 f"cannot add parameters after the variance was frozen (step {self.steps} >= "
@@ -109,7 +112,7 @@ class SharedFace:
         if not constructed:  # torch's constructor adding the groups: self is the built class's
             super(self.__class__, self).add_param_group(param_group)
             return
-        adam = self._view.adam  # (self may be a wrapper's copy: Lightning's)
+        adam = self._view.adam
         adam.add_param_group(param_group)
         init_adam_state(adam.param_groups, adam.state)  # new parameters need Adam state
 
@@ -140,8 +143,8 @@ class SharedFace:
         start = time.perf_counter()
         with self._phases.watching("flush_error_feedback()"):
             nbytes = self._engine.flush_error_feedback(self.param_groups)
-        self._handed.flushed(self.steps)
         self._telemetry.add(nbytes, time.perf_counter() - start)
+        self._handed.flushed(self.steps)
         return nbytes
 
     def __reduce_ex__(self, protocol):
@@ -157,21 +160,25 @@ class SteppedInstead:
     Accelerate's ``prepare``) that steps the first one trains plain Adam without the phases, and
     in the compression phase on each rank's own gradients. Refused, before anything changes."""
 
-    def __init__(self, face: str):
+    def __init__(self, face: str, wrapper, advice: str):
         self.face = face
+        self.wrapper = weakref.ref(wrapper)  # once it is gone, the Adam is the script's again
+        self.advice = advice
 
     def __call__(self, optimizer, args, kwargs) -> None:
+        if self.wrapper() is None:
+            return
         raise ValueError(
             f"this {type(optimizer).__name__} was wrapped by {self.face}, and the wrapper "
             f"is the optimizer to step: opt = {self.face}(opt, ...), then opt.step(). "
-            f"Stepped itself it trains plain Adam, without 1-bit Adam's phases. With Hugging "
-            f"Face Accelerate, wrap it before accelerator.prepare() and pass the wrapper to "
-            f"prepare(). Nothing was changed by this step")
+            f"Stepped itself it trains plain Adam, without 1-bit Adam's phases. {self.advice}"
+            f"Nothing was changed by this step")
 
 
-def guard_wrapped(optimizer: torch.optim.Optimizer, face: str) -> None:
-    """Refuse ``optimizer.step()`` from now on (:class:`SteppedInstead`): ``face`` wrapped it."""
-    optimizer.register_step_pre_hook(SteppedInstead(face))
+def guard_wrapped(optimizer: torch.optim.Optimizer, face: str, wrapper, advice: str) -> None:
+    """Refuse ``optimizer.step()`` while ``wrapper``, what ``face`` built over it, lives
+    (:class:`SteppedInstead`); ``advice`` ends the error's first part."""
+    optimizer.register_step_pre_hook(SteppedInstead(face, wrapper, advice))
 
 
 NOT_PICKLED = (

@@ -207,6 +207,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
         opt = cls(optimizer.param_groups, named_parameters, compression,
                   backward_passes_per_step, op, gradient_predivide_factor, groups,
                   sparse_as_dense, process_set, config)
-    guard_wrapped(optimizer, "hvd_onebit.DistributedOptimizer")
+    guard_wrapped(optimizer, "hvd_onebit.DistributedOptimizer", opt,
+                  "hvd.broadcast_optimizer_state() takes the wrapper too (it steps the "
+                  "optimizer it is given once). ")
     elastic.register_state_handler(opt)
     return opt

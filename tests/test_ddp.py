@@ -190,9 +190,9 @@ def test_a_model_handed_to_plain_adam_once_the_optimizer_is_dropped_trains_as_dd
 
 
 @pytest.mark.multirank
-def test_a_copy_of_the_optimizer_made_by_a_wrapper_steps_it_as_the_optimizer_does(world):
-    """PyTorch Lightning's optimizer wrapper copies the optimizer's attributes into an object
-    of a subclass of its class; zero_grad() on it recursed without end."""
+def test_a_wrapper_of_a_subclass_of_the_optimizers_class_steps_it_as_the_optimizer_does(world):
+    """PyTorch Lightning's optimizer wrapper is an object of a subclass of the optimizer's class
+    that reads the optimizer's attributes; zero_grad() on it recursed without end."""
     n, results = world
     for rank, r in enumerate(scenario(results, "wrapper_copy")):
         assert (r["differences"], r["phase"]) == ([], "compression"), \

@@ -705,18 +705,21 @@ def accumulated_without_no_sync(passes: tuple = (2, 2, 3, 3, 1, 1)) -> dict:
 
 
 class WrapperCopy:
-    """An optimizer wrapper built as PyTorch Lightning builds its LightningOptimizer: the
-    optimizer's attributes copied, its class a subclass of the optimizer's, step() passed on
-    (zero_grad and the rest found on the optimizer's class, run on the copy)."""
+    """An optimizer wrapper built as PyTorch Lightning builds its LightningOptimizer: its class
+    a subclass of the optimizer's, step() passed on, other attributes read from the optimizer
+    (zero_grad, add_param_group and the rest found on the optimizer's class, run on the
+    wrapper)."""
 
     def __init__(self, optimizer):
-        self.__dict__ = {k: v for k, v in optimizer.__dict__.items() if k != "step"}
         self._optimizer = optimizer
         self.__class__ = type(f"Copied{type(optimizer).__name__}",
                               (WrapperCopy, type(optimizer)), {})
 
     def step(self, closure=None, **kwargs):
         return self._optimizer.step(closure, **kwargs)
+
+    def __getattr__(self, item):
+        return getattr(self._optimizer, item)
 
 
 def through_a_wrapper_copy(steps: int = FREEZE + 3) -> dict:
@@ -745,17 +748,20 @@ def handed_to_adam(before: int = FREEZE + 3, after: int = 3) -> dict:
     runs = {}
     for how in ("dropped", "rewrapped"):
         model = make_model()
-        opt = onebit(model)
+        inner = adam(model)
+        opt = hvd_onebit.ddp.DistributedOptimizer(inner, model, freeze_step=FREEZE,
+                                                  bucket_size_mb=BUCKET_MB, variance_refresh=None)
         for step in range(before):
             train_step(model, opt, step)
         opt.flush_error_feedback()
         state = hvd_onebit.torch_adam_state_dict(opt.state_dict())
-        if how == "dropped":
+        if how == "dropped":  # the Adam it wrapped steps again
             del opt
             gc.collect()
+            plain = inner
         else:
             model = DDP(model.module)
-        plain = adam(model)
+            plain = adam(model)
         plain.load_state_dict(state)
         for step in range(before, before + after):
             train_step(model, plain, step)

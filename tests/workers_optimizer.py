@@ -552,9 +552,9 @@ def bad_arguments():
             assert after == before, f"the refused {how} changed the groups: {after}"
 
     def through_a_wrapper_copy():
-        """zero_grad(), add_param_group() and step() through a copy of the optimizer's
-        attributes in an object of a subclass of its class (Lightning's wrapper), against the
-        optimizer itself: the same bits."""
+        """zero_grad(), add_param_group() and step() through an object of a subclass of the
+        optimizer's class that reads the optimizer's attributes (Lightning's wrapper), against
+        the optimizer itself: the same bits."""
         from tests.workers_ddp import WrapperCopy
 
         runs = []

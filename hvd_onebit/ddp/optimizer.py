@@ -170,5 +170,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model, *,
                                            "the DDP model's process group")):
         group = setup.check(model, optimizer.param_groups, process_group, config)
         opt = cls(optimizer, model, config, group)
-    guard_wrapped(optimizer, "hvd_onebit.ddp.DistributedOptimizer")
+    guard_wrapped(optimizer, "hvd_onebit.ddp.DistributedOptimizer", opt,
+                  "With Hugging Face Accelerate, wrap it before accelerator.prepare() and pass "
+                  "the wrapper to prepare(). ")
     return opt

@@ -157,11 +157,13 @@ def load_state_dict(view: OptimizerView, config: OneBitConfig, schedule: Schedul
 
 
 class HandedStates:
-    """The records of the state dicts handed out at the optimizer's current step. torch's
-    ``state_dict()`` hands out the live momenta, not copies, so a flush at the same step changes
-    what such a state holds; its record then says so too (a framework that takes the state
-    before a hook flushes, as Lightning's ``on_save_checkpoint``, saves what it says). Only the
-    two small dicts of each record are held, never the tensors."""
+    """The records of the state dicts handed out at the optimizer's current step with error
+    feedback not yet delivered. torch's ``state_dict()`` hands out the live momenta, not
+    copies, so a flush at the same step changes what such a state holds; its record then says
+    so too (a framework that takes the state before a hook flushes, as Lightning's
+    ``on_save_checkpoint``, saves what it says). Only each record's two dicts are held: in the
+    compression phase they hold no tensor (the auto freeze's copy of the variance is gone once
+    it decided)."""
 
     def __init__(self):
         self._step: Optional[int] = None
@@ -169,18 +171,28 @@ class HandedStates:
 
     def handed(self, state_dict: dict, step: int) -> None:
         if step != self._step:
-            self._step, self._records = step, []
-        self._records.append((state_dict[KEY], state_dict["param_groups"][0]))
+            self.clear()
+            self._step = step
+        if state_dict[KEY]["unflushed_error_feedback"]:
+            self._records.append((state_dict[KEY], state_dict["param_groups"][0]))
+
+    def clear(self) -> None:
+        """Forget the records (a state loaded: the momenta they hold are no longer these)."""
+        self._step, self._records = None, []
 
     def flushed(self, step: int) -> None:
-        """The error feedback was folded into the momenta at ``step``."""
-        if step != self._step:
-            return
-        for record, group in self._records:
-            record["unflushed_error_feedback"] = False
-            carried = json.loads(group[RECORD_KEY])
-            carried["unflushed_error_feedback"] = False
-            group[RECORD_KEY] = json.dumps(carried)
+        """The error feedback was folded into the momenta at ``step``. A record a script changed
+        in the meantime (its param group's copy removed or rewritten) keeps what it says."""
+        if step == self._step:
+            for record, group in self._records:
+                record["unflushed_error_feedback"] = False
+                try:
+                    carried = json.loads(group[RECORD_KEY])
+                    carried["unflushed_error_feedback"] = False
+                    group[RECORD_KEY] = json.dumps(carried)
+                except (KeyError, TypeError, ValueError):
+                    pass
+        self.clear()
 
 
 def torch_adam_state_dict(state_dict: dict) -> dict:
