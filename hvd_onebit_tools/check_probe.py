@@ -99,6 +99,23 @@ def _median_time(allreduce, repeats: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
+# How long a rank that stops on an error before the job's first collective stays, its error
+# printed: the launcher ends every rank once one exits with an error, and a rank still starting
+# (importing torch) would be ended before it printed its own.
+ERROR_LINGER_S = 5.0
+
+
+def stop_together(exc) -> None:
+    """Print ``exc`` (a :class:`click.ClickException`) now, wait :data:`ERROR_LINGER_S`, then
+    exit with its code."""
+    import sys
+
+    exc.show()
+    sys.stderr.flush()
+    time.sleep(ERROR_LINGER_S)
+    raise SystemExit(exc.exit_code)
+
+
 class JobSizeError(ValueError):
     """``--np`` is not the size of the job it runs in."""
 
@@ -165,16 +182,32 @@ def _probe_horovod(np_: Optional[int], elements: int, repeats: int) -> LinkProbe
 
 
 def _auto_transport(device: str) -> str:
-    """Every rank: what ``transport="auto"`` takes in this job, trying torch.distributed's
-    rendezvous as the optimizer does (:func:`~hvd_onebit.transport.rendezvous.
-    init_torch_distributed`: agreed on every rank, within ``HVD_ONEBIT_RENDEZVOUS_S``)."""
-    from hvd_onebit.transport.rendezvous import TorchRendezvousError, init_torch_distributed
+    """Every rank: what ``transport="auto"`` takes in this job, as the optimizer decides it
+    (:func:`~hvd_onebit.transport.registry.resolve_transport`, then torch.distributed's
+    rendezvous: :func:`~hvd_onebit.transport.rendezvous.init_torch_distributed`, agreed on
+    every rank, within ``HVD_ONEBIT_RENDEZVOUS_S``). A group it set up is taken down again
+    (a process that exits with its group alive can abort in Gloo's threads); a rank whose
+    connections fail after the rendezvous stops with that error (the others wait in theirs)."""
+    import click
+    import horovod.torch as hvd
+    import torch.distributed as dist
 
+    from hvd_onebit.transport.registry import resolve_transport
+    from hvd_onebit.transport.rendezvous import (TorchConnectError, TorchRendezvousError,
+                                                 init_torch_distributed)
+
+    if hvd.size() < 2 or resolve_transport("auto", hvd.global_process_set, device) != "torch":
+        return "Horovod's alltoall and allgather (torch.distributed does not serve this job)"
+    ours = not dist.is_initialized()
     try:
         init_torch_distributed(device)
     except TorchRendezvousError as exc:
         return f"Horovod's alltoall and allgather, with a warning: {exc}"
+    except TorchConnectError as exc:
+        stop_together(click.ClickException(str(exc)))
     gloo = os.environ.get("GLOO_SOCKET_IFNAME")
+    if ours:
+        dist.destroy_process_group()
     return ("torch.distributed's collectives (its rendezvous reached by every rank"
             + (f"; Gloo on interface {gloo}" if gloo and device == "cpu" else "") + ")")
 

@@ -71,6 +71,8 @@ def check(np_, probe, params, compute_ms, calibration, as_json) -> None:
             link = check_probe.probe(np_, calibration=calibration)
         except check_probe.JobSizeError as exc:
             raise click.UsageError(str(exc)) from None
+        except click.ClickException as exc:  # a calibration every rank refuses, each in turn
+            check_probe.stop_together(exc)
         if link.rank == 0:  # the probe's lines; each other node's first rank its report
             link_lines = check_probe.predict(link, params, compute_ms, calibration)
         else:

@@ -137,7 +137,8 @@ def test_gloo_takes_the_interface_that_routes_to_rank_0_where_horovod_names_none
     for rank, r in enumerate(routed):
         if r["skipped"]:
             pytest.skip(f"no address of this host's but a loopback one: {r['skipped']}")
-        assert (r["gloo"], r["transport"], r["phase"]) == (r["interface"], "torch", "compression"), \
+        assert (r["gloo"], r["transport"], r["phase"]) == \
+            (r["interface"], "torch", "compression"), \
             f"rank {rank}: GLOO_SOCKET_IFNAME {r['gloo']!r} (the route to rank 0 leaves from " \
             f"{r['interface']!r}), transport {r['transport']}, phase {r['phase']}"
     assert routed[0]["hash"] == routed[1]["hash"], "the ranks' parameters differ"
@@ -154,7 +155,8 @@ def test_gloo_takes_the_interface_that_routes_to_rank_0_where_horovod_names_none
 def test_the_gloo_interface_chosen(env, towards, want):
     from hvd_onebit.transport.rendezvous import gloo_interface
     got = gloo_interface(env, lambda: towards)
-    assert got == want, f"environment {env}, route through {towards!r}: chose {got!r}, want {want!r}"
+    assert got == want, \
+        f"environment {env}, route through {towards!r}: chose {got!r}, want {want!r}"
 
 
 def test_the_interface_towards_an_address_is_the_one_holding_the_route_source():
