@@ -190,6 +190,19 @@ def test_a_model_handed_to_plain_adam_once_the_optimizer_is_dropped_trains_as_dd
 
 
 @pytest.mark.multirank
+def test_a_model_whose_forward_never_runs_is_warned_about_once(world):
+    """The optimizer given a DDP model while the script runs another DDP wrapper's forward (as
+    when a trainer wrapped the module itself): that one averages every step in full precision,
+    and the optimizer says so once; given the wrapper the script runs, nothing is said."""
+    n, results = world
+    for rank, r in enumerate(scenario(results, "another_wrapper")):
+        assert len(r["other"]) == 1 and "self.trainer.strategy.model" in r["other"][0] \
+            and r["run"] == [] and r["other_phase"] == r["run_phase"] == "compression", \
+            f"n={n} rank {rank}: warnings given another wrapper {r['other']}, given the one " \
+            f"run {r['run']}; phases {r['other_phase']}, {r['run_phase']}"
+
+
+@pytest.mark.multirank
 def test_a_wrapper_of_a_subclass_of_the_optimizers_class_steps_it_as_the_optimizer_does(world):
     """PyTorch Lightning's optimizer wrapper is an object of a subclass of the optimizer's class
     that reads the optimizer's attributes; zero_grad() on it recursed without end."""

@@ -722,6 +722,24 @@ class WrapperCopy:
         return getattr(self._optimizer, item)
 
 
+def another_wrapper_runs(steps: int = FREEZE + 2) -> dict:
+    """The optimizer given one DDP model while the script runs the forward of another DDP
+    wrapper of the same module (a trainer's own): the warnings of the run, and of a run that
+    gives it the wrapper it runs."""
+    out = {}
+    for given in ("other", "run"):
+        model = make_model()
+        run = DDP(model.module)
+        opt = onebit(model if given == "other" else run)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for step in range(steps):
+                train_step(run, opt, step)
+        out[given] = [str(w.message) for w in caught if "has run no forward" in str(w.message)]
+        out[f"{given}_phase"] = opt.phase
+    return out
+
+
 def through_a_wrapper_copy(steps: int = FREEZE + 3) -> dict:
     """The same run with zero_grad() and step() called on the optimizer and on a
     :class:`WrapperCopy` of it (Lightning's ``self.optimizers()``): the differences, the phase
@@ -1233,6 +1251,7 @@ def suite(scratch: Optional[str] = None, stage: Optional[str] = None) -> dict:
                      forward_raises=forward_raises, written_in_forward=written_in_forward,
                      accumulated=accumulated_without_no_sync,
                      handed_to_adam=handed_to_adam, wrapper_copy=through_a_wrapper_copy,
+                     another_wrapper=another_wrapper_runs,
                      rolled_back=rolled_back_mid_step, copied=copied_model,
                      bucket_views=bucket_views, scaler_wrapped=grad_scaler_through_a_wrapper,
                      grad_scaler=grad_scaler_skips)

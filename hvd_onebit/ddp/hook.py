@@ -10,6 +10,7 @@ nothing; the pass after it does.
 """
 from __future__ import annotations
 
+import warnings
 import weakref
 from typing import Callable, Iterable, Optional
 
@@ -40,6 +41,14 @@ JOIN_REFUSED = (
     "again to train on). Give every rank the same number of batches (e.g. DistributedSampler "
     "with drop_last=True); nothing was changed by this forward")
 
+
+NEVER_RUN = (
+    "hvd_onebit.ddp.DistributedOptimizer: a step was taken on gradients while the DDP model it "
+    "was given has run no forward with gradients since it was built. They came from another "
+    "forward: another DDP wrapper of the same module (PyTorch Lightning's, Accelerate's), which "
+    "averages every step in full precision, so 1-bit Adam saves nothing; or model.module(...), "
+    "which DDP does not average. Pass the DDP model whose forward the script runs (Lightning: "
+    "self.trainer.strategy.model, in configure_optimizers)")
 
 STEPPED_ELSEWHERE = (
     "hvd_onebit.ddp.DistributedOptimizer: the DDP model's parameters changed since its last "
@@ -200,6 +209,8 @@ class CommHook:
         # optimizer's step
         self._versions: Optional[tuple] = None
         self._refused = False  # the forward under way was refused by _before_forward
+        self.training_forwards = 0  # forwards with gradients on, since it was registered
+        self._told_never_run = False
 
     def register(self, model) -> None:
         """Register on ``model`` (a DDP module); raises a ValueError if it has a hook already."""
@@ -236,6 +247,7 @@ class CommHook:
             self._refused = True  # the forward hook (always called) records nothing of it
             raise ValueError(refusal)
         self._final = model.require_backward_grad_sync
+        self.training_forwards += torch.is_grad_enabled()
         self._local = torch.is_grad_enabled() and not self._averaging()
         if torch.is_grad_enabled() and self._final:
             if self._passes and not any(p.grad is not None for p in model.module.parameters()):
@@ -287,6 +299,13 @@ class CommHook:
         if self._passes:
             self._expected_passes = self._passes
         self._passes = 0
+
+    def warn_if_never_run(self, gradients: Callable[[], bool]) -> None:
+        """After a step: warn once (every rank alike) if the model has run no training forward
+        while the step had gradients (``gradients()``, asked only then)."""
+        if self.training_forwards == 0 and not self._told_never_run and gradients():
+            self._told_never_run = True
+            warnings.warn(NEVER_RUN)
 
     def discard_passes(self) -> None:
         """The passes since the last step count no more: zero_grad() (a skipped batch, whose

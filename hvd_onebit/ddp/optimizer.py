@@ -70,6 +70,8 @@ class DDPFace:
                                      lambda: grad_scaler.unscale_(self), None)
         finally:
             self._hook.end_step()
+            self._hook.warn_if_never_run(
+                lambda: any(p.grad is not None for p in self._view.adam.parameters()))
 
 
 def DistributedOptimizer(optimizer: torch.optim.Optimizer, model, *,

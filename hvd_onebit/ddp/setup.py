@@ -89,7 +89,8 @@ def check(model, param_groups: list[dict], process_group, config: OneBitConfig):
                         "model = DDP(model), or pass the DDP model a trainer built and runs "
                         "(PyTorch Lightning: self.trainer.strategy.model, in "
                         "configure_optimizers; Accelerate: what prepare(model) returns); a "
-                        "second DDP wrapper of your own would average every step in full")
+                        "second DDP wrapper of your own would average every step in full "
+                        "precision")
     check_unhooked(model)
     names = model_names(model)
     strangers = [(gi, tuple(p.shape)) for gi, g in enumerate(param_groups) for p in g["params"]
