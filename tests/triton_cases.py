@@ -391,3 +391,14 @@ def test_y_and_z_not_stored_or_updated_in_place(numel, n, block):
     row = torch.full((L.row_bytes,), 0xCD, dtype=torch.uint8)
     kernels.server_compress(send, z, prev_server_scales, z, row, L, "triton")
     assert [_bytes(t) for t in (y, send, z, row)] == ref[2:6]
+
+
+def test_the_table_of_a_negative_zero_is_not_that_of_zero():
+    """The launch tables are cached by value, and -0.0 == 0.0: a step of -0.0 (lr 0) was served
+    the table of 0.0, a sign the CPU kernels keep."""
+    from hvd_onebit.kernels.triton.launch import device_table
+    cpu = torch.device("cpu")
+    plus, minus = (device_table((z, 1.0), torch.float32, cpu) for z in (0.0, -0.0))
+    assert not torch.signbit(plus[0]) and torch.signbit(minus[0]), \
+        f"the tables of 0.0 and -0.0: signs {torch.signbit(plus).tolist()}, " \
+        f"{torch.signbit(minus).tolist()}"

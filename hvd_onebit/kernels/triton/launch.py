@@ -4,6 +4,7 @@ current (one launch sequence at a time under the interpreter), segment tables, a
 from __future__ import annotations
 
 import functools
+import math
 import os
 import threading
 from typing import Optional, Sequence
@@ -129,10 +130,20 @@ def segment_table(columns: Sequence[Sequence[int]], sizes: Sequence[int], device
                         torch.device(device))
 
 
-@functools.lru_cache(maxsize=256)
 def device_table(values: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """``values`` as a tensor of ``dtype`` on ``device``, made once per distinct table: a step
     passes the same tensors (addresses) and coefficients as the last one, so its launches
     reuse the tables already on the device instead of building and copying them again. The
-    kernels only read them."""
+    kernels only read them. Tables are told apart by their values' signs too: -0.0 equals 0.0
+    (an lr of 0 gives a step of -0.0), and the kernels would take the other one's sign."""
+    signs = tuple(math.copysign(1.0, v) for v in values) if dtype.is_floating_point else None
+    return _device_table(values, signs, dtype, device)
+
+
+@functools.lru_cache(maxsize=256)
+def _device_table(values: tuple, signs: Optional[tuple], dtype: torch.dtype,
+                  device: torch.device) -> torch.Tensor:
     return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+
+device_table.cache_info = _device_table.cache_info  # what the tables' reuse came to
