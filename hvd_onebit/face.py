@@ -8,6 +8,7 @@ faces hold only what their framework makes different.
 """
 from __future__ import annotations
 
+import gc
 import time
 import weakref
 from typing import Optional
@@ -166,6 +167,8 @@ class SteppedInstead:
         self.advice = advice
 
     def __call__(self, optimizer, args, kwargs) -> None:
+        if self.wrapper() is not None:
+            gc.collect()  # a dropped wrapper's parts refer to each other: only this frees it
         if self.wrapper() is None:
             return
         raise ValueError(

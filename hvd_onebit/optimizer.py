@@ -179,7 +179,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
         ``flush_error_feedback()``, ``error_feedback_state_dict()`` and
         ``load_error_feedback_state_dict()``, ``telemetry()`` and the counters
         ``last_step_bytes``, ``total_bytes``, ``last_step_comm_seconds``, ``total_comm_seconds``.
-        The optimizer passed in refuses ``step()`` from then on: step the one returned.
+        The optimizer passed in refuses ``step()`` while the one returned lives: step that one.
     """
     check_wrapped(optimizer, op in (Average, Sum) and op != Adasum, backward_passes_per_step)
     check_horovod_arguments(op, gradient_predivide_factor, compression)

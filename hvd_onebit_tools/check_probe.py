@@ -106,14 +106,23 @@ ERROR_LINGER_S = 5.0
 
 
 def stop_together(exc) -> None:
-    """Print ``exc`` (a :class:`click.ClickException`) now, wait :data:`ERROR_LINGER_S`, then
-    exit with its code."""
+    """Print ``exc`` (a :class:`click.ClickException`) now, wait :data:`ERROR_LINGER_S` where
+    the launcher started other ranks, then exit with its code."""
     import sys
 
     exc.show()
     sys.stderr.flush()
-    time.sleep(ERROR_LINGER_S)
+    if launched_size() > 1:
+        time.sleep(ERROR_LINGER_S)
     raise SystemExit(exc.exit_code)
+
+
+def launched_size() -> int:
+    """The ranks of the job, as its launcher says (1 where none does)."""
+    for name in ("WORLD_SIZE", "HOROVOD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"):
+        if os.environ.get(name, "").isdigit():
+            return int(os.environ[name])
+    return 1
 
 
 class JobSizeError(ValueError):

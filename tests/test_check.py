@@ -258,6 +258,17 @@ def test_probe_under_horovodrun_probes_the_link_and_prices_the_step(np_):
 
 
 @pytest.mark.multirank
+def test_probe_stops_with_the_error_where_gloo_cannot_connect():
+    """Past the rendezvous, Gloo's connections on an interface that does not exist: each rank
+    says what failed and which interface it used, and the job ends (it does not wait)."""
+    out = check_under_horovodrun(None, env={"GLOO_SOCKET_IFNAME": "bogus0"})
+    errors = [line for line in out.stdout.splitlines() + out.stderr.splitlines()
+              if "<stderr>:Error: torch.distributed's gloo group could not connect" in line]
+    assert out.returncode != 0 and errors and all("interface bogus0" in e for e in errors), \
+        f"exit {out.returncode}, errors {errors}:\n{out.stdout}{out.stderr}"
+
+
+@pytest.mark.multirank
 def test_probe_says_where_transport_auto_stays_on_horovod():
     """A rendezvous no rank reaches (rank 0's MASTER_ADDR nowhere): the probe's report says that
     transport='auto' would stay on Horovod, naming the address, where it said only "ready"."""

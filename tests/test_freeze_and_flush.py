@@ -414,3 +414,42 @@ def test_auto_freeze_options_need_freeze_step_auto():
     with pytest.raises(ValueError, match="positive int \\(warmup steps\\) or 'auto', got 'AUTO'"):
         OneBitConfig.from_options(freeze_step="AUTO")
     assert OneBitConfig.from_options(freeze_step="auto").auto_freeze == AutoFreeze()
+
+
+def test_a_flush_marks_the_states_handed_out_at_its_step_only():
+    """HandedStates: a state taken with undelivered errors is marked flushed by a flush at the
+    same step (both its records); one taken without, or at another step, or before a load, is
+    left alone; a record a script changed does not make the flush raise."""
+    import json
+
+    from hvd_onebit.state.checkpoint import KEY, RECORD_KEY, HandedStates
+
+    def state(unflushed: bool) -> dict:
+        return {KEY: {"unflushed_error_feedback": unflushed},
+                "param_groups": [{RECORD_KEY: json.dumps({"unflushed_error_feedback": unflushed})}]}
+
+    def says(sd: dict) -> tuple:
+        return (sd[KEY]["unflushed_error_feedback"],
+                json.loads(sd["param_groups"][0][RECORD_KEY])["unflushed_error_feedback"]
+                if RECORD_KEY in sd["param_groups"][0] else None)
+
+    handed = HandedStates()
+    earlier, taken, changed = state(True), state(True), state(True)
+    handed.handed(earlier, 4)
+    handed.handed(taken, 5)
+    handed.handed(changed, 5)
+    del changed["param_groups"][0][RECORD_KEY]
+    handed.flushed(5)
+    assert (says(earlier), says(taken), says(changed)) == ((True, True), (False, False),
+                                                          (False, None)), \
+        f"flushed at step 5: the state of step 4 says {says(earlier)}, those of step 5 " \
+        f"{says(taken)} and {says(changed)}"
+    loaded, later = state(True), state(True)
+    handed.handed(loaded, 6)
+    handed.clear()  # a state loaded
+    handed.flushed(6)
+    handed.handed(later, 6)
+    handed.flushed(7)
+    assert says(loaded) == says(later) == (True, True), \
+        f"a state handed before a load says {says(loaded)}; one flushed at another step " \
+        f"{says(later)}"

@@ -66,12 +66,13 @@ class DDPFace:
         hooks start here). ``grad_scaler`` is passed by
         ``torch.amp.GradScaler.step()`` itself."""
         try:
-            return self._phases.step(closure, grad_scaler,
-                                     lambda: grad_scaler.unscale_(self), None)
+            loss = self._phases.step(closure, grad_scaler, lambda: grad_scaler.unscale_(self),
+                                     None)
         finally:
             self._hook.end_step()
-            self._hook.warn_if_never_run(
-                lambda: any(p.grad is not None for p in self._view.adam.parameters()))
+        self._hook.warn_if_never_run(  # after a step that returned: never over its error
+            lambda: any(p.grad is not None for p in self._view.adam.parameters()))
+        return loss
 
 
 def DistributedOptimizer(optimizer: torch.optim.Optimizer, model, *,
@@ -146,8 +147,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model, *,
         ``freeze_decision``, ``flush_error_feedback()``, ``error_feedback_state_dict()`` and
         ``load_error_feedback_state_dict()``, ``reset_collectives()``, ``telemetry()`` and the
         counters ``last_step_bytes``, ``total_bytes``, ``last_step_comm_seconds``,
-        ``total_comm_seconds``. The optimizer passed in refuses ``step()`` from then on: step
-        the one returned.
+        ``total_comm_seconds``. The optimizer passed in refuses ``step()`` while the one
+        returned lives: step that one.
     """
     check_wrapped(optimizer, True, 1, face=setup.FACE)
     setup.refuse_horovod_only(moved)
