@@ -67,7 +67,7 @@ class WrappedAdam:
 
     def zero_grad(self, set_to_none: bool) -> None:
         """The wrapped Adam's own zero_grad. (The face's methods run on objects of a subclass
-        too, such as Lightning's optimizer wrapper, which copies the optimizer's attributes:
+        too, such as Lightning's optimizer wrapper, which reads the optimizer's attributes:
         ``super(self.__class__, self)`` there would find the face's method again.)"""
         super(self._cls, self._opt).zero_grad(set_to_none=set_to_none)
 

@@ -16,6 +16,8 @@ PROBE_ELEMENTS = 4 << 20  # float32 elements per probe allreduce: large enough t
 PROBE_REPEATS = 5
 HOROVOD_LAUNCHED = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
 TORCHRUN_LAUNCHED = "TORCHELASTIC_RUN_ID"  # set by torchrun on every rank it starts
+# the job's size, as each launcher says it: torchrun, horovodrun (Gloo), Open MPI, MPICH
+LAUNCHED_SIZES = ("WORLD_SIZE", "HOROVOD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
 # a rank's place on its node, as each launcher says it (torchrun's LOCAL_RANK first under
 # torchrun: srun's SLURM_LOCALID is then the torchrun agent's, which every rank inherits)
 LOCAL_RANKS = ("HOROVOD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID",
@@ -119,7 +121,7 @@ def stop_together(exc) -> None:
 
 def launched_size() -> int:
     """The ranks of the job, as its launcher says (1 where none does)."""
-    for name in ("WORLD_SIZE", "HOROVOD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"):
+    for name in LAUNCHED_SIZES:
         if os.environ.get(name, "").isdigit():
             return int(os.environ[name])
     return 1
