@@ -567,6 +567,24 @@ def test_an_inf_written_into_one_ranks_averaged_gradient_skips_the_step_everywhe
 
 
 @pytest.mark.multirank
+def test_one_host_read_per_step_with_lr_and_betas_as_floats_or_tensors(world):
+    """Each read of a tensor's value is a device-to-host sync on a GPU. A step reads once: its
+    ranks' agreement (a full-precision step, the finiteness of the averaged gradients in it) or
+    its buckets' statuses (a compressed step). Tensor options are read once more, when first
+    met or changed; the first compressed step also scans the frozen variance."""
+    n, results = world
+    for rank, r in enumerate(scenario(results, "host_reads")):
+        floats, tensors = r["floats"]["counts"], r["tensors"]["counts"]
+        once = [(0, 1)] * FREEZE
+        assert floats == once + [(1, 1)] + once[:len(floats) - FREEZE - 1], \
+            f"n={n} rank {rank}: reads per step (backward, step()) with float options {floats}"
+        assert tensors == floats[:FREEZE] + [(2, 1)] + floats[FREEZE + 1:], \
+            f"n={n} rank {rank}: reads per step with tensor options from the freeze {tensors}"
+        assert differences(r["tensors"]["params"], r["floats"]["params"], "params") == [], \
+            f"n={n} rank {rank}: tensor options stepped otherwise than their float values"
+
+
+@pytest.mark.multirank
 def test_a_nonfinite_value_on_one_rank_skips_the_step_on_every_rank(world):
     n, results = world
     runs = scenario(results, "grad_scaler")

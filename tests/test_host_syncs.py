@@ -9,6 +9,7 @@ CPU tensors by wrapping those methods (:mod:`tests.sync_counter`); the GPU count
 import threading
 
 import pytest
+import torch
 
 from hvd_onebit.comm.protocol import NonFiniteInputError
 from hvd_onebit.engine import CompressedStep
@@ -18,11 +19,14 @@ from tests.sync_counter import HostReads
 from tests.workers_compressed_step import BETAS, EPS, LR, gradient, initial_state
 
 
-def _engine_steps(t, reads: HostReads, steps: int, bad_step: int = -1) -> dict:
+def _engine_steps(t, reads: HostReads, steps: int, bad_step: int = -1, options=None,
+                  weight_decay: float = 0.0) -> dict:
     params, state = initial_state()
     engine = CompressedStep(OneBitConfig.from_options(freeze_step=4, bucket_size_mb=0.001), state,
-                            decoupled=lambda group: False, transport=t)
-    groups = [{"params": params, "lr": LR, "betas": BETAS, "eps": EPS, "weight_decay": 0.0}]
+                            decoupled=lambda group: True, transport=t)
+    lr, betas = options(t.rank) if options else (LR, BETAS)
+    groups = [{"params": params, "lr": lr, "betas": betas, "eps": EPS,
+               "weight_decay": weight_decay}]
     me = threading.get_ident()
     counts, skipped = [], []
     for step in range(steps):
@@ -38,7 +42,7 @@ def _engine_steps(t, reads: HostReads, steps: int, bad_step: int = -1) -> dict:
             skipped.append(True)
         counts.append(reads.count(me) - before)
     return {"buckets": len(engine.buckets), "counts": counts, "skipped": skipped,
-            "where": reads.calls[me]}
+            "where": reads.calls[me], "params": [p.clone() for p in params]}
 
 
 @pytest.mark.parametrize("n", [2, 3])
@@ -52,3 +56,50 @@ def test_one_host_read_per_compressed_step_whatever_the_buckets(n):
         # the first step also reads every parameter's frozen step count and zero-variance
         # count, all in one read (then the step counts are followed on the host)
         assert r["counts"] == [2, 1, 1, 1], r["where"]
+
+
+def _as_tensors(rank: int) -> tuple:
+    """LR and BETAS as torch's Adam also takes them: tensors (each rank its own objects)."""
+    return torch.tensor(LR), (torch.tensor(BETAS[0]), torch.tensor(BETAS[1]))
+
+
+def _their_floats(rank: int) -> tuple:
+    lr, (b1, b2) = _as_tensors(rank)
+    return float(lr), (float(b1), b2.item())
+
+
+def test_tensor_lr_and_betas_are_read_once_and_step_as_their_floats():
+    with HostReads() as reads:
+        tensors = run_threads(2, lambda t: _engine_steps(t, reads, steps=4, options=_as_tensors,
+                                                         weight_decay=0.1), timeout=120)
+    floats = run_threads(2, lambda t: _engine_steps(t, HostReads(), steps=4,
+                                                    options=_their_floats, weight_decay=0.1),
+                         timeout=120)
+    for r, f in zip(tensors, floats):
+        # the options' one read joins the first step's two; then they are known (same objects,
+        # same in-place versions) and each step reads only its statuses
+        assert r["counts"] == [3, 1, 1, 1], r["where"]
+        for i, (a, b) in enumerate(zip(r["params"], f["params"])):
+            assert torch.equal(a, b), (f"parameter {i}: tensor options stepped otherwise than "
+                                       f"their floats, max diff {(a - b).abs().max().item():.3g}")
+
+
+def test_a_tensor_option_changed_in_place_is_read_again():
+    def run(t):
+        params, state = initial_state()
+        engine = CompressedStep(OneBitConfig.from_options(freeze_step=4), state,
+                                decoupled=lambda group: True, transport=t)
+        lr = torch.tensor(LR)
+        groups = [{"params": params, "lr": lr, "betas": BETAS, "eps": EPS, "weight_decay": 0.0}]
+        moved = []
+        for step in range(3):
+            if step == 2:
+                lr.fill_(0.0)  # as a scheduler of a tensor lr does
+            before = [p.clone() for p in params]
+            engine.ensure_ready(params)
+            engine.step(groups, {p: gradient(step, t.rank, p.shape) for p in params})
+            moved.append(max((a - b).abs().max().item() for a, b in zip(params, before)))
+        return moved
+    for moved in run_threads(2, run, timeout=120):
+        assert moved[0] > 0 and moved[1] > 0 and moved[2] == 0, (
+            f"largest change per step {moved}: with lr set to 0 in place, the last must be 0")

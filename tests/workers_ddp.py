@@ -9,6 +9,7 @@ import functools
 import gc
 import io
 import os
+import threading
 import warnings
 from dataclasses import dataclass
 from functools import partial
@@ -21,6 +22,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import hvd_onebit.ddp
 from tests.scenarios import run_scenarios
+from tests.sync_counter import HostReads
 
 BUCKET_MB = 0.0005  # the model's momentum spans two buckets
 LRS = (1e-2, 5e-3)  # two param groups
@@ -1104,6 +1106,37 @@ def averaged_gradient_poisoned(iterations: int = 8, poisoned: tuple = (1, 5)) ->
     return out
 
 
+def host_reads(steps: int = FREEZE + 4) -> dict:
+    """The reads of tensor values by the library's own lines per step (each a device-to-host
+    sync on a GPU; torch's Adam's own left out), with lr and betas given as floats and, from
+    the freeze on, as tensors of the same values (torch's own Adam steps otherwise on tensor
+    options than on floats): per run the (backward, step()) counts of each step and the
+    parameters."""
+    me, out = threading.get_ident(), {}
+    for tensors in (False, True):
+        model = make_model()
+        opt = onebit(model)
+        for group in opt.param_groups:  # the values float32 rounds them to
+            group["lr"] = torch.tensor(group["lr"]).item()
+            group["betas"] = tuple(torch.tensor(group["betas"]).tolist())
+        counts = []
+        with HostReads() as reads:
+            for step in range(steps):
+                if tensors and step == FREEZE:
+                    for group in opt.param_groups:
+                        group["lr"] = torch.tensor(group["lr"])
+                        group["betas"] = torch.tensor(group["betas"]).unbind()
+                before = reads.count_ours(me)
+                opt.zero_grad()
+                x, y = batch(step, dist.get_rank())
+                torch.nn.functional.mse_loss(model(x), y).backward()
+                middle = reads.count_ours(me)
+                opt.step()
+                counts.append((middle - before, reads.count_ours(me) - middle))
+        out["tensors" if tensors else "floats"] = {"counts": counts, "params": params_of(model)}
+    return out
+
+
 def grad_scaler_skips(iterations: int = 8, poisoned: tuple = (1, 5)) -> list[dict]:
     """A GradScaler through scaler.step(opt); at each iteration in ``poisoned`` the last rank's
     loss is inf (iteration 1 in the warmup, 5 in the compression phase): per iteration the
@@ -1254,7 +1287,7 @@ def suite(scratch: Optional[str] = None, stage: Optional[str] = None) -> dict:
                      another_wrapper=another_wrapper_runs,
                      rolled_back=rolled_back_mid_step, copied=copied_model,
                      bucket_views=bucket_views, scaler_wrapped=grad_scaler_through_a_wrapper,
-                     grad_scaler=grad_scaler_skips)
+                     grad_scaler=grad_scaler_skips, host_reads=host_reads)
     if stage is not None:
         scenarios["flushed"] = partial(flushed_checkpoint, f"{scratch}/flushed.pt",
                                        stage == "save")

@@ -19,6 +19,7 @@ from .averaging import Averaging
 from .collectives import Collectives
 from .error_feedback import ErrorFeedback
 from .fusion import FusedBuckets
+from .host_options import HostOptions
 from .refresh import VarianceRefresh
 from .variance import FrozenVariance
 
@@ -66,6 +67,7 @@ class CompressedStep:
         self.refresher = VarianceRefresh(config.refresh, backend, self.fused, self.collectives,
                                          self.variance, self.terms, self.error_feedback)
         self.averaging = Averaging(self.fused, self.collectives, self.terms, self.transport)
+        self.options = HostOptions()  # tensor options (lr, betas) read once per step
 
     world = property(lambda self: self.transport.size, doc="Ranks taking part now.")
     rank = property(lambda self: self.transport.rank)
@@ -136,7 +138,7 @@ class CompressedStep:
 
     def start_bucket(self, param_groups: list[dict], grads: Mapping) -> None:
         """Start the next bucket's exchange now (``grads`` as for :meth:`step`)."""
-        self.averaging.start_next(param_groups, grads)
+        self.averaging.start_next(self.options.of(param_groups), grads)
 
     def abandon_early(self) -> None:
         """Wait out the buckets started early and drop them (the step is not taken)."""
@@ -161,7 +163,7 @@ class CompressedStep:
             NonFiniteInputError: on every rank when any rank's momentum (or a server's average)
                 was not finite; then nothing was changed anywhere.
         """
-        owner = set(self.params)
+        owner, param_groups = set(self.params), self.options.of(param_groups)
         if self.collectives.onebit:
             nbytes = self.averaging.onebit(param_groups, owner, grads, stale)
             if self.world > 1:
@@ -171,12 +173,18 @@ class CompressedStep:
         self.variance.count_step(owner)
         return nbytes
 
-    def ranks_with(self, flags: Sequence[bool], device: torch.device) -> tuple[int, ...]:
+    def ranks_with(self, flags: Sequence, device: torch.device) -> tuple[int, ...]:
         """On how many ranks each of ``flags`` is set: one exact sum of one small vector through
-        the transport, for decisions every rank must take alike from what only it has seen."""
+        the transport, for decisions every rank must take alike from what only it has seen.
+        A flag is a bool or a 0-dim tensor on ``device``, written into the vector unread (the
+        sum's result is the one read)."""
         if self.world == 1:
             return tuple(int(f) for f in flags)
-        vector = torch.tensor([1.0 if f else 0.0 for f in flags], device=device)
+        vector = torch.tensor([0.0 if isinstance(f, torch.Tensor) else float(bool(f))
+                               for f in flags], device=device)
+        for i, f in enumerate(flags):
+            if isinstance(f, torch.Tensor):
+                vector[i] = f
         (counts,), _ = self.transport.exact_sum([vector], "hvd_onebit.agree")
         return tuple(int(c) for c in counts.tolist())
 
@@ -191,11 +199,11 @@ class CompressedStep:
     def refresh(self, param_groups: list[dict], grads: Mapping,
                 error_feedback: str = "rescale") -> int:
         """A variance refresh step (:meth:`VarianceRefresh.run`); the bytes this rank sent."""
-        return self.refresher.run(param_groups, grads, error_feedback)
+        return self.refresher.run(self.options.of(param_groups), grads, error_feedback)
 
     def flush_error_feedback(self, param_groups: list[dict]) -> int:
         """Fold every rank's errors into the momentum (:meth:`ErrorFeedback.flush`)."""
-        return self.error_feedback.flush(param_groups)
+        return self.error_feedback.flush(self.options.of(param_groups))
 
     def error_feedback_state_dict(self) -> dict:
         return self.error_feedback.state_dict()

@@ -20,7 +20,7 @@ from ..state import sent_record
 from ..state.schedule import Schedule
 from ..state.telemetry import Telemetry
 from .amp import ScalerView
-from .gradients import all_finite
+from .gradients import nonfinite_flag
 
 
 class GradientAllreduce(Protocol):
@@ -98,11 +98,12 @@ def _take(kind: FullPrecisionStep, allreduce: GradientAllreduce, telemetry: Tele
     race = allreduce.race()
     if scaler is not None:
         scaler.unscale()
-        here = not scaler.found_inf()
-    else:
-        here = all_finite(allreduce.averaged_gradients())
+        nonfinite_here = scaler.found_inf()
+    else:  # a flag on the device, read with the agreement (one read for the step)
+        nonfinite_here = nonfinite_flag(allreduce.averaged_gradients())
     nonfinite, raced, stale, unusable = ranks.ranks_with((
-        not here, race is not None, schedule.record_stale(),
+        False if nonfinite_here is None else nonfinite_here, race is not None,
+        schedule.record_stale(),
         not sent_record.usable(schedule, ranks.first)))
     if raced:
         raise RuntimeError(race_message(race, raced))
@@ -112,6 +113,7 @@ def _take(kind: FullPrecisionStep, allreduce: GradientAllreduce, telemetry: Tele
         schedule.restart_monitor()
         warnings.warn(record_restarted_message(schedule.steps, stale))
     finite = nonfinite == 0
+    here = finite or not bool(nonfinite_here)  # read again only for a skipped step
     if not finite and scaler is not None and here:
         scaler.skipped()  # another rank's inf: this rank's scaler backs off as that one's does
     elif not finite and scaler is None:

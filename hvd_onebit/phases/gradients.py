@@ -36,19 +36,21 @@ def sparse_gradient_error(view: OptimizerView, p: torch.Tensor) -> TypeError:
                      f"Adam needs dense gradients: {view.sparse_advice}")
 
 
-def all_finite(tensors: list[torch.Tensor]) -> bool:
-    """Whether no tensor holds inf or NaN: one vectorised read pass, no allocation per tensor.
+def nonfinite_flag(tensors: list[torch.Tensor]) -> Optional[torch.Tensor]:
+    """A 0-dim bool tensor, set where some tensor holds inf or NaN, not read (on a GPU a read is
+    a sync; a full-precision step reads it with the ranks' agreement); None without tensors.
+    One vectorised read pass, no allocation per tensor.
 
     The float32 (or float64) sum is inf/NaN when an element is; it can also overflow when the
     values are near float32's limit, and such gradients are as good as non-finite anyway (the
     step is skipped).
     """
     if not tensors:
-        return True
+        return None
     # Summed in float32 at least: a float16 sum overflows at 65504 where the values are finite.
     sums = [(t.coalesce().values() if t.is_sparse else t).sum(
         dtype=torch.float32 if is_low_precision(t) else None) for t in tensors]
-    return bool(torch.isfinite(torch.stack(sums)).all())
+    return ~torch.isfinite(torch.stack(sums)).all()
 
 
 def adam_step(view: OptimizerView, schedule: Schedule) -> None:
