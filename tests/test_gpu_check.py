@@ -52,6 +52,11 @@ def test_dry_run_checks_bits_and_virtual_ranks_on_cpu(tmp_path):
     engine = [m for m in ("flat.py", "adam_terms.py", "variance.py", "averaging.py",
                           "transaction.py", "step.py") if m in host]
     assert calls and int(calls.group(1)) > 100 and engine, f"the step's host profile: {host}"
+    paths = checks["engine_paths"]
+    assert paths["ok"] and paths["buckets"] > 1 and paths["early_starts"] == 4 * paths["buckets"] \
+        and set(paths["stages"]) == {"alone", "early", "tensor_options", "flushed_in_pieces"}, \
+        f"the engine's paths: {paths}"
+    assert checks["wide"]["ok"] and not checks["wide"]["wide"], f"wide: {checks['wide']}"
     probe = checks["probe"]
     assert probe["ok"] and probe["probe"]["device"] == "cpu" and probe["probe"]["ranks"] == 2, \
         f"check --probe under torchrun: {probe}"

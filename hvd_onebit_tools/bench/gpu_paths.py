@@ -1,0 +1,168 @@
+"""The GPU check's runs of the engine's paths beyond one plain step, and of the kernels past 2**31
+elements (``benchmarks/gpu_check.py``: ``engine_paths``, ``wide``).
+
+``engine_paths``: the compression engine (``CompressedStep``) on 2 virtual ranks, one run on the
+device and the same run on CPU with the native kernels, each taking in turn
+- steps of ``step()`` alone;
+- steps whose buckets start early (``begin_step``, then ``start_bucket`` for each, as the
+  overlap's gradient hooks start them), then ``step()``;
+- steps with ``lr`` and ``betas`` as tensors on the device (fused or capturable Adam's), the
+  host syncs of the steady one counted on CUDA;
+- ``flush_error_feedback`` summed in pieces that cut across the parameters.
+After each stage: whether the ranks hold the same parameters, and whether the device's bits are
+the CPU's.
+
+``wide``: the worker compression and the decode of one buffer of more than 2**31 elements,
+where the Triton kernels take int64 positions: Triton's bits against the torch twins' on the
+same device (a CPU reference of that size would take minutes).
+"""
+from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
+
+STAGES = ("alone", "early", "tensor_options", "flushed_in_pieces")
+
+
+def _digest(tensors) -> bytes:
+    import torch
+    flat = torch.cat([t.detach().reshape(-1).float() for t in tensors]).cpu()
+    return flat.view(torch.uint8).numpy().tobytes()
+
+
+@contextmanager
+def _flush_piece(elements: int):
+    """The flush summed in pieces of ``elements`` (a model larger than a piece is flushed so)."""
+    from hvd_onebit.engine import error_feedback
+    saved = error_feedback.FLUSH_PIECE
+    error_feedback.FLUSH_PIECE = elements
+    try:
+        yield
+    finally:
+        error_feedback.FLUSH_PIECE = saved
+
+
+def _engine_run(t, device: str, width: int, layers: int, gate, syncs: dict) -> dict:
+    """One rank's run of :data:`STAGES` on ``device``: the parameters' bytes after each."""
+    import torch
+    from hvd_onebit.config import OneBitConfig
+    from hvd_onebit.engine import NOT_FROZEN, CompressedStep
+    from hvd_onebit_tools.bench.syncs import SyncRecorder
+
+    g = torch.Generator().manual_seed(0)
+    shapes = [s for _ in range(layers) for s in ((width, width), (width,))]
+    params = [torch.randn(s, generator=g).to(device) for s in shapes]
+    state = {p: {"step": torch.tensor(10.0, device=device),
+                 "exp_avg": (torch.randn(p.shape, generator=g) * 1e-3).to(device),
+                 "exp_avg_sq": (torch.rand(p.shape, generator=g) * 1e-6 + 1e-9).to(device),
+                 "frozen_variance_step": NOT_FROZEN} for p in params}
+    config = OneBitConfig.from_options(
+        freeze_step=10, bucket_size_mb=(width * width + width) * 4 / 2**20)
+    engine = CompressedStep(config, state, decoupled=lambda group: True, transport=t)
+    groups = [{"params": params, "lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8,
+               "weight_decay": 0.01}]
+
+    def grads(step: int) -> dict:
+        gen = torch.Generator().manual_seed(1000 * step + t.rank)
+        return {p: (torch.randn(p.shape, generator=gen) * 1e-3).to(device) for p in params}
+
+    def step(k: int, early: bool = False, counted: bool = False) -> None:
+        engine.ensure_ready(params)
+        found = grads(k)
+        if counted:
+            gate.wait()
+            if t.rank == 0:
+                torch.cuda.synchronize()
+                syncs["recorder"] = SyncRecorder().__enter__()
+            gate.wait()
+        if early:
+            engine.begin_step()
+            for _ in engine.buckets:
+                engine.start_bucket(groups, found)
+        engine.step(groups, found)
+        if counted:
+            gate.wait()
+            if t.rank == 0:
+                syncs["recorder"].__exit__(None, None, None)
+
+    out = {}
+    for k in range(2):
+        step(k)
+    out["alone"] = _digest(params)
+    for k in range(2, 4):
+        step(k, early=True)
+    out["early"] = _digest(params)
+    groups[0]["lr"] = torch.tensor(1e-3, device=device)
+    groups[0]["betas"] = (torch.tensor(0.9, device=device), torch.tensor(0.999, device=device))
+    step(4, early=True)  # the options read once
+    step(5, early=True, counted=device == "cuda")
+    out["tensor_options"] = _digest(params)
+    with _flush_piece(4099):
+        engine.flush_error_feedback(groups)
+    out["flushed_in_pieces"] = _digest([*params, *(b.momentum for b in engine.buckets)])
+    out["buckets"], out["early_starts"] = len(engine.buckets), engine.early_starts
+    return out
+
+
+def check_engine_paths(device: str, width: int = 1024, layers: int = 3) -> dict:
+    """See the module's docstring; ok when the ranks agree and the device gives the CPU's bits
+    after every stage, every bucket started early, and (on CUDA) the steady step with tensor
+    options synced at most once outside the in-process transport."""
+    from hvd_onebit.transport.inprocess import run_threads
+
+    def runs(dev: str) -> tuple[list, dict]:
+        gate, syncs = threading.Barrier(2), {}
+        return run_threads(2, lambda t: _engine_run(t, dev, width, layers, gate, syncs),
+                           timeout=600), syncs
+
+    here, syncs = runs(device)
+    cpu, _ = runs("cpu")
+    out = {"ranks": 2, "buckets": here[0]["buckets"], "early_starts": here[0]["early_starts"],
+           "stages": {s: {"ranks_identical": here[0][s] == here[1][s],
+                          "equal_to_cpu": here[0][s] == cpu[0][s]} for s in STAGES}}
+    ok = all(v["ranks_identical"] and v["equal_to_cpu"] for v in out["stages"].values())
+    ok &= out["buckets"] > 1 and out["early_starts"] == 4 * out["buckets"]
+    if "recorder" in syncs:
+        out["tensor_options_step"] = syncs["recorder"].summary(2)
+        ok &= out["tensor_options_step"]["host_syncs_per_rank"] <= 1
+    out["ok"] = bool(ok)
+    return out
+
+
+def check_wide(device: str = "cuda", numel: int = (1 << 31) + 4099, n: int = 2) -> dict:
+    """See the module's docstring: each output of Triton's worker compression and decode equal
+    to the torch twins' on the device, at ``numel`` elements (the default layout)."""
+    import torch
+    from hvd_onebit import kernels
+    from hvd_onebit.config import DEFAULT_BLOCK_SIZE
+    from hvd_onebit.kernels.triton.launch import wide
+    from hvd_onebit.layout import Layout
+
+    L = Layout.build(numel, n, DEFAULT_BLOCK_SIZE)
+    g = torch.Generator(device=device).manual_seed(numel)
+    x = torch.randn(numel, generator=g, device=device)
+    y_prev = torch.randn(L.padded, generator=g, device=device)
+    prev_scales = torch.rand(L.n * L.nblocks, generator=g, device=device)
+    found = {}
+    for backend in ("triton", "torch"):
+        y_out = torch.empty(L.padded, device=device)
+        send = torch.empty(L.n * L.row_bytes, dtype=torch.uint8, device=device)
+        finite = kernels.worker_compress(x, y_prev, prev_scales, y_out, send, L, backend)
+        found[backend] = (bool(finite), y_out, send)
+        if device == "cuda":
+            torch.cuda.synchronize()
+    del x, y_prev
+    (t_ok, t_y, t_send), (r_ok, r_y, r_send) = found["triton"], found["torch"]
+    compress = {"finite": t_ok == r_ok, "y": bool(torch.equal(t_y, r_y)),
+                "rows": bool(torch.equal(t_send, r_send))}
+    del found, t_y, r_y, r_send
+    decoded = {}
+    for backend in ("triton", "torch"):
+        out = torch.empty(numel, device=device)
+        kernels.decode(t_send, out, L, backend)
+        decoded[backend] = out
+        del out
+    decode = bool(torch.equal(decoded["triton"], decoded["torch"]))
+    return {"ok": bool(all(compress.values()) and decode), "numel": numel, "n": n,
+            "block": DEFAULT_BLOCK_SIZE, "wide": wide(L.nblocks * L.n, L.block),
+            "worker_compress": compress, "decode": decode}
