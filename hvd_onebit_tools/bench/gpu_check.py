@@ -424,7 +424,7 @@ def _profile_text(prof, sort: str, limit: int) -> str:
 
 
 SWEEP = ((8, 2048, 64), (8, 2048, None), (8, 1024, 64), (8, 1024, None), (8, 512, None),
-         (4, 1024, None))
+         (4, 1024, None), (8, 2048, 96), (8, 4096, 64), (16, 2048, 64), (4, 2048, 64))
 
 
 def check_kernel_sweep(device: str = "cuda", numels=(16 << 20, 128 << 20), variants=SWEEP,
