@@ -17,6 +17,12 @@ and for models whose parameters such an optimizer trains (others keep Horovod's)
   error feedback into the momentum (:meth:`flush_error_feedback`), so the committed state loses
   none of it when a reset restores it. Cost: one full-precision allreduce of the momentum per
   commit in the compression phase, ``2 (n-1)/n * 4`` bytes per parameter sent by each rank.
+  A rank lost during that flush does not stop the commit: Horovod's state saves its handlers
+  one after the other (the model's before the optimizer's), so a commit that stopped there
+  would restore the model one step ahead of the optimizer and the batch counter, and the step
+  would be taken twice. The commit saves this step everywhere instead, without the fold (a
+  warning says so); the next collective fails as well, and the reset restores this commit,
+  its error feedback from zero as after any reset.
 """
 from __future__ import annotations
 
@@ -26,6 +32,7 @@ import weakref
 
 import horovod.torch as hvd
 import torch
+from horovod.common.exceptions import HorovodInternalError
 from horovod.torch.elastic import state as hvd_state
 
 
@@ -52,6 +59,10 @@ class OneBitStateHandler(hvd_state.OptimizerStateHandler):
                 opt.flush_error_feedback()
             except FloatingPointError as exc:  # the same on every rank; nothing was changed
                 warnings.warn(f"hvd_onebit: commit without folding the error feedback: {exc}")
+            except HorovodInternalError as exc:  # a rank lost: the momenta were not changed
+                warnings.warn(f"hvd_onebit: commit without folding the error feedback, a rank "
+                              f"was lost during the flush ({exc}); the reset that follows "
+                              f"restores this commit")
         super().save()
 
     def restore(self):

@@ -24,7 +24,7 @@ SCENARIOS = {
 }
 
 
-def run_scenario(tmp_path, scenario, refresh=None):
+def run_scenario(tmp_path, scenario, refresh=None, flush_on_commit=False):
     np_, min_np, max_np, hosts = SCENARIOS[scenario]
     (tmp_path / "hosts.txt").write_text(hosts)
     discover = tmp_path / "discover.sh"
@@ -34,6 +34,8 @@ def run_scenario(tmp_path, scenario, refresh=None):
     extra = {"OUT_DIR": str(tmp_path), "SCENARIO": scenario}
     if refresh is not None:
         extra["VARIANCE_REFRESH"] = json.dumps(refresh)
+    if flush_on_commit:
+        extra["FLUSH_ON_COMMIT"] = "1"
     env = job_environment(token, extra=extra)
     cmd = ["horovodrun", "-np", str(np_), "--min-np", str(min_np), "--max-np", str(max_np),
            "--gloo", "--host-discovery-script", str(discover), sys.executable, str(SCRIPT)]
@@ -68,6 +70,16 @@ def assert_identical_at_every_step(steps, text):
                 f"ranks differ at step {step} (world size {size})\n{text[-3000:]}"
 
 
+def assert_each_step_from_the_last(steps, text):
+    """Every step started from parameters a step before it ended with: a restore that took a
+    step twice starts it from its own result."""
+    ended = {(s["step"], s["hash"]) for s in steps}
+    twice = [(s["step"], s["size"]) for s in steps
+             if s["step"] > 0 and (s["step"] - 1, s["before"]) not in ended]
+    assert not twice, f"(step, world size) that did not start from the step before: {twice}" \
+                      f"\n{text[-3000:]}"
+
+
 def assert_finished_together(per_process, size, text):
     done = [line for lines in per_process.values() for line in lines if line.get("done")]
     assert len(done) == size, f"{len(done)} processes finished, expected {size}\n{text[-3000:]}"
@@ -82,7 +94,8 @@ def joiners(per_process):
 
 
 def test_worker_lost_in_compression_phase(tmp_path):
-    per_process, text = run_scenario(tmp_path, "lost")
+    """With flush_on_commit=True: the survivors meet the loss in the commit's flush."""
+    per_process, text = run_scenario(tmp_path, "lost", flush_on_commit=True)
     steps = steps_of(per_process)
     assert {s["size"] for s in steps if s["step"] <= KILL_STEP} == {3}
     assert any(s["phase"] == "compression" and s["size"] == 3 for s in steps), \
@@ -91,6 +104,7 @@ def test_worker_lost_in_compression_phase(tmp_path):
     after = [s for s in steps if s["size"] == 2]
     assert after and all(s["phase"] == "compression" for s in after), after[:3]
     assert_identical_at_every_step(steps, text)
+    assert_each_step_from_the_last(steps, text)
     assert_finished_together(per_process, 2, text)
 
 
@@ -103,6 +117,7 @@ def assert_one_worker_joined(per_process, text, after_step: int, size: int) -> N
     assert first["step"] > after_step and first["phase"] == "compression", first
     assert first["size"] == size and first["opt_steps"] == first["step"] + 1, first
     assert_identical_at_every_step(steps_of(per_process), text)
+    assert_each_step_from_the_last(steps_of(per_process), text)
     assert_finished_together(per_process, size, text)
 
 

@@ -12,7 +12,9 @@ address, so Horovod starts every worker locally). SCENARIO (environment):
   worker, which joins in the compression phase.
 
 Each process appends one JSON line per step to OUT_DIR/<pid>.jsonl, and one when it is done.
-VARIANCE_REFRESH (environment, JSON, optional): the optimizer's ``variance_refresh``.
+VARIANCE_REFRESH (environment, JSON, optional): the optimizer's ``variance_refresh``;
+FLUSH_ON_COMMIT ("1"): ``flush_on_commit=True``, whose flush in the commit after the loss is
+where the survivors meet it. Each step's line has the parameters' hash before the step too.
 """
 import json
 import os
@@ -36,6 +38,7 @@ SCENARIO = os.environ["SCENARIO"]
 TOTAL, FREEZE, KILL_STEP, GROW_STEP = 24, 6, 12, 10
 HOST = os.environ.get("HOROVOD_HOSTNAME")
 REFRESH = json.loads(os.environ.get("VARIANCE_REFRESH", "null"))
+FLUSH = os.environ.get("FLUSH_ON_COMMIT") == "1"
 
 warnings.simplefilter("ignore")
 hvd.init()
@@ -43,7 +46,8 @@ torch.manual_seed(0)
 model = make_model()
 opt = hvd_onebit.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-3),
                                       named_parameters=model.named_parameters(),
-                                      freeze_step=FREEZE, **optimizer_options(REFRESH))
+                                      freeze_step=FREEZE, flush_on_commit=FLUSH,
+                                      **optimizer_options(REFRESH))
 state = hvd.elastic.TorchState(model=model, optimizer=opt, batch=0)
 log = open(OUT / f"{os.getpid()}.jsonl", "a")
 
@@ -70,12 +74,13 @@ def train(state):
         opt.zero_grad()
         x, y = batch(step, hvd.rank())
         nn.functional.mse_loss(model(x), y).backward()
-        refreshes = opt.telemetry()["refreshes"]
+        refreshes, before = opt.telemetry()["refreshes"], params_hash(model)
         opt.step()
         refreshed = opt.telemetry()["refreshes"] > refreshes
         state.batch += 1
         log.write(json.dumps({"step": step, "size": hvd.size(), "rank": hvd.rank(),
                               "phase": opt.phase, "hash": params_hash(model), "host": HOST,
+                              "before": before,
                               "opt_steps": opt.steps, "refreshed": refreshed}) + "\n")
         log.flush()
         if SCENARIO == "grow" and step == GROW_STEP and hvd.rank() == 0:
