@@ -195,11 +195,9 @@ def _probe_horovod(np_: Optional[int], elements: int, repeats: int) -> LinkProbe
 def _auto_transport(device: str) -> str:
     """Every rank: what ``transport="auto"`` takes in this job, as the optimizer decides it
     (:func:`~hvd_onebit.transport.registry.resolve_transport`, then torch.distributed's
-    rendezvous: :func:`~hvd_onebit.transport.rendezvous.init_torch_distributed`, agreed on
-    every rank, within ``HVD_ONEBIT_RENDEZVOUS_S``). A group it set up is taken down again
-    (a process that exits with its group alive can abort in Gloo's threads); a rank whose
-    connections fail after the rendezvous stops with that error (the others wait in theirs)."""
-    import click
+    rendezvous and connections: :func:`~hvd_onebit.transport.rendezvous.init_torch_distributed`,
+    agreed on every rank, each within ``HVD_ONEBIT_RENDEZVOUS_S``). A group it set up is taken
+    down again (a process that exits with its group alive can abort in Gloo's threads)."""
     import horovod.torch as hvd
     import torch.distributed as dist
 
@@ -212,10 +210,8 @@ def _auto_transport(device: str) -> str:
     ours = not dist.is_initialized()
     try:
         init_torch_distributed(device)
-    except TorchRendezvousError as exc:
+    except (TorchRendezvousError, TorchConnectError) as exc:
         return f"Horovod's alltoall and allgather, with a warning: {exc}"
-    except TorchConnectError as exc:
-        stop_together(click.ClickException(str(exc)))
     gloo = os.environ.get("GLOO_SOCKET_IFNAME")
     if ours:
         dist.destroy_process_group()

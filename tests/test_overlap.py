@@ -16,6 +16,9 @@ CASES = ["plain", "passes2", "clip", "scaler", "scaler_clip", "beta1", "beta2", 
 results = shared_suite("tests.workers_overlap:suite", np=2, timeout=400)
 # first in its job: the rendezvous is tried only where torch.distributed is not set up yet
 fallback = shared_suite("tests.workers_overlap:rendezvous_fallback", np=2, timeout=120, order=-1)
+# next (the last rank's Gloo fails to connect; the group is taken down again)
+connect_fallback = shared_suite("tests.workers_overlap:rendezvous_fallback", np=2, timeout=120,
+                                order=-1, kwargs={"broken": "connect"})
 # next (the fallback set nothing up): torch.distributed set up at an address of this host
 routed = shared_suite("tests.workers_overlap:rendezvous_interface", np=2, timeout=120, order=-1)
 
@@ -131,6 +134,22 @@ def test_an_unreachable_rendezvous_falls_back_to_horovod_on_every_rank(fallback)
         assert "TorchRendezvousError" in (r["torch_error"] or "") and \
             "rank(s) [" in r["torch_error"], f"rank {rank}: {r['torch_error']!r}"
         assert r["steps"] == 1, f"rank {rank}: {r['steps']} steps after the fallback, expected 1"
+
+
+def test_gloo_connections_that_fail_after_the_rendezvous_fall_back_on_every_rank(
+        connect_fallback):
+    """The last rank's Gloo cannot connect (no such interface); the others wait for it, within
+    the rendezvous's time, then all agree: no rank waits on in its connections."""
+    for rank, r in enumerate(connect_fallback):
+        assert r["auto"] == "horovod" and any("TorchConnectError" in w or "could not connect"
+                                              in w for w in r["auto_warnings"]), \
+            f"rank {rank}: transport='auto' chose {r['auto']}, warned {r['auto_warnings']}"
+        assert "TorchConnectError" in (r["torch_error"] or "") and \
+            "rank(s) [" in r["torch_error"] and "1]" in r["torch_error"], \
+            f"rank {rank}: transport='torch' raised {r['torch_error']!r}"
+        assert (r["steps"], r["initialized"]) == (1, False), \
+            f"rank {rank}: {r['steps']} steps after the fallback (expected 1), " \
+            f"torch.distributed left set up: {r['initialized']}"
 
 
 def test_gloo_takes_the_interface_that_routes_to_rank_0_where_horovod_names_none(routed):

@@ -146,13 +146,21 @@ def transport_choice() -> dict:
     return out
 
 
-def rendezvous_fallback() -> dict:
-    """torch.distributed's rendezvous made unreachable (rank 0's MASTER_ADDR nowhere): with
-    transport="auto" every rank stays with Horovod and says why; with "torch" every rank raises."""
+def rendezvous_fallback(broken: str = "rendezvous") -> dict:
+    """torch.distributed made unusable: its rendezvous unreachable (rank 0's MASTER_ADDR
+    nowhere), or, with ``broken="connect"``, the last rank's Gloo connections (an interface it
+    does not have) after a rendezvous every rank reaches. With transport="auto" every rank
+    stays with Horovod and says why; with "torch" every rank raises."""
     import os
 
-    os.environ.update({"MASTER_ADDR": "198.18.255.1", "MASTER_PORT": "29999",
-                       "HVD_ONEBIT_RENDEZVOUS_S": "3"})
+    import torch.distributed as dist
+
+    env = {"HVD_ONEBIT_RENDEZVOUS_S": "3"}
+    if broken == "rendezvous":
+        env.update(MASTER_ADDR="198.18.255.1", MASTER_PORT="29999")
+    elif hvd.rank() == hvd.size() - 1:
+        env.update(GLOO_SOCKET_IFNAME="bogus0")
+    os.environ.update(env)
     out = {}
     try:
         with warnings.catch_warnings(record=True) as caught:
@@ -176,8 +184,9 @@ def rendezvous_fallback() -> dict:
         nn.functional.mse_loss(model(x), y).backward()
         opt.step()
         out["steps"] = opt.steps
+        out["initialized"] = dist.is_initialized()
     finally:
-        for key in ("MASTER_ADDR", "MASTER_PORT", "HVD_ONEBIT_RENDEZVOUS_S"):
+        for key in env:
             os.environ.pop(key, None)
     return out
 

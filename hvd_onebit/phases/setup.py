@@ -23,7 +23,8 @@ from .driver import Phases
 from .warmup import Warmup, not_contiguous
 from ..transport.horovod import HorovodJob
 from ..transport.registry import either, resolve_transport, supporting, supports
-from ..transport.rendezvous import TorchRendezvousError, init_torch_distributed
+from ..transport.rendezvous import (TorchConnectError, TorchRendezvousError,
+                                    init_torch_distributed)
 
 
 def check(config: OneBitConfig, param_groups: list[dict], process_set: hvd.ProcessSet,
@@ -95,7 +96,7 @@ def connect(config: OneBitConfig, process_set: hvd.ProcessSet, device: torch.dev
     if transport == "torch" and config.compressor == "onebit" and world > 1:
         try:
             init_torch_distributed(device)
-        except TorchRendezvousError as exc:
+        except (TorchRendezvousError, TorchConnectError) as exc:
             if config.transport != "auto":
                 raise
             warnings.warn(f"hvd_onebit: transport='auto' uses Horovod: {exc}")

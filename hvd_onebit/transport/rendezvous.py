@@ -9,9 +9,14 @@ from typing import Mapping, Optional
 
 import horovod.torch as hvd
 import torch
+from torch.distributed import distributed_c10d
+from torch.distributed.constants import default_pg_timeout
 
 # How long every rank may take to reach rank 0's rendezvous when torch.distributed is set up
 RENDEZVOUS_TIMEOUT_S = 60.0
+# torch's own setter of a group's timeout (private; without it, Gloo's connections are not
+# bounded by the rendezvous's time, whose short timeout would stay on every collective)
+_SET_TIMEOUT = getattr(distributed_c10d, "_set_pg_timeout", None)
 
 
 class TorchRendezvousError(RuntimeError):
@@ -19,9 +24,8 @@ class TorchRendezvousError(RuntimeError):
 
 
 class TorchConnectError(RuntimeError):
-    """After the rendezvous, torch.distributed's group could not connect this rank to the
-    others; raised where the connection failed (the others fail in theirs, or wait for the
-    launcher to end the job), so ``transport="auto"`` cannot agree to fall back on it."""
+    """After the rendezvous, torch.distributed's group could not connect some rank to the
+    others (within the rendezvous's time on Gloo); raised on every rank alike."""
 
 
 def init_torch_distributed(device: torch.device | str = "cpu",
@@ -37,9 +41,12 @@ def init_torch_distributed(device: torch.device | str = "cpu",
     address, which may be a loopback one. Every rank must call it at the same point.
 
     Every rank gets ``timeout_s`` (default ``HVD_ONEBIT_RENDEZVOUS_S`` or 60 s) to reach the
-    rendezvous; whether all did is then agreed through one Horovod allgather, so a network that
-    cannot carry it (a host name that resolves to a loopback address on a cluster, a firewall)
-    is a :class:`TorchRendezvousError` on every rank, not a hang.
+    rendezvous, and on Gloo as long again to connect to the others; whether all did is then
+    agreed through one Horovod allgather each, so a network that cannot carry them (a host
+    name that resolves to a loopback address on a cluster, a firewall that drops the
+    connections between the ranks) is a :class:`TorchRendezvousError` or a
+    :class:`TorchConnectError` on every rank, not a hang. The group's collectives then get
+    torch's default timeout.
     """
     import datetime
 
@@ -81,15 +88,30 @@ def init_torch_distributed(device: torch.device | str = "cpu",
     iface = gloo_interface(os.environ, lambda: interface_towards(addr[0]))
     if backend == "gloo" and iface is not None:
         os.environ["GLOO_SOCKET_IFNAME"] = iface
-    try:
-        dist.init_process_group(backend, store=store, rank=hvd.rank(), world_size=hvd.size())
-    except RuntimeError as exc:  # Gloo's connections between the ranks, after the rendezvous
+    bounded = backend == "gloo" and _SET_TIMEOUT is not None  # NCCL connects lazily
+    error = None
+    try:  # Gloo connects every pair of ranks here: bounded, then agreed
+        dist.init_process_group(backend, store=store, rank=hvd.rank(), world_size=hvd.size(),
+                                **({"timeout": timeout} if bounded else {}))
+    except Exception as exc:  # noqa: BLE001 - refused, timed out, no such interface: agreed
+        error = exc
+    flags = hvd.allgather(torch.tensor([[0 if error is None else 1]], dtype=torch.int32),
+                          name="hvd_onebit.torch_dist_connected").flatten().tolist()
+    failed = [r for r, f in enumerate(flags) if f]
+    if failed:
+        if dist.is_initialized():
+            dist.destroy_process_group()
         raise TorchConnectError(
-            f"torch.distributed's {backend} group could not connect its ranks after the "
-            f"rendezvous at {addr[0]}:{addr[1]} ({_first_line(exc)}); on Gloo, this rank "
-            f"used interface {os.environ.get('GLOO_SOCKET_IFNAME', '(its host name)')}: set "
+            f"torch.distributed's {backend} group could not connect rank(s) {failed} to the "
+            f"others after the rendezvous at {addr[0]}:{addr[1]}"
+            + (f" within {timeout_s:g} s" if bounded else "")
+            + (f" (this rank: {_first_line(error)})" if error is not None else "")
+            + f"; on Gloo, this rank used interface "
+            f"{os.environ.get('GLOO_SOCKET_IFNAME', '(its host name)')}: set "
             "GLOO_SOCKET_IFNAME (NCCL_SOCKET_IFNAME for NCCL) on every rank to the interface "
-            "of the network between the nodes, or pass transport='horovod'") from exc
+            "of the network between the nodes, or pass transport='horovod'") from error
+    if bounded:
+        _SET_TIMEOUT(default_pg_timeout)
 
 
 def gloo_interface(env: Mapping[str, str], towards) -> Optional[str]:
