@@ -88,7 +88,8 @@ def check(model, param_groups: list[dict], process_group, config: OneBitConfig):
                         f"{type(model).__module__}.{type(model).__name__}: wrap it first, "
                         "model = DDP(model), or pass the DDP model a trainer built and runs "
                         "(PyTorch Lightning: self.trainer.strategy.model, in "
-                        "configure_optimizers; Accelerate: what prepare(model) returns); a "
+                        "configure_optimizers; Accelerate: what prepare(model) returns; Hugging "
+                        "Face Trainer: a DDP model of your own, set as trainer.model_wrapped); a "
                         "second DDP wrapper of your own would average every step in full "
                         "precision")
     check_unhooked(model)
