@@ -570,8 +570,9 @@ def test_an_inf_written_into_one_ranks_averaged_gradient_skips_the_step_everywhe
 def test_one_host_read_per_step_with_lr_and_betas_as_floats_or_tensors(world):
     """Each read of a tensor's value is a device-to-host sync on a GPU. A step reads once: its
     ranks' agreement (a full-precision step, the finiteness of the averaged gradients in it) or
-    its buckets' statuses (a compressed step). Tensor options are read once more, when first
-    met or changed; the first compressed step also scans the frozen variance."""
+    its buckets' statuses (a compressed step), through a GradScaler too (its overflow flags
+    travel in the agreement). Tensor options are read once more, when first met or changed;
+    the first compressed step also scans the frozen variance."""
     n, results = world
     for rank, r in enumerate(scenario(results, "host_reads")):
         floats, tensors = r["floats"]["counts"], r["tensors"]["counts"]
@@ -580,6 +581,8 @@ def test_one_host_read_per_step_with_lr_and_betas_as_floats_or_tensors(world):
             f"n={n} rank {rank}: reads per step (backward, step()) with float options {floats}"
         assert tensors == floats[:FREEZE] + [(2, 1)] + floats[FREEZE + 1:], \
             f"n={n} rank {rank}: reads per step with tensor options from the freeze {tensors}"
+        assert r["scaled"]["counts"] == floats, \
+            f"n={n} rank {rank}: reads per step through a GradScaler {r['scaled']['counts']}"
         assert differences(r["tensors"]["params"], r["floats"]["params"], "params") == [], \
             f"n={n} rank {rank}: tensor options stepped otherwise than their float values"
 

@@ -1110,10 +1110,12 @@ def host_reads(steps: int = FREEZE + 4) -> dict:
     """The reads of tensor values by the library's own lines per step (each a device-to-host
     sync on a GPU; torch's Adam's own left out), with lr and betas given as floats and, from
     the freeze on, as tensors of the same values (torch's own Adam steps otherwise on tensor
-    options than on floats): per run the (backward, step()) counts of each step and the
-    parameters."""
+    options than on floats), and with floats through a GradScaler: per run the (backward,
+    step()) counts of each step and the parameters."""
     me, out = threading.get_ident(), {}
-    for tensors in (False, True):
+    for run in ("floats", "tensors", "scaled"):
+        tensors = run == "tensors"
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8) if run == "scaled" else None
         model = make_model()
         opt = onebit(model)
         for group in opt.param_groups:  # the values float32 rounds them to
@@ -1129,11 +1131,16 @@ def host_reads(steps: int = FREEZE + 4) -> dict:
                 before = reads.count_ours(me)
                 opt.zero_grad()
                 x, y = batch(step, dist.get_rank())
-                torch.nn.functional.mse_loss(model(x), y).backward()
+                loss = torch.nn.functional.mse_loss(model(x), y)
+                (loss if scaler is None else scaler.scale(loss)).backward()
                 middle = reads.count_ours(me)
-                opt.step()
+                if scaler is None:
+                    opt.step()
+                else:
+                    scaler.step(opt)
+                    scaler.update()
                 counts.append((middle - before, reads.count_ours(me) - middle))
-        out["tensors" if tensors else "floats"] = {"counts": counts, "params": params_of(model)}
+        out[run] = {"counts": counts, "params": params_of(model)}
     return out
 
 

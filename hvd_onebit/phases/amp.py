@@ -38,9 +38,14 @@ class ScalerView:
         if self._record["stage"] is OptState.READY:
             self._unscale()
 
-    def found_inf(self) -> bool:
-        """Whether unscaling found an inf or NaN (on any device of this optimizer)."""
-        return bool(sum(float(t) for t in self._record["found_inf_per_device"].values()))
+    def found_inf(self) -> bool | torch.Tensor:
+        """Whether unscaling found an inf or NaN (on any device of this optimizer): with every
+        flag on one device, a 0-dim tensor there, not read (on a GPU a read is a sync; a
+        full-precision step reads it with the ranks' agreement); else a bool."""
+        flags = list(self._record["found_inf_per_device"].values())
+        if len({t.device for t in flags}) == 1:
+            return torch.stack([t.reshape(()) for t in flags]).sum() > 0
+        return bool(sum(float(t) for t in flags))
 
     def skipped(self) -> None:
         """The epilogue of a skipped step: the scaler sees an inf, so it backs off as every
