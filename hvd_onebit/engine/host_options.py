@@ -19,15 +19,20 @@ SCALAR_OPTIONS = ("lr", "betas", "eps", "weight_decay")
 
 
 def _tensor_options(group: dict) -> list[tuple[str, int, torch.Tensor]]:
-    """(key, position in ``betas`` or -1, tensor) of each tensor-valued scalar option."""
+    """(key, position in ``betas`` or -1, tensor) of each option given as a one-element tensor
+    (another tensor, such as both betas in one, is left to be read where it is used)."""
     found = []
     for key in SCALAR_OPTIONS:
         value = group.get(key)
-        if isinstance(value, torch.Tensor):
+        if _one_element(value):
             found.append((key, -1, value))
         elif isinstance(value, (tuple, list)):
-            found.extend((key, i, v) for i, v in enumerate(value) if isinstance(v, torch.Tensor))
+            found.extend((key, i, v) for i, v in enumerate(value) if _one_element(v))
     return found
+
+
+def _one_element(value) -> bool:
+    return isinstance(value, torch.Tensor) and value.numel() == 1
 
 
 def read_together(tensors: list[torch.Tensor]) -> list[float]:
@@ -72,8 +77,9 @@ def on_host(param_groups: list[dict], read=read_together) -> list[dict]:
 class HostOptions:
     """``of(param_groups)``: :func:`on_host` of the groups, the tensor options read again only
     when one is another tensor or moved in place (its version): one read for a run whose lr
-    tensor is never changed, one per step for a scheduler that changes it. The groups' other
-    entries are current at every call."""
+    tensor is never changed, one per step for a scheduler that changes it (torch's schedulers
+    ``fill_`` a tensor lr; a write through ``.data`` moves no version and is not seen). The
+    groups' other entries are current at every call."""
 
     def __init__(self):
         self._key: tuple = ()
