@@ -60,9 +60,9 @@ class OneBitStateHandler(hvd_state.OptimizerStateHandler):
             except FloatingPointError as exc:  # the same on every rank; nothing was changed
                 warnings.warn(f"hvd_onebit: commit without folding the error feedback: {exc}")
             except HorovodInternalError as exc:  # a rank lost: the momenta were not changed
-                warnings.warn(f"hvd_onebit: commit without folding the error feedback, a rank "
-                              f"was lost during the flush ({exc}); the reset that follows "
-                              f"restores this commit")
+                warnings.warn(f"hvd_onebit: commit without folding the error feedback: the "
+                              f"flush failed in Horovod ({exc}); after a lost rank, the reset "
+                              f"that follows restores this commit")
         super().save()
 
     def restore(self):

@@ -78,8 +78,10 @@ class HostOptions:
     """``of(param_groups)``: :func:`on_host` of the groups, the tensor options read again only
     when one is another tensor or moved in place (its version): one read for a run whose lr
     tensor is never changed, one per step for a scheduler that changes it (torch's schedulers
-    ``fill_`` a tensor lr; a write through ``.data`` moves no version and is not seen). The
-    groups' other entries are current at every call."""
+    ``fill_`` a tensor lr). A new storage (``lr.data = ...``) is seen; a write into the same
+    storage through ``.data`` or NumPy moves no version and is not. Inference tensors, which
+    have no version, are read at every call. The groups' other entries are current at every
+    call."""
 
     def __init__(self):
         self._key: tuple = ()
@@ -90,7 +92,10 @@ class HostOptions:
         return on_host(param_groups, self._read)
 
     def _read(self, tensors: list[torch.Tensor]) -> list[float]:
-        key = tuple((id(t), t._version) for t in tensors)
+        if any(t.is_inference() for t in tensors):  # no version counter: read every time
+            self._key, self._held = (), []
+            return read_together(tensors)
+        key = tuple((id(t), t._version, t.data_ptr()) for t in tensors)
         if key != self._key:
             self._values = read_together(tensors)
             self._key, self._held = key, list(tensors)

@@ -177,14 +177,16 @@ class CompressedStep:
         """On how many ranks each of ``flags`` is set: one exact sum of one small vector through
         the transport, for decisions every rank must take alike from what only it has seen.
         A flag is a bool or a 0-dim tensor on ``device``, written into the vector unread (the
-        sum's result is the one read)."""
+        sum's result is the one read); the vector is filled on the device (a tensor built from
+        a Python list copies from the host, which on a GPU waits for the stream)."""
         if self.world == 1:
             return tuple(int(f) for f in flags)
-        vector = torch.tensor([0.0 if isinstance(f, torch.Tensor) else float(bool(f))
-                               for f in flags], device=device)
+        vector = torch.zeros(len(flags), device=device)
         for i, f in enumerate(flags):
             if isinstance(f, torch.Tensor):
                 vector[i] = f
+            elif f:
+                vector[i] = 1.0
         (counts,), _ = self.transport.exact_sum([vector], "hvd_onebit.agree")
         return tuple(int(c) for c in counts.tolist())
 

@@ -9,14 +9,9 @@ from typing import Mapping, Optional
 
 import horovod.torch as hvd
 import torch
-from torch.distributed import distributed_c10d
-from torch.distributed.constants import default_pg_timeout
 
 # How long every rank may take to reach rank 0's rendezvous when torch.distributed is set up
 RENDEZVOUS_TIMEOUT_S = 60.0
-# torch's own setter of a group's timeout (private; without it, Gloo's connections are not
-# bounded by the rendezvous's time, whose short timeout would stay on every collective)
-_SET_TIMEOUT = getattr(distributed_c10d, "_set_pg_timeout", None)
 
 
 class TorchRendezvousError(RuntimeError):
@@ -51,6 +46,12 @@ def init_torch_distributed(device: torch.device | str = "cpu",
     import datetime
 
     import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+    from torch.distributed.constants import default_pg_timeout
+
+    # torch's own setter of a group's timeout (private; without it, Gloo's connections are not
+    # bounded by the rendezvous's time, whose short timeout would stay on every collective)
+    set_timeout = getattr(distributed_c10d, "_set_pg_timeout", None)
 
     if dist.is_initialized():
         return
@@ -88,7 +89,7 @@ def init_torch_distributed(device: torch.device | str = "cpu",
     iface = gloo_interface(os.environ, lambda: interface_towards(addr[0]))
     if backend == "gloo" and iface is not None:
         os.environ["GLOO_SOCKET_IFNAME"] = iface
-    bounded = backend == "gloo" and _SET_TIMEOUT is not None  # NCCL connects lazily
+    bounded = backend == "gloo" and set_timeout is not None  # NCCL connects lazily
     error = None
     try:  # Gloo connects every pair of ranks here: bounded, then agreed
         dist.init_process_group(backend, store=store, rank=hvd.rank(), world_size=hvd.size(),
@@ -111,7 +112,7 @@ def init_torch_distributed(device: torch.device | str = "cpu",
             "GLOO_SOCKET_IFNAME (NCCL_SOCKET_IFNAME for NCCL) on every rank to the interface "
             "of the network between the nodes, or pass transport='horovod'") from error
     if bounded:
-        _SET_TIMEOUT(default_pg_timeout)
+        set_timeout(default_pg_timeout)
 
 
 def gloo_interface(env: Mapping[str, str], towards) -> Optional[str]:

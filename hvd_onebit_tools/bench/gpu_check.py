@@ -330,6 +330,7 @@ def check_compressed_step(device: str, width: int = 2048, layers: int = 4) -> di
             peak["syncs"].__exit__(None, None, None)
             torch.cuda.synchronize()
             peak["bytes"] = torch.cuda.max_memory_allocated() - peak["base"]
+        gate.wait()  # the recorder stopped before either rank reads its parameters back
         return {"buckets": len(engine.buckets), "held": held["total"],
                 "param_bytes": 4 * sum(p.numel() for p in params),
                 "params": _bytes(torch.cat([p.reshape(-1) for p in params]))}

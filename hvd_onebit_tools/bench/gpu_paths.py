@@ -77,15 +77,18 @@ def _engine_run(t, device: str, width: int, layers: int, gate, syncs: dict) -> d
                 torch.cuda.synchronize()
                 syncs["recorder"] = SyncRecorder().__enter__()
             gate.wait()
-        if early:
-            engine.begin_step()
-            for _ in engine.buckets:
-                engine.start_bucket(groups, found)
-        engine.step(groups, found)
-        if counted:
-            gate.wait()
-            if t.rank == 0:
-                syncs["recorder"].__exit__(None, None, None)
+        try:
+            if early:
+                engine.begin_step()
+                for _ in engine.buckets:
+                    engine.start_bucket(groups, found)
+            engine.step(groups, found)
+        finally:
+            if counted:  # both ranks past the step before the recorder stops, and both wait
+                gate.wait()  # for it to stop before their next read of a device value
+                if t.rank == 0:
+                    syncs["recorder"].__exit__(None, None, None)
+                gate.wait()
 
     out = {}
     for k in range(2):
@@ -99,8 +102,7 @@ def _engine_run(t, device: str, width: int, layers: int, gate, syncs: dict) -> d
     step(4, early=True)  # the options read once
     step(5, early=True, counted=device == "cuda")
     out["tensor_options"] = _digest(params)
-    with _flush_piece(4099):
-        engine.flush_error_feedback(groups)
+    engine.flush_error_feedback(groups)  # in pieces (check_engine_paths sets their size)
     out["flushed_in_pieces"] = _digest([*params, *(b.momentum for b in engine.buckets)])
     out["buckets"], out["early_starts"] = len(engine.buckets), engine.early_starts
     return out
@@ -113,12 +115,13 @@ def check_engine_paths(device: str, width: int = 1024, layers: int = 3) -> dict:
     from hvd_onebit.transport.inprocess import run_threads
 
     def runs(dev: str) -> tuple[list, dict]:
-        gate, syncs = threading.Barrier(2), {}
+        gate, syncs = threading.Barrier(2, timeout=300), {}
         return run_threads(2, lambda t: _engine_run(t, dev, width, layers, gate, syncs),
                            timeout=600), syncs
 
-    here, syncs = runs(device)
-    cpu, _ = runs("cpu")
+    with _flush_piece(4099):  # set once for both threads
+        here, syncs = runs(device)
+        cpu, _ = runs("cpu")
     out = {"ranks": 2, "buckets": here[0]["buckets"], "early_starts": here[0]["early_starts"],
            "stages": {s: {"ranks_identical": here[0][s] == here[1][s],
                           "equal_to_cpu": here[0][s] == cpu[0][s]} for s in STAGES}}

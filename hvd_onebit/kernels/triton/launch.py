@@ -135,8 +135,9 @@ def device_table(values: tuple, dtype: torch.dtype, device: torch.device) -> tor
     passes the same tensors (addresses) as the last one, so its launches reuse the segment
     tables already on the device instead of building and copying them again; the
     coefficients' tables change with the step count (Adam's bias corrections), so those are
-    copied anew (a few floats per segment, no sync). The kernels only read them. Tables are told apart by their values' signs too: -0.0 equals 0.0
-    (an lr of 0 gives a step of -0.0), and the kernels would take the other one's sign."""
+    copied anew (a few floats per segment, no sync). The kernels only read them. Tables are
+    told apart by their values' signs too: -0.0 equals 0.0 (an lr of 0 gives a step of -0.0),
+    and the kernels would take the other one's sign."""
     signs = tuple(math.copysign(1.0, v) for v in values) if dtype.is_floating_point else None
     return _device_table(values, signs, dtype, device)
 
