@@ -61,7 +61,7 @@ import traceback
 from pathlib import Path
 from typing import Optional
 
-from hvd_onebit_tools.bench.gpu_paths import check_engine_paths, check_wide
+from hvd_onebit_tools.bench.gpu_paths import check_engine_paths, check_wide, layered_engine
 
 
 BIT_CASES = [(7, 3, None), (33, 4, None), (100, 1, None), (4099, 2, None), (5001, 3, 24),
@@ -288,25 +288,14 @@ def check_compressed_step(device: str, width: int = 2048, layers: int = 4) -> di
     import torch
     from hvd_onebit_tools.bench.memory import held_bytes
     from hvd_onebit_tools.bench.syncs import SyncRecorder
-    from hvd_onebit.engine import NOT_FROZEN, CompressedStep
-    from hvd_onebit.config import OneBitConfig
     from hvd_onebit.transport.inprocess import run_threads
 
     cuda = device == "cuda"
-    gate = threading.Barrier(2)
+    gate = threading.Barrier(2, timeout=300)
     peak = {}
 
     def rank_fn(t):
-        g = torch.Generator().manual_seed(0)
-        shapes = [s for _ in range(layers) for s in ((width, width), (width,))]
-        params = [torch.randn(s, generator=g).to(device) for s in shapes]
-        state = {p: {"step": torch.tensor(10.0, device=device),
-                     "exp_avg": (torch.randn(p.shape, generator=g) * 1e-3).to(device),
-                     "exp_avg_sq": (torch.rand(p.shape, generator=g) * 1e-6 + 1e-9).to(device),
-                     "frozen_variance_step": NOT_FROZEN} for p in params}
-        # a bucket per weight matrix: several buckets, each bias packed behind its weight
-        config = OneBitConfig.from_options(freeze_step=10, bucket_size_mb=(width * width + width) * 4 / 2**20)
-        engine = CompressedStep(config, state, decoupled=lambda group: False, transport=t)
+        params, state, engine = layered_engine(t, device, width, layers)
         groups = [{"params": params, "lr": 1e-4, "betas": (0.9, 0.999), "eps": 1e-8,
                    "weight_decay": 0.0}]
         gen = torch.Generator().manual_seed(1 + t.rank)

@@ -44,12 +44,14 @@ def _flush_piece(elements: int):
         error_feedback.FLUSH_PIECE = saved
 
 
-def _engine_run(t, device: str, width: int, layers: int, gate, syncs: dict) -> dict:
-    """One rank's run of :data:`STAGES` on ``device``: the parameters' bytes after each."""
+def layered_engine(t, device: str, width: int, layers: int, decoupled: bool = False) -> tuple:
+    """(params, state, engine): ``layers`` weight matrices of ``width``^2 with their biases on
+    ``device``, an Adam state as after 10 steps (the same on every rank, step counts on the
+    device as fused or capturable Adam keeps them), and a CompressedStep over them on
+    transport ``t`` with a bucket per weight matrix (each bias packed behind its weight)."""
     import torch
     from hvd_onebit.config import OneBitConfig
     from hvd_onebit.engine import NOT_FROZEN, CompressedStep
-    from hvd_onebit_tools.bench.syncs import SyncRecorder
 
     g = torch.Generator().manual_seed(0)
     shapes = [s for _ in range(layers) for s in ((width, width), (width,))]
@@ -60,7 +62,16 @@ def _engine_run(t, device: str, width: int, layers: int, gate, syncs: dict) -> d
                  "frozen_variance_step": NOT_FROZEN} for p in params}
     config = OneBitConfig.from_options(
         freeze_step=10, bucket_size_mb=(width * width + width) * 4 / 2**20)
-    engine = CompressedStep(config, state, decoupled=lambda group: True, transport=t)
+    engine = CompressedStep(config, state, decoupled=lambda group: decoupled, transport=t)
+    return params, state, engine
+
+
+def _engine_run(t, device: str, width: int, layers: int, gate, syncs: dict) -> dict:
+    """One rank's run of :data:`STAGES` on ``device``: the parameters' bytes after each."""
+    import torch
+    from hvd_onebit_tools.bench.syncs import SyncRecorder
+
+    params, _, engine = layered_engine(t, device, width, layers, decoupled=True)
     groups = [{"params": params, "lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8,
                "weight_decay": 0.01}]
 
