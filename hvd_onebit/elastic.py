@@ -21,8 +21,9 @@ and for models whose parameters such an optimizer trains (others keep Horovod's)
   one after the other (the model's before the optimizer's), so a commit that stopped there
   would restore the model one step ahead of the optimizer and the batch counter, and the step
   would be taken twice. The commit saves this step everywhere instead, without the fold (a
-  warning says so); the next collective fails as well, and the reset restores this commit,
-  its error feedback from zero as after any reset.
+  warning says so); the next ``step()`` raises ``HorovodInternalError`` unless a reset came
+  first, so the reset restores this commit (its error feedback from zero, as after any
+  reset) even where the failure did not shut Horovod down.
 """
 from __future__ import annotations
 
@@ -61,11 +62,13 @@ class OneBitStateHandler(hvd_state.OptimizerStateHandler):
                 warnings.warn(f"hvd_onebit: commit without folding the error feedback: {exc}")
             except HorovodInternalError as exc:  # a rank lost: the momenta were not changed
                 warnings.warn(f"hvd_onebit: commit without folding the error feedback: the "
-                              f"flush failed in Horovod ({exc}); after a lost rank, the reset "
-                              f"that follows restores this commit")
+                              f"flush failed in Horovod ({exc}); the reset that follows "
+                              f"restores this commit")
+                _reset_due[opt] = str(exc)
         super().save()
 
     def restore(self):
+        _reset_due.pop(self.value, None)
         super().restore()
         # A reset restarts the error feedback from zero by design (flush_on_commit=True folds
         # it into the committed state first): the load is not a checkpoint missing its errors.
@@ -73,6 +76,7 @@ class OneBitStateHandler(hvd_state.OptimizerStateHandler):
 
     def sync(self):
         opt = self.value
+        _reset_due.pop(opt, None)
         root = committed_root(opt)
         opt.reset_collectives()
         hvd.broadcast_optimizer_state(opt, root_rank=root)
@@ -94,6 +98,19 @@ class OneBitModelStateHandler(hvd_state.ModelStateHandler):
 
 
 _live_optimizers: "weakref.WeakSet" = weakref.WeakSet()
+# optimizers whose last commit went on past a failed flush, with the failure: their next step()
+# raises it, so that the job resets to that commit
+_reset_due: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def raise_if_reset_due(optimizer) -> None:
+    """Raise ``HorovodInternalError`` (Horovod elastic's signal to reset) when ``optimizer``'s
+    last commit went on past a failed flush and no reset has come since."""
+    failure = _reset_due.get(optimizer)
+    if failure is not None:
+        raise HorovodInternalError(f"hvd_onebit: the last state.commit() went on past a failed "
+                                   f"flush of the error feedback ({failure}); this step resets "
+                                   f"the job to that commit")
 
 
 def register_state_handler(optimizer) -> None:

@@ -83,6 +83,7 @@ class OneBitFace:
     def step(self, closure: Optional[Callable[[], float]] = None, grad_scaler=None):
         """One optimizer step: Horovod + Adam in warmup, 1-bit momentum Adam afterwards.
         ``grad_scaler`` is passed by ``torch.amp.GradScaler.step()`` itself."""
+        elastic.raise_if_reset_due(self)
         return self._phases.step(closure, grad_scaler,
                                  lambda: grad_scaler.unscale_(self), self._make_hook)
 

@@ -173,3 +173,11 @@ def test_sync_takes_the_state_from_a_rank_that_holds_it():
         assert r["after"]["hash"] == r1["trained"], f"rank {rank}: parameters not rank 1's"
     assert (r0["after"]["v"] == r1["after"]["v"]).all(), "frozen variance not rank 1's"
     assert r0["final"] == r1["final"], "ranks differ after training on from the sync"
+    for rank, r in enumerate((r0, r1)):
+        f = r["failed_flush"]
+        assert len(f["warned"]) == 1 and "commit without folding" in f["warned"][0], \
+            f"rank {rank}: a commit past a failed flush warned {f['warned']}"
+        assert f["raised"] and "resets the job to that commit" in f["raised"] \
+            and f["steps_after"] == f["committed"]["steps"] + 1, \
+            f"rank {rank}: the step after it raised {f['raised']!r}; steps after the restore " \
+            f"{f['steps_after']}, committed {f['committed']['steps']}"
