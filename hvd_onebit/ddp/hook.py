@@ -47,11 +47,11 @@ NEVER_RUN = (
     "was given has run no forward with gradients since it was built (its module hooks never "
     "ran), so the gradients did not come from its forward: from another DDP wrapper of the "
     "same module (PyTorch Lightning's, Accelerate's, Hugging Face Trainer's), which averages "
-    "every step in full "
-    "precision, so 1-bit Adam saves nothing; from model.forward(...), which skips the hooks "
-    "the same way; or from model.module(...), which DDP does not average. Pass the DDP model "
-    "the script runs, as model(x) (Lightning: self.trainer.strategy.model, in "
-    "configure_optimizers). (Gradients set by hand for a first step are no such case.)")
+    "every step in full precision, so 1-bit Adam saves nothing; from model.forward(...), "
+    "which skips the hooks the same way; or from model.module(...), which DDP does not "
+    "average. Pass the DDP model the script runs, as model(x) (Lightning: "
+    "self.trainer.strategy.model, in configure_optimizers; Trainer: set "
+    "trainer.model_wrapped to it). (Gradients set by hand for a first step are no such case.)")
 
 STEPPED_ELSEWHERE = (
     "hvd_onebit.ddp.DistributedOptimizer: the DDP model's parameters changed since its last "

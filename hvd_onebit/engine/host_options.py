@@ -1,4 +1,4 @@
-"""Param groups' options as Python numbers, read from tensors once per step.
+"""Param groups' options as Python numbers, read from tensors when first met or changed.
 
 torch's Adam takes ``lr`` and ``betas`` as tensors too (on the GPU with ``capturable`` or
 ``fused``). Each read of one by Python is a device-to-host sync; the compressed step's arithmetic
