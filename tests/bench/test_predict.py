@@ -524,6 +524,21 @@ def test_check_pairs_predictions_with_a_train_report():
     assert pairs[("onebit", "compression")]["transport"] == "torch"
     assert pairs[("onebit", "compression")]["predicted_phases_s"] == torch_step.phases
 
+    # the DDP face's runs (bench train's ddp_* methods), priced as the Horovod face's
+    ddp_rows = [{"method": "ddp_adam", "np": 4, "params": 1_000_000, "all_step_s": 0.2},
+                {"method": "ddp_onebit", "np": 4, "params": 1_000_000, "warmup_step_s": 0.2,
+                 "compression_step_s": 0.05}]
+    ddp = {(p["method"], p["phase"]): p
+           for p in check_report([{**report, "rows": rows + ddp_rows}], cal)["pairs"]}
+    assert {("ddp_adam", "all"), ("ddp_onebit", "warmup"), ("ddp_onebit", "compression")} \
+        <= set(ddp), f"the DDP runs were not compared: {sorted(ddp)}"
+    fp32 = Model(cal).predict("horovod_fp32", Job(params=1_000_000, model="mlp"),
+                              Cluster(nodes=4, inter_bps=10**9, colocated=True))
+    assert ddp[("ddp_adam", "all")]["predicted_s"] == pytest.approx(fp32.step_s)
+    assert ddp[("ddp_onebit", "compression")]["predicted_s"] == pytest.approx(torch_step.step_s)
+    assert (ddp[("ddp_onebit", "compression")]["bound"],
+            ddp[("ddp_onebit", "compression")]["transport"]) == (0.15, "torch")
+
     # bench train --np 4 --ranks-per-node 2 --transport horovod, with onebit_hierarchical
     hier_rows = rows + [{"method": "onebit_hierarchical", "np": 4, "params": 1_000_000,
                          "warmup_step_s": 0.1, "compression_step_s": 0.06,

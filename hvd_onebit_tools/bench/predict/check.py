@@ -12,16 +12,24 @@ from .model import Model
 CHECK_PAIRS = (("local", "all"), ("horovod_fp32", "all"), ("horovod_fp16", "all"),
                ("onebit", "warmup"), ("onebit", "compression"), ("onebit_hierarchical", "warmup"),
                ("onebit_hierarchical", "compression"), ("onebit_refresh", "warmup"),
-               ("onebit_refresh", "compression"), ("onebit_refresh", "refresh"))
+               ("onebit_refresh", "compression"), ("onebit_refresh", "refresh"),
+               ("ddp_adam", "all"), ("ddp_onebit", "warmup"), ("ddp_onebit", "compression"),
+               ("ddp_onebit_refresh", "warmup"), ("ddp_onebit_refresh", "compression"),
+               ("ddp_onebit_refresh", "refresh"))
 # the library's defaults (onebit_refresh) take flat 1-bit's steps, and a refresh step is
-# priced as a full-precision one, as the whole-run figures price it
+# priced as a full-precision one, as the whole-run figures price it; the DDP face's runs are
+# priced as the Horovod face's (DDP + Adam as an fp32 allreduce: the model prices one
+# allreduce of the gradients, whoever runs it)
 PREDICTED_AS = {"onebit": "onebit", "onebit_hierarchical": "onebit_hierarchical",
-                "onebit_refresh": "onebit"}
+                "onebit_refresh": "onebit", "ddp_onebit": "onebit",
+                "ddp_onebit_refresh": "onebit"}
+FULL_PRECISION = ("horovod_fp32", "ddp_adam")  # methods priced as an fp32 allreduce
 
 
 def bound_for(method: str, phase: str, bandwidth: str) -> float:
-    """The issue's bounds: 25%, and 15% for the compressed step at 1 Gbit/s."""
-    return 0.15 if (method, phase, bandwidth) == ("onebit", "compression", "1gbit") else 0.25
+    """The bounds: 25%, and 15% for flat 1-bit's compressed step at 1 Gbit/s (either face)."""
+    return 0.15 if (method in ("onebit", "ddp_onebit") and (phase, bandwidth) == (
+        "compression", "1gbit")) else 0.25
 
 
 def model_transport(config: dict) -> str:
@@ -153,13 +161,14 @@ def check_report(reports: list[dict], cal: dict, compute_s: Optional[float] = No
                Job(params=row0["params"], compute_s=compute_s, adam_s=adam_s,
                    warmup_frac=cfg["warmup_frac"]))
         fp32 = model.predict("horovod_fp32", job, cl)
-        preds = {("local", "all"): (model.compute(job, cl, free_running=True)[0], None),
-                 ("horovod_fp32", "all"): (fp32.step_s, fp32.phases)}
+        preds = {("local", "all"): (model.compute(job, cl, free_running=True)[0], None)}
+        preds.update({(m, "all"): (fp32.step_s, fp32.phases) for m in FULL_PRECISION})
         for method, predicted in PREDICTED_AS.items():
             preds[(method, "warmup")] = (fp32.step_s, fp32.phases)
             p = model.predict(predicted, job, cl)
             preds[(method, "compression")] = (p.step_s, p.phases)
-        preds[("onebit_refresh", "refresh")] = (fp32.step_s, fp32.phases)
+        for method in ("onebit_refresh", "ddp_onebit_refresh"):
+            preds[(method, "refresh")] = (fp32.step_s, fp32.phases)
         fp16 = model.predict("horovod_fp16", job, cl)
         preds[("horovod_fp16", "all")] = (fp16.step_s, fp16.phases)
         for method, phase in CHECK_PAIRS:
@@ -175,7 +184,8 @@ def check_report(reports: list[dict], cal: dict, compute_s: Optional[float] = No
             names = sorted({k for b in parts for k in b})
             breakdown = {k: statistics.median(b.get(k, 0.0) for b in parts) for k in names}
             pairs.append({"np": n, "ranks_per_node": L, "bandwidth": bw, "model": model_name,
-                          "transport": transport if method.startswith("onebit") else "horovod",
+                          "transport": (transport if "onebit" in method else
+                                        "torch" if method.startswith("ddp") else "horovod"),
                           "method": method, "phase": phase, "predicted_s": pred,
                           "measured_s": med, "measured_min_s": min(vals),
                           "measured_max_s": max(vals), "measured_runs_s": vals,
