@@ -61,7 +61,8 @@ import traceback
 from pathlib import Path
 from typing import Optional
 
-from hvd_onebit_tools.bench.gpu_paths import check_engine_paths, check_wide, layered_engine
+from hvd_onebit_tools.bench.gpu_paths import (check_engine_paths, check_wide, layered_engine,
+                                              tensors_bytes)
 
 
 BIT_CASES = [(7, 3, None), (33, 4, None), (100, 1, None), (4099, 2, None), (5001, 3, 24),
@@ -322,7 +323,7 @@ def check_compressed_step(device: str, width: int = 2048, layers: int = 4) -> di
         gate.wait()  # the recorder stopped before either rank reads its parameters back
         return {"buckets": len(engine.buckets), "held": held["total"],
                 "param_bytes": 4 * sum(p.numel() for p in params),
-                "params": _bytes(torch.cat([p.reshape(-1) for p in params]))}
+                "params": tensors_bytes(params)}
 
     per_rank = run_threads(2, rank_fn, timeout=600)
     param_bytes = per_rank[0]["param_bytes"]

@@ -26,9 +26,10 @@ from contextlib import contextmanager
 STAGES = ("alone", "early", "tensor_options", "flushed_in_pieces")
 
 
-def _digest(tensors) -> bytes:
+def tensors_bytes(tensors) -> bytes:
+    """The float32 tensors' bytes, one after the other (copied to the host)."""
     import torch
-    flat = torch.cat([t.detach().reshape(-1).float() for t in tensors]).cpu()
+    flat = torch.cat([t.detach().reshape(-1) for t in tensors]).cpu()
     return flat.view(torch.uint8).numpy().tobytes()
 
 
@@ -104,17 +105,17 @@ def _engine_run(t, device: str, width: int, layers: int, gate, syncs: dict) -> d
     out = {}
     for k in range(2):
         step(k)
-    out["alone"] = _digest(params)
+    out["alone"] = tensors_bytes(params)
     for k in range(2, 4):
         step(k, early=True)
-    out["early"] = _digest(params)
+    out["early"] = tensors_bytes(params)
     groups[0]["lr"] = torch.tensor(1e-3, device=device)
     groups[0]["betas"] = (torch.tensor(0.9, device=device), torch.tensor(0.999, device=device))
     step(4, early=True)  # the options read once
     step(5, early=True, counted=device == "cuda")
-    out["tensor_options"] = _digest(params)
+    out["tensor_options"] = tensors_bytes(params)
     engine.flush_error_feedback(groups)  # in pieces (check_engine_paths sets their size)
-    out["flushed_in_pieces"] = _digest([*params, *(b.momentum for b in engine.buckets)])
+    out["flushed_in_pieces"] = tensors_bytes([*params, *(b.momentum for b in engine.buckets)])
     out["buckets"], out["early_starts"] = len(engine.buckets), engine.early_starts
     return out
 
