@@ -291,9 +291,11 @@ def predict(link: LinkProbe, params: str, compute_ms: float,
     rate = model_rate(model, link)
     job = Job(params=parse_params(params), model=None, compute_s=compute_ms / 1e3, adam_s=None,
               warmup_frac=0.0, kernel_speedup=1.0, host_speedup=1.0)
+    # the methods as `bench predict` and `bench train` name them, for the face the probe ran
+    names = ("horovod_fp32", "onebit") if link.via == "Horovod" else ("ddp_adam", "ddp_onebit")
     row = sweep(model, job, [link.ranks], [rate or 1e13], link.ranks_per_node,
-                methods=("horovod_fp32", "onebit"))[0]["methods"]
-    fp32, onebit = row["horovod_fp32"], row["onebit"]
+                methods=names)[0]["methods"]
+    fp32, onebit = (row[n] for n in names)
     speedup = onebit["step_speedup_vs_fp32"]
     if rate is None:  # the model cannot explain the probe: it prices slower hosts than these
         verdict = ("no verdict: these hosts are faster than the calibrated ones, so the model "
@@ -316,11 +318,12 @@ def predict(link: LinkProbe, params: str, compute_ms: float,
             f"{memory} memory through {link.via} in {link.seconds * 1e3:.1f} ms, "
             f"{link.bus_bps / 1e9:.2f} Gbit/s bus rate; {modelled}",
             f"predicted step ({params} parameters, {compute_ms:g} ms compute): "
-            f"{'Horovod' if link.via == 'Horovod' else 'DDP'} fp32 "
-            f"{fp32['step_s'] * 1e3:.1f} ms, 1-bit Adam {onebit['step_s'] * 1e3:.1f} ms "
+            f"{'Horovod fp32' if link.via == 'Horovod' else 'DDP + Adam'} ({names[0]}) "
+            f"{fp32['step_s'] * 1e3:.1f} ms, 1-bit Adam ({names[1]}) "
+            f"{onebit['step_s'] * 1e3:.1f} ms "
             f"({speedup:.2f}x per compressed step, where no method's exchange overlaps "
             f"backward; a run's warmup and refresh steps are fp32's: `hvd-onebit bench predict "
-            f"--run-steps N` prices the whole run): "
+            f"--methods {','.join(names)} --run-steps N` prices the whole run): "
             f"{verdict}" + ("; priced at the calibration's CPU speeds, which overstate a GPU's "
                             "kernels and hosts: `bench predict --kernel-speedup --host-speedup` "
                             "prices them (docs/predicting.md, GPU nodes)"

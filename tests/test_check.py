@@ -251,7 +251,8 @@ def test_probe_under_horovodrun_probes_the_link_and_prices_the_step(np_):
     link = [line for line in lines if line.startswith("link: 2 ranks")]
     assert len(link) == 1 and "Gbit/s bus rate" in link[0], lines
     step = [line for line in lines if line.startswith("predicted step (10M parameters, 50 ms")]
-    assert len(step) == 1 and "Horovod fp32" in step[0] and "1-bit Adam" in step[0], lines
+    assert len(step) == 1 and "Horovod fp32 (horovod_fp32)" in step[0] and \
+        "1-bit Adam (onebit)" in step[0], lines
     assert any(line.startswith("freeze point: ") for line in lines), lines
     assert any(line.startswith("transport='auto' takes torch.distributed's collectives (its "
                                "rendezvous reached by every rank") for line in lines), lines
@@ -381,7 +382,8 @@ def test_np_under_torchrun_probes_the_link_without_horovod():
     assert len(link) == 1, f"expected one link line (rank 0 alone prints):\n{out.stdout}"
     assert "through torch.distributed (gloo)" in link[0] and "Gbit/s bus rate" in link[0], link
     step = [line for line in lines if line.startswith("predicted step (10M parameters, 50 ms")]
-    assert len(step) == 1 and "DDP fp32" in step[0] and "1-bit Adam" in step[0], lines
+    assert len(step) == 1 and "DDP + Adam (ddp_adam)" in step[0] and \
+        "1-bit Adam (ddp_onebit)" in step[0] and "--methods ddp_adam,ddp_onebit" in step[0], lines
     reports = [line for line in lines if line.startswith("freeze point: ")]
     assert len(reports) == 1, f"rank 0 alone reports; {len(reports)} reports:\n{out.stdout}"
 

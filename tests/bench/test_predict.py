@@ -979,3 +979,31 @@ def test_predict_refuses_horovods_group_collectives_on_torchs_transport():
     priced = hvd_onebit([*args, "--transport", "horovod", "--json"])
     assert priced.exit_code == 0 and \
         json.loads(priced.stdout)["inputs"]["hierarchical_ops"] == "group", priced.output
+
+
+def test_predict_names_the_ddp_faces_methods_as_bench_train_does(tmp_path):
+    """`--methods ddp_adam,ddp_onebit`: the DDP face's rows under bench train's names, priced as
+    horovod_fp32 and onebit (the same allreduce; flat 1-bit's stages on torch.distributed), with
+    their whole runs and the flat crossover; ddp_onebit on Horovod's transport is refused."""
+    path = save(fake_calibration(), tmp_path / "cal.json")
+    args = ["bench", "predict", "--calibration", str(path), "--params", "8M", "--compute-ms",
+            "50", "--np", "4,64", "--bandwidth", "1gbit", "--run-steps", "1000", "--json"]
+    both = json.loads(hvd_onebit(
+        args + ["--methods", "horovod_fp32,onebit,ddp_adam,ddp_onebit"]).stdout)
+    ddp = json.loads(hvd_onebit(args + ["--methods", "ddp_adam,ddp_onebit"]).stdout)
+    for row in both["rows"]:
+        ms = row["methods"]
+        for ours, theirs in (("ddp_adam", "horovod_fp32"), ("ddp_onebit", "onebit")):
+            same = {k: v for k, v in ms[ours].items() if k != "method"}
+            assert same == {k: v for k, v in ms[theirs].items() if k != "method"}, \
+                f"np={row['np']}: {ours} {ms[ours]['step_s']} s, {theirs} {ms[theirs]['step_s']} s"
+        assert "run_refresh" in ms["ddp_onebit"] and "run_refresh" not in ms["ddp_adam"], ms
+    assert ddp["crossovers"] == both["crossovers"] and \
+        [list(r["methods"]) for r in ddp["rows"]] == [["ddp_adam", "ddp_onebit"]] * 2, \
+        f"{ddp['crossovers']} against {both['crossovers']}"
+    table = hvd_onebit(args[:-1] + ["--methods", "ddp_adam,ddp_onebit"]).stdout
+    assert "flat 1-bit pays at every n" in table or "flat 1-bit stops paying from" in table, \
+        table
+    refused = hvd_onebit(args + ["--methods", "ddp_onebit", "--transport", "horovod"])
+    assert refused.exit_code == 2 and "runs on torch.distributed" in refused.stderr, \
+        refused.output

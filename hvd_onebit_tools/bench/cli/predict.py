@@ -136,8 +136,10 @@ def check_takes_only_its_own_options(ctx: click.Context) -> None:
 @click.option("--methods", default="horovod_fp32,horovod_fp16,onebit,onebit_hierarchical",
               show_default=True, callback=comma_list(click.Choice(
                   ["horovod_fp32", "horovod_fp16", "onebit", "onebit_hierarchical",
-                   "onebit_hierarchical_group"]), empty_ok=False),
-              help="Methods to predict (onebit_hierarchical_group: with --transport horovod, "
+                   "onebit_hierarchical_group", "ddp_adam", "ddp_onebit"]), empty_ok=False),
+              help="Methods to predict, named as `bench train` names its runs (ddp_adam and "
+                   "ddp_onebit: the DDP face's, priced as horovod_fp32 and onebit on "
+                   "torch.distributed; onebit_hierarchical_group: with --transport horovod, "
                    "the hierarchical scheme with its stages as Horovod collectives of their own "
                    "groups, which the library does not use; with --transport torch, the same as "
                    "onebit_hierarchical).")
@@ -165,7 +167,7 @@ def bench_predict(calibration, nps, ranks_per_node, bandwidths, intra_bandwidth,
     from ..calibrate.files import load_or_shipped
     from ..predict.check import check_report, model_transport, priced_intra_node
     from ..predict.job import Cluster, Job
-    from ..predict.model import Model
+    from ..predict.model import Model, is_onebit
     from ..predict.runs import (RunSetting, add_run_figures, fp32_step_bytes, frozen_at,
                                 print_run_lengths, run_length_sweep, sweep_clusters)
     from ..refresh import option_text, parse_variance_refresh
@@ -180,7 +182,7 @@ def bench_predict(calibration, nps, ranks_per_node, bandwidths, intra_bandwidth,
                                "runs and draws nothing: give one of them")
     if check_dir:
         check_takes_only_its_own_options(click.get_current_context())
-    if run_lengths and not any(m.startswith("onebit") for m in methods):
+    if run_lengths and not any(is_onebit(m) for m in methods):
         raise click.BadParameter(f"--run-lengths prices 1-bit Adam's runs: --methods "
                                  f"{','.join(methods)} names no onebit method",
                                  param_hint="--methods")
@@ -223,6 +225,10 @@ def bench_predict(calibration, nps, ranks_per_node, bandwidths, intra_bandwidth,
               adam_s=None if adam_ms is None else adam_ms / 1e3, warmup_frac=warmup_frac,
               kernel_speedup=kernel_speedup, host_speedup=host_speedup)
     transport = model_transport({"transport": transport})
+    if transport == "horovod" and "ddp_onebit" in methods:
+        raise click.BadParameter("ddp_onebit is the DDP face's compressed step, which runs on "
+                                 "torch.distributed: leave --transport at auto (or torch), or "
+                                 "predict onebit", param_hint="--transport")
     if transport != "horovod" and hierarchical_ops != "global":
         raise click.BadParameter("it chooses how Horovod's collectives run the hierarchical "
                                  "stages, and the transport priced is torch.distributed's, "
@@ -254,7 +260,7 @@ def bench_predict(calibration, nps, ranks_per_node, bandwidths, intra_bandwidth,
     if run_lengths:
         clusters = sweep_clusters(nps, bandwidths, ranks_per_node, intra_bandwidth,
                                   latency_us * 1e-6, intra_latency_us * 1e-6, colocated)
-        ms = ("horovod_fp32",) + tuple(m for m in methods if m.startswith("onebit"))
+        ms = ("horovod_fp32",) + tuple(m for m in methods if is_onebit(m))
         try:
             rows = run_length_sweep(model, job, clusters, run_lengths, setting, ms)
         except ValueError as exc:

@@ -12,6 +12,21 @@ from .constants import KAPPA_OPS, TCP_EFFICIENCY, TRANSPORTS, constants
 from .job import Cluster, Job, Prediction
 
 METHODS = ("horovod_fp32", "horovod_fp16", "onebit", "onebit_hierarchical")
+# the DDP face's methods, named as `bench train` names its runs, and the Horovod face's method
+# each is priced as: DDP + Adam's allreduce is the same ring and bytes as Horovod's fp32 one
+# (Gloo's and NCCL's are not calibrated apart), and the DDP face's compressed step is flat
+# 1-bit's stages on torch.distributed
+DDP_METHODS = {"ddp_adam": "horovod_fp32", "ddp_onebit": "onebit"}
+
+
+def priced_as(method: str) -> str:
+    """The method whose prices ``method`` takes (itself, but for :data:`DDP_METHODS`)."""
+    return DDP_METHODS.get(method, method)
+
+
+def is_onebit(method: str) -> bool:
+    """Whether ``method`` runs 1-bit Adam (a warmup, then compressed steps), on either face."""
+    return priced_as(method).startswith("onebit")
 # hierarchical 1-bit on Horovod's transport with each stage a collective of its own group
 # (process sets, which the library does not use there); on torch's transport the stages are
 # group collectives already, and this method is onebit_hierarchical
@@ -363,12 +378,12 @@ class Model:
         fp32 = self.predict("horovod_fp32", job, cl)
         out = {}
         for m in methods:
-            p = fp32 if m == "horovod_fp32" else self.predict(m, job, cl)
+            p = fp32 if priced_as(m) == "horovod_fp32" else self.predict(priced_as(m), job, cl)
             row = {"method": m, "phases_s": p.phases, "step_s": p.step_s,
                    "bytes_per_rank": p.bytes_per_rank, "step_speedup_vs_fp32": fp32.step_s / p.step_s}
             if p.inter_node_bytes_per_node is not None:
                 row["inter_node_bytes_per_node"] = p.inter_node_bytes_per_node
-            if m.startswith("onebit"):
+            if is_onebit(m):
                 run = job.warmup_frac * fp32.step_s + (1 - job.warmup_frac) * p.step_s
                 row.update({"warmup_step_s": fp32.step_s, "compression_step_s": p.step_s,
                             "run_step_s": run, "run_speedup_vs_fp32": fp32.step_s / run})

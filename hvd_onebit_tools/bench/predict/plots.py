@@ -30,6 +30,7 @@ def plot_sweep(rows: list[dict], path: str, title: str) -> None:
 
     fig, ax = plt.subplots(figsize=(10.5, 5))
     styles = {"horovod_fp16": ("tab:gray", "fp16"), "onebit": ("tab:blue", "flat 1-bit"),
+              "ddp_onebit": ("tab:purple", "flat 1-bit, DDP face"),
               "onebit_hierarchical": ("tab:green", "hierarchical 1-bit (hierarchical.py)"),
               GROUP_METHOD: ("tab:olive", "hierarchical 1-bit, stages as group collectives")}
     dashes = ["-", "--", ":", "-."]

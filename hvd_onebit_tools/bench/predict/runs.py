@@ -26,7 +26,7 @@ from hvd_onebit.layout import ring_allreduce_bytes
 from hvd_onebit.variance_refresh import DOUBLING
 from ..refresh import Option, freeze_step_for, option_text, run_steps
 from .job import Cluster, Job
-from .model import Model
+from .model import Model, is_onebit, priced_as
 
 
 @dataclass
@@ -100,7 +100,7 @@ def add_run_figures(methods: dict, setting: RunSetting, fp32_bytes: float) -> di
     refresh_steps = run_steps(S, freeze_step_for(setting.refresh_freeze_frac, S),
                               setting.variance_refresh)
     for name, row in methods.items():
-        if not name.startswith("onebit"):
+        if not is_onebit(name):
             continue
         args = (row["warmup_step_s"], row["compression_step_s"], fp32_bytes,
                 row["bytes_per_rank"])
@@ -129,7 +129,7 @@ def run_length_sweep(model: Model, job: Job, clusters: list[Cluster], run_length
             ms = add_run_figures({k: dict(v) for k, v in per_step.items()}, s,
                                  fp32_step_bytes(job, cl))
             for name, row in ms.items():
-                if not name.startswith("onebit"):
+                if not is_onebit(name):
                     continue
                 fx, rf = row["run_fixed"], row["run_refresh"]
                 rows.append({"np": cl.n, "ranks_per_node": cl.ranks_per_node,
@@ -177,7 +177,7 @@ def print_run_lengths(report: dict, echo=None) -> None:
          f"{defaults_note(inputs['variance_refresh'], inputs['refresh_freeze_frac'])}; fixed: "
          f"variance_refresh=None frozen at "
          f"{frozen_at(inputs['warmup_frac'], lengths)}")
-    if report.get("note") and any(r["method"] != "onebit" for r in report["rows"]):
+    if report.get("note") and any(priced_as(r["method"]) != "onebit" for r in report["rows"]):
         echo(report["note"])  # a hierarchical row: how its stages are priced
     table = [{**r, "bw": link_text(r["inter_bps"]),
               "fp": f"{r['refresh_full_precision_steps']:,} ({r['refresh_freeze_step']:,}"

@@ -4,7 +4,7 @@ takes over."""
 from __future__ import annotations
 
 from .job import Cluster, Job
-from .model import GROUP_METHOD, METHODS, Model
+from .model import GROUP_METHOD, METHODS, Model, priced_as
 
 
 def sweep(model: Model, job: Job, nps, bandwidths_bps, ranks_per_node: int = 1,
@@ -23,6 +23,12 @@ def sweep(model: Model, job: Job, nps, bandwidths_bps, ranks_per_node: int = 1,
     return rows
 
 
+def flat_method(methods) -> str:
+    """The flat 1-bit row among ``methods`` (``onebit``, else the DDP face's ``ddp_onebit``), or
+    ``onebit`` where there is none."""
+    return next((m for m in methods if priced_as(m) == "onebit"), "onebit")
+
+
 def crossovers(rows: list[dict]) -> dict:
     """Per bandwidth: the world size from which on flat 1-bit's whole run is no faster than fp32
     (it stops paying), and from which on hierarchical 1-bit beats flat (it takes over); None
@@ -37,15 +43,16 @@ def crossovers(rows: list[dict]) -> dict:
     for bps in dict.fromkeys(r["inter_bps"] for r in rows):
         sel = sorted((r for r in rows if r["inter_bps"] == bps), key=lambda r: r["np"])
         d = {"flat_onebit_stops_paying_at": None, "hierarchical_beats_flat_from": None}
-        if "onebit" in sel[0]["methods"] and GROUP_METHOD in sel[0]["methods"]:
+        flat = flat_method(sel[0]["methods"])
+        if flat in sel[0]["methods"] and GROUP_METHOD in sel[0]["methods"]:
             d["hierarchical_group_beats_flat_from"] = from_on(
-                sel, lambda ms: ms[GROUP_METHOD]["run_step_s"] < ms["onebit"]["run_step_s"])
-        if "onebit" in sel[0]["methods"]:
+                sel, lambda ms: ms[GROUP_METHOD]["run_step_s"] < ms[flat]["run_step_s"])
+        if flat in sel[0]["methods"]:
             d["flat_onebit_stops_paying_at"] = from_on(
-                sel, lambda ms: ms["onebit"]["run_speedup_vs_fp32"] <= 1.0)
+                sel, lambda ms: ms[flat]["run_speedup_vs_fp32"] <= 1.0)
             if "onebit_hierarchical" in sel[0]["methods"]:
                 d["hierarchical_beats_flat_from"] = from_on(
                     sel, lambda ms: ms["onebit_hierarchical"]["run_step_s"]
-                    < ms["onebit"]["run_step_s"])
+                    < ms[flat]["run_step_s"])
         out[str(bps)] = d
     return out

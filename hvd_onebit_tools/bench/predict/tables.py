@@ -17,6 +17,7 @@ def print_prediction(report: dict, echo=None) -> None:
     from ..report import print_table
     from .model import GROUP_METHOD
     from .runs import refresh_columns
+    from .sweep import flat_method
 
     echo = echo or click.echo
     table = []
@@ -58,7 +59,7 @@ def print_prediction(report: dict, echo=None) -> None:
             # margin of a few percent is within the model's error
             ms = next(r["methods"] for r in report["rows"]
                       if str(r["inter_bps"]) == bw and r["np"] == n)
-            margin = run_seconds(ms["onebit"]) / run_seconds(ms[method]) - 1
+            margin = run_seconds(ms[flat_method(ms)]) / run_seconds(ms[method]) - 1
             return f"{holds} from n={n} (by {margin:.0%} over the run there)"
         parts = [from_n(c["flat_onebit_stops_paying_at"], "flat 1-bit stops paying",
                         "flat 1-bit pays at every n"),
