@@ -78,6 +78,11 @@ def test_the_cli_runs_one_torchrun_per_node_and_each_rank_in_its_node(runs, clus
         (NODES * PER_NODE, "node", NODES), {k: report[k] for k in ("np", "launches")}
     for node, launch in enumerate(report["ranks"]):
         assert (launch["exit_code"], launch["hostname"]) == (0, f"node{node}"), launch
+        # each node's hosts file names its peers' addresses as the store's sockets see them
+        log = Path(launch["log_path"]).read_text(errors="replace")
+        unnamed = log.count("hostname of the client socket cannot be retrieved")
+        assert unnamed == 0, f"node {node}'s torchrun warned {unnamed} times that a peer's " \
+            f"address has no name"
     node0 = report["ranks"][0]["address"]
     for rank, r in enumerate(runs):
         node, local = divmod(rank, PER_NODE)

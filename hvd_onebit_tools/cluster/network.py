@@ -266,10 +266,16 @@ class Network:
             sh("tc", "-n", h.netns, "qdisc", "add", "dev", "lo", "root", *tbf)
 
     def _write_hosts_files(self) -> None:
-        """/etc/netns/<ns>/hosts: every node name -> its veth address (Gloo resolves hostnames)."""
-        lines = ["127.0.0.1\tlocalhost", "::1\tlocalhost ip6-localhost ip6-loopback",
-                 f"{self.bridge_address}\temu-gateway"]
-        lines += [f"{h.address}\t{h.hostname}" for h in self.hosts]
+        """/etc/netns/<ns>/hosts: every node name -> its veth address (Gloo resolves hostnames).
+        Each IPv4 address also under its IPv4-mapped IPv6 form, as a dual-stack socket (torch's
+        TCPStore) sees its peers, with a name of its own: a name lookup of such an address
+        misses the IPv4 line, falls through to DNS, which the namespace cannot reach, and torch
+        warned of every connection; the names the job resolves keep their IPv4 address only."""
+        named = [("127.0.0.1", "localhost"), (self.bridge_address, "emu-gateway")]
+        named += [(h.address, h.hostname) for h in self.hosts]
+        lines = [f"{a}\t{name}" for a, name in named]
+        lines.insert(1, "::1\tlocalhost ip6-localhost ip6-loopback")
+        lines += [f"::ffff:{a}\t{name}-ipv4-mapped" for a, name in named]
         text = "\n".join(lines) + "\n"
         with _state_lock():
             for h in self.hosts:
