@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Optional
 
 from .job import Cluster, Job
-from .model import Model
+from .model import DDP_METHODS, Model
 
 # (method, phase of bench train's row) -> the predicted quantity
 CHECK_PAIRS = (("local", "all"), ("horovod_fp32", "all"), ("horovod_fp16", "all"),
@@ -18,12 +18,13 @@ CHECK_PAIRS = (("local", "all"), ("horovod_fp32", "all"), ("horovod_fp16", "all"
                ("ddp_onebit_refresh", "refresh"))
 # the library's defaults (onebit_refresh) take flat 1-bit's steps, and a refresh step is
 # priced as a full-precision one, as the whole-run figures price it; the DDP face's runs are
-# priced as the Horovod face's (DDP + Adam as an fp32 allreduce: the model prices one
-# allreduce of the gradients, whoever runs it)
+# priced as the Horovod face's (DDP_METHODS: DDP + Adam as an fp32 allreduce, the model prices
+# one allreduce of the gradients, whoever runs it)
+FULL_PRECISION = ("horovod_fp32",) + tuple(m for m, base in DDP_METHODS.items()
+                                           if base == "horovod_fp32")
 PREDICTED_AS = {"onebit": "onebit", "onebit_hierarchical": "onebit_hierarchical",
-                "onebit_refresh": "onebit", "ddp_onebit": "onebit",
-                "ddp_onebit_refresh": "onebit"}
-FULL_PRECISION = ("horovod_fp32", "ddp_adam")  # methods priced as an fp32 allreduce
+                "onebit_refresh": "onebit", "ddp_onebit_refresh": "onebit",
+                **{m: base for m, base in DDP_METHODS.items() if base not in FULL_PRECISION}}
 
 
 def bound_for(method: str, phase: str, bandwidth: str) -> float:
