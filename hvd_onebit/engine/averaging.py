@@ -89,11 +89,13 @@ class Averaging:
         comms = [self.collectives.of(b) for b in buckets]
         for h in early:
             h.stale = stale
-        terms = self.terms.inputs(param_groups, owner)
+        terms: dict = {}  # the input terms as the options are now, once a bucket starts here
 
         def start(position: int):
             b = buckets[position]
             begun = time.perf_counter()
+            if not terms:  # not when every bucket started early: a pass over every parameter
+                terms.update(self.terms.inputs(param_groups, owner))
             # Decoded straight into exp_avg: outputs are written only once every bucket on every
             # rank has succeeded, so a skipped step leaves the momentum untouched.
             handle = comms[position].allreduce_async(self.terms.momentum_input(b, terms, grads),

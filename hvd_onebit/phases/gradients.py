@@ -39,7 +39,7 @@ def sparse_gradient_error(view: OptimizerView, p: torch.Tensor) -> TypeError:
 def nonfinite_flag(tensors: list[torch.Tensor]) -> Optional[torch.Tensor]:
     """A 0-dim bool tensor, set where some tensor holds inf or NaN, not read (on a GPU a read is
     a sync; a full-precision step reads it with the ranks' agreement); None without tensors.
-    One vectorised read pass, no allocation per tensor.
+    One sum per tensor, stacked into one flag.
 
     The float32 (or float64) sum is inf/NaN when an element is; it can also overflow when the
     values are near float32's limit, and such gradients are as good as non-finite anyway (the
