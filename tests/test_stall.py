@@ -33,7 +33,8 @@ def test_a_call_is_warned_about_once_past_the_limit_and_ended_past_the_shutdown(
         assert due is not None and not due.shutdown, f"at 60.5 s: {due}"
         for part in ("rank 1: optimizer.step() (step count 22) has not returned after 60 s",
                      f"{WARNING_VARIABLE}=60", "a checkpoint loaded on some ranks only",
-                     "requires_grad changed on some ranks only"):
+                     "requires_grad changed on some ranks only",
+                     "a checkpoint written or an evaluation run on rank 0 only"):
             assert part in due.message, f"the warning lacks {part!r}: {due.message}"
         assert SHUTDOWN_VARIABLE not in due.message, \
             f"the warning offers the shutdown that is set: {due.message}"
