@@ -208,6 +208,10 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
         opt = cls(optimizer.param_groups, named_parameters, compression,
                   backward_passes_per_step, op, gradient_predivide_factor, groups,
                   sparse_as_dense, process_set, config)
+    # Horovod's constructor builds the class again from the param groups alone, which leaves
+    # the class's own defaults (Adam's lr=1e-3) where add_param_group fills in a new group's
+    # options: the optimizer's, as the DDP face and the wrapped Adam have them
+    opt.defaults = dict(optimizer.defaults)
     guard_wrapped(optimizer, "hvd_onebit.DistributedOptimizer", opt,
                   "hvd.broadcast_optimizer_state() takes the wrapper too (it steps the "
                   "optimizer it is given once). ")

@@ -190,10 +190,14 @@ def test_gradients_changed_in_flight_in_the_warmup_are_refused_on_every_rank(res
 
 def test_a_parameter_added_in_the_warmup_is_named_by_its_group_and_shape(results):
     """A parameter add_param_group brought in has no name from named_parameters: the messages
-    name it by its param group and shape, not by an internal allreduce name."""
-    for rank, caught in enumerate(scenario(results, "added_in_the_warmup")):
+    name it by its param group and shape, not by an internal allreduce name. Its group takes
+    the optimizer's learning rate (Horovod's constructor left Adam's 1e-3 as the default)."""
+    for rank, r in enumerate(scenario(results, "added_in_the_warmup")):
+        caught = r["warnings"]
         assert len(caught) == 1 and "3 of 3 elements of parameter param group 1, shape (3,)" \
             in caught[0], f"rank {rank}: the warnings about the added parameter: {caught}"
+        assert r["lrs"] == [1e-2, 1e-2], \
+            f"rank {rank}: lr of the first group and of the added one: {r['lrs']}"
 
 
 @pytest.mark.parametrize("phase", ["compression", "warmup", "compression_mid_step"])

@@ -400,7 +400,8 @@ def zero_variance_elements(freeze_step=4, steps=12):
 
 def added_in_the_warmup(freeze_step=3, steps=5):
     """A parameter added to the optimizer in the warmup (``add_param_group``, no name from
-    ``named_parameters``) that never takes a gradient: the warnings at the freeze about it."""
+    ``named_parameters``) that never takes a gradient: the warnings at the freeze about it,
+    and the learning rate of its group and of the first (an Adam built with lr=1e-2)."""
     model = make_model()
     opt = _opt(model, freeze_step)
     with warnings.catch_warnings(record=True) as caught:
@@ -412,7 +413,8 @@ def added_in_the_warmup(freeze_step=3, steps=5):
             x, y = batch(step, hvd.rank())
             nn.functional.mse_loss(model(x), y).backward()
             opt.step()
-    return [str(w.message) for w in caught if "received no gradient" in str(w.message)]
+    held = [str(w.message) for w in caught if "received no gradient" in str(w.message)]
+    return {"warnings": held, "lrs": [g["lr"] for g in opt.param_groups]}
 
 
 def rollback(how: str, src=7, at=10, total=14, freeze_step=5, check_every=1, mid_step=False):
