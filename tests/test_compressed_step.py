@@ -125,3 +125,54 @@ def test_the_update_terms_follow_each_groups_options_from_step_to_step():
     bc1 = 1 - 0.9 ** 10
     want = [[-1e-3 / bc1, -1e-3 / bc1, -2e-3 / bc1], [-5e-4 / bc1, -5e-4 / bc1, -2e-3 / bc1]]
     assert steps == want, f"update steps per parameter, by step: {steps}, want {want}"
+
+
+def _early_or_not(t, early: bool, steps: int = 3) -> dict:
+    """Compressed steps of the engine on virtual rank ``t``, every bucket started before
+    step() (as the gradient hooks start them) or none; the passes over every parameter's
+    input terms per step."""
+    from hvd_onebit.config import OneBitConfig
+    from hvd_onebit.engine import CompressedStep
+    from tests.workers_compressed_step import BETAS, EPS, LR, gradient, initial_state
+
+    params, state = initial_state()
+    engine = CompressedStep(OneBitConfig.from_options(freeze_step=4, bucket_size_mb=0.001), state,
+                            decoupled=lambda group: True, transport=t)
+    groups = [{"params": params, "lr": LR, "betas": BETAS, "eps": EPS, "weight_decay": 0.0}]
+    passes, inputs = [], engine.terms.inputs
+
+    def counted(*args):
+        passes.append(1)
+        return inputs(*args)
+
+    engine.terms.inputs = counted  # the engine's own terms object, counted
+    per_step = []
+    for step in range(steps):
+        engine.ensure_ready(params)
+        grads = {p: gradient(step, t.rank, p.shape) for p in params}
+        before = len(passes)
+        if early:
+            engine.begin_step()
+            for _ in engine.buckets:
+                engine.start_bucket(groups, grads)
+        engine.step(groups, grads)
+        per_step.append(len(passes) - before)
+    return {"passes": per_step, "buckets": len(engine.buckets), "early": engine.early_starts,
+            "params": [p.clone() for p in params]}
+
+
+def test_a_step_whose_buckets_all_started_early_reads_the_input_terms_once():
+    """The input terms (every parameter's numbers at this step) are computed at the first
+    early start; step() computes them again only for a bucket it starts itself. The bits are
+    those of the steps started in step()."""
+    early = run_threads(2, lambda t: _early_or_not(t, early=True), timeout=120)
+    late = run_threads(2, lambda t: _early_or_not(t, early=False), timeout=120)
+    for rank, (e, s) in enumerate(zip(early, late)):
+        assert e["buckets"] > 1 and e["early"] == 3 * e["buckets"], \
+            f"rank {rank}: {e['early']} early starts of {e['buckets']} buckets in 3 steps"
+        assert e["passes"] == [1, 1, 1] and s["passes"] == [1, 1, 1], \
+            f"rank {rank}: passes over the terms per step, early {e['passes']}, in step() " \
+            f"{s['passes']}; want one each"
+        differ = [i for i, (a, b) in enumerate(zip(e["params"], s["params"]))
+                  if not a.equal(b)]
+        assert differ == [], f"rank {rank}: parameters {differ} differ from the late starts'"
