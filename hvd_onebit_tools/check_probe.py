@@ -314,6 +314,12 @@ def predict(link: LinkProbe, params: str, compute_ms: float,
                 f"sums) are taken out of that time: {rate / 1e9:.2f} Gbit/s"
                 + (" per node" if link.ranks_per_node > 1 else ""))
     memory = "GPU" if link.device == "cuda" else "host"
+    # the same prediction for a whole run, as `bench predict` prices it
+    whole_run = (f"hvd-onebit bench predict --methods {','.join(names)} --params {params} "
+                 f"--compute-ms {compute_ms:g} --np {link.ranks}"
+                 + (f" --ranks-per-node {link.ranks_per_node}" if link.ranks_per_node > 1 else "")
+                 + f" --bandwidth {'unlimited' if rate is None else f'{rate / 1e6:.0f}mbit'}"
+                 + " --run-steps N")
     return [f"link: {link.layout()}, fp32 allreduce of {4 * link.elements / 2**20:.0f} MiB of "
             f"{memory} memory through {link.via} in {link.seconds * 1e3:.1f} ms, "
             f"{link.bus_bps / 1e9:.2f} Gbit/s bus rate; {modelled}",
@@ -322,8 +328,8 @@ def predict(link: LinkProbe, params: str, compute_ms: float,
             f"{fp32['step_s'] * 1e3:.1f} ms, 1-bit Adam ({names[1]}) "
             f"{onebit['step_s'] * 1e3:.1f} ms "
             f"({speedup:.2f}x per compressed step, where no method's exchange overlaps "
-            f"backward; a run's warmup and refresh steps are fp32's: `hvd-onebit bench predict "
-            f"--methods {','.join(names)} --run-steps N` prices the whole run): "
+            f"backward; a run's warmup and refresh steps are fp32's: `{whole_run}` prices the "
+            f"whole run): "
             f"{verdict}" + ("; priced at the calibration's CPU speeds, which overstate a GPU's "
                             "kernels and hosts: `bench predict --kernel-speedup --host-speedup` "
                             "prices them (docs/predicting.md, GPU nodes)"

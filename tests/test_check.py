@@ -383,7 +383,9 @@ def test_np_under_torchrun_probes_the_link_without_horovod():
     assert "through torch.distributed (gloo)" in link[0] and "Gbit/s bus rate" in link[0], link
     step = [line for line in lines if line.startswith("predicted step (10M parameters, 50 ms")]
     assert len(step) == 1 and "DDP + Adam (ddp_adam)" in step[0] and \
-        "1-bit Adam (ddp_onebit)" in step[0] and "--methods ddp_adam,ddp_onebit" in step[0], lines
+        "1-bit Adam (ddp_onebit)" in step[0] and \
+        "`hvd-onebit bench predict --methods ddp_adam,ddp_onebit --params 10M --compute-ms 50 " \
+        "--np 2 --bandwidth " in step[0], lines
     reports = [line for line in lines if line.startswith("freeze point: ")]
     assert len(reports) == 1, f"rank 0 alone reports; {len(reports)} reports:\n{out.stdout}"
 

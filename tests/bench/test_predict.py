@@ -1002,8 +1002,14 @@ def test_predict_names_the_ddp_faces_methods_as_bench_train_does(tmp_path):
         [list(r["methods"]) for r in ddp["rows"]] == [["ddp_adam", "ddp_onebit"]] * 2, \
         f"{ddp['crossovers']} against {both['crossovers']}"
     table = hvd_onebit(args[:-1] + ["--methods", "ddp_adam,ddp_onebit"]).stdout
-    assert "flat 1-bit pays at every n" in table or "flat 1-bit stops paying from" in table, \
-        table
+    verdicts = [line for line in table.splitlines() if line.startswith("link 1 Gbit/s: ")]
+    assert len(verdicts) == 1 and "flat 1-bit" in verdicts[0] and \
+        "hierarchical" not in verdicts[0], f"the verdicts of a DDP sweep: {verdicts}"
+    # a sweep without a flat 1-bit row has no verdict to give, and gives none
+    alone = hvd_onebit(args + ["--methods", "ddp_adam"])
+    assert json.loads(alone.stdout)["crossovers"] == {"1000000000": {}}, alone.stdout[-300:]
+    assert not [line for line in hvd_onebit(args[:-1] + ["--methods", "ddp_adam"]).stdout
+                .splitlines() if line.startswith("link ")], "a verdict on methods not priced"
     refused = hvd_onebit(args + ["--methods", "ddp_onebit", "--transport", "horovod"])
     assert refused.exit_code == 2 and "runs on torch.distributed" in refused.stderr, \
         refused.output

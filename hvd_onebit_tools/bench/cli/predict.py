@@ -137,8 +137,8 @@ def check_takes_only_its_own_options(ctx: click.Context) -> None:
               show_default=True, callback=comma_list(click.Choice(
                   ["horovod_fp32", "horovod_fp16", "onebit", "onebit_hierarchical",
                    "onebit_hierarchical_group", "ddp_adam", "ddp_onebit"]), empty_ok=False),
-              help="Methods to predict, named as `bench train` names its runs (ddp_adam and "
-                   "ddp_onebit: the DDP face's, priced as horovod_fp32 and onebit on "
+              help="Methods to predict (ddp_adam and ddp_onebit: the DDP face's rows under "
+                   "`bench train`'s names, priced as horovod_fp32 and onebit on "
                    "torch.distributed; onebit_hierarchical_group: with --transport horovod, "
                    "the hierarchical scheme with its stages as Horovod collectives of their own "
                    "groups, which the library does not use; with --transport torch, the same as "

@@ -27,6 +27,8 @@ def priced_as(method: str) -> str:
 def is_onebit(method: str) -> bool:
     """Whether ``method`` runs 1-bit Adam (a warmup, then compressed steps), on either face."""
     return priced_as(method).startswith("onebit")
+
+
 # hierarchical 1-bit on Horovod's transport with each stage a collective of its own group
 # (process sets, which the library does not use there); on torch's transport the stages are
 # group collectives already, and this method is onebit_hierarchical

@@ -32,7 +32,8 @@ def flat_method(methods) -> str:
 def crossovers(rows: list[dict]) -> dict:
     """Per bandwidth: the world size from which on flat 1-bit's whole run is no faster than fp32
     (it stops paying), and from which on hierarchical 1-bit beats flat (it takes over); None
-    if that never holds up to the largest world size of the sweep."""
+    if that never holds up to the largest world size of the sweep. Only the verdicts whose
+    methods were priced."""
     def from_on(sel, holds):
         first = None
         for r in sel:
@@ -42,7 +43,7 @@ def crossovers(rows: list[dict]) -> dict:
     out: dict = {}
     for bps in dict.fromkeys(r["inter_bps"] for r in rows):
         sel = sorted((r for r in rows if r["inter_bps"] == bps), key=lambda r: r["np"])
-        d = {"flat_onebit_stops_paying_at": None, "hierarchical_beats_flat_from": None}
+        d: dict = {}
         flat = flat_method(sel[0]["methods"])
         if flat in sel[0]["methods"] and GROUP_METHOD in sel[0]["methods"]:
             d["hierarchical_group_beats_flat_from"] = from_on(

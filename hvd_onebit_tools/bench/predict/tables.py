@@ -61,15 +61,19 @@ def print_prediction(report: dict, echo=None) -> None:
                       if str(r["inter_bps"]) == bw and r["np"] == n)
             margin = run_seconds(ms[flat_method(ms)]) / run_seconds(ms[method]) - 1
             return f"{holds} from n={n} (by {margin:.0%} over the run there)"
-        parts = [from_n(c["flat_onebit_stops_paying_at"], "flat 1-bit stops paying",
-                        "flat 1-bit pays at every n"),
-                 from_n(c["hierarchical_beats_flat_from"], "hierarchical beats flat",
-                        "hierarchical does not beat flat", "onebit_hierarchical")]
+        parts = []  # the verdicts of the methods priced
+        if "flat_onebit_stops_paying_at" in c:
+            parts.append(from_n(c["flat_onebit_stops_paying_at"], "flat 1-bit stops paying",
+                                "flat 1-bit pays at every n"))
+        if "hierarchical_beats_flat_from" in c:
+            parts.append(from_n(c["hierarchical_beats_flat_from"], "hierarchical beats flat",
+                                "hierarchical does not beat flat", "onebit_hierarchical"))
         if "hierarchical_group_beats_flat_from" in c:
             parts.append(from_n(c["hierarchical_group_beats_flat_from"],
                                 "group hierarchical beats flat",
                                 "group hierarchical does not beat flat", GROUP_METHOD))
-        echo(f"link {link_text(bw)}: " + ", ".join(parts))
+        if parts:
+            echo(f"link {link_text(bw)}: " + ", ".join(parts))
     if report.get("pricing"):
         echo(report["pricing"])
 
