@@ -209,8 +209,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                   backward_passes_per_step, op, gradient_predivide_factor, groups,
                   sparse_as_dense, process_set, config)
     # Horovod's constructor builds the class again from the param groups alone, which leaves
-    # the class's own defaults (Adam's lr=1e-3) where add_param_group fills in a new group's
-    # options: the optimizer's, as the DDP face and the wrapped Adam have them
+    # the class's own defaults (Adam's signature's lr) where add_param_group fills in a new
+    # group's options: the optimizer's, as the DDP face and the wrapped Adam have them
     opt.defaults = dict(optimizer.defaults)
     guard_wrapped(optimizer, "hvd_onebit.DistributedOptimizer", opt,
                   "hvd.broadcast_optimizer_state() takes the wrapper too (it steps the "
