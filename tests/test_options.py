@@ -153,6 +153,19 @@ def test_the_options_against_the_job_are_checked_when_the_optimizer_is_built(opt
         hvd_onebit.DistributedOptimizer(torch.optim.Adam(params), freeze_step=3, **options)
 
 
+def test_flush_on_commit_refuses_beta1_zero_when_the_optimizer_is_built():
+    """Every commit would fold the errors into a momentum that beta1 = 0 does not carry: the
+    first commit raised; now the construction does, naming the group."""
+    params = [torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2))]
+    adam = torch.optim.Adam([{"params": params[:1]},
+                             {"params": params[1:], "betas": (0.0, 0.999)}])
+    with pytest.raises(ValueError, match=r"needs beta1 > 0; param group\(s\) \[1\] have "):
+        hvd_onebit.DistributedOptimizer(adam, freeze_step=3, flush_on_commit=True)
+    from hvd_onebit.phases.setup import check_foldable
+
+    check_foldable([{"betas": (torch.tensor(0.9), 0.999)}])  # beta1 > 0, a tensor too: taken
+
+
 def test_the_arguments_before_the_options_are_horovods_own_in_its_order():
     """A Horovod script's call, positional or by keyword, binds as it did to
     hvd.DistributedOptimizer: the same names in the same order, with the same defaults."""

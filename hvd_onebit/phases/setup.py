@@ -40,6 +40,19 @@ def check(config: OneBitConfig, param_groups: list[dict], process_set: hvd.Proce
     params = [p for g in param_groups for p in g["params"]]
     check_environment(config, params, process_set)
     check_contiguous(params, names or {})
+    if config.flush_on_commit:
+        check_foldable(param_groups)
+
+
+def check_foldable(param_groups: list[dict]) -> None:
+    """``flush_on_commit=True`` folds the error feedback into the momentum at every commit,
+    which beta1 = 0 leaves nothing to carry: refused now rather than at the first commit."""
+    zero = [i for i, g in enumerate(param_groups) if float(g["betas"][0]) == 0]
+    if zero:
+        raise ValueError(f"flush_on_commit=True folds the error feedback into the momentum at "
+                         f"every state.commit(), which needs beta1 > 0; param group(s) {zero} "
+                         "have betas[0] = 0. Leave flush_on_commit off for them (the commit "
+                         "then saves the errors per rank) or give beta1 > 0")
 
 
 def check_named(param_groups: list[dict], names: dict) -> None:
