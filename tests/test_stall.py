@@ -150,8 +150,8 @@ def test_a_step_no_other_rank_joins_is_told_then_ended(freeze_step, where):
                                    env={WARNING_VARIABLE: "1", SHUTDOWN_VARIABLE: "4"})
     tail = text[-3000:]
     assert rc not in (None, 0), f"the job's exit status {rc} (None: killed at the timeout): {tail}"
-    where = (f"hvd_onebit: rank 0: {where}, 2 trainable parameters of 36 elements) has not "
-             "returned after ")
+    where = (f"hvd_onebit: rank 0: {where}, 2 trainable parameters of 36 elements, the first "
+             "weight) has not returned after ")
     warned = [line for line in text.splitlines() if line.startswith(where)]
     assert len(warned) == 2 and f"{WARNING_VARIABLE}=1" in warned[0] and \
         f"exit status {EXIT_STATUS}" in warned[1], \

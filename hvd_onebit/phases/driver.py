@@ -144,7 +144,8 @@ class Phases:
 
     def describe_call(self, what: str) -> str:
         """This rank's call ``what`` as the stall watch names it, with what the ranks must
-        have alike: the call's number, the step count and phase, the trainable parameters."""
+        have alike: the call's number, the step count and phase, the trainable parameters and
+        the first one's name (which of several optimizers, in a job with several)."""
         active = self._view.adam.active_parameters()
         # read only: this runs on the watch's thread, while the step waits
         kind = ("a warmup step" if self._schedule.phase != COMPRESSION else
@@ -155,7 +156,7 @@ class Phases:
         return (f"rank {self._engine.rank}: {what} (after {self._calls_built} step() calls since "
                 f"the optimizer was built{since_reset}, step count {self._schedule.steps}: {kind}, "
                 f"{len(active)} trainable parameters of {sum(p.numel() for p in active):,} "
-                "elements)")
+                f"elements" + (f", the first {self._view.name_of(active[0])})" if active else ")"))
 
     def watching(self, what: str):
         """A context in which a call that does not return is told (:mod:`hvd_onebit.stall`)."""
