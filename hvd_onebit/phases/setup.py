@@ -51,8 +51,8 @@ def check_foldable(param_groups: list[dict]) -> None:
     if zero:
         raise ValueError(f"flush_on_commit=True folds the error feedback into the momentum at "
                          f"every state.commit(), which needs beta1 > 0; param group(s) {zero} "
-                         "have betas[0] = 0. Leave flush_on_commit off for them (the commit "
-                         "then saves the errors per rank) or give beta1 > 0")
+                         "have betas[0] = 0. Give beta1 > 0, or leave flush_on_commit off (a "
+                         "reset then restarts the error feedback from zero)")
 
 
 def check_named(param_groups: list[dict], names: dict) -> None:
