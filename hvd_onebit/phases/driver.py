@@ -113,7 +113,7 @@ class Phases:
         if not self.compressing():
             warmup_hook(*args)
             return
-        refreshing = self.refreshing()
+        refreshing = self._schedule.refresh_next()  # compressing() just asked: no second ask
         if refreshing:  # Horovod will allreduce these gradients: refuse what it cannot take
             self.warmup.check_layout_once()
         if self._view.count_backward_pass(p) and not refreshing:
