@@ -153,10 +153,11 @@ class Phases:
                 "a compressed step")
         since_reset = (f" ({self._calls} since its collectives were last reset)"
                        if self._resets else "")
+        first = f", the first {self._view.name_of(active[0])}" if active else ""
         return (f"rank {self._engine.rank}: {what} (after {self._calls_built} step() calls since "
                 f"the optimizer was built{since_reset}, step count {self._schedule.steps}: {kind}, "
                 f"{len(active)} trainable parameters of {sum(p.numel() for p in active):,} "
-                f"elements" + (f", the first {self._view.name_of(active[0])})" if active else ")"))
+                f"elements{first})")
 
     def watching(self, what: str):
         """A context in which a call that does not return is told (:mod:`hvd_onebit.stall`)."""

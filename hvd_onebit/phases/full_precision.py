@@ -98,7 +98,7 @@ def _take(kind: FullPrecisionStep, allreduce: GradientAllreduce, telemetry: Tele
     race = allreduce.race()
     if scaler is not None:
         scaler.unscale()
-        nonfinite_here = scaler.found_inf()  # like the other, where it can be
+        nonfinite_here = scaler.found_inf()  # a device flag too where the scaler's are on one
     else:  # a flag on the device, read with the agreement (one read for the step)
         nonfinite_here = nonfinite_flag(allreduce.averaged_gradients())
     nonfinite, raced, stale, unusable = ranks.ranks_with((

@@ -71,8 +71,7 @@ FUSED_CASES = [([5, 0, 13, 1000, 7], 4), ([3001, 3, 2000, 9000, 11], 2)]
 
 
 def _bytes(t):
-    return None if t is None else t.detach().contiguous().cpu().view(-1).view(
-        __import__("torch").uint8).numpy().tobytes()
+    return None if t is None else tensors_bytes([t])
 
 
 def _kernel_outputs(backend, device, L, x, y_prev, prev_scales, z_prev, prev_server_scales):

@@ -27,7 +27,7 @@ STAGES = ("alone", "early", "tensor_options", "flushed_in_pieces")
 
 
 def tensors_bytes(tensors) -> bytes:
-    """The float32 tensors' bytes, one after the other (copied to the host)."""
+    """The tensors' bytes (of one dtype), one after the other (copied to the host)."""
     import torch
     flat = torch.cat([t.detach().reshape(-1) for t in tensors]).cpu()
     return flat.view(torch.uint8).numpy().tobytes()
