@@ -29,32 +29,89 @@ from .phases.amp import has_scale, inverse_scale
 
 
 class EarlyStarts:
-    """One step's bookkeeping of the buckets started from gradient hooks."""
+    """One step's bookkeeping of the buckets started from gradient hooks. What each start read
+    is kept per parameter in flat lists by its place among the bucketed parameters: a few
+    objects a step, not a few per parameter (on a model of thousands of tensors each would be
+    one more object for the garbage collector to go over, again and again)."""
 
     def __init__(self, groups: dict, engine: CompressedStep, scaler=None):
         self.groups = groups  # parameter -> its param group
         self.scaler = scaler  # the GradScaler the gradients are assumed scaled by, or None
         # GradScaler.unscale_'s own factor
         self.inv_scale = None if scaler is None else inverse_scale(scaler)
-        self.position: dict = {}  # parameter -> the buckets holding a part of it
-        for i, b in enumerate(engine.buckets):
-            for p in b.params:
-                self.position.setdefault(p, []).append(i)
+        self.buckets = engine.buckets
+        self.position = engine.positions  # parameter -> the buckets holding a part of it
+        self.index = engine.indices  # parameter -> its place among the bucketed ones
         self.missing = [len(b.params) for b in engine.buckets]  # gradients not final yet
-        self.read: dict = {}  # parameter -> what its bucket's start read (inputs_of)
+        n = len(self.index)
+        # By place: whether its bucket started, and what the start read of it: its gradient
+        # tensor (identity and in-place version) and its own version (Adam's L2 decay reads it)
+        self.started = bytearray(n)
+        self.grads: list = [None] * n
+        self.grad_versions: list = [None] * n
+        self.param_versions = [0] * n
+        # param group id -> (the group, the options each start that read it saw, options_of)
+        self.options: dict[int, tuple[dict, list]] = {}
         # Gradients in one storage (views of DDP's buckets with gradient_as_bucket_view, the
         # pieces of a concatenation's gradient) share its version counter: each gradient
         # accumulated into it moves the counter by one. The gradients made final in each
         # storage, each parameter counted once a step (a pass more is a change), and the count
         # when each start read its own.
         self.accumulated: dict = {}  # storage -> gradients made final in it
-        self.counted: set = set()  # parameters whose gradient accumulated is counted
-        self.seen: dict = {}  # parameter -> accumulated of its storage when its bucket started
+        self.counted = bytearray(n)  # by place: whether its gradient accumulated is counted
+        self.counted_others: set = set()  # the same for parameters not bucketed
+        self.seen = [0] * n  # by place: accumulated of its storage when its bucket started
         self.failed = False  # a start raised: the rest start in step()
         self.zeroed = False  # zero_grad() since the starts: a skipped batch's, not a pattern
 
+    @property
+    def any_started(self) -> bool:
+        return any(self.started)
 
-# What changed, in words, for each field of inputs_of after the gradient tensor's identity.
+    def started_params(self) -> list[torch.Tensor]:
+        """The parameters whose buckets started, in the order of their first start."""
+        out, seen = [], bytearray(len(self.started))
+        for b in self.buckets:
+            for p in b.params:
+                i = self.index[p]
+                if self.started[i] and not seen[i]:
+                    seen[i] = 1
+                    out.append(p)
+        return out
+
+    def count(self, p: torch.Tensor, i: Optional[int]) -> bool:
+        """Whether p's gradient (at place ``i``, None: not bucketed) is to be counted as
+        accumulated into its storage: once a step."""
+        if i is None:
+            if p in self.counted_others:
+                return False
+            self.counted_others.add(p)
+            return True
+        if self.counted[i]:
+            return False
+        self.counted[i] = 1
+        return True
+
+    def record(self, params: list[torch.Tensor]) -> None:
+        """What the start of a bucket of ``params`` reads: each gradient (identity, version),
+        each parameter's version, and their groups' options (:func:`options_of`)."""
+        options: dict = {}  # group id -> its options now: once per group and start
+        for q in params:
+            i, g, group = self.index[q], q.grad, self.groups[q]
+            self.started[i] = 1
+            self.grads[i] = g
+            self.grad_versions[i] = None if g is None else g._version
+            self.param_versions[i] = q._version
+            self.seen[i] = self.accumulated.get(storage_of(g), 0)
+            key = id(group)
+            if key not in options:
+                now = options[key] = options_of(group)
+                kept = self.options.setdefault(key, (group, []))[1]
+                if now not in kept:
+                    kept.append(now)
+
+
+# What changed, in words: a gradient's version, a parameter's, then each of options_of's fields.
 CHANGES = ("a gradient changed in place (e.g. clipped or unscaled)",
            "a parameter changed in place",
            "beta1 changed (e.g. a scheduler that sets betas, such as OneCycleLR, stepped)",
@@ -67,25 +124,27 @@ CHANGES = ("a gradient changed in place (e.g. clipped or unscaled)",
 ZEROED = "zero_grad() was called between backward and step() at two steps in a row"
 
 
-def inputs_of(p: torch.Tensor, group: dict) -> tuple:
-    """What p's part of its bucket's input is computed from: its gradient tensor (identity and
-    in-place version), its own version (Adam's L2 decay reads it) and the options (beta2 and
-    eps: the preconditioned input's denominator and bound)."""
-    g = p.grad
+def options_of(group: dict) -> tuple:
+    """The options a bucket's input is computed from, in :data:`CHANGES`' order: beta1,
+    weight_decay, maximize, beta2 and eps (the preconditioned input's denominator and
+    bound)."""
     beta1, beta2 = group["betas"]
-    return (g, None if g is None else g._version, p._version, _option(beta1),
-            _option(group["weight_decay"]), bool(group.get("maximize")), _option(beta2),
-            _option(group["eps"]))
+    return (_option(beta1), _option(group["weight_decay"]), bool(group.get("maximize")),
+            _option(beta2), _option(group["eps"]))
 
 
 def storage_of(g: Optional[torch.Tensor]) -> Optional[int]:
-    """The storage ``g`` lives in (its views share one version counter), or None (no gradient,
-    or a sparse one: Horovod's sparse_as_dense densifies it)."""
-    return None if g is None or g.layout is not torch.strided else g.untyped_storage().data_ptr()
+    """The storage ``g`` lives in (its views share one version counter), by where it starts in
+    memory, or None (no gradient, or a sparse one: Horovod's sparse_as_dense densifies it).
+    Computed from ``g``'s own data pointer and offset: ``g.untyped_storage()`` would make a
+    Python object that lives as long as the storage, one more per gradient and step."""
+    if g is None or g.layout is not torch.strided:
+        return None
+    return g.data_ptr() - g.storage_offset() * g.element_size()
 
 
 def _option(value):
-    """An option as inputs_of compares it: a number, or a tensor with its in-place version (one
+    """An option as options_of compares it: a number, or a tensor with its in-place version (one
     changed in place, ``betas[1].fill_(...)``, is another value)."""
     return (value, value._version) if isinstance(value, torch.Tensor) else value
 
@@ -128,7 +187,7 @@ class Overlap:
         engine, active = self._engine, self._view.adam.active_parameters()
         if not (self._enabled and self.off_reason is None and engine.up_to_date(active)):
             return None
-        engine.ensure_ready(active)
+        engine.ensure_ready(active, checked=True)
         if not engine.can_start_early:
             return None
         engine.begin_step()
@@ -145,27 +204,25 @@ class Overlap:
         early = self.current if self._decided else self._set_up()
         if early is None:
             return
+        i = early.index.get(p)
         storage = storage_of(p.grad)
-        if storage is not None and p not in early.counted:
-            early.counted.add(p)
+        if storage is not None and early.count(p, i):
             early.accumulated[storage] = early.accumulated.get(storage, 0) + 1
-        if early.failed or p not in early.position:
+        if early.failed or i is None:
             return
-        if p in early.read:  # its bucket started from an earlier backward: that batch was
+        if early.started[i]:  # its bucket started from an earlier backward: that batch was
             early.zeroed = True  # skipped, however its gradients were zeroed (model.zero_grad())
             return
         engine = self._engine
-        for i in early.position[p]:
-            early.missing[i] -= 1
+        for k in early.position[p]:
+            early.missing[k] -= 1
         try:
             while (engine.next_to_start < len(early.missing)
                    and early.missing[engine.next_to_start] == 0):
                 params = engine.bucket_params(engine.next_to_start)
                 grads = {q: self._local_grad(q, early.groups[q], early.inv_scale)
                          for q in params}
-                for q in params:
-                    early.read[q] = inputs_of(q, early.groups[q])
-                    early.seen[q] = early.accumulated.get(storage_of(q.grad), 0)
+                early.record(params)
                 engine.start_bucket(self._view.adam.param_groups, grads)
         except Exception:
             # e.g. a sparse gradient: step() computes the rest and raises the error itself, on
@@ -178,7 +235,7 @@ class Overlap:
         the script makes every step (a clip), an occasional skip is no reason to stop starting
         early (:meth:`skipped`). Where nothing started yet, the step's bookkeeping starts
         afresh (nothing is in flight)."""
-        if self.current is not None and self.current.read:
+        if self.current is not None and self.current.any_started:
             self.current.zeroed = True
         elif self._decided:
             self.end_step()
@@ -197,13 +254,22 @@ class Overlap:
         early = self.current
         if early is None:
             return None
-        for q, then in early.read.items():
-            now = inputs_of(q, early.groups[q])
-            if now[0] is then[0]:  # the others' accumulation into its storage since then
-                later = early.accumulated.get(storage_of(q.grad), 0) - early.seen[q]
-                then = (then[0], then[1] + later, *then[2:])
-            what = ("a gradient was replaced" if now[0] is not then[0] else
-                    next((w for w, a, b in zip(CHANGES, now[1:], then[1:]) if a != b), None))
+        options = {}  # group id -> what changed in its options since a start read them, or None
+        for key, (group, kept) in early.options.items():
+            now = options_of(group)
+            options[key] = next((w for then in kept for w, a, b in zip(CHANGES[2:], now, then)
+                                 if a != b), None)
+        for q in early.started_params():
+            i, g = early.index[q], q.grad
+            if g is not early.grads[i]:
+                what = "a gradient was replaced"
+            elif g is not None and g._version != early.grad_versions[i] + (
+                    early.accumulated.get(storage_of(g), 0) - early.seen[i]):
+                what = CHANGES[0]  # beyond the others' accumulation into its storage since
+            elif q._version != early.param_versions[i]:
+                what = CHANGES[1]
+            else:
+                what = options[id(early.groups[q])]
             if what is not None:
                 return ZEROED if early.zeroed else what
         return None

@@ -176,3 +176,87 @@ def test_a_step_whose_buckets_all_started_early_reads_the_input_terms_once():
         differ = [i for i, (a, b) in enumerate(zip(e["params"], s["params"]))
                   if not a.equal(b)]
         assert differ == [], f"rank {rank}: parameters {differ} differ from the late starts'"
+
+
+def _replacing(t, how: str, steps: int = 3) -> list:
+    """Compressed steps of the engine on virtual rank ``t``; before the second, parameters 0
+    (cut across buckets) and 3 (whole in one) get new data equal to the old ("data"), or their
+    variance times 4 as a new tensor ("variance") or in place ("variance_in_place"); "same":
+    nothing. The parameters after the last step."""
+    from hvd_onebit.config import OneBitConfig
+    from hvd_onebit.engine import CompressedStep
+    from tests.workers_compressed_step import BETAS, EPS, LR, gradient, initial_state
+
+    params, state = initial_state()
+    engine = CompressedStep(OneBitConfig.from_options(freeze_step=4, bucket_size_mb=0.001), state,
+                            decoupled=lambda group: True, transport=t)
+    groups = [{"params": params, "lr": LR, "betas": BETAS, "eps": EPS, "weight_decay": 0.0}]
+    for step in range(steps):
+        for p in (params[0], params[3]) if step == 1 else ():
+            if how == "data":
+                p.data = p.data.clone()
+            elif how == "variance":
+                state[p]["exp_avg_sq"] = state[p]["exp_avg_sq"] * 4
+            elif how == "variance_in_place":
+                state[p]["exp_avg_sq"].mul_(4)
+        engine.ensure_ready(params)
+        engine.step(groups, {p: gradient(step, t.rank, p.shape) for p in params})
+    return [p.clone() for p in params]
+
+
+def test_new_parameter_data_or_a_new_variance_tensor_is_the_one_a_step_uses():
+    """The engine keeps each bucket's views of the weights and variances from step to step; a
+    parameter given new data (``p.data = ...``) is updated in its new storage, and a variance
+    replaced in the state is read, bit for bit as the same values in place."""
+    runs = {how: run_threads(2, lambda t, how=how: _replacing(t, how), timeout=120)
+            for how in ("same", "data", "variance", "variance_in_place")}
+    for rank in range(2):
+        differ = {how: [i for i, (a, b) in enumerate(zip(runs[how][rank], runs[base][rank]))
+                        if not a.equal(b)]
+                  for how, base in (("data", "same"), ("variance", "variance_in_place"),
+                                    ("variance_in_place", "same"))}
+        assert differ["data"] == [], \
+            f"rank {rank}: parameters {differ['data']} moved otherwise after new data"
+        assert differ["variance"] == [], \
+            f"rank {rank}: parameters {differ['variance']} differ between a variance replaced " \
+            "and the same variance written in place"
+        assert 0 in differ["variance_in_place"] and 3 in differ["variance_in_place"], \
+            f"rank {rank}: a 4x variance changed only parameters {differ['variance_in_place']}"
+
+
+def test_a_steps_update_plan_makes_no_tensor_per_parameter_once_its_views_are_made():
+    """The update plan's weight and variance views are made at the first step of a bucket
+    layout and kept: a later step's plan makes no tensor per parameter (each one more object
+    for the garbage collector to go over, on a model of thousands of tensors)."""
+    import gc
+
+    import torch
+
+    from hvd_onebit.engine.adam_terms import AdamTerms
+    from hvd_onebit.engine.fusion import FusedBuckets
+    from hvd_onebit.engine.variance import FrozenVariance
+
+    params = [torch.nn.Parameter(torch.randn(40 + i % 7)) for i in range(300)]
+    state = {p: {"step": torch.tensor(9.0), "exp_avg": torch.zeros_like(p),
+                 "exp_avg_sq": torch.rand_like(p) + 0.1, "frozen_variance_step": 9}
+             for p in params}
+    groups = [{"params": params, "lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8,
+               "weight_decay": 0.0}]
+    terms = AdamTerms(state, FrozenVariance(state, "hold", refreshing=False, names={}),
+                      decoupled=lambda group: False, bound="adam", preconditioned=True,
+                      backend="torch")
+    fused = FusedBuckets(state, 500)
+    fused.fuse(params)
+
+    def tensors() -> int:
+        return sum(type(o) is torch.Tensor for o in gc.get_objects())
+
+    first = terms.plan(groups, fused.buckets, set(params))[0]
+    before = tensors()
+    second = terms.plan(groups, fused.buckets, set(params))[0]
+    made = tensors() - before
+    assert len(fused.buckets) > 3 and made <= len(fused.buckets), \
+        f"a second step's plan made {made} tensors for {len(params)} parameters in " \
+        f"{len(fused.buckets)} buckets"
+    assert [u.weights for u in first] == [u.weights for u in second], \
+        "the second step's plan updates other weight views than the first's"

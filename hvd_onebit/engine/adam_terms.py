@@ -45,12 +45,11 @@ class StepNumbers:
 @dataclass(frozen=True, eq=False)
 class InputTerms:
     """What a parameter's allreduce input is made of: ``beta1 * m + (1 - beta1) * g``, and when
-    preconditioned (a variance given), over its denominator and clamped at
+    preconditioned (numbers given), over its denominator (its frozen variance's) and clamped at
     ``numbers.input_bound`` (Adam's bound on ``|m_hat| / sqrt(v_hat)`` at the step taken, times
-    bc1: ``m`` is not bias-corrected)."""
+    bc1: ``m`` is not bias-corrected). Parameters at one step count of one group share one."""
 
     beta1: float
-    variance: Optional[torch.Tensor] = None  # exp_avg_sq, frozen between refreshes
     numbers: Optional[StepNumbers] = None
 
 
@@ -106,6 +105,11 @@ class AdamTerms:
         self.bound = bound
         self.preconditioned = preconditioned
         self.backend = backend
+        self.views = BucketViews(state)
+
+    def clear(self) -> None:
+        """Forget the buckets' variance views (the state was replaced)."""
+        self.views.clear()
 
     def numbers_of(self, group: dict) -> Callable[[int, int], StepNumbers]:
         """``numbers(t, frozen)``: the group's :class:`StepNumbers` at step ``t`` with the
@@ -132,7 +136,8 @@ class AdamTerms:
                      ) -> tuple[dict, StepNumbers]:
         """``p``'s state and its numbers at the step it takes now."""
         state = self.state[p]
-        return state, numbers(int(self.variance.host_step(p)) + 1, state["frozen_variance_step"])
+        step = int(self.variance.host_step_of(p, state)) + 1
+        return state, numbers(step, state["frozen_variance_step"])
 
     def denominator(self, p: torch.Tensor, group: dict) -> Denominator:
         """``p``'s denominator, as the update has it."""
@@ -149,11 +154,12 @@ class AdamTerms:
                 shared = InputTerms(g["betas"][0])
                 terms.update((p, shared) for p in g["params"] if p in owner)
                 continue
-            numbers = self.numbers_of(g)
+            numbers, made = self.numbers_of(g), {}  # StepNumbers -> its InputTerms
             for p in g["params"]:
                 if p in owner:
-                    state, n = self._numbers_for(p, numbers)
-                    terms[p] = InputTerms(n.beta1, state["exp_avg_sq"], n)
+                    n = self._numbers_for(p, numbers)[1]
+                    t = made.get(n)
+                    terms[p] = t if t is not None else made.setdefault(n, InputTerms(n.beta1, n))
         return terms
 
     def momentum_input(self, b: Bucket, terms: Mapping[torch.Tensor, InputTerms],
@@ -161,15 +167,15 @@ class AdamTerms:
         """Bucket ``b``'s allreduce input: its local momentum ``beta1 * m + (1 - beta1) * g``
         (over its denominator when preconditioned), computed inside the compression pass where
         one beta1 serves the whole bucket."""
-        sizes = [seg.numel for seg in b.segments]
-        pieces = [b.piece(i, grads[seg.param]) for i, seg in enumerate(b.segments)]
-        seg_terms = [terms[seg.param] for seg in b.segments]
+        sizes = b.sizes
+        pieces = [b.piece(i, grads[p]) for i, p in enumerate(b.params)]
+        seg_terms = [terms[p] for p in b.params]
         pre = {}
         if self.preconditioned:
-            pre = dict(variances=[b.piece(i, t.variance) for i, t in enumerate(seg_terms)],
-                       sqrt_bc2s=[t.numbers.sqrt_bc2 for t in seg_terms],
-                       eps=[t.numbers.eps for t in seg_terms],
-                       bounds=[t.numbers.input_bound for t in seg_terms])
+            numbers = [t.numbers for t in seg_terms]
+            pre = dict(variances=self.views.variances(b),
+                       sqrt_bc2s=[n.sqrt_bc2 for n in numbers], eps=[n.eps for n in numbers],
+                       bounds=[n.input_bound for n in numbers])
         betas = {t.beta1 for t in seg_terms}
         if len(betas) == 1:
             return MomentumInput(b.momentum, pieces, sizes, betas.pop(), **pre)
@@ -192,10 +198,10 @@ class AdamTerms:
         ``exp_avg_mask`` are returned apart, as (group, param, mask): their momentum must be
         masked first (preconditioned, the decode pass still turns their average back into a
         momentum: it gets their variance and no weight)."""
-        updates: dict = {}
+        numbers: dict = {}  # parameter -> its StepNumbers (none: left alone)
         masked = []
         for group in param_groups:
-            numbers = self.numbers_of(group)
+            of = self.numbers_of(group)
             for p, mask in zip(group["params"], group_masks(group)):
                 if p not in owner:
                     continue
@@ -203,10 +209,27 @@ class AdamTerms:
                     masked.append((group, p, mask))
                     if not self.preconditioned:
                         continue
-                state, n = self._numbers_for(p, numbers)
-                updates[p] = ParamUpdate(None if mask is not None else p.detach(),
-                                         state["exp_avg_sq"], n)
-        return [bucket_update(b, updates, self.preconditioned) for b in buckets], masked
+                numbers[p] = self._numbers_for(p, of)[1]
+        held = {p for _, p, _ in masked}  # their momentum is converted, their weight left alone
+        return [self._bucket_update(b, numbers, held) for b in buckets], masked
+
+    def _bucket_update(self, b: Bucket, numbers: Mapping, held: set) -> AdamUpdate:
+        """Bucket ``b``'s :class:`AdamUpdate` from its parameters' numbers (a parameter without
+        numbers is left alone; one ``held`` has no weight): :func:`bucket_update` with the
+        bucket's views kept from step to step."""
+        n = [numbers.get(p) for p in b.params]
+        weights = [None if x is None else w for x, w in zip(n, self.views.weights(b))]
+        if held:
+            weights = [None if p in held else w for p, w in zip(b.params, weights)]
+        return AdamUpdate(
+            weights=weights,
+            variances=[None if x is None else v for x, v in zip(n, self.views.variances(b))],
+            sizes=b.sizes, steps=[0.0 if x is None else x.step for x in n],
+            decays=[1.0 if x is None else x.decay for x in n],
+            sqrt_bc2s=[1.0 if x is None else x.sqrt_bc2 for x in n],
+            eps=[0.0 if x is None else x.eps for x in n],
+            bounds=[math.inf if x is None else x.bound for x in n],
+            preconditioned=self.preconditioned)
 
     def apply_masked(self, masked: list[tuple]) -> None:
         """Parameters with an exp_avg_mask: mask the averaged momentum, then the same update.
@@ -235,3 +258,50 @@ def bucket_update(b: Bucket, updates: Mapping[torch.Tensor, ParamUpdate],
         sqrt_bc2s=[x.sqrt_bc2 if x is not None else 1.0 for x in n],
         eps=[x.eps if x is not None else 0.0 for x in n],
         bounds=[x.bound if x is not None else math.inf for x in n], preconditioned=preconditioned)
+
+
+
+class BucketViews:
+    """Each bucket's segments' parts of its parameters' frozen variances (``exp_avg_sq``) and
+    weights, as the fused passes read them, made once per bucket and kept from step to step: a
+    step of a model of thousands of tensors then makes no tensor per parameter (each one more
+    object for the garbage collector to go over). A view is made again where the state holds
+    another ``exp_avg_sq`` (a refresh or a zero-variance fill writes into the same one), or the
+    parameter another storage (``p.data = ...``).
+
+    Args:
+        state: Adam's per-parameter state.
+    """
+
+    def __init__(self, state: Mapping):
+        self.state = state
+        # bucket index -> (the bucket, its state entries, their exp_avg_sq, the segments' parts)
+        self._variances: dict[int, tuple] = {}
+        # bucket index -> (the bucket, the parameters' data pointers, the segments' parts)
+        self._weights: dict[int, tuple] = {}
+
+    def clear(self) -> None:
+        """Forget them all (new buckets, or a state replaced)."""
+        self._variances, self._weights = {}, {}
+
+    def variances(self, b: Bucket) -> list[torch.Tensor]:
+        """Bucket ``b``'s segments' parts of their frozen variances."""
+        made = self._variances.get(b.index)
+        if made is not None and made[0] is b and all(
+                e["exp_avg_sq"] is v for e, v in zip(made[1], made[2])):
+            return made[3]
+        entries = [self.state[p] for p in b.params]
+        full = [e["exp_avg_sq"] for e in entries]
+        made = self._variances[b.index] = (b, entries, full,
+                                           [b.piece(i, v) for i, v in enumerate(full)])
+        return made[3]
+
+    def weights(self, b: Bucket) -> list[torch.Tensor]:
+        """Bucket ``b``'s segments' parts of their parameters' data (detached)."""
+        made = self._weights.get(b.index)
+        if made is not None and made[0] is b and all(
+                p.data_ptr() == at for p, at in zip(b.params, made[1])):
+            return made[2]
+        made = self._weights[b.index] = (b, [p.data_ptr() for p in b.params],
+                                         [b.piece(i, p.detach()) for i, p in enumerate(b.params)])
+        return made[2]

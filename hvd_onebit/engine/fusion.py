@@ -48,10 +48,20 @@ class Bucket:
     momentum: torch.Tensor  # [numel], a view into the flat buffer: the members' exp_avg
     _work: Optional[torch.Tensor] = None
 
-    @property
+    @functools.cached_property
     def params(self) -> list[torch.Tensor]:
-        """The parameters with a segment here, in bucket order."""
+        """The parameters with a segment here, in bucket order (the segments never change)."""
         return [s.param for s in self.segments]
+
+    @functools.cached_property
+    def sizes(self) -> list[int]:
+        """Each segment's elements."""
+        return [s.numel for s in self.segments]
+
+    @functools.cached_property
+    def whole(self) -> list[bool]:
+        """Whether each segment is all of its parameter (:meth:`piece` gives it unchanged)."""
+        return [s.whole for s in self.segments]
 
     @property
     def work(self) -> torch.Tensor:
@@ -172,13 +182,18 @@ class FusedBuckets:
         self.buckets: Optional[list[Bucket]] = None
         self.params: list[torch.Tensor] = []  # in the order given to fuse()
         self._views: dict[torch.Tensor, torch.Tensor] = {}  # exp_avg in the flat buffer
+        # parameter -> the indices of the buckets holding a part of it, in order
+        self.position: dict[torch.Tensor, list[int]] = {}
+        self.index: dict[torch.Tensor, int] = {}  # parameter -> its place in params
 
     def fits(self, active: list[torch.Tensor]) -> bool:
-        """Whether the buckets hold exactly ``active`` and every ``exp_avg`` is still a view."""
+        """Whether the buckets hold exactly ``active`` and every ``exp_avg`` is still a view (the
+        view itself, or a tensor over the same memory)."""
+        state = self.state
         return self.buckets is not None and len(active) == len(self.params) and all(
             a is b for a, b in zip(active, self.params)) and all(
-            self.state[p]["exp_avg"].data_ptr() == view.data_ptr()
-            for p, view in self._views.items())
+            m is view or m.data_ptr() == view.data_ptr()
+            for m, view in ((state[p]["exp_avg"], view) for p, view in self._views.items()))
 
     def fuse(self, active: list[torch.Tensor]) -> None:
         """(Re)build the buckets of ``active``; their ``exp_avg`` become views into them."""
@@ -194,8 +209,15 @@ class FusedBuckets:
                        for p, off in zip(order, param_offsets(order))}
         for p, view in self._views.items():
             self.state[p]["exp_avg"] = view
+        self.index = {p: i for i, p in enumerate(self.params)}
+        self.position = {}
+        for b in self.buckets:
+            for p in b.params:
+                self.position.setdefault(p, []).append(b.index)
 
     def clear(self) -> None:
         self.buckets = None
         self.params = []
         self._views = {}
+        self.position = {}
+        self.index = {}

@@ -73,6 +73,9 @@ class CompressedStep:
     rank = property(lambda self: self.transport.rank)
     buckets = property(lambda self: self.fused.buckets)
     params = property(lambda self: self.fused.params, doc="The bucketed parameters, in order.")
+    positions = property(lambda self: self.fused.position,
+                         doc="Each bucketed parameter's bucket indices, in order.")
+    indices = property(lambda self: self.fused.index, doc="Each bucketed parameter's place.")
     comms = property(lambda self: self.collectives.comms)
     preconditioned = property(lambda self: self.terms.preconditioned)
     breakdown = property(lambda self: self.averaging.breakdown, doc="This step's seconds.")
@@ -100,12 +103,14 @@ class CompressedStep:
     def fuse(self, active: list[torch.Tensor]) -> None:
         """(Re)build the buckets and their collectives (during the last warmup allreduce)."""
         self.fused.fuse(active)
+        self.terms.clear()
         self.collectives.fit(self.fused.buckets)
         self.error_feedback.apply_pending()
 
-    def ensure_ready(self, active: list[torch.Tensor]) -> None:
-        """Buckets for the current trainable set, and the frozen variance scanned once per set."""
-        if not self.up_to_date(active):
+    def ensure_ready(self, active: list[torch.Tensor], checked: bool = False) -> None:
+        """Buckets for the current trainable set, and the frozen variance scanned once per set
+        (``checked``: :meth:`up_to_date` just said they fit)."""
+        if not checked and not self.up_to_date(active):
             self.fuse(active)
         self.variance.freeze_once(self.params, self.fused.buckets)
 
@@ -116,6 +121,7 @@ class CompressedStep:
         fusing), keeping the collectives. Local: one rank may call it alone, and the ranks'
         sequence of collectives stays the same."""
         self.fused.clear()
+        self.terms.clear()
         self.error_feedback.zeroed()
         self.variance.clear()
         self.averaging.drop()

@@ -31,7 +31,7 @@ class FrozenVariance:
         self.names = names
         # Each parameter's step count on the host, keyed by the step tensor and its version:
         # reading a device tensor's value every step would be a host sync per parameter.
-        self._host_steps: dict[torch.Tensor, tuple] = {}
+        self._host_steps: dict[torch.Tensor, HostStep] = {}
         self._scanned_for: object = None  # the bucket layout the last freeze() scanned
 
     def clear(self) -> None:
@@ -110,44 +110,66 @@ class FrozenVariance:
         capturable Adam) would cost a device-to-host sync per parameter and step to read, so the
         value is read once and then followed on the host: :meth:`count_step` increments both.
         A replaced or externally changed tensor (a loaded state dict) is read again."""
-        t = self.state[p]["step"]
+        return self.host_step_of(p, self.state[p])
+
+    def host_step_of(self, p: torch.Tensor, state: dict) -> float:
+        """:meth:`host_step` of ``p``, whose state entry is ``state``."""
+        t = state["step"]
         return self._tensor_step(p, t) if isinstance(t, torch.Tensor) else float(t)
 
     def _tensor_step(self, p: torch.Tensor, t: torch.Tensor) -> float:
         """:meth:`host_step` of ``p``, whose step tensor is ``t``."""
-        cached = self._host_steps.get(p)
-        if cached is not None and cached[0] is t and cached[1] == t._version:
-            return cached[2]
-        value = float(t)
-        self._remember(p, t, value)
-        return value
+        return self._copy_of(p, t).value
+
+    def _copy_of(self, p: torch.Tensor, t: torch.Tensor) -> "HostStep":
+        """The host copy of ``p``'s step tensor ``t``, read again if ``t`` is another tensor
+        or was changed since (its version)."""
+        copy = self._host_steps.get(p)
+        if copy is None or copy.tensor is not t or copy.version != t._version:
+            copy = self._host_steps[p] = HostStep(t, t._version, float(t))
+        return copy
 
     def count_step(self, params: Iterable[torch.Tensor]) -> None:
         """One more step for each of ``params``: Adam's step count and its host copy. The step
         tensors take one foreach add per device and dtype, as torch's Adam adds them, not one
-        small op (a kernel launch on a GPU) per parameter."""
-        tensors: dict[tuple, list] = {}
+        small op (a kernel launch on a GPU) per parameter; the host copies are updated in
+        place (no object per parameter and step)."""
+        by_kind: dict[tuple, tuple[list, list]] = {}  # (device, dtype) -> tensors, host copies
         for p in params:
             state = self.state[p]
             t = state["step"]
             if isinstance(t, torch.Tensor):
-                tensors.setdefault((t.device, t.dtype), []).append((p, t, self._tensor_step(p, t)))
+                tensors, copies = by_kind.setdefault((t.device, t.dtype), ([], []))
+                tensors.append(t)
+                copies.append(self._copy_of(p, t))
             else:
                 state["step"] = t + 1
-        for same in tensors.values():
+        for tensors, copies in by_kind.values():
+            if len(set(map(id, tensors))) == len(tensors):  # one parameter each, as in Adam
+                torch._foreach_add_(tensors, 1)
+                for t, copy in zip(tensors, copies):
+                    copy.version, copy.value = t._version, copy.value + 1
+                continue
             # a step tensor several parameters share takes one add per parameter, as in Adam
-            counts = Counter(id(t) for _, t, _ in same)
-            if len(counts) == len(same):  # one parameter each (as Adam's state has it)
-                torch._foreach_add_([t for _, t, _ in same], 1)
-            else:
-                distinct = {id(t): t for _, t, _ in same}
-                torch._foreach_add_(list(distinct.values()), [counts[k] for k in distinct])
-            for p, t, value in same:
-                self._remember(p, t, value + counts[id(t)])
+            counts = Counter(map(id, tensors))
+            distinct = {id(t): t for t in tensors}
+            torch._foreach_add_(list(distinct.values()), [counts[k] for k in distinct])
+            for t, copy in zip(tensors, copies):
+                copy.version, copy.value = t._version, copy.value + counts[id(t)]
 
     def _remember(self, p: torch.Tensor, t: torch.Tensor, value: float) -> None:
         """Record ``value`` as the host copy of ``p``'s step tensor ``t`` as it is now."""
-        self._host_steps[p] = (t, t._version, value)
+        self._host_steps[p] = HostStep(t, t._version, value)
+
+
+class HostStep:
+    """The host copy of one step tensor: the tensor, its version when copied, the value."""
+
+    __slots__ = ("tensor", "version", "value")
+
+    def __init__(self, tensor: torch.Tensor, version: int, value: float):
+        self.tensor, self.version, self.value = tensor, version, value
+
 
 def _fill_zero_variances(v: torch.Tensor, mode: str) -> None:
     """Give the zero entries of the frozen variance ``v`` (in place) a denominator to train

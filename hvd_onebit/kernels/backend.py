@@ -63,6 +63,9 @@ def in_place(tensors: Sequence[Optional[torch.Tensor]], device: torch.device,
              dtypes: Optional[Sequence[torch.dtype]] = (torch.float32,)) -> bool:
     """Whether a kernel can read (and write) every given tensor in place: on ``device``,
     contiguous, of one of ``dtypes`` (None: any dtype; None entries are fine)."""
+    if device.type == "cpu":  # is_cpu is cheaper than building each tensor's device
+        return all(t is None or (t.is_cpu and t.is_contiguous()
+                                 and (dtypes is None or t.dtype in dtypes)) for t in tensors)
     return all(t is None or (t.device == device and t.is_contiguous()
                              and (dtypes is None or t.dtype in dtypes)) for t in tensors)
 

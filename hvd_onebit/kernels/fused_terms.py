@@ -44,8 +44,8 @@ class MomentumTerms:
         the input is not preconditioned."""
         if self.variances is None:
             return [], [], [], []
-        return (list(self.variances), [float(b) for b in self.sqrt_bc2s],
-                [float(e) for e in self.eps], [float(b) for b in self.bounds])
+        return (list(self.variances), list(map(float, self.sqrt_bc2s)),
+                list(map(float, self.eps)), list(map(float, self.bounds)))
 
     @property
     def like(self) -> torch.Tensor:
@@ -86,7 +86,7 @@ class UpdateTerms:
     def native_args(self) -> tuple:
         """(weights, variances, sizes, steps, decays, sqrt_bc2s, eps, bounds, preconditioned)
         as the native kernels take them: the scalars as Python floats, one per parameter."""
-        return (self.weights, self.variances, self.sizes, [float(s) for s in self.steps],
-                [float(d) for d in self.decays], [float(b) for b in self.sqrt_bc2s],
-                [float(e) for e in self.eps], [float(b) for b in self.bounds],
+        return (self.weights, self.variances, self.sizes, list(map(float, self.steps)),
+                list(map(float, self.decays)), list(map(float, self.sqrt_bc2s)),
+                list(map(float, self.eps)), list(map(float, self.bounds)),
                 bool(self.preconditioned))

@@ -83,7 +83,7 @@ class CompressionPhase:
         if stale and overlap.off_reason is None and not skipped:
             overlap.turn_off(f"changed between backward and step(): {what}")
             warnings.warn(stale_warning(what))
-        started = set() if stale or early is None else set(early.read)
+        started = set() if stale or early is None else set(early.started_params())
         groups = groups_by_param(self._view.adam.param_groups)
         grads = LocalGrads(self.local_grad, groups)
         try:  # before anything more starts: a bad gradient raises here, on every rank
