@@ -2,6 +2,8 @@
 model's parameter names."""
 from __future__ import annotations
 
+import operator
+
 import torch
 
 from ..optimizer_view import WrappedAdam
@@ -27,6 +29,7 @@ class DDPView:
         self.names = names
         self._every_name = every_name
         self.synchronized = False
+        self._averaged: list = []  # the last trainable parameters found all averaged by DDP
 
     def name_of(self, p: torch.Tensor) -> str:
         return self.names.get(p, "?")
@@ -37,7 +40,10 @@ class DDPView:
         ``requires_grad`` then, so a parameter unfrozen since, or one added to the optimizer
         that is not the DDP model's (``add_param_group``), would be trained on each rank's own
         gradient (the ranks would part)."""
-        stray = [p for p in self.adam.active_parameters() if p not in self.names]
+        active = self.adam.active_parameters()
+        if len(active) == len(self._averaged) and all(map(operator.is_, active, self._averaged)):
+            return  # the same as last time (a step of thousands of tensors asks every time)
+        stray = [p for p in active if p not in self.names]
         unfrozen = [self._every_name[p] for p in stray if p in self._every_name]
         strangers = [tuple(p.shape) for p in stray if p not in self._every_name]
         if strangers:
@@ -57,6 +63,7 @@ class DDPView:
                 "on each rank's own gradient. Set requires_grad before wrapping the model in "
                 "DDP: to unfreeze during training, save a checkpoint and build the DDP model "
                 "and the optimizer again. Nothing was changed by this step")
+        self._averaged = active
 
     def reset_backward_passes(self) -> None:
         """DDP counts no backward passes: ``model.no_sync()`` says which ones accumulate."""
