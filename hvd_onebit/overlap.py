@@ -39,7 +39,8 @@ class EarlyStarts:
         self.scaler = scaler  # the GradScaler the gradients are assumed scaled by, or None
         # GradScaler.unscale_'s own factor
         self.inv_scale = None if scaler is None else inverse_scale(scaler)
-        self.buckets = engine.buckets
+        self.params = engine.params  # the bucketed parameters, by place
+        self.order = engine.start_order  # their places in the order their buckets start
         self.position = engine.positions  # parameter -> the buckets holding a part of it
         self.index = engine.indices  # parameter -> its place among the bucketed ones
         self.missing = [len(b.params) for b in engine.buckets]  # gradients not final yet
@@ -68,16 +69,18 @@ class EarlyStarts:
     def any_started(self) -> bool:
         return any(self.started)
 
-    def started_params(self) -> list[torch.Tensor]:
-        """The parameters whose buckets started, in the order of their first start."""
-        out, seen = [], bytearray(len(self.started))
-        for b in self.buckets:
-            for p in b.params:
-                i = self.index[p]
-                if self.started[i] and not seen[i]:
-                    seen[i] = 1
-                    out.append(p)
-        return out
+    def started_places(self) -> list[int]:
+        """The places of the parameters whose buckets started, in the order of their first
+        start."""
+        started = self.started
+        return [i for i in self.order if started[i]]
+
+    def unstarted(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Those of ``params`` (the bucketed parameters now) whose buckets did not start."""
+        if params is self.params:  # the layout the starts were made in: by place
+            return [p for p, started in zip(params, self.started) if not started]
+        started = {self.params[i] for i in self.started_places()}
+        return [p for p in params if p not in started]
 
     def count(self, p: torch.Tensor, i: Optional[int]) -> bool:
         """Whether p's gradient (at place ``i``, None: not bucketed) is to be counted as
@@ -259,8 +262,9 @@ class Overlap:
             now = options_of(group)
             options[key] = next((w for then in kept for w, a, b in zip(CHANGES[2:], now, then)
                                  if a != b), None)
-        for q in early.started_params():
-            i, g = early.index[q], q.grad
+        for i in early.started_places():
+            q = early.params[i]
+            g = q.grad
             if g is not early.grads[i]:
                 what = "a gradient was replaced"
             elif g is not None and g._version != early.grad_versions[i] + (

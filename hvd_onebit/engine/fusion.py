@@ -185,6 +185,7 @@ class FusedBuckets:
         # parameter -> the indices of the buckets holding a part of it, in order
         self.position: dict[torch.Tensor, list[int]] = {}
         self.index: dict[torch.Tensor, int] = {}  # parameter -> its place in params
+        self.start_order: list[int] = []  # the places in the order of their first bucket
 
     def fits(self, active: list[torch.Tensor]) -> bool:
         """Whether the buckets hold exactly ``active`` and every ``exp_avg`` is still a view (the
@@ -214,6 +215,7 @@ class FusedBuckets:
         for b in self.buckets:
             for p in b.params:
                 self.position.setdefault(p, []).append(b.index)
+        self.start_order = [self.index[p] for p in self.position]  # dicts keep first insertion
 
     def clear(self) -> None:
         self.buckets = None
@@ -221,3 +223,4 @@ class FusedBuckets:
         self._views = {}
         self.position = {}
         self.index = {}
+        self.start_order = []

@@ -76,6 +76,8 @@ class CompressedStep:
     positions = property(lambda self: self.fused.position,
                          doc="Each bucketed parameter's bucket indices, in order.")
     indices = property(lambda self: self.fused.index, doc="Each bucketed parameter's place.")
+    start_order = property(lambda self: self.fused.start_order,
+                           doc="The places, in the order of each parameter's first bucket.")
     comms = property(lambda self: self.collectives.comms)
     preconditioned = property(lambda self: self.terms.preconditioned)
     breakdown = property(lambda self: self.averaging.breakdown, doc="This step's seconds.")

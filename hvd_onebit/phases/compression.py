@@ -83,13 +83,12 @@ class CompressionPhase:
         if stale and overlap.off_reason is None and not skipped:
             overlap.turn_off(f"changed between backward and step(): {what}")
             warnings.warn(stale_warning(what))
-        started = set() if stale or early is None else set(early.started_params())
+        unstarted = engine.params if stale or early is None else early.unstarted(engine.params)
         groups = groups_by_param(self._view.adam.param_groups)
         grads = LocalGrads(self.local_grad, groups)
         try:  # before anything more starts: a bad gradient raises here, on every rank
-            for p in engine.params:
-                if p not in started:
-                    grads[p]
+            for p in unstarted:
+                grads[p]
         except Exception:
             engine.abandon_early()
             raise
