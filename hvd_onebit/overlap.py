@@ -44,7 +44,7 @@ class EarlyStarts:
         self.position = engine.positions  # parameter -> the buckets holding a part of it
         self.index = engine.indices  # parameter -> its place among the bucketed ones
         self.missing = [len(b.params) for b in engine.buckets]  # gradients not final yet
-        n = len(self.index)
+        n = len(self.params)  # a parameter a group lists twice has two places
         # By place: whether its bucket started, and what the start read of it: its gradient
         # tensor (identity and in-place version) and its own version (Adam's L2 decay reads it)
         self.started = bytearray(n)
@@ -143,6 +143,8 @@ def storage_of(g: Optional[torch.Tensor]) -> Optional[int]:
     Python object that lives as long as the storage, one more per gradient and step."""
     if g is None or g.layout is not torch.strided:
         return None
+    if g.numel() == 0:  # its data pointer is 0, whatever storage it is a view of
+        return g.untyped_storage().data_ptr()
     return g.data_ptr() - g.storage_offset() * g.element_size()
 
 

@@ -499,6 +499,20 @@ def test_gradients_accumulated_without_no_sync_keep_the_overlap(world):
 
 
 @pytest.mark.multirank
+def test_an_empty_parameter_and_one_listed_twice_keep_the_overlap(world):
+    """A parameter of no elements whose gradient is a view of DDP's bucket, and a param group
+    listing a parameter twice: every compressed step starts its buckets during backward, and
+    none is started again."""
+    n, results = world
+    for rank, r in enumerate(scenario(results, "odd_parameters")):
+        assert (r["restarts"], r["warnings"]) == (0, []), \
+            f"n={n} rank {rank}: {r['restarts']} restarts, warnings {r['warnings']}"
+        assert r["early"] == 4 * r["buckets"] > 0, \
+            f"n={n} rank {rank}: {r['early']} buckets started during backward in 4 compressed " \
+            f"steps of {r['buckets']} buckets"
+
+
+@pytest.mark.multirank
 def test_gradients_kept_as_ddp_bucket_views_keep_the_overlap(world):
     """gradient_as_bucket_view=True and zero_grad(set_to_none=False), the way to keep DDP's
     buckets as the gradients' memory: the layers' gradients accumulate into one DDP bucket

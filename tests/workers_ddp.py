@@ -843,6 +843,41 @@ def bucket_views(passes: tuple = (1, 1, 2, 1, 1)) -> dict:
     return out
 
 
+class WithEmpty(torch.nn.Module):
+    """Two layers and a parameter of no elements that the loss uses (its gradient is empty)."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(),
+                                          torch.nn.Linear(16, 4))
+        self.empty = torch.nn.Parameter(torch.zeros(0))
+
+    def forward(self, x):
+        return self.layers(x) + self.empty.sum()
+
+
+def odd_parameters(compressed: int = 4) -> dict:
+    """A parameter of no elements in a DDP bucket kept as the gradients' storage
+    (gradient_as_bucket_view=True), and a param group listing a parameter twice (torch warns and
+    trains it): the buckets started during backward, the restarts and the overlap's warnings
+    over ``compressed`` compressed steps."""
+    torch.manual_seed(0)
+    model = DDP(WithEmpty(), gradient_as_bucket_view=True)
+    params = list(model.parameters())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt = hvd_onebit.ddp.DistributedOptimizer(
+            torch.optim.Adam([{"params": params + params[:1]}], lr=1e-2), model,
+            freeze_step=FREEZE, variance_refresh=None, bucket_size_mb=BUCKET_MB)
+        for step in range(FREEZE + compressed):
+            opt.zero_grad(set_to_none=False)
+            x, y = batch(step, dist.get_rank())
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+    return {"early": opt.compressed_step.early_starts, "restarts": opt.compressed_step.restarts,
+            "buckets": len(opt.compressed_step.buckets), "warnings": overlap_warnings(caught)}
+
+
 def copied_model(steps: int = FREEZE + 4) -> dict:
     """A deep copy of the DDP model (an EMA's or a teacher's), run forward with gradients on
     before each training forward and without between it and its backward, against the same
@@ -1293,7 +1328,8 @@ def suite(scratch: Optional[str] = None, stage: Optional[str] = None) -> dict:
                      handed_to_adam=handed_to_adam, wrapper_copy=through_a_wrapper_copy,
                      another_wrapper=another_wrapper_runs,
                      rolled_back=rolled_back_mid_step, copied=copied_model,
-                     bucket_views=bucket_views, scaler_wrapped=grad_scaler_through_a_wrapper,
+                     bucket_views=bucket_views, odd_parameters=odd_parameters,
+                     scaler_wrapped=grad_scaler_through_a_wrapper,
                      grad_scaler=grad_scaler_skips, host_reads=host_reads)
     if stage is not None:
         scenarios["flushed"] = partial(flushed_checkpoint, f"{scratch}/flushed.pt",

@@ -217,19 +217,11 @@ class AdamTerms:
         """Bucket ``b``'s :class:`AdamUpdate` from its parameters' numbers (a parameter without
         numbers is left alone; one ``held`` has no weight): :func:`bucket_update` with the
         bucket's views kept from step to step."""
-        n = [numbers.get(p) for p in b.params]
-        weights = [None if x is None else w for x, w in zip(n, self.views.weights(b))]
+        weights = self.views.weights(b)
         if held:
             weights = [None if p in held else w for p, w in zip(b.params, weights)]
-        return AdamUpdate(
-            weights=weights,
-            variances=[None if x is None else v for x, v in zip(n, self.views.variances(b))],
-            sizes=b.sizes, steps=[0.0 if x is None else x.step for x in n],
-            decays=[1.0 if x is None else x.decay for x in n],
-            sqrt_bc2s=[1.0 if x is None else x.sqrt_bc2 for x in n],
-            eps=[0.0 if x is None else x.eps for x in n],
-            bounds=[math.inf if x is None else x.bound for x in n],
-            preconditioned=self.preconditioned)
+        return assemble_update(b, [numbers.get(p) for p in b.params], weights,
+                               self.views.variances(b), self.preconditioned)
 
     def apply_masked(self, masked: list[tuple]) -> None:
         """Parameters with an exp_avg_mask: mask the averaged momentum, then the same update.
@@ -247,17 +239,26 @@ def bucket_update(b: Bucket, updates: Mapping[torch.Tensor, ParamUpdate],
     """The :class:`AdamUpdate` of bucket ``b`` from its parameters' updates (a parameter
     without one is left alone)."""
     t = [updates.get(p) for p in b.params]
-    n = [x.numbers if x is not None else None for x in t]
+    return assemble_update(
+        b, [None if x is None else x.numbers for x in t],
+        [None if x is None or x.weight is None else b.piece(i, x.weight) for i, x in enumerate(t)],
+        [None if x is None else b.piece(i, x.variance) for i, x in enumerate(t)], preconditioned)
+
+
+def assemble_update(b: Bucket, numbers: list[Optional[StepNumbers]], weights: list,
+                    variances: list, preconditioned: bool = False) -> AdamUpdate:
+    """The :class:`AdamUpdate` of bucket ``b`` from each segment's numbers (None: the segment
+    is left alone, whatever its weight and variance), weight part (None: its momentum only
+    converted) and variance part."""
+    n = numbers
     return AdamUpdate(
-        weights=[b.piece(i, x.weight) if x is not None and x.weight is not None else None
-                 for i, x in enumerate(t)],
-        variances=[b.piece(i, x.variance) if x is not None else None for i, x in enumerate(t)],
-        sizes=[seg.numel for seg in b.segments],
-        steps=[x.step if x is not None else 0.0 for x in n],
-        decays=[x.decay if x is not None else 1.0 for x in n],
-        sqrt_bc2s=[x.sqrt_bc2 if x is not None else 1.0 for x in n],
-        eps=[x.eps if x is not None else 0.0 for x in n],
-        bounds=[x.bound if x is not None else math.inf for x in n], preconditioned=preconditioned)
+        weights=[None if x is None else w for x, w in zip(n, weights)],
+        variances=[None if x is None else v for x, v in zip(n, variances)],
+        sizes=b.sizes, steps=[0.0 if x is None else x.step for x in n],
+        decays=[1.0 if x is None else x.decay for x in n],
+        sqrt_bc2s=[1.0 if x is None else x.sqrt_bc2 for x in n],
+        eps=[0.0 if x is None else x.eps for x in n],
+        bounds=[math.inf if x is None else x.bound for x in n], preconditioned=preconditioned)
 
 
 
@@ -267,7 +268,9 @@ class BucketViews:
     step of a model of thousands of tensors then makes no tensor per parameter (each one more
     object for the garbage collector to go over). A view is made again where the state holds
     another ``exp_avg_sq`` (a refresh or a zero-variance fill writes into the same one), or the
-    parameter another storage (``p.data = ...``).
+    parameter other memory or strides (``p.data = ...``); until then the old ones are held (a
+    model moved after the optimizer was built frees its old weights at the next compressed
+    step, as the Adam state it left behind goes with the optimizer).
 
     Args:
         state: Adam's per-parameter state.
@@ -275,9 +278,9 @@ class BucketViews:
 
     def __init__(self, state: Mapping):
         self.state = state
-        # bucket index -> (the bucket, its state entries, their exp_avg_sq, the segments' parts)
+        # bucket index -> (the bucket, its parameters' exp_avg_sq, the segments' parts)
         self._variances: dict[int, tuple] = {}
-        # bucket index -> (the bucket, the parameters' data pointers, the segments' parts)
+        # bucket index -> (the bucket, its parameters' data pointers and strides, the parts)
         self._weights: dict[int, tuple] = {}
 
     def clear(self) -> None:
@@ -287,21 +290,21 @@ class BucketViews:
     def variances(self, b: Bucket) -> list[torch.Tensor]:
         """Bucket ``b``'s segments' parts of their frozen variances."""
         made = self._variances.get(b.index)
+        state = self.state
         if made is not None and made[0] is b and all(
-                e["exp_avg_sq"] is v for e, v in zip(made[1], made[2])):
-            return made[3]
-        entries = [self.state[p] for p in b.params]
-        full = [e["exp_avg_sq"] for e in entries]
-        made = self._variances[b.index] = (b, entries, full,
-                                           [b.piece(i, v) for i, v in enumerate(full)])
-        return made[3]
+                state[p]["exp_avg_sq"] is v for p, v in zip(b.params, made[1])):
+            return made[2]
+        full = [state[p]["exp_avg_sq"] for p in b.params]
+        made = self._variances[b.index] = (b, full, [b.piece(i, v) for i, v in enumerate(full)])
+        return made[2]
 
     def weights(self, b: Bucket) -> list[torch.Tensor]:
         """Bucket ``b``'s segments' parts of their parameters' data (detached)."""
         made = self._weights.get(b.index)
         if made is not None and made[0] is b and all(
-                p.data_ptr() == at for p, at in zip(b.params, made[1])):
+                p.data_ptr() == at and p.stride() == stride
+                for p, (at, stride) in zip(b.params, made[1])):
             return made[2]
-        made = self._weights[b.index] = (b, [p.data_ptr() for p in b.params],
+        made = self._weights[b.index] = (b, [(p.data_ptr(), p.stride()) for p in b.params],
                                          [b.piece(i, p.detach()) for i, p in enumerate(b.params)])
         return made[2]

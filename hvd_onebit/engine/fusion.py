@@ -58,11 +58,6 @@ class Bucket:
         """Each segment's elements."""
         return [s.numel for s in self.segments]
 
-    @functools.cached_property
-    def whole(self) -> list[bool]:
-        """Whether each segment is all of its parameter (:meth:`piece` gives it unchanged)."""
-        return [s.whole for s in self.segments]
-
     @property
     def work(self) -> torch.Tensor:
         """[numel], like momentum: a buffer for the local momentum, allocated on first use."""

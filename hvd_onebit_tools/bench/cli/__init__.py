@@ -2,8 +2,8 @@
 per command (:mod:`.kernel`, :mod:`.allreduce`, :mod:`.train`, :mod:`.calibrate`,
 :mod:`.predict`, :mod:`.memory`, :mod:`.tensors`, :mod:`.zoo`), the options they share in
 :mod:`.options`. A user's commands sit on ``bench``; the developer's (kernel throughput, memory,
-host cost per tensor, the convergence zoo) on ``bench dev``. Importing this imports no Horovod: the commands import what they run when
-they run."""
+host cost per tensor, the convergence zoo) on ``bench dev``. Importing this imports no Horovod:
+the commands import what they run when they run."""
 from __future__ import annotations
 
 import click
