@@ -4,7 +4,8 @@ A model of a fixed number of parameters is cut into more and more tensors; for e
 with torch's fused Adam (``ddp_adam``) and the DDP face of 1-bit Adam (``ddp_onebit``,
 compressed steps only, ``variance_refresh=None``) run the same training steps in one torchrun
 job. Each step's whole time (zero_grad, forward, backward, step) and the step's own are the
-medians over the steps measured. The summary fits each method's whole step time to the tensor
+means over the steps measured (a mean, not a median: the garbage collector's full collections
+land on a few steps, and their cost is part of the step's). The summary fits each method's whole step time to the tensor
 count, per repetition: the slope is the cost of one tensor more (the parameters' work stays
 the same), and 1-bit's slope less Adam's is what the compressed step adds per tensor on the
 host (its hooks, bookkeeping and per-tensor kernel arguments).
@@ -49,12 +50,15 @@ def _model(count: int, total: int):
 
 
 def _run(method: str, count: int, total: int, steps: int, rank: int) -> dict:
-    """One method at one tensor count: the medians of the measured steps, in ms."""
+    """One method at one tensor count: the means of the measured steps, in ms."""
+    import gc
+
     import torch
     from torch.nn.parallel import DistributedDataParallel
 
     import hvd_onebit.ddp
 
+    gc.collect()  # the models before leave no garbage for this one's steps to collect
     model = DistributedDataParallel(_model(count, total))
     adam = torch.optim.Adam(model.parameters(), lr=1e-3, fused=True)
     opt = adam if method == "ddp_adam" else hvd_onebit.ddp.DistributedOptimizer(
@@ -77,8 +81,8 @@ def _run(method: str, count: int, total: int, steps: int, rank: int) -> dict:
             backward.append(before_step - before_backward)
     if method != "ddp_adam" and opt.phase != "compression":
         raise RuntimeError(f"the 1-bit steps measured were not compressed (phase {opt.phase})")
-    return {"whole_ms": 1e3 * statistics.median(whole), "step_ms": 1e3 * statistics.median(step),
-            "backward_ms": 1e3 * statistics.median(backward)}
+    return {"whole_ms": 1e3 * statistics.fmean(whole), "step_ms": 1e3 * statistics.fmean(step),
+            "backward_ms": 1e3 * statistics.fmean(backward)}
 
 
 def slope(xs: Sequence[float], ys: Sequence[float]) -> float:
