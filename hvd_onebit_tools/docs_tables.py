@@ -426,6 +426,37 @@ def memory() -> str:
                          provenance(f"{MEMORY}/{first.name}", first_run)])
 
 
+TENSORS = "tensors"  # bench dev tensors runs: before (an object per tensor and step) and after
+
+
+def tensors() -> str:
+    """The host cost per parameter tensor: DDP with fused Adam against the DDP face's
+    compressed step at each tensor count, before and after the step stopped making Python
+    objects per tensor, and what 1-bit adds per tensor in each run."""
+    runs = {name: json.loads((DOCS / TENSORS / f"{name}.json").read_text())
+            for name in ("before", "after")}
+    rows = []
+    for name, d in runs.items():
+        for e in d["counts"]:
+            low, high = e["ratio_range"]
+            rows.append([name, e["tensors"], f"{e['ddp_adam']['whole_ms']:.1f}",
+                         f"{e['ddp_onebit']['whole_ms']:.1f}",
+                         f"{e['ratio']:.2f} ({low:.2f}-{high:.2f})"])
+    header = ["run", "tensors", "DDP + fused Adam, ms a step", "1-bit (DDP face), ms a step",
+              "1-bit over Adam (range)"]
+    per = "; ".join(
+        f"{name}: 1-bit adds {d['extra_us_per_tensor']['median']:.1f} us per tensor (from "
+        f"{d['extra_us_per_tensor']['range'][0]:.1f} to {d['extra_us_per_tensor']['range'][1]:.1f}"
+        f"), Adam's own {d['us_per_tensor']['ddp_adam']['median']:.1f} us"
+        for name, d in runs.items())
+    first = runs["before"]
+    note = (f"{first['ranks']} ranks, {first['params']:,} parameters, means of "
+            f"{first['steps']} steps, {first['reps']} repetitions each; per tensor, the slope "
+            f"of the whole step over the counts: {per}.")
+    return "\n\n".join([table(header, rows), note] + [
+        provenance(f"{TENSORS}/{name}.json", d) for name, d in runs.items()])
+
+
 STEP = "step_time"  # bench train runs with the 8-lane kernels (before_*) and the default (after_*)
 BREAKDOWN = ("backward", "compress", "wait", "server", "decode")
 
@@ -649,7 +680,7 @@ PARTS: Dict[str, Callable[[], str]] = {
     "ddp_train": ddp_train, "granularity": granularity, "kernel": kernel, "memory": memory,
     "refresh_predict": refresh_predict,
     "refresh_digits": refresh_digits,
-    "step_time": step_time, "gpu": gpu, "refresh_counts": refresh_counts}
+    "step_time": step_time, "gpu": gpu, "refresh_counts": refresh_counts, "tensors": tensors}
 # Which generated parts each Markdown file holds, in its <!-- generated:NAME --> blocks.
 BLOCKS: Dict[str, Sequence[str]] = {
     "README.md": ("settings", "headline"),
@@ -657,7 +688,7 @@ BLOCKS: Dict[str, Sequence[str]] = {
     "docs/gpu.md": ("gpu",),
     "docs/results.md": ("headline", "freeze_lm", "freeze_digits", "zoo", "zoo_long", "fading",
                         "refresh_digits", "refresh_predict", "headline_ddp", "zoo_faces", "ddp_train", "kernel",
-                        "memory", "step_time",
+                        "memory", "tensors", "step_time",
                         "granularity"),
 }
 
