@@ -108,7 +108,8 @@ class AdamTerms:
         self.views = BucketViews(state)
 
     def clear(self) -> None:
-        """Forget the buckets' variance views (the state was replaced)."""
+        """Forget the buckets' weight and variance views (new buckets, or the state
+        replaced)."""
         self.views.clear()
 
     def numbers_of(self, group: dict) -> Callable[[int, int], StepNumbers]:
@@ -259,7 +260,6 @@ def assemble_update(b: Bucket, numbers: list[Optional[StepNumbers]], weights: li
         sqrt_bc2s=[1.0 if x is None else x.sqrt_bc2 for x in n],
         eps=[0.0 if x is None else x.eps for x in n],
         bounds=[math.inf if x is None else x.bound for x in n], preconditioned=preconditioned)
-
 
 
 class BucketViews:
