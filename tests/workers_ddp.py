@@ -1032,6 +1032,9 @@ def refusals() -> dict:
                                if not torch.equal(b, p)]
     train_step(stepped, stepped_opt, 0)
     out["after_original"] = stepped_opt.steps
+    # another model's optimizer given this one (a GAN's discriminator's built on the generator)
+    out["wrong_model"] = refused(lambda: hvd_onebit.ddp.DistributedOptimizer(
+        torch.optim.Adam(Net().parameters()), stepped, freeze_step=FREEZE))
     joined = make_model()
     joined_opt = onebit(joined)
     train_step(joined, joined_opt, 0)

@@ -92,16 +92,16 @@ def check(model, param_groups: list[dict], process_group, config: OneBitConfig):
                         "Face Trainer: a DDP model of your own, set as trainer.model_wrapped); a "
                         "second DDP wrapper of your own would average every step in full "
                         "precision")
-    check_unhooked(model)
     names = model_names(model)
     strangers = [(gi, tuple(p.shape)) for gi, g in enumerate(param_groups) for p in g["params"]
                  if p.requires_grad and p not in names]
-    if strangers:
+    if strangers:  # before the hook: another optimizer's model passed by mistake is this
         raise ValueError(
             f"{FACE}: {len(strangers)} of the optimizer's parameters "
             f"are not parameters the DDP model averages (param group, shape: "
             f"{strangers[:4]}{' ...' if len(strangers) > 4 else ''}); build the optimizer from "
             "model.parameters() of the DDP model you pass")
+    check_unhooked(model)
     group = model.process_group if process_group is None else process_group
     ours, ddps = (dist.get_process_group_ranks(g) for g in (group, model.process_group))
     if sorted(ours) != sorted(ddps):
