@@ -124,7 +124,9 @@ CHANGES = ("a gradient changed in place (e.g. clipped or unscaled)",
 
 
 # What changed when the gradients were zeroed at two steps in a row (see Overlap.skipped).
-ZEROED = "zero_grad() was called between backward and step() at two steps in a row"
+ZEROED = ("zero_grad() was called between backward and step() at two steps in a row (or another "
+          "optimizer's backward, a GAN's generator's through this discriminator, made these "
+          "gradients: set requires_grad=False on this model's parameters for that backward)")
 
 
 def options_of(group: dict) -> tuple:
