@@ -43,8 +43,9 @@ CAUSES = (
     "step with the same parameters. Usual causes: a checkpoint loaded on some ranks only (load "
     "it on every rank, or on rank 0 and broadcast it), requires_grad changed on some ranks "
     "only, one more step() or flush_error_feedback() on some ranks (uneven batches, join(), a "
-    "rank that raised), several optimizers stepped in another order on some ranks, a parameter the forward uses on some ranks only in a DDP model built "
-    "without find_unused_parameters=True, a rank busy alone between steps for longer than this "
+    "rank that raised), several optimizers stepped in another order on some ranks, a "
+    "parameter the forward uses on some ranks only in a DDP model built without "
+    "find_unused_parameters=True, a rank busy alone between steps for longer than this "
     "limit (a checkpoint written or an evaluation run on rank 0 only: the others wait for it in "
     "their next collective), or a step slower than this limit")
 

@@ -5,10 +5,10 @@ with torch's fused Adam (``ddp_adam``) and the DDP face of 1-bit Adam (``ddp_one
 compressed steps only, ``variance_refresh=None``) run the same training steps in one torchrun
 job. Each step's whole time (zero_grad, forward, backward, step) and the step's own are the
 means over the steps measured (a mean, not a median: the garbage collector's full collections
-land on a few steps, and their cost is part of the step's). The summary fits each method's whole step time to the tensor
-count, per repetition: the slope is the cost of one tensor more (the parameters' work stays
-the same), and 1-bit's slope less Adam's is what the compressed step adds per tensor on the
-host (its hooks, bookkeeping and per-tensor kernel arguments).
+land on a few steps, and their cost is part of the step's). The summary fits each method's
+whole step time to the tensor count, per repetition: the slope is the cost of one tensor more
+(the parameters' work stays the same), and 1-bit's slope less Adam's is what the compressed
+step adds per tensor on the host (its hooks, bookkeeping and per-tensor kernel arguments).
 
 Run as a job: ``python -m torch.distributed.run --nproc_per_node 2 -m
 hvd_onebit_tools.bench.tensors --counts 10,100 --json-out FILE``; :func:`bench_tensors` does it.
