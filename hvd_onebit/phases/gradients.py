@@ -39,18 +39,19 @@ def sparse_gradient_error(view: OptimizerView, p: torch.Tensor) -> TypeError:
 def nonfinite_flag(tensors: list[torch.Tensor]) -> Optional[torch.Tensor]:
     """A 0-dim bool tensor, set where some tensor holds inf or NaN, not read (on a GPU a read is
     a sync; a full-precision step reads it with the ranks' agreement); None without tensors.
-    One sum per tensor, stacked into one flag.
+    Each tensor's sum of absolute values in float32, in one foreach call (on a GPU a few
+    kernels for all of them, not one per tensor), stacked into one flag.
 
-    The float32 (or float64) sum is inf/NaN when an element is; it can also overflow when the
-    values are near float32's limit, and such gradients are as good as non-finite anyway (the
-    step is skipped).
+    The sum of absolute values is inf/NaN when an element is; it also overflows where the
+    values' magnitudes sum past float32's limit (where a plain sum would too, and sooner), and
+    such gradients are as good as non-finite anyway (Adam's squares overflowed long before: the
+    step is skipped). Float32, not the tensors' own dtype: a float16 sum overflows at 65504
+    where the values are finite.
     """
     if not tensors:
         return None
-    # Summed in float32 at least: a float16 sum overflows at 65504 where the values are finite.
-    sums = [(t.coalesce().values() if t.is_sparse else t).sum(
-        dtype=torch.float32 if is_low_precision(t) else None) for t in tensors]
-    return ~torch.isfinite(torch.stack(sums)).all()
+    dense = [t.coalesce().values() if t.is_sparse else t for t in tensors]
+    return ~torch.isfinite(torch.stack(torch._foreach_norm(dense, 1, dtype=torch.float32))).all()
 
 
 def adam_step(view: OptimizerView, schedule: Schedule) -> None:
