@@ -134,11 +134,11 @@ class AdamTerms:
         return numbers
 
     def _numbers_for(self, p: torch.Tensor, numbers: Callable[[int, int], StepNumbers]
-                     ) -> tuple[dict, StepNumbers]:
-        """``p``'s state and its numbers at the step it takes now."""
+                     ) -> StepNumbers:
+        """``p``'s numbers at the step it takes now."""
         state = self.state[p]
         step = int(self.variance.host_step_of(p, state)) + 1
-        return state, numbers(step, state["frozen_variance_step"])
+        return numbers(step, state["frozen_variance_step"])
 
     def denominator(self, p: torch.Tensor, group: dict) -> Denominator:
         """``p``'s denominator, as the update has it."""
@@ -158,7 +158,7 @@ class AdamTerms:
             numbers, made = self.numbers_of(g), {}  # StepNumbers -> its InputTerms
             for p in g["params"]:
                 if p in owner:
-                    n = self._numbers_for(p, numbers)[1]
+                    n = self._numbers_for(p, numbers)
                     t = made.get(n)
                     terms[p] = t if t is not None else made.setdefault(n, InputTerms(n.beta1, n))
         return terms
@@ -189,8 +189,8 @@ class AdamTerms:
 
     def update(self, p: torch.Tensor, group: dict) -> ParamUpdate:
         """``p``'s update at this step."""
-        state, n = self._numbers_for(p, self.numbers_of(group))
-        return ParamUpdate(p.detach(), state["exp_avg_sq"], n)
+        return ParamUpdate(p.detach(), self.state[p]["exp_avg_sq"],
+                           self._numbers_for(p, self.numbers_of(group)))
 
     def plan(self, param_groups: list[dict], buckets: list[Bucket], owner: set
              ) -> tuple[list[AdamUpdate], list[tuple]]:
@@ -210,7 +210,7 @@ class AdamTerms:
                     masked.append((group, p, mask))
                     if not self.preconditioned:
                         continue
-                numbers[p] = self._numbers_for(p, of)[1]
+                numbers[p] = self._numbers_for(p, of)
         held = {p for _, p, _ in masked}  # their momentum is converted, their weight left alone
         return [self._bucket_update(b, numbers, held) for b in buckets], masked
 
