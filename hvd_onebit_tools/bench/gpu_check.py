@@ -38,8 +38,9 @@ Checks (each in its own try/except; a failure is reported in the JSON, the other
   against torch's own ``Adam(fused=True)`` step of the same parameters on the same GPU, with
   a breakdown of the GPU's time per kernel (``torch.profiler``) and, for the first world, the
   host's functions by own time in one more step of rank 0 (cProfile).
-* ``engine_paths``, ``wide``: the engine's steps started early, with tensor options and its
-  flush in pieces, against the same run on CPU; the kernels past 2**31 elements
+* ``engine_paths``, ``gradient_paths``, ``wide``: the engine's steps started early, with tensor
+  options and its flush in pieces, against the same run on CPU; the full-precision step's
+  non-finite flag and the gradients' storage starts on the device; the kernels past 2**31 elements
   (``hvd_onebit_tools/bench/gpu_paths.py`` says what each runs).
 * ``ddp_face``: ``torchrun --nproc_per_node 2`` of ``hvd_onebit_tools/bench/gpu_ddp.py`` with
   NCCL (two ranks on one GPU: NCCL's answer is reported) and with Gloo on CUDA tensors: DDP +
@@ -61,8 +62,8 @@ import traceback
 from pathlib import Path
 from typing import Optional
 
-from hvd_onebit_tools.bench.gpu_paths import (check_engine_paths, check_wide, layered_engine,
-                                              tensors_bytes)
+from hvd_onebit_tools.bench.gpu_paths import (check_engine_paths, check_gradient_paths,
+                                              check_wide, layered_engine, tensors_bytes)
 
 
 BIT_CASES = [(7, 3, None), (33, 4, None), (100, 1, None), (4099, 2, None), (5001, 3, 24),
@@ -725,6 +726,7 @@ def run(dry_run: bool, numels, out: Optional[Path] = None, only=None) -> dict:
                 ("virtual_ranks", check_virtual_ranks, (device, 4099)),
                 ("compressed_step", check_compressed_step, (device, 64, 3)),
                 ("engine_paths", check_engine_paths, (device, 64, 3)),
+                ("gradient_paths", check_gradient_paths, (device,)),
                 ("memory_lean", check_memory_lean, (device, (2, 8), 3, 64)),
                 ("host_cost", check_host_cost, (device, 4096, 2)),
                 ("step_time", check_step_time, (device, (2,), 64, 3, 2)),
@@ -736,6 +738,7 @@ def run(dry_run: bool, numels, out: Optional[Path] = None, only=None) -> dict:
                 ("virtual_ranks", check_virtual_ranks, (device, 1 << 20)),
                 ("compressed_step", check_compressed_step, (device,)),
                 ("engine_paths", check_engine_paths, (device,)),
+                ("gradient_paths", check_gradient_paths, (device,)),
                 ("memory", check_memory, (16 << 20,)),
                 ("host_syncs", check_host_syncs, (16 << 20,)),
                 ("ratios", check_ratios, (numels,)),

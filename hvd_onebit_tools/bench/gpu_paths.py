@@ -1,5 +1,5 @@
 """The GPU check's runs of the engine's paths beyond one plain step, and of the kernels past 2**31
-elements (``benchmarks/gpu_check.py``: ``engine_paths``, ``wide``).
+elements (``benchmarks/gpu_check.py``: ``engine_paths``, ``gradient_paths``, ``wide``).
 
 ``engine_paths``: the compression engine (``CompressedStep``) on 2 virtual ranks, one run on the
 device and the same run on CPU with the native kernels, each taking in turn
@@ -11,6 +11,13 @@ device and the same run on CPU with the native kernels, each taking in turn
 - ``flush_error_feedback`` summed in pieces that cut across the parameters.
 After each stage: whether the ranks hold the same parameters, and whether the device's bits are
 the CPU's.
+
+``gradient_paths``: the full-precision step's non-finite flag (one foreach norm in float32)
+over float32, float16, bfloat16 and sparse gradients on the device, against the flag each list
+should give, and whether computing it for dense gradients syncs with the host (it must not: the
+flag travels unread in the ranks' agreement); and where a gradient's storage starts (``storage_of``, the overlap's
+key for gradients that share a version counter) for views, offsets and empty views on the
+device, against the storage's own data pointer.
 
 ``wide``: the worker compression and the decode of one buffer of more than 2**31 elements,
 where the Triton kernels take int64 positions: the bits of the CPU's reference kernels. The
@@ -142,6 +149,66 @@ def check_engine_paths(device: str, width: int = 1024, layers: int = 3) -> dict:
     if "recorder" in syncs:
         out["tensor_options_step"] = syncs["recorder"].summary(2)
         ok &= out["tensor_options_step"]["host_syncs_per_rank"] <= 1
+    out["ok"] = bool(ok)
+    return out
+
+
+def _flag_cases(device: str) -> dict:
+    """Lists of gradients on ``device`` by name, each with the flag it should give."""
+    import torch
+
+    def t(values, dtype=torch.float32):
+        return torch.tensor(values, dtype=dtype, device=device)
+
+    inf, nan = float("inf"), float("nan")
+    sparse = torch.sparse_coo_tensor([[0, 2]], [1.0, inf], (4,), device=device,
+                                     check_invariants=True)
+    return {
+        "finite_mixed": ([t([1.0, -2.0]), t([3.0], torch.float16), t([4.0], torch.bfloat16)],
+                         False),
+        "inf_float32": ([t([1.0]), t([inf, 1.0])], True),
+        "nan_float16": ([t([1.0]), t([nan], torch.float16)], True),
+        "inf_bfloat16": ([t([-inf, 0.0], torch.bfloat16), t([2.0])], True),
+        "float16_past_its_range": ([t([60000.0] * 4, torch.float16)], False),
+        "sparse_inf": ([t([1.0]), sparse], True),
+    }
+
+
+def check_gradient_paths(device: str) -> dict:
+    """See the module's docstring; ok when every flag is the expected one, none synced (on
+    CUDA), and every storage start is the storage's own."""
+    import torch
+    from hvd_onebit.overlap import storage_of
+    from hvd_onebit.phases.gradients import nonfinite_flag
+
+    cases, flags = _flag_cases(device), {}
+    recorder = None
+    if device == "cuda":
+        from hvd_onebit_tools.bench.syncs import SyncRecorder
+        torch.cuda.synchronize()
+        recorder = SyncRecorder().__enter__()
+    try:  # the dense cases: a sparse gradient is coalesced first, which syncs on CUDA
+        computed = {name: nonfinite_flag(tensors) for name, (tensors, _) in cases.items()
+                    if not any(t.is_sparse for t in tensors)}
+    finally:
+        if recorder is not None:
+            recorder.__exit__(None, None, None)
+    computed.update((name, nonfinite_flag(tensors)) for name, (tensors, _) in cases.items()
+                    if name not in computed)
+    for name, (_, expected) in cases.items():
+        flags[name] = {"flag": bool(computed[name]), "expected": expected,
+                       "device": computed[name].device.type}
+    base = torch.zeros(6, 5, device=device)
+    views = {"whole": base, "row": base[3], "column": base[:, 2], "offset": base.view(-1)[7:],
+             "empty": base[2:2]}
+    start = base.untyped_storage().data_ptr()
+    storages = {name: storage_of(v) == start for name, v in views.items()}
+    out = {"flags": flags, "storage_of_equals_storage": storages,
+           "flag_syncs": recorder.summary() if recorder is not None else None}
+    ok = all(f["flag"] == f["expected"] and f["device"] == device for f in flags.values())
+    ok &= all(storages.values())
+    if recorder is not None:
+        ok &= out["flag_syncs"]["host_syncs_per_rank"] == 0
     out["ok"] = bool(ok)
     return out
 
