@@ -12,3 +12,14 @@ import torch
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 LOW_PRECISION_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def check_converted(tensors) -> None:
+    """Raise TypeError where a parameter or gradient the optimizer was built for float dtypes
+    has another dtype now (the model converted since, ``model.double()``)."""
+    bad = sorted({str(t.dtype) for t in tensors if t.dtype not in FLOAT_DTYPES})
+    if bad:
+        raise TypeError(f"hvd_onebit trains float32, float16 and bfloat16 parameters; got "
+                        f"{', '.join(bad)} at this step (the model converted after the optimizer "
+                        "was built, such as model.double()?): convert the model first, then "
+                        "wrap it in DDP and build the optimizer")

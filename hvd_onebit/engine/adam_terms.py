@@ -13,6 +13,7 @@ import torch
 
 from .. import step_bound
 from ..config import group_masks
+from ..dtypes import check_converted
 from ..kernels.fused_adam import AdamUpdate, MomentumInput
 from .fusion import Bucket
 from .variance import FrozenVariance
@@ -305,6 +306,7 @@ class BucketViews:
                 p.data_ptr() == at and p.stride() == stride
                 for p, (at, stride) in zip(b.params, made[1])):
             return made[2]
+        check_converted(b.params)  # new memory: maybe another dtype
         made = self._weights[b.index] = (b, [(p.data_ptr(), p.stride()) for p in b.params],
                                          [b.piece(i, p.detach()) for i, p in enumerate(b.params)])
         return made[2]

@@ -73,13 +73,7 @@ class Averaging:
         early, self.early = self.early, []
         if not early:  # nothing started (the buckets may not even be fused)
             return
-        for b, h in zip(self.fused.buckets, early):
-            comm = self.collectives.of(b)
-            try:
-                comm.claim(h)
-                comm.drain(h)
-            finally:
-                comm.release()
+        _drain([self.collectives.of(b) for b in self.fused.buckets], early)
 
     def onebit(self, param_groups: list[dict], owner: set, grads: Mapping, stale: bool) -> int:
         """Every bucket's 1-bit average, committed with Adam's update on every rank or on none;
@@ -103,8 +97,14 @@ class Averaging:
             self.breakdown["compress"] += time.perf_counter() - begun
             return handle
 
-        handles = early + [start(i) for i in range(len(early), len(buckets))]
-        updates, masked = self.terms.plan(param_groups, buckets, owner)  # while stage 1 travels
+        handles = list(early)
+        try:  # a parameter that cannot step (its state removed, converted to float64) raises
+            for i in range(len(early), len(buckets)):  # on every rank: nothing left in flight
+                handles.append(start(i))
+            updates, masked = self.terms.plan(param_groups, buckets, owner)  # while stage 1 travels
+        except Exception:
+            _drain(comms, handles)
+            raise
         try:
             synchronize_all(list(zip(comms, handles)), updates, clock=self.breakdown)
         except StaleInputError:
@@ -137,3 +137,13 @@ class Averaging:
             u.apply(b.momentum)
         self.terms.apply_masked(masked)
         return nbytes
+
+
+def _drain(comms: list, handles: list) -> None:
+    """Wait out calls in flight and drop them (error feedback and momenta unchanged)."""
+    for comm, h in zip(comms, handles):
+        try:
+            comm.claim(h)
+            comm.drain(h)
+        finally:
+            comm.release()

@@ -16,8 +16,8 @@ from .fusion import Bucket
 
 
 class Collectives:
-    """The 1-bit collective of each bucket, keyed by its layout, the world size and a
-    generation that :meth:`reset` bumps.
+    """The 1-bit collective of each bucket, keyed by its layout (which parameters' elements,
+    in order), the world size and a generation that :meth:`reset` bumps.
 
     Args:
         transport: the compression phase's transport.
@@ -48,7 +48,7 @@ class Collectives:
 
     def key(self, b: Bucket) -> tuple:
         return (b.index, b.numel, str(b.momentum.dtype).replace("torch.", ""),
-                self.transport.size, self._generation)
+                self.transport.size, self._generation, b.layout)
 
     def of(self, b: Bucket):
         """Bucket ``b``'s collective."""

@@ -58,6 +58,12 @@ class Bucket:
         """Each segment's elements."""
         return [s.numel for s in self.segments]
 
+    @functools.cached_property
+    def layout(self) -> tuple:
+        """Which elements of which parameters the bucket holds, in order: a bucket of another
+        trainable set may have this one's index and size but not its elements."""
+        return tuple((id(s.param), s.start, s.numel) for s in self.segments)
+
     @property
     def work(self) -> torch.Tensor:
         """[numel], like momentum: a buffer for the local momentum, allocated on first use."""
@@ -181,15 +187,19 @@ class FusedBuckets:
         self.position: dict[torch.Tensor, list[int]] = {}
         self.index: dict[torch.Tensor, int] = {}  # parameter -> its place in params
         self.start_order: list[int] = []  # the places in the order of their first bucket
+        self.cut: list[torch.Tensor] = []  # the parameters split across buckets
 
     def fits(self, active: list[torch.Tensor]) -> bool:
-        """Whether the buckets hold exactly ``active`` and every ``exp_avg`` is still a view (the
-        view itself, or a tensor over the same memory)."""
+        """Whether the buckets hold exactly ``active``, every ``exp_avg`` is still a view (the
+        view itself, or a tensor over the same memory), and every parameter split across
+        buckets is still contiguous (its pieces are views of it; ``model.to(memory_format=...)``
+        may have made it another layout since)."""
         state = self.state
         return self.buckets is not None and len(active) == len(self.params) and all(
             a is b for a, b in zip(active, self.params)) and all(
             m is view or m.data_ptr() == view.data_ptr()
-            for m, view in ((state[p]["exp_avg"], view) for p, view in self._views.items()))
+            for m, view in ((state[p]["exp_avg"], view) for p, view in self._views.items())
+        ) and all(p.is_contiguous() for p in self.cut)
 
     def fuse(self, active: list[torch.Tensor]) -> None:
         """(Re)build the buckets of ``active``; their ``exp_avg`` become views into them."""
@@ -211,6 +221,7 @@ class FusedBuckets:
             for p in b.params:
                 self.position.setdefault(p, []).append(b.index)
         self.start_order = [self.index[p] for p in self.position]  # dicts keep first insertion
+        self.cut = [p for p, at in self.position.items() if len(at) > 1]
 
     def clear(self) -> None:
         self.buckets = None
@@ -219,3 +230,4 @@ class FusedBuckets:
         self.position = {}
         self.index = {}
         self.start_order = []
+        self.cut = []

@@ -23,6 +23,27 @@ from .host_options import HostOptions
 from .refresh import VarianceRefresh
 from .variance import FrozenVariance
 
+ADAM_KEYS = ("step", "exp_avg", "exp_avg_sq")
+
+
+def missing_state(state: Mapping, params: list, names: Mapping) -> Optional[str]:
+    """The refusal naming the first of ``params`` whose Adam state lacks one of
+    :data:`ADAM_KEYS`, or None. In the compression phase that state is the momentum and the
+    frozen variance: torch's Adam would start a removed entry from zeros, which here would hold
+    the parameter fixed (a zero variance) or step it on a momentum the other ranks lack."""
+    for p in params:
+        entry = state.get(p)  # not state[p]: a defaultdict would insert an entry
+        lacking = [k for k in ADAM_KEYS if entry is None or k not in entry]
+        if lacking:
+            name = names.get(p) or f"of shape {tuple(p.shape)}"
+            return (f"hvd_onebit: the Adam state of parameter {name} lacks {', '.join(lacking)} "
+                    "in the compression phase (an entry removed: opt.state.pop(p), "
+                    "opt.state[p] = {}, opt.state.clear()): its momentum and frozen variance "
+                    "are gone. Restore a saved state with load_state_dict() on every rank, "
+                    "change the entries' values in place, or build the optimizer again to start "
+                    "Adam afresh")
+    return None
+
 
 class CompressedStep:
     """The compression phase over an Adam optimizer's parameters and state.
@@ -99,11 +120,22 @@ class CompressedStep:
         return self.collectives.saved()
 
     def up_to_date(self, active: list[torch.Tensor]) -> bool:
-        """Whether the buckets and collectives fit the trainable set ``active`` and the world."""
-        return self.fused.fits(active) and self.collectives.covers(self.fused.buckets)
+        """Whether the buckets and collectives fit the trainable set ``active`` and the world.
+        Raises RuntimeError naming a parameter whose Adam state was removed."""
+        try:
+            return self.fused.fits(active) and self.collectives.covers(self.fused.buckets)
+        except KeyError:
+            self._check_state([*self.fused.params, *active])
+            raise
+
+    def _check_state(self, params: list[torch.Tensor]) -> None:
+        refusal = missing_state(self.state, params, self.variance.names)
+        if refusal is not None:
+            raise RuntimeError(refusal)
 
     def fuse(self, active: list[torch.Tensor]) -> None:
         """(Re)build the buckets and their collectives (during the last warmup allreduce)."""
+        self._check_state(active)
         self.fused.fuse(active)
         self.terms.clear()
         self.collectives.fit(self.fused.buckets)
@@ -146,7 +178,11 @@ class CompressedStep:
 
     def start_bucket(self, param_groups: list[dict], grads: Mapping) -> None:
         """Start the next bucket's exchange now (``grads`` as for :meth:`step`)."""
-        self.averaging.start_next(self.options.of(param_groups), grads)
+        try:
+            self.averaging.start_next(self.options.of(param_groups), grads)
+        except KeyError:
+            self._check_state(self.params)
+            raise
 
     def abandon_early(self) -> None:
         """Wait out the buckets started early and drop them (the step is not taken)."""
@@ -173,7 +209,11 @@ class CompressedStep:
         """
         owner, param_groups = set(self.params), self.options.of(param_groups)
         if self.collectives.onebit:
-            nbytes = self.averaging.onebit(param_groups, owner, grads, stale)
+            try:
+                nbytes = self.averaging.onebit(param_groups, owner, grads, stale)
+            except KeyError:  # an entry of Adam's state removed: say which
+                self._check_state(self.params)
+                raise
             if self.world > 1:
                 self.error_feedback.committed()
         else:

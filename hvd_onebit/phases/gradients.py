@@ -7,6 +7,7 @@ from typing import Callable, Optional
 
 import torch
 
+from ..dtypes import check_converted
 from ..low_precision import adam_step_float32, is_low_precision
 from ..optimizer_view import OptimizerView
 from ..state.schedule import Schedule
@@ -51,7 +52,12 @@ def nonfinite_flag(tensors: list[torch.Tensor]) -> Optional[torch.Tensor]:
     if not tensors:
         return None
     dense = [t.coalesce().values() if t.is_sparse else t for t in tensors]
-    return ~torch.isfinite(torch.stack(torch._foreach_norm(dense, 1, dtype=torch.float32))).all()
+    try:
+        norms = torch._foreach_norm(dense, 1, dtype=torch.float32)
+    except RuntimeError:  # float64 does not narrow to float32 here: say what it is
+        check_converted(dense)
+        raise
+    return ~torch.isfinite(torch.stack(norms)).all()
 
 
 def adam_step(view: OptimizerView, schedule: Schedule) -> None:
