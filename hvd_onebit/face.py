@@ -73,6 +73,7 @@ class SharedFace:
     # ---- checkpoints and the error-feedback lifecycle ----------------------------------------------
 
     def state_dict(self) -> dict:
+        self._view.adam.check_state(self._engine.state)
         sd = checkpoint.state_dict(self._view, self.config, self._schedule, self._telemetry,
                                    unflushed=self._engine.unflushed)
         self._handed.handed(sd, self.steps)
@@ -136,10 +137,14 @@ class SharedFace:
         """Fold every rank's error feedback into the momentum (one full-precision allreduce),
         so that rank 0's ``state_dict()`` alone resumes on any world size; a no-op in the
         warmup, on one rank and with ``compressor="none"``. Every rank calls it at the same
-        point. Returns the bytes this rank sent; raises NonFiniteInputError on every rank,
-        changing nothing (:meth:`~hvd_onebit.engine.CompressedStep.flush_error_feedback`)."""
+        point (between a backward and step(), the buckets the hooks started are waited out and
+        the step starts them again). Returns the bytes this rank sent; raises
+        NonFiniteInputError on every rank, changing nothing
+        (:meth:`~hvd_onebit.engine.CompressedStep.flush_error_feedback`)."""
         if not self._phases.compressing() or self.config.compressor != "onebit":
             return 0
+        if self._engine.started:  # between backward and step(): those buckets read the errors
+            self._phases.drop_early()  # the flush folds, so the step starts them again
         self._engine.ensure_ready(self._view.adam.active_parameters())  # applies loaded errors
         start = time.perf_counter()
         with self._phases.watching("flush_error_feedback()"):

@@ -11,6 +11,14 @@ from typing import Callable, Optional, Protocol
 import torch
 
 
+STATE_REPLACED = (
+    "hvd_onebit: the optimizer's state was replaced by another mapping (opt.state = ...). The "
+    "optimizer keeps Adam's moments and frozen variance in the mapping it was built with, and "
+    "would step on that one while state_dict() saved the new one. Put the mapping back "
+    "(opt.state = the old one), restore a saved state with load_state_dict(), change entries "
+    "in place, or build the optimizer again to start Adam afresh")
+
+
 class WrappedAdam:
     """The containers and the own actions of the Adam a face wraps, read through: torch's
     ``load_state_dict`` replaces the containers, so each read is current after every load.
@@ -35,6 +43,13 @@ class WrappedAdam:
     @property
     def state(self) -> dict:
         return self._opt.state
+
+    def check_state(self, kept: dict) -> None:
+        """Raise where the optimizer's state container is no longer ``kept``, the one the
+        engine and the phases hold (``opt.state = defaultdict(dict)``, a way to reset torch's
+        Adam): its steps and its ``state_dict()`` would part from theirs."""
+        if self._opt.state is not kept:
+            raise RuntimeError(STATE_REPLACED)
 
     @property
     def optimizer_id(self) -> int:

@@ -46,11 +46,13 @@ class EarlyStarts:
         self.missing = [len(b.params) for b in engine.buckets]  # gradients not final yet
         n = len(self.params)  # a parameter a group lists twice has two places
         # By place: whether its bucket started, and what the start read of it: its gradient
-        # tensor (identity and in-place version) and its own version (Adam's L2 decay reads it)
+        # tensor (identity and in-place version) and its own version and memory (Adam's L2
+        # decay reads it; ``p.data = ...`` moves no version)
         self.started = bytearray(n)
         self.grads: list = [None] * n
         self.grad_versions: list = [None] * n
         self.param_versions = [0] * n
+        self.param_memory = [0] * n
         # param group id -> (the group, the options each start that read it saw, options_of)
         self.options: dict[int, tuple[dict, list]] = {}
         # Gradients in one storage (views of DDP's buckets with gradient_as_bucket_view, the
@@ -105,6 +107,7 @@ class EarlyStarts:
             self.grads[i] = g
             self.grad_versions[i] = None if g is None else g._version
             self.param_versions[i] = q._version
+            self.param_memory[i] = q.data_ptr()
             self.seen[i] = self.accumulated.get(storage_of(g), 0)
             key = id(group)
             if key not in options:
@@ -116,11 +119,12 @@ class EarlyStarts:
 
 # What changed, in words: a gradient's version, a parameter's, then each of options_of's fields.
 CHANGES = ("a gradient changed in place (e.g. clipped or unscaled)",
-           "a parameter changed in place",
+           "a parameter changed in place (or given other memory: p.data = ...)",
            "beta1 changed (e.g. a scheduler that sets betas, such as OneCycleLR, stepped)",
            "weight_decay changed", "maximize changed",
            "beta2 changed (the preconditioned input reads its bias correction and bound)",
-           "eps changed (the preconditioned input's denominator reads it)")
+           "eps changed (the preconditioned input's denominator reads it)",
+           "decoupled_weight_decay changed (Adam's L2 decay goes into the gradient, AdamW's not)")
 
 
 # What changed when the gradients were zeroed at two steps in a row (see Overlap.skipped).
@@ -132,10 +136,10 @@ ZEROED = ("zero_grad() was called between backward and step() at two steps in a 
 def options_of(group: dict) -> tuple:
     """The options a bucket's input is computed from, in :data:`CHANGES`' order: beta1,
     weight_decay, maximize, beta2 and eps (the preconditioned input's denominator and
-    bound)."""
+    bound), decoupled_weight_decay (where the group has it)."""
     beta1, beta2 = group["betas"]
     return (_option(beta1), _option(group["weight_decay"]), bool(group.get("maximize")),
-            _option(beta2), _option(group["eps"]))
+            _option(beta2), _option(group["eps"]), group.get("decoupled_weight_decay"))
 
 
 def storage_of(g: Optional[torch.Tensor]) -> Optional[int]:
@@ -274,7 +278,7 @@ class Overlap:
             elif g is not None and g._version != early.grad_versions[i] + (
                     early.accumulated.get(storage_of(g), 0) - early.seen[i]):
                 what = CHANGES[0]  # beyond the others' accumulation into its storage since
-            elif q._version != early.param_versions[i]:
+            elif q._version != early.param_versions[i] or q.data_ptr() != early.param_memory[i]:
                 what = CHANGES[1]
             else:
                 what = options[id(early.groups[q])]

@@ -513,6 +513,25 @@ def test_an_empty_parameter_and_one_listed_twice_keep_the_overlap(world):
 
 
 @pytest.mark.multirank
+def test_changes_between_backward_and_step_give_the_bits_without_overlap(world):
+    """Between a compressed step's backward and its step(), on every rank: a layer frozen (and
+    unfrozen two steps later), the error feedback flushed, decoupled_weight_decay turned on, a
+    weight given new memory (p.data = ..., which Adam's L2 decay reads): the same bits as with
+    overlap=False, the last two with the overlap's warning. Adam's state replaced by another
+    mapping is refused by step() and by state_dict() on every rank."""
+    n, results = world
+    for rank, r in enumerate(scenario(results, "changed_mid_step")):
+        for name, warned in (("requires_grad", False), ("flush", False), ("decoupled", True),
+                             ("data", True)):
+            assert r[name]["differences"] == [], f"n={n} rank {rank}: {r[name]['differences']}"
+            assert bool(r[name]["warnings"]) == warned, \
+                f"n={n} rank {rank}: {name}: the overlap's warnings {r[name]['warnings']}"
+        for call, said in r["replaced"].items():
+            assert said.startswith("RuntimeError") and "opt.state = " in said, \
+                f"n={n} rank {rank}: {call} with opt.state replaced: {said}"
+
+
+@pytest.mark.multirank
 def test_gradients_kept_as_ddp_bucket_views_keep_the_overlap(world):
     """gradient_as_bucket_view=True and zero_grad(set_to_none=False), the way to keep DDP's
     buckets as the gradients' memory: the layers' gradients accumulate into one DDP bucket

@@ -3,6 +3,7 @@ Each scenario returns data (mismatches with their figures, recorded gradients an
 error messages); the tests in tests/test_ddp.py assert on it."""
 from __future__ import annotations
 
+import collections
 import contextlib
 import copy
 import functools
@@ -485,11 +486,12 @@ def sparse_embedding_step() -> None:
     opt.step()
 
 
-def refused(build: Callable) -> str:
-    """What ``build()`` raised (a TypeError or ValueError), as "Type: message"; or "accepted"."""
+def refused(build: Callable, *errors: type) -> str:
+    """What ``build()`` raised (a TypeError or ValueError, or one of ``errors``), as "Type:
+    message"; or "accepted"."""
     try:
         build()
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, *errors) as exc:
         return f"{type(exc).__name__}: {exc}"
     return "accepted"
 
@@ -876,6 +878,56 @@ def odd_parameters(compressed: int = 4) -> dict:
             opt.step()
     return {"early": opt.compressed_step.early_starts, "restarts": opt.compressed_step.restarts,
             "buckets": len(opt.compressed_step.buckets), "warnings": overlap_warnings(caught)}
+
+
+# What a script changes between a compressed step's backward and its step() (every rank alike):
+# the step before the change is FREEZE + 1, the one after FREEZE + 3 (requires_grad set back).
+MID_STEP_CHANGES = {
+    "requires_grad": lambda model, opt, step: [p.requires_grad_(step != FREEZE + 1)
+                                               for p in model.module.out.parameters()],
+    "flush": lambda model, opt, step: opt.flush_error_feedback() if step == FREEZE + 1 else None,
+    "decoupled": lambda model, opt, step: opt.param_groups[1].__setitem__(
+        "decoupled_weight_decay", step >= FREEZE + 1),
+    "data": lambda model, opt, step: setattr(model.module.inner.weight, "data",
+                                             model.module.inner.weight.data * 0.99)
+    if step == FREEZE + 1 else None,
+}
+
+
+def changed_mid_step(steps: int = FREEZE + 4) -> dict:
+    """Each of :data:`MID_STEP_CHANGES` made between backward and step() at the steps after the
+    freeze, with the overlap on and off (Adam's L2 decay on: its input reads the weights): the
+    parameters' differences and the overlap's warnings; then Adam's state replaced by another
+    mapping (``opt.state = defaultdict(dict)``): what step() and state_dict() raise."""
+    out = {}
+    for name, change in MID_STEP_CHANGES.items():
+        runs, warned = [], []
+        for overlap in (True, False):
+            model = make_model()
+            opt = onebit(model, overlap=overlap)
+            for group in opt.param_groups:
+                group["weight_decay"] = 0.1
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                for step in range(steps):
+                    opt.zero_grad()
+                    x, y = batch(step, dist.get_rank())
+                    torch.nn.functional.mse_loss(model(x), y).backward()
+                    if step > FREEZE:
+                        change(model, opt, step)
+                    opt.step()
+            runs.append(params_of(model))
+            warned.append(overlap_warnings(caught))
+        out[name] = {"differences": differences(runs[0], runs[1], f"{name}: overlap=False"),
+                     "warnings": warned[0]}
+    model = make_model()
+    opt = onebit(model)
+    for step in range(FREEZE + 1):
+        train_step(model, opt, step)
+    opt.state = collections.defaultdict(dict)
+    out["replaced"] = {"step": refused(lambda: train_step(model, opt, FREEZE + 1), RuntimeError),
+                       "state_dict": refused(opt.state_dict, RuntimeError)}
+    return out
 
 
 def copied_model(steps: int = FREEZE + 4) -> dict:
@@ -1332,6 +1384,7 @@ def suite(scratch: Optional[str] = None, stage: Optional[str] = None) -> dict:
                      another_wrapper=another_wrapper_runs,
                      rolled_back=rolled_back_mid_step, copied=copied_model,
                      bucket_views=bucket_views, odd_parameters=odd_parameters,
+                     changed_mid_step=changed_mid_step,
                      scaler_wrapped=grad_scaler_through_a_wrapper,
                      grad_scaler=grad_scaler_skips, host_reads=host_reads)
     if stage is not None:

@@ -75,15 +75,25 @@ class CompressionPhase:
         early = overlap.current
         if early is None:
             engine.begin_step()
-        engine.ensure_ready(self._view.adam.active_parameters())
-        what = SCALER_CHANGED if changed and engine.started > 0 else overlap.stale()
+        active = self._view.adam.active_parameters()
+        ready = engine.up_to_date(active)
+        # the trainable set changed since the hooks started buckets of the old one (requires_grad
+        # set between backward and step() on every rank): those are waited out and dropped, and
+        # every bucket of the new set starts here
+        relaid = not ready and engine.started > 0
+        if relaid:
+            engine.abandon_early()
+        engine.ensure_ready(active, checked=ready)
+        what = None if relaid else (
+            SCALER_CHANGED if changed and engine.started > 0 else overlap.stale())
         stale = what is not None
         # a skipped batch: started again, quietly (unless zero_grad() comes every step)
         skipped = overlap.skipped(early is not None and early.zeroed)
         if stale and overlap.off_reason is None and not skipped:
             overlap.turn_off(f"changed between backward and step(): {what}")
             warnings.warn(stale_warning(what))
-        unstarted = engine.params if stale or early is None else early.unstarted(engine.params)
+        unstarted = (engine.params if stale or relaid or early is None
+                     else early.unstarted(engine.params))
         groups = groups_by_param(self._view.adam.param_groups)
         grads = LocalGrads(self.local_grad, groups)
         try:  # before anything more starts: a bad gradient raises here, on every rank

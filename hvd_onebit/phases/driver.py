@@ -89,10 +89,15 @@ class Phases:
         step()) are waited out and dropped first: every rank started them, and every rank
         drops them once, here or at its next step, where a state written in is noticed; the
         step then starts every bucket from the new state."""
-        self._engine.abandon_early()
+        self.drop_early()
         self._engine.restart()
-        self.compression.overlap.end_step()
         self._schedule.acknowledge()
+
+    def drop_early(self) -> None:
+        """Wait out and drop the buckets the gradient hooks started this step: the step starts
+        every bucket itself. Every rank at the same point (every rank started them)."""
+        self._engine.abandon_early()
+        self.compression.overlap.end_step()
 
     def refreshing(self) -> bool:
         """Whether this step is a variance refresh step (:mod:`hvd_onebit.phases.refresh`): a
@@ -188,6 +193,7 @@ class Phases:
     def _step(self, grad_scaler, unscale: Callable, make_hook: Callable) -> None:
         try:
             check_scale_attributes(self._view.adam, grad_scaler)
+            self._view.adam.check_state(self._engine.state)
             self._check_trainable()
         except Exception:
             self._engine.abandon_early()
