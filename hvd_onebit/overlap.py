@@ -66,6 +66,7 @@ class EarlyStarts:
         self.seen = [0] * n  # by place: accumulated of its storage when its bucket started
         self.failed = False  # a start raised: the rest start in step()
         self.zeroed = False  # zero_grad() since the starts: a skipped batch's, not a pattern
+        self.accumulating = False  # a backward pass more accumulates onto the started gradients
 
     @property
     def any_started(self) -> bool:
@@ -222,7 +223,9 @@ class Overlap:
         if early.failed or i is None:
             return
         if early.started[i]:  # its bucket started from an earlier backward: that batch was
-            early.zeroed = True  # skipped, however its gradients were zeroed (model.zero_grad())
+            # skipped, however its gradients were zeroed (model.zero_grad()), unless this pass
+            # accumulates onto them
+            early.zeroed = early.zeroed or not early.accumulating
             return
         engine = self._engine
         for k in early.position[p]:
@@ -250,6 +253,16 @@ class Overlap:
             self.current.zeroed = True
         elif self._decided:
             self.end_step()
+
+    def pass_again(self) -> None:
+        """A backward pass more than the step before had is about to run (DDP's sync on in
+        each pass, no ``no_sync()``): where nothing the started buckets read has changed since
+        (their gradients not zeroed in place), it accumulates onto their gradients, and the step
+        starts them again quietly, as a step with another count of passes, not as a batch
+        skipped."""
+        early = self.current
+        if early is not None and early.any_started and not early.zeroed and self.stale() is None:
+            early.accumulating = True
 
     def skipped(self, zeroed: bool) -> bool:
         """At a step: whether its early starts were a skipped batch's (``zeroed``), counting

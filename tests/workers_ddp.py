@@ -679,7 +679,7 @@ def written_in_forward(passes: int = 2, steps: int = FREEZE + 3) -> dict:
     return {"phase": opt.phase, "local_steps": opt._hook.local_steps, "params": params_of(model)}
 
 
-def accumulated_without_no_sync(passes: tuple = (2, 2, 3, 3, 1, 1)) -> dict:
+def accumulated_without_no_sync(passes: tuple = (2, 2, 3, 4, 4, 1, 1)) -> dict:
     """Gradient accumulation without no_sync(), every backward pass with DDP's sync on: two
     passes a step through the warmup, then ``passes`` a compressed step. Against the same run
     with overlap=False: the differences, the buckets started during each compressed step's

@@ -257,6 +257,8 @@ class CommHook:
                 self._passes = 0  # the passes before were zeroed (set to None): a skipped batch
             self._passes += 1
             self._last_pass = self._passes >= self._expected_passes
+            if self._passes > self._expected_passes and self._overlap is not None:
+                self._overlap.pass_again()  # onto the gradients the last pass's hooks started
             self.gradients_local = self._local
         if self._used_locally and torch.is_grad_enabled() and not self._local:
             # DDP's reducer (find_unused_parameters) counts a parameter whose gradient a local

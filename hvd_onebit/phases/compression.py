@@ -89,7 +89,8 @@ class CompressionPhase:
         stale = what is not None
         # a skipped batch: started again, quietly (unless zero_grad() comes every step)
         skipped = overlap.skipped(early is not None and early.zeroed)
-        if stale and overlap.off_reason is None and not skipped:
+        quiet = skipped or (early is not None and early.accumulating)  # a pass more
+        if stale and overlap.off_reason is None and not quiet:
             overlap.turn_off(f"changed between backward and step(): {what}")
             warnings.warn(stale_warning(what))
         unstarted = (engine.params if stale or relaid or early is None
