@@ -156,7 +156,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
         transport (str, optional): how the 1-bit stages travel: "auto", "torch", "horovod",
             "mpi"; ``opt.transport`` says which "auto" chose (default: "auto")
         overlap (bool, optional): start buckets from the gradient hooks, bit-identical to
-            starting them in step() (default: True)
+            starting them in step(); pass False where the script clips or changes the
+            gradients after backward at every step (default: True)
         memory (str, optional): "auto", "lean" (one error buffer per collective) or "fast"
             (a spare of each, one pass less per step); "auto": lean on CUDA (default: "auto")
         flush_on_commit (bool, optional): fold the error feedback into the momentum at every

@@ -111,8 +111,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model, *,
         bucket_size_mb (float, optional): momentum per 1-bit allreduce, in MiB of fp32
             (default: 64)
         overlap (bool, optional): start buckets from the gradient hooks as backward makes them,
-            bit-identical to starting them in step(); off with ``find_unused_parameters``
-            (default: True)
+            bit-identical to starting them in step(); off with ``find_unused_parameters``;
+            pass False where the script clips or changes the gradients after backward at
+            every step (default: True)
         memory (str, optional): "auto", "lean" (one error buffer per collective) or "fast"
             (a spare of each, one pass less per step); "auto": lean on CUDA (default: "auto")
         block_size (int, optional): elements per scale of the 1-bit compression, a multiple
