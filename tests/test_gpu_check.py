@@ -58,7 +58,8 @@ def test_dry_run_checks_bits_and_virtual_ranks_on_cpu(tmp_path):
         f"the engine's paths: {paths}"
     assert checks["wide"]["ok"] and not checks["wide"]["wide"], f"wide: {checks['wide']}"
     grads = checks["gradient_paths"]
-    assert grads["ok"] and len(grads["flags"]) == 6 and len(grads["storage_of_equals_storage"]) == 5, \
+    storages = grads["storage_of_equals_storage"]
+    assert grads["ok"] and len(grads["flags"]) == 6 and len(storages) == 5, \
         f"the non-finite flags and the gradients' storages: {grads}"
     probe = checks["probe"]
     assert probe["ok"] and probe["probe"]["device"] == "cpu" and probe["probe"]["ranks"] == 2, \

@@ -15,9 +15,9 @@ the CPU's.
 ``gradient_paths``: the full-precision step's non-finite flag (one foreach norm in float32)
 over float32, float16, bfloat16 and sparse gradients on the device, against the flag each list
 should give, and whether computing it for dense gradients syncs with the host (it must not: the
-flag travels unread in the ranks' agreement); and where a gradient's storage starts (``storage_of``, the overlap's
-key for gradients that share a version counter) for views, offsets and empty views on the
-device, against the storage's own data pointer.
+flag travels unread in the ranks' agreement); and where a gradient's storage starts
+(``storage_of``, the overlap's key for gradients that share a version counter) for views,
+offsets and empty views on the device, against the storage's own data pointer.
 
 ``wide``: the worker compression and the decode of one buffer of more than 2**31 elements,
 where the Triton kernels take int64 positions: the bits of the CPU's reference kernels. The
