@@ -48,7 +48,7 @@ class Collectives:
 
     def key(self, b: Bucket) -> tuple:
         return (b.index, b.numel, str(b.momentum.dtype).replace("torch.", ""),
-                self.transport.size, self._generation, b.layout)
+                self.transport.size, self._generation, b.layout, b.signature)
 
     def of(self, b: Bucket):
         """Bucket ``b``'s collective."""
@@ -70,8 +70,9 @@ class Collectives:
 
     def saved(self) -> dict[str, object]:
         """The collectives by the key their error feedback is saved under
-        ("bucket:numel:dtype"; the world size is checked separately)."""
-        return {f"{k[0]}:{k[1]}:{k[2]}": c for k, c in self.comms.items()}
+        ("bucket:numel:dtype:signature", :attr:`Bucket.signature`; the world size is checked
+        separately)."""
+        return {f"{k[0]}:{k[1]}:{k[2]}:{k[6]}": c for k, c in self.comms.items()}
 
     def zero_errors(self) -> None:
         """Zero every collective's error feedback, keeping the collectives (no communication)."""

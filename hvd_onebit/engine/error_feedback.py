@@ -160,6 +160,8 @@ class ErrorFeedback:
             self.zeroed()
             return
         mine = self.collectives.saved()
+        if all(k.count(":") == 2 for k in saved):  # saved without the buckets' signatures
+            mine = {k.rsplit(":", 1)[0]: c for k, c in mine.items()}
         if set(saved) != set(mine):
             warnings.warn("hvd_onebit: saved error feedback is for another bucket layout "
                           f"({sorted(saved)} vs {sorted(mine)}); it is reset to zero")

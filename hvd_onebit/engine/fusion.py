@@ -14,8 +14,9 @@ compression kernel instead).
 from __future__ import annotations
 
 import functools
+import zlib
 from dataclasses import dataclass
-from typing import Optional
+from typing import Mapping, Optional
 
 import torch
 
@@ -47,6 +48,9 @@ class Bucket:
     numel: int
     momentum: torch.Tensor  # [numel], a view into the flat buffer: the members' exp_avg
     _work: Optional[torch.Tensor] = None
+    # the layout as another process of the same job names it (saved error feedback's key):
+    # each segment's parameter name (its shape where unnamed), start and count, digested
+    signature: str = ""
 
     @functools.cached_property
     def params(self) -> list[torch.Tensor]:
@@ -175,11 +179,13 @@ class FusedBuckets:
     Args:
         state: Adam's per-parameter state (``exp_avg`` is replaced by its view).
         bucket_numel: elements per bucket (:func:`plan_buckets`).
+        names: parameter names, for each bucket's :attr:`Bucket.signature`.
     """
 
-    def __init__(self, state, bucket_numel: int):
+    def __init__(self, state, bucket_numel: int, names: Optional[Mapping] = None):
         self.state = state
         self.bucket_numel = bucket_numel
+        self.names = names if names is not None else {}
         self.buckets: Optional[list[Bucket]] = None
         self.params: list[torch.Tensor] = []  # in the order given to fuse()
         self._views: dict[torch.Tensor, torch.Tensor] = {}  # exp_avg in the flat buffer
@@ -193,12 +199,14 @@ class FusedBuckets:
         """Whether the buckets hold exactly ``active``, every ``exp_avg`` is still a view (the
         view itself, or a tensor over the same memory), and every parameter split across
         buckets is still contiguous (its pieces are views of it; ``model.to(memory_format=...)``
-        may have made it another layout since)."""
-        state = self.state
+        may have made it another layout since). Reads the state with ``get``: a removed entry
+        is not put back (the state may be a defaultdict)."""
+        state, none = self.state, {}
         return self.buckets is not None and len(active) == len(self.params) and all(
             a is b for a, b in zip(active, self.params)) and all(
-            m is view or m.data_ptr() == view.data_ptr()
-            for m, view in ((state[p]["exp_avg"], view) for p, view in self._views.items())
+            m is view or m is not None and m.data_ptr() == view.data_ptr()
+            for m, view in ((state.get(p, none).get("exp_avg"), view)
+                            for p, view in self._views.items())
         ) and all(p.is_contiguous() for p in self.cut)
 
     def fuse(self, active: list[torch.Tensor]) -> None:
@@ -222,6 +230,10 @@ class FusedBuckets:
                 self.position.setdefault(p, []).append(b.index)
         self.start_order = [self.index[p] for p in self.position]  # dicts keep first insertion
         self.cut = [p for p, at in self.position.items() if len(at) > 1]
+        for b in self.buckets:
+            named = tuple((self.names.get(s.param) or tuple(s.param.shape), s.start, s.numel)
+                          for s in b.segments)
+            b.signature = f"{zlib.crc32(repr(named).encode()):08x}"
 
     def clear(self) -> None:
         self.buckets = None

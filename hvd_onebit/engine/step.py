@@ -72,7 +72,7 @@ class CompressedStep:
             raise ValueError("compressor='none' averages through Horovod; a transport object "
                              "carries only the 1-bit collective")
         backend = config.kernel_backend
-        self.fused = FusedBuckets(state, config.bucket_numel)
+        self.fused = FusedBuckets(state, config.bucket_numel, names)
         self.variance = FrozenVariance(state, config.zero_variance, config.refresh is not None,
                                        names if names is not None else {})
         self.terms = AdamTerms(state, self.variance, decoupled, config.step_bound,
