@@ -9,7 +9,8 @@ A start is a speculation on the gradients staying as backward made them. What ea
 is recorded (:class:`EarlyStarts`); ``step()`` compares (:meth:`Overlap.stale`), and a stale
 step starts every bucket again on every rank (see :class:`~hvd_onebit.engine.
 CompressedStep`), after which this rank stops starting early, unless the gradients were
-zeroed in between (a batch skipped after its backward, :meth:`Overlap.gradients_zeroed`). A
+zeroed in between (a batch skipped after its backward, :meth:`Overlap.gradients_zeroed`) or a
+backward pass more accumulated onto them (:meth:`Overlap.pass_again`). A
 GradScaler used in the last step is assumed in this one: the hooks unscale as
 ``GradScaler.unscale_`` does, because unscaling in place leaves no trace on the gradients'
 version counters.
@@ -255,11 +256,11 @@ class Overlap:
             self.end_step()
 
     def pass_again(self) -> None:
-        """A backward pass more than the step before had is about to run (DDP's sync on in
-        each pass, no ``no_sync()``): where nothing the started buckets read has changed since
-        (their gradients not zeroed in place), it accumulates onto their gradients, and the step
-        starts them again quietly, as a step with another count of passes, not as a batch
-        skipped."""
+        """A training forward of a pass more than the step before had (DDP's sync on in each
+        pass, no ``no_sync()``; called from the forward, so before its backward, if any):
+        where nothing the started buckets read has changed since (their gradients not zeroed
+        in place), its backward accumulates onto their gradients, and the step starts them
+        again quietly, as a step with another count of passes, not as a batch skipped."""
         early = self.current
         if early is not None and early.any_started and not early.zeroed and self.stale() is None:
             early.accumulating = True

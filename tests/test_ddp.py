@@ -519,9 +519,12 @@ def test_changes_between_backward_and_step_give_the_bits_without_overlap(world):
     unfrozen two steps later), the error feedback flushed, decoupled_weight_decay turned on, a
     weight given new memory (p.data = ..., which Adam's L2 decay reads): the same bits as with
     overlap=False, the last two with the overlap's warning. Adam's state replaced by another
-    mapping is refused by step() and by state_dict() on every rank."""
+    mapping is refused by step() and by state_dict() on every rank, and an entry of it removed
+    between backward and step() too, naming the parameter: put back, the steps go on from
+    their gradient hooks, the ranks identical."""
     n, results = world
-    for rank, r in enumerate(scenario(results, "changed_mid_step")):
+    runs = scenario(results, "changed_mid_step")
+    for rank, r in enumerate(runs):
         for name, warned in (("requires_grad", False), ("flush", False), ("decoupled", True),
                              ("data", True)):
             assert r[name]["differences"] == [], f"n={n} rank {rank}: {r[name]['differences']}"
@@ -530,6 +533,14 @@ def test_changes_between_backward_and_step_give_the_bits_without_overlap(world):
         for call, said in r["replaced"].items():
             assert said.startswith("RuntimeError") and "opt.state = " in said, \
                 f"n={n} rank {rank}: {call} with opt.state replaced: {said}"
+        popped = r["popped"]
+        assert "parameter out.weight lacks" in popped["step"], \
+            f"n={n} rank {rank}: step() after opt.state.pop(out.weight): {popped['step']}"
+        assert popped["early"] == 2 * popped["buckets"], \
+            f"n={n} rank {rank}: {popped['early']} buckets started during backward in the 2 " \
+            f"steps after, of {popped['buckets']} a step"
+        assert differences(runs[0]["popped"]["params"], popped["params"], "vs rank 0") == [], \
+            f"n={n} rank {rank}: {differences(runs[0]['popped']['params'], popped['params'], '')}"
 
 
 @pytest.mark.multirank

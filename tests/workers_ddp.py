@@ -924,9 +924,23 @@ def changed_mid_step(steps: int = FREEZE + 4) -> dict:
     opt = onebit(model)
     for step in range(FREEZE + 1):
         train_step(model, opt, step)
+    kept = opt.state
     opt.state = collections.defaultdict(dict)
     out["replaced"] = {"step": refused(lambda: train_step(model, opt, FREEZE + 1), RuntimeError),
                        "state_dict": refused(opt.state_dict, RuntimeError)}
+    opt.state = kept  # put back: then an entry removed between backward and step()
+    w = model.module.out.weight
+    opt.zero_grad()
+    x, y = batch(FREEZE + 1, dist.get_rank())
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    entry = opt.state.pop(w)
+    said = refused(opt.step, RuntimeError)
+    opt.state[w] = entry
+    before = opt.compressed_step.early_starts
+    for step in range(FREEZE + 2, FREEZE + 4):  # on, starting during backward again
+        train_step(model, opt, step)
+    out["popped"] = {"step": said, "early": opt.compressed_step.early_starts - before,
+                     "buckets": len(opt.compressed_step.buckets), "params": params_of(model)}
     return out
 
 

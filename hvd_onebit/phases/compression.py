@@ -75,6 +75,33 @@ class CompressionPhase:
         early = overlap.current
         if early is None:
             engine.begin_step()
+        try:  # before anything more starts: what raises here raises on every rank, and the
+            # buckets the hooks started are waited out first (a state entry removed, a bad
+            # gradient)
+            stale, grads = self._prepare(early, changed)
+        except Exception:
+            engine.abandon_early()
+            raise
+        start = time.perf_counter()
+        telemetry = self._telemetry
+        try:
+            nbytes = engine.step(self._view.adam.param_groups, grads, stale=stale)
+        except NonFiniteInputError as exc:
+            telemetry.skipped_steps += 1
+            telemetry.account(0, time.perf_counter() - start)
+            warnings.warn(f"hvd_onebit: step skipped on every rank: {exc}")
+            return False
+        finally:
+            telemetry.last_step_breakdown = dict(engine.breakdown)
+        telemetry.account(nbytes, time.perf_counter() - start)
+        self._schedule.count_step()
+        return True
+
+    def _prepare(self, early, changed: bool) -> tuple[bool, "LocalGrads"]:
+        """The buckets for the trainable set, whether the early starts are stale (said, and
+        the overlap turned off, unless quietly so), and the gradients of the buckets that start
+        here, computed."""
+        engine, overlap = self._engine, self.overlap
         active = self._view.adam.active_parameters()
         ready = engine.up_to_date(active)
         # the trainable set changed since the hooks started buckets of the old one (requires_grad
@@ -95,28 +122,10 @@ class CompressionPhase:
             warnings.warn(stale_warning(what))
         unstarted = (engine.params if stale or relaid or early is None
                      else early.unstarted(engine.params))
-        groups = groups_by_param(self._view.adam.param_groups)
-        grads = LocalGrads(self.local_grad, groups)
-        try:  # before anything more starts: a bad gradient raises here, on every rank
-            for p in unstarted:
-                grads[p]
-        except Exception:
-            engine.abandon_early()
-            raise
-        start = time.perf_counter()
-        telemetry = self._telemetry
-        try:
-            nbytes = engine.step(self._view.adam.param_groups, grads, stale=stale)
-        except NonFiniteInputError as exc:
-            telemetry.skipped_steps += 1
-            telemetry.account(0, time.perf_counter() - start)
-            warnings.warn(f"hvd_onebit: step skipped on every rank: {exc}")
-            return False
-        finally:
-            telemetry.last_step_breakdown = dict(engine.breakdown)
-        telemetry.account(nbytes, time.perf_counter() - start)
-        self._schedule.count_step()
-        return True
+        grads = LocalGrads(self.local_grad, groups_by_param(self._view.adam.param_groups))
+        for p in unstarted:
+            grads[p]
+        return stale, grads
 
     def end_step(self) -> None:
         """After a compressed step, taken or skipped: the next backward starts afresh."""

@@ -224,7 +224,10 @@ class Phases:
         overlap.remember_scaler(grad_scaler)
         # Unscaling in place leaves no trace on the gradients' version counters: what the
         # hooks assumed about the scaler is checked instead.
-        taken = self.compression.step(changed=early is not None and early.scaler is not grad_scaler)
-        if not taken and scaler is not None:
-            scaler.skipped()
-        self.compression.end_step()
+        try:  # taken, skipped or refused: the next backward starts afresh
+            taken = self.compression.step(
+                changed=early is not None and early.scaler is not grad_scaler)
+            if not taken and scaler is not None:
+                scaler.skipped()
+        finally:
+            self.compression.end_step()
