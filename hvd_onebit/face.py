@@ -138,8 +138,8 @@ class SharedFace:
         so that rank 0's ``state_dict()`` alone resumes on any world size; a no-op in the
         warmup, on one rank and with ``compressor="none"``. Every rank calls it at the same
         point (between a backward and step(), the buckets the hooks started are waited out and
-        the step starts them again, where the overlap is alike on every rank). Returns the bytes this rank sent; raises
-        NonFiniteInputError on every rank, changing nothing
+        the step starts them again, where the overlap is alike on every rank). Returns the
+        bytes this rank sent; raises NonFiniteInputError on every rank, changing nothing
         (:meth:`~hvd_onebit.engine.CompressedStep.flush_error_feedback`)."""
         if not self._phases.compressing() or self.config.compressor != "onebit":
             return 0
