@@ -317,6 +317,11 @@ def test_a_flushed_checkpoint_resumes_on_another_number_of_ranks(world2, world4)
 def test_refusals_are_clear_on_every_rank(world):
     n, results = world
     for rank, r in enumerate(scenario(results, "refusals")):
+        for case, said in (("model_state", "a model's state_dict() goes to"),
+                           ("optimizer_state_as_errors", "'param_groups', 'state']"),
+                           ("none_as_errors", "got NoneType")):
+            assert r[case].startswith("TypeError") and said in r[case], \
+                f"n={n} rank {rank}: {case}: {r[case]}"
         assert r["not_ddp"].startswith("TypeError") and "DistributedDataParallel" in r["not_ddp"], \
             f"n={n} rank {rank}: {r['not_ddp']}"
         for case in ("other_params", "wrong_model"):  # the latter's model has an optimizer

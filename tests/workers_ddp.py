@@ -1081,6 +1081,14 @@ def refusals() -> dict:
     out["sgd"] = refused(lambda: hvd_onebit.ddp.DistributedOptimizer(
         torch.optim.SGD(shared.parameters(), lr=0.1), shared, freeze_step=FREEZE))
     out["float64"] = refused(lambda: onebit(make_model(dtype=torch.float64)))
+    # checkpoints handed to the wrong load
+    loading = onebit(shared)
+    out["model_state"] = refused(lambda: loading.load_state_dict(shared.module.state_dict()))
+    out["optimizer_state_as_errors"] = refused(
+        lambda: loading.load_error_feedback_state_dict(loading.state_dict()))
+    out["none_as_errors"] = refused(lambda: loading.load_error_feedback_state_dict(None))
+    del loading
+    gc.collect()
     # the model's last parameter left to another optimizer, on every rank
     split = make_model()
     out["split_name"] = list(split.module.named_parameters())[-1][0]

@@ -90,6 +90,13 @@ class ErrorFeedback:
         """Restore :meth:`state_dict` from the same rank of a same-size job; with another
         world size, rank or layout it is dropped with a warning (errors restart at 0), and with
         another step count at the fusing that applies it."""
+        if not isinstance(state, dict) or not {"world_size", "rank", "buckets"} <= set(state):
+            keys = sorted(map(str, state))[:6] if isinstance(state, dict) else None
+            raise TypeError("hvd_onebit: load_error_feedback_state_dict() takes what "
+                            "error_feedback_state_dict() returned (keys world_size, rank, "
+                            f"buckets, ...); got {type(state).__name__}"
+                            + (f" with keys {keys}" if keys is not None else "")
+                            + " (the optimizer's state_dict() goes to load_state_dict())")
         world, rank = self.transport.size, self.transport.rank
         self._unsaved_at = None  # given: applied below or at the fusing, or dropped with a warning
         if state.get("world_size") != world or state.get("rank") != rank:

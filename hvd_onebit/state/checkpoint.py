@@ -90,6 +90,12 @@ def load_state_dict(view: OptimizerView, config: OneBitConfig, schedule: Schedul
     for which the freeze step says nothing. The caller drops its collectives after. Returns
     whether the checkpoint was saved with error feedback not delivered yet (which it does not
     hold)."""
+    if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= set(state_dict):
+        keys = sorted(map(str, state_dict))[:6] if isinstance(state_dict, dict) else None
+        raise TypeError("hvd_onebit: load_state_dict() takes an optimizer's state_dict() (keys "
+                        f"state and param_groups); got {type(state_dict).__name__}"
+                        + (f" with keys {keys}" if keys is not None else "")
+                        + " (a model's state_dict() goes to model.load_state_dict())")
     check_no_amsgrad(state_dict["param_groups"], " in the state dict loaded (set its groups' "
                      "'amsgrad' to False to load it: amsgrad's running maxima are then left out)")
     state_dict = dict(state_dict)
