@@ -169,7 +169,6 @@ def _resumed_errors(t) -> dict:
     state it was saved with into engines whose trainable sets leave out "mid_bias" again, or
     "column" (20, 1) instead: the same bucket places and sizes, other elements in bucket 0."""
     import copy
-    import warnings
 
     params, state = initial_state()
     saving = [p for i, p in enumerate(params) if i != 3]
@@ -184,13 +183,10 @@ def _resumed_errors(t) -> dict:
         again = list(copied)  # the parameters, in the order of the saved state
         resumed, _ = _engine(t, again, copied)
         resumed.load_error_feedback_state_dict(copy.deepcopy(errors))
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            resumed.ensure_ready([p for i, p in enumerate(again) if i != frozen])
+        resumed.ensure_ready([p for i, p in enumerate(again) if i != frozen])
         out[name] = {"keys": sorted(k.split(":")[1] for k in resumed.saved_comms()),
                      "errors": [resumed.collectives.of(b).state_dict()["worker_error"].clone()
-                                for b in resumed.buckets],
-                     "warnings": [str(w.message) for w in caught]}
+                                for b in resumed.buckets]}
     out["saved"] = [c.state_dict()["worker_error"].clone() for c in engine.saved_comms().values()]
     out["sizes"] = sorted(k.split(":")[1] for k in engine.saved_comms())
     return out
@@ -200,16 +196,23 @@ def test_error_feedback_resumed_into_another_layout_of_the_same_sizes_is_dropped
     """Saved error feedback belongs to the elements each bucket held: resumed where the buckets
     hold the same elements it is restored, and where they have the same places and sizes but
     hold other parameters' elements it is dropped with a warning, as for another layout
-    (errors saved without the buckets' signatures are restored by place and size)."""
-    for rank, r in enumerate(run_threads(2, _resumed_errors, timeout=120)):
+    (errors saved without the buckets' signatures are restored by place and size). The
+    warnings are caught around both virtual ranks (catch_warnings is not per thread)."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        runs = run_threads(2, _resumed_errors, timeout=120)
+    said = [str(w.message) for w in caught if "error feedback" in str(w.message)]
+    assert len(said) == 2 and all("another bucket layout" in w for w in said), \
+        f"the warnings about error feedback, expected one per rank for the other layout: {said}"
+    for rank, r in enumerate(runs):
         assert r["same"]["keys"] == r["other"]["keys"] == r["sizes"], \
             f"rank {rank}: the case needs the same bucket sizes: {r['sizes']}, {r['other']}"
         for name in ("same", "legacy_same"):
             restored = [a.equal(b) for a, b in zip(r[name]["errors"], r["saved"])]
-            assert all(restored) and r[name]["warnings"] == [], \
-                f"rank {rank}: {name}: restored {restored}, warnings {r[name]['warnings']}"
+            assert all(restored), f"rank {rank}: {name}: restored {restored}"
         other = r["other"]
-        assert all(e.abs().sum() == 0 for e in other["errors"]) and any(
-            "another bucket layout" in w for w in other["warnings"]), \
+        assert all(e.abs().sum() == 0 for e in other["errors"]), \
             f"rank {rank}: into another layout: error sums " \
-            f"{[float(e.abs().sum()) for e in other['errors']]}, warnings {other['warnings']}"
+            f"{[float(e.abs().sum()) for e in other['errors']]}"

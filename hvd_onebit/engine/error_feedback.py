@@ -90,11 +90,11 @@ class ErrorFeedback:
         """Restore :meth:`state_dict` from the same rank of a same-size job; with another
         world size, rank or layout it is dropped with a warning (errors restart at 0), and with
         another step count at the fusing that applies it."""
-        if not isinstance(state, dict) or not {"world_size", "rank", "buckets"} <= set(state):
+        if not isinstance(state, dict) or "buckets" not in state:
             keys = sorted(map(str, state))[:6] if isinstance(state, dict) else None
             raise TypeError("hvd_onebit: load_error_feedback_state_dict() takes what "
-                            "error_feedback_state_dict() returned (keys world_size, rank, "
-                            f"buckets, ...); got {type(state).__name__}"
+                            "error_feedback_state_dict() returned (its key buckets, with "
+                            f"world_size, rank, ...); got {type(state).__name__}"
                             + (f" with keys {keys}" if keys is not None else "")
                             + " (the optimizer's state_dict() goes to load_state_dict())")
         world, rank = self.transport.size, self.transport.rank
