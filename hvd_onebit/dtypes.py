@@ -14,10 +14,15 @@ FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 LOW_PRECISION_DTYPES = (torch.float16, torch.bfloat16)
 
 
+def other_dtypes(tensors) -> list[str]:
+    """The dtypes of ``tensors`` outside :data:`FLOAT_DTYPES`, named, sorted, each once."""
+    return sorted({str(t.dtype) for t in tensors if t.dtype not in FLOAT_DTYPES})
+
+
 def check_converted(tensors) -> None:
     """Raise TypeError where a parameter or gradient the optimizer was built for float dtypes
     has another dtype now (the model converted since, ``model.double()``)."""
-    bad = sorted({str(t.dtype) for t in tensors if t.dtype not in FLOAT_DTYPES})
+    bad = other_dtypes(tensors)
     if bad:
         raise TypeError(f"hvd_onebit trains float32, float16 and bfloat16 parameters; got "
                         f"{', '.join(bad)} at this step (the model converted after the optimizer "

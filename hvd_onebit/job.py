@@ -15,7 +15,7 @@ import torch
 
 from . import kernels
 from .config import DEFAULT_BUCKET_MB, OneBitConfig, check_one_device
-from .dtypes import FLOAT_DTYPES
+from .dtypes import other_dtypes
 from .transport.registry import check_name as check_transport_name
 from .transport.registry import check_transport, either, supporting, supports
 
@@ -63,7 +63,7 @@ def check_parameters(config: OneBitConfig, params: list[torch.Tensor],
                      face: str = "hvd_onebit.DistributedOptimizer") -> None:
     """The parameters against the options, whatever the job: float dtypes, one device, a
     kernel backend that runs there. Raises on every rank, naming ``face``."""
-    bad = sorted({str(p.dtype) for p in params if p.dtype not in FLOAT_DTYPES})
+    bad = other_dtypes(params)
     if bad:
         raise TypeError(f"{face} trains float32, float16 and bfloat16 parameters; got "
                         f"{', '.join(bad)}")

@@ -1,5 +1,6 @@
 """Checks of option values, shared by every module that validates options: one meaning of "an
-int" and of "a positive number" everywhere, and messages that name the option and the value."""
+int" and of "a positive number" everywhere, and messages that name the option and the value
+(or, for a wrong argument, what it is)."""
 from __future__ import annotations
 
 import math
@@ -24,6 +25,14 @@ def is_number(value) -> bool:
     """A finite int or float that is not a bool."""
     return (isinstance(value, (int, float)) and not isinstance(value, bool)
             and math.isfinite(value))
+
+
+def described(value) -> str:
+    """What ``value`` is, for an error about a wrong argument: its type, and a dict's first
+    keys."""
+    if isinstance(value, dict):
+        return f"{type(value).__name__} with keys {sorted(map(str, value))[:6]}"
+    return type(value).__name__
 
 
 def check_positive_int(name: str, value, minimum: int = 1) -> None:

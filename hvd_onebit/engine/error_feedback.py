@@ -20,6 +20,7 @@ from ..comm.protocol import NonFiniteInputError
 from ..kernels.fused_reference import frozen_denominator
 from ..param_groups import groups_by_param
 from ..transport.base import JobTransport
+from ..values import described
 from .adam_terms import AdamTerms, mask_momentum, masked_params
 from .collectives import Collectives
 from .fusion import FusedBuckets
@@ -91,12 +92,10 @@ class ErrorFeedback:
         world size, rank or layout it is dropped with a warning (errors restart at 0), and with
         another step count at the fusing that applies it."""
         if not isinstance(state, dict) or "buckets" not in state:
-            keys = sorted(map(str, state))[:6] if isinstance(state, dict) else None
             raise TypeError("hvd_onebit: load_error_feedback_state_dict() takes what "
                             "error_feedback_state_dict() returned (its key buckets, with "
-                            f"world_size, rank, ...); got {type(state).__name__}"
-                            + (f" with keys {keys}" if keys is not None else "")
-                            + " (the optimizer's state_dict() goes to load_state_dict())")
+                            f"world_size, rank, ...); got {described(state)} (the optimizer's "
+                            "state_dict() goes to load_state_dict())")
         world, rank = self.transport.size, self.transport.rank
         self._unsaved_at = None  # given: applied below or at the fusing, or dropped with a warning
         if state.get("world_size") != world or state.get("rank") != rank:

@@ -120,13 +120,9 @@ class CompressedStep:
         return self.collectives.saved()
 
     def up_to_date(self, active: list[torch.Tensor]) -> bool:
-        """Whether the buckets and collectives fit the trainable set ``active`` and the world.
-        Raises RuntimeError naming a parameter whose Adam state was removed."""
-        try:
-            return self.fused.fits(active) and self.collectives.covers(self.fused.buckets)
-        except KeyError:
-            self._check_state([*self.fused.params, *active])
-            raise
+        """Whether the buckets and collectives fit the trainable set ``active`` and the world
+        (not where a parameter's Adam state was removed: :meth:`fuse` then refuses it)."""
+        return self.fused.fits(active) and self.collectives.covers(self.fused.buckets)
 
     def _check_state(self, params: list[torch.Tensor]) -> None:
         refusal = missing_state(self.state, params, self.variance.names)

@@ -28,6 +28,7 @@ from ..engine import NOT_FROZEN
 from ..low_precision import float32_state_in
 from ..optimizer_view import OptimizerView
 from ..param_groups import check_no_amsgrad
+from ..values import described
 from .adam_state import init_adam_state
 from .schedule import FREEZE_KEY, LOADS_KEY, RECORD_KEY, STEP_KEY, Schedule
 from .sent_record import FIGURES_KEY, offer
@@ -91,11 +92,9 @@ def load_state_dict(view: OptimizerView, config: OneBitConfig, schedule: Schedul
     whether the checkpoint was saved with error feedback not delivered yet (which it does not
     hold)."""
     if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= set(state_dict):
-        keys = sorted(map(str, state_dict))[:6] if isinstance(state_dict, dict) else None
         raise TypeError("hvd_onebit: load_state_dict() takes an optimizer's state_dict() (keys "
-                        f"state and param_groups); got {type(state_dict).__name__}"
-                        + (f" with keys {keys}" if keys is not None else "")
-                        + " (a model's state_dict() goes to model.load_state_dict())")
+                        f"state and param_groups); got {described(state_dict)} (a model's "
+                        "state_dict() goes to model.load_state_dict())")
     check_no_amsgrad(state_dict["param_groups"], " in the state dict loaded (set its groups' "
                      "'amsgrad' to False to load it: amsgrad's running maxima are then left out)")
     state_dict = dict(state_dict)
