@@ -5,10 +5,12 @@ without a framework; the Horovod checks gather them through Horovod (imported wh
 the DDP face through torch.distributed."""
 from __future__ import annotations
 
+import builtins
 import dataclasses
 import hashlib
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Mapping
+from typing import Callable, Mapping, Optional
 
 import torch
 
@@ -96,6 +98,67 @@ def check_same_job(mine: JobSignature, gather: Callable[[torch.Tensor], torch.Te
         raise ValueError(f"{who}: the ranks' optimizers differ in {'; and in '.join(differences)}"
                          ": build it alike on every rank (the same parameters in the same "
                          "order, the same options)")
+
+
+#: The bytes of one rank's refusal the construction's agreement carries (its longer messages
+#: arrive cut, with "...").
+REFUSAL_BYTES = 2048
+
+Gather = Callable[[torch.Tensor], torch.Tensor]
+
+
+@contextmanager
+def refused_on_every_rank(gather: Callable[[], Optional[Gather]], who: str):
+    """The block's checks are each rank's own; at its end (or at its first refusal) one
+    allgather tells every rank whether another refused, and then every rank raises: the rank
+    that refused its own error, the others one of the same type that names that rank and
+    quotes its message. Without it the other ranks would wait in the next collective (a
+    connection error, or a hang under NCCL). ``gather()``: the allgather, uint8 [1, k] ->
+    [ranks, k] in rank order, or None where no other rank takes part (one rank, an elastic
+    worker joining a running job); called after the block, which may have found the group."""
+    try:
+        yield
+    except Exception as error:
+        try:
+            exchange = gather()
+        except Exception:  # no group to agree on: the error says more than a failed gather
+            raise error from None
+        if exchange is not None:
+            exchange(refusal_row(error))
+        raise
+    exchange = gather()
+    if exchange is not None:
+        raise_refusals(exchange(refusal_row(None)).tolist(), who)
+
+
+def refusal_row(error: Optional[Exception]) -> torch.Tensor:
+    """uint8 [1, REFUSAL_BYTES]: the error's type and message in UTF-8 (zeros: none)."""
+    row = torch.zeros((1, REFUSAL_BYTES), dtype=torch.uint8)
+    if error is not None:
+        text = f"{type(error).__name__}\0{error}".encode()
+        if len(text) > REFUSAL_BYTES:
+            text = text[:REFUSAL_BYTES - 3] + b"..."
+        row[0, :len(text)] = torch.tensor(list(text), dtype=torch.uint8)
+    return row
+
+
+def raise_refusals(rows: list[list[int]], who: str) -> None:
+    """Raise the first refusal among every rank's :func:`refusal_row` (as lists), if any."""
+    refused = [(r, bytes(row).rstrip(b"\0").decode(errors="replace"))
+               for r, row in enumerate(rows) if any(row)]
+    if not refused:
+        return
+    rank, text = refused[0]
+    kind, _, message = text.partition("\0")
+    more = (f" (rank(s) {[r for r, _ in refused[1:]]} refused too)" if len(refused) > 1
+            else "")
+    message = f"rank {rank} refused to build {who}{more}: {message}"
+    kind = getattr(builtins, kind, None)
+    try:  # the refusing rank's type where it is a builtin one taking a message
+        error = kind(message) if isinstance(kind, type) and issubclass(kind, Exception) else None
+    except Exception:
+        error = None
+    raise error if isinstance(error, Exception) else RuntimeError(message)
 
 
 def check_same_parameters(param_groups: list[dict], names: Mapping[torch.Tensor, str], config,

@@ -172,8 +172,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
 
     ``compressor``, ``precondition``, ``step_bound``, ``zero_variance``, ``intra_node`` and
     ``auto_freeze`` belong to :class:`~hvd_onebit.config.Experimental`: passed here as
-    keywords they raise a TypeError that says so. Every option is checked here, on every rank,
-    before any collective.
+    keywords they raise a TypeError that says so. Every option is checked here, before any
+    other collective; what one rank refuses, every rank raises.
 
     Returns:
         An optimizer of the wrapped class with Horovod's ``synchronize()`` and
@@ -183,24 +183,25 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
         ``last_step_bytes``, ``total_bytes``, ``last_step_comm_seconds``, ``total_comm_seconds``.
         The optimizer passed in refuses ``step()`` while the one returned lives: step that one.
     """
-    check_wrapped(optimizer, op in (Average, Sum) and op != Adasum, backward_passes_per_step)
-    check_horovod_arguments(op, gradient_predivide_factor, compression)
     if num_groups != 0:  # as Horovod treats it: the old name of an integer ``groups``
         warnings.warn("Parameter `num_groups` has been replaced by `groups`", DeprecationWarning,
                       stacklevel=2)
         groups = num_groups if groups is None else groups
-    config = OneBitConfig.from_options(
-        freeze_step, variance_refresh=variance_refresh, hierarchical=hierarchical,
-        bucket_size_mb=bucket_size_mb, transport=transport, overlap=overlap, memory=memory,
-        flush_on_commit=flush_on_commit, block_size=block_size, check_every=check_every,
-        kernel_backend=kernel_backend, experimental=experimental, **moved)
     if named_parameters is not None:  # read twice: by the checks and by Horovod's constructor
         named_parameters = list(named_parameters)
-    # (name, tensor) pairs only: Horovod's constructor refuses anything else, in its words
-    pairs = named_parameters is not None and all(
-        isinstance(item, tuple) and len(item) == 2 for item in named_parameters)
-    setup.check(config, optimizer.param_groups, process_set,
-                {p: name for name, p in named_parameters} if pairs else None)
+    with setup.refusals_agreed(process_set):
+        check_wrapped(optimizer, op in (Average, Sum) and op != Adasum, backward_passes_per_step)
+        check_horovod_arguments(op, gradient_predivide_factor, compression)
+        config = OneBitConfig.from_options(
+            freeze_step, variance_refresh=variance_refresh, hierarchical=hierarchical,
+            bucket_size_mb=bucket_size_mb, transport=transport, overlap=overlap, memory=memory,
+            flush_on_commit=flush_on_commit, block_size=block_size, check_every=check_every,
+            kernel_backend=kernel_backend, experimental=experimental, **moved)
+        # (name, tensor) pairs only: Horovod's constructor refuses anything else, in its words
+        pairs = named_parameters is not None and all(
+            isinstance(item, tuple) and len(item) == 2 for item in named_parameters)
+        setup.check(config, optimizer.param_groups, process_set,
+                    {p: name for name, p in named_parameters} if pairs else None)
 
     attrs = dict(_DistributedOptimizer.__dict__)
     attrs.update(face_attributes(OneBitFace))

@@ -367,6 +367,17 @@ def test_refusals_are_clear_on_every_rank(world):
         for case, part in wanted.items():
             assert r[case].split(":")[0] in ("ValueError", "TypeError") and part in r[case], \
                 f"n={n} rank {rank} {case}: {r[case]!r}, want it to say {part!r}"
+        alone = {"bad_on_last": ("ValueError", "block_size must be None or a positive multiple of "
+                                               "8, got 7"),
+                 "sgd_on_last": ("TypeError", "hvd_onebit.ddp.DistributedOptimizer wraps "
+                                              "torch.optim.Adam or torch.optim.AdamW; got "
+                                              "torch.optim.sgd.SGD")}
+        for case, (kind, said) in alone.items():
+            by = "" if rank == n - 1 else \
+                f"rank {n - 1} refused to build hvd_onebit.ddp.DistributedOptimizer: "
+            assert r[case].startswith(f"{kind}: ") and f"{by}{said}" in r[case], \
+                f"n={n} rank {rank} {case} (refused on rank {n - 1} alone): {r[case]!r}, want " \
+                f"a {kind} saying {by + said!r}"
         if n == 4:  # two replicas over the pairs {0, 1} and {2, 3}
             pairs, pair = r["pairs"], "[0, 1]" if rank < 2 else "[2, 3]"
             crossed = f"[{rank % 2}, {rank % 2 + 2}]"

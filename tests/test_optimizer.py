@@ -333,6 +333,14 @@ def test_bad_arguments_are_clear_errors(world):
         for case, parts in wanted.items():
             assert bad[case] is not None and all(p in bad[case] for p in parts), \
                 f"rank {rank} {case}: error {bad[case]!r}, want it to mention {parts}"
+        for case, said in (("bad_on_last", "block_size must be None or a positive multiple of 8, "
+                                           "got 7"),
+                           ("amsgrad_on_last", "amsgrad=True is not supported")):
+            by = "" if rank == n - 1 else \
+                f"rank {n - 1} refused to build hvd_onebit.DistributedOptimizer: "
+            assert bad[case] is not None and by + said in bad[case], \
+                f"rank {rank} {case} (refused on rank {n - 1} alone): error {bad[case]!r}, " \
+                f"want it to say {by + said!r}"
         assert bad["frozen_then_channels_last"] is None, \
             f"rank {rank}: a frozen parameter made channels_last stopped training: " \
             f"{bad['frozen_then_channels_last']!r}"

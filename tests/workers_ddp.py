@@ -1075,6 +1075,11 @@ def refusals() -> dict:
     out["subset"] = refused(on_last(ps[:-1], FREEZE))
     out["freeze_step"] = refused(on_last(ps, FREEZE + 1))
     out["options"] = refused(lambda: onebit(shared, check_every=1 if last else 0))
+    # what one rank alone refuses (its own option, its optimizer's class) every rank raises
+    out["bad_on_last"] = refused(lambda: onebit(shared, block_size=7 if last else 512))
+    out["sgd_on_last"] = refused(lambda: hvd_onebit.ddp.DistributedOptimizer(
+        (torch.optim.SGD(ps, lr=0.1) if last else torch.optim.Adam(ps)), shared,
+        freeze_step=FREEZE))
     out["parameters"] = len(ps)
     out["transport"] = refused(lambda: onebit(shared, transport="torch"))
     out["process_group"] = refused(lambda: onebit(shared, process_group="world"))

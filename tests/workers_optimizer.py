@@ -487,6 +487,13 @@ def bad_arguments():
             list(model.parameters())[::1 if hvd.rank() == 0 else -1]), freeze_step=2),
         "freeze_step": lambda: hvd_onebit.DistributedOptimizer(
             torch.optim.Adam(model.parameters()), freeze_step=2 + hvd.rank()),
+        # what the last rank alone refuses (its own option, amsgrad) every rank raises
+        "bad_on_last": lambda: hvd_onebit.DistributedOptimizer(
+            torch.optim.Adam(model.parameters()), freeze_step=2,
+            block_size=7 if hvd.rank() == hvd.size() - 1 else 512),
+        "amsgrad_on_last": lambda: hvd_onebit.DistributedOptimizer(
+            torch.optim.Adam(model.parameters(), amsgrad=hvd.rank() == hvd.size() - 1),
+            freeze_step=2),
         "no_freeze_step": lambda: hvd_onebit.DistributedOptimizer(
             torch.optim.Adam(model.parameters()), named_parameters=model.named_parameters()),
         "wrapped_twice": lambda: hvd_onebit.DistributedOptimizer(

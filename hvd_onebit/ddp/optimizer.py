@@ -128,8 +128,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model, *,
 
     Other keywords (``**moved``) are refused with a TypeError that says what to do instead: the
     Horovod face's own (``transport``, ``flush_on_commit``, ``backward_passes_per_step``, ...)
-    and the knobs of :class:`~hvd_onebit.config.Experimental`. Every option is checked here, on
-    every rank, before anything is registered on the model.
+    and the knobs of :class:`~hvd_onebit.config.Experimental`. Every option is checked here,
+    before anything is registered on the model; what one rank refuses, every rank raises.
     ``model.no_sync()``, ``find_unused_parameters``, ``static_graph``,
     ``gradient_as_bucket_view``, several param groups, float16/bfloat16 parameters (float32
     Adam state) and ``torch.amp.GradScaler`` (``scaler.step(opt)``: a non-finite value on one
@@ -151,28 +151,32 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model, *,
         ``total_comm_seconds``. The optimizer passed in refuses ``step()`` while the one
         returned lives: step that one.
     """
-    check_wrapped(optimizer, True, 1, face=setup.FACE)
-    setup.refuse_horovod_only(moved)
-    if process_group is dist.GroupMember.NON_GROUP_MEMBER:
-        raise ValueError("process_group does not hold this rank (dist.new_group gives the ranks "
-                         "outside a group GroupMember.NON_GROUP_MEMBER): pass each rank the "
-                         "group its DDP model averages over, or None for the model's own")
-    if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
-        raise TypeError(f"process_group must be a torch.distributed ProcessGroup (e.g. "
-                        f"dist.new_group(ranks)) or None, got {process_group!r}")
-    config = OneBitConfig.from_options(
-        freeze_step, variance_refresh=variance_refresh, hierarchical=hierarchical,
-        bucket_size_mb=bucket_size_mb,
-        transport="torch", overlap=overlap, memory=memory, block_size=block_size,
-        check_every=check_every, kernel_backend=kernel_backend, experimental=experimental,
-        **moved)
-    model = setup.ddp_model_of(model)
-    if setup.finds_unused(model):
-        config = dataclasses.replace(config, overlap=False)
-    cls = type(optimizer.__class__.__name__, (optimizer.__class__,), face_attributes(DDPFace))
     with watch().watching(lambda: building("hvd_onebit.ddp.DistributedOptimizer",
                                            "the DDP model's process group")):
-        group = setup.check(model, optimizer.param_groups, process_group, config)
+        with setup.refusals_agreed(model, optimizer):
+            check_wrapped(optimizer, True, 1, face=setup.FACE)
+            setup.refuse_horovod_only(moved)
+            if process_group is dist.GroupMember.NON_GROUP_MEMBER:
+                raise ValueError("process_group does not hold this rank (dist.new_group gives "
+                                 "the ranks outside a group GroupMember.NON_GROUP_MEMBER): pass "
+                                 "each rank the group its DDP model averages over, or None for "
+                                 "the model's own")
+            if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
+                raise TypeError(f"process_group must be a torch.distributed ProcessGroup (e.g. "
+                                f"dist.new_group(ranks)) or None, got {process_group!r}")
+            config = OneBitConfig.from_options(
+                freeze_step, variance_refresh=variance_refresh, hierarchical=hierarchical,
+                bucket_size_mb=bucket_size_mb,
+                transport="torch", overlap=overlap, memory=memory, block_size=block_size,
+                check_every=check_every, kernel_backend=kernel_backend,
+                experimental=experimental, **moved)
+            model = setup.ddp_model_of(model)
+            if setup.finds_unused(model):
+                config = dataclasses.replace(config, overlap=False)
+            group = setup.check(model, optimizer.param_groups, process_group, config)
+        setup.check_job(model, optimizer.param_groups, group, config)
+        cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
+                   face_attributes(DDPFace))
         opt = cls(optimizer, model, config, group)
     guard_wrapped(optimizer, "hvd_onebit.ddp.DistributedOptimizer", opt,
                   "With Hugging Face Accelerate, wrap it before accelerator.prepare() and pass "

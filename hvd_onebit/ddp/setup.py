@@ -11,7 +11,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from ..config import OneBitConfig, validate_masks
-from ..consistency import JobSignature, check_same_job, parameter_bit_sums, raise_if_diverged
+from ..consistency import (JobSignature, check_same_job, parameter_bit_sums, raise_if_diverged,
+                           refused_on_every_rank)
 from ..engine import CompressedStep
 from ..job import check_options, check_parameters
 from ..phases.driver import Phases
@@ -79,9 +80,25 @@ def model_names(model) -> dict:
             if p.requires_grad and name not in ignored}
 
 
+def refusals_agreed(model, optimizer):
+    """:func:`~hvd_onebit.consistency.refused_on_every_rank` on the DDP model's own group (the
+    job's where ``model`` is not a DDP model): what one rank refuses in the block, every rank
+    raises."""
+    def gather():
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
+        ddp = ddp_model_of(model)
+        group = ddp.process_group if isinstance(ddp, DistributedDataParallel) else dist.group.WORLD
+        if dist.get_world_size(group) < 2:
+            return None
+        param_groups = getattr(optimizer, "param_groups", [])
+        return lambda mine: gather_rows(mine, param_groups, group)
+    return refused_on_every_rank(gather, FACE)
+
+
 def check(model, param_groups: list[dict], process_group, config: OneBitConfig):
-    """The model, the optimizer's parameters, the group and the options; returns the process
-    group the 1-bit collective runs on. Raises alike on every rank, before any collective."""
+    """The model, the optimizer's parameters, the group and the options, each rank's own (in
+    :func:`refusals_agreed`'s block); returns the process group the 1-bit collective runs on."""
     if not isinstance(model, DistributedDataParallel):
         raise TypeError("hvd_onebit.ddp.DistributedOptimizer takes the DDP model "
                         "(torch.nn.parallel.DistributedDataParallel) as its second argument, got "
@@ -118,6 +135,13 @@ def check(model, param_groups: list[dict], process_group, config: OneBitConfig):
     validate_masks(param_groups)
     check_options(config)
     check_parameters(config, [p for g in param_groups for p in g["params"]], FACE)
+    return group
+
+
+def check_job(model, param_groups: list[dict], group, config: OneBitConfig) -> None:
+    """Raise on every rank unless the ranks' optimizers hold the same parameters and options
+    (one allgather), or unless this one holds every parameter the DDP model averages."""
+    names = model_names(model)
     if dist.get_world_size(group) > 1:
         check_same_job(JobSignature.of(param_groups, names, config),
                        lambda mine: gather_rows(mine, param_groups, group), FACE)
@@ -133,7 +157,6 @@ def check(model, param_groups: list[dict], process_group, config: OneBitConfig):
             "gradients and the ranks would part. Give them to this optimizer (a param group "
             "of their own for their own lr), set requires_grad=False on those not trained, or "
             "wrap the modules another optimizer trains in a DDP model of their own")
-    return group
 
 
 def on_every_rank(group) -> bool:

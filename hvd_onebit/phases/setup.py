@@ -12,7 +12,8 @@ import torch
 from horovod.torch.mpi_ops import is_homogeneous
 
 from ..config import OneBitConfig, validate_masks
-from ..consistency import check_parameters_identical, check_same_parameters
+from ..consistency import (check_parameters_identical, check_same_parameters,
+                           refused_on_every_rank)
 from ..engine import CompressedStep, process_set_size
 from ..horovod_view import HorovodView
 from ..job import check_environment, shared_memory_inside_nodes
@@ -25,6 +26,18 @@ from ..transport.horovod import HorovodJob
 from ..transport.registry import either, resolve_transport, supporting, supports
 from ..transport.rendezvous import (TorchConnectError, TorchRendezvousError,
                                     init_torch_distributed)
+
+
+def refusals_agreed(process_set: hvd.ProcessSet):
+    """:func:`~hvd_onebit.consistency.refused_on_every_rank` through Horovod, on the process
+    set: what one rank refuses in the block, every rank raises. Elastic workers join running
+    jobs, whose ranks would not take part: there each rank raises its own."""
+    def gather():
+        if os.environ.get("HOROVOD_ELASTIC") == "1" or process_set_size(process_set) < 2:
+            return None
+        return lambda mine: hvd.allgather(mine, name="hvd_onebit.refusals",
+                                          process_set=process_set)
+    return refused_on_every_rank(gather, "hvd_onebit.DistributedOptimizer")
 
 
 def check(config: OneBitConfig, param_groups: list[dict], process_set: hvd.ProcessSet,
