@@ -271,3 +271,35 @@ def test_the_ddp_face_refuses_the_horovod_faces_keywords_saying_what_ddp_does(na
     message = str(err.value)
     assert f"takes no {name} (" in message and says in message, \
         f"{name}={value!r}: {message!r}, want it to name {name} and say {says!r}"
+
+
+class OwnError(Exception):
+    """An exception type that is not a builtin one."""
+
+
+@pytest.mark.parametrize("error, kind", [(ValueError("b" * 5000), ValueError),
+                                          (OwnError("own"), RuntimeError)])
+def test_a_refusal_of_another_rank_arrives_as_its_type_and_message_cut_to_the_row(error, kind):
+    """The construction's agreement as rank 0 sees it, rank 1's row beside its own: rank 1's
+    builtin type (else RuntimeError) and its message, cut to the row's bytes."""
+    from hvd_onebit.consistency import REFUSAL_BYTES, refusal_row, refused_on_every_rank
+
+    def two_ranks(mine):
+        return torch.cat([mine, refusal_row(error)])
+
+    with pytest.raises(Exception) as raised:
+        with refused_on_every_rank(lambda: two_ranks, "face"):
+            pass
+    message = str(raised.value)
+    assert type(raised.value) is kind and message.startswith("rank 1 refused to build face: "), \
+        f"rank 1's {type(error).__name__} arrived on rank 0 as {type(raised.value).__name__}: " \
+        f"{message[:80]!r}"
+    text = str(error)
+    if len(text) > REFUSAL_BYTES:
+        assert message.endswith("b...") and len(message) < REFUSAL_BYTES + 40, \
+            f"a message of {len(text)} bytes arrived as {len(message)} characters ending " \
+            f"{message[-8:]!r}"
+    else:
+        assert message.endswith(": " + text), f"rank 1's message arrived as {message!r}"
+    with refused_on_every_rank(lambda: lambda mine: torch.cat([mine, refusal_row(None)]), "face"):
+        pass  # no rank refused: nothing raised
