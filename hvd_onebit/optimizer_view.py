@@ -95,15 +95,25 @@ class WrappedAdam:
         return super(self._cls, self._opt).state_dict()
 
     def load_torch_state_dict(self, state_dict: dict) -> None:
-        """The framework's load_state_dict, keeping the identity of the state container (torch
-        replaces it; the engine and the phases hold it)."""
-        kept = self._opt.state
+        """The framework's load_state_dict, keeping the identity of the state container and of
+        the param groups' list and dicts (torch replaces them; the engine and the phases hold
+        the state, and the Adam that was wrapped, with any scheduler built on it, holds the
+        groups: a scheduler on it would otherwise set an lr no step reads)."""
+        kept, groups, dicts = self._opt.state, self._opt.param_groups, list(self._opt.param_groups)
         self._load(state_dict)
         loaded = self._opt.state
         if loaded is not kept:
             kept.clear()
             kept.update(loaded)
             self._opt.state = kept
+        if self._opt.param_groups is not groups or any(
+                g is not d for g, d in zip(self._opt.param_groups, dicts)):
+            for old, new in zip(dicts, self._opt.param_groups):
+                if new is not old:
+                    old.clear()
+                    old.update(new)
+            groups[:] = dicts
+            self._opt.param_groups = groups
 
 
 class OptimizerView(Protocol):

@@ -314,6 +314,22 @@ def test_a_flushed_checkpoint_resumes_on_another_number_of_ranks(world2, world4)
 
 
 @pytest.mark.multirank
+def test_a_scheduler_on_the_wrapped_adam_keeps_scheduling_after_a_state_dict_is_loaded(world):
+    """torch's load_state_dict replaces the param groups' dicts; the face keeps the ones the
+    wrapped Adam (and a scheduler built on it) holds, so the lr the scheduler sets after a
+    resume is the one the steps read."""
+    n, results = world
+    for rank, r in enumerate(scenario(results, "inner_scheduler")):
+        kept, reloaded = r["kept"], r["reloaded"]
+        assert reloaded["face_lrs"] == reloaded["inner_lrs"] == kept["face_lrs"], \
+            f"n={n} rank {rank}: after a state dict was loaded the face steps with lr " \
+            f"{reloaded['face_lrs']}, the scheduler set {reloaded['inner_lrs']} on the wrapped " \
+            f"Adam (never reloaded: {kept['face_lrs']})"
+        assert differences(reloaded["params"], kept["params"], "reloaded") == [], \
+            f"n={n} rank {rank}: loading the face's own state dict mid-run changed the steps"
+
+
+@pytest.mark.multirank
 def test_refusals_are_clear_on_every_rank(world):
     n, results = world
     for rank, r in enumerate(scenario(results, "refusals")):

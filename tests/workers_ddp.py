@@ -1135,6 +1135,34 @@ def refusals() -> dict:
     return out
 
 
+def scheduler_on_the_wrapped_adam(steps: int = FREEZE + 3) -> dict:
+    """A scheduler built on the Adam the face wraps (as docs/ddp.md allows), the face's
+    state_dict() loaded back into it mid-run (a resume): the learning rates the scheduler sets
+    afterwards, as the wrapped Adam and the face see them, and the steps' parameters against
+    an optimizer never reloaded."""
+    out = {}
+    for reload in (False, True):
+        model = make_model()
+        inner = adam(model)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(inner, lambda s: 0.5 ** s)
+        opt = hvd_onebit.ddp.DistributedOptimizer(inner, model, freeze_step=FREEZE,
+                                                  bucket_size_mb=BUCKET_MB, variance_refresh=None)
+        for step in range(steps):
+            if step == FREEZE + 1:  # flushed in both runs, reloaded in one
+                opt.flush_error_feedback()
+                if reload:
+                    opt.load_state_dict(opt.state_dict())
+            train_step(model, opt, step)
+            scheduler.step()
+        out["reloaded" if reload else "kept"] = {
+            "inner_lrs": [g["lr"] for g in inner.param_groups],
+            "face_lrs": [g["lr"] for g in opt.param_groups],
+            "params": params_of(model)}
+        del opt
+        gc.collect()
+    return out
+
+
 def compiled_step(steps: int = FREEZE + 3) -> dict:
     """Zero_grad, forward, backward and ``opt.step()`` in one ``torch.compile``'d function, as
     torch's docs compile Adam's step, against the same steps run eagerly: whether the two
@@ -1397,6 +1425,7 @@ def suite(scratch: Optional[str] = None, stage: Optional[str] = None) -> dict:
     scenarios.update(checkpoint=checkpoint_resumes, dcp=dcp_checkpoint_resumes,
                      flushed_after_taken=flushed_after_taken,
                      refresh=variance_refresh, refusals=refusals,
+                     inner_scheduler=scheduler_on_the_wrapped_adam,
                      one_node_hierarchical=one_node_hierarchical, compiled_step=compiled_step,
                      refresh_second_steps=partial(variance_refresh, second_steps=True),
                      refresh_unused=partial(variance_refresh, "unused", iterations=8),
