@@ -383,6 +383,12 @@ def test_refusals_are_clear_on_every_rank(world):
         for case, part in wanted.items():
             assert r[case].split(":")[0] in ("ValueError", "TypeError") and part in r[case], \
                 f"n={n} rank {rank} {case}: {r[case]!r}, want it to say {part!r}"
+        ams = r["amsgrad_set"]
+        assert "amsgrad=True is not supported (set on a param group after the optimizer was " \
+               "built" in ams["error"] and (ams["steps"], ams["changed"], ams["after"]) == \
+               (FREEZE + 1, [], FREEZE + 2), \
+            f"n={n} rank {rank}: amsgrad set after the freeze: {ams['error']!r}, " \
+            f"{ams['steps']} steps, changed {ams['changed']}, {ams['after']} steps after"
         alone = {"bad_on_last": ("ValueError", "block_size must be None or a positive multiple of "
                                                "8, got 7"),
                  "sgd_on_last": ("TypeError", "hvd_onebit.ddp.DistributedOptimizer wraps "

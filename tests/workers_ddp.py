@@ -1086,6 +1086,7 @@ def refusals() -> dict:
     out["sgd"] = refused(lambda: hvd_onebit.ddp.DistributedOptimizer(
         torch.optim.SGD(shared.parameters(), lr=0.1), shared, freeze_step=FREEZE))
     out["float64"] = refused(lambda: onebit(make_model(dtype=torch.float64)))
+    out["amsgrad_set"] = amsgrad_set_later()
     # checkpoints handed to the wrong load
     loading = onebit(shared)
     out["model_state"] = refused(lambda: loading.load_state_dict(shared.module.state_dict()))
@@ -1132,6 +1133,27 @@ def refusals() -> dict:
     opt = onebit(model)
     train_step(model, opt, 0)
     out["after"] = opt.steps
+    return out
+
+
+def amsgrad_set_later() -> dict:
+    """amsgrad=True set on a param group after the freeze: step() refuses it, changing
+    nothing; set back to False, the steps go on."""
+    model = make_model()
+    opt = onebit(model)
+    for step in range(FREEZE + 1):
+        train_step(model, opt, step)
+    opt.param_groups[0]["amsgrad"] = True
+    before = params_of(model)
+    error = refused(lambda: train_step(model, opt, FREEZE + 1))
+    out = {"error": error, "steps": opt.steps,
+           "changed": differences(params_of(model), before, "refused")}
+    opt.param_groups[0]["amsgrad"] = False
+    opt.zero_grad()
+    train_step(model, opt, FREEZE + 1)
+    out["after"] = opt.steps
+    del opt
+    gc.collect()
     return out
 
 

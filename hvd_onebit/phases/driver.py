@@ -13,6 +13,7 @@ import torch
 from ..config import OneBitConfig
 from ..engine import CompressedStep
 from ..optimizer_view import OptimizerView
+from ..param_groups import check_no_amsgrad
 from ..stall import watch
 from ..state.schedule import COMPRESSION, Schedule
 from ..state.telemetry import Telemetry
@@ -194,6 +195,8 @@ class Phases:
         try:
             check_scale_attributes(self._view.adam, grad_scaler)
             self._view.adam.check_state(self._engine.state)
+            check_no_amsgrad(self._view.adam.param_groups, " (set on a param group after the "
+                             "optimizer was built; set it back to False)")
             self._check_trainable()
         except Exception:
             self._engine.abandon_early()
