@@ -9,7 +9,7 @@ engine asks it what its collectives keep (:func:`spare_errors`,
 from __future__ import annotations
 
 import warnings
-from typing import Iterable
+from typing import Iterable, Mapping, Optional
 
 import torch
 
@@ -49,24 +49,29 @@ def check_options(config: OneBitConfig) -> None:
 
 
 def check_environment(config: OneBitConfig, params: Iterable[torch.Tensor],
-                      process_set) -> None:
+                      process_set, names: Optional[Mapping] = None) -> None:
     """What can only be checked against the parameters and the job: dtypes, one device, a
     kernel backend that runs there, a transport this job can use. Raises on every rank."""
     check_options(config)
     params = list(params)
-    check_parameters(config, params)
+    check_parameters(config, params, names=names)
     if params and config.compressor == "onebit":
         check_transport(config.transport, process_set, params[0].device)
 
 
 def check_parameters(config: OneBitConfig, params: list[torch.Tensor],
-                     face: str = "hvd_onebit.DistributedOptimizer") -> None:
+                     face: str = "hvd_onebit.DistributedOptimizer",
+                     names: Optional[Mapping] = None) -> None:
     """The parameters against the options, whatever the job: float dtypes, one device, a
-    kernel backend that runs there. Raises on every rank, naming ``face``."""
+    kernel backend that runs there. Raises on every rank, naming ``face`` and the parameters
+    (by ``names``, else by their place in the optimizer)."""
     bad = other_dtypes(params)
     if bad:
+        which = [f"{(names or {}).get(p) or f'parameter {i}'} ({str(p.dtype)[6:]})"
+                 for i, p in enumerate(params) if str(p.dtype) in bad]
         raise TypeError(f"{face} trains float32, float16 and bfloat16 parameters; got "
-                        f"{', '.join(bad)}")
+                        f"{', '.join(bad)}: {len(which)} parameter(s), "
+                        f"{', '.join(which[:4])}{' ...' if len(which) > 4 else ''}")
     check_one_device(params, face)
     if params:
         kernels.resolve_backend(config.kernel_backend, params[0].device)

@@ -377,7 +377,10 @@ def test_refusals_are_clear_on_every_rank(world):
                   "original": "this Adam was wrapped by hvd_onebit.ddp.DistributedOptimizer, "
                               "and the wrapper is the optimizer to step",
                   "float64": "hvd_onebit.ddp.DistributedOptimizer trains float32, float16 and "
-                             "bfloat16 parameters; got torch.float64",
+                             "bfloat16 parameters; got torch.float64: 4 parameter(s), "
+                             "inner.weight (float64), inner.bias (float64), out.weight",
+                  "ignored": "1 of the optimizer's parameters are ones DDP was told to ignore "
+                             "(inner.bias); it trains only what the DDP model averages",
                   "split": "1 parameter(s) the DDP model averages are not in this optimizer "
                            f"({r['split_name']}): in compressed steps DDP averages no gradient"}
         for case, part in wanted.items():

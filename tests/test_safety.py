@@ -121,7 +121,8 @@ def test_sparse_embedding_with_sparse_as_dense_trains_like_a_dense_one(results):
     ("bucket_nan", "bucket_size_mb must be a positive number of MiB, got nan"),
     ("bucket_str", "bucket_size_mb must be a positive number of MiB, got '64'"),
     ("compressor", "compressor must be one of ('onebit', 'none'), got 'twobit'"),
-    ("float64", "float32, float16 and bfloat16 parameters; got torch.float64"),
+    ("float64", "float32, float16 and bfloat16 parameters; got torch.float64: 2 parameter(s), "
+                "parameter 0 (float64), parameter 1 (float64)"),
     ("complex", "float32, float16 and bfloat16 parameters; got torch.complex64"),
     ("mpi_transport_under_gloo", "transport='mpi' needs the job launched with MPI"),
     ("check_every", "check_every must be a non-negative int, got -1"),

@@ -1086,6 +1086,11 @@ def refusals() -> dict:
     out["sgd"] = refused(lambda: hvd_onebit.ddp.DistributedOptimizer(
         torch.optim.SGD(shared.parameters(), lr=0.1), shared, freeze_step=FREEZE))
     out["float64"] = refused(lambda: onebit(make_model(dtype=torch.float64)))
+    torch.manual_seed(0)
+    net = Net()
+    DDP._set_params_and_buffers_to_ignore_for_model(net, ["inner.bias"])
+    ignoring = DDP(net)
+    out["ignored"] = refused(lambda: onebit(ignoring))
     out["amsgrad_set"] = amsgrad_set_later()
     # checkpoints handed to the wrong load
     loading = onebit(shared)

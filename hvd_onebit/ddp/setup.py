@@ -112,6 +112,15 @@ def check(model, param_groups: list[dict], process_group, config: OneBitConfig):
     names = model_names(model)
     strangers = [(gi, tuple(p.shape)) for gi, g in enumerate(param_groups) for p in g["params"]
                  if p.requires_grad and p not in names]
+    ignored = set(getattr(model, "parameters_to_ignore", ()))
+    skipped = [name for name, p in model.module.named_parameters()
+               if name in ignored and any(p is q for g in param_groups for q in g["params"])]
+    if skipped:
+        raise ValueError(
+            f"{FACE}: {len(skipped)} of the optimizer's parameters are ones DDP was told to "
+            f"ignore ({', '.join(skipped[:4])}{' ...' if len(skipped) > 4 else ''}); it trains "
+            "only what the DDP model averages. Train them with an optimizer of their own, or "
+            "take them off DDP's ignore list")
     if strangers:  # before the hook: another optimizer's model passed by mistake is this
         raise ValueError(
             f"{FACE}: {len(strangers)} of the optimizer's parameters "
@@ -134,7 +143,8 @@ def check(model, param_groups: list[dict], process_group, config: OneBitConfig):
                       "(the node layout is read over every rank of the job)")
     validate_masks(param_groups)
     check_options(config)
-    check_parameters(config, [p for g in param_groups for p in g["params"]], FACE)
+    check_parameters(config, [p for g in param_groups for p in g["params"]], FACE,
+                     {p: name for name, p in model.module.named_parameters()})
     return group
 
 

@@ -51,7 +51,7 @@ def check(config: OneBitConfig, param_groups: list[dict], process_set: hvd.Proce
     if names is not None:
         check_named(param_groups, names)
     params = [p for g in param_groups for p in g["params"]]
-    check_environment(config, params, process_set)
+    check_environment(config, params, process_set, names)
     check_contiguous(params, names or {})
     if config.flush_on_commit:
         check_foldable(param_groups)
