@@ -17,6 +17,7 @@ version counters.
 """
 from __future__ import annotations
 
+import warnings
 import weakref
 from typing import Callable, Optional
 
@@ -27,6 +28,14 @@ from .config import OneBitConfig
 from .optimizer_view import OptimizerView
 from .param_groups import groups_by_param
 from .phases.amp import has_scale, inverse_scale
+
+GRADIENT_IN_PARTS = (
+    "hvd_onebit: a parameter's gradient was completed more than once in one backward pass "
+    "(activation checkpointing with use_reentrant=True over a parameter used in several "
+    "checkpointed segments, or a second backward through one forward's graph), so the buckets "
+    "cannot start before backward ends: from now on this rank starts them in step() (overlap "
+    "off; the steps are the same). use_reentrant=False keeps the overlap; overlap=False "
+    "silences this.")
 
 
 class EarlyStarts:
@@ -187,6 +196,17 @@ class Overlap:
 
     def turn_off(self, reason: str) -> None:
         self.off_reason = reason
+
+    def gradient_in_parts(self) -> None:
+        """A parameter's gradient was completed again in the same backward pass (its hook ran
+        twice with no forward between): activation checkpointing with ``use_reentrant=True``
+        runs a backward per checkpointed segment, and a parameter used in several segments
+        takes its gradient in parts. Starting its bucket at the first part reads a partial
+        gradient: step() finds it stale and starts every bucket again, as for any change (the
+        same bits). From then on this rank starts the buckets in step(), with one warning."""
+        if self.off_reason is None:
+            self.turn_off("a gradient completed in parts within one backward")
+            warnings.warn(GRADIENT_IN_PARTS)
 
     def end_step(self) -> None:
         """The step is over: the next one decides afresh."""

@@ -314,6 +314,23 @@ def test_a_flushed_checkpoint_resumes_on_another_number_of_ranks(world2, world4)
 
 
 @pytest.mark.multirank
+def test_reentrant_checkpointing_turns_the_overlap_off_once_saying_why(world):
+    """A layer used in three reentrant-checkpointed segments takes its gradient in three parts
+    in one backward: the overlap goes off at the first compressed step with the warning that
+    says so (not one that blames a zero_grad()), and the bits are overlap=False's."""
+    n, results = world
+    for rank, r in enumerate(scenario(results, "reentrant")):
+        on, off = r[True], r[False]
+        assert on["phase"] == "compression" and off["warnings"] == [] and \
+            len(on["warnings"]) == 1 and "completed more than once in one backward pass" in \
+            on["warnings"][0] and "use_reentrant=False keeps the overlap" in on["warnings"][0], \
+            f"n={n} rank {rank}: warnings with the overlap on {on['warnings']}, off " \
+            f"{off['warnings']} (phase {on['phase']})"
+        assert differences(on["params"], off["params"], "overlap") == [], \
+            f"n={n} rank {rank}: the overlap changed the steps of a reentrant-checkpointed model"
+
+
+@pytest.mark.multirank
 def test_a_scheduler_on_the_wrapped_adam_keeps_scheduling_after_a_state_dict_is_loaded(world):
     """torch's load_state_dict replaces the param groups' dicts; the face keeps the ones the
     wrapped Adam (and a scheduler built on it) holds, so the lr the scheduler sets after a

@@ -1141,6 +1141,47 @@ def refusals() -> dict:
     return out
 
 
+class Shared(torch.nn.Module):
+    """One layer applied three times, each under reentrant activation checkpointing: its
+    parameters take their gradient in three parts, one per checkpointed segment's backward."""
+
+    def __init__(self):
+        super().__init__()
+        self.first = torch.nn.Linear(6, 16)
+        self.block = torch.nn.Linear(16, 16)
+        self.out = torch.nn.Linear(16, 4)
+
+    def forward(self, x, extra: bool = False):
+        from torch.utils.checkpoint import checkpoint
+
+        h = self.first(x)
+        for _ in range(3):
+            h = checkpoint(lambda t: torch.tanh(self.block(t)), h, use_reentrant=True)
+        return self.out(h)
+
+
+def reentrant_checkpointing(steps: int = FREEZE + 4) -> dict:
+    """The warnings the compressed steps of :class:`Shared` give (static_graph=True, as DDP
+    needs for it) and their parameters, with the overlap on and off."""
+    out = {}
+    for overlap in (True, False):
+        torch.manual_seed(0)
+        model = DDP(Shared(), static_graph=True)
+        opt = hvd_onebit.ddp.DistributedOptimizer(
+            torch.optim.Adam(model.parameters(), lr=LRS[0]), model, freeze_step=FREEZE,
+            bucket_size_mb=BUCKET_MB, variance_refresh=None, overlap=overlap)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for step in range(steps):
+                train_step(model, opt, step)
+        out[overlap] = {"warnings": [str(w.message) for w in caught
+                                     if "hvd_onebit" in str(w.message)],
+                        "phase": opt.phase, "params": params_of(model)}
+        del opt
+        gc.collect()
+    return out
+
+
 def amsgrad_set_later() -> dict:
     """amsgrad=True set on a param group after the freeze: step() refuses it, changing
     nothing; set back to False, the steps go on."""
@@ -1453,6 +1494,7 @@ def suite(scratch: Optional[str] = None, stage: Optional[str] = None) -> dict:
                      flushed_after_taken=flushed_after_taken,
                      refresh=variance_refresh, refusals=refusals,
                      inner_scheduler=scheduler_on_the_wrapped_adam,
+                     reentrant=reentrant_checkpointing,
                      one_node_hierarchical=one_node_hierarchical, compiled_step=compiled_step,
                      refresh_second_steps=partial(variance_refresh, second_steps=True),
                      refresh_unused=partial(variance_refresh, "unused", iterations=8),

@@ -200,6 +200,7 @@ class CommHook:
         self._passes = 0
         self._expected_passes = 1
         self._last_pass = True
+        self._completed: set = set()  # parameters whose gradient this pass's backward completed
         self.local_steps = 0  # forwards whose step kept its gradients local, over the run
         # The gradients are this rank's own: the last step's backward kept them local (a
         # compressed step's), and nothing averaged them since.
@@ -257,6 +258,7 @@ class CommHook:
                 self._passes = 0  # the passes before were zeroed (set to None): a skipped batch
             self._passes += 1
             self._last_pass = self._passes >= self._expected_passes
+            self._completed.clear()
             if self._passes > self._expected_passes and self._overlap is not None:
                 self._overlap.pass_again()  # onto the gradients the last pass's hooks started
             self.gradients_local = self._local
@@ -301,6 +303,7 @@ class CommHook:
         one's gradient hooks on the module's parameters: they stay idle.)"""
         self._local = False
         self._versions = None
+        self._completed.clear()
         if self._passes:
             self._expected_passes = self._passes
         self._passes = 0
@@ -327,6 +330,9 @@ class CommHook:
             # through DDP's sync the gradient is written again after its bucket: step() starts
             if (self._final and self._last_pass and self._overlap is not None
                     and not self._through_ddp):
+                if p in self._completed:  # again in one backward: its gradient comes in parts
+                    self._overlap.gradient_in_parts()
+                self._completed.add(p)
                 self._overlap.gradient_ready(p)
 
     def _average(self, buffer: torch.Tensor) -> torch.futures.Future:
