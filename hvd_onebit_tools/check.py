@@ -61,7 +61,8 @@ def horovod_install() -> str:
     return ("build Horovod 0.28.1 from its sdist with the two fixes torch 2.1 and later need "
             "(C++17 in CMakeLists.txt and horovod/torch/CMakeLists.txt; "
             "CMAKE_POLICY_VERSION_MINIMUM=3.5 HOROVOD_WITH_PYTORCH=1 pip install "
-            "--no-build-isolation --no-cache-dir .): the commands are in docs/install.md, Horovod")
+            "--no-build-isolation --no-cache-dir .): the commands are in the repository's "
+            "docs/install.md, section Horovod")
 
 
 def check_horovod() -> Finding:
