@@ -35,10 +35,12 @@ def print_prediction(report: dict, echo=None) -> None:
              if per_node == 1 else f"{per_node} ranks per node, sharing its link")
     echo(f"{inputs['params']:,} parameters, compute {inputs['compute_s'] * 1e3:,.1f} ms/step, "
          f"{nodes}; {report['note']}")
+    priced = {m for r in report["rows"] for m in r["methods"]}
     if "run_setting" in report:
-        echo("speed-ups over Horovod fp32 (the fp32 gradient allreduce, as DDP + Adam's; "
-             "horovod_fp16: Horovod's fp16 compression, its casts and float16 sums priced at the "
-             f"calibration's speeds); step: a compressed step's; run: {report['run_setting']}"
+        fp16 = ("; horovod_fp16: Horovod's fp16 compression, its casts and float16 sums priced "
+                "at the calibration's speeds" if "horovod_fp16" in priced else "")
+        echo("speed-ups over Horovod fp32 (the fp32 gradient allreduce, as DDP + Adam's"
+             f"{fp16}); step: a compressed step's; run: {report['run_setting']}"
              " (fp steps: the run's full-precision steps, warmup + refreshes; bytes: per rank "
              "over the run, run / fixed)")
     print_table(table, [("np", "np", "d"), ("link", "bw", ""), ("method", "method", ""),
@@ -65,10 +67,10 @@ def print_prediction(report: dict, echo=None) -> None:
         if "flat_onebit_stops_paying_at" in c:
             parts.append(from_n(c["flat_onebit_stops_paying_at"], "flat 1-bit stops paying",
                                 "flat 1-bit pays at every n"))
-        if "hierarchical_beats_flat_from" in c:
+        if "hierarchical_beats_flat_from" in c and "onebit_hierarchical" in priced:
             parts.append(from_n(c["hierarchical_beats_flat_from"], "hierarchical beats flat",
                                 "hierarchical does not beat flat", "onebit_hierarchical"))
-        if "hierarchical_group_beats_flat_from" in c:
+        if "hierarchical_group_beats_flat_from" in c and GROUP_METHOD in priced:
             parts.append(from_n(c["hierarchical_group_beats_flat_from"],
                                 "group hierarchical beats flat",
                                 "group hierarchical does not beat flat", GROUP_METHOD))
