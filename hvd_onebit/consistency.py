@@ -124,7 +124,10 @@ def refused_on_every_rank(gather: Callable[[], Optional[Gather]], who: str):
         except Exception:  # no group to agree on: the error says more than a failed gather
             raise error from None
         if exchange is not None:
-            exchange(refusal_row(error))
+            try:
+                exchange(refusal_row(error))
+            except Exception as failed:  # the refusal is what the user needs to read
+                raise error from failed
         raise
     exchange = gather()
     if exchange is not None:
@@ -135,7 +138,9 @@ def refusal_row(error: Optional[Exception]) -> torch.Tensor:
     """uint8 [1, REFUSAL_BYTES]: the error's type and message in UTF-8 (zeros: none)."""
     row = torch.zeros((1, REFUSAL_BYTES), dtype=torch.uint8)
     if error is not None:
-        text = f"{type(error).__name__}\0{error}".encode()
+        kind = next(k for k in type(error).__mro__  # the nearest builtin: catchable alike
+                    if getattr(builtins, k.__name__, None) is k)
+        text = f"{kind.__name__}\0{error}".encode()
         if len(text) > REFUSAL_BYTES:
             text = text[:REFUSAL_BYTES - 3] + b"..."
         row[0, :len(text)] = torch.tensor(list(text), dtype=torch.uint8)
@@ -150,6 +155,7 @@ def raise_refusals(rows: list[list[int]], who: str) -> None:
         return
     rank, text = refused[0]
     kind, _, message = text.partition("\0")
+    message = message.removeprefix(f"{who}: ")  # the face is named once
     more = (f" (rank(s) {[r for r, _ in refused[1:]]} refused too)" if len(refused) > 1
             else "")
     message = f"rank {rank} refused to build {who}{more}: {message}"

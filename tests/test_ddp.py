@@ -322,7 +322,7 @@ def test_reentrant_checkpointing_turns_the_overlap_off_once_saying_why(world):
     for rank, r in enumerate(scenario(results, "reentrant")):
         on, off = r[True], r[False]
         assert on["phase"] == "compression" and off["warnings"] == [] and \
-            len(on["warnings"]) == 1 and "completed more than once in one backward pass" in \
+            len(on["warnings"]) == 1 and "completed more than once with no forward between" in \
             on["warnings"][0] and "use_reentrant=False keeps the overlap" in on["warnings"][0], \
             f"n={n} rank {rank}: warnings with the overlap on {on['warnings']}, off " \
             f"{off['warnings']} (phase {on['phase']})"
@@ -396,13 +396,17 @@ def test_refusals_are_clear_on_every_rank(world):
                   "float64": "hvd_onebit.ddp.DistributedOptimizer trains float32, float16 and "
                              "bfloat16 parameters; got torch.float64: 4 parameter(s), "
                              "inner.weight (float64), inner.bias (float64), out.weight",
-                  "ignored": "1 of the optimizer's parameters are ones DDP was told to ignore "
-                             "(inner.bias); it trains only what the DDP model averages",
+                  "ignored": "1 of the optimizer's trainable parameters are among those DDP "
+                             "was told to ignore (inner.bias); it trains only what the DDP model "
+                             "averages",
                   "split": "1 parameter(s) the DDP model averages are not in this optimizer "
                            f"({r['split_name']}): in compressed steps DDP averages no gradient"}
         for case, part in wanted.items():
             assert r[case].split(":")[0] in ("ValueError", "TypeError") and part in r[case], \
                 f"n={n} rank {rank} {case}: {r[case]!r}, want it to say {part!r}"
+        assert r["ignored_frozen"] == "accepted", \
+            f"n={n} rank {rank}: a frozen parameter DDP ignores, in the optimizer: " \
+            f"{r['ignored_frozen']!r}"
         ams = r["amsgrad_set"]
         assert "amsgrad=True is not supported (set on a param group after the optimizer was " \
                "built" in ams["error"] and (ams["steps"], ams["changed"], ams["after"]) == \

@@ -1091,6 +1091,13 @@ def refusals() -> dict:
     DDP._set_params_and_buffers_to_ignore_for_model(net, ["inner.bias"])
     ignoring = DDP(net)
     out["ignored"] = refused(lambda: onebit(ignoring))
+    torch.manual_seed(0)
+    frozen = Net()
+    frozen.inner.bias.requires_grad_(False)
+    DDP._set_params_and_buffers_to_ignore_for_model(frozen, ["inner.bias"])
+    frozen = DDP(frozen)
+    out["ignored_frozen"] = refused(lambda: onebit(frozen))
+    gc.collect()
     out["amsgrad_set"] = amsgrad_set_later()
     # checkpoints handed to the wrong load
     loading = onebit(shared)

@@ -114,11 +114,12 @@ def check(model, param_groups: list[dict], process_group, config: OneBitConfig):
                  if p.requires_grad and p not in names]
     ignored = set(getattr(model, "parameters_to_ignore", ()))
     skipped = [name for name, p in model.module.named_parameters()
-               if name in ignored and any(p is q for g in param_groups for q in g["params"])]
+               if name in ignored and p.requires_grad
+               and any(p is q for g in param_groups for q in g["params"])]
     if skipped:
         raise ValueError(
-            f"{FACE}: {len(skipped)} of the optimizer's parameters are ones DDP was told to "
-            f"ignore ({', '.join(skipped[:4])}{' ...' if len(skipped) > 4 else ''}); it trains "
+            f"{FACE}: {len(skipped)} of the optimizer's trainable parameters are among those "
+            f"DDP was told to ignore ({', '.join(skipped[:4])}{' ...' if len(skipped) > 4 else ''}); it trains "
             "only what the DDP model averages. Train them with an optimizer of their own, or "
             "take them off DDP's ignore list")
     if strangers:  # before the hook: another optimizer's model passed by mistake is this
