@@ -33,8 +33,8 @@ GRADIENT_IN_PARTS = (
     "hvd_onebit: a parameter's gradient was completed more than once with no forward between "
     "(activation checkpointing with use_reentrant=True over a parameter used in several "
     "checkpointed segments, or two backward calls after one forward each), so the buckets "
-    "cannot start before the last backward ends: from now on this rank starts them in step() (overlap "
-    "off; the steps are the same). use_reentrant=False keeps the overlap; overlap=False "
+    "cannot start before the last backward ends: from now on this rank starts them in step() "
+    "(overlap off; the steps are the same). use_reentrant=False keeps the overlap; overlap=False "
     "silences this.")
 
 

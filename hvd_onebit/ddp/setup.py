@@ -119,9 +119,10 @@ def check(model, param_groups: list[dict], process_group, config: OneBitConfig):
     if skipped:
         raise ValueError(
             f"{FACE}: {len(skipped)} of the optimizer's trainable parameters are among those "
-            f"DDP was told to ignore ({', '.join(skipped[:4])}{' ...' if len(skipped) > 4 else ''}); it trains "
-            "only what the DDP model averages. Train them with an optimizer of their own, or "
-            "take them off DDP's ignore list")
+            f"DDP was told to ignore ({', '.join(skipped[:4])}"
+            f"{' ...' if len(skipped) > 4 else ''}); it trains only what the DDP model "
+            "averages. Train them with an optimizer of their own, or take them off DDP's "
+            "ignore list")
     if strangers:  # before the hook: another optimizer's model passed by mistake is this
         raise ValueError(
             f"{FACE}: {len(strangers)} of the optimizer's parameters "
