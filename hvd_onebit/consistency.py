@@ -160,11 +160,13 @@ def raise_refusals(rows: list[list[int]], who: str) -> None:
             else "")
     message = f"rank {rank} refused to build {who}{more}: {message}"
     kind = getattr(builtins, kind, None)
-    try:  # the refusing rank's type where it is a builtin one taking a message
-        error = kind(message) if isinstance(kind, type) and issubclass(kind, Exception) else None
-    except Exception:
-        error = None
-    raise error if isinstance(error, Exception) else RuntimeError(message)
+    if not (isinstance(kind, type) and issubclass(kind, Exception)):
+        kind = RuntimeError
+    try:
+        error = kind(message)
+    except Exception:  # a builtin taking more than a message (UnicodeDecodeError)
+        error = RuntimeError(message)
+    raise error
 
 
 def check_same_parameters(param_groups: list[dict], names: Mapping[torch.Tensor, str], config,

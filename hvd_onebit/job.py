@@ -15,7 +15,7 @@ import torch
 
 from . import kernels
 from .config import DEFAULT_BUCKET_MB, OneBitConfig, check_one_device
-from .dtypes import other_dtypes
+from .dtypes import FLOAT_DTYPES, other_dtypes
 from .transport.registry import check_name as check_transport_name
 from .transport.registry import check_transport, either, supporting, supports
 
@@ -67,8 +67,9 @@ def check_parameters(config: OneBitConfig, params: list[torch.Tensor],
     (by ``names``, else by their place in the optimizer)."""
     bad = other_dtypes(params)
     if bad:
-        which = [f"{(names or {}).get(p) or f'parameter {i}'} ({str(p.dtype)[6:]})"
-                 for i, p in enumerate(params) if str(p.dtype) in bad]
+        which = [f"{(names or {}).get(p) or f'parameter {i}'} "
+                 f"({str(p.dtype).removeprefix('torch.')})"
+                 for i, p in enumerate(params) if p.dtype not in FLOAT_DTYPES]
         raise TypeError(f"{face} trains float32, float16 and bfloat16 parameters; got "
                         f"{', '.join(bad)}: {len(which)} parameter(s), "
                         f"{', '.join(which[:4])}{' ...' if len(which) > 4 else ''}")

@@ -106,14 +106,12 @@ class WrappedAdam:
             kept.clear()
             kept.update(loaded)
             self._opt.state = kept
-        if self._opt.param_groups is not groups or any(
-                g is not d for g, d in zip(self._opt.param_groups, dicts)):
-            for old, new in zip(dicts, self._opt.param_groups):
-                if new is not old:
-                    old.clear()
-                    old.update(new)
-            groups[:] = dicts
-            self._opt.param_groups = groups
+        for old, new in zip(dicts, self._opt.param_groups):
+            if new is not old:
+                old.clear()
+                old.update(new)
+        groups[:] = dicts
+        self._opt.param_groups = groups
 
 
 class OptimizerView(Protocol):

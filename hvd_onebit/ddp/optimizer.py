@@ -35,7 +35,7 @@ class DDPFace:
         torch.optim.Optimizer.__init__(self, optimizer.param_groups, optimizer.defaults)
         self.config = config
         self._view = DDPView(self, type(self), setup.model_names(model),
-                             {p: name for name, p in model.module.named_parameters()})
+                             setup.module_names(model))
         parts = setup.build(self._view, config, group, model)
         self._schedule, self._telemetry = parts.schedule, parts.telemetry
         self._engine, self._phases, self._hook = parts.engine, parts.phases, parts.hook

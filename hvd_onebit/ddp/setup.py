@@ -72,11 +72,21 @@ def finds_unused(model) -> bool:
     return bool(getattr(model, "find_unused_parameters", False))
 
 
+def module_names(model) -> dict:
+    """Every parameter of the wrapped module, by its name there."""
+    return {p: name for name, p in model.module.named_parameters()}
+
+
+def ignored_names(model) -> set:
+    """The names of the parameters DDP was told to ignore."""
+    return set(getattr(model, "parameters_to_ignore", ()))
+
+
 def model_names(model) -> dict:
     """Each parameter DDP averages, by its name in the wrapped module: the ones that require a
     gradient and that DDP was not told to ignore."""
-    ignored = set(getattr(model, "parameters_to_ignore", ()))
-    return {p: name for name, p in model.module.named_parameters()
+    ignored = ignored_names(model)
+    return {p: name for p, name in module_names(model).items()
             if p.requires_grad and name not in ignored}
 
 
@@ -112,10 +122,10 @@ def check(model, param_groups: list[dict], process_group, config: OneBitConfig):
     names = model_names(model)
     strangers = [(gi, tuple(p.shape)) for gi, g in enumerate(param_groups) for p in g["params"]
                  if p.requires_grad and p not in names]
-    ignored = set(getattr(model, "parameters_to_ignore", ()))
-    skipped = [name for name, p in model.module.named_parameters()
-               if name in ignored and p.requires_grad
-               and any(p is q for g in param_groups for q in g["params"])]
+    ignored, ours = ignored_names(model), {p for g in param_groups for p in g["params"]}
+    everything = module_names(model)
+    skipped = [name for p, name in everything.items()
+               if name in ignored and p.requires_grad and p in ours]
     if skipped:
         raise ValueError(
             f"{FACE}: {len(skipped)} of the optimizer's trainable parameters are among those "
@@ -145,8 +155,7 @@ def check(model, param_groups: list[dict], process_group, config: OneBitConfig):
                       "(the node layout is read over every rank of the job)")
     validate_masks(param_groups)
     check_options(config)
-    check_parameters(config, [p for g in param_groups for p in g["params"]], FACE,
-                     {p: name for name, p in model.module.named_parameters()})
+    check_parameters(config, [p for g in param_groups for p in g["params"]], FACE, everything)
     return group
 
 
