@@ -103,11 +103,13 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model, *,
             with the default refresh, 15-25% with ``variance_refresh=None``; "auto": once the
             variance has settled.
         variance_refresh (str, optional): "doubling": full-precision refresh steps of the
-            variance on 0/1 Adam's doubling schedule, thinning out as the run goes on; None: the
-            variance stays frozen, the paper's 1-bit Adam (default: "doubling")
+            variance on a doubling schedule (as in 0/1 Adam, Lu et al. 2022), thinning out as
+            the run goes on; None: the variance stays frozen, the paper's 1-bit Adam (default:
+            "doubling")
         hierarchical (bool or "auto", optional): full precision inside each node, 1 bit
-            between nodes, the nodes as the launcher numbers them (every node the same number
-            of ranks); "auto": on with several nodes of several ranks (default: False)
+            between nodes, the nodes as the launcher numbers them (horovodrun's hosts,
+            torchrun's nodes; every node the same number of ranks); "auto": on with several
+            nodes of several ranks (default: False)
         bucket_size_mb (float, optional): momentum per 1-bit allreduce, in MiB of fp32
             (default: 64)
         overlap (bool, optional): start buckets from the gradient hooks as backward makes them,

@@ -38,7 +38,9 @@ def print_prediction(report: dict, echo=None) -> None:
     priced = {m for r in report["rows"] for m in r["methods"]}
     if "run_setting" in report:
         fp16 = ("; horovod_fp16: Horovod's fp16 compression, its casts and float16 sums priced "
-                "at the calibration's speeds" if "horovod_fp16" in priced else "")
+                "at the calibration's speeds, slower than fp32 where they cost more than the "
+                "halved bytes save (CPU hosts; --host-speedup)" if "horovod_fp16" in priced
+                else "")
         echo("speed-ups over Horovod fp32 (the fp32 gradient allreduce, as DDP + Adam's"
              f"{fp16}); step: a compressed step's; run: {report['run_setting']}"
              " (fp steps: the run's full-precision steps, warmup + refreshes; bytes: per rank "
@@ -47,8 +49,10 @@ def print_prediction(report: dict, echo=None) -> None:
                         ("step ms", "ms", ",.1f"), ("MB/rank/step", "mb", ",.2f"),
                         ("step x", "step_x", ".2f"), ("run x", "run_ref_x", ".2f"),
                         ("fp steps", "fp_steps", ""), ("fixed: run x", "run_x", ".2f"),
-                        ("bytes x fixed", "bytes_ratio", ".3f"),
-                        ("phases (ms)", "phases", "")])
+                        ("bytes x fixed", "bytes_ratio", ".3f")])
+    echo("phases (ms), per row: the step's time by phase")
+    for t in table:
+        echo(f"  np {t['np']}, {t['bw']}, {t['method']}: {t['phases']}")
     for bw, c in report["crossovers"].items():
         top = max(r["np"] for r in report["rows"] if str(r["inter_bps"]) == bw)
 
