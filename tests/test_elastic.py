@@ -1,4 +1,5 @@
-"""Elastic Horovod in the compression phase: a worker lost, a worker replaced, the job grown.
+"""Elastic Horovod in the compression phase: a worker lost, a worker replaced, the job grown,
+the job left with one rank and grown again.
 
 Real horovodrun --gloo jobs whose "hosts" are names of this machine's loopback address."""
 import json
@@ -21,6 +22,7 @@ SCENARIOS = {
     "lost": (3, 2, 3, "localhost:2\n127.0.0.1:1\n"),
     "replace": (2, 2, 2, "localhost:1\n127.0.0.1:1\n127.1:1\n127.0.1:1\n"),
     "grow": (2, 2, 3, "localhost:1\n127.0.0.1:1\n"),
+    "to_one": (2, 1, 2, "localhost:1\n127.0.0.1:1\n"),
 }
 
 
@@ -139,6 +141,25 @@ def test_worker_replaced_in_compression_phase(replaced):
 def test_job_grows_in_compression_phase(tmp_path):
     per_process, text = run_scenario(tmp_path, "grow")
     assert_one_worker_joined(per_process, text, after_step=GROW_STEP, size=3)
+
+
+def test_one_rank_left_steps_as_adam_and_compresses_again_once_the_job_grows(tmp_path):
+    """Left alone, the survivor steps as torch's Adam on the state as torch_adam_state_dict gives
+    it (the frozen variance made Adam's at its step count, not divided as it was frozen); grown
+    again, the two ranks compress on, identical."""
+    per_process, text = run_scenario(tmp_path, "to_one")
+    steps = steps_of(per_process)
+    alone = [s for s in steps if s["size"] == 1]
+    assert alone and min(s["step"] for s in alone) == KILL_STEP + 1, \
+        f"steps on one rank: {[s['step'] for s in alone]}\n{text[-3000:]}"
+    off = [(s["step"], s["adam_diff"]) for s in alone if s["adam_diff"] != 0.0]
+    assert not off, f"(step, max |parameter - torch Adam's|) alone: {off}"
+    again = [s for s in steps if s["size"] == 2 and s["step"] > KILL_STEP]
+    assert again and all(s["phase"] == "compression" for s in again), \
+        f"steps after the job grew again: {[(s['step'], s['phase']) for s in again]}"
+    assert_identical_at_every_step(steps, text)
+    assert_each_step_from_the_last(steps, text)
+    assert_finished_together(per_process, 2, text)
 
 
 def test_refresh_schedule_survives_a_worker_replaced(replaced):

@@ -15,6 +15,7 @@ from ..engine import CompressedStep
 from ..optimizer_view import OptimizerView
 from ..param_groups import check_no_amsgrad
 from ..stall import watch
+from ..state.checkpoint import variance_for_one_rank
 from ..state.schedule import COMPRESSION, Schedule
 from ..state.telemetry import Telemetry
 from .amp import ScalerView, check_scale_attributes, view_of
@@ -77,8 +78,13 @@ class Phases:
     def reset(self) -> None:
         """Every rank at the same point (elastic resets): drop the buckets and collectives
         (:meth:`~hvd_onebit.engine.CompressedStep.reset`) and count check_every's calls from
-        here (a joining worker starts at zero)."""
+        here (a joining worker starts at zero). A job left with one rank steps as Adam, so its
+        frozen variances become Adam's at their step counts, as a one-rank job's load makes
+        them (:func:`~hvd_onebit.state.checkpoint.variance_for_one_rank`); a job that grows
+        again freezes them at its step count."""
         self._engine.reset()
+        if self._engine.world == 1:
+            variance_for_one_rank(self._view)
         self.compression.overlap.end_step()
         self._calls = 0
         self._resets += 1
