@@ -170,7 +170,8 @@ def test_a_model_handed_to_plain_adam_once_the_optimizer_is_dropped_trains_as_dd
     as on the module wrapped in DDP again (bit for bit at two ranks; a fresh DDP model's first
     iteration sums in another bucket order, which may round apart at more), alike on every
     rank. While the 1-bit optimizer lives, the forward after another optimizer's step is
-    refused on every rank."""
+    refused on every rank; the script's own writes to the weights (a clip under no_grad) are
+    not."""
     n, results = world
     runs = scenario(results, "handed_to_adam")
     for rank, r in enumerate(runs):
@@ -181,12 +182,19 @@ def test_a_model_handed_to_plain_adam_once_the_optimizer_is_dropped_trains_as_dd
         kept = r["kept"]
         assert kept["again"] == kept["error"], \
             f"n={n} rank {rank}: the forward retried after the refusal: {kept['again']!r}"
-        assert kept["taken"] == 1 and "another optimizer steps the model while this one still " \
-            "holds it" in kept["error"], \
+        assert kept["taken"] == 1 and "stepped by another optimizer (Adam)" in kept["error"] \
+            and "another optimizer steps the model while this one still holds it" \
+            in kept["error"], \
             f"n={n} rank {rank}: with the 1-bit optimizer kept, DDP + Adam took " \
             f"{kept['taken']} step(s), then {kept['error']!r}"
         assert differences(r["params"], runs[0]["params"], "params") == [], \
             f"n={n}: rank {rank} differs from rank 0 after DDP + Adam took over"
+        clipped = r["clipped"]
+        assert clipped["error"] == "accepted" and clipped["taken"] == clipped["steps"], \
+            f"n={n} rank {rank}: with the weights clipped in place before each step, " \
+            f"{clipped['taken']} of {clipped['steps']} steps taken, then {clipped['error']!r}"
+        assert differences(clipped["params"], runs[0]["clipped"]["params"], "clipped") == [], \
+            f"n={n}: rank {rank} differs from rank 0 with the weights clipped"
 
 
 @pytest.mark.multirank

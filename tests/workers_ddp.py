@@ -808,7 +808,29 @@ def handed_to_adam(before: int = FREEZE + 3, after: int = 3) -> dict:
     del kept
     return {"params": runs["dropped"], "rewrapped": runs["rewrapped"],
             "differences": differences(runs["dropped"], runs["rewrapped"], "rewrapped"),
-            "kept": {"error": error, "taken": taken, "again": again}}
+            "kept": {"error": error, "taken": taken, "again": again},
+            "clipped": clipped_between_steps(before + after)}
+
+
+def clipped_between_steps(steps: int, bound: float = 0.3) -> dict:
+    """The script's own write to the weights (a WGAN critic's clip under no_grad) before each
+    step, after a forward with gradients that no step followed (an evaluation without
+    no_grad), the gradients zeroed by the model's zero_grad() (the WGAN critic's loop): no
+    other optimizer's step, so nothing is refused. What the steps raised, how many were taken,
+    and the parameters."""
+    model, taken, error = make_model(), 0, "accepted"
+    opt = onebit(model)
+    try:
+        for step in range(steps):
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.clamp_(-bound, bound)
+            train_step(model, opt, step, zero_model=True)
+            taken += 1
+            model(batch(step, dist.get_rank(), 1)[0])  # evaluated, gradients on
+    except ValueError as exc:
+        error = f"ValueError: {exc}"
+    return {"error": error, "taken": taken, "steps": steps, "params": params_of(model)}
 
 
 def bucket_views(passes: tuple = (1, 1, 2, 1, 1)) -> dict:

@@ -19,6 +19,8 @@ import torch.distributed as dist
 
 from ..eager import eager
 from ..overlap import Overlap
+from .foreign_steps import ForeignSteps
+from .weak_hooks import weakly
 
 ALREADY_HOOKED = (
     "hvd_onebit.ddp.DistributedOptimizer registers its own communication hook on the DDP model, "
@@ -54,13 +56,15 @@ NEVER_RUN = (
     "trainer.model_wrapped to it). (Gradients set by hand for a first step are no such case.)")
 
 STEPPED_ELSEWHERE = (
-    "hvd_onebit.ddp.DistributedOptimizer: the DDP model's parameters changed since its last "
-    "compressed step's forward without this optimizer's step(): another optimizer steps the "
-    "model while this one still holds it, and this one takes DDP's gradient sync off in the "
-    "steps it counts as compressed, so that step was taken on each rank's own gradients (the "
-    "ranks may now differ). To hand the model to another optimizer, drop this one first (del "
-    "it, and whatever refers to it, such as an LR scheduler) or wrap the module in DDP again "
-    "(model = DDP(model.module)); nothing was changed by this forward")
+    "hvd_onebit.ddp.DistributedOptimizer: the DDP model's parameters were stepped by another "
+    "optimizer ({name}) since its last compressed step's forward, without this optimizer's "
+    "step(): another optimizer steps the model while this one still holds it, and this one "
+    "takes DDP's gradient sync off in the steps it counts as compressed, so that step was "
+    "taken on each rank's own gradients (the ranks may now differ). To hand the model to "
+    "another optimizer, drop this one first (del it, and whatever refers to it, such as an LR "
+    "scheduler) or wrap the module in DDP again (model = DDP(model.module)); nothing was "
+    "changed by this forward. (A write of the script's own, such as a weight clip under "
+    "torch.no_grad(), is no such step.)")
 
 
 def first_static_iteration(model) -> bool:
@@ -70,44 +74,6 @@ def first_static_iteration(model) -> bool:
     compressed one: a resumed run, the optimizer built again)."""
     return bool(getattr(model, "static_graph", False)) and \
         not getattr(model, "_static_graph_delay_allreduce_enqueued", True)
-
-
-def weakly(method) -> Callable:
-    """``method`` (a bound method) called through a weak reference to its object, doing nothing
-    once that is gone. For the hooks on the model and its parameters: those hold their hooks for
-    as long as they live (a parameter's in C++, where the cycle collector does not look), and a
-    strong one would keep the optimizer, its state and its process group alive with them, and
-    the hooks acting for an optimizer the script has dropped (taking DDP's sync off for
-    another optimizer's steps)."""
-    return WeakHook(method)
-
-
-class WeakHook:
-    """A hook calling a bound method through a weak reference (:func:`weakly`). A model pickled
-    (``torch.save(model)``) or copied (``copy.deepcopy(model)``, an EMA's copy) takes a hook that
-    does nothing in its place: the optimizer trains the model it was built on, not its copies
-    (a copy that trains takes an optimizer of its own)."""
-
-    __slots__ = ("_ref",)
-
-    def __init__(self, method) -> None:
-        self._ref = weakref.WeakMethod(method)
-
-    def __call__(self, *args):
-        bound = self._ref()
-        return None if bound is None else bound(*args)
-
-    def __reduce__(self):
-        return inert_hook, ()
-
-
-def inert_hook() -> Callable:
-    """What a pickled or copied :class:`WeakHook` becomes: a hook that does nothing."""
-    return _nothing
-
-
-def _nothing(*args) -> None:
-    return None
 
 
 def versions(model) -> tuple:
@@ -179,8 +145,12 @@ class CommHook:
     """
 
     def __init__(self, group, averaging: Callable[[], bool], overlap: Optional[Overlap],
-                 watch: Callable[[str], object], unwatch: Callable[[object], None]):
+                 watch: Callable[[str], object], unwatch: Callable[[object], None],
+                 ours: Callable[[object], bool] = lambda optimizer: False):
+        """``ours(optimizer)``: whether a torch optimizer is the face this hook serves."""
         self.group = group
+        self._ours = ours
+        self._foreign: Optional[ForeignSteps] = None
         self._averaging = averaging
         self._overlap = overlap
         self._watch, self._unwatch = watch, unwatch
@@ -209,8 +179,8 @@ class CommHook:
         # since the last averaged one (DDP's reducer counts them as used: see _before_forward)
         self._used_locally: Optional[set] = None
         # The parameters' in-place versions after a compressed step's forward with DDP's sync on,
-        # until this optimizer's step() or zero_grad(): a change before then is another
-        # optimizer's step
+        # until this optimizer's step() or zero_grad(): a change before then, with another torch
+        # optimizer's step on them (self._foreign), is that optimizer's step
         self._versions: Optional[tuple] = None
         self._refused = False  # the forward under way was refused by _before_forward
         self.training_forwards = 0  # forwards with gradients on, since it was registered
@@ -225,6 +195,7 @@ class CommHook:
             if "once" in str(exc):
                 raise ValueError(ALREADY_HOOKED) from exc
             raise
+        self._foreign = ForeignSteps(model.module.parameters(), self._ours)
         model.register_forward_pre_hook(weakly(self._before_forward))
         # called when the forward raises too: the user's sync setting comes back either way
         model.register_forward_hook(weakly(self._after_forward), always_call=True)
@@ -245,8 +216,8 @@ class CommHook:
         if join is not None and join.enable and torch.is_grad_enabled():
             refusal = JOIN_REFUSED
         elif self._versions is not None and torch.is_grad_enabled() \
-                and versions(model) != self._versions:
-            refusal = STEPPED_ELSEWHERE
+                and self._foreign.stepped and versions(model) != self._versions:
+            refusal = STEPPED_ELSEWHERE.format(name=self._foreign.stepped)
         if refusal is not None:
             self._refused = True  # the forward hook (always called) records nothing of it
             raise ValueError(refusal)
@@ -292,6 +263,7 @@ class CommHook:
             return
         if self._local and self._final:
             self._versions = versions(model)
+            self._foreign.watch()
         if self._local:
             model.require_backward_grad_sync = self._final
             if hasattr(model, "require_forward_param_sync"):
@@ -303,6 +275,7 @@ class CommHook:
         one's gradient hooks on the module's parameters: they stay idle.)"""
         self._local = False
         self._versions = None
+        self._foreign.unwatch()
         self._completed.clear()
         if self._passes:
             self._expected_passes = self._passes
@@ -321,6 +294,7 @@ class CommHook:
         the parameters for this optimizer)."""
         self._passes = 0
         self._versions = None
+        self._foreign.unwatch()
 
     @eager
     def _gradient_final(self, p: torch.Tensor) -> None:

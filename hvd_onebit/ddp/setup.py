@@ -238,6 +238,7 @@ def build(view: DDPView, config: OneBitConfig, group, model) -> Parts:
                     view.refuse_unaveraged)
     hook = CommHook(group, lambda: not phases.compressing() or phases.refreshing(),
                     phases.compression.overlap if config.overlap else None,
-                    phases.watch_begin, phases.watch_end)
+                    phases.watch_begin, phases.watch_end,
+                    lambda optimizer: id(optimizer) == view.adam.optimizer_id)
     hook.register(model)
     return Parts(schedule, telemetry, engine, phases, hook)
