@@ -112,8 +112,7 @@ class OneBitAllreduce(TransactionalCollective):
             or "torch" (torch.distributed: Gloo on CPU, NCCL on CUDA; the global process set),
             resolved once to that transport's object; or a Transport object, which gives the
             size and rank (e.g. ``InProcessTransport``: ranks as threads of one process).
-        backend: kernels: "auto" (native C++ on CPU, Triton on CUDA where it is installed,
-            torch elsewhere), "native", "triton" or "torch".
+        backend: kernels: "auto" (native on CPU, Triton on CUDA if installed, else torch).
         device: where the buffers live; inputs must be on it. Default CPU.
         name: prefix of the collective op names; must be identical on every rank and unique
             among OneBitAllreduce objects in flight at the same time. Default: a counter (per
