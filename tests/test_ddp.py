@@ -197,6 +197,21 @@ def test_a_model_handed_to_plain_adam_once_the_optimizer_is_dropped_trains_as_dd
             f"n={n}: rank {rank} differs from rank 0 with the weights clipped"
 
 
+def test_a_hook_called_with_one_gradient_by_torchs_python_reducer_says_so():
+    """Compiled autograd under DDP runs torch's Python reducer, which calls the communication
+    hook with (gradient, parameter) where DDP hands a bucket: a clear refusal, not an
+    AttributeError from inside the hook."""
+    import torch
+
+    from hvd_onebit.ddp.hook import HookState, onebit_comm_hook
+
+    p = torch.zeros(3, requires_grad=True)
+    with pytest.raises(RuntimeError) as raised:
+        onebit_comm_hook(HookState(), (torch.ones(3), p))
+    assert "compiled autograd" in str(raised.value) and "Python reducer" in str(raised.value), \
+        f"the hook called with (gradient, parameter) raised {raised.value!r}"
+
+
 @pytest.mark.multirank
 def test_a_model_whose_forward_never_runs_is_warned_about_once(world):
     """The optimizer given a DDP model while the script runs another DDP wrapper's forward (as

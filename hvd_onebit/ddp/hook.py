@@ -67,6 +67,14 @@ STEPPED_ELSEWHERE = (
     "torch.no_grad(), is no such step.)")
 
 
+PYTHON_REDUCER = (
+    "hvd_onebit.ddp.DistributedOptimizer: DDP called its communication hook with one "
+    "gradient, not a bucket: torch's Python reducer, which compiled autograd runs with "
+    "torch._dynamo.config.optimize_ddp='python_reducer'. That reducer's hooks are not DDP's "
+    "(torch's own allreduce_hook fails there too), and compiled autograd needs it under DDP: "
+    "train with compiled autograd off (torch.compile of the model works)")
+
+
 def first_static_iteration(model) -> bool:
     """Whether ``model`` (a DDP module) was built with ``static_graph=True`` and has not run its
     first iteration: DDP records the graph in that iteration's backward, through its gradient
@@ -116,6 +124,8 @@ class HookState:
 def onebit_comm_hook(state: HookState, bucket):
     """DDP's communication hook (a module's function, so a DDP model pickles): the optimizer's
     own, or DDP's averaging once it is gone. DDP reads the parameter named ``bucket``."""
+    if isinstance(bucket, tuple):  # (gradient, parameter): torch's Python reducer
+        raise RuntimeError(PYTHON_REDUCER)
     alive = state.hook()
     return average(state.group, bucket.buffer()) if alive is None else alive.communicate(
         state, bucket)
