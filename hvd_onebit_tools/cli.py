@@ -10,8 +10,20 @@ import click
 from .bench.cli.options import MAX_MS, Finite, need_two_ranks, np_option, parameter_count
 
 
+def print_version(ctx: click.Context, param, value) -> None:
+    """``--version``: hvd_onebit's version, installed or not (a checkout run with ``python -m
+    hvd_onebit_tools.cli`` has no package metadata: the package's own ``__version__``)."""
+    if not value or ctx.resilient_parsing:
+        return
+    from .bench.report import library_version
+
+    click.echo(f"{ctx.find_root().info_name}, version {library_version()}")
+    ctx.exit()
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
-@click.version_option(package_name="hvd_onebit")
+@click.option("--version", is_flag=True, expose_value=False, is_eager=True,
+              callback=print_version, help="Show the version and exit.")
 def main() -> None:
     """1-bit Adam for Horovod and DDP: environment check, benchmarks and an emulated slow network.
 
@@ -31,7 +43,8 @@ def main() -> None:
                  "or more; under horovodrun, as torchrun's own parser takes --np for itself).")
 @click.option("--params", default=None,  # checked now, kept as written for the messages
               callback=lambda ctx, param, value: parameter_count(ctx, param, value) and value,
-              help="Parameters of your model for the prediction (e.g. 350M).")
+              help="Parameters of your model for the prediction (e.g. 350M; decimal: 1M is "
+                   "1,000,000).")
 @click.option("--compute-ms", default=None,
               type=Finite(min=0, min_open=True, priced=(None, MAX_MS)),
               help="Your step's compute (forward, backward, Adam) for the prediction.")

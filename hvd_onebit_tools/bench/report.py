@@ -7,6 +7,8 @@ import os
 import platform
 import sys
 import time
+from pathlib import Path
+from typing import Optional
 
 import click
 
@@ -36,28 +38,68 @@ def machine_info() -> dict:
 MEASURED_ENVIRONMENT = ("HVD_ONEBIT_NATIVE",)
 
 
+def library_version() -> Optional[str]:
+    """hvd_onebit's version: its installed metadata, else (a checkout that is not installed)
+    the package's own ``__version__``; None when neither is there."""
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version("hvd_onebit")
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    try:
+        from hvd_onebit import __version__
+    except ImportError:
+        return None
+    return __version__
+
+
+def source_commit(package_dir: Path) -> Optional[str]:
+    """The commit of the git checkout ``package_dir`` (a package folder) was imported from, or
+    None: a copy installed into site-packages (where a git repository around it, e.g. the
+    user's own project holding the virtual environment, is not the package's) or no git at
+    all. The checkout's top level must be the package folder's parent and track it."""
+    import subprocess
+
+    def git(*args: str) -> Optional[str]:
+        try:
+            proc = subprocess.run(["git", *args], cwd=package_dir.parent, capture_output=True,
+                                  text=True)
+        except OSError:  # no git
+            return None
+        return proc.stdout.strip() if proc.returncode == 0 else None
+
+    top = git("rev-parse", "--show-toplevel")
+    if not top or Path(top).resolve() != package_dir.resolve().parent:
+        return None
+    if git("ls-files", "--error-unmatch", "--", package_dir.name) is None:
+        return None  # the repository does not track this package
+    return git("rev-parse", "HEAD")
+
+
 def provenance() -> dict:
-    """Where a result was measured, for its JSON: the machine and date, this checkout's commit
-    (and whether it had uncommitted changes), and the versions of torch and Horovod."""
+    """Where a result was measured, for its JSON: the machine and date, the tools' checkout's
+    commit (and whether it had uncommitted changes; both None for an installed copy: see
+    :func:`source_commit`), and the versions of hvd_onebit, torch and Horovod."""
     import importlib.metadata
     import subprocess
-    from pathlib import Path
 
-    root = Path(__file__).resolve().parents[2]
-
-    def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=root, capture_output=True,
-                              text=True).stdout.strip()
-
-    versions = {}
+    package = Path(__file__).resolve().parents[1]
+    commit = source_commit(package)
+    changed = None
+    if commit is not None:
+        changed = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                                      cwd=package.parent, capture_output=True,
+                                      text=True).stdout.strip())
+    versions = {"hvd_onebit": library_version()}
     for name in ("torch", "horovod"):
         try:
             versions[name] = importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:
             versions[name] = None
     machine = machine_info()
-    out = {"machine": machine, "date": machine["date"], "commit": git("rev-parse", "HEAD"),
-           "uncommitted_changes": bool(git("status", "--porcelain", "--untracked-files=no")),
+    out = {"machine": machine, "date": machine["date"], "commit": commit,
+           "uncommitted_changes": changed,
            "versions": versions}
     environment = {k: os.environ[k] for k in MEASURED_ENVIRONMENT if k in os.environ}
     if environment:  # what changed the kernels the run measured

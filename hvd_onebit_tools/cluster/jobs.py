@@ -44,7 +44,12 @@ class RankFailure(AssertionError):
 
 
 class LaunchError(RuntimeError):
-    """A Horovod job that cannot start here: Horovod, or the launcher it needs, is missing."""
+    """A Horovod job that cannot start here: Horovod, or the launcher it needs, is missing, or
+    the launcher failed before any rank started (a host it cannot reach)."""
+
+
+# touched by every rank as its first act: a job without it never started a rank
+STARTED = "rank_started"
 
 
 NO_HOROVOD = ("this command runs its ranks as a Horovod job, and Horovod does not import in this "
@@ -269,8 +274,24 @@ def run_job(target: str, np: int = 2, controller: str = "gloo", kwargs: Optional
         shutil.rmtree(workdir, ignore_errors=True)
 
 
+def launcher_error(output: str) -> str:
+    """The lines of a launcher's output that say why it failed: what it printed before its
+    traceback (e.g. ssh's complaint) and the traceback's last line (the error), or its last
+    line."""
+    lines = [line.rstrip() for line in output.splitlines() if line.strip()]
+    if "Traceback (most recent call last):" not in lines:
+        return "\n".join(lines[-3:]) or "(no output)"
+    before = lines[:lines.index("Traceback (most recent call last):")]
+    return "\n".join(before[-3:] + lines[-1:])
+
+
 def _collect(workdir: Path, np: int, rc, timed_out: bool, timeout: float, target: str,
              controller: str) -> list[Any]:
+    if rc not in (0, None) and not timed_out and not (workdir / STARTED).exists():
+        output = (workdir / "output.log").read_text(errors="replace")
+        raise LaunchError(f"{target} on {np} ranks ({controller}): the launch failed before any "
+                          f"rank started (the launcher exited with {rc}):\n"
+                          + launcher_error(output))
     results, problems = [], []
     for rank in range(np):
         err = workdir / f"rank{rank}.err"
@@ -297,13 +318,14 @@ def _rank_main(target: str, workdir: str) -> int:
     """Entry point inside each rank (``python -m hvd_onebit_tools.cluster.jobs target workdir``)."""
     import importlib
 
+    out = Path(workdir)
+    (out / STARTED).touch()
     import horovod.torch as hvd
     import torch
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     hvd.init()
     rank = hvd.rank()
-    out = Path(workdir)
     try:
         module_name, func_name = target.split(":")
         func = getattr(importlib.import_module(module_name), func_name)

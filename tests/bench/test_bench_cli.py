@@ -735,3 +735,146 @@ def test_the_launcher_is_the_one_beside_this_python_activated_or_not(tmp_path, m
     assert found == str(Path(sys.executable).parent / "horovodrun"), found
     with pytest.raises(LaunchError, match="mpirun is not beside .* nor on PATH: it is Open MPI"):
         launcher("mpirun")
+
+
+HOSTS = ["--hosts", "localhost:2", "--shared-dir", "/tmp"]
+BAD_REAL_CLUSTER = [
+    (["--hosts", "localhost:2", "--shared-dir", "/nonexistent/hvd_onebit_shared"],
+     "--shared-dir", "Directory '/nonexistent/hvd_onebit_shared' does not exist"),
+    (["--hosts", "localhost:2", "--shared-dir", "/proc/version"], "--shared-dir",
+     "Directory '/proc/version' is a file"),
+    (["--hosts", "localhost:x", "--shared-dir", "/tmp"], "--hosts",
+     "'localhost:x' is not host:slots, the slots a whole number 1 or more"),
+    (["--hosts", "h1:2,h2", "--shared-dir", "/tmp"], "--hosts", "'h2' in 'h1:2,h2' is not"),
+    (["--hosts", "localhost:0", "--shared-dir", "/tmp"], "--hosts", "'localhost:0' is not"),
+    (["--np", "4", *HOSTS], "--np", "4 ranks do not fit the 2 slot(s) of --hosts localhost:2"),
+    (["--bandwidth", "100mbit", *HOSTS], "--bandwidth", "would be ignored"),
+    (["--ranks-per-node", "2", *HOSTS], "--ranks-per-node", "would be ignored"),
+    (["--intra-bandwidth", "1gbit", *HOSTS], "--intra-bandwidth", "would be ignored"),
+    (["--queue-ms", "5", *HOSTS], "--queue-ms", "would be ignored")]
+
+
+@pytest.mark.parametrize("command", ["train", "allreduce"])
+@pytest.mark.parametrize("args,option,text", BAD_REAL_CLUSTER,
+                         ids=[" ".join(a[:2]) for a, _, _ in BAD_REAL_CLUSTER])
+def test_a_real_cluster_s_options_are_checked_before_the_launch(monkeypatch, command, args,
+                                                                option, text):
+    """A missing or non-folder --shared-dir, a --hosts that is not host:slots, more ranks than
+    slots, and the emulated cluster's options beside --hosts (which they would not shape) are
+    usage errors naming the option: no job is launched, no traceback."""
+    import hvd_onebit_tools.cluster.jobs as jobs
+
+    monkeypatch.setattr(jobs, "run_job", lambda *a, **kw: pytest.fail("a job was launched"))
+    if command == "allreduce" and option == "--bandwidth":
+        args = [a.replace("100mbit", "local") for a in args]  # its default, given: still refused
+    result = hvd_onebit(["bench", command, "--np", "2", *args])
+    assert result.exit_code == 2 and option in result.output and text in result.output, \
+        f"bench {command} {' '.join(args)}: exit {result.exit_code}, expected 2 with " \
+        f"{option!r} and {text!r} in: {result.output!r}"
+
+
+def test_a_launch_that_fails_before_any_rank_starts_says_so_with_the_launchers_error(tmp_path):
+    """horovodrun failing before any rank starts (a host it cannot reach) is a failed launch
+    with horovodrun's own error line, not each rank's 'returned no result'."""
+    from hvd_onebit_tools.cluster.jobs import LaunchError, _collect
+
+    log = ("ssh not successful for host nosuchhost.invalid:\nssh: Could not resolve hostname "
+           "nosuchhost.invalid: Name or service not known\n\nTraceback (most recent call "
+           "last):\n  File \"horovod/runner/launch.py\", line 655, in _run_static\n    raise "
+           "RuntimeError('could not connect to some hosts via ssh')\nRuntimeError: could not "
+           "connect to some hosts via ssh\n")
+    (tmp_path / "output.log").write_text(log)
+    with pytest.raises(LaunchError) as info:
+        _collect(tmp_path, 2, 1, False, 60.0, "m:f", "gloo")
+    text = str(info.value)
+    assert "the launch failed before any rank started" in text and "returned no result" not in \
+        text and text.endswith("RuntimeError: could not connect to some hosts via ssh") and \
+        "Could not resolve hostname" in text and "launch.py" not in text, text
+    result = hvd_onebit(["bench", "allreduce", "--np", "2", "--numel", "4096", "--repeats", "1",
+                         "--hosts", "nosuchhost.invalid:2", "--shared-dir", str(tmp_path)])
+    got = str(result.exception)
+    assert isinstance(result.exception, LaunchError) and "the launch failed before any rank " \
+        "started" in got and "returned no result" not in got, \
+        f"exit {result.exit_code}, {result.exception!r}:\n{result.output[-2000:]}"
+
+
+def test_version_without_the_package_installed_is_the_package_s_own(monkeypatch):
+    """A checkout run with `python -m hvd_onebit_tools.cli` (no package metadata): --version
+    prints hvd_onebit.__version__, not a RuntimeError."""
+    import importlib.metadata
+
+    from hvd_onebit import __version__
+
+    real = importlib.metadata.version
+
+    def version(name):
+        if name.replace("-", "_") == "hvd_onebit":
+            raise importlib.metadata.PackageNotFoundError(name)
+        return real(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", version)
+    result = hvd_onebit(["--version"])
+    assert result.exit_code == 0 and result.output == \
+        f"hvd-onebit, version {__version__}\n", \
+        f"exit {result.exit_code}, {result.exception!r}: {result.output!r}"
+    from hvd_onebit_tools.bench.report import provenance
+
+    assert provenance()["versions"]["hvd_onebit"] == __version__
+
+
+def git_repo(root: Path, files: dict) -> str:
+    """A git repository at ``root`` holding ``files`` (path -> text), committed: its commit."""
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    env = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t",
+           "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"}
+    for args in (["init", "-q"], ["add", "."], ["commit", "-qm", "x"]):
+        subprocess.run(["git", *args], cwd=root, check=True, env=env, capture_output=True)
+    return subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True,
+                          text=True, check=True).stdout.strip()
+
+
+def test_a_report_s_commit_is_the_tools_checkout_s_or_none(tmp_path):
+    """The commit is the tools' own checkout's; a copy installed into site-packages has none,
+    even when the virtual environment sits inside the user's own git repository; and the
+    versions name hvd_onebit's, so a report from an install still identifies the library."""
+    from hvd_onebit_tools.bench.report import provenance, source_commit
+
+    user = tmp_path / "userproj"
+    site = user / "venv" / "lib" / "site-packages"
+    user_commit = git_repo(user, {"train.py": "", "venv/lib/site-packages/hvd_onebit_tools/"
+                                  "__init__.py": ""})
+    assert source_commit(site / "hvd_onebit_tools") is None, \
+        f"a copy in site-packages inside the user's repository reports {user_commit}"
+    bare = tmp_path / "bare" / "hvd_onebit_tools"
+    bare.mkdir(parents=True)
+    assert source_commit(bare) is None, "a copy outside any repository reports a commit"
+    other = tmp_path / "other"
+    git_repo(other, {"README": ""})
+    (other / "hvd_onebit_tools").mkdir()
+    assert source_commit(other / "hvd_onebit_tools") is None, \
+        "a repository that does not track the package reports its commit"
+    checkout = tmp_path / "checkout"
+    commit = git_repo(checkout, {"hvd_onebit_tools/__init__.py": ""})
+    got = source_commit(checkout / "hvd_onebit_tools")
+    assert got == commit, f"the checkout's commit is {commit}, reported {got}"
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True,
+                          text=True).stdout.strip()
+    report = provenance()
+    assert report["commit"] == head and report["versions"].get("hvd_onebit"), \
+        f"this checkout at {head}: commit {report['commit']}, versions {report['versions']}"
+
+
+def test_the_help_of_a_count_says_what_its_suffix_means():
+    """--params counts parameters in decimal (1M is 1,000,000), element counts are binary (1M is
+    1,048,576): each option's help says which."""
+    wants = {("bench", "predict"): "1M is 1,000,000", ("check",): "1M is 1,000,000",
+             ("bench", "calibrate"): "1M is 1,048,576", ("bench", "allreduce"): "1M is 1,048,576",
+             ("bench", "dev", "kernel"): "1M is 1,048,576"}
+    missing = {}
+    for command, want in wants.items():
+        result = hvd_onebit([*command, "--help"])
+        if want not in " ".join(result.output.split()):
+            missing[" ".join(command)] = want
+    assert not missing, f"help without the suffix's meaning: {missing}"

@@ -779,6 +779,8 @@ def test_check_refuses_a_run_of_another_size_naming_what_differs(tmp_path):
 @pytest.mark.parametrize("args, option, text", [
     (["--np", "1"], "--np", "1: a collectives job needs 2 or more ranks"),
     (["--np", "3"], "--numel", "4,194,304 elements do not split evenly over [3]"),
+    (["--np", "2"], "--np", "2: the per-peer cost of each op is the slope of its time against "
+                            "the world size, which one world size cannot give"),
     (["--numel", "0"], "--numel", "'0' is not a positive element count"),
     (["--numel", "abc"], "--numel", "'abc' is not a positive element count"),
     (["--repeats", "0"], "--repeats", "0 is not in the range x>=1"),
@@ -1013,3 +1015,39 @@ def test_predict_names_the_ddp_faces_methods_as_bench_train_does(tmp_path):
     refused = hvd_onebit(args + ["--methods", "ddp_onebit", "--transport", "horovod"])
     assert refused.exit_code == 2 and "runs on torch.distributed" in refused.stderr, \
         refused.output
+
+
+def test_predict_refuses_a_calibration_of_one_world_size_for_another(tmp_path):
+    """Collectives timed at one world size fit each op's per-peer cost as 0: a prediction at
+    another world size is refused, naming the file and the field, unless --per-peer-us gives
+    the cost; at the world size measured it is priced."""
+    cal = fake_calibration()
+    del cal["collectives"]["4"]
+    path = save(cal, tmp_path / "one_world.json")
+    args = ["bench", "predict", "--calibration", str(path), "--model", "mlp"]
+    refused = hvd_onebit([*args, "--np", "1024"])
+    error = " ".join(refused.stderr.split())
+    assert refused.exit_code == 1 and str(path) in error and "'collectives' holds one world " \
+        "size (np 2)" in error and "--np 2,4" in error and "--per-peer-us" in error, \
+        f"exit {refused.exit_code}: {refused.output!r}"
+    for more in (["--np", "2"], ["--np", "1024", "--per-peer-us", "5"]):
+        priced = hvd_onebit([*args, *more, "--json"])
+        assert priced.exit_code == 0, f"{more}: exit {priced.exit_code}: {priced.output[-600:]}"
+
+
+def test_predict_without_colocated_refuses_a_calibration_without_one_process_figures(tmp_path):
+    """A rank with a core to itself is priced with the 1-process figures: a calibration made
+    without them (--procs 2) is refused saying what is missing and how to get it; with
+    --colocated it prices, and its footer names the process count of the torch.add rate."""
+    cal = fake_calibration()
+    del cal["compute"]["1"]
+    path = save(cal, tmp_path / "no_one_process.json")
+    args = ["bench", "predict", "--calibration", str(path), "--model", "mlp", "--np", "4"]
+    refused = hvd_onebit(args)
+    error = " ".join(refused.stderr.split())
+    assert refused.exit_code == 1 and str(path) in error and "'compute' has no 1-process " \
+        "figures (timed with --procs 2,4)" in error and "--procs 1,2,4" in error and \
+        "--colocated" in error, f"exit {refused.exit_code}: {refused.output!r}"
+    priced = hvd_onebit([*args, "--colocated", "--json"])
+    pricing = json.loads(priced.stdout)["pricing"] if priced.exit_code == 0 else priced.output
+    assert "with 2 processes at once" in pricing and "in one process" not in pricing, pricing

@@ -14,8 +14,8 @@ from .options import (Finite, check_real_cluster, cluster_for, comma_list, emit,
 @np_option("2,4", "World sizes to run.", sweep=True)
 @click.option("--numel", "--sizes", "sizes", default="1M,4M,16M,64M", show_default=True,
               callback=comma_list(positive_count, empty_ok=False),
-              help="Buffer sizes in fp32 elements (e.g. 1M, 16M), comma separated (--sizes: "
-                   "the same).")
+              help="Buffer sizes in fp32 elements (e.g. 1M, 16M; binary suffixes: 1M is "
+                   "1,048,576), comma separated (--sizes: the same).")
 @click.option("--bandwidth", "bandwidths", default="local", show_default=True,
               callback=link_rates,
               help="Comma-separated link rates for an emulated cluster (e.g. 100mbit,1gbit,"
@@ -55,7 +55,7 @@ def bench_allreduce(nps, sizes, bandwidths, methods, repeats, controller, hosts,
                                  param_hint="--methods")
     need_two_ranks(nps, "an allreduce job")
     need_horovod()
-    check_real_cluster(hosts, shared_dir)
+    check_real_cluster(hosts, shared_dir, nps)
     if "onebit_mpi" in methods and (controller != "mpi" or any(b != "local" for b in bandwidths)):
         raise click.BadParameter("onebit_mpi needs --controller mpi and --bandwidth local")
     jobs = [(n, bw) for bw in bandwidths for n in nps]

@@ -35,7 +35,8 @@ def element_count(ctx, param, value) -> int:
 
 def check_worlds(nps: list[int], numel: int) -> None:
     """Every --np is a job that communicates, and splits --numel into its ranks' equal rows
-    (the full-precision alltoall views the buffer as one row per rank)."""
+    (the full-precision alltoall views the buffer as one row per rank); two world sizes or more,
+    for the per-peer cost of each op (the slope of its time against the world size)."""
     need_two_ranks(nps, "a collectives job")
     uneven = [n for n in nps if numel % n]
     if uneven:
@@ -43,6 +44,11 @@ def check_worlds(nps: list[int], numel: int) -> None:
         raise click.BadParameter(f"{numel:,} elements do not split evenly over {uneven} "
                                  f"rank(s): give a --numel that every --np divides (e.g. "
                                  f"{-(-numel // step) * step})", param_hint="--numel")
+    if len(set(nps)) < 2:
+        raise click.BadParameter(f"{','.join(map(str, nps))}: the per-peer cost of each op is the "
+                                 "slope of its time against the world size, which one world size "
+                                 "cannot give (`bench predict` would price every op at any --np "
+                                 "as at this one): give two or more (e.g. 2,4)", param_hint="--np")
 
 
 @click.command("calibrate")
@@ -55,7 +61,8 @@ def check_worlds(nps: list[int], numel: int) -> None:
 @click.option("--bandwidth", "link", default="1gbit", show_default=True, callback=link_rate,
               help="Shaped link rate at which the links' efficiency is measured.")
 @click.option("--numel", default="4M", show_default=True, callback=element_count,
-              help="Elements of the large collectives' buffer (every --np must divide it).")
+              help="Elements of the large collectives' buffer (every --np must divide it); "
+                   "binary suffixes: K, M, G are 2^10, 2^20, 2^30, so 1M is 1,048,576.")
 @click.option("--repeats", default=7, show_default=True, type=click.IntRange(min=1),
               help="Timed calls per measurement.")
 @queue_option

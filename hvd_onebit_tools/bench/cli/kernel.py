@@ -10,7 +10,8 @@ from .options import comma_list, emit, np_option, out_option, positive_count
 @click.command("kernel")
 @click.option("--numel", default=None,
               callback=lambda c, p, v: v and comma_list(positive_count)(c, p, v),
-              help="Elements in the buffer (e.g. 1M, 16M); with --device cuda a list "
+              help="Elements in the buffer (e.g. 1M, 16M; binary suffixes: 1M is 1,048,576); with "
+                   "--device cuda a list "
                    "[default: 16M on cpu, 16M,64M,128M,256M on cuda].")
 @np_option(4, "World size: chunks in the layout (no ranks are launched).")
 @click.option("--threads", default=1, show_default=True, type=click.IntRange(min=1),

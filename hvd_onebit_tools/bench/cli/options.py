@@ -174,11 +174,47 @@ def link_rates(ctx, param, value):
     return given
 
 
-def check_real_cluster(hosts: Optional[str], shared_dir: Optional[str]) -> None:
-    """``--hosts`` needs ``--shared-dir`` (the ranks hand back their results through files)."""
-    if hosts and not shared_dir:
+# the emulated cluster's options: its links and nodes, which real hosts do not have
+EMULATION_OPTIONS = ("bandwidth", "bandwidths", "ranks_per_node", "intra_bandwidth", "queue_ms")
+
+
+def host_slots(ctx, param, value):
+    """A click callback for ``--hosts``: horovodrun -H's ``host:slots`` entries, comma
+    separated, each host named and its slots a whole number, 1 or more; the value as given."""
+    if value is None:
+        return None
+    for entry in value.split(","):
+        host, colon, slots = entry.strip().rpartition(":")
+        if not colon or not host or not slots.isdigit() or int(slots) < 1:
+            where = "" if entry.strip() == value.strip() else f" in {value!r}"
+            raise click.BadParameter(f"{entry.strip()!r}{where} is not host:slots, the slots a "
+                                     "whole number 1 or more (e.g. h1:4,h2:4)")
+    return value
+
+
+def check_real_cluster(hosts: Optional[str], shared_dir: Optional[str], nps=()) -> None:
+    """``--hosts`` needs ``--shared-dir`` (the ranks hand back their results through files),
+    slots for every rank of each ``nps`` (a count or a list), and none of the emulated cluster's
+    options (:data:`EMULATION_OPTIONS`), which it would ignore."""
+    from click.core import ParameterSource
+
+    if not hosts:
+        return
+    if not shared_dir:
         raise click.UsageError("--hosts needs --shared-dir: a folder every host sees at the same "
                                "path (the ranks hand back their results through it)")
+    slots = sum(int(entry.rpartition(":")[2]) for entry in hosts.split(","))
+    over = [n for n in ([nps] if isinstance(nps, int) else nps) if n > slots]
+    if over:
+        raise click.BadParameter(f"{max(over)} ranks do not fit the {slots} slot(s) of --hosts "
+                                 f"{hosts}: give more slots or a smaller --np", param_hint="--np")
+    ctx = click.get_current_context()
+    given = [p.opts[0] for p in ctx.command.params if p.name in EMULATION_OPTIONS
+             and ctx.get_parameter_source(p.name) not in (None, ParameterSource.DEFAULT)]
+    if given:
+        raise click.UsageError(f"--hosts runs the ranks on real machines over their own links: "
+                               f"{', '.join(given)} set(s) the emulated cluster and would be "
+                               "ignored; drop them, or leave out --hosts to emulate")
 
 
 def output_file(ctx, param, value):
@@ -240,8 +276,9 @@ def plot_file(ctx, param, value):
 def real_cluster_options(command):
     """--hosts and --shared-dir: run through horovodrun on real machines instead of emulating."""
     command = click.option("--shared-dir", default=None,
+                           type=click.Path(exists=True, file_okay=False, writable=True),
                            help="A folder every host sees at the same path, for --hosts.")(command)
-    return click.option("--hosts", default=None,
+    return click.option("--hosts", default=None, callback=host_slots,
                         help="Run on a real cluster through horovodrun (Horovod on every "
                              "host), e.g. h1:4,h2:4 (no emulation; each host's ranks are a "
                              "node); needs --shared-dir.")(command)

@@ -23,6 +23,27 @@ MS, US = (Finite(min=0, priced=(None, MAX_MS)), Finite(min=0, priced=(None, MAX_
 STEPS = click.IntRange(1, MAX_STEPS)
 
 
+def check_calibration(cal: dict, path, nps: list[int], colocated: bool, per_peer: bool) -> None:
+    """Refuse a calibration that lacks what this prediction prices: the per-peer cost of its
+    ops at a world size it did not measure, when it measured one (and --per-peer-us does not
+    replace it); without --colocated, the 1-process figures (a rank with a core to itself)."""
+    measured = sorted(int(n) for n in cal["collectives"])
+    others = sorted(set(nps) - set(measured))
+    if len(measured) == 1 and others and not per_peer:
+        raise click.ClickException(
+            f"{path}: 'collectives' holds one world size (np {measured[0]}), so the per-peer "
+            f"cost of each op, the slope of its time against the world size, is unknown (it "
+            f"would be priced as 0 at --np {','.join(map(str, others))}): calibrate with two "
+            "world sizes or more (`hvd-onebit bench calibrate --np 2,4`), or give --per-peer-us")
+    if not colocated and "1" not in cal["compute"]:
+        timed = ",".join(sorted(cal["compute"], key=int))
+        raise click.ClickException(
+            f"{path}: 'compute' has no 1-process figures (timed with --procs {timed}), which "
+            "price a rank with a core to itself: calibrate with --procs 1 among them (e.g. "
+            "`hvd-onebit bench calibrate --procs 1,2,4`), or give --colocated to price ranks "
+            "sharing this machine's cores")
+
+
 def check_world(nps: list[int], ranks_per_node: int) -> None:
     """Every --np predicts a job that communicates, in whole nodes of --ranks-per-node."""
     need_two_ranks(nps, "a prediction")
@@ -72,7 +93,8 @@ def check_takes_only_its_own_options(ctx: click.Context) -> None:
 @click.option("--intra-latency-us", default=0.0, show_default=True, type=US,
               help="One-way latency inside a node, microseconds.")
 @click.option("--params", default=None, callback=parameter_count,
-              help="Parameters (e.g. 350M, 9.4e6); default: the --model's.")
+              help="Parameters (e.g. 350M, 9.4e6; decimal, as model sizes are quoted: K, M, G "
+                   "(or B) are 10^3, 10^6, 10^9, so 1M is 1,000,000); default: the --model's.")
 @click.option("--model", "bench_model", default=None, type=click.Choice(TRAIN_MODELS),
               help="Take compute time (and parameters) from the calibration's measurement of "
                    "`bench train --model ...` at its default sizes: forward + backward and "
@@ -164,7 +186,7 @@ def bench_predict(calibration, nps, ranks_per_node, bandwidths, intra_bandwidth,
     model and its assumptions."""
     from pathlib import Path
 
-    from ..calibrate.files import load_or_shipped
+    from ..calibrate.files import chosen_path, load_or_shipped
     from ..predict.check import check_report, model_transport, priced_intra_node
     from ..predict.job import Cluster, Job
     from ..predict.model import Model, is_onebit
@@ -198,6 +220,8 @@ def bench_predict(calibration, nps, ranks_per_node, bandwidths, intra_bandwidth,
         reports = [json.loads(p.read_text()) for p in sorted(Path(check_dir).glob("train_*.json"))]
         if not reports:
             raise click.ClickException(f"no train_*.json in {check_dir}")
+        check_calibration(cal, chosen_path(calibration),  # --check prices colocated runs
+                          [r["rows"][0]["np"] for r in reports if r.get("rows")], True, False)
         if adam_ms is not None and compute_ms is None:
             raise click.BadParameter("Adam's share of --compute-ms: give --compute-ms too",
                                      param_hint="--adam-ms")
@@ -214,6 +238,7 @@ def bench_predict(calibration, nps, ranks_per_node, bandwidths, intra_bandwidth,
     if compute_ms is None and bench_model is None:
         raise click.BadParameter("give --compute-ms, or --model to use a calibrated bench model")
     check_world(nps, ranks_per_node)
+    check_calibration(cal, chosen_path(calibration), nps, colocated, per_peer_us is not None)
     timed = cal["compute"][min(cal["compute"], key=int)]["models"]
     if bench_model is not None and bench_model not in timed:
         raise click.ClickException(f"the calibration timed no {bench_model} model (it has "

@@ -186,7 +186,7 @@ def bench_train(np_, bandwidth, steps, warmup_frac, variance_refresh, refresh_fr
     if not horovod:
         methods = _without_horovod(methods, hosts)
     _check_warmups(methods, steps, warmup_frac, refresh_freeze_frac)
-    check_real_cluster(hosts, shared_dir)
+    check_real_cluster(hosts, shared_dir, np_)
     # transport="mpi" exchanges through mpi4py: the ranks must be launched by MPI
     controller = "mpi" if transport == "mpi" else "gloo"
     if controller == "mpi" and bandwidth not in (None, "", "none", "local") and not hosts:

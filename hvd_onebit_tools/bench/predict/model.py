@@ -159,8 +159,10 @@ class Model:
         if job.kernel_speedup != 1.0 or job.host_speedup != 1.0:
             return None
         cores = self.cal.get("cores") or (self.cal.get("machine") or {}).get("cpu_count")
+        k = min(self.cal["compute"], key=int)  # add_elems_per_s's process count
         return (f"priced at the calibration's CPU speeds ({cores}-core machine; torch.add "
-                f"{self.add_elems_per_s() / 1e9:.2f} G elements/s in one process): on GPU "
+                f"{self.add_elems_per_s() / 1e9:.2f} G elements/s "
+                f"{'in one process' if k == '1' else f'with {k} processes at once'}): on GPU "
                 "nodes the kernels and the hosts cost less, and the hierarchical verdict "
                 "most of all; pass --kernel-speedup (your device's torch.add rate over that "
                 "one, from `hvd-onebit bench dev kernel --device cuda`) and --host-speedup "
