@@ -1035,6 +1035,22 @@ def test_predict_refuses_a_calibration_of_one_world_size_for_another(tmp_path):
         assert priced.exit_code == 0, f"{more}: exit {priced.exit_code}: {priced.output[-600:]}"
 
 
+def test_the_probe_s_prediction_refuses_a_calibration_of_one_world_size_for_another(tmp_path):
+    """`check --probe` prices the probed job with the calibration as `bench predict` does: one of
+    another world size alone is refused on the rank that prints the prediction, naming it."""
+    import click
+
+    from hvd_onebit_tools.check_probe import LinkProbe, predict
+
+    cal = fake_calibration()
+    del cal["collectives"]["4"]
+    path = save(cal, tmp_path / "one_world.json")
+    with pytest.raises(click.ClickException) as raised:
+        predict(LinkProbe(ranks=8, elements=1 << 20, seconds=0.01), "350M", 200.0, str(path))
+    assert str(path) in raised.value.message and "holds one world size (np 2)" \
+        in raised.value.message, f"the probe's prediction raised {raised.value.message!r}"
+
+
 def test_predict_without_colocated_refuses_a_calibration_without_one_process_figures(tmp_path):
     """A rank with a core to itself is priced with the 1-process figures: a calibration made
     without them (--procs 2) is refused saying what is missing and how to get it; with

@@ -8,6 +8,8 @@ import math
 from pathlib import Path
 from typing import Callable, Optional
 
+from click import ClickException
+
 CALIBRATION_VERSION = 6
 # version 2: no torch.distributed collectives, no hierarchical passes; version 3: not the
 # hierarchical collective's native passes (read, with what needs them refused); version 4: no
@@ -180,3 +182,24 @@ def load_or_shipped(path=None, note: Optional[Callable[[str], None]] = None) -> 
              f"bench calibrate` (root, about 3 minutes; it saves to {cached}), or pass "
              "--calibration PATH.")
     return cal
+
+
+def check_calibration(cal: dict, path, nps: list[int], colocated: bool, per_peer: bool) -> None:
+    """Refuse a calibration that lacks what this prediction prices: the per-peer cost of its
+    ops at a world size it did not measure, when it measured one (and --per-peer-us does not
+    replace it); without --colocated, the 1-process figures (a rank with a core to itself)."""
+    measured = sorted(int(n) for n in cal["collectives"])
+    others = sorted(set(nps) - set(measured))
+    if len(measured) == 1 and others and not per_peer:
+        raise ClickException(
+            f"{path}: 'collectives' holds one world size (np {measured[0]}), so the per-peer "
+            f"cost of each op, the slope of its time against the world size, is unknown (it "
+            f"would be priced as 0 at --np {','.join(map(str, others))}): calibrate with two "
+            "world sizes or more (`hvd-onebit bench calibrate --np 2,4`), or give --per-peer-us")
+    if not colocated and "1" not in cal["compute"]:
+        timed = ",".join(sorted(cal["compute"], key=int))
+        raise ClickException(
+            f"{path}: 'compute' has no 1-process figures (timed with --procs {timed}), which "
+            "price a rank with a core to itself: calibrate with --procs 1 among them (e.g. "
+            "`hvd-onebit bench calibrate --procs 1,2,4`), or give --colocated to price ranks "
+            "sharing this machine's cores")

@@ -23,27 +23,6 @@ MS, US = (Finite(min=0, priced=(None, MAX_MS)), Finite(min=0, priced=(None, MAX_
 STEPS = click.IntRange(1, MAX_STEPS)
 
 
-def check_calibration(cal: dict, path, nps: list[int], colocated: bool, per_peer: bool) -> None:
-    """Refuse a calibration that lacks what this prediction prices: the per-peer cost of its
-    ops at a world size it did not measure, when it measured one (and --per-peer-us does not
-    replace it); without --colocated, the 1-process figures (a rank with a core to itself)."""
-    measured = sorted(int(n) for n in cal["collectives"])
-    others = sorted(set(nps) - set(measured))
-    if len(measured) == 1 and others and not per_peer:
-        raise click.ClickException(
-            f"{path}: 'collectives' holds one world size (np {measured[0]}), so the per-peer "
-            f"cost of each op, the slope of its time against the world size, is unknown (it "
-            f"would be priced as 0 at --np {','.join(map(str, others))}): calibrate with two "
-            "world sizes or more (`hvd-onebit bench calibrate --np 2,4`), or give --per-peer-us")
-    if not colocated and "1" not in cal["compute"]:
-        timed = ",".join(sorted(cal["compute"], key=int))
-        raise click.ClickException(
-            f"{path}: 'compute' has no 1-process figures (timed with --procs {timed}), which "
-            "price a rank with a core to itself: calibrate with --procs 1 among them (e.g. "
-            "`hvd-onebit bench calibrate --procs 1,2,4`), or give --colocated to price ranks "
-            "sharing this machine's cores")
-
-
 def check_world(nps: list[int], ranks_per_node: int) -> None:
     """Every --np predicts a job that communicates, in whole nodes of --ranks-per-node."""
     need_two_ranks(nps, "a prediction")
@@ -186,7 +165,7 @@ def bench_predict(calibration, nps, ranks_per_node, bandwidths, intra_bandwidth,
     model and its assumptions."""
     from pathlib import Path
 
-    from ..calibrate.files import chosen_path, load_or_shipped
+    from ..calibrate.files import check_calibration, chosen_path, load_or_shipped
     from ..predict.check import check_report, model_transport, priced_intra_node
     from ..predict.job import Cluster, Job
     from ..predict.model import Model, is_onebit
