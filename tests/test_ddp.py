@@ -385,6 +385,8 @@ def test_refusals_are_clear_on_every_rank(world):
                 "not parameters the DDP model averages" in r[case], f"n={n} rank {rank}: {r[case]}"
         assert r["hooked"].startswith("ValueError") and "already has one" in r["hooked"], \
             f"n={n} rank {rank}: {r['hooked']}"
+        assert r["python_reducer"].startswith("ValueError") and "torch's Python reducer" in \
+            r["python_reducer"], f"n={n} rank {rank}: {r['python_reducer']}"
         assert r["after"] == 1, f"n={n} rank {rank}: the model took no face after the refusals"
         assert r["original_changed"] == [] and r["after_original"] == 1, \
             f"n={n} rank {rank}: stepping the Adam the face wrapped changed parameters " \

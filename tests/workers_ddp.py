@@ -1083,6 +1083,9 @@ def refusals() -> dict:
 
     hooked.register_comm_hook(None, noop)
     out["hooked"] = refused(lambda: onebit(hooked))
+    with torch._dynamo.config.patch(optimize_ddp="python_reducer"):  # compiled autograd's
+        python_reducer = make_model()
+    out["python_reducer"] = refused(lambda: onebit(python_reducer))
     # what differs between ranks is refused on every rank: the optimizer's parameters in
     # another order (param groups built from a set()), one of them left out, another freeze_step
     last = dist.get_rank() == dist.get_world_size() - 1

@@ -4,7 +4,8 @@ In a compressed step the face takes DDP's gradient sync off, so the gradients ar
 own: another optimizer stepping the model on them parts the ranks. Such a step is told from a
 write of the script's own (a weight clip or a renorm under ``torch.no_grad()``, which every
 rank makes alike) by torch's global optimizer-step hook, which every ``torch.optim`` optimizer's
-``step()`` calls. An update written by hand, outside any torch optimizer, is not seen.
+``step()`` calls. An update written by hand, outside any torch optimizer, or made on copies of
+the parameters that the script then copies in (float32 master weights), is not seen.
 """
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ class ForeignSteps:
         self._watching, self.stepped = False, None
 
     def _after_step(self, optimizer, args, kwargs) -> None:
-        if not self._watching or self.stepped is not None or self._ours(optimizer):
-            return
+        if not self._watching or self._ours(optimizer):
+            return  # (a wrapper's hook runs after its inner optimizer's: the outermost names)
         if any(id(p) in self._ids for g in optimizer.param_groups for p in g["params"]):
             self.stepped = type(optimizer).__name__

@@ -68,11 +68,12 @@ STEPPED_ELSEWHERE = (
 
 
 PYTHON_REDUCER = (
-    "hvd_onebit.ddp.DistributedOptimizer: DDP called its communication hook with one "
-    "gradient, not a bucket: torch's Python reducer, which compiled autograd runs with "
-    "torch._dynamo.config.optimize_ddp='python_reducer'. That reducer's hooks are not DDP's "
-    "(torch's own allreduce_hook fails there too), and compiled autograd needs it under DDP: "
-    "train with compiled autograd off (torch.compile of the model works)")
+    "this DDP model runs torch's Python reducer (built with "
+    "torch._dynamo.config.optimize_ddp='python_reducer', which compiled autograd needs under "
+    "DDP), and it calls a communication hook with one gradient, not a bucket: such hooks are "
+    "not DDP's (torch's own allreduce_hook fails there too). Build the DDP model with "
+    "compiled autograd off and optimize_ddp at another setting (torch.compile of the model "
+    "works)")
 
 
 def first_static_iteration(model) -> bool:
@@ -125,7 +126,7 @@ def onebit_comm_hook(state: HookState, bucket):
     """DDP's communication hook (a module's function, so a DDP model pickles): the optimizer's
     own, or DDP's averaging once it is gone. DDP reads the parameter named ``bucket``."""
     if isinstance(bucket, tuple):  # (gradient, parameter): torch's Python reducer
-        raise RuntimeError(PYTHON_REDUCER)
+        raise RuntimeError(f"hvd_onebit.ddp.DistributedOptimizer: {PYTHON_REDUCER}")
     alive = state.hook()
     return average(state.group, bucket.buffer()) if alive is None else alive.communicate(
         state, bucket)

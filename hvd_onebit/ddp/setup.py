@@ -21,7 +21,7 @@ from ..state.schedule import Schedule
 from ..state.telemetry import Telemetry
 from ..transport.torch_distributed import all_gather_single
 from ..transport.torch_job import TorchJob
-from .hook import CommHook, check_unhooked
+from .hook import PYTHON_REDUCER, CommHook, check_unhooked
 from .view import DDPView
 from .warmup import DDPWarmup
 
@@ -140,6 +140,8 @@ def check(model, param_groups: list[dict], process_group, config: OneBitConfig):
             f"{strangers[:4]}{' ...' if len(strangers) > 4 else ''}); build the optimizer from "
             "model.parameters() of the DDP model you pass")
     check_unhooked(model)
+    if getattr(model, "_use_python_reducer", False):  # DDP's choice when it was built
+        raise ValueError(f"{FACE}: {PYTHON_REDUCER}")
     group = model.process_group if process_group is None else process_group
     ours, ddps = (dist.get_process_group_ranks(g) for g in (group, model.process_group))
     if sorted(ours) != sorted(ddps):
