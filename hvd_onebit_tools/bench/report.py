@@ -39,19 +39,20 @@ MEASURED_ENVIRONMENT = ("HVD_ONEBIT_NATIVE",)
 
 
 def library_version() -> Optional[str]:
-    """hvd_onebit's version: its installed metadata, else (a checkout that is not installed)
-    the package's own ``__version__``; None when neither is there."""
+    """The version of the hvd_onebit this process imports (its ``__version__``: a checkout run
+    beside an older install is the checkout's), else its installed metadata; None when neither
+    is there."""
     import importlib.metadata
 
     try:
-        return importlib.metadata.version("hvd_onebit")
-    except importlib.metadata.PackageNotFoundError:
+        from hvd_onebit import __version__
+        return __version__
+    except ImportError:
         pass
     try:
-        from hvd_onebit import __version__
-    except ImportError:
+        return importlib.metadata.version("hvd_onebit")
+    except importlib.metadata.PackageNotFoundError:
         return None
-    return __version__
 
 
 def source_commit(package_dir: Path) -> Optional[str]:

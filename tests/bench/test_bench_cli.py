@@ -746,6 +746,8 @@ BAD_REAL_CLUSTER = [
     (["--hosts", "localhost:x", "--shared-dir", "/tmp"], "--hosts",
      "'localhost:x' is not host:slots, the slots a whole number 1 or more"),
     (["--hosts", "h1:2,h2", "--shared-dir", "/tmp"], "--hosts", "'h2' in 'h1:2,h2' is not"),
+    (["--hosts", "h1:\u00b2", "--shared-dir", "/tmp"], "--hosts",
+     "'h1:\u00b2' is not host:slots"),  # a digit to str.isdigit, not to int()
     (["--hosts", "localhost:0", "--shared-dir", "/tmp"], "--hosts", "'localhost:0' is not"),
     (["--np", "4", *HOSTS], "--np", "4 ranks do not fit the 2 slot(s) of --hosts localhost:2"),
     (["--bandwidth", "100mbit", *HOSTS], "--bandwidth", "would be ignored"),

@@ -185,7 +185,8 @@ def host_slots(ctx, param, value):
         return None
     for entry in value.split(","):
         host, colon, slots = entry.strip().rpartition(":")
-        if not colon or not host or not slots.isdigit() or int(slots) < 1:
+        if not colon or not host or not (slots.isascii() and slots.isdigit()) \
+                or int(slots) < 1:
             where = "" if entry.strip() == value.strip() else f" in {value!r}"
             raise click.BadParameter(f"{entry.strip()!r}{where} is not host:slots, the slots a "
                                      "whole number 1 or more (e.g. h1:4,h2:4)")
