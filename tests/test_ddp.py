@@ -197,6 +197,21 @@ def test_a_model_handed_to_plain_adam_once_the_optimizer_is_dropped_trains_as_dd
             f"n={n}: rank {rank} differs from rank 0 with the weights clipped"
 
 
+def test_a_model_left_unwrapped_on_one_process_is_refused_saying_to_use_plain_adam():
+    """On one process the frameworks leave the model unwrapped (Accelerate's prepare()): the
+    refusal says there is nothing to compress there, not to pass what prepare() returned."""
+    import torch
+
+    import hvd_onebit.ddp
+
+    net = torch.nn.Linear(2, 2)
+    with pytest.raises(TypeError) as raised:
+        hvd_onebit.ddp.DistributedOptimizer(torch.optim.Adam(net.parameters()), net,
+                                            freeze_step=1)
+    assert "not in a job of several ranks" in str(raised.value) and "use plain Adam" in \
+        str(raised.value), f"a bare module on one process: {raised.value}"
+
+
 def test_a_hook_called_with_one_gradient_by_torchs_python_reducer_says_so():
     """Compiled autograd under DDP runs torch's Python reducer, which calls the communication
     hook with (gradient, parameter) where DDP hands a bucket: a clear refusal, not an
@@ -387,6 +402,10 @@ def test_refusals_are_clear_on_every_rank(world):
             f"n={n} rank {rank}: {r['hooked']}"
         assert r["python_reducer"].startswith("ValueError") and "torch's Python reducer" in \
             r["python_reducer"], f"n={n} rank {rank}: {r['python_reducer']}"
+        assert r["nested"].startswith("ValueError") and "wraps another DDP model" in \
+            r["nested"], f"n={n} rank {rank}: DDP around DDP: {r['nested']}"
+        assert "not in a job of several ranks" not in r["not_ddp"], \
+            f"n={n} rank {rank}: a job of {n} ranks told it is alone: {r['not_ddp']}"
         assert r["after"] == 1, f"n={n} rank {rank}: the model took no face after the refusals"
         assert r["original_changed"] == [] and r["after_original"] == 1, \
             f"n={n} rank {rank}: stepping the Adam the face wrapped changed parameters " \

@@ -1086,6 +1086,9 @@ def refusals() -> dict:
     with torch._dynamo.config.patch(optimize_ddp="python_reducer"):  # compiled autograd's
         python_reducer = make_model()
     out["python_reducer"] = refused(lambda: onebit(python_reducer))
+    nested = DDP(make_model())  # Accelerate's prepare() of a model already in DDP
+    out["nested"] = refused(lambda: hvd_onebit.ddp.DistributedOptimizer(
+        torch.optim.Adam(nested.parameters()), nested, freeze_step=FREEZE))
     # what differs between ranks is refused on every rank: the optimizer's parameters in
     # another order (param groups built from a set()), one of them left out, another freeze_step
     last = dist.get_rank() == dist.get_world_size() - 1

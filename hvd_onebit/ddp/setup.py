@@ -106,10 +106,20 @@ def refusals_agreed(model, optimizer):
     return refused_on_every_rank(gather, FACE)
 
 
+ALONE = (". This process is not in a job of several ranks: on one process the frameworks "
+         "leave the model unwrapped (Accelerate's prepare(), Lightning), and there is nothing to "
+         "compress; use plain Adam there")
+NESTED = (f"{FACE}: the DDP model wraps another DDP model (DDP around DDP, as Accelerate's "
+          "prepare() makes of a model already in DDP): the inner one averages every gradient "
+          "in full precision at every step, so 1-bit Adam would save nothing. Wrap the module "
+          "in DDP once (hand prepare() the module itself)")
+
+
 def check(model, param_groups: list[dict], process_group, config: OneBitConfig):
     """The model, the optimizer's parameters, the group and the options, each rank's own (in
     :func:`refusals_agreed`'s block); returns the process group the 1-bit collective runs on."""
     if not isinstance(model, DistributedDataParallel):
+        alone = not dist.is_initialized() or dist.get_world_size() == 1
         raise TypeError("hvd_onebit.ddp.DistributedOptimizer takes the DDP model "
                         "(torch.nn.parallel.DistributedDataParallel) as its second argument, got "
                         f"{type(model).__module__}.{type(model).__name__}: wrap it first, "
@@ -118,7 +128,9 @@ def check(model, param_groups: list[dict], process_group, config: OneBitConfig):
                         "configure_optimizers; Accelerate: what prepare(model) returns; Hugging "
                         "Face Trainer: a DDP model of your own, set as trainer.model_wrapped); a "
                         "second DDP wrapper of your own would average every step in full "
-                        "precision")
+                        "precision" + (ALONE if alone else ""))
+    if isinstance(model.module, DistributedDataParallel):
+        raise ValueError(NESTED)
     names = model_names(model)
     strangers = [(gi, tuple(p.shape)) for gi, g in enumerate(param_groups) for p in g["params"]
                  if p.requires_grad and p not in names]
