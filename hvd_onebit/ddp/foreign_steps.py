@@ -18,7 +18,8 @@ from .weak_hooks import weakly
 
 
 class ForeignSteps:
-    """Whether an optimizer other than the face stepped any of ``params`` since :meth:`watch`.
+    """Whether an optimizer other than the face stepped ``params`` since :meth:`watch`, moving
+    them (their in-place versions changed).
 
     Args:
         params: the DDP model's parameters.
@@ -26,22 +27,33 @@ class ForeignSteps:
     """
 
     def __init__(self, params: Iterable, ours: Callable[[object], bool]):
-        self._ids = {id(p) for p in params}  # the model holds them while this matters
+        self._params = list(params)
+        self._members = set(self._params)
         self._ours = ours
-        self._watching = False
-        self.stepped: Optional[str] = None  # the class name of the optimizer that stepped them
+        self._versions: Optional[tuple] = None  # the versions at watch(); None: not watching
+        self._stepper: Optional[str] = None  # the class name of the optimizer that stepped them
         handle = register_optimizer_step_post_hook(weakly(self._after_step))
         weakref.finalize(self, handle.remove)
 
+    def _current(self) -> tuple:
+        return tuple(p._version for p in self._params)
+
     def watch(self) -> None:
         """From now until :meth:`unwatch`, remember a step of another optimizer on them."""
-        self._watching, self.stepped = True, None
+        self._versions, self._stepper = self._current(), None
 
     def unwatch(self) -> None:
-        self._watching, self.stepped = False, None
+        self._versions = self._stepper = None
+
+    def stepped(self) -> Optional[str]:
+        """The class name of the optimizer that stepped them since :meth:`watch` and moved them,
+        or None."""
+        if self._stepper is None or self._current() == self._versions:
+            return None
+        return self._stepper
 
     def _after_step(self, optimizer, args, kwargs) -> None:
-        if not self._watching or self._ours(optimizer):
+        if self._versions is None or self._ours(optimizer):
             return  # (a wrapper's hook runs after its inner optimizer's: the outermost names)
-        if any(id(p) in self._ids for g in optimizer.param_groups for p in g["params"]):
-            self.stepped = type(optimizer).__name__
+        if any(p in self._members for g in optimizer.param_groups for p in g["params"]):
+            self._stepper = type(optimizer).__name__

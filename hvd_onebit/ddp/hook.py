@@ -85,12 +85,6 @@ def first_static_iteration(model) -> bool:
         not getattr(model, "_static_graph_delay_allreduce_enqueued", True)
 
 
-def versions(model) -> tuple:
-    """The in-place version of each parameter of ``model`` (a DDP module): an optimizer's step
-    moves them."""
-    return tuple(p._version for p in model.module.parameters())
-
-
 def average(group, buffer: torch.Tensor) -> torch.futures.Future:
     """DDP's own averaging of a bucket, bit for bit: each gradient times 1/n, as DDP's reducer
     scales them into the bucket when no hook is registered (torch's ``allreduce_hook`` divides by
@@ -157,7 +151,7 @@ class CommHook:
 
     def __init__(self, group, averaging: Callable[[], bool], overlap: Optional[Overlap],
                  watch: Callable[[str], object], unwatch: Callable[[object], None],
-                 ours: Callable[[object], bool] = lambda optimizer: False):
+                 ours: Callable[[object], bool]):
         """``ours(optimizer)``: whether a torch optimizer is the face this hook serves."""
         self.group = group
         self._ours = ours
@@ -189,10 +183,6 @@ class CommHook:
         # With find_unused_parameters, the parameters that took a gradient in a local backward
         # since the last averaged one (DDP's reducer counts them as used: see _before_forward)
         self._used_locally: Optional[set] = None
-        # The parameters' in-place versions after a compressed step's forward with DDP's sync on,
-        # until this optimizer's step() or zero_grad(): a change before then, with another torch
-        # optimizer's step on them (self._foreign), is that optimizer's step
-        self._versions: Optional[tuple] = None
         self._refused = False  # the forward under way was refused by _before_forward
         self.training_forwards = 0  # forwards with gradients on, since it was registered
         self._told_never_run = False
@@ -226,9 +216,8 @@ class CommHook:
         refusal = None
         if join is not None and join.enable and torch.is_grad_enabled():
             refusal = JOIN_REFUSED
-        elif self._versions is not None and torch.is_grad_enabled() \
-                and self._foreign.stepped and versions(model) != self._versions:
-            refusal = STEPPED_ELSEWHERE.format(name=self._foreign.stepped)
+        elif torch.is_grad_enabled() and (stepper := self._foreign.stepped()):
+            refusal = STEPPED_ELSEWHERE.format(name=stepper)
         if refusal is not None:
             self._refused = True  # the forward hook (always called) records nothing of it
             raise ValueError(refusal)
@@ -273,7 +262,8 @@ class CommHook:
             self._refused = False
             return
         if self._local and self._final:
-            self._versions = versions(model)
+            # watched from a compressed step's forward with DDP's sync on until this
+            # optimizer's step() or zero_grad(): another optimizer's step is refused
             self._foreign.watch()
         if self._local:
             model.require_backward_grad_sync = self._final
@@ -285,7 +275,6 @@ class CommHook:
         next forward. (An optimizer built again, on the module wrapped in DDP again, leaves this
         one's gradient hooks on the module's parameters: they stay idle.)"""
         self._local = False
-        self._versions = None
         self._foreign.unwatch()
         self._completed.clear()
         if self._passes:
@@ -304,7 +293,6 @@ class CommHook:
         gradients nothing will step on) or a state loaded over them (a rollback, which moves
         the parameters for this optimizer)."""
         self._passes = 0
-        self._versions = None
         self._foreign.unwatch()
 
     @eager
