@@ -289,7 +289,8 @@ def predict(link: LinkProbe, params: str, compute_ms: float,
     from .bench.calibrate.files import check_calibration, chosen_path
 
     cal = load_calibration(calibration)
-    check_calibration(cal, chosen_path(calibration), [link.ranks], False, False)
+    check_calibration(cal, chosen_path(calibration), [link.ranks], colocated=False,
+                      per_peer=False)
     model = Model(cal, None)
     rate = model_rate(model, link)
     job = Job(params=parse_params(params), model=None, compute_s=compute_ms / 1e3, adam_s=None,

@@ -55,27 +55,29 @@ def library_version() -> Optional[str]:
         return None
 
 
+def _git(where: Path, *args: str) -> Optional[str]:
+    """What ``git args`` prints in folder ``where``, stripped; None where it fails or there is
+    no git."""
+    import subprocess
+
+    try:
+        proc = subprocess.run(["git", *args], cwd=where, capture_output=True, text=True)
+    except OSError:  # no git
+        return None
+    return proc.stdout.strip() if proc.returncode == 0 else None
+
+
 def source_commit(package_dir: Path) -> Optional[str]:
     """The commit of the git checkout ``package_dir`` (a package folder) was imported from, or
     None: a copy installed into site-packages (where a git repository around it, e.g. the
     user's own project holding the virtual environment, is not the package's) or no git at
     all. The checkout's top level must be the package folder's parent and track it."""
-    import subprocess
-
-    def git(*args: str) -> Optional[str]:
-        try:
-            proc = subprocess.run(["git", *args], cwd=package_dir.parent, capture_output=True,
-                                  text=True)
-        except OSError:  # no git
-            return None
-        return proc.stdout.strip() if proc.returncode == 0 else None
-
-    top = git("rev-parse", "--show-toplevel")
+    top = _git(package_dir.parent, "rev-parse", "--show-toplevel")
     if not top or Path(top).resolve() != package_dir.resolve().parent:
         return None
-    if git("ls-files", "--error-unmatch", "--", package_dir.name) is None:
+    if _git(package_dir.parent, "ls-files", "--error-unmatch", "--", package_dir.name) is None:
         return None  # the repository does not track this package
-    return git("rev-parse", "HEAD")
+    return _git(package_dir.parent, "rev-parse", "HEAD")
 
 
 def provenance() -> dict:
@@ -83,15 +85,12 @@ def provenance() -> dict:
     commit (and whether it had uncommitted changes; both None for an installed copy: see
     :func:`source_commit`), and the versions of hvd_onebit, torch and Horovod."""
     import importlib.metadata
-    import subprocess
 
     package = Path(__file__).resolve().parents[1]
     commit = source_commit(package)
     changed = None
     if commit is not None:
-        changed = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
-                                      cwd=package.parent, capture_output=True,
-                                      text=True).stdout.strip())
+        changed = bool(_git(package.parent, "status", "--porcelain", "--untracked-files=no"))
     versions = {"hvd_onebit": library_version()}
     for name in ("torch", "horovod"):
         try:

@@ -184,7 +184,8 @@ def load_or_shipped(path=None, note: Optional[Callable[[str], None]] = None) -> 
     return cal
 
 
-def check_calibration(cal: dict, path, nps: list[int], colocated: bool, per_peer: bool) -> None:
+def check_calibration(cal: dict, path, nps: list[int], *, colocated: bool,
+                      per_peer: bool) -> None:
     """Refuse a calibration that lacks what this prediction prices: the per-peer cost of its
     ops at a world size it did not measure, when it measured one (and --per-peer-us does not
     replace it); without --colocated, the 1-process figures (a rank with a core to itself)."""

@@ -200,7 +200,8 @@ def bench_predict(calibration, nps, ranks_per_node, bandwidths, intra_bandwidth,
         if not reports:
             raise click.ClickException(f"no train_*.json in {check_dir}")
         check_calibration(cal, chosen_path(calibration),  # --check prices colocated runs
-                          [r["rows"][0]["np"] for r in reports if r.get("rows")], True, False)
+                          [r["rows"][0]["np"] for r in reports if r.get("rows")],
+                          colocated=True, per_peer=False)
         if adam_ms is not None and compute_ms is None:
             raise click.BadParameter("Adam's share of --compute-ms: give --compute-ms too",
                                      param_hint="--adam-ms")
@@ -217,7 +218,8 @@ def bench_predict(calibration, nps, ranks_per_node, bandwidths, intra_bandwidth,
     if compute_ms is None and bench_model is None:
         raise click.BadParameter("give --compute-ms, or --model to use a calibrated bench model")
     check_world(nps, ranks_per_node)
-    check_calibration(cal, chosen_path(calibration), nps, colocated, per_peer_us is not None)
+    check_calibration(cal, chosen_path(calibration), nps, colocated=colocated,
+                      per_peer=per_peer_us is not None)
     timed = cal["compute"][min(cal["compute"], key=int)]["models"]
     if bench_model is not None and bench_model not in timed:
         raise click.ClickException(f"the calibration timed no {bench_model} model (it has "
