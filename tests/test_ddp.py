@@ -227,6 +227,39 @@ def test_a_hook_called_with_one_gradient_by_torchs_python_reducer_says_so():
         f"the hook called with (gradient, parameter) raised {raised.value!r}"
 
 
+def test_another_optimizers_step_is_named_by_its_outermost_wrapper():
+    """A wrapper optimizer (ZeroRedundancyOptimizer around SGD) steps the model through its
+    inner one: torch's step hook runs for both, and the name given is the wrapper's, the
+    optimizer the script holds. Steps of the face itself, and of an optimizer of other
+    parameters, are not another optimizer's step of the model."""
+    import torch
+
+    from hvd_onebit.ddp.foreign_steps import ForeignSteps
+
+    class Wrapper(torch.optim.Optimizer):
+        def __init__(self, inner):
+            self.inner = inner
+            super().__init__(inner.param_groups, {})
+
+        def step(self, closure=None):
+            return self.inner.step(closure)
+
+    w = torch.nn.Parameter(torch.ones(3))
+    other = torch.nn.Parameter(torch.ones(3))
+    w.grad, other.grad = torch.ones(3), torch.ones(3)
+    ours = torch.optim.SGD([w], lr=0.1)
+    foreign = ForeignSteps([w], lambda o: o is ours)
+    seen = []
+    for label, stepper in (("ours", ours), ("elsewhere", torch.optim.SGD([other], lr=0.1)),
+                           ("wrapped", Wrapper(torch.optim.SGD([w], lr=0.1)))):
+        foreign.watch()
+        stepper.step()
+        seen.append((label, foreign.stepped()))
+    foreign.unwatch()
+    assert seen == [("ours", None), ("elsewhere", None), ("wrapped", "Wrapper")], \
+        f"the steppers named after each step: {seen}"
+
+
 @pytest.mark.multirank
 def test_a_model_whose_forward_never_runs_is_warned_about_once(world):
     """The optimizer given a DDP model while the script runs another DDP wrapper's forward (as
