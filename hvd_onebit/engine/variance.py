@@ -144,9 +144,13 @@ class FrozenVariance:
                 copies.append(self._copy_of(p, t))
             else:
                 state["step"] = t + 1
-        for tensors, copies in by_kind.values():
+        for (device, dtype), (tensors, copies) in by_kind.items():
             if len(set(map(id, tensors))) == len(tensors):  # one parameter each, as in Adam
-                torch._foreach_add_(tensors, 1)
+                if device.type == "cpu" and dtype.is_floating_point:  # as torch's Adam: a
+                    # 0-dim tensor, where an int scalar takes a slower path on CPU
+                    torch._foreach_add_(tensors, torch.tensor(1.0), alpha=1.0)
+                else:
+                    torch._foreach_add_(tensors, 1)
                 for t, copy in zip(tensors, copies):
                     copy.version, copy.value = t._version, copy.value + 1
                 continue
