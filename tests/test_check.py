@@ -219,6 +219,16 @@ def test_np_outside_a_job_says_how_to_launch_it():
             "--compute-ms 50") in " ".join(out.output.split()), out.output
 
 
+@pytest.mark.parametrize("launched", [{"TORCHELASTIC_RUN_ID": "x", "WORLD_SIZE": "1"},
+                                      {"HOROVOD_RANK": "0", "HOROVOD_SIZE": "1"}])
+def test_a_probe_in_a_job_of_one_rank_is_refused_before_any_collective(launched):
+    """One rank has no link to probe: a usage error naming the size, where the prediction
+    divided by the ranks' count less one."""
+    out = hvd_onebit(["check", "--probe", "--params", "1M", "--compute-ms", "10"], env=launched)
+    assert out.exit_code == 2 and "a probe of the link (this job's size) needs 2 or more ranks" \
+        in " ".join(out.output.split()), f"exit {out.exit_code}: {out.output} {out.exception!r}"
+
+
 @pytest.mark.multirank
 def test_the_prediction_options_without_a_probe_are_refused():
     out = hvd_onebit(["check", "--params", "10M"])
