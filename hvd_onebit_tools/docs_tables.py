@@ -82,6 +82,8 @@ def provenance(source: str, data: dict, dated: bool = True) -> str:
             value = data[key]
             if key == "machine" and not dated and isinstance(value, dict):
                 value = {k: v for k, v in value.items() if k != "date"}
+            if key == "commit" and data.get("uncommitted_changes"):
+                value = f"{value} with uncommitted changes"
             parts.append(f"{key}: {json.dumps(value) if isinstance(value, dict) else value}")
     missing = [k for k in ("machine", "commit", "date") if k not in data and (dated or k != "date")]
     if missing:
@@ -89,9 +91,10 @@ def provenance(source: str, data: dict, dated: bool = True) -> str:
     return "; ".join(parts) + "."
 
 
-def headline(name: str = "convergence.json") -> str:
+def headline(name: str = "convergence.json", dated: bool = True) -> str:
     """Adam against 1-bit Adam on the language-model example (``docs/<name>``: the Horovod
-    face's run, or the DDP face's under torchrun where the JSON says ``"face": "ddp"``)."""
+    face's run, or the DDP face's under torchrun where the JSON says ``"face": "ddp"``);
+    ``dated``: as :func:`provenance`'s."""
     d = _load(name)
     adam = "Adam (DDP)" if d.get("face") == "ddp" else "Adam (Horovod allreduce)"
     onebit = "1-bit Adam, DDP face" if d.get("face") == "ddp" else "1-bit Adam"
@@ -110,7 +113,7 @@ def headline(name: str = "convergence.json") -> str:
              f"{d['params']:,} parameters.")
     return "\n\n".join([where, table(["optimizer", "final validation loss",
                                       "MB sent per rank", "samples/s"], rows),
-                        provenance(name, d, dated=False)])
+                        provenance(name, d, dated=dated)])
 
 
 def refresh_label(d: dict) -> str:
@@ -673,7 +676,8 @@ def refresh_counts(run_lengths: Sequence[int] = (300, 1000, 3000, 10000, 30000, 
 
 
 PARTS: Dict[str, Callable[[], str]] = {
-    "headline": headline, "settings": settings, "freeze_lm": lambda: freeze_runs("lm"),
+    "headline": lambda: headline(dated=False), "headline_dated": headline,
+    "settings": settings, "freeze_lm": lambda: freeze_runs("lm"),
     "freeze_digits": lambda: freeze_runs("digits"), "zoo": zoo,
     "zoo_long": lambda: zoo("zoo_long"), "fading": fading,
     "headline_ddp": lambda: headline("ddp/convergence.json"), "zoo_faces": zoo_faces,
@@ -686,7 +690,7 @@ BLOCKS: Dict[str, Sequence[str]] = {
     "README.md": ("settings", "headline"),
     "docs/tuning.md": ("settings", "refresh_counts"),
     "docs/gpu.md": ("gpu",),
-    "docs/results.md": ("headline", "freeze_lm", "freeze_digits", "zoo", "zoo_long", "fading",
+    "docs/results.md": ("headline_dated", "freeze_lm", "freeze_digits", "zoo", "zoo_long", "fading",
                         "refresh_digits", "refresh_predict", "headline_ddp", "zoo_faces", "ddp_train", "kernel",
                         "memory", "tensors", "step_time",
                         "granularity"),

@@ -141,3 +141,16 @@ def test_provenance_shows_an_absolute_output_path_as_out():
     assert docs_tables.shown_command(kept) == kept
     assert "/work/" not in (REPO / "docs" / "results.md").read_text(), \
         "docs/results.md shows a path of the machine that ran a benchmark"
+
+
+def test_provenance_says_where_the_run_had_uncommitted_changes_and_its_date():
+    data = {"command": "hvd-onebit bench dev kernel", "commit": "abc123", "date": "D",
+            "uncommitted_changes": True}
+    shown = docs_tables.provenance("kernel/run.json", data)
+    assert "commit: abc123 with uncommitted changes" in shown and "date: D" in shown, shown
+    clean = docs_tables.provenance("kernel/run.json", dict(data, uncommitted_changes=False),
+                                   dated=False)
+    assert "commit: abc123;" in clean and "date" not in clean, clean
+    results = (REPO / "docs" / "results.md").read_text()
+    assert "<!-- generated:headline_dated -->" in results, \
+        "the results page's headline leaves out the date its JSON records"
