@@ -164,8 +164,10 @@ def main(argv=None):
         optimizer = hvd_onebit.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
                                                     **freeze)
     # -----------------------------------------------------------------------------------------
+    # Same start on every rank: rank 0's parameters. A fresh optimizer's state is zeros on every
+    # rank: no hvd.broadcast_optimizer_state, which on a fresh torch optimizer takes one step
+    # with zero gradients and would start plain Adam one step ahead (see examples/train_lm.py).
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    hvd.broadcast_optimizer_state(optimizer, root_rank=0)
     log(f"world={world} train={len(x_train)} val={len(x_val)} optimizer={args.optimizer} "
         f"freeze_step={freeze['freeze_step'] if args.optimizer == 'onebit' else '-'}")
 
