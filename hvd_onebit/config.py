@@ -169,8 +169,9 @@ class Experimental:
             _refresh_schedule(self.refresh_schedule)
 
 
-# The options of DistributedOptimizer that moved into Experimental.
-MOVED = tuple(f.name for f in fields(Experimental) if f.name != "refresh_schedule")
+# Experimental's knobs, refused as keywords of DistributedOptimizer saying how to pass them
+# (most were keywords once).
+MOVED = tuple(f.name for f in fields(Experimental))
 
 
 def _check_bool(name: str, value) -> None:
@@ -309,7 +310,7 @@ def refuse_moved(moved: Mapping[str, Any]) -> None:
     :class:`Experimental` says how to pass it now."""
     for name, value in moved.items():
         if name in MOVED:
-            raise TypeError(f"{name} is an experimental option now: pass "
+            raise TypeError(f"{name} is an experimental option: pass "
                             f"experimental=Experimental({name}={value!r}) instead of {name}=")
         raise TypeError(f"DistributedOptimizer got an unexpected keyword argument {name!r}")
 

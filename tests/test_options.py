@@ -82,7 +82,8 @@ def test_auto_freeze_and_a_schedule_resolve_as_their_dicts_did():
 
 
 @pytest.mark.parametrize("name,value", [(n, v) for n, v, _ in MOVED]
-                         + [("auto_freeze", {"min_steps": 5})])
+                         + [("auto_freeze", {"min_steps": 5}),
+                            ("refresh_schedule", {"variance_update": "single"})])
 def test_a_moved_knob_passed_the_old_way_says_how_to_pass_it(name, value):
     params = [torch.nn.Parameter(torch.zeros(3))]
     with pytest.raises(TypeError) as err:
