@@ -55,7 +55,7 @@ FREEZE_STEP_REQUIRED = (
 
 @dataclass(frozen=True)
 class AutoFreeze:
-    """How ``freeze_step="auto"`` decides (the rule is in :mod:`hvd_onebit.auto_freeze`).
+    """How ``freeze_step="auto"`` decides (the rule is in ``hvd_onebit.auto_freeze``).
 
     Attributes:
         window: steps between checks; the change is measured over this many steps.
@@ -119,13 +119,15 @@ class Experimental:
     Attributes:
         compressor: "onebit" (default) or "none": the momentum averaged in full precision in
             the compression phase (Adam with a frozen variance), to tell what freezing the
-            variance costs apart from the 1-bit compression.
+            variance costs apart from the 1-bit compression. It averages the momentum itself:
+            not preconditioned, so without the 1-bit input's clamp of each rank's ``m / d``
+            (the step bound still holds), which can make it end above the 1-bit run.
         precondition: True (default): the 1-bit allreduce carries each element's momentum over
             its frozen denominator, ``m / (sqrt(v / bc2) + eps)``, so one scale per block fits
             elements of any variance alike and the error feedback is in the update's units;
             False: the paper's compression of the momentum itself.
         step_bound: "adam" (default): each compression-phase step clamped at ``lr * B(t)``, the
-            longest step Adam itself can take at step t (:mod:`hvd_onebit.step_bound`); a
+            longest step Adam itself can take at step t (``hvd_onebit.step_bound``); a
             positive number: a fixed B; None: the paper's unbounded step.
         zero_variance: elements whose variance is exactly 0 at the freeze: "hold" (default)
             keeps them fixed, with a warning; "eps" divides their momentum by Adam's eps;
@@ -133,8 +135,9 @@ class Experimental:
         intra_node: with ``hierarchical``, how the full-precision stages inside a node travel:
             "auto" (default: shared memory for CPU parameters on the torch transport, else the
             network), "shared_memory" (raises on every rank where it cannot serve) or "network".
-        auto_freeze: with ``freeze_step="auto"``, a dict of some of :class:`AutoFreeze`'s fields
-            (or an AutoFreeze): how the warmup's end is decided. None: AutoFreeze's defaults.
+        auto_freeze: with ``freeze_step="auto"``, a dict of some of
+            :class:`~hvd_onebit.config.AutoFreeze`'s fields (or an AutoFreeze): how the
+            warmup's end is decided. None: AutoFreeze's defaults.
         refresh_schedule: with ``variance_refresh="doubling"``, a dict of some of
             :class:`~hvd_onebit.variance_refresh.RefreshSchedule`'s fields (``first_interval``,
             ``growth``, ``updates_per_interval``, ``last_step``, ``variance_update``,

@@ -81,7 +81,8 @@ class Layout:
     def wire_bytes(self) -> int:
         """Bytes this rank sends in one call: n-1 rows in the alltoall, n-1 in the allgather.
 
-        Compare 2 * (n-1)/n * 4 * numel for a bandwidth-optimal fp32 ring allreduce: about 32x more.
+        Compare 2 * (n-1)/n * 4 * numel for a bandwidth-optimal fp32 ring allreduce: about 30x
+        more with the default blocks of 512 (a scale each), 32x with one scale per chunk.
         """
         return 2 * (self.n - 1) * self.row_bytes if self.numel else 0
 

@@ -53,7 +53,7 @@ def synchronize_all(calls: Sequence[tuple[StagedCollective, object]],
 
     Args:
         calls: (collective, handle) pairs, in the same order on every rank.
-        epilogues: per call, an optional :class:`Epilogue` applied to its output in the decode
+        epilogues: per call, an optional ``Epilogue`` applied to its output in the decode
             pass, only once every call has succeeded.
         clock: if given, seconds spent here are added to its "wait" (blocked on the
             transport), "server" (server steps) and "decode" (decode and commit) entries.
