@@ -114,7 +114,8 @@ def auto_freeze_run(ckpt_dir, total=30, resume_from: Optional[int] = None, save_
 def auto_freeze_suite(ckpt_dir, total=30) -> dict:
     """One job for the auto-freeze tests: the uninterrupted run with a checkpoint after every
     step, then, with a fresh model and optimizer each, resumed from the checkpoint one step
-    before its decision and from three steps after it. Each fails on its own (a failed full
+    before its decision and from three steps after it (loaded on every rank, or on one rank and
+    broadcast). Each fails on its own (a failed full
     run fails the resumed ones too: they need its decision)."""
     full = {}
 
@@ -132,6 +133,8 @@ def auto_freeze_suite(ckpt_dir, total=30) -> dict:
                                              resume_from=full["run"]["freeze_step"] - 3),
         "broadcast_from_1": lambda: auto_freeze_run(ckpt_dir, total, broadcast=1,
                                                     resume_from=full["run"]["freeze_step"] - 3),
+        "broadcast_after": lambda: auto_freeze_run(ckpt_dir, total, broadcast=0,
+                                                   resume_from=full["run"]["freeze_step"] + 3),
     }, hvd.rank())
 
 

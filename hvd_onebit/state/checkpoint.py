@@ -30,7 +30,7 @@ from ..optimizer_view import OptimizerView
 from ..param_groups import check_no_amsgrad
 from ..values import described
 from .adam_state import init_adam_state
-from .schedule import FREEZE_KEY, LOADS_KEY, RECORD_KEY, STEP_KEY, Schedule
+from .schedule import FREEZE_KEY, LOADS_KEY, RECORD_KEY, STEP_KEY, Schedule, carried_record
 from .sent_record import FIGURES_KEY, offer
 from .telemetry import Telemetry
 
@@ -101,7 +101,7 @@ def load_state_dict(view: OptimizerView, config: OneBitConfig, schedule: Schedul
     state_dict["state"] = {pid: {k: v for k, v in entry.items() if k != "max_exp_avg_sq"}
                            for pid, entry in state_dict["state"].items()}
     meta = state_dict.pop(KEY, None)
-    carried = _carried_record(state_dict["param_groups"])
+    carried = carried_record(state_dict["param_groups"])
     state_dict["param_groups"] = [{k: v for k, v in g.items() if k != RECORD_KEY}
                                   for g in state_dict["param_groups"]]
     params = view.adam.parameters()
@@ -242,25 +242,6 @@ def variance_for_one_rank(view: OptimizerView) -> None:
         for p in group["params"]:
             if p in view.adam.state:
                 _as_adams_variance(view.adam.state[p], float(group["betas"][1]))
-
-
-def _carried_record(param_groups: list) -> Optional[dict]:
-    """The record param group 0 carries (``RECORD_KEY``), or None where it has none that
-    reads; the decision's history as the monitor keeps it, (step, change) pairs. It is the
-    state's own where its step count and freeze step are the group's: a checkpoint that lacks
-    it, loaded into a state dict that has one (``allow_partial_load``), leaves the loading
-    optimizer's there."""
-    try:
-        record = json.loads(param_groups[0][RECORD_KEY])
-    except (IndexError, KeyError, TypeError, ValueError):
-        return None
-    if not isinstance(record, dict):
-        return None
-    decision = record.get("auto_freeze_decision")
-    if isinstance(decision, dict) and isinstance(decision.get("history"), list):
-        record["auto_freeze_decision"] = dict(
-            decision, history=[tuple(entry) for entry in decision["history"]])
-    return record
 
 
 def _own_without_record(view: OptimizerView, schedule: Schedule) -> bool:

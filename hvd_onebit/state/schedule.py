@@ -7,6 +7,7 @@ by the step count alone, never by anything else, so every rank is in the same ph
 """
 from __future__ import annotations
 
+import json
 from typing import Optional
 
 from ..auto_freeze import VarianceMonitor
@@ -113,7 +114,20 @@ class Schedule:
 
     @property
     def decision(self) -> Optional[dict]:
-        return self.monitor.decision if self.monitor is not None else None
+        """The auto freeze's decision. A rank that was sent a decided state in place
+        (``hvd.broadcast_optimizer_state`` after rank 0 loaded a checkpoint, an elastic sync)
+        holds its freeze step, and its record in param group 0, but made no decision itself:
+        the record's decision is the state's, where it froze at this freeze step."""
+        if self.monitor is None:
+            return None
+        own = self.monitor.decision
+        if self.freeze_step is None or (own is not None
+                                        and own.get("freeze_step") == self.freeze_step):
+            return own
+        sent = (carried_record(self._view.adam.param_groups) or {}).get("auto_freeze_decision")
+        if isinstance(sent, dict) and sent.get("freeze_step") == self.freeze_step:
+            return sent
+        return own
 
     def observe_variance(self) -> None:
         """After a warmup step: with "auto", decide whether the variance has settled. The
@@ -161,3 +175,22 @@ class Schedule:
         (:func:`hvd_onebit.phases.full_precision.take`)."""
         return (self.monitor is not None and self.freeze_step is None
                 and self._record_loads != self.loads)
+
+
+def carried_record(param_groups: list) -> Optional[dict]:
+    """The record param group 0 carries (``RECORD_KEY``), or None where it has none that
+    reads; the decision's history as the monitor keeps it, (step, change) pairs. It is the
+    state's own where its step count and freeze step are the group's: a checkpoint that lacks
+    it, loaded into a state dict that has one (``allow_partial_load``), leaves the loading
+    optimizer's there."""
+    try:
+        record = json.loads(param_groups[0][RECORD_KEY])
+    except (IndexError, KeyError, TypeError, ValueError):
+        return None
+    if not isinstance(record, dict):
+        return None
+    decision = record.get("auto_freeze_decision")
+    if isinstance(decision, dict) and isinstance(decision.get("history"), list):
+        record["auto_freeze_decision"] = dict(
+            decision, history=[tuple(entry) for entry in decision["history"]])
+    return record
