@@ -10,7 +10,7 @@ For n ranks and a buffer x of N elements (padded to n equal chunks, see :mod:`hv
 4. *Stage 2, one allgather* of every rank's compressed chunk; every rank decodes all n chunks.
    All ranks end with bit-identical outputs.
 
-Per call a rank sends ``2 * (n-1)/n * N/8`` bytes of signs and 4 per block of scales, ~30x under fp32.
+Per call a rank sends ``2 * (n-1)/n * N/8`` bytes of signs, 4 per block of scales: ~30x under fp32.
 The two error-feedback buffers carry what compression dropped into the next call, so over repeated
 calls nothing is lost: the running mean of the outputs converges to the running mean of the true
 averages. They are rank-local state (``state_dict`` / ``load_state_dict``).
