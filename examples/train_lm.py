@@ -587,8 +587,11 @@ def main(argv=None):
     for _ in range(start):  # the batches the run that wrote it drew: the same data from here
         get_batch(shard, args.batch_size, args.context, gen)
 
+    frozen_at = "-"  # the optimizer's own, after a resume: a checkpoint may have set it
+    if args.optimizer == "onebit":
+        frozen_at = optimizer.freeze_step or freeze["freeze_step"]  # None: "auto", undecided
     log(f"world={world} params={n_params / 1e6:.2f}M face={args.face} optimizer={args.optimizer} "
-        f"freeze_step={freeze['freeze_step'] if args.optimizer == 'onebit' else '-'} "
+        f"freeze_step={frozen_at} "
         f"train={len(train_data)}B val={len(val_data)}B eval_windows={len(val_windows)}"
         + (f" resumed at step {start}" if args.resume else ""))
 

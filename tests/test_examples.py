@@ -278,9 +278,13 @@ def test_train_lm_resumes_from_its_checkpoint_as_if_never_stopped(tmp_path, face
     assert rc == 0, f"{face}: the run that saves exited with {rc}:\n{text[-3000:]}"
     saved = sorted(p.name for p in ckpt.iterdir())
     assert saved == ["step4.pt", "step8.pt"], f"{face}: checkpoints {saved}"
-    rc, text = train_lm_job(face, [*TINY_LM, "--resume", str(ckpt / "step4.pt"), "--out",
-                                   str(resumed)])
+    # a later --warmup-frac: the checkpoint's freeze step (2) holds, and the start-up line says so
+    rc, text = train_lm_job(face, [*TINY_LM, "--warmup-frac", "0.5", "--resume",
+                                   str(ckpt / "step4.pt"), "--out", str(resumed)])
     assert rc == 0, f"{face}: the resumed run exited with {rc}:\n{text[-3000:]}"
+    started = [line for line in text.splitlines() if "resumed at step 4" in line]
+    assert started and all("freeze_step=2 " in line for line in started), \
+        f"{face}: the start-up line of the resumed run: {started}"
     a, b = json.loads(whole.read_text()), json.loads(resumed.read_text())
     assert b["resumed_at_step"] == 4 and list(b["phases"]) == ["compression"], \
         f"{face}: resumed at {b['resumed_at_step']} with phases {list(b['phases'])}"
