@@ -10,6 +10,7 @@ JSON summary at the end.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import os
@@ -110,6 +111,10 @@ def main(argv=None) -> None:
                                                             "last_step_bytes", "skipped_steps")})
     if rank == 0:
         print(json.dumps(summary, indent=1))
+    # The DDP model first: its reducer holds the process group, whose Gloo threads, left
+    # running to the interpreter's exit, can abort the process there.
+    del model, opt
+    gc.collect()
     dist.destroy_process_group()
 
 

@@ -69,6 +69,7 @@ compression phase), or ``full_precision`` for Adam.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import os
@@ -708,6 +709,10 @@ def main(argv=None):
             with open(args.out, "w") as f:
                 json.dump(summary, f, indent=1)
     if ranks.owns_group:
+        # The DDP model first: its reducer holds the process group, whose Gloo threads, left
+        # running to the interpreter's exit, can abort the process there.
+        del trained, optimizer
+        gc.collect()
         dist.destroy_process_group()
     return summary
 
