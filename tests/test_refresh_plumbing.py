@@ -2,6 +2,7 @@
 arguments each builds for hvd_onebit.DistributedOptimizer and the figures each derives. Nothing
 here trains or starts a rank, so none of it needs the optimizer to have the option yet: the
 option reaches the optimizer only when it is set."""
+import json
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -212,3 +213,21 @@ def test_auto_freeze_run_all_reports_the_refresh_runs_against_auto(tmp_path, mon
     canned["auto"] = summary("onebit", 1.06, None, 1000)  # a run too short for auto to freeze
     result = auto_freeze.run_all(args, ["adam", "auto"], [], tmp_path, "cmd")
     assert result["auto_in_10_30_percent"] is False, f"auto never froze: {result}"
+
+
+def test_auto_freeze_over_seeds_writes_its_provenance(tmp_path, monkeypatch):
+    """--seeds: the summary across seeds carries the commit, date and machine as the single
+    run's does (the results page prints them under its table)."""
+    def fake_train_lm(optimizer, np, train_args, run_dir, timeout, script=None):
+        loss = 1.0 if optimizer == "adam" else 1.1
+        return SimpleNamespace(wall_seconds=1.0, summary={
+            "config": {"steps": 300}, "world_size": 2, "optimizer": optimizer, "params": 10,
+            "final_val_loss": loss, "freeze_step": 15 if optimizer == "onebit" else None,
+            "total_bytes_per_rank": 100, "val_curve": [{"step": 300, "val_loss": loss}]})
+    monkeypatch.setattr(auto_freeze, "train_lm", fake_train_lm)
+    auto_freeze.main(["--example", "digits", "--np", "2", "--seeds", "0,1", "--runs",
+                      "adam,early_2pct", "--out-dir", str(tmp_path)])
+    written = json.loads((tmp_path / "summary.json").read_text())
+    missing = [k for k in ("commit", "date", "machine", "versions") if k not in written]
+    assert not missing and written["summary"]["early_2pct"]["mean_ratio_to_adam"] == \
+        pytest.approx(1.1), f"missing {missing}; summary {written['summary']}"

@@ -265,7 +265,7 @@ def main(argv=None) -> dict:
             print(f"[auto_freeze] seed {seed}", file=sys.stderr, flush=True)
             per_seed[str(seed)] = run_all(args, names, list(extra) + ["--seed", str(seed)],
                                           out_dir / f"seed{seed}", command)
-        result = {"example": args.example, "np": args.np, "command": command,
+        result = {"example": args.example, "np": args.np, "command": command, **provenance(),
                   "seeds": list(per_seed), "summary": across_seeds(per_seed),
                   "per_seed": per_seed}
         (out_dir / "summary.json").write_text(json.dumps(result, indent=1))
