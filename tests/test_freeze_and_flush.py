@@ -125,13 +125,14 @@ def test_auto_checkpoint_after_the_decision_sent_by_rank_0_keeps_it_on_every_ran
                                                                                  auto_runs):
     """Rank 0 loads a checkpoint from after the decision and Horovod's broadcast sends it: the
     other ranks, which decided nothing themselves, report the decision the state carries, as
-    rank 0 does, and train on with the uninterrupted run's bits."""
+    rank 0 does, save it in their own state, and train on with the uninterrupted run's bits."""
     step = auto_full[0]["freeze_step"]
     for rank, r in enumerate(scenario(auto_runs, "broadcast_after")):
         assert (r["start"], r["freeze_step"]) == (step + 3, step) \
-            and r["decision"] == auto_full[rank]["decision"], \
+            and r["decision"] == r["reloaded"] == auto_full[rank]["decision"], \
             f"rank {rank}: resumed at {r['start']} from rank 0's broadcast, freeze_step " \
-            f"{r['freeze_step']}, decision {r['decision']}; uninterrupted {step}, " \
+            f"{r['freeze_step']}, decision {r['decision']} (its own state saved and loaded: " \
+            f"{r['reloaded']}); uninterrupted {step}, " \
             f"{auto_full[rank]['decision']}"
         assert_same_params(r["params"], auto_full[rank]["params"],
                            f"rank {rank}: resumed at {step + 3} by broadcast vs uninterrupted")

@@ -105,8 +105,11 @@ def auto_freeze_run(ckpt_dir, total=30, resume_from: Optional[int] = None, save_
                 _save(opt, model, ckpt / f"step{opt.steps}")
     hvd.allreduce(torch.zeros(1), name="saved")  # every file written before anyone exits
     logging.getLogger("hvd_onebit").removeHandler(handler)
+    decision = opt.freeze_decision
+    opt.load_state_dict(copy.deepcopy(opt.state_dict()))  # its own state, saved and loaded
     return {"start": start, "seen": seen, "freeze_step": opt.freeze_step,
-            "decision": opt.freeze_decision, "phase": opt.phase, "log": handler.messages,
+            "decision": decision, "reloaded": opt.freeze_decision, "phase": opt.phase,
+            "log": handler.messages,
             "params": params_bytes(model), "steps": opt.steps,
             "warnings": [str(w.message) for w in caught if "freeze_step='auto'" in str(w.message)]}
 

@@ -56,8 +56,8 @@ def state_dict(view: OptimizerView, config: OneBitConfig, schedule: Schedule,
                    auto_freeze_decision=schedule.decision)
     carried[FIGURES_KEY] = offer(schedule)
     sd["param_groups"][0][RECORD_KEY] = json.dumps(carried)
-    if schedule.monitor is not None:
-        sd[KEY]["auto_freeze"] = schedule.monitor.state_dict()
+    if schedule.monitor is not None:  # the decision as the state has it (one sent in included)
+        sd[KEY]["auto_freeze"] = dict(schedule.monitor.state_dict(), decision=schedule.decision)
     return sd
 
 
