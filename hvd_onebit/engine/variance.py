@@ -13,6 +13,18 @@ import torch
 NOT_FROZEN = -1  # state["frozen_variance_step"] before the freeze
 
 
+def _takes_tensor_scalar() -> bool:
+    """Whether this torch's foreach add takes a 0-dim tensor with ``alpha`` (torch 2.2 on)."""
+    try:
+        torch._foreach_add_([torch.zeros(1)], torch.tensor(1.0), alpha=1.0)
+    except (TypeError, RuntimeError):
+        return False
+    return True
+
+
+_TENSOR_SCALAR = _takes_tensor_scalar()
+
+
 class FrozenVariance:
     """Adam's variance as the compression phase holds it, and each parameter's step count.
 
@@ -146,8 +158,8 @@ class FrozenVariance:
                 state["step"] = t + 1
         for (device, dtype), (tensors, copies) in by_kind.items():
             if len(set(map(id, tensors))) == len(tensors):  # one parameter each, as in Adam
-                if device.type == "cpu" and dtype.is_floating_point:  # as torch's Adam: a
-                    # 0-dim tensor, where an int scalar takes a slower path on CPU
+                if device.type == "cpu" and dtype.is_floating_point and _TENSOR_SCALAR:
+                    # as torch's Adam: a 0-dim tensor, where an int scalar takes a slower path
                     torch._foreach_add_(tensors, torch.tensor(1.0), alpha=1.0)
                 else:
                     torch._foreach_add_(tensors, 1)
