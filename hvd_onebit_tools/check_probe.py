@@ -120,8 +120,11 @@ def stop_together(exc) -> None:
 
 
 def launched_size() -> int:
-    """The ranks of the job, as its launcher says (1 where none does)."""
-    for name in LAUNCHED_SIZES:
+    """The ranks of the job, as the launcher that started it says (1 where none does): a
+    variable another launcher sets, left in the environment, is not read."""
+    names = {"torchrun": LAUNCHED_SIZES[:1], "horovod": LAUNCHED_SIZES[1:]}.get(launcher(),
+                                                                            LAUNCHED_SIZES)
+    for name in names:
         if os.environ.get(name, "").isdigit():
             return int(os.environ[name])
     return 1

@@ -229,6 +229,20 @@ def test_a_probe_in_a_job_of_one_rank_is_refused_before_any_collective(launched)
         in " ".join(out.output.split()), f"exit {out.exit_code}: {out.output} {out.exception!r}"
 
 
+def test_the_jobs_size_is_read_from_the_launcher_that_started_it(monkeypatch):
+    """A size variable another launcher set, left in the environment, is not the job's."""
+    from hvd_onebit_tools import check_probe
+
+    for name in check_probe.LAUNCHED_SIZES + check_probe.HOROVOD_LAUNCHED + (
+            check_probe.TORCHRUN_LAUNCHED,):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "1")  # left over from an earlier torchrun job
+    monkeypatch.setenv("HOROVOD_RANK", "0")
+    monkeypatch.setenv("HOROVOD_SIZE", "4")
+    assert check_probe.launched_size() == 4, \
+        f"under horovodrun with WORLD_SIZE=1 left over: {check_probe.launched_size()} ranks"
+
+
 @pytest.mark.multirank
 def test_the_prediction_options_without_a_probe_are_refused():
     out = hvd_onebit(["check", "--params", "10M"])
