@@ -80,7 +80,7 @@ def check(np_, probe, params, compute_ms, calibration, as_json) -> None:
                                    f"hvd-onebit check --probe {args}, or torchrun "
                                    f"--nproc_per_node {n} -m hvd_onebit_tools.cli check --probe "
                                    f"{args}")
-        if np_ is None and check_probe.launched_size() < 2:  # every rank of it alike
+        if np_ is None:  # every rank of the job alike
             need_two_ranks(check_probe.launched_size(), "a probe of the link (this job's "
                            "size)")
         try:

@@ -51,13 +51,14 @@ def state_dict(view: OptimizerView, config: OneBitConfig, schedule: Schedule,
                "step_bound": config.step_bound, "refreshes": telemetry.refreshes,
                "last_refresh_step": telemetry.last_refresh_step,
                "unflushed_error_feedback": bool(unflushed)}
+    decision = schedule.decision  # as the state has it (one sent in included)
     carried = dict(sd[KEY], steps=schedule.steps,
                    auto_freeze_left_out=schedule.monitor is not None,
-                   auto_freeze_decision=schedule.decision)
+                   auto_freeze_decision=decision)
     carried[FIGURES_KEY] = offer(schedule)
     sd["param_groups"][0][RECORD_KEY] = json.dumps(carried)
-    if schedule.monitor is not None:  # the decision as the state has it (one sent in included)
-        sd[KEY]["auto_freeze"] = dict(schedule.monitor.state_dict(), decision=schedule.decision)
+    if schedule.monitor is not None:
+        sd[KEY]["auto_freeze"] = dict(schedule.monitor.state_dict(), decision=decision)
     return sd
 
 
